@@ -1,0 +1,282 @@
+"""Online serving benchmark: bounded concurrent streaming load on an OpenAI-compatible server.
+
+Sends ``--num-requests`` streaming ``/v1/completions`` requests, at most ``--concurrency``
+at a time, each with a random token-id prompt of ``--prompt-len`` tokens and
+``ignore_eos`` so every request generates exactly ``--max-tokens`` tokens. Prints one JSON
+line: throughput (req/s, output tok/s), TTFT and TPOT p50/p90/p99, e2e p50 (ms).
+
+    python benchmarks/serving.py --url http://127.0.0.1:8000 --num-requests 64 --concurrency 8
+    python benchmarks/serving.py --launch --launch-args "--dp 2 --ep" --num-requests 32
+
+``--launch`` starts ``python -m tidal.launch.cli serve`` on a free port in its own process
+group, waits for ``/health``, runs, then stops the whole group (SIGTERM, then SIGKILL).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import random
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import httpx
+
+
+@dataclass
+class Result:
+    ok: bool
+    e2e_s: float
+    ttft_s: float | None = None
+    output_tokens: int = 0
+    error: str | None = None
+
+    @property
+    def tpot_s(self) -> float | None:
+        if self.ttft_s is None or self.output_tokens < 2:
+            return None
+        return (self.e2e_s - self.ttft_s) / (self.output_tokens - 1)
+
+
+def _headers(api_key: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+async def one_request(
+    client: httpx.AsyncClient, url: str, prompt: list[int], max_tokens: int, model: str | None
+) -> Result:
+    """One streaming completion; TTFT is the first chunk carrying text or a token."""
+    body = {
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    if model:
+        body["model"] = model
+    start = time.perf_counter()
+    ttft, chunks, usage_tokens = None, 0, None
+    try:
+        async with client.stream("POST", f"{url}/v1/completions", json=body) as resp:
+            if resp.status_code != 200:
+                text = (await resp.aread()).decode(errors="replace")
+                return Result(False, time.perf_counter() - start, error=f"{resp.status_code} {text[:200]}")
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                data = line[len("data: ") :]
+                if data == "[DONE]":
+                    break
+                obj = json.loads(data)
+                if "error" in obj:
+                    return Result(False, time.perf_counter() - start, error=str(obj["error"]))
+                if obj.get("usage"):
+                    usage_tokens = obj["usage"]["completion_tokens"]
+                if obj.get("choices"):
+                    chunks += 1
+                    if ttft is None and obj["choices"][0].get("text"):
+                        ttft = time.perf_counter() - start
+    except httpx.HTTPError as e:
+        return Result(False, time.perf_counter() - start, error=f"{type(e).__name__}: {e}")
+    e2e = time.perf_counter() - start
+    # Without usage (a server that ignores stream_options) chunks approximate tokens.
+    return Result(True, e2e, ttft, usage_tokens if usage_tokens is not None else chunks)
+
+
+def _percentile(values: list[float], q: float) -> float | None:
+    """Linear-interpolated percentile (numpy's default method); None for no values."""
+    if not values:
+        return None
+    xs = sorted(values)
+    pos = (len(xs) - 1) * q / 100.0
+    lo = int(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def _ms(values: list[float], qs: tuple[int, ...] = (50, 90, 99)) -> dict[str, float | None]:
+    out = {}
+    for q in qs:
+        v = _percentile(values, q)
+        out[f"p{q}"] = None if v is None else round(v * 1000.0, 3)
+    return out
+
+
+def summarize(results: list[Result], duration_s: float) -> dict:
+    ok = [r for r in results if r.ok]
+    out_tokens = sum(r.output_tokens for r in ok)
+    errors = [r.error for r in results if not r.ok]
+    return {
+        "completed": len(ok),
+        "failed": len(errors),
+        "first_error": errors[0] if errors else None,
+        "duration_s": round(duration_s, 3),
+        "req_per_s": round(len(ok) / duration_s, 3) if duration_s > 0 else None,
+        "output_tok_per_s": round(out_tokens / duration_s, 3) if duration_s > 0 else None,
+        "output_tokens": out_tokens,
+        "ttft_ms": _ms([r.ttft_s for r in ok if r.ttft_s is not None]),
+        "tpot_ms": _ms([r.tpot_s for r in ok if r.tpot_s is not None]),
+        "e2e_ms_p50": _ms([r.e2e_s for r in ok], (50,))["p50"],
+    }
+
+
+async def run_benchmark(
+    url: str,
+    *,
+    num_requests: int,
+    concurrency: int,
+    prompt_len: int,
+    max_tokens: int,
+    api_key: str | None = None,
+    model: str | None = None,
+    token_id_range: int = 100,
+    seed: int = 0,
+    warmup: int = 1,
+    timeout_s: float = 600.0,
+) -> dict:
+    """Run the load and return the summary (without the argument echo)."""
+    rng = random.Random(seed)
+    # Distinct random prompts, so prefix caching does not make the run trivial.
+    prompts = [[rng.randrange(1, token_id_range) for _ in range(prompt_len)] for _ in range(num_requests)]
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(headers=_headers(api_key), timeout=timeout_s, limits=limits) as client:
+        for _ in range(warmup):
+            await one_request(client, url, prompts[0], min(max_tokens, 4), model)
+        sem = asyncio.Semaphore(concurrency)
+
+        async def bounded(p: list[int]) -> Result:
+            async with sem:
+                return await one_request(client, url, p, max_tokens, model)
+
+        start = time.perf_counter()
+        results = await asyncio.gather(*(bounded(p) for p in prompts))
+        duration = time.perf_counter() - start
+    return summarize(list(results), duration)
+
+
+# ---- --launch ----------------------------------------------------------------------------
+
+
+def _free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _wait_healthy(url: str, proc: subprocess.Popen, api_key: str | None, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with code {proc.returncode} before becoming healthy")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"{url}/health", headers=_headers(api_key), timeout=2.0).status_code == 200:
+                return
+        time.sleep(0.5)
+    raise TimeoutError(f"server at {url} not healthy after {timeout_s:.0f}s")
+
+
+def _stop(proc: subprocess.Popen, grace_s: float = 30.0) -> None:
+    """SIGTERM the server's process group (engines included), SIGKILL what is left."""
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            pass
+    # Children may outlive the leader: kill the group regardless.
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+@contextlib.contextmanager
+def launched_server(
+    launch_args: list[str], host: str, api_key: str | None, timeout_s: float
+) -> Iterator[str]:
+    port = _free_port(host)
+    cmd = [sys.executable, "-m", "tidal.launch.cli", "serve", "--host", host, "--port", str(port)]
+    if api_key:
+        cmd += ["--api-key", api_key]
+    proc = subprocess.Popen([*cmd, *launch_args], start_new_session=True)
+    try:
+        url = f"http://{host}:{port}"
+        _wait_healthy(url, proc, api_key, timeout_s)
+        yield url
+    finally:
+        _stop(proc)
+
+
+# ---- main --------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL")
+    p.add_argument("--num-requests", type=int, default=64)
+    p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--prompt-len", type=int, default=32, help="prompt tokens per request")
+    p.add_argument("--max-tokens", type=int, default=32, help="output tokens per request")
+    p.add_argument("--token-id-range", type=int, default=100, help="prompt ids in [1, N)")
+    p.add_argument("--model", default=None, help="model field (default: omitted)")
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--warmup", type=int, default=1, help="untimed requests first")
+    p.add_argument("--timeout", type=float, default=600.0, help="per-request timeout (s)")
+    p.add_argument("--launch", action="store_true", help="start `tidal serve` on a free port")
+    p.add_argument("--launch-args", default="", help="extra flags for the launched server")
+    p.add_argument("--launch-timeout", type=float, default=600.0)
+    args = p.parse_args(argv)
+    if min(args.num_requests, args.concurrency, args.prompt_len, args.max_tokens) < 1:
+        p.error("--num-requests, --concurrency, --prompt-len and --max-tokens must be >= 1")
+
+    def run(url: str) -> dict:
+        return asyncio.run(
+            run_benchmark(
+                url,
+                num_requests=args.num_requests,
+                concurrency=args.concurrency,
+                prompt_len=args.prompt_len,
+                max_tokens=args.max_tokens,
+                api_key=args.api_key,
+                model=args.model,
+                token_id_range=args.token_id_range,
+                seed=args.seed,
+                warmup=args.warmup,
+                timeout_s=args.timeout,
+            )
+        )
+
+    if args.launch:
+        launch_args = shlex.split(args.launch_args)
+        with launched_server(launch_args, "127.0.0.1", args.api_key, args.launch_timeout) as url:
+            summary = run(url)
+    else:
+        url = args.url.rstrip("/")
+        summary = run(url)
+    case = {
+        "benchmark": "serving",
+        "url": url,
+        "launched": args.launch,
+        "num_requests": args.num_requests,
+        "concurrency": args.concurrency,
+        "prompt_len": args.prompt_len,
+        "max_tokens": args.max_tokens,
+    }
+    print(json.dumps({**case, **summary}), flush=True)
+    return 0 if summary["failed"] == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,47 @@
+"""Shared fixtures: tiny random checkpoints, built once per session into a temp dir.
+
+Kept import-light on purpose: importing transformers' model classes pulls in
+``torch._dynamo``, which imports triton in compiled mode; tests/kernels/conftest.py must
+be able to switch triton to its interpreter first. So everything heavy is imported inside
+the fixtures.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Iterator
+
+import pytest
+
+# Small enough that a model builds in well under a second and a forward is milliseconds.
+TINY_KWARGS = {
+    "hidden_size": 64,
+    "num_layers": 2,
+    "num_experts": 8,
+    "top_k": 2,
+    "vocab_size": 512,
+    "max_position_embeddings": 512,
+}
+
+
+@pytest.fixture(scope="session")
+def tiny_ckpt_root() -> Iterator[str]:
+    with tempfile.TemporaryDirectory(prefix="tidal-tiny-") as root:
+        yield root
+
+
+@pytest.fixture(scope="session")
+def qwen3_ckpt(tiny_ckpt_root: str) -> str:
+    """Qwen3-MoE: hidden 64, 2 layers, 8 experts top-2, norm_topk_prob, vocab 512."""
+    from tidal.models.tiny import make_tiny_checkpoint
+
+    return make_tiny_checkpoint(os.path.join(tiny_ckpt_root, "qwen3_moe"), "qwen3_moe", **TINY_KWARGS)
+
+
+@pytest.fixture(scope="session")
+def mixtral_ckpt(tiny_ckpt_root: str) -> str:
+    """Mixtral: hidden 64, 2 layers, 8 experts top-2, vocab 512."""
+    from tidal.models.tiny import make_tiny_checkpoint
+
+    return make_tiny_checkpoint(os.path.join(tiny_ckpt_root, "mixtral"), "mixtral", **TINY_KWARGS)

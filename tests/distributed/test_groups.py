@@ -1,0 +1,168 @@
+"""Stateless process groups on real processes (gloo over TCP on 127.0.0.1)."""
+
+from __future__ import annotations
+
+import time
+
+import psutil
+import pytest
+import torch
+import torch.distributed as dist
+
+from tidal.elastic.groups import StatelessGroup, get_open_port
+
+
+def _tcp_connections() -> int:
+    return len(psutil.Process().net_connections(kind="tcp"))
+
+
+def _check_collectives(g: StatelessGroup, tag: float) -> None:
+    """Every collective with rank-encoded data; ``tag`` tells coexisting groups apart."""
+    r, w = g.rank, g.world_size
+    t = torch.tensor([r + tag, -r])
+    g.all_reduce(t)
+    assert t.tolist() == [sum(range(w)) + w * tag, -sum(range(w))]
+    t = torch.tensor([float(r)])
+    g.all_reduce(t, dist.ReduceOp.MAX)
+    assert t.item() == w - 1
+
+    gathered = g.all_gather(torch.full((2, 3), r + tag))
+    assert gathered.shape == (2 * w, 3)
+    assert gathered[:, 0].tolist() == [q + tag for q in range(w) for _ in range(2)]
+
+    sizes = [q % 3 for q in range(w)]  # uneven, rank 0 contributes 0 rows
+    rows = torch.arange(sizes[r], dtype=torch.float32)[:, None] + 100 * r
+    gv = g.all_gather_v(rows.expand(-1, 2), sizes)
+    assert gv[:, 0].tolist() == [100.0 * q + i for q in range(w) for i in range(sizes[q])]
+
+    # reduce_scatter: rank r contributes (r+1) * [0..W*2); rank q keeps rows [2q, 2q+2)
+    inp = (r + 1) * torch.arange(2 * w, dtype=torch.float32)
+    scale = sum(q + 1 for q in range(w))
+    rs = g.reduce_scatter(inp)
+    assert rs.tolist() == [scale * (2 * r + i) for i in range(2)]
+    ref = g._reduce_scatter_via_all_reduce(torch.empty(2), inp)  # the slow reference
+    assert torch.equal(rs, ref)
+    rsv = g.reduce_scatter_v(inp[: sum(sizes)], sizes)
+    offset = sum(sizes[:r])
+    assert rsv.tolist() == [scale * (offset + i) for i in range(sizes[r])]
+
+    # all_to_all_single with uneven splits: rank r sends (r + d) % 3 rows to rank d,
+    # each row carrying value 1000*r + d so the receiver can check its origin.
+    in_splits = [(r + d) % 3 for d in range(w)]
+    out_splits = [(s + r) % 3 for s in range(w)]
+    inp = torch.cat([torch.full((in_splits[d], 2), 1000.0 * r + d) for d in range(w)])
+    out = torch.empty(sum(out_splits), 2)
+    g.all_to_all_single(out, inp, out_splits, in_splits)
+    expect = [1000.0 * s + r for s in range(w) for _ in range(out_splits[s])]
+    assert out[:, 0].tolist() == expect
+
+    b = torch.full((3,), float(r))
+    g.broadcast(b, src=w - 1)
+    assert b.tolist() == [w - 1.0] * 3
+
+    # ring send/recv (even ranks send first so gloo's blocking send cannot deadlock)
+    nxt, prv = (r + 1) % w, (r - 1) % w
+    got = torch.empty(2)
+    if r % 2 == 0:
+        g.send(torch.tensor([r, tag]), nxt)
+        g.recv(got, prv)
+    else:
+        g.recv(got, prv)
+        g.send(torch.tensor([r, tag]), nxt)
+    assert got.tolist() == [prv, tag]
+
+    assert g.all_gather_object({"rank": r, "tag": tag}) == [
+        {"rank": q, "tag": tag} for q in range(w)
+    ]
+    g.barrier()
+
+
+def _groups_worker(rank: int, world_size: int, ports: list[int]) -> dict:
+    assert not dist.is_initialized()
+    base_conns = _tcp_connections()
+    # A: all 3 ranks; B: ranks 0 and 1 only, on another port; C shares A's store.
+    a = StatelessGroup.create(host="127.0.0.1", port=ports[0], rank=rank, world_size=3, prefix="a")
+    b = None
+    if rank < 2:
+        b = StatelessGroup.create(
+            host="127.0.0.1", port=ports[1], rank=rank, world_size=2, prefix="b"
+        )
+    c = StatelessGroup.create(
+        host="127.0.0.1", port=0, rank=rank, world_size=3, store=a.store, prefix="c"
+    )
+    for _ in range(2):  # interleave: the groups are independent
+        _check_collectives(a, 0.5)
+        if b is not None:
+            _check_collectives(b, 0.25)
+        _check_collectives(c, 0.75)
+    c.destroy()
+    _check_collectives(a, 0.5)  # destroying C (sharing A's store) leaves A working
+
+    for g in (a, b):
+        if g is not None:
+            g.barrier()
+            g.destroy()
+            g.destroy()  # idempotent
+            with pytest.raises(RuntimeError, match="destroyed"):
+                g.all_reduce(torch.zeros(1))
+    time.sleep(0.2)
+    conns_after_destroy = _tcp_connections()
+
+    # Re-create on the same ranks and the same port (A's store server was closed).
+    a2 = StatelessGroup.create(host="127.0.0.1", port=ports[0], rank=rank, world_size=3, prefix="a")
+    _check_collectives(a2, 0.5)
+    a2.barrier()
+    a2.destroy()
+    return {
+        "initialized": dist.is_initialized(),
+        "base": base_conns,
+        "after_destroy": conns_after_destroy,
+    }
+
+
+def test_groups_coexist_destroy_recreate(run_ranks):
+    ports = [get_open_port(), get_open_port()]
+    results = run_ranks(_groups_worker, 3, ports, timeout_s=90)
+    for res in results:
+        assert res["initialized"] is False  # torch's default group never touched
+        assert res["after_destroy"] == res["base"]  # no socket leaked by destroy
+
+
+def _timeout_worker(rank: int, world_size: int, port: int) -> float:
+    g = StatelessGroup.create(
+        host="127.0.0.1", port=port, rank=rank, world_size=2, prefix="t", timeout_s=2
+    )
+    g.barrier()
+    elapsed = 0.0
+    if rank == 0:  # rank 1 never joins this all-reduce: rank 0 must fail, not hang
+        t0 = time.monotonic()
+        with pytest.raises(RuntimeError):
+            g.all_reduce(torch.ones(1))
+        elapsed = time.monotonic() - t0
+    else:
+        time.sleep(3)
+    g.destroy()
+    return elapsed
+
+
+def test_collective_times_out_when_a_peer_is_missing(run_ranks):
+    elapsed = run_ranks(_timeout_worker, 2, get_open_port(), timeout_s=60)
+    assert 1.0 <= elapsed[0] < 10.0
+
+
+def test_create_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="backend"):
+        StatelessGroup.create(host="127.0.0.1", port=1, rank=0, world_size=1, backend="mpi")
+    with pytest.raises(ValueError, match="rank"):
+        StatelessGroup.create(host="127.0.0.1", port=1, rank=2, world_size=2)
+    assert not dist.is_initialized()
+
+
+def test_single_rank_group_without_peers():
+    g = StatelessGroup.create(host="127.0.0.1", port=get_open_port(), rank=0, world_size=1)
+    t = torch.arange(4.0)
+    assert g.all_reduce(t.clone()).tolist() == t.tolist()
+    assert g.all_gather(t).tolist() == t.tolist()
+    assert g.reduce_scatter(t).tolist() == t.tolist()
+    g.destroy()
+    assert not dist.is_initialized()

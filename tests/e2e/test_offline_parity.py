@@ -1,0 +1,79 @@
+"""Greedy LLM.generate must equal transformers' generate token for token (float32)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tidal import LLM, SamplingParams
+
+MAX_TOKENS = 12
+
+
+def _prompts(vocab: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(1234)
+    shared = torch.randint(3, vocab, (20,), generator=g).tolist()
+    prompts = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in (1, 3, 7, 16, 17, 33)]
+    # Two prompts sharing a 20-token prefix (longer than one block): prefix-cache hits.
+    prompts.append(shared + [5, 6, 7])
+    prompts.append(shared + [9])
+    return prompts
+
+
+def _hf_greedy(path: str, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    outs = []
+    with torch.inference_mode():
+        for p in prompts:
+            ids = torch.tensor([p])
+            gen = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=max_tokens,
+                min_new_tokens=max_tokens,
+                do_sample=False,
+                pad_token_id=0,
+            )
+            outs.append(gen[0, len(p) :].tolist())
+    return outs
+
+
+@pytest.fixture(scope="module", params=["qwen3_ckpt", "mixtral_ckpt"])
+def ckpt_and_expected(request):
+    path = request.getfixturevalue(request.param)
+    from transformers import AutoConfig
+
+    vocab = AutoConfig.from_pretrained(path).vocab_size
+    prompts = _prompts(vocab)
+    return path, prompts, _hf_greedy(path, prompts, MAX_TOKENS)
+
+
+def _run(path: str, prompts: list[list[int]], **engine_kwargs) -> list[list[int]]:
+    llm = LLM(path, dtype="float32", **engine_kwargs)
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        return [o.outputs[0].token_ids for o in outs]
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.parametrize(
+    "engine_kwargs",
+    [
+        pytest.param({}, id="default"),
+        pytest.param({"max_num_batched_tokens": 8, "block_size": 4}, id="chunked-prefill"),
+        pytest.param(
+            {"num_gpu_blocks_override": 24, "block_size": 4, "max_model_len": 64},
+            id="preemption",
+        ),
+        pytest.param({"enable_prefix_caching": False, "max_num_seqs": 3}, id="no-prefix-cache"),
+    ],
+)
+def test_greedy_matches_transformers(ckpt_and_expected, engine_kwargs):
+    path, prompts, expected = ckpt_and_expected
+    got = _run(path, prompts, **engine_kwargs)
+    for i, (g, e) in enumerate(zip(got, expected)):
+        assert g == e, f"prompt {i} (len {len(prompts[i])}): {g} != {e}"

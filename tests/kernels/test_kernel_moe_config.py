@@ -1,0 +1,137 @@
+"""Tuned-config lookup (pure) and the tuning script's search/write path on the interpreter."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tidal.kernels.moe_config import (
+    CONFIG_DIR,
+    MoeKernelConfig,
+    config_file_name,
+    default_config,
+    dump_config_file,
+    get_moe_config,
+    load_tuned_configs,
+    nearest_config,
+    parse_config_file,
+)
+
+TUNE_SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "tune_moe.py"
+
+
+def _cfg(block_m: int) -> MoeKernelConfig:
+    return MoeKernelConfig(block_m, 64, 64, group_size_m=8, num_warps=4, num_stages=3)
+
+
+def test_file_name_follows_vllm_style():
+    name = config_file_name(16, 256, "NVIDIA H100 80GB HBM3", torch.bfloat16)
+    assert name == "E=16,N=256,device_name=NVIDIA_H100_80GB_HBM3,dtype=bfloat16.json"
+
+
+def test_json_round_trip_and_keys():
+    table = {1: _cfg(16), 256: _cfg(64)}
+    text = dump_config_file(table)
+    assert json.loads(text)["256"]["BLOCK_SIZE_M"] == 64
+    assert set(json.loads(text)["1"]) == {
+        "BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K", "GROUP_SIZE_M", "num_warps", "num_stages"
+    }  # fmt: skip
+    assert parse_config_file(text) == table
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        '{"1": {"BLOCK_SIZE_M": 12, "BLOCK_SIZE_N": 64, "BLOCK_SIZE_K": 64}}',
+        '{"1": {"BLOCK_M": 16}}',
+        "{}",
+        "[]",
+    ],
+)
+def test_parse_rejects_malformed(bad):
+    with pytest.raises((ValueError, TypeError)):
+        parse_config_file(bad)
+
+
+def test_nearest_batch_size():
+    table = {1: _cfg(16), 64: _cfg(32), 1024: _cfg(64)}
+    assert nearest_config(table, 1) == _cfg(16)
+    assert nearest_config(table, 30) == _cfg(16)  # |30 - 1| < |30 - 64|
+    assert nearest_config(table, 40) == _cfg(32)
+    assert nearest_config(table, 500) == _cfg(32)
+    assert nearest_config(table, 600) == _cfg(64)
+    assert nearest_config(table, 100000) == _cfg(64)
+
+
+def test_lookup_uses_matching_file_only(tmp_path):
+    (tmp_path / config_file_name(8, 128, "Fake GPU", "float16")).write_text(
+        dump_config_file({1: _cfg(16), 512: _cfg(128)})
+    )
+    kwargs = dict(num_experts=8, intermediate_size=128, top_k=2, config_dir=tmp_path)
+    got = get_moe_config(
+        400, dtype=torch.float16, device_name="Fake GPU", interpret=False, **kwargs
+    )
+    assert got == _cfg(128)
+    # Other dtype / device / interpreter: no file, so the batch-aware default.
+    for dtype, name, interp in ((torch.bfloat16, "Fake GPU", False), (torch.float16, "Other", False),
+                                (torch.float16, "Fake GPU", True)):  # fmt: skip
+        got = get_moe_config(400, dtype=dtype, device_name=name, interpret=interp, **kwargs)
+        assert got == default_config(400, 8, 2, interp)
+
+
+def test_default_config_is_batch_aware():
+    decode = default_config(4, 64, 8, interpret=False)
+    prefill = default_config(8192, 64, 8, interpret=False)
+    assert decode.block_size_m == 16
+    assert prefill.block_size_m > decode.block_size_m
+    assert prefill.group_size_m > 1
+    assert default_config(8192, 64, 8, interpret=True).block_size_m == 16
+
+
+def test_shipped_config_files_parse():
+    for path in CONFIG_DIR.glob("*.json"):
+        assert parse_config_file(path.read_text()), path
+
+
+def test_config_validation():
+    with pytest.raises(ValueError):
+        MoeKernelConfig(24, 64, 64)
+    with pytest.raises(ValueError):
+        MoeKernelConfig(16, 8, 64)
+    with pytest.raises(ValueError):
+        MoeKernelConfig(16, 64, 64, group_size_m=0)
+
+
+def test_tune_script_search_and_write(tmp_path, device):
+    """One batch size through the script's search, check and merge-write path."""
+    spec = importlib.util.spec_from_file_location("tune_moe", TUNE_SCRIPT)
+    tune = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tune)
+    args = tune.parse_args(["--interpret-smoke", "--dtype", "float32", "--out-dir", str(tmp_path)])
+    assert (args.num_experts, args.hidden_size, args.intermediate_size) == (4, 32, 16)
+    args.iters = 1
+    best, best_us, default_us, rejected = tune.tune_one(args, 5, device, tune.smoke_configs())
+    assert best in tune.smoke_configs() and rejected == 0 and best_us > 0 and default_us > 0
+    path = tmp_path / config_file_name(4, 16, "interpreter", "float32")
+    path.write_text(dump_config_file({1: _cfg(16)}))
+    tune.write_table(path, {5: best})
+    load_tuned_configs.cache_clear()
+    table = load_tuned_configs(4, 16, "interpreter", "float32", tmp_path)
+    assert table == {1: _cfg(16), 5: MoeKernelConfig.from_json(best)}
+
+
+def test_tune_candidates_prune_big_blocks_for_decode():
+    spec = importlib.util.spec_from_file_location("tune_moe", TUNE_SCRIPT)
+    tune = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tune)
+    decode = tune.candidate_configs("small", 1, 64, 8)
+    prefill = tune.candidate_configs("small", 4096, 64, 8)
+    assert decode and max(c["BLOCK_SIZE_M"] for c in decode) == 16
+    assert max(c["BLOCK_SIZE_M"] for c in prefill) == 128
+    assert all(MoeKernelConfig.from_json(c) for c in prefill)
+    assert isinstance(tune.parse_args([]), argparse.Namespace)

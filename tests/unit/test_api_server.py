@@ -1,0 +1,655 @@
+"""The OpenAI-compatible API server against a fake engine (no processes, no model).
+
+``FakeAsyncLLM`` implements the ``AsyncLLM`` interface the server uses: it generates
+deterministic tokens (child ``c`` of a request emits ids ``10 + (10*c + k) % 90``, text
+`` tok<id>``), applies stop strings, honours ``OutputKind``, reports stats to its loggers
+and records every call and abort. Most tests drive the app in-process through
+``httpx.ASGITransport``; disconnect and lifespan tests run a real uvicorn on port 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import importlib.util
+import json
+import re
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import httpx
+import pytest
+
+from tidal.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from tidal.engine_core.messages import SchedulerStats
+from tidal.frontend.outputs import CompletionOutput, Logprob, OutputKind, RequestOutput
+from tidal.frontend.processor import InputProcessor, ProcessedPrompt
+from tidal.launch.api_server import bind_socket, build_app, make_server
+from tidal.sampling_params import SamplingParams
+
+MAX_MODEL_LEN = 64
+VOCAB = 1000
+MODEL_PATH = "/models/fake-moe"
+SERVED = "fake-moe"
+
+
+class EngineDeadError(RuntimeError):
+    """Stands in for tidal's EngineDeadError (the server recognises it by name)."""
+
+
+class FakeTokenizer:
+    """Whitespace words; ``tok<N>`` is id N, other words hash into [100, 1000)."""
+
+    eos_token_id = 0
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return [self._id(w) for w in text.split()]
+
+    @staticmethod
+    def _id(word: str) -> int:
+        m = re.fullmatch(r"tok(\d+)", word)
+        if m and int(m.group(1)) < VOCAB:
+            return int(m.group(1))
+        return 100 + sum(word.encode()) % (VOCAB - 100)
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return "".join(f" tok{i}" for i in ids)
+
+    def apply_chat_template(
+        self, messages: list[dict], tokenize: bool, add_generation_prompt: bool, chat_template: Any, **kw: Any
+    ) -> str:
+        if any(m["role"] not in ("system", "user", "assistant") for m in messages):
+            raise RuntimeError("template: unknown role")  # like a template's raise_exception
+        text = " ".join(f"<{m['role']}> {m['content']}" for m in messages)
+        return text + (" <assistant>" if add_generation_prompt else "")
+
+
+def token_id(child: int, k: int) -> int:
+    return 10 + (10 * child + k) % 90
+
+
+class FakeAsyncLLM:
+    def __init__(self, max_model_len: int = MAX_MODEL_LEN) -> None:
+        hf = SimpleNamespace(vocab_size=VOCAB, eos_token_id=0)
+        model = ModelConfig(MODEL_PATH, MODEL_PATH, "float32", max_model_len, 0, "FakeMoe", hf)
+        self.config = EngineConfig(model, CacheConfig(), SchedulerConfig(), ParallelConfig())
+        self.tokenizer = FakeTokenizer()
+        self.input_processor = InputProcessor(model, self.tokenizer)
+        self.served_model_name = SERVED
+        self.calls: list[dict] = []
+        self.aborted: list[str] = []
+        self.loggers: list[Any] = []
+        self.dead = False
+        self.hang_after: int | None = None  # tokens, then wait forever (until cancelled)
+        self.die_after: int | None = None  # tokens, then raise EngineDeadError
+        self.shutdown_called = False
+
+    @property
+    def is_dead(self) -> bool:
+        return self.dead
+
+    def add_stat_logger(self, logger: Any) -> None:
+        self.loggers.append(logger)
+
+    async def get_stats(self) -> dict:
+        return {"data_parallel_size": 1, "wave": 3, "engines_running": False, "ranks": [{"rank": 0}]}
+
+    async def abort(self, request_id: str) -> None:
+        self.aborted.append(request_id)
+
+    async def shutdown(self) -> None:
+        self.shutdown_called = True
+
+    async def generate(
+        self,
+        prompt: ProcessedPrompt,
+        params: SamplingParams,
+        request_id: str,
+        *,
+        output_kind: OutputKind = OutputKind.DELTA,
+        data_parallel_rank: int | None = None,
+    ):
+        if self.dead:
+            raise EngineDeadError("dead")
+        self.input_processor.check(prompt, params)
+        call = dict(prompt=prompt, params=params, request_id=request_id, kind=output_kind)
+        self.calls.append({**call, "data_parallel_rank": data_parallel_rank})
+        for lg in self.loggers:
+            lg.record_scheduler_stats(0, SchedulerStats(num_running_reqs=1, kv_cache_usage=0.25))
+        finished = False
+        try:
+            async for out in self._outputs(prompt, params, request_id, output_kind):
+                finished = out.finished
+                yield out
+        finally:
+            if not finished:
+                self.aborted.append(request_id)
+
+    async def _outputs(self, prompt, params, request_id, kind):
+        children = [_Child(i) for i in range(params.n)]
+        for k in range(params.max_tokens):
+            if k == self.hang_after:
+                await asyncio.Event().wait()
+            if k == self.die_after:
+                self.dead = True
+                raise EngineDeadError("engine died mid-request")
+            deltas = [c.step(k, params) for c in children if c.finish is None]
+            await asyncio.sleep(0)
+            if not deltas:
+                break
+            done = all(c.finish is not None for c in children)
+            first = k == 0
+            if kind is OutputKind.DELTA:
+                yield self._ro(request_id, prompt, deltas, done, params if first else None)
+            elif kind is OutputKind.CUMULATIVE or done:
+                full = [c.full() for c in children]
+                yield self._ro(request_id, prompt, full, done, params)
+            if done:
+                self._finished(prompt, children)
+                return
+
+    def _ro(self, rid, prompt, outs, done, params):
+        plp = None
+        if params is not None and params.prompt_logprobs is not None:
+            plp = [None] + [{t: Logprob(-1.0, 1, f" tok{t}")} for t in prompt.prompt_token_ids[1:]]
+        return RequestOutput(rid, prompt.prompt, prompt.prompt_token_ids, outs, done, prompt_logprobs=plp)
+
+    def _finished(self, prompt, children):
+        gen = sum(len(c.ids) for c in children)
+        for lg in self.loggers:
+            lg.record_tokens(len(prompt.prompt_token_ids), gen)
+            lg.record_request_finished(len(prompt.prompt_token_ids), gen, 0.01, 0.05, 0.002, children[0].finish)
+
+
+class _Child:
+    def __init__(self, index: int) -> None:
+        self.index, self.ids, self.text, self.lps = index, [], "", []
+        self.finish, self.stop_reason = None, None
+
+    def step(self, k: int, params: SamplingParams) -> CompletionOutput:
+        tok, before = token_id(self.index, k), len(self.text)
+        self.ids.append(tok)
+        self.text += f" tok{tok}"
+        lp = None
+        if params.logprobs is not None:
+            # The chosen token first (rank 1), then the top-k by rank, deduplicated.
+            step = {tok: Logprob(-0.5, 1, f" tok{tok}")}
+            for j in range(2, params.logprobs + 1):
+                step[500 + j] = Logprob(-0.5 - j, j, f" tok{500 + j}")
+            self.lps.append(step)
+            lp = [step]
+        for s in params.stop:
+            at = self.text.find(s)
+            if at >= 0:
+                self.text = self.text[: at + (len(s) if params.include_stop_str_in_output else 0)]
+                self.finish, self.stop_reason = "stop", s
+        if self.finish is None and len(self.ids) == params.max_tokens:
+            self.finish = "length"
+        new_text = self.text[before:]
+        return CompletionOutput(self.index, new_text, [tok], None, lp, self.finish, self.stop_reason)
+
+    def full(self) -> CompletionOutput:
+        lps = self.lps if self.lps else None
+        return CompletionOutput(self.index, self.text, list(self.ids), None, lps, self.finish, self.stop_reason)
+
+
+def expected_text(n_tokens: int, child: int = 0) -> str:
+    return "".join(f" tok{token_id(child, k)}" for k in range(n_tokens))
+
+
+# ---- harness -------------------------------------------------------------------------------
+
+
+def run(coro_fn):
+    """Run an async test body against a fresh fake engine and app."""
+
+    @functools.wraps(coro_fn)
+    def wrapper(*args, **kwargs):
+        return asyncio.run(coro_fn(*args, **kwargs))
+
+    return wrapper
+
+
+@contextlib.asynccontextmanager
+async def client_for(engine: FakeAsyncLLM | None = None, **app_kwargs):
+    engine = engine or FakeAsyncLLM()
+    app = build_app(engine, served_model_name=SERVED, **app_kwargs)
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+        client.engine = engine  # type: ignore[attr-defined]
+        yield client
+
+
+def sse_events(body: str) -> list[Any]:
+    """Parse an SSE body: every event is one ``data: ...`` line followed by a blank line."""
+    assert body.endswith("data: [DONE]\n\n"), body[-200:]
+    blocks = body.split("\n\n")
+    assert blocks[-1] == ""
+    events = []
+    for block in blocks[:-1]:
+        assert block.startswith("data: "), block
+        data = block[len("data: ") :]
+        events.append(data if data == "[DONE]" else json.loads(data))
+    assert events.count("[DONE]") == 1 and events[-1] == "[DONE]"
+    return events[:-1]
+
+
+def assert_error(resp: httpx.Response, status: int, param: str | None = "any") -> dict:
+    assert resp.status_code == status, resp.text
+    err = resp.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert isinstance(err["message"], str) and err["message"]
+    if param != "any":
+        assert err["param"] == param, err
+    return err
+
+
+async def ok_completion(client: httpx.AsyncClient) -> None:
+    r = await client.post("/v1/completions", json={"prompt": "hi there", "max_tokens": 2})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == expected_text(2)
+
+
+# ---- informational routes ------------------------------------------------------------------
+
+
+@run
+async def test_models_health_version_ping_stats():
+    async with client_for() as c:
+        models = (await c.get("/v1/models")).json()
+        assert models["object"] == "list"
+        (card,) = models["data"]
+        assert card["id"] == SERVED and card["root"] == MODEL_PATH
+        assert card["max_model_len"] == MAX_MODEL_LEN and card["object"] == "model"
+        assert (await c.get(f"/v1/models/{SERVED}")).json()["id"] == SERVED
+        assert_error(await c.get("/v1/models/other"), 404)
+        assert (await c.get("/health")).status_code == 200
+        assert (await c.get("/ping")).status_code == 200
+        import tidal
+
+        assert (await c.get("/version")).json() == {"version": tidal.__version__}
+        stats = (await c.get("/stats")).json()
+        assert stats == await c.engine.get_stats()
+        assert_error(await c.get("/no/such/route"), 404)
+
+
+# ---- completions ---------------------------------------------------------------------------
+
+
+@run
+async def test_completion_basic_usage_and_params():
+    async with client_for() as c:
+        body = {
+            "model": SERVED,
+            "prompt": "hello big world",
+            "max_tokens": 5,
+            "temperature": 0.5,
+            "top_p": 0.9,
+            "seed": 7,
+            "top_k": 3,
+            "min_p": 0.1,
+            "repetition_penalty": 1.1,
+            "min_tokens": 2,
+            "ignore_eos": True,
+            "stop_token_ids": [3, 4],
+            "skip_special_tokens": False,
+            "data_parallel_rank": 0,
+            "unknown_future_field": 1,
+        }
+        r = await c.post("/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        out = r.json()
+        assert out["object"] == "text_completion" and out["model"] == SERVED
+        assert re.fullmatch(r"cmpl-[0-9a-f]{32}", out["id"]) and isinstance(out["created"], int)
+        (choice,) = out["choices"]
+        assert choice["index"] == 0 and choice["text"] == expected_text(5)
+        assert choice["finish_reason"] == "length" and choice["logprobs"] is None
+        assert out["usage"] == {"prompt_tokens": 3, "completion_tokens": 5, "total_tokens": 8}
+        (call,) = c.engine.calls
+        p = call["params"]
+        assert (p.temperature, p.top_p, p.seed, p.top_k, p.min_p) == (0.5, 0.9, 7, 3, 0.1)
+        assert (p.repetition_penalty, p.min_tokens, p.ignore_eos) == (1.1, 2, True)
+        assert p.stop_token_ids == [3, 4] and p.skip_special_tokens is False
+        assert call["data_parallel_rank"] == 0 and call["request_id"] == out["id"]
+        assert call["kind"] is OutputKind.FINAL_ONLY
+
+
+@run
+async def test_completion_model_path_and_default_max_tokens():
+    async with client_for() as c:
+        r = await c.post("/v1/completions", json={"model": MODEL_PATH, "prompt": "a b c d"})
+        assert r.status_code == 200, r.text
+        # No max_tokens: up to the context limit.
+        assert c.engine.calls[0]["params"].max_tokens == MAX_MODEL_LEN - 4
+        assert r.json()["usage"]["completion_tokens"] == MAX_MODEL_LEN - 4
+
+
+@run
+async def test_completion_n_and_batches_of_prompts():
+    async with client_for() as c:
+        r = await c.post("/v1/completions", json={"prompt": ["one", "two three"], "n": 2, "max_tokens": 3})
+        out = r.json()
+        assert [ch["index"] for ch in out["choices"]] == [0, 1, 2, 3]
+        assert [ch["text"] for ch in out["choices"]] == [expected_text(3, i % 2) for i in range(4)]
+        assert out["usage"] == {"prompt_tokens": 3, "completion_tokens": 12, "total_tokens": 15}
+        ids = [call["request_id"] for call in c.engine.calls]
+        assert ids == [f"{out['id']}-0", f"{out['id']}-1"]
+        # Token-id prompt, and a batch of token-id prompts.
+        r = await c.post("/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 1})
+        assert c.engine.calls[-1]["prompt"].prompt_token_ids == [5, 6, 7]
+        assert r.json()["usage"]["prompt_tokens"] == 3
+        r = await c.post("/v1/completions", json={"prompt": [[5], [6, 7]], "max_tokens": 1})
+        assert [call["prompt"].prompt_token_ids for call in c.engine.calls[-2:]] == [[5], [6, 7]]
+        assert len(r.json()["choices"]) == 2
+
+
+@run
+async def test_completion_stream_chunks_done_and_usage():
+    async with client_for() as c:
+        body = {"prompt": "x y", "max_tokens": 4, "n": 2, "stream": True}
+        r = await c.post("/v1/completions", json=body)
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        events = sse_events(r.text)
+        assert all(e["object"] == "text_completion" and len(e["choices"]) == 1 for e in events)
+        assert len({e["id"] for e in events}) == 1 and events[0]["id"].startswith("cmpl-")
+        for i in range(2):
+            mine = [e["choices"][0] for e in events if e["choices"][0]["index"] == i]
+            assert "".join(ch["text"] for ch in mine) == expected_text(4, i)
+            assert [ch["finish_reason"] for ch in mine] == [None] * 3 + ["length"]
+        assert all(e["usage"] is None for e in events)
+        assert c.engine.calls[0]["kind"] is OutputKind.DELTA
+
+        body = {**body, "n": 1, "stream_options": {"include_usage": True}}
+        events = sse_events((await c.post("/v1/completions", json=body)).text)
+        assert events[-1]["choices"] == []
+        assert events[-1]["usage"] == {"prompt_tokens": 2, "completion_tokens": 4, "total_tokens": 6}
+        assert all(e["usage"] is None for e in events[:-1])
+
+        body["stream_options"]["continuous_usage_stats"] = True
+        events = sse_events((await c.post("/v1/completions", json=body)).text)
+        assert [e["usage"]["completion_tokens"] for e in events] == [1, 2, 3, 4, 4]
+
+
+@run
+async def test_completion_logprobs_shape():
+    async with client_for() as c:
+        r = await c.post("/v1/completions", json={"prompt": "p q", "max_tokens": 3, "logprobs": 2})
+        (choice,) = r.json()["choices"]
+        lp = choice["logprobs"]
+        toks = [f" tok{token_id(0, k)}" for k in range(3)]
+        assert lp["tokens"] == toks
+        assert lp["token_logprobs"] == [-0.5] * 3
+        assert lp["text_offset"] == [0, len(toks[0]), len(toks[0]) + len(toks[1])]
+        assert lp["top_logprobs"] == [{t: -0.5, " tok502": -2.5} for t in toks]
+        # Streaming: offsets continue across chunks.
+        body = {"prompt": "p q", "max_tokens": 3, "logprobs": 1, "stream": True}
+        events = sse_events((await c.post("/v1/completions", json=body)).text)
+        offs = [e["choices"][0]["logprobs"]["text_offset"] for e in events]
+        assert offs == [[0], [len(toks[0])], [len(toks[0]) + len(toks[1])]]
+        assert all(len(e["choices"][0]["logprobs"]["top_logprobs"][0]) == 1 for e in events)
+
+
+@run
+async def test_completion_echo():
+    async with client_for() as c:
+        r = await c.post("/v1/completions", json={"prompt": "tok1 tok2", "max_tokens": 2, "echo": True})
+        assert r.json()["choices"][0]["text"] == "tok1 tok2" + expected_text(2)
+        body = {"prompt": [1, 2], "max_tokens": 2, "echo": True, "logprobs": 1}
+        r = await c.post("/v1/completions", json=body)
+        lp = r.json()["choices"][0]["logprobs"]
+        assert c.engine.calls[-1]["params"].prompt_logprobs == 1
+        assert lp["tokens"][:2] == [" tok1", " tok2"] and lp["token_logprobs"][:3] == [None, -1.0, -0.5]
+        assert lp["top_logprobs"][0] is None
+        events = sse_events((await c.post("/v1/completions", json={**body, "stream": True})).text)
+        assert events[0]["choices"][0]["text"] == " tok1 tok2" + expected_text(1)
+        assert events[1]["choices"][0]["text"] == expected_text(2)[len(expected_text(1)) :]
+
+
+@run
+async def test_stop_strings_pass_through():
+    async with client_for() as c:
+        stop = f" tok{token_id(0, 2)}"
+        r = await c.post("/v1/completions", json={"prompt": "a", "max_tokens": 8, "stop": stop})
+        (choice,) = r.json()["choices"]
+        assert c.engine.calls[-1]["params"].stop == [stop]
+        assert choice["text"] == expected_text(2)
+        assert choice["finish_reason"] == "stop" and choice["stop_reason"] == stop
+        body = {"prompt": "a", "max_tokens": 8, "stop": ["zzz", stop], "include_stop_str_in_output": True}
+        r = await c.post("/v1/completions", json=body)
+        assert c.engine.calls[-1]["params"].stop == ["zzz", stop]
+        assert r.json()["choices"][0]["text"] == expected_text(3)
+
+
+# ---- chat ----------------------------------------------------------------------------------
+
+
+CHAT = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}]
+
+
+@run
+async def test_chat_basic_and_template():
+    async with client_for() as c:
+        body = {"model": SERVED, "messages": CHAT, "max_tokens": 3, "seed": 1}
+        r = await c.post("/v1/chat/completions", json=body)
+        out = r.json()
+        assert out["object"] == "chat.completion" and re.fullmatch(r"chatcmpl-[0-9a-f]{32}", out["id"])
+        (choice,) = out["choices"]
+        assert choice["message"] == {"role": "assistant", "content": expected_text(3)}
+        assert choice["finish_reason"] == "length"
+        prompt = c.engine.calls[-1]["prompt"]
+        assert prompt.prompt == "<system> be brief <user> hello <assistant>"
+        assert out["usage"] == {"prompt_tokens": 6, "completion_tokens": 3, "total_tokens": 9}
+        assert c.engine.calls[-1]["params"].seed == 1
+        # max_completion_tokens wins over max_tokens; content parts are joined.
+        parts = [{"role": "user", "content": [{"type": "text", "text": "a "}, {"type": "text", "text": "b"}]}]
+        body = {"messages": parts, "max_tokens": 9, "max_completion_tokens": 2, "add_generation_prompt": False}
+        r = await c.post("/v1/chat/completions", json=body)
+        assert r.json()["usage"]["completion_tokens"] == 2
+        assert c.engine.calls[-1]["prompt"].prompt == "<user> a b"
+
+
+@run
+async def test_chat_stream_roles_content_done_usage():
+    async with client_for() as c:
+        body = {"messages": CHAT, "max_tokens": 3, "n": 2, "stream": True, "stream_options": {"include_usage": True}}
+        events = sse_events((await c.post("/v1/chat/completions", json=body)).text)
+        assert all(e["object"] == "chat.completion.chunk" for e in events)
+        assert [e["choices"][0]["delta"] for e in events[:2]] == [{"role": "assistant", "content": ""}] * 2
+        for i in range(2):
+            mine = [e["choices"][0] for e in events[2:-1] if e["choices"][0]["index"] == i]
+            assert "".join(ch["delta"]["content"] for ch in mine) == expected_text(3, i)
+            assert mine[-1]["finish_reason"] == "length"
+        assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 6
+
+
+@run
+async def test_chat_logprobs_shape():
+    async with client_for() as c:
+        body = {"messages": CHAT, "max_tokens": 2, "logprobs": True, "top_logprobs": 3}
+        (choice,) = (await c.post("/v1/chat/completions", json=body)).json()["choices"]
+        content = choice["logprobs"]["content"]
+        assert [e["token"] for e in content] == [f" tok{token_id(0, k)}" for k in range(2)]
+        for e in content:
+            assert e["logprob"] == -0.5 and e["bytes"] == list(e["token"].encode())
+            assert [t["logprob"] for t in e["top_logprobs"]] == [-0.5, -2.5, -3.5]
+            assert e["top_logprobs"][0]["token"] == e["token"]
+        no_lp = (await c.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 1})).json()
+        assert no_lp["choices"][0]["logprobs"] is None
+        body["stream"] = True
+        events = sse_events((await c.post("/v1/chat/completions", json=body)).text)
+        assert [len(e["choices"][0]["logprobs"]["content"]) for e in events[1:]] == [1, 1]
+
+
+# ---- errors --------------------------------------------------------------------------------
+
+
+BAD = [
+    ("/v1/completions", b"{not json", 400, None),
+    ("/v1/completions", {"prompt": "a", "model": "other"}, 404, "model"),
+    ("/v1/completions", {"prompt": "w " * MAX_MODEL_LEN}, 400, None),
+    ("/v1/completions", {"prompt": "a b", "max_tokens": MAX_MODEL_LEN - 1}, 400, None),
+    ("/v1/completions", {"prompt": "a", "temperature": -1}, 400, "temperature"),
+    ("/v1/completions", {"prompt": "a", "top_p": 2}, 400, "top_p"),
+    ("/v1/completions", {"prompt": "a", "max_tokens": 0}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "a", "n": 0}, 400, "n"),
+    ("/v1/completions", {"prompt": "a", "logprobs": 21}, 400, "logprobs"),
+    ("/v1/completions", {"prompt": 123}, 400, "prompt"),
+    ("/v1/completions", {"prompt": []}, 400, "prompt"),
+    ("/v1/completions", {"prompt": [VOCAB + 5]}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "a", "max_tokens": "many"}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "a", "data_parallel_rank": -1}, 400, "data_parallel_rank"),
+    ("/v1/completions", {"prompt": "a", "stream": True, "max_tokens": 999}, 400, None),
+    ("/v1/completions", [1, 2], 400, None),
+    ("/v1/completions", {}, 400, "prompt"),
+    ("/v1/chat/completions", {"messages": []}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": "hi"}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "x"}]}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": CHAT, "top_logprobs": 2}, 400, "top_logprobs"),
+    ("/v1/chat/completions", {"messages": CHAT, "max_completion_tokens": 0}, 400, "max_tokens"),
+    ("/v1/chat/completions", {"messages": CHAT, "model": "gpt-4"}, 404, "model"),
+]
+
+
+@pytest.mark.parametrize("path,body,status,param", BAD)
+@run
+async def test_bad_input_then_recovery(path, body, status, param):
+    async with client_for() as c:
+        content = body if isinstance(body, bytes) else json.dumps(body).encode()
+        r = await c.post(path, content=content, headers={"content-type": "application/json"})
+        err = assert_error(r, status, param)
+        assert err["type"] == ("invalid_request_error" if status == 400 else "not_found_error")
+        assert c.engine.calls == [] or status == 400
+        await ok_completion(c)
+
+
+@run
+async def test_api_key_protects_every_route():
+    async with client_for(api_key="sekret") as c:
+        for method, path in [("GET", "/health"), ("GET", "/metrics"), ("GET", "/v1/models"), ("GET", "/stats")]:
+            assert_error(await c.request(method, path), 401)
+            assert_error(await c.request(method, path, headers={"Authorization": "Bearer nope"}), 401)
+            good = await c.request(method, path, headers={"Authorization": "Bearer sekret"})
+            assert good.status_code == 200, path
+        r = await c.post("/v1/completions", json={"prompt": "a", "max_tokens": 1})
+        assert assert_error(r, 401)["type"] == "authentication_error"
+        assert c.engine.calls == []
+        c.headers["Authorization"] = "Bearer sekret"
+        await ok_completion(c)
+
+
+@run
+async def test_dead_engine_gives_503():
+    engine = FakeAsyncLLM()
+    async with client_for(engine) as c:
+        engine.die_after = 2
+        r = await c.post("/v1/completions", json={"prompt": "a", "max_tokens": 4})
+        assert assert_error(r, 503)["type"] == "service_unavailable_error"
+        assert_error(await c.get("/health"), 503)
+        assert_error(await c.post("/v1/chat/completions", json={"messages": CHAT}), 503)
+        engine.dead, engine.die_after = False, 1
+        events = sse_events((await c.post("/v1/completions", json={"prompt": "a", "stream": True})).text)
+        assert events[0]["choices"][0]["text"] == expected_text(1)
+        assert events[-1]["error"]["type"] == "service_unavailable_error"
+        engine.dead, engine.die_after = False, None
+        await ok_completion(c)
+
+
+# ---- metrics -------------------------------------------------------------------------------
+
+
+@run
+async def test_metrics_after_requests():
+    async with client_for() as c:
+        await ok_completion(c)
+        await c.post("/v1/completions", json={"prompt": "a", "max_tokens": 8, "stop": " tok11"})
+        text = (await c.get("/metrics")).text
+        assert 'tidal:request_success_total{finished_reason="length"} 1.0' in text
+        assert 'tidal:request_success_total{finished_reason="stop"} 1.0' in text
+        assert 'tidal:num_requests_running{dp_rank="0"} 1.0' in text
+        assert 'tidal:num_requests_waiting{dp_rank="0"} 0.0' in text
+        assert 'tidal:kv_cache_usage_perc{dp_rank="0"} 0.25' in text
+        assert "tidal:prompt_tokens_total 3.0" in text  # "hi there" + "a"
+        assert "tidal:generation_tokens_total 4.0" in text  # 2 + 2 (stopped)
+        for name in ("time_to_first_token_seconds", "time_per_output_token_seconds", "e2e_request_latency_seconds"):
+            assert f"tidal:{name}_count 2.0" in text
+
+
+# ---- real uvicorn: disconnects, lifespan, benchmark ------------------------------------------
+
+
+@contextlib.asynccontextmanager
+async def live_server(engine: FakeAsyncLLM):
+    sock = bind_socket("127.0.0.1", 0)
+    port = sock.getsockname()[1]
+    server = make_server(build_app(engine, served_model_name=SERVED), log_level="warning")
+    task = asyncio.ensure_future(server.serve(sockets=[sock]))
+    try:
+        while not server.started:
+            assert not task.done(), "server failed to start"
+            await asyncio.sleep(0.01)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        await asyncio.wait_for(task, 10)
+        sock.close()
+
+
+async def wait_for(cond, timeout: float = 5.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not cond():
+        assert asyncio.get_running_loop().time() < deadline, "condition not reached"
+        await asyncio.sleep(0.01)
+
+
+@run
+async def test_client_disconnect_aborts_and_lifespan_shuts_engine_down():
+    engine = FakeAsyncLLM()
+    engine.hang_after = 1
+    async with live_server(engine) as url, httpx.AsyncClient(base_url=url) as c:
+        body = {"prompt": "a", "max_tokens": 10, "stream": True}
+        async with c.stream("POST", "/v1/completions", json=body) as r:
+            first = await r.aiter_lines().__anext__()
+            assert json.loads(first[len("data: ") :])["choices"][0]["text"] == expected_text(1)
+        await wait_for(lambda: engine.aborted == [engine.calls[0]["request_id"]])
+
+        req = asyncio.ensure_future(c.post("/v1/chat/completions", json={"messages": CHAT}))
+        await wait_for(lambda: len(engine.calls) == 2)
+        req.cancel()  # closes the connection
+        await wait_for(lambda: engine.aborted[-1:] == [engine.calls[1]["request_id"]])
+
+        engine.hang_after = None
+        r = await c.post("/v1/completions", json={"prompt": "a", "max_tokens": 2})
+        assert r.json()["choices"][0]["text"] == expected_text(2)
+        assert not engine.shutdown_called
+    assert engine.shutdown_called
+    assert len(engine.aborted) == 2
+
+
+def _load_benchmark():
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "serving.py"
+    spec = importlib.util.spec_from_file_location("bench_serving", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["bench_serving"] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@run
+async def test_serving_benchmark_load_generator():
+    bench = _load_benchmark()
+    engine = FakeAsyncLLM()
+    async with live_server(engine) as url:
+        summary = await bench.run_benchmark(
+            url, num_requests=6, concurrency=3, prompt_len=5, max_tokens=4, warmup=1
+        )
+    assert summary["completed"] == 6 and summary["failed"] == 0
+    assert summary["output_tokens"] == 24
+    assert len(engine.calls) == 7  # + warmup
+    assert all(len(call["prompt"].prompt_token_ids) == 5 for call in engine.calls)
+    assert all(call["params"].ignore_eos for call in engine.calls)
+    assert summary["req_per_s"] > 0 and summary["ttft_ms"]["p50"] is not None
+    assert summary["ttft_ms"]["p50"] <= summary["ttft_ms"]["p99"] and summary["tpot_ms"]["p90"] is not None
+    assert bench._percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5

@@ -1,0 +1,209 @@
+"""Block pool and KV cache manager: ref counts, eviction order, prefix-cache hashing."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tidal.engine_core.kv_cache import (
+    NULL_BLOCK_ID,
+    BlockPool,
+    KVCacheManager,
+    hash_block_tokens,
+)
+from tidal.engine_core.request import Request
+from tidal.sampling_params import SamplingParams
+
+BS = 4
+
+
+def _req(rid: str, tokens: list[int]) -> Request:
+    return Request(rid, tokens, SamplingParams(max_tokens=8))
+
+
+def _run_prefill(kv: KVCacheManager, req: Request) -> None:
+    """Allocate and 'compute' the whole request, then register its full blocks."""
+    hits, n_hit = kv.get_computed_blocks(req)
+    assert kv.allocate_slots(req, req.num_tokens - n_hit, hits, n_hit)
+    req.num_computed_tokens = req.num_tokens
+    kv.cache_computed_blocks(req)
+
+
+def _ref_counts_consistent(kv: KVCacheManager, live: list[Request]) -> None:
+    pool = kv.block_pool
+    for block in pool.blocks[1:]:
+        holders = sum(r.block_ids.count(block.block_id) for r in live)
+        assert block.ref_cnt == holders, block
+    assert set(pool.free_block_ids()) == {b.block_id for b in pool.blocks[1:] if b.ref_cnt == 0}
+
+
+def test_hash_is_chained_and_stable_across_processes() -> None:
+    h0 = hash_block_tokens(0, [1, 2, 3, 4])
+    assert h0 == hash_block_tokens(0, [1, 2, 3, 4])
+    assert h0 != hash_block_tokens(1, [1, 2, 3, 4])  # same tokens, other prefix
+    assert h0 != hash_block_tokens(0, [1, 2, 3, 5])
+    code = (
+        "from tidal.engine_core.kv_cache import hash_block_tokens as h;"
+        "print(h(h(0, [1, 2, 3, 4]), [9, 8, 7, 6]))"
+    )
+    outs = set()
+    for seed in ("1", "2"):
+        env = {**os.environ, "PYTHONHASHSEED": seed}
+        res = subprocess.run(
+            [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+        )
+        outs.add(int(res.stdout))
+    assert outs == {hash_block_tokens(h0, [9, 8, 7, 6])}
+
+
+def test_pool_never_hands_out_null_block_and_tracks_usage() -> None:
+    pool = BlockPool(5, enable_caching=True)
+    assert pool.num_usable_blocks == 4 and pool.num_free_blocks == 4 and pool.usage == 0.0
+    got = pool.allocate(4)
+    assert sorted(got) == [1, 2, 3, 4] and NULL_BLOCK_ID not in got
+    assert pool.usage == 1.0
+    with pytest.raises(ValueError):
+        pool.allocate(1)
+    pool.free(got)
+    assert pool.num_free_blocks == 4 and all(b.ref_cnt == 0 for b in pool.blocks)
+    with pytest.raises(RuntimeError, match="double free"):
+        pool.free([got[0]])
+
+
+def test_free_order_uncached_first_then_cached_tail_first() -> None:
+    pool = BlockPool(6, enable_caching=True)
+    a = pool.allocate(3)  # one request's table
+    b = pool.allocate(2)
+    pool.cache_block(a[0], 100)
+    pool.cache_block(a[1], 101)
+    pool.free(reversed(a))  # a[2] (uncached) -> head; a[1], a[0] -> tail in that order
+    assert pool.free_block_ids() == [a[2], a[1], a[0]]
+    pool.free(reversed(b))  # uncached: both to the head
+    assert pool.free_block_ids()[2:] == [a[2], a[1], a[0]]
+    assert set(pool.free_block_ids()[:2]) == set(b)
+    # Allocation takes uncached blocks first and evicts a[1] before a[0].
+    pool.allocate(4)
+    assert pool.free_block_ids() == [a[0]]
+    assert pool.get_cached_block(101) is None and pool.get_cached_block(100) == a[0]
+
+
+def test_computed_blocks_need_full_blocks_and_leave_last_token() -> None:
+    kv = KVCacheManager(num_blocks=32, block_size=BS)
+    a = _req("a", list(range(10)))  # 2 full blocks + 2 tokens
+    _run_prefill(kv, a)
+    assert kv.block_pool.num_cached_blocks == 2
+    # Same 8-token prefix, different tail: 2 blocks hit.
+    b = _req("b", list(range(8)) + [77, 78, 79])
+    hits, n = kv.get_computed_blocks(b)
+    assert hits == a.block_ids[:2] and n == 8
+    # The prompt is exactly the cached 8 tokens: only 1 block may be reused.
+    c = _req("c", list(range(8)))
+    hits, n = kv.get_computed_blocks(c)
+    assert hits == a.block_ids[:1] and n == 4
+    # A different first block: no hit even though the second block matches.
+    d = _req("d", [99, 1, 2, 3] + list(range(4, 10)))
+    assert kv.get_computed_blocks(d) == ([], 0)
+
+
+def test_blocks_are_cached_only_once_computed() -> None:
+    kv = KVCacheManager(num_blocks=32, block_size=BS)
+    a = _req("a", list(range(12)))
+    assert kv.allocate_slots(a, 12)
+    a.num_computed_tokens = 6  # a chunk of 6: one block full
+    kv.cache_computed_blocks(a)
+    b = _req("b", list(range(12)))
+    assert kv.get_computed_blocks(b)[1] == 4
+    a.num_computed_tokens = 12
+    kv.cache_computed_blocks(a)
+    assert kv.get_computed_blocks(b)[1] == 8  # 11 // 4 blocks at most
+
+
+def test_allocate_failure_changes_nothing_and_hits_count_against_free() -> None:
+    kv = KVCacheManager(num_blocks=6, block_size=BS)  # 5 usable
+    a = _req("a", list(range(16)))
+    _run_prefill(kv, a)  # 4 blocks, all cached
+    kv.free(a)
+    assert kv.num_free_blocks == 5
+    # b hits 3 free cached blocks and needs 3 more: 6 > 5 free.
+    b = _req("b", list(range(12)) + [50] * 9)
+    hits, n = kv.get_computed_blocks(b)
+    assert n == 12
+    assert not kv.allocate_slots(b, b.num_tokens - n, hits, n)
+    assert b.block_ids == [] and kv.num_free_blocks == 5
+    assert all(kv.block_pool.blocks[h].ref_cnt == 0 for h in hits)
+    # With 2 new blocks it fits, and allocation must not evict its own hits.
+    assert kv.allocate_slots(b, 8, hits, n)
+    assert b.block_ids[:3] == hits and len(b.block_ids) == 5
+    assert kv.num_free_blocks == 0
+    _ref_counts_consistent(kv, [b])
+
+
+def test_shared_blocks_ref_counted_and_all_free_after() -> None:
+    kv = KVCacheManager(num_blocks=16, block_size=BS)
+    a = _req("a", list(range(13)))
+    _run_prefill(kv, a)
+    b = _req("b", list(range(13)))
+    _run_prefill(kv, b)
+    assert b.block_ids[:3] == a.block_ids[:3] and b.block_ids[3] != a.block_ids[3]
+    assert [kv.block_pool.blocks[x].ref_cnt for x in a.block_ids] == [2, 2, 2, 1]
+    _ref_counts_consistent(kv, [a, b])
+    kv.free(a)
+    _ref_counts_consistent(kv, [b])
+    kv.free(b)
+    assert kv.num_free_blocks == 15 and kv.usage == 0.0
+    assert all(blk.ref_cnt == 0 for blk in kv.block_pool.blocks)
+    assert b.block_ids == []
+
+
+def test_lru_eviction_keeps_recently_used_prefixes() -> None:
+    kv = KVCacheManager(num_blocks=9, block_size=BS)  # 8 usable
+    old = _req("old", [1] * 12)
+    new = _req("new", [2] * 12)
+    for r in (old, new):
+        _run_prefill(kv, r)  # 3 blocks each, all cached
+        kv.free(r)
+    # Touching 'old' again (a hit) makes it most recently used.
+    again = _req("again", [1] * 12 + [5])
+    _run_prefill(kv, again)
+    kv.free(again)
+    assert kv.get_computed_blocks(_req("q1", [1] * 13))[1] == 12
+    # 4 fresh blocks: the 2 never-cached ones (again's tail and a spare) go first, then
+    # 'new' (least recently used), tail block first: 'new' keeps its first block only.
+    big = _req("big", [9] * 15)
+    assert kv.allocate_slots(big, 15)
+    assert kv.get_computed_blocks(_req("q2", [1] * 13))[1] == 12
+    assert kv.get_computed_blocks(_req("q3", [2] * 13))[1] == 4
+    assert kv.block_pool.num_cached_blocks == 4
+
+
+def test_reset_prefix_cache_and_disabled_caching() -> None:
+    kv = KVCacheManager(num_blocks=16, block_size=BS)
+    a = _req("a", list(range(9)))
+    _run_prefill(kv, a)
+    assert kv.reset_prefix_cache()
+    assert kv.get_computed_blocks(_req("b", list(range(9)))) == ([], 0)
+    kv.free(a)  # blocks still owned and freed normally
+    assert kv.num_free_blocks == 15
+
+    off = KVCacheManager(num_blocks=16, block_size=BS, enable_prefix_caching=False)
+    c = _req("c", list(range(9)))
+    _run_prefill(off, c)
+    assert off.block_pool.num_cached_blocks == 0
+    assert off.get_computed_blocks(_req("d", list(range(9)))) == ([], 0)
+
+
+def test_allocate_grows_table_incrementally() -> None:
+    kv = KVCacheManager(num_blocks=16, block_size=BS)
+    a = _req("a", list(range(5)))
+    assert kv.allocate_slots(a, 3)
+    assert len(a.block_ids) == 1
+    a.num_computed_tokens = 3
+    assert kv.allocate_slots(a, 1)  # 4 tokens: still one block
+    assert len(a.block_ids) == 1
+    a.num_computed_tokens = 4
+    assert kv.allocate_slots(a, 1)  # 5 tokens: second block
+    assert len(a.block_ids) == 2
+    assert kv.num_free_blocks == 13

@@ -1,0 +1,320 @@
+"""Our model runtime vs transformers' own model classes on the same tiny checkpoints.
+
+Logits must agree in float32 (atol 1e-4) for: a flattened multi-prompt prefill, paged
+decode steps over shuffled blocks, chunked prefill, a prefix read through another
+sequence's blocks, and a mixed prefill+decode batch; greedy decoding must equal
+``generate(do_sample=False)``. Also: loader errors, expert subsets, alternative
+checkpoint layouts, and the tiny-checkpoint factory itself.
+"""
+
+from __future__ import annotations
+
+import filecmp
+import json
+import os
+import shutil
+
+import pytest
+import torch
+
+from tidal.config import EngineArgs
+from tidal.layers.attention import AttentionMetadata, kv_cache_shape
+from tidal.models.loader import CheckpointError, load_model
+from tidal.models.registry import resolve_architecture
+from tidal.models.tiny import make_tiny_checkpoint
+
+ATOL = 1e-4
+BLOCK_SIZE = 4
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _hf_model(path: str):
+    from transformers import AutoModelForCausalLM  # lazy: see tests/conftest.py
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def _our_model(path: str, **kwargs):
+    return load_model(EngineArgs(model=path, device="cpu").create_engine_config(), **kwargs)
+
+
+@pytest.fixture(scope="module", params=["qwen3", "mixtral"])
+def models(request):
+    path = request.getfixturevalue(f"{request.param}_ckpt")
+    return _our_model(path), _hf_model(path)
+
+
+class PagedRunner:
+    """Drives our model as the model runner does: a paged cache, shuffled block ids."""
+
+    def __init__(self, model, num_blocks: int = 96, seed: int = 0) -> None:
+        layers, kv_heads, head_dim = model.kv_cache_spec()
+        shape = kv_cache_shape(num_blocks, BLOCK_SIZE, kv_heads, head_dim)
+        model.bind_kv_cache([torch.zeros(shape) for _ in range(layers)])
+        self.model = model
+        self.free = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed)).tolist()
+        self.blocks: dict[str, list[int]] = {}
+
+    def step(self, items: list[tuple[str, int, list[int]]]) -> torch.Tensor:
+        """items[i] = (seq id, start, new token ids) -> logits [T, V] of all new tokens."""
+        seqs = []
+        for sid, start, toks in items:
+            blocks = self.blocks.setdefault(sid, [])
+            while len(blocks) * BLOCK_SIZE < start + len(toks):
+                blocks.append(self.free.pop())
+            seqs.append((start, len(toks), blocks))
+        meta = AttentionMetadata.build(seqs, BLOCK_SIZE, "cpu")
+        ids = torch.tensor([t for _, _, toks in items for t in toks])
+        pos = torch.cat([torch.arange(s, s + len(toks)) for _, s, toks in items])
+        return self.model.compute_logits(self.model(ids, pos, meta))
+
+
+def _hf_logits(hf, tokens: list[int]) -> torch.Tensor:  # [len, V]
+    with torch.no_grad():
+        return hf(torch.tensor([tokens])).logits[0].float()
+
+
+def _prompts(vocab: int, lengths: list[int], seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def _close(got: torch.Tensor, want: torch.Tensor) -> None:
+    assert got.shape == want.shape
+    err = (got - want).abs().max().item()
+    assert err < ATOL, f"max |diff| {err:.3g}"
+
+
+def test_flattened_prefill_then_paged_decode(models):
+    ours, hf = models
+    runner = PagedRunner(ours)
+    prompts = _prompts(ours.spec.vocab_size, [7, 13, 1, 5])
+    logits = runner.step([(f"s{i}", 0, p) for i, p in enumerate(prompts)])
+    row = 0
+    for p in prompts:
+        _close(logits[row : row + len(p)], _hf_logits(hf, p))
+        row += len(p)
+    seqs = [list(p) for p in prompts]
+    ends = torch.tensor([len(p) for p in prompts]).cumsum(0) - 1
+    nxt = logits[ends].argmax(-1).tolist()
+    for _ in range(6):  # sequences of different lengths cross block boundaries here
+        logits = runner.step([(f"s{i}", len(s), [t]) for i, (s, t) in enumerate(zip(seqs, nxt))])
+        for i, t in enumerate(nxt):
+            seqs[i].append(t)
+            _close(logits[i], _hf_logits(hf, seqs[i])[-1])
+        nxt = logits.argmax(-1).tolist()
+
+
+def test_chunked_prefill(models):
+    ours, hf = models
+    runner = PagedRunner(ours, seed=1)
+    (prompt,) = _prompts(ours.spec.vocab_size, [13], seed=1)
+    want = _hf_logits(hf, prompt)
+    start = 0
+    for size in (3, 6, 4):  # chunk edges inside blocks
+        got = runner.step([("a", start, prompt[start : start + size])])
+        _close(got, want[start : start + size])
+        start += size
+
+
+def test_prefix_read_through_shared_blocks(models):
+    ours, hf = models
+    runner = PagedRunner(ours, seed=2)
+    shared, tail_a, tail_b = _prompts(ours.spec.vocab_size, [8, 3, 6], seed=2)
+    runner.step([("a", 0, shared + tail_a)])
+    # b reuses a's first two blocks (the 8 shared tokens) and computes only its tail.
+    runner.blocks["b"] = runner.blocks["a"][:2]
+    got = runner.step([("b", len(shared), tail_b)])
+    _close(got, _hf_logits(hf, shared + tail_b)[len(shared) :])
+
+
+def test_mixed_prefill_and_decode_batch(models):
+    ours, hf = models
+    runner = PagedRunner(ours, seed=3)
+    p0, p1, p2, p3 = _prompts(ours.spec.vocab_size, [5, 9, 6, 10], seed=3)
+    runner.step([("d0", 0, p0[:-1]), ("d1", 0, p1[:-1]), ("c", 0, p3[:4])])
+    # decode, prefill, decode, chunk continuation: decode rows are not contiguous.
+    got = runner.step([("d0", 4, p0[-1:]), ("p", 0, p2), ("d1", 8, p1[-1:]), ("c", 4, p3[4:])])
+    _close(got[0], _hf_logits(hf, p0)[-1])
+    _close(got[1:7], _hf_logits(hf, p2))
+    _close(got[7], _hf_logits(hf, p1)[-1])
+    _close(got[8:], _hf_logits(hf, p3)[4:])
+
+
+def test_greedy_matches_generate(models):
+    ours, hf = models
+    runner = PagedRunner(ours, num_blocks=64, seed=4)
+    prompts = _prompts(ours.spec.vocab_size, [6, 11], seed=4)
+    new = 20
+    logits = runner.step([(f"s{i}", 0, p) for i, p in enumerate(prompts)])
+    nxt = logits[torch.tensor([5, 16])].argmax(-1).tolist()
+    outs = [[t] for t in nxt]
+    for step in range(new - 1):
+        items = [(f"s{i}", len(p) + step, [o[-1]]) for i, (p, o) in enumerate(zip(prompts, outs))]
+        for o, t in zip(outs, runner.step(items).argmax(-1).tolist()):
+            o.append(t)
+    eos = set(hf.generation_config.eos_token_id)
+    for p, o in zip(prompts, outs):
+        with torch.no_grad():
+            ref = hf.generate(
+                torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                do_sample=False, max_new_tokens=new,
+            )[0, len(p) :].tolist()  # fmt: skip
+        assert o[: len(ref)] == ref
+        assert len(ref) == new or ref[-1] in eos  # generate stops early only at EOS
+
+
+def test_dense_layers_untopk_and_tied_embeddings(tmp_path):
+    path = make_tiny_checkpoint(
+        str(tmp_path / "variant"), "qwen3_moe", hidden_size=32, num_layers=3, num_experts=4,
+        top_k=2, vocab_size=300, max_position_embeddings=64, norm_topk_prob=False,
+        tie_word_embeddings=True, mlp_only_layers=[1],
+    )  # fmt: skip
+    ours, hf = _our_model(path), _hf_model(path)
+    assert [layer.is_moe for layer in ours.layers] == [True, False, True]
+    assert ours.lm_head.weight is ours.embed_tokens.weight
+    (prompt,) = _prompts(300, [9], seed=5)
+    _close(PagedRunner(ours).step([("a", 0, prompt)]), _hf_logits(hf, prompt))
+
+
+def test_local_expert_subset_and_map(qwen3_ckpt):
+    from safetensors import safe_open
+
+    full = _our_model(qwen3_ckpt)
+    part = _our_model(qwen3_ckpt, local_expert_ids=[5, 1, 2])
+    moe = part.moe_layers()[0]
+    assert moe.w13.shape[0] == 3 and moe.expert_map.tolist() == [-1, 1, 2, -1, -1, 0, -1, -1]
+    with safe_open(os.path.join(qwen3_ckpt, "model.safetensors"), "pt") as f:
+        gate = f.get_tensor("model.layers.0.mlp.experts.5.gate_proj.weight")
+        down = f.get_tensor("model.layers.0.mlp.experts.2.down_proj.weight")
+    inter = moe.w2.shape[2]
+    assert torch.equal(moe.w13[0, :inter], gate) and torch.equal(moe.w2[2], down)
+    assert torch.equal(moe.w13[1], full.moe_layers()[0].w13[1])
+
+
+def _rewrite(src: str, dst, edit) -> str:
+    """Copy a checkpoint folder, passing its tensors through ``edit(dict) -> dict``."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    file = os.path.join(dst, "model.safetensors")
+    save_file(edit(load_file(file)), file, metadata={"format": "pt"})
+    return str(dst)
+
+
+def test_loader_names_missing_tensor(qwen3_ckpt, tmp_path):
+    name = "model.layers.1.mlp.experts.3.up_proj.weight"
+    path = _rewrite(qwen3_ckpt, tmp_path / "ck", lambda t: {k: v for k, v in t.items() if k != name})
+    with pytest.raises(CheckpointError, match=r"missing 1 tensor\(s\): " + name.replace(".", r"\.")):
+        _our_model(path)
+
+
+def test_loader_names_shape_mismatch(qwen3_ckpt, tmp_path):
+    name = "model.layers.0.self_attn.k_proj.weight"
+    path = _rewrite(qwen3_ckpt, tmp_path / "ck", lambda t: {**t, name: t[name][:-1]})
+    with pytest.raises(CheckpointError, match=rf"{name}.*shape \(31, 64\).*expects \(32, 64\)"):
+        _our_model(path)
+
+
+def test_loader_names_unexpected_tensor(mixtral_ckpt, tmp_path):
+    path = _rewrite(mixtral_ckpt, tmp_path / "ck", lambda t: {**t, "model.layers.0.extra.weight": torch.ones(2)})
+    with pytest.raises(CheckpointError, match=r"unexpected 1 tensor\(s\): model\.layers\.0\.extra\.weight"):
+        _our_model(path)
+
+
+def test_unsupported_architecture_is_named():
+    from transformers import AutoConfig, LlamaConfig
+
+    cfg = LlamaConfig(architectures=["LlamaForCausalLM"])
+    with pytest.raises(ValueError, match="LlamaForCausalLM.*supported: MixtralForCausalLM, Qwen3MoeForCausalLM"):
+        resolve_architecture(cfg)
+    assert resolve_architecture(AutoConfig.for_model("mixtral", architectures=["MixtralForCausalLM"]))
+
+
+def test_fused_expert_names_and_sharded_index(models, tmp_path):
+    """transformers v5's in-memory layout (fused 3-D experts) saved as 3 shards + index."""
+    from safetensors.torch import save_file
+
+    ours, hf = models
+    src = hf.name_or_path
+    dst = tmp_path / "fused"
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("*.safetensors"))
+    state = {k: v.contiguous() for k, v in hf.state_dict().items()}
+    assert any(k.endswith("mlp.experts.gate_up_proj") for k in state)
+    names = sorted(state)
+    shards = [names[i::3] for i in range(3)]
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        file = f"model-{i + 1:05d}-of-00003.safetensors"
+        save_file({k: state[k] for k in shard}, str(dst / file), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(shard, file))
+    (dst / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    reloaded = _our_model(str(dst))
+    for a, b in zip(reloaded.state_dict().values(), ours.state_dict().values()):
+        assert torch.equal(a, b)
+
+
+def test_tiny_factory_is_deterministic(tmp_path):
+    kw = {"hidden_size": 32, "num_layers": 1, "num_experts": 4, "vocab_size": 300}
+    a = make_tiny_checkpoint(str(tmp_path / "a"), "mixtral", **kw)
+    b = make_tiny_checkpoint(str(tmp_path / "b"), "mixtral", **kw)
+    c = make_tiny_checkpoint(str(tmp_path / "c"), "mixtral", seed=1, **kw)
+    files = sorted(os.listdir(a))
+    assert {"config.json", "model.safetensors", "tokenizer.json", "chat_template.jinja"} <= set(files)
+    match, mismatch, errors = filecmp.cmpfiles(a, b, files, shallow=False)
+    assert mismatch == [] and errors == []
+    assert not filecmp.cmp(os.path.join(a, "model.safetensors"), os.path.join(c, "model.safetensors"), shallow=False)
+
+
+def test_tokenizer_round_trip_and_chat_template(qwen3_ckpt):
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+    tok = AutoTokenizer.from_pretrained(qwen3_ckpt)
+    cfg = AutoConfig.from_pretrained(qwen3_ckpt)
+    assert len(tok) == cfg.vocab_size == 512
+    text = "Hello, tide! 42 waves\nand a 🌊."
+    assert tok.decode(tok.encode(text)) == text
+    assert tok.eos_token == "<|im_end|>" and tok.eos_token_id == cfg.eos_token_id
+    gen = GenerationConfig.from_pretrained(qwen3_ckpt)
+    assert set(gen.eos_token_id) == {tok.eos_token_id, tok.convert_tokens_to_ids("<|endoftext|>")}
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    chat = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    assert chat == "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    ids = tok.encode(chat)
+    assert ids.count(tok.convert_tokens_to_ids("<|im_start|>")) == 3  # specials stay one id
+
+
+def test_random_model_greedy_is_not_degenerate(models):
+    """The factory's init std keeps greedy continuations varied (useful for e2e checks)."""
+    ours, _ = models
+    runner = PagedRunner(ours, seed=6)
+    (prompt,) = _prompts(ours.spec.vocab_size, [4], seed=6)
+    toks = [runner.step([("a", 0, prompt)])[-1].argmax().item()]
+    for i in range(19):
+        toks.append(runner.step([("a", len(prompt) + i, toks[-1:])])[0].argmax().item())
+    assert len(set(toks)) >= 6, toks
+
+
+def test_default_model_path_is_built_once(tmp_path, monkeypatch):
+    from tidal.models import tiny
+
+    path = tiny.default_model_path(cache_dir=str(tmp_path))
+    mtime = os.path.getmtime(os.path.join(path, "model.safetensors"))
+    assert tiny.default_model_path(cache_dir=str(tmp_path)) == path
+    assert os.path.getmtime(os.path.join(path, "model.safetensors")) == mtime
+    assert [p for p in os.listdir(tmp_path) if p.startswith(".")] == []  # no temp leftovers
+    cfg = json.loads(open(os.path.join(path, "config.json")).read())
+    assert (cfg["architectures"], cfg["hidden_size"], cfg["num_hidden_layers"]) == (["Qwen3MoeForCausalLM"], 256, 4)
+    assert (cfg["num_experts"] if "num_experts" in cfg else cfg["num_local_experts"], cfg["num_experts_per_tok"]) == (16, 4)
+    built = []
+    monkeypatch.setattr(tiny, "make_tiny_checkpoint", lambda p, **kw: built.append(p))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert tiny.default_model_path().startswith(str(tmp_path / "xdg" / "tidal" / "default-"))
+    assert len(built) == 1

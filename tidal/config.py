@@ -1,0 +1,284 @@
+"""Engine configuration: frozen dataclasses built once from ``EngineArgs`` and passed whole.
+
+Validation happens here, at construction, with messages that name the offending
+argument so a CLI or HTTP error can show them unchanged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+_DTYPES = ("auto", "float32", "float16", "bfloat16")
+ALL2ALL_BACKENDS = (
+    "allgather_reducescatter",
+    "all2all",
+    "deepep_high_throughput",
+    "deepep_low_latency",
+)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str  # a Hugging Face folder
+    tokenizer: str
+    dtype: str  # resolved: float32 | float16 | bfloat16
+    max_model_len: int
+    seed: int
+    architecture: str
+    hf_config: Any = field(compare=False, hash=False, repr=False)
+
+    @property
+    def torch_dtype(self) -> Any:
+        import torch
+
+        return getattr(torch, self.dtype)
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        eos = getattr(self.hf_config, "eos_token_id", None)
+        if eos is None:
+            return []
+        return list(eos) if isinstance(eos, (list, tuple)) else [int(eos)]
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    # Bytes of KV cache per rank; ignored when num_blocks is set.
+    kv_cache_memory_bytes: int = 512 * 1024 * 1024
+    num_blocks: int | None = None
+    enable_prefix_caching: bool = True
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 128
+    max_model_len: int = 2048
+    enable_chunked_prefill: bool = True
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    data_parallel_size: int = 1
+    data_parallel_rank: int = 0
+    data_parallel_size_local: int = 1
+    data_parallel_start_rank: int = 0
+    data_parallel_address: str = "127.0.0.1"
+    data_parallel_rpc_port: int = 0
+    enable_expert_parallel: bool = False
+    all2all_backend: str = "allgather_reducescatter"
+    enable_eplb: bool = False
+    num_redundant_experts: int = 0
+    eplb_window: int = 1000
+    eplb_interval: int = 3000
+
+    @property
+    def ep_size(self) -> int:
+        return self.data_parallel_size if self.enable_expert_parallel else 1
+
+    def config_hash(self) -> str:
+        """Hash of what every rank must agree on (rank-specific fields excluded)."""
+        d = dataclasses.asdict(self)
+        for k in ("data_parallel_rank", "data_parallel_size_local", "data_parallel_start_rank"):
+            d.pop(k)
+        return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+    parallel: ParallelConfig
+    device: str = "cpu"
+    moe_backend: str = "auto"  # auto | torch | triton | reference
+
+    def with_parallel(self, **changes: Any) -> EngineConfig:
+        return dataclasses.replace(self, parallel=dataclasses.replace(self.parallel, **changes))
+
+
+@dataclass
+class EngineArgs:
+    """User-facing arguments (CLI flags and ``LLM(**kwargs)``); ``create_engine_config``
+    turns them into the frozen config and is the one place that validates them."""
+
+    model: str | None = None
+    tokenizer: str | None = None
+    dtype: str = "auto"
+    seed: int = 0
+    max_model_len: int | None = None
+    block_size: int = 16
+    kv_cache_memory_bytes: int = 512 * 1024 * 1024
+    num_gpu_blocks_override: int | None = None
+    enable_prefix_caching: bool = True
+    max_num_batched_tokens: int | None = None
+    max_num_seqs: int = 128
+    enable_chunked_prefill: bool = True
+    data_parallel_size: int = 1
+    data_parallel_rank: int = 0
+    data_parallel_size_local: int | None = None
+    data_parallel_start_rank: int = 0
+    data_parallel_address: str = "127.0.0.1"
+    data_parallel_rpc_port: int = 0
+    enable_expert_parallel: bool = False
+    all2all_backend: str = "allgather_reducescatter"
+    enable_eplb: bool = False
+    num_redundant_experts: int = 0
+    eplb_window: int = 1000
+    eplb_interval: int = 3000
+    device: str = "auto"
+    moe_backend: str = "auto"
+
+    def create_engine_config(self) -> EngineConfig:
+        from transformers import AutoConfig
+
+        from tidal.models.registry import resolve_architecture
+
+        model = self.model or _default_model()
+        if not os.path.isdir(model):
+            raise ValueError(
+                f"model: {model!r} is not a directory (a Hugging Face checkpoint folder)"
+            )
+        try:
+            hf_config = AutoConfig.from_pretrained(model)
+        except Exception as e:  # noqa: BLE001 - reported with the flag name
+            raise ValueError(f"model: cannot read config.json in {model!r}: {e}") from e
+        arch = resolve_architecture(hf_config)  # raises ValueError naming the architecture
+        dtype = _resolve_dtype(self.dtype, hf_config)
+        model_cfg = ModelConfig(
+            model=model,
+            tokenizer=self.tokenizer or model,
+            dtype=dtype,
+            max_model_len=_resolve_max_model_len(self.max_model_len, hf_config),
+            seed=self.seed,
+            architecture=arch,
+            hf_config=hf_config,
+        )
+        return EngineConfig(
+            model=model_cfg,
+            cache=self._cache_config(),
+            scheduler=self._scheduler_config(model_cfg.max_model_len),
+            parallel=self._parallel_config(hf_config),
+            device=_resolve_device(self.device),
+            moe_backend=_check_choice(
+                "moe_backend", self.moe_backend, ("auto", "torch", "triton", "reference")
+            ),
+        )
+
+    def _cache_config(self) -> CacheConfig:
+        if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
+            raise ValueError(
+                f"block_size must be a power of two in [1, 128], got {self.block_size}"
+            )
+        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
+            raise ValueError(
+                f"num_gpu_blocks_override must be >= 1, got {self.num_gpu_blocks_override}"
+            )
+        if self.kv_cache_memory_bytes <= 0:
+            raise ValueError(f"kv_cache_memory_bytes must be > 0, got {self.kv_cache_memory_bytes}")
+        return CacheConfig(
+            block_size=self.block_size,
+            kv_cache_memory_bytes=self.kv_cache_memory_bytes,
+            num_blocks=self.num_gpu_blocks_override,
+            enable_prefix_caching=self.enable_prefix_caching,
+        )
+
+    def _scheduler_config(self, max_model_len: int) -> SchedulerConfig:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        budget = self.max_num_batched_tokens
+        if budget is None:
+            budget = 2048 if self.enable_chunked_prefill else max(2048, max_model_len)
+        if budget < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {budget}")
+        if not self.enable_chunked_prefill and budget < max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens ({budget}) must be >= max_model_len ({max_model_len}) "
+                "when chunked prefill is disabled"
+            )
+        return SchedulerConfig(
+            max_num_batched_tokens=budget,
+            max_num_seqs=self.max_num_seqs,
+            max_model_len=max_model_len,
+            enable_chunked_prefill=self.enable_chunked_prefill,
+        )
+
+    def _parallel_config(self, hf_config: Any) -> ParallelConfig:
+        dp = self.data_parallel_size
+        if dp < 1:
+            raise ValueError(f"data_parallel_size must be >= 1, got {dp}")
+        if not 0 <= self.data_parallel_rank < dp:
+            raise ValueError(
+                f"data_parallel_rank must be in [0, {dp}), got {self.data_parallel_rank}"
+            )
+        _check_choice("all2all_backend", self.all2all_backend, ALL2ALL_BACKENDS)
+        if self.num_redundant_experts < 0:
+            raise ValueError(
+                f"num_redundant_experts must be >= 0, got {self.num_redundant_experts}"
+            )
+        if self.enable_eplb and not self.enable_expert_parallel:
+            raise ValueError("enable_eplb requires enable_expert_parallel")
+        local = self.data_parallel_size_local if self.data_parallel_size_local is not None else dp
+        return ParallelConfig(
+            data_parallel_size=dp,
+            data_parallel_rank=self.data_parallel_rank,
+            data_parallel_size_local=local,
+            data_parallel_start_rank=self.data_parallel_start_rank,
+            data_parallel_address=self.data_parallel_address,
+            data_parallel_rpc_port=self.data_parallel_rpc_port,
+            enable_expert_parallel=self.enable_expert_parallel,
+            all2all_backend=self.all2all_backend,
+            enable_eplb=self.enable_eplb,
+            num_redundant_experts=self.num_redundant_experts,
+            eplb_window=self.eplb_window,
+            eplb_interval=self.eplb_interval,
+        )
+
+
+def _default_model() -> str:
+    from tidal.models.tiny import default_model_path
+
+    return default_model_path()
+
+
+def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> str:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(choices)}; got {value!r}")
+    return value
+
+
+def _resolve_dtype(dtype: str, hf_config: Any) -> str:
+    _check_choice("dtype", dtype, _DTYPES)
+    if dtype != "auto":
+        return dtype
+    ckpt = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    name = str(ckpt).replace("torch.", "") if ckpt is not None else "float32"
+    return name if name in _DTYPES else "float32"
+
+
+def _resolve_max_model_len(requested: int | None, hf_config: Any) -> int:
+    limit = int(getattr(hf_config, "max_position_embeddings", 2048))
+    if requested is None:
+        return limit
+    if requested < 1:
+        raise ValueError(f"max_model_len must be >= 1, got {requested}")
+    if requested > limit:
+        raise ValueError(
+            f"max_model_len ({requested}) exceeds the model's max_position_embeddings ({limit})"
+        )
+    return requested
+
+
+def _resolve_device(device: str) -> str:
+    _check_choice("device", device, ("auto", "cpu", "cuda"))
+    if device != "auto":
+        return device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"

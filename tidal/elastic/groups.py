@@ -1,0 +1,405 @@
+"""Stateless process groups: torch.distributed collectives without the global default group.
+
+Why not ``torch.distributed.init_process_group``? It creates one process-wide default
+group that cannot be re-created with a different world size while the old one is alive.
+Elastic EP needs the opposite: the serving group and a *standby* group for the new size
+coexist during prepare, then the old one is destroyed at commit, and the cycle repeats.
+So each ``StatelessGroup`` owns its own c10d backend object, built directly on a
+``TCPStore`` (through a ``PrefixStore`` so several groups can share one store), and is
+never registered in torch's global world (``torch.distributed.is_initialized()`` stays
+False).
+
+Backends:
+- ``gloo``: CPU tensors. Always available; used for the DP consensus all-reduce and for the
+  EP group on CPU.
+- ``nccl``: CUDA tensors, when torch is built with NCCL. The caller pins the device
+  (``torch.cuda.set_device``) before ``create``. Not exercised by the CPU test suite.
+
+Collectives call the backend object directly (``backend.allreduce([t], opts).wait()``);
+every one is synchronous and blocks at most ``timeout_s`` before raising ``RuntimeError``.
+On torch 2.13 gloo natively supports all-gather, reduce-scatter (``_reduce_scatter_base``)
+and uneven all-to-all (``alltoall_base``) on CPU; where a build lacks reduce-scatter we fall
+back to all-reduce + slice (costs ``world_size`` times the reduce-scatter traffic).
+
+A group is not thread-safe: use it from one thread (the engine busy loop).
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import pickle
+import socket
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed import PrefixStore, ReduceOp, TCPStore
+
+logger = logging.getLogger(__name__)
+
+_LOOPBACK = ("127.0.0.1", "localhost", "::1")
+_BACKENDS = ("gloo", "nccl")
+
+
+def get_open_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free a moment ago (the OS may hand it out again: use it soon)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def create_store(
+    host: str, port: int, *, rank: int, world_size: int, timeout_s: float = 60.0
+) -> TCPStore:
+    """Rank 0 hosts the store (``is_master``); the others connect to ``host:port``.
+
+    Does not wait for all workers, so rank 0 returns at once; the group's rendezvous
+    (inside the backend constructor) is what blocks until every rank has arrived.
+    """
+    return TCPStore(
+        host,
+        port,
+        world_size,
+        is_master=(rank == 0),
+        timeout=datetime.timedelta(seconds=timeout_s),
+        wait_for_workers=False,
+    )
+
+
+class StatelessGroup:
+    """A c10d process group of ``world_size`` ranks that lives outside torch's global state.
+
+    Build with ``StatelessGroup.create(...)`` on every member; tear down with ``destroy()``.
+    Tensors passed to collectives must live on the backend's device (CPU for gloo, the
+    current CUDA device for nccl) and are made contiguous where needed.
+    """
+
+    def __init__(
+        self,
+        *,
+        rank: int,
+        world_size: int,
+        backend_name: str,
+        backend: Any,
+        process_group: dist.ProcessGroup,
+        store: TCPStore,
+        owns_store: bool,
+        prefix: str,
+    ) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.backend_name = backend_name
+        self.prefix = prefix
+        self._backend = backend
+        self._pg = process_group
+        self._store: TCPStore | None = store
+        self._owns_store = owns_store
+        self._native_reduce_scatter = True
+        self._destroyed = False
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def create(
+        cls,
+        *,
+        host: str,
+        port: int,
+        rank: int,
+        world_size: int,
+        backend: str = "gloo",
+        store: TCPStore | None = None,
+        prefix: str = "",
+        timeout_s: float = 60.0,
+        local_addr: str | None = None,
+    ) -> StatelessGroup:
+        """Create the group on this rank; blocks until all ``world_size`` ranks have joined.
+
+        host/port: the TCPStore address (rank 0 hosts it) unless ``store`` is given, in which
+            case port is ignored and the caller keeps ownership of the store (``host``
+            still picks the default ``local_addr``).
+        prefix: namespace of this group's keys in the store. Must be unique per store:
+            groups sharing a store (or re-created on it) need distinct prefixes.
+        local_addr: the address gloo binds for its peer connections; default 127.0.0.1
+            when ``host`` is loopback, else gloo's default device for this machine's hostname.
+        """
+        if backend not in _BACKENDS:
+            raise ValueError(f"backend must be one of {', '.join(_BACKENDS)}; got {backend!r}")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
+        owns_store = store is None
+        if store is None:
+            store = create_store(host, port, rank=rank, world_size=world_size, timeout_s=timeout_s)
+        pstore = PrefixStore(f"tidal/{prefix}/", store)
+        timeout = datetime.timedelta(seconds=timeout_s)
+        if backend == "gloo":
+            be, btype, device = _make_gloo(pstore, rank, world_size, timeout, host, local_addr)
+        else:
+            be, btype, device = _make_nccl(pstore, rank, world_size, timeout)
+        pg = dist.ProcessGroup(pstore, rank, world_size)
+        pg._set_default_backend(btype)
+        pg._register_backend(device, btype, be)
+        return cls(
+            rank=rank,
+            world_size=world_size,
+            backend_name=backend,
+            backend=be,
+            process_group=pg,
+            store=store,
+            owns_store=owns_store,
+            prefix=prefix,
+        )
+
+    @property
+    def process_group(self) -> dist.ProcessGroup:
+        """A ``torch.distributed.ProcessGroup`` view, for libraries that need one (DeepEP,
+        ``dist.all_gather_object``). It is not registered in torch's global world."""
+        self._check_alive()
+        return self._pg
+
+    @property
+    def store(self) -> TCPStore | None:
+        return self._store
+
+    @property
+    def is_destroyed(self) -> bool:
+        return self._destroyed
+
+    def destroy(self) -> None:
+        """Release the backend (its peer sockets) and, if this group created it, the store.
+
+        Idempotent and non-blocking: it does not wait for peers, so a rank can leave a
+        group whose other members are dead. Callers that need all ranks to finish their
+        collectives first call ``barrier()`` before ``destroy()``.
+        """
+        if self._destroyed:
+            return
+        self._destroyed = True
+        try:
+            self._backend.shutdown()
+        except Exception as e:  # noqa: BLE001 - best effort: peers may already be gone
+            logger.debug("group %r shutdown: %s", self.prefix, e)
+        self._backend = None
+        self._pg = None
+        # Dropping our reference closes a store we created (server on rank 0, client
+        # elsewhere); a store passed in by the caller stays alive through theirs.
+        self._store = None
+
+    def _check_alive(self) -> None:
+        if self._destroyed:
+            raise RuntimeError(f"process group {self.prefix!r} was destroyed")
+
+    # ------------------------------------------------------------------ collectives
+    def all_reduce(self, t: torch.Tensor, op: ReduceOp = ReduceOp.SUM) -> torch.Tensor:
+        """In place over all ranks; returns ``t``."""
+        self._check_alive()
+        buf = t if t.is_contiguous() else t.contiguous()
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = op
+        self._backend.allreduce([buf], opts).wait()
+        if buf is not t:
+            t.copy_(buf)
+        return t
+
+    def all_gather_into(self, out: torch.Tensor, inp: torch.Tensor) -> torch.Tensor:
+        """``out [W*n, ...]`` <- concat over ranks of ``inp [n, ...]`` (rank order)."""
+        self._check_alive()
+        if out.shape[0] != self.world_size * inp.shape[0] or out.shape[1:] != inp.shape[1:]:
+            raise ValueError(f"all_gather_into: out {tuple(out.shape)} vs inp {tuple(inp.shape)}")
+        if out.numel() == 0:
+            return out
+        self._backend._allgather_base(out, inp.contiguous()).wait()
+        return out
+
+    def all_gather(self, t: torch.Tensor) -> torch.Tensor:
+        """Concat over ranks along dim 0 of equal-shaped ``t``: ``[W*n, ...]``."""
+        out = t.new_empty((self.world_size * t.shape[0], *t.shape[1:]))
+        return self.all_gather_into(out, t)
+
+    def all_gather_v(self, t: torch.Tensor, sizes: Sequence[int]) -> torch.Tensor:
+        """Variable rows per rank (``sizes[r]`` rows on rank r, agreed beforehand): pads to
+        ``max(sizes)``, gathers, and returns the ``[sum(sizes), ...]`` concatenation."""
+        sizes = list(sizes)
+        if t.shape[0] != sizes[self.rank]:
+            raise ValueError(f"all_gather_v: rank {self.rank} has {t.shape[0]} rows, sizes={sizes}")
+        m = max(sizes)
+        padded = _pad_rows(t, m)
+        full = self.all_gather(padded).view(self.world_size, m, *t.shape[1:])
+        return torch.cat([full[r, : sizes[r]] for r in range(self.world_size)])
+
+    def reduce_scatter_into(
+        self, out: torch.Tensor, inp: torch.Tensor, op: ReduceOp = ReduceOp.SUM
+    ) -> torch.Tensor:
+        """``out [n, ...]`` <- reduction over ranks of rows ``[rank*n, (rank+1)*n)`` of ``inp [W*n, ...]``."""
+        self._check_alive()
+        if inp.shape[0] != self.world_size * out.shape[0] or out.shape[1:] != inp.shape[1:]:
+            raise ValueError(f"reduce_scatter_into: out {tuple(out.shape)} vs inp {tuple(inp.shape)}")
+        if inp.numel() == 0:
+            return out
+        inp = inp.contiguous()
+        if self._native_reduce_scatter:
+            opts = dist.ReduceScatterOptions()
+            opts.reduceOp = op
+            try:
+                self._backend._reduce_scatter_base(out, inp, opts).wait()
+                return out
+            except RuntimeError as e:
+                if "support" not in str(e):
+                    raise
+                logger.info("native reduce_scatter unavailable (%s); using all_reduce + slice", e)
+                self._native_reduce_scatter = False
+        return self._reduce_scatter_via_all_reduce(out, inp, op)
+
+    def _reduce_scatter_via_all_reduce(
+        self, out: torch.Tensor, inp: torch.Tensor, op: ReduceOp = ReduceOp.SUM
+    ) -> torch.Tensor:
+        """Slow reference: all-reduce the whole input, keep this rank's slice.
+        Moves ``W`` times the bytes of a real reduce-scatter."""
+        n = out.shape[0]
+        full = self.all_reduce(inp.clone(), op)
+        out.copy_(full[self.rank * n : (self.rank + 1) * n])
+        return out
+
+    def reduce_scatter(self, inp: torch.Tensor, op: ReduceOp = ReduceOp.SUM) -> torch.Tensor:
+        if inp.shape[0] % self.world_size:
+            raise ValueError(f"reduce_scatter: {inp.shape[0]} rows not divisible by {self.world_size}")
+        out = inp.new_empty((inp.shape[0] // self.world_size, *inp.shape[1:]))
+        return self.reduce_scatter_into(out, inp, op)
+
+    def reduce_scatter_v(self, inp: torch.Tensor, sizes: Sequence[int]) -> torch.Tensor:
+        """Sum-reduce ``inp [sum(sizes), ...]`` (same layout on every rank) and return this
+        rank's ``sizes[rank]`` rows; pads each rank's block to ``max(sizes)``."""
+        sizes = list(sizes)
+        if inp.shape[0] != sum(sizes):
+            raise ValueError(f"reduce_scatter_v: {inp.shape[0]} rows, sizes={sizes}")
+        m = max(sizes)
+        padded = inp.new_zeros((self.world_size, m, *inp.shape[1:]))
+        start = 0
+        for r, n in enumerate(sizes):
+            padded[r, :n] = inp[start : start + n]
+            start += n
+        out = self.reduce_scatter(padded.view(self.world_size * m, *inp.shape[1:]))
+        return out[: sizes[self.rank]]
+
+    def all_to_all_single(
+        self,
+        out: torch.Tensor,
+        inp: torch.Tensor,
+        out_splits: Sequence[int] | None = None,
+        in_splits: Sequence[int] | None = None,
+    ) -> torch.Tensor:
+        """Rows ``in_splits[r]`` of ``inp`` go to rank r; ``out`` receives ``out_splits[r]``
+        rows from rank r, in rank order. ``None`` splits mean equal splits along dim 0."""
+        self._check_alive()
+        in_splits = [] if in_splits is None else [int(x) for x in in_splits]
+        out_splits = [] if out_splits is None else [int(x) for x in out_splits]
+        if in_splits and sum(in_splits) != inp.shape[0]:
+            raise ValueError(f"all_to_all_single: in_splits {in_splits} vs {inp.shape[0]} rows")
+        if out_splits and sum(out_splits) != out.shape[0]:
+            raise ValueError(f"all_to_all_single: out_splits {out_splits} vs {out.shape[0]} rows")
+        self._backend.alltoall_base(out, inp.contiguous(), out_splits, in_splits).wait()
+        return out
+
+    def broadcast(self, t: torch.Tensor, src: int) -> torch.Tensor:
+        """In place: every rank's ``t`` becomes rank ``src``'s."""
+        self._check_alive()
+        if not t.is_contiguous():
+            raise ValueError("broadcast needs a contiguous tensor (it is written in place)")
+        opts = dist.BroadcastOptions()
+        opts.rootRank = src
+        opts.rootTensor = 0
+        self._backend.broadcast([t], opts).wait()
+        return t
+
+    def barrier(self) -> None:
+        self._check_alive()
+        if self.backend_name == "gloo":
+            self._backend.barrier().wait()
+        else:  # NCCL's barrier needs a device hint; a 1-element all-reduce is equivalent
+            self.all_reduce(torch.zeros(1, device=torch.device("cuda", torch.cuda.current_device())))
+
+    def send(self, t: torch.Tensor, dst: int, tag: int = 0) -> None:
+        """Point-to-point send (blocks until the peer has received, for gloo)."""
+        self._check_alive()
+        self._backend.send([t.contiguous()], dst, tag).wait()
+
+    def recv(self, t: torch.Tensor, src: int, tag: int = 0) -> torch.Tensor:
+        """Receive into ``t`` (shape and dtype agreed with the sender)."""
+        self._check_alive()
+        if not t.is_contiguous():
+            raise ValueError("recv needs a contiguous tensor (it is written in place)")
+        self._backend.recv([t], src, tag).wait()
+        return t
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Small picklable objects only (control data between our own ranks, never sockets).
+        Two collectives: sizes, then the padded payloads."""
+        self._check_alive()
+        device = self._device()
+        payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(device)
+        sizes = self.all_gather(torch.tensor([payload.numel()], dtype=torch.int64, device=device))
+        sizes_l = [int(s) for s in sizes.tolist()]
+        data = self.all_gather_v(payload, sizes_l).cpu()
+        out, start = [], 0
+        for n in sizes_l:
+            out.append(pickle.loads(data[start : start + n].numpy().tobytes()))
+            start += n
+        return out
+
+    def _device(self) -> torch.device:
+        if self.backend_name == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    def __repr__(self) -> str:
+        state = "destroyed" if self._destroyed else "alive"
+        return (
+            f"StatelessGroup(prefix={self.prefix!r}, rank={self.rank}, "
+            f"world_size={self.world_size}, backend={self.backend_name}, {state})"
+        )
+
+
+def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+    if t.shape[0] == rows:
+        return t.contiguous()
+    out = t.new_zeros((rows, *t.shape[1:]))
+    out[: t.shape[0]] = t
+    return out
+
+
+def _make_gloo(
+    store: PrefixStore,
+    rank: int,
+    world_size: int,
+    timeout: datetime.timedelta,
+    host: str,
+    local_addr: str | None,
+) -> tuple[Any, Any, torch.device]:
+    gloo = dist.ProcessGroupGloo
+    opts = gloo._Options()
+    opts._timeout = timeout
+    if local_addr is None and host in _LOOPBACK:
+        local_addr = "127.0.0.1"
+    if local_addr is None:
+        opts._devices = [gloo.create_default_device()]
+    else:
+        opts._devices = [gloo.create_device(hostname=local_addr)]
+    backend = gloo(store, rank, world_size, opts)
+    return backend, dist.ProcessGroup.BackendType.GLOO, torch.device("cpu")
+
+
+def _make_nccl(
+    store: PrefixStore, rank: int, world_size: int, timeout: datetime.timedelta
+) -> tuple[Any, Any, torch.device]:
+    # Untested in this repository's CPU CI: written against torch's ProcessGroupNCCL API.
+    if not dist.is_nccl_available() or not torch.cuda.is_available():
+        raise RuntimeError("backend 'nccl' requires a CUDA build of torch with NCCL and a GPU")
+    nccl = dist.ProcessGroupNCCL
+    opts = nccl.Options()
+    opts._timeout = timeout
+    opts.is_high_priority_stream = False
+    backend = nccl(store, rank, world_size, opts)
+    device = torch.device("cuda", torch.cuda.current_device())
+    return backend, dist.ProcessGroup.BackendType.NCCL, device

@@ -1,0 +1,47 @@
+"""What crosses the scheduler -> model runner -> scheduler boundary inside one engine.
+
+These stay in-process (the executor runs in the engine's process), so they are plain
+dataclasses that reference ``Request`` objects rather than serialisable messages.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tidal.engine_core.messages import Logprobs
+from tidal.engine_core.request import Request
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    start: int  # request.num_computed_tokens before this step
+    num_new_tokens: int  # compute KV for all_token_ids[start : start + num_new_tokens]
+
+    @property
+    def samples(self) -> bool:
+        """True when this chunk reaches the last known token, so the step samples one."""
+        return self.start + self.num_new_tokens == self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)  # batch order
+    total_num_scheduled_tokens: int = 0
+    preempted_req_ids: set[str] = field(default_factory=set)
+    # Requests finished or aborted since the previous schedule(): runners drop their state.
+    finished_req_ids: set[str] = field(default_factory=set)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass
+class ModelRunnerOutput:
+    # req_id -> sampled token ids of this step ([] or absent for a partial prefill chunk).
+    sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # req_id -> one Logprobs per sampled token, when the request asked for logprobs.
+    logprobs: dict[str, list[Logprobs]] = field(default_factory=dict)
+    # req_id -> Logprobs for prompt positions computed in this step (position 0 excluded).
+    prompt_logprobs: dict[str, list[Logprobs]] = field(default_factory=dict)

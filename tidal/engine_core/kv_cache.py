@@ -1,0 +1,283 @@
+"""KV cache blocks: a reference-counted pool with LRU eviction, and the per-request
+manager the scheduler drives (block tables, prefix caching by chained block hashes).
+
+Pure Python, no torch: the model runner only reads ``request.block_ids``.
+
+Null block. Block ``NULL_BLOCK_ID`` (0) is reserved and never handed to a request, so
+``num_blocks`` blocks give ``num_blocks - 1`` usable ones. The runner may aim the KV
+writes of padding or dummy tokens at it (their contents are never read) and may pad
+block tables with it.
+
+Prefix caching.
+- Every full block of ``request.all_token_ids`` has a chained hash
+  ``h_i = H(h_{i-1}, tokens of block i)`` with ``h_{-1} = 0`` and ``H`` = BLAKE2b-128
+  over the parent hash (16 bytes LE) and the token ids (int64 LE). A hash therefore
+  names the whole prefix up to the end of its block. It is stable across processes and
+  runs (unlike ``hash(str)``), and 128 bits make an accidental collision negligible.
+  Hashes are appended lazily to ``request.block_hashes``; tokens are append-only, so
+  they never go stale.
+- A block is registered in the hash map only *after the step that computed it*
+  (``cache_computed_blocks``, called by the scheduler from ``update_from_output``), not
+  when it is allocated. So a request can only hit a block whose KV has been written,
+  whatever order the attention layer stores and reads KV inside one forward. The cost:
+  two requests with a common prefix scheduled in the same step both compute it.
+- Only full blocks are shared, and never the last prompt token: the model must run at
+  least one token to produce the logits the next token is sampled from.
+
+Eviction. Free blocks sit in one queue in eviction order (head = evicted first).
+A freed block with a hash goes to the tail (kept as long as possible); a freed block
+without one goes to the head (nothing is lost by reusing it). A request frees its blocks
+last-first, so its tail, the part least likely to be shared, is evicted before its head.
+A cache hit on a free block takes it out of the queue; freeing it again puts it at the
+tail, which makes the order least-recently-used.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+
+from tidal.engine_core.request import Request
+
+NULL_BLOCK_ID = 0
+_ROOT_HASH = 0
+
+
+def hash_block_tokens(parent_hash: int, token_ids: Sequence[int]) -> int:
+    """Chained hash of one full block: stable, 128-bit."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(parent_hash.to_bytes(16, "little"))
+    h.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
+    return int.from_bytes(h.digest(), "little")
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVCacheBlock:
+    __slots__ = ("block_id", "ref_cnt", "block_hash")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_cnt = 0
+        self.block_hash: int | None = None  # set while the block is in the prefix cache
+
+    def __repr__(self) -> str:
+        return f"KVCacheBlock({self.block_id}, ref={self.ref_cnt}, cached={self.block_hash is not None})"
+
+
+class BlockPool:
+    """Blocks with reference counts, a free queue in eviction order and a hash map."""
+
+    def __init__(self, num_blocks: int, enable_caching: bool) -> None:
+        if num_blocks < 2:
+            raise ValueError(f"num_blocks must be >= 2 (block 0 is reserved), got {num_blocks}")
+        self.enable_caching = enable_caching
+        self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
+        # block id -> None; insertion order is eviction order (OrderedDict: O(1) removal).
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(1, num_blocks))
+        self._cached: dict[int, int] = {}  # block hash -> block id
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_usable_blocks(self) -> int:
+        return len(self.blocks) - 1
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._cached)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of usable blocks held by requests (cached-but-free blocks count as free)."""
+        return 1.0 - self.num_free_blocks / self.num_usable_blocks
+
+    def free_block_ids(self) -> list[int]:
+        """Free blocks in eviction order (head first); for tests and debugging."""
+        return list(self._free)
+
+    def get_cached_block(self, block_hash: int) -> int | None:
+        return self._cached.get(block_hash)
+
+    def touch(self, block_ids: Iterable[int]) -> None:
+        """Take a reference on cache-hit blocks, pulling free ones out of the queue."""
+        for bid in block_ids:
+            block = self.blocks[bid]
+            if block.ref_cnt == 0:
+                del self._free[bid]
+            block.ref_cnt += 1
+
+    def allocate(self, n: int) -> list[int]:
+        """Hand out ``n`` blocks from the head of the free queue, evicting their hashes."""
+        if n > len(self._free):
+            raise ValueError(f"cannot allocate {n} blocks: only {len(self._free)} free")
+        out = []
+        for _ in range(n):
+            bid, _ = self._free.popitem(last=False)
+            block = self.blocks[bid]
+            self._evict(block)
+            block.ref_cnt = 1
+            out.append(bid)
+        return out
+
+    def free(self, block_ids: Iterable[int]) -> None:
+        """Drop one reference each; ``block_ids`` in eviction order (first = evicted first)."""
+        for bid in block_ids:
+            block = self.blocks[bid]
+            if block.ref_cnt <= 0:
+                raise RuntimeError(f"double free of block {bid}")
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self._free[bid] = None
+                if block.block_hash is None:
+                    self._free.move_to_end(bid, last=False)
+
+    def cache_block(self, block_id: int, block_hash: int) -> bool:
+        """Register a computed full block; False when that content is cached already."""
+        if not self.enable_caching or block_hash in self._cached:
+            return False
+        block = self.blocks[block_id]
+        assert block.block_hash is None and block.ref_cnt > 0, block
+        block.block_hash = block_hash
+        self._cached[block_hash] = block_id
+        return True
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every hash. Blocks in use stay valid for their owners, just unshared."""
+        for bid in self._cached.values():
+            self.blocks[bid].block_hash = None
+        self._cached.clear()
+
+    def _evict(self, block: KVCacheBlock) -> None:
+        if block.block_hash is not None:
+            if self._cached.get(block.block_hash) == block.block_id:
+                del self._cached[block.block_hash]
+            block.block_hash = None
+
+
+class KVCacheManager:
+    """Block tables of requests over one ``BlockPool`` (block 0 reserved, see module doc)."""
+
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True
+    ) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.block_pool = BlockPool(num_blocks, enable_prefix_caching)
+        # request id -> leading blocks of its table already offered to the cache.
+        self._num_cached_blocks: dict[str, int] = {}
+        self.prefix_cache_queries = 0  # tokens looked up (cumulative)
+        self.prefix_cache_hits = 0  # of which found in the cache (cumulative)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.block_pool.num_free_blocks
+
+    @property
+    def num_usable_blocks(self) -> int:
+        return self.block_pool.num_usable_blocks
+
+    @property
+    def usage(self) -> float:
+        return self.block_pool.usage
+
+    def num_blocks_for(self, num_tokens: int) -> int:
+        return cdiv(num_tokens, self.block_size)
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
+        """Longest cached prefix of ``request.all_token_ids``: (block ids, number of tokens).
+
+        Full blocks only, and never every token: the last one is always left to compute.
+        Takes no references; pass the result to ``allocate_slots`` in the same schedule.
+        """
+        if not self.enable_prefix_caching:
+            return [], 0
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        self._ensure_block_hashes(request, max_blocks)
+        hits: list[int] = []
+        for block_hash in request.block_hashes[:max_blocks]:
+            bid = self.block_pool.get_cached_block(block_hash)
+            if bid is None:
+                break
+            hits.append(bid)
+        return hits, len(hits) * self.block_size
+
+    def record_prefix_cache_query(self, num_tokens: int, num_hit_tokens: int) -> None:
+        """Counted by the scheduler once a lookup is used, not on every retried lookup."""
+        self.prefix_cache_queries += num_tokens
+        self.prefix_cache_hits += num_hit_tokens
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        new_computed_blocks: Sequence[int] | None = None,
+        num_new_computed_tokens: int = 0,
+    ) -> bool:
+        """Grow ``request.block_ids`` to hold ``num_computed_tokens + num_new_computed_tokens
+        + num_new_tokens`` tokens, prepending cache hits ``new_computed_blocks`` (which cover
+        ``num_new_computed_tokens``). False, with nothing changed, when blocks are short."""
+        hits = list(new_computed_blocks or ())
+        assert num_new_computed_tokens == len(hits) * self.block_size
+        assert not hits or not request.block_ids, "cache hits only for a request with no blocks"
+        total = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
+        num_new_blocks = max(0, self.num_blocks_for(total) - len(request.block_ids) - len(hits))
+        # Hits on free blocks leave the free queue, so they compete with the new blocks.
+        num_free_hits = sum(1 for b in hits if self.block_pool.blocks[b].ref_cnt == 0)
+        if num_new_blocks + num_free_hits > self.block_pool.num_free_blocks:
+            return False
+        # Touch hits before allocating so the allocation cannot evict them.
+        self.block_pool.touch(hits)
+        request.block_ids.extend(hits)
+        request.block_ids.extend(self.block_pool.allocate(num_new_blocks))
+        return True
+
+    def cache_computed_blocks(self, request: Request) -> None:
+        """Offer the request's fully computed blocks to the prefix cache.
+
+        Call after the step that computed them (see the module doc for why).
+        """
+        if not self.enable_prefix_caching:
+            return
+        rid = request.request_id
+        num_full = min(request.num_computed_tokens // self.block_size, len(request.block_ids))
+        start = self._num_cached_blocks.get(rid, 0)
+        if num_full <= start:
+            return
+        self._ensure_block_hashes(request, num_full)
+        for i in range(start, num_full):
+            bid = request.block_ids[i]
+            if self.block_pool.blocks[bid].block_hash is None:  # not a hit nor registered
+                self.block_pool.cache_block(bid, request.block_hashes[i])
+        self._num_cached_blocks[rid] = num_full
+
+    def free(self, request: Request) -> None:
+        """Release the request's blocks, last block first, and clear its block table."""
+        self.block_pool.free(reversed(request.block_ids))
+        request.block_ids = []
+        self._num_cached_blocks.pop(request.request_id, None)
+
+    def reset_prefix_cache(self) -> bool:
+        self.block_pool.reset_prefix_cache()
+        return True
+
+    def _ensure_block_hashes(self, request: Request, num_blocks: int) -> None:
+        hashes = request.block_hashes
+        tokens = request.all_token_ids
+        bs = self.block_size
+        while len(hashes) < num_blocks:
+            i = len(hashes)
+            parent = hashes[i - 1] if i else _ROOT_HASH
+            hashes.append(hash_block_tokens(parent, tokens[i * bs : (i + 1) * bs]))

@@ -1,0 +1,250 @@
+"""Every message that crosses a process boundary: msgspec Structs, encoded as msgpack.
+
+One decoder per direction, one dispatcher on the receiving side. Nothing here is pickled.
+Request-type frames are one byte (``EngineCoreRequestType``) followed by the payload.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+import msgspec
+
+
+@enum.unique
+class EngineCoreRequestType(enum.Enum):
+    ADD = b"\x00"
+    ABORT = b"\x01"
+    START_DP_WAVE = b"\x02"
+    UTILITY = b"\x03"
+    # Sentinel placed on the engine's input queue by its own signal handler.
+    EXECUTOR_FAILED = b"\x04"
+
+
+@enum.unique
+class FinishReason(enum.IntEnum):
+    STOP = 0  # EOS, stop token id or stop string
+    LENGTH = 1  # max_tokens or max_model_len
+    ABORT = 2  # client abort, disconnect or engine failure
+
+    def __str__(self) -> str:
+        return self.name.lower()
+
+
+class SamplingParamsMsg(msgspec.Struct, omit_defaults=True, array_like=True):
+    """Wire form of ``SamplingParams``; rebuilt (and so re-validated) on the engine side."""
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: list[str] = []
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+
+class EngineCoreRequest(msgspec.Struct, omit_defaults=True, array_like=True):
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParamsMsg
+    eos_token_id: int | None = None
+    arrival_time: float = 0.0
+    client_index: int = 0
+    current_wave: int = 0
+    data_parallel_rank: int | None = None
+
+
+class Logprobs(msgspec.Struct, array_like=True):
+    """Logprobs at one position: the chosen token first, then the top-k."""
+
+    token_ids: list[int]  # [1 + k]
+    logprobs: list[float]  # [1 + k]
+    rank: int  # 1-based rank of the chosen token in the full distribution
+
+
+class EngineCoreOutput(msgspec.Struct, omit_defaults=True, array_like=True):
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[Logprobs] | None = None
+    new_prompt_logprobs: list[Logprobs] | None = None
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class UtilityOutput(msgspec.Struct, omit_defaults=True, array_like=True):
+    call_id: int
+    failure_message: str | None = None
+    result: Any = None
+
+
+class SchedulerStats(msgspec.Struct, omit_defaults=True, array_like=True):
+    num_running_reqs: int = 0
+    num_waiting_reqs: int = 0
+    kv_cache_usage: float = 0.0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_preempted: int = 0
+    step_counter: int = 0
+    current_wave: int = 0
+    num_requests_total: int = 0  # cumulative requests added to this rank (DP coordinator)
+
+
+class EngineCoreOutputs(msgspec.Struct, omit_defaults=True, array_like=True):
+    engine_index: int = 0
+    outputs: list[EngineCoreOutput] = []
+    scheduler_stats: SchedulerStats | None = None
+    timestamp: float = 0.0
+    utility_output: UtilityOutput | None = None
+    finished_requests: set[str] | None = None
+    # DP wave control: the wave that just completed (sent by rank 0) / a wave to start.
+    wave_complete: int | None = None
+    start_wave: int | None = None
+    # Set on the last message of an engine that hit a fatal error.
+    engine_dead: bool = False
+    dead_reason: str | None = None
+
+
+class UtilityRequest(msgspec.Struct, array_like=True):
+    client_index: int
+    call_id: int
+    method_name: str
+    args: list[Any]
+
+
+def encode(obj: Any) -> bytes:
+    return _ENCODER.encode(obj)
+
+
+_ENCODER = msgspec.msgpack.Encoder()
+
+
+# ---- Engine startup handshake ----
+
+
+class EngineHello(msgspec.Struct, array_like=True):
+    """Engine -> frontend, first message on the handshake socket."""
+
+    engine_index: int
+    pid: int
+
+
+class EngineAddresses(msgspec.Struct, array_like=True):
+    """Frontend -> engine reply to HELLO: where to connect."""
+
+    input_address: str
+    output_address: str
+    coordinator_input: str | None = None  # engine SUBscribes here (START_DP_WAVE)
+    coordinator_output: str | None = None  # engine PUSHes stats/wave events here
+    parallel_config_hash: str = ""
+
+
+class EngineReady(msgspec.Struct, array_like=True):
+    """Engine -> frontend once the model is loaded and the KV cache allocated."""
+
+    engine_index: int
+    parallel_config_hash: str
+    num_blocks: int
+    error: str | None = None
+
+
+# ---- DP coordinator ----
+# Wire protocol of tidal/dp_coordinator (see its state.py docstring for the wave rules).
+# Coordinator -> engines (XPUB, two frames [kind, payload]):
+#   [EngineCoreRequestType.START_DP_WAVE.value, StartDPWave] or [COORDINATOR_READY, CoordinatorReady]
+# Engines -> coordinator (PUSH -> PULL, one frame): EngineCoreOutputs (stats / wave events).
+# Coordinator -> frontends (XPUB, one frame): DPLoadSnapshot.
+# Frontends -> coordinator (XSUB upstream, one frame): FrontendToCoordinator.
+# /stats (DEALER/REQ -> ROUTER): DPStatsRequest -> DPCoordinatorStats.
+
+COORDINATOR_READY = b"READY"  # kind frame; never a valid EngineCoreRequestType byte
+
+
+class StartDPWave(msgspec.Struct, array_like=True):
+    """Coordinator -> engines: join the collective loop for ``wave``."""
+
+    wave: int
+    exclude_engine_index: int | None = None  # that rank already started on its own
+
+
+class CoordinatorReady(msgspec.Struct, array_like=True):
+    """Coordinator -> engines, sent each time an engine subscribes (engines that are
+    already past their handshake ignore it). Carries the wave so a late or new rank
+    starts from the group's wave instead of 0."""
+
+    num_engines: int
+    wave: int
+    running: bool
+
+
+class DPWakeUp(msgspec.Struct, tag="wake", array_like=True):
+    """Frontend -> coordinator: the first request of ``wave`` (which the frontend believed
+    paused) went to ``engine_index``; wake the other ranks."""
+
+    wave: int
+    engine_index: int
+
+
+class DPResize(msgspec.Struct, tag="resize", array_like=True):
+    """Frontend -> coordinator: the DP group now has ``num_engines`` ranks (elastic EP)."""
+
+    num_engines: int
+
+
+FrontendToCoordinator = DPWakeUp | DPResize
+
+
+class DPStatsRequest(msgspec.Struct, tag="stats", array_like=True):
+    """Anyone -> coordinator's stats ROUTER: reply with DPCoordinatorStats."""
+
+
+class DPLoadSnapshot(msgspec.Struct, array_like=True):
+    """Coordinator -> frontends: the published load (at most every 100 ms + heartbeats)."""
+
+    seq: int  # increases by one per publication
+    timestamp: float  # coordinator's monotonic clock
+    wave: int
+    running: bool
+    counts: list[list[int]]  # [num_engines][2]: [waiting, running]
+    kv_usage: list[float]  # [num_engines], 0..1
+
+
+class DPRankStats(msgspec.Struct):
+    """One rank in ``/stats`` (a JSON object, so not array_like)."""
+
+    rank: int
+    waiting: int
+    running: int
+    kv_usage: float
+    requests_total: int
+    dead: bool
+    history: list[tuple[float, int, int]]  # (t, waiting, running), oldest first
+
+
+class DPCoordinatorStats(msgspec.Struct):
+    """Full coordinator state for ``/stats`` and the dashboard. Times are on the
+    coordinator's monotonic clock: an entry's age is ``timestamp - t``."""
+
+    timestamp: float
+    num_engines: int
+    wave: int
+    running: bool
+    waves_completed: int
+    start_wave_broadcasts: int
+    ranks: list[DPRankStats]

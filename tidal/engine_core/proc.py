@@ -1,0 +1,337 @@
+"""EngineCoreProc: an EngineCore in its own process, with ZMQ I/O threads around it.
+
+Threads:
+- input thread: DEALER (identity = engine index, 2 bytes little-endian) -> ``input_queue``
+- busy loop (main thread): owns the scheduler alone; drains the queue, steps the engine
+- output thread: ``output_queue`` -> PUSH
+
+Startup handshake (on a separate DEALER to the frontend's handshake ROUTER):
+  engine: HELLO(index, pid) -> frontend: addresses + parallel config hash
+  engine: connects, registers on the input socket, loads the model
+  engine: READY(index, its own config hash, num_blocks) or READY(error=...) on failure.
+A rank whose parallel config differs from the frontend's fails fast with a clear error.
+
+Shutdown: RUNNING -(SIGTERM/SIGINT)-> REQUESTED -> SHUTTING_DOWN (stop admitting, drain
+for up to ``drain_timeout_s``, then abort what is left) -> exit. A fatal error sends an
+``EngineCoreOutputs(engine_dead=True)`` before exiting so clients fail fast.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import os
+import queue
+import signal
+import threading
+import time
+import traceback
+from typing import Any
+
+import msgspec
+import zmq
+
+from tidal.config import EngineConfig
+from tidal.engine_core.core import EngineCore
+from tidal.engine_core.messages import (
+    EngineAddresses,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    EngineCoreRequestType,
+    EngineHello,
+    EngineReady,
+    FinishReason,
+    UtilityOutput,
+    UtilityRequest,
+    encode,
+)
+
+logger = logging.getLogger(__name__)
+
+HANDSHAKE_TIMEOUT_S = 60.0
+# How long the idle busy loop blocks on its queue before re-checking shutdown flags.
+_IDLE_POLL_S = 0.05
+
+
+@enum.unique
+class ShutdownState(enum.Enum):
+    RUNNING = enum.auto()
+    REQUESTED = enum.auto()
+    SHUTTING_DOWN = enum.auto()
+
+
+class EngineStartupError(RuntimeError):
+    pass
+
+
+def engine_identity(engine_index: int) -> bytes:
+    return engine_index.to_bytes(2, "little")
+
+
+_REQUEST_DECODERS = {
+    EngineCoreRequestType.ADD: msgspec.msgpack.Decoder(EngineCoreRequest),
+    EngineCoreRequestType.ABORT: msgspec.msgpack.Decoder(list[str]),
+    EngineCoreRequestType.START_DP_WAVE: msgspec.msgpack.Decoder(tuple[int, int]),
+    EngineCoreRequestType.UTILITY: msgspec.msgpack.Decoder(UtilityRequest),
+}
+
+
+class EngineCoreProc:
+    """One engine core process. ``run_engine_core`` is the process entry point."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        engine_index: int,
+        handshake_address: str,
+        drain_timeout_s: float = 30.0,
+    ) -> None:
+        self.config = config
+        self.engine_index = engine_index
+        self.drain_timeout_s = drain_timeout_s
+        self.shutdown_state = ShutdownState.RUNNING
+        self._drain_deadline = 0.0
+        self.input_queue: queue.Queue[tuple[EngineCoreRequestType, Any]] = queue.Queue()
+        self.output_queue: queue.Queue[EngineCoreOutputs | None] = queue.Queue()
+        self.ctx = zmq.Context()
+        self._stop_io = threading.Event()
+        self._handshake = self.ctx.socket(zmq.DEALER)
+        self._handshake.setsockopt(zmq.LINGER, 1000)
+        self._handshake.connect(handshake_address)
+        self.addresses = self._hello()
+        self._start_io_threads()
+        try:
+            self.engine_core = self._build_engine_core()
+        except Exception as e:
+            self._send_ready(0, error=f"{type(e).__name__}: {e}")
+            raise
+        self._send_ready(self.engine_core.num_blocks)
+
+    # ---- startup -----------------------------------------------------------------------
+
+    def _hello(self) -> EngineAddresses:
+        self._handshake.send(encode(EngineHello(self.engine_index, os.getpid())))
+        if not self._handshake.poll(HANDSHAKE_TIMEOUT_S * 1000):
+            raise EngineStartupError(
+                f"engine {self.engine_index}: no reply from the frontend within {HANDSHAKE_TIMEOUT_S}s"
+            )
+        addresses = msgspec.msgpack.decode(self._handshake.recv(), type=EngineAddresses)
+        mine = self.config.parallel.config_hash()
+        if addresses.parallel_config_hash and addresses.parallel_config_hash != mine:
+            msg = (
+                f"engine {self.engine_index}: parallel config mismatch (frontend "
+                f"{addresses.parallel_config_hash}, this rank {mine}): all ranks must be started "
+                "with the same --data-parallel-size / expert-parallel / backend flags"
+            )
+            self._send_ready(0, error=msg)
+            raise EngineStartupError(msg)
+        return addresses
+
+    def _build_engine_core(self) -> EngineCore:
+        return EngineCore(self.config)
+
+    def _send_ready(self, num_blocks: int, error: str | None = None) -> None:
+        ready = EngineReady(
+            self.engine_index, self.config.parallel.config_hash(), num_blocks, error
+        )
+        self._handshake.send(encode(ready))
+
+    def _start_io_threads(self) -> None:
+        registered = threading.Event()
+        self._input_thread = threading.Thread(
+            target=self._input_loop, args=(registered,), name="engine-input", daemon=True
+        )
+        self._output_thread = threading.Thread(
+            target=self._output_loop, name="engine-output", daemon=True
+        )
+        self._input_thread.start()
+        self._output_thread.start()
+        registered.wait(10)
+
+    # ---- I/O threads -------------------------------------------------------------------
+
+    def _input_loop(self, registered: threading.Event) -> None:
+        sock = self.ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.IDENTITY, engine_identity(self.engine_index))
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(self.addresses.input_address)
+        sock.send(b"")  # registers our identity with the frontend's ROUTER
+        registered.set()
+        try:
+            while not self._stop_io.is_set():
+                if not sock.poll(100):
+                    continue
+                type_frame, *rest = sock.recv_multipart(copy=False)
+                req_type = EngineCoreRequestType(bytes(type_frame.buffer))
+                payload = _REQUEST_DECODERS[req_type].decode(rest[0].buffer)
+                self.input_queue.put_nowait((req_type, payload))
+        finally:
+            sock.close()
+
+    def _output_loop(self) -> None:
+        sock = self.ctx.socket(zmq.PUSH)
+        sock.setsockopt(zmq.LINGER, 2000)
+        sock.connect(self.addresses.output_address)
+        try:
+            while True:
+                outputs = self.output_queue.get()
+                if outputs is None:
+                    break
+                sock.send(encode(outputs))
+        finally:
+            sock.close()
+
+    # ---- busy loop ---------------------------------------------------------------------
+
+    def run_busy_loop(self) -> None:
+        """1. drain input (block only when idle); 2. step; 3. handle shutdown."""
+        while True:
+            self._process_input_queue()
+            self._process_engine_step()
+            if self._shutdown_done():
+                return
+
+    def _process_input_queue(self) -> None:
+        if not self._has_work() and self.shutdown_state is ShutdownState.RUNNING:
+            try:
+                item = self.input_queue.get(timeout=_IDLE_POLL_S)
+            except queue.Empty:
+                return
+            self._handle_client_request(*item)
+        while True:
+            try:
+                item = self.input_queue.get_nowait()
+            except queue.Empty:
+                return
+            self._handle_client_request(*item)
+
+    def _has_work(self) -> bool:
+        return self.engine_core.has_unfinished_requests()
+
+    def _process_engine_step(self) -> bool:
+        outputs, executed = self.engine_core.step()
+        for client_outputs in outputs.values():
+            self._send_outputs(client_outputs)
+        return executed
+
+    def _send_outputs(self, outputs: EngineCoreOutputs) -> None:
+        outputs.engine_index = self.engine_index
+        outputs.timestamp = time.monotonic()
+        self.output_queue.put_nowait(outputs)
+
+    def _handle_client_request(self, req_type: EngineCoreRequestType, payload: Any) -> None:
+        if req_type is EngineCoreRequestType.ADD:
+            self._add_request(payload)
+        elif req_type is EngineCoreRequestType.ABORT:
+            self.engine_core.abort_requests(payload)
+        elif req_type is EngineCoreRequestType.UTILITY:
+            self._call_utility(payload)
+        elif req_type is EngineCoreRequestType.START_DP_WAVE:
+            self._start_wave(*payload)
+
+    def _add_request(self, req: EngineCoreRequest) -> None:
+        if self.shutdown_state is not ShutdownState.RUNNING:
+            self._reject(req, "engine is shutting down")
+            return
+        try:
+            self.engine_core.add_request(req)
+        except ValueError as e:
+            self._reject(req, str(e))
+
+    def _reject(self, req: EngineCoreRequest, reason: str) -> None:
+        out = EngineCoreOutput(
+            req.request_id, [], finish_reason=FinishReason.ABORT, stop_reason=reason
+        )
+        self._send_outputs(EngineCoreOutputs(outputs=[out], finished_requests={req.request_id}))
+
+    def _call_utility(self, call: UtilityRequest) -> None:
+        result = UtilityOutput(call.call_id)
+        try:
+            method = getattr(self, "utility_" + call.method_name, None) or getattr(
+                self.engine_core, call.method_name
+            )
+            if call.method_name.startswith("_"):
+                raise AttributeError(call.method_name)
+            result.result = method(*call.args)
+        except Exception as e:  # noqa: BLE001 - reported to the caller, engine keeps going
+            result.failure_message = f"{call.method_name} failed: {type(e).__name__}: {e}"
+        self._send_outputs(EngineCoreOutputs(utility_output=result))
+
+    def _start_wave(self, wave: int, exclude_engine_index: int) -> None:
+        """Data parallel only (see DPEngineCoreProc)."""
+
+    # ---- shutdown ----------------------------------------------------------------------
+
+    def request_shutdown(self, *_: Any) -> None:
+        if self.shutdown_state is ShutdownState.RUNNING:
+            self.shutdown_state = ShutdownState.REQUESTED
+
+    def _shutdown_done(self) -> bool:
+        if self.shutdown_state is ShutdownState.RUNNING:
+            return False
+        if self.shutdown_state is ShutdownState.REQUESTED:
+            self.shutdown_state = ShutdownState.SHUTTING_DOWN
+            self._drain_deadline = time.monotonic() + self.drain_timeout_s
+        if self._has_work() and time.monotonic() < self._drain_deadline:
+            return False
+        self._abort_all("engine shut down before the request finished")
+        return True
+
+    def _abort_all(self, reason: str) -> None:
+        ids = self.engine_core.scheduler.unfinished_request_ids()
+        if not ids:
+            return
+        self.engine_core.abort_requests(ids)
+        outs = [
+            EngineCoreOutput(r, [], finish_reason=FinishReason.ABORT, stop_reason=reason)
+            for r in ids
+        ]
+        self._send_outputs(EngineCoreOutputs(outputs=outs, finished_requests=set(ids)))
+
+    def send_engine_dead(self, reason: str) -> None:
+        self._send_outputs(EngineCoreOutputs(engine_dead=True, dead_reason=reason))
+
+    def close(self) -> None:
+        self.output_queue.put(None)
+        self._output_thread.join(5)
+        self._stop_io.set()
+        self._input_thread.join(2)
+        self._handshake.close(linger=500)
+        self.ctx.term()
+
+
+def run_engine_core(
+    config: EngineConfig,
+    engine_index: int,
+    handshake_address: str,
+    proc_class: type[EngineCoreProc] = EngineCoreProc,
+    **kwargs: Any,
+) -> None:
+    """Process entry point. Exit code 0 on a clean shutdown, 1 on a fatal error."""
+    logging.basicConfig(level=os.environ.get("TIDAL_LOG_LEVEL", "WARNING"))
+    proc: EngineCoreProc | None = None
+    pending_signal: list[int] = []
+    # Until the busy loop exists, remember a signal and act on it once we're up.
+    signal.signal(signal.SIGTERM, lambda s, f: pending_signal.append(s))
+    signal.signal(signal.SIGINT, lambda s, f: pending_signal.append(s))
+    exit_code = 0
+    try:
+        proc = proc_class(config, engine_index, handshake_address, **kwargs)
+        signal.signal(signal.SIGTERM, proc.request_shutdown)
+        signal.signal(signal.SIGINT, proc.request_shutdown)
+        if pending_signal:
+            proc.request_shutdown()
+        proc.run_busy_loop()
+    except EngineStartupError as e:
+        logger.error("%s", e)
+        exit_code = 1
+    except Exception as e:  # noqa: BLE001 - fatal: tell the clients, then exit non-zero
+        logger.error("engine %d died: %s", engine_index, traceback.format_exc())
+        if proc is not None:
+            proc.send_engine_dead(f"engine {engine_index} died: {type(e).__name__}: {e}")
+        exit_code = 1
+    finally:
+        if proc is not None:
+            proc.close()
+    os._exit(exit_code)  # skip interpreter teardown of torch / zmq threads

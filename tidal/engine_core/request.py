@@ -1,0 +1,89 @@
+"""A request as the engine core sees it: token ids, progress, blocks, status.
+
+Owned by the scheduler (the busy loop's thread); the model runner reads it in-process.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+
+from tidal.sampling_params import SamplingParams
+
+
+@enum.unique
+class RequestStatus(enum.IntEnum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()
+    # Everything after this point is finished.
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH_CAPPED = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+
+    @property
+    def finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+
+class Request:
+    """One sequence. ``all_token_ids`` is prompt + output; ``num_computed_tokens`` of them
+    have KV in ``block_ids`` (the block table, written by the KV cache manager)."""
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        eos_token_id: int | None = None,
+        client_index: int = 0,
+        arrival_time: float | None = None,
+        max_model_len: int | None = None,
+        current_wave: int = 0,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.eos_token_id = eos_token_id
+        self.client_index = client_index
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.current_wave = current_wave
+        self.status = RequestStatus.WAITING
+        self.output_token_ids: list[int] = []
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = -1  # prefix-cache hit length at first schedule; -1 = not yet
+        self.block_ids: list[int] = []
+        self.block_hashes: list[int] = []  # chained hashes of full blocks of all_token_ids
+        self.num_preemptions = 0
+        self.stop_reason: int | str | None = None
+        # Resolved output cap: the request's max_tokens, bounded by the model length.
+        limit = (max_model_len - len(self.prompt_token_ids)) if max_model_len else None
+        mt = sampling_params.max_tokens
+        self.max_tokens = min(x for x in (mt, limit) if x is not None) if (mt or limit) else 1 << 30
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, status={self.status.name}, "
+            f"computed={self.num_computed_tokens}/{self.num_tokens})"
+        )

@@ -1,0 +1,382 @@
+"""Continuous batching for one engine: which tokens of which requests run in the next step.
+
+No prefill or decode phases: every step has a token budget (``max_num_batched_tokens``)
+and each scheduled request gets a slice ``all_token_ids[start : start + n]`` of the tokens
+it has not computed yet. A slice that reaches the last known token samples one
+(``ScheduledRequest.samples``); a shorter one is a chunk of a chunked prefill.
+
+Order in a step (decode first, then first come first served):
+1. RUNNING requests in admission order, each ``min(remaining tokens, budget left)``:
+   one token for a decode, a chunk for an ongoing chunked prefill. When one cannot get
+   blocks, the last running request (the newest, lowest priority) is preempted by
+   recompute, repeatedly, until the allocation fits or the request preempts itself.
+2. Only if nothing was preempted: WAITING requests (preempted ones are back at the front)
+   while the budget and ``max_num_seqs`` allow, starting after their prefix-cache hit.
+   Without chunked prefill, a request whose tokens do not fit the budget left waits
+   (and so does everything behind it: no overtaking).
+
+``schedule()`` advances ``request.num_computed_tokens`` as it schedules (``start`` keeps
+the old value); ``update_from_output()`` appends sampled tokens, applies stop rules,
+frees finished requests and builds the per-client ``EngineCoreOutputs``.
+
+Livelock freedom: ``add_request`` rejects a request that could need more blocks than
+the pool has (or, without chunked prefill, more tokens than one step's budget), so a
+request running alone can always grow and a preempted one can always be re-admitted.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict, deque
+from collections.abc import Iterable
+
+from tidal.config import CacheConfig, SchedulerConfig
+from tidal.engine_core.batch import (
+    ModelRunnerOutput,
+    ScheduledRequest,
+    SchedulerOutput,
+)
+from tidal.engine_core.kv_cache import KVCacheManager
+from tidal.engine_core.messages import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    FinishReason,
+    Logprobs,
+    SchedulerStats,
+)
+from tidal.engine_core.request import Request, RequestStatus
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
+    RequestStatus.FINISHED_LENGTH_CAPPED: FinishReason.LENGTH,
+    RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
+}
+
+
+class Scheduler:
+    def __init__(
+        self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int
+    ) -> None:
+        self.config = scheduler_config
+        self.max_model_len = scheduler_config.max_model_len
+        self.kv_cache_manager = KVCacheManager(
+            num_blocks, cache_config.block_size, cache_config.enable_prefix_caching
+        )
+        self.requests: dict[str, Request] = {}  # unfinished requests by id
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # admission order = priority order
+        # Finished/aborted since the last schedule(): the runner drops their state.
+        self._finished_req_ids: set[str] = set()
+        # Finished/aborted since the last update_from_output(), per client.
+        self._finished_by_client: dict[int, set[str]] = defaultdict(set)
+        # request id -> prompt tokens 1..n whose logprobs were sent (recompute resends).
+        self._prompt_logprobs_sent: dict[str, int] = {}
+        self.num_preemptions = 0  # cumulative
+
+    # ---- request lifecycle ---------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        """Queue a new request; ``ValueError`` if it is invalid or could never be served."""
+        self._validate(request)
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def abort_requests(self, request_ids: str | Iterable[str]) -> None:
+        """Client aborts: free blocks, no EngineCoreOutput; unknown ids are ignored."""
+        self.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+
+    def finish_requests(self, request_ids: str | Iterable[str], status: RequestStatus) -> None:
+        """Finish requests from outside (abort, frontend stop strings). Produces no
+        EngineCoreOutput; the ids go to the next ``finished_req_ids``/``finished_requests``."""
+        if not status.finished:
+            raise ValueError(f"finish_requests needs a finished status, got {status.name}")
+        if isinstance(request_ids, str):
+            request_ids = (request_ids,)
+        removed = set()
+        for rid in request_ids:
+            req = self.requests.get(rid)
+            if req is None:  # already finished: a normal race with the engine
+                continue
+            req.status = status
+            self._release(req)
+            removed.add(rid)
+        if removed:
+            self.running = [r for r in self.running if r.request_id not in removed]
+            self.waiting = deque(r for r in self.waiting if r.request_id not in removed)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def has_finished_requests(self) -> bool:
+        """Finishes not yet reported to the runner or the clients (e.g. aborts)."""
+        return bool(self._finished_req_ids or self._finished_by_client)
+
+    def has_requests(self) -> bool:
+        return self.has_unfinished_requests() or self.has_finished_requests()
+
+    def unfinished_request_ids(self) -> list[str]:
+        return [r.request_id for r in (*self.running, *self.waiting)]
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def make_stats(self) -> SchedulerStats:
+        """Counts now; prefix-cache and preemption counters are cumulative since start.
+        ``step_counter`` and ``current_wave`` are the engine core's to fill."""
+        kv = self.kv_cache_manager
+        return SchedulerStats(
+            num_running_reqs=len(self.running),
+            num_waiting_reqs=len(self.waiting),
+            kv_cache_usage=kv.usage,
+            prefix_cache_queries=kv.prefix_cache_queries,
+            prefix_cache_hits=kv.prefix_cache_hits,
+            num_preempted=self.num_preemptions,
+        )
+
+    def reset_prefix_cache(self) -> bool:
+        return self.kv_cache_manager.reset_prefix_cache()
+
+    # ---- schedule ------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput(finished_req_ids=self._finished_req_ids)
+        self._finished_req_ids = set()
+        budget = self.config.max_num_batched_tokens
+        budget = self._schedule_running(out, budget)
+        # Admitting new work right after preempting for lack of blocks would only
+        # thrash: the preempted requests would have to be preempted again.
+        if not out.preempted_req_ids:
+            budget = self._schedule_waiting(out, budget)
+        out.total_num_scheduled_tokens = self.config.max_num_batched_tokens - budget
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            if num_new <= 0:  # waiting for a token the runner did not return
+                i += 1
+                continue
+            if not self._allocate_or_preempt(req, num_new, out):
+                break  # it preempted itself, so it was the last running request
+            self._add_scheduled(out, req, num_new)
+            budget -= num_new
+            i += 1
+        return budget
+
+    def _allocate_or_preempt(self, req: Request, num_new: int, out: SchedulerOutput) -> bool:
+        # Victims come from the tail, which is never before ``req``: nothing already
+        # scheduled in this step loses its blocks.
+        while not self.kv_cache_manager.allocate_slots(req, num_new):
+            victim = self.running.pop()
+            self._preempt(victim)
+            out.preempted_req_ids.add(victim.request_id)
+            if victim is req:
+                return False
+        return True
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> int:
+        kv = self.kv_cache_manager
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[0]
+            hit_blocks, num_hit = self._lookup_prefix(req)
+            num_new = req.num_tokens - num_hit
+            if num_new > budget:
+                if not self.config.enable_chunked_prefill:
+                    break
+                num_new = budget
+            if not kv.allocate_slots(req, num_new, hit_blocks, num_hit):
+                break
+            self.waiting.popleft()
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = num_hit
+            if self._uses_prefix_cache(req):
+                kv.record_prefix_cache_query(req.num_tokens, num_hit)
+            req.status = RequestStatus.RUNNING
+            req.num_computed_tokens = num_hit
+            self.running.append(req)
+            self._add_scheduled(out, req, num_new)
+            budget -= num_new
+        return budget
+
+    def _uses_prefix_cache(self, req: Request) -> bool:
+        # Prompt logprobs need logits at every prompt position, so no skipping.
+        return (
+            self.kv_cache_manager.enable_prefix_caching
+            and req.sampling_params.prompt_logprobs is None
+        )
+
+    def _lookup_prefix(self, req: Request) -> tuple[list[int], int]:
+        if not self._uses_prefix_cache(req):
+            return [], 0
+        return self.kv_cache_manager.get_computed_blocks(req)
+
+    @staticmethod
+    def _add_scheduled(out: SchedulerOutput, req: Request, num_new: int) -> None:
+        out.scheduled.append(ScheduledRequest(req, req.num_computed_tokens, num_new))
+        req.num_computed_tokens += num_new
+
+    def _preempt(self, req: Request) -> None:
+        """Preempt by recompute: drop the KV, go back to the front of the queue."""
+        self.kv_cache_manager.free(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    # ---- update --------------------------------------------------------------------
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> dict[int, EngineCoreOutputs]:
+        """Apply one step's results; returns outputs grouped by ``client_index``.
+
+        ``runner_output.prompt_logprobs[rid][k]`` is taken to be the entry of prompt
+        token ``start + 1 + k`` (from the logits at position ``start + k`` of the slice).
+        """
+        per_client: dict[int, list[EngineCoreOutput]] = defaultdict(list)
+        any_finished = False
+        for sched in scheduler_output.scheduled:
+            req = sched.request
+            if self.requests.get(req.request_id) is not req:
+                continue  # finished from outside since it was scheduled
+            output = self._update_request(sched, runner_output)
+            if output is not None:
+                per_client[req.client_index].append(output)
+            any_finished |= req.is_finished
+        if any_finished:
+            self.running = [r for r in self.running if not r.is_finished]
+        return self._group_outputs(per_client)
+
+    def _update_request(
+        self, sched: ScheduledRequest, runner_output: ModelRunnerOutput
+    ) -> EngineCoreOutput | None:
+        req = sched.request
+        rid = req.request_id
+        self.kv_cache_manager.cache_computed_blocks(req)  # before a finish frees them
+        new_tokens: list[int] = []
+        for token in runner_output.sampled_token_ids.get(rid, ()):
+            req.append_output_token(token)
+            new_tokens.append(token)
+            if self._check_stop(req):
+                break
+        prompt_lps = self._new_prompt_logprobs(sched, runner_output)
+        if not (new_tokens or prompt_lps or req.is_finished):
+            return None
+        logprobs = runner_output.logprobs.get(rid)
+        if logprobs is not None:
+            logprobs = logprobs[: len(new_tokens)]
+        finish_reason = _FINISH_REASONS.get(req.status)
+        if req.is_finished:
+            self._release(req)
+        return EngineCoreOutput(
+            request_id=rid,
+            new_token_ids=new_tokens,
+            new_logprobs=logprobs,
+            new_prompt_logprobs=prompt_lps,
+            finish_reason=finish_reason,
+            stop_reason=req.stop_reason,
+            num_cached_tokens=max(req.num_cached_tokens, 0),
+        )
+
+    def _check_stop(self, req: Request) -> bool:
+        """Stop rules after appending one token (vLLM order); sets status/stop_reason."""
+        sp = req.sampling_params
+        last = req.output_token_ids[-1]
+        if req.num_output_tokens >= sp.min_tokens:
+            if not sp.ignore_eos and req.eos_token_id is not None and last == req.eos_token_id:
+                req.status = RequestStatus.FINISHED_STOPPED
+                return True
+            if last in sp.stop_token_ids:
+                req.status = RequestStatus.FINISHED_STOPPED
+                req.stop_reason = last
+                return True
+        if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len:
+            req.status = RequestStatus.FINISHED_LENGTH_CAPPED
+            return True
+        return False
+
+    def _new_prompt_logprobs(
+        self, sched: ScheduledRequest, runner_output: ModelRunnerOutput
+    ) -> list[Logprobs] | None:
+        """This step's prompt logprobs minus positions already sent before a preemption."""
+        rid = sched.request.request_id
+        lps = runner_output.prompt_logprobs.get(rid)
+        if not lps:
+            return None
+        sent = self._prompt_logprobs_sent.get(rid, 0)
+        new = lps[max(0, sent - sched.start) :]
+        if not new:
+            return None
+        self._prompt_logprobs_sent[rid] = sched.start + len(lps)
+        return new
+
+    def _group_outputs(
+        self, per_client: dict[int, list[EngineCoreOutput]]
+    ) -> dict[int, EngineCoreOutputs]:
+        if not per_client and not self._finished_by_client:
+            return {}
+        stats = self.make_stats()
+        result = {}
+        for client in per_client.keys() | self._finished_by_client.keys():
+            finished = self._finished_by_client.get(client)
+            result[client] = EngineCoreOutputs(
+                outputs=per_client.get(client, []),
+                scheduler_stats=stats,
+                finished_requests=finished or None,
+            )
+        self._finished_by_client.clear()
+        return result
+
+    # ---- helpers -------------------------------------------------------------------
+
+    def _release(self, req: Request) -> None:
+        """Forget a finished request (status already set); caller fixes the queues."""
+        self.kv_cache_manager.free(req)
+        rid = req.request_id
+        del self.requests[rid]
+        self._prompt_logprobs_sent.pop(rid, None)
+        self._finished_req_ids.add(rid)
+        self._finished_by_client[req.client_index].add(rid)
+
+    def _validate(self, req: Request) -> None:
+        rid = req.request_id
+        if rid in self.requests:
+            raise ValueError(f"request id {rid!r} is already in use")
+        n = req.num_prompt_tokens
+        if n == 0:
+            raise ValueError(f"request {rid!r}: the prompt is empty")
+        if n > self.max_model_len:
+            raise ValueError(
+                f"request {rid!r}: prompt has {n} tokens, more than max_model_len "
+                f"({self.max_model_len})"
+            )
+        # Most tokens it can ever hold KV for: all but the last one it can reach.
+        final = max(n + 1, min(n + req.max_tokens, self.max_model_len))
+        need_tokens = final - 1
+        kv = self.kv_cache_manager
+        if kv.num_blocks_for(need_tokens) > kv.num_usable_blocks:
+            raise ValueError(
+                f"request {rid!r} may need KV for {need_tokens} tokens "
+                f"({kv.num_blocks_for(need_tokens)} blocks) but the cache holds only "
+                f"{kv.num_usable_blocks} blocks; lower max_tokens or enlarge the KV cache"
+            )
+        if (
+            not self.config.enable_chunked_prefill
+            and need_tokens > self.config.max_num_batched_tokens
+        ):
+            raise ValueError(
+                f"request {rid!r} may need {need_tokens} tokens in one step, more than "
+                f"max_num_batched_tokens ({self.config.max_num_batched_tokens}) without "
+                "chunked prefill"
+            )

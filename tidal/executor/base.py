@@ -1,0 +1,35 @@
+"""Executor ABC: how an engine core reaches its worker(s)."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any
+
+from tidal.config import EngineConfig
+from tidal.engine_core.batch import ModelRunnerOutput, SchedulerOutput
+
+
+class Executor(ABC):
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+
+    @abstractmethod
+    def collective_rpc(
+        self, method: str, args: tuple = (), kwargs: dict | None = None
+    ) -> list[Any]:
+        """Call ``method`` on every worker; one result per worker."""
+
+    def determine_num_blocks(self) -> int:
+        return min(self.collective_rpc("determine_num_blocks"))
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        self.collective_rpc("initialize_kv_cache", (num_blocks,))
+
+    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        return self.collective_rpc("execute_model", (sched,))[0]
+
+    def execute_dummy_batch(self, num_tokens: int = 1) -> None:
+        self.collective_rpc("execute_dummy_batch", (num_tokens,))
+
+    def shutdown(self) -> None:  # noqa: B027 - optional hook
+        pass

@@ -1,0 +1,1 @@
+"""Frontend side: tokenization, detokenization, stop strings, request outputs."""

@@ -1,0 +1,102 @@
+"""CPU fast path of the fused MoE experts: the same algorithm as the Triton kernel in torch.
+
+``fused_experts_torch`` has the shared expert-backend signature (see
+``tidal/moe/reference.py``). Token slots (token t, choice k) are sorted by local expert
+so each expert's rows are contiguous; then one grouped GEMM for gate/up over all
+experts, SiLU-and-mul, one grouped GEMM for down, router weighting, and an
+``index_add_`` back to the tokens. The grouped GEMMs are ``torch.nn.functional.grouped_mm``
+(one call, no per-expert Python) when this torch has it and the shapes meet its 16-byte
+stride rule; otherwise a loop over the non-empty experts only.
+
+Slots whose expert is not local (expert map -1, or id out of range) sort after every
+local expert and are dropped before the GEMMs, so they cost nothing and contribute zero.
+Accumulation over top-k happens in float32.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+STRATEGIES = ("auto", "grouped_mm", "loop")
+
+
+def fused_experts_torch(
+    hidden: Tensor,  # [T, H]
+    w13: Tensor,  # [E_local, 2I, H]: gate rows, then up rows
+    w2: Tensor,  # [E_local, H, I]
+    topk_weights: Tensor,  # [T, K] float32
+    topk_ids: Tensor,  # [T, K] int64 global ids
+    expert_map: Tensor | None = None,  # [E_global] int32: global id -> local slot or -1
+    apply_router_weight: bool = True,
+    *,
+    strategy: str = "auto",  # auto | grouped_mm | loop (tests pin each one)
+) -> Tensor:  # [T, H], dtype of hidden
+    num_tokens, top_k = topk_ids.shape
+    num_local, two_i, hidden_size = w13.shape
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
+    if num_tokens == 0:
+        return hidden.new_zeros((0, hidden_size))
+
+    # Non-local slots get the sentinel num_local: they sort last and are cut off.
+    slots = _local_slots(topk_ids.reshape(-1), expert_map, num_local)  # [T*K] int64
+    counts = torch.bincount(slots, minlength=num_local + 1).tolist()  # [E_local + 1]
+    num_valid = num_tokens * top_k - counts[num_local]
+    out = torch.zeros((num_tokens, hidden_size), dtype=torch.float32, device=hidden.device)
+    if num_valid == 0:
+        return out.to(hidden.dtype)
+    order = torch.argsort(slots, stable=True)[:num_valid]  # [N] flat slot t*K+k, by expert
+    token_idx = order // top_k  # [N]
+    counts = counts[:num_local]
+
+    use_grouped = strategy == "grouped_mm" or (
+        strategy == "auto" and _grouped_mm_ok(hidden, two_i // 2)
+    )
+    linear = _grouped_linear if use_grouped else _looped_linear
+    x = hidden.index_select(0, token_idx)  # [N, H]
+    gate_up = linear(x, w13, counts)  # [N, 2I]
+    inter = two_i // 2
+    act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]  # [N, I]
+    y = linear(act, w2, counts).float()  # [N, H] float32
+    if apply_router_weight:
+        y = y * topk_weights.reshape(-1).index_select(0, order).unsqueeze(1)
+    out.index_add_(0, token_idx, y)
+    return out.to(hidden.dtype)
+
+
+def _local_slots(
+    flat_ids: Tensor,  # [N] int64 global ids
+    expert_map: Tensor | None,  # [E_global] int32
+    num_local: int,
+) -> Tensor:  # [N] int64 in [0, num_local]; num_local = not on this rank
+    slots = flat_ids if expert_map is None else expert_map.to(torch.int64)[flat_ids]
+    return slots.masked_fill((slots < 0) | (slots >= num_local), num_local)
+
+
+def _grouped_mm_ok(hidden: Tensor, inter: int) -> bool:
+    """grouped_mm exists and the operands' row strides are multiples of 16 bytes."""
+    if not hasattr(F, "grouped_mm") or hidden.device.type != "cpu":
+        return False
+    per_16_bytes = 16 // hidden.element_size()
+    return hidden.shape[1] % per_16_bytes == 0 and inter % per_16_bytes == 0
+
+
+def _grouped_linear(
+    x: Tensor,  # [N, K_in] rows sorted by expert
+    weight: Tensor,  # [E, N_out, K_in]
+    counts: list[int],  # rows per expert, sum == N
+) -> Tensor:  # [N, N_out]
+    offs = torch.tensor(counts, dtype=torch.int64).cumsum(0).to(torch.int32)
+    return F.grouped_mm(x, weight.transpose(1, 2), offs=offs.to(x.device))
+
+
+def _looped_linear(x: Tensor, weight: Tensor, counts: list[int]) -> Tensor:  # [N, N_out]
+    out = x.new_empty((x.shape[0], weight.shape[1]))
+    start = 0
+    for e, n in enumerate(counts):
+        if n:
+            torch.mm(x[start : start + n], weight[e].t(), out=out[start : start + n])
+            start += n
+    return out

@@ -1,0 +1,158 @@
+"""Block-size configs for the Triton fused-MoE kernels.
+
+Tuned configs live in ``tidal/kernels/configs/`` as JSON files named
+``E={E},N={N},device_name={device},dtype={dtype}.json`` (E = local experts, N = per-expert
+intermediate size I), each mapping a token count M to one ``MoeKernelConfig``. A lookup
+picks the entry whose M is nearest to the batch; without a file, ``default_config`` picks
+batch-aware blocks. ``benchmarks/tune_moe.py`` writes the files.
+
+Importable without triton or a GPU: pure lookup over JSON.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+CONFIG_DIR = Path(__file__).resolve().parent / "configs"
+
+_JSON_KEYS = {
+    "block_size_m": "BLOCK_SIZE_M",
+    "block_size_n": "BLOCK_SIZE_N",
+    "block_size_k": "BLOCK_SIZE_K",
+    "group_size_m": "GROUP_SIZE_M",
+    "num_warps": "num_warps",
+    "num_stages": "num_stages",
+}
+
+
+@dataclass(frozen=True)
+class MoeKernelConfig:
+    """Launch parameters shared by both grouped GEMMs of one fused-MoE call.
+
+    ``block_size_m`` is also the alignment block of ``moe_align_block_size``: every
+    GEMM row-block then holds tokens of exactly one expert.
+    """
+
+    block_size_m: int
+    block_size_n: int
+    block_size_k: int
+    group_size_m: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def __post_init__(self) -> None:
+        for name in ("block_size_m", "block_size_n", "block_size_k"):
+            value = getattr(self, name)
+            # tl.arange needs powers of two; tl.dot on GPUs needs every dim >= 16.
+            if value < 16 or value & (value - 1):
+                raise ValueError(f"{name} must be a power of two >= 16, got {value}")
+        if self.group_size_m < 1 or self.num_warps < 1 or self.num_stages < 1:
+            raise ValueError(f"group_size_m, num_warps, num_stages must be >= 1: {self}")
+
+    def to_json(self) -> dict[str, int]:
+        return {_JSON_KEYS[k]: v for k, v in asdict(self).items()}
+
+    @classmethod
+    def from_json(cls, data: dict[str, int]) -> MoeKernelConfig:
+        unknown = set(data) - set(_JSON_KEYS.values())
+        if unknown:
+            raise ValueError(f"unknown MoE config keys {sorted(unknown)}")
+        return cls(**{k: int(data[j]) for k, j in _JSON_KEYS.items() if j in data})
+
+
+def dtype_name(dtype: torch.dtype | str) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"`` (the dtype part of a config file name)."""
+    return str(dtype).removeprefix("torch.")
+
+
+def normalize_device_name(device_name: str) -> str:
+    """``"NVIDIA H100 80GB HBM3"`` -> ``"NVIDIA_H100_80GB_HBM3"`` (file-name safe)."""
+    return device_name.strip().replace(" ", "_").replace("/", "_").replace(",", "_")
+
+
+def config_file_name(
+    num_experts: int, intermediate_size: int, device_name: str, dtype: torch.dtype | str
+) -> str:
+    device = normalize_device_name(device_name)
+    return (
+        f"E={num_experts},N={intermediate_size},device_name={device},dtype={dtype_name(dtype)}.json"
+    )
+
+
+def parse_config_file(text: str) -> dict[int, MoeKernelConfig]:
+    """JSON text ``{"M": {"BLOCK_SIZE_M": ...}, ...}`` -> ``{M: MoeKernelConfig}``."""
+    raw = json.loads(text)
+    if not isinstance(raw, dict) or not raw:
+        raise ValueError("a MoE config file must be a non-empty JSON object keyed by batch size")
+    return {int(m): MoeKernelConfig.from_json(cfg) for m, cfg in raw.items()}
+
+
+def dump_config_file(configs: dict[int, MoeKernelConfig]) -> str:
+    return json.dumps({str(m): configs[m].to_json() for m in sorted(configs)}, indent=2) + "\n"
+
+
+@functools.lru_cache(maxsize=64)
+def load_tuned_configs(
+    num_experts: int,
+    intermediate_size: int,
+    device_name: str,
+    dtype: str,
+    config_dir: Path = CONFIG_DIR,
+) -> dict[int, MoeKernelConfig] | None:
+    """The tuned table for this key, or None when no file exists (cached per key)."""
+    path = Path(config_dir) / config_file_name(num_experts, intermediate_size, device_name, dtype)
+    if not path.is_file():
+        return None
+    try:
+        return parse_config_file(path.read_text())
+    except (ValueError, TypeError, KeyError) as exc:
+        raise ValueError(f"malformed MoE config file {path}: {exc}") from exc
+
+
+def nearest_config(configs: dict[int, MoeKernelConfig], m: int) -> MoeKernelConfig:
+    """The entry whose batch size is nearest to ``m`` (ties go to the smaller one)."""
+    best = min(configs, key=lambda key: (abs(key - m), key))
+    return configs[best]
+
+
+def default_config(m: int, num_experts: int, top_k: int, interpret: bool) -> MoeKernelConfig:
+    """Batch-aware blocks when nothing was tuned.
+
+    What matters is the number of rows each expert gets (``m * top_k / E``): decode
+    batches give an expert a handful of rows, so a big BLOCK_SIZE_M would mostly
+    multiply padding; prefill batches fill big blocks and profit from L2 grouping.
+    """
+    if interpret:
+        # The interpreter pays per program, not per FLOP: few, small-M programs.
+        return MoeKernelConfig(16, 32, 32, group_size_m=1, num_warps=1, num_stages=1)
+    rows_per_expert = m * top_k / max(num_experts, 1)
+    if rows_per_expert <= 16:
+        return MoeKernelConfig(16, 64, 64, group_size_m=1, num_warps=4, num_stages=3)
+    if rows_per_expert <= 64:
+        return MoeKernelConfig(32, 64, 64, group_size_m=4, num_warps=4, num_stages=3)
+    return MoeKernelConfig(64, 128, 64, group_size_m=8, num_warps=8, num_stages=3)
+
+
+def get_moe_config(
+    m: int,
+    num_experts: int,
+    intermediate_size: int,
+    top_k: int,
+    dtype: torch.dtype | str,
+    device_name: str | None,
+    interpret: bool,
+    config_dir: Path = CONFIG_DIR,
+) -> MoeKernelConfig:
+    """Tuned config nearest to batch ``m`` if a file matches, else ``default_config``."""
+    if device_name is not None and not interpret:
+        table = load_tuned_configs(
+            num_experts, intermediate_size, device_name, dtype_name(dtype), Path(config_dir)
+        )
+        if table:
+            return nearest_config(table, m)
+    return default_config(m, num_experts, top_k, interpret)

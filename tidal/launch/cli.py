@@ -1,0 +1,112 @@
+"""Command line: ``launch`` (the server) and ``tidal`` (umbrella: serve, generate).
+
+Every ``EngineArgs`` field becomes a ``--kebab-case`` flag; argparse errors name the flag.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import typing
+from typing import Any
+
+from tidal.config import EngineArgs
+
+_ALIASES = {
+    "data_parallel_size": ["--dp"],
+    "enable_expert_parallel": ["--ep"],
+    "num_gpu_blocks_override": ["--num-kv-blocks"],
+}
+_HELP = {
+    "model": "Hugging Face checkpoint folder (default: the embedded tiny Qwen3-MoE model)",
+    "data_parallel_size": "number of data-parallel engine ranks",
+    "enable_expert_parallel": "shard MoE experts across the data-parallel ranks",
+    "kv_cache_memory_bytes": "KV cache bytes per rank",
+}
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    hints = typing.get_type_hints(EngineArgs)
+    for f in dataclasses.fields(EngineArgs):
+        flag = "--" + f.name.replace("_", "-")
+        names = [flag, *_ALIASES.get(f.name, [])]
+        hint = hints[f.name]
+        help_ = _HELP.get(f.name)
+        if hint is bool:
+            parser.add_argument(
+                *names,
+                dest=f.name,
+                action=argparse.BooleanOptionalAction,
+                default=f.default,
+                help=help_,
+            )
+        else:
+            parser.add_argument(
+                *names, dest=f.name, type=_scalar(hint), default=f.default, help=help_
+            )
+
+
+def _scalar(hint: Any) -> Any:
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    base = args[0] if args else hint
+    return base if base in (int, float, str) else str
+
+
+def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
+    return EngineArgs(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(EngineArgs)})
+
+
+def build_engine_config(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> Any:
+    """EngineArgs -> EngineConfig, turning validation errors into CLI errors naming the flag."""
+    try:
+        return engine_args_from(ns).create_engine_config()
+    except ValueError as e:
+        field = str(e).split(" ", 1)[0].rstrip(":")
+        flag = "--" + field.replace("_", "-")
+        parser.error(f"{flag}: {e}" if hasattr(EngineArgs, field) else str(e))
+
+
+def _generate_cmd(argv: list[str]) -> int:
+    from tidal.launch.llm import LLM
+    from tidal.sampling_params import SamplingParams
+
+    p = argparse.ArgumentParser(prog="tidal generate", description="offline generation")
+    p.add_argument("--prompt", action="append", help="prompt text (repeatable)")
+    p.add_argument("--max-tokens", dest="gen_max_tokens", type=int, default=32)
+    p.add_argument("--temperature", type=float, default=0.0)
+    add_engine_args(p)
+    ns = p.parse_args(argv)
+    build_engine_config(p, ns)  # validate flags before loading anything
+    prompts = ns.prompt or ["The tide comes in", "Mixture of experts", "Hello"]
+    llm = LLM(**dataclasses.asdict(engine_args_from(ns)))
+    try:
+        params = SamplingParams(max_tokens=ns.gen_max_tokens, temperature=ns.temperature)
+        for out in llm.generate(prompts, params):
+            c = out.outputs[0]
+            print(f"{out.prompt!r} -> {c.text!r} ({len(c.token_ids)} tokens, {c.finish_reason})")
+    finally:
+        llm.shutdown()
+    return 0
+
+
+def launch_main(argv: list[str] | None = None) -> int:
+    from tidal.launch.spawn import serve_main
+
+    return serve_main(sys.argv[1:] if argv is None else argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    commands = {"generate": _generate_cmd, "serve": launch_main}
+    if not argv or argv[0] not in commands:
+        print(
+            "usage: tidal {serve,generate} [options]  (tidal serve == launch)",
+            file=sys.stderr,
+        )
+        return 2
+    return commands[argv[0]](argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

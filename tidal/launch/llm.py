@@ -1,0 +1,123 @@
+"""Offline inference: ``LLM(model).generate(prompts, params)``."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm import tqdm
+
+from tidal.config import EngineArgs
+from tidal.engine_core.client import EngineCoreClient, InprocClient
+from tidal.frontend.output_processor import OutputProcessor
+from tidal.frontend.outputs import OutputKind, RequestOutput
+from tidal.frontend.processor import InputProcessor, PromptType, load_tokenizer
+from tidal.sampling_params import SamplingParams
+
+
+class LLM:
+    """Generate from a Hugging Face MoE checkpoint folder (or the embedded default model).
+
+    Keyword arguments are ``EngineArgs`` fields (``max_num_seqs``, ``data_parallel_size``,
+    ``enable_expert_parallel``, ...)."""
+
+    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        self.engine_args = EngineArgs(model=model, **kwargs)
+        self.config = self.engine_args.create_engine_config()
+        self.tokenizer = load_tokenizer(self.config.model.tokenizer)
+        self.input_processor = InputProcessor(self.config.model, self.tokenizer)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.client: EngineCoreClient = self._make_client()
+        self._ids = itertools.count()
+
+    def _make_client(self) -> EngineCoreClient:
+        return InprocClient(self.config)
+
+    def get_tokenizer(self) -> Any:
+        return self.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        if isinstance(prompts, (str, dict)) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]
+        params = _broadcast_params(sampling_params, len(prompts))
+        processed = [self.input_processor.tokenize(p) for p in prompts]
+        for prompt, sp in zip(processed, params):
+            self.input_processor.check(prompt, sp)
+        order = []
+        for prompt, sp in zip(processed, params):
+            order.append(self._add(prompt, sp))
+        return self._run(order, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+    ) -> list[RequestOutput]:
+        conversations = messages if messages and isinstance(messages[0], list) else [messages]
+        prompts: list[PromptType] = []
+        for conv in conversations:
+            p = self.input_processor.apply_chat_template(conv, add_generation_prompt, chat_template)
+            prompts.append({"prompt": p.prompt, "prompt_token_ids": p.prompt_token_ids})
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _add(self, prompt: Any, params: SamplingParams) -> str:
+        request_id = str(next(self._ids))
+        children = self.output_processor.add_request(
+            request_id, prompt.prompt, prompt.prompt_token_ids, params, OutputKind.FINAL_ONLY
+        )
+        for req in self.input_processor.make_requests(children, prompt, params):
+            self.client.add_request(req)
+        return request_id
+
+    def _run(self, order: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        finished: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(order), desc="Processed prompts", disable=not use_tqdm)
+        try:
+            while self.output_processor.has_unfinished():
+                outs = self.client.get_output()
+                processed = self.output_processor.process_outputs(outs.outputs)
+                if processed.reqs_to_abort:
+                    self.client.abort_requests(processed.reqs_to_abort)
+                for ro in processed.request_outputs:
+                    if ro.finished:
+                        finished[ro.request_id] = ro
+                        bar.update(1)
+        except BaseException:
+            for rid in order:
+                self.client.abort_requests(self.output_processor.abort(rid))
+            raise
+        finally:
+            bar.close()
+        return [finished[rid] for rid in order]
+
+    def shutdown(self) -> None:
+        self.client.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+
+def _broadcast_params(
+    params: SamplingParams | Sequence[SamplingParams] | None, n: int
+) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams() for _ in range(n)]
+    if isinstance(params, SamplingParams):
+        return [params] * n
+    if len(params) != n:
+        raise ValueError(f"got {len(params)} sampling params for {n} prompts")
+    return list(params)

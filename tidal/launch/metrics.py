@@ -1,0 +1,174 @@
+"""Prometheus collectors for the API server, fed by ``AsyncLLM`` as a stat logger.
+
+Each ``ServerMetrics`` owns its own ``CollectorRegistry`` (not the process-global one),
+so several apps in one process (tests, multiple servers) never collide on names.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from prometheus_client import CONTENT_TYPE_LATEST as CONTENT_TYPE  # noqa: F401 - re-exported
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+if TYPE_CHECKING:
+    from tidal.engine_core.messages import SchedulerStats
+
+_PREFIX = "tidal:"
+_TTFT_BUCKETS = (
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+_TPOT_BUCKETS = (
+    0.005,
+    0.01,
+    0.015,
+    0.02,
+    0.025,
+    0.03,
+    0.04,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+)
+_E2E_BUCKETS = (
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+)
+
+
+class ServerMetrics:
+    """The stat-logger interface ``AsyncLLM`` calls, backed by prometheus collectors."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r, p = self.registry, _PREFIX
+        self.request_success = Counter(
+            p + "request_success",
+            "Finished requests by finish reason.",
+            ["finished_reason"],
+            registry=r,
+        )
+        self.prompt_tokens = Counter(p + "prompt_tokens", "Prefill tokens processed.", registry=r)
+        self.generation_tokens = Counter(p + "generation_tokens", "Tokens generated.", registry=r)
+        self.running = Gauge(
+            p + "num_requests_running", "Requests running on an engine.", ["dp_rank"], registry=r
+        )
+        self.waiting = Gauge(
+            p + "num_requests_waiting", "Requests waiting on an engine.", ["dp_rank"], registry=r
+        )
+        self.kv_usage = Gauge(
+            p + "kv_cache_usage_perc", "KV cache usage (0-1) per engine.", ["dp_rank"], registry=r
+        )
+        self.ttft = Histogram(
+            p + "time_to_first_token_seconds",
+            "Time to first token.",
+            buckets=_TTFT_BUCKETS,
+            registry=r,
+        )
+        self.tpot = Histogram(
+            p + "time_per_output_token_seconds", "Time per output token after the first.",
+            buckets=_TPOT_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.e2e = Histogram(
+            p + "e2e_request_latency_seconds", "End-to-end request latency.", buckets=_E2E_BUCKETS,
+            registry=r,
+        )  # fmt: skip
+        self.prompt_len = Histogram(
+            p + "request_prompt_tokens", "Prompt length per finished request.",
+            buckets=_pow2_buckets(1 << 20), registry=r,
+        )  # fmt: skip
+        self.generation_len = Histogram(
+            p + "request_generation_tokens", "Generated tokens per finished request.",
+            buckets=_pow2_buckets(1 << 20), registry=r,
+        )  # fmt: skip
+
+    # ---- stat-logger interface (called by AsyncLLM) ----------------------------------------
+
+    def record_scheduler_stats(self, engine_index: int, stats: SchedulerStats) -> None:
+        rank = str(engine_index)
+        self.running.labels(dp_rank=rank).set(stats.num_running_reqs)
+        self.waiting.labels(dp_rank=rank).set(stats.num_waiting_reqs)
+        self.kv_usage.labels(dp_rank=rank).set(stats.kv_cache_usage)
+
+    def record_tokens(self, prompt_tokens: int, generation_tokens: int) -> None:
+        if prompt_tokens:
+            self.prompt_tokens.inc(prompt_tokens)
+        if generation_tokens:
+            self.generation_tokens.inc(generation_tokens)
+
+    def record_request_finished(
+        self,
+        prompt_tokens: int,
+        generation_tokens: int,
+        ttft_s: float,
+        e2e_s: float,
+        tpot_s: float | None,
+        finish_reason: str,
+    ) -> None:
+        self.request_success.labels(finished_reason=finish_reason).inc()
+        self.prompt_len.observe(prompt_tokens)
+        self.generation_len.observe(generation_tokens)
+        self.ttft.observe(ttft_s)
+        self.e2e.observe(e2e_s)
+        if tpot_s is not None:
+            self.tpot.observe(tpot_s)
+
+    def forget_engine(self, engine_index: int) -> None:
+        """Drop a removed rank's series (elastic scale-down) so dashboards don't show it stale."""
+        for gauge in (self.running, self.waiting, self.kv_usage):
+            try:
+                gauge.remove(str(engine_index))
+            except KeyError:
+                pass
+
+    def render(self) -> bytes:
+        """The prometheus text exposition of every collector."""
+        return generate_latest(self.registry)
+
+
+def _pow2_buckets(limit: int) -> tuple[float, ...]:
+    b, out = 1, []
+    while b <= limit:
+        out.append(float(b))
+        b *= 4
+    return tuple(out)

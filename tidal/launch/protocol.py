@@ -1,0 +1,394 @@
+"""OpenAI-compatible request/response models (pydantic) and their conversions.
+
+Requests accept the OpenAI fields plus vLLM's sampling extras (``top_k``, ``min_p``, ...).
+Every field may be ``null`` (clients send that for "unset"); defaults are resolved in
+``sampling_params`` so the resolution rules live in one place. Unknown fields are
+ignored, as OpenAI clients add new ones over time.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
+
+from tidal.frontend.outputs import Logprob
+from tidal.sampling_params import SamplingParams
+
+# Logprobs of -inf (masked tokens) are not valid JSON; clamp them like OpenAI does.
+_MIN_LOGPROB = -9999.0
+# Most top logprobs a request may ask for (OpenAI's limit for chat).
+MAX_TOP_LOGPROBS = 20
+
+
+def random_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now_s() -> int:
+    return int(time.time())
+
+
+# ---- requests ----------------------------------------------------------------------------
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False
+
+
+class _SamplingRequest(BaseModel):
+    """Fields shared by completions and chat completions."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    n: StrictInt | None = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    seed: StrictInt | None = None
+    stop: str | list[str] | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    logit_bias: dict[str, float] | None = None
+    # vLLM extras
+    top_k: StrictInt | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: StrictInt | None = None
+    ignore_eos: bool | None = False
+    stop_token_ids: list[StrictInt] | None = None
+    skip_special_tokens: bool | None = True
+    include_stop_str_in_output: bool | None = False
+    data_parallel_rank: StrictInt | None = Field(default=None, ge=0)
+
+    def _params(
+        self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None
+    ) -> SamplingParams:
+        """Raises ValueError naming the field for invalid values."""
+        if self.logit_bias:
+            raise ValueError("logit_bias is not supported")
+        return SamplingParams(
+            n=_or(self.n, 1),
+            temperature=_or(self.temperature, 1.0),
+            top_p=_or(self.top_p, 1.0),
+            top_k=_or(self.top_k, 0),
+            min_p=_or(self.min_p, 0.0),
+            repetition_penalty=_or(self.repetition_penalty, 1.0),
+            frequency_penalty=_or(self.frequency_penalty, 0.0),
+            presence_penalty=_or(self.presence_penalty, 0.0),
+            seed=self.seed,
+            max_tokens=max_tokens,
+            min_tokens=_or(self.min_tokens, 0),
+            stop=_stop_list(self.stop),
+            stop_token_ids=list(self.stop_token_ids or []),
+            ignore_eos=bool(self.ignore_eos),
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            include_stop_str_in_output=bool(self.include_stop_str_in_output),
+            skip_special_tokens=_or(self.skip_special_tokens, True),
+        )
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
+
+
+class CompletionRequest(_SamplingRequest):
+    # A string, a batch of strings, token ids, or a batch of token-id lists.
+    prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]
+    max_tokens: StrictInt | None = None
+    logprobs: StrictInt | None = None
+    echo: bool | None = False
+    suffix: str | None = None
+    best_of: StrictInt | None = None
+
+    def sampling_params(self, default_max_tokens: int) -> SamplingParams:
+        if self.suffix:
+            raise ValueError("suffix is not supported")
+        if self.best_of is not None and self.best_of != _or(self.n, 1):
+            raise ValueError("best_of must equal n (best-of sampling is not supported)")
+        lp = _check_top(self.logprobs, "logprobs")
+        # Echo with logprobs needs the prompt's logprobs too.
+        prompt_lp = lp if self.echo and lp is not None else None
+        return self._params(_or(self.max_tokens, default_max_tokens), lp, prompt_lp)
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+    def to_template_dict(self) -> dict[str, Any]:
+        """The dict a chat template sees; text parts are joined, other parts rejected."""
+        content = self.content
+        if isinstance(content, list):
+            bad = [p.type for p in content if p.type != "text"]
+            if bad:
+                raise ValueError(f"messages: content part type {bad[0]!r} is not supported")
+            content = "".join(p.text or "" for p in content)
+        d = self.model_dump(exclude_none=True)
+        d["content"] = content if content is not None else ""
+        return d
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    messages: list[ChatMessage]
+    max_tokens: StrictInt | None = None
+    max_completion_tokens: StrictInt | None = None
+    logprobs: bool | None = False
+    top_logprobs: StrictInt | None = None
+    # vLLM extras
+    add_generation_prompt: bool | None = True
+    continue_final_message: bool | None = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def sampling_params(self, default_max_tokens: int) -> SamplingParams:
+        return self._params(_or(self.requested_max_tokens, default_max_tokens), self.num_logprobs)
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens
+        return self.max_tokens
+
+    @property
+    def num_logprobs(self) -> int | None:
+        """Engine top-k for ``logprobs: true`` (+ ``top_logprobs``), None when off."""
+        if not self.logprobs:
+            if self.top_logprobs:
+                raise ValueError("top_logprobs requires logprobs to be true")
+            return None
+        return _check_top(_or(self.top_logprobs, 0), "top_logprobs")
+
+
+def _or(value: Any, default: Any) -> Any:
+    return default if value is None else value
+
+
+def _stop_list(stop: str | list[str] | None) -> list[str]:
+    if stop is None:
+        return []
+    return [stop] if isinstance(stop, str) else list(stop)
+
+
+def _check_top(k: int | None, name: str) -> int | None:
+    if k is not None and not 0 <= k <= MAX_TOP_LOGPROBS:
+        raise ValueError(f"{name} must be in [0, {MAX_TOP_LOGPROBS}], got {k}")
+    return k
+
+
+# ---- responses ---------------------------------------------------------------------------
+
+
+class UsageInfo(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+    @classmethod
+    def of(cls, prompt_tokens: int, completion_tokens: int) -> UsageInfo:
+        return cls(
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            total_tokens=prompt_tokens + completion_tokens,
+        )
+
+
+class CompletionLogProbs(BaseModel):
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+    system_fingerprint: str | None = None
+
+
+class ChatTokenLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatLogprobEntry(ChatTokenLogprob):
+    top_logprobs: list[ChatTokenLogprob] = Field(default_factory=list)
+
+
+class ChatLogProbs(BaseModel):
+    content: list[ChatLogprobEntry] | None = None
+
+
+class ChatMessageOut(BaseModel):
+    role: str = "assistant"
+    content: str | None = None
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatMessageOut
+    logprobs: ChatLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo | None = None
+    system_fingerprint: str | None = None
+
+
+class DeltaMessage(BaseModel):
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatStreamChoice(BaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatStreamChoice]
+    usage: UsageInfo | None = None
+    system_fingerprint: str | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=now_s)
+    owned_by: str = "tidal"
+    root: str | None = None
+    parent: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | int | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo
+
+
+# ---- logprob conversions -----------------------------------------------------------------
+
+
+def _clamp(x: float) -> float:
+    return max(x, _MIN_LOGPROB)
+
+
+def _top(step: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]]:
+    """The k most likely entries of one position (the engine's top-k, by value)."""
+    return sorted(step.items(), key=lambda kv: -kv[1].logprob)[:k]
+
+
+def _text(tok: int, lp: Logprob | None, tokenizer: Any) -> str:
+    if lp is not None and lp.decoded_token is not None:
+        return lp.decoded_token
+    return tokenizer.decode([tok])
+
+
+def completion_logprobs(
+    token_ids: list[int],
+    steps: list[dict[int, Logprob] | None],
+    k: int,
+    tokenizer: Any,
+    text_offset: int = 0,
+) -> CompletionLogProbs:
+    """OpenAI completions logprobs: per token its text, logprob, top-k dict and offset.
+
+    ``steps[i]`` maps token id -> Logprob for position i (the chosen token and the
+    top-k); None for a position without logprobs (the first prompt token under echo).
+    The sampled token is always reported, so a top dict may hold k + 1 entries.
+    """
+    out = CompletionLogProbs()
+    for tok, step in zip(token_ids, steps):
+        chosen = step.get(tok) if step else None
+        text = _text(tok, chosen, tokenizer)
+        out.tokens.append(text)
+        out.text_offset.append(text_offset)
+        text_offset += len(text)
+        out.token_logprobs.append(None if chosen is None else _clamp(chosen.logprob))
+        if step is None:
+            out.top_logprobs.append(None)
+            continue
+        top = {_text(t, lp, tokenizer): _clamp(lp.logprob) for t, lp in _top(step, k)}
+        if chosen is not None:
+            top.setdefault(text, _clamp(chosen.logprob))
+        out.top_logprobs.append(top)
+    return out
+
+
+def chat_logprobs(
+    token_ids: list[int], steps: list[dict[int, Logprob]], k: int, tokenizer: Any
+) -> ChatLogProbs:
+    """OpenAI chat logprobs: ``content`` entries with token, logprob, bytes, top_logprobs."""
+    content = []
+    for tok, step in zip(token_ids, steps):
+        chosen = step.get(tok)
+        text = _text(tok, chosen, tokenizer)
+        entry = ChatLogprobEntry(
+            token=text,
+            logprob=_clamp(chosen.logprob) if chosen is not None else _MIN_LOGPROB,
+            bytes=list(text.encode("utf-8")),
+        )
+        for t, lp in _top(step, k):
+            s = _text(t, lp, tokenizer)
+            entry.top_logprobs.append(
+                ChatTokenLogprob(token=s, logprob=_clamp(lp.logprob), bytes=list(s.encode("utf-8")))
+            )
+        content.append(entry)
+    return ChatLogProbs(content=content)

@@ -1,0 +1,73 @@
+"""Rotary position embedding with a precomputed cos/sin table indexed by position.
+
+The table holds, for every position p < max_position, ``cos(p * inv_freq)`` and
+``sin(...)`` duplicated over both halves of the head (the "rotate half" convention of
+Llama/Qwen/Mixtral checkpoints), computed in float32 exactly as transformers does and
+then cast to the model dtype. Only the default rope type is supported.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+SUPPORTED_ROPE_TYPES = ("default",)
+
+
+def rope_theta_from_config(hf_config: Any) -> float:
+    """The rope base from a transformers config: v5 ``rope_parameters`` or v4
+    ``rope_theta``/``rope_scaling``. Raises for rope types other than ``default``."""
+    params = getattr(hf_config, "rope_parameters", None)
+    if params:
+        params = dict(params)
+        if "rope_theta" not in params:
+            raise NotImplementedError(
+                f"per-layer-type rope_parameters are not supported: {sorted(params)}"
+            )
+        theta, rope_type = params["rope_theta"], params.get("rope_type", params.get("type"))
+    else:
+        scaling = getattr(hf_config, "rope_scaling", None) or {}
+        theta = getattr(hf_config, "rope_theta", 10000.0)
+        rope_type = scaling.get("rope_type", scaling.get("type"))
+    rope_type = rope_type or "default"
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise NotImplementedError(
+            f"rope_type {rope_type!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
+        )
+    partial = (params or {}).get("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", 1.0))
+    if partial not in (None, 1.0):
+        raise NotImplementedError(f"partial_rotary_factor {partial} is not supported")
+    return float(theta)
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(
+        self, head_dim: int, max_position: int, theta: float, *, dtype: Any = None, device: Any = None
+    ) -> None:
+        super().__init__()
+        if head_dim % 2:
+            raise ValueError(f"rotary head_dim must be even, got {head_dim}")
+        # Same float32 expressions as transformers' default rope, on CPU, then moved.
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+        pos = torch.arange(max_position, dtype=torch.int64)
+        freqs = pos[:, None].float() * inv_freq  # [P, Dh/2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [P, Dh]
+        dtype = dtype or torch.get_default_dtype()
+        self.register_buffer("cos_table", emb.cos().to(dtype).to(device), persistent=False)
+        self.register_buffer("sin_table", emb.sin().to(dtype).to(device), persistent=False)
+
+    def cos_sin(self, positions: Tensor) -> tuple[Tensor, Tensor]:  # [T] -> 2 x [T, 1, Dh]
+        """Look up once per forward; every layer reuses the result."""
+        return self.cos_table[positions].unsqueeze(1), self.sin_table[positions].unsqueeze(1)
+
+
+def _rotate_half(x: Tensor) -> Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x [T, heads, Dh] with cos/sin [T, 1, Dh] -> rotated x (new tensor)."""
+    return (x * cos) + (_rotate_half(x) * sin)

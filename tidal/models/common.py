@@ -1,0 +1,264 @@
+"""The decoder shared by the supported MoE architectures (Qwen3-MoE, Mixtral).
+
+Both are pre-norm decoders with GQA attention, RoPE, RMSNorm and a softmax top-k MoE
+block; they differ only in the numbers and switches of ``DecoderSpec`` (q/k norms,
+renormalised top-k, dense layers) and in checkpoint names (``CheckpointNames``).
+
+Runner-facing API (every architecture class)::
+
+    model.forward(input_ids [T] int64, positions [T] int64, attn: AttentionMetadata)
+        -> [T, H] hidden states, final norm applied
+    model.compute_logits(hidden [N, H]) -> [N, V] float32
+    model.kv_cache_spec() -> (num_layers, num_kv_heads, head_dim)
+    model.bind_kv_cache(caches)   # one tensor per layer, shape kv_cache_shape(...)
+    model.moe_layers() -> list[FusedMoE]  # for EP / EPLB setup
+
+Loader-facing API: ``model.weight_targets()`` maps each checkpoint tensor name to the
+parameter view it fills (or None: a known tensor this rank does not hold).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor, nn
+
+from tidal.layers.attention import AttentionMetadata, PagedAttention
+from tidal.layers.linear import Embedding, Linear
+from tidal.layers.norm import RMSNorm
+from tidal.layers.rotary import RotaryEmbedding, apply_rotary, rope_theta_from_config
+from tidal.moe.layer import FusedMoE
+
+
+@dataclass(frozen=True)
+class DecoderSpec:
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position: int
+    attention_bias: bool
+    qk_norm: bool
+    num_experts: int
+    top_k: int
+    moe_intermediate_size: int
+    renormalize: bool
+    dense_intermediate_size: int
+    moe_layer_mask: tuple[bool, ...]  # per layer: MoE block (True) or dense MLP
+    tie_word_embeddings: bool
+
+
+@dataclass(frozen=True)
+class CheckpointNames:
+    """Per-architecture names of the MoE tensors in a Hugging Face checkpoint."""
+
+    moe_module: str  # "mlp" (Qwen3-MoE) | "block_sparse_moe" (Mixtral)
+    expert_gate: str  # per-expert projection names: gate, up, down
+    expert_up: str
+    expert_down: str
+
+
+def check_common_config(hf_config: Any) -> None:
+    """Reject config features this runtime does not implement, naming them."""
+    act = getattr(hf_config, "hidden_act", "silu")
+    if act != "silu":
+        raise NotImplementedError(f"hidden_act {act!r} is not supported (only 'silu')")
+    window = getattr(hf_config, "sliding_window", None)
+    if window is not None and window < hf_config.max_position_embeddings:
+        raise NotImplementedError(f"sliding_window attention ({window}) is not supported")
+
+
+def base_spec_kwargs(hf_config: Any) -> dict[str, Any]:
+    """The DecoderSpec fields every supported architecture reads the same way."""
+    check_common_config(hf_config)
+    heads = hf_config.num_attention_heads
+    return {
+        "vocab_size": hf_config.vocab_size,
+        "hidden_size": hf_config.hidden_size,
+        "num_layers": hf_config.num_hidden_layers,
+        "num_heads": heads,
+        "num_kv_heads": getattr(hf_config, "num_key_value_heads", None) or heads,
+        "head_dim": getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads,
+        "rms_norm_eps": hf_config.rms_norm_eps,
+        "rope_theta": rope_theta_from_config(hf_config),
+        "max_position": hf_config.max_position_embeddings,
+        "tie_word_embeddings": bool(getattr(hf_config, "tie_word_embeddings", False)),
+    }
+
+
+class Attention(nn.Module):
+    def __init__(self, spec: DecoderSpec, **kw: Any) -> None:
+        super().__init__()
+        hq, hkv, dh = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        self.split = (hq * dh, hkv * dh, hkv * dh)
+        self.q_shape, self.kv_shape = (hq, dh), (hkv, dh)
+        self.qkv_proj = Linear(spec.hidden_size, sum(self.split), spec.attention_bias, **kw)
+        self.o_proj = Linear(hq * dh, spec.hidden_size, spec.attention_bias, **kw)
+        self.q_norm = RMSNorm(dh, spec.rms_norm_eps, **kw) if spec.qk_norm else None
+        self.k_norm = RMSNorm(dh, spec.rms_norm_eps, **kw) if spec.qk_norm else None
+        self.attn = PagedAttention(hq, hkv, dh)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, meta: AttentionMetadata) -> Tensor:
+        num_tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
+        q = q.view(num_tokens, *self.q_shape)
+        k = k.view(num_tokens, *self.kv_shape)
+        v = v.view(num_tokens, *self.kv_shape)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = self.attn(q, k, v, meta)  # [T, Hq, Dh]
+        return self.o_proj(out.reshape(num_tokens, -1))
+
+
+class DenseMLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int, **kw: Any) -> None:
+        super().__init__()
+        self.inter = intermediate_size
+        self.gate_up = Linear(hidden_size, 2 * intermediate_size, **kw)
+        self.down = Linear(intermediate_size, hidden_size, **kw)
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate_up = self.gate_up(x)
+        return self.down(torch.nn.functional.silu(gate_up[:, : self.inter]) * gate_up[:, self.inter :])
+
+
+class DecoderLayer(nn.Module):
+    def __init__(
+        self, spec: DecoderSpec, layer_idx: int, moe_backend: str, local_expert_ids: Sequence[int] | None, **kw: Any
+    ) -> None:
+        super().__init__()
+        self.self_attn = Attention(spec, **kw)
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, **kw)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, **kw)
+        self.is_moe = spec.moe_layer_mask[layer_idx]
+        if self.is_moe:
+            self.mlp: nn.Module = FusedMoE(
+                spec.num_experts, spec.top_k, spec.hidden_size, spec.moe_intermediate_size,
+                spec.renormalize, local_expert_ids, moe_backend, **kw,
+            )  # fmt: skip
+        else:
+            self.mlp = DenseMLP(spec.hidden_size, spec.dense_intermediate_size, **kw)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, meta: AttentionMetadata) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class MoECausalLM(nn.Module):
+    """Base of the architecture classes; subclasses set ``names`` and ``spec_from_config``."""
+
+    names: ClassVar[CheckpointNames]
+
+    @classmethod
+    def spec_from_config(cls, hf_config: Any) -> DecoderSpec:
+        raise NotImplementedError
+
+    def __init__(
+        self,
+        hf_config: Any,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: Any = "cpu",
+        moe_backend: str = "torch",
+        local_expert_ids: Sequence[int] | None = None,
+    ) -> None:
+        super().__init__()
+        self.config = hf_config
+        self.spec = spec = self.spec_from_config(hf_config)
+        kw = {"dtype": dtype, "device": device}
+        self.embed_tokens = Embedding(spec.vocab_size, spec.hidden_size, **kw)
+        self.rotary = RotaryEmbedding(spec.head_dim, spec.max_position, spec.rope_theta, **kw)
+        self.layers = nn.ModuleList(
+            DecoderLayer(spec, i, moe_backend, local_expert_ids, **kw) for i in range(spec.num_layers)
+        )
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, **kw)
+        self.lm_head = (
+            self.embed_tokens if spec.tie_word_embeddings else Linear(spec.hidden_size, spec.vocab_size, **kw)
+        )
+
+    @torch.inference_mode()
+    def forward(self, input_ids: Tensor, positions: Tensor, attn: AttentionMetadata) -> Tensor:
+        """input_ids/positions [T] int64 -> hidden states [T, H] (final norm applied)."""
+        x = self.embed_tokens(input_ids)
+        cos, sin = self.rotary.cos_sin(positions)
+        for layer in self.layers:
+            x = layer(x, cos, sin, attn)
+        return self.norm(x)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: Tensor) -> Tensor:  # [N, H] -> [N, V] float32
+        return torch.nn.functional.linear(hidden, self.lm_head.weight).float()
+
+    def kv_cache_spec(self) -> tuple[int, int, int]:
+        return self.spec.num_layers, self.spec.num_kv_heads, self.spec.head_dim
+
+    def bind_kv_cache(self, caches: Sequence[Tensor]) -> None:
+        if len(caches) != self.spec.num_layers:
+            raise ValueError(f"expected {self.spec.num_layers} KV caches, got {len(caches)}")
+        for layer, cache in zip(self.layers, caches):
+            layer.self_attn.attn.kv_cache = cache
+
+    def moe_layers(self) -> list[FusedMoE]:
+        return [layer.mlp for layer in self.layers if layer.is_moe]
+
+    def weight_targets(self) -> dict[str, Tensor | None]:
+        """Checkpoint name -> destination view (None: known but not held by this rank)."""
+        targets: dict[str, Tensor | None] = {
+            "model.embed_tokens.weight": self.embed_tokens.weight.data,
+            "model.norm.weight": self.norm.weight.data,
+        }
+        if self.spec.tie_word_embeddings:
+            targets["lm_head.weight"] = None  # some exporters still write the tied copy
+        else:
+            targets["lm_head.weight"] = self.lm_head.weight.data
+        for i, layer in enumerate(self.layers):
+            targets.update(self._layer_targets(f"model.layers.{i}", layer))
+        return targets
+
+    def _layer_targets(self, prefix: str, layer: DecoderLayer) -> dict[str, Tensor | None]:
+        t: dict[str, Tensor | None] = {
+            f"{prefix}.input_layernorm.weight": layer.input_layernorm.weight.data,
+            f"{prefix}.post_attention_layernorm.weight": layer.post_attention_layernorm.weight.data,
+        }
+        attn = layer.self_attn
+        for kind in ("weight", "bias"):
+            fused = getattr(attn.qkv_proj, kind)
+            if fused is None:
+                continue
+            for name, part in zip(("q_proj", "k_proj", "v_proj"), fused.data.split(attn.split, dim=0)):
+                t[f"{prefix}.self_attn.{name}.{kind}"] = part
+            t[f"{prefix}.self_attn.o_proj.{kind}"] = getattr(attn.o_proj, kind).data
+        if attn.q_norm is not None:
+            t[f"{prefix}.self_attn.q_norm.weight"] = attn.q_norm.weight.data
+            t[f"{prefix}.self_attn.k_norm.weight"] = attn.k_norm.weight.data
+        if layer.is_moe:
+            t.update(self._moe_targets(f"{prefix}.{self.names.moe_module}", layer.mlp))
+        else:
+            mlp = layer.mlp
+            gate, up = mlp.gate_up.weight.data.split(mlp.inter, dim=0)
+            t[f"{prefix}.mlp.gate_proj.weight"] = gate
+            t[f"{prefix}.mlp.up_proj.weight"] = up
+            t[f"{prefix}.mlp.down_proj.weight"] = mlp.down.weight.data
+        return t
+
+    def _moe_targets(self, prefix: str, moe: FusedMoE) -> dict[str, Tensor | None]:
+        n = self.names
+        t: dict[str, Tensor | None] = {f"{prefix}.gate.weight": moe.gate.data}
+        slot_of = {e: s for s, e in enumerate(moe.local_expert_ids)}
+        inter = moe.w2.shape[2]
+        for e in range(moe.num_experts):
+            s = slot_of.get(e)
+            base = f"{prefix}.experts.{e}"
+            local = s is not None
+            t[f"{base}.{n.expert_gate}.weight"] = moe.w13.data[s, :inter] if local else None
+            t[f"{base}.{n.expert_up}.weight"] = moe.w13.data[s, inter:] if local else None
+            t[f"{base}.{n.expert_down}.weight"] = moe.w2.data[s] if local else None
+        return t

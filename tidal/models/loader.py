@@ -1,0 +1,153 @@
+"""Build a model and fill it from a Hugging Face folder's ``*.safetensors`` files.
+
+Files are opened memory-mapped (``safetensors.safe_open``); a sharded checkpoint is
+found through ``model.safetensors.index.json``. Only tensors this rank holds are read:
+with ``local_expert_ids`` the other experts' tensors are recognised and skipped.
+
+Checkpoint layouts: the per-expert names written by ``save_pretrained``
+(``...experts.{e}.gate_proj.weight`` / Mixtral's ``...block_sparse_moe.experts.{e}.w1``)
+and the fused 3-D names of transformers v5 modules (``...mlp.experts.gate_up_proj``
+``[E, 2I, H]``, ``...mlp.experts.down_proj`` ``[E, H, I]``), which are split per expert.
+
+A missing tensor, an unexpected tensor, or a shape mismatch raises ``CheckpointError``
+naming the tensor(s).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from tidal.models.common import MoECausalLM
+from tidal.models.registry import get_model_class
+from tidal.moe.layer import resolve_moe_backend
+
+INDEX_FILE = "model.safetensors.index.json"
+# Buffers some exporters save that the runtime recomputes.
+_IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
+_FUSED_EXPERTS = re.compile(r"^(model\.layers\.\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
+_FUSED_GATE = re.compile(r"^(model\.layers\.\d+)\.mlp\.gate\.weight$")
+_MAX_NAMES = 10
+
+Getter = Callable[[], Tensor]
+
+
+class CheckpointError(ValueError):
+    """The checkpoint does not match the model built from its config."""
+
+
+def load_model(engine_config: Any, *, local_expert_ids: Sequence[int] | None = None) -> torch.nn.Module:
+    """Model of ``engine_config.model`` in its dtype on ``engine_config.device``, weights
+    loaded. ``local_expert_ids``: the global experts this rank holds, in local slot order
+    (None = all)."""
+    mc = engine_config.model
+    cls = get_model_class(mc.architecture)
+    model = cls(
+        mc.hf_config,
+        dtype=mc.torch_dtype,
+        device=engine_config.device,
+        moe_backend=resolve_moe_backend(engine_config.moe_backend, engine_config.device),
+        local_expert_ids=local_expert_ids,
+    )
+    load_weights(model, mc.model)
+    return model.eval()
+
+
+def safetensors_files(folder: str) -> list[str]:
+    index = os.path.join(folder, INDEX_FILE)
+    if os.path.exists(index):
+        with open(index) as f:
+            names = sorted(set(json.load(f)["weight_map"].values()))
+        missing = [n for n in names if not os.path.exists(os.path.join(folder, n))]
+        if missing:
+            raise CheckpointError(f"{INDEX_FILE} in {folder} lists missing file(s): {', '.join(missing)}")
+    else:
+        names = sorted(n for n in os.listdir(folder) if n.endswith(".safetensors"))
+    if not names:
+        raise CheckpointError(f"no *.safetensors files in {folder}")
+    return [os.path.join(folder, n) for n in names]
+
+
+@torch.no_grad()
+def load_weights(model: MoECausalLM, folder: str) -> None:
+    from safetensors import safe_open
+
+    targets = model.weight_targets()
+    seen: set[str] = set()
+    unexpected: list[str] = []
+    for path in safetensors_files(folder):
+        with safe_open(path, framework="pt", device="cpu") as f:
+            for name in f.keys():
+                for vname, get in _expand(name, f, model):
+                    if vname not in targets:
+                        if not vname.endswith(_IGNORED_SUFFIXES):
+                            unexpected.append(vname)
+                        continue
+                    seen.add(vname)
+                    dest = targets[vname]
+                    if dest is not None:
+                        _copy(vname, os.path.basename(path), get(), dest)
+    missing = [n for n in targets if n not in seen]
+    if missing or unexpected:
+        raise CheckpointError(_mismatch_message(type(model).__name__, folder, missing, unexpected))
+
+
+def _copy(name: str, file: str, src: Tensor, dest: Tensor) -> None:
+    if tuple(src.shape) != tuple(dest.shape):
+        raise CheckpointError(
+            f"tensor {name!r} in {file} has shape {tuple(src.shape)}, "
+            f"but the model expects {tuple(dest.shape)}"
+        )
+    dest.copy_(src)
+
+
+def _expand(name: str, f: Any, model: MoECausalLM) -> Iterator[tuple[str, Getter]]:
+    """Yield (checkpoint-layout name, lazy tensor) pairs for one stored tensor; fused 3-D
+    expert tensors become one pair per expert (read once, only if a local expert asks)."""
+    names = model.names
+    m = _FUSED_EXPERTS.match(name)
+    if m is None:
+        m_gate = _FUSED_GATE.match(name)  # v5 names Mixtral's router mlp.gate too
+        alias = f"{m_gate.group(1)}.{names.moe_module}.gate.weight" if m_gate else name
+        yield alias, lambda: f.get_tensor(name)
+        return
+    prefix, kind = m.group(1), m.group(2)
+    cache: dict[str, Tensor] = {}
+
+    def whole() -> Tensor:
+        if "t" not in cache:
+            cache["t"] = f.get_tensor(m.group(0))
+        return cache["t"]
+
+    num_experts = f.get_slice(m.group(0)).get_shape()[0]
+    base = f"{prefix}.{names.moe_module}.experts"
+    for e in range(num_experts):
+        if kind == "down_proj":
+            yield f"{base}.{e}.{names.expert_down}.weight", lambda e=e: whole()[e]
+        else:
+            yield f"{base}.{e}.{names.expert_gate}.weight", lambda e=e: _half(whole()[e], 0)
+            yield f"{base}.{e}.{names.expert_up}.weight", lambda e=e: _half(whole()[e], 1)
+
+
+def _half(t: Tensor, i: int) -> Tensor:  # [2I, H] -> gate (i=0) or up (i=1) rows
+    return t.chunk(2, dim=0)[i]
+
+
+def _mismatch_message(cls: str, folder: str, missing: list[str], unexpected: list[str]) -> str:
+    parts = [f"checkpoint {folder} does not match {cls}:"]
+    if missing:
+        parts.append(f"missing {len(missing)} tensor(s): {_some(missing)}")
+    if unexpected:
+        parts.append(f"unexpected {len(unexpected)} tensor(s): {_some(unexpected)}")
+    return " ".join(parts)
+
+
+def _some(names: list[str]) -> str:
+    shown = ", ".join(names[:_MAX_NAMES])
+    return shown + (f", ... ({len(names) - _MAX_NAMES} more)" if len(names) > _MAX_NAMES else "")

@@ -1,0 +1,217 @@
+"""Tiny random checkpoints in Hugging Face format, for tests and the embedded default model.
+
+``make_tiny_checkpoint`` builds a seeded model with transformers' own config and model
+class (``save_pretrained``), plus a byte-level BPE tokenizer trained with the
+``tokenizers`` library on a small built-in corpus, saved as a fast tokenizer with a
+ChatML chat template. Same arguments -> byte-identical files.
+
+``default_model_path()`` is the model ``launch`` serves without ``--model``: created once
+under the user's cache directory and published with an atomic rename, so concurrent
+processes never see a half-written folder.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import shutil
+import tempfile
+from typing import Any
+
+ARCHS = ("qwen3_moe", "mixtral")
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+# Large enough that a random model's greedy continuation is not one token repeated.
+DEFAULT_INIT_STD = 0.1
+
+# The embedded default model (also the shape the benchmarks use).
+DEFAULT_MODEL_ARGS: dict[str, Any] = {
+    "arch": "qwen3_moe",
+    "seed": 0,
+    "hidden_size": 256,
+    "num_layers": 4,
+    "num_experts": 16,
+    "top_k": 4,
+    "vocab_size": 4096,
+    "num_heads": 4,
+    "num_kv_heads": 2,
+    "moe_intermediate_size": 128,
+    "max_position_embeddings": 2048,
+    "norm_topk_prob": True,
+}
+_DEFAULT_VERSION = 1  # bump when the factory's output changes
+
+_CORPUS = """\
+The tide comes in twice a day and goes out twice a day.
+A mixture of experts sends each token to a few of many small networks.
+Hello, world! How are you today? I am fine, thank you.
+Once upon a time there was a small boat on a wide blue sea.
+The quick brown fox jumps over the lazy dog.
+Numbers: 0 1 2 3 4 5 6 7 8 9 10 42 100 2048.
+User: What is the capital of France? Assistant: The capital of France is Paris.
+def add(a, b): return a + b
+"""
+_SYLLABLES = (
+    "ka to ri mo sen la ve qu zo pi na el an or is us th er ing ed st ch sh ow ai ou ee oo "
+    "tide wave sea sand moon salt reef gull "
+).split()
+
+
+def make_tiny_checkpoint(
+    path: str,
+    arch: str = "qwen3_moe",
+    *,
+    seed: int = 0,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_experts: int = 8,
+    top_k: int = 2,
+    vocab_size: int = 512,
+    max_position_embeddings: int = 2048,
+    norm_topk_prob: bool = True,
+    dtype: str = "float32",
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    head_dim: int | None = None,
+    moe_intermediate_size: int | None = None,
+    intermediate_size: int | None = None,
+    initializer_range: float = DEFAULT_INIT_STD,
+    tie_word_embeddings: bool = False,
+    **config_overrides: Any,
+) -> str:
+    """Write a random ``arch`` checkpoint and tokenizer into ``path``; returns ``path``.
+
+    ``config_overrides`` go straight to the transformers config (e.g. ``mlp_only_layers``).
+    """
+    import torch
+
+    if arch not in ARCHS:
+        raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}")
+    os.makedirs(path, exist_ok=True)
+    tokenizer = build_tokenizer(vocab_size, max_position_embeddings)
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
+    common = {
+        "vocab_size": vocab_size,
+        "hidden_size": hidden_size,
+        "num_hidden_layers": num_layers,
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": num_kv_heads,
+        "head_dim": head_dim or hidden_size // num_heads,
+        "max_position_embeddings": max_position_embeddings,
+        "num_experts_per_tok": top_k,
+        "initializer_range": initializer_range,
+        "tie_word_embeddings": tie_word_embeddings,
+        "eos_token_id": ids["<|im_end|>"],
+        "pad_token_id": ids["<|endoftext|>"],
+        "bos_token_id": None,
+    }
+    moe_inter = moe_intermediate_size or max(hidden_size // 2, 4)
+    if arch == "qwen3_moe":
+        common.update(
+            num_experts=num_experts,
+            moe_intermediate_size=moe_inter,
+            intermediate_size=intermediate_size or 2 * hidden_size,
+            norm_topk_prob=norm_topk_prob,
+        )
+    else:
+        common.update(num_local_experts=num_experts, intermediate_size=moe_inter)
+    config = _make_config(arch, {**common, **config_overrides})
+    model = _make_model(arch, config, seed, getattr(torch, dtype))
+    model.generation_config.eos_token_id = [ids["<|im_end|>"], ids["<|endoftext|>"]]
+    model.generation_config.pad_token_id = ids["<|endoftext|>"]
+    model.generation_config.bos_token_id = None
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def _make_config(arch: str, kwargs: dict[str, Any]) -> Any:
+    if arch == "qwen3_moe":
+        from transformers import Qwen3MoeConfig
+
+        return Qwen3MoeConfig(**kwargs)
+    from transformers import MixtralConfig
+
+    return MixtralConfig(**kwargs)
+
+
+def _make_model(arch: str, config: Any, seed: int, dtype: Any) -> Any:
+    import torch
+    from transformers import MixtralForCausalLM, Qwen3MoeForCausalLM
+
+    cls = Qwen3MoeForCausalLM if arch == "qwen3_moe" else MixtralForCausalLM
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = cls(config)
+    return model.to(dtype).eval()
+
+
+def build_tokenizer(vocab_size: int, model_max_length: int) -> Any:
+    """Byte-level BPE with exactly ``vocab_size`` ids (specials first: 0, 1, 2)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    if vocab_size < len(alphabet) + len(SPECIAL_TOKENS):
+        raise ValueError(f"vocab_size must be >= {len(alphabet) + len(SPECIAL_TOKENS)}, got {vocab_size}")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=alphabet,
+        show_progress=False,
+    )
+    tok.train_from_iterator(_corpus(), trainer)
+    short = vocab_size - tok.get_vocab_size()
+    if short > 0:  # corpus ran out of merges: fill with reserved ids so sizes match
+        tok.add_special_tokens([f"<|reserved_{i}|>" for i in range(short)])
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        model_max_length=model_max_length,
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def _corpus() -> list[str]:
+    rng = random.Random(1234)  # fixed: the tokenizer does not depend on the model seed
+    words = ["".join(rng.choice(_SYLLABLES) for _ in range(rng.randint(1, 4))) for _ in range(3000)]
+    lines = _CORPUS.splitlines()
+    lines += [" ".join(rng.choice(words) for _ in range(12)) + "." for _ in range(4000)]
+    return lines
+
+
+def default_model_path(cache_dir: str | None = None) -> str:
+    """The embedded default model's folder, created on first use.
+
+    ``cache_dir`` defaults to ``$XDG_CACHE_HOME/tidal`` or ``~/.cache/tidal``.
+    """
+    root = cache_dir or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "tidal"
+    )
+    key = json.dumps({**DEFAULT_MODEL_ARGS, "v": _DEFAULT_VERSION}, sort_keys=True)
+    final = os.path.join(root, f"default-qwen3-moe-{hashlib.sha256(key.encode()).hexdigest()[:12]}")
+    if os.path.isdir(final):
+        return final
+    os.makedirs(root, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".building-", dir=root)
+    try:
+        make_tiny_checkpoint(tmp, **DEFAULT_MODEL_ARGS)
+        os.rename(tmp, final)  # atomic; fails if another process published first
+    except OSError:
+        if not os.path.isdir(final):
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final

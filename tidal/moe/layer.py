@@ -1,0 +1,187 @@
+"""FusedMoE: the MoE block of a decoder layer (router + this rank's experts).
+
+Forward::
+
+    router_logits = hidden @ gate.T                       # [T, E_global]
+    topk_weights, topk_ids = softmax_topk(...)            # [T, K] f32, [T, K] int64
+    if dispatcher: hidden, topk_weights, topk_ids, handle = dispatcher.dispatch(...)
+    out = experts(hidden, w13, w2, topk_weights, topk_ids, expert_map)
+    if dispatcher: out = dispatcher.combine(out, handle)
+
+Weights: ``w13 [E_local, 2I, H]`` (gate rows, then up rows) and ``w2 [E_local, H, I]``;
+local slot i holds global expert ``local_expert_ids[i]``. ``expert_map [E_global] int32``
+maps a global id to its local slot or -1. Without a dispatcher and with a subset of
+experts, the output holds only the local experts' share (what a dispatcher then sums).
+
+Expert backends share one signature (see ``tidal/moe/reference.py``) and are looked up
+by name in ``EXPERT_BACKENDS``; "triton" is imported lazily so CPU-only installs work.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor, nn
+
+from tidal.kernels.fused_moe_torch import fused_experts_torch
+from tidal.moe.reference import fused_experts_reference
+from tidal.moe.router import softmax_topk
+
+ExpertsFn = Callable[..., Tensor]
+
+
+class MoEDispatcher(Protocol):
+    """What FusedMoE calls when ``self.dispatcher`` is set (implemented in moe/dispatch.py).
+
+    ``dispatch`` moves tokens (with their routing) to the ranks owning their experts and
+    returns what this rank must compute plus an opaque handle; ``combine`` returns this
+    rank's expert output ``[T', H]`` to the tokens' home ranks and sums it: ``[T, H]``.
+    The experts always apply the router weights (``apply_router_weight=True``).
+    """
+
+    def dispatch(
+        self, hidden: Tensor, topk_weights: Tensor, topk_ids: Tensor
+    ) -> tuple[Tensor, Tensor, Tensor, Any]: ...
+
+    def combine(self, expert_out: Tensor, handle: Any) -> Tensor: ...
+
+
+def _triton_experts(*args: Any, **kwargs: Any) -> Tensor:
+    try:
+        from tidal.kernels.fused_moe import fused_experts
+    except ImportError as e:
+        raise RuntimeError(
+            f"moe backend 'triton' needs triton and a working tidal.kernels.fused_moe: {e}"
+        ) from e
+    return fused_experts(*args, **kwargs)
+
+
+EXPERT_BACKENDS: dict[str, ExpertsFn] = {
+    "reference": fused_experts_reference,
+    "torch": fused_experts_torch,
+    "triton": _triton_experts,
+}
+
+
+def resolve_moe_backend(backend: str, device: str | torch.device) -> str:
+    """``auto`` -> triton on CUDA, torch elsewhere; other names are checked."""
+    if backend == "auto":
+        return "triton" if torch.device(device).type == "cuda" else "torch"
+    if backend not in EXPERT_BACKENDS:
+        raise ValueError(
+            f"moe backend must be 'auto' or one of {sorted(EXPERT_BACKENDS)}, got {backend!r}"
+        )
+    return backend
+
+
+def build_expert_map(
+    num_experts: int, local_expert_ids: Sequence[int], device: Any = None
+) -> Tensor:  # [E_global] int32, global id -> local slot or -1
+    ids = list(local_expert_ids)
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"local_expert_ids has duplicates: {ids}")
+    bad = [e for e in ids if not 0 <= e < num_experts]
+    if bad:
+        raise ValueError(f"local_expert_ids out of range [0, {num_experts}): {bad}")
+    expert_map = torch.full((num_experts,), -1, dtype=torch.int32, device=device)
+    expert_map[torch.tensor(ids, dtype=torch.int64, device=device)] = torch.arange(
+        len(ids), dtype=torch.int32, device=device
+    )
+    return expert_map
+
+
+class FusedMoE(nn.Module):
+    def __init__(
+        self,
+        num_experts: int,
+        top_k: int,
+        hidden_size: int,
+        intermediate_size: int,
+        renormalize: bool,
+        local_expert_ids: Sequence[int] | None = None,
+        backend: str = "torch",
+        *,
+        dtype: torch.dtype | None = None,
+        device: Any = None,
+    ) -> None:
+        super().__init__()
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"top_k must be in [1, {num_experts}], got {top_k}")
+        self.num_experts = num_experts
+        self.top_k = top_k
+        self.renormalize = renormalize
+        self.local_expert_ids = (
+            list(range(num_experts)) if local_expert_ids is None else list(local_expert_ids)
+        )
+        self.backend = resolve_moe_backend(backend, device or "cpu")
+        self.experts_fn: ExpertsFn = EXPERT_BACKENDS[self.backend]
+        n_local = len(self.local_expert_ids)
+        kw = {"dtype": dtype, "device": device}
+        # Parameters start uninitialised: the loader (or a test) fills them.
+        self.gate = nn.Parameter(torch.empty(num_experts, hidden_size, **kw), requires_grad=False)
+        self.w13 = nn.Parameter(
+            torch.empty(n_local, 2 * intermediate_size, hidden_size, **kw), requires_grad=False
+        )
+        self.w2 = nn.Parameter(
+            torch.empty(n_local, hidden_size, intermediate_size, **kw), requires_grad=False
+        )
+        self.register_buffer(
+            "expert_map", build_expert_map(num_experts, self.local_expert_ids, device)
+        )
+        # None = every expert is local, the map is the identity: skip the lookup.
+        self._map_arg: Tensor | None = None if n_local == num_experts and (
+            self.local_expert_ids == list(range(num_experts))
+        ) else self.expert_map
+        # Expert parallelism: set by the EP setup to a MoEDispatcher; None = local only.
+        self.dispatcher: MoEDispatcher | None = None
+        # EPLB: when True, forward adds each step's tokens-per-(global)expert here.
+        self.record_expert_load = False
+        self.register_buffer(
+            "expert_load", torch.zeros(num_experts, dtype=torch.int64, device=device)
+        )
+
+    def forward(self, hidden: Tensor) -> Tensor:  # [T, H] -> [T, H]
+        router_logits = torch.nn.functional.linear(hidden, self.gate)  # [T, E_global]
+        topk_weights, topk_ids = softmax_topk(router_logits, self.top_k, self.renormalize)
+        return self.forward_experts(hidden, topk_weights, topk_ids)
+
+    def forward_experts(
+        self,
+        hidden: Tensor,  # [T, H]
+        topk_weights: Tensor,  # [T, K] float32
+        topk_ids: Tensor,  # [T, K] int64 global ids
+    ) -> Tensor:  # [T, H]
+        if self.record_expert_load:
+            self.expert_load += torch.bincount(topk_ids.reshape(-1), minlength=self.num_experts)
+        if self.dispatcher is None:
+            return self.experts_fn(
+                hidden, self.w13, self.w2, topk_weights, topk_ids, self._map_arg, True
+            )
+        x, weights, ids, handle = self.dispatcher.dispatch(hidden, topk_weights, topk_ids)
+        out = self.experts_fn(x, self.w13, self.w2, weights, ids, self.expert_map, True)
+        return self.dispatcher.combine(out, handle)
+
+    def set_local_experts(self, local_expert_ids: Sequence[int]) -> None:
+        """Rebuild the expert map for new owners (EP resize / EPLB); the caller then fills
+        ``w13``/``w2`` (resized here when the count changes) with those experts."""
+        ids = list(local_expert_ids)
+        self.expert_map.copy_(build_expert_map(self.num_experts, ids, self.expert_map.device))
+        if len(ids) != len(self.local_expert_ids):
+            self.w13.data = self.w13.data.new_empty((len(ids), *self.w13.shape[1:]))
+            self.w2.data = self.w2.data.new_empty((len(ids), *self.w2.shape[1:]))
+        self.local_expert_ids = ids
+        identity = ids == list(range(self.num_experts))
+        self._map_arg = None if identity else self.expert_map
+
+    def reset_expert_load(self) -> Tensor:  # [E_global] int64, the counts so far
+        load = self.expert_load.clone()
+        self.expert_load.zero_()
+        return load
+
+    def extra_repr(self) -> str:
+        return (
+            f"experts={self.num_experts}, local={len(self.local_expert_ids)}, top_k={self.top_k}, "
+            f"renormalize={self.renormalize}, backend={self.backend}"
+        )

@@ -1,0 +1,90 @@
+"""Expert routing: router logits -> (top-k weights, top-k expert ids).
+
+Both functions return ``topk_weights [T, K] float32`` and ``topk_ids [T, K] int64``
+(global expert ids). Scores are computed in float32 whatever the logits' dtype, as
+transformers does, so a bf16 model routes the same tokens to the same experts.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def softmax_topk(
+    router_logits: Tensor,  # [T, E] any float dtype
+    top_k: int,
+    renormalize: bool,
+) -> tuple[Tensor, Tensor]:  # ([T, K] float32, [T, K] int64)
+    """Softmax over all experts (float32), keep the top-k, optionally renormalise.
+
+    ``renormalize=True`` is Mixtral and Qwen3-MoE with ``norm_topk_prob``; False keeps
+    the raw softmax probabilities (Qwen3-MoE default).
+    """
+    _check_top_k(router_logits, top_k)
+    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+    topk_weights, topk_ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        topk_weights = topk_weights / topk_weights.sum(dim=-1, keepdim=True)
+    return topk_weights, topk_ids
+
+
+def grouped_topk(
+    router_logits: Tensor,  # [T, E]
+    top_k: int,
+    renormalize: bool,
+    num_expert_group: int,
+    topk_group: int,
+    scoring_func: str = "softmax",  # softmax | sigmoid
+    e_score_correction_bias: Tensor | None = None,  # [E] float: used for choosing only
+    routed_scaling_factor: float = 1.0,
+) -> tuple[Tensor, Tensor]:  # ([T, K] float32, [T, K] int64)
+    """DeepSeek-style group-limited routing.
+
+    Experts are split into ``num_expert_group`` equal groups; each token keeps its best
+    ``topk_group`` groups and picks its ``top_k`` experts inside them. A group's score is
+    its best expert score, or (with a correction bias, as in DeepSeek-V3) the sum of its
+    two best biased scores. The bias only steers the choice: the returned weights are the
+    unbiased scores of the chosen experts.
+    """
+    _check_top_k(router_logits, top_k)
+    num_tokens, num_experts = router_logits.shape
+    if num_expert_group < 1 or num_experts % num_expert_group:
+        raise ValueError(
+            f"num_expert_group ({num_expert_group}) must divide the number of experts ({num_experts})"
+        )
+    if not 1 <= topk_group <= num_expert_group:
+        raise ValueError(f"topk_group must be in [1, {num_expert_group}], got {topk_group}")
+    scores = _scores(router_logits, scoring_func)
+    choice = scores if e_score_correction_bias is None else scores + e_score_correction_bias.float()
+    grouped = choice.view(num_tokens, num_expert_group, -1)  # [T, G, E/G]
+    if e_score_correction_bias is None:
+        group_scores = grouped.max(dim=-1).values
+    else:
+        group_scores = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(dim=-1)
+    group_idx = torch.topk(group_scores, topk_group, dim=-1, sorted=False).indices  # [T, topk_group]
+    group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1.0)  # [T, G]
+    expert_mask = group_mask.unsqueeze(-1).expand_as(grouped).reshape(num_tokens, num_experts)
+    masked = choice.masked_fill(expert_mask == 0, float("-inf"))
+    topk_ids = torch.topk(masked, top_k, dim=-1).indices
+    topk_weights = scores.gather(1, topk_ids)
+    if renormalize:
+        topk_weights = topk_weights / topk_weights.sum(dim=-1, keepdim=True)
+    if routed_scaling_factor != 1.0:
+        topk_weights = topk_weights * routed_scaling_factor
+    return topk_weights, topk_ids
+
+
+def _scores(router_logits: Tensor, scoring_func: str) -> Tensor:  # [T, E] float32
+    if scoring_func == "softmax":
+        return torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+    if scoring_func == "sigmoid":
+        return torch.sigmoid(router_logits.float())
+    raise ValueError(f"scoring_func must be 'softmax' or 'sigmoid', got {scoring_func!r}")
+
+
+def _check_top_k(router_logits: Tensor, top_k: int) -> None:
+    if router_logits.dim() != 2:
+        raise ValueError(f"router_logits must be [T, E], got shape {tuple(router_logits.shape)}")
+    if not 1 <= top_k <= router_logits.shape[1]:
+        raise ValueError(f"top_k must be in [1, {router_logits.shape[1]}], got {top_k}")
