@@ -19,7 +19,7 @@ import heapq
 import json
 import random
 import statistics
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from tidal.dp_coordinator.balance import Balancer, policy_names
 from tidal.dp_coordinator.state import CoordinatorState, PublishSnapshot
@@ -96,7 +96,10 @@ def make_arrivals(cfg: SimConfig) -> list[tuple[int, int]]:
             # A client batch: its requests land within ``burst_spread_ms``, i.e. across
             # one or two snapshot intervals.
             size = rng.randint(8, 40)
-            out += [(int(t + rng.uniform(0, cfg.burst_spread_ms)), rng.randint(20, 80)) for _ in range(size)]
+            out += [
+                (int(t + rng.uniform(0, cfg.burst_spread_ms)), rng.randint(20, 80))
+                for _ in range(size)
+            ]
     while True:
         t += rng.expovariate(rate)
         if t >= cfg.duration_ms:
@@ -152,7 +155,7 @@ class _Sim:
             if kind == "req":
                 self.engines[payload.rank].waiting.append(payload)
             elif kind == "finish":
-                self.fronts[payload.frontend].on_finish(payload.rank, now / 1000)
+                self.fronts[payload.frontend].on_finish(payload.rank)
             elif kind == "stats":
                 self.publish(self.coord.handle(payload, now / 1000), now)
             else:
@@ -234,41 +237,27 @@ def main() -> None:
     ap.add_argument("--duration-s", type=float, default=30.0)
     ap.add_argument("--engines", type=int, default=4)
     ap.add_argument("--frontends", type=int, default=2)
+    ap.add_argument("--max-running", type=int, default=16)
+    ap.add_argument("--step-ms", type=int, default=20)
     ap.add_argument("--utilization", type=float, default=0.75)
     ap.add_argument("--policies", default=",".join(policy_names()))
     args = ap.parse_args()
     for workload in WORKLOADS:
         for policy in args.policies.split(","):
-            runs = [
-                simulate(
-                    SimConfig(
-                        workload=workload,
-                        policy=policy,
-                        num_engines=args.engines,
-                        num_frontends=args.frontends,
-                        seed=seed,
-                        duration_ms=int(args.duration_s * 1000),
-                        utilization=args.utilization,
-                    )
-                )
-                for seed in range(args.seeds)
-            ]
-            row = {k: round(statistics.fmean(r[k] for r in runs), 4) for k in runs[0]}
-            cfg = asdict(SimConfig(workload=workload, policy=policy))
-            print(
-                json.dumps(
-                    {
-                        "workload": workload,
-                        "policy": policy,
-                        "engines": args.engines,
-                        "frontends": args.frontends,
-                        "seeds": args.seeds,
-                        "utilization": args.utilization,
-                        "step_ms": cfg["step_ms"],
-                        **row,
-                    }
-                )
+            cfg = SimConfig(
+                workload=workload,
+                policy=policy,
+                num_engines=args.engines,
+                num_frontends=args.frontends,
+                duration_ms=int(args.duration_s * 1000),
+                step_ms=args.step_ms,
+                max_running=args.max_running,
+                utilization=args.utilization,
             )
+            runs = [simulate(replace(cfg, seed=seed)) for seed in range(args.seeds)]
+            row = {k: round(statistics.fmean(r[k] for r in runs), 4) for k in runs[0]}
+            params = {k: v for k, v in asdict(cfg).items() if k != "seed"}
+            print(json.dumps({**params, "seeds": args.seeds, **row}))
 
 
 if __name__ == "__main__":

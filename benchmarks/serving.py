@@ -71,7 +71,9 @@ async def one_request(
         async with client.stream("POST", f"{url}/v1/completions", json=body) as resp:
             if resp.status_code != 200:
                 text = (await resp.aread()).decode(errors="replace")
-                return Result(False, time.perf_counter() - start, error=f"{resp.status_code} {text[:200]}")
+                return Result(
+                    False, time.perf_counter() - start, error=f"{resp.status_code} {text[:200]}"
+                )
             async for line in resp.aiter_lines():
                 if not line.startswith("data: "):
                     continue
@@ -148,9 +150,13 @@ async def run_benchmark(
     """Run the load and return the summary (without the argument echo)."""
     rng = random.Random(seed)
     # Distinct random prompts, so prefix caching does not make the run trivial.
-    prompts = [[rng.randrange(1, token_id_range) for _ in range(prompt_len)] for _ in range(num_requests)]
+    prompts = [
+        [rng.randrange(1, token_id_range) for _ in range(prompt_len)] for _ in range(num_requests)
+    ]
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    async with httpx.AsyncClient(headers=_headers(api_key), timeout=timeout_s, limits=limits) as client:
+    async with httpx.AsyncClient(
+        headers=_headers(api_key), timeout=timeout_s, limits=limits
+    ) as client:
         for _ in range(warmup):
             await one_request(client, url, prompts[0], min(max_tokens, 4), model)
         sem = asyncio.Semaphore(concurrency)
@@ -180,7 +186,10 @@ def _wait_healthy(url: str, proc: subprocess.Popen, api_key: str | None, timeout
         if proc.poll() is not None:
             raise RuntimeError(f"server exited with code {proc.returncode} before becoming healthy")
         with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(f"{url}/health", headers=_headers(api_key), timeout=2.0).status_code == 200:
+            if (
+                httpx.get(f"{url}/health", headers=_headers(api_key), timeout=2.0).status_code
+                == 200
+            ):
                 return
         time.sleep(0.5)
     raise TimeoutError(f"server at {url} not healthy after {timeout_s:.0f}s")

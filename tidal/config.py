@@ -31,6 +31,8 @@ class ModelConfig:
     seed: int
     architecture: str
     hf_config: Any = field(compare=False, hash=False, repr=False)
+    # EOS ids from generation_config.json; all of them end generation (like transformers).
+    generation_eos_token_ids: tuple[int, ...] = ()
 
     @property
     def torch_dtype(self) -> Any:
@@ -40,10 +42,23 @@ class ModelConfig:
 
     @property
     def eos_token_ids(self) -> list[int]:
-        eos = getattr(self.hf_config, "eos_token_id", None)
-        if eos is None:
-            return []
-        return list(eos) if isinstance(eos, (list, tuple)) else [int(eos)]
+        """config.json's EOS first, then generation_config.json's extra ones."""
+        ids = _as_id_list(getattr(self.hf_config, "eos_token_id", None))
+        return ids + [i for i in self.generation_eos_token_ids if i not in ids]
+
+
+def _as_id_list(value: Any) -> list[int]:
+    if value is None:
+        return []
+    return [int(v) for v in value] if isinstance(value, (list, tuple)) else [int(value)]
+
+
+def _read_generation_eos(model: str) -> tuple[int, ...]:
+    path = os.path.join(model, "generation_config.json")
+    if not os.path.exists(path):
+        return ()
+    with open(path) as f:
+        return tuple(_as_id_list(json.load(f).get("eos_token_id")))
 
 
 @dataclass(frozen=True)
@@ -159,6 +174,7 @@ class EngineArgs:
             seed=self.seed,
             architecture=arch,
             hf_config=hf_config,
+            generation_eos_token_ids=_read_generation_eos(model),
         )
         return EngineConfig(
             model=model_cfg,

@@ -30,7 +30,10 @@ def _experts_loop(hidden, w13, w2, topk_weights, topk_ids, expert_map):
             if s < 0:
                 continue
             x = hidden[t].float()
-            y = F.linear(F.silu(F.linear(x, w13[s, :inter].float())) * F.linear(x, w13[s, inter:].float()), w2[s].float())
+            y = F.linear(
+                F.silu(F.linear(x, w13[s, :inter].float())) * F.linear(x, w13[s, inter:].float()),
+                w2[s].float(),
+            )
             out[t] += topk_weights[t, k] * y
     return out.to(hidden.dtype)
 
@@ -38,10 +41,10 @@ def _experts_loop(hidden, w13, w2, topk_weights, topk_ids, expert_map):
 def _problem(case: dict, ep: int):
     """The global problem, identical on every rank (same seed)."""
     g = torch.Generator().manual_seed(case["seed"])
-    E, K, H, I = case["E"], case["K"], case["H"], case["I"]
-    w13 = torch.randn(E, 2 * I, H, generator=g) * 0.3
+    E, K, H, inter = case["E"], case["K"], case["H"], case["I"]
+    w13 = torch.randn(E, 2 * inter, H, generator=g) * 0.3
     w13[:, :, 0] = 0  # column 0 carries the rank code; keep it out of the math
-    w2 = torch.randn(E, H, I, generator=g) * 0.3
+    w2 = torch.randn(E, H, inter, generator=g) * 0.3
     hidden, weights, ids = [], [], []
     for o in range(ep):
         n = case["sizes"][o]
@@ -78,7 +81,9 @@ def _run_case(group: StatelessGroup, backend: str, case: dict) -> dict:
     w13, w2, hidden, weights, ids = _problem(case, ep)
     d = get_dispatcher(backend, group, placement)
     sizes = case["sizes"]
-    res = d.dispatch(hidden[rank].to(dtype), weights[rank], ids[rank], sizes if case["pass_sizes"] else None)
+    res = d.dispatch(
+        hidden[rank].to(dtype), weights[rank], ids[rank], sizes if case["pass_sizes"] else None
+    )
 
     # 1. what arrived: exactly the expected rows, in order, each with its origin's routing
     expect = _expected_rows(backend, placement, ids, sizes, rank)
@@ -97,7 +102,14 @@ def _run_case(group: StatelessGroup, backend: str, case: dict) -> dict:
 
     # 2. experts on the local slots, combine, compare with all experts in one process
     local = placement.local_expert_ids(rank)
-    out_local = _experts_loop(res.hidden, w13[local].to(dtype), w2[local].to(dtype), res.topk_weights, res.topk_ids, d.expert_map)
+    out_local = _experts_loop(
+        res.hidden,
+        w13[local].to(dtype),
+        w2[local].to(dtype),
+        res.topk_weights,
+        res.topk_ids,
+        d.expert_map,
+    )
     out = d.combine(out_local, res.handle)
     ref = _experts_loop(hidden[rank], w13, w2, weights[rank], ids[rank], None)
     assert out.shape == (sizes[rank], case["H"]) and out.dtype == dtype
@@ -108,7 +120,9 @@ def _run_case(group: StatelessGroup, backend: str, case: dict) -> dict:
 
 
 def _worker(rank: int, world_size: int, port: int, cases: list[dict]) -> list[dict]:
-    group = StatelessGroup.create(host="127.0.0.1", port=port, rank=rank, world_size=world_size, prefix="ep")
+    group = StatelessGroup.create(
+        host="127.0.0.1", port=port, rank=rank, world_size=world_size, prefix="ep"
+    )
     try:
         return [_run_case(group, b, c) for c in cases for b in BACKENDS]
     finally:
@@ -126,9 +140,28 @@ def _cases(ep: int) -> list[dict]:
     for i, sizes in enumerate(token_counts):
         cases.append({**base, "seed": i, "sizes": sizes, "placement": ("linear", None)})
     # replicated experts (round robin + 2 spare copies; EPLB plan with hot experts copied)
-    cases.append({**base, "seed": 10, "sizes": token_counts[1], "placement": ("round_robin", None), "R": 2})
-    cases.append({**base, "seed": 11, "sizes": token_counts[0], "placement": ("rebalance", skew), "R": ep, "pass_sizes": False})
-    cases.append({**base, "seed": 12, "sizes": token_counts[1], "placement": ("linear", None), "dtype": torch.bfloat16})
+    cases.append(
+        {**base, "seed": 10, "sizes": token_counts[1], "placement": ("round_robin", None), "R": 2}
+    )
+    cases.append(
+        {
+            **base,
+            "seed": 11,
+            "sizes": token_counts[0],
+            "placement": ("rebalance", skew),
+            "R": ep,
+            "pass_sizes": False,
+        }
+    )
+    cases.append(
+        {
+            **base,
+            "seed": 12,
+            "sizes": token_counts[1],
+            "placement": ("linear", None),
+            "dtype": torch.bfloat16,
+        }
+    )
     return cases
 
 

@@ -51,9 +51,10 @@ def ckpt_and_expected(request):
 
 
 def _run(path: str, prompts: list[list[int]], **engine_kwargs) -> list[list[int]]:
-    llm = LLM(path, dtype="float32", **engine_kwargs)
+    llm = LLM(path, dtype="float32", multiprocess=False, **engine_kwargs)
     try:
-        params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+        # min_tokens masks EOS exactly like transformers' min_new_tokens does.
+        params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, min_tokens=MAX_TOKENS)
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         return [o.outputs[0].token_ids for o in outs]
     finally:

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -54,31 +59,40 @@ def to(device, *tensors):
 
 
 CASES = [
-    # (T, H, I, E, top_k, BLOCK_SIZE_M)
-    (1, 32, 16, 4, 2, 16),  # single decode token
-    (3, 16, 32, 4, 1, 16),  # T < BLOCK_M, top-1
-    (20, 64, 32, 8, 2, 16),  # experts with no tokens likely
-    (33, 48, 40, 6, 3, 32),  # H, I not multiples of the K/N blocks
-    (17, 32, 24, 16, 4, 64),  # most experts empty, big BLOCK_M
+    # (T, H, I, E, top_k, BLOCK_SIZE_M, GROUP_SIZE_M)
+    (1, 32, 16, 4, 2, 16, 1),  # single decode token
+    (3, 16, 32, 4, 1, 16, 1),  # T < BLOCK_M, top-1
+    (20, 64, 32, 8, 2, 16, 4),  # experts with no tokens likely; grouped pid order
+    (33, 48, 40, 6, 3, 32, 2),  # H, I not multiples of the K/N blocks
+    (17, 32, 24, 16, 4, 64, 8),  # most experts empty, big BLOCK_M
 ]
 
 
-@pytest.mark.parametrize("tokens,hidden,inter,experts,top_k,block_m", CASES)
-def test_fused_experts_float32(tokens, hidden, inter, experts, top_k, block_m, device):
+@pytest.mark.parametrize("tokens,hidden,inter,experts,top_k,block_m,group_m", CASES)
+def test_fused_experts_float32(tokens, hidden, inter, experts, top_k, block_m, group_m, device):
     x, w13, w2, tw, ids = make_problem(tokens, hidden, inter, experts, top_k, torch.float32)
-    config = MoeKernelConfig(block_m, 32, 32)
+    config = MoeKernelConfig(block_m, 32, 32, group_size_m=group_m)
     got = fused_experts_with_config(*to(device, x, w13, w2, tw, ids), None, True, config)
     assert got.shape == x.shape and got.dtype == torch.float32
     assert rel_err(got, loop_reference(x, w13, w2, tw, ids)) < TOLERANCE[torch.float32]
 
 
-@pytest.mark.parametrize("tokens,hidden,inter,experts,top_k,block_m", CASES[1:4])
-def test_fused_experts_float16(tokens, hidden, inter, experts, top_k, block_m, device):
+@pytest.mark.parametrize("tokens,hidden,inter,experts,top_k,block_m,group_m", CASES[1:4])
+def test_fused_experts_float16(tokens, hidden, inter, experts, top_k, block_m, group_m, device):
     x, w13, w2, tw, ids = make_problem(tokens, hidden, inter, experts, top_k, torch.float16)
-    config = MoeKernelConfig(block_m, 32, 32)
+    config = MoeKernelConfig(block_m, 32, 32, group_size_m=group_m)
     got = fused_experts_with_config(*to(device, x, w13, w2, tw, ids), None, True, config)
     assert got.dtype == torch.float16
     assert rel_err(got, loop_reference(x, w13, w2, tw, ids)) < TOLERANCE[torch.float16]
+
+
+def test_fused_experts_grouped_order_partial_last_group(device):
+    """Every token on both experts: 6 live row-blocks of 8, GROUP_SIZE_M=5, so the last
+    (partial) group holds live blocks and each of its (m, n) tiles must still be visited."""
+    x, w13, w2, tw, ids = make_problem(40, 32, 32, 2, 2, torch.float32)
+    config = MoeKernelConfig(16, 32, 32, group_size_m=5)
+    got = fused_experts_with_config(*to(device, x, w13, w2, tw, ids), None, True, config)
+    assert rel_err(got, loop_reference(x, w13, w2, tw, ids)) < TOLERANCE[torch.float32]
 
 
 def test_fused_experts_bfloat16_interpreter_upcast(device):
@@ -181,3 +195,19 @@ def test_fused_experts_bfloat16_native_gpu(tokens):
     want = loop_reference(x, w13, w2, tw, ids, expert_map)
     assert got.is_cuda and got.dtype == torch.bfloat16
     assert rel_err(got, want) < TOLERANCE[torch.bfloat16]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU runs the compiled kernels itself")
+def test_kernels_compile_for_sm90_without_gpu():
+    """The interpreter never runs Triton's compiler: compile once for a real target."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"
+    proc = subprocess.run(
+        [sys.executable, str(Path(__file__).with_name("aot_compile_check.py"))],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.count("ok ") == 7

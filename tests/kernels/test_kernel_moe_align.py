@@ -106,6 +106,15 @@ def test_align_out_of_range_ids_are_remote(device):
     assert sorted_ids[32:34].tolist() == [1, 2]
 
 
+def test_align_zero_tokens(device):
+    ids = torch.zeros((0, 2), dtype=torch.int64, device=device)
+    got = moe_align_block_size(ids, 16, 4)
+    want = moe_align_block_size_reference(ids.cpu(), 16, 4)
+    for g, w in zip(got, want):
+        assert torch.equal(g.cpu(), w.cpu())
+    assert int(got[2]) == 0 and got[0].numel() == 0
+
+
 def test_max_padded_slots_bound():
     assert max_padded_slots(1, 128, 16) == 16
     assert max_padded_slots(8, 128, 16) == 128

@@ -95,7 +95,11 @@ def _placements():
         yield rebalance([rng.randint(0, 100) for _ in range(E)], ep, R)
 
 
-@pytest.mark.parametrize("p", list(_placements()), ids=lambda p: f"E{p.num_logical_experts}-ep{p.ep_size}-P{p.num_physical_experts}")
+@pytest.mark.parametrize(
+    "p",
+    list(_placements()),
+    ids=lambda p: f"E{p.num_logical_experts}-ep{p.ep_size}-P{p.num_physical_experts}",
+)
 def test_every_token_expert_pair_is_computed_exactly_once(p: ExpertPlacement):
     maps = [p.expert_map_for_rank(r) for r in range(p.ep_size)]
     for r in range(p.ep_size):
@@ -104,7 +108,9 @@ def test_every_token_expert_pair_is_computed_exactly_once(p: ExpertPlacement):
             if slot >= 0:
                 assert p.local_expert_ids(r)[slot] == e
         assert sorted(s for s in maps[r] if s >= 0) == list(range(p.slots_per_rank))
-    for origin, row, e in itertools.product(range(p.ep_size), range(4), range(p.num_logical_experts)):
+    for origin, row, e in itertools.product(
+        range(p.ep_size), range(4), range(p.num_logical_experts)
+    ):
         phys = p.route(e, origin, row)
         assert p.physical_to_logical[phys] == e
         # the one chosen copy is the slot the owner's expert map sends e to (the dispatch
@@ -237,7 +243,9 @@ def test_eplb_always_finds_a_valid_placement():
 
 
 def test_strategy_enum_and_string_agree():
-    assert ExpertPlacement.build(PlacementStrategy.LINEAR, 6, 3) == ExpertPlacement.build("linear", 6, 3)
+    assert ExpertPlacement.build(PlacementStrategy.LINEAR, 6, 3) == ExpertPlacement.build(
+        "linear", 6, 3
+    )
 
 
 def test_make_room_swaps_when_only_holders_have_free_slots():

@@ -1,30 +1,35 @@
-"""Engine choice for a frontend's DP load balancer (pure: no sockets, no clocks).
+"""Engine choice for a frontend's DP load balancer (pure: no sockets; time is passed in).
 
 The coordinator publishes per-rank ``[waiting, running]`` at most every 100 ms, and an
-engine reports a new request only after its next step, so a snapshot lags what this
-frontend has already sent. A ``Balancer`` (one per frontend) therefore scores each rank
-from the last snapshot *plus* its own sends the snapshot cannot reflect yet.
+engine reports a change only after its next step, so a snapshot lags what this frontend
+has already sent and seen finish. A ``Balancer`` (one per frontend) therefore scores each
+rank from the last snapshot corrected by its own events the snapshot cannot reflect yet.
 
-Policies (``POLICIES``, ``register_policy``):
+Policies (``policy_names()``, ``register_policy``):
 
 ``vllm``   vLLM's baseline: ``4 * waiting + running``; own sends since the last snapshot
            count as waiting (times the number of frontends, guessing the others did the
-           same) and are forgotten when a snapshot arrives; ties go to the first rank from
-           a fixed per-frontend start.
-``tidal``  the same score, but
-           * own sends stay counted until ``retire_after`` snapshots arrived after them (a
-             snapshot built while they were in flight does not hold them yet);
-           * own outstanding requests (sent, not finished; known exactly) are a floor on a
-             rank's load, so a lagging snapshot can never make a rank look emptier than
-             what this frontend alone has on it;
-           * KV usage above ``kv_high`` adds a penalty (that rank would preempt), and is the
-             first tie-breaker (in 5 % buckets);
-           * remaining ties rotate (start after the last rank sent to), so equal ranks get
-             round-robin instead of the lowest index.
+           same) and are forgotten when a snapshot arrives; finishes are ignored until a
+           snapshot shows them; ties go to the first rank from a fixed per-frontend start.
+``tidal``  the same score on a better estimate of each rank's load *now*:
+           * own sends stay counted until ``stats_lag_s`` (about one engine step) before
+             the latest snapshot arrived -- sends just before it are not in it yet;
+           * own finishes since the latest snapshot free their slots at once (the frontend
+             sees a finish one hop after the step; the snapshot showing it comes later);
+           * own outstanding requests (sent, not finished; exact) floor a rank's total, so
+             a lagging snapshot never makes a rank look emptier than this frontend alone
+             knows it is;
+           * the total is split into running/waiting at the rank's capacity, learnt from
+             snapshots in which requests waited, so ``4 * waiting`` means real queueing;
+           * KV usage above ``kv_high`` adds a penalty (that rank would preempt) and is the
+             first tie-breaker (5 % buckets); remaining ties rotate (start after the last
+             rank sent to) instead of favouring the lowest index.
 ``tidal-p2c`` ``tidal`` scored on two random distinct ranks (power of two choices), for
-           many frontends herding on the same stale snapshot.
+           many frontends herding on one stale snapshot; measured worse than ``tidal`` at
+           small DP sizes, kept for large ones.
 
-An explicit ``data_parallel_rank`` on a request overrides the choice (range-checked).
+``benchmarks/balance_sim.py`` compares them. An explicit ``data_parallel_rank`` on a
+request overrides the choice (range-checked).
 """
 
 from __future__ import annotations
@@ -100,25 +105,20 @@ class VllmPolicy(Policy):
 @register_policy
 class TidalPolicy(Policy):
     name = "tidal"
-    stats_lag_s = 0.05
+    stats_lag_s = 0.02  # about one engine step
     rotate_ties = True
-    scale_by_clients = True
-    count_finishes = True
     kv_high = 0.9  # above this KV usage a new request likely causes preemption
     kv_penalty = 8.0  # score added at 100 % KV usage (two waiting requests' worth)
 
     def estimate(self, load: RankLoad, num_clients: int) -> tuple[float, float]:
-        """(waiting, running) now, from the snapshot and own unseen sends/finishes."""
-        k = num_clients if self.scale_by_clients else 1
-        waiting, running = float(load.waiting), float(load.running)
-        if self.count_finishes:
-            # A finish frees a slot that a waiting request takes at the next step.
-            done = k * load.finished
-            waiting, running = max(0.0, waiting - done), max(0.0, running - max(0.0, done - waiting))
-        waiting += k * load.sent
-        # Own outstanding requests are certain; anything the estimate misses is waiting.
-        waiting += max(0.0, load.inflight - (waiting + running))
-        return waiting, running
+        """(waiting, running) on the rank now. Own unseen sends and finishes are scaled
+        by the number of frontends (the others are assumed to do alike); own outstanding
+        requests are certain, so they floor the total; the total is split at the
+        capacity last seen while requests waited (unknown: all of it runs)."""
+        delta = num_clients * (load.sent - load.finished)
+        total = max(float(load.waiting + load.running + delta), float(load.inflight), 0.0)
+        running = min(total, float(load.capacity)) if load.capacity else total
+        return total - running, running
 
     def key(self, load: RankLoad, num_clients: int) -> tuple[float, ...]:
         waiting, running = self.estimate(load, num_clients)
@@ -194,7 +194,8 @@ class Balancer:
     monotonic clock (never compared with another process's).
 
     Call ``choose()`` for a request, then ``on_send(rank, now)`` once it is sent there,
-    ``on_finish(rank, now)`` when it finishes or is aborted, ``on_snapshot`` per snapshot."""
+    ``on_finish(rank)`` when it finishes or is aborted, ``on_snapshot(snap, now)`` per
+    snapshot. A request migrated to another rank is ``on_finish(old)`` + ``on_send(new)``."""
 
     def __init__(
         self,
@@ -258,7 +259,7 @@ class Balancer:
         if self.policy.rotate_ties:
             self._start = (rank + 1) % self.num_engines
 
-    def on_finish(self, rank: int, now: float) -> None:
+    def on_finish(self, rank: int) -> None:
         if 0 <= rank < self.num_engines and self._inflight[rank] > 0:
             self._inflight[rank] -= 1
             self._finished[rank] += 1
@@ -281,8 +282,15 @@ class Balancer:
 
     def loads(self) -> list[RankLoad]:
         return [
-            RankLoad(c[0], c[1], self._kv[r], len(self._sends[r]), self._finished[r],
-                     self._inflight[r], self._capacity[r])
+            RankLoad(
+                c[0],
+                c[1],
+                self._kv[r],
+                len(self._sends[r]),
+                self._finished[r],
+                self._inflight[r],
+                self._capacity[r],
+            )
             for r, c in enumerate(self._counts)
         ]
 

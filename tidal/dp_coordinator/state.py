@@ -36,8 +36,9 @@ Coordinator (``CoordinatorState.handle``):
   * ``wave_complete=w``: ``w >= W`` -> W = w + 1, not R; ``w < W`` -> ignore (stale).
   * resize: R = False (see "when in doubt" below).
 
-Races (and why the rules above are safe)
-----------------------------------------
+Races (and why the rules above are safe; tests/unit/test_coordinator_state.py model-checks
+all three roles under random interleavings)
+------------------------------------------------------------------------------------------
 1. Stale wake-up / start_wave. A frontend saw (W, paused); before its wake-up arrives,
    another frontend woke wave W and it completed: the coordinator is at (W+1, paused).
    The request stamped W reaches a rank paused at W+1, which starts and sends
@@ -55,12 +56,14 @@ Races (and why the rules above are safe)
    rank e's ``start_wave=w+1`` come over different connections, in either order. In
    order: complete -> (w+1, paused), then start -> running, START(w+1, exclude=e).
    Reversed: start (``w+1 > W``) -> adopt w+1, running, START; then the late
-   ``wave_complete=w`` is below W and is ignored -- it must not clear R.
+   ``wave_complete=w`` is below W and is ignored (clearing R would be safe, see below,
+   but would invite redundant wake-ups and an empty extra wave).
 4. Duplicate notifications. Several frontends (or a frontend and an engine) may report
    the same wave; only the first broadcasts, the rest find R already set.
-5. A wake-up arriving while R is set but the wave has in fact just ended (its
-   ``wave_complete`` in flight) is ignored; that is safe because the request it announces
-   reaches a rank already at W+1, so it is stale there and case 1 applies.
+5. A wake-up arriving while R is set is ignored even if wave W has in fact just ended
+   (its ``wave_complete`` in flight): the request it announces either joins wave W
+   (running, or about to be started by the START already sent) or reaches a rank
+   already at W+1, where it is stale and case 1 applies.
 
 When in doubt, R = False: a wrong "paused" costs one redundant START (an empty wave of
 32 dummy steps), a wrong "running" lets a request start one rank alone, with nobody

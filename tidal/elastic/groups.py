@@ -235,7 +235,9 @@ class StatelessGroup:
         """``out [n, ...]`` <- reduction over ranks of rows ``[rank*n, (rank+1)*n)`` of ``inp [W*n, ...]``."""
         self._check_alive()
         if inp.shape[0] != self.world_size * out.shape[0] or out.shape[1:] != inp.shape[1:]:
-            raise ValueError(f"reduce_scatter_into: out {tuple(out.shape)} vs inp {tuple(inp.shape)}")
+            raise ValueError(
+                f"reduce_scatter_into: out {tuple(out.shape)} vs inp {tuple(inp.shape)}"
+            )
         if inp.numel() == 0:
             return out
         inp = inp.contiguous()
@@ -264,7 +266,9 @@ class StatelessGroup:
 
     def reduce_scatter(self, inp: torch.Tensor, op: ReduceOp = ReduceOp.SUM) -> torch.Tensor:
         if inp.shape[0] % self.world_size:
-            raise ValueError(f"reduce_scatter: {inp.shape[0]} rows not divisible by {self.world_size}")
+            raise ValueError(
+                f"reduce_scatter: {inp.shape[0]} rows not divisible by {self.world_size}"
+            )
         out = inp.new_empty((inp.shape[0] // self.world_size, *inp.shape[1:]))
         return self.reduce_scatter_into(out, inp, op)
 
@@ -318,7 +322,9 @@ class StatelessGroup:
         if self.backend_name == "gloo":
             self._backend.barrier().wait()
         else:  # NCCL's barrier needs a device hint; a 1-element all-reduce is equivalent
-            self.all_reduce(torch.zeros(1, device=torch.device("cuda", torch.cuda.current_device())))
+            self.all_reduce(
+                torch.zeros(1, device=torch.device("cuda", torch.cuda.current_device()))
+            )
 
     def send(self, t: torch.Tensor, dst: int, tag: int = 0) -> None:
         """Point-to-point send (blocks until the peer has received, for gloo)."""

@@ -39,6 +39,8 @@ class InputProcessor:
         self.model_config = model_config
         self.tokenizer = tokenizer
         self.eos_token_id = eos_token_id_for(model_config, tokenizer)
+        # Other EOS ids (generation_config.json) act as stop tokens, as in transformers.
+        self.extra_eos_ids = [i for i in model_config.eos_token_ids if i != self.eos_token_id]
         self.vocab_size = int(model_config.hf_config.vocab_size)
 
     def tokenize(self, prompt: PromptType) -> ProcessedPrompt:
@@ -106,6 +108,10 @@ class InputProcessor:
         for i, cid in enumerate(child_ids):
             msg = to_params_msg(params)
             msg.n = 1
+            if not params.ignore_eos:
+                msg.stop_token_ids = msg.stop_token_ids + [
+                    i for i in self.extra_eos_ids if i not in msg.stop_token_ids
+                ]
             if params.seed is not None:
                 msg.seed = params.seed + i
             reqs.append(

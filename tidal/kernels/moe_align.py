@@ -20,10 +20,10 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-# Chunks per launch are capped so the single-program scan loads at most this many rows.
+# Register budget (elements) of the [SUB, BLOCK_E] one-hot tile of count/scatter and of
+# the [chunks, BLOCK_E] tile of the single-program scan: bounds SUB and the chunk count.
+_TILE_ELEMENTS = 8192
 _MAX_CHUNKS = 64
-# Slots ranked together: a [SUB, BLOCK_E] one-hot tile per step.
-_SUB = 32
 
 
 @triton.jit
@@ -195,11 +195,15 @@ def moe_align_block_size(
     num_blocks = padded // block_size
     sorted_ids = torch.full((padded,), numel, dtype=torch.int32, device=device)
     expert_ids = torch.empty((num_blocks,), dtype=torch.int32, device=device)
-    num_post_padded = torch.empty((1,), dtype=torch.int32, device=device)
+    num_post_padded = torch.zeros((1,), dtype=torch.int32, device=device)
+    if numel == 0:
+        return sorted_ids, expert_ids, num_post_padded
 
     block_e = triton.next_power_of_2(num_experts + 1)
-    chunk = max(_SUB, triton.cdiv(triton.cdiv(max(numel, 1), _MAX_CHUNKS), _SUB) * _SUB)
-    num_chunks = triton.cdiv(max(numel, 1), chunk)
+    sub = max(8, min(64, _TILE_ELEMENTS // block_e))
+    max_chunks = max(1, min(_MAX_CHUNKS, _TILE_ELEMENTS // block_e))
+    chunk = triton.cdiv(triton.cdiv(numel, max_chunks), sub) * sub  # a multiple of sub
+    num_chunks = triton.cdiv(numel, chunk)
     counts = torch.empty((num_chunks, block_e), dtype=torch.int32, device=device)
     offsets = torch.empty_like(counts)
     has_map = expert_map is not None
@@ -208,15 +212,16 @@ def moe_align_block_size(
 
     _align_count_kernel[(num_chunks,)](
         topk_ids, map_arg, counts, numel, num_experts, map_size, chunk,
-        HAS_MAP=has_map, BLOCK_E=block_e, SUB=_SUB,
+        HAS_MAP=has_map, BLOCK_E=block_e, SUB=sub,
     )  # fmt: skip
     _align_scan_kernel[(1,)](
         counts, offsets, expert_ids, num_post_padded, num_chunks, num_experts, num_blocks,
-        block_size, BLOCK_E=block_e, BLOCK_C=triton.next_power_of_2(num_chunks), BLOCK_B=64,
+        block_size, BLOCK_E=block_e, BLOCK_C=max(2, triton.next_power_of_2(num_chunks)),
+        BLOCK_B=64,
     )  # fmt: skip
     _align_scatter_kernel[(num_chunks,)](
         topk_ids, map_arg, offsets, sorted_ids, numel, num_experts, map_size, chunk,
-        HAS_MAP=has_map, BLOCK_E=block_e, SUB=_SUB,
+        HAS_MAP=has_map, BLOCK_E=block_e, SUB=sub,
     )  # fmt: skip
     return sorted_ids, expert_ids, num_post_padded
 

@@ -89,7 +89,7 @@ def topk_softmax(
     _topk_softmax_kernel[(triton.cdiv(tokens, block_t),)](
         logits, weights, ids, tokens, experts, logits.stride(0), top_k,
         RENORMALIZE=renormalize, BLOCK_T=block_t, BLOCK_E=block_e,
-        BLOCK_K=triton.next_power_of_2(top_k),
+        BLOCK_K=max(2, triton.next_power_of_2(top_k)),
     )  # fmt: skip
     return weights, ids
 

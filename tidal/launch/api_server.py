@@ -19,13 +19,13 @@ import json
 import logging
 import secrets
 import socket
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import uvicorn
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
@@ -172,7 +172,6 @@ class _ClientGone(Exception):
 async def _until_disconnect(request: Request, work: Any) -> Any:
     """Await ``work`` unless the client hangs up first; then cancel it (which aborts the
     engine requests it iterates) and raise _ClientGone. The request body must be read."""
-    return await work
     task = asyncio.ensure_future(work)
     watch = asyncio.ensure_future(_wait_disconnect(request))
     try:
@@ -435,7 +434,7 @@ class OpenAIServing:
                 messages, add_generation_prompt=add_gen, chat_template=req.chat_template, **kwargs
             )
         except ValueError:
-            raise
+            raise  # the processor's own message (e.g. empty messages): a 400 as it is
         except Exception as e:  # noqa: BLE001 - a template that rejects these messages
             raise APIError(400, f"cannot apply the chat template: {e}", param="messages") from None
         return self._job(req, prompt, request_id, 0)
@@ -522,10 +521,13 @@ def build_app(
     served_model_name: str | None = None,
     metrics: ServerMetrics | None = None,
     shutdown_engine: bool = True,
+    routers: Sequence[APIRouter] = (),
 ) -> FastAPI:
     """The FastAPI app. ``metrics`` is registered as the engine's stat logger; on
     lifespan shutdown (SIGTERM/SIGINT under uvicorn) ``engine.shutdown()`` is awaited
-    unless ``shutdown_engine`` is False. Extra routes added later are auth-protected too."""
+    unless ``shutdown_engine`` is False. ``routers`` (admin, dashboard) are included as
+    they are; the API key protects them too. Handlers find the engine and metrics on
+    ``request.app.state``."""
     metrics = metrics if metrics is not None else ServerMetrics()
     engine.add_stat_logger(metrics)
     serving = OpenAIServing(engine, served_model_name or engine.served_model_name)
@@ -546,6 +548,8 @@ def build_app(
     _add_error_handlers(app)
     _add_openai_routes(app, serving)
     _add_admin_routes(app, serving, metrics)
+    for router in routers:
+        app.include_router(router)
     return app
 
 
@@ -672,12 +676,13 @@ async def serve(
     served_model_name: str | None = None,
     log_level: str = "info",
     timeout_graceful_shutdown: float | None = 10.0,
+    routers: Sequence[APIRouter] = (),
 ) -> None:
     """Serve until SIGTERM/SIGINT; the engine is shut down on the way out.
 
     uvicorn restores the previous signal handlers and re-raises the signal after a
     graceful shutdown, so a caller's own SIGTERM handler still runs afterwards."""
-    app = build_app(engine, api_key=api_key, served_model_name=served_model_name)
+    app = build_app(engine, api_key=api_key, served_model_name=served_model_name, routers=routers)
     server = make_server(
         app,
         host=host,

@@ -9,7 +9,7 @@ from typing import Any
 from tqdm import tqdm
 
 from tidal.config import EngineArgs
-from tidal.engine_core.client import EngineCoreClient, InprocClient
+from tidal.engine_core.client import EngineCoreClient, InprocClient, SyncMPClient
 from tidal.frontend.output_processor import OutputProcessor
 from tidal.frontend.outputs import OutputKind, RequestOutput
 from tidal.frontend.processor import InputProcessor, PromptType, load_tokenizer
@@ -20,9 +20,11 @@ class LLM:
     """Generate from a Hugging Face MoE checkpoint folder (or the embedded default model).
 
     Keyword arguments are ``EngineArgs`` fields (``max_num_seqs``, ``data_parallel_size``,
-    ``enable_expert_parallel``, ...)."""
+    ``enable_expert_parallel``, ...). ``multiprocess=False`` runs the engine core in this
+    process (single rank only; handy for debugging and fast tests)."""
 
-    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+    def __init__(self, model: str | None = None, *, multiprocess: bool = True, **kwargs: Any) -> None:
+        self.multiprocess = multiprocess
         self.engine_args = EngineArgs(model=model, **kwargs)
         self.config = self.engine_args.create_engine_config()
         self.tokenizer = load_tokenizer(self.config.model.tokenizer)
@@ -32,7 +34,9 @@ class LLM:
         self._ids = itertools.count()
 
     def _make_client(self) -> EngineCoreClient:
-        return InprocClient(self.config)
+        if self.config.parallel.data_parallel_size > 1 and not self.multiprocess:
+            raise ValueError("multiprocess=False supports data_parallel_size=1 only")
+        return SyncMPClient(self.config) if self.multiprocess else InprocClient(self.config)
 
     def get_tokenizer(self) -> Any:
         return self.tokenizer

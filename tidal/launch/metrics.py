@@ -15,112 +15,51 @@ if TYPE_CHECKING:
     from tidal.engine_core.messages import SchedulerStats
 
 _PREFIX = "tidal:"
-_TTFT_BUCKETS = (
-    0.005,
-    0.01,
-    0.02,
-    0.04,
-    0.06,
-    0.08,
-    0.1,
-    0.25,
-    0.5,
-    0.75,
-    1.0,
-    2.5,
-    5.0,
-    7.5,
-    10.0,
-    20.0,
-    40.0,
-    80.0,
-)
-_TPOT_BUCKETS = (
-    0.005,
-    0.01,
-    0.015,
-    0.02,
-    0.025,
-    0.03,
-    0.04,
-    0.05,
-    0.075,
-    0.1,
-    0.15,
-    0.2,
-    0.3,
-    0.4,
-    0.5,
-    0.75,
-    1.0,
-    2.5,
-)
-_E2E_BUCKETS = (
-    0.3,
-    0.5,
-    0.8,
-    1.0,
-    1.5,
-    2.0,
-    2.5,
-    5.0,
-    10.0,
-    15.0,
-    20.0,
-    30.0,
-    40.0,
-    50.0,
-    60.0,
-    120.0,
-    240.0,
-)
+# fmt: off
+_TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                 10.0, 20.0, 40.0, 80.0)
+_TPOT_BUCKETS = (0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3,
+                 0.4, 0.5, 0.75, 1.0, 2.5)
+_E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+                120.0, 240.0)
+_LEN_BUCKETS = tuple(float(4**i) for i in range(11))  # 1 .. ~1M tokens
+# fmt: on
 
 
 class ServerMetrics:
     """The stat-logger interface ``AsyncLLM`` calls, backed by prometheus collectors."""
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
-        self.registry = registry if registry is not None else CollectorRegistry()
-        r, p = self.registry, _PREFIX
+        self.registry = r = registry if registry is not None else CollectorRegistry()
         self.request_success = Counter(
-            p + "request_success",
+            _PREFIX + "request_success",
             "Finished requests by finish reason.",
             ["finished_reason"],
             registry=r,
         )
-        self.prompt_tokens = Counter(p + "prompt_tokens", "Prefill tokens processed.", registry=r)
-        self.generation_tokens = Counter(p + "generation_tokens", "Tokens generated.", registry=r)
-        self.running = Gauge(
-            p + "num_requests_running", "Requests running on an engine.", ["dp_rank"], registry=r
+        self.prompt_tokens = Counter(_PREFIX + "prompt_tokens", "Prefill tokens.", registry=r)
+        self.generation_tokens = Counter(
+            _PREFIX + "generation_tokens", "Generated tokens.", registry=r
         )
-        self.waiting = Gauge(
-            p + "num_requests_waiting", "Requests waiting on an engine.", ["dp_rank"], registry=r
+        self.running = _per_rank("num_requests_running", "Requests running on an engine.", r)
+        self.waiting = _per_rank("num_requests_waiting", "Requests waiting on an engine.", r)
+        self.kv_usage = _per_rank("kv_cache_usage_perc", "KV cache usage (0-1) per engine.", r)
+        self.ttft = _hist("time_to_first_token_seconds", "Time to first token.", _TTFT_BUCKETS, r)
+        self.tpot = _hist(
+            "time_per_output_token_seconds",
+            "Time per output token after the first.",
+            _TPOT_BUCKETS,
+            r,
         )
-        self.kv_usage = Gauge(
-            p + "kv_cache_usage_perc", "KV cache usage (0-1) per engine.", ["dp_rank"], registry=r
+        self.e2e = _hist(
+            "e2e_request_latency_seconds", "End-to-end request latency.", _E2E_BUCKETS, r
         )
-        self.ttft = Histogram(
-            p + "time_to_first_token_seconds",
-            "Time to first token.",
-            buckets=_TTFT_BUCKETS,
-            registry=r,
+        self.prompt_len = _hist(
+            "request_prompt_tokens", "Prompt tokens per request.", _LEN_BUCKETS, r
         )
-        self.tpot = Histogram(
-            p + "time_per_output_token_seconds", "Time per output token after the first.",
-            buckets=_TPOT_BUCKETS, registry=r,
-        )  # fmt: skip
-        self.e2e = Histogram(
-            p + "e2e_request_latency_seconds", "End-to-end request latency.", buckets=_E2E_BUCKETS,
-            registry=r,
-        )  # fmt: skip
-        self.prompt_len = Histogram(
-            p + "request_prompt_tokens", "Prompt length per finished request.",
-            buckets=_pow2_buckets(1 << 20), registry=r,
-        )  # fmt: skip
-        self.generation_len = Histogram(
-            p + "request_generation_tokens", "Generated tokens per finished request.",
-            buckets=_pow2_buckets(1 << 20), registry=r,
-        )  # fmt: skip
+        self.generation_len = _hist(
+            "request_generation_tokens", "Generated tokens per request.", _LEN_BUCKETS, r
+        )
 
     # ---- stat-logger interface (called by AsyncLLM) ----------------------------------------
 
@@ -166,9 +105,11 @@ class ServerMetrics:
         return generate_latest(self.registry)
 
 
-def _pow2_buckets(limit: int) -> tuple[float, ...]:
-    b, out = 1, []
-    while b <= limit:
-        out.append(float(b))
-        b *= 4
-    return tuple(out)
+def _per_rank(name: str, doc: str, registry: CollectorRegistry) -> Gauge:
+    return Gauge(_PREFIX + name, doc, ["dp_rank"], registry=registry)
+
+
+def _hist(
+    name: str, doc: str, buckets: tuple[float, ...], registry: CollectorRegistry
+) -> Histogram:
+    return Histogram(_PREFIX + name, doc, buckets=buckets, registry=registry)

@@ -106,7 +106,7 @@ class _SamplingRequest(BaseModel):
 class CompletionRequest(_SamplingRequest):
     # A string, a batch of strings, token ids, or a batch of token-id lists.
     prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]
-    max_tokens: StrictInt | None = None
+    max_tokens: StrictInt | None = 16  # OpenAI's and vLLM's default for completions
     logprobs: StrictInt | None = None
     echo: bool | None = False
     suffix: str | None = None

@@ -14,7 +14,8 @@ Runner-facing API (every architecture class)::
     model.moe_layers() -> list[FusedMoE]  # for EP / EPLB setup
 
 Loader-facing API: ``model.weight_targets()`` maps each checkpoint tensor name to the
-parameter view it fills (or None: a known tensor this rank does not hold).
+parameter view it fills (or None: a known tensor this rank does not hold);
+``model.optional_weight_names()`` lists the names that may be absent.
 """
 
 from __future__ import annotations
@@ -216,12 +217,16 @@ class MoECausalLM(nn.Module):
             "model.norm.weight": self.norm.weight.data,
         }
         if self.spec.tie_word_embeddings:
-            targets["lm_head.weight"] = None  # some exporters still write the tied copy
+            targets["lm_head.weight"] = None  # optional: some exporters write the tied copy
         else:
             targets["lm_head.weight"] = self.lm_head.weight.data
         for i, layer in enumerate(self.layers):
             targets.update(self._layer_targets(f"model.layers.{i}", layer))
         return targets
+
+    def optional_weight_names(self) -> set[str]:
+        """Known checkpoint names that may be absent."""
+        return {"lm_head.weight"} if self.spec.tie_word_embeddings else set()
 
     def _layer_targets(self, prefix: str, layer: DecoderLayer) -> dict[str, Tensor | None]:
         t: dict[str, Tensor | None] = {

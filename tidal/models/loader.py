@@ -93,7 +93,8 @@ def load_weights(model: MoECausalLM, folder: str) -> None:
                     dest = targets[vname]
                     if dest is not None:
                         _copy(vname, os.path.basename(path), get(), dest)
-    missing = [n for n in targets if n not in seen]
+    optional = model.optional_weight_names()
+    missing = [n for n in targets if n not in seen and n not in optional]
     if missing or unexpected:
         raise CheckpointError(_mismatch_message(type(model).__name__, folder, missing, unexpected))
 

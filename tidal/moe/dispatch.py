@@ -149,7 +149,9 @@ def _pack(hidden: Tensor, phys: Tensor, weights: Tensor) -> Tensor:
     return torch.cat(parts, dim=1)
 
 
-def _unpack(rows: Tensor, hidden_size: int, dtype: torch.dtype, k: int) -> tuple[Tensor, Tensor, Tensor]:
+def _unpack(
+    rows: Tensor, hidden_size: int, dtype: torch.dtype, k: int
+) -> tuple[Tensor, Tensor, Tensor]:
     hb = hidden_size * torch.empty((), dtype=dtype).element_size()
     hidden = rows[:, :hb].contiguous().view(dtype)
     phys = rows[:, hb : hb + 4 * k].contiguous().view(torch.int32).to(torch.int64)
@@ -175,7 +177,9 @@ class _SoloGroup:
     def reduce_scatter_v(self, t: Tensor, sizes: Sequence[int]) -> Tensor:
         return t.clone()
 
-    def all_to_all_single(self, out: Tensor, inp: Tensor, out_splits: Any = None, in_splits: Any = None) -> Tensor:
+    def all_to_all_single(
+        self, out: Tensor, inp: Tensor, out_splits: Any = None, in_splits: Any = None
+    ) -> Tensor:
         return out.copy_(inp)
 
 
@@ -216,7 +220,9 @@ class Dispatcher(ABC):
     def local_expert_ids(self) -> list[int]:
         return self.placement.local_expert_ids(self.rank)
 
-    def _tokens_per_rank(self, num_tokens: int, given: Sequence[int] | None, device: torch.device) -> list[int]:
+    def _tokens_per_rank(
+        self, num_tokens: int, given: Sequence[int] | None, device: torch.device
+    ) -> list[int]:
         """Use the counts agreed before the forward, else exchange them (one small all-gather)."""
         if given is not None:
             sizes = [int(n) for n in given]
@@ -269,7 +275,13 @@ class AllGatherReduceScatterDispatcher(Dispatcher):
 
     name = "allgather_reducescatter"
 
-    def dispatch(self, hidden, topk_weights, topk_ids, num_tokens_across_dp=None) -> DispatchResult:
+    def dispatch(
+        self,
+        hidden: Tensor,  # [T, H]
+        topk_weights: Tensor,  # [T, K] float32
+        topk_ids: Tensor,  # [T, K] int64 logical ids
+        num_tokens_across_dp: Sequence[int] | None = None,  # [ep]
+    ) -> DispatchResult:
         T, H = hidden.shape
         K = topk_ids.shape[1]
         router = self.router.to(hidden.device)
@@ -315,7 +327,13 @@ class AllToAllDispatcher(Dispatcher):
 
     name = "all2all"
 
-    def dispatch(self, hidden, topk_weights, topk_ids, num_tokens_across_dp=None) -> DispatchResult:
+    def dispatch(
+        self,
+        hidden: Tensor,  # [T, H]
+        topk_weights: Tensor,  # [T, K] float32
+        topk_ids: Tensor,  # [T, K] int64 logical ids
+        num_tokens_across_dp: Sequence[int] | None = None,  # [ep]
+    ) -> DispatchResult:
         T, H = hidden.shape
         K = topk_ids.shape[1]
         router = self.router.to(hidden.device)
@@ -341,9 +359,13 @@ class AllToAllDispatcher(Dispatcher):
         h: _A2AHandle = self._handle(handle)
         back = expert_out.new_empty((sum(h.send_counts), expert_out.shape[1]))
         self.group.all_to_all_single(back, expert_out, h.send_counts, h.recv_counts)
-        out = torch.zeros((h.num_tokens, expert_out.shape[1]), dtype=torch.float32, device=back.device)
+        out = torch.zeros(
+            (h.num_tokens, expert_out.shape[1]), dtype=torch.float32, device=back.device
+        )
         out.index_add_(0, h.token_idx, back.float())
-        self._count(0, h.recv_counts, h.send_counts, 0, expert_out.shape[1] * expert_out.element_size())
+        self._count(
+            0, h.recv_counts, h.send_counts, 0, expert_out.shape[1] * expert_out.element_size()
+        )
         return out.to(expert_out.dtype)
 
     def _count(self, tokens: int, sent: list[int], recv: list[int], row: int, out_row: int) -> None:
@@ -363,7 +385,7 @@ class AllToAllDispatcher(Dispatcher):
 # ---------------------------------------------------------------------------- DeepEP
 
 
-def _require_deep_ep(name: str) -> Any:
+def _require_deep_ep(name: str, group: Any) -> Any:
     if importlib.util.find_spec("deep_ep") is None:
         raise RuntimeError(
             f"all2all backend {name!r} requires the 'deep_ep' package (DeepEP), which is not "
@@ -371,6 +393,8 @@ def _require_deep_ep(name: str) -> Any:
         )
     if not torch.cuda.is_available():
         raise RuntimeError(f"all2all backend {name!r} requires CUDA GPUs (DeepEP is GPU-only)")
+    if getattr(group, "process_group", None) is None:
+        raise ValueError(f"all2all backend {name!r} needs a StatelessGroup (a ProcessGroup view)")
     import deep_ep
 
     return deep_ep
@@ -387,18 +411,29 @@ class DeepEPHighThroughputDispatcher(Dispatcher):
 
     name = "deepep_high_throughput"
 
-    def __init__(self, group: Any, placement: ExpertPlacement, *, hidden_size: int, **_: Any) -> None:
-        deep_ep = _require_deep_ep(self.name)
+    def __init__(
+        self, group: Any, placement: ExpertPlacement, *, hidden_size: int, **_: Any
+    ) -> None:
+        deep_ep = _require_deep_ep(self.name, group)
         super().__init__(group, placement)
         pg = group.process_group  # DeepEP exchanges IPC handles with dist.all_gather_object
         hidden_bytes = hidden_size * 2
         nvl = rdma = 0
-        for cfg in (deep_ep.Buffer.get_dispatch_config(self.ep_size), deep_ep.Buffer.get_combine_config(self.ep_size)):
+        for cfg in (
+            deep_ep.Buffer.get_dispatch_config(self.ep_size),
+            deep_ep.Buffer.get_combine_config(self.ep_size),
+        ):
             nvl = max(nvl, cfg.get_nvl_buffer_size_hint(hidden_bytes, self.ep_size))
             rdma = max(rdma, cfg.get_rdma_buffer_size_hint(hidden_bytes, self.ep_size))
         self.buffer = deep_ep.Buffer(pg, nvl, rdma)
 
-    def dispatch(self, hidden, topk_weights, topk_ids, num_tokens_across_dp=None) -> DispatchResult:
+    def dispatch(
+        self,
+        hidden: Tensor,  # [T, H]
+        topk_weights: Tensor,  # [T, K] float32
+        topk_ids: Tensor,  # [T, K] int64 logical ids
+        num_tokens_across_dp: Sequence[int] | None = None,  # [ep]
+    ) -> DispatchResult:
         router = self.router.to(hidden.device)
         phys = router.route(topk_ids)
         P = self.placement.num_physical_experts
@@ -420,7 +455,11 @@ class DeepEPHighThroughputDispatcher(Dispatcher):
     def _local_to_logical(self, local_idx: Tensor, weights: Tensor) -> tuple[Tensor, Tensor]:
         local_ids = torch.tensor(self.local_expert_ids, dtype=torch.int64, device=local_idx.device)
         valid = local_idx >= 0
-        ids = torch.where(valid, local_ids[local_idx.clamp(min=0)], torch.full_like(local_idx, self.router.sentinel))
+        ids = torch.where(
+            valid,
+            local_ids[local_idx.clamp(min=0)],
+            torch.full_like(local_idx, self.router.sentinel),
+        )
         return ids, torch.where(valid, weights, torch.zeros_like(weights))
 
     def combine(self, expert_out: Tensor, handle: Any) -> Tensor:
@@ -440,29 +479,51 @@ class DeepEPLowLatencyDispatcher(Dispatcher):
     name = "deepep_low_latency"
 
     def __init__(
-        self, group: Any, placement: ExpertPlacement, *, hidden_size: int, max_tokens_per_rank: int = 128, **_: Any
+        self,
+        group: Any,
+        placement: ExpertPlacement,
+        *,
+        hidden_size: int,
+        max_tokens_per_rank: int = 128,
+        **_: Any,
     ) -> None:
-        deep_ep = _require_deep_ep(self.name)
+        deep_ep = _require_deep_ep(self.name, group)
         super().__init__(group, placement)
         self.max_tokens = max_tokens_per_rank
         self.hidden_size = hidden_size
         P = placement.num_physical_experts
-        rdma = deep_ep.Buffer.get_low_latency_rdma_size_hint(max_tokens_per_rank, hidden_size, self.ep_size, P)
+        rdma = deep_ep.Buffer.get_low_latency_rdma_size_hint(
+            max_tokens_per_rank, hidden_size, self.ep_size, P
+        )
         self.buffer = deep_ep.Buffer(
-            group.process_group, 0, rdma, low_latency_mode=True, num_qps_per_rank=placement.slots_per_rank
+            group.process_group,
+            0,
+            rdma,
+            low_latency_mode=True,
+            num_qps_per_rank=placement.slots_per_rank,
         )
 
-    def dispatch(self, hidden, topk_weights, topk_ids, num_tokens_across_dp=None) -> DispatchResult:
+    def dispatch(
+        self,
+        hidden: Tensor,  # [T, H]
+        topk_weights: Tensor,  # [T, K] float32
+        topk_ids: Tensor,  # [T, K] int64 logical ids
+        num_tokens_across_dp: Sequence[int] | None = None,  # [ep]
+    ) -> DispatchResult:
         if hidden.shape[0] > self.max_tokens:
             raise ValueError(f"{hidden.shape[0]} tokens > max_tokens_per_rank={self.max_tokens}")
         router = self.router.to(hidden.device)
         phys = router.route(topk_ids)
         P = self.placement.num_physical_experts
-        recv, counts_t, handle, _, _ = self.buffer.low_latency_dispatch(hidden, phys, self.max_tokens, P, use_fp8=False)
+        recv, counts_t, handle, _, _ = self.buffer.low_latency_dispatch(
+            hidden, phys, self.max_tokens, P, use_fp8=False
+        )
         counts = counts_t.tolist()  # host sync: fine outside CUDA graphs
         local_ids = self.local_expert_ids
         x = torch.cat([recv[s, :n] for s, n in enumerate(counts)])
-        ids = torch.tensor([local_ids[s] for s, n in enumerate(counts) for _ in range(n)], device=hidden.device)
+        ids = torch.tensor(
+            [local_ids[s] for s, n in enumerate(counts) for _ in range(n)], device=hidden.device
+        )
         ones = torch.ones((x.shape[0], 1), dtype=torch.float32, device=hidden.device)
         self.stats.calls += 1
         self.stats.tokens += hidden.shape[0]

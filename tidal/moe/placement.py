@@ -150,7 +150,11 @@ class ExpertPlacement:
 
     @classmethod
     def linear(
-        cls, num_logical: int, ep_size: int, num_redundant: int = 0, load: Sequence[float] | None = None
+        cls,
+        num_logical: int,
+        ep_size: int,
+        num_redundant: int = 0,
+        load: Sequence[float] | None = None,
     ) -> ExpertPlacement:
         """Rank r holds logical ids ``[r*S, (r+1)*S)``; spare slots (the tail) get replicas."""
         P, S = _physical_size(num_logical, ep_size, num_redundant)
@@ -160,7 +164,11 @@ class ExpertPlacement:
 
     @classmethod
     def round_robin(
-        cls, num_logical: int, ep_size: int, num_redundant: int = 0, load: Sequence[float] | None = None
+        cls,
+        num_logical: int,
+        ep_size: int,
+        num_redundant: int = 0,
+        load: Sequence[float] | None = None,
     ) -> ExpertPlacement:
         """Logical e on rank ``e % ep_size``, slot ``e // ep_size``; spare slots get replicas."""
         P, S = _physical_size(num_logical, ep_size, num_redundant)
@@ -183,7 +191,9 @@ class ExpertPlacement:
                 strategy = PlacementStrategy[strategy.upper()]
             except KeyError:
                 names = ", ".join(s.name.lower() for s in PlacementStrategy)
-                raise ValueError(f"placement strategy must be one of {names}; got {strategy!r}") from None
+                raise ValueError(
+                    f"placement strategy must be one of {names}; got {strategy!r}"
+                ) from None
         if strategy is PlacementStrategy.LINEAR:
             return cls.linear(num_logical, ep_size, num_redundant, load)
         return cls.round_robin(num_logical, ep_size, num_redundant, load)
@@ -325,7 +335,10 @@ def resize(
                 covered.add(e)
     for e in range(E):
         if e not in covered:
-            n = min((n for n in range(new_ep_size) if len(layout[n]) < S), key=lambda n: (len(layout[n]), n))
+            n = min(
+                (n for n in range(new_ep_size) if len(layout[n]) < S),
+                key=lambda n: (len(layout[n]), n),
+            )
             layout[n].append(e)
     for n in range(new_ep_size):  # spare slots: keep what is already here first
         for e in held_before(n):

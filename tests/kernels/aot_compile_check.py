@@ -1,0 +1,80 @@
+"""Compile every Triton kernel of tidal.kernels ahead of time for sm_90, without a GPU.
+
+The interpreter runs the kernels' Python, not Triton's compiler, so a construct the
+compiler rejects (types, shapes, early returns, constexpr misuse) would pass the CPU
+tests and fail only on a GPU. triton ships LLVM and ptxas, so compiling to a cubin for
+a GPUTarget works on any host. Run with TRITON_INTERPRET unset:
+
+    python tests/kernels/aot_compile_check.py
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from tidal.kernels import activation, fused_moe, moe_align, moe_sum, topk_softmax  # noqa: E402
+
+TARGET = GPUTarget("cuda", 90, 32)
+
+
+def compile_kernel(kernel, pointers: dict[str, str], constexprs: dict, **options) -> None:
+    """Scalar args are i32; pointer args get the element type given in ``pointers``."""
+    signature = {}
+    for name in kernel.arg_names:
+        if name in constexprs:
+            signature[name] = "constexpr"
+        elif name.endswith("_ptr"):
+            signature[name] = "*" + pointers[name]
+        else:
+            signature[name] = "i32"
+    compiled = triton.compile(
+        ASTSource(kernel, signature, constexprs), target=TARGET, options=options
+    )
+    assert compiled.asm["cubin"], kernel.__name__
+    print(f"ok {kernel.__name__} {constexprs}", flush=True)
+
+
+def main() -> int:
+    assert not fused_moe.is_interpreted(), "unset TRITON_INTERPRET for this check"
+    ids = dict(topk_ids_ptr="i64", expert_map_ptr="i32", counts_ptr="i32", offsets_ptr="i32",
+               sorted_ids_ptr="i32", expert_ids_ptr="i32", num_post_padded_ptr="i32")  # fmt: skip
+    blocks = dict(HAS_MAP=True, BLOCK_E=128, SUB=64)
+    compile_kernel(moe_align._align_count_kernel, ids, blocks)
+    compile_kernel(moe_align._align_scatter_kernel, ids, blocks)
+    compile_kernel(moe_align._align_scan_kernel, ids, dict(BLOCK_E=128, BLOCK_C=2, BLOCK_B=64))
+    gemm = dict(a_ptr="bf16", b_ptr="bf16", c_ptr="bf16", topk_weights_ptr="fp32", **ids)
+    compile_kernel(
+        fused_moe._fused_moe_gemm_kernel,
+        gemm,
+        dict(
+            MUL_ROUTED_WEIGHT=True,
+            DOT_FP32=False,
+            DOT_PRECISION=None,
+            BLOCK_M=16,
+            BLOCK_N=64,
+            BLOCK_K=64,
+            GROUP_M=8,
+        ),  # fmt: skip
+        num_warps=4,
+        num_stages=3,
+    )
+    compile_kernel(activation._silu_and_mul_kernel, dict(x_ptr="bf16", out_ptr="bf16"),
+                   dict(BLOCK=512))  # fmt: skip
+    compile_kernel(moe_sum._moe_sum_kernel, dict(x_ptr="bf16", out_ptr="bf16"), dict(BLOCK_H=512))
+    compile_kernel(
+        topk_softmax._topk_softmax_kernel,
+        dict(logits_ptr="bf16", weights_ptr="fp32", ids_ptr="i64"),
+        dict(RENORMALIZE=True, BLOCK_T=4, BLOCK_E=64, BLOCK_K=8),
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,396 @@
+"""The DP coordinator process: a thin ZMQ loop around ``CoordinatorState``.
+
+Sockets, all bound here (addresses are passed in: ``ipc://`` in the launcher's private
+0700 temp dir, or ``tcp://`` for multi-node; ``tcp://host:*`` picks free ports and the
+bound addresses are reported back):
+
+``engine_publish``   XPUB -> engines (SUB or XSUB, subscribed to everything). Two frames:
+                     ``[COORDINATOR_READY, CoordinatorReady]`` each time an engine
+                     subscribes (the handshake: an engine waits for it before it relies on
+                     START_DP_WAVE; engines past their handshake ignore later ones), and
+                     ``[START_DP_WAVE, StartDPWave]`` broadcasts.
+``engine_input``     PULL <- engines (PUSH): one frame, ``EngineCoreOutputs`` carrying
+                     ``scheduler_stats`` and/or ``wave_complete`` / ``start_wave`` /
+                     ``engine_dead``.
+``frontend_publish`` XPUB -> frontends (XSUB): one frame, ``DPLoadSnapshot``. A new
+                     subscription gets a snapshot at once. Frontends send
+                     ``FrontendToCoordinator`` messages (wake-ups, resize) *upstream on the
+                     same XSUB socket*: no extra socket, and a frontend that can send
+                     is by construction one that receives snapshots.
+``stats``            ROUTER <- DEALER/REQ: any request (``DPStatsRequest`` by convention)
+                     is answered with ``DPCoordinatorStats`` (``/stats``, dashboard).
+
+Everything is msgspec msgpack; nothing is pickled. SIGTERM/SIGINT stop the loop cleanly
+(sockets closed, ipc files unlinked); the process also exits when its parent dies.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import multiprocessing
+import os
+import shutil
+import signal
+import tempfile
+import time
+import weakref
+from dataclasses import astuple, dataclass
+from multiprocessing.connection import Connection
+
+import msgspec
+import zmq
+
+from tidal.dp_coordinator.state import (
+    Action,
+    BroadcastStartWave,
+    CoordinatorState,
+    PublishSnapshot,
+)
+from tidal.engine_core.messages import (
+    COORDINATOR_READY,
+    CoordinatorReady,
+    DPCoordinatorStats,
+    DPLoadSnapshot,
+    DPStatsRequest,
+    EngineCoreOutputs,
+    EngineCoreRequestType,
+    FrontendToCoordinator,
+    StartDPWave,
+    encode,
+)
+
+logger = logging.getLogger(__name__)
+
+_POLL_CAP_MS = 100  # bounds the reaction time to a stop request or a dead parent
+_DRAIN_MAX = 1000  # messages per socket per loop turn
+_SUBSCRIBE, _UNSUBSCRIBE = 1, 0
+
+ENGINE_OUTPUTS_DECODER = msgspec.msgpack.Decoder(EngineCoreOutputs)
+FRONTEND_DECODER = msgspec.msgpack.Decoder(FrontendToCoordinator)
+SNAPSHOT_DECODER = msgspec.msgpack.Decoder(DPLoadSnapshot)
+STATS_DECODER = msgspec.msgpack.Decoder(DPCoordinatorStats)
+_START_DECODER = msgspec.msgpack.Decoder(StartDPWave)
+_READY_DECODER = msgspec.msgpack.Decoder(CoordinatorReady)
+
+
+@dataclass(frozen=True)
+class CoordinatorAddresses:
+    engine_publish: str  # engines SUBscribe (EngineAddresses.coordinator_input)
+    engine_input: str  # engines PUSH (EngineAddresses.coordinator_output)
+    frontend_publish: str  # frontends XSUB: snapshots down, wake-ups up
+    stats: str  # DEALER/REQ -> full stats
+
+    @classmethod
+    def ipc(cls, directory: str) -> CoordinatorAddresses:
+        names = ("dpc-engine-pub", "dpc-engine-in", "dpc-frontend-pub", "dpc-stats")
+        return cls(*(f"ipc://{os.path.join(directory, n)}" for n in names))
+
+    @classmethod
+    def tcp(cls, host: str, ports: tuple[int, int, int, int] | None = None) -> CoordinatorAddresses:
+        """``ports=None`` binds free ports (read the real ones from ``DPCoordinator``)."""
+        port_strs = [str(p) for p in ports] if ports else ["*"] * 4
+        return cls(*(f"tcp://{host}:{p}" for p in port_strs))
+
+    def ipc_paths(self) -> list[str]:
+        return [a[len("ipc://") :] for a in astuple(self) if a.startswith("ipc://")]
+
+
+# ----------------------------------------------------------------- helpers for peers
+
+
+def decode_engine_message(frames: list[bytes]) -> StartDPWave | CoordinatorReady:
+    """Decode one message an engine received from ``engine_publish``."""
+    kind, payload = frames
+    if kind == COORDINATOR_READY:
+        return _READY_DECODER.decode(payload)
+    if kind == EngineCoreRequestType.START_DP_WAVE.value:
+        return _START_DECODER.decode(payload)
+    raise ValueError(f"unknown coordinator message kind {kind!r}")
+
+
+def fetch_stats(
+    address: str, timeout_s: float = 2.0, ctx: zmq.Context | None = None
+) -> DPCoordinatorStats:
+    """Ask the coordinator's ``stats`` socket for the full stats (blocking, bounded)."""
+    sock = (ctx or zmq.Context.instance()).socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(address)
+        sock.send(encode(DPStatsRequest()))
+        if not sock.poll(int(timeout_s * 1000)):
+            raise TimeoutError(f"DP coordinator at {address} did not answer in {timeout_s}s")
+        return STATS_DECODER.decode(sock.recv())
+    finally:
+        sock.close()
+
+
+async def fetch_stats_async(address: str, timeout_s: float = 2.0) -> DPCoordinatorStats:
+    """``fetch_stats`` for an asyncio frontend."""
+    import zmq.asyncio
+
+    sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(address)
+        await sock.send(encode(DPStatsRequest()))
+        if not await sock.poll(int(timeout_s * 1000)):
+            raise TimeoutError(f"DP coordinator at {address} did not answer in {timeout_s}s")
+        return STATS_DECODER.decode(await sock.recv())
+    finally:
+        sock.close()
+
+
+# ----------------------------------------------------------------------- the loop
+
+
+def _drain(sock: zmq.Socket, events: dict, multipart: bool = False) -> list:
+    """Up to ``_DRAIN_MAX`` ready messages, so no socket starves the others."""
+    out: list = []
+    if sock not in events:
+        return out
+    for _ in range(_DRAIN_MAX):
+        try:
+            out.append(sock.recv_multipart(zmq.NOBLOCK) if multipart else sock.recv(zmq.NOBLOCK))
+        except zmq.Again:
+            break
+    return out
+
+
+class _StopFlag:
+    """Set from a signal handler; read by the loop between polls."""
+
+    def __init__(self) -> None:
+        self.stopped = False
+
+    def set(self, signum: int, frame: object) -> None:
+        self.stopped = True
+
+
+class _CoordinatorLoop:
+    def __init__(
+        self,
+        ctx: zmq.Context,
+        addresses: CoordinatorAddresses,
+        state: CoordinatorState,
+        stop: _StopFlag,
+    ) -> None:
+        self.state = state
+        self.stop = stop
+        self.engine_pub = self._bind(ctx, zmq.XPUB, addresses.engine_publish)
+        self.engine_in = self._bind(ctx, zmq.PULL, addresses.engine_input)
+        self.front_pub = self._bind(ctx, zmq.XPUB, addresses.frontend_publish)
+        self.stats = self._bind(ctx, zmq.ROUTER, addresses.stats)
+        self.poller = zmq.Poller()
+        for s in (self.engine_pub, self.engine_in, self.front_pub, self.stats):
+            self.poller.register(s, zmq.POLLIN)
+
+    @staticmethod
+    def _bind(ctx: zmq.Context, kind: int, address: str) -> zmq.Socket:
+        sock = ctx.socket(kind)
+        sock.setsockopt(zmq.LINGER, 0)
+        if kind == zmq.XPUB:
+            sock.setsockopt(zmq.XPUB_VERBOSE, 1)  # every subscriber, not just the first
+        sock.bind(address)
+        return sock
+
+    def bound_addresses(self) -> CoordinatorAddresses:
+        socks = (self.engine_pub, self.engine_in, self.front_pub, self.stats)
+        return CoordinatorAddresses(*(s.getsockopt_string(zmq.LAST_ENDPOINT) for s in socks))
+
+    def close(self) -> None:
+        for s in (self.engine_pub, self.engine_in, self.front_pub, self.stats):
+            s.close(linger=0)
+
+    def run(self, parent_pid: int | None) -> None:
+        while not self.stop.stopped:
+            wait_ms = (self.state.next_deadline() - time.monotonic()) * 1000
+            events = dict(self.poller.poll(int(min(max(wait_ms, 0), _POLL_CAP_MS))))
+            self._execute(self._turn(events, time.monotonic()))
+            if parent_pid is not None and os.getppid() != parent_pid:
+                logger.warning("DP coordinator: parent %d is gone, exiting", parent_pid)
+                return
+
+    def _turn(self, events: dict, now: float) -> list[Action]:
+        actions: list[Action] = []
+        for msg in _drain(self.engine_pub, events):
+            self._on_engine_subscription(msg)
+        for msg in _drain(self.front_pub, events):
+            actions += self._on_frontend(msg, now)
+        for msg in _drain(self.engine_in, events):
+            actions += self._on_engine(msg, now)
+        for frames in _drain(self.stats, events, multipart=True):
+            self._on_stats(frames, now)
+        return actions + self.state.tick(now)
+
+    def _on_engine_subscription(self, msg: bytes) -> None:
+        if msg[:1] == bytes([_SUBSCRIBE]):
+            self.engine_pub.send_multipart([COORDINATOR_READY, encode(self.state.ready_message())])
+
+    def _on_frontend(self, msg: bytes, now: float) -> list[Action]:
+        if msg[:1] == bytes([_SUBSCRIBE]):
+            self.state.request_publish()  # a new frontend: give it the load at once
+            return []
+        if msg[:1] == bytes([_UNSUBSCRIBE]):
+            return []
+        try:
+            return self.state.handle(FRONTEND_DECODER.decode(msg), now)
+        except (msgspec.DecodeError, ValueError) as e:
+            logger.error("DP coordinator: bad frontend message dropped: %s", e)
+            return []
+
+    def _on_engine(self, msg: bytes, now: float) -> list[Action]:
+        try:
+            out = ENGINE_OUTPUTS_DECODER.decode(msg)
+        except msgspec.DecodeError as e:
+            logger.error("DP coordinator: bad engine message dropped: %s", e)
+            return []
+        if out.engine_dead:
+            logger.error("DP coordinator: engine %d died: %s", out.engine_index, out.dead_reason)
+        return self.state.handle(out, now)
+
+    def _on_stats(self, frames: list[bytes], now: float) -> None:
+        # Reply under the request's envelope (DEALER: [id]; REQ: [id, b""]).
+        self.stats.send_multipart(frames[:-1] + [encode(self.state.full_stats(now))])
+
+    def _execute(self, actions: list[Action]) -> None:
+        for a in actions:
+            if isinstance(a, PublishSnapshot):
+                self.front_pub.send(encode(a.snapshot))
+            elif isinstance(a, BroadcastStartWave):
+                kind = EngineCoreRequestType.START_DP_WAVE.value
+                self.engine_pub.send_multipart([kind, encode(a.message())])
+
+
+def run_coordinator(
+    addresses: CoordinatorAddresses,
+    num_engines: int,
+    *,
+    publish_interval_s: float = 0.1,
+    heartbeat_interval_s: float = 3.0,
+    history_len: int = 600,
+    ready_conn: Connection | None = None,
+    parent_pid: int | None = None,
+) -> None:
+    """Process entry point (``multiprocessing`` spawn). Reports the bound addresses (or
+    the startup error) as msgpack bytes on ``ready_conn``, then serves until SIGTERM."""
+    stop = _StopFlag()
+    signal.signal(signal.SIGTERM, stop.set)
+    signal.signal(signal.SIGINT, stop.set)
+    ctx = zmq.Context()
+    try:
+        state = CoordinatorState(num_engines, history_len, publish_interval_s, heartbeat_interval_s)
+        loop = _CoordinatorLoop(ctx, addresses, state, stop)
+    except Exception as e:
+        if ready_conn is not None:
+            ready_conn.send_bytes(encode({"error": f"{type(e).__name__}: {e}"}))
+        ctx.destroy(linger=0)  # closes the sockets bound before the failure
+        _unlink(addresses)
+        raise
+    try:
+        if ready_conn is not None:
+            ready_conn.send_bytes(encode({"addresses": list(astuple(loop.bound_addresses()))}))
+            ready_conn.close()
+        loop.run(parent_pid)
+    finally:
+        loop.close()
+        ctx.term()
+        _unlink(addresses)
+
+
+def _unlink(addresses: CoordinatorAddresses) -> None:
+    for path in addresses.ipc_paths():
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+
+
+# ----------------------------------------------------------------------- handle
+
+
+class DPCoordinator:
+    """Starts the coordinator process and owns its lifetime.
+
+    ``addresses=None`` puts ipc sockets in a fresh private temp dir (removed on shutdown).
+    ``addresses`` holds the bound addresses once the constructor returns."""
+
+    def __init__(
+        self,
+        num_engines: int,
+        addresses: CoordinatorAddresses | None = None,
+        *,
+        publish_interval_s: float = 0.1,
+        heartbeat_interval_s: float = 3.0,
+        history_len: int = 600,
+        start_timeout_s: float = 30.0,
+    ) -> None:
+        tmpdir = None
+        if addresses is None:
+            tmpdir = tempfile.mkdtemp(prefix="tidal-dpc-")  # mode 0700
+            addresses = CoordinatorAddresses.ipc(tmpdir)
+        mp = multiprocessing.get_context("spawn")
+        recv_conn, send_conn = mp.Pipe(duplex=False)
+        self.proc = mp.Process(
+            target=run_coordinator,
+            name="TidalDPCoordinator",
+            args=(addresses, num_engines),
+            kwargs=dict(
+                publish_interval_s=publish_interval_s,
+                heartbeat_interval_s=heartbeat_interval_s,
+                history_len=history_len,
+                ready_conn=send_conn,
+                parent_pid=os.getpid(),
+            ),
+            daemon=True,
+        )
+        self.proc.start()
+        send_conn.close()
+        self._finalizer = weakref.finalize(self, _cleanup, self.proc, addresses, tmpdir, 5.0)
+        try:
+            self.addresses = _await_ready(recv_conn, start_timeout_s)
+        except BaseException:
+            self.shutdown()
+            raise
+        finally:
+            recv_conn.close()
+
+    def shutdown(self, timeout_s: float = 5.0) -> None:
+        """SIGTERM, join (kill after ``timeout_s``), unlink ipc files. Idempotent."""
+        if self._finalizer.alive:
+            args = self._finalizer.detach()[2]
+            _cleanup(*args[:3], timeout_s)
+
+    def __enter__(self) -> DPCoordinator:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+
+def _await_ready(conn: Connection, timeout_s: float) -> CoordinatorAddresses:
+    if not conn.poll(timeout_s):
+        raise TimeoutError(f"DP coordinator did not start within {timeout_s}s")
+    try:
+        reply = msgspec.msgpack.decode(conn.recv_bytes())
+    except EOFError:
+        raise RuntimeError("DP coordinator process exited during startup") from None
+    if "error" in reply:
+        raise RuntimeError(f"DP coordinator failed to start: {reply['error']}")
+    return CoordinatorAddresses(*reply["addresses"])
+
+
+def _cleanup(
+    proc: multiprocessing.Process,
+    addresses: CoordinatorAddresses,
+    tmpdir: str | None,
+    timeout_s: float,
+) -> None:
+    if proc.is_alive():
+        proc.terminate()
+        proc.join(timeout_s)
+    if proc.is_alive():
+        logger.warning("DP coordinator ignored SIGTERM for %.1fs; killing it", timeout_s)
+        proc.kill()
+        proc.join(timeout_s)
+    _unlink(addresses)  # a killed process leaves its ipc files behind
+    if tmpdir is not None:
+        shutil.rmtree(tmpdir, ignore_errors=True)
