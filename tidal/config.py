@@ -86,6 +86,9 @@ class ParallelConfig:
     data_parallel_start_rank: int = 0
     data_parallel_address: str = "127.0.0.1"
     data_parallel_rpc_port: int = 0
+    # TCPStore port (on data_parallel_address, hosted by rank 0) for the DP/EP groups;
+    # chosen by the launcher when 0.
+    data_parallel_master_port: int = 0
     enable_expert_parallel: bool = False
     all2all_backend: str = "allgather_reducescatter"
     enable_eplb: bool = False
@@ -100,7 +103,12 @@ class ParallelConfig:
     def config_hash(self) -> str:
         """Hash of what every rank must agree on (rank-specific fields excluded)."""
         d = dataclasses.asdict(self)
-        for k in ("data_parallel_rank", "data_parallel_size_local", "data_parallel_start_rank"):
+        for k in (
+            "data_parallel_rank",
+            "data_parallel_size_local",
+            "data_parallel_start_rank",
+            "data_parallel_master_port",
+        ):
             d.pop(k)
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 

@@ -4,6 +4,11 @@ The table holds, for every position p < max_position, ``cos(p * inv_freq)`` and
 ``sin(...)`` duplicated over both halves of the head (the "rotate half" convention of
 Llama/Qwen/Mixtral checkpoints), computed in float32 exactly as transformers does and
 then cast to the model dtype. Only the default rope type is supported.
+
+transformers computes ``x * cos + rotate_half(x) * sin`` with
+``rotate_half(x) = cat(-x2, x1)``. Here the sign lives in the table instead:
+``rotate_half(x) * sin == roll(x, half) * cat(-sin1, sin2)`` exactly (negation is exact),
+which saves the negation and the concatenation per call.
 """
 
 from __future__ import annotations
@@ -55,19 +60,19 @@ class RotaryEmbedding(nn.Module):
         freqs = pos[:, None].float() * inv_freq  # [P, Dh/2]
         emb = torch.cat((freqs, freqs), dim=-1)  # [P, Dh]
         dtype = dtype or torch.get_default_dtype()
+        half = head_dim // 2
+        sin = emb.sin().to(dtype)
+        signed_sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
         self.register_buffer("cos_table", emb.cos().to(dtype).to(device), persistent=False)
-        self.register_buffer("sin_table", emb.sin().to(dtype).to(device), persistent=False)
+        self.register_buffer("signed_sin_table", signed_sin.to(device), persistent=False)
 
     def cos_sin(self, positions: Tensor) -> tuple[Tensor, Tensor]:  # [T] -> 2 x [T, 1, Dh]
-        """Look up once per forward; every layer reuses the result."""
-        return self.cos_table[positions].unsqueeze(1), self.sin_table[positions].unsqueeze(1)
+        """(cos, signed sin) rows for the positions: looked up once per forward, every
+        layer reuses them."""
+        return self.cos_table[positions].unsqueeze(1), self.signed_sin_table[positions].unsqueeze(1)
 
 
-def _rotate_half(x: Tensor) -> Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """x [T, heads, Dh] with cos/sin [T, 1, Dh] -> rotated x (new tensor)."""
-    return (x * cos) + (_rotate_half(x) * sin)
+def apply_rotary(x: Tensor, cos: Tensor, signed_sin: Tensor) -> Tensor:
+    """x [T, heads, Dh] with cos/signed_sin [T, 1, Dh] from ``cos_sin`` -> rotated x (new
+    tensor); equals transformers' ``x * cos + rotate_half(x) * sin``."""
+    return (x * cos) + (x.roll(x.shape[-1] // 2, dims=-1) * signed_sin)

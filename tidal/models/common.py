@@ -29,7 +29,7 @@ from torch import Tensor, nn
 
 from tidal.layers.attention import AttentionMetadata, PagedAttention
 from tidal.layers.linear import Embedding, Linear
-from tidal.layers.norm import RMSNorm
+from tidal.layers.norm import RMSNorm, rms_norm_heads
 from tidal.layers.rotary import RotaryEmbedding, apply_rotary, rope_theta_from_config
 from tidal.moe.layer import FusedMoE
 
@@ -98,8 +98,8 @@ class Attention(nn.Module):
     def __init__(self, spec: DecoderSpec, **kw: Any) -> None:
         super().__init__()
         hq, hkv, dh = spec.num_heads, spec.num_kv_heads, spec.head_dim
-        self.split = (hq * dh, hkv * dh, hkv * dh)
-        self.q_shape, self.kv_shape = (hq, dh), (hkv, dh)
+        self.num_heads, self.num_kv_heads, self.head_dim = hq, hkv, dh
+        self.split = (hq * dh, hkv * dh, hkv * dh)  # q | k | v rows of qkv_proj
         self.qkv_proj = Linear(spec.hidden_size, sum(self.split), spec.attention_bias, **kw)
         self.o_proj = Linear(hq * dh, spec.hidden_size, spec.attention_bias, **kw)
         self.q_norm = RMSNorm(dh, spec.rms_norm_eps, **kw) if spec.qk_norm else None
@@ -108,14 +108,15 @@ class Attention(nn.Module):
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, meta: AttentionMetadata) -> Tensor:
         num_tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
-        q = q.view(num_tokens, *self.q_shape)
-        k = k.view(num_tokens, *self.kv_shape)
-        v = v.view(num_tokens, *self.kv_shape)
+        hq, hkv = self.num_heads, self.num_kv_heads
+        qkv = self.qkv_proj(x).view(num_tokens, hq + 2 * hkv, self.head_dim)
+        # q and k heads are adjacent: norm and rotate them together, one op each.
+        qk, v = qkv[:, : hq + hkv], qkv[:, hq + hkv :]
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = self.attn(q, k, v, meta)  # [T, Hq, Dh]
+            weights = (self.q_norm.weight, self.k_norm.weight)
+            qk = rms_norm_heads(qk, weights, (hq, hkv), self.q_norm.eps)
+        qk = apply_rotary(qk, cos, sin)
+        out = self.attn(qk[:, :hq], qk[:, hq:], v, meta)  # [T, Hq, Dh]
         return self.o_proj(out.reshape(num_tokens, -1))
 
 

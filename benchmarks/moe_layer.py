@@ -1,0 +1,109 @@
+"""MoE layer on CPU: our FusedMoE (torch path) vs the reference loop vs transformers'
+Qwen3-MoE sparse block, on identical weights, at the default model's MoE shape.
+
+Prints one JSON line per (tokens, implementation): median and best microseconds per
+call, and the speedup of ours over each peer. Timings use the process's CPU time by
+default (``--clock wall`` for wall time): on a shared machine other processes' load
+then inflates the numbers less.
+
+    python benchmarks/moe_layer.py [--threads 2] [--tokens 1 32 256]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from tidal.models.tiny import DEFAULT_MODEL_ARGS
+from tidal.moe.layer import FusedMoE
+
+
+def _hf_block(hidden: int, experts: int, top_k: int, inter: int, norm: bool) -> torch.nn.Module:
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+    cfg = Qwen3MoeConfig(
+        hidden_size=hidden, num_experts=experts, num_experts_per_tok=top_k,
+        moe_intermediate_size=inter, norm_topk_prob=norm,
+    )  # fmt: skip
+    block = Qwen3MoeSparseMoeBlock(cfg).eval()
+    with torch.no_grad():
+        for p in block.parameters():
+            p.normal_(0.0, 0.1)
+    return block
+
+
+def _ours(block: torch.nn.Module, backend: str, hidden: int, experts: int, top_k: int, inter: int, norm: bool) -> FusedMoE:
+    moe = FusedMoE(experts, top_k, hidden, inter, norm, backend=backend)
+    with torch.no_grad():
+        moe.gate.copy_(block.gate.weight)
+        moe.w13.copy_(block.experts.gate_up_proj)
+        moe.w2.copy_(block.experts.down_proj)
+    return moe
+
+
+def _time(fn: Callable[[], object], clock: Callable[[], float], min_seconds: float) -> list[float]:
+    for _ in range(3):
+        fn()
+    samples: list[float] = []
+    start = clock()
+    while len(samples) < 20 or (clock() - start < min_seconds and len(samples) < 2000):
+        t0 = clock()
+        fn()
+        samples.append((clock() - t0) * 1e6)
+    return samples
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 32, 256])
+    ap.add_argument("--clock", choices=["cpu", "wall"], default="cpu")
+    ap.add_argument("--min-seconds", type=float, default=1.0)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    clock = time.perf_counter if args.clock == "wall" else time.process_time
+    shape = {
+        "hidden": DEFAULT_MODEL_ARGS["hidden_size"],
+        "experts": DEFAULT_MODEL_ARGS["num_experts"],
+        "top_k": DEFAULT_MODEL_ARGS["top_k"],
+        "inter": DEFAULT_MODEL_ARGS["moe_intermediate_size"],
+        "norm": DEFAULT_MODEL_ARGS["norm_topk_prob"],
+    }
+    block = _hf_block(**shape)
+    impls = {
+        "tidal_torch": _ours(block, "torch", **shape),
+        "tidal_reference": _ours(block, "reference", **shape),
+        "transformers": block,
+    }
+    for tokens in args.tokens:
+        x = torch.randn(tokens, shape["hidden"])
+        with torch.inference_mode():
+            want = block(x.unsqueeze(0)).squeeze(0)
+            medians = {}
+            for name, mod in impls.items():
+                fn = (lambda m=mod: m(x.unsqueeze(0))) if name == "transformers" else (lambda m=mod: m(x))
+                out = fn()
+                err = (out.reshape(want.shape) - want).abs().max().item()
+                samples = _time(fn, clock, args.min_seconds)
+                medians[name] = statistics.median(samples)
+                print(json.dumps({
+                    "bench": "moe_layer", "impl": name, "tokens": tokens, **shape, "dtype": "float32",
+                    "threads": args.threads, "clock": args.clock, "median_us": round(medians[name], 1),
+                    "best_us": round(min(samples), 1), "calls": len(samples), "max_abs_err_vs_hf": err,
+                }))  # fmt: skip
+        print(json.dumps({
+            "bench": "moe_layer", "summary": True, "tokens": tokens, "threads": args.threads,
+            "speedup_vs_transformers": round(medians["transformers"] / medians["tidal_torch"], 2),
+            "speedup_vs_reference": round(medians["tidal_reference"] / medians["tidal_torch"], 2),
+        }))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
