@@ -36,7 +36,9 @@ def qwen3_ckpt(tiny_ckpt_root: str) -> str:
     """Qwen3-MoE: hidden 64, 2 layers, 8 experts top-2, norm_topk_prob, vocab 512."""
     from tidal.models.tiny import make_tiny_checkpoint
 
-    return make_tiny_checkpoint(os.path.join(tiny_ckpt_root, "qwen3_moe"), "qwen3_moe", **TINY_KWARGS)
+    return make_tiny_checkpoint(
+        os.path.join(tiny_ckpt_root, "qwen3_moe"), "qwen3_moe", **TINY_KWARGS
+    )
 
 
 @pytest.fixture(scope="session")

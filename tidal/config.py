@@ -149,6 +149,7 @@ class EngineArgs:
     data_parallel_start_rank: int = 0
     data_parallel_address: str = "127.0.0.1"
     data_parallel_rpc_port: int = 0
+    data_parallel_master_port: int = 0
     enable_expert_parallel: bool = False
     all2all_backend: str = "allgather_reducescatter"
     enable_eplb: bool = False
@@ -256,6 +257,7 @@ class EngineArgs:
             data_parallel_start_rank=self.data_parallel_start_rank,
             data_parallel_address=self.data_parallel_address,
             data_parallel_rpc_port=self.data_parallel_rpc_port,
+            data_parallel_master_port=self.data_parallel_master_port,
             enable_expert_parallel=self.enable_expert_parallel,
             all2all_backend=self.all2all_backend,
             enable_eplb=self.enable_eplb,

@@ -57,9 +57,12 @@ class PagedRunner:
     def __init__(self, model, num_blocks: int = 96, seed: int = 0) -> None:
         layers, kv_heads, head_dim = model.kv_cache_spec()
         shape = kv_cache_shape(num_blocks, BLOCK_SIZE, kv_heads, head_dim)
-        model.bind_kv_cache([torch.zeros(shape) for _ in range(layers)])
+        dtype = model.embed_tokens.weight.dtype
+        model.bind_kv_cache([torch.zeros(shape, dtype=dtype) for _ in range(layers)])
         self.model = model
-        self.free = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed)).tolist()
+        self.free = torch.randperm(
+            num_blocks, generator=torch.Generator().manual_seed(seed)
+        ).tolist()
         self.blocks: dict[str, list[int]] = {}
 
     def step(self, items: list[tuple[str, int, list[int]]]) -> torch.Tensor:
@@ -211,8 +214,12 @@ def _rewrite(src: str, dst, edit) -> str:
 
 def test_loader_names_missing_tensor(qwen3_ckpt, tmp_path):
     name = "model.layers.1.mlp.experts.3.up_proj.weight"
-    path = _rewrite(qwen3_ckpt, tmp_path / "ck", lambda t: {k: v for k, v in t.items() if k != name})
-    with pytest.raises(CheckpointError, match=r"missing 1 tensor\(s\): " + name.replace(".", r"\.")):
+    path = _rewrite(
+        qwen3_ckpt, tmp_path / "ck", lambda t: {k: v for k, v in t.items() if k != name}
+    )
+    with pytest.raises(
+        CheckpointError, match=r"missing 1 tensor\(s\): " + name.replace(".", r"\.")
+    ):
         _our_model(path)
 
 
@@ -224,8 +231,12 @@ def test_loader_names_shape_mismatch(qwen3_ckpt, tmp_path):
 
 
 def test_loader_names_unexpected_tensor(mixtral_ckpt, tmp_path):
-    path = _rewrite(mixtral_ckpt, tmp_path / "ck", lambda t: {**t, "model.layers.0.extra.weight": torch.ones(2)})
-    with pytest.raises(CheckpointError, match=r"unexpected 1 tensor\(s\): model\.layers\.0\.extra\.weight"):
+    path = _rewrite(
+        mixtral_ckpt, tmp_path / "ck", lambda t: {**t, "model.layers.0.extra.weight": torch.ones(2)}
+    )
+    with pytest.raises(
+        CheckpointError, match=r"unexpected 1 tensor\(s\): model\.layers\.0\.extra\.weight"
+    ):
         _our_model(path)
 
 
@@ -233,9 +244,13 @@ def test_unsupported_architecture_is_named():
     from transformers import AutoConfig, LlamaConfig
 
     cfg = LlamaConfig(architectures=["LlamaForCausalLM"])
-    with pytest.raises(ValueError, match="LlamaForCausalLM.*supported: MixtralForCausalLM, Qwen3MoeForCausalLM"):
+    with pytest.raises(
+        ValueError, match="LlamaForCausalLM.*supported: MixtralForCausalLM, Qwen3MoeForCausalLM"
+    ):
         resolve_architecture(cfg)
-    assert resolve_architecture(AutoConfig.for_model("mixtral", architectures=["MixtralForCausalLM"]))
+    assert resolve_architecture(
+        AutoConfig.for_model("mixtral", architectures=["MixtralForCausalLM"])
+    )
 
 
 def test_fused_expert_names_and_sharded_index(models, tmp_path):
@@ -267,10 +282,14 @@ def test_tiny_factory_is_deterministic(tmp_path):
     b = make_tiny_checkpoint(str(tmp_path / "b"), "mixtral", **kw)
     c = make_tiny_checkpoint(str(tmp_path / "c"), "mixtral", seed=1, **kw)
     files = sorted(os.listdir(a))
-    assert {"config.json", "model.safetensors", "tokenizer.json", "chat_template.jinja"} <= set(files)
+    assert {"config.json", "model.safetensors", "tokenizer.json", "chat_template.jinja"} <= set(
+        files
+    )
     match, mismatch, errors = filecmp.cmpfiles(a, b, files, shallow=False)
     assert mismatch == [] and errors == []
-    assert not filecmp.cmp(os.path.join(a, "model.safetensors"), os.path.join(c, "model.safetensors"), shallow=False)
+    assert not filecmp.cmp(
+        os.path.join(a, "model.safetensors"), os.path.join(c, "model.safetensors"), shallow=False
+    )
 
 
 def test_tokenizer_round_trip_and_chat_template(qwen3_ckpt):
@@ -286,7 +305,10 @@ def test_tokenizer_round_trip_and_chat_template(qwen3_ckpt):
     assert set(gen.eos_token_id) == {tok.eos_token_id, tok.convert_tokens_to_ids("<|endoftext|>")}
     msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
     chat = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
-    assert chat == "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    assert (
+        chat
+        == "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    )
     ids = tok.encode(chat)
     assert ids.count(tok.convert_tokens_to_ids("<|im_start|>")) == 3  # specials stay one id
 
@@ -311,10 +333,31 @@ def test_default_model_path_is_built_once(tmp_path, monkeypatch):
     assert os.path.getmtime(os.path.join(path, "model.safetensors")) == mtime
     assert [p for p in os.listdir(tmp_path) if p.startswith(".")] == []  # no temp leftovers
     cfg = json.loads(open(os.path.join(path, "config.json")).read())
-    assert (cfg["architectures"], cfg["hidden_size"], cfg["num_hidden_layers"]) == (["Qwen3MoeForCausalLM"], 256, 4)
-    assert (cfg["num_experts"] if "num_experts" in cfg else cfg["num_local_experts"], cfg["num_experts_per_tok"]) == (16, 4)
+    assert (cfg["architectures"], cfg["hidden_size"], cfg["num_hidden_layers"]) == (
+        ["Qwen3MoeForCausalLM"],
+        256,
+        4,
+    )
+    assert (
+        cfg["num_experts"] if "num_experts" in cfg else cfg["num_local_experts"],
+        cfg["num_experts_per_tok"],
+    ) == (16, 4)
     built = []
     monkeypatch.setattr(tiny, "make_tiny_checkpoint", lambda p, **kw: built.append(p))
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     assert tiny.default_model_path().startswith(str(tmp_path / "xdg" / "tidal" / "default-"))
     assert len(built) == 1
+
+
+def test_bfloat16_model_runs_close_to_float32(qwen3_ckpt):
+    """bf16 takes the non-fused norm paths and bf16 GEMMs: same logits up to bf16 rounding."""
+    engine = EngineArgs(model=qwen3_ckpt, dtype="bfloat16", device="cpu").create_engine_config()
+    ours16, ours32 = load_model(engine), _our_model(qwen3_ckpt)
+    assert ours16.embed_tokens.weight.dtype == torch.bfloat16
+    runners = [PagedRunner(ours16, seed=7), PagedRunner(ours32, seed=7)]
+    (prompt,) = _prompts(512, [9], seed=7)
+    got, want = (r.step([("a", 0, prompt)]) for r in runners)
+    assert got.dtype == torch.float32
+    assert (got - want).abs().max().item() < 0.15
+    got, want = (r.step([("a", 9, [5])]) for r in runners)
+    assert (got - want).abs().max().item() < 0.15

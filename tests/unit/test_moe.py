@@ -23,7 +23,14 @@ def _one_thread():
     torch.set_num_threads(threads)
 
 
-def _problem(tokens: int, experts: int, top_k: int, hidden: int = 32, inter: int = 16, local: int | None = None):
+def _problem(
+    tokens: int,
+    experts: int,
+    top_k: int,
+    hidden: int = 32,
+    inter: int = 16,
+    local: int | None = None,
+):
     local = experts if local is None else local
     x = torch.randn(tokens, hidden)
     w13 = torch.randn(local, 2 * inter, hidden) * 0.2
@@ -53,7 +60,10 @@ def test_reference_matches_token_by_token_definition():
     local_args = (args[0], args[1][:3], args[2][:3], args[3], args[4])
     torch.testing.assert_close(fused_experts_reference(*args), _naive(*args), atol=ATOL, rtol=0)
     torch.testing.assert_close(
-        fused_experts_reference(*local_args, emap, False), _naive(*local_args, emap, False), atol=ATOL, rtol=0
+        fused_experts_reference(*local_args, emap, False),
+        _naive(*local_args, emap, False),
+        atol=ATOL,
+        rtol=0,
     )
 
 
@@ -69,7 +79,9 @@ def test_torch_path_matches_reference(strategy, tokens, experts, top_k, local, a
     x, w13, w2, weights, ids = _problem(tokens, experts, top_k, local=nloc)
     emap = None if local is None else build_expert_map(experts, local)
     want = fused_experts_reference(x, w13, w2, weights, ids, emap, apply_router_weight)
-    got = fused_experts_torch(x, w13, w2, weights, ids, emap, apply_router_weight, strategy=strategy)
+    got = fused_experts_torch(
+        x, w13, w2, weights, ids, emap, apply_router_weight, strategy=strategy
+    )
     assert got.shape == (tokens, x.shape[1]) and got.dtype == x.dtype
     torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
 
@@ -94,9 +106,16 @@ def test_torch_path_bf16_close_to_float32():
 def _hf_config(arch: str, norm_topk_prob: bool = True):
     from transformers import MixtralConfig, Qwen3MoeConfig
 
-    common = {"hidden_size": 32, "num_experts_per_tok": 3, "hidden_act": "silu", "initializer_range": 0.2}
+    common = {
+        "hidden_size": 32,
+        "num_experts_per_tok": 3,
+        "hidden_act": "silu",
+        "initializer_range": 0.2,
+    }
     if arch == "qwen3":
-        return Qwen3MoeConfig(num_experts=8, moe_intermediate_size=16, norm_topk_prob=norm_topk_prob, **common)
+        return Qwen3MoeConfig(
+            num_experts=8, moe_intermediate_size=16, norm_topk_prob=norm_topk_prob, **common
+        )
     return MixtralConfig(num_local_experts=8, intermediate_size=16, **common)
 
 
@@ -118,7 +137,9 @@ def test_router_matches_transformers(arch, norm):
     x = torch.randn(40, cfg.hidden_size)
     with torch.no_grad():
         _, want_w, want_ids = block.gate(x)
-        got_w, got_ids = softmax_topk(torch.nn.functional.linear(x, block.gate.weight), 3, renormalize=norm)
+        got_w, got_ids = softmax_topk(
+            torch.nn.functional.linear(x, block.gate.weight), 3, renormalize=norm
+        )
     assert got_w.dtype == torch.float32 and got_ids.dtype == torch.int64
     assert torch.equal(got_ids, want_ids)
     torch.testing.assert_close(got_w, want_w.float(), atol=1e-6, rtol=0)
@@ -152,7 +173,9 @@ def test_expert_subsets_sum_to_full_layer():
     """Two 'ranks' holding disjoint experts: their outputs add up to the full layer."""
     block, cfg = _hf_block("qwen3")
     full = _fused_from_hf(block, cfg, "torch", True)
-    halves = [_fused_from_hf(block, cfg, "torch", True, ids) for ids in ([7, 0, 2, 5], [1, 3, 4, 6])]
+    halves = [
+        _fused_from_hf(block, cfg, "torch", True, ids) for ids in ([7, 0, 2, 5], [1, 3, 4, 6])
+    ]
     x = torch.randn(17, cfg.hidden_size)
     with torch.no_grad():
         torch.testing.assert_close(halves[0](x) + halves[1](x), full(x), atol=ATOL, rtol=0)
@@ -168,7 +191,9 @@ def test_expert_load_recording():
     moe(x)
     moe(x[:4])
     _, ids = softmax_topk(torch.nn.functional.linear(x, moe.gate), 3, True)
-    want = torch.bincount(ids.reshape(-1), minlength=8) + torch.bincount(ids[:4].reshape(-1), minlength=8)
+    want = torch.bincount(ids.reshape(-1), minlength=8) + torch.bincount(
+        ids[:4].reshape(-1), minlength=8
+    )
     assert torch.equal(moe.reset_expert_load(), want)
     assert moe.expert_load.sum() == 0
 
@@ -226,7 +251,9 @@ def _grouped_topk_naive(logits, top_k, groups, topk_group, bias, scoring):
     return torch.tensor(ids), scores
 
 
-@pytest.mark.parametrize("scoring,with_bias", [("softmax", False), ("sigmoid", True), ("sigmoid", False)])
+@pytest.mark.parametrize(
+    "scoring,with_bias", [("softmax", False), ("sigmoid", True), ("sigmoid", False)]
+)
 def test_grouped_topk_matches_definition(scoring, with_bias):
     logits = torch.randn(12, 16)
     bias = torch.randn(16) * 0.1 if with_bias else None

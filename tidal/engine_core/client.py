@@ -16,6 +16,7 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from concurrent.futures import Future
+from dataclasses import dataclass
 from multiprocessing.connection import wait as wait_sentinels
 from typing import Any
 
@@ -102,9 +103,8 @@ def _ipc_dir() -> str:
 
 
 class EngineProcManager:
-    """Spawns engine processes, runs the startup handshake, watches for deaths, stops them.
-
-    ``spawn_engines=False`` (headless ranks started elsewhere) only runs the handshake."""
+    """Spawns the local engine processes, runs the startup handshake with every rank
+    (local or headless elsewhere), watches local ones for death, stops them."""
 
     def __init__(
         self,
@@ -117,7 +117,7 @@ class EngineProcManager:
         handshake_address: str,
         coordinator_addresses: tuple[str | None, str | None] = (None, None),
         proc_target: Any = None,
-        spawn_engines: bool = True,
+        local_engines: list[int] | None = None,
     ) -> None:
         self.config = config
         self.engine_indices = engine_indices
@@ -132,18 +132,17 @@ class EngineProcManager:
             coordinator_addresses[0],
             coordinator_addresses[1],
             config.parallel.config_hash(),
+            config.parallel.data_parallel_master_port,
         )
-        if spawn_engines:
-            self._spawn(handshake_address, proc_target)
+        local = engine_indices if local_engines is None else local_engines
+        self._spawn(local, handshake_address, proc_target)
 
-    def _spawn(self, handshake_address: str, proc_target: Any) -> None:
-        from tidal.engine_core.proc import run_engine_core
-
+    def _spawn(self, indices: list[int], handshake_address: str, proc_target: Any) -> None:
         mp = multiprocessing.get_context("spawn")
-        for idx in self.engine_indices:
+        for idx in indices:
             cfg = self.config.with_parallel(data_parallel_rank=idx)
             p = mp.Process(
-                target=proc_target or run_engine_core,
+                target=proc_target or _engine_entry(),
                 args=(cfg, idx, handshake_address),
                 name=f"EngineCore_DP{idx}",
                 daemon=False,
@@ -227,12 +226,117 @@ class EngineProcManager:
         self._handshake.close(linger=0)
 
 
+class DPFrontendState:
+    """Frontend half of data parallelism (pure apart from the clock): which rank gets a
+    request, the wave to stamp on it, and which rank holds which request."""
+
+    def __init__(self, num_engines: int, parallel: Any, policy: str = "tidal") -> None:
+        from tidal.dp_coordinator.balance import Balancer
+        from tidal.dp_coordinator.state import FrontendWaveState
+
+        self.balancer = Balancer(num_engines, policy)
+        self.wave = FrontendWaveState()
+        self.rank_of: dict[str, int] = {}
+
+    def route(self, request: EngineCoreRequest) -> tuple[int, Any]:
+        rank = self.balancer.choose(request.data_parallel_rank)
+        wave, wake = self.wave.on_send(rank)
+        request.current_wave = wave
+        self.balancer.on_send(rank, time.monotonic())
+        self.rank_of[request.request_id] = rank
+        return rank, wake
+
+    def on_outputs(self, outs: EngineCoreOutputs) -> None:
+        for out in outs.outputs:
+            if out.finished:
+                self._finished(out.request_id)
+
+    def on_abort(self, request_ids: list[str]) -> dict[int, list[str]]:
+        by_rank: dict[int, list[str]] = {}
+        for rid in request_ids:
+            rank = self._finished(rid)
+            if rank is not None:
+                by_rank.setdefault(rank, []).append(rid)
+        return by_rank
+
+    def _finished(self, request_id: str) -> int | None:
+        rank = self.rank_of.pop(request_id, None)
+        if rank is not None:
+            self.balancer.on_finish(rank)
+        return rank
+
+    def on_snapshot(self, snap: Any) -> None:
+        self.balancer.on_snapshot(snap, time.monotonic())
+        self.wave.on_snapshot(snap)
+
+
+@dataclass(frozen=True)
+class FrontendAddresses:
+    input: str
+    output: str
+    handshake: str
+    coordinator: Any = None  # CoordinatorAddresses when data parallel
+
+
+def _frontend_addresses(config: EngineConfig, ipc_dir: str) -> FrontendAddresses:
+    """IPC in a private directory when every rank is local; TCP on the DP address when
+    some ranks run elsewhere (``--headless``): they find us at the RPC port."""
+    from tidal.dp_coordinator.proc import CoordinatorAddresses
+    from tidal.elastic.groups import get_open_port
+
+    par = config.parallel
+    dp = par.data_parallel_size > 1
+    if par.data_parallel_size_local >= par.data_parallel_size:
+        coord = CoordinatorAddresses.ipc(ipc_dir) if dp else None
+        return FrontendAddresses(
+            f"ipc://{ipc_dir}/input", f"ipc://{ipc_dir}/output", f"ipc://{ipc_dir}/handshake", coord
+        )
+    host = par.data_parallel_address
+    rpc = par.data_parallel_rpc_port or get_open_port(host)
+    ports = tuple(get_open_port(host) for _ in range(4))
+    return FrontendAddresses(
+        f"tcp://{host}:{get_open_port(host)}",
+        f"tcp://{host}:{get_open_port(host)}",
+        f"tcp://{host}:{rpc}",
+        CoordinatorAddresses.tcp(host, ports),
+    )
+
+
+def _engine_entry() -> Any:
+    from tidal.engine_core.proc import run_engine_core
+
+    return run_engine_core
+
+
+def spawn_headless_engines(config: EngineConfig, handshake_address: str) -> list[Any]:
+    """``launch --headless``: start this host's ranks; they handshake with the frontend
+    at ``handshake_address`` (tcp) and get every other address from it."""
+    par = config.parallel
+    mp = multiprocessing.get_context("spawn")
+    procs = []
+    for idx in range(par.data_parallel_start_rank, par.data_parallel_start_rank + par.data_parallel_size_local):
+        cfg = config.with_parallel(data_parallel_rank=idx)
+        p = mp.Process(target=_engine_entry(), args=(cfg, idx, handshake_address), name=f"EngineCore_DP{idx}")
+        p.start()
+        procs.append(p)
+    return procs
+
+
 class MPClient(EngineCoreClient):
-    """Shared part of the sync and async multiprocess clients: sockets, processes, routing."""
+    """Shared part of the sync and async multiprocess clients: sockets, processes, routing.
+
+    With data parallelism it also starts the DP coordinator, balances requests across
+    ranks from the coordinator's published load, and runs the frontend's half of the wave
+    protocol (stamp each request with the wave; wake the ranks when they are paused)."""
 
     def __init__(
         self, config: EngineConfig, *, asyncio_mode: bool, proc_target: Any = None
     ) -> None:
+        par = config.parallel
+        if par.data_parallel_size > 1 and not par.data_parallel_master_port:
+            from tidal.elastic.groups import get_open_port
+
+            config = config.with_parallel(data_parallel_master_port=get_open_port(par.data_parallel_address))
         self.config = config
         self.ipc_dir = _ipc_dir()
         self.ctx: zmq.Context = zmq.asyncio.Context() if asyncio_mode else zmq.Context()
@@ -240,22 +344,27 @@ class MPClient(EngineCoreClient):
         self.dead_reason: str | None = None
         self._call_ids = iter(range(1, 1 << 62))
         self._closed = False
-        addr = f"ipc://{self.ipc_dir}"
+        self.coordinator = None
+        self.dp = None
+        self.addresses = _frontend_addresses(config, self.ipc_dir)
         # Sockets used during startup are synchronous even in asyncio mode.
         sync_ctx = zmq.Context.shadow(self.ctx.underlying) if asyncio_mode else self.ctx
         self.input_socket = sync_ctx.socket(zmq.ROUTER)
         self.input_socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        self.input_socket.bind(f"{addr}/input")
-        self.output_address = f"{addr}/output"
+        self.input_socket.bind(self.addresses.input)
+        self.output_address = self.addresses.output
         try:
+            coord_addrs = self._start_coordinator(sync_ctx)
             self.manager = EngineProcManager(
                 config,
                 self.engine_indices,
                 sync_ctx,
-                input_address=f"{addr}/input",
+                input_address=self.addresses.input,
                 output_address=self.output_address,
-                handshake_address=f"{addr}/handshake",
+                handshake_address=self.addresses.handshake,
+                coordinator_addresses=coord_addrs,
                 proc_target=proc_target,
+                local_engines=list(range(min(par.data_parallel_size_local, par.data_parallel_size))),
             )
             self._output_socket = self._bind_output(sync_ctx)
             self.manager.wait_for_ready(self.input_socket)
@@ -269,6 +378,23 @@ class MPClient(EngineCoreClient):
         sock.bind(self.output_address)
         return sock
 
+    def _start_coordinator(self, sync_ctx: zmq.Context) -> tuple[str | None, str | None]:
+        if len(self.engine_indices) == 1:
+            return (None, None)
+        from tidal.dp_coordinator.proc import DPCoordinator
+
+        self.coordinator = DPCoordinator(len(self.engine_indices), self.addresses.coordinator)
+        addrs = self.coordinator.addresses
+        self.dp = DPFrontendState(len(self.engine_indices), self.config.parallel)
+        # Two sockets: one subscribed (snapshots, read by the reader), one never subscribed
+        # (wake-ups, sent by the caller's thread): zmq sockets are not thread-safe.
+        self._snapshot_socket = sync_ctx.socket(zmq.XSUB)
+        self._snapshot_socket.connect(addrs.frontend_publish)
+        self._snapshot_socket.send(b"\x01")
+        self._wakeup_socket = sync_ctx.socket(zmq.XSUB)
+        self._wakeup_socket.connect(addrs.frontend_publish)
+        return (addrs.engine_publish, addrs.engine_input)
+
     # ---- sending -----------------------------------------------------------------------
 
     def _send(self, engine: int, req_type: EngineCoreRequestType, payload: Any) -> None:
@@ -276,18 +402,32 @@ class MPClient(EngineCoreClient):
             raise EngineDeadError(self.dead_reason)
         self.input_socket.send_multipart([engine_identity(engine), req_type.value, encode(payload)])
 
-    def choose_engine(self, request: EngineCoreRequest) -> int:
-        if request.data_parallel_rank is not None:
-            return request.data_parallel_rank
-        return self.engine_indices[0]
-
     def add_request(self, request: EngineCoreRequest) -> None:
-        self._send(self.choose_engine(request), EngineCoreRequestType.ADD, request)
+        if self.dp is None:
+            self._send(self.engine_indices[0], EngineCoreRequestType.ADD, request)
+            return
+        rank, wake = self.dp.route(request)
+        if wake is not None:
+            self._wakeup_socket.send(encode(wake))
+        self._send(rank, EngineCoreRequestType.ADD, request)
 
     def abort_requests(self, request_ids: list[str]) -> None:
-        if request_ids and self.dead_reason is None:
-            for engine in self.engine_indices:
-                self._send(engine, EngineCoreRequestType.ABORT, request_ids)
+        if not request_ids or self.dead_reason is not None:
+            return
+        if self.dp is None:
+            self._send(self.engine_indices[0], EngineCoreRequestType.ABORT, request_ids)
+            return
+        for rank, ids in self.dp.on_abort(request_ids).items():
+            self._send(rank, EngineCoreRequestType.ABORT, ids)
+
+    def _on_outputs(self, outs: EngineCoreOutputs) -> None:
+        if self.dp is not None:
+            self.dp.on_outputs(outs)
+
+    def _on_snapshot(self, frame: bytes) -> None:
+        from tidal.dp_coordinator.proc import SNAPSHOT_DECODER
+
+        self.dp.on_snapshot(SNAPSHOT_DECODER.decode(frame))
 
     def _utility_request(self, method: str, args: tuple) -> UtilityRequest:
         return UtilityRequest(0, next(self._call_ids), method, list(args))
@@ -304,7 +444,11 @@ class MPClient(EngineCoreClient):
         manager = getattr(self, "manager", None)
         if manager is not None:
             manager.shutdown()
-        for sock in (self.input_socket, getattr(self, "_output_socket", None)):
+        if self.coordinator is not None:
+            self.coordinator.shutdown()
+        socks = ("input_socket", "_output_socket", "_snapshot_socket", "_wakeup_socket")
+        for name in socks:
+            sock = getattr(self, name, None)
             if sock is not None:
                 sock.close(linger=0)
         self.ctx.term()
@@ -326,10 +470,17 @@ class SyncMPClient(MPClient):
 
     def _read_outputs(self) -> None:
         sock = self._output_socket
+        snap = getattr(self, "_snapshot_socket", None)
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        if snap is not None:
+            poller.register(snap, zmq.POLLIN)
         while not self._stop.is_set():
-            if not sock.poll(100):
-                continue
-            self._dispatch(_OUTPUT_DECODER.decode(sock.recv()))
+            for ready, _ in poller.poll(100):
+                if ready is sock:
+                    self._dispatch(_OUTPUT_DECODER.decode(sock.recv()))
+                else:
+                    self._on_snapshot(snap.recv())
 
     def _dispatch(self, outs: EngineCoreOutputs) -> None:
         if outs.utility_output is not None:
@@ -340,6 +491,7 @@ class SyncMPClient(MPClient):
         if outs.engine_dead:
             self._on_engine_death(outs.dead_reason or "engine reported a fatal error")
             return
+        self._on_outputs(outs)
         self.outputs.put_nowait(outs)
 
     def _on_engine_death(self, reason: str) -> None:
@@ -393,6 +545,9 @@ class AsyncMPClient(MPClient):
             self._queue = asyncio.Queue()
             self._async_out = zmq.asyncio.Socket.from_socket(self._output_socket)
             self._reader_task = self._loop.create_task(self._read_outputs())
+            if self.dp is not None:
+                self._async_snap = zmq.asyncio.Socket.from_socket(self._snapshot_socket)
+                self._snapshot_task = self._loop.create_task(self._read_snapshots())
 
     async def _read_outputs(self) -> None:
         while True:
@@ -405,7 +560,18 @@ class AsyncMPClient(MPClient):
             elif outs.engine_dead:
                 self._fail(outs.dead_reason or "engine reported a fatal error")
             else:
+                self._on_outputs(outs)
                 self._queue.put_nowait(outs)
+
+    async def _read_snapshots(self) -> None:
+        while True:
+            self._on_snapshot(await self._async_snap.recv())
+
+    async def get_dp_stats_async(self, timeout_s: float = 2.0) -> Any:
+        """The coordinator's full stats (DP only)."""
+        from tidal.dp_coordinator.proc import fetch_stats_async
+
+        return await fetch_stats_async(self.coordinator.addresses.stats, timeout_s)
 
     def _on_engine_death(self, reason: str) -> None:
         if self._loop is not None:
@@ -453,8 +619,9 @@ class AsyncMPClient(MPClient):
         return out.result
 
     def shutdown(self) -> None:
-        if self._reader_task is not None:
-            self._reader_task.cancel()
+        for task in (self._reader_task, getattr(self, "_snapshot_task", None)):
+            if task is not None:
+                task.cancel()
         self._close_resources()
 
 

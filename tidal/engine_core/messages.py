@@ -153,6 +153,7 @@ class EngineAddresses(msgspec.Struct, array_like=True):
     coordinator_input: str | None = None  # engine SUBscribes here (START_DP_WAVE)
     coordinator_output: str | None = None  # engine PUSHes stats/wave events here
     parallel_config_hash: str = ""
+    dp_master_port: int = 0  # TCPStore port of the DP/EP process groups
 
 
 class EngineReady(msgspec.Struct, array_like=True):

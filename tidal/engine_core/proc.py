@@ -42,6 +42,7 @@ from tidal.engine_core.messages import (
     EngineHello,
     EngineReady,
     FinishReason,
+    StartDPWave,
     UtilityOutput,
     UtilityRequest,
     encode,
@@ -50,6 +51,7 @@ from tidal.engine_core.messages import (
 logger = logging.getLogger(__name__)
 
 HANDSHAKE_TIMEOUT_S = 60.0
+TO_CLIENT, TO_COORDINATOR = 0, 1
 # How long the idle busy loop blocks on its queue before re-checking shutdown flags.
 _IDLE_POLL_S = 0.05
 
@@ -72,7 +74,6 @@ def engine_identity(engine_index: int) -> bytes:
 _REQUEST_DECODERS = {
     EngineCoreRequestType.ADD: msgspec.msgpack.Decoder(EngineCoreRequest),
     EngineCoreRequestType.ABORT: msgspec.msgpack.Decoder(list[str]),
-    EngineCoreRequestType.START_DP_WAVE: msgspec.msgpack.Decoder(tuple[int, int]),
     EngineCoreRequestType.UTILITY: msgspec.msgpack.Decoder(UtilityRequest),
 }
 
@@ -93,13 +94,18 @@ class EngineCoreProc:
         self.shutdown_state = ShutdownState.RUNNING
         self._drain_deadline = 0.0
         self.input_queue: queue.Queue[tuple[EngineCoreRequestType, Any]] = queue.Queue()
-        self.output_queue: queue.Queue[EngineCoreOutputs | None] = queue.Queue()
+        # (destination, outputs): TO_CLIENT or TO_COORDINATOR; None stops the thread.
+        self.output_queue: queue.Queue[tuple[int, EngineCoreOutputs] | None] = queue.Queue()
         self.ctx = zmq.Context()
         self._stop_io = threading.Event()
+        self.coordinator_ready = threading.Event()
+        self.coordinator_wave = 0
         self._handshake = self.ctx.socket(zmq.DEALER)
         self._handshake.setsockopt(zmq.LINGER, 1000)
         self._handshake.connect(handshake_address)
         self.addresses = self._hello()
+        if self.addresses.dp_master_port:
+            self.config = config.with_parallel(data_parallel_master_port=self.addresses.dp_master_port)
         self._start_io_threads()
         try:
             self.engine_core = self._build_engine_core()
@@ -157,30 +163,70 @@ class EngineCoreProc:
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(self.addresses.input_address)
         sock.send(b"")  # registers our identity with the frontend's ROUTER
+        coord = self._coordinator_sub()
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        if coord is not None:
+            poller.register(coord, zmq.POLLIN)
         registered.set()
         try:
             while not self._stop_io.is_set():
-                if not sock.poll(100):
-                    continue
-                type_frame, *rest = sock.recv_multipart(copy=False)
-                req_type = EngineCoreRequestType(bytes(type_frame.buffer))
-                payload = _REQUEST_DECODERS[req_type].decode(rest[0].buffer)
-                self.input_queue.put_nowait((req_type, payload))
+                for ready, _ in poller.poll(100):
+                    if ready is sock:
+                        self._read_client_request(sock)
+                    else:
+                        self._read_coordinator_message(coord)
         finally:
             sock.close()
+            if coord is not None:
+                coord.close()
+
+    def _coordinator_sub(self) -> zmq.Socket | None:
+        if not self.addresses.coordinator_input:
+            return None
+        sub = self.ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.connect(self.addresses.coordinator_input)
+        return sub
+
+    def _read_client_request(self, sock: zmq.Socket) -> None:
+        type_frame, *rest = sock.recv_multipart(copy=False)
+        req_type = EngineCoreRequestType(bytes(type_frame.buffer))
+        payload = _REQUEST_DECODERS[req_type].decode(rest[0].buffer)
+        self.input_queue.put_nowait((req_type, payload))
+
+    def _read_coordinator_message(self, sub: zmq.Socket) -> None:
+        from tidal.dp_coordinator.proc import decode_engine_message
+
+        msg = decode_engine_message(sub.recv_multipart())
+        if isinstance(msg, StartDPWave):
+            self.input_queue.put_nowait((EngineCoreRequestType.START_DP_WAVE, msg))
+        elif not self.coordinator_ready.is_set():
+            # The first READY proves our subscription is live (no lost START_DP_WAVE).
+            self.coordinator_wave = msg.wave
+            self.coordinator_ready.set()
 
     def _output_loop(self) -> None:
-        sock = self.ctx.socket(zmq.PUSH)
-        sock.setsockopt(zmq.LINGER, 2000)
-        sock.connect(self.addresses.output_address)
+        socks = {TO_CLIENT: self._push_socket(self.addresses.output_address)}
+        if self.addresses.coordinator_output:
+            socks[TO_COORDINATOR] = self._push_socket(self.addresses.coordinator_output)
         try:
             while True:
-                outputs = self.output_queue.get()
-                if outputs is None:
+                item = self.output_queue.get()
+                if item is None:
                     break
-                sock.send(encode(outputs))
+                dest, outputs = item
+                socks[dest].send(encode(outputs))
         finally:
-            sock.close()
+            for sock in socks.values():
+                sock.close()
+
+    def _push_socket(self, address: str) -> zmq.Socket:
+        sock = self.ctx.socket(zmq.PUSH)
+        sock.setsockopt(zmq.LINGER, 2000)
+        sock.connect(address)
+        return sock
 
     # ---- busy loop ---------------------------------------------------------------------
 
@@ -215,10 +261,10 @@ class EngineCoreProc:
             self._send_outputs(client_outputs)
         return executed
 
-    def _send_outputs(self, outputs: EngineCoreOutputs) -> None:
+    def _send_outputs(self, outputs: EngineCoreOutputs, dest: int = 0) -> None:
         outputs.engine_index = self.engine_index
         outputs.timestamp = time.monotonic()
-        self.output_queue.put_nowait(outputs)
+        self.output_queue.put_nowait((dest, outputs))
 
     def _handle_client_request(self, req_type: EngineCoreRequestType, payload: Any) -> None:
         if req_type is EngineCoreRequestType.ADD:
@@ -228,7 +274,7 @@ class EngineCoreProc:
         elif req_type is EngineCoreRequestType.UTILITY:
             self._call_utility(payload)
         elif req_type is EngineCoreRequestType.START_DP_WAVE:
-            self._start_wave(*payload)
+            self._start_wave(payload)
 
     def _add_request(self, req: EngineCoreRequest) -> None:
         if self.shutdown_state is not ShutdownState.RUNNING:
@@ -258,7 +304,7 @@ class EngineCoreProc:
             result.failure_message = f"{call.method_name} failed: {type(e).__name__}: {e}"
         self._send_outputs(EngineCoreOutputs(utility_output=result))
 
-    def _start_wave(self, wave: int, exclude_engine_index: int) -> None:
+    def _start_wave(self, msg: StartDPWave) -> None:
         """Data parallel only (see DPEngineCoreProc)."""
 
     # ---- shutdown ----------------------------------------------------------------------
@@ -301,6 +347,120 @@ class EngineCoreProc:
         self.ctx.term()
 
 
+# How often the ranks of a running wave all-reduce "does anyone still have work?".
+DP_ALLREDUCE_INTERVAL = 32
+COORDINATOR_READY_TIMEOUT_S = 30.0
+
+
+class DPEngineCoreProc(EngineCoreProc):
+    """A data-parallel rank: the wave-synchronised busy loop of DESIGN.md section 3.
+
+    While a wave runs every rank steps, idle ones with dummy batches, so expert-parallel
+    collectives stay matched; every ``DP_ALLREDUCE_INTERVAL`` steps the ranks all-reduce
+    ``[has_unfinished, pending_pause]`` over the DP group. The wave protocol (who starts a
+    wave, which races exist) lives in ``tidal.dp_coordinator.state``; this class applies
+    ``EngineWaveState``'s decisions.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        from tidal.dp_coordinator.state import EngineWaveState
+
+        super().__init__(*args, **kwargs)
+        self.wave = EngineWaveState(self.engine_index, self.coordinator_wave)
+        self.step_counter = 0
+        self.pending_pause = False
+        self.num_dummy_batches = 0
+        self._last_published: tuple[int, int] | None = None
+
+    def _build_engine_core(self) -> EngineCore:
+        if self.addresses.coordinator_input and not self.coordinator_ready.wait(
+            COORDINATOR_READY_TIMEOUT_S
+        ):
+            raise EngineStartupError(
+                f"engine {self.engine_index}: no READY from the DP coordinator within "
+                f"{COORDINATOR_READY_TIMEOUT_S}s"
+            )
+        return super()._build_engine_core()
+
+    @property
+    def dp_group(self) -> Any:
+        return self.engine_core.executor.worker.dp_group
+
+    def run_busy_loop(self) -> None:
+        while True:
+            # 1. Drain the input queue (blocks only when idle and no wave is running).
+            self._process_input_queue()
+            # 2. Step the engine; publish (waiting, running) when it changed.
+            executed = self._process_engine_step()
+            self._publish_load_if_changed()
+            if not self.wave.running:
+                if self._shutdown_done():
+                    return
+                continue
+            # 3. Nothing ran but the wave is running: a dummy forward keeps collectives matched.
+            if not executed:
+                self.engine_core.execute_dummy_batch()
+                self.num_dummy_batches += 1
+            # 4. Every DP_ALLREDUCE_INTERVAL steps, agree whether anyone still has work.
+            if not self._group_has_work():
+                # 5. The group is idle: end the wave (rank 0 reports it) and pause.
+                self._end_wave()
+            # 6. On shutdown, leave between waves (or at the drain deadline): leaving
+            #    mid-wave would strand the other ranks in a collective.
+            if self._shutdown_done():
+                return
+
+    def _has_work(self) -> bool:
+        return self.engine_core.has_unfinished_requests() or self.wave.running
+
+    def utility_dp_state(self) -> dict[str, Any]:
+        """For tests and debugging: this rank's view of the wave."""
+        return {
+            "rank": self.engine_index,
+            "wave": self.wave.wave,
+            "running": self.wave.running,
+            "step_counter": self.step_counter,
+            "dummy_batches": self.num_dummy_batches,
+        }
+
+    def _group_has_work(self) -> bool:
+        self.step_counter += 1
+        if self.step_counter % DP_ALLREDUCE_INTERVAL:
+            return True
+        import torch
+
+        flags = torch.tensor(
+            [int(self.engine_core.has_unfinished_requests()), int(self.pending_pause)],
+            dtype=torch.int32,
+        )  # [2] int32, CPU: gloo
+        self.dp_group.all_reduce(flags)
+        return bool(flags[0].item())
+
+    def _end_wave(self) -> None:
+        completed = self.wave.on_wave_end()
+        self.step_counter = 0
+        if self.engine_index == 0:
+            self._send_outputs(EngineCoreOutputs(wave_complete=completed), TO_COORDINATOR)
+
+    def _add_request(self, req: EngineCoreRequest) -> None:
+        start = self.wave.on_request(req.current_wave)
+        if start is not None:
+            self._send_outputs(EngineCoreOutputs(start_wave=start), TO_COORDINATOR)
+        super()._add_request(req)
+
+    def _start_wave(self, msg: StartDPWave) -> None:
+        self.wave.on_start_wave(msg)
+
+    def _publish_load_if_changed(self) -> None:
+        sched = self.engine_core.scheduler
+        load = (sched.num_waiting, sched.num_running)
+        if load != self._last_published:
+            self._last_published = load
+            self._send_outputs(
+                EngineCoreOutputs(scheduler_stats=sched.make_stats()), TO_COORDINATOR
+            )
+
+
 def run_engine_core(
     config: EngineConfig,
     engine_index: int,
@@ -310,6 +470,8 @@ def run_engine_core(
 ) -> None:
     """Process entry point. Exit code 0 on a clean shutdown, 1 on a fatal error."""
     logging.basicConfig(level=os.environ.get("TIDAL_LOG_LEVEL", "WARNING"))
+    if proc_class is EngineCoreProc and config.parallel.data_parallel_size > 1:
+        proc_class = DPEngineCoreProc
     proc: EngineCoreProc | None = None
     pending_signal: list[int] = []
     # Until the busy loop exists, remember a signal and act on it once we're up.

@@ -62,6 +62,7 @@ class Scheduler:
             num_blocks, cache_config.block_size, cache_config.enable_prefix_caching
         )
         self.requests: dict[str, Request] = {}  # unfinished requests by id
+        self.num_requests_total = 0  # requests ever admitted (for load dashboards)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order = priority order
         # Finished/aborted since the last schedule(): the runner drops their state.
@@ -80,6 +81,7 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
         self.waiting.append(request)
+        self.num_requests_total += 1
 
     def abort_requests(self, request_ids: str | Iterable[str]) -> None:
         """Client aborts: free blocks, no EngineCoreOutput; unknown ids are ignored."""
@@ -139,6 +141,7 @@ class Scheduler:
             prefix_cache_queries=kv.prefix_cache_queries,
             prefix_cache_hits=kv.prefix_cache_hits,
             num_preempted=self.num_preemptions,
+            num_requests_total=self.num_requests_total,
         )
 
     def reset_prefix_cache(self) -> bool:

@@ -31,5 +31,10 @@ class Executor(ABC):
     def execute_dummy_batch(self, num_tokens: int = 1) -> None:
         self.collective_rpc("execute_dummy_batch", (num_tokens,))
 
-    def shutdown(self) -> None:  # noqa: B027 - optional hook
-        pass
+    def get_expert_load(self) -> dict[int, list[int]]:
+        """Per-layer expert load over the EPLB window, counted on this engine's rank(s)."""
+        return self.collective_rpc("get_expert_load")[0]
+
+    def shutdown(self) -> None:
+        """Release the workers' process groups (each worker's ``shutdown``)."""
+        self.collective_rpc("shutdown")

@@ -4,6 +4,17 @@ The runner turns a ``SchedulerOutput`` into flattened inputs (no padding: prefil
 decodes share one batch), runs the model, and samples one token for every request whose
 chunk reached its last known token. It owns the KV cache tensors and per-request
 sampling state (seeded generators), nothing else: the scheduler owns progress.
+
+Expert parallelism (``enable_expert_parallel``, EP size = DP size): the worker hands the
+runner its process groups (``set_process_groups``) before ``load_model``, which then
+builds the initial ``ExpertPlacement``, loads only this rank's experts (non-MoE weights
+are replicated), and gives every ``FusedMoE`` its dispatcher and the shared
+``MoEForwardContext``. Before every forward, real or dummy, the ranks all-gather their
+token counts over the DP group (one CPU int64 per rank) into that context: the
+dispatchers need them, and an idle rank's dummy forward enters the very same collectives,
+layer by layer, as a busy rank's real one. After every forward ``EplbState.end_step``
+counts the expert load and, every ``eplb_interval`` forwards with ``enable_eplb``,
+rebalances; forward counts are equal on all EP ranks, so they rebalance together.
 """
 
 from __future__ import annotations
@@ -12,6 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
+from typing import Any
+
 from tidal.config import EngineConfig
 from tidal.engine_core.batch import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from tidal.engine_core.kv_cache import NULL_BLOCK_ID
@@ -19,6 +32,11 @@ from tidal.engine_core.messages import Logprobs
 from tidal.layers.attention import AttentionMetadata, kv_cache_shape
 from tidal.layers.sampler import RowInfo, Sampler, SamplingMetadata, compute_logprobs
 from tidal.models.loader import load_model
+from tidal.models.registry import get_model_class
+from tidal.moe.dispatch import get_dispatcher
+from tidal.moe.eplb import EplbState
+from tidal.moe.layer import MoEForwardContext
+from tidal.moe.placement import ExpertPlacement
 
 
 @dataclass
@@ -40,11 +58,63 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []
         self.sampler = Sampler()
         self._generators: dict[str, torch.Generator] = {}
+        # Expert parallelism (None without EP): set by set_process_groups / load_model.
+        self.dp_group: Any = None
+        self.ep_group: Any = None
+        self.placement: ExpertPlacement | None = None  # initial placement (every layer)
+        self.eplb: EplbState | None = None
+        self.moe_context = MoEForwardContext()
 
     # ---- setup -------------------------------------------------------------------------
 
+    def set_process_groups(self, dp_group: Any, ep_group: Any) -> None:
+        """Before ``load_model``: ``ep_group`` (a StatelessGroup, or None) turns EP on;
+        ``dp_group`` (gloo, same ranks) carries the per-forward token-count agreement."""
+        if ep_group is not None and dp_group is None:
+            raise ValueError("expert parallelism needs the DP group for token-count agreement")
+        if ep_group is not None and ep_group.world_size != dp_group.world_size:
+            raise ValueError(
+                f"EP group has {ep_group.world_size} ranks, DP group {dp_group.world_size}"
+            )
+        self.dp_group, self.ep_group = dp_group, ep_group
+
     def load_model(self, local_expert_ids: list[int] | None = None) -> None:
-        self.model = load_model(self.config, local_expert_ids=local_expert_ids)
+        if self.ep_group is None:
+            self.model = load_model(self.config, local_expert_ids=local_expert_ids)
+            return
+        if local_expert_ids is not None:
+            raise ValueError("with expert parallelism the placement chooses the local experts")
+        self.placement = initial_placement(self.config, self.ep_group.world_size)
+        rank = self.ep_group.rank
+        self.model = load_model(self.config, local_expert_ids=self.placement.local_expert_ids(rank))
+        self._setup_expert_parallel(self.placement)
+
+    def _setup_expert_parallel(self, placement: ExpertPlacement) -> None:
+        p = self.config.parallel
+        layers = self.model.moe_layers()
+        if not layers:
+            raise ValueError("expert parallelism needs a model with MoE layers")
+        hidden = self.model.spec.hidden_size
+
+        def make() -> Any:
+            return get_dispatcher(p.all2all_backend, self.ep_group, placement, hidden_size=hidden)
+
+        # EPLB re-places each layer on its own, so each needs its own dispatcher; otherwise
+        # one is enough (DeepEP buffers are large).
+        shared = None if p.enable_eplb else make()
+        for moe in layers:
+            moe.dispatcher = shared or make()
+            moe.forward_context = self.moe_context
+        layer_ids = [i for i, layer in enumerate(self.model.layers) if layer.is_moe]
+        self.eplb = EplbState(
+            layers,
+            layer_ids,
+            [placement] * len(layers),
+            self.ep_group,
+            window=p.eplb_window,
+            rebalance_interval=p.eplb_interval if p.enable_eplb else 0,
+            num_redundant=p.num_redundant_experts,
+        )
 
     def kv_bytes_per_block(self) -> int:
         num_layers, num_kv_heads, head_dim = self.model.kv_cache_spec()
@@ -91,11 +161,12 @@ class ModelRunner:
         if sched.is_empty:
             return out
         inputs = self._prepare_inputs(sched.scheduled)
-        hidden = self.model(inputs.input_ids, inputs.positions, inputs.attn)  # [T, H]
+        hidden = self._forward(inputs.input_ids, inputs.positions, inputs.attn)  # [T, H]
         if inputs.sample_reqs:
             self._sample(hidden, inputs, out)
         if inputs.prompt_lp:
             self._prompt_logprobs(hidden, inputs, out)
+        self._end_step(is_dummy=False)
         return out
 
     @torch.inference_mode()
@@ -107,7 +178,40 @@ class ModelRunner:
         attn = AttentionMetadata.build([(0, num_tokens, blocks)], self.block_size, self.device)
         ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
         pos = torch.arange(num_tokens, dtype=torch.long, device=self.device)
-        self.model(ids, pos, attn)
+        self._forward(ids, pos, attn)
+        self._end_step(is_dummy=True)
+
+    def _forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata
+    ) -> torch.Tensor:  # [T] int64, [T] int64 -> [T, H]
+        if self.ep_group is not None:
+            self.moe_context.num_tokens_across_dp = self.agree_num_tokens(input_ids.shape[0])
+        return self.model(input_ids, positions, attn)
+
+    def agree_num_tokens(self, num_tokens: int) -> list[int]:
+        """Every rank's token count for this forward, in rank order (a DP-group all-gather:
+        all ranks call it before the same forward)."""
+        mine = torch.tensor([num_tokens], dtype=torch.int64)  # [1] CPU: gloo
+        return [int(n) for n in self.dp_group.all_gather(mine).tolist()]
+
+    def _end_step(self, is_dummy: bool) -> None:
+        if self.eplb is not None:
+            self.eplb.end_step(is_dummy)
+
+    # ---- expert load balancing -------------------------------------------------------------
+
+    def get_expert_load(self) -> dict[int, list[int]]:
+        """Decoder-layer index -> tokens per logical expert over the EPLB window, counted
+        on THIS rank (its own tokens' routing; sum over ranks for the global load). Not a
+        collective, so it is safe to call at any time. Empty without expert parallelism."""
+        return {} if self.eplb is None else self.eplb.local_load()
+
+    def rebalance_experts(self) -> bool:
+        """Collective over the EP group (all ranks, same step boundary): rebalance now.
+        Returns whether any layer changed. Runs by itself every ``eplb_interval`` steps."""
+        if self.eplb is None:
+            return False
+        return any(self.eplb.rebalance())
 
     def _prepare_inputs(self, scheduled: list[ScheduledRequest]) -> _Inputs:
         ids: list[int] = []
@@ -180,6 +284,15 @@ class ModelRunner:
             k = req.sampling_params.prompt_logprobs
             lps: list[Logprobs] = compute_logprobs(logits, targets, [k] * count)
             out.prompt_logprobs[req.request_id] = lps
+
+
+def initial_placement(config: EngineConfig, ep_size: int) -> ExpertPlacement:
+    """Linear placement of the model's experts over ``ep_size`` ranks, with
+    ``num_redundant_experts`` extra replicas (and any spare slots) filled evenly."""
+    spec = get_model_class(config.model.architecture).spec_from_config(config.model.hf_config)
+    return ExpertPlacement.linear(
+        spec.num_experts, ep_size, config.parallel.num_redundant_experts
+    )
 
 
 def _prod(shape: tuple[int, ...]) -> int:

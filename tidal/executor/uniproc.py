@@ -13,7 +13,14 @@ class UniProcExecutor(Executor):
     def __init__(self, config: EngineConfig, local_expert_ids: list[int] | None = None) -> None:
         super().__init__(config)
         self.worker = Worker(config, local_rank=config.parallel.data_parallel_rank)
-        self.worker.load_model(local_expert_ids)
+        try:
+            # Groups first: with expert parallelism the placement decides what to load.
+            if config.parallel.data_parallel_size > 1:
+                self.worker.init_distributed()
+            self.worker.load_model(local_expert_ids)
+        except Exception:
+            self.worker.shutdown()
+            raise
 
     def collective_rpc(
         self, method: str, args: tuple = (), kwargs: dict | None = None

@@ -1,14 +1,36 @@
-"""One rank's device: pin threads or the GPU, load weights, allocate the KV cache."""
+"""One rank's device: pin threads or the GPU, join the process groups, load weights,
+allocate the KV cache.
+
+Process groups (``init_distributed``, only when ``data_parallel_size > 1``): one TCPStore
+on ``(data_parallel_address, data_parallel_master_port)``, hosted by DP rank 0, carries
+
+- ``dp_group``: gloo over all DP ranks (prefix "dp"): CPU consensus — the busy loop's wave
+  all-reduce and the per-forward token-count all-gather;
+- ``ep_group`` (with ``enable_expert_parallel``; prefix "ep"): the MoE dispatch/combine
+  and EPLB weight moves; gloo on CPU, NCCL on CUDA. EP rank == DP rank.
+
+Both are ``StatelessGroup``s (nothing in torch's global state), so elastic scaling can
+build new ones beside them and swap.
+"""
 
 from __future__ import annotations
 
+import logging
 import os
+from typing import Any
 
 import torch
 
 from tidal.config import EngineConfig
+from tidal.elastic.groups import StatelessGroup, create_store
 from tidal.engine_core.batch import ModelRunnerOutput, SchedulerOutput
 from tidal.executor.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+# Group rendezvous and collective timeout. Generous: a peer may still be loading weights,
+# or running a long CPU prefill, while this rank waits in a collective.
+DIST_TIMEOUT_S = 300.0
 
 
 def cpu_threads_for_rank(num_local_ranks: int) -> int:
@@ -18,12 +40,18 @@ def cpu_threads_for_rank(num_local_ranks: int) -> int:
 
 
 class Worker:
-    def __init__(self, config: EngineConfig, local_rank: int = 0) -> None:
+    def __init__(
+        self, config: EngineConfig, local_rank: int = 0, *, dist_timeout_s: float = DIST_TIMEOUT_S
+    ) -> None:
         self.config = config
         self.local_rank = local_rank
+        self.dist_timeout_s = dist_timeout_s
         self.device = self._init_device()
         torch.manual_seed(config.model.seed)
         self.model_runner = ModelRunner(config, self.device)
+        self.dp_group: StatelessGroup | None = None
+        self.ep_group: StatelessGroup | None = None
+        self._store: Any = None
 
     def _init_device(self) -> torch.device:
         if self.config.device == "cuda":
@@ -32,6 +60,56 @@ class Worker:
             return device
         torch.set_num_threads(cpu_threads_for_rank(self.config.parallel.data_parallel_size_local))
         return torch.device("cpu")
+
+    # ---- process groups ----------------------------------------------------------------
+
+    def init_distributed(self) -> None:
+        """Join the DP group (and the EP group with expert parallelism). Blocks until every
+        DP rank has called it. Call before ``load_model``."""
+        p = self.config.parallel
+        if p.data_parallel_size <= 1 or self.dp_group is not None:
+            return
+        if not p.data_parallel_master_port:
+            raise ValueError(
+                "data_parallel_master_port must be set (the launcher picks a free port) "
+                f"when data_parallel_size={p.data_parallel_size}"
+            )
+        rank, world = p.data_parallel_rank, p.data_parallel_size
+        host, timeout = p.data_parallel_address, self.dist_timeout_s
+        self._store = create_store(
+            host, p.data_parallel_master_port, rank=rank, world_size=world, timeout_s=timeout
+        )
+        common = {"host": host, "port": 0, "rank": rank, "world_size": world}
+        try:
+            self.dp_group = StatelessGroup.create(
+                **common, backend="gloo", store=self._store, prefix="dp", timeout_s=timeout
+            )
+            if p.enable_expert_parallel:
+                backend = "nccl" if self.device.type == "cuda" else "gloo"
+                self.ep_group = StatelessGroup.create(
+                    **common, backend=backend, store=self._store, prefix="ep", timeout_s=timeout
+                )
+        except Exception:
+            self.shutdown()
+            raise
+        self.model_runner.set_process_groups(self.dp_group, self.ep_group)
+        logger.info(
+            "DP rank %d/%d joined the process groups (EP: %s)",
+            rank,
+            world,
+            self.ep_group.backend_name if self.ep_group else "off",
+        )
+
+    def shutdown(self) -> None:
+        """Destroy the groups (idempotent, does not wait for peers) and drop the store."""
+        for group in (self.ep_group, self.dp_group):
+            if group is not None:
+                group.destroy()
+        self.ep_group = self.dp_group = None
+        self.model_runner.set_process_groups(None, None)
+        self._store = None
+
+    # ---- model -------------------------------------------------------------------------
 
     def load_model(self, local_expert_ids: list[int] | None = None) -> None:
         self.model_runner.load_model(local_expert_ids)
@@ -47,3 +125,13 @@ class Worker:
 
     def execute_dummy_batch(self, num_tokens: int = 1) -> None:
         self.model_runner.execute_dummy_batch(num_tokens)
+
+    # ---- expert load balancing ---------------------------------------------------------
+
+    def get_expert_load(self) -> dict[int, list[int]]:
+        """This rank's per-layer expert load over the EPLB window (see ModelRunner)."""
+        return self.model_runner.get_expert_load()
+
+    def rebalance_experts(self) -> bool:
+        """Collective over the EP group: every rank at the same step boundary."""
+        return self.model_runner.rebalance_experts()

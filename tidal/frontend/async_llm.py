@@ -117,6 +117,9 @@ class AsyncLLM:
             stream.queue.put_nowait(asyncio.CancelledError())
 
     async def get_stats(self) -> dict[str, Any]:
+        """``/stats``: per-rank load, wave state. With DP it is the coordinator's view."""
+        if getattr(self.client, "coordinator", None) is not None:
+            return _dp_stats_json(await self.client.get_dp_stats_async())
         ranks = []
         for rank in range(self.config.parallel.data_parallel_size):
             s = self.latest_stats.get(rank)
@@ -126,7 +129,7 @@ class AsyncLLM:
                     "waiting": s.num_waiting_reqs if s else 0,
                     "running": s.num_running_reqs if s else 0,
                     "kv_usage": s.kv_cache_usage if s else 0.0,
-                    "requests_total": 0,
+                    "requests_total": s.num_requests_total if s else 0,
                 }
             )
         return {
@@ -211,3 +214,23 @@ class AsyncLLM:
     def _fail_all(self, err: BaseException) -> None:
         for stream in list(self._streams.values()):
             stream.queue.put_nowait(err)
+
+
+def _dp_stats_json(st: Any) -> dict[str, Any]:
+    return {
+        "data_parallel_size": st.num_engines,
+        "wave": st.wave,
+        "engines_running": st.running,
+        "waves_completed": st.waves_completed,
+        "ranks": [
+            {
+                "rank": r.rank,
+                "waiting": r.waiting,
+                "running": r.running,
+                "kv_usage": r.kv_usage,
+                "requests_total": r.requests_total,
+                "history": [[round(st.timestamp - t, 3), w, n] for t, w, n in r.history],
+            }
+            for r in st.ranks
+        ],
+    }

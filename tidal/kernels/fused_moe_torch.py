@@ -5,13 +5,14 @@
 so each expert's rows are contiguous; then one grouped GEMM for gate/up over all
 experts, SiLU-and-mul, one grouped GEMM for down, router weighting, and an
 ``index_add_`` back to the tokens. The grouped GEMMs are ``torch.nn.functional.grouped_mm``
-(one call, no per-expert Python) when this torch has it and the shapes meet its 16-byte
-stride rule; otherwise a loop over the non-empty experts only.
+(one call, no per-expert Python) when this torch has it, the shapes meet its 16-byte
+stride rule and most experts have tokens; otherwise a loop over the non-empty experts.
 
 Slots whose expert is not local (expert map -1, or id out of range) sort after every
 local expert and are dropped before the GEMMs, so they cost nothing and contribute zero.
-The router weight scales the activation before the down GEMM (as the Triton kernel's
-epilogue does it after: equal up to rounding); accumulation over top-k is float32.
+The router weight scales the I-wide activation before the down GEMM rather than the
+H-wide output after it (the Triton kernel and the reference do the latter): the same
+product up to rounding, fewer multiplies. Accumulation over top-k is float32.
 """
 
 from __future__ import annotations
@@ -56,17 +57,19 @@ def fused_experts_torch(
     token_idx = order // top_k  # [N]
     counts = counts[:num_local]
 
-    use_grouped = strategy == "grouped_mm" or (strategy == "auto" and _grouped_mm_ok(hidden, inter))
+    use_grouped = strategy == "grouped_mm" or (
+        strategy == "auto" and _grouped_mm_ok(hidden, inter) and _mostly_busy(counts)
+    )
     if use_grouped:
-        offs = torch.tensor(list(itertools.accumulate(counts)), dtype=torch.int32, device=hidden.device)
+        offs = torch.tensor(
+            list(itertools.accumulate(counts)), dtype=torch.int32, device=hidden.device
+        )
         linear = functools.partial(_grouped_linear, offs=offs)
     else:
         linear = functools.partial(_looped_linear, counts=counts)
     gate_up = linear(hidden.index_select(0, token_idx), w13)  # [N, 2I]
     act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]  # [N, I]
     if apply_router_weight:
-        # Scaling the I-wide activation instead of the H-wide output: same product
-        # (up to rounding), fewer multiplies.
         act = act * topk_weights.reshape(-1).index_select(0, order).unsqueeze(1).to(act.dtype)
     out.index_add_(0, token_idx, linear(act, w2).float())  # [N, H] summed per token
     return out.to(hidden.dtype)
@@ -82,6 +85,12 @@ def _local_slots(
         return flat_ids.masked_fill((flat_ids < 0) | (flat_ids >= num_local), num_local)
     slots = expert_map[flat_ids]  # int32, -1 = elsewhere
     return slots.masked_fill(slots < 0, num_local)
+
+
+def _mostly_busy(counts: list[int]) -> bool:
+    """CPU grouped_mm visits every expert, empty or not; with few busy experts (small
+    batches) the loop over busy experts only is cheaper."""
+    return 2 * sum(1 for n in counts if n) > len(counts)
 
 
 def _grouped_mm_ok(hidden: Tensor, inter: int) -> bool:

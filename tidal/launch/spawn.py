@@ -24,8 +24,53 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=os.environ.get("TIDAL_API_KEY"), help="require this bearer token")
     p.add_argument("--served-model-name", default=None, help="model name clients use (default: the path)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument(
+        "--headless",
+        action="store_true",
+        help="run only this host's engine ranks (no API server); they join the frontend at "
+        "--data-parallel-address:--data-parallel-rpc-port",
+    )
     add_engine_args(p)
     return p
+
+
+def _check_multi_node(parser: argparse.ArgumentParser, ns: argparse.Namespace, config: EngineConfig) -> None:
+    par = config.parallel
+    remote = ns.headless or par.data_parallel_size_local < par.data_parallel_size
+    if remote and not ns.data_parallel_rpc_port:
+        parser.error("--data-parallel-rpc-port: required when ranks run on other hosts (--headless)")
+    if par.data_parallel_start_rank + par.data_parallel_size_local > par.data_parallel_size:
+        parser.error(
+            "--data-parallel-start-rank: start rank + --data-parallel-size-local exceeds "
+            f"--data-parallel-size ({par.data_parallel_size})"
+        )
+
+
+def run_headless(config: EngineConfig) -> int:
+    """Start this host's ranks and wait; SIGTERM/SIGINT stops them."""
+    import signal
+    import threading
+
+    from tidal.engine_core.client import spawn_headless_engines
+
+    par = config.parallel
+    address = f"tcp://{par.data_parallel_address}:{par.data_parallel_rpc_port}"
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    procs = spawn_headless_engines(config, address)
+    print(f"tidal: headless ranks {[p.name for p in procs]} joining {address}", flush=True)
+    while not stop.is_set() and all(p.is_alive() for p in procs):
+        stop.wait(0.5)
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    for p in procs:
+        p.join(15)
+        if p.is_alive():
+            p.kill()
+            p.join(2)
+    return 0 if stop.is_set() else 1
 
 
 def serve_main(argv: list[str]) -> int:
@@ -34,6 +79,9 @@ def serve_main(argv: list[str]) -> int:
     if not 0 <= ns.port <= 65535:
         parser.error(f"--port: must be in [0, 65535], got {ns.port}")
     config: EngineConfig = build_engine_config(parser, ns)
+    _check_multi_node(parser, ns, config)
+    if ns.headless:
+        return run_headless(config)
     logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from tidal.launch.api_server import bind_socket, run_server
 

@@ -38,7 +38,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 
-def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
+def kv_cache_shape(
+    num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int
+) -> tuple[int, ...]:
     return (2, num_blocks, block_size, num_kv_heads, head_dim)
 
 
@@ -100,7 +102,9 @@ class AttentionMetadata:
                 dec_blocks.append(block_ids[:needed])
                 dec_lens.append(end)
             else:
-                prefills.append(_prefill_chunk(row, start, num_new, block_ids[:needed], block_size, device))
+                prefills.append(
+                    _prefill_chunk(row, start, num_new, block_ids[:needed], block_size, device)
+                )
             row += num_new
         meta = cls(
             num_tokens=row,
@@ -162,7 +166,9 @@ class PagedAttention(nn.Module):
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
         super().__init__()
         if num_heads % num_kv_heads:
-            raise ValueError(f"num_heads {num_heads} must be a multiple of num_kv_heads {num_kv_heads}")
+            raise ValueError(
+                f"num_heads {num_heads} must be a multiple of num_kv_heads {num_kv_heads}"
+            )
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -188,14 +194,18 @@ class PagedAttention(nn.Module):
         if rows is not None:
             out[rows] = self._decode(q[rows], cache, meta)
         for chunk in meta.prefills:
-            out[chunk.rows] = self._prefill(q[chunk.rows], k[chunk.rows], v[chunk.rows], cache, chunk)
+            out[chunk.rows] = self._prefill(
+                q[chunk.rows], k[chunk.rows], v[chunk.rows], cache, chunk
+            )
         return out
 
     def _decode(self, q: Tensor, cache: Tensor, meta: AttentionMetadata) -> Tensor:  # [D, Hq, Dh]
         table = meta.decode_block_table  # [D, B]
         num, num_blocks = table.shape
         hkv, dh = self.num_kv_heads, self.head_dim
-        kv = cache.index_select(1, table.reshape(-1)).view(2, num, num_blocks * meta.block_size, hkv, dh)
+        kv = cache.index_select(1, table.reshape(-1)).view(
+            2, num, num_blocks * meta.block_size, hkv, dh
+        )
         # Query heads of one KV head take the "query length" dim: [D, Hkv, G, Dh].
         qg = q.reshape(num, hkv, self.num_heads // hkv, dh)
         out = F.scaled_dot_product_attention(
@@ -214,8 +224,14 @@ class PagedAttention(nn.Module):
                 is_causal=True, enable_gqa=gqa,
             )  # fmt: skip
         else:
-            kv = cache.index_select(1, chunk.kv_blocks).view(2, 1, -1, self.num_kv_heads, self.head_dim)
+            kv = cache.index_select(1, chunk.kv_blocks).view(
+                2, 1, -1, self.num_kv_heads, self.head_dim
+            )
             out = F.scaled_dot_product_attention(
-                qt, kv[0].transpose(1, 2), kv[1].transpose(1, 2), attn_mask=chunk.mask, enable_gqa=gqa
+                qt,
+                kv[0].transpose(1, 2),
+                kv[1].transpose(1, 2),
+                attn_mask=chunk.mask,
+                enable_gqa=gqa,
             )
         return out.squeeze(0).transpose(0, 1)

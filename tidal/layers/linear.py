@@ -17,11 +17,19 @@ from torch import Tensor, nn
 
 class Linear(nn.Module):
     def __init__(
-        self, in_features: int, out_features: int, bias: bool = False, *, dtype: Any = None, device: Any = None
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = False,
+        *,
+        dtype: Any = None,
+        device: Any = None,
     ) -> None:
         super().__init__()
         kw = {"dtype": dtype, "device": device}
-        self.weight = nn.Parameter(torch.empty(out_features, in_features, **kw), requires_grad=False)
+        self.weight = nn.Parameter(
+            torch.empty(out_features, in_features, **kw), requires_grad=False
+        )
         self.bias = (
             nn.Parameter(torch.empty(out_features, **kw), requires_grad=False) if bias else None
         )
@@ -35,7 +43,9 @@ class Linear(nn.Module):
 
 
 class Embedding(nn.Module):
-    def __init__(self, num_embeddings: int, dim: int, *, dtype: Any = None, device: Any = None) -> None:
+    def __init__(
+        self, num_embeddings: int, dim: int, *, dtype: Any = None, device: Any = None
+    ) -> None:
         super().__init__()
         self.weight = nn.Parameter(
             torch.empty(num_embeddings, dim, dtype=dtype, device=device), requires_grad=False

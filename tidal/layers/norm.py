@@ -13,7 +13,9 @@ class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float, *, dtype: Any = None, device: Any = None) -> None:
         super().__init__()
         self.eps = eps
-        self.weight = nn.Parameter(torch.empty(dim, dtype=dtype, device=device), requires_grad=False)
+        self.weight = nn.Parameter(
+            torch.empty(dim, dtype=dtype, device=device), requires_grad=False
+        )
 
     def forward(self, x: Tensor) -> Tensor:  # [..., dim], normalised over the last dim
         if x.dtype == torch.float32:

@@ -41,7 +41,9 @@ def rope_theta_from_config(hf_config: Any) -> float:
         raise NotImplementedError(
             f"rope_type {rope_type!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
         )
-    partial = (params or {}).get("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", 1.0))
+    partial = (params or {}).get(
+        "partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", 1.0)
+    )
     if partial not in (None, 1.0):
         raise NotImplementedError(f"partial_rotary_factor {partial} is not supported")
     return float(theta)
@@ -49,7 +51,13 @@ def rope_theta_from_config(hf_config: Any) -> float:
 
 class RotaryEmbedding(nn.Module):
     def __init__(
-        self, head_dim: int, max_position: int, theta: float, *, dtype: Any = None, device: Any = None
+        self,
+        head_dim: int,
+        max_position: int,
+        theta: float,
+        *,
+        dtype: Any = None,
+        device: Any = None,
     ) -> None:
         super().__init__()
         if head_dim % 2:

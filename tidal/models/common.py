@@ -129,12 +129,19 @@ class DenseMLP(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         gate_up = self.gate_up(x)
-        return self.down(torch.nn.functional.silu(gate_up[:, : self.inter]) * gate_up[:, self.inter :])
+        return self.down(
+            torch.nn.functional.silu(gate_up[:, : self.inter]) * gate_up[:, self.inter :]
+        )
 
 
 class DecoderLayer(nn.Module):
     def __init__(
-        self, spec: DecoderSpec, layer_idx: int, moe_backend: str, local_expert_ids: Sequence[int] | None, **kw: Any
+        self,
+        spec: DecoderSpec,
+        layer_idx: int,
+        moe_backend: str,
+        local_expert_ids: Sequence[int] | None,
+        **kw: Any,
     ) -> None:
         super().__init__()
         self.self_attn = Attention(spec, **kw)
@@ -179,14 +186,17 @@ class MoECausalLM(nn.Module):
         self.embed_tokens = Embedding(spec.vocab_size, spec.hidden_size, **kw)
         self.rotary = RotaryEmbedding(spec.head_dim, spec.max_position, spec.rope_theta, **kw)
         self.layers = nn.ModuleList(
-            DecoderLayer(spec, i, moe_backend, local_expert_ids, **kw) for i in range(spec.num_layers)
+            DecoderLayer(spec, i, moe_backend, local_expert_ids, **kw)
+            for i in range(spec.num_layers)
         )
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, **kw)
         self.lm_head = (
-            self.embed_tokens if spec.tie_word_embeddings else Linear(spec.hidden_size, spec.vocab_size, **kw)
+            self.embed_tokens
+            if spec.tie_word_embeddings
+            else Linear(spec.hidden_size, spec.vocab_size, **kw)
         )
 
-    @torch.inference_mode()
+    @torch.no_grad()
     def forward(self, input_ids: Tensor, positions: Tensor, attn: AttentionMetadata) -> Tensor:
         """input_ids/positions [T] int64 -> hidden states [T, H] (final norm applied)."""
         x = self.embed_tokens(input_ids)
@@ -195,7 +205,7 @@ class MoECausalLM(nn.Module):
             x = layer(x, cos, sin, attn)
         return self.norm(x)
 
-    @torch.inference_mode()
+    @torch.no_grad()
     def compute_logits(self, hidden: Tensor) -> Tensor:  # [N, H] -> [N, V] float32
         return torch.nn.functional.linear(hidden, self.lm_head.weight).float()
 
@@ -239,7 +249,9 @@ class MoECausalLM(nn.Module):
             fused = getattr(attn.qkv_proj, kind)
             if fused is None:
                 continue
-            for name, part in zip(("q_proj", "k_proj", "v_proj"), fused.data.split(attn.split, dim=0)):
+            for name, part in zip(
+                ("q_proj", "k_proj", "v_proj"), fused.data.split(attn.split, dim=0)
+            ):
                 t[f"{prefix}.self_attn.{name}.{kind}"] = part
             t[f"{prefix}.self_attn.o_proj.{kind}"] = getattr(attn.o_proj, kind).data
         if attn.q_norm is not None:

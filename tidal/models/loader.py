@@ -42,7 +42,9 @@ class CheckpointError(ValueError):
     """The checkpoint does not match the model built from its config."""
 
 
-def load_model(engine_config: Any, *, local_expert_ids: Sequence[int] | None = None) -> torch.nn.Module:
+def load_model(
+    engine_config: Any, *, local_expert_ids: Sequence[int] | None = None
+) -> torch.nn.Module:
     """Model of ``engine_config.model`` in its dtype on ``engine_config.device``, weights
     loaded. ``local_expert_ids``: the global experts this rank holds, in local slot order
     (None = all)."""
@@ -66,7 +68,9 @@ def safetensors_files(folder: str) -> list[str]:
             names = sorted(set(json.load(f)["weight_map"].values()))
         missing = [n for n in names if not os.path.exists(os.path.join(folder, n))]
         if missing:
-            raise CheckpointError(f"{INDEX_FILE} in {folder} lists missing file(s): {', '.join(missing)}")
+            raise CheckpointError(
+                f"{INDEX_FILE} in {folder} lists missing file(s): {', '.join(missing)}"
+            )
     else:
         names = sorted(n for n in os.listdir(folder) if n.endswith(".safetensors"))
     if not names:

@@ -22,7 +22,11 @@ def resolve_architecture(hf_config: Any) -> str:
     for arch in archs:
         if arch in _MODELS:
             return arch
-    found = ", ".join(archs) if archs else f"none (model_type {getattr(hf_config, 'model_type', None)!r})"
+    found = (
+        ", ".join(archs)
+        if archs
+        else f"none (model_type {getattr(hf_config, 'model_type', None)!r})"
+    )
     raise ValueError(
         f"unsupported model architecture: {found}; supported: {', '.join(supported_architectures())}"
     )

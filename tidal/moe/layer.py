@@ -13,6 +13,11 @@ local slot i holds global expert ``local_expert_ids[i]``. ``expert_map [E_global
 maps a global id to its local slot or -1. Without a dispatcher and with a subset of
 experts, the output holds only the local experts' share (what a dispatcher then sums).
 
+Expert parallelism: the EP setup (``tidal/executor/model_runner.py``) sets ``dispatcher``
+and points every layer's ``forward_context`` at one shared ``MoEForwardContext``, whose
+``num_tokens_across_dp`` the runner fills before each forward (the token counts all ranks
+agreed on), so a dispatcher needs no count exchange of its own.
+
 Expert backends share one signature (see ``tidal/moe/reference.py``) and are looked up
 by name in ``EXPERT_BACKENDS``; "triton" is imported lazily so CPU-only installs work.
 """
@@ -20,6 +25,7 @@ by name in ``EXPERT_BACKENDS``; "triton" is imported lazily so CPU-only installs
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -42,10 +48,25 @@ class MoEDispatcher(Protocol):
     """
 
     def dispatch(
-        self, hidden: Tensor, topk_weights: Tensor, topk_ids: Tensor
+        self,
+        hidden: Tensor,
+        topk_weights: Tensor,
+        topk_ids: Tensor,
+        num_tokens_across_dp: Sequence[int] | None = None,
     ) -> tuple[Tensor, Tensor, Tensor, Any]: ...
 
     def combine(self, expert_out: Tensor, handle: Any) -> Tensor: ...
+
+
+@dataclass
+class MoEForwardContext:
+    """Per-forward facts every MoE layer of a model shares (one object, set by the runner).
+
+    ``num_tokens_across_dp``: tokens each EP rank feeds this forward (``[ep]``, rank
+    order), agreed before the forward; None lets the dispatcher exchange them itself.
+    """
+
+    num_tokens_across_dp: list[int] | None = None
 
 
 def _triton_experts(*args: Any, **kwargs: Any) -> Tensor:
@@ -130,12 +151,12 @@ class FusedMoE(nn.Module):
         self.register_buffer(
             "expert_map", build_expert_map(num_experts, self.local_expert_ids, device)
         )
-        # None = every expert is local, the map is the identity: skip the lookup.
-        self._map_arg: Tensor | None = None if n_local == num_experts and (
-            self.local_expert_ids == list(range(num_experts))
-        ) else self.expert_map
+        # None when the map is the identity (all experts, in order): skip the lookup.
+        identity = self.local_expert_ids == list(range(num_experts))
+        self._map_arg: Tensor | None = None if identity else self.expert_map
         # Expert parallelism: set by the EP setup to a MoEDispatcher; None = local only.
         self.dispatcher: MoEDispatcher | None = None
+        self.forward_context: MoEForwardContext | None = None
         # EPLB: when True, forward adds each step's tokens-per-(global)expert here.
         self.record_expert_load = False
         self.register_buffer(
@@ -159,7 +180,14 @@ class FusedMoE(nn.Module):
             return self.experts_fn(
                 hidden, self.w13, self.w2, topk_weights, topk_ids, self._map_arg, True
             )
-        x, weights, ids, handle = self.dispatcher.dispatch(hidden, topk_weights, topk_ids)
+        ctx = self.forward_context
+        sizes = None if ctx is None else ctx.num_tokens_across_dp
+        if sizes is None:
+            x, weights, ids, handle = self.dispatcher.dispatch(hidden, topk_weights, topk_ids)
+        else:
+            x, weights, ids, handle = self.dispatcher.dispatch(
+                hidden, topk_weights, topk_ids, num_tokens_across_dp=sizes
+            )
         out = self.experts_fn(x, self.w13, self.w2, weights, ids, self.expert_map, True)
         return self.dispatcher.combine(out, handle)
 
@@ -172,8 +200,18 @@ class FusedMoE(nn.Module):
             self.w13.data = self.w13.data.new_empty((len(ids), *self.w13.shape[1:]))
             self.w2.data = self.w2.data.new_empty((len(ids), *self.w2.shape[1:]))
         self.local_expert_ids = ids
-        identity = ids == list(range(self.num_experts))
-        self._map_arg = None if identity else self.expert_map
+        self._map_arg = None if ids == list(range(self.num_experts)) else self.expert_map
+
+    def bind_expert_load(self, counts: Tensor) -> None:
+        """Record into ``counts [E_global] int64`` (e.g. a row of a model-wide ``[L, E]``
+        tensor, so one copy per step snapshots every layer) and switch recording on."""
+        if counts.shape != (self.num_experts,) or counts.dtype != torch.int64:
+            raise ValueError(
+                f"expert load buffer must be [{self.num_experts}] int64, got "
+                f"{tuple(counts.shape)} {counts.dtype}"
+            )
+        self.expert_load = counts
+        self.record_expert_load = True
 
     def reset_expert_load(self) -> Tensor:  # [E_global] int64, the counts so far
         load = self.expert_load.clone()

@@ -62,7 +62,9 @@ def grouped_topk(
         group_scores = grouped.max(dim=-1).values
     else:
         group_scores = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(dim=-1)
-    group_idx = torch.topk(group_scores, topk_group, dim=-1, sorted=False).indices  # [T, topk_group]
+    group_idx = torch.topk(
+        group_scores, topk_group, dim=-1, sorted=False
+    ).indices  # [T, topk_group]
     group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1.0)  # [T, G]
     expert_mask = group_mask.unsqueeze(-1).expand_as(grouped).reshape(num_tokens, num_experts)
     masked = choice.masked_fill(expert_mask == 0, float("-inf"))
