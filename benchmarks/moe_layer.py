@@ -4,9 +4,10 @@ Qwen3-MoE sparse block, on identical weights, at the default model's MoE shape.
 transformers runs twice: ``transformers_grouped_mm`` (the experts implementation its
 full model picks by default in v5) and ``transformers_eager`` (its per-expert loop, what
 a standalone block runs). Prints one JSON line per (tokens, implementation): median and
-best microseconds per call; then a summary line with our speedup over each peer. Timings use the process's CPU time by
-default (``--clock wall`` for wall time): on a shared machine other processes' load
-then inflates the numbers less.
+best microseconds per call; then a summary line with our speedup over each peer.
+``--clock auto`` (default) times with the process's CPU time at one thread (other
+processes' load on a shared machine then inflates the numbers less) and with wall time
+at more threads (idle OpenMP workers spin, which CPU time would count).
 
     python benchmarks/moe_layer.py [--threads 2] [--tokens 1 32 256]
 """
@@ -77,11 +78,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 32, 256])
-    ap.add_argument("--clock", choices=["cpu", "wall"], default="cpu")
+    ap.add_argument("--clock", choices=["auto", "cpu", "wall"], default="auto")
     ap.add_argument("--min-seconds", type=float, default=1.0)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
+    if args.clock == "auto":
+        args.clock = "cpu" if args.threads == 1 else "wall"
     clock = time.perf_counter if args.clock == "wall" else time.process_time
     shape = {
         "hidden": DEFAULT_MODEL_ARGS["hidden_size"],

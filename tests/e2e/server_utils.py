@@ -57,7 +57,7 @@ class RemoteServer:
             return []
 
     def engine_processes(self) -> list[psutil.Process]:
-        return [p for p in self.descendants() if "spawn_main" in " ".join(p.cmdline())]
+        return [p for p in self.descendants() if p.name().startswith("EngineCore")]
 
     def stop(self, timeout_s: float = 30.0) -> int:
         """SIGTERM the launcher; returns its exit code. Kills the group if it hangs."""

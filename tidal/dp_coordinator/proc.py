@@ -274,6 +274,9 @@ def run_coordinator(
 ) -> None:
     """Process entry point (``multiprocessing`` spawn). Reports the bound addresses (or
     the startup error) as msgpack bytes on ``ready_conn``, then serves until SIGTERM."""
+    from tidal.utils.proctitle import set_process_name
+
+    set_process_name("DPCoordinator")
     stop = _StopFlag()
     signal.signal(signal.SIGTERM, stop.set)
     signal.signal(signal.SIGINT, stop.set)

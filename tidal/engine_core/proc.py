@@ -33,6 +33,7 @@ import zmq
 
 from tidal.config import EngineConfig
 from tidal.engine_core.core import EngineCore
+from tidal.utils.proctitle import set_process_name
 from tidal.engine_core.messages import (
     EngineAddresses,
     EngineCoreOutput,
@@ -470,6 +471,7 @@ def run_engine_core(
 ) -> None:
     """Process entry point. Exit code 0 on a clean shutdown, 1 on a fatal error."""
     logging.basicConfig(level=os.environ.get("TIDAL_LOG_LEVEL", "WARNING"))
+    set_process_name(f"EngineCore_DP{engine_index}")
     if proc_class is EngineCoreProc and config.parallel.data_parallel_size > 1:
         proc_class = DPEngineCoreProc
     proc: EngineCoreProc | None = None
