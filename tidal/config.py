@@ -95,6 +95,7 @@ class ParallelConfig:
     num_redundant_experts: int = 0
     eplb_window: int = 1000
     eplb_interval: int = 3000
+    dp_lb_policy: str = "tidal"  # frontend engine choice: tidal | vllm | tidal-p2c
 
     @property
     def ep_size(self) -> int:
@@ -108,6 +109,7 @@ class ParallelConfig:
             "data_parallel_size_local",
             "data_parallel_start_rank",
             "data_parallel_master_port",
+            "dp_lb_policy",
         ):
             d.pop(k)
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
@@ -156,6 +158,7 @@ class EngineArgs:
     num_redundant_experts: int = 0
     eplb_window: int = 1000
     eplb_interval: int = 3000
+    dp_lb_policy: str = "tidal"
     device: str = "auto"
     moe_backend: str = "auto"
 
@@ -264,6 +267,7 @@ class EngineArgs:
             num_redundant_experts=self.num_redundant_experts,
             eplb_window=self.eplb_window,
             eplb_interval=self.eplb_interval,
+            dp_lb_policy=_check_choice("dp_lb_policy", self.dp_lb_policy, ("tidal", "vllm", "tidal-p2c")),
         )
 
 

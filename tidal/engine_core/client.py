@@ -230,11 +230,11 @@ class DPFrontendState:
     """Frontend half of data parallelism (pure apart from the clock): which rank gets a
     request, the wave to stamp on it, and which rank holds which request."""
 
-    def __init__(self, num_engines: int, parallel: Any, policy: str = "tidal") -> None:
+    def __init__(self, num_engines: int, parallel: Any) -> None:
         from tidal.dp_coordinator.balance import Balancer
         from tidal.dp_coordinator.state import FrontendWaveState
 
-        self.balancer = Balancer(num_engines, policy)
+        self.balancer = Balancer(num_engines, parallel.dp_lb_policy)
         self.wave = FrontendWaveState()
         self.rank_of: dict[str, int] = {}
 

@@ -1,0 +1,95 @@
+"""EngineArgs -> EngineConfig validation: every bad value names its argument."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from tidal.config import EngineArgs
+
+
+def _cfg(path: str, **kw):
+    return EngineArgs(model=path, **kw).create_engine_config()
+
+
+def test_defaults_resolve(qwen3_ckpt):
+    cfg = _cfg(qwen3_ckpt)
+    assert cfg.model.architecture == "Qwen3MoeForCausalLM"
+    assert cfg.model.dtype == "float32"
+    assert cfg.model.max_model_len == 512  # the checkpoint's max_position_embeddings
+    assert cfg.scheduler.max_model_len == cfg.model.max_model_len
+    assert cfg.parallel.data_parallel_size == 1 and cfg.parallel.ep_size == 1
+    assert cfg.model.eos_token_ids  # from config.json / generation_config.json
+
+
+@pytest.mark.parametrize(
+    "kwargs,field",
+    [
+        ({"block_size": 3}, "block_size"),
+        ({"max_model_len": 100000}, "max_model_len"),
+        ({"max_model_len": 0}, "max_model_len"),
+        ({"dtype": "float64"}, "dtype"),
+        ({"max_num_seqs": 0}, "max_num_seqs"),
+        ({"max_num_batched_tokens": 0}, "max_num_batched_tokens"),
+        ({"enable_chunked_prefill": False, "max_num_batched_tokens": 16}, "max_num_batched_tokens"),
+        ({"data_parallel_size": 0}, "data_parallel_size"),
+        ({"data_parallel_size": 2, "data_parallel_rank": 2}, "data_parallel_rank"),
+        ({"all2all_backend": "carrier-pigeon"}, "all2all_backend"),
+        ({"enable_eplb": True}, "enable_eplb"),
+        ({"num_redundant_experts": -1}, "num_redundant_experts"),
+        ({"num_gpu_blocks_override": 0}, "num_gpu_blocks_override"),
+        ({"moe_backend": "magic"}, "moe_backend"),
+        ({"dp_lb_policy": "random"}, "dp_lb_policy"),
+        ({"device": "tpu"}, "device"),
+    ],
+)
+def test_bad_values_name_the_field(qwen3_ckpt, kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        _cfg(qwen3_ckpt, **kwargs)
+
+
+def test_missing_model_dir():
+    with pytest.raises(ValueError, match="model"):
+        _cfg("/nonexistent/checkpoint")
+
+
+def test_unknown_architecture(qwen3_ckpt, tmp_path):
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    with open(os.path.join(qwen3_ckpt, "config.json")) as f:
+        conf = json.load(f)
+    conf["architectures"] = ["LlamaForCausalLM"]
+    conf["model_type"] = "llama"
+    (bad / "config.json").write_text(json.dumps(conf))
+    with pytest.raises(ValueError, match="LlamaForCausalLM"):
+        _cfg(str(bad))
+
+
+def test_parallel_hash_ignores_rank_fields(qwen3_ckpt):
+    a = _cfg(qwen3_ckpt, data_parallel_size=2, data_parallel_rank=0).parallel
+    b = _cfg(qwen3_ckpt, data_parallel_size=2, data_parallel_rank=1).parallel
+    c = _cfg(qwen3_ckpt, data_parallel_size=2, enable_expert_parallel=True).parallel
+    assert a.config_hash() == b.config_hash() != c.config_hash()
+
+
+def test_kv_cache_too_small_is_clear(qwen3_ckpt):
+    from tidal import LLM
+
+    with pytest.raises(ValueError, match="max_model_len"):
+        LLM(qwen3_ckpt, multiprocess=False, num_gpu_blocks_override=4, block_size=4)
+
+
+def test_cli_error_names_the_flag(qwen3_ckpt):
+    import subprocess
+    import sys
+
+    r = subprocess.run(
+        [sys.executable, "-m", "tidal.launch.cli", "serve", "--model", qwen3_ckpt, "--block-size", "3"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 2
+    assert "--block-size" in r.stderr

@@ -1,0 +1,99 @@
+"""Frontend output processing: incremental detokenization, stop strings, n-way merge."""
+
+from __future__ import annotations
+
+import pytest
+
+from tidal.engine_core.messages import EngineCoreOutput, FinishReason, Logprobs
+from tidal.frontend.detokenizer import IncrementalDetokenizer
+from tidal.frontend.output_processor import OutputProcessor, child_request_id
+from tidal.frontend.outputs import OutputKind
+from tidal.sampling_params import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def tokenizer(qwen3_ckpt):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(qwen3_ckpt)
+
+
+TEXT = "The tide comes in, the tide goes out. Über naïve café — 日本語!"
+
+
+def test_incremental_equals_full_decode(tokenizer):
+    ids = tokenizer.encode(TEXT)
+    prompt = tokenizer.encode("Say:")
+    detok = IncrementalDetokenizer(tokenizer, prompt)
+    pieces = []
+    for t in ids:
+        before = len(detok.output_text)
+        assert detok.update([t]) is None
+        pieces.append(detok.output_text[before:])
+    assert "".join(pieces) == tokenizer.decode(ids) == detok.output_text
+    # Multi-byte characters split across tokens never surface as U+FFFD.
+    assert all("\ufffd" not in p for p in pieces)
+
+
+def test_stop_string_truncates(tokenizer):
+    ids = tokenizer.encode(TEXT)
+    detok = IncrementalDetokenizer(tokenizer, [], stop=["goes"])
+    stop = None
+    for t in ids:
+        stop = detok.update([t])
+        if stop:
+            break
+    assert stop == "goes"
+    assert detok.output_text == TEXT[: TEXT.index("goes")]
+
+
+def test_stop_string_included_when_asked(tokenizer):
+    detok = IncrementalDetokenizer(tokenizer, [], stop=["goes"], include_stop_str_in_output=True)
+    assert detok.update(tokenizer.encode(TEXT)) == "goes"
+    assert detok.output_text == TEXT[: TEXT.index("goes") + len("goes")]
+
+
+def _out(rid, ids, finish=None, lps=None):
+    return EngineCoreOutput(rid, ids, new_logprobs=lps, finish_reason=finish)
+
+
+def test_n_children_merge_and_final_only(tokenizer):
+    op = OutputProcessor(tokenizer)
+    children = op.add_request("p", "x", [1, 2], SamplingParams(n=2, max_tokens=3))
+    assert children == [child_request_id("p", 0, 2), child_request_id("p", 1, 2)] == ["0_p", "1_p"]
+    a, b = tokenizer.encode("hello there"), tokenizer.encode("good bye")
+    r = op.process_outputs([_out("0_p", a), _out("1_p", b[:1])])
+    assert r.request_outputs == []  # FINAL_ONLY waits for every child
+    r = op.process_outputs([_out("1_p", b[1:], FinishReason.LENGTH), _out("0_p", [], FinishReason.STOP)])
+    (final,) = r.request_outputs
+    assert final.finished and [c.index for c in final.outputs] == [0, 1]
+    assert final.outputs[0].text == "hello there" and final.outputs[1].text == "good bye"
+    assert final.outputs[1].finish_reason == "length"
+    assert not op.has_unfinished()
+
+
+def test_delta_stream_holds_back_possible_stop(tokenizer):
+    op = OutputProcessor(tokenizer)
+    op.add_request("s", None, [1], SamplingParams(stop=["tide goes"]), OutputKind.DELTA)
+    ids = tokenizer.encode(TEXT)
+    streamed, aborts, finished = "", [], False
+    for t in ids:
+        r = op.process_outputs([_out("s", [t])])
+        aborts += r.reqs_to_abort
+        for ro in r.request_outputs:
+            streamed += ro.outputs[0].text
+            finished = ro.finished
+        if finished:
+            break
+    assert finished and aborts == ["s"]  # the engine must stop generating it
+    assert streamed == TEXT[: TEXT.index("tide goes")]
+
+
+def test_logprobs_converted(tokenizer):
+    op = OutputProcessor(tokenizer)
+    op.add_request("l", None, [1], SamplingParams(logprobs=1, max_tokens=1))
+    lp = Logprobs(token_ids=[5, 7], logprobs=[-0.5, -0.1], rank=2)
+    (ro,) = op.process_outputs([_out("l", [5], FinishReason.LENGTH, [lp])]).request_outputs
+    (pos,) = ro.outputs[0].logprobs
+    assert pos[5].logprob == -0.5 and pos[5].rank == 2 and pos[7].rank == 1
+    assert ro.outputs[0].cumulative_logprob == -0.5
