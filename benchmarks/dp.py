@@ -45,7 +45,9 @@ def workload(kind: str, n: int, seed: int = 0) -> list[Arrival]:
 
 
 async def run_case(model: str | None, dp: int, policy: str, arrivals: list[Arrival]) -> dict:
-    config = EngineArgs(model=model, dtype="float32", data_parallel_size=dp, dp_lb_policy=policy).create_engine_config()
+    config = EngineArgs(
+        model=model, dtype="float32", data_parallel_size=dp, dp_lb_policy=policy
+    ).create_engine_config()
     engine = AsyncLLM(config)
     samples: list[list[int]] = []
     served = [0] * dp
@@ -71,7 +73,9 @@ async def run_case(model: str | None, dp: int, policy: str, arrivals: list[Arriv
         # Warm up every rank once so start-up costs are not measured.
         warm = SamplingParams(max_tokens=2)
         for r in range(dp):
-            async for _ in engine.generate(ProcessedPrompt(None, [11, 12]), warm, f"w{r}", data_parallel_rank=r):
+            async for _ in engine.generate(
+                ProcessedPrompt(None, [11, 12]), warm, f"w{r}", data_parallel_rank=r
+            ):
                 pass
         before = await _served(engine, dp)
         task = asyncio.create_task(sampler())
@@ -110,7 +114,10 @@ def main() -> None:
         arrivals = workload(kind, args.num_requests)
         for dp, policy in ((1, "tidal"), (2, "vllm"), (2, "tidal")):
             r = asyncio.run(run_case(args.model, dp, policy, arrivals))
-            print(json.dumps({"workload": kind, "dp": dp, "policy": policy if dp > 1 else None, **r}), flush=True)
+            print(
+                json.dumps({"workload": kind, "dp": dp, "policy": policy if dp > 1 else None, **r}),
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

@@ -27,14 +27,21 @@ def bench_tidal(model: str, prompts: list[list[int]], out_len: int, multiprocess
     ready_s = time.perf_counter() - t0
     params = SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True)
     try:
-        llm.generate([{"prompt_token_ids": prompts[0]}], SamplingParams(max_tokens=4), use_tqdm=False)
+        llm.generate(
+            [{"prompt_token_ids": prompts[0]}], SamplingParams(max_tokens=4), use_tqdm=False
+        )
         t0 = time.perf_counter()
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         elapsed = time.perf_counter() - t0
     finally:
         llm.shutdown()
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-    return {"elapsed_s": elapsed, "output_tokens": tokens, "tok_per_s": tokens / elapsed, "ready_s": ready_s}
+    return {
+        "elapsed_s": elapsed,
+        "output_tokens": tokens,
+        "tok_per_s": tokens / elapsed,
+        "ready_s": ready_s,
+    }
 
 
 def bench_hf(model: str, prompts: list[list[int]], out_len: int) -> dict:
@@ -44,7 +51,13 @@ def bench_hf(model: str, prompts: list[list[int]], out_len: int) -> dict:
     ids = torch.tensor(prompts)
     kw = dict(max_new_tokens=out_len, min_new_tokens=out_len, do_sample=False, pad_token_id=0)
     with torch.inference_mode():
-        m.generate(ids[:1], attention_mask=torch.ones_like(ids[:1]), max_new_tokens=4, do_sample=False, pad_token_id=0)
+        m.generate(
+            ids[:1],
+            attention_mask=torch.ones_like(ids[:1]),
+            max_new_tokens=4,
+            do_sample=False,
+            pad_token_id=0,
+        )
         t0 = time.perf_counter()
         out = m.generate(ids, attention_mask=torch.ones_like(ids), **kw)
         elapsed = time.perf_counter() - t0
@@ -74,10 +87,15 @@ def main() -> None:
         for mp in (False, True):
             r = bench_tidal(model, prompts, args.output_len, mp)
             engine = "tidal-mp" if mp else "tidal-inproc"
-            print(json.dumps({"case": name, "engine": engine, "requests": n, **_round(r)}), flush=True)
+            print(
+                json.dumps({"case": name, "engine": engine, "requests": n, **_round(r)}), flush=True
+            )
         if not args.skip_hf:
             r = bench_hf(model, prompts, args.output_len)
-            print(json.dumps({"case": name, "engine": "transformers", "requests": n, **_round(r)}), flush=True)
+            print(
+                json.dumps({"case": name, "engine": "transformers", "requests": n, **_round(r)}),
+                flush=True,
+            )
 
 
 def _round(d: dict) -> dict:

@@ -267,7 +267,9 @@ class EngineArgs:
             num_redundant_experts=self.num_redundant_experts,
             eplb_window=self.eplb_window,
             eplb_interval=self.eplb_interval,
-            dp_lb_policy=_check_choice("dp_lb_policy", self.dp_lb_policy, ("tidal", "vllm", "tidal-p2c")),
+            dp_lb_policy=_check_choice(
+                "dp_lb_policy", self.dp_lb_policy, ("tidal", "vllm", "tidal-p2c")
+            ),
         )
 
 

@@ -13,7 +13,9 @@ MAX_TOKENS = 10
 
 
 def _prompts(n: int) -> list[dict]:
-    return [{"prompt_token_ids": [3 + (7 * i + j) % 400 for j in range(2 + i % 9)]} for i in range(n)]
+    return [
+        {"prompt_token_ids": [3 + (7 * i + j) % 400 for j in range(2 + i % 9)]} for i in range(n)
+    ]
 
 
 def _greedy(llm: LLM, prompts: list[dict]) -> list[list[int]]:
@@ -40,7 +42,9 @@ def test_dp_greedy_equals_dp1(qwen3_ckpt, expected, dp):
         assert {s["rank"] for s in states} == set(range(dp))
     finally:
         llm.shutdown()
-    assert not llm.client.manager.procs or all(not p.is_alive() for p in llm.client.manager.procs.values())
+    assert not llm.client.manager.procs or all(
+        not p.is_alive() for p in llm.client.manager.procs.values()
+    )
 
 
 def _wait(pred, timeout_s: float = 20.0) -> bool:
@@ -69,7 +73,11 @@ def test_idle_rank_runs_dummy_batches_then_pauses(qwen3_ckpt):
         done = []
         while not done:
             outs = llm.client.get_output()
-            done = [r for r in llm.output_processor.process_outputs(outs.outputs).request_outputs if r.finished]
+            done = [
+                r
+                for r in llm.output_processor.process_outputs(outs.outputs).request_outputs
+                if r.finished
+            ]
         assert len(done[0].outputs[0].token_ids) == 60
         assert state(1)["dummy_batches"] > 0
         # The group goes idle: the wave ends on both ranks and dummy batches stop.
@@ -101,5 +109,25 @@ def test_bursts_across_wave_ends_never_hang(qwen3_ckpt, expected):
         th.join(180)
         assert not th.is_alive(), "DP engines hung"
         assert result["got"] == expected
+    finally:
+        llm.shutdown()
+
+
+def test_two_phase_pause_and_resume(qwen3_ckpt, expected):
+    llm = LLM(qwen3_ckpt, dtype="float32", data_parallel_size=2)
+    prompts = _prompts(12)
+    try:
+        assert llm.client.call_utility_all("pause") == [True, True]
+        assert _wait(lambda: all(s["paused"] for s in llm.client.call_utility_all("dp_state")))
+        params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, min_tokens=MAX_TOKENS)
+        ids = []
+        for p in prompts[:4]:
+            ids.append(llm._add(llm.input_processor.tokenize(p), params))
+        time.sleep(1.0)
+        # Paused: the requests are queued, nothing ran.
+        assert llm.client.outputs.empty()
+        llm.client.call_utility_all("resume")
+        got = llm._run(ids, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in got] == expected[:4]
     finally:
         llm.shutdown()

@@ -163,9 +163,7 @@ def _ep_forward_rank(rank: int, world: int, path: str, port: int, backend: str) 
 )
 def test_ep_forward_matches_single_process(run_ranks, request, world, backend, ckpt):
     path = request.getfixturevalue(ckpt)
-    results = run_ranks(
-        _ep_forward_rank, world, path, get_open_port(), backend, timeout_s=90
-    )
+    results = run_ranks(_ep_forward_rank, world, path, get_open_port(), backend, timeout_s=90)
     from tidal.moe.placement import ExpertPlacement
 
     placement = ExpertPlacement.linear(8, world)
@@ -190,7 +188,10 @@ def test_ep_forward_matches_single_process(run_ranks, request, world, backend, c
 
 def _prompts(rank: int, vocab: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(7 + rank)
-    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in range(2 + rank, 5 + 3 * rank, 2)]
+    return [
+        torch.randint(3, vocab, (n,), generator=g).tolist()
+        for n in range(2 + rank, 5 + 3 * rank, 2)
+    ]
 
 
 def _generate_lockstep(core, dp_group, prompts, max_tokens) -> dict[str, list[int]]:

@@ -39,7 +39,9 @@ def _requests(rank: int, vocab: int):
 
     g = torch.Generator().manual_seed(300 + rank)
     shared = torch.randint(3, vocab, (5,), generator=g).tolist()
-    prompts = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in (3 + 2 * rank, 6 + rank)]
+    prompts = [
+        torch.randint(3, vocab, (n,), generator=g).tolist() for n in (3 + 2 * rank, 6 + rank)
+    ]
     prompts += [shared, shared]
     reqs = []
     for i, p in enumerate(prompts):
@@ -105,7 +107,9 @@ def _global_load(worker, layer_ids: list[int], num_experts: int) -> list[list[in
 
 def _check_weights(runner, ref, rank: int) -> None:
     eplb = runner.eplb
-    for moe, full, placement in zip(runner.model.moe_layers(), ref.model.moe_layers(), eplb.placements):
+    for moe, full, placement in zip(
+        runner.model.moe_layers(), ref.model.moe_layers(), eplb.placements
+    ):
         ids = placement.local_expert_ids(rank)
         assert moe.local_expert_ids == ids
         assert moe.expert_map.tolist() == placement.expert_map_for_rank(rank)

@@ -20,7 +20,9 @@ def free_port() -> int:
 
 
 class RemoteServer:
-    def __init__(self, args: list[str], *, startup_timeout_s: float = 180.0, env: dict | None = None):
+    def __init__(
+        self, args: list[str], *, startup_timeout_s: float = 180.0, env: dict | None = None
+    ):
         self.port = free_port()
         cmd = [sys.executable, "-m", "tidal.launch.cli", "serve", "--port", str(self.port), *args]
         self.proc = subprocess.Popen(

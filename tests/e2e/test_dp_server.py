@@ -49,12 +49,32 @@ def test_launch_dp2(qwen3_ckpt):
 
 def test_headless_rank_joins_over_tcp(qwen3_ckpt):
     rpc = free_port()
-    common = ["--model", qwen3_ckpt, "--dp", "2", "--data-parallel-size-local", "1",
-              "--data-parallel-address", "127.0.0.1", "--data-parallel-rpc-port", str(rpc)]
+    common = [
+        "--model",
+        qwen3_ckpt,
+        "--dp",
+        "2",
+        "--data-parallel-size-local",
+        "1",
+        "--data-parallel-address",
+        "127.0.0.1",
+        "--data-parallel-rpc-port",
+        str(rpc),
+    ]
     headless = subprocess.Popen(
-        [sys.executable, "-m", "tidal.launch.cli", "serve", *common, "--headless",
-         "--data-parallel-start-rank", "1"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+        [
+            sys.executable,
+            "-m",
+            "tidal.launch.cli",
+            "serve",
+            *common,
+            "--headless",
+            "--data-parallel-start-rank",
+            "1",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
     )
     try:
         srv = RemoteServer([*common, "--log-level", "warning"])
@@ -77,17 +97,52 @@ def test_headless_rank_joins_over_tcp(qwen3_ckpt):
 def test_mismatched_rank_fails_fast(qwen3_ckpt):
     """A headless rank started with different parallel flags is refused with a clear error."""
     rpc = free_port()
-    common = ["--model", qwen3_ckpt, "--data-parallel-address", "127.0.0.1",
-              "--data-parallel-rpc-port", str(rpc), "--data-parallel-size-local", "1"]
+    common = [
+        "--model",
+        qwen3_ckpt,
+        "--data-parallel-address",
+        "127.0.0.1",
+        "--data-parallel-rpc-port",
+        str(rpc),
+        "--data-parallel-size-local",
+        "1",
+    ]
     headless = subprocess.Popen(
-        [sys.executable, "-m", "tidal.launch.cli", "serve", *common, "--dp", "2", "--headless",
-         "--data-parallel-start-rank", "1", "--all2all-backend", "all2all"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+        [
+            sys.executable,
+            "-m",
+            "tidal.launch.cli",
+            "serve",
+            *common,
+            "--dp",
+            "2",
+            "--headless",
+            "--data-parallel-start-rank",
+            "1",
+            "--all2all-backend",
+            "all2all",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
     )
     port = free_port()
     front = subprocess.Popen(
-        [sys.executable, "-m", "tidal.launch.cli", "serve", *common, "--dp", "2", "--port", str(port)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+        [
+            sys.executable,
+            "-m",
+            "tidal.launch.cli",
+            "serve",
+            *common,
+            "--dp",
+            "2",
+            "--port",
+            str(port),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
     )
     try:
         out, _ = front.communicate(timeout=120)

@@ -22,7 +22,16 @@ PROMPTS = ["The tide comes in", "Mixture of experts", "Hello world, this is a lo
 @pytest.fixture(scope="module")
 def server(qwen3_ckpt):
     srv = RemoteServer(
-        ["--model", qwen3_ckpt, "--served-model-name", MODEL_NAME, "--dtype", "float32", "--log-level", "warning"]
+        [
+            "--model",
+            qwen3_ckpt,
+            "--served-model-name",
+            MODEL_NAME,
+            "--dtype",
+            "float32",
+            "--log-level",
+            "warning",
+        ]
     )
     yield srv
     srv.stop()
@@ -43,7 +52,10 @@ def offline(qwen3_ckpt):
 
 def _metric(server, name: str) -> float:
     text = httpx.get(f"{server.url}/metrics").text
-    vals = [float(m) for m in re.findall(rf"^{re.escape(name)}(?:{{[^}}]*}})? ([0-9.e+-]+)$", text, re.M)]
+    vals = [
+        float(m)
+        for m in re.findall(rf"^{re.escape(name)}(?:{{[^}}]*}})? ([0-9.e+-]+)$", text, re.M)
+    ]
     assert vals, f"{name} not in /metrics"
     return sum(vals)
 
@@ -62,18 +74,24 @@ def test_completion_greedy_equals_offline(client, offline):
 def test_completion_stream_equals_non_stream(client):
     kw = dict(model=MODEL_NAME, prompt=PROMPTS[1], max_tokens=16, temperature=0)
     full = client.completions.create(**kw).choices[0].text
-    chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+    chunks = list(
+        client.completions.create(stream=True, stream_options={"include_usage": True}, **kw)
+    )
     text = "".join(c.choices[0].text for c in chunks if c.choices)
     assert text == full
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 16
-    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    finishes = [
+        c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason
+    ]
     assert finishes == ["length"]
 
 
 def test_chat_stream_and_non_stream(client, offline):
     messages = [{"role": "user", "content": "Tell me about tides"}]
     exp = offline.chat(messages, SamplingParams(temperature=0, max_tokens=10), use_tqdm=False)[0]
-    r = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=10, temperature=0)
+    r = client.chat.completions.create(
+        model=MODEL_NAME, messages=messages, max_tokens=10, temperature=0
+    )
     assert r.choices[0].message.content == exp.outputs[0].text
     assert r.choices[0].message.role == "assistant"
     assert r.usage.prompt_tokens == len(exp.prompt_token_ids)
@@ -95,7 +113,9 @@ def test_n_and_seed(client):
 
 
 def test_stop_string(client):
-    full = client.completions.create(model=MODEL_NAME, prompt=PROMPTS[2], max_tokens=20, temperature=0)
+    full = client.completions.create(
+        model=MODEL_NAME, prompt=PROMPTS[2], max_tokens=20, temperature=0
+    )
     text = full.choices[0].text
     stop = text[len(text) // 2 : len(text) // 2 + 3]
     assert stop.strip(), f"need a visible stop string from {text!r}"
@@ -107,7 +127,9 @@ def test_stop_string(client):
 
 
 def test_logprobs(client):
-    r = client.completions.create(model=MODEL_NAME, prompt=PROMPTS[0], max_tokens=5, temperature=0, logprobs=3)
+    r = client.completions.create(
+        model=MODEL_NAME, prompt=PROMPTS[0], max_tokens=5, temperature=0, logprobs=3
+    )
     lp = r.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 5
     for tok_lp, top in zip(lp.token_logprobs, lp.top_logprobs):
@@ -170,7 +192,13 @@ def test_malformed_json(server):
 
 
 def test_disconnect_aborts_and_frees_blocks(server):
-    body = {"model": MODEL_NAME, "prompt": PROMPTS[0], "max_tokens": 400, "stream": True, "ignore_eos": True}
+    body = {
+        "model": MODEL_NAME,
+        "prompt": PROMPTS[0],
+        "max_tokens": 400,
+        "stream": True,
+        "ignore_eos": True,
+    }
     with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=30) as r:
         lines = r.iter_lines()
         got = [next(lines) for _ in range(6)]
@@ -180,7 +208,10 @@ def test_disconnect_aborts_and_frees_blocks(server):
     # Connection closed mid-stream: the request must be aborted and its blocks freed.
     deadline = time.monotonic() + 15
     while time.monotonic() < deadline:
-        if _metric(server, "tidal:num_requests_running") == 0 and _metric(server, "tidal:kv_cache_usage_perc") == 0:
+        if (
+            _metric(server, "tidal:num_requests_running") == 0
+            and _metric(server, "tidal:kv_cache_usage_perc") == 0
+        ):
             break
         time.sleep(0.2)
     assert _metric(server, "tidal:num_requests_running") == 0

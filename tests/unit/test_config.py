@@ -86,7 +86,16 @@ def test_cli_error_names_the_flag(qwen3_ckpt):
     import sys
 
     r = subprocess.run(
-        [sys.executable, "-m", "tidal.launch.cli", "serve", "--model", qwen3_ckpt, "--block-size", "3"],
+        [
+            sys.executable,
+            "-m",
+            "tidal.launch.cli",
+            "serve",
+            "--model",
+            qwen3_ckpt,
+            "--block-size",
+            "3",
+        ],
         capture_output=True,
         text=True,
         timeout=120,

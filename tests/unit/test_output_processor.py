@@ -64,7 +64,9 @@ def test_n_children_merge_and_final_only(tokenizer):
     a, b = tokenizer.encode("hello there"), tokenizer.encode("good bye")
     r = op.process_outputs([_out("0_p", a), _out("1_p", b[:1])])
     assert r.request_outputs == []  # FINAL_ONLY waits for every child
-    r = op.process_outputs([_out("1_p", b[1:], FinishReason.LENGTH), _out("0_p", [], FinishReason.STOP)])
+    r = op.process_outputs(
+        [_out("1_p", b[1:], FinishReason.LENGTH), _out("0_p", [], FinishReason.STOP)]
+    )
     (final,) = r.request_outputs
     assert final.finished and [c.index for c in final.outputs] == [0, 1]
     assert final.outputs[0].text == "hello there" and final.outputs[1].text == "good bye"

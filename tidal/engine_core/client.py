@@ -314,9 +314,13 @@ def spawn_headless_engines(config: EngineConfig, handshake_address: str) -> list
     par = config.parallel
     mp = multiprocessing.get_context("spawn")
     procs = []
-    for idx in range(par.data_parallel_start_rank, par.data_parallel_start_rank + par.data_parallel_size_local):
+    for idx in range(
+        par.data_parallel_start_rank, par.data_parallel_start_rank + par.data_parallel_size_local
+    ):
         cfg = config.with_parallel(data_parallel_rank=idx)
-        p = mp.Process(target=_engine_entry(), args=(cfg, idx, handshake_address), name=f"EngineCore_DP{idx}")
+        p = mp.Process(
+            target=_engine_entry(), args=(cfg, idx, handshake_address), name=f"EngineCore_DP{idx}"
+        )
         p.start()
         procs.append(p)
     return procs
@@ -336,7 +340,9 @@ class MPClient(EngineCoreClient):
         if par.data_parallel_size > 1 and not par.data_parallel_master_port:
             from tidal.elastic.groups import get_open_port
 
-            config = config.with_parallel(data_parallel_master_port=get_open_port(par.data_parallel_address))
+            config = config.with_parallel(
+                data_parallel_master_port=get_open_port(par.data_parallel_address)
+            )
         self.config = config
         self.ipc_dir = _ipc_dir()
         self.ctx: zmq.Context = zmq.asyncio.Context() if asyncio_mode else zmq.Context()
@@ -364,7 +370,9 @@ class MPClient(EngineCoreClient):
                 handshake_address=self.addresses.handshake,
                 coordinator_addresses=coord_addrs,
                 proc_target=proc_target,
-                local_engines=list(range(min(par.data_parallel_size_local, par.data_parallel_size))),
+                local_engines=list(
+                    range(min(par.data_parallel_size_local, par.data_parallel_size))
+                ),
             )
             self._output_socket = self._bind_output(sync_ctx)
             self.manager.wait_for_ready(self.input_socket)
@@ -521,6 +529,10 @@ class SyncMPClient(MPClient):
         if out.failure_message:
             raise RuntimeError(out.failure_message)
         return out.result
+
+    def call_utility_all(self, method: str, *args: Any) -> list[Any]:
+        """Call ``method`` on every rank (e.g. ``pause`` / ``resume``)."""
+        return [self.call_utility_on(e, method, *args) for e in self.engine_indices]
 
     def shutdown(self) -> None:
         self._stop.set()

@@ -33,7 +33,6 @@ import zmq
 
 from tidal.config import EngineConfig
 from tidal.engine_core.core import EngineCore
-from tidal.utils.proctitle import set_process_name
 from tidal.engine_core.messages import (
     EngineAddresses,
     EngineCoreOutput,
@@ -48,6 +47,7 @@ from tidal.engine_core.messages import (
     UtilityRequest,
     encode,
 )
+from tidal.utils.proctitle import set_process_name
 
 logger = logging.getLogger(__name__)
 
@@ -106,7 +106,9 @@ class EngineCoreProc:
         self._handshake.connect(handshake_address)
         self.addresses = self._hello()
         if self.addresses.dp_master_port:
-            self.config = config.with_parallel(data_parallel_master_port=self.addresses.dp_master_port)
+            self.config = config.with_parallel(
+                data_parallel_master_port=self.addresses.dp_master_port
+            )
         self._start_io_threads()
         try:
             self.engine_core = self._build_engine_core()
@@ -361,6 +363,14 @@ class DPEngineCoreProc(EngineCoreProc):
     ``[has_unfinished, pending_pause]`` over the DP group. The wave protocol (who starts a
     wave, which races exist) lives in ``tidal.dp_coordinator.state``; this class applies
     ``EngineWaveState``'s decisions.
+
+    Two-phase pause (the group stops stepping at one agreed step, e.g. before a
+    reconfiguration): phase 1, ``pause`` sets ``pending_pause`` on a rank and, if the group
+    is idle, starts a wave so every rank reaches the next all-reduce; phase 2, that
+    all-reduce shows the flag to every rank at the same step and they all pause together,
+    requests staying queued. While paused a rank still records START_DP_WAVE (so a rank
+    resumed earlier than another waits for it in the next collective instead of running
+    alone); ``resume`` clears the pause and restarts the wave if there is work.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -370,6 +380,7 @@ class DPEngineCoreProc(EngineCoreProc):
         self.wave = EngineWaveState(self.engine_index, self.coordinator_wave)
         self.step_counter = 0
         self.pending_pause = False
+        self.paused = False
         self.num_dummy_batches = 0
         self._last_published: tuple[int, int] | None = None
 
@@ -391,6 +402,10 @@ class DPEngineCoreProc(EngineCoreProc):
         while True:
             # 1. Drain the input queue (blocks only when idle and no wave is running).
             self._process_input_queue()
+            if self.paused:  # the group agreed to pause: requests stay queued
+                if self._shutdown_done():
+                    return
+                continue
             # 2. Step the engine; publish (waiting, running) when it changed.
             executed = self._process_engine_step()
             self._publish_load_if_changed()
@@ -412,7 +427,28 @@ class DPEngineCoreProc(EngineCoreProc):
                 return
 
     def _has_work(self) -> bool:
+        if self.paused:
+            return False
         return self.engine_core.has_unfinished_requests() or self.wave.running
+
+    def utility_pause(self) -> bool:
+        """Phase 1 of a group pause (call on every rank)."""
+        self.pending_pause = True
+        if not self.wave.running and not self.paused:
+            self._run_wave()
+        return True
+
+    def utility_resume(self) -> bool:
+        self.pending_pause = False
+        self.paused = False
+        if self.engine_core.has_unfinished_requests() and not self.wave.running:
+            self._run_wave()
+        return True
+
+    def _run_wave(self) -> None:
+        """Start running the current wave and make the coordinator start the others."""
+        self.wave.on_request(self.wave.wave)
+        self._send_outputs(EngineCoreOutputs(start_wave=self.wave.wave), TO_COORDINATOR)
 
     def utility_dp_state(self) -> dict[str, Any]:
         """For tests and debugging: this rank's view of the wave."""
@@ -422,6 +458,7 @@ class DPEngineCoreProc(EngineCoreProc):
             "running": self.wave.running,
             "step_counter": self.step_counter,
             "dummy_batches": self.num_dummy_batches,
+            "paused": self.paused,
         }
 
     def _group_has_work(self) -> bool:
@@ -435,6 +472,9 @@ class DPEngineCoreProc(EngineCoreProc):
             dtype=torch.int32,
         )  # [2] int32, CPU: gloo
         self.dp_group.all_reduce(flags)
+        if flags[1].item():
+            self.paused = True  # phase 2: every rank sees the flag at this same step
+            return False
         return bool(flags[0].item())
 
     def _end_wave(self) -> None:
@@ -444,6 +484,9 @@ class DPEngineCoreProc(EngineCoreProc):
             self._send_outputs(EngineCoreOutputs(wave_complete=completed), TO_COORDINATOR)
 
     def _add_request(self, req: EngineCoreRequest) -> None:
+        if self.paused:  # queued; resume starts the wave
+            super()._add_request(req)
+            return
         start = self.wave.on_request(req.current_wave)
         if start is not None:
             self._send_outputs(EngineCoreOutputs(start_wave=start), TO_COORDINATOR)

@@ -20,10 +20,9 @@ rebalances; forward counts are equal on all EP ranks, so they rebalance together
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
-
-from typing import Any
 
 from tidal.config import EngineConfig
 from tidal.engine_core.batch import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
@@ -290,9 +289,7 @@ def initial_placement(config: EngineConfig, ep_size: int) -> ExpertPlacement:
     """Linear placement of the model's experts over ``ep_size`` ranks, with
     ``num_redundant_experts`` extra replicas (and any spare slots) filled evenly."""
     spec = get_model_class(config.model.architecture).spec_from_config(config.model.hf_config)
-    return ExpertPlacement.linear(
-        spec.num_experts, ep_size, config.parallel.num_redundant_experts
-    )
+    return ExpertPlacement.linear(spec.num_experts, ep_size, config.parallel.num_redundant_experts)
 
 
 def _prod(shape: tuple[int, ...]) -> int:

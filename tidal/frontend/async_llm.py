@@ -95,7 +95,9 @@ class AsyncLLM:
         self._streams[request_id] = stream
         finished = False
         try:
-            for req in self.input_processor.make_requests(children, prompt, params, data_parallel_rank):
+            for req in self.input_processor.make_requests(
+                children, prompt, params, data_parallel_rank
+            ):
                 self.client.add_request(req)
             while True:
                 item = await stream.queue.get()
@@ -203,12 +205,19 @@ class AsyncLLM:
         if ro.finished:
             ttft = (stream.first_token or now) - stream.arrival
             decode = stream.generated - 1
-            tpot = (now - stream.first_token) / decode if decode > 0 and stream.first_token else None
+            tpot = (
+                (now - stream.first_token) / decode if decode > 0 and stream.first_token else None
+            )
             reason = ro.outputs[0].finish_reason if ro.outputs else "abort"
             for sl in self._stat_loggers:
                 sl.record_tokens(stream.prompt_tokens, 0)
                 sl.record_request_finished(
-                    stream.prompt_tokens, stream.generated, ttft, now - stream.arrival, tpot, reason or "stop"
+                    stream.prompt_tokens,
+                    stream.generated,
+                    ttft,
+                    now - stream.arrival,
+                    tpot,
+                    reason or "stop",
                 )
 
     def _fail_all(self, err: BaseException) -> None:

@@ -18,11 +18,17 @@ from tidal.launch.cli import add_engine_args, build_engine_config
 
 
 def make_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="launch", description="serve an MoE model over HTTP (OpenAI API)")
+    p = argparse.ArgumentParser(
+        prog="launch", description="serve an MoE model over HTTP (OpenAI API)"
+    )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=os.environ.get("TIDAL_API_KEY"), help="require this bearer token")
-    p.add_argument("--served-model-name", default=None, help="model name clients use (default: the path)")
+    p.add_argument(
+        "--api-key", default=os.environ.get("TIDAL_API_KEY"), help="require this bearer token"
+    )
+    p.add_argument(
+        "--served-model-name", default=None, help="model name clients use (default: the path)"
+    )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument(
         "--headless",
@@ -34,11 +40,15 @@ def make_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _check_multi_node(parser: argparse.ArgumentParser, ns: argparse.Namespace, config: EngineConfig) -> None:
+def _check_multi_node(
+    parser: argparse.ArgumentParser, ns: argparse.Namespace, config: EngineConfig
+) -> None:
     par = config.parallel
     remote = ns.headless or par.data_parallel_size_local < par.data_parallel_size
     if remote and not ns.data_parallel_rpc_port:
-        parser.error("--data-parallel-rpc-port: required when ranks run on other hosts (--headless)")
+        parser.error(
+            "--data-parallel-rpc-port: required when ranks run on other hosts (--headless)"
+        )
     if par.data_parallel_start_rank + par.data_parallel_size_local > par.data_parallel_size:
         parser.error(
             "--data-parallel-start-rank: start rank + --data-parallel-size-local exceeds "
@@ -82,7 +92,9 @@ def serve_main(argv: list[str]) -> int:
     _check_multi_node(parser, ns, config)
     if ns.headless:
         return run_headless(config)
-    logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     from tidal.launch.api_server import bind_socket, run_server
 
     try:
@@ -90,7 +102,10 @@ def serve_main(argv: list[str]) -> int:
     except OSError as e:
         parser.error(f"--port: cannot bind {ns.host}:{ns.port}: {e.strerror}")
     name = ns.served_model_name or config.model.model
-    print(f"tidal: starting {config.parallel.data_parallel_size} engine rank(s) for {name}", flush=True)
+    print(
+        f"tidal: starting {config.parallel.data_parallel_size} engine rank(s) for {name}",
+        flush=True,
+    )
 
     def make_engine():
         from tidal.frontend.async_llm import AsyncLLM

@@ -147,9 +147,7 @@ def transfer_plan(moves: Sequence[ExpertMove], rank: int, ep_size: int) -> Trans
             send[m.dst_rank].append(m.src_slot)
         if m.dst_rank == rank:
             recv[m.src_rank].append(m.dst_slot)
-    return TransferPlan(
-        tuple(tuple(s) for s in send), tuple(tuple(r) for r in recv), tuple(local)
-    )
+    return TransferPlan(tuple(tuple(s) for s in send), tuple(tuple(r) for r in recv), tuple(local))
 
 
 # ---------------------------------------------------------------------- weight moves
@@ -168,9 +166,7 @@ def move_expert_weights(moe: FusedMoE, plan: TransferPlan, group: Any) -> None:
     rows = torch.cat([w13[idx].flatten(1), w2[idx].flatten(1)], dim=1)  # [N_send, 3IH]
     got = rows.new_empty((len(recv_slots), rows.shape[1]))  # [N_recv, 3IH]
     if group is not None and group.world_size > 1:
-        group.all_to_all_single(
-            got, rows, [len(r) for r in plan.recv], [len(s) for s in plan.send]
-        )
+        group.all_to_all_single(got, rows, [len(r) for r in plan.recv], [len(s) for s in plan.send])
     elif rows.shape[0] or got.shape[0]:
         raise ValueError("a one-rank group cannot send or receive experts")
     # Read every source before writing any destination: slots may swap.
