@@ -293,6 +293,9 @@ async def test_models_health_version_ping_stats():
         assert (await c.get("/version")).json() == {"version": tidal.__version__}
         stats = (await c.get("/stats")).json()
         assert stats == await c.engine.get_stats()
+        page = await c.get("/dashboard")
+        assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+        assert 'fetch("/stats"' in page.text and "http" not in page.text.split("<script>")[1]
         assert_error(await c.get("/no/such/route"), 404)
 
 

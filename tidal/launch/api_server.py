@@ -620,6 +620,12 @@ def _add_admin_routes(app: FastAPI, serving: OpenAIServing, metrics: ServerMetri
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
+    @app.get("/dashboard")
+    async def dashboard() -> Response:
+        from tidal.dashboard import dashboard_html
+
+        return Response(dashboard_html(), media_type="text/html")
+
     @app.get("/stats")
     async def stats() -> JSONResponse:
         serving.check_alive()

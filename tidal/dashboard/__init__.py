@@ -1,0 +1,9 @@
+"""The load-balance stats page: static files served by the API server at /dashboard."""
+
+from __future__ import annotations
+
+from importlib import resources
+
+
+def dashboard_html() -> str:
+    return resources.files(__package__).joinpath("index.html").read_text(encoding="utf-8")
