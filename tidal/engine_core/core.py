@@ -92,6 +92,10 @@ class EngineCore:
         self.scheduler.reset_prefix_cache()
         return True
 
+    def get_expert_load(self) -> dict[int, list[int]]:
+        """Per layer, tokens routed to each logical expert over the EPLB window (this rank)."""
+        return self.executor.get_expert_load()
+
     def get_num_blocks(self) -> int:
         return self.num_blocks
 
