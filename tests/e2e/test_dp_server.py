@@ -153,3 +153,20 @@ def test_mismatched_rank_fails_fast(qwen3_ckpt):
             if p.poll() is None:
                 p.kill()
             p.wait(30)
+
+
+def test_launch_dp2_ep_exposes_expert_load(qwen3_ckpt):
+    srv = RemoteServer(
+        ["--model", qwen3_ckpt, "--dp", "2", "--ep", "--all2all-backend", "all2all", "--log-level", "warning"]
+    )
+    try:
+        _serve_and_check(srv.url, 2)
+        stats = httpx.get(srv.url + "/stats", timeout=10).json()
+        load = stats["expert_load"]
+        assert sorted(load) == ["0", "1"]  # the tiny model's two MoE layers
+        assert all(len(c) == 8 for c in load.values()) and sum(load["0"]) > 0
+        metrics = httpx.get(srv.url + "/metrics", timeout=10).text
+        assert 'tidal:expert_load_tokens{expert="0",layer="0"}' in metrics
+    finally:
+        srv.stop()
+    assert srv.leftover_processes() == []

@@ -615,6 +615,10 @@ class AsyncMPClient(MPClient):
     def call_utility(self, method: str, *args: Any) -> Any:
         raise RuntimeError("AsyncMPClient: use call_utility_async()")
 
+    async def call_utility_all_async(self, method: str, *args: Any) -> list[Any]:
+        calls = [self.call_utility_async(method, *args, engine=e) for e in self.engine_indices]
+        return list(await asyncio.gather(*calls))
+
     async def call_utility_async(self, method: str, *args: Any, engine: int | None = None) -> Any:
         self._ensure_reader()
         call = self._utility_request(method, args)

@@ -96,6 +96,16 @@ class EngineCore:
         """Per layer, tokens routed to each logical expert over the EPLB window (this rank)."""
         return self.executor.get_expert_load()
 
+    def get_eplb_info(self) -> dict[str, Any]:
+        """Rebalances so far and the current physical -> logical expert layout per layer."""
+        eplb = self.executor.worker.model_runner.eplb
+        if eplb is None:
+            return {"num_rebalances": 0, "layouts": {}}
+        layouts = {
+            str(lid): list(p.physical_to_logical) for lid, p in zip(eplb.layer_ids, eplb.placements)
+        }
+        return {"num_rebalances": eplb.num_rebalances, "layouts": layouts}
+
     def get_num_blocks(self) -> int:
         return self.num_blocks
 

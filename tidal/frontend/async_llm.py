@@ -118,8 +118,31 @@ class AsyncLLM:
         if stream is not None:
             stream.queue.put_nowait(asyncio.CancelledError())
 
+    @property
+    def has_expert_load(self) -> bool:
+        return self.config.parallel.enable_expert_parallel and self.config.parallel.ep_size > 1
+
+    async def get_expert_load(self) -> dict[int, list[int]]:
+        """Per layer, tokens routed to each logical expert over the EPLB window, summed
+        over the ranks (each rank counts the tokens its own batches routed)."""
+        per_rank = await self.client.call_utility_all_async("get_expert_load")
+        total: dict[int, list[int]] = {}
+        for load in per_rank:
+            for layer, counts in load.items():
+                acc = total.setdefault(int(layer), [0] * len(counts))
+                for e, n in enumerate(counts):
+                    acc[e] += n
+        return dict(sorted(total.items()))
+
     async def get_stats(self) -> dict[str, Any]:
-        """``/stats``: per-rank load, wave state. With DP it is the coordinator's view."""
+        """``/stats``: per-rank load, wave state (the coordinator's view with DP) and, with
+        expert parallelism, the expert load."""
+        stats = await self._load_stats()
+        if self.has_expert_load:
+            stats["expert_load"] = {str(k): v for k, v in (await self.get_expert_load()).items()}
+        return stats
+
+    async def _load_stats(self) -> dict[str, Any]:
         if getattr(self.client, "coordinator", None) is not None:
             return _dp_stats_json(await self.client.get_dp_stats_async())
         ranks = []

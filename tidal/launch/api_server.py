@@ -618,6 +618,11 @@ def _add_admin_routes(app: FastAPI, serving: OpenAIServing, metrics: ServerMetri
 
     @app.get("/metrics")
     async def prometheus() -> Response:
+        if getattr(engine, "has_expert_load", False) and not engine.is_dead:
+            try:
+                metrics.record_expert_load(await engine.get_expert_load())
+            except Exception:  # noqa: BLE001 - metrics must render even if a rank is busy
+                logger.warning("expert load unavailable for /metrics", exc_info=True)
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
     @app.get("/dashboard")

@@ -61,6 +61,18 @@ class ServerMetrics:
             "request_generation_tokens", "Generated tokens per request.", _LEN_BUCKETS, r
         )
 
+        self.expert_load = Gauge(
+            _PREFIX + "expert_load_tokens",
+            "Tokens routed to each logical expert over the EPLB window (all ranks).",
+            ["layer", "expert"],
+            registry=r,
+        )
+
+    def record_expert_load(self, load: dict[int, list[int]]) -> None:
+        for layer, counts in load.items():
+            for expert, n in enumerate(counts):
+                self.expert_load.labels(layer=str(layer), expert=str(expert)).set(n)
+
     # ---- stat-logger interface (called by AsyncLLM) ----------------------------------------
 
     def record_scheduler_stats(self, engine_index: int, stats: SchedulerStats) -> None:
