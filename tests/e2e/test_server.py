@@ -258,3 +258,16 @@ def test_sigterm_leaves_nothing(qwen3_ckpt):
     assert code in (0, -15, 143), code
     assert srv.leftover_processes() == []
     assert set(glob.glob(f"{tempfile.gettempdir()}/tidal-*")) - before == set()
+
+
+def test_engines_exit_when_launcher_is_killed(qwen3_ckpt):
+    srv = RemoteServer(["--model", qwen3_ckpt, "--log-level", "warning"])
+    engines = srv.engine_processes()
+    assert engines
+    srv.proc.kill()  # SIGKILL: no chance to clean up
+    srv.proc.wait(10)
+    deadline = time.monotonic() + 20
+    while any(p.is_running() and p.status() != "zombie" for p in engines):
+        assert time.monotonic() < deadline, "engine process outlived its launcher"
+        time.sleep(0.2)
+    srv.stop()

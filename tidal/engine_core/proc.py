@@ -172,8 +172,12 @@ class EngineCoreProc:
         if coord is not None:
             poller.register(coord, zmq.POLLIN)
         registered.set()
+        parent = os.getppid()
         try:
             while not self._stop_io.is_set():
+                if os.getppid() != parent:
+                    # The launcher died without stopping us (SIGKILL): don't linger as an orphan.
+                    self.request_shutdown()
                 for ready, _ in poller.poll(100):
                     if ready is sock:
                         self._read_client_request(sock)
