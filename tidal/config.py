@@ -253,24 +253,10 @@ class EngineArgs:
         if self.enable_eplb and not self.enable_expert_parallel:
             raise ValueError("enable_eplb requires enable_expert_parallel")
         local = self.data_parallel_size_local if self.data_parallel_size_local is not None else dp
-        return ParallelConfig(
-            data_parallel_size=dp,
-            data_parallel_rank=self.data_parallel_rank,
-            data_parallel_size_local=local,
-            data_parallel_start_rank=self.data_parallel_start_rank,
-            data_parallel_address=self.data_parallel_address,
-            data_parallel_rpc_port=self.data_parallel_rpc_port,
-            data_parallel_master_port=self.data_parallel_master_port,
-            enable_expert_parallel=self.enable_expert_parallel,
-            all2all_backend=self.all2all_backend,
-            enable_eplb=self.enable_eplb,
-            num_redundant_experts=self.num_redundant_experts,
-            eplb_window=self.eplb_window,
-            eplb_interval=self.eplb_interval,
-            dp_lb_policy=_check_choice(
-                "dp_lb_policy", self.dp_lb_policy, ("tidal", "vllm", "tidal-p2c")
-            ),
-        )
+        _check_choice("dp_lb_policy", self.dp_lb_policy, ("tidal", "vllm", "tidal-p2c"))
+        # Same-named fields copy over; only the local size needs resolving.
+        same = {f.name: getattr(self, f.name) for f in dataclasses.fields(ParallelConfig)}
+        return ParallelConfig(**{**same, "data_parallel_size_local": local})
 
 
 def _default_model() -> str:
