@@ -4,6 +4,13 @@ Weights are created with ``torch.empty`` on the target device and dtype, and the
 fills them, so building a model costs no random initialisation. Several checkpoint
 tensors may fill row ranges of one weight (q/k/v -> ``qkv_proj``, gate/up -> ``gate_up``)
 so a layer does one matmul instead of three.
+
+``Linear.weight`` has the checkpoint's shape ``[out, in]`` but, on CPU by default,
+input-major storage: it is the transpose view of a contiguous ``[in, out]`` buffer
+(``k_major``). Then ``x @ weight.T`` is a plain row-major GEMM, which MKL runs faster than
+the transposed-operand form for decode-sized batches (measured on the default model's
+shapes: about 1.5-2x for one row, 10-25% for 32 rows). The loader copies into views of
+``weight`` as usual, so nothing else sees the layout.
 """
 
 from __future__ import annotations
@@ -24,11 +31,14 @@ class Linear(nn.Module):
         *,
         dtype: Any = None,
         device: Any = None,
+        k_major: bool | None = None,  # None: on CPU only (where it was measured)
     ) -> None:
         super().__init__()
         kw = {"dtype": dtype, "device": device}
+        if k_major is None:
+            k_major = torch.device(device or "cpu").type == "cpu"
         self.weight = nn.Parameter(
-            torch.empty(out_features, in_features, **kw), requires_grad=False
+            empty_weight(out_features, in_features, k_major, **kw), requires_grad=False
         )
         self.bias = (
             nn.Parameter(torch.empty(out_features, **kw), requires_grad=False) if bias else None
@@ -40,6 +50,14 @@ class Linear(nn.Module):
     def extra_repr(self) -> str:
         out_f, in_f = self.weight.shape
         return f"in={in_f}, out={out_f}, bias={self.bias is not None}"
+
+
+def empty_weight(
+    rows: int, cols: int, k_major: bool, *, dtype: Any = None, device: Any = None
+) -> Tensor:  # [rows, cols], uninitialised; column-major storage when k_major
+    if k_major:
+        return torch.empty(cols, rows, dtype=dtype, device=device).t()
+    return torch.empty(rows, cols, dtype=dtype, device=device)
 
 
 class Embedding(nn.Module):

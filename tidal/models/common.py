@@ -27,6 +27,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor, nn
 
+from tidal.kernels.fused_moe_torch import k_major_experts
 from tidal.layers.attention import AttentionMetadata, PagedAttention
 from tidal.layers.linear import Embedding, Linear
 from tidal.layers.norm import RMSNorm, rms_norm_heads
@@ -153,12 +154,23 @@ class DecoderLayer(nn.Module):
                 spec.num_experts, spec.top_k, spec.hidden_size, spec.moe_intermediate_size,
                 spec.renormalize, local_expert_ids, moe_backend, **kw,
             )  # fmt: skip
+            if self.mlp.backend == "torch":
+                set_k_major_moe_weights(self.mlp)
         else:
             self.mlp = DenseMLP(spec.hidden_size, spec.dense_intermediate_size, **kw)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, meta: AttentionMetadata) -> Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+
+def set_k_major_moe_weights(moe: FusedMoE) -> None:
+    """Give the CPU MoE block's weights input-major storage (same shapes and values): the
+    router and expert GEMMs then read plain row-major matrices, which MKL runs fastest
+    (see ``tidal/layers/linear.py``). The loader and expert moves write into these very
+    tensors, so there is no second copy to keep in sync."""
+    moe.w13.data, moe.w2.data = k_major_experts(moe.w13, moe.w2)
+    moe.gate.data = moe.gate.data.t().contiguous().t()
 
 
 class MoECausalLM(nn.Module):
@@ -207,7 +219,8 @@ class MoECausalLM(nn.Module):
 
     @torch.no_grad()
     def compute_logits(self, hidden: Tensor) -> Tensor:  # [N, H] -> [N, V] float32
-        return torch.nn.functional.linear(hidden, self.lm_head.weight).float()
+        logits = torch.nn.functional.linear(hidden, self.lm_head.weight)
+        return logits if logits.dtype == torch.float32 else logits.float()
 
     def kv_cache_spec(self) -> tuple[int, int, int]:
         return self.spec.num_layers, self.spec.num_kv_heads, self.spec.head_dim

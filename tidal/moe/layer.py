@@ -197,8 +197,13 @@ class FusedMoE(nn.Module):
         ids = list(local_expert_ids)
         self.expert_map.copy_(build_expert_map(self.num_experts, ids, self.expert_map.device))
         if len(ids) != len(self.local_expert_ids):
+            from tidal.kernels.fused_moe_torch import is_k_major, k_major_experts
+
+            k_major = is_k_major(self.w13)  # keep the storage layout the backend chose
             self.w13.data = self.w13.data.new_empty((len(ids), *self.w13.shape[1:]))
             self.w2.data = self.w2.data.new_empty((len(ids), *self.w2.shape[1:]))
+            if k_major:
+                self.w13.data, self.w2.data = k_major_experts(self.w13, self.w2)
         self.local_expert_ids = ids
         self._map_arg = None if ids == list(range(self.num_experts)) else self.expert_map
 

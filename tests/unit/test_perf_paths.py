@@ -1,0 +1,238 @@
+"""Fast CPU paths vs their slow references: MoE expert strategies and weight layouts,
+input-major Linear weights, and the paged decode attention (batched bmm path vs a
+per-sequence oracle, and the cache rows it writes)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from tidal.kernels.fused_moe_torch import (
+    STRATEGIES,
+    _choose,
+    fused_experts_torch,
+    is_k_major,
+    k_major_experts,
+)
+from tidal.layers.attention import (
+    AttentionMetadata,
+    PagedAttention,
+    decode_attention_reference,
+    kv_cache_shape,
+)
+from tidal.layers.linear import Linear
+from tidal.moe.layer import build_expert_map
+from tidal.moe.reference import fused_experts_reference
+from tidal.moe.router import softmax_topk
+
+ATOL = 1e-5
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    yield
+    torch.set_num_threads(threads)
+
+
+# ---- MoE experts -----------------------------------------------------------------------
+
+
+def _moe_problem(tokens: int, experts: int, top_k: int, local: int, skew: float = 0.0):
+    x = torch.randn(tokens, 32)
+    w13 = torch.randn(local, 2 * 16, 32) * 0.2
+    w2 = torch.randn(local, 32, 16) * 0.2
+    logits = torch.randn(tokens, experts)
+    logits[:, 0] += skew  # skew > 0 sends most tokens to expert 0
+    weights, ids = softmax_topk(logits, top_k, renormalize=True)
+    return x, w13, w2, weights, ids
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("k_major", [False, True])
+@pytest.mark.parametrize(
+    "tokens,experts,top_k,local,skew",
+    [(1, 8, 2, None, 0.0), (3, 16, 4, None, 0.0), (32, 16, 4, None, 0.0), (40, 8, 2, None, 6.0),
+     (33, 8, 3, [6, 1, 3], 0.0), (20, 8, 2, [2], 0.0), (17, 8, 2, [7, 6, 5, 4, 3, 2, 1, 0], 0.0)],
+)  # fmt: skip
+@pytest.mark.parametrize("apply_router_weight", [True, False])
+def test_experts_strategies_and_layouts_match_reference(
+    strategy, k_major, tokens, experts, top_k, local, skew, apply_router_weight
+):
+    nloc = experts if local is None else len(local)
+    x, w13, w2, weights, ids = _moe_problem(tokens, experts, top_k, nloc, skew)
+    emap = None if local is None else build_expert_map(experts, local)
+    want = fused_experts_reference(x, w13, w2, weights, ids, emap, apply_router_weight)
+    if k_major:
+        w13, w2 = k_major_experts(w13, w2)
+        assert is_k_major(w13) and is_k_major(w2)
+    got = fused_experts_torch(
+        x, w13, w2, weights, ids, emap, apply_router_weight, strategy=strategy
+    )
+    assert got.shape == x.shape and got.dtype == x.dtype
+    torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_experts_bf16_close_to_float32(strategy):
+    x, w13, w2, weights, ids = _moe_problem(24, 8, 2, 8)
+    want = fused_experts_reference(x, w13, w2, weights, ids)
+    b13, b2 = k_major_experts(w13.bfloat16(), w2.bfloat16())
+    got = fused_experts_torch(x.bfloat16(), b13, b2, weights, ids, strategy=strategy)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want, atol=3e-2, rtol=3e-2)
+
+
+def test_k_major_experts_keeps_shape_values_and_takes_in_place_writes():
+    _, w13, w2, _, _ = _moe_problem(1, 4, 1, 4)
+    k13, k2 = k_major_experts(w13, w2)
+    assert k13.shape == w13.shape and k2.shape == w2.shape
+    assert torch.equal(k13, w13) and torch.equal(k2, w2)
+    assert not is_k_major(w13) and k13.transpose(1, 2).is_contiguous()
+    # What the loader and EPLB do: write a slot through a view; the kernel sees it.
+    k13[2] = 0.0
+    x, _, _, weights, _ = _moe_problem(5, 4, 1, 4)
+    ids = torch.full((5, 1), 2)
+    assert torch.count_nonzero(fused_experts_torch(x, k13, k2, weights, ids)) == 0
+
+
+def test_experts_ids_out_of_range_without_map_contribute_zero():
+    x, w13, w2, weights, _ = _moe_problem(4, 8, 2, 4)
+    ids = torch.tensor([[0, 5], [-1, 1], [7, 4], [3, 3]])
+    want = fused_experts_reference(x, w13, w2, weights, ids)
+    for strategy in STRATEGIES:
+        got = fused_experts_torch(x, w13, w2, weights, ids, strategy=strategy)
+        torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
+    assert torch.count_nonzero(want[2]) == 0  # both of token 2's experts are elsewhere
+
+
+def test_auto_strategy_choice():
+    x = torch.zeros(1, 32)
+    balanced, skewed, big = [8, 7, 9, 8, 8, 6, 8, 10], [50, 1, 1, 1, 1, 1, 1, 1], [300] * 8
+    assert _choose("auto", [1, 1, 0, 0, 0, 0, 0, 0], 2, x, 16) == "loop"  # few busy experts
+    assert _choose("auto", balanced, 64, x, 16) == "grouped_mm"  # one thread: no bmm
+    torch.set_num_threads(2)  # the fixture restores the count
+    assert _choose("auto", balanced, 64, x, 16) == "bmm"
+    assert _choose("auto", skewed, 57, x, 16) == "grouped_mm"  # padding would be 7x
+    assert _choose("auto", big, 2400, x, 16) == "grouped_mm"  # prefill-sized GEMMs
+    assert _choose("auto", skewed, 57, torch.zeros(1, 30), 16) == "loop"  # no grouped_mm
+    with pytest.raises(ValueError, match="16-byte"):
+        _choose("grouped_mm", [1], 1, torch.zeros(1, 30), 16)
+
+
+# ---- Linear layout ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_k_major_linear_matches_row_major(bias):
+    fast = Linear(24, 40, bias)
+    slow = Linear(24, 40, bias, k_major=False)
+    assert fast.weight.shape == slow.weight.shape == (40, 24)
+    assert fast.weight.t().is_contiguous() and slow.weight.is_contiguous()
+    with torch.no_grad():
+        w = torch.randn(40, 24)
+        for name, part in zip(("q", "k", "v"), w.split([8, 16, 16])):  # loader-style fills
+            row = {"q": 0, "k": 8, "v": 24}[name]
+            fast.weight.data[row : row + part.shape[0]].copy_(part)
+        slow.weight.copy_(w)
+        if bias:
+            b = torch.randn(40)
+            fast.bias.copy_(b)
+            slow.bias.copy_(b)
+    assert torch.equal(fast.weight, slow.weight)
+    x = torch.randn(5, 24)
+    torch.testing.assert_close(fast(x), slow(x), atol=ATOL, rtol=0)
+    torch.testing.assert_close(fast(x), x @ w.t() + (b if bias else 0), atol=ATOL, rtol=0)
+
+
+# ---- paged decode attention --------------------------------------------------------------
+
+BS = 4  # block size
+
+
+def _attention_case(lengths: list[int], heads: int, kv_heads: int, num_blocks: int = 64):
+    attn = PagedAttention(heads, kv_heads, 16)
+    attn.kv_cache = torch.randn(kv_cache_shape(num_blocks, BS, kv_heads, 16))
+    free = list(range(1, num_blocks))
+    random.Random(0).shuffle(free)
+    blocks = [[free.pop() for _ in range(-(-n // BS))] for n in lengths]
+    return attn, blocks
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(4, 2), (4, 4), (6, 1)])
+def test_decode_attention_matches_per_sequence_oracle(heads, kv_heads):
+    lengths = [1, 5, 8, 9, 3, 12]  # block edges, a first token, unequal padding
+    attn, blocks = _attention_case(lengths, heads, kv_heads)
+    meta = AttentionMetadata.build([(n - 1, 1, b) for n, b in zip(lengths, blocks)], BS, "cpu")
+    q = torch.randn(len(lengths), heads, 16)
+    k, v = torch.randn(len(lengths), kv_heads, 16), torch.randn(len(lengths), kv_heads, 16)
+    got = attn(q, k, v, meta)
+    # The new K/V landed in each sequence's last position (read back by (block, offset)).
+    for i, (n, b) in enumerate(zip(lengths, blocks)):
+        block, offset = b[(n - 1) // BS], (n - 1) % BS
+        assert torch.equal(attn.kv_cache[0, block, :, offset], k[i])
+        assert torch.equal(attn.kv_cache[1, block, :, offset], v[i])
+    want = decode_attention_reference(q, attn.kv_cache, list(zip(lengths, blocks)))
+    torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
+
+
+def test_decode_rows_inside_a_mixed_batch_match_oracle():
+    # decode, 3-token prefill continuing a cached prefix, decode, fresh 2-token prefill
+    attn, blocks = _attention_case([7, 9, 4, 2], 4, 2)
+    seqs = [(6, 1, blocks[0]), (6, 3, blocks[1]), (3, 1, blocks[2]), (0, 2, blocks[3])]
+    meta = AttentionMetadata.build(seqs, BS, "cpu")
+    q, k, v = torch.randn(7, 4, 16), torch.randn(7, 2, 16), torch.randn(7, 2, 16)
+    out = attn(q, k, v, meta)
+    decode_rows = [0, 4]
+    want = decode_attention_reference(
+        q[decode_rows], attn.kv_cache, [(7, blocks[0]), (4, blocks[2])]
+    )
+    torch.testing.assert_close(out[decode_rows], want, atol=ATOL, rtol=0)
+    # The prefill continuation's last query sees all 9 tokens: the oracle agrees there too.
+    last = decode_attention_reference(q[3:4], attn.kv_cache, [(9, blocks[1])])
+    torch.testing.assert_close(out[3:4], last, atol=ATOL, rtol=0)
+
+
+# ---- model-level layout ------------------------------------------------------------------
+
+
+def test_model_uses_k_major_layouts_and_matches_row_major_copy(qwen3_ckpt):
+    from tidal.config import EngineArgs
+    from tidal.models.loader import load_model
+
+    config = EngineArgs(model=qwen3_ckpt, device="cpu").create_engine_config()
+    fast, slow = load_model(config), load_model(config)
+    for module in slow.modules():  # the slow copy: every weight back to row-major storage
+        if isinstance(module, Linear):
+            module.weight.data = module.weight.data.contiguous()
+    for moe in slow.moe_layers():
+        for p in (moe.w13, moe.w2, moe.gate):
+            p.data = p.data.contiguous()
+    moe = fast.moe_layers()[0]
+    assert is_k_major(moe.w13) and is_k_major(moe.w2) and moe.gate.t().is_contiguous()
+    assert fast.layers[0].self_attn.qkv_proj.weight.t().is_contiguous()
+    caches = []
+    for model in (fast, slow):
+        layers, kv_heads, head_dim = model.kv_cache_spec()
+        caches.append(
+            [torch.zeros(kv_cache_shape(16, BS, kv_heads, head_dim)) for _ in range(layers)]
+        )
+        model.bind_kv_cache(caches[-1])
+    ids = torch.randint(3, fast.spec.vocab_size, (9,), generator=torch.Generator().manual_seed(0))
+    seqs = [(0, 5, [1, 2]), (0, 4, [3, 4])]
+    pos = torch.tensor([0, 1, 2, 3, 4, 0, 1, 2, 3])
+    decode = [(5, 1, [1, 2]), (4, 1, [3, 4])]  # then one decode step each
+    with torch.inference_mode():
+        for step_seqs, step_ids, step_pos in (
+            (seqs, ids, pos),
+            (decode, ids[:2], torch.tensor([5, 4])),
+        ):
+            meta = [AttentionMetadata.build(step_seqs, BS, "cpu") for _ in range(2)]
+            got, want = (
+                m.compute_logits(m(step_ids, step_pos, a)) for m, a in zip((fast, slow), meta)
+            )
+            torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
