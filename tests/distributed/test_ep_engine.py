@@ -14,7 +14,9 @@ MAX_TOKENS = 8
 
 
 def _prompts(n: int) -> list[dict]:
-    return [{"prompt_token_ids": [5 + (11 * i + j) % 400 for j in range(3 + i % 7)]} for i in range(n)]
+    return [
+        {"prompt_token_ids": [5 + (11 * i + j) % 400 for j in range(3 + i % 7)]} for i in range(n)
+    ]
 
 
 def _greedy(llm: LLM, prompts: list[dict], **kw) -> list[list[int]]:

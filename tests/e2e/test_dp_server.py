@@ -157,7 +157,17 @@ def test_mismatched_rank_fails_fast(qwen3_ckpt):
 
 def test_launch_dp2_ep_exposes_expert_load(qwen3_ckpt):
     srv = RemoteServer(
-        ["--model", qwen3_ckpt, "--dp", "2", "--ep", "--all2all-backend", "all2all", "--log-level", "warning"]
+        [
+            "--model",
+            qwen3_ckpt,
+            "--dp",
+            "2",
+            "--ep",
+            "--all2all-backend",
+            "all2all",
+            "--log-level",
+            "warning",
+        ]
     )
     try:
         _serve_and_check(srv.url, 2)

@@ -23,7 +23,9 @@ class LLM:
     ``enable_expert_parallel``, ...). ``multiprocess=False`` runs the engine core in this
     process (single rank only; handy for debugging and fast tests)."""
 
-    def __init__(self, model: str | None = None, *, multiprocess: bool = True, **kwargs: Any) -> None:
+    def __init__(
+        self, model: str | None = None, *, multiprocess: bool = True, **kwargs: Any
+    ) -> None:
         self.multiprocess = multiprocess
         self.engine_args = EngineArgs(model=model, **kwargs)
         self.config = self.engine_args.create_engine_config()
