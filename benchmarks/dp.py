@@ -99,8 +99,6 @@ async def run_case(model: str | None, dp: int, policy: str, arrivals: list[Arriv
 
 
 async def _served(engine: AsyncLLM, dp: int) -> list[int]:
-    if dp == 1:
-        return [0]
     return [r["requests_total"] for r in (await engine.get_stats())["ranks"]]
 
 

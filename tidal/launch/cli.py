@@ -11,7 +11,7 @@ import sys
 import typing
 from typing import Any
 
-from tidal.config import EngineArgs
+from tidal.config import ALL2ALL_BACKENDS, EngineArgs
 
 _ALIASES = {
     "data_parallel_size": ["--dp"],
@@ -20,9 +20,33 @@ _ALIASES = {
 }
 _HELP = {
     "model": "Hugging Face checkpoint folder (default: the embedded tiny Qwen3-MoE model)",
-    "data_parallel_size": "number of data-parallel engine ranks",
-    "enable_expert_parallel": "shard MoE experts across the data-parallel ranks",
+    "tokenizer": "tokenizer folder (default: --model)",
+    "dtype": "auto | float32 | float16 | bfloat16 (auto: the checkpoint's dtype)",
+    "seed": "random seed of each engine process",
+    "max_model_len": "longest prompt + output in tokens (default: the model's limit)",
+    "block_size": "tokens per KV cache block",
     "kv_cache_memory_bytes": "KV cache bytes per rank",
+    "num_gpu_blocks_override": "KV cache blocks per rank (overrides --kv-cache-memory-bytes)",
+    "enable_prefix_caching": "reuse KV blocks of shared prompt prefixes",
+    "max_num_batched_tokens": "token budget of one step (default: 2048)",
+    "max_num_seqs": "most requests running at once per rank",
+    "enable_chunked_prefill": "split long prompts across steps",
+    "data_parallel_size": "number of data-parallel engine ranks",
+    "data_parallel_rank": "this process's rank (set per spawned engine; rarely by hand)",
+    "data_parallel_size_local": "ranks started on this host (default: all of them)",
+    "data_parallel_start_rank": "first rank started on this host (with --headless)",
+    "data_parallel_address": "host the frontend and rank 0's groups listen on",
+    "data_parallel_rpc_port": "frontend handshake port headless ranks connect to (0: pick)",
+    "data_parallel_master_port": "TCPStore port of the DP/EP process groups (0: pick)",
+    "enable_expert_parallel": "shard MoE experts across the data-parallel ranks",
+    "all2all_backend": "expert-parallel token exchange: " + " | ".join(ALL2ALL_BACKENDS),
+    "enable_eplb": "rebalance experts across ranks from their measured load",
+    "num_redundant_experts": "extra physical expert copies for EPLB to place",
+    "eplb_window": "steps of expert load EPLB plans from",
+    "eplb_interval": "steps between EPLB rebalances",
+    "dp_lb_policy": "request routing across ranks: tidal | tidal-p2c | vllm",
+    "device": "auto | cpu | cuda",
+    "moe_backend": "auto | torch | triton | reference (auto: triton on CUDA, else torch)",
 }
 
 

@@ -21,8 +21,8 @@ def make_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="launch", description="serve an MoE model over HTTP (OpenAI API)"
     )
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--host", default="127.0.0.1", help="HTTP bind address")
+    p.add_argument("--port", type=int, default=8000, help="HTTP port")
     p.add_argument(
         "--api-key", default=os.environ.get("TIDAL_API_KEY"), help="require this bearer token"
     )
