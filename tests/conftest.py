@@ -23,6 +23,9 @@ TINY_KWARGS = {
     "vocab_size": 512,
     "max_position_embeddings": 512,
 }
+# Context of ``qwen3_long_ckpt``: decoding this many tokens takes minutes on a CPU, and
+# still many seconds on a GPU.
+LONG_CONTEXT = 131072
 
 
 @pytest.fixture(scope="session")
@@ -38,6 +41,19 @@ def qwen3_ckpt(tiny_ckpt_root: str) -> str:
 
     return make_tiny_checkpoint(
         os.path.join(tiny_ckpt_root, "qwen3_moe"), "qwen3_moe", **TINY_KWARGS
+    )
+
+
+@pytest.fixture(scope="session")
+def qwen3_long_ckpt(tiny_ckpt_root: str) -> str:
+    """``qwen3_ckpt`` with a ``LONG_CONTEXT``-token context: a request with ``ignore_eos`` and
+    ``max_tokens`` close to that is still running long after its first token, so a test
+    can act on a running request (disconnect, kill the engine) without racing its end."""
+    from tidal.models.tiny import make_tiny_checkpoint
+
+    kwargs = {**TINY_KWARGS, "max_position_embeddings": LONG_CONTEXT}
+    return make_tiny_checkpoint(
+        os.path.join(tiny_ckpt_root, "qwen3_moe_long"), "qwen3_moe", **kwargs
     )
 
 

@@ -14,6 +14,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
+# The DP control plane's shared secret (tidal/utils/zmq_auth.py): where the CLI reads it,
+# and the least length worth calling a secret.
+AUTH_KEY_ENV = "TIDAL_DP_AUTH_KEY"
+MIN_AUTH_KEY_LEN = 16
 ALL2ALL_BACKENDS = (
     "allgather_reducescatter",
     "all2all",
@@ -96,23 +100,52 @@ class ParallelConfig:
     eplb_window: int = 1000
     eplb_interval: int = 3000
     dp_lb_policy: str = "tidal"  # frontend engine choice: tidal | vllm | tidal-p2c
+    # Shared secret that authenticates the DP control plane when it runs over TCP
+    # (tidal/utils/zmq_auth.py). Never printed; not in the config hash, which peers see.
+    data_parallel_auth_key: str | None = field(default=None, repr=False)
 
     @property
     def ep_size(self) -> int:
         return self.data_parallel_size if self.enable_expert_parallel else 1
 
     def config_hash(self) -> str:
-        """Hash of what every rank must agree on (rank-specific fields excluded)."""
+        """Hash of the parallel settings every rank must agree on (EP on/off, backends,
+        EPLB). Excluded: what differs per rank or host, and ``data_parallel_size``: that
+        is the launch size, the live size is the topology's (DESIGN.md 6.1), so an engine
+        joining a grown or shrunk deployment still matches."""
         d = dataclasses.asdict(self)
         for k in (
+            "data_parallel_size",
             "data_parallel_rank",
             "data_parallel_size_local",
             "data_parallel_start_rank",
             "data_parallel_master_port",
             "dp_lb_policy",
+            "data_parallel_auth_key",
         ):
             d.pop(k)
-        return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
+        return _digest(d)
+
+
+@dataclass(frozen=True)
+class FrontendConfig:
+    """What one request may ask for. Checked where requests enter (the HTTP server, ``LLM``,
+    ``AsyncLLM``); the engine never sees these. Each is a flag of the same name because a
+    deployment may need to raise it."""
+
+    # OpenAI's own cap on ``n``; every choice is a sequence in the scheduler.
+    max_n: int = 128
+    # Prompts in one /v1/completions request (a batch is one HTTP call, but each prompt
+    # is ``n`` engine requests).
+    max_prompts_per_request: int = 256
+    # vLLM's flag and default: top logprobs per position (completion and prompt).
+    max_logprobs: int = 20
+    # A prompt of a 128k-token context is under 1 MiB of JSON, as text or as token ids;
+    # 8 MiB leaves room for batches and long chats and refuses a flood before it is read.
+    max_request_body_bytes: int = 8 * 1024 * 1024
+    # vLLM's flag: accept a ``chat_template`` in chat requests (rendered in a sandboxed,
+    # time-bounded worker). Off: a template is code, run by anyone who can send a request.
+    trust_request_chat_template: bool = False
 
 
 @dataclass(frozen=True)
@@ -123,9 +156,43 @@ class EngineConfig:
     parallel: ParallelConfig
     device: str = "cpu"
     moe_backend: str = "auto"  # auto | torch | triton | reference
+    frontend: FrontendConfig = field(default_factory=FrontendConfig)
 
     def with_parallel(self, **changes: Any) -> EngineConfig:
         return dataclasses.replace(self, parallel=dataclasses.replace(self.parallel, **changes))
+
+    def config_hash(self) -> str:
+        """What an engine joining the deployment must share with it (the startup
+        handshake compares it): the model (architecture and config.json, not its path,
+        which may differ per host), dtype, max_model_len, KV block size, MoE backend flag
+        and ``ParallelConfig.config_hash`` -- never the live DP size or a rank. The device
+        is left out: a frontend-only host resolves ``auto`` by its own hardware."""
+        return _digest(
+            {
+                "parallel": self.parallel.config_hash(),
+                "architecture": self.model.architecture,
+                "hf_config": _hf_config_fields(self.model.hf_config),
+                "dtype": self.model.dtype,
+                "max_model_len": self.model.max_model_len,
+                "block_size": self.cache.block_size,
+                "moe_backend": self.moe_backend,
+            }
+        )
+
+
+def _digest(d: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+# config.json keys that name where or by what the checkpoint was saved, not the model.
+_HF_CONFIG_IGNORED = ("_name_or_path", "transformers_version", "torch_dtype", "dtype")
+
+
+def _hf_config_fields(hf_config: Any) -> dict[str, Any]:
+    to_dict = getattr(hf_config, "to_dict", None)
+    if to_dict is None:  # a test's stand-in config
+        return {}
+    return {k: v for k, v in to_dict().items() if k not in _HF_CONFIG_IGNORED}
 
 
 @dataclass
@@ -159,8 +226,16 @@ class EngineArgs:
     eplb_window: int = 1000
     eplb_interval: int = 3000
     dp_lb_policy: str = "tidal"
+    # The CLI fills it from TIDAL_DP_AUTH_KEY when the flag is not given.
+    data_parallel_auth_key: str | None = field(default=None, repr=False)
     device: str = "auto"
     moe_backend: str = "auto"
+    # FrontendConfig (request limits)
+    max_n: int = 128
+    max_prompts_per_request: int = 256
+    max_logprobs: int = 20
+    max_request_body_bytes: int = 8 * 1024 * 1024
+    trust_request_chat_template: bool = False
 
     def create_engine_config(self) -> EngineConfig:
         from transformers import AutoConfig
@@ -197,7 +272,16 @@ class EngineArgs:
             moe_backend=_check_choice(
                 "moe_backend", self.moe_backend, ("auto", "torch", "triton", "reference")
             ),
+            frontend=self._frontend_config(),
         )
+
+    def _frontend_config(self) -> FrontendConfig:
+        # Same-named fields copy over; every limit is a count or a size, so at least 1.
+        same = {f.name: getattr(self, f.name) for f in dataclasses.fields(FrontendConfig)}
+        for name, value in same.items():
+            if isinstance(value, int) and not isinstance(value, bool) and value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        return FrontendConfig(**same)
 
     def _cache_config(self) -> CacheConfig:
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
@@ -254,6 +338,18 @@ class EngineArgs:
             raise ValueError("enable_eplb requires enable_expert_parallel")
         local = self.data_parallel_size_local if self.data_parallel_size_local is not None else dp
         _check_choice("dp_lb_policy", self.dp_lb_policy, ("tidal", "vllm", "tidal-p2c"))
+        if local < dp and self.data_parallel_auth_key is None:
+            raise ValueError(
+                "data_parallel_auth_key is required when ranks run on other hosts (the DP "
+                "control plane then listens on TCP): give every host the same secret, "
+                f"preferably in the {AUTH_KEY_ENV} environment variable"
+            )
+        key = self.data_parallel_auth_key
+        if key is not None and len(key) < MIN_AUTH_KEY_LEN:
+            raise ValueError(
+                f"data_parallel_auth_key must be at least {MIN_AUTH_KEY_LEN} characters (use "
+                "a random one: python -c 'import secrets; print(secrets.token_urlsafe(32))')"
+            )
         # Same-named fields copy over; only the local size needs resolving.
         same = {f.name: getattr(self, f.name) for f in dataclasses.fields(ParallelConfig)}
         return ParallelConfig(**{**same, "data_parallel_size_local": local})

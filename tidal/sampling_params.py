@@ -1,127 +1,85 @@
-"""Per-request sampling parameters, validated once at construction."""
+"""Per-request sampling parameters, and the one table of what each field may hold.
+
+``SamplingParams`` is a msgspec Struct and is itself what crosses the wire inside
+``EngineCoreRequest`` (no hand-copied twin). Each field's bounds are declared once, as
+``msgspec.Meta`` on its annotation below, and that table is enforced at every entry:
+
+- Python construction (``SamplingParams(top_k=5)``: ``LLM``, ``AsyncLLM`` callers, the HTTP
+  server after its pydantic parse). msgspec checks nothing on ``__init__``, so
+  ``__post_init__`` walks the same annotations (read back with ``msgspec.inspect``) and
+  raises ``ValueError`` naming the field, which frontends turn into an HTTP 400 unchanged.
+- The engine: msgspec checks the constraints while decoding an ``EngineCoreRequest`` and
+  then runs ``__post_init__`` again, so a frame the frontend would have refused is refused
+  there too, without a second list of rules to keep in step.
+
+The bounds here are what the engine can represent (every int fits int64: torch tensors
+and msgpack; every float is finite) and what makes sense for any model. Bounds that
+depend on the model or the deployment (top_k and token ids against the vocabulary,
+``n <= max_n``, ``logprobs <= max_logprobs``, prompt length) are checked in one place,
+``InputProcessor.check``, which every entry point calls.
+"""
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+import numbers
+import sys
+from typing import Annotated, Any
+
+import msgspec
+from msgspec import Meta
+from msgspec import inspect as mi
+
+INT64_MIN = -(1 << 63)
+INT64_MAX = (1 << 63) - 1
+# A float bound of +-FLOAT_MAX admits every finite value and rejects +-inf; NaN fails every
+# comparison. So "finite" is expressible as a msgspec constraint the decoder enforces.
+FLOAT_MAX = sys.float_info.max
 
 _GREEDY_EPS = 1e-5
-MAX_LOGPROBS = 20  # like vLLM's default cap: top-k logprobs beyond this cost more than they help
 
 
-@dataclass
-class SamplingParams:
+class SamplingParams(msgspec.Struct, omit_defaults=True, array_like=True):
     """How to pick tokens and when to stop.
 
-    Every invalid value raises ``ValueError`` naming the field, so frontends can turn
-    the message into an HTTP 400 unchanged.
+    Every invalid value raises ``ValueError`` whose message starts with the field name.
     """
 
-    n: int = 1
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0  # 0 or -1 = disabled
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    seed: int | None = None
-    max_tokens: int | None = 16
-    min_tokens: int = 0
-    stop: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
+    n: Annotated[int, Meta(ge=1, le=INT64_MAX)] = 1
+    temperature: Annotated[float, Meta(ge=0.0, le=FLOAT_MAX)] = 1.0
+    top_p: Annotated[float, Meta(gt=0.0, le=1.0)] = 1.0
+    top_k: Annotated[int, Meta(ge=-1, le=INT64_MAX)] = 0  # 0 or -1 = disabled
+    min_p: Annotated[float, Meta(ge=0.0, le=1.0)] = 0.0
+    repetition_penalty: Annotated[float, Meta(gt=0.0, le=FLOAT_MAX)] = 1.0
+    frequency_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] = 0.0
+    presence_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] = 0.0
+    seed: Annotated[int, Meta(ge=INT64_MIN, le=INT64_MAX)] | None = None
+    max_tokens: Annotated[int, Meta(ge=1, le=INT64_MAX)] | None = 16
+    min_tokens: Annotated[int, Meta(ge=0, le=INT64_MAX)] = 0
+    stop: list[Annotated[str, Meta(min_length=1)]] = []
+    stop_token_ids: list[Annotated[int, Meta(ge=0, le=INT64_MAX)]] = []
     ignore_eos: bool = False
-    logprobs: int | None = None
-    prompt_logprobs: int | None = None
+    logprobs: Annotated[int, Meta(ge=0, le=INT64_MAX)] | None = None
+    prompt_logprobs: Annotated[int, Meta(ge=0, le=INT64_MAX)] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
+        # Conveniences of the Python API, normalised before the table is applied.
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        self.stop = list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.stop is None:
+            self.stop = []
+        if self.stop_token_ids is None:
+            self.stop_token_ids = []
+        for name, ftype in _FIELD_TYPES:
+            setattr(self, name, _checked(name, ftype, getattr(self, name)))
         if self.top_k == -1:
             self.top_k = 0
-        self._validate()
-
-    def _validate(self) -> None:
-        _check(isinstance(self.n, int) and self.n >= 1, "n", f"must be >= 1, got {self.n}")
-        for name in (
-            "temperature",
-            "top_p",
-            "min_p",
-            "repetition_penalty",
-            "frequency_penalty",
-            "presence_penalty",
-        ):
-            v = getattr(self, name)
-            _check(
-                isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v),
-                name,
-                f"must be a finite number, got {v!r}",
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}"
             )
-        for name in ("top_k", "min_tokens"):
-            v = getattr(self, name)
-            _check(
-                isinstance(v, int) and not isinstance(v, bool),
-                name,
-                f"must be an integer, got {v!r}",
-            )
-        _check(self.temperature >= 0.0, "temperature", f"must be >= 0, got {self.temperature}")
-        _check(
-            self.seed is None
-            or (isinstance(self.seed, int) and -(1 << 63) <= self.seed < (1 << 63)),
-            "seed",
-            f"must be a 64-bit integer, got {self.seed!r}",
-        )
-        _check(0.0 < self.top_p <= 1.0, "top_p", f"must be in (0, 1], got {self.top_p}")
-        _check(self.top_k >= 0, "top_k", f"must be -1, 0 (disabled) or positive, got {self.top_k}")
-        _check(0.0 <= self.min_p <= 1.0, "min_p", f"must be in [0, 1], got {self.min_p}")
-        _check(
-            self.repetition_penalty > 0.0,
-            "repetition_penalty",
-            f"must be > 0, got {self.repetition_penalty}",
-        )
-        _check(
-            -2.0 <= self.frequency_penalty <= 2.0,
-            "frequency_penalty",
-            f"must be in [-2, 2], got {self.frequency_penalty}",
-        )
-        _check(
-            -2.0 <= self.presence_penalty <= 2.0,
-            "presence_penalty",
-            f"must be in [-2, 2], got {self.presence_penalty}",
-        )
-        _check(
-            self.max_tokens is None or self.max_tokens >= 1,
-            "max_tokens",
-            f"must be >= 1, got {self.max_tokens}",
-        )
-        _check(self.min_tokens >= 0, "min_tokens", f"must be >= 0, got {self.min_tokens}")
-        _check(
-            self.max_tokens is None or self.min_tokens <= self.max_tokens,
-            "min_tokens",
-            f"must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}",
-        )
-        _check(
-            self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
-            "logprobs",
-            f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}",
-        )
-        _check(
-            self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS,
-            "prompt_logprobs",
-            f"must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}",
-        )
-        _check(
-            all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings"
-        )
-        _check(
-            all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
-            "stop_token_ids",
-            "must be non-negative integers",
-        )
 
     @property
     def greedy(self) -> bool:
@@ -136,6 +94,67 @@ class SamplingParams:
         )
 
 
-def _check(ok: bool, name: str, msg: str) -> None:
-    if not ok:
-        raise ValueError(f"{name} {msg}")
+def wrap_int64(value: int) -> int:
+    """``value`` wrapped into int64 two's-complement range (derived seeds such as
+    ``seed + i`` for child i of an n > 1 request stay representable and distinct)."""
+    return (value - INT64_MIN) % (1 << 64) + INT64_MIN
+
+
+# ---- the table, read back from the annotations -------------------------------------------
+
+_FIELD_TYPES: tuple[tuple[str, mi.Type], ...] = tuple(
+    (f.name, f.type) for f in mi.type_info(SamplingParams).fields
+)
+
+
+def _checked(name: str, t: mi.Type, v: Any) -> Any:
+    """``v`` as field type ``t`` wants it (ints as int, floats as float, tuples as lists),
+    or ValueError naming ``name``. Mirrors what msgspec's decoder enforces for ``t``."""
+    if isinstance(t, mi.UnionType):  # only ``X | None`` occurs in the table
+        if v is None:
+            return None
+        (t,) = [x for x in t.types if not isinstance(x, mi.NoneType)]
+    if isinstance(t, mi.BoolType):
+        if not isinstance(v, bool):
+            raise ValueError(f"{name} must be a boolean, got {v!r}")
+        return v
+    if isinstance(t, mi.StrType):
+        if not isinstance(v, str):
+            raise ValueError(f"{name} must be a string, got {v!r}")
+        if t.min_length is not None and len(v) < t.min_length:
+            raise ValueError(f"{name} must not be empty")
+        return v
+    if isinstance(t, mi.ListType):
+        if isinstance(v, (str, bytes)) or not isinstance(v, (list, tuple)):
+            raise ValueError(f"{name} must be a list, got {type(v).__name__}")
+        return [_checked(f"{name}[{i}]", t.item_type, x) for i, x in enumerate(v)]
+    if isinstance(t, mi.IntType):
+        # bool is an int to Python but not to JSON or msgspec: refuse it like they do.
+        if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+            raise ValueError(f"{name} must be an integer, got {v!r}")
+        v = int(v)
+    elif isinstance(t, mi.FloatType):
+        if isinstance(v, bool) or not isinstance(v, numbers.Real):
+            raise ValueError(f"{name} must be a number, got {v!r}")
+        try:
+            v = float(v)
+        except OverflowError:  # an int beyond float range
+            raise ValueError(f"{name} must be a finite number, got {v}") from None
+        if not math.isfinite(v):
+            raise ValueError(f"{name} must be a finite number, got {v}")
+    else:  # a new field of a kind this walker does not know: fail loudly in tests
+        raise TypeError(f"SamplingParams.{name}: unsupported field type {t!r}")
+    _check_bounds(name, t, v)
+    return v
+
+
+def _check_bounds(name: str, t: mi.IntType | mi.FloatType, v: float) -> None:
+    # The +-FLOAT_MAX bounds only exclude infinities, refused above with a clearer message.
+    if t.ge is not None and not v >= t.ge:
+        raise ValueError(f"{name} must be >= {t.ge}, got {v}")
+    if t.gt is not None and not v > t.gt:
+        raise ValueError(f"{name} must be > {t.gt}, got {v}")
+    if t.le is not None and not v <= t.le:
+        raise ValueError(f"{name} must be <= {t.le}, got {v}")
+    if t.lt is not None and not v < t.lt:
+        raise ValueError(f"{name} must be < {t.lt}, got {v}")

@@ -7,6 +7,12 @@ and its arguments and result must be picklable. If any rank raises, the remote t
 is re-raised here; if the ranks do not all finish within ``timeout_s``, every process is
 killed and the test fails with the ranks still running. No process outlives the call.
 
+The ``run_ranks_on_ports`` fixture is the same with TCP ports for the ranks' stores:
+``fn(rank, world_size, port, *args)`` (``ports``, a list, when ``num_ports > 1``). A port
+picked here can be taken by another process before rank 0 binds it; when a rank fails
+because its address is in use, every rank is stopped and the run starts again on fresh
+ports.
+
 The workers are a ``ProcessPoolExecutor`` because its entry point is importable from the
 standard library: a helper function defined here would be pickled as ``conftest.<name>``,
 which is ambiguous when several test folders each have a conftest.py.
@@ -16,6 +22,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import multiprocessing as mp
+import socket
 import time
 from collections.abc import Callable
 from typing import Any
@@ -44,6 +51,38 @@ def spawn_ranks(
         if not ok:
             _kill_workers(pool)
         pool.shutdown(wait=True, cancel_futures=True)
+
+
+def spawn_ranks_on_ports(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    num_ports: int = 1,
+    timeout_s: float = 60.0,
+    attempts: int = 3,
+) -> list[Any]:
+    """``spawn_ranks(fn, world_size, port(s), *args)``, again on new ports after a conflict."""
+    for attempt in range(attempts):
+        ports = [_free_port() for _ in range(num_ports)]
+        try:
+            return spawn_ranks(
+                fn, world_size, ports[0] if num_ports == 1 else ports, *args, timeout_s=timeout_s
+            )
+        except AssertionError as e:
+            if attempt + 1 == attempts or not _port_conflict(e):
+                raise
+    raise AssertionError("unreachable")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _port_conflict(exc: BaseException) -> bool:
+    text = str(exc).lower()
+    return "address already in use" in text or "eaddrinuse" in text
 
 
 def _collect(futures: list[cf.Future], deadline: float, timeout_s: float) -> list[Any]:
@@ -75,3 +114,9 @@ def _kill_workers(pool: cf.ProcessPoolExecutor) -> None:
 def run_ranks() -> Callable[..., list[Any]]:
     """``spawn_ranks`` as a fixture: test modules cannot reliably ``import conftest``."""
     return spawn_ranks
+
+
+@pytest.fixture
+def run_ranks_on_ports() -> Callable[..., list[Any]]:
+    """``spawn_ranks_on_ports`` as a fixture."""
+    return spawn_ranks_on_ports

@@ -22,16 +22,18 @@ from tidal.dp_coordinator.proc import (
 )
 from tidal.engine_core.messages import (
     CoordinatorReady,
-    DPResize,
+    DPSetTopology,
     DPWakeUp,
     EngineCoreOutputs,
     SchedulerStats,
     StartDPWave,
     encode,
 )
+from tidal.protocol.topology import Topology
 
-pytestmark = pytest.mark.timeout(60)
-TIMEOUT_MS = 5000
+# Generous: a deadline only decides how long a broken coordinator takes to fail a test.
+TIMEOUT_MS = 60_000
+TIMEOUT_S = TIMEOUT_MS / 1000
 
 
 class FakeEngine:
@@ -97,7 +99,7 @@ def ctx():
 
 @pytest.fixture
 def coordinator():
-    coord = DPCoordinator(2, heartbeat_interval_s=0.5)
+    coord = DPCoordinator(2, heartbeat_interval_s=0.5, start_timeout_s=TIMEOUT_S)
     yield coord
     coord.shutdown()
 
@@ -116,11 +118,11 @@ def test_ready_snapshots_waves_and_stats(ctx, coordinator):
     front.wait_for(lambda s: s.counts == [[0, 0], [2, 3]], "rank 1's load")
 
     # A wake-up for engine 1 broadcasts START_DP_WAVE(0) excluding engine 1.
-    front.send(DPWakeUp(wave=0, engine_index=1))
+    front.send(DPWakeUp(wave=0, engine_id=1))
     for e in engines:
-        assert e.recv(StartDPWave) == StartDPWave(wave=0, exclude_engine_index=1)
+        assert e.recv(StartDPWave) == StartDPWave(wave=0, exclude_engine_id=1)
     front.wait_for(lambda s: s.running and s.wave == 0, "wave 0 running")
-    front.send(DPWakeUp(wave=0, engine_index=0))  # duplicate from another frontend
+    front.send(DPWakeUp(wave=0, engine_id=0))  # duplicate from another frontend
     engines[0].assert_silent()
 
     # Rank 0 reports the wave complete: wave 1, paused.
@@ -129,7 +131,7 @@ def test_ready_snapshots_waves_and_stats(ctx, coordinator):
 
     # A stale request on engine 1 makes it start wave 1 and tell the coordinator.
     engines[1].send(start_wave=1)
-    assert engines[0].recv(StartDPWave) == StartDPWave(wave=1, exclude_engine_index=1)
+    assert engines[0].recv(StartDPWave) == StartDPWave(wave=1, exclude_engine_id=1)
     front.wait_for(lambda s: s.running and s.wave == 1, "wave 1 running")
 
     # Garbage does not kill the coordinator.
@@ -138,7 +140,7 @@ def test_ready_snapshots_waves_and_stats(ctx, coordinator):
     engines[0].send(scheduler_stats=SchedulerStats(num_running_reqs=4, num_requests_total=9))
     front.wait_for(lambda s: s.counts[0] == [0, 4], "rank 0's load after garbage")
 
-    stats = fetch_stats(addrs.stats, timeout_s=5.0)
+    stats = fetch_stats(addrs.stats, timeout_s=TIMEOUT_S)
     assert (stats.num_engines, stats.wave, stats.running) == (2, 1, True)
     assert stats.waves_completed == 1 and stats.start_wave_broadcasts == 2
     r0, r1 = stats.ranks
@@ -151,10 +153,18 @@ def test_ready_snapshots_waves_and_stats(ctx, coordinator):
     front.wait_for(lambda s: s.seq > last.seq, "a heartbeat")
 
     # Elastic resize announced by a frontend; the new size shows in snapshots and stats.
-    front.send(DPResize(num_engines=3))
+    grown = Topology.initial(2).grown(1)
+    front.send(DPSetTopology(grown))
     front.wait_for(lambda s: len(s.counts) == 3 and not s.running, "3 ranks, paused")
-    stats = asyncio.run(fetch_stats_async(addrs.stats, timeout_s=5.0))
+    stats = asyncio.run(fetch_stats_async(addrs.stats, timeout_s=TIMEOUT_S))
     assert stats.num_engines == 3 and stats.ranks[2].running == 0
+    # Remove the middle engine; a stale topology then changes nothing.
+    front.send(DPSetTopology(grown.without([1])))
+    front.send(DPSetTopology(grown))
+    snap = front.wait_for(lambda s: s.epoch == 2, "epoch 2")
+    assert snap.engine_ids == [0, 2] and snap.counts[0] == [0, 4]
+    stats = fetch_stats(addrs.stats, timeout_s=TIMEOUT_S)
+    assert (stats.epoch, [r.engine_id for r in stats.ranks]) == (2, [0, 2])
 
 
 def test_late_engine_gets_ready_with_current_wave(ctx, coordinator):
@@ -169,13 +179,13 @@ def test_late_engine_gets_ready_with_current_wave(ctx, coordinator):
 
 
 def test_shutdown_leaves_nothing_behind():
-    coord = DPCoordinator(2)
+    coord = DPCoordinator(2, start_timeout_s=TIMEOUT_S)
     paths = coord.addresses.ipc_paths()
     assert len(paths) == 4 and all(os.path.exists(p) for p in paths)
     tmpdir = os.path.dirname(paths[0])
     assert os.stat(tmpdir).st_mode & 0o777 == 0o700
     pid = coord.proc.pid
-    coord.shutdown()
+    coord.shutdown(timeout_s=TIMEOUT_S)  # time to exit on SIGTERM, before a SIGKILL
     coord.shutdown()  # idempotent
     assert not coord.proc.is_alive()
     assert coord.proc.exitcode == 0  # SIGTERM handled: a clean exit
@@ -185,20 +195,23 @@ def test_shutdown_leaves_nothing_behind():
 
 
 def test_killed_process_files_are_still_removed():
-    coord = DPCoordinator(1)
+    coord = DPCoordinator(1, start_timeout_s=TIMEOUT_S)
     paths = coord.addresses.ipc_paths()
     os.kill(coord.proc.pid, signal.SIGKILL)
-    coord.proc.join(5)
+    coord.proc.join(TIMEOUT_S)
+    assert not coord.proc.is_alive()
     coord.shutdown()
     assert not any(os.path.exists(p) for p in paths)
 
 
 def test_tcp_wildcard_ports_are_resolved(ctx):
-    with DPCoordinator(1, CoordinatorAddresses.tcp("127.0.0.1")) as coord:
+    with DPCoordinator(
+        1, CoordinatorAddresses.tcp("127.0.0.1"), start_timeout_s=TIMEOUT_S
+    ) as coord:
         addrs = coord.addresses
         assert all(a.startswith("tcp://127.0.0.1:") and not a.endswith("*") for a in
                    (addrs.engine_publish, addrs.engine_input, addrs.frontend_publish, addrs.stats))  # fmt: skip
-        assert fetch_stats(addrs.stats, timeout_s=5.0).num_engines == 1
+        assert fetch_stats(addrs.stats, timeout_s=TIMEOUT_S).num_engines == 1
     assert not coord.proc.is_alive()
 
 

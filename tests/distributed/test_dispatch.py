@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tidal.elastic.groups import StatelessGroup, get_open_port
+from tidal.elastic.groups import StatelessGroup
 from tidal.moe.dispatch import DISPATCHERS, ReplicaRouter, get_dispatcher
 from tidal.moe.placement import ExpertPlacement, rebalance
 
@@ -166,9 +166,9 @@ def _cases(ep: int) -> list[dict]:
 
 
 @pytest.mark.parametrize("ep", [2, 3])
-def test_dispatchers_match_single_process_reference(run_ranks, ep):
+def test_dispatchers_match_single_process_reference(run_ranks_on_ports, ep):
     cases = _cases(ep)
-    results = run_ranks(_worker, ep, get_open_port(), cases, timeout_s=120)
+    results = run_ranks_on_ports(_worker, ep, cases, timeout_s=240)
     # bytes are conserved: what the ranks sent to peers is what the peers received
     for i in range(len(cases) * len(BACKENDS)):
         assert sum(r[i]["sent"] for r in results) == sum(r[i]["recv"] for r in results)

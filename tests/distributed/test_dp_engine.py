@@ -5,9 +5,11 @@ from __future__ import annotations
 import threading
 import time
 
+import msgspec
 import pytest
 
 from tidal import LLM, SamplingParams
+from tidal.engine_core.messages import SchedulerStats
 
 MAX_TOKENS = 10
 
@@ -47,13 +49,23 @@ def test_dp_greedy_equals_dp1(qwen3_ckpt, expected, dp):
     )
 
 
-def _wait(pred, timeout_s: float = 20.0) -> bool:
+def _wait(pred, timeout_s: float = 120.0) -> bool:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if pred():
             return True
         time.sleep(0.1)
     return False
+
+
+def _dp_states(llm: LLM) -> list[dict]:
+    return llm.client.call_utility_all("dp_state")
+
+
+def _load(llm: LLM) -> tuple[int, int]:
+    """(waiting, running) requests over all ranks, as their schedulers count them now."""
+    stats = [msgspec.convert(s, SchedulerStats) for s in llm.client.call_utility_all("get_stats")]
+    return (sum(s.num_waiting_reqs for s in stats), sum(s.num_running_reqs for s in stats))
 
 
 def test_idle_rank_runs_dummy_batches_then_pauses(qwen3_ckpt):
@@ -83,9 +95,11 @@ def test_idle_rank_runs_dummy_batches_then_pauses(qwen3_ckpt):
         # The group goes idle: the wave ends on both ranks and dummy batches stop.
         assert _wait(lambda: not state(0)["running"] and not state(1)["running"])
         assert state(0)["wave"] == state(1)["wave"] > wave0
-        n = state(1)["dummy_batches"]
-        time.sleep(0.5)
-        assert state(1)["dummy_batches"] == n
+        # Paused for good: rank 1's busy loop goes around once per utility call, and
+        # would step a dummy batch each time were a wave still running.
+        idle = state(1)
+        for _ in range(5):
+            assert state(1) == idle
     finally:
         llm.shutdown()
 
@@ -101,14 +115,19 @@ def test_bursts_across_wave_ends_never_hang(qwen3_ckpt, expected):
             got = []
             for i in range(12):
                 got += _greedy(llm, prompts[i : i + 1])
-                time.sleep(0.02 * (i % 4))
+                # Every third burst waits for the wave to end (it then wakes paused ranks);
+                # the others arrive right away, while the ranks are still ending the wave.
+                if i % 3 == 0:
+                    assert _wait(lambda: not any(s["running"] for s in _dp_states(llm)))
             result["got"] = got
+            result["waves"] = [s["wave"] for s in _dp_states(llm)]
 
         th = threading.Thread(target=run)
         th.start()
         th.join(180)
         assert not th.is_alive(), "DP engines hung"
         assert result["got"] == expected
+        assert min(result["waves"]) >= 4  # the group did go idle between bursts
     finally:
         llm.shutdown()
 
@@ -123,8 +142,9 @@ def test_two_phase_pause_and_resume(qwen3_ckpt, expected):
         ids = []
         for p in prompts[:4]:
             ids.append(llm._add(llm.input_processor.tokenize(p), params))
-        time.sleep(1.0)
-        # Paused: the requests are queued, nothing ran.
+        # Paused: the requests reach the ranks and stay queued; nothing runs.
+        assert _wait(lambda: _load(llm) == (4, 0)), _load(llm)
+        assert all(s["paused"] for s in _dp_states(llm))
         assert llm.client.outputs.empty()
         llm.client.call_utility_all("resume")
         got = llm._run(ids, use_tqdm=False)

@@ -12,8 +12,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tidal.elastic.groups import get_open_port
-
 ATOL = 2e-5
 BLOCK = 4
 BLOCKS_PER_REQ = 8
@@ -104,12 +102,12 @@ def _sched(step, reqs):
     return SchedulerOutput(scheduled=scheduled, total_num_scheduled_tokens=total)
 
 
-def _ep_forward_rank(rank: int, world: int, path: str, port: int, backend: str) -> dict:
+def _ep_forward_rank(rank: int, world: int, port: int, path: str, backend: str) -> dict:
     from tidal.executor.model_runner import ModelRunner
     from tidal.executor.worker import Worker
 
     cfg = _config(path, rank, world, port, all2all_backend=backend)
-    worker = Worker(cfg, dist_timeout_s=30)
+    worker = Worker(cfg, dist_timeout_s=120)  # covers the ranks' start-up skew
     worker.init_distributed()
     worker.load_model()
     worker.initialize_kv_cache(NUM_BLOCKS)
@@ -161,9 +159,9 @@ def _ep_forward_rank(rank: int, world: int, path: str, port: int, backend: str) 
         pytest.param(3, "all2all", "qwen3_ckpt", id="ep3-all2all-qwen3"),
     ],
 )
-def test_ep_forward_matches_single_process(run_ranks, request, world, backend, ckpt):
+def test_ep_forward_matches_single_process(run_ranks_on_ports, request, world, backend, ckpt):
     path = request.getfixturevalue(ckpt)
-    results = run_ranks(_ep_forward_rank, world, path, get_open_port(), backend, timeout_s=90)
+    results = run_ranks_on_ports(_ep_forward_rank, world, path, backend, timeout_s=240)
     from tidal.moe.placement import ExpertPlacement
 
     placement = ExpertPlacement.linear(8, world)
@@ -197,9 +195,10 @@ def _prompts(rank: int, vocab: int) -> list[list[int]]:
 def _generate_lockstep(core, dp_group, prompts, max_tokens) -> dict[str, list[int]]:
     """Drive one EngineCore per rank like the DP busy loop: a real step or a dummy one,
     then agree whether any rank still has work."""
-    from tidal.engine_core.messages import EngineCoreRequest, SamplingParamsMsg
+    from tidal.engine_core.messages import EngineCoreRequest
+    from tidal.sampling_params import SamplingParams
 
-    params = SamplingParamsMsg(temperature=0.0, max_tokens=max_tokens, min_tokens=max_tokens)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, min_tokens=max_tokens)
     for i, p in enumerate(prompts):
         core.add_request(EngineCoreRequest(f"q{i}", p, params))
     tokens: dict[str, list[int]] = {f"q{i}": [] for i in range(len(prompts))}
@@ -219,7 +218,7 @@ def _generate_lockstep(core, dp_group, prompts, max_tokens) -> dict[str, list[in
             return tokens
 
 
-def _engine_rank(rank: int, world: int, path: str, port: int, backend: str) -> dict:
+def _engine_rank(rank: int, world: int, port: int, path: str, backend: str) -> dict:
     from tidal.engine_core.core import EngineCore
 
     cfg = _config(path, rank, world, port, all2all_backend=backend)
@@ -237,8 +236,8 @@ def _engine_rank(rank: int, world: int, path: str, port: int, backend: str) -> d
 
 
 @pytest.mark.parametrize("backend", ["allgather_reducescatter", "all2all"])
-def test_engine_core_greedy_in_lockstep(run_ranks, qwen3_ckpt, backend):
-    results = run_ranks(_engine_rank, 2, qwen3_ckpt, get_open_port(), backend, timeout_s=90)
+def test_engine_core_greedy_in_lockstep(run_ranks_on_ports, qwen3_ckpt, backend):
+    results = run_ranks_on_ports(_engine_rank, 2, qwen3_ckpt, backend, timeout_s=240)
     for rank, res in enumerate(results):
         assert res["got"] == res["want"], f"rank {rank}"
         assert all(len(t) == 4 + 3 * rank for t in res["got"].values())

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import datetime
+import re
 import time
 
 import psutil
@@ -9,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tidal.elastic.groups import StatelessGroup, get_open_port
+from tidal.elastic.groups import StatelessGroup, create_store
 
 
 def _tcp_connections() -> int:
@@ -90,6 +92,7 @@ def _groups_worker(rank: int, world_size: int, ports: list[int]) -> dict:
     c = StatelessGroup.create(
         host="127.0.0.1", port=0, rank=rank, world_size=3, store=a.store, prefix="c"
     )
+    assert _tcp_connections() > base_conns  # the groups hold connections
     for _ in range(2):  # interleave: the groups are independent
         _check_collectives(a, 0.5)
         if b is not None:
@@ -105,8 +108,12 @@ def _groups_worker(rank: int, world_size: int, ports: list[int]) -> dict:
             g.destroy()  # idempotent
             with pytest.raises(RuntimeError, match="destroyed"):
                 g.all_reduce(torch.zeros(1))
-    time.sleep(0.2)
-    conns_after_destroy = _tcp_connections()
+    # Peers close their ends on their own schedule: wait until ours are all gone.
+    deadline = time.monotonic() + 60
+    while (conns_after_destroy := _tcp_connections()) != base_conns:
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
 
     # Re-create on the same ranks and the same port (A's store server was closed).
     a2 = StatelessGroup.create(host="127.0.0.1", port=ports[0], rank=rank, world_size=3, prefix="a")
@@ -120,34 +127,54 @@ def _groups_worker(rank: int, world_size: int, ports: list[int]) -> dict:
     }
 
 
-def test_groups_coexist_destroy_recreate(run_ranks):
-    ports = [get_open_port(), get_open_port()]
-    results = run_ranks(_groups_worker, 3, ports, timeout_s=90)
+def test_groups_coexist_destroy_recreate(run_ranks_on_ports):
+    results = run_ranks_on_ports(_groups_worker, 3, num_ports=2, timeout_s=240)
     for res in results:
         assert res["initialized"] is False  # torch's default group never touched
         assert res["after_destroy"] == res["base"]  # no socket leaked by destroy
 
 
-def _timeout_worker(rank: int, world_size: int, port: int) -> float:
+# The group's timeout in the test below: every collective, and the rendezvous, must finish
+# within it. The rendezvous starts once both ranks are known to be up, so it takes
+# milliseconds; the missing peer's all-reduce then fails after exactly this long.
+COLLECTIVE_TIMEOUT_S = 10.0
+DONE, ACK = "rank0-timed-out", "rank1-saw-it"
+
+
+def _timeout_worker(rank: int, world_size: int, port: int) -> str:
+    # Rendezvous on a store with a generous timeout first: the ranks' processes start
+    # seconds apart on a loaded machine, which the short timeout must not have to cover.
+    store = create_store("127.0.0.1", port, rank=rank, world_size=world_size, timeout_s=120)
+    store.set(f"up{rank}", "1")  # then wait for the others: every process is running
+    store.wait([f"up{r}" for r in range(world_size)], datetime.timedelta(seconds=120))
     g = StatelessGroup.create(
-        host="127.0.0.1", port=port, rank=rank, world_size=2, prefix="t", timeout_s=1
+        host="127.0.0.1",
+        port=0,
+        rank=rank,
+        world_size=world_size,
+        store=store,
+        prefix="t",
+        timeout_s=COLLECTIVE_TIMEOUT_S,
     )
     g.barrier()
-    elapsed = 0.0
+    message = ""
     if rank == 0:  # rank 1 never joins this all-reduce: rank 0 must fail, not hang
-        t0 = time.monotonic()
-        with pytest.raises(RuntimeError):
+        with pytest.raises(RuntimeError) as err:
             g.all_reduce(torch.ones(1))
-        elapsed = time.monotonic() - t0
-    else:
-        time.sleep(1.5)
+        message = str(err.value)
+        store.set(DONE, "1")
+        store.wait([ACK], datetime.timedelta(seconds=120))  # rank 0 hosts the store
+    else:  # stay in the group (not destroyed, not exited) until rank 0 has timed out
+        store.wait([DONE], datetime.timedelta(seconds=120))
+        store.set(ACK, "1")
     g.destroy()
-    return elapsed
+    return message
 
 
-def test_collective_times_out_when_a_peer_is_missing(run_ranks):
-    elapsed = run_ranks(_timeout_worker, 2, get_open_port(), timeout_s=60)
-    assert 0.5 <= elapsed[0] < 10.0
+def test_collective_times_out_when_a_peer_is_missing(run_ranks_on_ports):
+    messages = run_ranks_on_ports(_timeout_worker, 2, timeout_s=240)
+    # A timeout (of the group's timeout_s), not another failure such as a closed peer.
+    assert re.search(r"timed out", messages[0], re.I), messages[0]
 
 
 def test_create_rejects_bad_arguments():
@@ -159,7 +186,8 @@ def test_create_rejects_bad_arguments():
 
 
 def test_single_rank_group_without_peers():
-    g = StatelessGroup.create(host="127.0.0.1", port=get_open_port(), rank=0, world_size=1)
+    # Port 0: the single rank's store binds any free port (no peer needs to know it).
+    g = StatelessGroup.create(host="127.0.0.1", port=0, rank=0, world_size=1)
     t = torch.arange(4.0)
     assert g.all_reduce(t.clone()).tolist() == t.tolist()
     assert g.all_gather(t).tolist() == t.tolist()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -9,7 +11,13 @@ import time
 import httpx
 import psutil
 
-from tests.e2e.server_utils import RemoteServer, free_port
+from tests.e2e.server_utils import (
+    PortConflict,
+    RemoteServer,
+    is_alive,
+    is_port_conflict,
+    retry_port_conflicts,
+)
 
 
 def _complete(url: str, prompt: str, **kw) -> dict:
@@ -27,13 +35,13 @@ def _serve_and_check(url: str, dp: int) -> None:
         assert got == single
     for i in range(6):
         _complete(url, f"prompt number {i}")
-    stats = httpx.get(url + "/stats", timeout=10).json()
+    stats = httpx.get(url + "/stats", timeout=60).json()
     assert stats["data_parallel_size"] == dp
     assert [r["rank"] for r in stats["ranks"]] == list(range(dp))
     totals = [r["requests_total"] for r in stats["ranks"]]
     assert sum(totals) >= dp + 7 and all(t >= 1 for t in totals), totals
     assert stats["wave"] >= 0 and isinstance(stats["engines_running"], bool)
-    metrics = httpx.get(url + "/metrics", timeout=10).text
+    metrics = httpx.get(url + "/metrics", timeout=60).text
     assert 'dp_rank="1"' in metrics
 
 
@@ -47,9 +55,51 @@ def test_launch_dp2(qwen3_ckpt):
     assert srv.leftover_processes() == []
 
 
-def test_headless_rank_joins_over_tcp(qwen3_ckpt):
-    rpc = free_port()
-    common = [
+def _serve_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "tidal.launch.cli", "serve", *args]
+
+
+def _stop_group(proc: subprocess.Popen, timeout_s: float = 60.0) -> None:
+    """SIGTERM a launcher started with ``start_new_session``; SIGKILL its whole process group
+    if it hangs; then wait until every process of the group is gone."""
+    try:
+        members = [proc.pid, *(c.pid for c in psutil.Process(proc.pid).children(recursive=True))]
+    except psutil.NoSuchProcess:
+        members = []
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+    procs = []
+    for pid in members[1:]:
+        try:
+            procs.append(psutil.Process(pid))
+        except psutil.NoSuchProcess:
+            pass
+    deadline = time.monotonic() + timeout_s
+    while any(is_alive(p) for p in procs):
+        if time.monotonic() > deadline:
+            for p in procs:
+                if is_alive(p):
+                    p.kill()
+            raise AssertionError("processes left behind by a launcher")
+        time.sleep(0.2)
+
+
+def _start_headless(common: list[str], *extra: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        _serve_cmd(*common, "--headless", "--data-parallel-start-rank", "1", *extra),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+
+
+def _headless_common(qwen3_ckpt: str, rpc: int) -> list[str]:
+    return [
         "--model",
         qwen3_ckpt,
         "--dp",
@@ -60,24 +110,25 @@ def test_headless_rank_joins_over_tcp(qwen3_ckpt):
         "127.0.0.1",
         "--data-parallel-rpc-port",
         str(rpc),
+        # The TCP control plane is authenticated: every host gets the same secret.
+        "--data-parallel-auth-key",
+        "e2e-test-secret-0123456789",
     ]
-    headless = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "tidal.launch.cli",
-            "serve",
-            *common,
-            "--headless",
-            "--data-parallel-start-rank",
-            "1",
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
+
+
+def test_headless_rank_joins_over_tcp(qwen3_ckpt):
+    def start(rpc: int) -> tuple[subprocess.Popen, RemoteServer]:
+        common = _headless_common(qwen3_ckpt, rpc)
+        headless = _start_headless(common)
+        try:
+            return headless, RemoteServer([*common, "--log-level", "warning"])
+        except BaseException:
+            _stop_group(headless)
+            raise
+
+    # The RPC port must be known to both launchers before the frontend binds it.
+    headless, srv = retry_port_conflicts(start)
     try:
-        srv = RemoteServer([*common, "--log-level", "warning"])
         try:
             assert len(srv.engine_processes()) == 1  # rank 1 lives in the headless launcher
             _serve_and_check(srv.url, 2)
@@ -85,74 +136,36 @@ def test_headless_rank_joins_over_tcp(qwen3_ckpt):
             srv.stop()
         assert srv.leftover_processes() == []
     finally:
-        children = psutil.Process(headless.pid).children(recursive=True)
-        headless.terminate()
-        headless.wait(30)
-        deadline = time.monotonic() + 10
-        while any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in children):
-            assert time.monotonic() < deadline, "headless ranks left behind"
-            time.sleep(0.2)
+        _stop_group(headless)
 
 
 def test_mismatched_rank_fails_fast(qwen3_ckpt):
     """A headless rank started with different parallel flags is refused with a clear error."""
-    rpc = free_port()
-    common = [
-        "--model",
-        qwen3_ckpt,
-        "--data-parallel-address",
-        "127.0.0.1",
-        "--data-parallel-rpc-port",
-        str(rpc),
-        "--data-parallel-size-local",
-        "1",
-    ]
-    headless = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "tidal.launch.cli",
-            "serve",
-            *common,
-            "--dp",
-            "2",
-            "--headless",
-            "--data-parallel-start-rank",
-            "1",
-            "--all2all-backend",
-            "all2all",
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
-    port = free_port()
-    front = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "tidal.launch.cli",
-            "serve",
-            *common,
-            "--dp",
-            "2",
-            "--port",
-            str(port),
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        out, _ = front.communicate(timeout=120)
-        assert front.returncode != 0
-        assert "parallel config" in out
-    finally:
-        for p in (front, headless):
-            if p.poll() is None:
-                p.kill()
-            p.wait(30)
+
+    def attempt(rpc: int) -> tuple[int, str]:
+        common = _headless_common(qwen3_ckpt, rpc)
+        headless = _start_headless(common, "--all2all-backend", "all2all")
+        front = None
+        try:
+            front = subprocess.Popen(
+                _serve_cmd(*common, "--port", "0"),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                start_new_session=True,
+            )
+            out, _ = front.communicate(timeout=240)
+        finally:
+            for p in (front, headless):
+                if p is not None:
+                    _stop_group(p)
+        if is_port_conflict(out):
+            raise PortConflict(out)
+        return front.returncode, out
+
+    code, out = retry_port_conflicts(attempt)
+    assert code != 0
+    assert "parallel config" in out
 
 
 def test_launch_dp2_ep_exposes_expert_load(qwen3_ckpt):
@@ -171,11 +184,11 @@ def test_launch_dp2_ep_exposes_expert_load(qwen3_ckpt):
     )
     try:
         _serve_and_check(srv.url, 2)
-        stats = httpx.get(srv.url + "/stats", timeout=10).json()
+        stats = httpx.get(srv.url + "/stats", timeout=60).json()
         load = stats["expert_load"]
         assert sorted(load) == ["0", "1"]  # the tiny model's two MoE layers
         assert all(len(c) == 8 for c in load.values()) and sum(load["0"]) > 0
-        metrics = httpx.get(srv.url + "/metrics", timeout=10).text
+        metrics = httpx.get(srv.url + "/metrics", timeout=60).text
         assert 'tidal:expert_load_tokens{expert="0",layer="0"}' in metrics
     finally:
         srv.stop()

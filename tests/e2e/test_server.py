@@ -3,16 +3,16 @@
 from __future__ import annotations
 
 import glob
+import json
 import re
-import tempfile
-import threading
 import time
+from collections.abc import Iterator
 
 import httpx
 import openai
 import pytest
 
-from tests.e2e.server_utils import RemoteServer
+from tests.e2e.server_utils import RemoteServer, is_alive
 from tidal import LLM, SamplingParams
 
 MODEL_NAME = "tiny-moe"
@@ -50,12 +50,16 @@ def offline(qwen3_ckpt):
     llm.shutdown()
 
 
-def _metric(server, name: str) -> float:
-    text = httpx.get(f"{server.url}/metrics").text
+def _metric(server, name: str, default: float | None = None) -> float:
+    """The sum of a metric's samples; ``default`` when it has none (a labelled counter
+    never incremented), else that is an error."""
+    text = httpx.get(f"{server.url}/metrics", timeout=30).text
     vals = [
         float(m)
         for m in re.findall(rf"^{re.escape(name)}(?:{{[^}}]*}})? ([0-9.e+-]+)$", text, re.M)
     ]
+    if not vals and default is not None:
+        return default
     assert vals, f"{name} not in /metrics"
     return sum(vals)
 
@@ -191,73 +195,109 @@ def test_malformed_json(server):
     assert r.status_code == 400 and r.json()["error"]["message"]
 
 
-def test_disconnect_aborts_and_frees_blocks(server):
+# Far more tokens than a test waits for (the context of ``qwen3_long_ckpt`` is 131072):
+# a request for this many, with ignore_eos, is still running when the test acts on it.
+LONG_MAX_TOKENS = 130_000
+
+
+def _events(lines: Iterator[str]) -> Iterator[dict | str]:
+    """The server-sent events of a stream: decoded JSON, or the string ``[DONE]``."""
+    for line in lines:
+        if line.startswith("data: "):
+            data = line[len("data: ") :]
+            yield data if data == "[DONE]" else json.loads(data)
+
+
+def _start_long_stream(events: Iterator[dict | str]) -> dict:
+    """The first event of a ``LONG_MAX_TOKENS`` stream: one token, request still running."""
+    first = next(events)
+    assert isinstance(first, dict) and "error" not in first, first
+    (choice,) = first["choices"]
+    assert choice["finish_reason"] is None
+    return first
+
+
+def _long_stream(server: RemoteServer):
     body = {
-        "model": MODEL_NAME,
-        "prompt": PROMPTS[0],
-        "max_tokens": 400,
+        "prompt": "x",
+        "max_tokens": LONG_MAX_TOKENS,
         "stream": True,
         "ignore_eos": True,
     }
-    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=30) as r:
-        lines = r.iter_lines()
-        got = [next(lines) for _ in range(6)]
-        assert any(line.startswith("data: ") for line in got)
-        time.sleep(0.3)
-        assert _metric(server, "tidal:num_requests_running") >= 1
-    # Connection closed mid-stream: the request must be aborted and its blocks freed.
-    deadline = time.monotonic() + 15
-    while time.monotonic() < deadline:
-        if (
-            _metric(server, "tidal:num_requests_running") == 0
-            and _metric(server, "tidal:kv_cache_usage_perc") == 0
-        ):
-            break
+    return httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=120)
+
+
+def _wait_until(cond, what: str, timeout_s: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, f"not reached in {timeout_s} s: {what}"
         time.sleep(0.2)
-    assert _metric(server, "tidal:num_requests_running") == 0
-    assert _metric(server, "tidal:kv_cache_usage_perc") == 0
 
 
-def test_engine_death_fails_fast(qwen3_ckpt):
-    srv = RemoteServer(["--model", qwen3_ckpt, "--log-level", "warning"])
+def test_disconnect_aborts_and_frees_blocks(qwen3_long_ckpt):
+    srv = RemoteServer(["--model", qwen3_long_ckpt, "--log-level", "warning"])
     try:
-        (engine,) = srv.engine_processes()
-        result: dict = {}
-
-        def long_request() -> None:
-            t0 = time.monotonic()
-            try:
-                r = httpx.post(
-                    srv.url + "/v1/completions",
-                    json={"prompt": "x", "max_tokens": 400, "ignore_eos": True},
-                    timeout=60,
-                )
-                result["status"] = r.status_code
-            except httpx.HTTPError as e:
-                result["error"] = repr(e)
-            result["elapsed"] = time.monotonic() - t0
-
-        th = threading.Thread(target=long_request)
-        th.start()
-        time.sleep(1.0)
-        engine.kill()
-        th.join(30)
-        assert not th.is_alive(), "request hung after the engine died"
-        assert result.get("status", 500) >= 500
-        assert httpx.get(srv.url + "/health", timeout=5).status_code == 503
+        with _long_stream(srv) as r:
+            assert r.status_code == 200
+            events = _events(r.iter_lines())  # referenced: dropping it closes the stream
+            _start_long_stream(events)
+            # A step's stats reach /metrics before its tokens reach the stream, and the
+            # request cannot have finished: it must show as running, holding KV blocks.
+            assert _metric(srv, "tidal:num_requests_running") == 1
+            assert _metric(srv, "tidal:kv_cache_usage_perc") > 0
+            events.close()
+        # Connection closed mid-stream: the request must be aborted and its blocks freed.
+        _wait_until(
+            lambda: (
+                _metric(srv, "tidal:num_requests_running") == 0
+                and _metric(srv, "tidal:kv_cache_usage_perc") == 0
+            ),
+            "no request running and every KV block free",
+        )
+        # Aborted, not finished: no request completed (it would need minutes).
+        assert _metric(srv, "tidal:request_success_total", default=0.0) == 0
     finally:
         srv.stop()
     assert srv.leftover_processes() == []
 
 
-def test_sigterm_leaves_nothing(qwen3_ckpt):
-    before = set(glob.glob(f"{tempfile.gettempdir()}/tidal-*"))
-    srv = RemoteServer(["--model", qwen3_ckpt, "--log-level", "warning"])
+def test_engine_death_fails_fast(qwen3_long_ckpt):
+    srv = RemoteServer(["--model", qwen3_long_ckpt, "--log-level", "warning"])
+    try:
+        (engine,) = srv.engine_processes()
+        # The read timeout is the deadline: a stream the server never ends fails the test.
+        with _long_stream(srv) as r:
+            assert r.status_code == 200
+            events = _events(r.iter_lines())
+            _start_long_stream(events)
+            engine.kill()  # SIGKILL while the request is running (it needs minutes)
+            rest = list(events)
+        assert rest and rest[-1] == "[DONE]", rest[-3:]
+        errors = [e["error"] for e in rest if isinstance(e, dict) and "error" in e]
+        assert len(errors) == 1, rest[-3:]
+        assert errors[0]["code"] == "engine_dead" and "engine is dead" in errors[0]["message"]
+        finishes = [c["finish_reason"] for e in rest[:-1] if "choices" in e for c in e["choices"]]
+        assert not any(finishes), finishes  # the request never completed
+        assert httpx.get(srv.url + "/health", timeout=30).status_code == 503
+        after = httpx.post(
+            srv.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=30
+        )
+        assert after.status_code == 503 and after.json()["error"]["code"] == "engine_dead"
+    finally:
+        srv.stop()
+    assert srv.leftover_processes() == []
+
+
+def test_sigterm_leaves_nothing(qwen3_ckpt, tmp_path):
+    # A private TMPDIR: only this server's files can appear there (not a concurrent run's).
+    tmp = str(tmp_path)
+    srv = RemoteServer(["--model", qwen3_ckpt, "--log-level", "warning"], env={"TMPDIR": tmp})
     assert srv.engine_processes(), "expected an engine process"
+    assert glob.glob(f"{tmp}/tidal-*"), "expected the server's IPC directory in its TMPDIR"
     code = srv.stop()
     assert code in (0, -15, 143), code
     assert srv.leftover_processes() == []
-    assert set(glob.glob(f"{tempfile.gettempdir()}/tidal-*")) - before == set()
+    assert glob.glob(f"{tmp}/tidal-*") == []
 
 
 def test_engines_exit_when_launcher_is_killed(qwen3_ckpt):
@@ -265,9 +305,13 @@ def test_engines_exit_when_launcher_is_killed(qwen3_ckpt):
     engines = srv.engine_processes()
     assert engines
     srv.proc.kill()  # SIGKILL: no chance to clean up
-    srv.proc.wait(10)
-    deadline = time.monotonic() + 20
-    while any(p.is_running() and p.status() != "zombie" for p in engines):
-        assert time.monotonic() < deadline, "engine process outlived its launcher"
-        time.sleep(0.2)
-    srv.stop()
+    srv.proc.wait(30)
+    try:
+        _wait_until(
+            lambda: not any(is_alive(p) for p in engines), "the engines exit after the launcher"
+        )
+    finally:
+        for p in engines:  # only if the test failed: none of them may outlive it
+            if is_alive(p):
+                p.kill()
+        srv.stop()

@@ -680,17 +680,16 @@ async def live_server(engine: FakeAsyncLLM):
     server = make_server(build_app(engine, served_model_name=SERVED), log_level="warning")
     task = asyncio.ensure_future(server.serve(sockets=[sock]))
     try:
-        while not server.started:
-            assert not task.done(), "server failed to start"
-            await asyncio.sleep(0.01)
+        await wait_for(lambda: server.started or task.done())
+        assert server.started, "server failed to start"
         yield f"http://127.0.0.1:{port}"
     finally:
         server.should_exit = True
-        await asyncio.wait_for(task, 10)
+        await asyncio.wait_for(task, 60)
         sock.close()
 
 
-async def wait_for(cond, timeout: float = 5.0) -> None:
+async def wait_for(cond, timeout: float = 60.0) -> None:
     deadline = asyncio.get_running_loop().time() + timeout
     while not cond():
         assert asyncio.get_running_loop().time() < deadline, "condition not reached"
@@ -701,7 +700,7 @@ async def wait_for(cond, timeout: float = 5.0) -> None:
 async def test_client_disconnect_aborts_and_lifespan_shuts_engine_down():
     engine = FakeAsyncLLM()
     engine.hang_after = 1
-    async with live_server(engine) as url, httpx.AsyncClient(base_url=url) as c:
+    async with live_server(engine) as url, httpx.AsyncClient(base_url=url, timeout=60) as c:
         body = {"prompt": "a", "max_tokens": 10, "stream": True}
         async with c.stream("POST", "/v1/completions", json=body) as r:
             first = await r.aiter_lines().__anext__()

@@ -1,5 +1,6 @@
 """Engine choice: the vLLM baseline score, bursts between snapshots, ties, explicit ranks,
-and the simulator comparison of the two policies (deterministic seeds)."""
+topology changes (engines keyed by id), and the simulator comparison of the two policies
+(deterministic seeds)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from tidal.dp_coordinator.balance import (
     policy_names,
 )
 from tidal.engine_core.messages import DPLoadSnapshot
+from tidal.protocol.topology import Topology
 
 SIM_PATH = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "balance_sim.py"
 
@@ -30,10 +32,12 @@ def load_sim():
     return mod
 
 
-def snap(counts, kv=None, seq=1) -> DPLoadSnapshot:
+def snap(counts, kv=None, seq=1, epoch=0, engine_ids=None) -> DPLoadSnapshot:
+    """A snapshot; by default of the launch topology (epoch 0, engine ids 0..n-1)."""
+    ids = list(range(len(counts))) if engine_ids is None else engine_ids
     return DPLoadSnapshot(
-        seq=seq, timestamp=0.0, wave=0, running=False, counts=counts,
-        kv_usage=kv or [0.0] * len(counts),
+        seq=seq, timestamp=0.0, epoch=epoch, engine_ids=ids, wave=0, running=False,
+        counts=counts, kv_usage=kv or [0.0] * len(counts),
     )  # fmt: skip
 
 
@@ -176,15 +180,121 @@ def test_p2c_is_deterministic_and_picks_the_better_of_two():
     assert len(set(picks[0])) > 1
 
 
-def test_resize_keeps_inflight_and_pads_snapshots():
+def test_resize_keeps_inflight_and_drops_old_snapshots():
     bal = Balancer(2, "tidal")
     bal.on_send(1, now=0.0)
-    bal.resize(3)
+    topo = bal.topology.grown(1)
+    assert bal.set_topology(topo)
     assert [ld.inflight for ld in bal.loads()] == [0, 1, 0]
-    bal.on_snapshot(snap([[1, 1], [1, 1]]), now=1.0)  # an old-size snapshot
+    assert not bal.on_snapshot(snap([[1, 1], [1, 1]]), now=1.0)  # an old-epoch snapshot
+    bal.on_snapshot(snap([[1, 1], [1, 1], [0, 0]], epoch=1), now=1.0)
     assert bal.choose() == 2
     with pytest.raises(ValueError):
-        bal.resize(0)
+        bal.set_topology(topo.without([0, 1, 2]))
+
+
+# ---------------------------------------------------------------------- topology
+
+
+def _loaded(n: int, policy: str = "tidal") -> Balancer:
+    """n engines; engine e has e + 1 of this frontend's requests in flight."""
+    bal = Balancer(n, policy)
+    for e in range(n):
+        for _ in range(e + 1):
+            bal.on_send(e, now=0.0)
+    return bal
+
+
+def test_remove_an_engine_from_the_middle():
+    bal = _loaded(3)
+    bal.on_snapshot(snap([[0, 1], [0, 2], [0, 3]]), now=1.0)
+    topo = bal.topology.without([1])
+    assert bal.set_topology(topo)
+    assert bal.engine_ids == [0, 2] and bal.num_engines == 2
+    # Survivors keep their rows (in-flight and snapshot counts); engine 1's are gone.
+    assert [(ld.inflight, ld.running) for ld in bal.loads()] == [(1, 1), (3, 3)]
+    assert bal.load_of(2).inflight == 3
+    bal.on_finish(1)  # a request that was on the removed engine: nothing to undo
+    assert [ld.inflight for ld in bal.loads()] == [1, 3]
+    assert all(bal.choose() in (0, 2) for _ in range(5))
+    with pytest.raises(ValueError, match="not in topology"):
+        bal.on_send(1, now=2.0)
+
+
+def test_remove_a_dead_engine():
+    """A dead engine reports nothing, so it looks idle: it must vanish with its removal."""
+    bal = Balancer(3, "tidal")
+    bal.on_snapshot(snap([[2, 8], [0, 0], [2, 8]]), now=0.0)
+    assert bal.choose() == 1
+    bal.set_topology(bal.topology.without([1]))
+    bal.on_snapshot(snap([[2, 8], [0, 0], [2, 8]], seq=2), now=0.1)  # from before: stale
+    assert bal.stale_snapshots == 1
+    assert {bal.choose() for _ in range(6)} <= {0, 2}
+
+
+def test_routes_by_engine_id_after_changes():
+    bal = Balancer(2, "tidal")
+    topo = bal.topology.without([0]).grown(2)
+    assert topo.engine_ids == [1, 2, 3] and topo.epoch == 2  # id 0 is never reused
+    bal.set_topology(topo)
+    bal.on_snapshot(snap([[0, 5], [0, 0], [0, 9]], epoch=2, engine_ids=[1, 2, 3]), now=0.0)
+    assert bal.choose() == 2
+    bal.on_send(2, now=0.0)
+    assert bal.load_of(2).inflight == 1 and bal.loads()[1].inflight == 1
+    # An explicit data_parallel_rank is a position: rank 0 is engine 1 now.
+    assert bal.choose(data_parallel_rank=0) == 1
+    assert bal.choose(data_parallel_rank=2) == 3
+    with pytest.raises(ValueError, match=r"valid ranks are 0\.\.2"):
+        bal.choose(data_parallel_rank=3)
+
+
+def test_stale_snapshot_never_resurrects_a_removed_engine():
+    bal = Balancer(3, "tidal")
+    bal.on_snapshot(snap([[1, 4], [1, 4], [1, 4]]), now=0.0)
+    bal.set_topology(bal.topology.without([1]))
+    # Published before the coordinator learnt the change: engine 1 idle, the rest busy.
+    assert not bal.on_snapshot(snap([[5, 9], [0, 0], [5, 9]], seq=2), now=0.1)
+    assert bal.engine_ids == [0, 2]
+    assert [ld.waiting for ld in bal.loads()] == [1, 1]  # unchanged by the stale one
+    assert bal.on_snapshot(snap([[0, 1], [0, 2]], seq=3, epoch=1, engine_ids=[0, 2]), 0.2)
+    assert [ld.running for ld in bal.loads()] == [1, 2]
+
+
+def test_newer_snapshot_applies_to_known_engines_only():
+    """Another frontend's controller moved first: use what both topologies share."""
+    bal = Balancer(2, "tidal")
+    bal.on_snapshot(snap([[0, 3], [0, 4]]), now=0.0)
+    newer = snap([[0, 7], [0, 1]], seq=2, epoch=1, engine_ids=[0, 2])
+    assert bal.on_snapshot(newer, now=0.1)
+    assert bal.engine_ids == [0, 1]  # engine 2 is not added by a snapshot
+    assert [ld.running for ld in bal.loads()] == [7, 4]  # engine 1 keeps its last load
+
+
+def test_topology_only_moves_forward():
+    bal = Balancer(3, "tidal")
+    t1 = bal.topology.without([2])
+    assert bal.set_topology(t1)
+    assert not bal.set_topology(Topology.initial(3))  # stale: ignored
+    assert not bal.set_topology(t1)  # repeated
+    assert bal.engine_ids == [0, 1]
+    with pytest.raises(ValueError, match="two topologies"):
+        bal.set_topology(Topology(1, [0, 2]))
+
+
+def test_draining_by_engine_id():
+    bal = Balancer(3, "tidal")
+    bal.set_topology(bal.topology.without([0]))
+    bal.set_draining([2])
+    bal.on_snapshot(snap([[5, 5], [0, 0]], epoch=1, engine_ids=[1, 2]), now=0.0)
+    assert all(bal.choose() == 1 for _ in range(4))
+    with pytest.raises(ValueError, match="not in topology"):
+        bal.set_draining([0])  # removed
+    bal.set_topology(bal.topology.without([2]))  # the drained engine leaves
+    assert bal.choose() == 1
+    bal.set_topology(bal.topology.grown(1))
+    assert bal.engine_ids == [1, 3]  # the new engine gets a fresh id, not 0 or 2
+    bal.on_snapshot(snap([[5, 5], [0, 0]], epoch=3, engine_ids=[1, 3]), now=1.0)
+    assert bal.choose() == 3
 
 
 # --------------------------------------------------------------------- simulator

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 
 import pytest
 
@@ -65,6 +66,35 @@ def test_unknown_architecture(qwen3_ckpt, tmp_path):
     (bad / "config.json").write_text(json.dumps(conf))
     with pytest.raises(ValueError, match="LlamaForCausalLM"):
         _cfg(str(bad))
+
+
+def test_config_hash_ignores_the_live_dp_size(qwen3_ckpt, qwen3_long_ckpt, tmp_path):
+    """DESIGN.md 6.1: the hash a joining engine checks covers what must match (model,
+    dtype, EP, backends, block size), never the live DP size, a rank or the model's path."""
+    base = _cfg(qwen3_ckpt, data_parallel_size=2, enable_expert_parallel=True)
+    grown = _cfg(
+        qwen3_ckpt, data_parallel_size=3, data_parallel_rank=2, enable_expert_parallel=True
+    )
+    assert base.parallel.config_hash() == grown.parallel.config_hash()
+    assert base.config_hash() == grown.config_hash()
+    assert base.config_hash() == base.with_parallel(data_parallel_size=5).config_hash()
+    moved = tmp_path / "elsewhere"
+    shutil.copytree(qwen3_ckpt, moved)  # same checkpoint, another host's path
+    assert _cfg(str(moved), data_parallel_size=2, enable_expert_parallel=True).config_hash() == (
+        base.config_hash()
+    )
+    different = [
+        _cfg(qwen3_ckpt, data_parallel_size=2),  # EP off
+        _cfg(
+            qwen3_ckpt, data_parallel_size=2, enable_expert_parallel=True, all2all_backend="all2all"
+        ),
+        _cfg(qwen3_ckpt, data_parallel_size=2, enable_expert_parallel=True, dtype="bfloat16"),
+        _cfg(qwen3_ckpt, data_parallel_size=2, enable_expert_parallel=True, block_size=32),
+        _cfg(qwen3_ckpt, data_parallel_size=2, enable_expert_parallel=True, moe_backend="torch"),
+        _cfg(qwen3_long_ckpt, data_parallel_size=2, enable_expert_parallel=True),  # model
+    ]
+    hashes = {c.config_hash() for c in different} | {base.config_hash()}
+    assert len(hashes) == len(different) + 1
 
 
 def test_parallel_hash_ignores_rank_fields(qwen3_ckpt):

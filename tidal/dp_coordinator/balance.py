@@ -29,7 +29,9 @@ Policies (``policy_names()``, ``register_policy``):
            small DP sizes, kept for large ones.
 
 ``benchmarks/balance_sim.py`` compares them. An explicit ``data_parallel_rank`` on a
-request overrides the choice (range-checked).
+request overrides the choice (range-checked); it is a rank, i.e. a position in the current
+``Topology``, and is mapped to that engine's id. Everything else here is keyed by engine
+id, which is stable across reconfigurations (DESIGN.md 6.1).
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from tidal.engine_core.messages import DPLoadSnapshot
+from tidal.protocol.topology import Topology
 
 
 @dataclass(frozen=True)
@@ -189,25 +192,62 @@ def choose_engine(
     return _pick(get_policy(policy), loads, range(n), start % n, num_clients)
 
 
-class Balancer:
-    """Frontend-side balancing state for one DP client. All times are this process's
-    monotonic clock (never compared with another process's).
+class _EngineLoad:
+    """What one frontend tracks about one engine (mutable; the Balancer's table row)."""
 
-    Call ``choose()`` for a request, then ``on_send(rank, now)`` once it is sent there,
-    ``on_finish(rank)`` when it finishes or is aborted, ``on_snapshot(snap, now)`` per
-    snapshot. A request migrated to another rank is ``on_finish(old)`` + ``on_send(new)``."""
+    __slots__ = ("counts", "kv", "inflight", "sends", "finished", "capacity")
+
+    def __init__(self) -> None:
+        self.counts = (0, 0)  # [waiting, running] from the latest snapshot covering it
+        self.kv = 0.0
+        self.inflight = 0  # own requests sent and not finished (exact)
+        self.sends: collections.deque[float] = collections.deque()  # own send times
+        self.finished = 0  # own finishes since the latest snapshot covering it
+        self.capacity = 0  # running seen while requests waited
+
+    def load(self) -> RankLoad:
+        waiting, running = self.counts
+        return RankLoad(
+            waiting,
+            running,
+            self.kv,
+            len(self.sends),
+            self.finished,
+            self.inflight,
+            self.capacity,
+        )
+
+
+class Balancer:
+    """Frontend-side balancing state for one DP client, keyed by engine id (DESIGN.md
+    6.1). All times are this process's monotonic clock (never compared with another
+    process's).
+
+    Call ``choose()`` for a request (an engine id), then ``on_send(engine_id, now)`` once
+    it is sent there, ``on_finish(engine_id)`` when it finishes or is aborted,
+    ``on_snapshot(snap, now)`` per snapshot and ``set_topology`` on each reconfiguration.
+    A request migrated to another engine is ``on_finish(old)`` + ``on_send(new)``.
+
+    Topology races: a snapshot published before the coordinator learnt the current
+    topology arrives after ``set_topology``; its epoch is older, and it is dropped whole
+    (applying it would resurrect a removed engine's row or give a new engine a removed
+    one's load). A snapshot from a *newer* epoch than this frontend knows (another
+    frontend's controller moved first) is applied to the engines both know; the others
+    keep their last load until this frontend's own ``set_topology``. Events for an engine
+    no longer in the topology (a finish of a request that was on a removed engine) are
+    ignored: its row, in-flight counts included, went with it."""
 
     def __init__(
         self,
-        num_engines: int,
+        topology: Topology | int,
         policy: str = "tidal",
         *,
         client_index: int = 0,
         num_clients: int = 1,
         seed: int = 0,
     ) -> None:
-        if num_engines < 1:
-            raise ValueError(f"num_engines must be >= 1, got {num_engines}")
+        if isinstance(topology, int):  # launch size: engine ids 0..n-1
+            topology = Topology.initial(topology)
         if num_clients < 1:
             raise ValueError(f"num_clients must be >= 1, got {num_clients}")
         self.policy = get_policy(policy)
@@ -215,93 +255,114 @@ class Balancer:
         self.num_clients = num_clients
         self._rng = random.Random(seed * 1_000_003 + client_index)
         self._draining: frozenset[int] = frozenset()
-        self._init_ranks(num_engines)
+        self.stale_snapshots = 0  # dropped: older epoch than the topology
+        self.topology = topology
+        self._engines: dict[int, _EngineLoad] = {e: _EngineLoad() for e in topology.engine_ids}
+        self._reset_start()
 
-    def _init_ranks(self, n: int) -> None:
-        self.num_engines = n
-        self._counts = [[0, 0] for _ in range(n)]
-        self._kv = [0.0] * n
-        self._inflight = [0] * n
-        self._sends: list[collections.deque[float]] = [collections.deque() for _ in range(n)]
-        self._finished = [0] * n  # own finishes since the latest snapshot
-        self._capacity = [0] * n
-        # Spread frontends' fixed/rotating starting points over the ranks.
+    def _reset_start(self) -> None:
+        # Spread frontends' fixed/rotating starting positions over the ranks.
+        n = self.topology.size
         self._start = (self.client_index * n // self.num_clients) % n
+
+    @property
+    def num_engines(self) -> int:
+        return self.topology.size
+
+    @property
+    def engine_ids(self) -> list[int]:
+        return self.topology.engine_ids
 
     # ---------------------------------------------------------------- events
 
-    def on_snapshot(self, snap: DPLoadSnapshot, now: float) -> None:
-        self.on_load(snap.counts, snap.kv_usage, now)
-
-    def on_load(
-        self, counts: Sequence[Sequence[int]], kv_usage: Sequence[float], now: float
-    ) -> None:
-        """A new snapshot arrived at ``now``. Ranks it does not cover (a size change in
-        flight) read as idle."""
-        n = self.num_engines
-        self._counts = [list(counts[r][:2]) if r < len(counts) else [0, 0] for r in range(n)]
-        self._kv = [float(kv_usage[r]) if r < len(kv_usage) else 0.0 for r in range(n)]
-        for r, (waiting, running) in enumerate(self._counts):
-            if waiting > 0:  # saturated: running is what this rank can hold right now
-                self._capacity[r] = running
-            elif running > self._capacity[r] > 0:
-                self._capacity[r] = running
+    def on_snapshot(self, snap: DPLoadSnapshot, now: float) -> bool:
+        """A new snapshot arrived at ``now``; False when dropped as stale."""
+        if snap.epoch < self.topology.epoch:
+            self.stale_snapshots += 1
+            return False
         horizon = now - self.policy.stats_lag_s
-        for sends in self._sends:
-            while sends and sends[0] <= horizon:
-                sends.popleft()
-        self._finished = [0] * n
+        for engine_id, counts, kv in zip(snap.engine_ids, snap.counts, snap.kv_usage):
+            row = self._engines.get(engine_id)
+            if row is None:
+                continue  # not (or no longer) in this frontend's topology
+            waiting, running = row.counts = (counts[0], counts[1])
+            row.kv = float(kv)
+            if waiting > 0:  # saturated: running is what this engine can hold right now
+                row.capacity = running
+            elif running > row.capacity > 0:
+                row.capacity = running
+            while row.sends and row.sends[0] <= horizon:
+                row.sends.popleft()
+            row.finished = 0
+        return True
 
-    def on_send(self, rank: int, now: float) -> None:
-        check_rank(rank, self.num_engines)
-        self._sends[rank].append(now)
-        self._inflight[rank] += 1
+    def on_send(self, engine_id: int, now: float) -> None:
+        row = self._row(engine_id)
+        row.sends.append(now)
+        row.inflight += 1
         if self.policy.rotate_ties:
-            self._start = (rank + 1) % self.num_engines
+            self._start = (self.topology.rank_of(engine_id) + 1) % self.num_engines
 
-    def on_finish(self, rank: int) -> None:
-        if 0 <= rank < self.num_engines and self._inflight[rank] > 0:
-            self._inflight[rank] -= 1
-            self._finished[rank] += 1
+    def on_finish(self, engine_id: int) -> None:
+        row = self._engines.get(engine_id)  # None: removed since the send
+        if row is not None and row.inflight > 0:
+            row.inflight -= 1
+            row.finished += 1
 
-    def resize(self, num_engines: int) -> None:
-        """Elastic scaling; own in-flight counts of surviving ranks are kept."""
-        if num_engines < 1:
-            raise ValueError(f"num_engines must be >= 1, got {num_engines}")
-        inflight = self._inflight
-        self._init_ranks(num_engines)
-        for r in range(min(num_engines, len(inflight))):
-            self._inflight[r] = inflight[r]
-        self._draining = frozenset(r for r in self._draining if r < num_engines)
+    def set_topology(self, topology: Topology) -> bool:
+        """Elastic scaling: drop removed engines (their in-flight counts with them), add
+        new ones idle, keep survivors' rows. False when ``topology`` is not newer (a stale
+        or repeated one); ValueError for a different one at the same epoch."""
+        current = self.topology
+        if topology.epoch <= current.epoch:
+            if topology.epoch == current.epoch and not topology.same_members(current):
+                raise ValueError(
+                    f"two topologies for epoch {topology.epoch}: {current.engine_ids} and "
+                    f"{topology.engine_ids}"
+                )
+            return False
+        old = self._engines
+        self._engines = {e: old.get(e) or _EngineLoad() for e in topology.engine_ids}
+        self._draining = frozenset(e for e in self._draining if e in self._engines)
+        self.topology = topology
+        self._reset_start()
+        return True
 
-    def set_draining(self, ranks: Sequence[int]) -> None:
-        """Ranks being removed by a scale-down get no automatically chosen requests."""
-        self._draining = frozenset(check_rank(r, self.num_engines) for r in ranks)
+    def set_draining(self, engine_ids: Sequence[int]) -> None:
+        """Engines being removed by a scale-down get no automatically chosen requests."""
+        for e in engine_ids:
+            self._row(e)  # validates
+        self._draining = frozenset(engine_ids)
 
     # ---------------------------------------------------------------- choice
 
     def loads(self) -> list[RankLoad]:
-        return [
-            RankLoad(
-                c[0],
-                c[1],
-                self._kv[r],
-                len(self._sends[r]),
-                self._finished[r],
-                self._inflight[r],
-                self._capacity[r],
-            )
-            for r, c in enumerate(self._counts)
-        ]
+        """Per engine, in rank (topology) order."""
+        return [row.load() for row in self._engines.values()]
+
+    def load_of(self, engine_id: int) -> RankLoad:
+        return self._row(engine_id).load()
 
     def choose(self, data_parallel_rank: int | None = None) -> int:
-        """The rank for the next request (does not record it: call ``on_send``)."""
+        """The engine id for the next request (does not record it: call ``on_send``).
+        An explicit ``data_parallel_rank`` is a rank (position) in the current topology."""
+        ids = self.topology.engine_ids
         if data_parallel_rank is not None:
-            return check_rank(data_parallel_rank, self.num_engines)
-        candidates = [r for r in range(self.num_engines) if r not in self._draining]
+            return ids[check_rank(data_parallel_rank, len(ids))]
+        candidates = [r for r, e in enumerate(ids) if e not in self._draining]
         if not candidates:
             raise RuntimeError("every DP rank is draining; no rank accepts new requests")
         k = self.policy.sample
         if 0 < k < len(candidates):
             candidates = self._rng.sample(candidates, k)
-        return _pick(self.policy, self.loads(), candidates, self._start, self.num_clients)
+        rank = _pick(self.policy, self.loads(), candidates, self._start, self.num_clients)
+        return ids[rank]
+
+    def _row(self, engine_id: int) -> _EngineLoad:
+        row = self._engines.get(engine_id)
+        if row is None or isinstance(engine_id, bool):
+            raise ValueError(
+                f"engine {engine_id!r} is not in topology epoch {self.topology.epoch} "
+                f"(engines {self.topology.engine_ids})"
+            )
+        return row

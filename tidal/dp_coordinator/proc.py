@@ -14,11 +14,15 @@ bound addresses are reported back):
                      ``engine_dead``.
 ``frontend_publish`` XPUB -> frontends (XSUB): one frame, ``DPLoadSnapshot``. A new
                      subscription gets a snapshot at once. Frontends send
-                     ``FrontendToCoordinator`` messages (wake-ups, resize) *upstream on the
+                     ``FrontendToCoordinator`` messages (wake-ups, topology) *upstream on the
                      same XSUB socket*: no extra socket, and a frontend that can send
                      is by construction one that receives snapshots.
 ``stats``            ROUTER <- DEALER/REQ: any request (``DPStatsRequest`` by convention)
                      is answered with ``DPCoordinatorStats`` (``/stats``, dashboard).
+
+Over TCP (multi-node) every socket is a CURVE server and a ZAP handler in this process
+admits only holders of the deployment's shared secret (``tidal/utils/zmq_auth.py``); the
+peers (engines, frontends, ``fetch_stats``) connect as CURVE clients.
 
 Everything is msgspec msgpack; nothing is pickled. SIGTERM/SIGINT stop the loop cleanly
 (sockets closed, ipc files unlinked); the process also exits when its parent dies.
@@ -28,7 +32,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import multiprocessing
 import os
 import shutil
 import signal
@@ -58,6 +61,14 @@ from tidal.engine_core.messages import (
     FrontendToCoordinator,
     StartDPWave,
     encode,
+)
+from tidal.utils.procs import ModuleProcess
+from tidal.utils.zmq_auth import (
+    CurveKeys,
+    curve_keys,
+    secure_client,
+    secure_server,
+    start_authenticator,
 )
 
 logger = logging.getLogger(__name__)
@@ -110,12 +121,16 @@ def decode_engine_message(frames: list[bytes]) -> StartDPWave | CoordinatorReady
 
 
 def fetch_stats(
-    address: str, timeout_s: float = 2.0, ctx: zmq.Context | None = None
+    address: str,
+    timeout_s: float = 2.0,
+    ctx: zmq.Context | None = None,
+    curve: CurveKeys | None = None,
 ) -> DPCoordinatorStats:
     """Ask the coordinator's ``stats`` socket for the full stats (blocking, bounded)."""
     sock = (ctx or zmq.Context.instance()).socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     try:
+        secure_client(sock, curve, address)
         sock.connect(address)
         sock.send(encode(DPStatsRequest()))
         if not sock.poll(int(timeout_s * 1000)):
@@ -125,13 +140,16 @@ def fetch_stats(
         sock.close()
 
 
-async def fetch_stats_async(address: str, timeout_s: float = 2.0) -> DPCoordinatorStats:
+async def fetch_stats_async(
+    address: str, timeout_s: float = 2.0, curve: CurveKeys | None = None
+) -> DPCoordinatorStats:
     """``fetch_stats`` for an asyncio frontend."""
     import zmq.asyncio
 
     sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     try:
+        secure_client(sock, curve, address)
         sock.connect(address)
         await sock.send(encode(DPStatsRequest()))
         if not await sock.poll(int(timeout_s * 1000)):
@@ -174,23 +192,25 @@ class _CoordinatorLoop:
         addresses: CoordinatorAddresses,
         state: CoordinatorState,
         stop: _StopFlag,
+        curve: CurveKeys | None = None,
     ) -> None:
         self.state = state
         self.stop = stop
-        self.engine_pub = self._bind(ctx, zmq.XPUB, addresses.engine_publish)
-        self.engine_in = self._bind(ctx, zmq.PULL, addresses.engine_input)
-        self.front_pub = self._bind(ctx, zmq.XPUB, addresses.frontend_publish)
-        self.stats = self._bind(ctx, zmq.ROUTER, addresses.stats)
+        self.engine_pub = self._bind(ctx, zmq.XPUB, addresses.engine_publish, curve)
+        self.engine_in = self._bind(ctx, zmq.PULL, addresses.engine_input, curve)
+        self.front_pub = self._bind(ctx, zmq.XPUB, addresses.frontend_publish, curve)
+        self.stats = self._bind(ctx, zmq.ROUTER, addresses.stats, curve)
         self.poller = zmq.Poller()
         for s in (self.engine_pub, self.engine_in, self.front_pub, self.stats):
             self.poller.register(s, zmq.POLLIN)
 
     @staticmethod
-    def _bind(ctx: zmq.Context, kind: int, address: str) -> zmq.Socket:
+    def _bind(ctx: zmq.Context, kind: int, address: str, curve: CurveKeys | None) -> zmq.Socket:
         sock = ctx.socket(kind)
         sock.setsockopt(zmq.LINGER, 0)
         if kind == zmq.XPUB:
             sock.setsockopt(zmq.XPUB_VERBOSE, 1)  # every subscriber, not just the first
+        secure_server(sock, curve, address)
         sock.bind(address)
         return sock
 
@@ -271,22 +291,26 @@ def run_coordinator(
     history_len: int = 600,
     ready_conn: Connection | None = None,
     parent_pid: int | None = None,
+    auth_key: str | None = None,
 ) -> None:
-    """Process entry point (``multiprocessing`` spawn). Reports the bound addresses (or
-    the startup error) as msgpack bytes on ``ready_conn``, then serves until SIGTERM."""
-    from tidal.utils.proctitle import set_process_name
-
-    set_process_name("DPCoordinator")
+    """The coordinator process's body (``tidal.dp_coordinator.entry``). Reports the bound
+    addresses (or the startup error) as msgpack bytes on ``ready_conn``, then serves until
+    SIGTERM. ``auth_key``: the shared secret of a TCP control plane (None: no CURVE)."""
     stop = _StopFlag()
     signal.signal(signal.SIGTERM, stop.set)
     signal.signal(signal.SIGINT, stop.set)
     ctx = zmq.Context()
+    authenticator = None
     try:
+        curve = curve_keys(auth_key)
+        authenticator = start_authenticator(ctx, curve)  # before any bind
         state = CoordinatorState(num_engines, history_len, publish_interval_s, heartbeat_interval_s)
-        loop = _CoordinatorLoop(ctx, addresses, state, stop)
+        loop = _CoordinatorLoop(ctx, addresses, state, stop, curve)
     except Exception as e:
         if ready_conn is not None:
             ready_conn.send_bytes(encode({"error": f"{type(e).__name__}: {e}"}))
+        if authenticator is not None:
+            authenticator.stop()
         ctx.destroy(linger=0)  # closes the sockets bound before the failure
         _unlink(addresses)
         raise
@@ -297,6 +321,8 @@ def run_coordinator(
         loop.run(parent_pid)
     finally:
         loop.close()
+        if authenticator is not None:
+            authenticator.stop()
         ctx.term()
         _unlink(addresses)
 
@@ -308,6 +334,35 @@ def _unlink(addresses: CoordinatorAddresses) -> None:
 
 
 # ----------------------------------------------------------------------- handle
+
+COORDINATOR_ENTRY_MODULE = "tidal.dp_coordinator.entry"
+
+
+class CoordinatorLaunch(msgspec.Struct, frozen=True):
+    """What the launcher writes to the coordinator process's stdin."""
+
+    addresses: CoordinatorAddresses
+    num_engines: int
+    publish_interval_s: float
+    heartbeat_interval_s: float
+    history_len: int
+    parent_pid: int
+    ready_fd: int  # write end of the startup-reply pipe, inherited by the child
+    auth_key: str | None = None  # shared secret of a TCP control plane (stdin is private)
+
+
+def run_coordinator_launch(launch: CoordinatorLaunch) -> None:
+    ready_conn = Connection(launch.ready_fd, readable=False)
+    run_coordinator(
+        launch.addresses,
+        launch.num_engines,
+        publish_interval_s=launch.publish_interval_s,
+        heartbeat_interval_s=launch.heartbeat_interval_s,
+        history_len=launch.history_len,
+        ready_conn=ready_conn,
+        parent_pid=launch.parent_pid,
+        auth_key=launch.auth_key,
+    )
 
 
 class DPCoordinator:
@@ -325,28 +380,38 @@ class DPCoordinator:
         heartbeat_interval_s: float = 3.0,
         history_len: int = 600,
         start_timeout_s: float = 30.0,
+        auth_key: str | None = None,
     ) -> None:
         tmpdir = None
         if addresses is None:
             tmpdir = tempfile.mkdtemp(prefix="tidal-dpc-")  # mode 0700
             addresses = CoordinatorAddresses.ipc(tmpdir)
-        mp = multiprocessing.get_context("spawn")
-        recv_conn, send_conn = mp.Pipe(duplex=False)
-        self.proc = mp.Process(
-            target=run_coordinator,
-            name="TidalDPCoordinator",
-            args=(addresses, num_engines),
-            kwargs=dict(
-                publish_interval_s=publish_interval_s,
-                heartbeat_interval_s=heartbeat_interval_s,
-                history_len=history_len,
-                ready_conn=send_conn,
-                parent_pid=os.getpid(),
-            ),
-            daemon=True,
+        # A fresh interpreter running the entry module, not multiprocessing's spawn (which
+        # would re-run the caller's __main__); it answers on a pipe it inherits.
+        ready_r, ready_w = os.pipe()
+        launch = CoordinatorLaunch(
+            addresses,
+            num_engines,
+            publish_interval_s,
+            heartbeat_interval_s,
+            history_len,
+            os.getpid(),
+            ready_w,
+            auth_key,
         )
-        self.proc.start()
-        send_conn.close()
+        recv_conn = Connection(ready_r, writable=False)
+        try:
+            self.proc = ModuleProcess(
+                COORDINATOR_ENTRY_MODULE,
+                "DPCoordinator",
+                msgspec.msgpack.encode(launch),
+                pass_fds=[ready_w],
+            )
+        except BaseException:
+            recv_conn.close()
+            raise
+        finally:
+            os.close(ready_w)
         self._finalizer = weakref.finalize(self, _cleanup, self.proc, addresses, tmpdir, 5.0)
         try:
             self.addresses = _await_ready(recv_conn, start_timeout_s)
@@ -382,7 +447,7 @@ def _await_ready(conn: Connection, timeout_s: float) -> CoordinatorAddresses:
 
 
 def _cleanup(
-    proc: multiprocessing.Process,
+    proc: ModuleProcess,
     addresses: CoordinatorAddresses,
     tmpdir: str | None,
     timeout_s: float,
@@ -394,6 +459,7 @@ def _cleanup(
         logger.warning("DP coordinator ignored SIGTERM for %.1fs; killing it", timeout_s)
         proc.kill()
         proc.join(timeout_s)
+    proc.close()
     _unlink(addresses)  # a killed process leaves its ipc files behind
     if tmpdir is not None:
         shutil.rmtree(tmpdir, ignore_errors=True)

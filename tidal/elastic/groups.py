@@ -28,11 +28,11 @@ from __future__ import annotations
 
 import datetime
 import logging
-import pickle
 import socket
 from collections.abc import Sequence
 from typing import Any
 
+import msgspec
 import torch
 import torch.distributed as dist
 from torch.distributed import PrefixStore, ReduceOp, TCPStore
@@ -339,18 +339,27 @@ class StatelessGroup:
         self._backend.recv([t], src, tag).wait()
         return t
 
-    def all_gather_object(self, obj: Any) -> list[Any]:
-        """Small picklable objects only (control data between our own ranks, never sockets).
-        Two collectives: sizes, then the padded payloads."""
+    def all_gather_object(self, obj: Any, type: Any = Any) -> list[Any]:
+        """Every rank's ``obj``, in rank order: small control data that msgspec can encode
+        (builtins, msgspec Structs, dataclasses). Never pickle: a peer's bytes must not be
+        able to run code here, so they are decoded as msgpack data, into ``type`` when
+        given (which also validates them; ``msgspec.ValidationError`` otherwise).
+        Two collectives: sizes, then the padded payloads.
+
+        Encode errors (``TypeError`` for an object msgspec cannot encode) are raised
+        before any collective, but only on the ranks whose object is bad; callers must
+        send the same kind of object on every rank."""
         self._check_alive()
         device = self._device()
-        payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(device)
+        encoded = msgspec.msgpack.encode(obj)
+        payload = torch.frombuffer(bytearray(encoded), dtype=torch.uint8).to(device)
         sizes = self.all_gather(torch.tensor([payload.numel()], dtype=torch.int64, device=device))
         sizes_l = [int(s) for s in sizes.tolist()]
-        data = self.all_gather_v(payload, sizes_l).cpu()
+        data = self.all_gather_v(payload, sizes_l).cpu().numpy().tobytes()
+        decoder = msgspec.msgpack.Decoder(type)
         out, start = [], 0
         for n in sizes_l:
-            out.append(pickle.loads(data[start : start + n].numpy().tobytes()))
+            out.append(decoder.decode(data[start : start + n]))
             start += n
         return out
 

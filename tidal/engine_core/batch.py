@@ -45,3 +45,6 @@ class ModelRunnerOutput:
     logprobs: dict[str, list[Logprobs]] = field(default_factory=dict)
     # req_id -> Logprobs for prompt positions computed in this step (position 0 excluded).
     prompt_logprobs: dict[str, list[Logprobs]] = field(default_factory=dict)
+    # req_id -> why the runner could not prepare or sample it. Those requests were left
+    # out of this step (their KV for it was not written); the scheduler fails them alone.
+    failed: dict[str, str] = field(default_factory=dict)

@@ -7,6 +7,7 @@ in-process client calls it directly.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from typing import Any
 
@@ -48,8 +49,9 @@ class EngineCore:
         self.scheduler.add_request(self.make_request(req))
 
     def make_request(self, req: EngineCoreRequest) -> Request:
+        validate_request(req, self.config.model.max_model_len, self.vocab_size)
+        # Rebuilding the params re-runs their own range checks on what came off the wire.
         params = SamplingParams(**_struct_fields(req.sampling_params))
-        validate_prompt(req.prompt_token_ids, self.config.model.max_model_len, self.vocab_size)
         return Request(
             request_id=req.request_id,
             prompt_token_ids=req.prompt_token_ids,
@@ -116,6 +118,61 @@ class EngineCore:
         self.executor.shutdown()
 
 
+_INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
+
+
+def validate_request(req: EngineCoreRequest, max_model_len: int, vocab_size: int) -> None:
+    """The engine's own checks of a request handed to it (defence in depth: the frontend
+    checked already, but the engine must not trust its peer). Raises ``ValueError``
+    naming the field. Every field is checked by its value's type, so a field added to
+    the params later is covered too: ints must fit int64 (torch tensors, struct
+    packing), floats must be finite; then the checks that need the model's limits."""
+    if not isinstance(req.request_id, str) or not req.request_id:
+        raise ValueError("request_id must be a non-empty string")
+    for name in _field_names(req):
+        # The prompt's ids get the stricter vocabulary check in validate_prompt.
+        if name not in ("sampling_params", "prompt_token_ids"):
+            _check_representable(name, getattr(req, name))
+    params = req.sampling_params
+    for name in _field_names(params):
+        _check_representable(name, getattr(params, name))
+    validate_prompt(req.prompt_token_ids, max_model_len, vocab_size)
+    if req.eos_token_id is not None and req.eos_token_id < 0:
+        raise ValueError(f"eos_token_id must be >= 0, got {req.eos_token_id}")
+    top_k = getattr(params, "top_k", 0)
+    if top_k is not None and not -1 <= top_k <= vocab_size:
+        raise ValueError(
+            f"top_k must be -1 or 0 (disabled) or in [1, {vocab_size}] (the vocabulary), "
+            f"got {top_k}"
+        )
+
+
+def _check_representable(name: str, value: Any) -> None:
+    if isinstance(value, bool) or value is None or isinstance(value, (str, bytes)):
+        return
+    if isinstance(value, int):
+        if not _INT64_MIN <= value <= _INT64_MAX:
+            raise ValueError(f"{name} must fit in a 64-bit integer, got {value}")
+    elif isinstance(value, float):
+        if not math.isfinite(value):
+            raise ValueError(f"{name} must be a finite number, got {value}")
+    elif isinstance(value, (list, tuple, set, frozenset)):
+        for v in value:
+            _check_representable(name, v)
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _check_representable(name, k)
+            _check_representable(name, v)
+
+
+def _field_names(obj: Any) -> tuple[str, ...]:
+    """Field names of a msgspec Struct or a dataclass (whatever the params type is)."""
+    names = getattr(obj, "__struct_fields__", None)
+    if names is None:
+        names = tuple(getattr(obj, "__dataclass_fields__", {}))
+    return names
+
+
 def validate_prompt(prompt_token_ids: list[int], max_model_len: int, vocab_size: int) -> None:
     n = len(prompt_token_ids)
     if n == 0:
@@ -131,4 +188,4 @@ def validate_prompt(prompt_token_ids: list[int], max_model_len: int, vocab_size:
 
 
 def _struct_fields(s: Any) -> dict[str, Any]:
-    return {f: getattr(s, f) for f in s.__struct_fields__}
+    return {f: getattr(s, f) for f in _field_names(s)}

@@ -11,6 +11,9 @@ from typing import Any
 
 import msgspec
 
+from tidal.protocol.topology import Topology
+from tidal.sampling_params import SamplingParams
+
 
 @enum.unique
 class EngineCoreRequestType(enum.Enum):
@@ -27,38 +30,19 @@ class FinishReason(enum.IntEnum):
     STOP = 0  # EOS, stop token id or stop string
     LENGTH = 1  # max_tokens or max_model_len
     ABORT = 2  # client abort, disconnect or engine failure
+    # The engine could not serve this request (invalid, or it made the engine raise);
+    # ``stop_reason`` carries the message. Only this request fails, never the rank.
+    ERROR = 3
 
     def __str__(self) -> str:
         return self.name.lower()
 
 
-class SamplingParamsMsg(msgspec.Struct, omit_defaults=True, array_like=True):
-    """Wire form of ``SamplingParams``; rebuilt (and so re-validated) on the engine side."""
-
-    n: int = 1
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    seed: int | None = None
-    max_tokens: int | None = 16
-    min_tokens: int = 0
-    stop: list[str] = []
-    stop_token_ids: list[int] = []
-    ignore_eos: bool = False
-    logprobs: int | None = None
-    prompt_logprobs: int | None = None
-    include_stop_str_in_output: bool = False
-    skip_special_tokens: bool = True
-
-
 class EngineCoreRequest(msgspec.Struct, omit_defaults=True, array_like=True):
     request_id: str
     prompt_token_ids: list[int]
-    sampling_params: SamplingParamsMsg
+    # SamplingParams is its own wire form: msgspec checks its field table while decoding.
+    sampling_params: SamplingParams
     eos_token_id: int | None = None
     arrival_time: float = 0.0
     client_index: int = 0
@@ -107,7 +91,7 @@ class SchedulerStats(msgspec.Struct, omit_defaults=True, array_like=True):
 
 
 class EngineCoreOutputs(msgspec.Struct, omit_defaults=True, array_like=True):
-    engine_index: int = 0
+    engine_index: int = 0  # the sender's engine id (== its DP rank only at launch)
     outputs: list[EngineCoreOutput] = []
     scheduler_stats: SchedulerStats | None = None
     timestamp: float = 0.0
@@ -181,7 +165,7 @@ class StartDPWave(msgspec.Struct, array_like=True):
     """Coordinator -> engines: join the collective loop for ``wave``."""
 
     wave: int
-    exclude_engine_index: int | None = None  # that rank already started on its own
+    exclude_engine_id: int | None = None  # that engine already started on its own
 
 
 class CoordinatorReady(msgspec.Struct, array_like=True):
@@ -192,23 +176,26 @@ class CoordinatorReady(msgspec.Struct, array_like=True):
     num_engines: int
     wave: int
     running: bool
+    epoch: int = 0  # of the coordinator's topology
 
 
 class DPWakeUp(msgspec.Struct, tag="wake", array_like=True):
     """Frontend -> coordinator: the first request of ``wave`` (which the frontend believed
-    paused) went to ``engine_index``; wake the other ranks."""
+    paused) went to engine ``engine_id``; wake the others. Engine ids are never reused,
+    so this means the same in every topology epoch and carries none."""
 
     wave: int
-    engine_index: int
+    engine_id: int
 
 
-class DPResize(msgspec.Struct, tag="resize", array_like=True):
-    """Frontend -> coordinator: the DP group now has ``num_engines`` ranks (elastic EP)."""
+class DPSetTopology(msgspec.Struct, tag="topology", array_like=True):
+    """Frontend (scale controller) -> coordinator: the DP group is now ``topology``
+    (elastic EP commit). One with an epoch older than the coordinator's is dropped."""
 
-    num_engines: int
+    topology: Topology
 
 
-FrontendToCoordinator = DPWakeUp | DPResize
+FrontendToCoordinator = DPWakeUp | DPSetTopology
 
 
 class DPStatsRequest(msgspec.Struct, tag="stats", array_like=True):
@@ -220,6 +207,10 @@ class DPLoadSnapshot(msgspec.Struct, array_like=True):
 
     seq: int  # increases by one per publication
     timestamp: float  # coordinator's monotonic clock
+    # The topology the load describes: entry i is engine ``engine_ids[i]`` (rank i) in
+    # ``epoch``. A frontend on a newer epoch drops the snapshot (DESIGN.md 6.1).
+    epoch: int
+    engine_ids: list[int]
     wave: int
     running: bool
     counts: list[list[int]]  # [num_engines][2]: [waiting, running]
@@ -229,7 +220,8 @@ class DPLoadSnapshot(msgspec.Struct, array_like=True):
 class DPRankStats(msgspec.Struct):
     """One rank in ``/stats`` (a JSON object, so not array_like)."""
 
-    rank: int
+    rank: int  # position in the coordinator's topology
+    engine_id: int
     waiting: int
     running: int
     kv_usage: float
@@ -247,5 +239,7 @@ class DPCoordinatorStats(msgspec.Struct):
     wave: int
     running: bool
     waves_completed: int
+    epoch: int
+    ignored_messages: int  # from engines outside the topology, and stale topologies
     start_wave_broadcasts: int
     ranks: list[DPRankStats]

@@ -10,6 +10,9 @@ Startup handshake (on a separate DEALER to the frontend's handshake ROUTER):
   engine: connects, registers on the input socket, loads the model
   engine: READY(index, its own config hash, num_blocks) or READY(error=...) on failure.
 A rank whose parallel config differs from the frontend's fails fast with a clear error.
+Over TCP (multi-node) every socket here is a CURVE client keyed by the deployment's shared
+secret (``tidal/utils/zmq_auth.py``); a rank whose secret differs sees the frontend refuse
+its handshake and fails fast too, instead of waiting out the handshake timeout.
 
 Shutdown: RUNNING -(SIGTERM/SIGINT)-> REQUESTED -> SHUTTING_DOWN (stop admitting, drain
 for up to ``drain_timeout_s``, then abort what is left) -> exit. A fatal error sends an
@@ -22,10 +25,12 @@ import enum
 import logging
 import os
 import queue
+import re
 import signal
 import threading
 import time
 import traceback
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -48,6 +53,13 @@ from tidal.engine_core.messages import (
     encode,
 )
 from tidal.utils.proctitle import set_process_name
+from tidal.utils.zmq_auth import (
+    AuthenticationError,
+    curve_keys,
+    raise_if_refused,
+    secure_client,
+    watch_handshake,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +89,60 @@ _REQUEST_DECODERS = {
     EngineCoreRequestType.ABORT: msgspec.msgpack.Decoder(list[str]),
     EngineCoreRequestType.UTILITY: msgspec.msgpack.Decoder(UtilityRequest),
 }
+_ADD_FIELDS = EngineCoreRequest.__struct_fields__
+
+
+@dataclass(frozen=True)
+class UndecodableRequest:
+    """An ADD whose payload did not decode (stays inside this process). It never reaches
+    the scheduler; it is answered with an error when its id can be read, and under data
+    parallelism it still counts as a request for the wave: the frontend may have woken
+    the other ranks for it, and they would wait in a collective for this one."""
+
+    request_id: str | None
+    current_wave: int
+    reason: str
+
+    @classmethod
+    def from_payload(cls, payload: bytes, error: Exception) -> UndecodableRequest:
+        fields: Any = None
+        try:
+            fields = msgspec.msgpack.decode(payload)  # untyped: just find the id and wave
+        except Exception:  # noqa: BLE001 - not even msgpack: nothing to answer
+            pass
+        if not isinstance(fields, list):
+            fields = []
+        rid = fields[0] if fields and isinstance(fields[0], str) else None
+        i = _ADD_FIELDS.index("current_wave")
+        wave = fields[i] if len(fields) > i and type(fields[i]) is int else 0
+        return cls(rid, wave, f"the engine could not decode the request: {_named(error)}")
+
+
+_PATH = re.compile(r"`\$((?:\[\d+\])+)`")
+
+
+def _named(error: Exception) -> str:
+    """msgspec's error with its array path (``$[2][3]``: requests are array_like) given
+    as field names (``sampling_params.top_k``), so the message names the field."""
+
+    def name(match: re.Match) -> str:
+        t: Any = EngineCoreRequest
+        parts = []
+        for index in map(int, re.findall(r"\d+", match.group(1))):
+            fields = (
+                msgspec.structs.fields(t)
+                if isinstance(t, type) and issubclass(t, msgspec.Struct)
+                else ()
+            )
+            if index < len(fields):
+                parts.append(fields[index].name)
+                t = fields[index].type
+            else:
+                parts.append(f"[{index}]")
+                t = None
+        return "`" + ".".join(parts).replace(".[", "[") + "`"
+
+    return _PATH.sub(name, str(error))
 
 
 class EngineCoreProc:
@@ -101,10 +167,21 @@ class EngineCoreProc:
         self._stop_io = threading.Event()
         self.coordinator_ready = threading.Event()
         self.coordinator_wave = 0
+        tcp = handshake_address.startswith("tcp://")
+        self._curve = curve_keys(config.parallel.data_parallel_auth_key) if tcp else None
         self._handshake = self.ctx.socket(zmq.DEALER)
         self._handshake.setsockopt(zmq.LINGER, 1000)
+        secure_client(self._handshake, self._curve, handshake_address)
+        monitor = watch_handshake(self._handshake) if self._curve is not None else None
         self._handshake.connect(handshake_address)
-        self.addresses = self._hello()
+        try:
+            self.addresses = self._hello(monitor)
+        except BaseException:
+            self._close_monitor(monitor)
+            self._handshake.close()  # lingers long enough to deliver a READY(error)
+            self.ctx.term()
+            raise
+        self._close_monitor(monitor)
         if self.addresses.dp_master_port:
             self.config = config.with_parallel(
                 data_parallel_master_port=self.addresses.dp_master_port
@@ -119,14 +196,11 @@ class EngineCoreProc:
 
     # ---- startup -----------------------------------------------------------------------
 
-    def _hello(self) -> EngineAddresses:
+    def _hello(self, monitor: zmq.Socket | None) -> EngineAddresses:
         self._handshake.send(encode(EngineHello(self.engine_index, os.getpid())))
-        if not self._handshake.poll(HANDSHAKE_TIMEOUT_S * 1000):
-            raise EngineStartupError(
-                f"engine {self.engine_index}: no reply from the frontend within {HANDSHAKE_TIMEOUT_S}s"
-            )
+        self._await_reply(monitor)
         addresses = msgspec.msgpack.decode(self._handshake.recv(), type=EngineAddresses)
-        mine = self.config.parallel.config_hash()
+        mine = self.config.config_hash()
         if addresses.parallel_config_hash and addresses.parallel_config_hash != mine:
             msg = (
                 f"engine {self.engine_index}: parallel config mismatch (frontend "
@@ -137,13 +211,37 @@ class EngineCoreProc:
             raise EngineStartupError(msg)
         return addresses
 
+    def _close_monitor(self, monitor: zmq.Socket | None) -> None:
+        if monitor is not None:
+            self._handshake.disable_monitor()
+            monitor.close(linger=0)
+
+    def _await_reply(self, monitor: zmq.Socket | None) -> None:
+        """Wait for the frontend's reply to HELLO; with CURVE, also for a refused
+        handshake on ``monitor``, which means a different secret: fail at once."""
+        poller = zmq.Poller()
+        poller.register(self._handshake, zmq.POLLIN)
+        if monitor is not None:
+            poller.register(monitor, zmq.POLLIN)
+        deadline = time.monotonic() + HANDSHAKE_TIMEOUT_S
+        while (left := deadline - time.monotonic()) > 0:
+            ready = dict(poller.poll(left * 1000))
+            if monitor is not None and monitor in ready:
+                try:
+                    raise_if_refused(monitor, "the frontend")
+                except AuthenticationError as e:
+                    raise EngineStartupError(f"engine {self.engine_index}: {e}") from None
+            if self._handshake in ready:
+                return
+        raise EngineStartupError(
+            f"engine {self.engine_index}: no reply from the frontend within {HANDSHAKE_TIMEOUT_S}s"
+        )
+
     def _build_engine_core(self) -> EngineCore:
         return EngineCore(self.config)
 
     def _send_ready(self, num_blocks: int, error: str | None = None) -> None:
-        ready = EngineReady(
-            self.engine_index, self.config.parallel.config_hash(), num_blocks, error
-        )
+        ready = EngineReady(self.engine_index, self.config.config_hash(), num_blocks, error)
         self._handshake.send(encode(ready))
 
     def _start_io_threads(self) -> None:
@@ -164,6 +262,7 @@ class EngineCoreProc:
         sock = self.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.IDENTITY, engine_identity(self.engine_index))
         sock.setsockopt(zmq.LINGER, 0)
+        secure_client(sock, self._curve, self.addresses.input_address)
         sock.connect(self.addresses.input_address)
         sock.send(b"")  # registers our identity with the frontend's ROUTER
         coord = self._coordinator_sub()
@@ -177,7 +276,7 @@ class EngineCoreProc:
             while not self._stop_io.is_set():
                 if os.getppid() != parent:
                     # The launcher died without stopping us (SIGKILL): don't linger as an orphan.
-                    self.request_shutdown()
+                    self._on_launcher_death()
                 for ready, _ in poller.poll(100):
                     if ready is sock:
                         self._read_client_request(sock)
@@ -194,19 +293,34 @@ class EngineCoreProc:
         sub = self.ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.SUBSCRIBE, b"")
+        secure_client(sub, self._curve, self.addresses.coordinator_input)
         sub.connect(self.addresses.coordinator_input)
         return sub
 
     def _read_client_request(self, sock: zmq.Socket) -> None:
-        type_frame, *rest = sock.recv_multipart(copy=False)
-        req_type = EngineCoreRequestType(bytes(type_frame.buffer))
-        payload = _REQUEST_DECODERS[req_type].decode(rest[0].buffer)
+        frames = sock.recv_multipart(copy=False)
+        kind = bytes(frames[0].buffer)
+        try:
+            req_type = EngineCoreRequestType(kind)
+            payload = _REQUEST_DECODERS[req_type].decode(frames[1].buffer)
+        except Exception as e:  # noqa: BLE001 - a bad message must not kill this thread
+            if kind == EngineCoreRequestType.ADD.value and len(frames) > 1:
+                bad = UndecodableRequest.from_payload(bytes(frames[1].buffer), e)
+                self.input_queue.put_nowait((EngineCoreRequestType.ADD, bad))
+            else:
+                logger.error("engine %d: dropped an undecodable message: %s", self.engine_index, e)
+            return
         self.input_queue.put_nowait((req_type, payload))
 
     def _read_coordinator_message(self, sub: zmq.Socket) -> None:
         from tidal.dp_coordinator.proc import decode_engine_message
 
-        msg = decode_engine_message(sub.recv_multipart())
+        frames = sub.recv_multipart()
+        try:
+            msg = decode_engine_message(frames)
+        except Exception as e:  # noqa: BLE001 - a bad message must not kill this thread
+            logger.error("engine %d: dropped a bad coordinator message: %s", self.engine_index, e)
+            return
         if isinstance(msg, StartDPWave):
             self.input_queue.put_nowait((EngineCoreRequestType.START_DP_WAVE, msg))
         elif not self.coordinator_ready.is_set():
@@ -232,6 +346,7 @@ class EngineCoreProc:
     def _push_socket(self, address: str) -> zmq.Socket:
         sock = self.ctx.socket(zmq.PUSH)
         sock.setsockopt(zmq.LINGER, 2000)
+        secure_client(sock, self._curve, address)
         sock.connect(address)
         return sock
 
@@ -283,20 +398,26 @@ class EngineCoreProc:
         elif req_type is EngineCoreRequestType.START_DP_WAVE:
             self._start_wave(payload)
 
-    def _add_request(self, req: EngineCoreRequest) -> None:
+    def _add_request(self, req: EngineCoreRequest | UndecodableRequest) -> None:
+        if isinstance(req, UndecodableRequest):
+            logger.error("engine %d: %s", self.engine_index, req.reason)
+            if req.request_id is not None:
+                self._reject(req.request_id, req.reason)
+            return
         if self.shutdown_state is not ShutdownState.RUNNING:
-            self._reject(req, "engine is shutting down")
+            self._reject(req.request_id, "engine is shutting down", FinishReason.ABORT)
             return
         try:
             self.engine_core.add_request(req)
-        except ValueError as e:
-            self._reject(req, str(e))
+        except Exception as e:  # noqa: BLE001 - any failure to admit fails this request alone
+            msg = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
+            self._reject(req.request_id, msg)
 
-    def _reject(self, req: EngineCoreRequest, reason: str) -> None:
-        out = EngineCoreOutput(
-            req.request_id, [], finish_reason=FinishReason.ABORT, stop_reason=reason
-        )
-        self._send_outputs(EngineCoreOutputs(outputs=[out], finished_requests={req.request_id}))
+    def _reject(
+        self, request_id: str, reason: str, finish_reason: FinishReason = FinishReason.ERROR
+    ) -> None:
+        out = EngineCoreOutput(request_id, [], finish_reason=finish_reason, stop_reason=reason)
+        self._send_outputs(EngineCoreOutputs(outputs=[out], finished_requests={request_id}))
 
     def _call_utility(self, call: UtilityRequest) -> None:
         result = UtilityOutput(call.call_id)
@@ -319,6 +440,18 @@ class EngineCoreProc:
     def request_shutdown(self, *_: Any) -> None:
         if self.shutdown_state is ShutdownState.RUNNING:
             self.shutdown_state = ShutdownState.REQUESTED
+
+    def _on_launcher_death(self) -> None:
+        if not hasattr(self, "engine_core"):
+            # Still starting: the main thread may wait minutes in the group rendezvous for
+            # ranks that will never come, and there is nothing to drain. Leave now.
+            logger.error("engine %d: launcher gone during startup, exiting", self.engine_index)
+            os._exit(1)
+        # Nobody is left to read what a drain would produce: leave without one. The
+        # timeout is zeroed before the request so the busy loop never sets a later deadline.
+        self.drain_timeout_s = 0.0
+        self._drain_deadline = 0.0
+        self.request_shutdown()
 
     def _shutdown_done(self) -> bool:
         if self.shutdown_state is ShutdownState.RUNNING:
@@ -487,7 +620,7 @@ class DPEngineCoreProc(EngineCoreProc):
         if self.engine_index == 0:
             self._send_outputs(EngineCoreOutputs(wave_complete=completed), TO_COORDINATOR)
 
-    def _add_request(self, req: EngineCoreRequest) -> None:
+    def _add_request(self, req: EngineCoreRequest | UndecodableRequest) -> None:
         if self.paused:  # queued; resume starts the wave
             super()._add_request(req)
             return

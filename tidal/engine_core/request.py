@@ -20,6 +20,7 @@ class RequestStatus(enum.IntEnum):
     FINISHED_STOPPED = enum.auto()
     FINISHED_LENGTH_CAPPED = enum.auto()
     FINISHED_ABORTED = enum.auto()
+    FINISHED_ERROR = enum.auto()  # the engine failed this request alone (stop_reason: why)
 
     @property
     def finished(self) -> bool:

@@ -26,6 +26,7 @@ request running alone can always grow and a preempted one can always be re-admit
 
 from __future__ import annotations
 
+import logging
 from collections import defaultdict, deque
 from collections.abc import Iterable
 
@@ -49,7 +50,10 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
     RequestStatus.FINISHED_LENGTH_CAPPED: FinishReason.LENGTH,
     RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
+    RequestStatus.FINISHED_ERROR: FinishReason.ERROR,
 }
+
+logger = logging.getLogger(__name__)
 
 
 class Scheduler:
@@ -253,7 +257,15 @@ class Scheduler:
             req = sched.request
             if self.requests.get(req.request_id) is not req:
                 continue  # finished from outside since it was scheduled
-            output = self._update_request(sched, runner_output)
+            error = runner_output.failed.get(req.request_id)
+            try:
+                if error is None:
+                    output = self._update_request(sched, runner_output)
+            except Exception as e:  # noqa: BLE001 - one request's failure is its own
+                logger.exception("updating request %r failed", req.request_id)
+                error = f"internal error while updating the request: {type(e).__name__}: {e}"
+            if error is not None:
+                output = self._fail_request(req, error)
             if output is not None:
                 per_client[req.client_index].append(output)
             any_finished |= req.is_finished
@@ -289,6 +301,21 @@ class Scheduler:
             new_prompt_logprobs=prompt_lps,
             finish_reason=finish_reason,
             stop_reason=req.stop_reason,
+            num_cached_tokens=max(req.num_cached_tokens, 0),
+        )
+
+    def _fail_request(self, req: Request, message: str) -> EngineCoreOutput:
+        """Finish ``req`` with an error, alone. Its blocks are freed without being cached:
+        this step did not write their KV, so a prefix-cache entry would serve garbage."""
+        req.status = RequestStatus.FINISHED_ERROR
+        req.stop_reason = message
+        if self.requests.get(req.request_id) is req:
+            self._release(req)
+        return EngineCoreOutput(
+            request_id=req.request_id,
+            new_token_ids=[],
+            finish_reason=FinishReason.ERROR,
+            stop_reason=message,
             num_cached_tokens=max(req.num_cached_tokens, 0),
         )
 

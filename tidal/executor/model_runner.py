@@ -15,10 +15,20 @@ dispatchers need them, and an idle rank's dummy forward enters the very same col
 layer by layer, as a busy rank's real one. After every forward ``EplbState.end_step``
 counts the expert load and, every ``eplb_interval`` forwards with ``enable_eplb``,
 rebalances; forward counts are equal on all EP ranks, so they rebalance together.
+
+Fault isolation: a request whose host-side preparation or sampling raises (a value the
+engine's validation missed) must fail alone, never the rank. Both stages are tried for
+the whole batch first (no per-request cost when nothing is wrong); on an exception they
+are redone request by request, and the requests that still raise are reported in
+``ModelRunnerOutput.failed`` and left out of the step. The forward itself is never
+retried: under EP it is a sequence of collectives, and a rank must enter each exactly
+once. So a step whose every request failed preparation still runs one (dummy) forward,
+and the step count every EP rank agrees on is unchanged.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,6 +47,8 @@ from tidal.moe.eplb import EplbState
 from tidal.moe.layer import MoEForwardContext
 from tidal.moe.placement import ExpertPlacement
 
+logger = logging.getLogger(__name__)
+
 
 @dataclass
 class _Inputs:
@@ -53,6 +65,7 @@ class ModelRunner:
         self.config = config
         self.device = device
         self.block_size = config.cache.block_size
+        self.vocab_size = int(config.model.hf_config.vocab_size)
         self.model: torch.nn.Module | None = None
         self.kv_caches: list[torch.Tensor] = []
         self.sampler = Sampler()
@@ -159,7 +172,13 @@ class ModelRunner:
         out = ModelRunnerOutput()
         if sched.is_empty:
             return out
-        inputs = self._prepare_inputs(sched.scheduled)
+        inputs = self._prepare_inputs_isolated(sched.scheduled, out.failed)
+        if inputs is None:
+            # Every request failed: EP peers still expect this rank in the forward's
+            # collectives (and in the same forward count for EPLB).
+            if self.ep_group is not None:
+                self.execute_dummy_batch()
+            return out
         hidden = self._forward(inputs.input_ids, inputs.positions, inputs.attn)  # [T, H]
         if inputs.sample_reqs:
             self._sample(hidden, inputs, out)
@@ -212,6 +231,27 @@ class ModelRunner:
             return False
         return any(self.eplb.rebalance())
 
+    def _prepare_inputs_isolated(
+        self, scheduled: list[ScheduledRequest], failed: dict[str, str]
+    ) -> _Inputs | None:
+        """The batch's inputs without the requests whose own preparation raises (they go
+        to ``failed``); None when none is left."""
+        try:
+            return self._prepare_inputs(scheduled)
+        except Exception as e:  # noqa: BLE001 - find the culprit(s) below
+            logger.warning("preparing a batch failed (%s); preparing its requests one by one", e)
+        good = []
+        for sr in scheduled:
+            try:
+                self._prepare_inputs([sr])
+            except Exception as e:  # noqa: BLE001 - this request fails, the batch goes on
+                failed[sr.request.request_id] = _error("preparing its inputs", e)
+            else:
+                good.append(sr)
+        # If every request prepares alone but not together, the fault is not a request's:
+        # the rebuild raises again and the rank fails, as it should.
+        return self._prepare_inputs(good) if good else None
+
     def _prepare_inputs(self, scheduled: list[ScheduledRequest]) -> _Inputs:
         ids: list[int] = []
         pos: list[int] = []
@@ -233,6 +273,10 @@ class ModelRunner:
                 count = min(start + n, req.num_prompt_tokens - 1) - start
                 if count > 0:
                     prompt_lp.append((sr, row0, count))
+        # An out-of-range id would fault inside the forward (on CUDA a device assert that
+        # poisons the context), where the request can no longer be singled out.
+        if ids and (min(ids) < 0 or max(ids) >= self.vocab_size):
+            raise ValueError(f"a token id is outside the vocabulary [0, {self.vocab_size})")
         dev = self.device
         return _Inputs(
             input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
@@ -246,10 +290,38 @@ class ModelRunner:
     def _sample(self, hidden: torch.Tensor, inputs: _Inputs, out: ModelRunnerOutput) -> None:
         rows = torch.tensor(inputs.sample_rows, dtype=torch.long, device=hidden.device)
         logits = self.model.compute_logits(hidden.index_select(0, rows))  # [N, V] float32
-        infos = [self._row_info(sr) for sr in inputs.sample_reqs]
+        reqs = inputs.sample_reqs
+        # A failed batch may have advanced seeded generators; the row-by-row retry must
+        # draw what an untroubled step would have (DESIGN 6.3: seeded = reproducible).
+        gens = ((sr.request.request_id, self._generators.get(sr.request.request_id)) for sr in reqs)
+        saved = {rid: gen.get_state() for rid, gen in gens if gen is not None}
+        try:
+            self._sample_rows(logits, reqs, out)
+            return
+        except Exception as e:  # noqa: BLE001 - find the culprit(s) below
+            logger.warning("sampling a batch failed (%s); sampling its rows one by one", e)
+        for sr in reqs:
+            rid = sr.request.request_id
+            state = saved.get(rid)
+            if state is None:
+                self._generators.pop(rid, None)  # created by the failed try: start afresh
+            else:
+                self._generators[rid].set_state(state)
+        for i, sr in enumerate(reqs):
+            try:
+                self._sample_rows(logits[i : i + 1], [sr], out)
+            except Exception as e:  # noqa: BLE001 - this request fails, the others go on
+                out.failed[sr.request.request_id] = _error("sampling", e)
+
+    def _sample_rows(
+        self, logits: torch.Tensor, reqs: list[ScheduledRequest], out: ModelRunnerOutput
+    ) -> None:
+        """Sample one token for each of ``reqs`` (logits [len(reqs), V]); writes ``out``
+        only once every row succeeded."""
+        infos = [self._row_info(sr) for sr in reqs]
         result = self.sampler(logits, SamplingMetadata.build(infos, logits.device))
         tokens = result.token_ids.tolist()
-        for sr, tok, lp in zip(inputs.sample_reqs, tokens, result.logprobs):
+        for sr, tok, lp in zip(reqs, tokens, result.logprobs):
             rid = sr.request.request_id
             out.sampled_token_ids[rid] = [tok]
             if lp is not None:
@@ -277,11 +349,15 @@ class ModelRunner:
     ) -> None:
         for sr, row0, count in inputs.prompt_lp:
             req = sr.request
-            logits = self.model.compute_logits(hidden[row0 : row0 + count])  # [count, V]
-            nxt = req.prompt_token_ids[sr.start + 1 : sr.start + 1 + count]
-            targets = torch.tensor(nxt, dtype=torch.long, device=logits.device)
-            k = req.sampling_params.prompt_logprobs
-            lps: list[Logprobs] = compute_logprobs(logits, targets, [k] * count)
+            try:
+                logits = self.model.compute_logits(hidden[row0 : row0 + count])  # [count, V]
+                nxt = req.prompt_token_ids[sr.start + 1 : sr.start + 1 + count]
+                targets = torch.tensor(nxt, dtype=torch.long, device=logits.device)
+                k = req.sampling_params.prompt_logprobs
+                lps: list[Logprobs] = compute_logprobs(logits, targets, [k] * count)
+            except Exception as e:  # noqa: BLE001 - this request fails, the others go on
+                out.failed[req.request_id] = _error("computing prompt logprobs", e)
+                continue
             out.prompt_logprobs[req.request_id] = lps
 
 
@@ -290,6 +366,10 @@ def initial_placement(config: EngineConfig, ep_size: int) -> ExpertPlacement:
     ``num_redundant_experts`` extra replicas (and any spare slots) filled evenly."""
     spec = get_model_class(config.model.architecture).spec_from_config(config.model.hf_config)
     return ExpertPlacement.linear(spec.num_experts, ep_size, config.parallel.num_redundant_experts)
+
+
+def _error(stage: str, e: Exception) -> str:
+    return f"the engine failed {stage} for this request: {type(e).__name__}: {e}"
 
 
 def _prod(shape: tuple[int, ...]) -> int:

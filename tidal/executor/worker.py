@@ -11,6 +11,11 @@ on ``(data_parallel_address, data_parallel_master_port)``, hosted by DP rank 0, 
 
 Both are ``StatelessGroup``s (nothing in torch's global state), so elastic scaling can
 build new ones beside them and swap.
+
+Security: the TCPStore and the gloo/NCCL peer connections have no authentication (the
+ZMQ control plane does: tidal/utils/zmq_auth.py). Multi-node deployments must keep
+``data_parallel_address`` and the master port on a private network or behind a firewall.
+Nothing read from them is unpickled (``StatelessGroup.all_gather_object`` is msgpack).
 """
 
 from __future__ import annotations

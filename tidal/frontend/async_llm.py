@@ -50,7 +50,7 @@ class AsyncLLM:
         self.config = config
         self.served_model_name = served_model_name or config.model.model
         self.tokenizer = load_tokenizer(config.model.tokenizer)
-        self.input_processor = InputProcessor(config.model, self.tokenizer)
+        self.input_processor = InputProcessor(config.model, self.tokenizer, config.frontend)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.client = client if client is not None else AsyncMPClient(config)
         self._streams: dict[str, _Stream] = {}

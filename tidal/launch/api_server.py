@@ -1,10 +1,19 @@
 """OpenAI-compatible HTTP server: FastAPI app around an ``AsyncLLM``, served by uvicorn.
 
 Routes: ``/v1/completions``, ``/v1/chat/completions`` (SSE streaming or not), ``/v1/models``,
-``/health``, ``/ping``, ``/version``, ``/metrics`` (prometheus text), ``/stats`` (JSON).
-Every error is OpenAI's ``{"error": {message, type, param, code}}``: 400 bad input, 401
-bad API key, 404 unknown model or route, 503 dead engine, 500 bug. The server keeps
-serving after any of them.
+``/health``, ``/ping``, ``/version``, ``/metrics`` (prometheus text), ``/stats`` (JSON),
+``/dashboard``. Every error is OpenAI's ``{"error": {message, type, param, code}}``: 400 bad
+input, 401 bad API key, 404 unknown model or route, 413 body too large, 503 dead engine,
+500 bug. The server keeps serving after any of them.
+
+Input is checked where it enters, in layers, each stopping what the next cannot handle:
+the body's size (``BodyLimitMiddleware``, before it is read), its encoding, JSON syntax,
+nesting depth and every number in it (``decode_json_body``: UTF-8, no NaN/Infinity, ints
+within int64, finite floats, at most ``MAX_JSON_DEPTH`` levels), the request's shape
+(pydantic), each sampling field (``SamplingParams``' own table), and what the model and the
+deployment allow (``InputProcessor.check``, shared with ``LLM`` and ``AsyncLLM``). Body
+parsing, tokenization and chat templates run off the event loop, so one huge request does
+not stall the other streams.
 
 The engine is duck-typed (see ``AsyncLLM``): this module imports no torch and starts no
 process, so it can be tested against a fake engine.
@@ -14,9 +23,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import json
 import logging
+import math
+import re
 import secrets
 import socket
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -32,11 +42,14 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import tidal
+from tidal.config import FrontendConfig
 from tidal.frontend.outputs import CompletionOutput, OutputKind, PromptLogprobs, RequestOutput
 from tidal.frontend.processor import ProcessedPrompt
+from tidal.frontend.template_sandbox import SandboxUnavailable, TemplateSandbox
 from tidal.launch import protocol as P
+from tidal.launch.dashboard import dashboard_html
 from tidal.launch.metrics import CONTENT_TYPE, ServerMetrics
-from tidal.sampling_params import SamplingParams
+from tidal.sampling_params import INT64_MAX, INT64_MIN, SamplingParams
 
 if TYPE_CHECKING:
     from tidal.frontend.async_llm import AsyncLLM
@@ -54,6 +67,7 @@ _ERROR_TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
     404: "not_found_error",
+    413: "invalid_request_error",
     503: "service_unavailable_error",
 }
 
@@ -84,18 +98,20 @@ def _is_engine_dead_error(exc: BaseException) -> bool:
 
 
 # Request fields and SamplingParams fields: a ValueError message starting with one of
-# these names is about that parameter.
+# these names (``stop_token_ids[2] must ...``, ``messages[0].role ...``) is about it.
 _PARAMS = (
     set(P.CompletionRequest.model_fields)
     | set(P.ChatCompletionRequest.model_fields)
-    | {f.name for f in dataclasses.fields(SamplingParams)}
+    | set(SamplingParams.__struct_fields__)
 )
+_HEAD = re.compile(r"[A-Za-z_]+")
 
 
 def _bad_value(exc: ValueError) -> APIError:
     msg = str(exc)
-    head = msg.split(" ", 1)[0].rstrip(":")
-    return APIError(400, msg, param=head if head in _PARAMS else None)
+    head = _HEAD.match(msg)
+    param = head.group() if head is not None and head.group() in _PARAMS else None
+    return APIError(400, msg, param=param)
 
 
 def _classify(exc: BaseException, engine: Any) -> APIError:
@@ -120,8 +136,15 @@ def _validation_message(err: ValidationError | RequestValidationError) -> tuple[
 # ---- auth --------------------------------------------------------------------------------
 
 
+# Static pages, served without the API key: they hold no data and ask the user for the
+# key, which their own fetches then send as a header (a key in the URL would end up in
+# history, logs and Referer headers).
+PUBLIC_PAGES = frozenset({"/dashboard"})
+
+
 class BearerAuthMiddleware:
-    """Pure ASGI middleware: every HTTP route needs ``Authorization: Bearer <api_key>``.
+    """Pure ASGI middleware: every HTTP route needs ``Authorization: Bearer <api_key>``,
+    except GET/HEAD of the static ``PUBLIC_PAGES``.
 
     Pure ASGI (not BaseHTTPMiddleware) so streaming responses and disconnect
     cancellation pass through untouched.
@@ -132,7 +155,7 @@ class BearerAuthMiddleware:
         self.expected = f"Bearer {api_key}".encode()
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
-        if scope["type"] != "http" or self._authorized(scope):
+        if scope["type"] != "http" or self._public(scope) or self._authorized(scope):
             await self.app(scope, receive, send)
             return
         err = APIError(401, "invalid or missing API key", code="invalid_api_key")
@@ -144,20 +167,151 @@ class BearerAuthMiddleware:
                 return secrets.compare_digest(value, self.expected)
         return False
 
+    @staticmethod
+    def _public(scope: dict) -> bool:
+        return scope["method"] in ("GET", "HEAD") and scope["path"] in PUBLIC_PAGES
 
-# ---- request plumbing --------------------------------------------------------------------
+
+# ---- request bodies ----------------------------------------------------------------------
 
 
-async def _parse(request: Request, model: type[BaseModel]) -> Any:
+class BodyTooLarge(APIError):
+    def __init__(self, limit: int) -> None:
+        super().__init__(
+            413,
+            f"request body is larger than {limit} bytes (the server's --max-request-body-bytes)",
+            code="request_too_large",
+        )
+
+
+class BodyLimitMiddleware:
+    """Pure ASGI middleware: a body over ``max_bytes`` gets 413 without being read.
+
+    A Content-Length over the limit is refused before the app runs; a chunked body is
+    counted as it streams and refused at the first chunk past the limit, so nothing over
+    the limit is ever buffered. uvicorn discards the rest of a refused body itself (the
+    response carries a Content-Length and keeps the connection), so the client reads the
+    413 instead of a reset."""
+
+    def __init__(self, app: Any, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = _content_length(scope)
+        if length is not None and length > self.max_bytes:
+            await BodyTooLarge(self.max_bytes).response()(scope, receive, send)
+            return
+        seen = 0
+
+        async def limited_receive() -> dict:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_bytes:
+                    raise BodyTooLarge(self.max_bytes)  # an APIError: handlers answer it as is
+            return message
+
+        await self.app(scope, limited_receive, send)
+
+
+def _content_length(scope: dict) -> int | None:
+    for name, value in scope.get("headers", ()):
+        if name == b"content-length":
+            try:
+                return int(value)
+            except ValueError:
+                return None  # the HTTP parser refuses these before we see them
+    return None
+
+
+# OpenAI requests nest fewer than ten levels (tools' JSON schemas included); anything much
+# deeper only exercises recursion in the parser, pydantic and the chat template.
+MAX_JSON_DEPTH = 64
+
+
+def decode_json_body(body: bytes) -> Any:
+    """The request body as JSON, or APIError 400 saying what is wrong with it: not UTF-8,
+    not JSON (NaN and Infinity included: not JSON, and not a number any field takes),
+    nested deeper than ``MAX_JSON_DEPTH``, or a number no field can hold (an int outside
+    int64, a float that overflows to infinity). Checked for every field of every route at
+    once, before any field's own checks."""
     try:
-        data = json.loads(await request.body())
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise APIError(400, f"request body is not valid UTF-8: {e}") from None
+    try:
+        data = json.loads(text, parse_constant=_refuse_constant)
+    except RecursionError:  # the C parser's own depth guard (about 1000 levels)
+        raise APIError(400, _TOO_DEEP) from None
     except ValueError as e:
         raise APIError(400, f"malformed JSON body: {e}") from None
+    _check_json_values(data)
+    return data
+
+
+_TOO_DEEP = f"JSON body is nested deeper than {MAX_JSON_DEPTH} levels"
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a valid JSON number")
+
+
+def _check_json_values(data: Any) -> None:
+    """Depth and numbers, iteratively (a recursive walk would itself hit the recursion
+    limit); the error names the path of the value, like pydantic's errors do."""
+    if not isinstance(data, (dict, list)):
+        _check_number(data, ())
+        return
+    stack: list[tuple[dict | list, tuple[str | int, ...]]] = [(data, ())]
+    while stack:
+        node, path = stack.pop()
+        if len(path) >= MAX_JSON_DEPTH:
+            raise APIError(400, _TOO_DEEP, param=_top(path))
+        for key, v in node.items() if isinstance(node, dict) else enumerate(node):
+            if isinstance(v, (dict, list)):
+                stack.append((v, (*path, key)))
+            else:
+                _check_number(v, (*path, key))
+
+
+def _check_number(v: Any, path: tuple[str | int, ...]) -> None:
+    if isinstance(v, bool):
+        return
+    if isinstance(v, int) and not INT64_MIN <= v <= INT64_MAX:
+        problem = f"{v} is out of range (integers must fit in 64 bits)"
+    elif isinstance(v, float) and not math.isfinite(v):
+        problem = "number is too large"
+    else:
+        return
+    where = ".".join(map(str, path)) or "body"
+    raise APIError(400, f"{where}: {problem}", param=_top(path))
+
+
+def _top(path: tuple[str | int, ...]) -> str | None:
+    return path[0] if path and isinstance(path[0], str) else None
+
+
+def parse_request(body: bytes, model: type[BaseModel]) -> Any:
+    """Body bytes -> request model, or APIError 400 (runs in a worker thread)."""
+    data = decode_json_body(body)
     try:
         return model.model_validate(data)
     except ValidationError as e:
         msg, param = _validation_message(e)
         raise APIError(400, msg, param=param) from None
+
+
+# ---- request plumbing --------------------------------------------------------------------
+
+
+async def _parse(request: Request, model: type[BaseModel]) -> Any:
+    body = await request.body()  # bounded by BodyLimitMiddleware
+    return await asyncio.to_thread(parse_request, body, model)
 
 
 async def _wait_disconnect(request: Request) -> None:
@@ -222,6 +376,14 @@ class OpenAIServing:
         self.model_path = engine.config.model.model
         self.max_model_len = engine.config.model.max_model_len
         self.tokenizer = engine.tokenizer
+        self.limits: FrontendConfig = engine.config.frontend
+        # Request-supplied chat templates: refused unless the flag allows them, and then
+        # rendered in a killable worker (started by the first such request).
+        self.template_sandbox: TemplateSandbox | None = None
+        if self.limits.trust_request_chat_template:
+            self.template_sandbox = TemplateSandbox(
+                engine.config.model.tokenizer, max_chars=self.limits.max_request_body_bytes
+            )
 
     # -- checks --
 
@@ -306,24 +468,33 @@ class OpenAIServing:
 
     # -- /v1/completions --
 
-    def completion_jobs(self, req: P.CompletionRequest, request_id: str) -> list[_Job]:
-        prompts = self._completion_prompts(req.prompt)
+    async def completion_jobs(self, req: P.CompletionRequest, request_id: str) -> list[_Job]:
+        batch = self._completion_batch(req.prompt)
+        tokenize = self.engine.input_processor.tokenize
+        # Off the event loop: a long prompt must not stall the other streams.
+        prompts = await asyncio.to_thread(lambda: [tokenize(p) for p in batch])
         n, multi = req.n or 1, len(prompts) > 1
         return [
             self._job(req, p, f"{request_id}-{i}" if multi else request_id, i * n)
             for i, p in enumerate(prompts)
         ]
 
-    def _completion_prompts(self, prompt: Any) -> list[ProcessedPrompt]:
-        """A string, token ids, or a batch of either -> one processed prompt each."""
+    def _completion_batch(self, prompt: Any) -> list[Any]:
+        """A string, token ids, or a batch of either -> the list of prompts."""
         if isinstance(prompt, list) and not prompt:
             raise ValueError("prompt must not be empty")
-        single = isinstance(prompt, str) or isinstance(prompt[0], int)
-        return [self.engine.input_processor.tokenize(p) for p in ([prompt] if single else prompt)]
+        if isinstance(prompt, str) or isinstance(prompt[0], int):
+            return [prompt]
+        if len(prompt) > self.limits.max_prompts_per_request:
+            raise ValueError(
+                f"prompt: at most {self.limits.max_prompts_per_request} prompts per request "
+                f"(--max-prompts-per-request), got {len(prompt)}"
+            )
+        return prompt
 
     async def completion(self, req: P.CompletionRequest, request: Request) -> Response:
         rid, created = P.random_id("cmpl"), P.now_s()
-        jobs = self.completion_jobs(req, rid)
+        jobs = await self.completion_jobs(req, rid)
         if req.stream:
             stream = self._completion_stream(req, jobs, rid, created)
             return StreamingResponse(stream, media_type="text/event-stream", headers=_SSE_HEADERS)
@@ -421,27 +592,46 @@ class OpenAIServing:
 
     # -- /v1/chat/completions --
 
-    def chat_job(self, req: P.ChatCompletionRequest, request_id: str) -> _Job:
+    async def chat_job(self, req: P.ChatCompletionRequest, request_id: str) -> _Job:
+        if req.chat_template is not None and self.template_sandbox is None:
+            raise APIError(
+                400,
+                "chat_template: request-supplied chat templates are disabled on this server "
+                "(start it with --trust-request-chat-template to allow them)",
+                param="chat_template",
+            )
         if not req.messages:
             raise APIError(400, "messages must not be empty", param="messages")
         messages = [m.to_template_dict() for m in req.messages]
         kwargs = dict(req.chat_template_kwargs or {})
+        processor = self.engine.input_processor
+        processor.check_chat(messages, kwargs)  # roles, reserved kwargs: before any rendering
         if req.continue_final_message:
             kwargs["continue_final_message"] = True
         add_gen = bool(req.add_generation_prompt) and not req.continue_final_message
         try:
-            prompt = self.engine.input_processor.apply_chat_template(
-                messages, add_generation_prompt=add_gen, chat_template=req.chat_template, **kwargs
-            )
-        except ValueError:
-            raise  # the processor's own message (e.g. empty messages): a 400 as it is
+            if req.chat_template is None:
+                # Off the event loop, like tokenization.
+                prompt = await asyncio.to_thread(
+                    processor.apply_chat_template, messages, add_gen, None, **kwargs
+                )
+            else:
+                text, ids = await self.template_sandbox.render(
+                    messages,
+                    chat_template=req.chat_template,
+                    add_generation_prompt=add_gen,
+                    kwargs=kwargs,
+                )
+                prompt = ProcessedPrompt(text, ids)
+        except (ValueError, SandboxUnavailable):
+            raise  # a 400 with its own message; a broken sandbox is the server's fault (500)
         except Exception as e:  # noqa: BLE001 - a template that rejects these messages
             raise APIError(400, f"cannot apply the chat template: {e}", param="messages") from None
         return self._job(req, prompt, request_id, 0)
 
     async def chat(self, req: P.ChatCompletionRequest, request: Request) -> Response:
         rid, created = P.random_id("chatcmpl"), P.now_s()
-        job = self.chat_job(req, rid)
+        job = await self.chat_job(req, rid)
         if req.stream:
             stream = self._chat_stream(req, job, rid, created)
             return StreamingResponse(stream, media_type="text/event-stream", headers=_SSE_HEADERS)
@@ -537,6 +727,8 @@ def build_app(
         try:
             yield
         finally:
+            if serving.template_sandbox is not None:
+                await serving.template_sandbox.close()
             if shutdown_engine:
                 logger.info("shutting down the engine")
                 await engine.shutdown()
@@ -545,6 +737,8 @@ def build_app(
     app.state.engine, app.state.metrics, app.state.serving = engine, metrics, serving
     if api_key:
         app.add_middleware(BearerAuthMiddleware, api_key=api_key)
+    # Added last, so outermost: an oversized body is refused before anything else runs.
+    app.add_middleware(BodyLimitMiddleware, max_bytes=serving.limits.max_request_body_bytes)
     _add_error_handlers(app)
     _add_openai_routes(app, serving)
     _add_admin_routes(app, serving, metrics)
@@ -627,9 +821,10 @@ def _add_admin_routes(app: FastAPI, serving: OpenAIServing, metrics: ServerMetri
 
     @app.get("/dashboard")
     async def dashboard() -> Response:
-        from tidal.dashboard import dashboard_html
-
-        return Response(dashboard_html(), media_type="text/html")
+        # Public (see PUBLIC_PAGES): the page asks for the API key and never caches.
+        return Response(
+            dashboard_html(), media_type="text/html", headers={"Cache-Control": "no-store"}
+        )
 
     @app.get("/stats")
     async def stats() -> JSONResponse:

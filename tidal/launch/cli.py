@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
 import typing
 from typing import Any
 
-from tidal.config import ALL2ALL_BACKENDS, EngineArgs
+from tidal.config import ALL2ALL_BACKENDS, AUTH_KEY_ENV, EngineArgs
 
 _ALIASES = {
     "data_parallel_size": ["--dp"],
@@ -45,9 +46,20 @@ _HELP = {
     "eplb_window": "steps of expert load EPLB plans from",
     "eplb_interval": "steps between EPLB rebalances",
     "dp_lb_policy": "request routing across ranks: tidal | tidal-p2c | vllm",
+    "data_parallel_auth_key": "shared secret that authenticates the DP control plane over "
+    f"TCP; the same on every host, required with --headless ranks (default: ${AUTH_KEY_ENV}, "
+    "which keeps it out of the process list)",
     "device": "auto | cpu | cuda",
     "moe_backend": "auto | torch | triton | reference (auto: triton on CUDA, else torch)",
+    "max_n": "most choices (n) one request may ask for",
+    "max_prompts_per_request": "most prompts in one /v1/completions request",
+    "max_logprobs": "most top logprobs per position a request may ask for",
+    "max_request_body_bytes": "largest HTTP request body; a larger one gets 413 unread",
+    "trust_request_chat_template": "accept a chat_template in chat requests (rendered in a "
+    "sandboxed, time-bounded worker process)",
 }
+
+_ENV_DEFAULTS = {"data_parallel_auth_key": AUTH_KEY_ENV}
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -57,17 +69,23 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         names = [flag, *_ALIASES.get(f.name, [])]
         hint = hints[f.name]
         help_ = _HELP.get(f.name)
+        # Secrets come from the environment here and only here; the config carries them on.
+        default = (
+            os.environ.get(_ENV_DEFAULTS[f.name], f.default)
+            if f.name in _ENV_DEFAULTS
+            else f.default
+        )
         if hint is bool:
             parser.add_argument(
                 *names,
                 dest=f.name,
                 action=argparse.BooleanOptionalAction,
-                default=f.default,
+                default=default,
                 help=help_,
             )
         else:
             parser.add_argument(
-                *names, dest=f.name, type=_scalar(hint), default=f.default, help=help_
+                *names, dest=f.name, type=_scalar(hint), default=default, help=help_
             )
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -21,7 +22,11 @@ class LLM:
 
     Keyword arguments are ``EngineArgs`` fields (``max_num_seqs``, ``data_parallel_size``,
     ``enable_expert_parallel``, ...). ``multiprocess=False`` runs the engine core in this
-    process (single rank only; handy for debugging and fast tests)."""
+    process (single rank only; handy for debugging and fast tests).
+
+    The engines stop at ``shutdown()``, at the end of a ``with LLM(...) as llm:`` block,
+    when the ``LLM`` is garbage-collected (``del llm``), or at interpreter exit, whichever
+    comes first: a script needs neither a ``__main__`` guard nor a ``shutdown()`` call."""
 
     def __init__(
         self, model: str | None = None, *, multiprocess: bool = True, **kwargs: Any
@@ -30,9 +35,14 @@ class LLM:
         self.engine_args = EngineArgs(model=model, **kwargs)
         self.config = self.engine_args.create_engine_config()
         self.tokenizer = load_tokenizer(self.config.model.tokenizer)
-        self.input_processor = InputProcessor(self.config.model, self.tokenizer)
+        self.input_processor = InputProcessor(
+            self.config.model, self.tokenizer, self.config.frontend
+        )
         self.output_processor = OutputProcessor(self.tokenizer)
         self.client: EngineCoreClient = self._make_client()
+        # Holds the client, not self: the LLM stays collectable and its collection (or
+        # interpreter exit) shuts the client down.
+        self._finalizer = weakref.finalize(self, self.client.shutdown)
         self._ids = itertools.count()
 
     def _make_client(self) -> EngineCoreClient:
@@ -49,6 +59,8 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
+        if not self._finalizer.alive:
+            raise RuntimeError("this LLM was shut down; create a new one")
         if isinstance(prompts, (str, dict)) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
         ):
@@ -57,9 +69,13 @@ class LLM:
         processed = [self.input_processor.tokenize(p) for p in prompts]
         for prompt, sp in zip(processed, params):
             self.input_processor.check(prompt, sp)
-        order = []
-        for prompt, sp in zip(processed, params):
-            order.append(self._add(prompt, sp))
+        order: list[str] = []
+        try:
+            for prompt, sp in zip(processed, params):
+                order.append(self._add(prompt, sp))
+        except BaseException:  # e.g. Ctrl-C: what was sent must not keep the engines busy
+            self._abort(order)
+            raise
         return self._run(order, use_tqdm)
 
     def chat(
@@ -100,15 +116,19 @@ class LLM:
                         finished[ro.request_id] = ro
                         bar.update(1)
         except BaseException:
-            for rid in order:
-                self.client.abort_requests(self.output_processor.abort(rid))
+            self._abort(order)
             raise
         finally:
             bar.close()
         return [finished[rid] for rid in order]
 
+    def _abort(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            self.client.abort_requests(self.output_processor.abort(rid))
+
     def shutdown(self) -> None:
-        self.client.shutdown()
+        """Stop the engines and release their resources. Idempotent."""
+        self._finalizer()
 
     def __enter__(self) -> LLM:
         return self

@@ -4,6 +4,11 @@ Requests accept the OpenAI fields plus vLLM's sampling extras (``top_k``, ``min_
 Every field may be ``null`` (clients send that for "unset"); defaults are resolved in
 ``sampling_params`` so the resolution rules live in one place. Unknown fields are
 ignored, as OpenAI clients add new ones over time.
+
+These models check shapes and types only. Ranges come from the one table in
+``SamplingParams`` (each request becomes one before anything else happens), the limits
+that depend on the model or the deployment from ``InputProcessor.check``, and the body as
+a whole (size, depth, int64, finite floats) from the server's ``decode_json_body``.
 """
 
 from __future__ import annotations
@@ -19,8 +24,6 @@ from tidal.sampling_params import SamplingParams
 
 # Logprobs of -inf (masked tokens) are not valid JSON; clamp them like OpenAI does.
 _MIN_LOGPROB = -9999.0
-# Most top logprobs a request may ask for (OpenAI's limit for chat).
-MAX_TOP_LOGPROBS = 20
 
 
 def random_id(prefix: str) -> str:
@@ -190,8 +193,10 @@ def _stop_list(stop: str | list[str] | None) -> list[str]:
 
 
 def _check_top(k: int | None, name: str) -> int | None:
-    if k is not None and not 0 <= k <= MAX_TOP_LOGPROBS:
-        raise ValueError(f"{name} must be in [0, {MAX_TOP_LOGPROBS}], got {k}")
+    # Named here so the error names the request's field; the upper bound is the
+    # deployment's max_logprobs, checked by InputProcessor.check.
+    if k is not None and k < 0:
+        raise ValueError(f"{name} must be >= 0, got {k}")
     return k
 
 

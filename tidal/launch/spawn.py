@@ -80,6 +80,7 @@ def run_headless(config: EngineConfig) -> int:
         if p.is_alive():
             p.kill()
             p.join(2)
+        p.close()
     return 0 if stop.is_set() else 1
 
 

@@ -1,0 +1,41 @@
+"""The engine launch message: what the launcher writes to an engine process's stdin must
+rebuild exactly the config it was made from (msgspec; the transformers config as a dict)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import msgspec
+import pytest
+
+from tidal.config import EngineArgs
+from tidal.engine_core.entry import decode_engine_launch, encode_engine_launch
+
+
+@pytest.mark.parametrize("ckpt", ["qwen3_ckpt", "mixtral_ckpt"])
+def test_launch_round_trip(ckpt: str, request: pytest.FixtureRequest) -> None:
+    args = EngineArgs(
+        model=request.getfixturevalue(ckpt),
+        data_parallel_size=2,
+        data_parallel_master_port=29999,
+        enable_expert_parallel=True,
+        all2all_backend="all2all",
+        num_gpu_blocks_override=77,
+        max_num_seqs=5,
+        dtype="float32",
+        device="cpu",
+    )
+    config = args.create_engine_config().with_parallel(data_parallel_rank=1)
+    data = encode_engine_launch(config, 1, "ipc:///tmp/x/handshake")
+    msgspec.msgpack.decode(data)  # plain msgpack: nothing a peer must unpickle
+
+    back, index, address = decode_engine_launch(data)
+    assert (index, address) == (1, "ipc:///tmp/x/handshake")
+    assert back == config  # every field but hf_config (compare=False)
+    assert dataclasses.astuple(back.parallel) == dataclasses.astuple(config.parallel)
+    assert back.model.generation_eos_token_ids == config.model.generation_eos_token_ids
+    assert isinstance(back.model.generation_eos_token_ids, tuple)
+    hf, hf_back = config.model.hf_config, back.model.hf_config
+    assert type(hf_back) is type(hf)
+    assert hf_back.to_dict() == hf.to_dict()
+    assert back.model.eos_token_ids == config.model.eos_token_ids

@@ -1,0 +1,89 @@
+"""The engine process's entry point: ``python -m tidal.engine_core.entry EngineCore_DP<r>``.
+
+Engines are started as a fresh interpreter running this module (``tidal.utils.procs``),
+never with multiprocessing's spawn, which would re-run the user's ``__main__`` in every
+engine. The launcher writes one ``EngineLaunch`` (msgspec msgpack) to the child's stdin.
+
+The config is a tree of frozen dataclasses that msgspec encodes as they are, except
+``ModelConfig.hf_config``, a transformers ``PretrainedConfig``: it travels as its
+``to_dict()`` and is rebuilt by its own config class, which reproduces it exactly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import msgspec
+from transformers import CONFIG_MAPPING, AutoConfig
+
+from tidal.config import EngineConfig
+from tidal.engine_core.proc import run_engine_core
+from tidal.utils.procs import ModuleProcess, read_child_launch
+
+ENGINE_ENTRY_MODULE = "tidal.engine_core.entry"
+
+
+class EngineLaunch(msgspec.Struct, frozen=True):
+    config: EngineConfig  # with model.hf_config = None; see hf_config
+    hf_config: dict[str, Any] | None
+    engine_index: int
+    handshake_address: str
+
+
+def encode_engine_launch(config: EngineConfig, engine_index: int, handshake_address: str) -> bytes:
+    hf = config.model.hf_config
+    wire = dataclasses.replace(config, model=dataclasses.replace(config.model, hf_config=None))
+    return msgspec.msgpack.encode(
+        EngineLaunch(
+            wire, hf.to_dict() if hf is not None else None, engine_index, handshake_address
+        )
+    )
+
+
+def decode_engine_launch(data: bytes) -> tuple[EngineConfig, int, str]:
+    launch = msgspec.msgpack.decode(data, type=EngineLaunch)
+    config = launch.config
+    model = dataclasses.replace(
+        config.model, hf_config=_rebuild_hf_config(config, launch.hf_config)
+    )
+    return dataclasses.replace(config, model=model), launch.engine_index, launch.handshake_address
+
+
+def _rebuild_hf_config(config: EngineConfig, hf: dict[str, Any] | None) -> Any:
+    if hf is None:
+        return None
+    config_class = CONFIG_MAPPING.get(hf.get("model_type", ""))
+    if config_class is None:
+        # Not a transformers-native model type: read it the way the launcher did.
+        return AutoConfig.from_pretrained(config.model.model)
+    return config_class.from_dict(hf)
+
+
+def engine_process_name(engine_index: int) -> str:
+    return f"EngineCore_DP{engine_index}"
+
+
+def start_engine_process(
+    config: EngineConfig,
+    engine_index: int,
+    handshake_address: str,
+    entry_module: str = ENGINE_ENTRY_MODULE,
+) -> ModuleProcess:
+    """Start rank ``engine_index``. ``entry_module`` is any module that reads an
+    ``EngineLaunch`` from stdin like ``main`` below (tests may substitute one)."""
+    return ModuleProcess(
+        entry_module,
+        engine_process_name(engine_index),
+        encode_engine_launch(config, engine_index, handshake_address),
+    )
+
+
+def main() -> None:
+    _, payload = read_child_launch()
+    config, engine_index, handshake_address = decode_engine_launch(payload)
+    run_engine_core(config, engine_index, handshake_address)
+
+
+if __name__ == "__main__":
+    main()

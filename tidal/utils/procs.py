@@ -1,0 +1,143 @@
+"""Child Python processes that never re-import the caller's ``__main__``.
+
+multiprocessing's ``spawn`` start method runs the parent's main module again in every
+child (as ``__mp_main__``): a user script written without an
+``if __name__ == "__main__":`` guard would start itself over in each engine process. A
+``ModuleProcess`` runs ``python -P -m <module> <name>`` instead, so the child imports that
+module and what it imports, nothing else. Its launch arguments travel as bytes on the
+child's stdin (msgspec, never pickle), which also keeps them out of ``ps``.
+
+The launcher owns its children's lifetime. Each child runs in its own process group, so
+a terminal's Ctrl-C (SIGINT to the foreground group) reaches only the launcher, which then
+stops the children in order (SIGTERM, then SIGKILL after a deadline): a half-started
+child never prints a KeyboardInterrupt traceback, and data-parallel ranks are not torn
+down independently mid-wave. A child whose launcher dies without stopping it (SIGKILL)
+must notice on its own (``os.getppid()`` changes) and exit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import multiprocessing
+import os
+import subprocess
+import sys
+from collections.abc import Sequence
+
+from tidal.utils.proctitle import set_process_name
+
+
+@functools.cache
+def _pidfd_supported() -> bool:
+    if not hasattr(os, "pidfd_open"):
+        return False
+    try:
+        fd = os.pidfd_open(os.getpid())
+    except OSError:  # old kernel or a seccomp filter
+        return False
+    os.close(fd)
+    return True
+
+
+def _child_env() -> dict[str, str]:
+    """The parent's environment, with its ``sys.path`` as the child's ``PYTHONPATH``.
+
+    The child then imports exactly what the parent would (a source checkout, a path added
+    by a test runner) — what multiprocessing's spawn gets by copying ``sys.path`` — while
+    ``-P`` keeps the child's working directory off its path."""
+    env = dict(os.environ)
+    paths = [os.path.abspath(p) if p else os.getcwd() for p in sys.path]
+    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(p for p in paths if os.path.exists(p)))
+    return env
+
+
+class ModuleProcess:
+    """``python -m module`` as a child, with the part of ``multiprocessing.Process``'s
+    interface that process managers use: ``name``, ``pid``, ``sentinel``, ``is_alive()``,
+    ``exitcode`` (negative signal number when killed by one), ``terminate()``, ``kill()``,
+    ``join(timeout)``; ``close()`` releases the sentinel once the process is done with.
+
+    ``payload`` is written to the child's stdin, which is then closed: the child reads it
+    to EOF (``read_child_launch``). ``pass_fds`` stay open in the child (e.g. a pipe end
+    for a startup reply)."""
+
+    def __init__(
+        self, module: str, name: str, payload: bytes = b"", *, pass_fds: Sequence[int] = ()
+    ) -> None:
+        self.name = name
+        self.module = module
+        fds = list(pass_fds)
+        watch_r = watch_w = -1
+        if not _pidfd_supported():
+            # The child holds the write end until it exits; the read end then hits EOF,
+            # which is what makes it usable with multiprocessing.connection.wait.
+            watch_r, watch_w = os.pipe()
+            fds.append(watch_w)
+        try:
+            self._popen = subprocess.Popen(
+                [sys.executable, "-P", "-m", module, name],
+                stdin=subprocess.PIPE,
+                pass_fds=fds,
+                env=_child_env(),
+                process_group=0,  # see the module docstring: Ctrl-C reaches the launcher only
+            )
+        except BaseException:
+            if watch_r >= 0:
+                os.close(watch_r)
+                os.close(watch_w)
+            raise
+        if watch_w >= 0:
+            os.close(watch_w)
+        self.pid: int = self._popen.pid
+        self.sentinel: int = os.pidfd_open(self.pid) if watch_r < 0 else watch_r
+        self._closed = False
+        self._send_payload(payload)
+
+    def _send_payload(self, payload: bytes) -> None:
+        stdin = self._popen.stdin
+        assert stdin is not None
+        # A child that already died makes these raise: its exitcode and sentinel say so.
+        with contextlib.suppress(BrokenPipeError):
+            stdin.write(payload)
+        with contextlib.suppress(BrokenPipeError):
+            stdin.close()  # flushes, then closes even if the flush fails
+
+    def is_alive(self) -> bool:
+        return self._popen.poll() is None
+
+    @property
+    def exitcode(self) -> int | None:
+        return self._popen.poll()
+
+    def terminate(self) -> None:
+        self._popen.terminate()  # a no-op once reaped; ProcessLookupError is handled
+
+    def kill(self) -> None:
+        self._popen.kill()
+
+    def join(self, timeout: float | None = None) -> None:
+        try:
+            self._popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass  # like Process.join: the caller checks is_alive()
+
+    def close(self) -> None:
+        """Release the sentinel; reaps the process if it has exited. Idempotent."""
+        if not self._closed:
+            self._closed = True
+            self._popen.poll()
+            os.close(self.sentinel)
+
+    def __repr__(self) -> str:
+        state = "alive" if self.is_alive() else f"exitcode={self.exitcode}"
+        return f"<ModuleProcess {self.name} pid={self.pid} {state}>"
+
+
+def read_child_launch() -> tuple[str, bytes]:
+    """In a ``ModuleProcess`` child: name this process (``ps``/psutil ``name()``, and
+    multiprocessing's process name, which logging shows) and return ``(name, payload)``."""
+    name = sys.argv[1] if len(sys.argv) > 1 else os.path.basename(sys.argv[0])
+    set_process_name(name)
+    multiprocessing.current_process().name = name
+    return name, sys.stdin.buffer.read()
