@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 from tidal.dp_coordinator.balance import Balancer, policy_names
 from tidal.dp_coordinator.state import CoordinatorState, PublishSnapshot
-from tidal.engine_core.messages import EngineCoreOutputs, SchedulerStats
+from tidal.protocol.messages import EngineCoreOutputs, SchedulerStats
 
 WORKLOADS = ("uniform", "bursty", "skewed")
 _MEAN_LEN = {"uniform": 50.0, "bursty": 50.0, "skewed": 0.9 * 10 + 0.1 * 400}

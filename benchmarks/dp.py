@@ -16,9 +16,9 @@ import random
 import time
 from dataclasses import dataclass
 
-from tidal.config import EngineArgs
 from tidal.frontend.async_llm import AsyncLLM
 from tidal.frontend.processor import ProcessedPrompt
+from tidal.launch.engine_args import EngineArgs
 from tidal.sampling_params import SamplingParams
 
 

@@ -36,7 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from tidal.elastic.groups import StatelessGroup, get_open_port  # noqa: E402
+from tidal.distributed.groups import StatelessGroup  # noqa: E402
+from tidal.distributed.ports import get_open_port  # noqa: E402
 from tidal.kernels.fused_moe_torch import fused_experts_torch  # noqa: E402
 from tidal.moe.dispatch import get_dispatcher  # noqa: E402
 from tidal.moe.placement import ExpertPlacement  # noqa: E402

@@ -12,21 +12,17 @@ import msgspec
 import pytest
 import zmq
 
-from tidal.dp_coordinator.proc import (
+from tidal.dp_coordinator.handle import DPCoordinator, fetch_stats, fetch_stats_async
+from tidal.dp_coordinator.proc import CoordinatorAddresses
+from tidal.protocol.messages import (
     SNAPSHOT_DECODER,
-    CoordinatorAddresses,
-    DPCoordinator,
-    decode_engine_message,
-    fetch_stats,
-    fetch_stats_async,
-)
-from tidal.engine_core.messages import (
     CoordinatorReady,
     DPSetTopology,
     DPWakeUp,
     EngineCoreOutputs,
     SchedulerStats,
     StartDPWave,
+    decode_engine_message,
     encode,
 )
 from tidal.protocol.topology import Topology

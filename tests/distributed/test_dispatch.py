@@ -11,8 +11,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tidal.elastic.groups import StatelessGroup
-from tidal.moe.dispatch import DISPATCHERS, ReplicaRouter, get_dispatcher
+from tidal.distributed.groups import StatelessGroup
+from tidal.moe.dispatch import DISPATCHERS, get_dispatcher
+from tidal.moe.dispatch.base import ReplicaRouter
 from tidal.moe.placement import ExpertPlacement, rebalance
 
 BACKENDS = ("allgather_reducescatter", "all2all")

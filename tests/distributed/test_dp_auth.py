@@ -16,26 +16,28 @@ import pytest
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from tidal.config import EngineArgs
-from tidal.dp_coordinator.proc import fetch_stats
-from tidal.elastic.groups import get_open_port
-from tidal.engine_core.client import SyncMPClient, spawn_headless_engines
-from tidal.engine_core.messages import (
-    EngineCoreOutputs,
-    EngineCoreRequest,
-    EngineHello,
-    FinishReason,
-    encode,
-)
-from tidal.engine_core.proc import EngineCoreProc, EngineStartupError
-from tidal.sampling_params import SamplingParams
-from tidal.utils.zmq_auth import (
+from tidal.distributed.ports import get_open_port
+from tidal.distributed.zmq_auth import (
     CurveKeys,
     curve_keys,
     secure_client,
     secure_server,
     start_authenticator,
 )
+from tidal.dp_coordinator.handle import fetch_stats
+from tidal.engine_core.proc import EngineCoreProc
+from tidal.frontend.proc_manager import spawn_headless_engines
+from tidal.frontend.sync_client import SyncMPClient
+from tidal.launch.engine_args import EngineArgs
+from tidal.protocol.errors import EngineStartupError
+from tidal.protocol.messages import (
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    EngineHello,
+    FinishReason,
+    encode,
+)
+from tidal.sampling_params import SamplingParams
 
 SECRET = "test-secret-0123456789abcdef"
 OTHER = "another-secret-0123456789abcdef"

@@ -9,7 +9,7 @@ import msgspec
 import pytest
 
 from tidal import LLM, SamplingParams
-from tidal.engine_core.messages import SchedulerStats
+from tidal.protocol.messages import SchedulerStats
 
 MAX_TOKENS = 10
 

@@ -21,7 +21,7 @@ REST = -1  # schedule every token of the request not computed yet
 
 
 def _config(path: str, rank: int, world: int, port: int, **kw):
-    from tidal.config import EngineArgs
+    from tidal.launch.engine_args import EngineArgs
 
     args = {
         "model": path,
@@ -91,7 +91,7 @@ def _script(rank: int, world: int) -> list:
 
 
 def _sched(step, reqs):
-    from tidal.engine_core.batch import ScheduledRequest, SchedulerOutput
+    from tidal.executor.batch import ScheduledRequest, SchedulerOutput
 
     scheduled = []
     for i, n in step:
@@ -195,7 +195,7 @@ def _prompts(rank: int, vocab: int) -> list[list[int]]:
 def _generate_lockstep(core, dp_group, prompts, max_tokens) -> dict[str, list[int]]:
     """Drive one EngineCore per rank like the DP busy loop: a real step or a dummy one,
     then agree whether any rank still has work."""
-    from tidal.engine_core.messages import EngineCoreRequest
+    from tidal.protocol.messages import EngineCoreRequest
     from tidal.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, min_tokens=max_tokens)

@@ -11,7 +11,8 @@ import pickle
 import msgspec
 import pytest
 
-from tidal.elastic.groups import StatelessGroup, get_open_port
+from tidal.distributed.groups import StatelessGroup
+from tidal.distributed.ports import get_open_port
 
 
 class Load(msgspec.Struct):

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tidal.elastic.groups import StatelessGroup, create_store
+from tidal.distributed.groups import StatelessGroup, create_store
 
 
 def _tcp_connections() -> int:

@@ -18,18 +18,19 @@ import msgspec
 import pytest
 import torch
 
-from tidal.config import EngineArgs, EngineConfig
-from tidal.elastic.groups import get_open_port
-from tidal.engine_core.client import SyncMPClient
+from tidal.config import EngineConfig
+from tidal.distributed.ports import get_open_port
 from tidal.engine_core.core import EngineCore
-from tidal.engine_core.messages import (
+from tidal.engine_core.request import Request
+from tidal.frontend.sync_client import SyncMPClient
+from tidal.launch.engine_args import EngineArgs
+from tidal.protocol.messages import (
     EngineCoreOutput,
     EngineCoreRequest,
     EngineCoreRequestType,
     FinishReason,
+    engine_identity,
 )
-from tidal.engine_core.proc import engine_identity
-from tidal.engine_core.request import Request
 from tidal.sampling_params import SamplingParams
 
 MAX_TOKENS = 6

@@ -38,6 +38,9 @@ def _serve_and_check(url: str, dp: int) -> None:
     stats = httpx.get(url + "/stats", timeout=60).json()
     assert stats["data_parallel_size"] == dp
     assert [r["rank"] for r in stats["ranks"]] == list(range(dp))
+    # The launch topology: epoch 0, engine ids 0..dp-1 in rank order (DESIGN.md 6.1).
+    assert stats["epoch"] == 0
+    assert [r["engine_id"] for r in stats["ranks"]] == list(range(dp))
     totals = [r["requests_total"] for r in stats["ranks"]]
     assert sum(totals) >= dp + 7 and all(t >= 1 for t in totals), totals
     assert stats["wave"] >= 0 and isinstance(stats["engines_running"], bool)
@@ -165,7 +168,7 @@ def test_mismatched_rank_fails_fast(qwen3_ckpt):
 
     code, out = retry_port_conflicts(attempt)
     assert code != 0
-    assert "parallel config" in out
+    assert "config mismatch" in out
 
 
 def test_launch_dp2_ep_exposes_expert_load(qwen3_ckpt):

@@ -319,8 +319,8 @@ def test_sync_client_dropped_or_never_shut_down(run_script) -> None:
     script = run_script(
         """
         import psutil
-        from tidal.config import EngineArgs
-        from tidal.engine_core.client import SyncMPClient
+        from tidal.launch.engine_args import EngineArgs
+        from tidal.frontend.sync_client import SyncMPClient
 
         config = EngineArgs().create_engine_config()
         client = SyncMPClient(config)

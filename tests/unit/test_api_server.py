@@ -25,20 +25,18 @@ import pytest
 from fastapi import APIRouter, Request
 
 from tidal.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
-from tidal.engine_core.messages import SchedulerStats
 from tidal.frontend.outputs import CompletionOutput, Logprob, OutputKind, RequestOutput
 from tidal.frontend.processor import InputProcessor, ProcessedPrompt
 from tidal.launch.api_server import bind_socket, build_app, make_server
+from tidal.launch.errors import classify_error
+from tidal.protocol.errors import EngineDeadError
+from tidal.protocol.messages import SchedulerStats
 from tidal.sampling_params import SamplingParams
 
 MAX_MODEL_LEN = 64
 VOCAB = 1000
 MODEL_PATH = "/models/fake-moe"
 SERVED = "fake-moe"
-
-
-class EngineDeadError(RuntimeError):
-    """Stands in for tidal's EngineDeadError (the server recognises it by name)."""
 
 
 class FakeTokenizer:
@@ -750,11 +748,8 @@ async def test_serving_benchmark_load_generator():
     assert bench._percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
 
 
-def test_real_engine_dead_error_is_recognised():
-    from tidal.launch.api_server import _is_engine_dead_error
-
-    try:
-        from tidal.frontend.async_llm import EngineDeadError as Real
-    except ImportError as e:  # the engine stack is importable only once all of it exists
-        pytest.skip(f"engine stack not importable: {e}")
-    assert _is_engine_dead_error(Real("gone")) and not _is_engine_dead_error(RuntimeError("x"))
+def test_engine_dead_error_is_a_503():
+    alive = SimpleNamespace(is_dead=False)  # the engine died in this request only
+    err = classify_error(EngineDeadError("gone"), alive)
+    assert (err.status, err.code) == (503, "engine_dead")
+    assert classify_error(RuntimeError("x"), alive).status == 500

@@ -18,7 +18,7 @@ from tidal.dp_coordinator.balance import (
     get_policy,
     policy_names,
 )
-from tidal.engine_core.messages import DPLoadSnapshot
+from tidal.protocol.messages import DPLoadSnapshot
 from tidal.protocol.topology import Topology
 
 SIM_PATH = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "balance_sim.py"

@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 
-from tidal.config import EngineArgs
+from tidal.launch.engine_args import EngineArgs
 
 
 def _cfg(path: str, **kw):

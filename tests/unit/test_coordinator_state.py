@@ -16,11 +16,11 @@ import pytest
 from tidal.dp_coordinator.state import (
     BroadcastStartWave,
     CoordinatorState,
-    EngineWaveState,
-    FrontendWaveState,
     PublishSnapshot,
 )
-from tidal.engine_core.messages import (
+from tidal.engine_core.wave import EngineWaveState
+from tidal.frontend.dp_state import FrontendWaveState
+from tidal.protocol.messages import (
     DPSetTopology,
     DPWakeUp,
     EngineCoreOutputs,

@@ -8,8 +8,8 @@ import dataclasses
 import msgspec
 import pytest
 
-from tidal.config import EngineArgs
 from tidal.engine_core.entry import decode_engine_launch, encode_engine_launch
+from tidal.launch.engine_args import EngineArgs
 
 
 @pytest.mark.parametrize("ckpt", ["qwen3_ckpt", "mixtral_ckpt"])

@@ -8,13 +8,9 @@ import sys
 
 import pytest
 
-from tidal.engine_core.kv_cache import (
-    NULL_BLOCK_ID,
-    BlockPool,
-    KVCacheManager,
-    hash_block_tokens,
-)
+from tidal.engine_core.kv_cache import BlockPool, KVCacheManager, hash_block_tokens
 from tidal.engine_core.request import Request
+from tidal.executor.batch import NULL_BLOCK_ID
 from tidal.sampling_params import SamplingParams
 
 BS = 4

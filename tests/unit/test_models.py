@@ -17,7 +17,7 @@ import shutil
 import pytest
 import torch
 
-from tidal.config import EngineArgs
+from tidal.launch.engine_args import EngineArgs
 from tidal.layers.attention import AttentionMetadata, kv_cache_shape
 from tidal.models.loader import CheckpointError, load_model
 from tidal.models.registry import resolve_architecture

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from tidal.engine_core.messages import EngineCoreOutput, FinishReason, Logprobs
 from tidal.frontend.detokenizer import IncrementalDetokenizer
 from tidal.frontend.output_processor import OutputProcessor, child_request_id
 from tidal.frontend.outputs import OutputKind
+from tidal.protocol.messages import EngineCoreOutput, FinishReason, Logprobs
 from tidal.sampling_params import SamplingParams
 
 

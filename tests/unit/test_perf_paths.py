@@ -201,7 +201,7 @@ def test_decode_rows_inside_a_mixed_batch_match_oracle():
 
 
 def test_model_uses_k_major_layouts_and_matches_row_major_copy(qwen3_ckpt):
-    from tidal.config import EngineArgs
+    from tidal.launch.engine_args import EngineArgs
     from tidal.models.loader import load_model
 
     config = EngineArgs(model=qwen3_ckpt, device="cpu").create_engine_config()

@@ -15,11 +15,10 @@ import zlib
 import pytest
 
 from tidal.config import CacheConfig, SchedulerConfig
-from tidal.engine_core.batch import ModelRunnerOutput, SchedulerOutput
-from tidal.engine_core.kv_cache import NULL_BLOCK_ID
-from tidal.engine_core.messages import EngineCoreOutputs, FinishReason, Logprobs
 from tidal.engine_core.request import Request, RequestStatus
 from tidal.engine_core.scheduler import Scheduler
+from tidal.executor.batch import NULL_BLOCK_ID, ModelRunnerOutput, SchedulerOutput
+from tidal.protocol.messages import EngineCoreOutputs, FinishReason, Logprobs
 from tidal.sampling_params import SamplingParams
 
 BS = 4

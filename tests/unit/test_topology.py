@@ -8,14 +8,14 @@ import pathlib
 import msgspec
 import pytest
 
-from tidal.engine_core.messages import (
+from tidal.protocol import topology as topology_module
+from tidal.protocol.messages import (
     DPLoadSnapshot,
     DPSetTopology,
     DPWakeUp,
     FrontendToCoordinator,
     encode,
 )
-from tidal.protocol import topology as topology_module
 from tidal.protocol.topology import MAX_ENGINE_ID, Topology
 
 

@@ -40,22 +40,24 @@ from tests.unit.test_api_server import (
 )
 from tidal.config import (
     CacheConfig,
-    EngineArgs,
     EngineConfig,
     FrontendConfig,
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
 )
-from tidal.engine_core.messages import EngineCoreRequest
 from tidal.frontend.async_llm import AsyncLLM
 from tidal.frontend.processor import InputProcessor, ProcessedPrompt
 from tidal.frontend.template_sandbox import SandboxUnavailable, TemplateSandbox
-from tidal.launch.api_server import MAX_JSON_DEPTH, APIError, build_app, decode_json_body
-from tidal.launch.cli import build_engine_config
+from tidal.launch.api_server import build_app
+from tidal.launch.args import build_engine_config
+from tidal.launch.engine_args import EngineArgs
+from tidal.launch.errors import APIError
+from tidal.launch.http_limits import MAX_JSON_DEPTH, decode_json_body
 from tidal.launch.llm import LLM
 from tidal.launch.spawn import make_parser
 from tidal.models.tiny import CHAT_TEMPLATE
+from tidal.protocol.messages import EngineCoreRequest
 from tidal.sampling_params import INT64_MAX, INT64_MIN, SamplingParams, wrap_int64
 
 BIG = [2**63, 2**64 + 1, -(2**63) - 1]  # just past int64, past uint64, just below int64

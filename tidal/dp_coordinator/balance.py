@@ -43,7 +43,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
-from tidal.engine_core.messages import DPLoadSnapshot
+from tidal.protocol.messages import DPLoadSnapshot
 from tidal.protocol.topology import Topology
 
 

@@ -1,4 +1,5 @@
-"""The DP coordinator process: a thin ZMQ loop around ``CoordinatorState``.
+"""The DP coordinator process: a thin ZMQ loop around ``CoordinatorState``. (Starting and
+stopping it, and asking it for stats, is ``handle.py``.)
 
 Sockets, all bound here (addresses are passed in: ``ipc://`` in the launcher's private
 0700 temp dir, or ``tcp://`` for multi-node; ``tcp://host:*`` picks free ports and the
@@ -21,7 +22,7 @@ bound addresses are reported back):
                      is answered with ``DPCoordinatorStats`` (``/stats``, dashboard).
 
 Over TCP (multi-node) every socket is a CURVE server and a ZAP handler in this process
-admits only holders of the deployment's shared secret (``tidal/utils/zmq_auth.py``); the
+admits only holders of the deployment's shared secret (``tidal/distributed/zmq_auth.py``); the
 peers (engines, frontends, ``fetch_stats``) connect as CURVE clients.
 
 Everything is msgspec msgpack; nothing is pickled. SIGTERM/SIGINT stop the loop cleanly
@@ -33,56 +34,40 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import shutil
 import signal
-import tempfile
 import time
-import weakref
 from dataclasses import astuple, dataclass
 from multiprocessing.connection import Connection
 
 import msgspec
 import zmq
 
+from tidal.distributed.zmq_auth import (
+    CurveKeys,
+    curve_keys,
+    secure_server,
+    start_authenticator,
+)
 from tidal.dp_coordinator.state import (
     Action,
     BroadcastStartWave,
     CoordinatorState,
     PublishSnapshot,
 )
-from tidal.engine_core.messages import (
+from tidal.protocol.messages import (
     COORDINATOR_READY,
-    CoordinatorReady,
-    DPCoordinatorStats,
-    DPLoadSnapshot,
-    DPStatsRequest,
-    EngineCoreOutputs,
+    ENGINE_OUTPUTS_DECODER,
+    FRONTEND_DECODER,
     EngineCoreRequestType,
-    FrontendToCoordinator,
-    StartDPWave,
     encode,
 )
-from tidal.utils.procs import ModuleProcess
-from tidal.utils.zmq_auth import (
-    CurveKeys,
-    curve_keys,
-    secure_client,
-    secure_server,
-    start_authenticator,
-)
+from tidal.protocol.topology import Topology
 
 logger = logging.getLogger(__name__)
 
 _POLL_CAP_MS = 100  # bounds the reaction time to a stop request or a dead parent
 _DRAIN_MAX = 1000  # messages per socket per loop turn
 _SUBSCRIBE, _UNSUBSCRIBE = 1, 0
-
-ENGINE_OUTPUTS_DECODER = msgspec.msgpack.Decoder(EngineCoreOutputs)
-FRONTEND_DECODER = msgspec.msgpack.Decoder(FrontendToCoordinator)
-SNAPSHOT_DECODER = msgspec.msgpack.Decoder(DPLoadSnapshot)
-STATS_DECODER = msgspec.msgpack.Decoder(DPCoordinatorStats)
-_START_DECODER = msgspec.msgpack.Decoder(StartDPWave)
-_READY_DECODER = msgspec.msgpack.Decoder(CoordinatorReady)
 
 
 @dataclass(frozen=True)
@@ -105,58 +90,6 @@ class CoordinatorAddresses:
 
     def ipc_paths(self) -> list[str]:
         return [a[len("ipc://") :] for a in astuple(self) if a.startswith("ipc://")]
-
-
-# ----------------------------------------------------------------- helpers for peers
-
-
-def decode_engine_message(frames: list[bytes]) -> StartDPWave | CoordinatorReady:
-    """Decode one message an engine received from ``engine_publish``."""
-    kind, payload = frames
-    if kind == COORDINATOR_READY:
-        return _READY_DECODER.decode(payload)
-    if kind == EngineCoreRequestType.START_DP_WAVE.value:
-        return _START_DECODER.decode(payload)
-    raise ValueError(f"unknown coordinator message kind {kind!r}")
-
-
-def fetch_stats(
-    address: str,
-    timeout_s: float = 2.0,
-    ctx: zmq.Context | None = None,
-    curve: CurveKeys | None = None,
-) -> DPCoordinatorStats:
-    """Ask the coordinator's ``stats`` socket for the full stats (blocking, bounded)."""
-    sock = (ctx or zmq.Context.instance()).socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    try:
-        secure_client(sock, curve, address)
-        sock.connect(address)
-        sock.send(encode(DPStatsRequest()))
-        if not sock.poll(int(timeout_s * 1000)):
-            raise TimeoutError(f"DP coordinator at {address} did not answer in {timeout_s}s")
-        return STATS_DECODER.decode(sock.recv())
-    finally:
-        sock.close()
-
-
-async def fetch_stats_async(
-    address: str, timeout_s: float = 2.0, curve: CurveKeys | None = None
-) -> DPCoordinatorStats:
-    """``fetch_stats`` for an asyncio frontend."""
-    import zmq.asyncio
-
-    sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    try:
-        secure_client(sock, curve, address)
-        sock.connect(address)
-        await sock.send(encode(DPStatsRequest()))
-        if not await sock.poll(int(timeout_s * 1000)):
-            raise TimeoutError(f"DP coordinator at {address} did not answer in {timeout_s}s")
-        return STATS_DECODER.decode(await sock.recv())
-    finally:
-        sock.close()
 
 
 # ----------------------------------------------------------------------- the loop
@@ -284,7 +217,7 @@ class _CoordinatorLoop:
 
 def run_coordinator(
     addresses: CoordinatorAddresses,
-    num_engines: int,
+    topology: Topology | int,
     *,
     publish_interval_s: float = 0.1,
     heartbeat_interval_s: float = 3.0,
@@ -295,7 +228,8 @@ def run_coordinator(
 ) -> None:
     """The coordinator process's body (``tidal.dp_coordinator.entry``). Reports the bound
     addresses (or the startup error) as msgpack bytes on ``ready_conn``, then serves until
-    SIGTERM. ``auth_key``: the shared secret of a TCP control plane (None: no CURVE)."""
+    SIGTERM. ``topology``: the engines it starts with (an int: the launch topology of that
+    size). ``auth_key``: the shared secret of a TCP control plane (None: no CURVE)."""
     stop = _StopFlag()
     signal.signal(signal.SIGTERM, stop.set)
     signal.signal(signal.SIGINT, stop.set)
@@ -304,7 +238,7 @@ def run_coordinator(
     try:
         curve = curve_keys(auth_key)
         authenticator = start_authenticator(ctx, curve)  # before any bind
-        state = CoordinatorState(num_engines, history_len, publish_interval_s, heartbeat_interval_s)
+        state = CoordinatorState(topology, history_len, publish_interval_s, heartbeat_interval_s)
         loop = _CoordinatorLoop(ctx, addresses, state, stop, curve)
     except Exception as e:
         if ready_conn is not None:
@@ -312,7 +246,7 @@ def run_coordinator(
         if authenticator is not None:
             authenticator.stop()
         ctx.destroy(linger=0)  # closes the sockets bound before the failure
-        _unlink(addresses)
+        unlink_ipc(addresses)
         raise
     try:
         if ready_conn is not None:
@@ -324,25 +258,24 @@ def run_coordinator(
         if authenticator is not None:
             authenticator.stop()
         ctx.term()
-        _unlink(addresses)
+        unlink_ipc(addresses)
 
 
-def _unlink(addresses: CoordinatorAddresses) -> None:
+def unlink_ipc(addresses: CoordinatorAddresses) -> None:
+    """Remove the ipc socket files (a killed coordinator leaves them behind)."""
     for path in addresses.ipc_paths():
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
 
 
-# ----------------------------------------------------------------------- handle
-
-COORDINATOR_ENTRY_MODULE = "tidal.dp_coordinator.entry"
+# ----------------------------------------------------------------------- launch
 
 
 class CoordinatorLaunch(msgspec.Struct, frozen=True):
     """What the launcher writes to the coordinator process's stdin."""
 
     addresses: CoordinatorAddresses
-    num_engines: int
+    topology: Topology
     publish_interval_s: float
     heartbeat_interval_s: float
     history_len: int
@@ -355,7 +288,7 @@ def run_coordinator_launch(launch: CoordinatorLaunch) -> None:
     ready_conn = Connection(launch.ready_fd, readable=False)
     run_coordinator(
         launch.addresses,
-        launch.num_engines,
+        launch.topology,
         publish_interval_s=launch.publish_interval_s,
         heartbeat_interval_s=launch.heartbeat_interval_s,
         history_len=launch.history_len,
@@ -363,103 +296,3 @@ def run_coordinator_launch(launch: CoordinatorLaunch) -> None:
         parent_pid=launch.parent_pid,
         auth_key=launch.auth_key,
     )
-
-
-class DPCoordinator:
-    """Starts the coordinator process and owns its lifetime.
-
-    ``addresses=None`` puts ipc sockets in a fresh private temp dir (removed on shutdown).
-    ``addresses`` holds the bound addresses once the constructor returns."""
-
-    def __init__(
-        self,
-        num_engines: int,
-        addresses: CoordinatorAddresses | None = None,
-        *,
-        publish_interval_s: float = 0.1,
-        heartbeat_interval_s: float = 3.0,
-        history_len: int = 600,
-        start_timeout_s: float = 30.0,
-        auth_key: str | None = None,
-    ) -> None:
-        tmpdir = None
-        if addresses is None:
-            tmpdir = tempfile.mkdtemp(prefix="tidal-dpc-")  # mode 0700
-            addresses = CoordinatorAddresses.ipc(tmpdir)
-        # A fresh interpreter running the entry module, not multiprocessing's spawn (which
-        # would re-run the caller's __main__); it answers on a pipe it inherits.
-        ready_r, ready_w = os.pipe()
-        launch = CoordinatorLaunch(
-            addresses,
-            num_engines,
-            publish_interval_s,
-            heartbeat_interval_s,
-            history_len,
-            os.getpid(),
-            ready_w,
-            auth_key,
-        )
-        recv_conn = Connection(ready_r, writable=False)
-        try:
-            self.proc = ModuleProcess(
-                COORDINATOR_ENTRY_MODULE,
-                "DPCoordinator",
-                msgspec.msgpack.encode(launch),
-                pass_fds=[ready_w],
-            )
-        except BaseException:
-            recv_conn.close()
-            raise
-        finally:
-            os.close(ready_w)
-        self._finalizer = weakref.finalize(self, _cleanup, self.proc, addresses, tmpdir, 5.0)
-        try:
-            self.addresses = _await_ready(recv_conn, start_timeout_s)
-        except BaseException:
-            self.shutdown()
-            raise
-        finally:
-            recv_conn.close()
-
-    def shutdown(self, timeout_s: float = 5.0) -> None:
-        """SIGTERM, join (kill after ``timeout_s``), unlink ipc files. Idempotent."""
-        if self._finalizer.alive:
-            args = self._finalizer.detach()[2]
-            _cleanup(*args[:3], timeout_s)
-
-    def __enter__(self) -> DPCoordinator:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.shutdown()
-
-
-def _await_ready(conn: Connection, timeout_s: float) -> CoordinatorAddresses:
-    if not conn.poll(timeout_s):
-        raise TimeoutError(f"DP coordinator did not start within {timeout_s}s")
-    try:
-        reply = msgspec.msgpack.decode(conn.recv_bytes())
-    except EOFError:
-        raise RuntimeError("DP coordinator process exited during startup") from None
-    if "error" in reply:
-        raise RuntimeError(f"DP coordinator failed to start: {reply['error']}")
-    return CoordinatorAddresses(*reply["addresses"])
-
-
-def _cleanup(
-    proc: ModuleProcess,
-    addresses: CoordinatorAddresses,
-    tmpdir: str | None,
-    timeout_s: float,
-) -> None:
-    if proc.is_alive():
-        proc.terminate()
-        proc.join(timeout_s)
-    if proc.is_alive():
-        logger.warning("DP coordinator ignored SIGTERM for %.1fs; killing it", timeout_s)
-        proc.kill()
-        proc.join(timeout_s)
-    proc.close()
-    _unlink(addresses)  # a killed process leaves its ipc files behind
-    if tmpdir is not None:
-        shutil.rmtree(tmpdir, ignore_errors=True)

@@ -14,12 +14,13 @@ so the protocol's one job is: **whenever any rank starts, every rank starts.**
 
 Actors and their rules (W = the coordinator's wave, R = its ``running`` flag):
 
-Frontend (``FrontendWaveState``): stamps each request with the wave of its last snapshot.
-  If it believes the engines are paused it also sends ``DPWakeUp(wave, engine)`` once and
-  then believes them running (until a snapshot says otherwise). A new topology makes it
-  believe them paused; a snapshot of an older epoch than its topology is dropped.
+Frontend (``tidal.frontend.dp_state.FrontendWaveState``): stamps each request with the
+  wave of its last snapshot. If it believes the engines are paused it also sends
+  ``DPWakeUp(wave, engine)`` once and then believes them running (until a snapshot says
+  otherwise). A new topology makes it believe them paused; a snapshot of an older epoch
+  than its topology is dropped.
 
-Engine (``EngineWaveState``, applied by DPEngineCoreProc's busy loop):
+Engine (``tidal.engine_core.wave.EngineWaveState``, applied by ``DPEngineCoreProc``):
   * request stamped ``rw`` while paused at ``cw``:
       ``rw >= cw``: adopt ``max(rw, cw)`` and run. The frontend either sent a wake-up, or
         saw R=True for that wave, so a START_DP_WAVE for it is already on its way.
@@ -142,7 +143,7 @@ import collections
 import math
 from dataclasses import dataclass
 
-from tidal.engine_core.messages import (
+from tidal.protocol.messages import (
     CoordinatorReady,
     DPCoordinatorStats,
     DPLoadSnapshot,
@@ -429,76 +430,3 @@ class CoordinatorState:
         self.start_wave_broadcasts += 1
         self._urgent = True
         return BroadcastStartWave(self.wave, exclude)
-
-
-# ------------------------------------------------------------ the other two roles
-
-
-class FrontendWaveState:
-    """A frontend's half of the wave protocol (used by the DP client)."""
-
-    def __init__(self, epoch: int = 0) -> None:
-        self.wave = 0
-        self.running = False
-        self.epoch = epoch  # newest topology epoch seen (own topology or a snapshot)
-
-    def set_topology(self, topology: Topology) -> None:
-        """A reconfiguration: believe the engines paused, so the next request wakes them
-        (new engines are paused; a lost wake-up would strand a request)."""
-        if topology.epoch > self.epoch:
-            self.epoch = topology.epoch
-            self.running = False
-
-    def on_snapshot(self, snap: DPLoadSnapshot) -> bool:
-        """Adopt the snapshot's wave state; False when it is of an older epoch (race 10)."""
-        if snap.epoch < self.epoch:
-            return False
-        self.epoch = snap.epoch
-        self.wave, self.running = snap.wave, snap.running
-        return True
-
-    def on_send(self, engine_id: int) -> tuple[int, DPWakeUp | None]:
-        """Wave to stamp on a request going to engine ``engine_id``, and the wake-up to
-        send to the coordinator with it (only the first request while engines look
-        paused)."""
-        if self.running:
-            return self.wave, None
-        self.running = True
-        return self.wave, DPWakeUp(wave=self.wave, engine_id=engine_id)
-
-
-class EngineWaveState:
-    """One engine's half of the wave protocol (used by DPEngineCoreProc).
-
-    Each method returns the wave to report as ``start_wave`` (or None)."""
-
-    def __init__(self, engine_id: int, wave: int = 0) -> None:
-        self.engine_id = engine_id
-        self.wave = wave
-        self.running = False
-
-    def on_request(self, request_wave: int) -> int | None:
-        if self.running:
-            return None
-        self.running = True
-        if request_wave < self.wave:
-            return self.wave  # nobody else knows this wave must start
-        self.wave = request_wave
-        return None
-
-    def on_start_wave(self, msg: StartDPWave) -> bool:
-        """Apply START_DP_WAVE; True when it made this engine start running."""
-        if msg.exclude_engine_id == self.engine_id or msg.wave < self.wave:
-            return False  # started on its own / crossed a wave end (race 2)
-        started = not self.running
-        self.wave = msg.wave
-        self.running = True
-        return started
-
-    def on_wave_end(self) -> int:
-        """The all-reduce found the group idle: pause; returns the completed wave (rank 0
-        reports it as ``wave_complete``)."""
-        done = self.wave
-        self.wave = done + 1
-        self.running = False
-        return done

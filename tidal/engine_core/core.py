@@ -12,11 +12,11 @@ import time
 from typing import Any
 
 from tidal.config import EngineConfig
-from tidal.engine_core.messages import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from tidal.engine_core.request import Request
 from tidal.engine_core.scheduler import Scheduler
 from tidal.executor.base import Executor
 from tidal.executor.uniproc import UniProcExecutor
+from tidal.protocol.messages import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from tidal.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -100,13 +100,7 @@ class EngineCore:
 
     def get_eplb_info(self) -> dict[str, Any]:
         """Rebalances so far and the current physical -> logical expert layout per layer."""
-        eplb = self.executor.worker.model_runner.eplb
-        if eplb is None:
-            return {"num_rebalances": 0, "layouts": {}}
-        layouts = {
-            str(lid): list(p.physical_to_logical) for lid, p in zip(eplb.layer_ids, eplb.placements)
-        }
-        return {"num_rebalances": eplb.num_rebalances, "layouts": layouts}
+        return self.executor.get_eplb_info()
 
     def get_num_blocks(self) -> int:
         return self.num_blocks

@@ -18,7 +18,8 @@ import msgspec
 from transformers import CONFIG_MAPPING, AutoConfig
 
 from tidal.config import EngineConfig
-from tidal.engine_core.proc import run_engine_core
+from tidal.engine_core.dp_proc import DPEngineCoreProc
+from tidal.engine_core.proc import EngineCoreProc, run_engine_core
 from tidal.utils.procs import ModuleProcess, read_child_launch
 
 ENGINE_ENTRY_MODULE = "tidal.engine_core.entry"
@@ -79,10 +80,16 @@ def start_engine_process(
     )
 
 
+def engine_proc_class(config: EngineConfig) -> type[EngineCoreProc]:
+    """The DP busy loop (waves, dummy batches, coordinator, process groups) with more than
+    one rank at launch or with elastic EP (its size may grow from one)."""
+    return DPEngineCoreProc if config.parallel.is_data_parallel else EngineCoreProc
+
+
 def main() -> None:
     _, payload = read_child_launch()
     config, engine_index, handshake_address = decode_engine_launch(payload)
-    run_engine_core(config, engine_index, handshake_address)
+    run_engine_core(config, engine_index, handshake_address, engine_proc_class(config))
 
 
 if __name__ == "__main__":

@@ -40,8 +40,8 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
 from tidal.engine_core.request import Request
+from tidal.executor.batch import NULL_BLOCK_ID
 
-NULL_BLOCK_ID = 0
 _ROOT_HASH = 0
 
 
@@ -78,7 +78,9 @@ class BlockPool:
         self.enable_caching = enable_caching
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         # block id -> None; insertion order is eviction order (OrderedDict: O(1) removal).
-        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(1, num_blocks))
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(
+            range(NULL_BLOCK_ID + 1, num_blocks)  # the null block (0) is never handed out
+        )
         self._cached: dict[int, int] = {}  # block hash -> block id
 
     @property

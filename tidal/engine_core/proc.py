@@ -1,18 +1,17 @@
 """EngineCoreProc: an EngineCore in its own process, with ZMQ I/O threads around it.
+(Its data-parallel subclass, with the wave loop, is ``dp_proc.DPEngineCoreProc``.)
 
 Threads:
-- input thread: DEALER (identity = engine index, 2 bytes little-endian) -> ``input_queue``
+- input thread: DEALER (identity = engine id, 2 bytes little-endian) -> ``input_queue``
 - busy loop (main thread): owns the scheduler alone; drains the queue, steps the engine
 - output thread: ``output_queue`` -> PUSH
 
-Startup handshake (on a separate DEALER to the frontend's handshake ROUTER):
-  engine: HELLO(index, pid) -> frontend: addresses + parallel config hash
-  engine: connects, registers on the input socket, loads the model
-  engine: READY(index, its own config hash, num_blocks) or READY(error=...) on failure.
-A rank whose parallel config differs from the frontend's fails fast with a clear error.
-Over TCP (multi-node) every socket here is a CURVE client keyed by the deployment's shared
-secret (``tidal/utils/zmq_auth.py``); a rank whose secret differs sees the frontend refuse
-its handshake and fails fast too, instead of waiting out the handshake timeout.
+Startup: the handshake with the frontend (``handshake.py``: HELLO -> addresses, config
+hash and topology -> READY; an engine with another config or outside the topology fails
+fast), then the I/O threads connect, then the engine core is built (the DP subclass joins
+its process groups at its position in the topology) and READY is sent. Over TCP
+(multi-node) every socket here is a CURVE client keyed by the deployment's shared secret
+(``tidal/distributed/zmq_auth.py``).
 
 Shutdown: RUNNING -(SIGTERM/SIGINT)-> REQUESTED -> SHUTTING_DOWN (stop admitting, drain
 for up to ``drain_timeout_s``, then abort what is left) -> exit. A fatal error sends an
@@ -25,45 +24,39 @@ import enum
 import logging
 import os
 import queue
-import re
 import signal
 import threading
 import time
 import traceback
-from dataclasses import dataclass
 from typing import Any
 
-import msgspec
 import zmq
 
 from tidal.config import EngineConfig
+from tidal.distributed.zmq_auth import curve_keys, secure_client
 from tidal.engine_core.core import EngineCore
-from tidal.engine_core.messages import (
-    EngineAddresses,
+from tidal.engine_core.handshake import EngineHandshake
+from tidal.engine_core.request_decode import UndecodableRequest, decode_client_request
+from tidal.executor.uniproc import UniProcExecutor
+from tidal.protocol.errors import EngineStartupError
+from tidal.protocol.messages import (
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
     EngineCoreRequestType,
-    EngineHello,
-    EngineReady,
     FinishReason,
     StartDPWave,
     UtilityOutput,
     UtilityRequest,
+    decode_engine_message,
     encode,
+    engine_identity,
 )
+from tidal.protocol.topology import Topology
 from tidal.utils.proctitle import set_process_name
-from tidal.utils.zmq_auth import (
-    AuthenticationError,
-    curve_keys,
-    raise_if_refused,
-    secure_client,
-    watch_handshake,
-)
 
 logger = logging.getLogger(__name__)
 
-HANDSHAKE_TIMEOUT_S = 60.0
 TO_CLIENT, TO_COORDINATOR = 0, 1
 # How long the idle busy loop blocks on its queue before re-checking shutdown flags.
 _IDLE_POLL_S = 0.05
@@ -74,75 +67,6 @@ class ShutdownState(enum.Enum):
     RUNNING = enum.auto()
     REQUESTED = enum.auto()
     SHUTTING_DOWN = enum.auto()
-
-
-class EngineStartupError(RuntimeError):
-    pass
-
-
-def engine_identity(engine_index: int) -> bytes:
-    return engine_index.to_bytes(2, "little")
-
-
-_REQUEST_DECODERS = {
-    EngineCoreRequestType.ADD: msgspec.msgpack.Decoder(EngineCoreRequest),
-    EngineCoreRequestType.ABORT: msgspec.msgpack.Decoder(list[str]),
-    EngineCoreRequestType.UTILITY: msgspec.msgpack.Decoder(UtilityRequest),
-}
-_ADD_FIELDS = EngineCoreRequest.__struct_fields__
-
-
-@dataclass(frozen=True)
-class UndecodableRequest:
-    """An ADD whose payload did not decode (stays inside this process). It never reaches
-    the scheduler; it is answered with an error when its id can be read, and under data
-    parallelism it still counts as a request for the wave: the frontend may have woken
-    the other ranks for it, and they would wait in a collective for this one."""
-
-    request_id: str | None
-    current_wave: int
-    reason: str
-
-    @classmethod
-    def from_payload(cls, payload: bytes, error: Exception) -> UndecodableRequest:
-        fields: Any = None
-        try:
-            fields = msgspec.msgpack.decode(payload)  # untyped: just find the id and wave
-        except Exception:  # noqa: BLE001 - not even msgpack: nothing to answer
-            pass
-        if not isinstance(fields, list):
-            fields = []
-        rid = fields[0] if fields and isinstance(fields[0], str) else None
-        i = _ADD_FIELDS.index("current_wave")
-        wave = fields[i] if len(fields) > i and type(fields[i]) is int else 0
-        return cls(rid, wave, f"the engine could not decode the request: {_named(error)}")
-
-
-_PATH = re.compile(r"`\$((?:\[\d+\])+)`")
-
-
-def _named(error: Exception) -> str:
-    """msgspec's error with its array path (``$[2][3]``: requests are array_like) given
-    as field names (``sampling_params.top_k``), so the message names the field."""
-
-    def name(match: re.Match) -> str:
-        t: Any = EngineCoreRequest
-        parts = []
-        for index in map(int, re.findall(r"\d+", match.group(1))):
-            fields = (
-                msgspec.structs.fields(t)
-                if isinstance(t, type) and issubclass(t, msgspec.Struct)
-                else ()
-            )
-            if index < len(fields):
-                parts.append(fields[index].name)
-                t = fields[index].type
-            else:
-                parts.append(f"[{index}]")
-                t = None
-        return "`" + ".".join(parts).replace(".[", "[") + "`"
-
-    return _PATH.sub(name, str(error))
 
 
 class EngineCoreProc:
@@ -169,23 +93,13 @@ class EngineCoreProc:
         self.coordinator_wave = 0
         tcp = handshake_address.startswith("tcp://")
         self._curve = curve_keys(config.parallel.data_parallel_auth_key) if tcp else None
-        self._handshake = self.ctx.socket(zmq.DEALER)
-        self._handshake.setsockopt(zmq.LINGER, 1000)
-        secure_client(self._handshake, self._curve, handshake_address)
-        monitor = watch_handshake(self._handshake) if self._curve is not None else None
-        self._handshake.connect(handshake_address)
+        self._handshake = EngineHandshake(self.ctx, engine_index, handshake_address, self._curve)
         try:
-            self.addresses = self._hello(monitor)
+            self.addresses = self._handshake.hello(config)
         except BaseException:
-            self._close_monitor(monitor)
             self._handshake.close()  # lingers long enough to deliver a READY(error)
             self.ctx.term()
             raise
-        self._close_monitor(monitor)
-        if self.addresses.dp_master_port:
-            self.config = config.with_parallel(
-                data_parallel_master_port=self.addresses.dp_master_port
-            )
         self._start_io_threads()
         try:
             self.engine_core = self._build_engine_core()
@@ -196,53 +110,26 @@ class EngineCoreProc:
 
     # ---- startup -----------------------------------------------------------------------
 
-    def _hello(self, monitor: zmq.Socket | None) -> EngineAddresses:
-        self._handshake.send(encode(EngineHello(self.engine_index, os.getpid())))
-        self._await_reply(monitor)
-        addresses = msgspec.msgpack.decode(self._handshake.recv(), type=EngineAddresses)
-        mine = self.config.config_hash()
-        if addresses.parallel_config_hash and addresses.parallel_config_hash != mine:
-            msg = (
-                f"engine {self.engine_index}: parallel config mismatch (frontend "
-                f"{addresses.parallel_config_hash}, this rank {mine}): all ranks must be started "
-                "with the same --data-parallel-size / expert-parallel / backend flags"
-            )
-            self._send_ready(0, error=msg)
-            raise EngineStartupError(msg)
-        return addresses
+    @property
+    def topology(self) -> Topology | None:
+        """The deployment this engine joined (None from a frontend that sends none). Its
+        rank is its position there, not its id."""
+        return self.addresses.topology
 
-    def _close_monitor(self, monitor: zmq.Socket | None) -> None:
-        if monitor is not None:
-            self._handshake.disable_monitor()
-            monitor.close(linger=0)
-
-    def _await_reply(self, monitor: zmq.Socket | None) -> None:
-        """Wait for the frontend's reply to HELLO; with CURVE, also for a refused
-        handshake on ``monitor``, which means a different secret: fail at once."""
-        poller = zmq.Poller()
-        poller.register(self._handshake, zmq.POLLIN)
-        if monitor is not None:
-            poller.register(monitor, zmq.POLLIN)
-        deadline = time.monotonic() + HANDSHAKE_TIMEOUT_S
-        while (left := deadline - time.monotonic()) > 0:
-            ready = dict(poller.poll(left * 1000))
-            if monitor is not None and monitor in ready:
-                try:
-                    raise_if_refused(monitor, "the frontend")
-                except AuthenticationError as e:
-                    raise EngineStartupError(f"engine {self.engine_index}: {e}") from None
-            if self._handshake in ready:
-                return
-        raise EngineStartupError(
-            f"engine {self.engine_index}: no reply from the frontend within {HANDSHAKE_TIMEOUT_S}s"
-        )
+    @property
+    def dp_rank(self) -> int:
+        top = self.topology
+        return 0 if top is None else top.rank_of(self.engine_index)
 
     def _build_engine_core(self) -> EngineCore:
-        return EngineCore(self.config)
+        return EngineCore(self.config, self._make_executor())
+
+    def _make_executor(self) -> UniProcExecutor:
+        # A single engine joins no process group (the DP subclass does).
+        return UniProcExecutor(self.config)
 
     def _send_ready(self, num_blocks: int, error: str | None = None) -> None:
-        ready = EngineReady(self.engine_index, self.config.config_hash(), num_blocks, error)
-        self._handshake.send(encode(ready))
+        self._handshake.send_ready(self.config.config_hash(), num_blocks, error)
 
     def _start_io_threads(self) -> None:
         registered = threading.Event()
@@ -299,22 +186,15 @@ class EngineCoreProc:
 
     def _read_client_request(self, sock: zmq.Socket) -> None:
         frames = sock.recv_multipart(copy=False)
-        kind = bytes(frames[0].buffer)
+        payload = frames[1].buffer if len(frames) > 1 else None
         try:
-            req_type = EngineCoreRequestType(kind)
-            payload = _REQUEST_DECODERS[req_type].decode(frames[1].buffer)
-        except Exception as e:  # noqa: BLE001 - a bad message must not kill this thread
-            if kind == EngineCoreRequestType.ADD.value and len(frames) > 1:
-                bad = UndecodableRequest.from_payload(bytes(frames[1].buffer), e)
-                self.input_queue.put_nowait((EngineCoreRequestType.ADD, bad))
-            else:
-                logger.error("engine %d: dropped an undecodable message: %s", self.engine_index, e)
+            item = decode_client_request(bytes(frames[0].buffer), payload)
+        except ValueError as e:  # a bad message must not kill this thread
+            logger.error("engine %d: dropped an undecodable message: %s", self.engine_index, e)
             return
-        self.input_queue.put_nowait((req_type, payload))
+        self.input_queue.put_nowait(item)
 
     def _read_coordinator_message(self, sub: zmq.Socket) -> None:
-        from tidal.dp_coordinator.proc import decode_engine_message
-
         frames = sub.recv_multipart()
         try:
             msg = decode_engine_message(frames)
@@ -483,163 +363,8 @@ class EngineCoreProc:
         self._output_thread.join(5)
         self._stop_io.set()
         self._input_thread.join(2)
-        self._handshake.close(linger=500)
+        self._handshake.close(linger_ms=500)
         self.ctx.term()
-
-
-# How often the ranks of a running wave all-reduce "does anyone still have work?".
-DP_ALLREDUCE_INTERVAL = 32
-COORDINATOR_READY_TIMEOUT_S = 30.0
-
-
-class DPEngineCoreProc(EngineCoreProc):
-    """A data-parallel rank: the wave-synchronised busy loop of DESIGN.md section 3.
-
-    While a wave runs every rank steps, idle ones with dummy batches, so expert-parallel
-    collectives stay matched; every ``DP_ALLREDUCE_INTERVAL`` steps the ranks all-reduce
-    ``[has_unfinished, pending_pause]`` over the DP group. The wave protocol (who starts a
-    wave, which races exist) lives in ``tidal.dp_coordinator.state``; this class applies
-    ``EngineWaveState``'s decisions.
-
-    Two-phase pause (the group stops stepping at one agreed step, e.g. before a
-    reconfiguration): phase 1, ``pause`` sets ``pending_pause`` on a rank and, if the group
-    is idle, starts a wave so every rank reaches the next all-reduce; phase 2, that
-    all-reduce shows the flag to every rank at the same step and they all pause together,
-    requests staying queued. While paused a rank still records START_DP_WAVE (so a rank
-    resumed earlier than another waits for it in the next collective instead of running
-    alone); ``resume`` clears the pause and restarts the wave if there is work.
-    """
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        from tidal.dp_coordinator.state import EngineWaveState
-
-        super().__init__(*args, **kwargs)
-        self.wave = EngineWaveState(self.engine_index, self.coordinator_wave)
-        self.step_counter = 0
-        self.pending_pause = False
-        self.paused = False
-        self.num_dummy_batches = 0
-        self._last_published: tuple[int, int] | None = None
-
-    def _build_engine_core(self) -> EngineCore:
-        if self.addresses.coordinator_input and not self.coordinator_ready.wait(
-            COORDINATOR_READY_TIMEOUT_S
-        ):
-            raise EngineStartupError(
-                f"engine {self.engine_index}: no READY from the DP coordinator within "
-                f"{COORDINATOR_READY_TIMEOUT_S}s"
-            )
-        return super()._build_engine_core()
-
-    @property
-    def dp_group(self) -> Any:
-        return self.engine_core.executor.worker.dp_group
-
-    def run_busy_loop(self) -> None:
-        while True:
-            # 1. Drain the input queue (blocks only when idle and no wave is running).
-            self._process_input_queue()
-            if self.paused:  # the group agreed to pause: requests stay queued
-                if self._shutdown_done():
-                    return
-                continue
-            # 2. Step the engine; publish (waiting, running) when it changed.
-            executed = self._process_engine_step()
-            self._publish_load_if_changed()
-            if not self.wave.running:
-                if self._shutdown_done():
-                    return
-                continue
-            # 3. Nothing ran but the wave is running: a dummy forward keeps collectives matched.
-            if not executed:
-                self.engine_core.execute_dummy_batch()
-                self.num_dummy_batches += 1
-            # 4. Every DP_ALLREDUCE_INTERVAL steps, agree whether anyone still has work.
-            if not self._group_has_work():
-                # 5. The group is idle: end the wave (rank 0 reports it) and pause.
-                self._end_wave()
-            # 6. On shutdown, leave between waves (or at the drain deadline): leaving
-            #    mid-wave would strand the other ranks in a collective.
-            if self._shutdown_done():
-                return
-
-    def _has_work(self) -> bool:
-        if self.paused:
-            return False
-        return self.engine_core.has_unfinished_requests() or self.wave.running
-
-    def utility_pause(self) -> bool:
-        """Phase 1 of a group pause (call on every rank)."""
-        self.pending_pause = True
-        if not self.wave.running and not self.paused:
-            self._run_wave()
-        return True
-
-    def utility_resume(self) -> bool:
-        self.pending_pause = False
-        self.paused = False
-        if self.engine_core.has_unfinished_requests() and not self.wave.running:
-            self._run_wave()
-        return True
-
-    def _run_wave(self) -> None:
-        """Start running the current wave and make the coordinator start the others."""
-        self.wave.on_request(self.wave.wave)
-        self._send_outputs(EngineCoreOutputs(start_wave=self.wave.wave), TO_COORDINATOR)
-
-    def utility_dp_state(self) -> dict[str, Any]:
-        """For tests and debugging: this rank's view of the wave."""
-        return {
-            "rank": self.engine_index,
-            "wave": self.wave.wave,
-            "running": self.wave.running,
-            "step_counter": self.step_counter,
-            "dummy_batches": self.num_dummy_batches,
-            "paused": self.paused,
-        }
-
-    def _group_has_work(self) -> bool:
-        self.step_counter += 1
-        if self.step_counter % DP_ALLREDUCE_INTERVAL:
-            return True
-        import torch
-
-        flags = torch.tensor(
-            [int(self.engine_core.has_unfinished_requests()), int(self.pending_pause)],
-            dtype=torch.int32,
-        )  # [2] int32, CPU: gloo
-        self.dp_group.all_reduce(flags)
-        if flags[1].item():
-            self.paused = True  # phase 2: every rank sees the flag at this same step
-            return False
-        return bool(flags[0].item())
-
-    def _end_wave(self) -> None:
-        completed = self.wave.on_wave_end()
-        self.step_counter = 0
-        if self.engine_index == 0:
-            self._send_outputs(EngineCoreOutputs(wave_complete=completed), TO_COORDINATOR)
-
-    def _add_request(self, req: EngineCoreRequest | UndecodableRequest) -> None:
-        if self.paused:  # queued; resume starts the wave
-            super()._add_request(req)
-            return
-        start = self.wave.on_request(req.current_wave)
-        if start is not None:
-            self._send_outputs(EngineCoreOutputs(start_wave=start), TO_COORDINATOR)
-        super()._add_request(req)
-
-    def _start_wave(self, msg: StartDPWave) -> None:
-        self.wave.on_start_wave(msg)
-
-    def _publish_load_if_changed(self) -> None:
-        sched = self.engine_core.scheduler
-        load = (sched.num_waiting, sched.num_running)
-        if load != self._last_published:
-            self._last_published = load
-            self._send_outputs(
-                EngineCoreOutputs(scheduler_stats=sched.make_stats()), TO_COORDINATOR
-            )
 
 
 def run_engine_core(
@@ -649,11 +374,12 @@ def run_engine_core(
     proc_class: type[EngineCoreProc] = EngineCoreProc,
     **kwargs: Any,
 ) -> None:
-    """Process entry point. Exit code 0 on a clean shutdown, 1 on a fatal error."""
+    """Process entry point. Exit code 0 on a clean shutdown, 1 on a fatal error.
+
+    ``proc_class``: ``EngineCoreProc`` or ``dp_proc.DPEngineCoreProc`` (the entry module
+    picks it: this module is below the DP one and cannot name it)."""
     logging.basicConfig(level=os.environ.get("TIDAL_LOG_LEVEL", "WARNING"))
     set_process_name(f"EngineCore_DP{engine_index}")
-    if proc_class is EngineCoreProc and config.parallel.data_parallel_size > 1:
-        proc_class = DPEngineCoreProc
     proc: EngineCoreProc | None = None
     pending_signal: list[int] = []
     # Until the busy loop exists, remember a signal and act on it once we're up.

@@ -31,20 +31,20 @@ from collections import defaultdict, deque
 from collections.abc import Iterable
 
 from tidal.config import CacheConfig, SchedulerConfig
-from tidal.engine_core.batch import (
+from tidal.engine_core.kv_cache import KVCacheManager
+from tidal.engine_core.request import Request, RequestStatus
+from tidal.executor.batch import (
     ModelRunnerOutput,
     ScheduledRequest,
     SchedulerOutput,
 )
-from tidal.engine_core.kv_cache import KVCacheManager
-from tidal.engine_core.messages import (
+from tidal.protocol.messages import (
     EngineCoreOutput,
     EngineCoreOutputs,
     FinishReason,
     Logprobs,
     SchedulerStats,
 )
-from tidal.engine_core.request import Request, RequestStatus
 
 _FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: FinishReason.STOP,

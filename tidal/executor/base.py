@@ -1,4 +1,7 @@
-"""Executor ABC: how an engine core reaches its worker(s)."""
+"""Executor ABC: how an engine core reaches its worker(s).
+
+The engine core calls only these methods, never a worker directly (DESIGN.md 1), so an
+executor whose workers live in other processes (TP > 1) is a drop-in replacement."""
 
 from __future__ import annotations
 
@@ -6,7 +9,7 @@ from abc import ABC, abstractmethod
 from typing import Any
 
 from tidal.config import EngineConfig
-from tidal.engine_core.batch import ModelRunnerOutput, SchedulerOutput
+from tidal.executor.batch import ModelRunnerOutput, SchedulerOutput
 
 
 class Executor(ABC):
@@ -31,9 +34,18 @@ class Executor(ABC):
     def execute_dummy_batch(self, num_tokens: int = 1) -> None:
         self.collective_rpc("execute_dummy_batch", (num_tokens,))
 
+    def all_reduce_dp(self, values: list[int]) -> list[int]:
+        """Sum ``values`` over the DP ranks (the busy loop's wave consensus): a collective,
+        every rank calls it at the same step. One rank (no DP group): ``values``."""
+        return self.collective_rpc("all_reduce_dp", (values,))[0]
+
     def get_expert_load(self) -> dict[int, list[int]]:
         """Per-layer expert load over the EPLB window, counted on this engine's rank(s)."""
         return self.collective_rpc("get_expert_load")[0]
+
+    def get_eplb_info(self) -> dict[str, Any]:
+        """EPLB rebalances so far and each MoE layer's physical -> logical expert layout."""
+        return self.collective_rpc("get_eplb_info")[0]
 
     def shutdown(self) -> None:
         """Release the workers' process groups (each worker's ``shutdown``)."""

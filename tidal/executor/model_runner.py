@@ -35,9 +35,7 @@ from typing import Any
 import torch
 
 from tidal.config import EngineConfig
-from tidal.engine_core.batch import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
-from tidal.engine_core.kv_cache import NULL_BLOCK_ID
-from tidal.engine_core.messages import Logprobs
+from tidal.executor.batch import NULL_BLOCK_ID, ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from tidal.layers.attention import AttentionMetadata, kv_cache_shape
 from tidal.layers.sampler import RowInfo, Sampler, SamplingMetadata, compute_logprobs
 from tidal.models.loader import load_model
@@ -46,6 +44,7 @@ from tidal.moe.dispatch import get_dispatcher
 from tidal.moe.eplb import EplbState
 from tidal.moe.layer import MoEForwardContext
 from tidal.moe.placement import ExpertPlacement
+from tidal.protocol.messages import Logprobs
 
 logger = logging.getLogger(__name__)
 
@@ -230,6 +229,16 @@ class ModelRunner:
         if self.eplb is None:
             return False
         return any(self.eplb.rebalance())
+
+    def get_eplb_info(self) -> dict[str, Any]:
+        """Rebalances so far and the current physical -> logical expert layout per layer."""
+        eplb = self.eplb
+        if eplb is None:
+            return {"num_rebalances": 0, "layouts": {}}
+        layouts = {
+            str(lid): list(p.physical_to_logical) for lid, p in zip(eplb.layer_ids, eplb.placements)
+        }
+        return {"num_rebalances": eplb.num_rebalances, "layouts": layouts}
 
     def _prepare_inputs_isolated(
         self, scheduled: list[ScheduledRequest], failed: dict[str, str]

@@ -7,16 +7,25 @@ from typing import Any
 from tidal.config import EngineConfig
 from tidal.executor.base import Executor
 from tidal.executor.worker import Worker
+from tidal.protocol.topology import Topology
 
 
 class UniProcExecutor(Executor):
-    def __init__(self, config: EngineConfig, local_expert_ids: list[int] | None = None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        local_expert_ids: list[int] | None = None,
+        *,
+        topology: Topology | None = None,
+        engine_id: int | None = None,
+    ) -> None:
+        """``topology``/``engine_id``: the DP group this engine joins and its place there
+        (see ``Worker.init_distributed``); None: the launch topology of ``config``."""
         super().__init__(config)
         self.worker = Worker(config, local_rank=config.parallel.data_parallel_rank)
         try:
             # Groups first: with expert parallelism the placement decides what to load.
-            if config.parallel.data_parallel_size > 1:
-                self.worker.init_distributed()
+            self.worker.init_distributed(topology, engine_id)
             self.worker.load_model(local_expert_ids)
         except Exception:
             self.worker.shutdown()

@@ -1,19 +1,20 @@
 """One rank's device: pin threads or the GPU, join the process groups, load weights,
 allocate the KV cache.
 
-Process groups (``init_distributed``, only when ``data_parallel_size > 1``): one TCPStore
-on ``(data_parallel_address, data_parallel_master_port)``, hosted by DP rank 0, carries
+Process groups (``init_distributed``, with the DP machinery: DP > 1 or elastic EP): one
+TCPStore (the topology's ``store_address``), hosted by DP rank 0, carries
 
 - ``dp_group``: gloo over all DP ranks (prefix "dp"): CPU consensus — the busy loop's wave
   all-reduce and the per-forward token-count all-gather;
 - ``ep_group`` (with ``enable_expert_parallel``; prefix "ep"): the MoE dispatch/combine
-  and EPLB weight moves; gloo on CPU, NCCL on CUDA. EP rank == DP rank.
+  and EPLB weight moves; gloo on CPU, NCCL on CUDA. EP rank == DP rank == the engine's
+  position in the ``Topology``; the group size is the topology's (the live size).
 
 Both are ``StatelessGroup``s (nothing in torch's global state), so elastic scaling can
 build new ones beside them and swap.
 
 Security: the TCPStore and the gloo/NCCL peer connections have no authentication (the
-ZMQ control plane does: tidal/utils/zmq_auth.py). Multi-node deployments must keep
+ZMQ control plane does: tidal/distributed/zmq_auth.py). Multi-node deployments must keep
 ``data_parallel_address`` and the master port on a private network or behind a firewall.
 Nothing read from them is unpickled (``StatelessGroup.all_gather_object`` is msgpack).
 """
@@ -26,10 +27,11 @@ from typing import Any
 
 import torch
 
-from tidal.config import EngineConfig
-from tidal.elastic.groups import StatelessGroup, create_store
-from tidal.engine_core.batch import ModelRunnerOutput, SchedulerOutput
+from tidal.config import EngineConfig, ParallelConfig
+from tidal.distributed.groups import StatelessGroup, create_store
+from tidal.executor.batch import ModelRunnerOutput, SchedulerOutput
 from tidal.executor.model_runner import ModelRunner
+from tidal.protocol.topology import Topology
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +44,14 @@ def cpu_threads_for_rank(num_local_ranks: int) -> int:
     """Each rank on a node takes an equal share of the cores (at least one)."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return max(1, (cores or 1) // max(1, num_local_ranks))
+
+
+def _store_address(topology: Topology, parallel: ParallelConfig) -> tuple[str, int]:
+    """``(host, port)`` of the groups' TCPStore: the topology's, else the launch flags."""
+    if topology.store_address:
+        host, _, port = topology.store_address.rpartition(":")
+        return host, int(port)
+    return parallel.data_parallel_address, parallel.data_parallel_master_port
 
 
 class Worker:
@@ -68,22 +78,33 @@ class Worker:
 
     # ---- process groups ----------------------------------------------------------------
 
-    def init_distributed(self) -> None:
-        """Join the DP group (and the EP group with expert parallelism). Blocks until every
-        DP rank has called it. Call before ``load_model``."""
+    def init_distributed(
+        self, topology: Topology | None = None, engine_id: int | None = None
+    ) -> None:
+        """Join the DP group (and the EP group with expert parallelism) of ``topology`` as
+        engine ``engine_id``: rank = its position there, world size = ``topology.size``
+        (the live size, not the launch size in the config), TCPStore at
+        ``topology.store_address``. Blocks until every member has called it. Call before
+        ``load_model``. Without a topology: the launch one (ids 0..N-1, this config's rank
+        and master port), or no groups for a single rank."""
         p = self.config.parallel
-        if p.data_parallel_size <= 1 or self.dp_group is not None:
+        if self.dp_group is not None:
             return
-        if not p.data_parallel_master_port:
+        if topology is None:
+            if p.data_parallel_size <= 1:
+                return
+            topology, engine_id = Topology.initial(p.data_parallel_size), p.data_parallel_rank
+        if engine_id is None:
+            raise ValueError("init_distributed: a topology needs this engine's id")
+        rank, world = topology.rank_of(engine_id), topology.size
+        host, port = _store_address(topology, p)
+        if not port:
             raise ValueError(
                 "data_parallel_master_port must be set (the launcher picks a free port) "
-                f"when data_parallel_size={p.data_parallel_size}"
+                f"for a DP group of {world}"
             )
-        rank, world = p.data_parallel_rank, p.data_parallel_size
-        host, timeout = p.data_parallel_address, self.dist_timeout_s
-        self._store = create_store(
-            host, p.data_parallel_master_port, rank=rank, world_size=world, timeout_s=timeout
-        )
+        timeout = self.dist_timeout_s
+        self._store = create_store(host, port, rank=rank, world_size=world, timeout_s=timeout)
         common = {"host": host, "port": 0, "rank": rank, "world_size": world}
         try:
             self.dp_group = StatelessGroup.create(
@@ -99,9 +120,11 @@ class Worker:
             raise
         self.model_runner.set_process_groups(self.dp_group, self.ep_group)
         logger.info(
-            "DP rank %d/%d joined the process groups (EP: %s)",
+            "engine %d: DP rank %d/%d of epoch %d joined the process groups (EP: %s)",
+            engine_id,
             rank,
             world,
+            topology.epoch,
             self.ep_group.backend_name if self.ep_group else "off",
         )
 
@@ -131,6 +154,12 @@ class Worker:
     def execute_dummy_batch(self, num_tokens: int = 1) -> None:
         self.model_runner.execute_dummy_batch(num_tokens)
 
+    def all_reduce_dp(self, values: list[int]) -> list[int]:
+        """Sum ``values`` over the DP group (gloo, CPU); as they are without one (DP=1)."""
+        if self.dp_group is None:
+            return list(values)
+        return self.dp_group.all_reduce(torch.tensor(values, dtype=torch.int64)).tolist()
+
     # ---- expert load balancing ---------------------------------------------------------
 
     def get_expert_load(self) -> dict[int, list[int]]:
@@ -140,3 +169,6 @@ class Worker:
     def rebalance_experts(self) -> bool:
         """Collective over the EP group: every rank at the same step boundary."""
         return self.model_runner.rebalance_experts()
+
+    def get_eplb_info(self) -> dict[str, Any]:
+        return self.model_runner.get_eplb_info()

@@ -18,11 +18,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tidal.config import EngineConfig
-from tidal.engine_core.client import AsyncMPClient, EngineDeadError
-from tidal.engine_core.messages import EngineCoreOutputs
+from tidal.frontend.async_client import AsyncMPClient
 from tidal.frontend.output_processor import OutputProcessor
 from tidal.frontend.outputs import OutputKind, RequestOutput
 from tidal.frontend.processor import InputProcessor, ProcessedPrompt, load_tokenizer
+from tidal.protocol.errors import EngineDeadError
+from tidal.protocol.messages import DPCoordinatorStats, EngineCoreOutputs
 from tidal.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -45,7 +46,7 @@ class AsyncLLM:
         config: EngineConfig,
         *,
         served_model_name: str | None = None,
-        client: Any = None,
+        client: AsyncMPClient | None = None,
     ) -> None:
         self.config = config
         self.served_model_name = served_model_name or config.model.model
@@ -120,7 +121,8 @@ class AsyncLLM:
 
     @property
     def has_expert_load(self) -> bool:
-        return self.config.parallel.enable_expert_parallel and self.config.parallel.ep_size > 1
+        # EP size = the live DP size (the topology's), which elastic EP may change.
+        return self.config.parallel.enable_expert_parallel and self.client.topology.size > 1
 
     async def get_expert_load(self) -> dict[int, list[int]]:
         """Per layer, tokens routed to each logical expert over the EPLB window, summed
@@ -145,12 +147,14 @@ class AsyncLLM:
     async def _load_stats(self) -> dict[str, Any]:
         if getattr(self.client, "coordinator", None) is not None:
             return _dp_stats_json(await self.client.get_dp_stats_async())
+        topology = self.client.topology
         ranks = []
-        for rank in range(self.config.parallel.data_parallel_size):
-            s = self.latest_stats.get(rank)
+        for rank, engine_id in enumerate(topology.engine_ids):
+            s = self.latest_stats.get(engine_id)
             ranks.append(
                 {
                     "rank": rank,
+                    "engine_id": engine_id,
                     "waiting": s.num_waiting_reqs if s else 0,
                     "running": s.num_running_reqs if s else 0,
                     "kv_usage": s.kv_cache_usage if s else 0.0,
@@ -158,7 +162,8 @@ class AsyncLLM:
                 }
             )
         return {
-            "data_parallel_size": self.config.parallel.data_parallel_size,
+            "data_parallel_size": topology.size,
+            "epoch": topology.epoch,
             "wave": 0,
             "engines_running": any(r["running"] or r["waiting"] for r in ranks),
             "ranks": ranks,
@@ -174,8 +179,10 @@ class AsyncLLM:
     # ---- internals ---------------------------------------------------------------------
 
     def _check_dp_rank(self, rank: int | None) -> None:
-        size = self.config.parallel.data_parallel_size
-        if rank is not None and not 0 <= rank < size:
+        if rank is None:
+            return
+        size = self.client.topology.size  # the live size: a rank is a position in it
+        if not 0 <= rank < size:
             raise ValueError(f"data_parallel_rank must be in [0, {size}), got {rank}")
 
     def _abort_children(self, request_id: str) -> None:
@@ -248,15 +255,17 @@ class AsyncLLM:
             stream.queue.put_nowait(err)
 
 
-def _dp_stats_json(st: Any) -> dict[str, Any]:
+def _dp_stats_json(st: DPCoordinatorStats) -> dict[str, Any]:
     return {
         "data_parallel_size": st.num_engines,
+        "epoch": st.epoch,
         "wave": st.wave,
         "engines_running": st.running,
         "waves_completed": st.waves_completed,
         "ranks": [
             {
                 "rank": r.rank,
+                "engine_id": r.engine_id,
                 "waiting": r.waiting,
                 "running": r.running,
                 "kv_usage": r.kv_usage,

@@ -10,7 +10,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from tidal.engine_core.messages import EngineCoreOutput, Logprobs
 from tidal.frontend.detokenizer import IncrementalDetokenizer
 from tidal.frontend.outputs import (
     CompletionOutput,
@@ -19,6 +18,7 @@ from tidal.frontend.outputs import (
     PromptLogprobs,
     RequestOutput,
 )
+from tidal.protocol.messages import EngineCoreOutput, Logprobs
 from tidal.sampling_params import SamplingParams
 
 

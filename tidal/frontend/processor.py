@@ -19,7 +19,7 @@ from typing import Any
 import msgspec
 
 from tidal.config import FrontendConfig, ModelConfig
-from tidal.engine_core.messages import EngineCoreRequest
+from tidal.protocol.messages import EngineCoreRequest
 from tidal.sampling_params import SamplingParams, wrap_int64
 
 PromptType = str | dict[str, Any] | list[int]

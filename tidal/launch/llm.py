@@ -9,11 +9,12 @@ from typing import Any
 
 from tqdm import tqdm
 
-from tidal.config import EngineArgs
-from tidal.engine_core.client import EngineCoreClient, InprocClient, SyncMPClient
+from tidal.frontend.core_client import EngineCoreClient, InprocClient
 from tidal.frontend.output_processor import OutputProcessor
 from tidal.frontend.outputs import OutputKind, RequestOutput
 from tidal.frontend.processor import InputProcessor, PromptType, load_tokenizer
+from tidal.frontend.sync_client import SyncMPClient
+from tidal.launch.engine_args import EngineArgs
 from tidal.sampling_params import SamplingParams
 
 
@@ -46,8 +47,10 @@ class LLM:
         self._ids = itertools.count()
 
     def _make_client(self) -> EngineCoreClient:
-        if self.config.parallel.data_parallel_size > 1 and not self.multiprocess:
-            raise ValueError("multiprocess=False supports data_parallel_size=1 only")
+        if self.config.parallel.is_data_parallel and not self.multiprocess:
+            raise ValueError(
+                "multiprocess=False supports data_parallel_size=1 without enable_elastic_ep only"
+            )
         return SyncMPClient(self.config) if self.multiprocess else InprocClient(self.config)
 
     def get_tokenizer(self) -> Any:

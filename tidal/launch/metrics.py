@@ -12,7 +12,7 @@ from prometheus_client import CONTENT_TYPE_LATEST as CONTENT_TYPE  # noqa: F401 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 if TYPE_CHECKING:
-    from tidal.engine_core.messages import SchedulerStats
+    from tidal.protocol.messages import SchedulerStats
 
 _PREFIX = "tidal:"
 # fmt: off

@@ -11,10 +11,15 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
+import threading
 
 from tidal.config import EngineConfig
-from tidal.launch.cli import add_engine_args, build_engine_config
+from tidal.frontend.async_llm import AsyncLLM
+from tidal.frontend.proc_manager import spawn_headless_engines
+from tidal.launch.api_server import bind_socket, run_server
+from tidal.launch.args import add_engine_args, build_engine_config
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -58,11 +63,6 @@ def _check_multi_node(
 
 def run_headless(config: EngineConfig) -> int:
     """Start this host's ranks and wait; SIGTERM/SIGINT stops them."""
-    import signal
-    import threading
-
-    from tidal.engine_core.client import spawn_headless_engines
-
     par = config.parallel
     address = f"tcp://{par.data_parallel_address}:{par.data_parallel_rpc_port}"
     stop = threading.Event()
@@ -96,8 +96,6 @@ def serve_main(argv: list[str]) -> int:
     logging.basicConfig(
         level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    from tidal.launch.api_server import bind_socket, run_server
-
     try:
         sock = bind_socket(ns.host, ns.port)
     except OSError as e:
@@ -108,9 +106,7 @@ def serve_main(argv: list[str]) -> int:
         flush=True,
     )
 
-    def make_engine():
-        from tidal.frontend.async_llm import AsyncLLM
-
+    def make_engine() -> AsyncLLM:
         engine = AsyncLLM(config, served_model_name=name)
         host, port = sock.getsockname()[:2]
         print(f"tidal: serving on http://{host}:{port}", flush=True)

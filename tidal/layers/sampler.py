@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from tidal.engine_core.messages import Logprobs
+from tidal.protocol.messages import Logprobs
 from tidal.sampling_params import SamplingParams
 
 _NEG_INF = float("-inf")

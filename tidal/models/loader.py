@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
+from safetensors import safe_open
 from torch import Tensor
 
 from tidal.models.common import MoECausalLM
@@ -80,8 +81,6 @@ def safetensors_files(folder: str) -> list[str]:
 
 @torch.no_grad()
 def load_weights(model: MoECausalLM, folder: str) -> None:
-    from safetensors import safe_open
-
     targets = model.weight_targets()
     seen: set[str] = set()
     unexpected: list[str] = []

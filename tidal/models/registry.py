@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
-import importlib
 from typing import Any
 
-# architecture -> (module, class); imported lazily so reading a config needs no torch.
-_MODELS: dict[str, tuple[str, str]] = {
-    "Qwen3MoeForCausalLM": ("tidal.models.qwen3_moe", "Qwen3MoeForCausalLM"),
-    "MixtralForCausalLM": ("tidal.models.mixtral", "MixtralForCausalLM"),
+from tidal.models.common import MoECausalLM
+from tidal.models.mixtral import MixtralForCausalLM
+from tidal.models.qwen3_moe import Qwen3MoeForCausalLM
+
+# config.json ``architectures`` entry -> model class. Its only callers (EngineArgs, the
+# loader, the model runner) run where torch is loaded anyway, so the classes are eager.
+_MODELS: dict[str, type[MoECausalLM]] = {
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
 }
 
 
@@ -32,10 +36,9 @@ def resolve_architecture(hf_config: Any) -> str:
     )
 
 
-def get_model_class(arch: str) -> type:
+def get_model_class(arch: str) -> type[MoECausalLM]:
     if arch not in _MODELS:
         raise ValueError(
             f"unsupported model architecture: {arch}; supported: {', '.join(supported_architectures())}"
         )
-    module, name = _MODELS[arch]
-    return getattr(importlib.import_module(module), name)
+    return _MODELS[arch]

@@ -20,6 +20,8 @@ import shutil
 import tempfile
 from typing import Any
 
+import torch
+
 ARCHS = ("qwen3_moe", "mixtral")
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 CHAT_TEMPLATE = (
@@ -90,8 +92,6 @@ def make_tiny_checkpoint(
 
     ``config_overrides`` go straight to the transformers config (e.g. ``mlp_only_layers``).
     """
-    import torch
-
     if arch not in ARCHS:
         raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}")
     os.makedirs(path, exist_ok=True)
@@ -133,6 +133,9 @@ def make_tiny_checkpoint(
 
 
 def _make_config(arch: str, kwargs: dict[str, Any]) -> Any:
+    # transformers' model modules and tokenizers' trainers are imported here and below, not
+    # at the top: only building a checkpoint needs them, and ``launch`` imports this module
+    # for ``default_model_path``, which usually finds the checkpoint already built.
     if arch == "qwen3_moe":
         from transformers import Qwen3MoeConfig
 
@@ -143,7 +146,6 @@ def _make_config(arch: str, kwargs: dict[str, Any]) -> Any:
 
 
 def _make_model(arch: str, config: Any, seed: int, dtype: Any) -> Any:
-    import torch
     from transformers import MixtralForCausalLM, Qwen3MoeForCausalLM
 
     cls = Qwen3MoeForCausalLM if arch == "qwen3_moe" else MixtralForCausalLM

@@ -31,7 +31,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor, nn
 
-from tidal.kernels.fused_moe_torch import fused_experts_torch
+from tidal.kernels.fused_moe_torch import fused_experts_torch, is_k_major, k_major_experts
 from tidal.moe.reference import fused_experts_reference
 from tidal.moe.router import softmax_topk
 
@@ -39,7 +39,7 @@ ExpertsFn = Callable[..., Tensor]
 
 
 class MoEDispatcher(Protocol):
-    """What FusedMoE calls when ``self.dispatcher`` is set (implemented in moe/dispatch.py).
+    """What FusedMoE calls when ``self.dispatcher`` is set (implemented in moe/dispatch/).
 
     ``dispatch`` moves tokens (with their routing) to the ranks owning their experts and
     returns what this rank must compute plus an opaque handle; ``combine`` returns this
@@ -71,6 +71,9 @@ class MoEForwardContext:
 
 def _triton_experts(*args: Any, **kwargs: Any) -> Tensor:
     try:
+        # Optional dependency: tidal.kernels.fused_moe imports triton at module level, and
+        # triton is an extra (``tidal[triton]``); imported on first use so CPU-only
+        # installs, which never pick this backend, work without it.
         from tidal.kernels.fused_moe import fused_experts
     except ImportError as e:
         raise RuntimeError(
@@ -197,8 +200,6 @@ class FusedMoE(nn.Module):
         ids = list(local_expert_ids)
         self.expert_map.copy_(build_expert_map(self.num_experts, ids, self.expert_map.device))
         if len(ids) != len(self.local_expert_ids):
-            from tidal.kernels.fused_moe_torch import is_k_major, k_major_experts
-
             k_major = is_k_major(self.w13)  # keep the storage layout the backend chose
             self.w13.data = self.w13.data.new_empty((len(ids), *self.w13.shape[1:]))
             self.w2.data = self.w2.data.new_empty((len(ids), *self.w2.shape[1:]))

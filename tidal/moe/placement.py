@@ -12,7 +12,7 @@ ranks) we round ``P`` up and fill the spare slots with extra replicas (the hotte
 experts when a load vector is given, else the lowest ids): uneven EP sizes are supported,
 at the price of a few extra copies. A rank never holds two copies of one expert.
 
-Routing with replicas (the rule ``route`` implements and ``moe/dispatch.py`` vectorises):
+Routing with replicas (``route`` here, vectorised in ``moe/dispatch/base.py``):
 each (token, logical expert) pair is computed by exactly one physical copy, chosen on the
 token's origin rank ``o``: the copy on ``o`` itself if ``o`` holds one (no transfer),
 otherwise ``replicas[e][(t + o) % n_replicas(e)]`` where ``t`` is the token's row on
@@ -111,7 +111,7 @@ class ExpertPlacement:
 
     def route(self, logical: int, origin_rank: int, token_row: int) -> int:
         """The physical copy that computes (token, logical) — see the module docstring.
-        The slow reference for the vectorised rule in ``moe/dispatch.py``."""
+        The slow reference for the vectorised rule in ``moe/dispatch/base.py``."""
         local = self.local_physical(origin_rank, logical)
         if local >= 0:
             return local

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import datetime
 import logging
-import socket
 from collections.abc import Sequence
 from typing import Any
 
@@ -41,14 +40,6 @@ logger = logging.getLogger(__name__)
 
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
 _BACKENDS = ("gloo", "nccl")
-
-
-def get_open_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago (the OS may hand it out again: use it soon)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 def create_store(

@@ -1,20 +1,62 @@
 """What crosses the scheduler -> model runner -> scheduler boundary inside one engine.
 
 These stay in-process (the executor runs in the engine's process), so they are plain
-dataclasses that reference ``Request`` objects rather than serialisable messages.
+dataclasses that reference the scheduler's request objects rather than serialisable
+messages. They live with the executor, below the engine core (DESIGN.md 1), because the
+Executor interface is written in them; the runner sees a request only through
+``RunnerRequest``, which ``tidal.engine_core.request.Request`` satisfies.
+
+Pure Python, no torch: the scheduler imports this module too.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
-from tidal.engine_core.messages import Logprobs
-from tidal.engine_core.request import Request
+from tidal.protocol.messages import Logprobs
+from tidal.sampling_params import SamplingParams
+
+# KV cache block 0 is reserved and never handed to a request (``engine_core/kv_cache.py``),
+# so the runner may aim the KV writes of padding or dummy tokens at it and pad block
+# tables with it.
+NULL_BLOCK_ID = 0
+
+
+class RunnerRequest(Protocol):
+    """What the model runner reads of a scheduled request (read-only: the scheduler owns it)."""
+
+    @property
+    def request_id(self) -> str: ...
+
+    @property
+    def prompt_token_ids(self) -> list[int]: ...
+
+    @property
+    def output_token_ids(self) -> list[int]: ...
+
+    @property
+    def all_token_ids(self) -> list[int]: ...  # prompt + output
+
+    @property
+    def block_ids(self) -> list[int]: ...  # the block table
+
+    @property
+    def sampling_params(self) -> SamplingParams: ...
+
+    @property
+    def eos_token_id(self) -> int | None: ...
+
+    @property
+    def num_prompt_tokens(self) -> int: ...
+
+    @property
+    def num_tokens(self) -> int: ...
 
 
 @dataclass
 class ScheduledRequest:
-    request: Request
+    request: RunnerRequest
     start: int  # request.num_computed_tokens before this step
     num_new_tokens: int  # compute KV for all_token_ids[start : start + num_new_tokens]
 

@@ -119,6 +119,17 @@ def encode(obj: Any) -> bytes:
 _ENCODER = msgspec.msgpack.Encoder()
 
 
+def engine_identity(engine_id: int) -> bytes:
+    """The ZMQ identity of engine ``engine_id`` on the frontend's ROUTER: 2 bytes,
+    little-endian (``tidal.protocol.topology.MAX_ENGINE_ID`` bounds the ids)."""
+    return engine_id.to_bytes(2, "little")
+
+
+def engine_id_of(identity: bytes) -> int:
+    """Inverse of ``engine_identity``."""
+    return int.from_bytes(identity, "little")
+
+
 # ---- Engine startup handshake ----
 
 
@@ -130,14 +141,18 @@ class EngineHello(msgspec.Struct, array_like=True):
 
 
 class EngineAddresses(msgspec.Struct, array_like=True):
-    """Frontend -> engine reply to HELLO: where to connect."""
+    """Frontend -> engine reply to HELLO: where to connect, and the deployment it joins."""
 
     input_address: str
     output_address: str
     coordinator_input: str | None = None  # engine SUBscribes here (START_DP_WAVE)
     coordinator_output: str | None = None  # engine PUSHes stats/wave events here
+    # ``EngineConfig.config_hash()`` of the frontend: what every engine must share with it.
     parallel_config_hash: str = ""
-    dp_master_port: int = 0  # TCPStore port of the DP/EP process groups
+    # The live DP group: the engine's rank is its position here, the group size is
+    # ``topology.size`` and ``topology.store_address`` hosts the groups' TCPStore. An
+    # engine whose id is not in it refuses to start. None: a single engine, no groups.
+    topology: Topology | None = None
 
 
 class EngineReady(msgspec.Struct, array_like=True):
@@ -243,3 +258,24 @@ class DPCoordinatorStats(msgspec.Struct):
     ignored_messages: int  # from engines outside the topology, and stale topologies
     start_wave_broadcasts: int
     ranks: list[DPRankStats]
+
+
+# One decoder per message direction (msgspec decoders are reusable and cheaper than
+# ``msgspec.msgpack.decode(..., type=...)`` per call).
+ENGINE_OUTPUTS_DECODER = msgspec.msgpack.Decoder(EngineCoreOutputs)
+FRONTEND_DECODER = msgspec.msgpack.Decoder(FrontendToCoordinator)
+SNAPSHOT_DECODER = msgspec.msgpack.Decoder(DPLoadSnapshot)
+STATS_DECODER = msgspec.msgpack.Decoder(DPCoordinatorStats)
+_START_DECODER = msgspec.msgpack.Decoder(StartDPWave)
+_READY_DECODER = msgspec.msgpack.Decoder(CoordinatorReady)
+
+
+def decode_engine_message(frames: list[bytes]) -> StartDPWave | CoordinatorReady:
+    """Decode one ``[kind, payload]`` message an engine received from the coordinator's
+    ``engine_publish`` socket."""
+    kind, payload = frames
+    if kind == COORDINATOR_READY:
+        return _READY_DECODER.decode(payload)
+    if kind == EngineCoreRequestType.START_DP_WAVE.value:
+        return _START_DECODER.decode(payload)
+    raise ValueError(f"unknown coordinator message kind {kind!r}")

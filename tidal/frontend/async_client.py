@@ -1,0 +1,115 @@
+"""The asyncio multiprocess client, for the API server: outputs arrive on an asyncio
+queue, read by tasks on the caller's event loop."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import zmq.asyncio
+
+from tidal.config import EngineConfig
+from tidal.dp_coordinator.handle import fetch_stats_async
+from tidal.frontend.mp_client import OUTPUT_DECODER, MPClient
+from tidal.protocol.errors import EngineDeadError
+from tidal.protocol.messages import DPCoordinatorStats, EngineCoreOutputs, EngineCoreRequestType
+
+
+class AsyncMPClient(MPClient):
+    """asyncio client for the API server. Outputs arrive on an asyncio queue."""
+
+    def __init__(self, config: EngineConfig, entry_module: str | None = None) -> None:
+        self._pending_calls: dict[int, asyncio.Future] = {}
+        self._queue: asyncio.Queue[EngineCoreOutputs] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._reader_task: asyncio.Task | None = None
+        super().__init__(config, asyncio_mode=True, entry_module=entry_module)
+
+    def _ensure_reader(self) -> None:
+        if self._reader_task is None:
+            self._loop = asyncio.get_running_loop()
+            self._queue = asyncio.Queue()
+            self._async_out = zmq.asyncio.Socket.from_socket(self._output_socket)
+            self._reader_task = self._loop.create_task(self._read_outputs())
+            if self.dp is not None:
+                self._async_snap = zmq.asyncio.Socket.from_socket(self._snapshot_socket)
+                self._snapshot_task = self._loop.create_task(self._read_snapshots())
+
+    async def _read_outputs(self) -> None:
+        while True:
+            frame = await self._async_out.recv()
+            outs = OUTPUT_DECODER.decode(frame)
+            if outs.utility_output is not None:
+                fut = self._pending_calls.pop(outs.utility_output.call_id, None)
+                if fut is not None and not fut.done():
+                    fut.set_result(outs.utility_output)
+            elif outs.engine_dead:
+                self._fail(outs.dead_reason or "engine reported a fatal error")
+            else:
+                self._on_outputs(outs)
+                self._queue.put_nowait(outs)
+
+    async def _read_snapshots(self) -> None:
+        while True:
+            self._on_snapshot(await self._async_snap.recv())
+
+    async def get_dp_stats_async(self, timeout_s: float = 2.0) -> DPCoordinatorStats:
+        """The coordinator's full stats (DP only)."""
+        return await fetch_stats_async(self.coordinator.addresses.stats, timeout_s, self._curve)
+
+    def _on_engine_death(self, reason: str) -> None:
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._fail, reason)
+        elif self.dead_reason is None:
+            self.dead_reason = reason
+
+    def _fail(self, reason: str) -> None:
+        if self.dead_reason is None:
+            self.dead_reason = reason
+        if self._queue is not None:
+            self._queue.put_nowait(EngineCoreOutputs(engine_dead=True, dead_reason=reason))
+        for fut in list(self._pending_calls.values()):
+            if not fut.done():
+                fut.set_exception(EngineDeadError(reason))
+
+    async def get_output_async(self) -> EngineCoreOutputs:
+        self._ensure_reader()
+        if self.dead_reason is not None and self._queue.empty():
+            raise EngineDeadError(self.dead_reason)
+        outs = await self._queue.get()
+        if outs.engine_dead:
+            raise EngineDeadError(outs.dead_reason or "engine died")
+        return outs
+
+    def get_output(self) -> EngineCoreOutputs:
+        raise RuntimeError("AsyncMPClient: use get_output_async()")
+
+    def call_utility(self, method: str, *args: Any) -> Any:
+        raise RuntimeError("AsyncMPClient: use call_utility_async()")
+
+    async def call_utility_all_async(self, method: str, *args: Any) -> list[Any]:
+        calls = [self.call_utility_async(method, *args, engine=e) for e in self.engine_ids]
+        return list(await asyncio.gather(*calls))
+
+    async def call_utility_async(self, method: str, *args: Any, engine: int | None = None) -> Any:
+        self._ensure_reader()
+        call = self._utility_request(method, args)
+        fut = asyncio.get_running_loop().create_future()
+        self._pending_calls[call.call_id] = fut
+        self._send(
+            self.engine_ids[0] if engine is None else engine,
+            EngineCoreRequestType.UTILITY,
+            call,
+        )
+        out = await asyncio.wait_for(fut, 60)
+        if out.failure_message:
+            raise RuntimeError(out.failure_message)
+        return out.result
+
+    def shutdown(self) -> None:
+        """Stop the engines and release everything. Idempotent; also runs at interpreter
+        exit if nobody called it (the reader tasks keep the client itself alive)."""
+        for task in (self._reader_task, getattr(self, "_snapshot_task", None)):
+            if task is not None and not task.done():
+                task.cancel()
+        self._close_resources()

@@ -1,0 +1,298 @@
+"""The part of the multiprocess engine clients that does not depend on how outputs are
+read (threads for ``SyncMPClient``, asyncio for ``AsyncMPClient``): the frontend's
+sockets, the engine processes, the DP coordinator, routing, and releasing all of it.
+"""
+
+from __future__ import annotations
+
+import shutil
+import threading
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+import zmq
+import zmq.asyncio
+from zmq.auth.thread import ThreadAuthenticator
+
+from tidal.config import EngineConfig
+from tidal.distributed.ports import get_open_port
+from tidal.distributed.zmq_auth import (
+    curve_keys,
+    secure_client,
+    secure_server,
+    start_authenticator,
+)
+from tidal.dp_coordinator.handle import DPCoordinator
+from tidal.frontend.core_client import EngineCoreClient
+from tidal.frontend.dp_state import DPFrontendState
+from tidal.frontend.proc_manager import EngineProcManager, frontend_addresses, ipc_dir
+from tidal.protocol.errors import EngineDeadError
+from tidal.protocol.messages import (
+    SNAPSHOT_DECODER,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    EngineCoreRequestType,
+    UtilityRequest,
+    encode,
+    engine_identity,
+)
+from tidal.protocol.topology import Topology
+
+OUTPUT_DECODER = msgspec.msgpack.Decoder(EngineCoreOutputs)
+
+
+def encode_request(request: EngineCoreRequest) -> bytes:
+    """msgpack of an ADD; ``ValueError`` (the caller's error) for a value the wire cannot
+    carry."""
+    try:
+        return encode(request)
+    except (OverflowError, TypeError, msgspec.EncodeError) as e:
+        # A value the wire cannot carry (e.g. an int beyond 64 bits): the caller's error.
+        raise ValueError(f"request {request.request_id!r} cannot be sent to the engine: {e}") from e
+
+
+class MPClient(EngineCoreClient):
+    """Shared part of the sync and async multiprocess clients: sockets, processes, routing.
+
+    With the DP machinery (DP > 1 at launch, or elastic EP at any size) it also starts the
+    DP coordinator, balances requests across ranks from the coordinator's published load,
+    and runs the frontend's half of the wave protocol (stamp each request with the wave;
+    wake the ranks when they are paused). Engines, coordinator and balancer all work from
+    one ``Topology``: its engine ids are who gets requests, its size the live DP size."""
+
+    def __init__(
+        self, config: EngineConfig, *, asyncio_mode: bool, entry_module: str | None = None
+    ) -> None:
+        par = config.parallel
+        store = None
+        if par.is_data_parallel:
+            port = par.data_parallel_master_port or get_open_port(par.data_parallel_address)
+            config = config.with_parallel(data_parallel_master_port=port)
+            store = f"{par.data_parallel_address}:{port}"
+        self.config = config
+        # The launch topology: engine ids 0..N-1 in rank order. Every engine gets it in the
+        # handshake and takes its DP/EP rank and group size from it, not from the config.
+        self._launch_topology = Topology.initial(par.data_parallel_size, store_address=store)
+        self.ipc_dir = ipc_dir()
+        self.ctx: zmq.Context = zmq.asyncio.Context() if asyncio_mode else zmq.Context()
+        self.dead_reason: str | None = None
+        self._call_ids = iter(range(1, 1 << 62))
+        self._closed = False
+        self.coordinator: DPCoordinator | None = None
+        self.dp: DPFrontendState | None = None
+        self.addresses = frontend_addresses(config, self.ipc_dir)
+        # Over TCP (ranks on other hosts) every control-plane socket is a CURVE peer and a
+        # ZAP handler admits only holders of the shared secret (tidal/distributed/zmq_auth.py).
+        tcp = self.addresses.input.startswith("tcp://")
+        self._curve = curve_keys(par.data_parallel_auth_key) if tcp else None
+        # Sockets used during startup are synchronous even in asyncio mode.
+        sync_ctx = zmq.Context.shadow(self.ctx.underlying) if asyncio_mode else self.ctx
+        self._authenticator = start_authenticator(sync_ctx, self._curve)
+        self.output_address = self.addresses.output
+        try:
+            self.input_socket = sync_ctx.socket(zmq.ROUTER)
+            self.input_socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
+            secure_server(self.input_socket, self._curve, self.addresses.input)
+            self.input_socket.bind(self.addresses.input)
+            coord_addrs = self._start_coordinator(sync_ctx)
+            self.manager = EngineProcManager(
+                config,
+                self._launch_topology,
+                sync_ctx,
+                input_address=self.addresses.input,
+                output_address=self.output_address,
+                handshake_address=self.addresses.handshake,
+                coordinator_addresses=coord_addrs,
+                entry_module=entry_module,
+                local_engines=self._launch_topology.engine_ids[: par.data_parallel_size_local],
+                curve=self._curve,
+            )
+            self._output_socket = self._bind_output(sync_ctx)
+            self.manager.wait_for_ready(self.input_socket)
+        except BaseException:
+            self._close_resources()
+            raise
+        # Released at shutdown(), when the client is garbage-collected, or at interpreter
+        # exit, whichever comes first: a script that never calls shutdown() still exits.
+        self._resources = _MPResources.of(self)
+        self._finalizer = weakref.finalize(self, self._resources.close)
+        self.manager.start_monitor(_weak_callback(self._on_engine_death))
+
+    @property
+    def topology(self) -> Topology:
+        """The live deployment: the DP state's (it follows reconfigurations), else the
+        launch one."""
+        return self.dp.topology if self.dp is not None else self._launch_topology
+
+    @property
+    def engine_ids(self) -> list[int]:
+        """The engines requests can go to, in rank order."""
+        return self.topology.engine_ids
+
+    def _bind_output(self, sync_ctx: zmq.Context) -> zmq.Socket:
+        sock = sync_ctx.socket(zmq.PULL)
+        secure_server(sock, self._curve, self.output_address)
+        sock.bind(self.output_address)
+        return sock
+
+    def _start_coordinator(self, sync_ctx: zmq.Context) -> tuple[str | None, str | None]:
+        par = self.config.parallel
+        if not par.is_data_parallel:
+            return (None, None)
+        self.coordinator = DPCoordinator(
+            self._launch_topology,
+            self.addresses.coordinator,
+            auth_key=par.data_parallel_auth_key if self._curve else None,
+        )
+        addrs = self.coordinator.addresses
+        self.dp = DPFrontendState(self._launch_topology, par.dp_lb_policy)
+        # Two sockets: one subscribed (snapshots, read by the reader), one never subscribed
+        # (wake-ups, sent by the caller's thread): zmq sockets are not thread-safe.
+        self._snapshot_socket = sync_ctx.socket(zmq.XSUB)
+        secure_client(self._snapshot_socket, self._curve, addrs.frontend_publish)
+        self._snapshot_socket.connect(addrs.frontend_publish)
+        self._snapshot_socket.send(b"\x01")
+        self._wakeup_socket = sync_ctx.socket(zmq.XSUB)
+        secure_client(self._wakeup_socket, self._curve, addrs.frontend_publish)
+        self._wakeup_socket.connect(addrs.frontend_publish)
+        return (addrs.engine_publish, addrs.engine_input)
+
+    # ---- sending -----------------------------------------------------------------------
+
+    def _send(self, engine: int, req_type: EngineCoreRequestType, payload: Any) -> None:
+        self._send_frame(engine, req_type, encode(payload))
+
+    def _send_frame(self, engine: int, req_type: EngineCoreRequestType, payload: bytes) -> None:
+        if self.dead_reason is not None:
+            raise EngineDeadError(self.dead_reason)
+        self.input_socket.send_multipart([engine_identity(engine), req_type.value, payload])
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        """Send an ADD. A request that cannot be encoded raises ``ValueError`` and leaves
+        no trace (no rank holds it, no wake-up went out)."""
+        if self.dead_reason is not None:
+            raise EngineDeadError(self.dead_reason)
+        if self.dp is None:
+            self._send_frame(self.engine_ids[0], EngineCoreRequestType.ADD, encode_request(request))
+            return
+        rank, wake = self.dp.route(request)  # stamps the wave, so encode after it
+        try:
+            self._send_frame(rank, EngineCoreRequestType.ADD, encode_request(request))
+        except BaseException:
+            self.dp.unroute(request.request_id, rank, wake)
+            raise
+        if wake is not None:
+            # Only now that the ADD is out: the ranks this wakes wait in a collective for
+            # the one holding the request, so it must be certain to get it.
+            self._wakeup_socket.send(encode(wake))
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        if not request_ids or self.dead_reason is not None:
+            return
+        if self.dp is None:
+            self._send(self.engine_ids[0], EngineCoreRequestType.ABORT, request_ids)
+            return
+        for rank, ids in self.dp.on_abort(request_ids).items():
+            self._send(rank, EngineCoreRequestType.ABORT, ids)
+
+    def _on_outputs(self, outs: EngineCoreOutputs) -> None:
+        if self.dp is not None:
+            self.dp.on_outputs(outs)
+
+    def _on_snapshot(self, frame: bytes) -> None:
+        self.dp.on_snapshot(SNAPSHOT_DECODER.decode(frame))
+
+    def _utility_request(self, method: str, args: tuple) -> UtilityRequest:
+        return UtilityRequest(0, next(self._call_ids), method, list(args))
+
+    def _on_engine_death(self, reason: str) -> None:
+        raise NotImplementedError
+
+    # ---- shutdown ----------------------------------------------------------------------
+
+    def _close_resources(self) -> None:
+        """Release everything now (a failed start, or shutdown). Idempotent."""
+        finalizer = getattr(self, "_finalizer", None)
+        if finalizer is not None:
+            finalizer()
+        elif not self._closed:
+            _MPResources.of(self).close()
+        self._closed = True
+
+
+# Every socket attribute an MP client may own; all are closed before the context is.
+_CLIENT_SOCKETS = ("input_socket", "_output_socket", "_snapshot_socket", "_wakeup_socket")
+
+
+class _MPResources:
+    """What an MP client must release, held apart from the client: the client's
+    ``weakref.finalize`` closes it, so it must not refer back to the client (or the client
+    could never be collected and a script that drops it would keep its engines)."""
+
+    def __init__(
+        self,
+        ctx: zmq.Context,
+        ipc_dir: str,
+        manager: EngineProcManager | None,
+        coordinator: DPCoordinator | None,
+        sockets: list[zmq.Socket],
+        authenticator: ThreadAuthenticator | None = None,
+    ) -> None:
+        self.ctx = ctx
+        self.ipc_dir = ipc_dir
+        self.manager = manager
+        self.coordinator = coordinator
+        self.sockets = sockets
+        self.authenticator = authenticator  # ZAP thread: stopped before the context ends
+        # Threads that use the sockets: told to stop (stop) and joined before the sockets
+        # are closed, since a zmq socket must not be closed under a thread polling it.
+        self.stop = threading.Event()
+        self.threads: list[threading.Thread] = []
+        self._lock = threading.Lock()
+        self._closed = False
+
+    @classmethod
+    def of(cls, client: MPClient) -> _MPResources:
+        sockets = [getattr(client, n) for n in _CLIENT_SOCKETS if hasattr(client, n)]
+        return cls(
+            client.ctx,
+            client.ipc_dir,
+            getattr(client, "manager", None),
+            client.coordinator,
+            sockets,
+            getattr(client, "_authenticator", None),
+        )
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self.stop.set()
+        for t in self.threads:
+            if t is not threading.current_thread():
+                t.join(5)
+        if self.manager is not None:
+            self.manager.shutdown()
+        if self.coordinator is not None:
+            self.coordinator.shutdown()
+        for sock in self.sockets:
+            sock.close(linger=0)
+        if self.authenticator is not None:
+            self.authenticator.stop()
+        self.ctx.term()
+        shutil.rmtree(self.ipc_dir, ignore_errors=True)
+
+
+def _weak_callback(method: Callable[[str], None]) -> Callable[[str], None]:
+    """``method`` without a strong reference to its object (for long-lived threads)."""
+    ref = weakref.WeakMethod(method)
+
+    def call(reason: str) -> None:
+        bound = ref()
+        if bound is not None:
+            bound(reason)
+
+    return call

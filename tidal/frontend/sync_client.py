@@ -1,0 +1,120 @@
+"""The blocking multiprocess client, for the offline ``LLM``: a reader thread feeds a
+queue."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import weakref
+from concurrent.futures import Future
+from typing import Any
+
+import zmq
+
+from tidal.config import EngineConfig
+from tidal.frontend.mp_client import OUTPUT_DECODER, MPClient
+from tidal.protocol.errors import EngineDeadError
+from tidal.protocol.messages import EngineCoreOutputs, EngineCoreRequestType
+
+
+class SyncMPClient(MPClient):
+    """Blocking client for the offline ``LLM``: a reader thread feeds a queue."""
+
+    def __init__(self, config: EngineConfig, entry_module: str | None = None) -> None:
+        self.outputs: queue.Queue[EngineCoreOutputs] = queue.Queue()
+        self._pending_calls: dict[int, Future] = {}
+        super().__init__(config, asyncio_mode=False, entry_module=entry_module)
+        # The reader holds only a weak reference to the client (see _MPResources).
+        self._reader = threading.Thread(
+            target=_read_outputs,
+            args=(
+                weakref.ref(self),
+                self._output_socket,
+                getattr(self, "_snapshot_socket", None),
+                self._resources.stop,
+            ),
+            name="client-output",
+            daemon=True,
+        )
+        self._resources.threads.append(self._reader)
+        self._reader.start()
+
+    def _dispatch(self, outs: EngineCoreOutputs) -> None:
+        if outs.utility_output is not None:
+            fut = self._pending_calls.pop(outs.utility_output.call_id, None)
+            if fut is not None:
+                fut.set_result(outs.utility_output)
+            return
+        if outs.engine_dead:
+            self._on_engine_death(outs.dead_reason or "engine reported a fatal error")
+            return
+        self._on_outputs(outs)
+        self.outputs.put_nowait(outs)
+
+    def _on_engine_death(self, reason: str) -> None:
+        if self.dead_reason is None:
+            self.dead_reason = reason
+        self.outputs.put_nowait(EngineCoreOutputs(engine_dead=True, dead_reason=reason))
+        for fut in list(self._pending_calls.values()):
+            if not fut.done():
+                fut.set_exception(EngineDeadError(reason))
+
+    def get_output(self) -> EngineCoreOutputs:
+        outs = self.outputs.get()
+        if outs.engine_dead:
+            self.outputs.put_nowait(outs)  # keep failing later callers too
+            raise EngineDeadError(outs.dead_reason or "engine died")
+        return outs
+
+    def call_utility(self, method: str, *args: Any) -> Any:
+        return self.call_utility_on(self.engine_ids[0], method, *args)
+
+    def call_utility_on(self, engine: int, method: str, *args: Any, timeout_s: float = 60) -> Any:
+        call = self._utility_request(method, args)
+        fut: Future = Future()
+        self._pending_calls[call.call_id] = fut
+        self._send(engine, EngineCoreRequestType.UTILITY, call)
+        out = fut.result(timeout_s)
+        if out.failure_message:
+            raise RuntimeError(out.failure_message)
+        return out.result
+
+    def call_utility_all(self, method: str, *args: Any) -> list[Any]:
+        """Call ``method`` on every rank (e.g. ``pause`` / ``resume``)."""
+        return [self.call_utility_on(e, method, *args) for e in self.engine_ids]
+
+    def shutdown(self) -> None:
+        """Stop the engines and release everything. Idempotent; also runs when the client
+        is garbage-collected or at interpreter exit."""
+        self._close_resources()
+
+
+def _read_outputs(
+    client_ref: weakref.ref[SyncMPClient],
+    sock: zmq.Socket,
+    snap: zmq.Socket | None,
+    stop: threading.Event,
+) -> None:
+    """SyncMPClient's reader thread: frames from the engines (and DP snapshots) to the
+    client, for as long as the client exists and has not been shut down."""
+    poller = zmq.Poller()
+    poller.register(sock, zmq.POLLIN)
+    if snap is not None:
+        poller.register(snap, zmq.POLLIN)
+    while not stop.is_set():
+        for ready, _ in poller.poll(100):
+            if stop.is_set() or not _deliver(client_ref, ready is sock, ready.recv()):
+                return
+
+
+def _deliver(client_ref: weakref.ref[SyncMPClient], is_output: bool, frame: bytes) -> bool:
+    """Hand one frame to the client; False once it is gone. A function of its own so the
+    strong reference it takes ends with the call, not with the reader thread."""
+    client = client_ref()
+    if client is None:
+        return False
+    if is_output:
+        client._dispatch(OUTPUT_DECODER.decode(frame))
+    else:
+        client._on_snapshot(frame)
+    return True

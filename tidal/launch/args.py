@@ -1,0 +1,113 @@
+"""The engine's command-line flags: every ``EngineArgs`` field becomes a ``--kebab-case``
+flag (aliases and help below), and argparse errors name the flag.
+
+Shared by ``launch`` (spawn.py) and ``tidal generate`` (cli.py); it lives apart from both
+so neither imports the other for it (cli dispatches to spawn).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import typing
+from typing import Any
+
+from tidal.config import EngineConfig
+from tidal.launch.engine_args import ALL2ALL_BACKENDS, AUTH_KEY_ENV, EngineArgs
+
+_ALIASES = {
+    "data_parallel_size": ["--dp"],
+    "enable_expert_parallel": ["--ep"],
+    "num_gpu_blocks_override": ["--num-kv-blocks"],
+}
+_HELP = {
+    "model": "Hugging Face checkpoint folder (default: the embedded tiny Qwen3-MoE model)",
+    "tokenizer": "tokenizer folder (default: --model)",
+    "dtype": "auto | float32 | float16 | bfloat16 (auto: the checkpoint's dtype)",
+    "seed": "random seed of each engine process",
+    "max_model_len": "longest prompt + output in tokens (default: the model's limit)",
+    "block_size": "tokens per KV cache block",
+    "kv_cache_memory_bytes": "KV cache bytes per rank",
+    "num_gpu_blocks_override": "KV cache blocks per rank (overrides --kv-cache-memory-bytes)",
+    "enable_prefix_caching": "reuse KV blocks of shared prompt prefixes",
+    "max_num_batched_tokens": "token budget of one step (default: 2048)",
+    "max_num_seqs": "most requests running at once per rank",
+    "enable_chunked_prefill": "split long prompts across steps",
+    "data_parallel_size": "number of data-parallel engine ranks",
+    "data_parallel_rank": "this process's rank (set per spawned engine; rarely by hand)",
+    "data_parallel_size_local": "ranks started on this host (default: all of them)",
+    "data_parallel_start_rank": "first rank started on this host (with --headless)",
+    "data_parallel_address": "host the frontend and rank 0's groups listen on",
+    "data_parallel_rpc_port": "frontend handshake port headless ranks connect to (0: pick)",
+    "data_parallel_master_port": "TCPStore port of the DP/EP process groups (0: pick)",
+    "enable_expert_parallel": "shard MoE experts across the data-parallel ranks",
+    "enable_elastic_ep": "elastic expert parallelism: the deployment can grow and shrink "
+    "while serving; runs the DP coordinator and wave loop even with one rank",
+    "all2all_backend": "expert-parallel token exchange: " + " | ".join(ALL2ALL_BACKENDS),
+    "enable_eplb": "rebalance experts across ranks from their measured load",
+    "num_redundant_experts": "extra physical expert copies for EPLB to place",
+    "eplb_window": "steps of expert load EPLB plans from",
+    "eplb_interval": "steps between EPLB rebalances",
+    "dp_lb_policy": "request routing across ranks: tidal | tidal-p2c | vllm",
+    "data_parallel_auth_key": "shared secret that authenticates the DP control plane over "
+    f"TCP; the same on every host, required with --headless ranks (default: ${AUTH_KEY_ENV}, "
+    "which keeps it out of the process list)",
+    "device": "auto | cpu | cuda",
+    "moe_backend": "auto | torch | triton | reference (auto: triton on CUDA, else torch)",
+    "max_n": "most choices (n) one request may ask for",
+    "max_prompts_per_request": "most prompts in one /v1/completions request",
+    "max_logprobs": "most top logprobs per position a request may ask for",
+    "max_request_body_bytes": "largest HTTP request body; a larger one gets 413 unread",
+    "trust_request_chat_template": "accept a chat_template in chat requests (rendered in a "
+    "sandboxed, time-bounded worker process)",
+}
+
+_ENV_DEFAULTS = {"data_parallel_auth_key": AUTH_KEY_ENV}
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    hints = typing.get_type_hints(EngineArgs)
+    for f in dataclasses.fields(EngineArgs):
+        flag = "--" + f.name.replace("_", "-")
+        names = [flag, *_ALIASES.get(f.name, [])]
+        hint = hints[f.name]
+        help_ = _HELP.get(f.name)
+        # Secrets come from the environment here and only here; the config carries them on.
+        default = (
+            os.environ.get(_ENV_DEFAULTS[f.name], f.default)
+            if f.name in _ENV_DEFAULTS
+            else f.default
+        )
+        if hint is bool:
+            parser.add_argument(
+                *names,
+                dest=f.name,
+                action=argparse.BooleanOptionalAction,
+                default=default,
+                help=help_,
+            )
+        else:
+            parser.add_argument(
+                *names, dest=f.name, type=_scalar(hint), default=default, help=help_
+            )
+
+
+def _scalar(hint: Any) -> Any:
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    base = args[0] if args else hint
+    return base if base in (int, float, str) else str
+
+
+def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
+    return EngineArgs(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(EngineArgs)})
+
+
+def build_engine_config(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> EngineConfig:
+    """EngineArgs -> EngineConfig, turning validation errors into CLI errors naming the flag."""
+    try:
+        return engine_args_from(ns).create_engine_config()
+    except ValueError as e:
+        field = str(e).split(" ", 1)[0].rstrip(":")
+        flag = "--" + field.replace("_", "-")
+        parser.error(f"{flag}: {e}" if hasattr(EngineArgs, field) else str(e))

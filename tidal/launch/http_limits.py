@@ -1,0 +1,148 @@
+"""Request bodies, checked before any route reads them: their size (``BodyLimitMiddleware``,
+before the body is read), encoding, JSON syntax, nesting depth and every number in them
+(``decode_json_body``), then their shape against the route's pydantic model
+(``parse_request``). Each check stops what the next one cannot handle.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable
+from typing import Any
+
+from pydantic import BaseModel, ValidationError
+
+from tidal.launch.errors import APIError, validation_message
+from tidal.sampling_params import INT64_MAX, INT64_MIN
+
+
+class BodyTooLarge(APIError):
+    def __init__(self, limit: int) -> None:
+        super().__init__(
+            413,
+            f"request body is larger than {limit} bytes (the server's --max-request-body-bytes)",
+            code="request_too_large",
+        )
+
+
+class BodyLimitMiddleware:
+    """Pure ASGI middleware: a body over ``max_bytes`` gets 413 without being read.
+
+    A Content-Length over the limit is refused before the app runs; a chunked body is
+    counted as it streams and refused at the first chunk past the limit, so nothing over
+    the limit is ever buffered. uvicorn discards the rest of a refused body itself (the
+    response carries a Content-Length and keeps the connection), so the client reads the
+    413 instead of a reset."""
+
+    def __init__(self, app: Any, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = _content_length(scope)
+        if length is not None and length > self.max_bytes:
+            await BodyTooLarge(self.max_bytes).response()(scope, receive, send)
+            return
+        seen = 0
+
+        async def limited_receive() -> dict:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_bytes:
+                    raise BodyTooLarge(self.max_bytes)  # an APIError: handlers answer it as is
+            return message
+
+        await self.app(scope, limited_receive, send)
+
+
+def _content_length(scope: dict) -> int | None:
+    for name, value in scope.get("headers", ()):
+        if name == b"content-length":
+            try:
+                return int(value)
+            except ValueError:
+                return None  # the HTTP parser refuses these before we see them
+    return None
+
+
+# OpenAI requests nest fewer than ten levels (tools' JSON schemas included); anything much
+# deeper only exercises recursion in the parser, pydantic and the chat template.
+MAX_JSON_DEPTH = 64
+
+
+def decode_json_body(body: bytes) -> Any:
+    """The request body as JSON, or APIError 400 saying what is wrong with it: not UTF-8,
+    not JSON (NaN and Infinity included: not JSON, and not a number any field takes),
+    nested deeper than ``MAX_JSON_DEPTH``, or a number no field can hold (an int outside
+    int64, a float that overflows to infinity). Checked for every field of every route at
+    once, before any field's own checks."""
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise APIError(400, f"request body is not valid UTF-8: {e}") from None
+    try:
+        data = json.loads(text, parse_constant=_refuse_constant)
+    except RecursionError:  # the C parser's own depth guard (about 1000 levels)
+        raise APIError(400, _TOO_DEEP) from None
+    except ValueError as e:
+        raise APIError(400, f"malformed JSON body: {e}") from None
+    _check_json_values(data)
+    return data
+
+
+_TOO_DEEP = f"JSON body is nested deeper than {MAX_JSON_DEPTH} levels"
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a valid JSON number")
+
+
+def _check_json_values(data: Any) -> None:
+    """Depth and numbers, iteratively (a recursive walk would itself hit the recursion
+    limit); the error names the path of the value, like pydantic's errors do."""
+    if not isinstance(data, (dict, list)):
+        _check_number(data, ())
+        return
+    stack: list[tuple[dict | list, tuple[str | int, ...]]] = [(data, ())]
+    while stack:
+        node, path = stack.pop()
+        if len(path) >= MAX_JSON_DEPTH:
+            raise APIError(400, _TOO_DEEP, param=_top(path))
+        for key, v in node.items() if isinstance(node, dict) else enumerate(node):
+            if isinstance(v, (dict, list)):
+                stack.append((v, (*path, key)))
+            else:
+                _check_number(v, (*path, key))
+
+
+def _check_number(v: Any, path: tuple[str | int, ...]) -> None:
+    if isinstance(v, bool):
+        return
+    if isinstance(v, int) and not INT64_MIN <= v <= INT64_MAX:
+        problem = f"{v} is out of range (integers must fit in 64 bits)"
+    elif isinstance(v, float) and not math.isfinite(v):
+        problem = "number is too large"
+    else:
+        return
+    where = ".".join(map(str, path)) or "body"
+    raise APIError(400, f"{where}: {problem}", param=_top(path))
+
+
+def _top(path: tuple[str | int, ...]) -> str | None:
+    return path[0] if path and isinstance(path[0], str) else None
+
+
+def parse_request(body: bytes, model: type[BaseModel]) -> Any:
+    """Body bytes -> request model, or APIError 400 (runs in a worker thread)."""
+    data = decode_json_body(body)
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        msg, param = validation_message(e)
+        raise APIError(400, msg, param=param) from None

@@ -1,0 +1,456 @@
+"""The OpenAI serving logic: ``/v1/completions`` and ``/v1/chat/completions`` (SSE
+streaming or not) and ``/v1/models``, turned into ``engine.generate`` calls.
+
+Tokenization, chat templates and body parsing run off the event loop, so one huge request
+does not stall the other streams. A client that hangs up cancels its work, which aborts
+its engine requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel
+
+from tidal.config import FrontendConfig
+from tidal.frontend.outputs import CompletionOutput, OutputKind, PromptLogprobs, RequestOutput
+from tidal.frontend.processor import ProcessedPrompt
+from tidal.frontend.template_sandbox import SandboxUnavailable, TemplateSandbox
+from tidal.launch import protocol as P
+from tidal.launch.errors import APIError, classify_error
+from tidal.launch.http_limits import parse_request
+from tidal.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # annotations only: the server takes any engine with AsyncLLM's
+    # interface and imports no torch (AsyncLLM does), so tests run it on a fake engine.
+    from tidal.frontend.async_llm import AsyncLLM
+
+_SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+_DONE = "data: [DONE]\n\n"
+
+
+async def _parse(request: Request, model: type[BaseModel]) -> Any:
+    body = await request.body()  # bounded by BodyLimitMiddleware
+    return await asyncio.to_thread(parse_request, body, model)
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+class _ClientGone(Exception):
+    pass
+
+
+async def _until_disconnect(request: Request, work: Any) -> Any:
+    """Await ``work`` unless the client hangs up first; then cancel it (which aborts the
+    engine requests it iterates) and raise _ClientGone. The request body must be read."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        task.cancel()  # no-op once done; cancelling unwinds its generate() iterators
+    if task not in done:
+        raise _ClientGone()
+    return task.result()
+
+
+def _sse(payload: BaseModel) -> str:
+    return f"data: {payload.model_dump_json()}\n\n"
+
+
+@dataclass
+class _Job:
+    """One engine request: a prompt of the batch, its params, and its first choice index."""
+
+    prompt: ProcessedPrompt
+    params: SamplingParams
+    request_id: str
+    first_choice: int
+    data_parallel_rank: int | None
+
+
+@dataclass
+class _Final:
+    """A finished job: its choices by index within the job, and the prompt's logprobs."""
+
+    outputs: dict[int, CompletionOutput] = field(default_factory=dict)
+    prompt_logprobs: PromptLogprobs | None = None
+
+
+_END = object()
+
+
+class OpenAIServing:
+    """Turns OpenAI requests into ``engine.generate`` calls and outputs into responses."""
+
+    def __init__(self, engine: AsyncLLM, served_model_name: str) -> None:
+        self.engine = engine
+        self.model_name = served_model_name
+        self.model_path = engine.config.model.model
+        self.max_model_len = engine.config.model.max_model_len
+        self.tokenizer = engine.tokenizer
+        self.limits: FrontendConfig = engine.config.frontend
+        # Request-supplied chat templates: refused unless the flag allows them, and then
+        # rendered in a killable worker (started by the first such request).
+        self.template_sandbox: TemplateSandbox | None = None
+        if self.limits.trust_request_chat_template:
+            self.template_sandbox = TemplateSandbox(
+                engine.config.model.tokenizer, max_chars=self.limits.max_request_body_bytes
+            )
+
+    # -- checks --
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name not in (self.model_name, self.model_path):
+            raise APIError(
+                404, f"The model `{name}` does not exist.", param="model", code="model_not_found"
+            )
+
+    def check_alive(self) -> None:
+        if self.engine.is_dead:
+            raise APIError(503, "engine is dead", code="engine_dead")
+
+    def model_card(self) -> P.ModelCard:
+        return P.ModelCard(
+            id=self.model_name, root=self.model_path, max_model_len=self.max_model_len
+        )
+
+    def _job(self, req: Any, prompt: ProcessedPrompt, request_id: str, first_choice: int) -> _Job:
+        default_max = max(1, self.max_model_len - len(prompt.prompt_token_ids))
+        params = req.sampling_params(default_max)
+        # Checked here too (generate checks again) so a streaming request gets a 400
+        # before the SSE response starts.
+        self.engine.input_processor.check(prompt, params)
+        return _Job(prompt, params, request_id, first_choice, req.data_parallel_rank)
+
+    # -- engine iteration --
+
+    def _generate(self, job: _Job, kind: OutputKind) -> Any:
+        return self.engine.generate(
+            job.prompt,
+            job.params,
+            job.request_id,
+            output_kind=kind,
+            data_parallel_rank=job.data_parallel_rank,
+        )
+
+    async def _final(self, job: _Job) -> _Final:
+        """All of one job's choices, finished."""
+        final = _Final()
+        async with contextlib.aclosing(self._generate(job, OutputKind.FINAL_ONLY)) as gen:
+            async for out in gen:
+                for c in out.outputs:
+                    final.outputs[c.index] = c
+                if out.prompt_logprobs is not None:
+                    final.prompt_logprobs = out.prompt_logprobs
+        return final
+
+    async def _collect(self, jobs: list[_Job]) -> list[_Final]:
+        return list(await asyncio.gather(*(self._final(j) for j in jobs)))
+
+    async def _merged(self, jobs: list[_Job]) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """DELTA outputs of all jobs as they come, as (job index, output).
+
+        One producer task per job; closing this iterator cancels them, and a cancelled
+        producer closes its ``generate`` iterator, which aborts the engine request."""
+        queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+
+        async def produce(i: int, job: _Job) -> None:
+            try:
+                async with contextlib.aclosing(self._generate(job, OutputKind.DELTA)) as gen:
+                    async for out in gen:
+                        queue.put_nowait((i, out))
+                queue.put_nowait((i, _END))
+            except Exception as e:  # noqa: BLE001 - handed to the consumer
+                queue.put_nowait((i, e))
+
+        tasks = [asyncio.ensure_future(produce(i, j)) for i, j in enumerate(jobs)]
+        try:
+            remaining = len(jobs)
+            while remaining:
+                i, item = await queue.get()
+                if item is _END:
+                    remaining -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield i, item
+        finally:
+            for t in tasks:
+                t.cancel()
+
+    # -- /v1/completions --
+
+    async def completion_jobs(self, req: P.CompletionRequest, request_id: str) -> list[_Job]:
+        batch = self._completion_batch(req.prompt)
+        tokenize = self.engine.input_processor.tokenize
+        # Off the event loop: a long prompt must not stall the other streams.
+        prompts = await asyncio.to_thread(lambda: [tokenize(p) for p in batch])
+        n, multi = req.n or 1, len(prompts) > 1
+        return [
+            self._job(req, p, f"{request_id}-{i}" if multi else request_id, i * n)
+            for i, p in enumerate(prompts)
+        ]
+
+    def _completion_batch(self, prompt: Any) -> list[Any]:
+        """A string, token ids, or a batch of either -> the list of prompts."""
+        if isinstance(prompt, list) and not prompt:
+            raise ValueError("prompt must not be empty")
+        if isinstance(prompt, str) or isinstance(prompt[0], int):
+            return [prompt]
+        if len(prompt) > self.limits.max_prompts_per_request:
+            raise ValueError(
+                f"prompt: at most {self.limits.max_prompts_per_request} prompts per request "
+                f"(--max-prompts-per-request), got {len(prompt)}"
+            )
+        return prompt
+
+    async def completion(self, req: P.CompletionRequest, request: Request) -> Response:
+        rid, created = P.random_id("cmpl"), P.now_s()
+        jobs = await self.completion_jobs(req, rid)
+        if req.stream:
+            stream = self._completion_stream(req, jobs, rid, created)
+            return StreamingResponse(stream, media_type="text/event-stream", headers=_SSE_HEADERS)
+        finals = await _until_disconnect(request, self._collect(jobs))
+        choices = [
+            self._completion_choice(req, job, c, echo=bool(req.echo), prompt_lps=f.prompt_logprobs)
+            for job, f in zip(jobs, finals)
+            for c in sorted(f.outputs.values(), key=lambda c: c.index)
+        ]
+        completion_tokens = sum(len(c.token_ids) for f in finals for c in f.outputs.values())
+        resp = P.CompletionResponse(
+            id=rid,
+            created=created,
+            model=self.model_name,
+            choices=choices,
+            usage=P.UsageInfo.of(_prompt_tokens(jobs), completion_tokens),
+        )
+        return JSONResponse(resp.model_dump())
+
+    def _completion_choice(
+        self,
+        req: P.CompletionRequest,
+        job: _Job,
+        c: CompletionOutput,
+        *,
+        echo: bool,
+        prompt_lps: PromptLogprobs | None = None,
+        offset: int = 0,
+    ) -> P.CompletionChoice:
+        """One choice (or one streamed delta of it); ``echo`` prepends the prompt;
+        ``offset`` is the number of characters of this choice already sent."""
+        text, ids, steps = c.text, list(c.token_ids), list(c.logprobs or [])
+        if echo:
+            n = len(job.prompt.prompt_token_ids)
+            text = self._prompt_text(job.prompt) + text
+            ids = job.prompt.prompt_token_ids + ids
+            steps = (list(prompt_lps or []) + [None] * n)[:n] + steps
+        lps = None
+        if job.params.logprobs is not None:
+            lps = P.completion_logprobs(ids, steps, job.params.logprobs, self.tokenizer, offset)
+        return P.CompletionChoice(
+            index=job.first_choice + c.index,
+            text=text,
+            logprobs=lps,
+            finish_reason=c.finish_reason,
+            stop_reason=c.stop_reason,
+        )
+
+    def _prompt_text(self, prompt: ProcessedPrompt) -> str:
+        if prompt.prompt is not None:
+            return prompt.prompt
+        return self.tokenizer.decode(prompt.prompt_token_ids)
+
+    async def _completion_stream(
+        self, req: P.CompletionRequest, jobs: list[_Job], rid: str, created: int
+    ) -> AsyncIterator[str]:
+        offsets: dict[int, int] = {}  # choice index -> characters already sent
+        tokens: dict[int, int] = {}  # choice index -> tokens already sent
+        prompt_lps: dict[int, PromptLogprobs] = {}  # job -> prompt logprobs (first output)
+
+        def chunk(choices: list[P.CompletionChoice], usage: bool) -> str:
+            u = P.UsageInfo.of(_prompt_tokens(jobs), sum(tokens.values())) if usage else None
+            resp = P.CompletionResponse(
+                id=rid, created=created, model=self.model_name, choices=choices, usage=u
+            )
+            return _sse(resp)
+
+        def delta(i: int, c: CompletionOutput) -> P.CompletionChoice:
+            idx = jobs[i].first_choice + c.index
+            first = idx not in offsets
+            choice = self._completion_choice(
+                req,
+                jobs[i],
+                c,
+                echo=bool(req.echo) and first,
+                prompt_lps=prompt_lps.get(i),
+                offset=offsets.get(idx, 0),
+            )
+            offsets[idx] = offsets.get(idx, 0) + len(choice.text)
+            tokens[idx] = tokens.get(idx, 0) + len(c.token_ids)
+            return choice
+
+        try:
+            async with contextlib.aclosing(self._merged(jobs)) as outputs:
+                async for i, out in outputs:
+                    if out.prompt_logprobs is not None:
+                        prompt_lps[i] = out.prompt_logprobs
+                    for c in out.outputs:
+                        yield chunk([delta(i, c)], req.continuous_usage)
+            if req.include_usage:
+                yield chunk([], True)
+        except Exception as e:  # noqa: BLE001 - the status line is sent: report in-stream
+            yield _sse(classify_error(e, self.engine).body())
+        yield _DONE
+
+    # -- /v1/chat/completions --
+
+    async def chat_job(self, req: P.ChatCompletionRequest, request_id: str) -> _Job:
+        if req.chat_template is not None and self.template_sandbox is None:
+            raise APIError(
+                400,
+                "chat_template: request-supplied chat templates are disabled on this server "
+                "(start it with --trust-request-chat-template to allow them)",
+                param="chat_template",
+            )
+        if not req.messages:
+            raise APIError(400, "messages must not be empty", param="messages")
+        messages = [m.to_template_dict() for m in req.messages]
+        kwargs = dict(req.chat_template_kwargs or {})
+        processor = self.engine.input_processor
+        processor.check_chat(messages, kwargs)  # roles, reserved kwargs: before any rendering
+        if req.continue_final_message:
+            kwargs["continue_final_message"] = True
+        add_gen = bool(req.add_generation_prompt) and not req.continue_final_message
+        try:
+            if req.chat_template is None:
+                # Off the event loop, like tokenization.
+                prompt = await asyncio.to_thread(
+                    processor.apply_chat_template, messages, add_gen, None, **kwargs
+                )
+            else:
+                text, ids = await self.template_sandbox.render(
+                    messages,
+                    chat_template=req.chat_template,
+                    add_generation_prompt=add_gen,
+                    kwargs=kwargs,
+                )
+                prompt = ProcessedPrompt(text, ids)
+        except (ValueError, SandboxUnavailable):
+            raise  # a 400 with its own message; a broken sandbox is the server's fault (500)
+        except Exception as e:  # noqa: BLE001 - a template that rejects these messages
+            raise APIError(400, f"cannot apply the chat template: {e}", param="messages") from None
+        return self._job(req, prompt, request_id, 0)
+
+    async def chat(self, req: P.ChatCompletionRequest, request: Request) -> Response:
+        rid, created = P.random_id("chatcmpl"), P.now_s()
+        job = await self.chat_job(req, rid)
+        if req.stream:
+            stream = self._chat_stream(req, job, rid, created)
+            return StreamingResponse(stream, media_type="text/event-stream", headers=_SSE_HEADERS)
+        (final,) = await _until_disconnect(request, self._collect([job]))
+        outs = sorted(final.outputs.values(), key=lambda c: c.index)
+        choices = [
+            P.ChatChoice(
+                index=c.index,
+                message=P.ChatMessageOut(content=c.text),
+                logprobs=self._chat_logprobs(job, c),
+                finish_reason=c.finish_reason,
+                stop_reason=c.stop_reason,
+            )
+            for c in outs
+        ]
+        usage = P.UsageInfo.of(_prompt_tokens([job]), sum(len(c.token_ids) for c in outs))
+        resp = P.ChatCompletionResponse(
+            id=rid, created=created, model=self.model_name, choices=choices, usage=usage
+        )
+        return JSONResponse(resp.model_dump())
+
+    def _chat_logprobs(self, job: _Job, c: CompletionOutput) -> P.ChatLogProbs | None:
+        if job.params.logprobs is None:
+            return None
+        return P.chat_logprobs(c.token_ids, c.logprobs or [], job.params.logprobs, self.tokenizer)
+
+    async def _chat_stream(
+        self, req: P.ChatCompletionRequest, job: _Job, rid: str, created: int
+    ) -> AsyncIterator[str]:
+        tokens: dict[int, int] = {}
+
+        def chunk(choices: list[P.ChatStreamChoice], usage: bool) -> str:
+            u = P.UsageInfo.of(_prompt_tokens([job]), sum(tokens.values())) if usage else None
+            resp = P.ChatCompletionChunk(
+                id=rid, created=created, model=self.model_name, choices=choices, usage=u
+            )
+            return _sse(resp)
+
+        def delta(c: CompletionOutput) -> P.ChatStreamChoice:
+            tokens[c.index] = tokens.get(c.index, 0) + len(c.token_ids)
+            return P.ChatStreamChoice(
+                index=c.index,
+                delta=P.DeltaMessage(content=c.text),
+                logprobs=self._chat_logprobs(job, c),
+                finish_reason=c.finish_reason,
+                stop_reason=c.stop_reason,
+            )
+
+        try:
+            # OpenAI opens every choice with a role-only delta.
+            for i in range(job.params.n):
+                role = P.DeltaMessage(role="assistant", content="")
+                yield chunk([P.ChatStreamChoice(index=i, delta=role)], req.continuous_usage)
+            async with contextlib.aclosing(self._merged([job])) as outputs:
+                async for _, out in outputs:
+                    for c in out.outputs:
+                        yield chunk([delta(c)], req.continuous_usage)
+            if req.include_usage:
+                yield chunk([], True)
+        except Exception as e:  # noqa: BLE001 - the status line is sent: report in-stream
+            yield _sse(classify_error(e, self.engine).body())
+        yield _DONE
+
+
+def _prompt_tokens(jobs: list[_Job]) -> int:
+    # Counted once per prompt, not once per choice (n), like OpenAI.
+    return sum(len(j.prompt.prompt_token_ids) for j in jobs)
+
+
+def add_openai_routes(app: FastAPI, serving: OpenAIServing) -> None:
+    engine = serving.engine
+
+    async def handle(request: Request, model: type[BaseModel], run: Callable) -> Response:
+        try:
+            req = await _parse(request, model)
+            serving.check_model(req.model)
+            serving.check_alive()
+            return await run(req, request)
+        except _ClientGone:
+            return Response(status_code=499)  # nobody reads it; the requests were aborted
+        except Exception as e:  # noqa: BLE001 - every failure becomes OpenAI's error JSON
+            return classify_error(e, engine).response()
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await handle(request, P.CompletionRequest, serving.completion)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await handle(request, P.ChatCompletionRequest, serving.chat)
+
+    @app.get("/v1/models")
+    async def models() -> JSONResponse:
+        return JSONResponse(P.ModelList(data=[serving.model_card()]).model_dump())
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> JSONResponse:
+        serving.check_model(model_id)
+        return JSONResponse(serving.model_card().model_dump())
