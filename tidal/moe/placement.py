@@ -160,7 +160,7 @@ class ExpertPlacement:
         P, S = _physical_size(num_logical, ep_size, num_redundant)
         flat: list[int | None] = list(range(num_logical)) + [None] * (P - num_logical)
         layout = [flat[r * S : (r + 1) * S] for r in range(ep_size)]
-        return cls.from_layout(num_logical, _fill_free_slots(layout, num_logical, load))
+        return cls.from_layout(num_logical, fill_free_slots(layout, num_logical, load))
 
     @classmethod
     def round_robin(
@@ -175,7 +175,7 @@ class ExpertPlacement:
         layout: list[list[int | None]] = [[None] * S for _ in range(ep_size)]
         for e in range(num_logical):
             layout[e % ep_size][e // ep_size] = e
-        return cls.from_layout(num_logical, _fill_free_slots(layout, num_logical, load))
+        return cls.from_layout(num_logical, fill_free_slots(layout, num_logical, load))
 
     @classmethod
     def build(
@@ -214,12 +214,17 @@ def _physical_size(num_logical: int, ep_size: int, num_redundant: int) -> tuple[
     return S * ep_size, S
 
 
-def _fill_free_slots(
+def fill_free_slots(
     layout: list[list[int | None]], num_logical: int, load: Sequence[float] | None
 ) -> list[list[int]]:
     """Put a replica in every ``None`` slot: the expert with the highest load per copy that
     the slot's rank does not hold yet (ties: lowest id). Slots are visited slot-major so
-    replicas spread over ranks. Always feasible because a rank holds fewer than E slots."""
+    replicas spread over ranks. Always feasible because a rank holds fewer than E slots.
+
+    ``layout``: one list per rank of ``num_logical``-expert ids, ``None`` for a free slot
+    (filled in place); ``load``: per-expert load (None: uniform). Returns the completed
+    layout, the input of ``ExpertPlacement.from_layout``. The one replica rule of every
+    placement constructor here and of ``tidal.elastic.plan``."""
     load = [1.0] * num_logical if load is None else list(load)
     if len(load) != num_logical:
         raise ValueError(f"load has {len(load)} entries, expected {num_logical}")
@@ -345,7 +350,7 @@ def resize(
             if len(layout[n]) < S and e not in layout[n]:
                 layout[n].append(e)
         layout[n] += [None] * (S - len(layout[n]))
-    return ExpertPlacement.from_layout(E, _fill_free_slots(layout, E, load))
+    return ExpertPlacement.from_layout(E, fill_free_slots(layout, E, load))
 
 
 def _default_rank_map(old_ep: int, new_ep: int) -> dict[int, int]:

@@ -1,0 +1,172 @@
+"""What the scale controller (``tidal.frontend.scale_controller``) admits and records.
+
+The request (``ScaleRequest``) and the deadlines (``ScaleTimeouts``) it runs under; the
+phases of one operation (``ScalePhase``); the record the API answers and ``/stats`` lists
+(``OperationRecord``, with its ``PhaseTiming``s); and the admission answer
+(``Admission``, ``ScaleResponse``).
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@enum.unique
+class ScalePhase(enum.Enum):
+    PLANNED = enum.auto()
+    STARTING_ENGINES = enum.auto()
+    PREPARING = enum.auto()
+    COMMITTING = enum.auto()
+    FINISHING = enum.auto()
+    SUCCEEDED = enum.auto()
+    ROLLED_BACK = enum.auto()
+    FAILED = enum.auto()
+
+    def __str__(self) -> str:
+        return self.name.lower()
+
+
+FINAL_PHASES = frozenset({ScalePhase.SUCCEEDED, ScalePhase.ROLLED_BACK, ScalePhase.FAILED})
+
+
+@dataclass(frozen=True)
+class ScaleTimeouts:
+    """Deadlines, seconds. The engine-side ones travel in ``ScalePrepare``; the frontend's
+    are longer, so an engine reports its own timeout before the frontend gives up."""
+
+    start_engines_s: float = 120.0  # spawn -> startup handshake of every new engine
+    prepare_s: float = 360.0  # plus the request's drain timeout
+    commit_s: float = 90.0  # ScaleCommit -> the first outcome report
+    finish_s: float = 30.0  # leaving engines exit
+    rendezvous_s: float = 60.0  # engine: standby group rendezvous
+    transfer_s: float = 240.0  # engine: expert transfer
+    engine_commit_s: float = 30.0  # engine: READY_TO_COMMIT -> consensus
+
+    def __post_init__(self) -> None:
+        for name in self.__dataclass_fields__:
+            v = getattr(self, name)
+            if not (isinstance(v, int | float) and math.isfinite(v) and v > 0):
+                raise ValueError(f"{name} must be a finite number > 0, got {v!r}")
+        if self.prepare_s < self.rendezvous_s + self.transfer_s:
+            raise ValueError("prepare_s must be >= rendezvous_s + transfer_s")
+        if self.commit_s < 2 * self.engine_commit_s:
+            raise ValueError("commit_s must be >= 2 * engine_commit_s")
+
+
+@dataclass(frozen=True)
+class ScaleRequest:
+    """``POST /scale_elastic_ep`` (vLLM's fields) plus engines that must leave."""
+
+    new_size: int
+    drain_timeout_s: float = 0.0
+    operation_id: str | None = None
+    remove: tuple[int, ...] = ()
+
+
+# ------------------------------------------------------------------------------ record
+
+
+@dataclass
+class PhaseTiming:
+    phase: ScalePhase
+    started: float
+    ended: float | None = None
+
+    @property
+    def duration(self) -> float | None:
+        return None if self.ended is None else self.ended - self.started
+
+
+@dataclass
+class OperationRecord:
+    """What ``/scale_elastic_ep`` answers and ``/stats`` lists (``to_dict``)."""
+
+    operation_id: str
+    sequence: int
+    from_size: int
+    to_size: int
+    from_epoch: int
+    to_epoch: int  # the operation's epoch (served only if it SUCCEEDED)
+    started_at: float
+    phase: ScalePhase = ScalePhase.PLANNED
+    joining: list[int] = field(default_factory=list)
+    leaving: list[int] = field(default_factory=list)
+    dead: list[int] = field(default_factory=list)
+    drain_timeout_s: float = 0.0
+    finished_at: float | None = None
+    phases: list[PhaseTiming] = field(default_factory=list)
+    experts_moved: int = 0
+    bytes_moved: int = 0
+    min_bytes: int = 0
+    p2p_bytes: int = 0
+    disk_bytes: int = 0
+    requests_migrated: int = 0
+    cause: str | None = None
+    warnings: list[str] = field(default_factory=list)
+    # FAILED with the outcome unknown, then learnt from a late report: "committed" or
+    # "rolled_back".
+    resolution: str | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.phase in FINAL_PHASES
+
+    @property
+    def result(self) -> str | None:
+        return str(self.phase) if self.done else None
+
+    @property
+    def duration(self) -> float | None:
+        return None if self.finished_at is None else self.finished_at - self.started_at
+
+    def phase_durations(self) -> dict[str, float]:
+        return {str(t.phase): t.duration for t in self.phases if t.duration is not None}
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "operation_id": self.operation_id,
+            "from_size": self.from_size,
+            "to_size": self.to_size,
+            "from_epoch": self.from_epoch,
+            "to_epoch": self.to_epoch,
+            "phase": str(self.phase),
+            "result": self.result,
+            "cause": self.cause,
+            "started_at": self.started_at,
+            "finished_at": self.finished_at,
+            "duration_s": self.duration,
+            "phase_durations_s": self.phase_durations(),
+            "joining": list(self.joining),
+            "leaving": list(self.leaving),
+            "dead": list(self.dead),
+            "drain_timeout_s": self.drain_timeout_s,
+            "experts_moved": self.experts_moved,
+            "bytes_moved": self.bytes_moved,
+            "min_bytes": self.min_bytes,
+            "p2p_bytes": self.p2p_bytes,
+            "disk_bytes": self.disk_bytes,
+            "requests_migrated": self.requests_migrated,
+            "warnings": list(self.warnings),
+            "resolution": self.resolution,
+        }
+
+
+@enum.unique
+class Admission(enum.Enum):
+    STARTED = enum.auto()  # a new operation (already SUCCEEDED if there was nothing to do)
+    DUPLICATE = enum.auto()  # this operation id was seen: its record (running or done)
+    CONFLICT = enum.auto()  # another operation runs (or its outcome is unknown): 409
+
+
+@dataclass(frozen=True)
+class ScaleResponse:
+    admission: Admission
+    record: OperationRecord  # CONFLICT: the operation in the way
+
+    @property
+    def status_code(self) -> int:
+        """HTTP status once answered (200 is sent when ``record.done``)."""
+        return 409 if self.admission is Admission.CONFLICT else 200
