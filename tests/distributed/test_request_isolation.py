@@ -140,6 +140,7 @@ def test_step_fails_the_bad_request_alone(core, reference, prompt, bad, stage):
     got = _run(core, good | {"bad", "seeded"})
     assert got["bad"].finish_reason == FinishReason.ERROR
     assert stage in got["bad"].stop_reason and got["bad"].new_token_ids == []
+    assert not got["bad"].invalid_request  # failed while running: a 500 for HTTP clients
     assert {r: got[r].new_token_ids for r in good} == reference
     assert not core.has_unfinished_requests()
     # The engine keeps serving, and the seeded request drew what it draws alone.
@@ -282,6 +283,7 @@ def test_dp_ep_engine_answers_bad_requests_and_keeps_serving(qwen3_ckpt, core):
         for rid in bad:
             assert got[rid].finish_reason == FinishReason.ERROR, rid
             assert got[rid].stop_reason and not got[rid].new_token_ids, rid
+            assert got[rid].invalid_request, rid  # refused at admission: a 400
         for i, p in enumerate(prompts):
             core.add_request(EngineCoreRequest(f"ref{i}", p, _params()))
         want = _run(core, {f"ref{i}" for i in range(len(prompts))})

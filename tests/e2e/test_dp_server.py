@@ -45,7 +45,7 @@ def _serve_and_check(url: str, dp: int) -> None:
     assert sum(totals) >= dp + 7 and all(t >= 1 for t in totals), totals
     assert stats["wave"] >= 0 and isinstance(stats["engines_running"], bool)
     metrics = httpx.get(url + "/metrics", timeout=60).text
-    assert 'dp_rank="1"' in metrics
+    assert 'engine="1"' in metrics  # labelled by engine id (DESIGN.md 6.1)
 
 
 def test_launch_dp2(qwen3_ckpt):

@@ -25,12 +25,20 @@ import pytest
 from fastapi import APIRouter, Request
 
 from tidal.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from tidal.frontend.async_llm import AsyncLLM
 from tidal.frontend.outputs import CompletionOutput, Logprob, OutputKind, RequestOutput
 from tidal.frontend.processor import InputProcessor, ProcessedPrompt
 from tidal.launch.api_server import bind_socket, build_app, make_server
+from tidal.launch.engine_args import EngineArgs
 from tidal.launch.errors import classify_error
-from tidal.protocol.errors import EngineDeadError
-from tidal.protocol.messages import SchedulerStats
+from tidal.protocol.errors import EngineDeadError, RequestFailedError
+from tidal.protocol.messages import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    FinishReason,
+    SchedulerStats,
+)
 from tidal.sampling_params import SamplingParams
 
 MAX_MODEL_LEN = 64
@@ -89,6 +97,8 @@ class FakeAsyncLLM:
         self.dead = False
         self.hang_after: int | None = None  # tokens, then wait forever (until cancelled)
         self.die_after: int | None = None  # tokens, then raise EngineDeadError
+        self.fail_after: int | None = None  # tokens, then raise self.failure
+        self.failure: BaseException = RequestFailedError("?", "the engine failed it")
         self.shutdown_called = False
 
     @property
@@ -145,6 +155,8 @@ class FakeAsyncLLM:
             if k == self.die_after:
                 self.dead = True
                 raise EngineDeadError("engine died mid-request")
+            if k == self.fail_after:
+                raise self.failure  # as AsyncLLM.generate does for an engine's error output
             deltas = [c.step(k, params) for c in children if c.finish is None]
             await asyncio.sleep(0)
             if not deltas:
@@ -640,6 +652,109 @@ async def test_dead_engine_gives_503():
         await ok_completion(c)
 
 
+# ---- requests the engine refuses or fails -------------------------------------------------
+
+REFUSED = "top_k must be -1 or 0 (disabled) or in [1, 1000] (the vocabulary), got 5000"
+FAILED = "the engine failed sampling for this request: RuntimeError: boom"
+# invalid, HTTP status, error type, param, code
+ENGINE_ERRORS = [
+    (True, 400, "invalid_request_error", "top_k", None),
+    (False, 500, "server_error", None, "request_failed"),
+]
+
+
+@pytest.mark.parametrize(("invalid", "status", "kind", "param", "code"), ENGINE_ERRORS)
+@run
+async def test_engine_request_error_is_an_http_error(invalid, status, kind, param, code):
+    engine = FakeAsyncLLM()
+    msg = REFUSED if invalid else FAILED
+    engine.failure = RequestFailedError("r", msg, invalid=invalid)
+    want = {"message": msg, "type": kind, "param": param, "code": code}
+    async with client_for(engine) as c:
+        for path, body in [
+            ("/v1/completions", {"prompt": "a", "max_tokens": 4}),
+            ("/v1/completions", {"prompt": ["a", "b"], "max_tokens": 4, "n": 2}),
+            ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 4}),
+        ]:
+            engine.fail_after = 0
+            r = await c.post(path, json=body)
+            assert assert_error(r, status, param) == want, path
+            # Streaming: the status line is sent; the error is an event, then [DONE].
+            engine.fail_after = 2
+            events = sse_events((await c.post(path, json={**body, "stream": True})).text)
+            assert events[-1] == {"error": want}, path
+            finishes = [ch["finish_reason"] for e in events[:-1] for ch in e["choices"]]
+            assert finishes and set(finishes) == {None}, path  # never a finish_reason "error"
+        engine.fail_after = None
+        await ok_completion(c)
+
+
+class ErrorEngineClient:
+    """An engine client for a real ``AsyncLLM``: the engine answers child ``0_*`` of a
+    request with one token and every other (child) request with an error output, as
+    ``EngineCoreProc`` does (``invalid``: refused at admission)."""
+
+    dead_reason = None
+
+    def __init__(self, message: str, invalid: bool) -> None:
+        self.message, self.invalid = message, invalid
+        self.outputs: asyncio.Queue[EngineCoreOutputs] = asyncio.Queue()
+        self.aborted: list[str] = []
+
+    def add_request(self, req: EngineCoreRequest) -> None:
+        rid = req.request_id
+        if rid.startswith("0_"):
+            out = EngineCoreOutput(rid, [5])
+        else:
+            out = EngineCoreOutput(
+                rid,
+                [],
+                finish_reason=FinishReason.ERROR,
+                stop_reason=self.message,
+                invalid_request=self.invalid,
+            )
+        self.outputs.put_nowait(EngineCoreOutputs(outputs=[out]))
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        self.aborted += request_ids
+
+    async def get_output_async(self) -> EngineCoreOutputs:
+        return await self.outputs.get()
+
+
+@pytest.mark.parametrize(("invalid", "status", "kind", "param", "code"), ENGINE_ERRORS)
+def test_async_llm_raises_for_an_engine_error_output(
+    qwen3_ckpt, invalid, status, kind, param, code
+):
+    msg = REFUSED if invalid else FAILED
+    want = {"message": msg, "type": kind, "param": param, "code": code}
+    config = EngineArgs(model=qwen3_ckpt, device="cpu").create_engine_config()
+
+    async def body() -> None:
+        client = ErrorEngineClient(msg, invalid)
+        engine = AsyncLLM(config, client=client)
+        with pytest.raises(RequestFailedError) as e:
+            async for _ in engine.generate(ProcessedPrompt(None, [5, 6]), SamplingParams(n=3)):
+                pass
+        assert (str(e.value), e.value.invalid) == (msg, invalid)
+        rid = e.value.request_id
+        assert client.aborted == [f"0_{rid}", f"2_{rid}"]  # child 1 failed: its siblings go
+        app = build_app(engine, served_model_name=SERVED, shutdown_engine=False)
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
+            r = await c.post("/v1/completions", json={"prompt": [5, 6]})
+            assert assert_error(r, status, param) == want
+            r = await c.post("/v1/completions", json={"prompt": [5, 6], "n": 2, "stream": True})
+            assert sse_events(r.text)[-1] == {"error": want}
+            text = (await c.get("/metrics")).text
+            assert 'tidal:request_success_total{finished_reason="error"} 2.0' in text
+        assert not engine.output_processor.has_unfinished()
+        if engine._handler is not None:
+            engine._handler.cancel()
+
+    asyncio.run(body())
+
+
 # ---- metrics -------------------------------------------------------------------------------
 
 
@@ -651,9 +766,9 @@ async def test_metrics_after_requests():
         text = (await c.get("/metrics")).text
         assert 'tidal:request_success_total{finished_reason="length"} 1.0' in text
         assert 'tidal:request_success_total{finished_reason="stop"} 1.0' in text
-        assert 'tidal:num_requests_running{dp_rank="0"} 1.0' in text
-        assert 'tidal:num_requests_waiting{dp_rank="0"} 0.0' in text
-        assert 'tidal:kv_cache_usage_perc{dp_rank="0"} 0.25' in text
+        assert 'tidal:num_requests_running{engine="0"} 1.0' in text
+        assert 'tidal:num_requests_waiting{engine="0"} 0.0' in text
+        assert 'tidal:kv_cache_usage_perc{engine="0"} 0.25' in text
         assert "tidal:prompt_tokens_total 3.0" in text  # "hi there" + "a"
         assert "tidal:generation_tokens_total 4.0" in text  # 2 + 2 (stopped)
         for name in (
@@ -662,10 +777,10 @@ async def test_metrics_after_requests():
             "e2e_request_latency_seconds",
         ):
             assert f"tidal:{name}_count 2.0" in text
-        # A removed rank's gauges disappear (elastic scale-down).
+        # A removed engine's gauges disappear (elastic scale-down).
         c.app.state.metrics.forget_engine(0)
         text = (await c.get("/metrics")).text
-        assert 'dp_rank="0"' not in text and "tidal:request_success_total" in text
+        assert 'engine="0"' not in text and "tidal:request_success_total" in text
 
 
 # ---- real uvicorn: disconnects, lifespan, benchmark ------------------------------------------

@@ -40,7 +40,11 @@ def test_resumed_request_fields():
     assert r.sampling_params.logprobs == 1 and r.sampling_params.max_tokens == 10
     wire = r.to_engine_request(current_wave=4)
     assert wire.request_id == "r1" and wire.prompt_token_ids == [5, 6, 7, 9, 10, 11]
-    assert wire.sampling_params.max_tokens == 7 and wire.sampling_params.min_tokens == 2
+    # The original budgets: the engine counts the carried-over outputs itself.
+    assert wire.num_output_tokens == 3
+    assert wire.sampling_params == msgspec.structs.replace(
+        r.original.sampling_params, prompt_logprobs=None
+    )
     assert wire.current_wave == 4 and wire.arrival_time == 12.5 and wire.client_index == 3
     assert wire.data_parallel_rank is None  # the pinned rank may be the one that left
     assert wire.eos_token_id == EOS
@@ -49,16 +53,26 @@ def test_resumed_request_fields():
     assert r.to_engine_request(current_wave=4, arrival_time=99.0).arrival_time == 99.0
 
 
-def test_budgets_floor_and_unbounded():
-    r = resume_request(req(min_tokens=2, max_tokens=None), [9, 10, 11, 12])
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"min_tokens": 2, "max_tokens": None},
+        {"temperature": 1.0, "seed": 3, "frequency_penalty": 0.5, "presence_penalty": 0.5},
+        {"temperature": 0.0, "repetition_penalty": 1.2, "min_tokens": 9},
+    ],
+)
+def test_wire_carries_the_original_params_and_the_output_count(params):
+    r = resume_request(req(**params), [9, 10, 11, 12])
     wire = r.to_engine_request(current_wave=0)
-    assert wire.sampling_params.max_tokens is None and wire.sampling_params.min_tokens == 0
+    assert wire.sampling_params == r.original.sampling_params
+    assert wire.num_output_tokens == 4 and wire.prompt_token_ids == [5, 6, 7, 9, 10, 11, 12]
 
 
 def test_nothing_streamed_yet():
     r = resume_request(req(), [])
     assert isinstance(r, ResumedRequest) and r.num_output_tokens == 0
-    assert r.to_engine_request(current_wave=0).prompt_token_ids == [5, 6, 7]
+    wire = r.to_engine_request(current_wave=0)
+    assert wire.prompt_token_ids == [5, 6, 7] and wire.num_output_tokens == 0
 
 
 @pytest.mark.parametrize(
@@ -85,32 +99,17 @@ def test_n_greater_than_one_is_migrated_per_child():
         resume_request(req(n=2), [1])
 
 
-@pytest.mark.parametrize(
-    ("params", "exact"),
-    [
-        ({"temperature": 0.0}, True),
-        ({"temperature": 0.0, "seed": 3}, True),  # greedy: the seed draws nothing
-        ({"temperature": 1.0}, True),  # unseeded: nothing to reproduce
-        ({"temperature": 1.0, "seed": 3}, False),  # needs the (seed, position) sampler
-        ({"temperature": 0.0, "frequency_penalty": 0.5}, False),  # counts outputs only
-        ({"temperature": 0.0, "presence_penalty": 0.5}, False),
-        ({"temperature": 0.0, "repetition_penalty": 1.2}, True),  # prompt + outputs alike
-    ],
-)
-def test_which_requests_need_engine_support(params, exact):
-    r = resume_request(req(**params), [9])
-    assert isinstance(r, ResumedRequest) and r.exact_without_engine_support is exact
-
-
-def _greedy_engine(request: EngineCoreRequest, prompt_len: int) -> list[int]:
-    """A deterministic engine: the next token is a function of the context length (like
-    greedy decoding of a fixed model); stops on EOS after min_tokens, or at max_tokens."""
-    p = request.sampling_params
+def _greedy_engine(request: EngineCoreRequest) -> list[int]:
+    """A deterministic engine with the real engine's budget rule: the last
+    ``num_output_tokens`` prompt tokens count as outputs. The next token is a function of
+    the output position (like greedy decoding of a fixed model); stops on EOS after
+    min_tokens, or at max_tokens. Returns the new tokens only."""
+    p, k = request.sampling_params, request.num_output_tokens
     ctx, out = list(request.prompt_token_ids), []
-    while p.max_tokens is None or len(out) < p.max_tokens:
-        pos = len(ctx) - prompt_len
+    while p.max_tokens is None or k + len(out) < p.max_tokens:
+        pos = k + len(out)
         tok = EOS if pos == 7 else 100 + pos
-        if tok == EOS and len(out) < p.min_tokens:
+        if tok == EOS and pos < p.min_tokens:
             tok = 50  # EOS masked
         out.append(tok)
         ctx.append(tok)
@@ -122,11 +121,11 @@ def _greedy_engine(request: EngineCoreRequest, prompt_len: int) -> list[int]:
 @pytest.mark.parametrize(("min_tokens", "max_tokens"), [(0, 10), (9, 12), (0, 5), (3, None)])
 def test_a_moved_greedy_request_continues_exactly(min_tokens, max_tokens):
     original = req(temperature=0.0, min_tokens=min_tokens, max_tokens=max_tokens)
-    unmoved = _greedy_engine(original, 3)
+    unmoved = _greedy_engine(original)
     for k in range(len(unmoved)):
         r = resume_request(original, unmoved[:k])
         assert isinstance(r, ResumedRequest)
-        rest = _greedy_engine(r.to_engine_request(current_wave=0), 3)
+        rest = _greedy_engine(r.to_engine_request(current_wave=0))
         assert unmoved[:k] + rest == unmoved, k
 
 

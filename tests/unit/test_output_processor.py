@@ -99,3 +99,28 @@ def test_logprobs_converted(tokenizer):
     (pos,) = ro.outputs[0].logprobs
     assert pos[5].logprob == -0.5 and pos[5].rank == 2 and pos[7].rank == 1
     assert ro.outputs[0].cumulative_logprob == -0.5
+
+
+def _error(rid, message, invalid=False):
+    return EngineCoreOutput(
+        rid, [], finish_reason=FinishReason.ERROR, stop_reason=message, invalid_request=invalid
+    )
+
+
+@pytest.mark.parametrize("invalid", [True, False])
+def test_failed_child_fails_the_request_and_aborts_its_siblings(tokenizer, invalid):
+    op = OutputProcessor(tokenizer)
+    op.add_request("p", None, [1], SamplingParams(n=3, max_tokens=4), OutputKind.DELTA)
+    op.add_request("q", None, [1], SamplingParams(max_tokens=4), OutputKind.DELTA)
+    r = op.process_outputs([_out("0_p", [5]), _out("2_p", [6], FinishReason.LENGTH)])
+    assert len(r.request_outputs) == 1 and not r.failed
+    r = op.process_outputs(
+        [_out("q", [7]), _error("1_p", "top_k must be ...", invalid), _out("0_p", [8])]
+    )
+    (err,) = r.failed
+    assert (err.request_id, err.message, err.invalid) == ("p", "top_k must be ...", invalid)
+    assert str(err) == "top_k must be ..."
+    assert r.reqs_to_abort == ["0_p"]  # still running in the engine; 2_p already finished
+    assert [ro.request_id for ro in r.request_outputs] == ["q"]  # "p" yields nothing more
+    assert op.parent_of("0_p") is None and op.num_unfinished() == 1
+    assert op.process_outputs([_out("0_p", [9], FinishReason.LENGTH)]).request_outputs == []

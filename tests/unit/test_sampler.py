@@ -21,6 +21,7 @@ from tidal.layers.sampler import (
     SamplingMetadata,
     _sample,
     compute_logprobs,
+    position_seed,
     process_logits,
 )
 from tidal.sampling_params import SamplingParams
@@ -87,7 +88,7 @@ def test_greedy_rows_in_mixed_batch_equal_argmax_of_raw_logits():
         SamplingParams(temperature=0.0, seed=9),
         SamplingParams(),
     ]
-    rows = [RowInfo(p, generator=gen(7) if p.seed is not None else None) for p in params]
+    rows = [RowInfo(p) for p in params]
     meta = SamplingMetadata.build(rows, "cpu")
     assert not meta.fast_greedy and not meta.all_greedy and not meta.all_random
     out = SAMPLER(logits, meta).token_ids
@@ -329,7 +330,6 @@ def test_ignore_eos_unblocks_eos_but_not_stop_ids():
 def _seeded_run(seed: int, companions: list[SamplingParams], steps: int = 12) -> list[int]:
     """Tokens of one seeded request over several steps, batched with ``companions``."""
     torch.manual_seed(1234 + len(companions))  # companions' (global) noise differs per run
-    g = gen(seed)
     base = torch.randn(steps, 30, generator=gen(99))
     out = []
     p = SamplingParams(temperature=0.9, top_p=0.95, seed=seed)
@@ -338,8 +338,8 @@ def _seeded_run(seed: int, companions: list[SamplingParams], steps: int = 12) ->
         logits = torch.randn(n, 30)
         pos = step % n  # the seeded row moves around the batch
         logits[pos] = base[step]
-        rows = [RowInfo(c) for c in companions]
-        rows.insert(pos, RowInfo(p, generator=g))
+        rows = [RowInfo(c, output_token_ids=[1] * (step % 3)) for c in companions]
+        rows.insert(pos, RowInfo(p, output_token_ids=list(out)))
         out.append(sample(logits, rows)[pos].item())
     return out
 
@@ -355,6 +355,52 @@ def test_seeded_rows_reproducible_across_runs_and_batches():
     assert alone == _seeded_run(11, mixed)
     assert alone == _seeded_run(11, mixed[1:])
     assert alone != _seeded_run(12, [])
+
+
+def test_position_seed_is_splitmix64():
+    # Pinned: changing the mix changes every seeded output ever produced.
+    assert position_seed(0, 0) == 0xE220A8397B1DCDAF  # splitmix64's first output from 0
+    assert position_seed(-1, 0) == position_seed(2**64 - 1, 0)  # int64 seeds wrap
+    seeds = {position_seed(s, p) for s in (0, 1, -1, 2**63 - 1) for p in range(50)}
+    assert len(seeds) == 200 and all(0 <= x < 2**64 for x in seeds)
+
+
+def _seeded_token(logits: torch.Tensor, seed: int, outputs: list[int], **kw) -> int:
+    p = SamplingParams(temperature=1.0, seed=seed, **kw)
+    meta = SamplingMetadata.build([RowInfo(p, output_token_ids=outputs)], "cpu")
+    return SAMPLER(logits, meta).token_ids.item()
+
+
+def test_seeded_draw_depends_only_on_seed_and_output_position():
+    logits = torch.zeros(1, 1000)  # uniform: the token is the noise's argmin
+    # The same position with any history (prompt, output ids) draws the same noise ...
+    a = _seeded_token(logits, 5, [1, 2, 3])
+    assert a == _seeded_token(logits, 5, [9, 9, 9])
+    meta = SamplingMetadata.build(
+        [RowInfo(SamplingParams(seed=5), prompt_token_ids=[4] * 7, output_token_ids=[0] * 3)],
+        "cpu",
+    )
+    assert SAMPLER(logits, meta).token_ids.item() == a
+    # ... and other positions or seeds draw other noise.
+    assert len({_seeded_token(logits, 5, [0] * k) for k in range(8)}) > 4
+    assert len({_seeded_token(logits, s, [0] * 3) for s in range(8)}) > 4
+    # Nothing is consumed: drawing again at the same position repeats the token.
+    assert _seeded_token(logits, 5, [1, 2, 3]) == a
+
+
+def test_seeded_draw_independent_of_cpu_thread_count():
+    torch.manual_seed(13)
+    logits = torch.randn(3, 50_000)  # wide enough for a parallel noise kernel
+    rows = [RowInfo(SamplingParams(seed=s), output_token_ids=[0] * s) for s in (1, 2, 3)]
+    threads = torch.get_num_threads()
+    try:
+        got = []
+        for n in (1, 4):
+            torch.set_num_threads(n)
+            got.append(SAMPLER(logits, SamplingMetadata.build(rows, "cpu")).token_ids.tolist())
+    finally:
+        torch.set_num_threads(threads)
+    assert got[0] == got[1]
 
 
 def test_unseeded_rows_vary():
@@ -379,9 +425,13 @@ def test_empirical_distribution_matches_softmax_global_rng():
 def test_empirical_distribution_matches_softmax_seeded_row():
     logits = torch.tensor([[0.3, -1.0, 1.2, 0.0, 0.5, -0.2, 0.9, -2.0]])
     n = 3000
-    g = gen(21)
-    meta = SamplingMetadata.build([RowInfo(SamplingParams(seed=21), generator=g)], "cpu")
-    tokens = torch.tensor([SAMPLER(logits, meta).token_ids.item() for _ in range(n)])
+    # One seed, output positions 0..n-1: the per-position draws are independent.
+    row = RowInfo(SamplingParams(seed=21))
+    tokens = []
+    for pos in range(n):
+        row.output_token_ids = [0] * pos
+        tokens.append(SAMPLER(logits, SamplingMetadata.build([row], "cpu")).token_ids.item())
+    tokens = torch.tensor(tokens)
     counts = torch.bincount(tokens, minlength=8).double()
     expected = torch.softmax(logits[0].double(), dim=-1) * n
     chi2 = ((counts - expected) ** 2 / expected).sum().item()

@@ -57,7 +57,8 @@ from tidal.launch.http_limits import MAX_JSON_DEPTH, decode_json_body
 from tidal.launch.llm import LLM
 from tidal.launch.spawn import make_parser
 from tidal.models.tiny import CHAT_TEMPLATE
-from tidal.protocol.messages import EngineCoreRequest
+from tidal.protocol.errors import RequestFailedError
+from tidal.protocol.messages import EngineCoreOutput, EngineCoreRequest, FinishReason
 from tidal.sampling_params import INT64_MAX, INT64_MIN, SamplingParams, wrap_int64
 
 BIG = [2**63, 2**64 + 1, -(2**63) - 1]  # just past int64, past uint64, just below int64
@@ -494,6 +495,39 @@ def test_llm_refuses_table_and_chat_errors_then_serves(offline):
         offline.generate({"prompt_token_ids": [1, 2.5]}, use_tqdm=False)
     # The offline engine is untouched by all of it.
     params = SamplingParams(temperature=0.0, max_tokens=3, seed=INT64_MAX, n=2)
+    (out,) = offline.generate("The tide", params, use_tqdm=False)
+    assert [len(c.token_ids) for c in out.outputs] == [3, 3]
+
+
+def test_llm_raises_when_the_engine_fails_a_request(offline, monkeypatch):
+    """An engine error output (here: child 1 of an n=2 request, failed while running)
+    raises RequestFailedError with the engine's message; the sibling is aborted and the
+    engine goes on serving."""
+    message = "the engine failed sampling for this request: RuntimeError: boom"
+    get_output = offline.client.get_output
+    aborted: list[str] = []
+
+    def failing_output() -> Any:
+        outs = get_output()
+        for i, o in enumerate(outs.outputs):
+            if o.request_id.startswith("1_"):
+                outs.outputs[i] = EngineCoreOutput(
+                    o.request_id, [], finish_reason=FinishReason.ERROR, stop_reason=message
+                )
+                offline.client.abort_requests([o.request_id])  # the engine finished it
+        return outs
+
+    abort_requests = offline.client.abort_requests
+    monkeypatch.setattr(offline.client, "get_output", failing_output)
+    monkeypatch.setattr(
+        offline.client, "abort_requests", lambda ids: (aborted.extend(ids), abort_requests(ids))
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=3, n=2)
+    with pytest.raises(RequestFailedError, match=r"^the engine failed sampling") as e:
+        offline.generate("The tide", params, use_tqdm=False)
+    assert not e.value.invalid and f"0_{e.value.request_id}" in aborted
+    monkeypatch.undo()
+    assert not offline.client.engine.has_unfinished_requests()
     (out,) = offline.generate("The tide", params, use_tqdm=False)
     assert [len(c.token_ids) for c in out.outputs] == [3, 3]
 

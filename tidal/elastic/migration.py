@@ -15,16 +15,12 @@ parameters; ``resume_request`` builds the *resumed* request for another engine:
   ``n > 1`` request keeps its own id and seed), and an explicit ``data_parallel_rank``
   is dropped (that rank may be the one that left).
 
-Wire form. ``tidal.protocol.messages.EngineCoreRequest`` has no field yet that says "the
-last k prompt tokens are outputs" (R1 is moving the messages module; adding a field is
-the wiring's change). Until it has one, ``ResumedRequest.to_engine_request()`` encodes
-the carry-over in the budgets instead -- ``max_tokens - k``, ``min_tokens - k`` -- which
-is exact for stop conditions, logprobs, the repetition penalty (it counts prompt and
-output tokens alike) and greedy sampling. It is *not* exact for the frequency / presence
-penalties (they count output tokens only) nor for seeded random sampling (its noise must
-be a function of the output position, DESIGN.md 6.3): ``exact_without_engine_support``
-says which requests those are, and ``num_output_tokens`` is what the engine field must
-carry.
+Wire form. ``ResumedRequest.to_engine_request()`` sends the original parameters with
+``EngineCoreRequest.num_output_tokens = k``: the engine takes the last ``k`` prompt
+tokens as outputs already produced, for the token budgets, the frequency / presence /
+repetition penalties and the seeded sampler's output position (its noise is a function
+of (seed, output position), DESIGN.md 6.3). So greedy, seeded and penalised requests
+alike continue exactly as an unmoved request would.
 
 Ownership. ``OwnershipTable`` is the frontend's rule "outputs from an engine that no
 longer owns the request are dropped": each request has exactly one owner engine, and an
@@ -74,34 +70,21 @@ class ResumedRequest:
         """The original parameters, prompt logprobs off (they were already returned)."""
         return msgspec.structs.replace(self.original.sampling_params, prompt_logprobs=None)
 
-    @property
-    def exact_without_engine_support(self) -> bool:
-        """True when ``to_engine_request()`` continues exactly as an unmoved request would,
-        with no engine-side notion of carried-over outputs (see the module docstring)."""
-        p = self.original.sampling_params
-        seeded = p.seed is not None and not p.greedy
-        return not (seeded or p.frequency_penalty or p.presence_penalty)
-
     def to_engine_request(
         self, *, current_wave: int, arrival_time: float | None = None
     ) -> EngineCoreRequest:
-        """Today's wire form: the carry-over expressed in the token budgets."""
-        p, k = self.sampling_params, self.num_output_tokens
-        params = msgspec.structs.replace(
-            p,
-            max_tokens=None if p.max_tokens is None else p.max_tokens - k,
-            min_tokens=max(0, p.min_tokens - k),
-        )
+        """The wire form: the original parameters, the carry-over in ``num_output_tokens``."""
         o = self.original
         return EngineCoreRequest(
             request_id=o.request_id,
             prompt_token_ids=list(self.prompt_token_ids),
-            sampling_params=params,
+            sampling_params=self.sampling_params,
             eos_token_id=o.eos_token_id,
             arrival_time=o.arrival_time if arrival_time is None else arrival_time,
             client_index=o.client_index,
             current_wave=current_wave,
             data_parallel_rank=None,  # the pinned rank may be the one that left
+            num_output_tokens=self.num_output_tokens,
         )
 
 

@@ -61,6 +61,7 @@ class EngineCore:
             arrival_time=req.arrival_time or None,
             max_model_len=self.config.model.max_model_len,
             current_wave=req.current_wave,
+            num_output_tokens=req.num_output_tokens,
         )
 
     def abort_requests(self, request_ids: list[str]) -> None:
@@ -133,6 +134,19 @@ def validate_request(req: EngineCoreRequest, max_model_len: int, vocab_size: int
     validate_prompt(req.prompt_token_ids, max_model_len, vocab_size)
     if req.eos_token_id is not None and req.eos_token_id < 0:
         raise ValueError(f"eos_token_id must be >= 0, got {req.eos_token_id}")
+    # A resumed request keeps at least one real prompt token and has output left to make.
+    k = req.num_output_tokens
+    if not 0 <= k < len(req.prompt_token_ids):
+        raise ValueError(
+            f"num_output_tokens must be in [0, {len(req.prompt_token_ids)}) (the prompt's "
+            f"length), got {k}"
+        )
+    max_tokens = getattr(params, "max_tokens", None)
+    if max_tokens is not None and k >= max_tokens:
+        raise ValueError(
+            f"num_output_tokens ({k}) must be below max_tokens ({max_tokens}): "
+            "the request has nothing left to generate"
+        )
     top_k = getattr(params, "top_k", 0)
     if top_k is not None and not -1 <= top_k <= vocab_size:
         raise ValueError(

@@ -282,7 +282,7 @@ class EngineCoreProc:
         if isinstance(req, UndecodableRequest):
             logger.error("engine %d: %s", self.engine_index, req.reason)
             if req.request_id is not None:
-                self._reject(req.request_id, req.reason)
+                self._reject(req.request_id, req.reason, invalid=True)
             return
         if self.shutdown_state is not ShutdownState.RUNNING:
             self._reject(req.request_id, "engine is shutting down", FinishReason.ABORT)
@@ -290,13 +290,25 @@ class EngineCoreProc:
         try:
             self.engine_core.add_request(req)
         except Exception as e:  # noqa: BLE001 - any failure to admit fails this request alone
-            msg = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
-            self._reject(req.request_id, msg)
+            invalid = isinstance(e, ValueError)  # validation; anything else is our bug
+            msg = str(e) if invalid else f"{type(e).__name__}: {e}"
+            self._reject(req.request_id, msg, invalid=invalid)
 
     def _reject(
-        self, request_id: str, reason: str, finish_reason: FinishReason = FinishReason.ERROR
+        self,
+        request_id: str,
+        reason: str,
+        finish_reason: FinishReason = FinishReason.ERROR,
+        *,
+        invalid: bool = False,
     ) -> None:
-        out = EngineCoreOutput(request_id, [], finish_reason=finish_reason, stop_reason=reason)
+        out = EngineCoreOutput(
+            request_id,
+            [],
+            finish_reason=finish_reason,
+            stop_reason=reason,
+            invalid_request=invalid,
+        )
         self._send_outputs(EngineCoreOutputs(outputs=[out], finished_requests={request_id}))
 
     def _call_utility(self, call: UtilityRequest) -> None:

@@ -29,7 +29,13 @@ class RequestStatus(enum.IntEnum):
 
 class Request:
     """One sequence. ``all_token_ids`` is prompt + output; ``num_computed_tokens`` of them
-    have KV in ``block_ids`` (the block table, written by the KV cache manager)."""
+    have KV in ``block_ids`` (the block table, written by the KV cache manager).
+
+    A *resumed* request (``num_output_tokens=k``, DESIGN.md 6.3) arrives with the last
+    ``k`` of ``prompt_token_ids`` already generated elsewhere: they become its first
+    ``output_token_ids``, so every rule that counts outputs (max/min_tokens, penalties,
+    the seeded sampler's output position) continues as if it had never moved. Only
+    tokens generated here are reported and checked for stops."""
 
     def __init__(
         self,
@@ -41,16 +47,24 @@ class Request:
         arrival_time: float | None = None,
         max_model_len: int | None = None,
         current_wave: int = 0,
+        num_output_tokens: int = 0,
     ) -> None:
+        # (An empty prompt is the scheduler's to refuse, with its own message.)
+        if num_output_tokens < 0 or 0 < len(prompt_token_ids) <= num_output_tokens:
+            raise ValueError(
+                f"num_output_tokens must be >= 0 and below the prompt's length "
+                f"({len(prompt_token_ids)}), got {num_output_tokens}"
+            )
+        split = len(prompt_token_ids) - num_output_tokens
         self.request_id = request_id
-        self.prompt_token_ids = list(prompt_token_ids)
+        self.prompt_token_ids = list(prompt_token_ids[:split])
         self.sampling_params = sampling_params
         self.eos_token_id = eos_token_id
         self.client_index = client_index
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.current_wave = current_wave
         self.status = RequestStatus.WAITING
-        self.output_token_ids: list[int] = []
+        self.output_token_ids: list[int] = list(prompt_token_ids[split:])
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1  # prefix-cache hit length at first schedule; -1 = not yet

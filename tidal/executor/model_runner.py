@@ -2,8 +2,9 @@
 
 The runner turns a ``SchedulerOutput`` into flattened inputs (no padding: prefills and
 decodes share one batch), runs the model, and samples one token for every request whose
-chunk reached its last known token. It owns the KV cache tensors and per-request
-sampling state (seeded generators), nothing else: the scheduler owns progress.
+chunk reached its last known token. It owns the KV cache tensors, nothing else: the
+scheduler owns progress, and seeded sampling keeps no state (its noise is a function of
+the seed and the output position, ``tidal.layers.sampler``).
 
 Expert parallelism (``enable_expert_parallel``, EP size = DP size): the worker hands the
 runner its process groups (``set_process_groups``) before ``load_model``, which then
@@ -68,7 +69,6 @@ class ModelRunner:
         self.model: torch.nn.Module | None = None
         self.kv_caches: list[torch.Tensor] = []
         self.sampler = Sampler()
-        self._generators: dict[str, torch.Generator] = {}
         # Expert parallelism (None without EP): set by set_process_groups / load_model.
         self.dp_group: Any = None
         self.ep_group: Any = None
@@ -166,8 +166,6 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
-        for req_id in sched.finished_req_ids:
-            self._generators.pop(req_id, None)
         out = ModelRunnerOutput()
         if sched.is_empty:
             return out
@@ -300,22 +298,13 @@ class ModelRunner:
         rows = torch.tensor(inputs.sample_rows, dtype=torch.long, device=hidden.device)
         logits = self.model.compute_logits(hidden.index_select(0, rows))  # [N, V] float32
         reqs = inputs.sample_reqs
-        # A failed batch may have advanced seeded generators; the row-by-row retry must
-        # draw what an untroubled step would have (DESIGN 6.3: seeded = reproducible).
-        gens = ((sr.request.request_id, self._generators.get(sr.request.request_id)) for sr in reqs)
-        saved = {rid: gen.get_state() for rid, gen in gens if gen is not None}
+        # Seeded rows draw from fresh per-position generators, so the row-by-row retry
+        # draws what an untroubled step would have (DESIGN 6.3: seeded = reproducible).
         try:
             self._sample_rows(logits, reqs, out)
             return
         except Exception as e:  # noqa: BLE001 - find the culprit(s) below
             logger.warning("sampling a batch failed (%s); sampling its rows one by one", e)
-        for sr in reqs:
-            rid = sr.request.request_id
-            state = saved.get(rid)
-            if state is None:
-                self._generators.pop(rid, None)  # created by the failed try: start afresh
-            else:
-                self._generators[rid].set_state(state)
         for i, sr in enumerate(reqs):
             try:
                 self._sample_rows(logits[i : i + 1], [sr], out)
@@ -336,18 +325,11 @@ class ModelRunner:
             if lp is not None:
                 out.logprobs[rid] = [lp]
 
-    def _row_info(self, sr: ScheduledRequest) -> RowInfo:
+    @staticmethod
+    def _row_info(sr: ScheduledRequest) -> RowInfo:
         req = sr.request
-        params = req.sampling_params
-        gen = None
-        if params.seed is not None and not params.greedy:
-            gen = self._generators.get(req.request_id)
-            if gen is None:
-                gen = torch.Generator(device=self.device).manual_seed(params.seed)
-                self._generators[req.request_id] = gen
         return RowInfo(
-            params=params,
-            generator=gen,
+            params=req.sampling_params,
             prompt_token_ids=req.prompt_token_ids,
             output_token_ids=req.output_token_ids,
             eos_token_id=req.eos_token_id,

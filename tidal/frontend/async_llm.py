@@ -82,7 +82,8 @@ class AsyncLLM:
         data_parallel_rank: int | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Validate, submit, and stream outputs. Raises ValueError for bad input before the
-        first yield and EngineDeadError if the engine dies mid-request."""
+        first yield, RequestFailedError if the engine refuses or fails the request (any
+        of its ``n`` children), and EngineDeadError if the engine dies mid-request."""
         if self.is_dead:
             raise EngineDeadError(self.dead_reason)
         self.input_processor.check(prompt, params)
@@ -224,6 +225,12 @@ class AsyncLLM:
                 continue
             self._record(stream, ro, now)
             stream.queue.put_nowait(ro)
+        for err in processed.failed:
+            stream = self._streams.get(err.request_id)
+            if stream is None:
+                continue
+            self._record_finished(stream, now, "error")
+            stream.queue.put_nowait(err)
 
     def _record(self, stream: _Stream, ro: RequestOutput, now: float) -> None:
         new_tokens = sum(len(c.token_ids) for c in ro.outputs)
@@ -233,22 +240,18 @@ class AsyncLLM:
         for sl in self._stat_loggers:
             sl.record_tokens(0, new_tokens)
         if ro.finished:
-            ttft = (stream.first_token or now) - stream.arrival
-            decode = stream.generated - 1
-            tpot = (
-                (now - stream.first_token) / decode if decode > 0 and stream.first_token else None
-            )
             reason = ro.outputs[0].finish_reason if ro.outputs else "abort"
-            for sl in self._stat_loggers:
-                sl.record_tokens(stream.prompt_tokens, 0)
-                sl.record_request_finished(
-                    stream.prompt_tokens,
-                    stream.generated,
-                    ttft,
-                    now - stream.arrival,
-                    tpot,
-                    reason or "stop",
-                )
+            self._record_finished(stream, now, reason or "stop")
+
+    def _record_finished(self, stream: _Stream, now: float, reason: str) -> None:
+        ttft = (stream.first_token or now) - stream.arrival
+        decode = stream.generated - 1
+        tpot = (now - stream.first_token) / decode if decode > 0 and stream.first_token else None
+        for sl in self._stat_loggers:
+            sl.record_tokens(stream.prompt_tokens, 0)
+            sl.record_request_finished(
+                stream.prompt_tokens, stream.generated, ttft, now - stream.arrival, tpot, reason
+            )
 
     def _fail_all(self, err: BaseException) -> None:
         for stream in list(self._streams.values()):

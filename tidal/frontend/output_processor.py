@@ -2,7 +2,8 @@
 
 Shared by the offline ``LLM`` and the server's ``AsyncLLM``. A request with ``n > 1`` is
 fanned out into ``n`` child engine requests (``"{i}_{request_id}"``); their outputs are
-merged back under the parent id here.
+merged back under the parent id here. A child the engine failed (``FinishReason.ERROR``)
+fails its whole request: it becomes a ``RequestFailedError`` instead of an output.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from tidal.frontend.outputs import (
     PromptLogprobs,
     RequestOutput,
 )
-from tidal.protocol.messages import EngineCoreOutput, Logprobs
+from tidal.protocol.errors import RequestFailedError
+from tidal.protocol.messages import EngineCoreOutput, FinishReason, Logprobs
 from tidal.sampling_params import SamplingParams
 
 
@@ -61,8 +63,11 @@ class _Parent:
 @dataclass
 class ProcessedOutputs:
     request_outputs: list[RequestOutput]
-    # Child request ids the engine must abort (a stop string matched in the frontend).
+    # Child request ids the engine must abort (a stop string matched in the frontend, or
+    # a sibling failed).
     reqs_to_abort: list[str]
+    # Requests (by parent id) that the engine failed; they are forgotten here.
+    failed: list[RequestFailedError] = field(default_factory=list)
 
 
 class OutputProcessor:
@@ -125,6 +130,7 @@ class OutputProcessor:
     def process_outputs(self, outputs: list[EngineCoreOutput]) -> ProcessedOutputs:
         touched: dict[str, _Parent] = {}
         to_abort: list[str] = []
+        failed: list[RequestFailedError] = []
         for out in outputs:
             pid = self._child_to_parent.get(out.request_id)
             if pid is None:
@@ -132,6 +138,14 @@ class OutputProcessor:
             parent = self._parents[pid]
             child = parent.children[out.request_id]
             if child.finish_reason is not None:
+                continue
+            if out.finish_reason is FinishReason.ERROR:
+                message = str(out.stop_reason or "the engine failed the request")
+                failed.append(RequestFailedError(pid, message, invalid=out.invalid_request))
+                child.finish_reason = "error"
+                to_abort += [c for c, ch in parent.children.items() if ch.finish_reason is None]
+                self.abort(pid)
+                touched.pop(pid, None)
                 continue
             if self._apply(parent, child, out):
                 to_abort.append(out.request_id)
@@ -143,7 +157,7 @@ class OutputProcessor:
                 results.append(ro)
             if parent.finished:
                 self.abort(pid)
-        return ProcessedOutputs(results, to_abort)
+        return ProcessedOutputs(results, to_abort, failed)
 
     def _apply(self, parent: _Parent, child: _Child, out: EngineCoreOutput) -> bool:
         """Fold one engine output into a child; True when a stop string ended it."""

@@ -1,7 +1,9 @@
 """HTTP errors: every failure becomes OpenAI's ``{"error": {message, type, param, code}}``.
 
 400 bad input, 401 bad API key, 404 unknown model or route, 413 body too large, 503 dead
-engine, 500 bug; ``classify_error`` picks one for any exception a request raised.
+engine, 500 bug; ``classify_error`` picks one for any exception a request raised. A request
+the engine refused as invalid is a 400, one that failed while running a 500, both with the
+engine's message.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tidal.launch import protocol as P
-from tidal.protocol.errors import EngineDeadError
+from tidal.protocol.errors import EngineDeadError, RequestFailedError
 from tidal.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -60,7 +62,7 @@ _PARAMS = (
 _HEAD = re.compile(r"[A-Za-z_]+")
 
 
-def _bad_value(exc: ValueError) -> APIError:
+def _bad_value(exc: ValueError | RequestFailedError) -> APIError:
     msg = str(exc)
     head = _HEAD.match(msg)
     param = head.group() if head is not None and head.group() in _PARAMS else None
@@ -70,6 +72,11 @@ def _bad_value(exc: ValueError) -> APIError:
 def classify_error(exc: BaseException, engine: Any) -> APIError:
     if isinstance(exc, APIError):
         return exc
+    if isinstance(exc, RequestFailedError):  # this request's own error, even if the engine died
+        if exc.invalid:
+            return _bad_value(exc)
+        logger.warning("request %s failed in the engine: %s", exc.request_id, exc.message)
+        return APIError(500, exc.message, code="request_failed")
     if isinstance(exc, EngineDeadError) or engine.is_dead:
         return APIError(503, f"engine is dead: {exc}", code="engine_dead")
     if isinstance(exc, ValueError):

@@ -62,6 +62,9 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
+        """One output per prompt, in order. Raises ValueError for bad input, and
+        ``tidal.protocol.errors.RequestFailedError`` (with the engine's message) if the
+        engine refuses or fails a request; the other requests are then aborted."""
         if not self._finalizer.alive:
             raise RuntimeError("this LLM was shut down; create a new one")
         if isinstance(prompts, (str, dict)) or (
@@ -114,6 +117,8 @@ class LLM:
                 processed = self.output_processor.process_outputs(outs.outputs)
                 if processed.reqs_to_abort:
                     self.client.abort_requests(processed.reqs_to_abort)
+                if processed.failed:
+                    raise processed.failed[0]  # the others are aborted below
                 for ro in processed.request_outputs:
                     if ro.finished:
                         finished[ro.request_id] = ro

@@ -1,7 +1,9 @@
 """Prometheus collectors for the API server, fed by ``AsyncLLM`` as a stat logger.
 
 Each ``ServerMetrics`` owns its own ``CollectorRegistry`` (not the process-global one),
-so several apps in one process (tests, multiple servers) never collide on names.
+so several apps in one process (tests, multiple servers) never collide on names. Per-engine
+gauges are labelled ``engine`` with the engine id (DESIGN.md 6.1: stable across scaling,
+never reused), not with a DP rank, which changes when the topology does.
 """
 
 from __future__ import annotations
@@ -41,9 +43,9 @@ class ServerMetrics:
         self.generation_tokens = Counter(
             _PREFIX + "generation_tokens", "Generated tokens.", registry=r
         )
-        self.running = _per_rank("num_requests_running", "Requests running on an engine.", r)
-        self.waiting = _per_rank("num_requests_waiting", "Requests waiting on an engine.", r)
-        self.kv_usage = _per_rank("kv_cache_usage_perc", "KV cache usage (0-1) per engine.", r)
+        self.running = _per_engine("num_requests_running", "Requests running on an engine.", r)
+        self.waiting = _per_engine("num_requests_waiting", "Requests waiting on an engine.", r)
+        self.kv_usage = _per_engine("kv_cache_usage_perc", "KV cache usage (0-1) per engine.", r)
         self.ttft = _hist("time_to_first_token_seconds", "Time to first token.", _TTFT_BUCKETS, r)
         self.tpot = _hist(
             "time_per_output_token_seconds",
@@ -76,10 +78,10 @@ class ServerMetrics:
     # ---- stat-logger interface (called by AsyncLLM) ----------------------------------------
 
     def record_scheduler_stats(self, engine_index: int, stats: SchedulerStats) -> None:
-        rank = str(engine_index)
-        self.running.labels(dp_rank=rank).set(stats.num_running_reqs)
-        self.waiting.labels(dp_rank=rank).set(stats.num_waiting_reqs)
-        self.kv_usage.labels(dp_rank=rank).set(stats.kv_cache_usage)
+        engine = str(engine_index)  # the sender's engine id
+        self.running.labels(engine=engine).set(stats.num_running_reqs)
+        self.waiting.labels(engine=engine).set(stats.num_waiting_reqs)
+        self.kv_usage.labels(engine=engine).set(stats.kv_cache_usage)
 
     def record_tokens(self, prompt_tokens: int, generation_tokens: int) -> None:
         if prompt_tokens:
@@ -105,7 +107,8 @@ class ServerMetrics:
             self.tpot.observe(tpot_s)
 
     def forget_engine(self, engine_index: int) -> None:
-        """Drop a removed rank's series (elastic scale-down) so dashboards don't show it stale."""
+        """Drop a removed engine's series (elastic scale-down) so dashboards don't show it
+        stale."""
         for gauge in (self.running, self.waiting, self.kv_usage):
             try:
                 gauge.remove(str(engine_index))
@@ -117,8 +120,8 @@ class ServerMetrics:
         return generate_latest(self.registry)
 
 
-def _per_rank(name: str, doc: str, registry: CollectorRegistry) -> Gauge:
-    return Gauge(_PREFIX + name, doc, ["dp_rank"], registry=registry)
+def _per_engine(name: str, doc: str, registry: CollectorRegistry) -> Gauge:
+    return Gauge(_PREFIX + name, doc, ["engine"], registry=registry)
 
 
 def _hist(

@@ -14,9 +14,13 @@ their argmax here) -> temperature -> top_k -> top_p -> min_p -> draw.
 
 The draw is an exponential race (Gumbel-max in log space): ``argmax(logits - log(E))``
 with ``E ~ Exp(1)`` per token picks token ``i`` with probability ``softmax(logits)[i]``.
-A seeded row draws its noise from its own generator, one ``[V]`` tensor per step, so its
-tokens do not depend on which other rows share the batch. Unseeded rows share one
-vectorised draw from the device's global RNG.
+A seeded row's noise is a pure function of (seed, output position) (DESIGN.md 6.3): the
+token at output position ``p`` (``len(output_token_ids)``, counting the outputs a resumed
+request carried over) draws its ``[V]`` noise from a fresh generator seeded with
+``position_seed(seed, p)``. So its tokens depend neither on which other rows share the
+batch nor on the request's history on this engine: a request preempted and recomputed,
+or resumed on another engine, samples exactly what it would have. Unseeded rows share
+one vectorised draw from the device's global RNG.
 
 Logprobs are those of the raw model distribution (``log_softmax`` of the logits before
 any processing), as vLLM returns by default.
@@ -43,11 +47,9 @@ class RowInfo:
     """What the sampler needs to know about one sampling row."""
 
     params: SamplingParams
-    # Seeded requests own a generator on the logits' device; the runner keeps it alive
-    # across steps so the request's random stream continues where it left off.
-    generator: torch.Generator | None = None
     prompt_token_ids: list[int] = field(default_factory=list)
-    output_token_ids: list[int] = field(default_factory=list)  # generated so far
+    # Generated so far; its length is the output position of the token sampled now.
+    output_token_ids: list[int] = field(default_factory=list)
     eos_token_id: int | None = None
 
 
@@ -79,7 +81,8 @@ class SamplingMetadata:
     max_top_k: int  # largest enabled top_k (host side, so top-k needs no device sync)
     top_p: Tensor | None  # [N] float32, inf = disabled
     min_p: Tensor | None  # [N] float32, 0 = disabled
-    generators: dict[int, torch.Generator]  # row -> generator, sampled seeded rows only
+    # row -> a fresh generator for this step's draw, sampled seeded rows only
+    generators: dict[int, torch.Generator]
     penalties: PenaltyMetadata | None
     # (row, token id) pairs to set to -inf because the row has not reached min_tokens.
     min_tokens_rows: list[int]
@@ -128,13 +131,34 @@ class SamplingMetadata:
             top_p=top_p,
             min_p=min_p,
             generators={
-                i: r.generator for i, r in enumerate(rows) if sampled[i] and r.generator is not None
+                i: position_generator(r.params.seed, len(r.output_token_ids), device)
+                for i, r in enumerate(rows)
+                if sampled[i] and r.params.seed is not None
             },
             penalties=_build_penalties(rows, device),
             min_tokens_rows=mt_rows,
             min_tokens_ids=mt_ids,
             num_logprobs=[p.logprobs for p in params],
         )
+
+
+_MASK64 = (1 << 64) - 1
+_GOLDEN = 0x9E3779B97F4A7C15  # 2^64 / golden ratio, splitmix64's increment
+
+
+def position_seed(seed: int, position: int) -> int:
+    """The generator seed of output position ``position`` of a request seeded ``seed``
+    (any int64): splitmix64 of ``seed ^ position * golden``, an unsigned 64-bit int.
+    Fixed forever: changing it changes every seeded output."""
+    z = ((seed & _MASK64) ^ (position * _GOLDEN & _MASK64)) + _GOLDEN & _MASK64
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9 & _MASK64
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EB & _MASK64
+    return z ^ (z >> 31)
+
+
+def position_generator(seed: int, position: int, device: torch.device | str) -> torch.Generator:
+    """A fresh generator on ``device`` for the draw at (seed, output position)."""
+    return torch.Generator(device=device).manual_seed(position_seed(seed, position))
 
 
 def _min_tokens_pairs(rows: list[RowInfo]) -> tuple[list[int], list[int]]:
@@ -318,7 +342,8 @@ def apply_min_p(x: Tensor, min_p: Tensor) -> None:
 
 def exponential_race(x: Tensor, generators: dict[int, torch.Generator]) -> Tensor:
     """[N, V] logits -> [N] int64 tokens drawn from softmax(x) per row. Seeded rows use
-    only their own generator (one [V] draw each), so they are batch-independent."""
+    only their own generator (one [V] draw from a fresh one each), so they are
+    batch-independent."""
     noise = torch.empty_like(x)  # [N, V] Exp(1)
     if len(generators) < x.shape[0]:
         noise.exponential_()

@@ -15,3 +15,13 @@ class EngineDeadError(RuntimeError):
 class EngineStartupError(RuntimeError):
     """An engine could not join the deployment: no reply to its handshake, a config that
     differs from the frontend's, an engine id outside the topology, a refused secret."""
+
+
+class RequestFailedError(RuntimeError):
+    """The engine refused or failed one request (``FinishReason.ERROR``); the engine and
+    every other request go on. ``invalid``: refused as invalid input when it was admitted
+    (the client's fault, HTTP 400); otherwise it failed while running (HTTP 500)."""
+
+    def __init__(self, request_id: str, message: str, *, invalid: bool = False) -> None:
+        super().__init__(message)
+        self.request_id, self.message, self.invalid = request_id, message, invalid

@@ -48,6 +48,10 @@ class EngineCoreRequest(msgspec.Struct, omit_defaults=True, array_like=True):
     client_index: int = 0
     current_wave: int = 0
     data_parallel_rank: int | None = None
+    # A resumed request (DESIGN.md 6.3): the last this many prompt tokens are outputs
+    # already produced elsewhere. They count as outputs for max/min_tokens, penalties and
+    # the seeded sampler's output position; 0 <= k < len(prompt_token_ids).
+    num_output_tokens: int = 0
 
 
 class Logprobs(msgspec.Struct, array_like=True):
@@ -66,6 +70,9 @@ class EngineCoreOutput(msgspec.Struct, omit_defaults=True, array_like=True):
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
+    # With ERROR: the engine refused the request as invalid input when admitting it (it
+    # never ran); False: it failed while running. The frontend answers 400 or 500.
+    invalid_request: bool = False
 
     @property
     def finished(self) -> bool:
