@@ -39,10 +39,14 @@ def _cmd(qwen3_ckpt: str, rpc: int, *extra: str) -> list[str]:
     ]
 
 
-def _env(secret: str | None) -> dict[str, str]:
+def _env(secret: str | None, tmpdir: str | None = None) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k != "TIDAL_DP_AUTH_KEY"}
     if secret is not None:
         env["TIDAL_DP_AUTH_KEY"] = secret
+    if tmpdir is not None:
+        # A launcher stopped while it still waits for its ranks exits before it can remove
+        # its private socket directory: keep that directory in one the test removes.
+        env["TMPDIR"] = tmpdir
     return env
 
 
@@ -92,9 +96,12 @@ def test_headless_rank_without_a_secret_is_refused(qwen3_ckpt):
     assert "--data-parallel-auth-key" in out and "TIDAL_DP_AUTH_KEY" in out
 
 
-def test_headless_rank_with_a_wrong_secret_fails_fast(qwen3_ckpt):
+def test_headless_rank_with_a_wrong_secret_fails_fast(qwen3_ckpt, tmp_path):
     def attempt(rpc: int) -> tuple[int | None, str]:
-        front = _popen(_cmd(qwen3_ckpt, rpc, "--port", "0"), _env("the-right-secret-0123456789"))
+        front = _popen(
+            _cmd(qwen3_ckpt, rpc, "--port", "0"),
+            _env("the-right-secret-0123456789", str(tmp_path)),
+        )
         headless = None
         try:
             headless = _popen(

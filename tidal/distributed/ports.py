@@ -11,3 +11,8 @@ def get_open_port(host: str = "127.0.0.1") -> int:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+# Prefix of a deployment's private ipc:// socket directory (mkdtemp, mode 0700). Engines
+# left behind by a SIGKILLed launcher remove only a directory with this prefix.
+IPC_DIR_PREFIX = "tidal-"

@@ -24,6 +24,7 @@ import enum
 import logging
 import os
 import queue
+import shutil
 import signal
 import threading
 import time
@@ -33,6 +34,7 @@ from typing import Any
 import zmq
 
 from tidal.config import EngineConfig
+from tidal.distributed.ports import IPC_DIR_PREFIX
 from tidal.distributed.zmq_auth import curve_keys, secure_client
 from tidal.engine_core.core import EngineCore
 from tidal.engine_core.handshake import EngineHandshake
@@ -91,6 +93,7 @@ class EngineCoreProc:
         self._stop_io = threading.Event()
         self.coordinator_ready = threading.Event()
         self.coordinator_wave = 0
+        self._handshake_address = handshake_address
         tcp = handshake_address.startswith("tcp://")
         self._curve = curve_keys(config.parallel.data_parallel_auth_key) if tcp else None
         self._handshake = EngineHandshake(self.ctx, engine_index, handshake_address, self._curve)
@@ -334,6 +337,7 @@ class EngineCoreProc:
             self.shutdown_state = ShutdownState.REQUESTED
 
     def _on_launcher_death(self) -> None:
+        self._remove_orphaned_ipc_dir()
         if not hasattr(self, "engine_core"):
             # Still starting: the main thread may wait minutes in the group rendezvous for
             # ranks that will never come, and there is nothing to drain. Leave now.
@@ -344,6 +348,17 @@ class EngineCoreProc:
         self.drain_timeout_s = 0.0
         self._drain_deadline = 0.0
         self.request_shutdown()
+
+    def _remove_orphaned_ipc_dir(self) -> None:
+        """The launcher owns its private ``ipc://`` directory and removes it at shutdown;
+        a SIGKILL skips that, so the engines it leaves behind remove it (any of them, in any
+        order: rmtree ignores what another already removed). Only a directory made by the
+        frontend's ``mkdtemp(prefix="tidal-")`` is touched, never a caller-chosen path."""
+        if not self._handshake_address.startswith("ipc://"):
+            return
+        directory = os.path.dirname(self._handshake_address[len("ipc://") :])
+        if os.path.basename(directory).startswith(IPC_DIR_PREFIX):
+            shutil.rmtree(directory, ignore_errors=True)
 
     def _shutdown_done(self) -> bool:
         if self.shutdown_state is ShutdownState.RUNNING:

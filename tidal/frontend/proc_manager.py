@@ -17,7 +17,7 @@ import msgspec
 import zmq
 
 from tidal.config import EngineConfig
-from tidal.distributed.ports import get_open_port
+from tidal.distributed.ports import IPC_DIR_PREFIX, get_open_port
 from tidal.distributed.zmq_auth import CurveKeys, secure_server
 from tidal.dp_coordinator.proc import CoordinatorAddresses
 from tidal.engine_core.entry import ENGINE_ENTRY_MODULE, start_engine_process
@@ -38,7 +38,7 @@ STARTUP_TIMEOUT_S = 300.0
 def ipc_dir() -> str:
     """A fresh private directory for this deployment's ``ipc://`` sockets: mkdtemp creates
     it with mode 0700, so only this user can reach them."""
-    return tempfile.mkdtemp(prefix="tidal-")
+    return tempfile.mkdtemp(prefix=IPC_DIR_PREFIX)
 
 
 class EngineProcManager:
