@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import threading
-import time
 
 import msgspec
 import pytest
 
+from tests.waiting import wait_until
 from tidal import LLM, SamplingParams
 from tidal.protocol.messages import SchedulerStats
 
@@ -49,15 +49,6 @@ def test_dp_greedy_equals_dp1(qwen3_ckpt, expected, dp):
     )
 
 
-def _wait(pred, timeout_s: float = 120.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        time.sleep(0.1)
-    return False
-
-
 def _dp_states(llm: LLM) -> list[dict]:
     return llm.client.call_utility_all("dp_state")
 
@@ -93,7 +84,7 @@ def test_idle_rank_runs_dummy_batches_then_pauses(qwen3_ckpt):
         assert len(done[0].outputs[0].token_ids) == 60
         assert state(1)["dummy_batches"] > 0
         # The group goes idle: the wave ends on both ranks and dummy batches stop.
-        assert _wait(lambda: not state(0)["running"] and not state(1)["running"])
+        assert wait_until(lambda: not state(0)["running"] and not state(1)["running"])
         assert state(0)["wave"] == state(1)["wave"] > wave0
         # Paused for good: rank 1's busy loop goes around once per utility call, and
         # would step a dummy batch each time were a wave still running.
@@ -118,7 +109,7 @@ def test_bursts_across_wave_ends_never_hang(qwen3_ckpt, expected):
                 # Every third burst waits for the wave to end (it then wakes paused ranks);
                 # the others arrive right away, while the ranks are still ending the wave.
                 if i % 3 == 0:
-                    assert _wait(lambda: not any(s["running"] for s in _dp_states(llm)))
+                    assert wait_until(lambda: not any(s["running"] for s in _dp_states(llm)))
             result["got"] = got
             result["waves"] = [s["wave"] for s in _dp_states(llm)]
 
@@ -137,13 +128,13 @@ def test_two_phase_pause_and_resume(qwen3_ckpt, expected):
     prompts = _prompts(12)
     try:
         assert llm.client.call_utility_all("pause") == [True, True]
-        assert _wait(lambda: all(s["paused"] for s in llm.client.call_utility_all("dp_state")))
+        assert wait_until(lambda: all(s["paused"] for s in llm.client.call_utility_all("dp_state")))
         params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, min_tokens=MAX_TOKENS)
         ids = []
         for p in prompts[:4]:
             ids.append(llm._add(llm.input_processor.tokenize(p), params))
         # Paused: the requests reach the ranks and stay queued; nothing runs.
-        assert _wait(lambda: _load(llm) == (4, 0)), _load(llm)
+        assert wait_until(lambda: _load(llm) == (4, 0)), _load(llm)
         assert all(s["paused"] for s in _dp_states(llm))
         assert llm.client.outputs.empty()
         llm.client.call_utility_all("resume")

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import os
 import threading
-import time
 
 import msgspec
 import pytest
 import zmq
 
 from tests.e2e.test_offline_parity import _hf_greedy, _prompts
+from tests.waiting import wait_until
 from tidal import LLM, SamplingParams
 from tidal.dp_coordinator.handle import fetch_stats
 from tidal.engine_core.proc import EngineCoreProc
@@ -34,15 +34,6 @@ def _greedy(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, min_tokens=MAX_TOKENS)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     return [o.outputs[0].token_ids for o in outs]
-
-
-def _wait(pred, timeout_s: float = 60.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        time.sleep(0.1)
-    return False
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +79,9 @@ def test_elastic_ep_at_dp1_runs_waves_and_serves_the_same(qwen3_ckpt, prompts_an
             st = fetch_stats(client.coordinator.addresses.stats, timeout_s=10)
             return st.waves_completed >= 1 and not st.running
 
-        assert _wait(wave_done), fetch_stats(client.coordinator.addresses.stats)
+        assert wait_until(wave_done, timeout_s=60.0), fetch_stats(
+            client.coordinator.addresses.stats
+        )
         stats = fetch_stats(client.coordinator.addresses.stats)
         assert stats.num_engines == 1 and stats.epoch == 0
         assert [r.engine_id for r in stats.ranks] == [0]

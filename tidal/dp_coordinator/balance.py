@@ -313,13 +313,7 @@ class Balancer:
         """Elastic scaling: drop removed engines (their in-flight counts with them), add
         new ones idle, keep survivors' rows. False when ``topology`` is not newer (a stale
         or repeated one); ValueError for a different one at the same epoch."""
-        current = self.topology
-        if topology.epoch <= current.epoch:
-            if topology.epoch == current.epoch and not topology.same_members(current):
-                raise ValueError(
-                    f"two topologies for epoch {topology.epoch}: {current.engine_ids} and "
-                    f"{topology.engine_ids}"
-                )
+        if not topology.supersedes(self.topology):
             return False
         old = self._engines
         self._engines = {e: old.get(e) or _EngineLoad() for e in topology.engine_ids}

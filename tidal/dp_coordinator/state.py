@@ -297,14 +297,8 @@ class CoordinatorState:
         Any engine may go (middle of the table, a dead one) and new ones come; survivors
         keep their rows and history. Returns False for a stale or repeated topology
         (race 9); raises ValueError for a different one at the current epoch."""
-        current = self.topology
-        if topology.epoch <= current.epoch:
-            if topology.epoch == current.epoch and not topology.same_members(current):
-                raise ValueError(
-                    f"two topologies for epoch {topology.epoch}: {current.engine_ids} and "
-                    f"{topology.engine_ids}"
-                )
-            if topology.epoch < current.epoch:
+        if not topology.supersedes(self.topology):
+            if topology.epoch < self.topology.epoch:
                 self.stale_topologies += 1
             return False
         old, early = self._ranks, self._early

@@ -51,6 +51,7 @@ from tidal.moe.placement import (
     ExpertPlacement,
     PlacementStrategy,
     fill_free_slots,  # the same replica rule as every other placement constructor
+    place_uncovered,
     plan_moves,
 )
 from tidal.protocol.elastic import ExpertTransferSpec
@@ -388,14 +389,7 @@ def min_move_placement(
                 extra -= 1
     # 3. Each uncovered expert into a free slot, least-filled rank first (spreads them).
     layout: list[list[int | None]] = [[e for e in h if e in k] for k, h in zip(kept, held)]
-    covered = {e for k in kept for e in k}
-    for e in range(E):
-        if e not in covered:
-            n = min(
-                (n for n in range(new_size) if len(layout[n]) < S),
-                key=lambda n: (len(layout[n]), n),
-            )
-            layout[n].append(e)
+    place_uncovered(layout, E, S, {e for k in kept for e in k})
     # 4. Replicas (each a copy whatever it is) by load, like every other placement.
     for row in layout:
         row += [None] * (S - len(row))

@@ -214,6 +214,22 @@ def _physical_size(num_logical: int, ep_size: int, num_redundant: int) -> tuple[
     return S * ep_size, S
 
 
+def place_uncovered(
+    layout: list[list[int | None]], num_logical: int, slots_per_rank: int, covered: set[int]
+) -> None:
+    """Put every expert not in ``covered`` on the least-filled rank that has a free slot
+    (ties: lowest rank), in expert order, so the newly placed experts spread over ranks.
+    ``layout`` is filled in place; the placements that keep experts where they were
+    (``resize`` here, ``tidal.elastic.plan``) call it for whatever they could not keep."""
+    for e in range(num_logical):
+        if e not in covered:
+            n = min(
+                (n for n in range(len(layout)) if len(layout[n]) < slots_per_rank),
+                key=lambda n: (len(layout[n]), n),
+            )
+            layout[n].append(e)
+
+
 def fill_free_slots(
     layout: list[list[int | None]], num_logical: int, load: Sequence[float] | None
 ) -> list[list[int]]:
@@ -338,13 +354,7 @@ def resize(
             if e not in covered and len(layout[n]) < S:
                 layout[n].append(e)
                 covered.add(e)
-    for e in range(E):
-        if e not in covered:
-            n = min(
-                (n for n in range(new_ep_size) if len(layout[n]) < S),
-                key=lambda n: (len(layout[n]), n),
-            )
-            layout[n].append(e)
+    place_uncovered(layout, E, S, covered)
     for n in range(new_ep_size):  # spare slots: keep what is already here first
         for e in held_before(n):
             if len(layout[n]) < S and e not in layout[n]:

@@ -177,6 +177,16 @@ class Topology(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True)
         """Same engines in the same order (the allocator state may differ)."""
         return self.engine_ids == other.engine_ids
 
+    def supersedes(self, current: Topology) -> bool:
+        """Whether a holder of ``current`` should move to this topology: True when it is
+        newer, False when it is stale or a repeat. Two different topologies for one epoch
+        mean two commits disagree: ValueError, never a silent pick."""
+        if self.epoch == current.epoch and not self.same_members(current):
+            raise ValueError(
+                f"two topologies for epoch {self.epoch}: {current.engine_ids} and {self.engine_ids}"
+            )
+        return self.epoch > current.epoch
+
 
 def _is_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
