@@ -25,6 +25,7 @@ import pytest
 from fastapi import APIRouter, Request
 
 from tidal.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from tidal.dp_coordinator.state import CoordinatorState
 from tidal.frontend.async_llm import AsyncLLM
 from tidal.frontend.outputs import CompletionOutput, Logprob, OutputKind, RequestOutput
 from tidal.frontend.processor import InputProcessor, ProcessedPrompt
@@ -33,12 +34,16 @@ from tidal.launch.engine_args import EngineArgs
 from tidal.launch.errors import classify_error
 from tidal.protocol.errors import EngineDeadError, RequestFailedError
 from tidal.protocol.messages import (
+    STATS_DECODER,
+    DPCoordinatorStats,
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
     FinishReason,
     SchedulerStats,
+    encode,
 )
+from tidal.protocol.topology import Topology
 from tidal.sampling_params import SamplingParams
 
 MAX_MODEL_LEN = 64
@@ -100,6 +105,9 @@ class FakeAsyncLLM:
         self.fail_after: int | None = None  # tokens, then raise self.failure
         self.failure: BaseException = RequestFailedError("?", "the engine failed it")
         self.shutdown_called = False
+        self.scale_listeners: list[Any] = []
+        self.history: list[dict] = []  # elastic EP operation records, oldest first
+        self.scaling = False
 
     @property
     def is_dead(self) -> bool:
@@ -107,6 +115,22 @@ class FakeAsyncLLM:
 
     def add_stat_logger(self, logger: Any) -> None:
         self.loggers.append(logger)
+
+    # Elastic EP: off here (ParallelConfig's default); tests/unit/test_scale_api.py has an
+    # engine that scales.
+    def add_scale_listener(self, callback: Any) -> None:
+        self.scale_listeners.append(callback)
+
+    def is_scaling_elastic_ep(self) -> bool:
+        return self.scaling
+
+    def scaling_history(self) -> list[dict]:
+        return list(self.history)
+
+    async def scale_elastic_ep(
+        self, new_data_parallel_size: int, drain_timeout: float = 0.0, operation_id: Any = None
+    ) -> tuple[int, dict]:
+        raise ValueError("elastic EP is not enabled (--enable-elastic-ep)")
 
     async def get_stats(self) -> dict:
         return {
@@ -302,7 +326,11 @@ async def test_models_health_version_ping_stats():
 
         assert (await c.get("/version")).json() == {"version": tidal.__version__}
         stats = (await c.get("/stats")).json()
-        assert stats == await c.engine.get_stats()
+        assert stats == {
+            **await c.engine.get_stats(),
+            "scaling": {"is_scaling": False, "history": []},
+            "tokens": {"prompt_total": 0, "generation_total": 0},
+        }
         page = await c.get("/dashboard")
         assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
         assert 'fetch("/stats"' in page.text and "http" not in page.text.split("<script>")[1]
@@ -605,6 +633,8 @@ async def test_api_key_protects_every_route():
             ("GET", "/metrics"),
             ("GET", "/v1/models"),
             ("GET", "/stats"),
+            ("GET", "/is_scaling_elastic_ep"),
+            ("POST", "/is_scaling_elastic_ep"),
         ]:
             assert_error(await c.request(method, path), 401)
             assert_error(
@@ -623,14 +653,14 @@ async def test_api_key_protects_every_route():
 async def test_extra_routers_are_served_and_protected():
     router = APIRouter()
 
-    @router.get("/is_scaling_elastic_ep")
-    async def scaling(request: Request) -> dict:
-        return {"is_scaling": request.app.state.engine.dead}
+    @router.get("/custom_admin")
+    async def custom(request: Request) -> dict:
+        return {"dead": request.app.state.engine.dead}
 
     async with client_for(api_key="k", routers=[router]) as c:
-        assert_error(await c.get("/is_scaling_elastic_ep"), 401)
-        r = await c.get("/is_scaling_elastic_ep", headers={"Authorization": "Bearer k"})
-        assert r.json() == {"is_scaling": False}
+        assert_error(await c.get("/custom_admin"), 401)
+        r = await c.get("/custom_admin", headers={"Authorization": "Bearer k"})
+        assert r.json() == {"dead": False}
 
 
 @run
@@ -755,6 +785,50 @@ def test_async_llm_raises_for_an_engine_error_output(
     asyncio.run(body())
 
 
+class StatsEngineClient:
+    """An engine client for a real ``AsyncLLM``'s ``/stats``: engines ``0..n-1`` and, with
+    ``coordinator``, the DP coordinator's stats (over the wire, as ``get_dp_stats_async``)."""
+
+    dead_reason = None
+
+    def __init__(self, n: int, coordinator: CoordinatorState | None) -> None:
+        self.topology = Topology.initial(n)
+        self.coordinator = coordinator
+
+    async def get_dp_stats_async(self, timeout_s: float = 2.0) -> DPCoordinatorStats:
+        assert self.coordinator is not None
+        return STATS_DECODER.decode(encode(self.coordinator.full_stats(2.0)))
+
+
+@pytest.mark.parametrize("dp", [False, True], ids=["one-engine", "dp-coordinator"])
+def test_stats_rows_carry_per_rank_generation_tokens(qwen3_ckpt, dp):
+    """Each engine's cumulative ``num_generation_tokens_total`` becomes its ``/stats`` row's
+    ``generation_tokens_total`` (the dashboard's per-rank tokens/s), with or without DP."""
+    config = EngineArgs(model=qwen3_ckpt, device="cpu").create_engine_config()
+    reports = [
+        SchedulerStats(num_running_reqs=2, num_requests_total=3, num_generation_tokens_total=40),
+        SchedulerStats(num_running_reqs=1, num_requests_total=1, num_generation_tokens_total=7),
+    ][: 2 if dp else 1]
+    coordinator = CoordinatorState(len(reports)) if dp else None
+
+    async def body() -> None:
+        engine = AsyncLLM(config, client=StatsEngineClient(len(reports), coordinator))
+        for e, s in enumerate(reports):
+            out = EngineCoreOutputs(engine_index=e, scheduler_stats=s)
+            if coordinator is not None:
+                coordinator.handle(out, 1.0)
+            else:
+                engine._handle(out)  # as its output handler does
+        app = build_app(engine, served_model_name=SERVED, shutdown_engine=False)
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
+            ranks = (await c.get("/stats")).json()["ranks"]
+        got = [(r["engine_id"], r["requests_total"], r["generation_tokens_total"]) for r in ranks]
+        assert got == [(0, 3, 40), (1, 1, 7)][: len(reports)]
+
+    asyncio.run(body())
+
+
 # ---- metrics -------------------------------------------------------------------------------
 
 
@@ -787,10 +861,11 @@ async def test_metrics_after_requests():
 
 
 @contextlib.asynccontextmanager
-async def live_server(engine: FakeAsyncLLM):
+async def live_server(engine: FakeAsyncLLM, **app_kwargs: Any):
     sock = bind_socket("127.0.0.1", 0)
     port = sock.getsockname()[1]
-    server = make_server(build_app(engine, served_model_name=SERVED), log_level="warning")
+    app = build_app(engine, served_model_name=SERVED, **app_kwargs)
+    server = make_server(app, log_level="warning")
     task = asyncio.ensure_future(server.serve(sockets=[sock]))
     try:
         await wait_for(lambda: server.started or task.done())

@@ -21,19 +21,23 @@ from tidal.dp_coordinator.state import (
 from tidal.engine_core.wave import EngineWaveState
 from tidal.frontend.dp_state import FrontendWaveState
 from tidal.protocol.messages import (
+    STATS_DECODER,
     DPSetTopology,
     DPWakeUp,
     EngineCoreOutputs,
     SchedulerStats,
     StartDPWave,
+    encode,
 )
 from tidal.protocol.topology import Topology
 
 
-def stats(engine: int, waiting: int, running: int, kv: float = 0.0, total: int = 0):
+def stats(
+    engine: int, waiting: int, running: int, kv: float = 0.0, total: int = 0, tokens: int = 0
+):
     s = SchedulerStats(
         num_waiting_reqs=waiting, num_running_reqs=running, kv_cache_usage=kv,
-        num_requests_total=total,
+        num_requests_total=total, num_generation_tokens_total=tokens,
     )  # fmt: skip
     return EngineCoreOutputs(engine_index=engine, scheduler_stats=s)
 
@@ -108,6 +112,26 @@ def test_requests_total_never_goes_back():
     st.handle(stats(0, 0, 0, total=10), 1.0)
     st.handle(stats(0, 0, 1, total=4), 2.0)  # a reordered/older report
     assert st.full_stats(2.0).ranks[0].requests_total == 10
+
+
+def test_generation_tokens_total_per_engine():
+    st = settled(2)
+    assert [r.generation_tokens_total for r in st.full_stats(0.5).ranks] == [0, 0]
+    st.handle(stats(0, 0, 2, tokens=40), 1.0)
+    st.handle(stats(1, 0, 1, tokens=7), 1.2)
+    # Steady decoding: only the counter moved. Not a load change, so no publication (the
+    # snapshots do not carry it), but /stats shows it at once.
+    assert st.handle(stats(0, 0, 2, tokens=90), 1.5) == [] and st.tick(1.6) == []
+    st.handle(stats(0, 0, 2, tokens=60), 1.7)  # a reordered/older report
+    full = st.full_stats(1.8)
+    assert [(r.engine_id, r.generation_tokens_total) for r in full.ranks] == [(0, 90), (1, 7)]
+    # It crosses the coordinator -> frontend wire (msgpack) intact.
+    assert STATS_DECODER.decode(encode(full)).ranks[1].generation_tokens_total == 7
+    # A future engine's counter is kept with its early row; a survivor keeps its own.
+    st.handle(stats(2, 0, 1, tokens=5), 2.0)
+    st.handle(DPSetTopology(st.topology.without([1]).grown(1)), 2.1)
+    full = st.full_stats(2.2)
+    assert [(r.engine_id, r.generation_tokens_total) for r in full.ranks] == [(0, 90), (2, 5)]
 
 
 def test_new_subscriber_gets_immediate_publish():

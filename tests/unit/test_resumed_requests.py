@@ -245,3 +245,20 @@ def test_engine_refuses_out_of_range_num_output_tokens(engine, k, max_tokens, ma
     ok = EngineCoreRequest("ok", [5, 6, 7, 8], SamplingParams(max_tokens=4), num_output_tokens=3)
     out, _ = _run(engine, [ok])
     assert len(out["ok"].new_token_ids) == 1 and out["ok"].finish_reason == FinishReason.LENGTH
+
+
+def test_resume_at_the_context_limit_and_a_stop_at_max_tokens_finish_like_the_scheduler():
+    """The lost last token was both EOS and the max_tokens-th: STOP (the scheduler checks
+    stops first); prompt + outputs at max_model_len: LENGTH, not a prompt the engine
+    would refuse."""
+    from tidal.elastic.migration import AlreadyFinished, ResumedRequest, resume_request
+    from tidal.protocol.messages import EngineCoreRequest, FinishReason
+    from tidal.sampling_params import SamplingParams
+
+    req = EngineCoreRequest("r", [5, 6, 7], SamplingParams(max_tokens=3), eos_token_id=2)
+    done = resume_request(req, [9, 9, 2])
+    assert isinstance(done, AlreadyFinished) and done.reason is FinishReason.STOP
+    long = EngineCoreRequest("l", [5, 6, 7], SamplingParams(max_tokens=100), eos_token_id=2)
+    capped = resume_request(long, [9, 9, 9], max_model_len=6)
+    assert isinstance(capped, AlreadyFinished) and capped.reason is FinishReason.LENGTH
+    assert isinstance(resume_request(long, [9, 9], max_model_len=6), ResumedRequest)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import random
 import zlib
+from types import SimpleNamespace
 
 import pytest
 
@@ -503,6 +504,70 @@ def test_outputs_grouped_by_client_and_finished_reported() -> None:
     so, outs = runner.step()
     assert so.finished_req_ids == {"a"}
     assert outs[3].finished_requests == {"b"}
+
+
+def test_generation_tokens_total_counts_appended_tokens() -> None:
+    # Cumulative over requests and preemptions (recompute re-prefills, never resamples).
+    sched = make_sched(num_blocks=8)
+    runner = FakeRunner(sched)
+    a, b = make_req("a", 8, max_tokens=12), make_req("b", 8, max_tokens=12)
+    sched.add_request(a)
+    sched.add_request(b)
+    assert sched.make_stats().num_generation_tokens_total == 0
+    run_to_completion(runner)
+    assert b.num_preemptions >= 1
+    assert sched.make_stats().num_generation_tokens_total == 24
+    # A stop in the middle of a multi-token step: the tokens after it are not appended,
+    # so not counted; the step's outputs carry the new total.
+    c = make_req("c", 4, max_tokens=10, stop_token_ids=[33])
+    sched.add_request(c)
+    so = sched.schedule()
+    ro = ModelRunnerOutput()
+    ro.sampled_token_ids["c"] = [5, 33, 7]
+    outs = sched.update_from_output(so, ro)
+    assert c.output_token_ids == [5, 33]
+    assert outs[0].scheduler_stats.num_generation_tokens_total == 26
+
+
+def test_dp_engine_republishes_its_token_total_rate_limited(monkeypatch) -> None:
+    """A DP engine sends the coordinator its stats when (waiting, running) changes and,
+    decoding steadily (same load), when its token total advanced and the last
+    publication is 0.5 s old -- never every step, never without new tokens."""
+    from tidal.engine_core import dp_proc
+
+    clock = [100.0]
+    monkeypatch.setattr(dp_proc, "time", SimpleNamespace(monotonic=lambda: clock[0]))
+    sched = make_sched()
+    runner = FakeRunner(sched)
+    proc = dp_proc.DPEngineCoreProc.__new__(dp_proc.DPEngineCoreProc)  # no processes
+    proc.engine_core = SimpleNamespace(scheduler=sched)
+    proc._last_published = None
+    proc._tokens_published = (0, 0.0)
+    sent: list = []
+    proc._send_outputs = lambda outs, dest: sent.append((dest, outs.scheduler_stats))
+
+    def step(dt: float = 0.125) -> None:
+        clock[0] += dt
+        runner.step()
+        proc._publish_load_if_changed()
+
+    sched.add_request(make_req("a", 4, max_tokens=50))
+    proc._publish_load_if_changed()  # waiting 1
+    step()  # running 1, first token
+    assert [(d, s.num_running_reqs, s.num_generation_tokens_total) for d, s in sent] == [
+        (dp_proc.TO_COORDINATOR, 0, 0),
+        (dp_proc.TO_COORDINATOR, 1, 1),
+    ]
+    for _ in range(3):
+        step()  # same load, new tokens, < 0.5 s
+    assert len(sent) == 2
+    step()  # 0.5 s since the last publication
+    assert len(sent) == 3 and sent[-1][1].num_generation_tokens_total == 5
+    clock[0] += 10.0
+    proc._publish_load_if_changed()  # no new token: nothing to tell
+    assert len(sent) == 3
+    step(0.0)  # a token, at once after a long pause
+    assert len(sent) == 4 and sent[-1][1].num_generation_tokens_total == 6
 
 
 def test_finish_requests_for_stop_strings() -> None:

@@ -39,7 +39,7 @@ from __future__ import annotations
 import collections
 import random
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -337,13 +337,17 @@ class Balancer:
     def load_of(self, engine_id: int) -> RankLoad:
         return self._row(engine_id).load()
 
-    def choose(self, data_parallel_rank: int | None = None) -> int:
+    def choose(
+        self, data_parallel_rank: int | None = None, *, exclude: Collection[int] = ()
+    ) -> int:
         """The engine id for the next request (does not record it: call ``on_send``).
-        An explicit ``data_parallel_rank`` is a rank (position) in the current topology."""
+        An explicit ``data_parallel_rank`` is a rank (position) in the current topology.
+        ``exclude``: engine ids that must not get it either (a migrating request's former
+        owners), on top of the draining ones."""
         ids = self.topology.engine_ids
         if data_parallel_rank is not None:
             return ids[check_rank(data_parallel_rank, len(ids))]
-        candidates = [r for r, e in enumerate(ids) if e not in self._draining]
+        candidates = [r for r, e in enumerate(ids) if e not in self._draining and e not in exclude]
         if not candidates:
             raise RuntimeError("every DP rank is draining; no rank accepts new requests")
         k = self.policy.sample

@@ -187,13 +187,22 @@ CoordinatorInput = EngineCoreOutputs | DPWakeUp | DPSetTopology
 class _Rank:
     """Last reported load of one engine plus its history ring buffer."""
 
-    __slots__ = ("waiting", "running", "kv_usage", "requests_total", "dead", "history")
+    __slots__ = (
+        "waiting",
+        "running",
+        "kv_usage",
+        "requests_total",
+        "generation_tokens_total",
+        "dead",
+        "history",
+    )
 
     def __init__(self, history_len: int) -> None:
         self.waiting = 0
         self.running = 0
         self.kv_usage = 0.0
         self.requests_total = 0
+        self.generation_tokens_total = 0
         self.dead = False
         self.history: collections.deque[tuple[float, int, int]] = collections.deque(
             maxlen=history_len
@@ -204,8 +213,12 @@ class _Rank:
         new = (s.num_waiting_reqs, s.num_running_reqs, s.kv_cache_usage)
         changed = new != (self.waiting, self.running, self.kv_usage)
         self.waiting, self.running, self.kv_usage = new
-        # Cumulative counter: never let a restarted/reordered report move it backwards.
+        # Cumulative counters: never let a restarted/reordered report move them backwards.
+        # Not "changed": snapshots do not carry them (full_stats reads them on demand).
         self.requests_total = max(self.requests_total, s.num_requests_total)
+        self.generation_tokens_total = max(
+            self.generation_tokens_total, s.num_generation_tokens_total
+        )
         return changed
 
 
@@ -356,6 +369,7 @@ class CoordinatorState:
                     requests_total=r.requests_total,
                     dead=r.dead,
                     history=list(r.history),
+                    generation_tokens_total=r.generation_tokens_total,
                 )
                 for i, (e, r) in enumerate(self._ranks.items())
             ],

@@ -97,11 +97,14 @@ class AlreadyFinished:
 
 
 def resume_request(
-    request: EngineCoreRequest, output_token_ids: Sequence[int]
+    request: EngineCoreRequest,
+    output_token_ids: Sequence[int],
+    max_model_len: int | None = None,
 ) -> ResumedRequest | AlreadyFinished:
     """The resumed form of ``request`` after ``output_token_ids`` were streamed, or
     ``AlreadyFinished`` when those outputs already meet a stop condition (the engine
-    died between sampling the last token and reporting the finish)."""
+    died between sampling the last token and reporting the finish). ``max_model_len``:
+    the context limit, which also ends a request (as LENGTH)."""
     p = request.sampling_params
     if p.n != 1:
         raise ValueError(
@@ -110,14 +113,17 @@ def resume_request(
         )
     outputs = list(output_token_ids)
     k = len(outputs)
-    if p.max_tokens is not None and k >= p.max_tokens:
-        return AlreadyFinished(request.request_id, FinishReason.LENGTH)
+    # The scheduler's order: a stop token wins over the length limit it also reaches.
     if outputs and k >= p.min_tokens:
         stops = set(p.stop_token_ids)
         if request.eos_token_id is not None and not p.ignore_eos:
             stops.add(request.eos_token_id)
         if outputs[-1] in stops:
             return AlreadyFinished(request.request_id, FinishReason.STOP)
+    if p.max_tokens is not None and k >= p.max_tokens:
+        return AlreadyFinished(request.request_id, FinishReason.LENGTH)
+    if max_model_len is not None and len(request.prompt_token_ids) + k >= max_model_len:
+        return AlreadyFinished(request.request_id, FinishReason.LENGTH)
     return ResumedRequest(request, [*request.prompt_token_ids, *outputs], k)
 
 

@@ -55,6 +55,11 @@ class ScalingSlot:
         return (self.state is not None and self.state.active) or self._pending is not None
 
     @property
+    def has_inputs(self) -> bool:
+        """Something waits for the next ``progress`` (queued inputs or a PREPARE)."""
+        return bool(self._queue) or self._pending is not None
+
+    @property
     def accepts_new_requests(self) -> bool:
         return self.state is None or self.state.accepts_new_requests
 

@@ -198,6 +198,7 @@ class ElasticEPScalingState:
         self.timeline: list[tuple[ScalingPhase, float]] = []
         self._jobs: dict[str, tuple[JobKind, float]] = {}  # running: kind, deadline
         self._transferred = False
+        self.bytes_received: int | None = None  # measured by the transfer job
         # A ``HandBackRequests`` is out and its ``HandedBack`` not yet in: stay active even
         # if the operation ends meanwhile, or the hand-back report (and the requests in
         # it) would be lost with the dropped state.
@@ -428,6 +429,8 @@ class ElasticEPScalingState:
             )
         elif kind is JobKind.TRANSFER:
             self._transferred = True
+            if isinstance(d.result, int):  # what the helper staged, measured
+                self.bytes_received = d.result
         else:  # COMMIT_BARRIER completed: every new member posted it
             r = d.result
             if not isinstance(r, BarrierResult):
@@ -462,11 +465,12 @@ class ElasticEPScalingState:
         if self.commit_allowed:
             self.deadline = now + p.commit_timeout_s
         received = [t for t in p.transfers if t.dst_engine_id == self.engine_id]
+        measured = self.bytes_received
         self._report(
             ScaleEvent.PREPARED,
             out,
             experts_received=len(received),
-            bytes_received=sum(t.nbytes for t in received),
+            bytes_received=sum(t.nbytes for t in received) if measured is None else measured,
         )
         if self.old_mode and self.role is Role.JOINING:
             self._start_barrier(now, out)  # the survivors decide; it follows (race 3)

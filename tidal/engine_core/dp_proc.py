@@ -5,15 +5,25 @@ shutdown). The wave protocol itself is written down in ``tidal.dp_coordinator.st
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
+from tidal.elastic.scaling_events import Input
 from tidal.engine_core.core import EngineCore
+from tidal.engine_core.elastic_shell import ElasticShell
 from tidal.engine_core.proc import TO_COORDINATOR, EngineCoreProc
 from tidal.engine_core.request_decode import UndecodableRequest
 from tidal.engine_core.wave import EngineWaveState
 from tidal.executor.uniproc import UniProcExecutor
+from tidal.protocol.elastic import ScaleMessage, ScaleReport
 from tidal.protocol.errors import EngineStartupError
-from tidal.protocol.messages import EngineCoreOutputs, EngineCoreRequest, StartDPWave
+from tidal.protocol.messages import (
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    EngineCoreRequestType,
+    StartDPWave,
+)
+from tidal.protocol.topology import Topology
 
 # How often the ranks of a running wave all-reduce "does anyone still have work?".
 DP_ALLREDUCE_INTERVAL = 32
@@ -36,6 +46,11 @@ class DPEngineCoreProc(EngineCoreProc):
     requests staying queued. While paused a rank still records START_DP_WAVE (so a rank
     resumed earlier than another waits for it in the next collective instead of running
     alone); ``resume`` clears the pause and restarts the wave if there is work.
+
+    Elastic EP (``enable_elastic_ep``): an ``ElasticShell`` (``elastic_shell.py``) runs
+    the engine's part of a scale operation from step 2, and its commit consensus rides
+    on the step-5 all-reduce. A *joining* engine (``EngineAddresses.joining``) starts in
+    no group: it only drains input and progresses the operation until its commit.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -46,6 +61,18 @@ class DPEngineCoreProc(EngineCoreProc):
         self.paused = False
         self.num_dummy_batches = 0
         self._last_published: tuple[int, int] | None = None
+        self._tokens_published: tuple[int, float] = (0, 0.0)  # (total, when)
+        self._leaving = False
+        self.shell: ElasticShell | None = None
+        if self.config.parallel.enable_elastic_ep:
+            top = self.topology
+            self.shell = ElasticShell(
+                self.engine_index,
+                None if self.addresses.joining or top is None else top.epoch,
+                self.engine_core.executor,
+                _ShellHooks(self),
+                expert_parallel=self.config.parallel.enable_expert_parallel,
+            )
 
     def _build_engine_core(self) -> EngineCore:
         if self.addresses.coordinator_input and not self.coordinator_ready.wait(
@@ -59,41 +86,80 @@ class DPEngineCoreProc(EngineCoreProc):
 
     def _make_executor(self) -> UniProcExecutor:
         # The DP/EP groups of the topology from the handshake, at this engine's position
-        # there: the live size, not the launch size in the config.
-        return UniProcExecutor(self.config, topology=self.topology, engine_id=self.engine_index)
+        # there: the live size, not the launch size in the config. A joiner joins no
+        # group at startup: it gets its groups and experts in the scale operation.
+        return UniProcExecutor(
+            self.config,
+            topology=self.topology,
+            engine_id=self.engine_index,
+            joining=self.addresses.joining,
+        )
 
     def run_busy_loop(self) -> None:
         while True:
             # 1. Drain the input queue (blocks only when idle and no wave is running).
             self._process_input_queue()
+            # 2. Elastic EP: advance a scale operation (never blocks).
+            if self.shell is not None:
+                self.shell.progress()
+                if not self.shell.serving or self._leaving:  # a joiner before its commit
+                    if self._shutdown_done():
+                        return
+                    continue
             if self.paused:  # the group agreed to pause: requests stay queued
                 if self._shutdown_done():
                     return
                 continue
-            # 2. Step the engine; publish (waiting, running) when it changed.
+            # 3. Step the engine; publish (waiting, running) when it changed.
             executed = self._process_engine_step()
             self._publish_load_if_changed()
             if not self.wave.running:
                 if self._shutdown_done():
                     return
                 continue
-            # 3. Nothing ran but the wave is running: a dummy forward keeps collectives matched.
+            # 4. Nothing ran but the wave is running: a dummy forward keeps collectives matched.
             if not executed:
                 self.engine_core.execute_dummy_batch()
                 self.num_dummy_batches += 1
-            # 4. Every DP_ALLREDUCE_INTERVAL steps, agree whether anyone still has work.
+            # 5. Every DP_ALLREDUCE_INTERVAL steps, agree whether anyone still has work
+            #    (and, elastic EP, whether every rank is ready to commit).
             if not self._group_has_work():
-                # 5. The group is idle: end the wave (rank 0 reports it) and pause.
+                # 6. The group is idle: end the wave (rank 0 reports it) and pause.
                 self._end_wave()
-            # 6. On shutdown, leave between waves (or at the drain deadline): leaving
+            # 7. On shutdown, leave between waves (or at the drain deadline): leaving
             #    mid-wave would strand the other ranks in a collective.
             if self._shutdown_done():
                 return
 
     def _has_work(self) -> bool:
-        if self.paused:
+        if self.paused or (self.shell is not None and not self.shell.serving):
             return False
         return self.engine_core.has_unfinished_requests() or self.wave.running
+
+    def _process_input_queue(self) -> None:
+        shell = self.shell
+        if shell is not None and shell.active and not self._has_work():
+            # An operation in progress has timers: wait for input only until the next one.
+            deadline = shell.next_deadline()
+            if deadline is not None and deadline <= time.monotonic():
+                return
+        super()._process_input_queue()
+
+    def _shutdown_done(self) -> bool:
+        if self._leaving:
+            return True  # left the group at the commit: nothing runs here any more
+        return super()._shutdown_done()
+
+    def close(self) -> None:
+        if self.shell is not None:
+            self.shell.close()
+        super().close()
+
+    def _on_scale(self, msg: ScaleMessage | Input) -> None:
+        if self.shell is None:
+            super()._on_scale(msg)
+        else:
+            self.shell.deliver(msg)
 
     def utility_pause(self) -> bool:
         """Phase 1 of a group pause (call on every rank)."""
@@ -133,13 +199,28 @@ class DPEngineCoreProc(EngineCoreProc):
         self.step_counter += 1
         if self.step_counter % DP_ALLREDUCE_INTERVAL:
             return True
-        has_work, pause = self.engine_core.executor.all_reduce_dp(
-            [int(self.engine_core.has_unfinished_requests()), int(self.pending_pause)]
-        )  # summed over the DP ranks
+        shell = self.shell
+        ready = shell.consensus_value if shell is not None else 0
+        has_work = self.engine_core.has_unfinished_requests() or (
+            shell is not None and shell.holds_wave
+        )
+        try:
+            # MAX over the DP ranks: anyone has work / wants a pause; the commit flag's
+            # MAX and (negated) MIN, so "every rank raised this operation's flag" is
+            # ready_min == ready_max == its sequence.
+            any_work, pause, ready_max, neg_min = self.engine_core.executor.all_reduce_dp(
+                [int(has_work), int(self.pending_pause), ready, -ready], op="max"
+            )
+        except RuntimeError as e:
+            if shell is not None and shell.active:
+                shell.on_group_failed(str(e))  # roll back (and say so) before dying
+            raise
+        if shell is not None:
+            shell.on_consensus(self.step_counter, -neg_min, ready_max)
         if pause:
             self.paused = True  # phase 2: every rank sees the flag at this same step
             return False
-        return bool(has_work)
+        return bool(any_work)
 
     def _end_wave(self) -> None:
         completed = self.wave.on_wave_end()
@@ -148,22 +229,92 @@ class DPEngineCoreProc(EngineCoreProc):
             self._send_outputs(EngineCoreOutputs(wave_complete=completed), TO_COORDINATOR)
 
     def _add_request(self, req: EngineCoreRequest | UndecodableRequest) -> None:
+        shell = self.shell
+        if shell is not None and not shell.serving:
+            # Not a member yet (a joiner): nobody routes here; hand it back if it came.
+            if isinstance(req, EngineCoreRequest):
+                shell.bounce(req.request_id)
+            return
         if self.paused:  # queued; resume starts the wave
             super()._add_request(req)
             return
         start = self.wave.on_request(req.current_wave)
         if start is not None:
             self._send_outputs(EngineCoreOutputs(start_wave=start), TO_COORDINATOR)
+        if (
+            shell is not None
+            and not shell.accepts_new_requests
+            and isinstance(req, EngineCoreRequest)
+        ):
+            shell.bounce(req.request_id)  # leaving: it migrates to a survivor (race 6)
+            return
         super()._add_request(req)
 
     def _start_wave(self, msg: StartDPWave) -> None:
+        if self.shell is not None and not self.shell.serving:
+            return  # a joiner takes the group's wave at its commit
         self.wave.on_start_wave(msg)
 
+    # ---- elastic EP: what the shell asks of the busy loop ------------------------------
+
+    def _take_rank(self, topology: Topology, wave: int | None) -> None:
+        self.addresses.topology = topology  # dp_rank is the position here from now on
+        self.step_counter = 0  # the all-reduce cadence restarts together on the new group
+        self._last_published = None  # tell the coordinator our load in the new epoch
+        if wave is not None:  # a joiner: run the group's wave
+            self.wave.wave = wave
+            self.wave.running = True
+
+    def _ensure_wave_running(self) -> None:
+        if not self.wave.running and not self.paused:
+            self._run_wave()
+
     def _publish_load_if_changed(self) -> None:
+        """Send the coordinator this rank's stats when (waiting, running) changed, or when
+        the generated-token counter advanced and the last publication is at least 0.5 s
+        old: a rank decoding steadily keeps its load, but the dashboard's per-rank
+        tokens/s needs the counter (at most 2 extra messages a second, never per step)."""
         sched = self.engine_core.scheduler
         load = (sched.num_waiting, sched.num_running)
-        if load != self._last_published:
-            self._last_published = load
-            self._send_outputs(
-                EngineCoreOutputs(scheduler_stats=sched.make_stats()), TO_COORDINATOR
-            )
+        tokens = sched.num_generation_tokens_total
+        last_tokens, last_t = self._tokens_published
+        if load == self._last_published and (
+            tokens == last_tokens or time.monotonic() - last_t < 0.5
+        ):
+            return
+        self._last_published = load
+        self._tokens_published = (tokens, time.monotonic())
+        self._send_outputs(EngineCoreOutputs(scheduler_stats=sched.make_stats()), TO_COORDINATOR)
+
+
+class _ShellHooks:
+    """``EngineHooks`` for the shell: the busy loop's side, on its own thread (except
+    ``post_input``, which helper threads call)."""
+
+    def __init__(self, proc: DPEngineCoreProc) -> None:
+        self.proc = proc
+
+    def unfinished_request_ids(self) -> list[str]:
+        return self.proc.engine_core.scheduler.unfinished_request_ids()
+
+    def remove_requests(self, request_ids: list[str]) -> None:
+        if request_ids:
+            self.proc.engine_core.abort_requests(request_ids)
+
+    def ensure_wave_running(self) -> None:
+        self.proc._ensure_wave_running()
+
+    def current_wave(self) -> int:
+        return self.proc.wave.wave
+
+    def take_rank(self, topology: Topology, wave: int | None) -> None:
+        self.proc._take_rank(topology, wave)
+
+    def send_report(self, report: ScaleReport) -> None:
+        self.proc._send_outputs(EngineCoreOutputs(scale_report=report))
+
+    def post_input(self, item: Input) -> None:
+        self.proc.input_queue.put_nowait((EngineCoreRequestType.SCALE, item))
+
+    def leave(self) -> None:
+        self.proc._leaving = True

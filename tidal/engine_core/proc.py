@@ -280,6 +280,8 @@ class EngineCoreProc:
             self._call_utility(payload)
         elif req_type is EngineCoreRequestType.START_DP_WAVE:
             self._start_wave(payload)
+        elif req_type is EngineCoreRequestType.SCALE:
+            self._on_scale(payload)
 
     def _add_request(self, req: EngineCoreRequest | UndecodableRequest) -> None:
         if isinstance(req, UndecodableRequest):
@@ -329,6 +331,12 @@ class EngineCoreProc:
 
     def _start_wave(self, msg: StartDPWave) -> None:
         """Data parallel only (see DPEngineCoreProc)."""
+
+    def _on_scale(self, msg: Any) -> None:
+        """Elastic EP only (see DPEngineCoreProc)."""
+        logger.warning(
+            "engine %d: ignored %s: elastic EP is not enabled", self.engine_index, type(msg).__name__
+        )
 
     # ---- shutdown ----------------------------------------------------------------------
 

@@ -13,12 +13,14 @@ from typing import Any
 
 import msgspec
 
+from tidal.protocol.elastic import ScaleMessage
 from tidal.protocol.messages import EngineCoreRequest, EngineCoreRequestType, UtilityRequest
 
 REQUEST_DECODERS = {
     EngineCoreRequestType.ADD: msgspec.msgpack.Decoder(EngineCoreRequest),
     EngineCoreRequestType.ABORT: msgspec.msgpack.Decoder(list[str]),
     EngineCoreRequestType.UTILITY: msgspec.msgpack.Decoder(UtilityRequest),
+    EngineCoreRequestType.SCALE: msgspec.msgpack.Decoder(ScaleMessage),
 }
 _ADD_FIELDS = EngineCoreRequest.__struct_fields__
 

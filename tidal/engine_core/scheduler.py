@@ -67,6 +67,7 @@ class Scheduler:
         )
         self.requests: dict[str, Request] = {}  # unfinished requests by id
         self.num_requests_total = 0  # requests ever admitted (for load dashboards)
+        self.num_generation_tokens_total = 0  # output tokens ever appended (ditto)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order = priority order
         # Finished/aborted since the last schedule(): the runner drops their state.
@@ -135,8 +136,9 @@ class Scheduler:
         return len(self.running)
 
     def make_stats(self) -> SchedulerStats:
-        """Counts now; prefix-cache and preemption counters are cumulative since start.
-        ``step_counter`` and ``current_wave`` are the engine core's to fill."""
+        """Counts now; prefix-cache, preemption, request and generated-token counters are
+        cumulative since start. ``step_counter`` and ``current_wave`` are the engine
+        core's to fill."""
         kv = self.kv_cache_manager
         return SchedulerStats(
             num_running_reqs=len(self.running),
@@ -146,6 +148,7 @@ class Scheduler:
             prefix_cache_hits=kv.prefix_cache_hits,
             num_preempted=self.num_preemptions,
             num_requests_total=self.num_requests_total,
+            num_generation_tokens_total=self.num_generation_tokens_total,
         )
 
     def reset_prefix_cache(self) -> bool:
@@ -283,6 +286,7 @@ class Scheduler:
         for token in runner_output.sampled_token_ids.get(rid, ()):
             req.append_output_token(token)
             new_tokens.append(token)
+            self.num_generation_tokens_total += 1
             if self._check_stop(req):
                 break
         prompt_lps = self._new_prompt_logprobs(sched, runner_output)

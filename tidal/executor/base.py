@@ -10,6 +10,8 @@ from typing import Any
 
 from tidal.config import EngineConfig
 from tidal.executor.batch import ModelRunnerOutput, SchedulerOutput
+from tidal.protocol.elastic import ExpertTransferSpec
+from tidal.protocol.topology import Topology
 
 
 class Executor(ABC):
@@ -34,10 +36,89 @@ class Executor(ABC):
     def execute_dummy_batch(self, num_tokens: int = 1) -> None:
         self.collective_rpc("execute_dummy_batch", (num_tokens,))
 
-    def all_reduce_dp(self, values: list[int]) -> list[int]:
-        """Sum ``values`` over the DP ranks (the busy loop's wave consensus): a collective,
-        every rank calls it at the same step. One rank (no DP group): ``values``."""
-        return self.collective_rpc("all_reduce_dp", (values,))[0]
+    def all_reduce_dp(self, values: list[int], op: str = "sum") -> list[int]:
+        """Reduce ``values`` (``op``: "sum" or "max") over the DP ranks (the busy loop's
+        wave consensus): a collective, every rank calls it at the same step. One rank (no
+        DP group): ``values``."""
+        return self.collective_rpc("all_reduce_dp", (values, op))[0]
+
+    # ---- elastic EP (DESIGN.md 6.2; the engine's ``ElasticShell`` calls these) ----------
+    # Helper-thread calls touch only the standby groups and staged experts of ``epoch``;
+    # the others run on the busy loop's thread.
+
+    def init_joiner(self, topology: Topology, engine_id: int) -> None:
+        """A joining engine at startup: load the non-expert weights and allocate its expert
+        slots (``topology.placement`` at its rank), no process group yet."""
+        self.collective_rpc("init_joiner", (topology, engine_id))
+
+    def join_standby(
+        self,
+        epoch: int,
+        store_address: str,
+        members: list[int],
+        participants: list[int],
+        engine_id: int,
+        timeout_s: float,
+    ) -> None:
+        """Helper thread: create the standby groups of ``epoch`` on the TCPStore at
+        ``store_address``: DP and EP over ``members`` (rank = position) if this engine is
+        one, and the transfer group over ``participants``. Blocks until all have joined."""
+        self.collective_rpc(
+            "join_standby", (epoch, store_address, members, participants, engine_id, timeout_s)
+        )
+
+    def pack_expert_sends(self, epoch: int, sends: list[ExpertTransferSpec]) -> None:
+        """Busy-loop thread: snapshot the weights of the experts this engine sends (so the
+        helper never reads a slot an EPLB move is rewriting)."""
+        self.collective_rpc("pack_expert_sends", (epoch, sends))
+
+    def transfer_experts(
+        self,
+        epoch: int,
+        sends: list[ExpertTransferSpec],
+        receives: list[ExpertTransferSpec],
+        engine_id: int,
+        timeout_s: float,
+    ) -> int:
+        """Helper thread: send the packed experts and receive (stage) ``receives``, peer to
+        peer over the transfer group, from disk where the source is None. Every engine
+        walks the transfers in list order. Returns the bytes received (network + disk)."""
+        return self.collective_rpc(
+            "transfer_experts", (epoch, sends, receives, engine_id, timeout_s)
+        )[0]
+
+    def standby_barrier(self, epoch: int, wave: int, step: int) -> tuple[int, int]:
+        """The first collective of the standby DP group of ``epoch``: MAX of (wave, step)."""
+        return tuple(self.collective_rpc("standby_barrier", (epoch, wave, step))[0])
+
+    def swap_groups(self, epoch: int) -> None:
+        """The standby DP/EP groups of ``epoch`` become the current ones (the old ones are
+        kept until ``destroy_retired_groups``); the transfer group is destroyed."""
+        self.collective_rpc("swap_groups", (epoch,))
+
+    def install_experts(self, epoch: int, layout: list[list[int]], rank: int) -> None:
+        """Take rank ``rank`` of the placement ``layout`` (one row of logical experts per
+        rank) in every MoE layer: kept experts, staged ones, disk for anything missing;
+        dispatchers and EPLB rebuilt on the current (new) EP group."""
+        self.collective_rpc("install_experts", (epoch, layout, rank))
+
+    def destroy_standby(self, epoch: int) -> None:
+        """Destroy whatever standby groups of ``epoch`` exist (idempotent, no peers)."""
+        self.collective_rpc("destroy_standby", (epoch,))
+
+    def discard_staged(self, epoch: int) -> None:
+        self.collective_rpc("discard_staged", (epoch,))
+
+    def destroy_retired_groups(self) -> None:
+        """Survivor after a swap: destroy the old epoch's groups."""
+        self.collective_rpc("destroy_retired_groups")
+
+    def leave_groups(self) -> None:
+        """Leaving engine at the commit: destroy the current groups."""
+        self.collective_rpc("leave_groups")
+
+    def set_num_threads(self, num_threads: int) -> None:
+        self.collective_rpc("set_num_threads", (num_threads,))
 
     def get_expert_load(self) -> dict[int, list[int]]:
         """Per-layer expert load over the EPLB window, counted on this engine's rank(s)."""

@@ -8,9 +8,10 @@ the seed and the output position, ``tidal.layers.sampler``).
 
 Expert parallelism (``enable_expert_parallel``, EP size = DP size): the worker hands the
 runner its process groups (``set_process_groups``) before ``load_model``, which then
-builds the initial ``ExpertPlacement``, loads only this rank's experts (non-MoE weights
-are replicated), and gives every ``FusedMoE`` its dispatcher and the shared
-``MoEForwardContext``. Before every forward, real or dummy, the ranks all-gather their
+builds the ``ExpertPlacement`` (the topology's layout, else the linear launch one), loads
+only this rank's experts (non-MoE weights are replicated), and gives every ``FusedMoE``
+its dispatcher and the shared ``MoEForwardContext`` (``setup_expert_parallel``, again
+after an elastic resize: tidal/executor/elastic.py). Before every forward, real or dummy, the ranks all-gather their
 token counts over the DP group (one CPU int64 per rank) into that context: the
 dispatchers need them, and an idle rank's dummy forward enters the very same collectives,
 layer by layer, as a busy rank's real one. After every forward ``EplbState.end_step``
@@ -72,7 +73,8 @@ class ModelRunner:
         # Expert parallelism (None without EP): set by set_process_groups / load_model.
         self.dp_group: Any = None
         self.ep_group: Any = None
-        self.placement: ExpertPlacement | None = None  # initial placement (every layer)
+        # The placement every layer was set up with (launch, or the last elastic resize).
+        self.placement: ExpertPlacement | None = None
         self.eplb: EplbState | None = None
         self.moe_context = MoEForwardContext()
 
@@ -89,18 +91,43 @@ class ModelRunner:
             )
         self.dp_group, self.ep_group = dp_group, ep_group
 
-    def load_model(self, local_expert_ids: list[int] | None = None) -> None:
+    def load_model(
+        self,
+        local_expert_ids: list[int] | None = None,
+        *,
+        layout: list[list[int]] | None = None,
+        load_experts: bool = True,
+    ) -> None:
+        """Build the model and load its weights. With EP the placement decides the local
+        experts: ``layout`` (the topology's, one row of logical experts per rank) when
+        given, else the linear launch placement. ``load_experts=False``: allocate the
+        expert slots but do not read them (a joining engine: they arrive from peers)."""
         if self.ep_group is None:
-            self.model = load_model(self.config, local_expert_ids=local_expert_ids)
+            self.model = load_model(
+                self.config, local_expert_ids=local_expert_ids, load_experts=load_experts
+            )
             return
         if local_expert_ids is not None:
             raise ValueError("with expert parallelism the placement chooses the local experts")
-        self.placement = initial_placement(self.config, self.ep_group.world_size)
+        ep_size = self.ep_group.world_size
+        if layout is not None:
+            if len(layout) != ep_size:
+                raise ValueError(f"placement has {len(layout)} rows for an EP group of {ep_size}")
+            self.placement = ExpertPlacement.from_layout(num_experts(self.config), layout)
+        else:
+            self.placement = initial_placement(self.config, ep_size)
         rank = self.ep_group.rank
-        self.model = load_model(self.config, local_expert_ids=self.placement.local_expert_ids(rank))
-        self._setup_expert_parallel(self.placement)
+        self.model = load_model(
+            self.config,
+            local_expert_ids=self.placement.local_expert_ids(rank),
+            load_experts=load_experts,
+        )
+        self.setup_expert_parallel(self.placement)
 
-    def _setup_expert_parallel(self, placement: ExpertPlacement) -> None:
+    def setup_expert_parallel(self, placement: ExpertPlacement) -> None:
+        """Give every MoE layer a dispatcher for ``placement`` on the current EP group and
+        start a fresh ``EplbState`` (every layer at ``placement``). The layers must already
+        hold this rank's experts of ``placement``. Also after an elastic resize."""
         p = self.config.parallel
         layers = self.model.moe_layers()
         if not layers:
@@ -352,11 +379,18 @@ class ModelRunner:
             out.prompt_logprobs[req.request_id] = lps
 
 
+def num_experts(config: EngineConfig) -> int:
+    """The model's number of logical experts (from its config)."""
+    spec = get_model_class(config.model.architecture).spec_from_config(config.model.hf_config)
+    return spec.num_experts
+
+
 def initial_placement(config: EngineConfig, ep_size: int) -> ExpertPlacement:
     """Linear placement of the model's experts over ``ep_size`` ranks, with
     ``num_redundant_experts`` extra replicas (and any spare slots) filled evenly."""
-    spec = get_model_class(config.model.architecture).spec_from_config(config.model.hf_config)
-    return ExpertPlacement.linear(spec.num_experts, ep_size, config.parallel.num_redundant_experts)
+    return ExpertPlacement.linear(
+        num_experts(config), ep_size, config.parallel.num_redundant_experts
+    )
 
 
 def _error(stage: str, e: Exception) -> str:

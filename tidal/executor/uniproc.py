@@ -18,12 +18,19 @@ class UniProcExecutor(Executor):
         *,
         topology: Topology | None = None,
         engine_id: int | None = None,
+        joining: bool = False,
     ) -> None:
         """``topology``/``engine_id``: the DP group this engine joins and its place there
-        (see ``Worker.init_distributed``); None: the launch topology of ``config``."""
+        (see ``Worker.init_distributed``); None: the launch topology of ``config``.
+        ``joining``: an elastic EP joiner (``Worker.init_joiner``): no group yet."""
         super().__init__(config)
         self.worker = Worker(config, local_rank=config.parallel.data_parallel_rank)
         try:
+            if joining:
+                if topology is None or engine_id is None:
+                    raise ValueError("a joining engine needs its topology and engine id")
+                self.worker.init_joiner(topology, engine_id)
+                return
             # Groups first: with expert parallelism the placement decides what to load.
             self.worker.init_distributed(topology, engine_id)
             self.worker.load_model(local_expert_ids)

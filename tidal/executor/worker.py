@@ -11,7 +11,8 @@ TCPStore (the topology's ``store_address``), hosted by DP rank 0, carries
   position in the ``Topology``; the group size is the topology's (the live size).
 
 Both are ``StatelessGroup``s (nothing in torch's global state), so elastic scaling can
-build new ones beside them and swap.
+build new ones beside them and swap: the elastic methods (standby groups, expert
+transfers, swap, install) live in ``tidal/executor/elastic.py``; this class forwards them.
 
 Security: the TCPStore and the gloo/NCCL peer connections have no authentication (the
 ZMQ control plane does: tidal/distributed/zmq_auth.py). Multi-node deployments must keep
@@ -26,11 +27,14 @@ import os
 from typing import Any
 
 import torch
+from torch.distributed import ReduceOp
 
 from tidal.config import EngineConfig, ParallelConfig
 from tidal.distributed.groups import StatelessGroup, create_store
 from tidal.executor.batch import ModelRunnerOutput, SchedulerOutput
+from tidal.executor.elastic import ElasticWorkerState
 from tidal.executor.model_runner import ModelRunner
+from tidal.protocol.elastic import ExpertTransferSpec
 from tidal.protocol.topology import Topology
 
 logger = logging.getLogger(__name__)
@@ -38,6 +42,8 @@ logger = logging.getLogger(__name__)
 # Group rendezvous and collective timeout. Generous: a peer may still be loading weights,
 # or running a long CPU prefill, while this rank waits in a collective.
 DIST_TIMEOUT_S = 300.0
+
+_REDUCE_OPS = {"sum": ReduceOp.SUM, "max": ReduceOp.MAX}
 
 
 def cpu_threads_for_rank(num_local_ranks: int) -> int:
@@ -67,6 +73,9 @@ class Worker:
         self.dp_group: StatelessGroup | None = None
         self.ep_group: StatelessGroup | None = None
         self._store: Any = None
+        # The topology's expert placement (rows per rank) from init_distributed, if any.
+        self._layout: list[list[int]] | None = None
+        self.elastic = ElasticWorkerState(self)
 
     def _init_device(self) -> torch.device:
         if self.config.device == "cuda":
@@ -119,6 +128,8 @@ class Worker:
             self.shutdown()
             raise
         self.model_runner.set_process_groups(self.dp_group, self.ep_group)
+        self._layout = topology.placement
+        self.elastic.epoch = topology.epoch
         logger.info(
             "engine %d: DP rank %d/%d of epoch %d joined the process groups (EP: %s)",
             engine_id,
@@ -129,7 +140,9 @@ class Worker:
         )
 
     def shutdown(self) -> None:
-        """Destroy the groups (idempotent, does not wait for peers) and drop the store."""
+        """Destroy the groups, standby and retired ones included (idempotent, does not
+        wait for peers) and drop the store."""
+        self.elastic.shutdown()
         for group in (self.ep_group, self.dp_group):
             if group is not None:
                 group.destroy()
@@ -140,7 +153,8 @@ class Worker:
     # ---- model -------------------------------------------------------------------------
 
     def load_model(self, local_expert_ids: list[int] | None = None) -> None:
-        self.model_runner.load_model(local_expert_ids)
+        """With EP the topology's placement (``init_distributed``) picks the experts."""
+        self.model_runner.load_model(local_expert_ids, layout=self._layout)
 
     def determine_num_blocks(self) -> int:
         return self.model_runner.determine_num_blocks()
@@ -154,11 +168,70 @@ class Worker:
     def execute_dummy_batch(self, num_tokens: int = 1) -> None:
         self.model_runner.execute_dummy_batch(num_tokens)
 
-    def all_reduce_dp(self, values: list[int]) -> list[int]:
-        """Sum ``values`` over the DP group (gloo, CPU); as they are without one (DP=1)."""
+    def all_reduce_dp(self, values: list[int], op: str = "sum") -> list[int]:
+        """Reduce ``values`` (``op``: "sum" or "max") over the DP group (gloo, CPU); as they
+        are without one (DP=1)."""
+        if op not in _REDUCE_OPS:
+            raise ValueError(f"op must be one of {sorted(_REDUCE_OPS)}, got {op!r}")
         if self.dp_group is None:
             return list(values)
-        return self.dp_group.all_reduce(torch.tensor(values, dtype=torch.int64)).tolist()
+        t = torch.tensor(values, dtype=torch.int64)
+        return self.dp_group.all_reduce(t, _REDUCE_OPS[op]).tolist()
+
+    # ---- elastic EP (tidal/executor/elastic.py; see Executor for the contract) ----------
+
+    def init_joiner(self, topology: Topology, engine_id: int) -> None:
+        self.elastic.init_joiner(topology, engine_id)
+
+    def join_standby(
+        self,
+        epoch: int,
+        store_address: str,
+        members: list[int],
+        participants: list[int],
+        engine_id: int,
+        timeout_s: float,
+    ) -> None:
+        self.elastic.join_standby(epoch, store_address, members, participants, engine_id, timeout_s)
+
+    def pack_expert_sends(self, epoch: int, sends: list[ExpertTransferSpec]) -> None:
+        self.elastic.pack_expert_sends(epoch, sends)
+
+    def transfer_experts(
+        self,
+        epoch: int,
+        sends: list[ExpertTransferSpec],
+        receives: list[ExpertTransferSpec],
+        engine_id: int,
+        timeout_s: float,
+    ) -> int:
+        return self.elastic.transfer_experts(epoch, sends, receives, engine_id, timeout_s)
+
+    def standby_barrier(self, epoch: int, wave: int, step: int) -> tuple[int, int]:
+        return self.elastic.standby_barrier(epoch, wave, step)
+
+    def swap_groups(self, epoch: int) -> None:
+        self.elastic.swap_groups(epoch)
+
+    def install_experts(self, epoch: int, layout: list[list[int]], rank: int) -> None:
+        self.elastic.install_experts(epoch, layout, rank)
+
+    def destroy_standby(self, epoch: int) -> None:
+        self.elastic.destroy_standby(epoch)
+
+    def discard_staged(self, epoch: int) -> None:
+        self.elastic.discard_staged(epoch)
+
+    def destroy_retired_groups(self) -> None:
+        self.elastic.destroy_retired_groups()
+
+    def leave_groups(self) -> None:
+        self.elastic.leave_groups()
+
+    def set_num_threads(self, num_threads: int) -> None:
+        if num_threads < 1:
+            raise ValueError(f"num_threads must be >= 1, got {num_threads}")
+        torch.set_num_threads(num_threads)
 
     # ---- expert load balancing ---------------------------------------------------------
 

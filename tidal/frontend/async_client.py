@@ -1,18 +1,35 @@
 """The asyncio multiprocess client, for the API server: outputs arrive on an asyncio
-queue, read by tasks on the caller's event loop."""
+queue, read by tasks on the caller's event loop. With elastic EP it also runs what the
+scale driver asks of it on that loop (``send_scale``, ``migrate``, ``set_topology``; see
+``mp_client``)."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
+import time
+from collections.abc import Iterable
 from typing import Any
 
 import zmq.asyncio
 
 from tidal.config import EngineConfig
 from tidal.dp_coordinator.handle import fetch_stats_async
-from tidal.frontend.mp_client import OUTPUT_DECODER, MPClient
+from tidal.frontend.mp_client import OUTPUT_DECODER, MPClient, exit_reason
+from tidal.protocol.elastic import ScaleMessage
 from tidal.protocol.errors import EngineDeadError
-from tidal.protocol.messages import DPCoordinatorStats, EngineCoreOutputs, EngineCoreRequestType
+from tidal.protocol.messages import (
+    DPCoordinatorStats,
+    EngineCoreOutputs,
+    EngineCoreRequestType,
+    encode,
+)
+
+logger = logging.getLogger(__name__)
+
+# A joining engine registers its input route before it loads the model, so the route
+# exists long before its READY; this only covers a slow connect.
+SCALE_SEND_RETRY_S = 5.0
 
 
 class AsyncMPClient(MPClient):
@@ -44,9 +61,14 @@ class AsyncMPClient(MPClient):
                 if fut is not None and not fut.done():
                     fut.set_result(outs.utility_output)
             elif outs.engine_dead:
-                self._fail(outs.dead_reason or "engine reported a fatal error")
-            else:
-                self._on_outputs(outs)
+                reason = outs.dead_reason or "engine reported a fatal error"
+                if self._scale_owns(outs.engine_index):
+                    # A joining or leaving engine: its exit (which follows) is the scale
+                    # driver's event, not a rank death.
+                    logger.warning("engine %d (scaling) died: %s", outs.engine_index, reason)
+                else:
+                    self._fail(reason)
+            elif self._on_outputs(outs):
                 self._queue.put_nowait(outs)
 
     async def _read_snapshots(self) -> None:
@@ -62,6 +84,57 @@ class AsyncMPClient(MPClient):
             self._loop.call_soon_threadsafe(self._fail, reason)
         elif self.dead_reason is None:
             self.dead_reason = reason
+
+    def _on_engine_exit(self, engine_id: int, exitcode: int | None) -> None:
+        # The monitor's thread: decide on the loop, where the scale driver's state lives.
+        loop = self._loop
+        if loop is None:
+            if self.dead_reason is None:
+                self.dead_reason = exit_reason(engine_id, exitcode)
+            return
+        try:
+            loop.call_soon_threadsafe(self._handle_engine_exit, engine_id, exitcode)
+        except RuntimeError:  # the loop is closed: nobody is left to tell
+            pass
+
+    def _handle_engine_exit(self, engine_id: int, exitcode: int | None) -> None:
+        hooks = self._scale_hooks
+        if hooks is not None and hooks.owns_engine(engine_id):
+            hooks.on_exit(engine_id, exitcode)
+            return
+        self._fail(exit_reason(engine_id, exitcode))
+
+    # ---- elastic EP ----------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start reading outputs on the running loop (the scale driver needs the reports
+        before any request was made)."""
+        self._ensure_reader()
+
+    async def send_scale(
+        self,
+        engine_ids: Iterable[int],
+        message: ScaleMessage,
+        *,
+        retry_s: float = SCALE_SEND_RETRY_S,
+    ) -> list[int]:
+        """Send one SCALE frame (``ScalePrepare | ScaleCommit | ScaleAbort``) to each
+        engine, in order. An engine whose input route is not there yet (a joiner right
+        after READY) is retried for ``retry_s``; returns those still unreachable then (an
+        engine that exited). Raises ``EngineDeadError`` once the client failed."""
+        payload = encode(message)
+        pending = list(dict.fromkeys(engine_ids))
+        deadline = time.monotonic() + retry_s
+        while True:
+            self._drain_registrations()
+            pending = [e for e in pending if not self._try_send_scale(e, payload)]
+            if not pending or time.monotonic() >= deadline:
+                return pending
+            await asyncio.sleep(0.02)
+
+    def _deliver_injected(self, outs: EngineCoreOutputs) -> None:
+        self._ensure_reader()
+        self._queue.put_nowait(outs)
 
     def _fail(self, reason: str) -> None:
         if self.dead_reason is None:
@@ -112,4 +185,11 @@ class AsyncMPClient(MPClient):
         for task in (self._reader_task, getattr(self, "_snapshot_task", None)):
             if task is not None and not task.done():
                 task.cancel()
+        # The asyncio views of the sockets registered their fds with the event loop; the
+        # sockets are closed below through their sync objects, which does not unregister
+        # them, and a client started later on the same loop reuses those fd numbers (its
+        # reader would never wake). Unregister first (pyzmq's own close does the same).
+        for view in (getattr(self, "_async_out", None), getattr(self, "_async_snap", None)):
+            if view is not None and not view.closed:
+                view._clear_io_state()
         self._close_resources()

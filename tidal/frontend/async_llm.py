@@ -4,6 +4,12 @@ One output-handler task reads engine outputs, runs them through the ``OutputProc
 (detokenize, stop strings, n-way merge) and hands each ``RequestOutput`` to the queue of
 the request's ``generate()`` iterator. Closing that iterator (client disconnect) aborts the
 request in the engine, which frees its KV blocks.
+
+Elastic EP (``--enable-elastic-ep``, DESIGN.md 6): ``scale_elastic_ep`` runs one scale
+operation through the ``ScaleDriver`` (``tidal.frontend.scale_driver``) and answers
+``(status_code, record)``; ``is_scaling_elastic_ep``, ``scaling_history`` and
+``add_scale_listener`` (every finished operation's record, for the metrics) report on
+them. Requests are never refused because of scaling.
 """
 
 from __future__ import annotations
@@ -13,7 +19,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,6 +28,8 @@ from tidal.frontend.async_client import AsyncMPClient
 from tidal.frontend.output_processor import OutputProcessor
 from tidal.frontend.outputs import OutputKind, RequestOutput
 from tidal.frontend.processor import InputProcessor, ProcessedPrompt, load_tokenizer
+from tidal.frontend.scale_driver import ScaleDriver
+from tidal.frontend.scale_records import ScaleTimeouts
 from tidal.protocol.errors import EngineDeadError
 from tidal.protocol.messages import DPCoordinatorStats, EngineCoreOutputs
 from tidal.sampling_params import SamplingParams
@@ -47,8 +55,12 @@ class AsyncLLM:
         *,
         served_model_name: str | None = None,
         client: AsyncMPClient | None = None,
+        scale_timeouts: ScaleTimeouts | None = None,
     ) -> None:
+        """``scale_timeouts``: the deadlines of elastic EP operations (default
+        ``ScaleTimeouts()``)."""
         self.config = config
+        self.scale_timeouts = scale_timeouts
         self.served_model_name = served_model_name or config.model.model
         self.tokenizer = load_tokenizer(config.model.tokenizer)
         self.input_processor = InputProcessor(config.model, self.tokenizer, config.frontend)
@@ -57,7 +69,10 @@ class AsyncLLM:
         self._streams: dict[str, _Stream] = {}
         self._handler: asyncio.Task | None = None
         self._stat_loggers: list[Any] = []
+        # Per engine id (the ``engine_index`` of its outputs): its latest SchedulerStats.
         self.latest_stats: dict[int, Any] = {}
+        self._scale_driver: ScaleDriver | None = None
+        self._scale_listeners: list[Callable[[dict[str, Any]], None]] = []
 
     # ---- public API --------------------------------------------------------------------
 
@@ -141,6 +156,9 @@ class AsyncLLM:
         """``/stats``: per-rank load, wave state (the coordinator's view with DP) and, with
         expert parallelism, the expert load."""
         stats = await self._load_stats()
+        if self.elastic_ep_enabled:
+            stats["is_scaling_elastic_ep"] = self.is_scaling_elastic_ep()
+            stats["scaling_history"] = self.scaling_history()
         if self.has_expert_load:
             stats["expert_load"] = {str(k): v for k, v in (await self.get_expert_load()).items()}
         return stats
@@ -160,6 +178,7 @@ class AsyncLLM:
                     "running": s.num_running_reqs if s else 0,
                     "kv_usage": s.kv_cache_usage if s else 0.0,
                     "requests_total": s.num_requests_total if s else 0,
+                    "generation_tokens_total": s.num_generation_tokens_total if s else 0,
                 }
             )
         return {
@@ -170,7 +189,73 @@ class AsyncLLM:
             "ranks": ranks,
         }
 
+    # ---- elastic EP (DESIGN.md 6.6) --------------------------------------------------------
+
+    @property
+    def elastic_ep_enabled(self) -> bool:
+        return self.config.parallel.enable_elastic_ep
+
+    async def scale_elastic_ep(
+        self,
+        new_data_parallel_size: int,
+        drain_timeout: float = 0.0,
+        operation_id: str | None = None,
+    ) -> tuple[int, dict[str, Any]]:
+        """Grow or shrink the deployment to ``new_data_parallel_size`` engines while it
+        serves; returns when the operation ended: ``(200, record)`` with ``record["result"]``
+        ``succeeded`` | ``rolled_back`` | ``failed`` (and its ``cause``). A repeated
+        ``operation_id`` answers its first record at once (also while it runs); another
+        operation running answers ``(409, that operation's record)``. ``ValueError`` (HTTP
+        400) when elastic EP is off or the request cannot be served (size, drain timeout,
+        operation id), naming the valid range."""
+        driver = self.scale_driver
+        if self.is_dead:
+            raise EngineDeadError(self.dead_reason)
+        self._ensure_handler()  # outputs of migrated requests must keep flowing
+        resp = await driver.scale(new_data_parallel_size, drain_timeout, operation_id)
+        return resp.status_code, resp.record.to_dict()
+
+    def is_scaling_elastic_ep(self) -> bool:
+        """``/is_scaling_elastic_ep``: an operation runs (or its outcome is still unknown)."""
+        return self._scale_driver is not None and self._scale_driver.is_scaling
+
+    def scaling_history(self) -> list[dict[str, Any]]:
+        """Scale operations (records as ``scale_elastic_ep`` answers them), oldest first;
+        a running one is last with its current phase."""
+        return [] if self._scale_driver is None else self._scale_driver.history()
+
+    def add_scale_listener(self, listener: Callable[[dict[str, Any]], None]) -> None:
+        """``listener(record)`` on the event loop each time an operation ends (and again if
+        an unknown outcome is learnt later): the record ``scale_elastic_ep`` answers."""
+        self._scale_listeners.append(listener)
+        if self._scale_driver is not None:
+            self._scale_driver.add_listener(listener)
+
+    @property
+    def scale_driver(self) -> ScaleDriver:
+        """The elastic EP driver (created on first use); ``ValueError`` without elastic EP."""
+        if not self.elastic_ep_enabled:
+            raise ValueError(
+                "elastic EP is not enabled: start the server with --enable-elastic-ep "
+                "to scale the deployment while it serves"
+            )
+        if self._scale_driver is None:
+            driver = ScaleDriver.for_client(self.config, self.client, self.scale_timeouts)
+            driver.add_listener(self._on_scale_record)
+            for listener in self._scale_listeners:
+                driver.add_listener(listener)
+            self._scale_driver = driver
+        return self._scale_driver
+
+    def _on_scale_record(self, record: dict[str, Any]) -> None:
+        # Engines that left keep no row in the per-engine stats.
+        members = set(self.client.topology.engine_ids)
+        for engine_id in [e for e in self.latest_stats if e not in members]:
+            del self.latest_stats[engine_id]
+
     async def shutdown(self) -> None:
+        if self._scale_driver is not None:
+            self._scale_driver.close()
         if self._handler is not None:
             self._handler.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
@@ -273,6 +358,7 @@ def _dp_stats_json(st: DPCoordinatorStats) -> dict[str, Any]:
                 "running": r.running,
                 "kv_usage": r.kv_usage,
                 "requests_total": r.requests_total,
+                "generation_tokens_total": r.generation_tokens_total,
                 "history": [[round(st.timestamp - t, 3), w, n] for t, w, n in r.history],
             }
             for r in st.ranks

@@ -7,6 +7,7 @@ engine holds which request.
 from __future__ import annotations
 
 import time
+from collections.abc import Collection
 
 from tidal.dp_coordinator.balance import Balancer
 from tidal.protocol.messages import DPLoadSnapshot, DPWakeUp, EngineCoreOutputs, EngineCoreRequest
@@ -60,11 +61,14 @@ class DPFrontendState:
     def topology(self) -> Topology:
         return self.balancer.topology
 
-    def route(self, request: EngineCoreRequest) -> tuple[int, DPWakeUp | None]:
+    def route(
+        self, request: EngineCoreRequest, *, exclude: Collection[int] = ()
+    ) -> tuple[int, DPWakeUp | None]:
         """Choose the rank, stamp the wave and record the request as sent there (before it
         is sent: its outputs may come back before the sender's next line runs). Returns
-        the rank and the wake-up to send *after* the request, or None."""
-        rank = self.balancer.choose(request.data_parallel_rank)
+        the rank and the wake-up to send *after* the request, or None. ``exclude``:
+        engines that must not get it (besides the draining ones)."""
+        rank = self.balancer.choose(request.data_parallel_rank, exclude=exclude)
         wave, wake = self.wave.on_send(rank)
         request.current_wave = wave
         self.balancer.on_send(rank, time.monotonic())
@@ -79,6 +83,20 @@ class DPFrontendState:
             self._finished(request_id)
         if wake is not None:
             self.wave.running = False
+
+    def reroute(
+        self, request: EngineCoreRequest, *, exclude: Collection[int] = ()
+    ) -> tuple[int, DPWakeUp | None]:
+        """Route a migrating request (elastic EP) anew: it leaves its old engine's
+        in-flight count and goes to one chosen like a new request, never an excluded or
+        draining one. Undo with ``unroute`` if it is not sent."""
+        self._finished(request.request_id)
+        return self.route(request, exclude=exclude)
+
+    def finished(self, request_id: str) -> None:
+        """The request ended without an output from its engine (e.g. a migrating request
+        whose outputs already finished it)."""
+        self._finished(request_id)
 
     def on_outputs(self, outs: EngineCoreOutputs) -> None:
         for out in outs.outputs:
@@ -105,6 +123,13 @@ class DPFrontendState:
 
     def set_topology(self, topology: Topology) -> None:
         """A reconfiguration: route by it from now
-        on and drop snapshots of older epochs. Requests on removed engines stay recorded
-        until they finish or are aborted (migration re-routes them)."""
+        on and drop snapshots of older epochs, and believe the engines paused (the next
+        request wakes them). Requests on removed engines stay recorded until they finish
+        or are aborted (migration re-routes them)."""
         self.balancer.set_topology(topology)
+        self.wave.set_topology(topology)
+
+    def set_draining(self, engine_ids: Collection[int]) -> None:
+        """Engines that get no automatically routed request (members of the topology
+        only; the others are dropped)."""
+        self.balancer.set_draining([e for e in engine_ids if e in self.topology])

@@ -1,14 +1,27 @@
 """The part of the multiprocess engine clients that does not depend on how outputs are
 read (threads for ``SyncMPClient``, asyncio for ``AsyncMPClient``): the frontend's
 sockets, the engine processes, the DP coordinator, routing, and releasing all of it.
+
+Elastic EP (``--enable-elastic-ep``, DESIGN.md 6.2-6.3) adds what the scale driver
+(``tidal.frontend.scale_driver``) executes through the client: ``set_topology`` (the
+coordinator, the balancer, the wave state, the process manager, the ownership epoch),
+``exclude_from_routing`` / ``restore_routing`` (leaving engines get no new request),
+``send_scale`` (SCALE frames) and ``migrate`` (resume an engine's requests elsewhere).
+With the flag every engine request sent is recorded in a ``RequestBook``
+(``tidal.frontend.migrations``): outputs of an engine that does not own the request are
+dropped before they reach the caller. ``ScaleHooks`` route the engines' scale reports,
+and the exits of engines in a scale operation, to the driver instead of failing the
+client.
 """
 
 from __future__ import annotations
 
+import logging
 import shutil
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -25,12 +38,17 @@ from tidal.distributed.zmq_auth import (
     start_authenticator,
 )
 from tidal.dp_coordinator.handle import DPCoordinator
+from tidal.elastic.migration import AlreadyFinished
 from tidal.frontend.core_client import EngineCoreClient
 from tidal.frontend.dp_state import DPFrontendState
+from tidal.frontend.migrations import RequestBook
 from tidal.frontend.proc_manager import EngineProcManager, frontend_addresses, ipc_dir
+from tidal.protocol.elastic import ScaleReport
 from tidal.protocol.errors import EngineDeadError
 from tidal.protocol.messages import (
     SNAPSHOT_DECODER,
+    DPSetTopology,
+    EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
     EngineCoreRequestType,
@@ -40,7 +58,24 @@ from tidal.protocol.messages import (
 )
 from tidal.protocol.topology import Topology
 
+logger = logging.getLogger(__name__)
+
 OUTPUT_DECODER = msgspec.msgpack.Decoder(EngineCoreOutputs)
+
+
+@dataclass(frozen=True)
+class ScaleHooks:
+    """How the client hands elastic EP events to the scale driver (all called on the
+    thread that reads outputs: the event loop's for ``AsyncMPClient``).
+
+    ``owns_engine(engine_id)``: whether an exit (or ENGINE_CORE_DEAD) of this engine is
+    the driver's (an engine joining or leaving in a scale operation, or one no longer
+    serving) rather than a rank death that fails the client. ``on_exit(engine_id,
+    exitcode)`` is then called for the exit; ``on_report`` for every ``ScaleReport``."""
+
+    on_report: Callable[[ScaleReport], None]
+    owns_engine: Callable[[int], bool]
+    on_exit: Callable[[int, int | None], None]
 
 
 def encode_request(request: EngineCoreRequest) -> bytes:
@@ -75,6 +110,14 @@ class MPClient(EngineCoreClient):
         # The launch topology: engine ids 0..N-1 in rank order. Every engine gets it in the
         # handshake and takes its DP/EP rank and group size from it, not from the config.
         self._launch_topology = Topology.initial(par.data_parallel_size, store_address=store)
+        # Elastic EP: every engine request sent, its owner and outputs (migration), guarded
+        # by a lock (the sync client reads outputs on its own thread).
+        self._book = (
+            RequestBook(0, config.model.max_model_len) if par.enable_elastic_ep else None
+        )
+        self._book_lock = threading.Lock()
+        self._excluded: set[int] = set()  # engines that get no routed request (leaving)
+        self._scale_hooks: ScaleHooks | None = None
         self.ipc_dir = ipc_dir()
         self.ctx: zmq.Context = zmq.asyncio.Context() if asyncio_mode else zmq.Context()
         self.dead_reason: str | None = None
@@ -118,7 +161,7 @@ class MPClient(EngineCoreClient):
         # exit, whichever comes first: a script that never calls shutdown() still exits.
         self._resources = _MPResources.of(self)
         self._finalizer = weakref.finalize(self, self._resources.close)
-        self.manager.start_monitor(_weak_callback(self._on_engine_death))
+        self.manager.start_monitor(_weak_callback(self._on_engine_exit))
 
     @property
     def topology(self) -> Topology:
@@ -179,7 +222,16 @@ class MPClient(EngineCoreClient):
             return
         rank, wake = self.dp.route(request)  # stamps the wave, so encode after it
         try:
-            self._send_frame(rank, EngineCoreRequestType.ADD, encode_request(request))
+            if self._book is not None:
+                with self._book_lock:
+                    self._book.add(request, rank)
+            try:
+                self._send_frame(rank, EngineCoreRequestType.ADD, encode_request(request))
+            except BaseException:
+                if self._book is not None:
+                    with self._book_lock:
+                        self._book.finish(request.request_id)
+                raise
         except BaseException:
             self.dp.unroute(request.request_id, rank, wake)
             raise
@@ -191,15 +243,167 @@ class MPClient(EngineCoreClient):
     def abort_requests(self, request_ids: list[str]) -> None:
         if not request_ids or self.dead_reason is not None:
             return
+        if self._book is not None:
+            with self._book_lock:
+                for rid in request_ids:
+                    self._book.finish(rid)
         if self.dp is None:
             self._send(self.engine_ids[0], EngineCoreRequestType.ABORT, request_ids)
             return
         for rank, ids in self.dp.on_abort(request_ids).items():
             self._send(rank, EngineCoreRequestType.ABORT, ids)
 
-    def _on_outputs(self, outs: EngineCoreOutputs) -> None:
+    def _on_outputs(self, outs: EngineCoreOutputs) -> bool:
+        """Bookkeeping of one batch from an engine; False when nothing in it is for the
+        caller (a scale report alone: it went to the scale driver). With elastic EP,
+        outputs of an engine that does not own their request are removed first."""
+        report = outs.scale_report
+        if report is not None:
+            hooks = self._scale_hooks
+            if hooks is not None:
+                try:
+                    hooks.on_report(report)
+                except Exception:  # noqa: BLE001 - the output reader must go on
+                    logger.exception("scale report handler failed")
+            else:
+                logger.warning("scale report with no scale driver: %s", report)
+        if self._book is not None and outs.outputs:
+            with self._book_lock:
+                outs.outputs = self._book.accept(outs.engine_index, outs.outputs)
         if self.dp is not None:
             self.dp.on_outputs(outs)
+        return report is None or bool(outs.outputs) or outs.scheduler_stats is not None
+
+    # ---- elastic EP (DESIGN.md 6.2-6.3): executed for the scale driver -----------------
+
+    @property
+    def elastic(self) -> bool:
+        return self._book is not None
+
+    @property
+    def request_book(self) -> RequestBook | None:
+        return self._book
+
+    def set_scale_hooks(self, hooks: ScaleHooks | None) -> None:
+        self._scale_hooks = hooks
+
+    def _scale_owns(self, engine_id: int) -> bool:
+        hooks = self._scale_hooks
+        return hooks is not None and hooks.owns_engine(engine_id)
+
+    def set_topology(self, topology: Topology) -> None:
+        """A committed reconfiguration: tell the coordinator (``DPSetTopology`` on the
+        frontends' upstream socket), route by ``topology`` (balancer, wave state: the next
+        request wakes the engines), answer later handshakes with it and move the ownership
+        table to its epoch. Each receiver drops an older topology."""
+        if self.dp is None:
+            raise RuntimeError("set_topology needs the DP machinery (elastic EP)")
+        self._wakeup_socket.send(encode(DPSetTopology(topology)))
+        self.dp.set_topology(topology)
+        self._excluded &= set(self.dp.topology.engine_ids)
+        self.dp.set_draining(self._excluded)
+        self.manager.set_topology(self.dp.topology)
+        if self._book is not None:
+            with self._book_lock:
+                self._book.set_epoch(self.dp.topology.epoch)
+
+    def exclude_from_routing(self, engine_ids: Iterable[int]) -> None:
+        """These engines get no automatically routed request (leaving in a scale-down)."""
+        self._excluded |= set(engine_ids)
+        if self.dp is not None:
+            self.dp.set_draining(self._excluded)
+
+    def restore_routing(self, engine_ids: Iterable[int]) -> None:
+        self._excluded -= set(engine_ids)
+        if self.dp is not None:
+            self.dp.set_draining(self._excluded)
+
+    @property
+    def excluded_engines(self) -> frozenset[int]:
+        return frozenset(self._excluded)
+
+    def _drain_registrations(self) -> None:
+        """Read the input registrations of engines started after launch (joiners): an
+        empty frame each, nothing else ever arrives there. Only on the thread that owns
+        the input socket."""
+        while True:
+            try:
+                self.input_socket.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+
+    def _try_send_scale(self, engine_id: int, payload: bytes) -> bool:
+        """One SCALE frame; False while the engine's input route does not exist yet (a
+        joiner right after READY) or no longer does (it exited)."""
+        if self.dead_reason is not None:
+            raise EngineDeadError(self.dead_reason)
+        frames = [engine_identity(engine_id), EngineCoreRequestType.SCALE.value, payload]
+        try:
+            self.input_socket.send_multipart(frames)
+        except zmq.ZMQError as e:
+            if e.errno == zmq.EHOSTUNREACH:
+                return False
+            raise
+        return True
+
+    def migrate(self, engine_id: int, request_ids: Iterable[str] | None = None) -> int:
+        """Resume requests of ``engine_id`` on other engines (DESIGN.md 6.3): those named
+        (it handed them back) or, with None, every one it still owns (it is gone). Each is
+        sent as a resumed request (prompt + outputs so far) to an engine the balancer
+        picks, never a draining one nor a former owner; one whose outputs already end it
+        gets its finish delivered instead. Returns how many were moved or finished (a
+        request that cannot be moved gets an ERROR finish and is not counted)."""
+        if self._book is None or self.dp is None:
+            return 0
+        with self._book_lock:
+            items = self._book.take(engine_id, request_ids)
+        moved = 0
+        finishes: list[EngineCoreOutput] = []
+        for item in items:
+            rid = item.request_id
+            if isinstance(item, AlreadyFinished):
+                with self._book_lock:
+                    finishes.append(self._book.finished_output(item))
+                self.dp.finished(rid)
+                moved += 1
+                continue
+            request = item.to_engine_request(current_wave=0)  # route stamps the wave
+            try:
+                with self._book_lock:
+                    exclude = self._book.blocked_targets(rid, self.dp.topology.engine_ids)
+                exclude.add(engine_id)
+                target, wake = self.dp.reroute(request, exclude=exclude)
+            except (RuntimeError, ValueError) as e:
+                self.dp.finished(rid)
+                with self._book_lock:
+                    finishes.append(
+                        self._book.failed_output(rid, f"request could not be moved: {e}")
+                    )
+                continue
+            try:
+                with self._book_lock:
+                    self._book.moved(item, target, old_owner_stopped=True)
+                self._send_frame(target, EngineCoreRequestType.ADD, encode_request(request))
+            except EngineDeadError:
+                raise
+            except Exception as e:  # noqa: BLE001 - one request fails, not the client
+                logger.warning("request %s could not be moved to engine %d: %s", rid, target, e)
+                self.dp.unroute(rid, target, wake)
+                with self._book_lock:
+                    finishes.append(
+                        self._book.failed_output(rid, f"request could not be moved: {e}")
+                    )
+                continue
+            if wake is not None:
+                self._wakeup_socket.send(encode(wake))
+            moved += 1
+        if finishes:
+            self._deliver_injected(EngineCoreOutputs(engine_index=engine_id, outputs=finishes))
+        return moved
+
+    def _deliver_injected(self, outs: EngineCoreOutputs) -> None:
+        """Put outputs made here (not by an engine) on the caller's output queue."""
+        raise NotImplementedError
 
     def _on_snapshot(self, frame: bytes) -> None:
         self.dp.on_snapshot(SNAPSHOT_DECODER.decode(frame))
@@ -208,6 +412,10 @@ class MPClient(EngineCoreClient):
         return UtilityRequest(0, next(self._call_ids), method, list(args))
 
     def _on_engine_death(self, reason: str) -> None:
+        raise NotImplementedError
+
+    def _on_engine_exit(self, engine_id: int, exitcode: int | None) -> None:
+        """The process monitor (its thread): a local engine exited unasked."""
         raise NotImplementedError
 
     # ---- shutdown ----------------------------------------------------------------------
@@ -286,13 +494,17 @@ class _MPResources:
         shutil.rmtree(self.ipc_dir, ignore_errors=True)
 
 
-def _weak_callback(method: Callable[[str], None]) -> Callable[[str], None]:
+def _weak_callback(method: Callable[..., None]) -> Callable[..., None]:
     """``method`` without a strong reference to its object (for long-lived threads)."""
     ref = weakref.WeakMethod(method)
 
-    def call(reason: str) -> None:
+    def call(*args: Any) -> None:
         bound = ref()
         if bound is not None:
-            bound(reason)
+            bound(*args)
 
     return call
+
+
+def exit_reason(engine_id: int, exitcode: int | None) -> str:
+    return f"engine {engine_id} exited unexpectedly (exit code {exitcode})"

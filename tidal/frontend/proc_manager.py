@@ -1,16 +1,31 @@
 """Engine processes seen from the frontend: where they connect (``frontend_addresses``),
 starting the local ones, the startup handshake with every rank (local or headless
-elsewhere), watching for death, stopping them (``EngineProcManager``), and starting a
+elsewhere), watching for exits, stopping them (``EngineProcManager``), and starting a
 headless host's ranks (``spawn_headless_engines``).
+
+Elastic EP (DESIGN.md 6.2) adds engines while the deployment serves: ``spawn`` starts
+fresh engine ids whose handshake answer carries the *new* topology and ``joining=True``,
+``wait_for_joiners`` runs their handshake (READY), and ``stop`` ends chosen engines
+(leaving ones, or the joiners of a rolled-back operation). The monitor thread watches a
+set that changes while it runs (a wake-up pipe makes it rebuild its wait list) and
+reports every exit nobody asked for as ``on_exit(engine_id, exitcode)``; exits caused by
+``stop`` or ``shutdown`` are expected and never reported.
+
+Threads: the handshake socket is used by one thread at a time (the caller of
+``wait_for_ready`` at launch, then the thread running ``wait_for_joiners``: one scale
+operation at a time). ``procs`` is guarded by a lock; a process's sentinel is closed
+only once the monitor has dropped it from its wait list.
 """
 
 from __future__ import annotations
 
+import logging
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from multiprocessing import Pipe
 from multiprocessing.connection import wait as wait_sentinels
 
 import msgspec
@@ -32,7 +47,17 @@ from tidal.protocol.messages import (
 from tidal.protocol.topology import Topology
 from tidal.utils.procs import ModuleProcess
 
+logger = logging.getLogger(__name__)
+
 STARTUP_TIMEOUT_S = 300.0
+
+
+class EngineStartError(EngineDeadError):
+    """A joining engine failed its startup (error, exit, timeout or stop); names it."""
+
+    def __init__(self, engine_id: int, message: str) -> None:
+        super().__init__(message)
+        self.engine_id = engine_id
 
 
 def ipc_dir() -> str:
@@ -68,12 +93,29 @@ class EngineProcManager:
         self.num_blocks: dict[int, int] = {}
         self._shutting_down = False
         self._monitor: threading.Thread | None = None
+        self._handshake_address = handshake_address
+        self._entry_module = entry_module or ENGINE_ENTRY_MODULE
+        # Guards procs, _expected, _reported, _generation; _changed wakes stop() once the
+        # monitor has rebuilt its wait list (so a sentinel is never closed under it).
+        self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)
+        self._generation = 0  # monitor wait-list rebuilds
+        self._expected: set[int] = set()  # being stopped: their exit is no death
+        self._reported: set[int] = set()  # exit reported once; not watched any more
+        # Joining engines (elastic EP): engine id -> the handshake answer they get.
+        self._joiners: dict[int, EngineAddresses] = {}
+        self._wake_r, self._wake_w = Pipe(duplex=False)
+        # Held by the thread running wait_for_joiners: shutdown closes the handshake
+        # socket only once that thread has let go of it.
+        self._handshake_busy = threading.Lock()
         self._handshake = ctx.socket(zmq.ROUTER)
         try:
             secure_server(self._handshake, curve, handshake_address)
             self._handshake.bind(handshake_address)
         except BaseException:  # e.g. the RPC port is taken: fail, or ctx.term() would hang
             self._handshake.close(linger=0)
+            self._wake_r.close()
+            self._wake_w.close()
             raise
         self._addresses = EngineAddresses(
             input_address,
@@ -85,16 +127,139 @@ class EngineProcManager:
         )
         local = topology.engine_ids if local_engines is None else local_engines
         try:
-            self._start(local, handshake_address, entry_module or ENGINE_ENTRY_MODULE)
+            self._start(local)
         except BaseException:
             self.shutdown()  # the ranks started before the failure
             raise
 
-    def _start(self, engine_ids: list[int], handshake_address: str, entry_module: str) -> None:
+    def _start(self, engine_ids: Iterable[int]) -> None:
         for e in engine_ids:
-            # At launch an engine's id is its launch rank (ids 0..N-1 in rank order).
+            # At launch an engine's id is its launch rank (ids 0..N-1 in rank order); a
+            # joining engine's is fresh (``Topology.new_engine_ids``).
             cfg = self.config.with_parallel(data_parallel_rank=e)
-            self.procs[e] = start_engine_process(cfg, e, handshake_address, entry_module)
+            proc = start_engine_process(cfg, e, self._handshake_address, self._entry_module)
+            with self._lock:
+                self.procs[e] = proc
+        self._wake()
+
+    def set_topology(self, topology: Topology) -> None:
+        """The committed topology (elastic EP): what later handshakes are answered with."""
+        self.topology = topology
+        self._addresses = msgspec.structs.replace(self._addresses, topology=topology)
+
+    # ---- elastic EP: joining engines ---------------------------------------------------
+
+    def spawn(self, engine_ids: Iterable[int], topology: Topology) -> None:
+        """Start engine processes for fresh ids that join ``topology`` (a new epoch): their
+        handshake answer carries it with ``joining=True``. Raises if one cannot start
+        (those started before stay; the caller stops them)."""
+        ids = list(engine_ids)
+        if self._shutting_down:
+            raise EngineDeadError("the engine manager is shut down")
+        reply = msgspec.structs.replace(self._addresses, topology=topology, joining=True)
+        with self._lock:
+            used = [e for e in ids if e in self.procs]
+            if used:
+                raise ValueError(f"engine ids {used} already run")
+            for e in ids:
+                self._joiners[e] = reply
+        for e in ids:
+            try:
+                self._start([e])
+            except BaseException as err:
+                raise EngineStartError(e, f"engine {e} could not be started: {err}") from err
+
+    def wait_for_joiners(
+        self, engine_ids: Iterable[int], timeout_s: float = STARTUP_TIMEOUT_S
+    ) -> None:
+        """Blocking: run the startup handshake (HELLO -> addresses, READY) of the joining
+        engines ``engine_ids``. Polls only the handshake socket, which only this thread
+        uses meanwhile. Raises ``EngineStartError`` naming the engine on a READY error, a
+        config mismatch, an exit, a stop or the timeout."""
+        with self._handshake_busy:
+            self._wait_for_joiners(set(engine_ids), timeout_s)
+
+    def _wait_for_joiners(self, pending: set[int], timeout_s: float) -> None:
+        if self._shutting_down and pending:
+            raise EngineStartError(min(pending), "the deployment is shutting down")
+        deadline = time.monotonic() + timeout_s
+        poller = zmq.Poller()
+        poller.register(self._handshake, zmq.POLLIN)
+        while pending:
+            if self._shutting_down:
+                raise EngineStartError(min(pending), "the deployment is shutting down")
+            for e in sorted(pending):
+                with self._lock:
+                    p = self.procs.get(e)
+                    stopped = p is None or e in self._expected
+                if stopped:
+                    raise EngineStartError(e, f"engine {e} was stopped during its startup")
+                code = p.exitcode
+                if code is not None:
+                    raise EngineStartError(
+                        e, f"engine {e} exited with code {code} during its startup"
+                    )
+            if time.monotonic() > deadline:
+                e = min(pending)
+                raise EngineStartError(
+                    e, f"engines {sorted(pending)} not ready within {timeout_s:.0f}s"
+                )
+            if poller.poll(100):
+                ident, payload = self._handshake.recv_multipart()
+                try:
+                    self._on_handshake(ident, payload, pending, joining=True)
+                except EngineStartError:
+                    raise
+                except EngineDeadError as err:
+                    raise EngineStartError(min(pending), str(err)) from err
+
+    # ---- elastic EP: stopping chosen engines -------------------------------------------
+
+    def stop(
+        self, engine_ids: Iterable[int], *, force: bool = False, timeout_s: float = 10.0
+    ) -> dict[int, int | None]:
+        """Blocking: stop these engines (SIGTERM: each drains, then exits; ``force``:
+        SIGKILL), SIGKILL what is left at the deadline, reap, close and forget them.
+        Their exits are expected (never reported to ``on_exit``). Ids not running here
+        (already stopped, or remote) are skipped. Returns the exit codes."""
+        with self._lock:
+            procs = {e: self.procs[e] for e in engine_ids if e in self.procs}
+            self._expected.update(procs)
+        for p in procs.values():
+            if p.is_alive():
+                if force:
+                    p.kill()
+                else:
+                    p.terminate()
+        deadline = time.monotonic() + timeout_s
+        for e, p in procs.items():
+            p.join(max(0.0, deadline - time.monotonic()))
+            if p.is_alive():
+                logger.warning("engine %d did not exit within %.0fs: killed", e, timeout_s)
+                p.kill()
+                p.join(5)
+        codes = {e: p.exitcode for e, p in procs.items()}
+        self._forget(procs)
+        return codes
+
+    def _forget(self, procs: dict[int, ModuleProcess]) -> None:
+        """Drop stopped engines: out of the monitor's wait list first, then close."""
+        with self._lock:
+            for e, p in procs.items():
+                if self.procs.get(e) is p:
+                    del self.procs[e]
+                self._joiners.pop(e, None)
+                self._reported.discard(e)
+            gen = self._generation
+            watching = self._monitor is not None and self._monitor.is_alive()
+        if watching and self._monitor is not threading.current_thread():
+            self._wake()
+            with self._changed:
+                self._changed.wait_for(
+                    lambda: self._generation > gen or not self._monitor.is_alive(), timeout=5
+                )
+        for p in procs.values():
+            p.close()
 
     def wait_for_ready(self, input_sock: zmq.Socket, timeout_s: float = STARTUP_TIMEOUT_S) -> None:
         """HELLO -> addresses; input registration; READY. Raises on error, death or timeout."""
@@ -117,7 +282,12 @@ class EngineProcManager:
                 else:
                     self._on_handshake(*self._handshake.recv_multipart(), pending_ready)
 
-    def _on_handshake(self, ident: bytes, payload: bytes, pending: set[int]) -> None:
+    def _on_handshake(
+        self, ident: bytes, payload: bytes, pending: set[int], *, joining: bool = False
+    ) -> None:
+        """One handshake message. At launch (``joining`` False) READY must come from a
+        member of the topology; for joiners (``joining``) from one of ``pending``, and an
+        error names the engine (``EngineStartError``)."""
         try:
             hello = msgspec.msgpack.decode(payload, type=EngineHello)
         except msgspec.ValidationError:
@@ -126,71 +296,144 @@ class EngineProcManager:
             # Answered even when the id is not in the topology: the engine then refuses to
             # start with a message naming the flags and reports it in READY(error), which
             # fails the startup here with the same message.
-            self._handshake.send_multipart([ident, encode(self._addresses)])
+            with self._lock:
+                reply = self._joiners.get(hello.engine_index, self._addresses)
+            self._handshake.send_multipart([ident, encode(reply)])
             return
-        ready = msgspec.msgpack.decode(payload, type=EngineReady)
+        try:
+            ready = msgspec.msgpack.decode(payload, type=EngineReady)
+        except msgspec.ValidationError:
+            if joining:  # garbage on the socket (a stray peer): not a joiner's failure
+                logger.warning("dropped an undecodable handshake message")
+                return
+            raise
+        e = ready.engine_index
+        error: str | None = None
         if ready.error:
-            raise EngineDeadError(f"engine {ready.engine_index} failed to start: {ready.error}")
-        if ready.engine_index not in self.topology:
-            raise EngineDeadError(
-                f"engine {ready.engine_index} is not in the deployment (engines "
-                f"{self.topology.engine_ids})"
-            )
-        if ready.parallel_config_hash != self._addresses.parallel_config_hash:
-            raise EngineDeadError(
-                f"engine {ready.engine_index} has a different config "
+            error = f"engine {e} failed to start: {ready.error}"
+        elif joining and e not in pending:
+            logger.warning("READY from engine %d, which is not starting now: ignored", e)
+            return
+        elif not joining and e not in self.topology:
+            error = f"engine {e} is not in the deployment (engines {self.topology.engine_ids})"
+        elif ready.parallel_config_hash != self._addresses.parallel_config_hash:
+            error = (
+                f"engine {e} has a different config "
                 f"({ready.parallel_config_hash} != {self._addresses.parallel_config_hash})"
             )
-        self.num_blocks[ready.engine_index] = ready.num_blocks
-        pending.discard(ready.engine_index)
+        if error is not None:
+            if joining and e in pending:
+                raise EngineStartError(e, error)
+            if joining:
+                logger.warning("handshake of engine %d failed after the fact: %s", e, error)
+                return
+            raise EngineDeadError(error)
+        self.num_blocks[e] = ready.num_blocks
+        pending.discard(e)
+        if joining:
+            with self._lock:
+                self._joiners.pop(e, None)  # its handshake is over
 
     def _check_alive(self, when: str) -> None:
-        for idx, p in self.procs.items():
+        with self._lock:
+            procs = list(self.procs.items())
+        for idx, p in procs:
             if p.exitcode is not None:
                 raise EngineDeadError(f"engine {idx} exited with code {p.exitcode} {when}")
 
-    def start_monitor(self, on_death: Callable[[str], None]) -> None:
-        """Call ``on_death(reason)`` once if any engine process exits unexpectedly.
+    def start_monitor(self, on_exit: Callable[[int, int | None], None]) -> None:
+        """Call ``on_exit(engine_id, exitcode)`` once for each local engine process that
+        exits without ``stop`` or ``shutdown`` asking it to, including engines spawned
+        later. The caller decides what an exit means (the client: a rank death fails it,
+        an engine of a scale operation is the scale driver's).
 
-        ``on_death`` should not keep its owner alive (pass a function over a weak
-        reference): this thread lives as long as the engines do."""
-        if not self.procs:
+        ``on_exit`` runs on the monitor thread and should not keep its owner alive (pass
+        a function over a weak reference): this thread lives as long as the manager."""
+        if self._monitor is not None:
             return
         self._monitor = threading.Thread(
-            target=self._watch, args=(on_death,), name="engine-monitor", daemon=True
+            target=self._watch, args=(on_exit,), name="engine-monitor", daemon=True
         )
         self._monitor.start()
 
-    def _watch(self, on_death: Callable[[str], None]) -> None:
-        sentinels = {p.sentinel: idx for idx, p in self.procs.items()}
-        died = wait_sentinels(list(sentinels))
-        if self._shutting_down:
-            return
-        idx = sentinels[died[0]]
-        on_death(f"engine {idx} exited unexpectedly (exit code {self.procs[idx].exitcode})")
+    def _wake(self) -> None:
+        """Make the monitor rebuild its wait list (an engine was added or dropped)."""
+        if self._monitor is None:
+            return  # it builds its list when it starts
+        try:
+            self._wake_w.send_bytes(b"w")
+        except (OSError, ValueError):  # closed at shutdown
+            pass
+
+    def _watch(self, on_exit: Callable[[int, int | None], None]) -> None:
+        while True:
+            with self._lock:
+                self._generation += 1
+                self._changed.notify_all()
+                if self._shutting_down:
+                    return
+                # An exited sentinel stays ready: watch each exit once (reported, or
+                # expected: being stopped, its stop() reaps it).
+                watched = {
+                    p.sentinel: (e, p)
+                    for e, p in self.procs.items()
+                    if e not in self._reported and e not in self._expected
+                }
+            ready = wait_sentinels([self._wake_r, *watched])
+            if self._wake_r in ready:
+                while self._wake_r.poll():
+                    self._wake_r.recv_bytes()
+            exits: list[tuple[int, int | None]] = []
+            with self._lock:
+                if self._shutting_down:
+                    continue  # notify, then return at the top
+                for s in ready:
+                    if s is self._wake_r:
+                        continue
+                    e, p = watched[s]
+                    if self.procs.get(e) is not p or e in self._expected or e in self._reported:
+                        continue
+                    self._reported.add(e)
+                    exits.append((e, p.exitcode))
+            for e, code in exits:
+                try:
+                    on_exit(e, code)
+                except Exception:  # noqa: BLE001 - the monitor must keep watching
+                    logger.exception("engine exit handler failed for engine %d", e)
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
         """SIGTERM every engine (each drains, then exits), SIGKILL what is left at the
         deadline, reap them all. Idempotent."""
-        if self._shutting_down:
-            return
-        self._shutting_down = True
-        for p in self.procs.values():
+        with self._lock:
+            if self._shutting_down:
+                return
+            self._shutting_down = True
+            procs = list(self.procs.values())
+        self._wake()
+        for p in procs:
             if p.is_alive():
                 p.terminate()
         deadline = time.monotonic() + timeout_s
-        for p in self.procs.values():
+        for p in procs:
             p.join(max(0.0, deadline - time.monotonic()))
             if p.is_alive():
                 p.kill()
                 p.join(2)
-        # Every engine has exited, so the monitor's wait has returned (or is about to):
-        # join it before its sentinels are closed under it.
+        # The monitor was woken and returns at the top of its loop: join it before its
+        # sentinels are closed under it.
         if self._monitor is not None and self._monitor is not threading.current_thread():
-            self._monitor.join(2)
-        for p in self.procs.values():
+            self._monitor.join(5)
+        with self._lock:
+            procs = list(self.procs.values())
+        for p in procs:
             p.close()
+        # A wait_for_joiners in progress sees _shutting_down within one poll (100 ms).
+        released = self._handshake_busy.acquire(timeout=5)
         self._handshake.close(linger=0)
+        if released:
+            self._handshake_busy.release()
+        self._wake_r.close()
+        self._wake_w.close()
 
 
 @dataclass(frozen=True)

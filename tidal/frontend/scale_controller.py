@@ -452,6 +452,8 @@ class ScaleController:
         if ev is ScaleEvent.PREPARED:
             if ph is not ScalePhase.PREPARING:
                 return []
+            if r.engine_id not in op.prepared:
+                op.record.bytes_received += r.bytes_received  # measured by the engine
             op.prepared.add(r.engine_id)
             if op.prepared >= set(op.alive(op.plan.participants)):
                 self._enter(op, ScalePhase.COMMITTING, now, self.timeouts.commit_s)

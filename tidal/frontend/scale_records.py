@@ -103,6 +103,9 @@ class OperationRecord:
     min_bytes: int = 0
     p2p_bytes: int = 0
     disk_bytes: int = 0
+    # What the engines staged, as they measured it (PREPARED reports): equals
+    # ``bytes_moved`` (the plan's) when every copy arrived whole.
+    bytes_received: int = 0
     requests_migrated: int = 0
     cause: str | None = None
     warnings: list[str] = field(default_factory=list)
@@ -148,6 +151,7 @@ class OperationRecord:
             "min_bytes": self.min_bytes,
             "p2p_bytes": self.p2p_bytes,
             "disk_bytes": self.disk_bytes,
+            "bytes_received": self.bytes_received,
             "requests_migrated": self.requests_migrated,
             "warnings": list(self.warnings),
             "resolution": self.resolution,

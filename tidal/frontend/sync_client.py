@@ -12,7 +12,7 @@ from typing import Any
 import zmq
 
 from tidal.config import EngineConfig
-from tidal.frontend.mp_client import OUTPUT_DECODER, MPClient
+from tidal.frontend.mp_client import OUTPUT_DECODER, MPClient, exit_reason
 from tidal.protocol.errors import EngineDeadError
 from tidal.protocol.messages import EngineCoreOutputs, EngineCoreRequestType
 
@@ -48,7 +48,14 @@ class SyncMPClient(MPClient):
         if outs.engine_dead:
             self._on_engine_death(outs.dead_reason or "engine reported a fatal error")
             return
-        self._on_outputs(outs)
+        if self._on_outputs(outs):
+            self.outputs.put_nowait(outs)
+
+    def _on_engine_exit(self, engine_id: int, exitcode: int | None) -> None:
+        # No scale driver runs with the blocking client: every exit is a rank death.
+        self._on_engine_death(exit_reason(engine_id, exitcode))
+
+    def _deliver_injected(self, outs: EngineCoreOutputs) -> None:
         self.outputs.put_nowait(outs)
 
     def _on_engine_death(self, reason: str) -> None:

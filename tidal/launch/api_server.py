@@ -3,7 +3,8 @@ it under uvicorn.
 
 Routes: ``/v1/completions``, ``/v1/chat/completions`` (SSE streaming or not), ``/v1/models``
 (``serving``); ``/health``, ``/ping``, ``/version``, ``/metrics`` (prometheus text),
-``/stats`` (JSON), ``/dashboard`` (``admin``). Every error is OpenAI's error JSON
+``/stats`` (JSON), ``/dashboard`` (``admin``); ``/scale_elastic_ep`` and
+``/is_scaling_elastic_ep`` (``scaling``). Every error is OpenAI's error JSON
 (``errors``); the server keeps serving after any of them.
 
 Input is checked where it enters, in layers, each stopping what the next cannot handle:
@@ -34,6 +35,7 @@ from tidal.launch.auth import BearerAuthMiddleware
 from tidal.launch.errors import add_error_handlers
 from tidal.launch.http_limits import BodyLimitMiddleware
 from tidal.launch.metrics import ServerMetrics
+from tidal.launch.scaling import add_scaling_routes
 from tidal.launch.serving import OpenAIServing, add_openai_routes
 
 if TYPE_CHECKING:  # annotations only: the server takes any engine with AsyncLLM's
@@ -52,13 +54,14 @@ def build_app(
     shutdown_engine: bool = True,
     routers: Sequence[APIRouter] = (),
 ) -> FastAPI:
-    """The FastAPI app. ``metrics`` is registered as the engine's stat logger; on
-    lifespan shutdown (SIGTERM/SIGINT under uvicorn) ``engine.shutdown()`` is awaited
-    unless ``shutdown_engine`` is False. ``routers`` (admin, dashboard) are included as
-    they are; the API key protects them too. Handlers find the engine and metrics on
-    ``request.app.state``."""
+    """The FastAPI app. ``metrics`` is registered as the engine's stat logger and scale
+    listener; on lifespan shutdown (SIGTERM/SIGINT under uvicorn) ``engine.shutdown()``
+    is awaited unless ``shutdown_engine`` is False. ``routers`` (admin, dashboard) are
+    included as they are; the API key protects them too. Handlers find the engine and
+    metrics on ``request.app.state``."""
     metrics = metrics if metrics is not None else ServerMetrics()
     engine.add_stat_logger(metrics)
+    engine.add_scale_listener(metrics.record_scale_operation)
     serving = OpenAIServing(engine, served_model_name or engine.served_model_name)
 
     @asynccontextmanager
@@ -81,6 +84,7 @@ def build_app(
     add_error_handlers(app)
     add_openai_routes(app, serving)
     add_admin_routes(app, serving, metrics)
+    add_scaling_routes(app, serving)
     for router in routers:
         app.include_router(router)
     return app

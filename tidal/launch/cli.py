@@ -1,6 +1,11 @@
-"""Command line: ``launch`` (the server) and ``tidal`` (umbrella: serve, generate).
+"""Command line: ``launch`` (the server) and ``tidal`` (umbrella: serve, generate, scale).
 
-The engine flags are ``tidal.launch.args``; ``launch``/``tidal serve`` is ``spawn.serve_main``.
+The engine flags are ``tidal.launch.args``; ``launch``/``tidal serve`` is ``spawn.serve_main``;
+``tidal scale`` is ``scale_cli.scale_main``.
+
+The engine side (``llm``, ``spawn``: torch, the model code) is imported by the commands
+that run it, not here: ``tidal scale`` is an HTTP client that starts in a fraction of the
+seconds torch takes to import.
 """
 
 from __future__ import annotations
@@ -9,13 +14,14 @@ import argparse
 import dataclasses
 import sys
 
-from tidal.launch.args import add_engine_args, build_engine_config, engine_args_from
-from tidal.launch.llm import LLM
-from tidal.launch.spawn import serve_main
-from tidal.sampling_params import SamplingParams
+from tidal.launch.scale_cli import scale_main
 
 
 def _generate_cmd(argv: list[str]) -> int:
+    from tidal.launch.args import add_engine_args, build_engine_config, engine_args_from
+    from tidal.launch.llm import LLM
+    from tidal.sampling_params import SamplingParams
+
     p = argparse.ArgumentParser(prog="tidal generate", description="offline generation")
     p.add_argument("--prompt", action="append", help="prompt text (repeatable)")
     p.add_argument("--max-tokens", dest="gen_max_tokens", type=int, default=32)
@@ -36,15 +42,18 @@ def _generate_cmd(argv: list[str]) -> int:
 
 
 def launch_main(argv: list[str] | None = None) -> int:
+    from tidal.launch.spawn import serve_main
+
     return serve_main(sys.argv[1:] if argv is None else argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    commands = {"generate": _generate_cmd, "serve": launch_main}
+    commands = {"generate": _generate_cmd, "serve": launch_main, "scale": scale_main}
     if not argv or argv[0] not in commands:
         print(
-            "usage: tidal {serve,generate} [options]  (tidal serve == launch)",
+            "usage: tidal {serve,generate,scale} [options]  (tidal serve == launch; "
+            "tidal scale --to N [--url URL] [--api-key KEY]: resize a running server)",
             file=sys.stderr,
         )
         return 2

@@ -4,11 +4,18 @@ Each ``ServerMetrics`` owns its own ``CollectorRegistry`` (not the process-globa
 so several apps in one process (tests, multiple servers) never collide on names. Per-engine
 gauges are labelled ``engine`` with the engine id (DESIGN.md 6.1: stable across scaling,
 never reused), not with a DP rank, which changes when the topology does.
+
+Elastic EP operations (``record_scale_operation``, a scale listener of ``AsyncLLM``) count
+by result, time each phase, and add up the bytes moved and requests migrated; an engine an
+operation removed (or found dead) loses its per-engine series, and a late stats message
+from it cannot bring them back.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import threading
+from collections import OrderedDict
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CONTENT_TYPE_LATEST as CONTENT_TYPE  # noqa: F401 - re-exported
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -25,7 +32,11 @@ _TPOT_BUCKETS = (0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 
 _E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
                 120.0, 240.0)
 _LEN_BUCKETS = tuple(float(4**i) for i in range(11))  # 1 .. ~1M tokens
+_SCALE_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0,
+                  300.0, 600.0, 1200.0)
 # fmt: on
+# Operation ids remembered so a record reported twice is counted once.
+_SEEN_OPERATIONS = 1024
 
 
 class ServerMetrics:
@@ -70,6 +81,54 @@ class ServerMetrics:
             registry=r,
         )
 
+        # Elastic EP (DESIGN.md 6): one sample per finished operation.
+        self.scale_operations = Counter(
+            _PREFIX + "scale_operations",
+            "Finished elastic EP operations by result (succeeded, rolled_back, failed).",
+            ["result"],
+            registry=r,
+        )
+        self.scale_duration = Histogram(
+            _PREFIX + "scale_duration_seconds",
+            "Elastic EP operation duration, request to result, by result.",
+            ["result"],
+            buckets=_SCALE_BUCKETS,
+            registry=r,
+        )
+        self.scale_phase = Histogram(
+            _PREFIX + "scale_phase_seconds",
+            "Time elastic EP operations spent in each phase.",
+            ["phase"],
+            buckets=_SCALE_BUCKETS,
+            registry=r,
+        )
+        self.scale_bytes_moved = Counter(
+            _PREFIX + "scale_bytes_moved",
+            "Expert weight bytes moved by successful elastic EP operations.",
+            registry=r,
+        )
+        self.scale_experts_moved = Counter(
+            _PREFIX + "scale_experts_moved",
+            "Expert copies moved by successful elastic EP operations.",
+            registry=r,
+        )
+        self.scale_requests_migrated = Counter(
+            _PREFIX + "scale_requests_migrated",
+            "Requests moved to another engine by elastic EP operations (any result).",
+            registry=r,
+        )
+        self.scaling = Gauge(
+            _PREFIX + "scale_in_progress",
+            "1 while an elastic EP operation runs (or its outcome is unknown).",
+            registry=r,
+        )
+        # Totals /stats reports (the counters above are for prometheus).
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+        self._lock = threading.Lock()
+        self._retired: set[str] = set()  # engine ids removed; never reused (DESIGN.md 6.1)
+        self._seen: OrderedDict[str, None] = OrderedDict()
+
     def record_expert_load(self, load: dict[int, list[int]]) -> None:
         for layer, counts in load.items():
             for expert, n in enumerate(counts):
@@ -79,6 +138,8 @@ class ServerMetrics:
 
     def record_scheduler_stats(self, engine_index: int, stats: SchedulerStats) -> None:
         engine = str(engine_index)  # the sender's engine id
+        if engine in self._retired:  # a late message from a removed engine
+            return
         self.running.labels(engine=engine).set(stats.num_running_reqs)
         self.waiting.labels(engine=engine).set(stats.num_waiting_reqs)
         self.kv_usage.labels(engine=engine).set(stats.kv_cache_usage)
@@ -86,8 +147,10 @@ class ServerMetrics:
     def record_tokens(self, prompt_tokens: int, generation_tokens: int) -> None:
         if prompt_tokens:
             self.prompt_tokens.inc(prompt_tokens)
+            self.prompt_tokens_total += prompt_tokens
         if generation_tokens:
             self.generation_tokens.inc(generation_tokens)
+            self.generation_tokens_total += generation_tokens
 
     def record_request_finished(
         self,
@@ -107,17 +170,59 @@ class ServerMetrics:
             self.tpot.observe(tpot_s)
 
     def forget_engine(self, engine_index: int) -> None:
-        """Drop a removed engine's series (elastic scale-down) so dashboards don't show it
-        stale."""
+        """Drop a removed engine's series (elastic scale-down, rank death) so dashboards
+        don't show it stale; later stats from it are ignored (ids are never reused)."""
+        self._retired.add(str(engine_index))
         for gauge in (self.running, self.waiting, self.kv_usage):
             try:
                 gauge.remove(str(engine_index))
             except KeyError:
                 pass
 
+    # ---- scale listener (called by AsyncLLM with each finished operation's record) ---------
+
+    def record_scale_operation(self, record: dict[str, Any]) -> None:
+        """One finished elastic EP operation (``OperationRecord.to_dict()``). A record
+        reported again (a FAILED operation whose outcome was learnt later) only updates
+        which engines are gone."""
+        result = str(record.get("result") or record.get("phase") or "unknown")
+        op = str(record.get("operation_id"))
+        with self._lock:
+            first = op not in self._seen
+            self._seen[op] = None
+            while len(self._seen) > _SEEN_OPERATIONS:
+                self._seen.popitem(last=False)
+        if first:
+            self.scale_operations.labels(result=result).inc()
+            if record.get("duration_s") is not None:
+                self.scale_duration.labels(result=result).observe(record["duration_s"])
+            for phase, seconds in (record.get("phase_durations_s") or {}).items():
+                if seconds is not None:
+                    self.scale_phase.labels(phase=phase).observe(seconds)
+            if result == "succeeded":
+                self.scale_bytes_moved.inc(record.get("bytes_moved") or 0)
+                self.scale_experts_moved.inc(record.get("experts_moved") or 0)
+            self.scale_requests_migrated.inc(record.get("requests_migrated") or 0)
+        for engine_id in _gone(record, result):
+            self.forget_engine(engine_id)
+
+    def set_scaling(self, is_scaling: bool) -> None:
+        self.scaling.set(1 if is_scaling else 0)
+
     def render(self) -> bytes:
         """The prometheus text exposition of every collector."""
         return generate_latest(self.registry)
+
+
+def _gone(record: dict[str, Any], result: str) -> list[int]:
+    """The engines an operation took out of the deployment: the leaving and dead ones if
+    it committed, the joining ones (stopped) if it rolled back."""
+    outcome = record.get("resolution") or result
+    if outcome in ("succeeded", "committed"):
+        return [*record.get("leaving", ()), *record.get("dead", ())]
+    if outcome == "rolled_back":
+        return list(record.get("joining", ()))
+    return []
 
 
 def _per_engine(name: str, doc: str, registry: CollectorRegistry) -> Gauge:

@@ -9,6 +9,11 @@ Checkpoint layouts: the per-expert names written by ``save_pretrained``
 and the fused 3-D names of transformers v5 modules (``...mlp.experts.gate_up_proj``
 ``[E, 2I, H]``, ``...mlp.experts.down_proj`` ``[E, H, I]``), which are split per expert.
 
+``load_experts=False`` (a joining engine under elastic EP) reads every tensor but the
+experts' (their slots stay allocated, zero-filled: the weights arrive from peers);
+``load_expert_weights`` reads given experts of given MoE layers on their own (the disk
+fallback of an expert transfer).
+
 A missing tensor, an unexpected tensor, or a shape mismatch raises ``CheckpointError``
 naming the tensor(s).
 """
@@ -44,11 +49,15 @@ class CheckpointError(ValueError):
 
 
 def load_model(
-    engine_config: Any, *, local_expert_ids: Sequence[int] | None = None
+    engine_config: Any,
+    *,
+    local_expert_ids: Sequence[int] | None = None,
+    load_experts: bool = True,
 ) -> torch.nn.Module:
     """Model of ``engine_config.model`` in its dtype on ``engine_config.device``, weights
     loaded. ``local_expert_ids``: the global experts this rank holds, in local slot order
-    (None = all)."""
+    (None = all). ``load_experts=False``: the experts' slots are allocated (zeros) but
+    not read from the checkpoint."""
     mc = engine_config.model
     cls = get_model_class(mc.architecture)
     model = cls(
@@ -58,7 +67,7 @@ def load_model(
         moe_backend=resolve_moe_backend(engine_config.moe_backend, engine_config.device),
         local_expert_ids=local_expert_ids,
     )
-    load_weights(model, mc.model)
+    load_weights(model, mc.model, load_experts=load_experts)
     return model.eval()
 
 
@@ -80,8 +89,14 @@ def safetensors_files(folder: str) -> list[str]:
 
 
 @torch.no_grad()
-def load_weights(model: MoECausalLM, folder: str) -> None:
+def load_weights(model: MoECausalLM, folder: str, *, load_experts: bool = True) -> None:
     targets = model.weight_targets()
+    if not load_experts:
+        # Known names still (so nothing is "unexpected" or "missing"), nothing read.
+        targets.update(dict.fromkeys(_expert_targets(model), None))
+        for moe in model.moe_layers():
+            moe.w13.data.zero_()
+            moe.w2.data.zero_()
     seen: set[str] = set()
     unexpected: list[str] = []
     for path in safetensors_files(folder):
@@ -100,6 +115,71 @@ def load_weights(model: MoECausalLM, folder: str) -> None:
     missing = [n for n in targets if n not in seen and n not in optional]
     if missing or unexpected:
         raise CheckpointError(_mismatch_message(type(model).__name__, folder, missing, unexpected))
+
+
+def _expert_targets(
+    model: MoECausalLM, experts: Sequence[int] | None = None, layers: Sequence[int] | None = None
+) -> dict[str, tuple[int, int, str]]:
+    """Checkpoint name -> (decoder layer index, logical expert, "gate" | "up" | "down") of
+    the per-expert tensors of ``experts`` (None: all) in MoE layers ``layers`` (decoder
+    layer indices; None: every MoE layer)."""
+    n = model.names
+    out: dict[str, tuple[int, int, str]] = {}
+    for i, layer in enumerate(model.layers):
+        if not layer.is_moe or (layers is not None and i not in layers):
+            continue
+        ids = range(layer.mlp.num_experts) if experts is None else experts
+        for e in ids:
+            base = f"model.layers.{i}.{n.moe_module}.experts.{e}"
+            out[f"{base}.{n.expert_gate}.weight"] = (i, e, "gate")
+            out[f"{base}.{n.expert_up}.weight"] = (i, e, "up")
+            out[f"{base}.{n.expert_down}.weight"] = (i, e, "down")
+    return out
+
+
+@torch.no_grad()
+def load_expert_weights(
+    model: MoECausalLM, folder: str, wanted: dict[int, Sequence[int]]
+) -> dict[tuple[int, int], tuple[Tensor, Tensor]]:
+    """Read from the checkpoint only the experts ``wanted`` (decoder layer index -> logical
+    expert ids) of ``model``'s architecture: ``{(layer, expert): (w13 [2I, H], w2 [H, I])}``,
+    CPU tensors in the model's dtype (gate rows, then up rows, as ``FusedMoE.w13``).
+    CheckpointError when one of them is not in the checkpoint."""
+    names: dict[str, tuple[int, int, str]] = {}
+    for layer, experts in wanted.items():
+        if experts:
+            names.update(_expert_targets(model, list(experts), [layer]))
+    if not names:
+        return {}
+    spec = model.spec
+    inter, hidden = spec.moe_intermediate_size, spec.hidden_size
+    dtype = model.moe_layers()[0].w13.dtype
+    out: dict[tuple[int, int], tuple[Tensor, Tensor]] = {}
+    for layer, e, _ in names.values():
+        if (layer, e) not in out:
+            out[layer, e] = (
+                torch.empty((2 * inter, hidden), dtype=dtype),
+                torch.empty((hidden, inter), dtype=dtype),
+            )
+    seen: set[str] = set()
+    for path in safetensors_files(folder):
+        with safe_open(path, framework="pt", device="cpu") as f:
+            for name in f.keys():
+                if ".experts" not in name:
+                    continue
+                for vname, get in _expand(name, f, model):
+                    where = names.get(vname)
+                    if where is None:
+                        continue
+                    layer, e, part = where
+                    w13, w2 = out[layer, e]
+                    dest = {"gate": w13[:inter], "up": w13[inter:], "down": w2}[part]
+                    _copy(vname, os.path.basename(path), get(), dest)
+                    seen.add(vname)
+    missing = [n for n in names if n not in seen]
+    if missing:
+        raise CheckpointError(f"checkpoint {folder} lacks expert tensor(s): {_some(missing)}")
+    return out
 
 
 def _copy(name: str, file: str, src: Tensor, dest: Tensor) -> None:

@@ -46,7 +46,7 @@ class ExpertTransferSpec(msgspec.Struct, frozen=True, array_like=True, omit_defa
         return self.src_engine_id is None
 
 
-class ScalePrepare(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True):
+class ScalePrepare(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True, tag="prepare"):
     """Start preparing ``topology`` (epoch = current + 1) while serving the current one."""
 
     operation_id: str
@@ -81,14 +81,14 @@ class ScalePrepare(msgspec.Struct, frozen=True, array_like=True, omit_defaults=T
         return not self.dead
 
 
-class ScaleCommit(msgspec.Struct, frozen=True, array_like=True):
+class ScaleCommit(msgspec.Struct, frozen=True, array_like=True, tag="commit"):
     """Every participant reported PREPARED: the engines may raise their commit flag."""
 
     operation_id: str
     epoch: int
 
 
-class ScaleAbort(msgspec.Struct, frozen=True, array_like=True):
+class ScaleAbort(msgspec.Struct, frozen=True, array_like=True, tag="abort"):
     """Roll the operation back (sent only before any ``ScaleCommit`` of the operation)."""
 
     operation_id: str
@@ -121,3 +121,7 @@ class ScaleReport(msgspec.Struct, frozen=True, array_like=True, omit_defaults=Tr
     request_ids: list[str] = []  # HANDED_BACK
     experts_received: int = 0  # PREPARED: network + disk copies installed on this engine
     bytes_received: int = 0
+
+
+# Frontend -> engine, one ``EngineCoreRequestType.SCALE`` frame (tagged: one decoder).
+ScaleMessage = ScalePrepare | ScaleCommit | ScaleAbort

@@ -11,6 +11,7 @@ from typing import Any
 
 import msgspec
 
+from tidal.protocol.elastic import ScaleReport
 from tidal.protocol.topology import Topology
 from tidal.sampling_params import SamplingParams
 
@@ -23,6 +24,8 @@ class EngineCoreRequestType(enum.Enum):
     UTILITY = b"\x03"
     # Sentinel placed on the engine's input queue by its own signal handler.
     EXECUTOR_FAILED = b"\x04"
+    # Elastic EP: a ``ScaleMessage`` (ScalePrepare | ScaleCommit | ScaleAbort).
+    SCALE = b"\x05"
 
 
 @enum.unique
@@ -95,6 +98,7 @@ class SchedulerStats(msgspec.Struct, omit_defaults=True, array_like=True):
     step_counter: int = 0
     current_wave: int = 0
     num_requests_total: int = 0  # cumulative requests added to this rank (DP coordinator)
+    num_generation_tokens_total: int = 0  # cumulative output tokens this engine generated
 
 
 class EngineCoreOutputs(msgspec.Struct, omit_defaults=True, array_like=True):
@@ -110,6 +114,8 @@ class EngineCoreOutputs(msgspec.Struct, omit_defaults=True, array_like=True):
     # Set on the last message of an engine that hit a fatal error.
     engine_dead: bool = False
     dead_reason: str | None = None
+    # Elastic EP: this engine's progress in a scale operation (DESIGN.md 6.2).
+    scale_report: ScaleReport | None = None
 
 
 class UtilityRequest(msgspec.Struct, array_like=True):
@@ -160,6 +166,10 @@ class EngineAddresses(msgspec.Struct, array_like=True):
     # ``topology.size`` and ``topology.store_address`` hosts the groups' TCPStore. An
     # engine whose id is not in it refuses to start. None: a single engine, no groups.
     topology: Topology | None = None
+    # Elastic EP: this engine joins ``topology`` (a new epoch) in a scale operation. It
+    # loads the non-expert weights, allocates its expert slots, sends READY and waits for
+    # the operation's ScalePrepare; it joins the groups only at the commit.
+    joining: bool = False
 
 
 class EngineReady(msgspec.Struct, array_like=True):
@@ -250,6 +260,7 @@ class DPRankStats(msgspec.Struct):
     requests_total: int
     dead: bool
     history: list[tuple[float, int, int]]  # (t, waiting, running), oldest first
+    generation_tokens_total: int = 0  # cumulative output tokens (per-rank tokens/s)
 
 
 class DPCoordinatorStats(msgspec.Struct):

@@ -1,0 +1,254 @@
+"""The client's request book (elastic EP migration bookkeeping, DESIGN.md 6.3) and the
+client's migration path over it (``MPClient.migrate`` / ``_on_outputs``) with fake
+sockets: no processes."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import msgspec
+import pytest
+import zmq
+
+from tidal.elastic.migration import AlreadyFinished, ResumedRequest
+from tidal.frontend.async_client import AsyncMPClient
+from tidal.frontend.dp_state import DPFrontendState
+from tidal.frontend.migrations import RequestBook
+from tidal.frontend.mp_client import ScaleHooks
+from tidal.protocol.elastic import ScaleCommit, ScaleEvent, ScaleReport
+from tidal.protocol.messages import (
+    DPSetTopology,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    EngineCoreRequestType,
+    FinishReason,
+    engine_id_of,
+)
+from tidal.protocol.topology import Topology
+from tidal.sampling_params import SamplingParams
+
+EOS = 2
+
+
+def req(rid: str, **params) -> EngineCoreRequest:
+    return EngineCoreRequest(rid, [5, 6, 7], SamplingParams(**params), eos_token_id=EOS)
+
+
+def out(rid: str, *tokens: int, finish: FinishReason | None = None) -> EngineCoreOutput:
+    return EngineCoreOutput(rid, list(tokens), finish_reason=finish)
+
+
+# ----------------------------------------------------------------------------- the book
+
+
+def test_only_the_owner_outputs_pass_and_are_recorded():
+    book = RequestBook()
+    book.add(req("a", max_tokens=10), 0)
+    book.add(req("b", max_tokens=10), 1)
+    kept = book.accept(0, [out("a", 11), out("b", 99), out("zzz", 1)])
+    assert [o.request_id for o in kept] == ["a"]
+    assert book.outputs("a") == [11] and book.outputs("b") == []
+    assert book.dropped_outputs == 1  # b from engine 0; unknown "zzz" is not counted
+    kept = book.accept(1, [out("b", 21, 22, finish=FinishReason.LENGTH)])
+    assert len(kept) == 1 and "b" not in book and len(book) == 1
+
+
+def test_moved_request_resumes_from_what_was_accepted_and_drops_the_old_owner():
+    book = RequestBook()
+    book.add(req("a", max_tokens=10, min_tokens=0), 3)
+    book.accept(3, [out("a", 11, 12)])
+    (item,) = book.take(3, ["a", "gone"])  # an unknown id is skipped
+    assert isinstance(item, ResumedRequest)
+    assert item.prompt_token_ids == [5, 6, 7, 11, 12] and item.num_output_tokens == 2
+    wire = item.to_engine_request(current_wave=4)
+    assert wire.num_output_tokens == 2 and wire.current_wave == 4
+    assert book.blocked_targets("a", [0, 3, 4]) == {3}
+    book.moved(item, 4, old_owner_stopped=True)
+    assert book.owner("a") == 4 and book.migrated == 1
+    assert book.accept(3, [out("a", 13)]) == []  # the old owner's late output
+    assert [o.new_token_ids for o in book.accept(4, [out("a", 13)])] == [[13]]
+    assert book.outputs("a") == [11, 12, 13]
+    assert book.take(3) == []  # it owns nothing any more
+
+
+def test_take_all_of_an_engine_and_already_finished_requests():
+    book = RequestBook()
+    book.add(req("len", max_tokens=2), 0)
+    book.add(req("eos", max_tokens=9), 0)
+    book.add(req("stop", max_tokens=9, stop_token_ids=[42]), 0)
+    book.add(req("more", max_tokens=9), 0)
+    book.add(req("other", max_tokens=9), 1)
+    book.accept(0, [out("len", 8, 9), out("eos", 8, EOS), out("stop", 42), out("more", 8)])
+    items = {i.request_id: i for i in book.take(0)}
+    assert set(items) == {"len", "eos", "stop", "more"}
+    assert isinstance(items["more"], ResumedRequest)
+    finishes = {}
+    for rid in ("len", "eos", "stop"):
+        item = items[rid]
+        assert isinstance(item, AlreadyFinished)
+        finishes[rid] = book.finished_output(item)
+        assert rid not in book
+    assert finishes["len"].finish_reason is FinishReason.LENGTH
+    assert (finishes["eos"].finish_reason, finishes["eos"].stop_reason) == (FinishReason.STOP, None)
+    assert (finishes["stop"].finish_reason, finishes["stop"].stop_reason) == (FinishReason.STOP, 42)
+    assert all(f.new_token_ids == [] for f in finishes.values())
+    assert book.finished_on_move == 3 and len(book) == 2
+
+
+def test_finish_and_abort_forget_requests():
+    book = RequestBook()
+    book.add(req("a"), 0)
+    with pytest.raises(ValueError, match="already has an owner"):
+        book.add(req("a"), 1)
+    book.finish("a")
+    book.finish("a")  # idempotent
+    assert "a" not in book and book.accept(0, [out("a", 1)]) == []
+    err = book.failed_output("x", "no engine")
+    assert err.finish_reason is FinishReason.ERROR and err.stop_reason == "no engine"
+
+
+# ----------------------------------------------------------------------------- the client
+
+
+class FakeSocket:
+    def __init__(self, unreachable: set[int] | None = None) -> None:
+        self.sent: list[list[bytes]] = []
+        self.unreachable = unreachable if unreachable is not None else set()
+
+    def send_multipart(self, frames: list[bytes]) -> None:
+        if engine_id_of(frames[0]) in self.unreachable:
+            raise zmq.ZMQError(zmq.EHOSTUNREACH)
+        self.sent.append(frames)
+
+    def send(self, frame: bytes) -> None:
+        self.sent.append([frame])
+
+    def recv_multipart(self, flags: int = 0) -> list[bytes]:
+        raise zmq.Again()
+
+
+def fake_client(topology: Topology) -> AsyncMPClient:
+    """An AsyncMPClient with fake sockets and no processes: just its routing and book."""
+    c = object.__new__(AsyncMPClient)
+    c.dead_reason = None
+    c._book = RequestBook(topology.epoch)
+    c._book_lock = threading.Lock()
+    c._excluded = set()
+    c._scale_hooks = None
+    c.dp = DPFrontendState(topology)
+    c.input_socket = FakeSocket()
+    c._wakeup_socket = FakeSocket()
+    c._queue = asyncio.Queue()
+    c._reader_task = object()  # _ensure_reader: already reading
+    c._pending_calls = {}
+
+    class _Manager:
+        topology = None
+
+        def set_topology(self, t: Topology) -> None:
+            self.topology = t
+
+    c.manager = _Manager()
+    return c
+
+
+def adds(sock: FakeSocket) -> list[tuple[int, EngineCoreRequest]]:
+    return [
+        (engine_id_of(f[0]), msgspec.msgpack.decode(f[2], type=EngineCoreRequest))
+        for f in sock.sent
+        if f[1] == EngineCoreRequestType.ADD.value
+    ]
+
+
+def test_client_migrates_handed_back_requests_and_filters_outputs():
+    async def main() -> None:
+        c = fake_client(Topology.initial(3))
+        for i in range(6):
+            c.add_request(req(f"r{i}", max_tokens=4, min_tokens=0))
+        owners = {r.request_id: e for e, r in adds(c.input_socket)}
+        assert set(owners.values()) == {0, 1, 2}
+        on1 = sorted(r for r, e in owners.items() if e == 1)
+        # Engine 1 leaves: excluded from routing, produced one token each, one finished.
+        c.exclude_from_routing([1])
+        done = on1[0]
+        outs = EngineCoreOutputs(
+            engine_index=1, outputs=[out(r, 9) for r in on1] + [out(done, EOS)]
+        )
+        assert c._on_outputs(outs)
+        c.input_socket.sent.clear()
+        assert c.migrate(1, on1) == len(on1)
+        moved = adds(c.input_socket)
+        assert {r.request_id for _, r in moved} == set(on1) - {done}
+        assert all(e != 1 for e, _ in moved)
+        for e, r in moved:
+            assert r.prompt_token_ids == [5, 6, 7, 9] and r.num_output_tokens == 1
+            assert c.dp.rank_of[r.request_id] == e
+        # The one whose outputs already ended it gets its finish, nothing is sent for it.
+        injected = c._queue.get_nowait()
+        assert [(o.request_id, o.finish_reason) for o in injected.outputs] == [
+            (done, FinishReason.STOP)
+        ]
+        # Late outputs of engine 1 are dropped; the new owner's pass.
+        e, r = moved[0]
+        late = EngineCoreOutputs(engine_index=1, outputs=[out(r.request_id, 7)])
+        c._on_outputs(late)
+        assert late.outputs == []
+        fresh = EngineCoreOutputs(engine_index=e, outputs=[out(r.request_id, 7)])
+        c._on_outputs(fresh)
+        assert len(fresh.outputs) == 1
+        # Aborts leave the book; new requests avoid the excluded engine.
+        c.abort_requests([r.request_id])
+        assert r.request_id not in c._book
+        c.input_socket.sent.clear()
+        for i in range(4):
+            c.add_request(req(f"n{i}"))
+        assert all(e != 1 for e, _ in adds(c.input_socket))
+
+    asyncio.run(main())
+
+
+def test_client_migrates_every_request_of_a_dead_engine_and_topology_moves_on():
+    async def main() -> None:
+        c = fake_client(Topology.initial(2))
+        c.exclude_from_routing([0])
+        for i in range(3):
+            c.add_request(req(f"r{i}", max_tokens=4))
+        c.restore_routing([0])
+        assert {e for e, _ in adds(c.input_socket)} == {1}
+        new = Topology.initial(2).with_engines([0, 2])
+        c.set_topology(new)
+        assert c.topology == new and c.manager.topology == new and c._book.ownership.epoch == 1
+        assert (
+            msgspec.msgpack.decode(c._wakeup_socket.sent[-1][0], type=DPSetTopology).topology == new
+        )
+        c.input_socket.sent.clear()
+        assert c.migrate(1) == 3  # engine 1 is gone: everything it owned
+        assert {e for e, _ in adds(c.input_socket)} <= {0, 2}
+        assert c._book.owned_by(1) == []
+
+    asyncio.run(main())
+
+
+def test_scale_reports_go_to_the_hooks_not_to_the_caller():
+    c = fake_client(Topology.initial(1))
+    reports = []
+    c.set_scale_hooks(ScaleHooks(reports.append, lambda e: False, lambda e, code: None))
+    rep = ScaleReport("op", 0, 1, ScaleEvent.PREPARED)
+    assert not c._on_outputs(EngineCoreOutputs(engine_index=0, scale_report=rep))
+    assert reports == [rep]
+
+
+def test_send_scale_retries_an_engine_whose_route_is_not_there_yet():
+    async def main() -> None:
+        c = fake_client(Topology.initial(2))
+        c.input_socket.unreachable = {5, 7}
+        loop = asyncio.get_running_loop()
+        loop.call_later(0.05, c.input_socket.unreachable.discard, 5)
+        missing = await c.send_scale([0, 5, 7], ScaleCommit("op", 1), retry_s=0.3)
+        assert missing == [7]
+        assert [engine_id_of(f[0]) for f in c.input_socket.sent] == [0, 5]
+        assert all(f[1] == EngineCoreRequestType.SCALE.value for f in c.input_socket.sent)
+
+    asyncio.run(main())

@@ -1,0 +1,476 @@
+"""The worker side of elastic expert parallelism (DESIGN.md 6.2): standby groups, expert
+transfers, the swap and the expert install. ``Worker`` forwards the Executor's elastic
+methods here.
+
+Per scale operation (epoch ``n`` = the new topology's), on each engine:
+
+1. ``join_standby`` (helper thread): a TCPStore client to the frontend's fresh store, then
+   the transfer group over the operation's participants (prefix ``e{n}/xfer``) and, for a
+   member of the new topology, its DP and EP groups (``e{n}/dp``, ``e{n}/ep``). Same order
+   on every engine (xfer first: a leaving engine creates only that one).
+2. ``pack_expert_sends`` (busy loop): a snapshot of every expert this engine sends, per
+   MoE layer from the layer's *current* slots (EPLB may have re-placed layers
+   differently, so an expert can be absent from some layers): an int64 ``[L]`` "held"
+   flag per layer and one flat payload of the held layers' ``w13`` then ``w2`` rows.
+3. ``transfer_experts`` (helper thread): every transfer involving this engine, in one
+   global order (ascending ``(expert, dst_engine_id, dst_slot)``, unique per transfer
+   and the same on every engine, so blocking pairwise send/recv cannot deadlock: the
+   smallest pending transfer always has both its ends waiting on it). Per transfer the
+   sender sends the flags then the payload (as bytes); the receiver stages the held
+   layers and reads the others from the checkpoint (after the network loop, one pass
+   over the files); a spec without a source is read from disk entirely. Staged:
+   ``(decoder layer index, expert) -> (w13 [2I, H], w2 [H, I])`` on the CPU.
+4. ``standby_barrier``: MAX of (wave, step) over the new DP group (every new member).
+5. Commit, busy loop, at one step on every rank: ``swap_groups`` (the standby DP/EP
+   groups become the current ones, the old ones retire, the transfer group goes),
+   ``install_experts`` (every MoE layer takes its row of the new layout: kept experts,
+   staged ones, disk for anything else; dispatchers and EPLB rebuilt on the new EP
+   group), ``destroy_retired_groups``. A leaving engine calls ``leave_groups``.
+6. Rollback: ``destroy_standby`` and ``discard_staged``; nothing current was touched.
+
+Threads: the helper-thread calls touch only the standby entry and the staged experts of
+their epoch; a lock guards the dicts. A ``destroy_standby`` while the helper is still in
+a rendezvous or a transfer cancels that attempt: what it creates afterwards is destroyed
+and it raises, so a late helper can never leak a group or stage into a later attempt of
+the same epoch (a rolled-back operation's epoch is reused by the next one).
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+from torch.distributed import ReduceOp, TCPStore
+
+from tidal.distributed.groups import StatelessGroup
+from tidal.executor.model_runner import num_experts
+from tidal.models.loader import load_expert_weights
+from tidal.moe.placement import ExpertPlacement
+from tidal.protocol.elastic import ExpertTransferSpec
+from tidal.protocol.topology import Topology
+
+if TYPE_CHECKING:
+    from tidal.executor.worker import Worker
+
+logger = logging.getLogger(__name__)
+
+_TAG_FLAGS = 1
+_TAG_PAYLOAD = 2
+
+TransferKey = tuple[int, int, int]  # (expert, dst_engine_id, dst_slot)
+Staged = dict[tuple[int, int], tuple[Tensor, Tensor]]  # (layer index, expert) -> w13, w2
+
+
+def transfer_key(spec: ExpertTransferSpec) -> TransferKey:
+    """Unique per transfer of a plan and the same on every engine: the global order."""
+    return (spec.expert, spec.dst_engine_id, spec.dst_slot)
+
+
+def parse_address(address: str) -> tuple[str, int]:
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ValueError(f"store address must be 'host:port', got {address!r}")
+    return host.strip("[]"), int(port)
+
+
+@dataclass(eq=False)
+class _Standby:
+    """One attempt's standby groups of an epoch (a retry of the epoch is a new object)."""
+
+    epoch: int
+    members: list[int]
+    participants: list[int]
+    store: Any = None
+    xfer: StatelessGroup | None = None
+    dp: StatelessGroup | None = None
+    ep: StatelessGroup | None = None
+    cancelled: bool = False
+
+    def destroy(self) -> None:
+        for g in (self.ep, self.dp, self.xfer):
+            if g is not None:
+                g.destroy()
+        self.ep = self.dp = self.xfer = None
+        self.store = None
+
+
+class ElasticWorkerState:
+    """Elastic-EP state of one worker; every method is called through ``Worker``."""
+
+    def __init__(self, worker: Worker) -> None:
+        self.worker = worker
+        self._lock = threading.Lock()
+        self._standby: dict[int, _Standby] = {}
+        self._packed: dict[int, dict[TransferKey, tuple[Tensor, Tensor]]] = {}
+        self._staged: dict[int, Staged] = {}
+        self._retired: list[Any] = []  # old groups (and their store) after a swap
+        # Epoch of the current groups (None: none yet, e.g. a joining engine).
+        self.epoch: int | None = None
+        # False on a joining engine until install_experts: its expert slots are allocated
+        # but hold nothing yet, so none of them may be "kept".
+        self.experts_valid = True
+
+    # ---------------------------------------------------------------- startup
+
+    def init_joiner(self, topology: Topology, engine_id: int) -> None:
+        if topology.placement is None:
+            raise ValueError("a joining engine needs the new topology's expert placement")
+        runner = self.worker.model_runner
+        rank = topology.rank_of(engine_id)
+        placement = ExpertPlacement.from_layout(num_experts(runner.config), topology.placement)
+        runner.load_model(placement.local_expert_ids(rank), load_experts=False)
+        runner.placement = placement
+        self.experts_valid = False
+        logger.info(
+            "engine %d: joining epoch %d as rank %d with experts %s (weights not loaded yet)",
+            engine_id,
+            topology.epoch,
+            rank,
+            placement.local_expert_ids(rank),
+        )
+
+    # ---------------------------------------------------------------- standby groups
+
+    def join_standby(
+        self,
+        epoch: int,
+        store_address: str,
+        members: list[int],
+        participants: list[int],
+        engine_id: int,
+        timeout_s: float,
+    ) -> None:
+        if engine_id not in participants:
+            raise ValueError(f"engine {engine_id} is not a participant of epoch {epoch}")
+        host, port = parse_address(store_address)
+        entry = _Standby(epoch, list(members), list(participants))
+        with self._lock:
+            stale = self._standby.pop(epoch, None)
+            self._standby[epoch] = entry
+        if stale is not None:
+            logger.warning(
+                "engine %d: replacing stale standby groups of epoch %d", engine_id, epoch
+            )
+            stale.cancelled = True
+            stale.destroy()
+        try:
+            store = TCPStore(
+                host,
+                port,
+                is_master=False,
+                wait_for_workers=False,
+                timeout=datetime.timedelta(seconds=timeout_s),
+            )
+            self._attach(entry, "store", store)
+
+            def create(name: str, group_members: list[int], backend: str) -> None:
+                group = StatelessGroup.create(
+                    host=host,
+                    port=0,
+                    rank=group_members.index(engine_id),
+                    world_size=len(group_members),
+                    backend=backend,
+                    store=store,
+                    prefix=f"e{epoch}/{name}",
+                    timeout_s=timeout_s,
+                )
+                self._attach(entry, name, group)
+
+            create("xfer", entry.participants, "gloo")
+            if engine_id in entry.members:
+                create("dp", entry.members, "gloo")
+                if self.worker.config.parallel.enable_expert_parallel:
+                    device = self.worker.device
+                    if device.type == "cuda":
+                        torch.cuda.set_device(device)  # per thread: this helper's
+                    create("ep", entry.members, "nccl" if device.type == "cuda" else "gloo")
+        except BaseException:
+            with self._lock:
+                if self._standby.get(epoch) is entry:
+                    del self._standby[epoch]
+            entry.destroy()
+            raise
+        logger.info(
+            "engine %d: joined the standby groups of epoch %d (members %s, participants %s)",
+            engine_id,
+            epoch,
+            entry.members,
+            entry.participants,
+        )
+
+    def _attach(self, entry: _Standby, name: str, obj: Any) -> None:
+        """Keep what the helper created, unless the attempt was cancelled meanwhile."""
+        with self._lock:
+            if not entry.cancelled:
+                setattr(entry, name, obj)
+                return
+        if isinstance(obj, StatelessGroup):
+            obj.destroy()
+        raise RuntimeError(f"the standby groups of epoch {entry.epoch} were destroyed")
+
+    def destroy_standby(self, epoch: int) -> None:
+        with self._lock:
+            entry = self._standby.pop(epoch, None)
+            if entry is not None:
+                entry.cancelled = True
+        if entry is not None:
+            entry.destroy()
+
+    # ---------------------------------------------------------------- transfers
+
+    @torch.no_grad()
+    def pack_expert_sends(self, epoch: int, sends: list[ExpertTransferSpec]) -> None:
+        layers = self.worker.model_runner.model.moe_layers()
+        packed: dict[TransferKey, tuple[Tensor, Tensor]] = {}
+        for spec in sends:
+            flags = torch.zeros(len(layers), dtype=torch.int64)
+            parts: list[Tensor] = []
+            for li, moe in enumerate(layers):
+                if not self.experts_valid or spec.expert not in moe.local_expert_ids:
+                    continue
+                slot = moe.local_expert_ids.index(spec.expert)
+                flags[li] = 1
+                parts += [moe.w13.data[slot].reshape(-1), moe.w2.data[slot].reshape(-1)]
+            dtype = layers[0].w13.dtype
+            # cat copies: the snapshot never aliases a slot an EPLB move may rewrite.
+            payload = torch.cat(parts).cpu() if parts else torch.empty(0, dtype=dtype)
+            packed[transfer_key(spec)] = (flags, payload)
+        with self._lock:
+            self._packed.setdefault(epoch, {}).update(packed)
+
+    @torch.no_grad()
+    def transfer_experts(
+        self,
+        epoch: int,
+        sends: list[ExpertTransferSpec],
+        receives: list[ExpertTransferSpec],
+        engine_id: int,
+        timeout_s: float,
+    ) -> int:
+        with self._lock:
+            entry = self._standby.get(epoch)
+            packed = dict(self._packed.get(epoch, {}))
+        if entry is None or entry.xfer is None:
+            raise RuntimeError(f"engine {engine_id}: no transfer group of epoch {epoch}")
+        group, participants = entry.xfer, entry.participants
+        runner = self.worker.model_runner
+        model = runner.model
+        layer_ids = _moe_layer_ids(model)
+        layers = model.moe_layers()
+        n13, n2 = layers[0].w13[0].numel(), layers[0].w2[0].numel()
+        shape13, shape2 = tuple(layers[0].w13.shape[1:]), tuple(layers[0].w2.shape[1:])
+        dtype = layers[0].w13.dtype
+        deadline = time.monotonic() + timeout_s
+
+        def wait(work: Any, what: str) -> None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"expert transfer of epoch {epoch} timed out ({what})")
+            work.wait(datetime.timedelta(seconds=left))
+
+        staged: Staged = {}
+        from_disk: dict[int, list[int]] = {}
+        todo = {transfer_key(s): s for s in [*sends, *receives]}
+        for key in sorted(todo):
+            spec = todo[key]
+            src, dst = spec.src_engine_id, spec.dst_engine_id
+            if src == engine_id and dst != engine_id:
+                flags, payload = packed.get(key) or (None, None)
+                if flags is None:
+                    logger.warning(
+                        "engine %d: expert %d to engine %d was not packed; the receiver "
+                        "reads it from disk",
+                        engine_id,
+                        spec.expert,
+                        dst,
+                    )
+                    flags, payload = torch.zeros(len(layers), dtype=torch.int64), None
+                peer = participants.index(dst)
+                wait(group.process_group.send([flags], peer, _TAG_FLAGS), f"send to {dst}")
+                if int(flags.sum()):
+                    data = payload.contiguous().view(torch.uint8)
+                    wait(group.process_group.send([data], peer, _TAG_PAYLOAD), f"send to {dst}")
+                continue
+            if dst != engine_id:
+                continue  # not this engine's
+            if src is None or (src == engine_id and key not in packed):
+                flags = torch.zeros(len(layers), dtype=torch.int64)  # all from disk
+                payload = torch.empty(0, dtype=dtype)
+            elif src == engine_id:  # a copy to itself (plans make these slot moves)
+                flags, payload = packed[key]
+            else:
+                peer = participants.index(src)
+                flags = torch.empty(len(layers), dtype=torch.int64)
+                wait(group.process_group.recv([flags], peer, _TAG_FLAGS), f"recv from {src}")
+                held = int(flags.sum())
+                payload = torch.empty(held * (n13 + n2), dtype=dtype)
+                if held:
+                    buf = payload.view(torch.uint8)
+                    wait(group.process_group.recv([buf], peer, _TAG_PAYLOAD), f"recv from {src}")
+            offset = 0
+            for li, lid in enumerate(layer_ids):
+                if not int(flags[li]):
+                    from_disk.setdefault(lid, []).append(spec.expert)
+                    continue
+                w13 = payload[offset : offset + n13].view(shape13)
+                w2 = payload[offset + n13 : offset + n13 + n2].view(shape2)
+                offset += n13 + n2
+                staged[lid, spec.expert] = (w13, w2)
+        if from_disk:
+            staged.update(load_expert_weights(model, self.worker.config.model.model, from_disk))
+        nbytes = sum(w13.nbytes + w2.nbytes for w13, w2 in staged.values())
+        with self._lock:
+            if entry.cancelled:
+                raise RuntimeError(f"the standby groups of epoch {epoch} were destroyed")
+            self._staged.setdefault(epoch, {}).update(staged)
+        logger.info(
+            "engine %d: epoch %d transfers done: %d sent, %d staged (%d layer(s) from disk), "
+            "%d bytes",
+            engine_id,
+            epoch,
+            sum(1 for s in todo.values() if s.src_engine_id == engine_id),
+            len({e for _, e in staged}),
+            sum(len(v) for v in from_disk.values()),
+            nbytes,
+        )
+        return nbytes
+
+    def discard_staged(self, epoch: int) -> None:
+        with self._lock:
+            self._staged.pop(epoch, None)
+            self._packed.pop(epoch, None)
+
+    # ---------------------------------------------------------------- commit
+
+    def standby_barrier(self, epoch: int, wave: int, step: int) -> tuple[int, int]:
+        with self._lock:
+            entry = self._standby.get(epoch)
+        group = entry.dp if entry is not None else None
+        if group is None and self.epoch == epoch:
+            group = self.worker.dp_group  # swapped in already: the standby is current
+        if group is None:
+            raise RuntimeError(f"no DP group of epoch {epoch} (standby or current)")
+        t = group.all_reduce(torch.tensor([wave, step], dtype=torch.int64), ReduceOp.MAX)
+        return int(t[0]), int(t[1])
+
+    def swap_groups(self, epoch: int) -> None:
+        with self._lock:
+            entry = self._standby.get(epoch)
+            if entry is None or entry.dp is None:
+                raise RuntimeError(f"no standby DP group of epoch {epoch} to swap in")
+            if self.worker.config.parallel.enable_expert_parallel and entry.ep is None:
+                raise RuntimeError(f"no standby EP group of epoch {epoch} to swap in")
+            del self._standby[epoch]
+        w = self.worker
+        self._retired += [g for g in (w.ep_group, w.dp_group, w._store) if g is not None]
+        if entry.xfer is not None:
+            entry.xfer.destroy()
+        w.dp_group, w.ep_group, w._store = entry.dp, entry.ep, entry.store
+        w.model_runner.set_process_groups(entry.dp, entry.ep)
+        self.epoch = epoch
+        logger.info("swapped in the groups of epoch %d (DP rank %d)", epoch, entry.dp.rank)
+
+    @torch.no_grad()
+    def install_experts(self, epoch: int, layout: list[list[int]], rank: int) -> None:
+        runner = self.worker.model_runner
+        model = runner.model
+        placement = ExpertPlacement.from_layout(num_experts(runner.config), layout)
+        if not 0 <= rank < placement.ep_size:
+            raise ValueError(f"rank {rank} is outside the layout's {placement.ep_size} ranks")
+        ep = runner.ep_group
+        if ep is not None and (ep.rank != rank or ep.world_size != placement.ep_size):
+            raise ValueError(
+                f"layout rank {rank}/{placement.ep_size} does not match the EP group "
+                f"(rank {ep.rank}/{ep.world_size})"
+            )
+        new_ids = placement.local_expert_ids(rank)
+        with self._lock:
+            staged = dict(self._staged.get(epoch, {}))
+        layer_ids, layers = _moe_layer_ids(model), model.moe_layers()
+
+        def held(moe: Any) -> dict[int, int]:
+            if not self.experts_valid:
+                return {}
+            return {e: s for s, e in enumerate(moe.local_expert_ids)}
+
+        missing: dict[int, list[int]] = {}
+        for lid, moe in zip(layer_ids, layers):
+            have = held(moe)
+            miss = [e for e in new_ids if e not in have and (lid, e) not in staged]
+            if miss:
+                missing[lid] = miss
+        if missing:
+            logger.warning(
+                "epoch %d: experts neither held nor staged, read from disk: %s", epoch, missing
+            )
+            staged.update(load_expert_weights(model, self.worker.config.model.model, missing))
+        for lid, moe in zip(layer_ids, layers):
+            have = held(moe)
+            dev = moe.w13.device
+            w13s, w2s = [], []
+            for e in new_ids:
+                if e in have:
+                    w13s.append(moe.w13.data[have[e]])
+                    w2s.append(moe.w2.data[have[e]])
+                else:
+                    w13, w2 = staged[lid, e]
+                    w13s.append(w13.to(dev))
+                    w2s.append(w2.to(dev))
+            # stack copies: every source is read before a slot is written.
+            new13, new2 = torch.stack(w13s), torch.stack(w2s)
+            moe.set_local_experts(new_ids)  # keeps the backend's storage layout
+            moe.w13.data.copy_(new13)
+            moe.w2.data.copy_(new2)
+        runner.placement = placement
+        if ep is not None:
+            runner.setup_expert_parallel(placement)
+        self.experts_valid = True
+        self.discard_staged(epoch)
+        logger.info("epoch %d: rank %d installed experts %s", epoch, rank, new_ids)
+
+    def destroy_retired_groups(self) -> None:
+        retired, self._retired = self._retired, []
+        for g in retired:
+            if isinstance(g, StatelessGroup):
+                g.destroy()
+
+    def leave_groups(self) -> None:
+        """A leaving engine at the commit: its current groups go, and with them whatever
+        it still has of the operation (the transfer group) and of earlier epochs."""
+        w = self.worker
+        for g in (w.ep_group, w.dp_group):
+            if g is not None:
+                g.destroy()
+        w.dp_group = w.ep_group = w._store = None
+        w.model_runner.set_process_groups(None, None)
+        for epoch in self.standby_epochs():
+            self.destroy_standby(epoch)
+        self.destroy_retired_groups()
+        self.epoch = None
+
+    def shutdown(self) -> None:
+        """Destroy every standby and retired group, drop staged experts (no peers)."""
+        with self._lock:
+            entries = list(self._standby.values())
+            self._standby.clear()
+            for entry in entries:
+                entry.cancelled = True
+            self._staged.clear()
+            self._packed.clear()
+        for entry in entries:
+            entry.destroy()
+        self.destroy_retired_groups()
+
+    def standby_epochs(self) -> list[int]:
+        with self._lock:
+            return sorted(self._standby)
+
+
+def _moe_layer_ids(model: Any) -> list[int]:
+    return [i for i, layer in enumerate(model.layers) if layer.is_moe]

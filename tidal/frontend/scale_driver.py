@@ -1,0 +1,504 @@
+"""The scale driver: the asyncio I/O shell that carries out what the pure
+``ScaleController`` (``tidal.frontend.scale_controller``) decides (DESIGN.md 6.2-6.4).
+
+One task on the event loop owns the controller. Everything that reaches it goes through
+one queue, so the controller sees one event at a time, in arrival order:
+
+- admissions (``scale()``), answered at once when they start nothing (a duplicate, a
+  conflict, a plan error, nothing to do), else when the operation's ``RecordResult`` runs;
+- ``ScaleReport``s, read by the client from the engines' output socket (``on_report``);
+- engine exits: the process monitor's (``on_exit``, for the engines ``owns_engine``
+  claims: joiners, leavers, engines no longer serving) and those of ``StopEngines``;
+- ``EngineReady`` / ``EngineExited`` from the joiners' startup handshake;
+- ``RequestsMigrated`` after a ``MigrateRequests``;
+- a tick at ``controller.next_deadline()``.
+
+Actions run in the order the controller returned them. Quick ones run inline (routing,
+topology, SCALE frames -- retried briefly while a joiner's input route appears --,
+migration); the blocking ones run on a worker thread in the background and report back
+as events: ``SpawnEngines`` (start the processes, then ``wait_for_joiners`` ->
+``EngineReady`` each, or ``EngineExited`` naming the one that failed) and
+``StopEngines`` (stop, reap -> ``EngineExited`` each).
+
+Each operation gets a fresh ``TCPStore`` for its standby groups (``store_address`` of the
+new topology). A rolled-back operation's store is destroyed at once (joiners stuck in a
+rendezvous fail fast); a committed one's stays while its topology is the served one (the
+live groups were made on it) and goes when the next operation commits; an operation
+whose outcome is unknown keeps it until the outcome is learnt.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import os
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from torch.distributed import TCPStore
+
+from tidal.config import EngineConfig
+from tidal.elastic.plan import expert_nbytes
+from tidal.frontend.mp_client import ScaleHooks
+from tidal.frontend.scale_controller import ScaleController
+from tidal.frontend.scale_events import (
+    Action,
+    EngineExited,
+    EngineReady,
+    ExcludeFromRouting,
+    MigrateRequests,
+    PublishTopology,
+    RecordResult,
+    RequestsMigrated,
+    RestoreRouting,
+    SendAbort,
+    SendCommit,
+    SendPrepare,
+    SpawnEngines,
+    StopEngines,
+)
+from tidal.frontend.scale_records import (
+    Admission,
+    OperationRecord,
+    ScalePhase,
+    ScaleRequest,
+    ScaleResponse,
+    ScaleTimeouts,
+)
+from tidal.models.registry import get_model_class
+from tidal.protocol.elastic import ScaleMessage, ScaleReport
+from tidal.protocol.errors import EngineDeadError
+from tidal.protocol.topology import Topology
+
+logger = logging.getLogger(__name__)
+
+_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+# ------------------------------------------------------------------------ what it drives
+
+
+class ScaleClient(Protocol):
+    """What the driver needs from the engine client (``AsyncMPClient``)."""
+
+    @property
+    def topology(self) -> Topology: ...
+
+    def set_topology(self, topology: Topology) -> None: ...
+
+    def exclude_from_routing(self, engine_ids: Iterable[int]) -> None: ...
+
+    def restore_routing(self, engine_ids: Iterable[int]) -> None: ...
+
+    async def send_scale(self, engine_ids: Iterable[int], message: ScaleMessage) -> list[int]: ...
+
+    def migrate(self, engine_id: int, request_ids: Iterable[str] | None = None) -> int: ...
+
+
+class ScaleProcesses(Protocol):
+    """What the driver needs from the engine process manager (``EngineProcManager``);
+    the blocking calls run on a worker thread."""
+
+    def spawn(self, engine_ids: Iterable[int], topology: Topology) -> None: ...
+
+    def wait_for_joiners(self, engine_ids: Iterable[int], timeout_s: float) -> None: ...
+
+    def stop(
+        self, engine_ids: Iterable[int], *, force: bool = False, timeout_s: float = 10.0
+    ) -> Any: ...
+
+
+# A fresh TCPStore server for one operation: (the object that keeps it alive, "host:port").
+StoreFactory = Callable[[], tuple[Any, str]]
+
+
+def tcp_store_factory(host: str) -> StoreFactory:
+    """Host each operation's store on ``host`` (the DP address), on a free port."""
+
+    def make() -> tuple[Any, str]:
+        store = TCPStore(host, 0, is_master=True, wait_for_workers=False)
+        return store, f"{host}:{store.port}"
+
+    return make
+
+
+def expert_sizes(config: EngineConfig) -> tuple[int, int]:
+    """(number of logical experts, bytes of one expert over all MoE layers) of the model:
+    ``3 * hidden * moe_intermediate * dtype bytes`` per MoE layer."""
+    spec = get_model_class(config.model.architecture).spec_from_config(config.model.hf_config)
+    num_moe_layers = sum(spec.moe_layer_mask)
+    dtype_bytes = _DTYPE_BYTES.get(config.model.dtype, 4)
+    nbytes = expert_nbytes(
+        spec.hidden_size, spec.moe_intermediate_size, num_moe_layers, dtype_bytes
+    )
+    return spec.num_experts, nbytes
+
+
+def controller_for(
+    config: EngineConfig, topology: Topology, timeouts: ScaleTimeouts | None = None
+) -> ScaleController:
+    """The controller of a deployment serving ``topology`` with this model and config."""
+    num_experts, bytes_per_expert = expert_sizes(config)
+    cores = len(os.sched_getaffinity(0)) if config.device == "cpu" else None
+    return ScaleController(
+        topology,
+        num_experts,
+        config.parallel.num_redundant_experts,
+        bytes_per_expert=bytes_per_expert,
+        timeouts=timeouts,
+        cpu_cores=cores,
+    )
+
+
+# ------------------------------------------------------------------------------ driver
+
+
+@dataclass
+class _Admit:
+    request: ScaleRequest
+    reply: asyncio.Future  # (ScaleResponse, waiter future | None)
+
+
+class _Tick:
+    pass
+
+
+_TICK = _Tick()
+
+Listener = Callable[[dict[str, Any]], None]
+
+
+class ScaleDriver:
+    """Runs elastic EP operations: admits them, feeds the controller, executes its actions.
+
+    Public API (event-loop thread only): ``await scale(new_size, drain_timeout_s,
+    operation_id) -> ScaleResponse``, ``is_scaling``, ``history()``, ``add_listener(cb)``
+    (``cb(record_dict)`` on every ``RecordResult``: the metrics), ``close()``. The client
+    calls ``on_report`` / ``owns_engine`` / ``on_exit`` (``hooks()``)."""
+
+    def __init__(
+        self,
+        controller: ScaleController,
+        client: ScaleClient,
+        processes: ScaleProcesses,
+        *,
+        make_store: StoreFactory | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        stop_timeout_s: float = 10.0,
+    ) -> None:
+        self.controller = controller
+        self.client = client
+        self.processes = processes
+        self._make_store = make_store
+        self._clock = clock
+        self._stop_timeout_s = stop_timeout_s
+        self._queue: asyncio.Queue[Any] | None = None
+        self._task: asyncio.Task | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._background: set[asyncio.Task] = set()
+        self._waiters: dict[str, asyncio.Future] = {}
+        self._listeners: list[Listener] = []
+        self._stores: dict[str, tuple[Any, str]] = {}  # operation id -> its store
+        self._current_store: tuple[Any, str] | None = None  # the served topology's
+        self._spawned: set[int] = set()  # every engine id this driver started
+        self._stopping: set[int] = set()  # every engine id it asked to stop
+        self._closed = False
+
+    @classmethod
+    def for_client(
+        cls, config: EngineConfig, client: Any, timeouts: ScaleTimeouts | None = None
+    ) -> ScaleDriver:
+        """The driver of an ``AsyncMPClient`` (and its process manager), hooked into it."""
+        driver = cls(
+            controller_for(config, client.topology, timeouts),
+            client,
+            client.manager,
+            make_store=tcp_store_factory(config.parallel.data_parallel_address),
+        )
+        client.set_scale_hooks(driver.hooks())
+        return driver
+
+    # ------------------------------------------------------------------ public API
+
+    @property
+    def is_scaling(self) -> bool:
+        return self.controller.is_scaling
+
+    def history(self) -> list[dict[str, Any]]:
+        """Every operation the controller remembers (bounded), oldest first; a running one
+        is last, with its current phase."""
+        return [r.to_dict() for r in self.controller.history.values()]
+
+    def add_listener(self, listener: Listener) -> None:
+        self._listeners.append(listener)
+
+    async def scale(
+        self,
+        new_size: int,
+        drain_timeout_s: float = 0.0,
+        operation_id: str | None = None,
+    ) -> ScaleResponse:
+        """Run one operation to its end and return its record (``status_code`` 200), or
+        answer at once: a repeated ``operation_id`` (its first record, finished or not),
+        another operation running (409), nothing to do. ``ScalePlanError`` (a
+        ``ValueError``: HTTP 400) for a request that cannot be served."""
+        if self._closed:
+            raise EngineDeadError("the scale driver is shut down")
+        dead = getattr(self.client, "dead_reason", None)
+        if dead is not None:
+            raise EngineDeadError(dead)
+        self._ensure_running()
+        loop = asyncio.get_running_loop()
+        reply: asyncio.Future = loop.create_future()
+        self._post(_Admit(ScaleRequest(new_size, drain_timeout_s, operation_id), reply))
+        resp, waiter = await reply
+        if waiter is None:
+            return resp
+        record = await asyncio.shield(waiter)
+        return ScaleResponse(resp.admission, record)
+
+    def close(self) -> None:
+        """Stop driving: cancel the task and the background work, fail the callers still
+        waiting, drop the stores. The engines are the client's to stop."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._timer is not None:
+            self._timer.cancel()
+        for t in [self._task, *self._background]:
+            if t is not None and not t.done():
+                t.cancel()
+        for fut in self._waiters.values():
+            if not fut.done():
+                fut.set_exception(EngineDeadError("the deployment shut down during scaling"))
+        self._waiters.clear()
+        self._stores.clear()
+        self._current_store = None
+
+    # ------------------------------------------------------------------ client hooks
+
+    def hooks(self) -> ScaleHooks:
+        return ScaleHooks(self.on_report, self.owns_engine, self.on_exit)
+
+    def on_report(self, report: ScaleReport) -> None:
+        self._post(report)
+
+    def owns_engine(self, engine_id: int) -> bool:
+        """Whether an exit of ``engine_id`` is this driver's event rather than a rank
+        death that fails the client: an engine joining or leaving in the running (or
+        unresolved) operation, one being stopped, or one not serving at all (a joiner of
+        a rolled-back operation, an engine that left)."""
+        if engine_id in self._stopping:
+            return True
+        rec = self.controller.current
+        if rec is not None and (engine_id in rec.joining or engine_id in rec.leaving):
+            return True
+        return engine_id not in self.controller.topology
+
+    def on_exit(self, engine_id: int, exitcode: int | None) -> None:
+        """The monitor saw ``engine_id`` exit (an engine ``owns_engine`` claimed)."""
+        if self._closed:
+            return
+        self._post(EngineExited(engine_id, f"exited with code {exitcode}"))
+        self._background_task(self._reap(engine_id))
+
+    async def _reap(self, engine_id: int) -> None:
+        """An engine that exited on its own: reap and forget its process (the controller
+        may never ask to stop it: it is already gone)."""
+        try:
+            await asyncio.to_thread(self.processes.stop, (engine_id,), force=True, timeout_s=5.0)
+        except Exception:  # noqa: BLE001
+            logger.exception("scale driver: reaping engine %d failed", engine_id)
+
+    # ------------------------------------------------------------------ the loop
+
+    def _ensure_running(self) -> None:
+        if self._queue is None:
+            self._queue = asyncio.Queue()
+        if (self._task is None or self._task.done()) and not self._closed:
+            start = getattr(self.client, "start", None)
+            if start is not None:
+                start()  # reports arrive on the client's output reader
+            self._task = asyncio.get_running_loop().create_task(self._run())
+
+    def _post(self, item: Any) -> None:
+        if self._closed:
+            return
+        self._ensure_running()
+        assert self._queue is not None
+        self._queue.put_nowait(item)
+
+    async def _run(self) -> None:
+        assert self._queue is not None
+        while True:
+            item = await self._queue.get()
+            try:
+                await self._process(item)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # noqa: BLE001 - the driver must outlive a bad event
+                logger.exception("scale driver: handling %r failed", item)
+            self._arm_tick()
+
+    async def _process(self, item: Any) -> None:
+        c = self.controller
+        if isinstance(item, _Admit):
+            await self._admit(item)
+            return
+        if item is _TICK:
+            actions = c.tick(self._clock())
+        else:
+            actions = c.handle(item, self._clock())
+        await self._execute(actions)
+        if isinstance(item, EngineExited) and item.engine_id in c.dead:
+            # A dead member of what is served: no new requests until the next operation
+            # removes it (its requests migrated with the MigrateRequests above).
+            self.client.exclude_from_routing((item.engine_id,))
+
+    def _arm_tick(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        deadline = self.controller.next_deadline()
+        if deadline is None or not math.isfinite(deadline) or self._closed:
+            return
+        delay = max(0.0, deadline - self._clock())
+        self._timer = asyncio.get_running_loop().call_later(delay, self._post, _TICK)
+
+    async def _admit(self, item: _Admit) -> None:
+        c = self.controller
+        store: tuple[Any, str] | None = None
+        try:
+            if not c.is_scaling and self._make_store is not None:
+                store = self._make_store()
+            resp, actions = c.request_scale(
+                item.request, self._clock(), store_address=None if store is None else store[1]
+            )
+        except Exception as e:  # noqa: BLE001 - ScalePlanError (400) or no store: the caller's
+            if not item.reply.done():
+                item.reply.set_exception(e)
+            return
+        rec = resp.record
+        waiter: asyncio.Future | None = None
+        if resp.admission is Admission.STARTED and not rec.done:
+            if store is not None:
+                self._stores[rec.operation_id] = store
+            waiter = asyncio.get_running_loop().create_future()
+            self._waiters[rec.operation_id] = waiter
+        if not item.reply.done():
+            item.reply.set_result((resp, waiter))
+        await self._execute(actions)
+
+    # ------------------------------------------------------------------ actions
+
+    async def _execute(self, actions: list[Action]) -> None:
+        for a in actions:
+            try:
+                await self._do(a)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # noqa: BLE001 - the next actions still run (rollbacks!)
+                logger.exception("scale driver: %s failed", type(a).__name__)
+
+    async def _do(self, a: Action) -> None:
+        if isinstance(a, SpawnEngines):
+            await self._spawn(a)
+        elif isinstance(a, ExcludeFromRouting):
+            self.client.exclude_from_routing(a.engine_ids)
+        elif isinstance(a, RestoreRouting):
+            self.client.restore_routing(a.engine_ids)
+        elif isinstance(a, SendPrepare | SendCommit | SendAbort):
+            unreachable = await self.client.send_scale(a.engine_ids, a.message)
+            if unreachable:
+                logger.warning(
+                    "scale %s: engines %s unreachable for %s",
+                    a.message.operation_id,
+                    unreachable,
+                    type(a.message).__name__,
+                )
+        elif isinstance(a, PublishTopology):
+            self.client.set_topology(a.topology)
+            self._adopt_store(a.topology)
+        elif isinstance(a, StopEngines):
+            self._stopping.update(a.engine_ids)
+            self._background_task(self._stop(a))
+        elif isinstance(a, MigrateRequests):
+            n = self.client.migrate(a.engine_id, a.request_ids)
+            self._post(RequestsMigrated(a.engine_id, n, a.operation_id))
+        elif isinstance(a, RecordResult):
+            self._record(a.record)
+        else:
+            raise TypeError(f"unknown scale action {a!r}")
+
+    def _background_task(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _spawn(self, a: SpawnEngines) -> None:
+        self._spawned.update(a.engine_ids)
+        try:
+            await asyncio.to_thread(self.processes.spawn, a.engine_ids, a.topology)
+        except Exception as e:  # noqa: BLE001 - reported as the engine's failure
+            failed = getattr(e, "engine_id", a.engine_ids[0])
+            self._post(EngineExited(failed, f"could not be started: {e}"))
+            self._stopping.add(failed)
+            self._background_task(self._reap(failed))
+            return
+        self._background_task(self._await_joiners(a.engine_ids))
+
+    async def _await_joiners(self, engine_ids: tuple[int, ...]) -> None:
+        # The controller's own deadline (STARTING_ENGINES) fires first and stops them,
+        # which ends this wait too; this bound is only a backstop.
+        timeout = self.controller.timeouts.start_engines_s + 10.0
+        try:
+            await asyncio.to_thread(self.processes.wait_for_joiners, engine_ids, timeout)
+        except Exception as e:  # noqa: BLE001 - EngineStartError names the engine
+            failed = getattr(e, "engine_id", None)
+            failed = engine_ids[0] if failed is None else failed
+            self._post(EngineExited(failed, str(e)))
+            # The controller counts it gone: make it so (it may still run, e.g. after a
+            # READY with an error or a config mismatch).
+            self._stopping.add(failed)
+            await self._reap(failed)
+            return
+        for e in engine_ids:
+            self._post(EngineReady(e))
+
+    async def _stop(self, a: StopEngines) -> None:
+        timeout = 5.0 if a.force else self._stop_timeout_s
+        try:
+            await asyncio.to_thread(
+                self.processes.stop, a.engine_ids, force=a.force, timeout_s=timeout
+            )
+        except Exception:  # noqa: BLE001 - still report them gone: nothing else would
+            logger.exception("scale driver: stopping engines %s failed", a.engine_ids)
+        for e in a.engine_ids:
+            self._post(EngineExited(e, f"stopped: {a.reason}"))
+
+    def _record(self, rec: OperationRecord) -> None:
+        waiter = self._waiters.pop(rec.operation_id, None)
+        if waiter is not None and not waiter.done():
+            waiter.set_result(rec)
+        unresolved = rec.phase is ScalePhase.FAILED and rec.resolution is None
+        if not unresolved:
+            # Rolled back (or resolved as such): destroyed now, so joiners stuck in a
+            # rendezvous on it fail fast. A committed one was adopted by PublishTopology.
+            self._stores.pop(rec.operation_id, None)
+        record = rec.to_dict()
+        for listener in list(self._listeners):
+            try:
+                listener(record)
+            except Exception:  # noqa: BLE001 - a metrics bug must not stop scaling
+                logger.exception("scale listener failed")
+
+    def _adopt_store(self, topology: Topology) -> None:
+        """The served topology's store is kept; the one it replaces is dropped."""
+        for op_id, store in list(self._stores.items()):
+            if store[1] == topology.store_address:
+                del self._stores[op_id]
+                self._current_store = store
+                return
