@@ -40,8 +40,9 @@ retries every ``--retry-s``). ``downtime_s`` runs from the stop until the first 
 the new deployment (``stop_s`` + ``start_s`` + ``first_token_s``); ``max_stream_pause_s``:
 per stream, its last token before the stop to its first token after (the peer of the
 commit pause); ``lost``: the requests in flight at the stop; ``refused_attempts``. The
-relaunch is in-process (no interpreter start, imports or model file reads warm in the
-page cache), so it is the peer at its fastest; a real server restart takes longer.
+relaunch is in-process (the engines are new processes, but the frontend's interpreter and
+imports are kept and the model files are in the page cache), so it is the peer at its
+fastest; a real server restart takes longer.
 
 Prints one JSON document: machine, model, baseline, one row per operation and system, a
 ``table`` of the key numbers and ``targets`` (scale-up total < 5 s, commit pause < 1 s,
@@ -386,22 +387,6 @@ def make_llm(model: str | None, dtype: str, size: int, elastic: bool) -> Any:
     return AsyncLLM(args.create_engine_config())
 
 
-def release_loop_readers(llm: Any) -> None:
-    """Unregister a shut-down client's asyncio sockets from the running event loop.
-
-    Workaround, harmless once fixed: ``AsyncMPClient.shutdown()`` closes its zmq sockets
-    under their ``zmq.asyncio`` shadows, so pyzmq skips ``_clear_io_state`` and the loop's
-    selector keeps their fds. The next ``AsyncLLM`` on the same loop whose sockets get
-    those fd numbers (the same DP size as an earlier deployment) is never woken: its
-    ``generate()`` and utility calls hang."""
-    client = getattr(llm, "client", None)
-    for name in ("_async_out", "_async_snap"):
-        sock = getattr(client, name, None)
-        if sock is not None:
-            with contextlib.suppress(Exception):
-                sock._clear_io_state()
-
-
 async def run_tidal(opts: argparse.Namespace, sequence: list[int]) -> dict[str, Any]:
     t_start = time.monotonic()
     llm = await asyncio.to_thread(make_llm, opts.model, opts.dtype, opts.start_size, True)
@@ -443,7 +428,6 @@ async def run_tidal(opts: argparse.Namespace, sequence: list[int]) -> dict[str, 
         if load is not None:
             await load.cancel()
         await llm.shutdown()
-        release_loop_readers(llm)
     reqs = load.reqs
     base_gaps = gaps_ending_in(reqs, b0, b1)
     base_p99 = percentile(base_gaps, 99)
@@ -489,7 +473,6 @@ async def run_relaunch(opts: argparse.Namespace, sequence: list[int]) -> dict[st
             in_flight = load.kill_in_flight()
             old, llm = llm, None
             await old.shutdown()
-            release_loop_readers(old)
             t_stopped = time.monotonic()
             load.deployment += 1
             dep = load.deployment
@@ -539,7 +522,6 @@ async def run_relaunch(opts: argparse.Namespace, sequence: list[int]) -> dict[st
             await load.cancel()
         if llm is not None:
             await llm.shutdown()
-            release_loop_readers(llm)
     return {"rows": rows}
 
 

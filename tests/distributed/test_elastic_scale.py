@@ -44,9 +44,28 @@ WORKLOAD = [
     (p, SamplingParams(temperature=1.0, top_p=0.9, seed=1000 + i, max_tokens=MAX_TOKENS))
     for i, p in enumerate(PROMPTS)
 ]
-# Pinned to the rank that leaves next, so every scale-down has a stream to migrate.
+# Pinned to the rank that leaves next, so every scale-down has streams to migrate: a long
+# greedy one, and n=2 seeded siblings with penalties, logprobs and min_tokens, whose state
+# (output count, penalty history, sampler position) must carry over to the survivor.
 LONG = len(WORKLOAD)
 WORKLOAD.append(([5, 6, 7, 8], SamplingParams(temperature=0.0, max_tokens=160, ignore_eos=True)))
+RICH = len(WORKLOAD)
+WORKLOAD.append(
+    (
+        [9, 10, 11],
+        SamplingParams(
+            n=2,
+            temperature=0.8,
+            seed=7,
+            presence_penalty=0.5,
+            frequency_penalty=0.3,
+            repetition_penalty=1.2,
+            logprobs=2,
+            min_tokens=120,
+            max_tokens=140,
+        ),
+    )
+)
 
 
 def _llm(ckpt: str, size: int, **kw) -> AsyncLLM:
@@ -62,9 +81,16 @@ def _llm(ckpt: str, size: int, **kw) -> AsyncLLM:
     return AsyncLLM(args.create_engine_config(), scale_timeouts=timeouts)
 
 
+def _tokens(outputs) -> list[int] | list[list[int]]:
+    """One completion: its tokens; n > 1: each sibling's, by index."""
+    by_index = [c.token_ids for c in sorted(outputs, key=lambda c: c.index)]
+    return by_index[0] if len(by_index) == 1 else by_index
+
+
 @pytest.fixture(scope="module")
-def reference(qwen3_ckpt) -> list[list[int]]:
-    """Every workload item on one unscaled engine (DP=1, no elastic machinery)."""
+def reference(qwen3_ckpt) -> list:
+    """Every workload item on one unscaled engine (DP=1, no elastic machinery), and the
+    n=2 item's logprobs."""
     llm = LLM(qwen3_ckpt, dtype="float32")
     try:
         outs = llm.generate(
@@ -74,7 +100,7 @@ def reference(qwen3_ckpt) -> list[list[int]]:
         )
     finally:
         llm.shutdown()
-    return [o.outputs[0].token_ids for o in outs]
+    return [_tokens(o.outputs) for o in outs]
 
 
 async def _until(pred: Callable[[], bool], timeout_s: float = 120.0) -> None:
@@ -92,12 +118,15 @@ async def _run(
     rank: int | None = None,
 ) -> list[int]:
     prompt, params = WORKLOAD[item]
-    tokens: list[int] = []
+    tokens: list[list[int]] = [[] for _ in range(params.n)]
     gen = llm.generate(ProcessedPrompt(None, prompt), params, rid, data_parallel_rank=rank)
     async for out in gen:
-        tokens += out.outputs[0].token_ids
+        for c in out.outputs:
+            tokens[c.index] += c.token_ids
+            if params.logprobs is not None:  # one entry per new token, chosen one included
+                assert c.logprobs is not None and len(c.logprobs) == len(c.token_ids)
         on_token()
-    return tokens
+    return tokens[0] if params.n == 1 else tokens
 
 
 class Load:
@@ -163,12 +192,16 @@ def test_scale_sequence_under_streaming_load(qwen3_ckpt, reference, options, seq
                 served = load.tokens
                 pinned = None
                 current = llm.client.topology.size
-                if size < current:  # a stream on the highest rank, which leaves
-                    started = asyncio.Event()
-                    pinned = asyncio.create_task(
-                        _run(llm, f"long{step}", LONG, started.set, rank=current - 1)
-                    )
-                    await asyncio.wait_for(started.wait(), 120)
+                if size < current:  # streams on the highest rank, which leaves
+                    started = [asyncio.Event(), asyncio.Event()]
+                    pinned = [
+                        asyncio.create_task(
+                            _run(llm, f"{item}-{step}", item, ev.set, rank=current - 1)
+                        )
+                        for item, ev in zip((LONG, RICH), started)
+                    ]
+                    for ev in started:
+                        await asyncio.wait_for(ev.wait(), 120)
                 code, rec = await llm.scale_elastic_ep(size)
                 assert (code, rec["result"]) == (200, "succeeded"), rec
                 records.append(rec)
@@ -176,7 +209,8 @@ def test_scale_sequence_under_streaming_load(qwen3_ckpt, reference, options, seq
                 assert len(ids) == size and procs == sorted(ids)  # nothing else alive
                 await _until(lambda served=served: load.tokens > served + 20)  # it serves
                 if pinned is not None:
-                    assert await pinned == reference[LONG]
+                    assert await pinned[0] == reference[LONG]
+                    assert await pinned[1] == reference[RICH]  # both siblings
                     assert rec["requests_migrated"] >= 1
             results = await load.finish()
             assert results, "no stream completed"
