@@ -32,6 +32,7 @@ from tidal.frontend.scale_records import ScaleTimeouts
 from tidal.launch.engine_args import EngineArgs
 from tidal.protocol.elastic import ScalePrepare
 from tidal.sampling_params import SamplingParams
+from tidal.utils.forkserver import ForkedProcess
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -207,6 +208,8 @@ def test_scale_sequence_under_streaming_load(qwen3_ckpt, reference, options, seq
                 records.append(rec)
                 ids, procs = _live(llm)
                 assert len(ids) == size and procs == sorted(ids)  # nothing else alive
+                for e in rec["joining"]:  # forked by the warm launcher, no cold imports
+                    assert isinstance(llm.client.manager.procs[e], ForkedProcess)
                 await _until(lambda served=served: load.tokens > served + 20)  # it serves
                 if pinned is not None:
                     assert await pinned[0] == reference[LONG]

@@ -12,6 +12,7 @@ The config is a tree of frozen dataclasses that msgspec encodes as they are, exc
 from __future__ import annotations
 
 import dataclasses
+import multiprocessing
 from typing import Any
 
 import msgspec
@@ -20,9 +21,11 @@ from transformers import CONFIG_MAPPING, AutoConfig
 from tidal.config import EngineConfig
 from tidal.engine_core.dp_proc import DPEngineCoreProc
 from tidal.engine_core.proc import EngineCoreProc, run_engine_core
+from tidal.utils.forkserver import ForkedProcess, ForkServer
 from tidal.utils.procs import ModuleProcess, read_child_launch
 
 ENGINE_ENTRY_MODULE = "tidal.engine_core.entry"
+ENGINE_ZYGOTE_MODULE = "tidal.engine_core.zygote"
 
 
 class EngineLaunch(msgspec.Struct, frozen=True):
@@ -86,10 +89,31 @@ def engine_proc_class(config: EngineConfig) -> type[EngineCoreProc]:
     return DPEngineCoreProc if config.parallel.is_data_parallel else EngineCoreProc
 
 
+def run_launch(payload: bytes) -> None:
+    """Run the engine an ``EngineLaunch`` payload describes (does not return)."""
+    config, engine_index, handshake_address = decode_engine_launch(payload)
+    multiprocessing.current_process().name = engine_process_name(engine_index)
+    run_engine_core(config, engine_index, handshake_address, engine_proc_class(config))
+
+
+def start_engine_zygote() -> ForkServer:
+    """A warm launcher for engines (``tidal.engine_core.zygote``): ``spawn_engine`` with
+    it starts an engine without the seconds of imports of a fresh interpreter."""
+    return ForkServer(ENGINE_ZYGOTE_MODULE, "EngineZygote")
+
+
+def spawn_engine(
+    zygote: ForkServer, config: EngineConfig, engine_index: int, handshake_address: str
+) -> ForkedProcess:
+    return zygote.spawn(
+        engine_process_name(engine_index),
+        encode_engine_launch(config, engine_index, handshake_address),
+    )
+
+
 def main() -> None:
     _, payload = read_child_launch()
-    config, engine_index, handshake_address = decode_engine_launch(payload)
-    run_engine_core(config, engine_index, handshake_address, engine_proc_class(config))
+    run_launch(payload)
 
 
 if __name__ == "__main__":

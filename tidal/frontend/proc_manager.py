@@ -35,7 +35,12 @@ from tidal.config import EngineConfig
 from tidal.distributed.ports import IPC_DIR_PREFIX, get_open_port
 from tidal.distributed.zmq_auth import CurveKeys, secure_server
 from tidal.dp_coordinator.proc import CoordinatorAddresses
-from tidal.engine_core.entry import ENGINE_ENTRY_MODULE, start_engine_process
+from tidal.engine_core.entry import (
+    ENGINE_ENTRY_MODULE,
+    spawn_engine,
+    start_engine_process,
+    start_engine_zygote,
+)
 from tidal.protocol.errors import EngineDeadError
 from tidal.protocol.messages import (
     EngineAddresses,
@@ -45,6 +50,7 @@ from tidal.protocol.messages import (
     engine_id_of,
 )
 from tidal.protocol.topology import Topology
+from tidal.utils.forkserver import ForkedProcess, ForkServer
 from tidal.utils.procs import ModuleProcess
 
 logger = logging.getLogger(__name__)
@@ -89,7 +95,7 @@ class EngineProcManager:
     ) -> None:
         self.config = config
         self.topology = topology  # the engines to wait for, sent to each in the handshake
-        self.procs: dict[int, ModuleProcess] = {}
+        self.procs: dict[int, ModuleProcess | ForkedProcess] = {}
         self.num_blocks: dict[int, int] = {}
         self._shutting_down = False
         self._monitor: threading.Thread | None = None
@@ -126,18 +132,32 @@ class EngineProcManager:
             topology,
         )
         local = topology.engine_ids if local_engines is None else local_engines
+        # Elastic EP: a warm launcher (imports done once) forks joining engines, so a
+        # scale-up does not wait seconds for each new interpreter's imports. Started with
+        # the launch engines, it imports while they load. Tests that substitute the entry
+        # module start their engines cold.
+        self._zygote: ForkServer | None = None
         try:
             self._start(local)
+            if config.parallel.enable_elastic_ep and self._entry_module == ENGINE_ENTRY_MODULE:
+                self._zygote = start_engine_zygote()
         except BaseException:
             self.shutdown()  # the ranks started before the failure
             raise
 
-    def _start(self, engine_ids: Iterable[int]) -> None:
+    def _start(self, engine_ids: Iterable[int], *, warm: bool = False) -> None:
         for e in engine_ids:
             # At launch an engine's id is its launch rank (ids 0..N-1 in rank order); a
             # joining engine's is fresh (``Topology.new_engine_ids``).
             cfg = self.config.with_parallel(data_parallel_rank=e)
-            proc = start_engine_process(cfg, e, self._handshake_address, self._entry_module)
+            proc: ModuleProcess | ForkedProcess | None = None
+            if warm and self._zygote is not None and self._zygote.alive:
+                try:
+                    proc = spawn_engine(self._zygote, cfg, e, self._handshake_address)
+                except RuntimeError as err:  # the zygote is gone: a cold start still works
+                    logger.warning("engine %d: warm start failed (%s); starting cold", e, err)
+            if proc is None:
+                proc = start_engine_process(cfg, e, self._handshake_address, self._entry_module)
             with self._lock:
                 self.procs[e] = proc
         self._wake()
@@ -165,7 +185,7 @@ class EngineProcManager:
                 self._joiners[e] = reply
         for e in ids:
             try:
-                self._start([e])
+                self._start([e], warm=True)
             except BaseException as err:
                 raise EngineStartError(e, f"engine {e} could not be started: {err}") from err
 
@@ -427,6 +447,8 @@ class EngineProcManager:
             procs = list(self.procs.values())
         for p in procs:
             p.close()
+        if self._zygote is not None:  # after its children: they are stopped and reaped
+            self._zygote.close()
         # A wait_for_joiners in progress sees _shutting_down within one poll (100 ms).
         released = self._handshake_busy.acquire(timeout=5)
         self._handshake.close(linger=0)
