@@ -27,6 +27,10 @@ peers (engines, frontends, ``fetch_stats``) connect as CURVE clients.
 
 Everything is msgspec msgpack; nothing is pickled. SIGTERM/SIGINT stop the loop cleanly
 (sockets closed, ipc files unlinked); the process also exits when its parent dies.
+
+A message on any socket that does not decode, or that the state refuses (raises on), is
+dropped alone, counted and logged (``_CoordinatorLoop.dropped``): no frame a peer sends
+can stop the loop.
 """
 
 from __future__ import annotations
@@ -36,8 +40,10 @@ import logging
 import os
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import astuple, dataclass
 from multiprocessing.connection import Connection
+from typing import Any
 
 import msgspec
 import zmq
@@ -62,6 +68,7 @@ from tidal.protocol.messages import (
     encode,
 )
 from tidal.protocol.topology import Topology
+from tidal.utils.dropped import DropCounter
 
 logger = logging.getLogger(__name__)
 
@@ -129,6 +136,7 @@ class _CoordinatorLoop:
     ) -> None:
         self.state = state
         self.stop = stop
+        self.dropped = DropCounter("DP coordinator", logger)
         self.engine_pub = self._bind(ctx, zmq.XPUB, addresses.engine_publish, curve)
         self.engine_in = self._bind(ctx, zmq.PULL, addresses.engine_input, curve)
         self.front_pub = self._bind(ctx, zmq.XPUB, addresses.frontend_publish, curve)
@@ -167,14 +175,24 @@ class _CoordinatorLoop:
     def _turn(self, events: dict, now: float) -> list[Action]:
         actions: list[Action] = []
         for msg in _drain(self.engine_pub, events):
-            self._on_engine_subscription(msg)
+            self._guarded("engine subscription", self._on_engine_subscription, msg)
         for msg in _drain(self.front_pub, events):
-            actions += self._on_frontend(msg, now)
+            actions += self._guarded("frontend message", self._on_frontend, msg, now)
         for msg in _drain(self.engine_in, events):
-            actions += self._on_engine(msg, now)
+            actions += self._guarded("engine message", self._on_engine, msg, now)
         for frames in _drain(self.stats, events, multipart=True):
-            self._on_stats(frames, now)
+            self._guarded("stats request", self._on_stats, frames, now)
         return actions + self.state.tick(now)
+
+    def _guarded(self, kind: str, handler: Callable[..., Any], *args: Any) -> list[Action]:
+        """``handler(*args)``'s actions; a message it cannot handle is dropped alone."""
+        try:
+            return handler(*args) or []
+        except (msgspec.DecodeError, ValueError) as e:  # a malformed message
+            self.dropped.drop(kind, e)
+        except Exception as e:  # noqa: BLE001 - a bug on one message must not stop the loop
+            self.dropped.drop(kind, e, exc_info=True)
+        return []
 
     def _on_engine_subscription(self, msg: bytes) -> None:
         if msg[:1] == bytes([_SUBSCRIBE]):
@@ -186,18 +204,10 @@ class _CoordinatorLoop:
             return []
         if msg[:1] == bytes([_UNSUBSCRIBE]):
             return []
-        try:
-            return self.state.handle(FRONTEND_DECODER.decode(msg), now)
-        except (msgspec.DecodeError, ValueError) as e:
-            logger.error("DP coordinator: bad frontend message dropped: %s", e)
-            return []
+        return self.state.handle(FRONTEND_DECODER.decode(msg), now)
 
     def _on_engine(self, msg: bytes, now: float) -> list[Action]:
-        try:
-            out = ENGINE_OUTPUTS_DECODER.decode(msg)
-        except msgspec.DecodeError as e:
-            logger.error("DP coordinator: bad engine message dropped: %s", e)
-            return []
+        out = ENGINE_OUTPUTS_DECODER.decode(msg)
         if out.engine_dead:
             logger.error("DP coordinator: engine %d died: %s", out.engine_index, out.dead_reason)
         return self.state.handle(out, now)

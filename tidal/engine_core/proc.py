@@ -16,6 +16,15 @@ its process groups at its position in the topology) and READY is sent. Over TCP
 Shutdown: RUNNING -(SIGTERM/SIGINT)-> REQUESTED -> SHUTTING_DOWN (stop admitting, drain
 for up to ``drain_timeout_s``, then abort what is left) -> exit. A fatal error sends an
 ``EngineCoreOutputs(engine_dead=True)`` before exiting so clients fail fast.
+
+No silent thread death: a frame the input thread cannot decode, or a message the output
+thread cannot encode, is dropped, counted (``utility_io_stats``) and logged, and the
+thread goes on; a utility result that cannot be encoded becomes that call's failure (it
+is encoded on the busy loop, before it is queued); request outputs that cannot be
+encoded fail their requests. Anything else that ends an I/O thread (a socket error, a
+bug) is fatal for the engine: the thread records it (the output thread also tries to send
+ENGINE_CORE_DEAD itself), the busy loop raises at its next turn, and the process exits
+non-zero after ENGINE_CORE_DEAD, instead of living on deaf or mute.
 """
 
 from __future__ import annotations
@@ -55,6 +64,7 @@ from tidal.protocol.messages import (
     engine_identity,
 )
 from tidal.protocol.topology import Topology
+from tidal.utils.dropped import DropCounter
 from tidal.utils.proctitle import set_process_name
 
 logger = logging.getLogger(__name__)
@@ -62,6 +72,10 @@ logger = logging.getLogger(__name__)
 TO_CLIENT, TO_COORDINATOR = 0, 1
 # How long the idle busy loop blocks on its queue before re-checking shutdown flags.
 _IDLE_POLL_S = 0.05
+
+
+class EngineIOThreadError(RuntimeError):
+    """An I/O thread of the engine failed: the engine cannot hear or answer any more."""
 
 
 @enum.unique
@@ -87,8 +101,12 @@ class EngineCoreProc:
         self.shutdown_state = ShutdownState.RUNNING
         self._drain_deadline = 0.0
         self.input_queue: queue.Queue[tuple[EngineCoreRequestType, Any]] = queue.Queue()
-        # (destination, outputs): TO_CLIENT or TO_COORDINATOR; None stops the thread.
-        self.output_queue: queue.Queue[tuple[int, EngineCoreOutputs] | None] = queue.Queue()
+        # (destination, outputs or their msgpack): TO_CLIENT or TO_COORDINATOR; None stops
+        # the thread.
+        self.output_queue: queue.Queue[tuple[int, EngineCoreOutputs | bytes] | None] = queue.Queue()
+        self.dropped = DropCounter(f"engine {engine_index}", logger)
+        # Set by an I/O thread that failed for good; the busy loop then raises.
+        self._io_failure: str | None = None
         self.ctx = zmq.Context()
         self._stop_io = threading.Event()
         self.coordinator_ready = threading.Event()
@@ -149,20 +167,21 @@ class EngineCoreProc:
     # ---- I/O threads -------------------------------------------------------------------
 
     def _input_loop(self, registered: threading.Event) -> None:
-        sock = self.ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.IDENTITY, engine_identity(self.engine_index))
-        sock.setsockopt(zmq.LINGER, 0)
-        secure_client(sock, self._curve, self.addresses.input_address)
-        sock.connect(self.addresses.input_address)
-        sock.send(b"")  # registers our identity with the frontend's ROUTER
-        coord = self._coordinator_sub()
-        poller = zmq.Poller()
-        poller.register(sock, zmq.POLLIN)
-        if coord is not None:
-            poller.register(coord, zmq.POLLIN)
-        registered.set()
-        parent = os.getppid()
+        sock = coord = None
         try:
+            sock = self.ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.IDENTITY, engine_identity(self.engine_index))
+            sock.setsockopt(zmq.LINGER, 0)
+            secure_client(sock, self._curve, self.addresses.input_address)
+            sock.connect(self.addresses.input_address)
+            sock.send(b"")  # registers our identity with the frontend's ROUTER
+            coord = self._coordinator_sub()
+            poller = zmq.Poller()
+            poller.register(sock, zmq.POLLIN)
+            if coord is not None:
+                poller.register(coord, zmq.POLLIN)
+            registered.set()
+            parent = os.getppid()
             while not self._stop_io.is_set():
                 if os.getppid() != parent:
                     # The launcher died without stopping us (SIGKILL): don't linger as an orphan.
@@ -172,8 +191,13 @@ class EngineCoreProc:
                         self._read_client_request(sock)
                     else:
                         self._read_coordinator_message(coord)
+        except BaseException as e:  # noqa: BLE001 - fatal for the engine, never silent
+            if not self._stop_io.is_set():
+                self._io_thread_failed("input", e)
         finally:
-            sock.close()
+            registered.set()
+            if sock is not None:
+                sock.close()
             if coord is not None:
                 coord.close()
 
@@ -188,12 +212,15 @@ class EngineCoreProc:
         return sub
 
     def _read_client_request(self, sock: zmq.Socket) -> None:
+        """One message from the frontend: ``[type byte, msgpack payload]``. One that does
+        not decode (an unknown type, a payload missing or malformed) is dropped alone; an
+        ADD whose payload is malformed is still answered (``UndecodableRequest``)."""
         frames = sock.recv_multipart(copy=False)
-        payload = frames[1].buffer if len(frames) > 1 else None
         try:
+            payload = frames[1].buffer if len(frames) > 1 else None
             item = decode_client_request(bytes(frames[0].buffer), payload)
-        except ValueError as e:  # a bad message must not kill this thread
-            logger.error("engine %d: dropped an undecodable message: %s", self.engine_index, e)
+        except Exception as e:  # noqa: BLE001 - a bad message must not kill this thread
+            self.dropped.drop("client request", e)
             return
         self.input_queue.put_nowait(item)
 
@@ -202,7 +229,7 @@ class EngineCoreProc:
         try:
             msg = decode_engine_message(frames)
         except Exception as e:  # noqa: BLE001 - a bad message must not kill this thread
-            logger.error("engine %d: dropped a bad coordinator message: %s", self.engine_index, e)
+            self.dropped.drop("coordinator message", e)
             return
         if isinstance(msg, StartDPWave):
             self.input_queue.put_nowait((EngineCoreRequestType.START_DP_WAVE, msg))
@@ -212,19 +239,106 @@ class EngineCoreProc:
             self.coordinator_ready.set()
 
     def _output_loop(self) -> None:
-        socks = {TO_CLIENT: self._push_socket(self.addresses.output_address)}
-        if self.addresses.coordinator_output:
-            socks[TO_COORDINATOR] = self._push_socket(self.addresses.coordinator_output)
+        socks: dict[int, zmq.Socket] = {}
         try:
+            socks[TO_CLIENT] = self._push_socket(self.addresses.output_address)
+            if self.addresses.coordinator_output:
+                socks[TO_COORDINATOR] = self._push_socket(self.addresses.coordinator_output)
             while True:
                 item = self.output_queue.get()
                 if item is None:
                     break
                 dest, outputs = item
-                socks[dest].send(encode(outputs))
+                frame = outputs if isinstance(outputs, bytes) else self._encode_outputs(outputs)
+                if frame is not None:
+                    socks[dest].send(frame)
+        except BaseException as e:  # noqa: BLE001 - fatal for the engine, never silent
+            if not self._stop_io.is_set():  # else: close() ended a send stuck at shutdown
+                self._io_thread_failed("output", e)
+                self._send_dead_directly(socks)
         finally:
             for sock in socks.values():
                 sock.close()
+
+    def _encode_outputs(self, outputs: EngineCoreOutputs) -> bytes | None:
+        """msgpack of ``outputs``; what msgspec cannot encode is replaced by what tells its
+        receiver: a utility result by the call's failure, request outputs by an ERROR
+        finish of their requests (which are aborted here too). Anything else is dropped
+        (None)."""
+        try:
+            return encode(outputs)
+        except Exception as e:  # noqa: BLE001 - one message is lost, not the thread
+            error = e
+        why = f"{type(error).__name__}: {error}"
+        replacement: EngineCoreOutputs | None = None
+        util = outputs.utility_output
+        if util is not None:
+            failure = UtilityOutput(
+                util.call_id, failure_message=f"the engine could not send the result: {why}"
+            )
+            replacement = EngineCoreOutputs(utility_output=failure)
+        elif outputs.outputs:
+            ids = list(dict.fromkeys(o.request_id for o in outputs.outputs))
+            reason = f"the engine could not send the request's output: {why}"
+            replacement = EngineCoreOutputs(
+                outputs=[
+                    EngineCoreOutput(r, [], finish_reason=FinishReason.ERROR, stop_reason=reason)
+                    for r in ids
+                ],
+                finished_requests=set(ids),
+            )
+            # The scheduler still runs them: stop it (unknown or finished ids are ignored).
+            self.input_queue.put_nowait((EngineCoreRequestType.ABORT, ids))
+        self.dropped.drop("output message", error, exc_info=True)
+        if replacement is None:
+            return None
+        replacement.engine_index = outputs.engine_index
+        replacement.timestamp = outputs.timestamp
+        try:
+            return encode(replacement)
+        except Exception as e:  # noqa: BLE001 - e.g. an id that is not valid unicode
+            self.dropped.drop("output message", e)
+            return None
+
+    def _io_thread_failed(self, name: str, error: BaseException) -> None:
+        reason = (
+            f"engine {self.engine_index}: its {name} thread failed: {type(error).__name__}: {error}"
+        )
+        logger.error("%s\n%s", reason, "".join(traceback.format_exception(error)))
+        if self._io_failure is None:
+            self._io_failure = reason
+
+    def _send_dead_directly(self, socks: dict[int, zmq.Socket]) -> None:
+        """From a failed output thread: ENGINE_CORE_DEAD on its own sockets, without
+        blocking (the queue has no reader any more)."""
+        dead = EngineCoreOutputs(
+            engine_index=self.engine_index,
+            timestamp=time.monotonic(),
+            engine_dead=True,
+            dead_reason=self._io_failure,
+        )
+        for sock in socks.values():
+            try:
+                sock.send(encode(dead), zmq.NOBLOCK)
+            except Exception:  # noqa: BLE001, S110 - best effort: the exit tells them too
+                pass
+
+    def _check_io_threads(self) -> None:
+        """Raise (a fatal engine error) once an I/O thread has failed or is gone."""
+        failure = self._io_failure
+        if failure is None:
+            if not self._output_thread.is_alive():
+                failure = f"engine {self.engine_index}: its output thread is gone"
+            elif not self._input_thread.is_alive() and not self._stop_io.is_set():
+                failure = f"engine {self.engine_index}: its input thread is gone"
+            else:
+                return
+        raise EngineIOThreadError(failure)
+
+    def utility_io_stats(self) -> dict[str, Any]:
+        """What the I/O threads dropped so far, by kind (``client request``,
+        ``coordinator message``, ``output message``)."""
+        return {"dropped": self.dropped.counts()}
 
     def _push_socket(self, address: str) -> zmq.Socket:
         sock = self.ctx.socket(zmq.PUSH)
@@ -244,6 +358,7 @@ class EngineCoreProc:
                 return
 
     def _process_input_queue(self) -> None:
+        self._check_io_threads()
         if not self._has_work() and self.shutdown_state is ShutdownState.RUNNING:
             try:
                 item = self.input_queue.get(timeout=_IDLE_POLL_S)
@@ -266,10 +381,14 @@ class EngineCoreProc:
             self._send_outputs(client_outputs)
         return executed
 
-    def _send_outputs(self, outputs: EngineCoreOutputs, dest: int = 0) -> None:
+    def _send_outputs(self, outputs: EngineCoreOutputs, dest: int = TO_CLIENT) -> None:
+        """Queue ``outputs`` for the output thread, which encodes them."""
+        self.output_queue.put_nowait((dest, self._stamp(outputs)))
+
+    def _stamp(self, outputs: EngineCoreOutputs) -> EngineCoreOutputs:
         outputs.engine_index = self.engine_index
         outputs.timestamp = time.monotonic()
-        self.output_queue.put_nowait((dest, outputs))
+        return outputs
 
     def _handle_client_request(self, req_type: EngineCoreRequestType, payload: Any) -> None:
         if req_type is EngineCoreRequestType.ADD:
@@ -327,7 +446,19 @@ class EngineCoreProc:
             result.result = method(*call.args)
         except Exception as e:  # noqa: BLE001 - reported to the caller, engine keeps going
             result.failure_message = f"{call.method_name} failed: {type(e).__name__}: {e}"
-        self._send_outputs(EngineCoreOutputs(utility_output=result))
+        # Encoded here, not on the output thread: a result msgspec cannot encode becomes
+        # this call's failure.
+        outputs = self._stamp(EngineCoreOutputs(utility_output=result))
+        try:
+            frame: bytes | None = encode(outputs)
+        except Exception as e:  # noqa: BLE001 - reported to the caller, engine keeps going
+            result.result = None
+            result.failure_message = (
+                f"{call.method_name} failed: its result cannot be sent: {type(e).__name__}: {e}"
+            )
+            frame = self._encode_outputs(outputs)
+        if frame is not None:
+            self.output_queue.put_nowait((TO_CLIENT, frame))
 
     def _start_wave(self, msg: StartDPWave) -> None:
         """Data parallel only (see DPEngineCoreProc)."""

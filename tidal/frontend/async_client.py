@@ -1,7 +1,12 @@
 """The asyncio multiprocess client, for the API server: outputs arrive on an asyncio
 queue, read by tasks on the caller's event loop. With elastic EP it also runs what the
 scale driver asks of it on that loop (``send_scale``, ``migrate``, ``set_topology``; see
-``mp_client``)."""
+``mp_client``).
+
+The reader tasks never die silently: a frame that does not decode is dropped, counted
+(``dropped``) and logged; any other failure of a reader fails the client at once
+(``_fail``: every pending request and utility call gets ``EngineDeadError``) instead of
+leaving them waiting for outputs nobody reads."""
 
 from __future__ import annotations
 
@@ -11,6 +16,7 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
+import msgspec
 import zmq.asyncio
 
 from tidal.config import EngineConfig
@@ -24,6 +30,7 @@ from tidal.protocol.messages import (
     EngineCoreRequestType,
     encode,
 )
+from tidal.utils.dropped import DropCounter
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +47,7 @@ class AsyncMPClient(MPClient):
         self._queue: asyncio.Queue[EngineCoreOutputs] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._reader_task: asyncio.Task | None = None
+        self.dropped = DropCounter("frontend client", logger)  # undecodable frames
         super().__init__(config, asyncio_mode=True, entry_module=entry_module)
 
     def _ensure_reader(self) -> None:
@@ -53,27 +61,55 @@ class AsyncMPClient(MPClient):
                 self._snapshot_task = self._loop.create_task(self._read_snapshots())
 
     async def _read_outputs(self) -> None:
-        while True:
-            frame = await self._async_out.recv()
-            outs = OUTPUT_DECODER.decode(frame)
-            if outs.utility_output is not None:
-                fut = self._pending_calls.pop(outs.utility_output.call_id, None)
-                if fut is not None and not fut.done():
-                    fut.set_result(outs.utility_output)
-            elif outs.engine_dead:
-                reason = outs.dead_reason or "engine reported a fatal error"
-                if self._scale_owns(outs.engine_index):
-                    # A joining or leaving engine: its exit (which follows) is the scale
-                    # driver's event, not a rank death.
-                    logger.warning("engine %d (scaling) died: %s", outs.engine_index, reason)
-                else:
-                    self._fail(reason)
-            elif self._on_outputs(outs):
-                self._queue.put_nowait(outs)
+        try:
+            while True:
+                frame = await self._async_out.recv()
+                try:
+                    outs = OUTPUT_DECODER.decode(frame)
+                except msgspec.DecodeError as e:
+                    self.dropped.drop("engine output frame", e)
+                    continue
+                self._dispatch(outs)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - fail every waiter now, never hang them
+            self._reader_failed("output", e)
+
+    def _dispatch(self, outs: EngineCoreOutputs) -> None:
+        if outs.utility_output is not None:
+            fut = self._pending_calls.pop(outs.utility_output.call_id, None)
+            if fut is not None and not fut.done():
+                fut.set_result(outs.utility_output)
+        elif outs.engine_dead:
+            reason = outs.dead_reason or "engine reported a fatal error"
+            if self._scale_owns(outs.engine_index):
+                # A joining or leaving engine: its exit (which follows) is the scale
+                # driver's event, not a rank death.
+                logger.warning("engine %d (scaling) died: %s", outs.engine_index, reason)
+            else:
+                self._fail(reason)
+        elif self._on_outputs(outs):
+            self._queue.put_nowait(outs)
 
     async def _read_snapshots(self) -> None:
-        while True:
-            self._on_snapshot(await self._async_snap.recv())
+        try:
+            while True:
+                frame = await self._async_snap.recv()
+                try:
+                    self._on_snapshot(frame)
+                except msgspec.DecodeError as e:
+                    self.dropped.drop("load snapshot frame", e)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - fail every waiter now, never hang them
+            self._reader_failed("load snapshot", e)
+
+    def _reader_failed(self, name: str, error: BaseException) -> None:
+        if self._closed:
+            return  # shut down under the reader
+        reason = f"the client's {name} reader failed: {type(error).__name__}: {error}"
+        logger.error("%s", reason, exc_info=error)
+        self._fail(reason)
 
     async def get_dp_stats_async(self, timeout_s: float = 2.0) -> DPCoordinatorStats:
         """The coordinator's full stats (DP only)."""

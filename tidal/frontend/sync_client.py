@@ -1,20 +1,30 @@
 """The blocking multiprocess client, for the offline ``LLM``: a reader thread feeds a
-queue."""
+queue.
+
+The reader thread never dies silently: a frame that does not decode is dropped, counted
+(``SyncMPClient.dropped``) and logged; any other failure of the reader fails the client at
+once (every waiter gets ``EngineDeadError``) instead of leaving it waiting for outputs
+nobody reads."""
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import weakref
 from concurrent.futures import Future
 from typing import Any
 
+import msgspec
 import zmq
 
 from tidal.config import EngineConfig
 from tidal.frontend.mp_client import OUTPUT_DECODER, MPClient, exit_reason
 from tidal.protocol.errors import EngineDeadError
 from tidal.protocol.messages import EngineCoreOutputs, EngineCoreRequestType
+from tidal.utils.dropped import DropCounter
+
+logger = logging.getLogger(__name__)
 
 
 class SyncMPClient(MPClient):
@@ -23,6 +33,7 @@ class SyncMPClient(MPClient):
     def __init__(self, config: EngineConfig, entry_module: str | None = None) -> None:
         self.outputs: queue.Queue[EngineCoreOutputs] = queue.Queue()
         self._pending_calls: dict[int, Future] = {}
+        self.dropped = DropCounter("frontend client", logger)  # undecodable frames
         super().__init__(config, asyncio_mode=False, entry_module=entry_module)
         # The reader holds only a weak reference to the client (see _MPResources).
         self._reader = threading.Thread(
@@ -103,15 +114,20 @@ def _read_outputs(
     stop: threading.Event,
 ) -> None:
     """SyncMPClient's reader thread: frames from the engines (and DP snapshots) to the
-    client, for as long as the client exists and has not been shut down."""
-    poller = zmq.Poller()
-    poller.register(sock, zmq.POLLIN)
-    if snap is not None:
-        poller.register(snap, zmq.POLLIN)
-    while not stop.is_set():
-        for ready, _ in poller.poll(100):
-            if stop.is_set() or not _deliver(client_ref, ready is sock, ready.recv()):
-                return
+    client, for as long as the client exists and has not been shut down. A failure that
+    is not one bad frame fails the client."""
+    try:
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        if snap is not None:
+            poller.register(snap, zmq.POLLIN)
+        while not stop.is_set():
+            for ready, _ in poller.poll(100):
+                if stop.is_set() or not _deliver(client_ref, ready is sock, ready.recv()):
+                    return
+    except Exception as e:  # noqa: BLE001 - fail every waiter now, never hang them
+        if not stop.is_set():
+            _reader_failed(client_ref, e)
 
 
 def _deliver(client_ref: weakref.ref[SyncMPClient], is_output: bool, frame: bytes) -> bool:
@@ -120,8 +136,23 @@ def _deliver(client_ref: weakref.ref[SyncMPClient], is_output: bool, frame: byte
     client = client_ref()
     if client is None:
         return False
-    if is_output:
-        client._dispatch(OUTPUT_DECODER.decode(frame))
-    else:
-        client._on_snapshot(frame)
+    try:
+        if is_output:
+            outs = OUTPUT_DECODER.decode(frame)
+        else:
+            client._on_snapshot(frame)
+            return True
+    except msgspec.DecodeError as e:
+        client.dropped.drop("engine output frame" if is_output else "load snapshot frame", e)
+        return True
+    client._dispatch(outs)
     return True
+
+
+def _reader_failed(client_ref: weakref.ref[SyncMPClient], error: BaseException) -> None:
+    client = client_ref()
+    if client is None:
+        return
+    reason = f"the client's output reader failed: {type(error).__name__}: {error}"
+    logger.error("%s", reason, exc_info=error)
+    client._on_engine_death(reason)
