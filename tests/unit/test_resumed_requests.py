@@ -11,7 +11,7 @@ import msgspec
 import pytest
 
 from tidal.config import CacheConfig, SchedulerConfig
-from tidal.elastic.migration import ResumedRequest, resume_request
+from tidal.elastic.migration import AlreadyFinished, ResumedRequest, resume_request
 from tidal.engine_core.core import EngineCore
 from tidal.engine_core.request import Request
 from tidal.engine_core.scheduler import Scheduler
@@ -251,10 +251,6 @@ def test_resume_at_the_context_limit_and_a_stop_at_max_tokens_finish_like_the_sc
     """The lost last token was both EOS and the max_tokens-th: STOP (the scheduler checks
     stops first); prompt + outputs at max_model_len: LENGTH, not a prompt the engine
     would refuse."""
-    from tidal.elastic.migration import AlreadyFinished, ResumedRequest, resume_request
-    from tidal.protocol.messages import EngineCoreRequest, FinishReason
-    from tidal.sampling_params import SamplingParams
-
     req = EngineCoreRequest("r", [5, 6, 7], SamplingParams(max_tokens=3), eos_token_id=2)
     done = resume_request(req, [9, 9, 2])
     assert isinstance(done, AlreadyFinished) and done.reason is FinishReason.STOP
