@@ -7,11 +7,11 @@ from __future__ import annotations
 import os
 import signal
 import threading
-import time
 
 import pytest
 import zmq
 
+from tests.waiting import wait_until
 from tidal.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from tidal.frontend.proc_manager import EngineProcManager, EngineStartError
 from tidal.protocol.topology import Topology
@@ -22,13 +22,6 @@ pytestmark = pytest.mark.timeout(120)
 def _config() -> EngineConfig:
     model = ModelConfig("m", "m", "float32", 64, 0, "Qwen3MoeForCausalLM", None)
     return EngineConfig(model, CacheConfig(), SchedulerConfig(), ParallelConfig())
-
-
-def _wait(cond, timeout: float = 30.0) -> None:
-    end = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < end, "condition not reached"
-        time.sleep(0.02)
 
 
 def test_spawn_wait_stop_and_monitor(tmp_path, monkeypatch):
@@ -60,7 +53,7 @@ def test_spawn_wait_stop_and_monitor(tmp_path, monkeypatch):
         assert manager.num_blocks == {1: 7, 2: 7}
         # An unexpected exit is reported with its code; the other engine keeps running.
         os.kill(manager.procs[1].pid, signal.SIGKILL)
-        _wait(lambda: exits)
+        assert wait_until(lambda: exits, 30)
         assert exits == [(1, -signal.SIGKILL)]
         # Stopping is expected: never reported; the process is reaped and forgotten.
         codes = manager.stop([2, 99])

@@ -19,12 +19,12 @@ import asyncio
 import os
 import signal
 import threading
-import time
 from collections.abc import Callable
 
 import psutil
 import pytest
 
+from tests.waiting import wait_until_async
 from tidal import LLM
 from tidal.frontend.async_llm import AsyncLLM
 from tidal.frontend.processor import ProcessedPrompt
@@ -104,13 +104,6 @@ def reference(qwen3_ckpt) -> list:
     return [_tokens(o.outputs) for o in outs]
 
 
-async def _until(pred: Callable[[], bool], timeout_s: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not pred():
-        assert time.monotonic() < deadline, "condition not reached"
-        await asyncio.sleep(0.02)
-
-
 async def _run(
     llm: AsyncLLM,
     rid: str,
@@ -187,7 +180,7 @@ def test_scale_sequence_under_streaming_load(qwen3_ckpt, reference, options, seq
         llm = _llm(qwen3_ckpt, 2, **options)
         try:
             load = Load(llm)
-            await _until(lambda: len(load.results) >= 2)
+            assert await wait_until_async(lambda: len(load.results) >= 2)
             records = []
             for step, size in enumerate(sequence):
                 served = load.tokens
@@ -210,7 +203,9 @@ def test_scale_sequence_under_streaming_load(qwen3_ckpt, reference, options, seq
                 assert len(ids) == size and procs == sorted(ids)  # nothing else alive
                 for e in rec["joining"]:  # forked by the warm launcher, no cold imports
                     assert isinstance(llm.client.manager.procs[e], ForkedProcess)
-                await _until(lambda served=served: load.tokens > served + 20)  # it serves
+                assert await wait_until_async(
+                    lambda served=served: load.tokens > served + 20
+                )  # it serves
                 if pinned is not None:
                     assert await pinned[0] == reference[LONG]
                     assert await pinned[1] == reference[RICH]  # both siblings
@@ -234,22 +229,22 @@ def test_scale_sequence_under_streaming_load(qwen3_ckpt, reference, options, seq
     asyncio.run(main())
 
 
-def test_rollbacks_leave_the_old_size_serving_and_the_next_operation_works(
-    qwen3_ckpt, reference
-):
+def test_rollbacks_leave_the_old_size_serving_and_the_next_operation_works(qwen3_ckpt, reference):
     timeouts = ScaleTimeouts(transfer_s=1e-3, prepare_s=120.0)  # every transfer times out
 
     async def main() -> None:
         llm = _llm(qwen3_ckpt, 2, scale_timeouts=timeouts)
         try:
             load = Load(llm, workers=3)
-            await _until(lambda: len(load.results) >= 1)
+            assert await wait_until_async(lambda: len(load.results) >= 1)
 
             # 1. An expert transfer that times out.
             code, rec = await llm.scale_elastic_ep(3)
             assert (code, rec["result"]) == (200, "rolled_back"), rec
             assert "timed out" in rec["cause"], rec["cause"]
-            await _until(lambda: _live(llm) == ([0, 1], [0, 1]))  # the joiner is reaped
+            assert await wait_until_async(
+                lambda: _live(llm) == ([0, 1], [0, 1])
+            )  # the joiner is reaped
             llm.scale_driver.controller.timeouts = ScaleTimeouts()
 
             # 2. A joiner killed during prepare: after its handshake, before its PREPARE.
@@ -268,7 +263,7 @@ def test_rollbacks_leave_the_old_size_serving_and_the_next_operation_works(
             assert (code, rec["result"]) == (200, "rolled_back"), rec
             joiner = rec["joining"][0]
             assert f"engine {joiner}" in rec["cause"], rec["cause"]
-            await _until(lambda: _live(llm) == ([0, 1], [0, 1]))
+            assert await wait_until_async(lambda: _live(llm) == ([0, 1], [0, 1]))
 
             # 3. A joiner that dies before its handshake.
             spawn = client.manager.spawn
@@ -282,7 +277,7 @@ def test_rollbacks_leave_the_old_size_serving_and_the_next_operation_works(
             code, rec = await llm.scale_elastic_ep(3)
             client.manager.spawn = spawn
             assert (code, rec["result"]) == (200, "rolled_back"), rec
-            await _until(lambda: _live(llm) == ([0, 1], [0, 1]))
+            assert await wait_until_async(lambda: _live(llm) == ([0, 1], [0, 1]))
 
             # The next operation works; engine ids are never reused.
             served = load.tokens
@@ -291,7 +286,7 @@ def test_rollbacks_leave_the_old_size_serving_and_the_next_operation_works(
             assert rec["joining"][0] > joiner
             ids, procs = _live(llm)
             assert len(ids) == 3 and procs == sorted(ids)
-            await _until(lambda: load.tokens > served + 20)
+            assert await wait_until_async(lambda: load.tokens > served + 20)
             for item, tokens in await load.finish():
                 assert tokens == reference[item]
             results = [r["result"] for r in llm.scaling_history()]

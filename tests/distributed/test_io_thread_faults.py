@@ -25,7 +25,7 @@ import pytest
 import zmq
 from io_fault_engine import BREAK_INPUT
 
-from tests.waiting import wait_until
+from tests.waiting import wait_until, wait_until_async
 from tidal import LLM, SamplingParams
 from tidal.config import EngineConfig
 from tidal.dp_coordinator.handle import fetch_stats_async
@@ -241,7 +241,7 @@ def test_async_garbage_on_every_socket_while_serving(qwen3_ckpt, expected):
                 if engine_id == 1:
                     want["output message"] = 1
                 assert _dropped(stats) == want, (engine_id, stats)
-            await _until(lambda: client.dropped.total == len(OUTPUT_GARBAGE))
+            assert await wait_until_async(lambda: client.dropped.total == len(OUTPUT_GARBAGE), 30)
             assert client.dropped.counts() == {"engine output frame": len(OUTPUT_GARBAGE)}
             # The coordinator still serves: a snapshot for the new subscriber, stats for
             # the garbage request and for a real one, with every rank's requests counted.
@@ -259,13 +259,6 @@ def test_async_garbage_on_every_socket_while_serving(qwen3_ckpt, expected):
         _assert_all_stopped(procs)
 
     asyncio.run(main())
-
-
-async def _until(pred: Callable[[], bool], timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not pred():
-        assert time.monotonic() < deadline, "condition not reached"
-        await asyncio.sleep(0.02)
 
 
 async def _recv(sock: zmq.Socket, decode: Callable[[bytes], Any]) -> Any:

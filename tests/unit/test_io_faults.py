@@ -20,6 +20,7 @@ import pytest
 import zmq
 import zmq.asyncio
 
+from tests.waiting import wait_until
 from tidal.dp_coordinator.proc import CoordinatorAddresses, _CoordinatorLoop, _StopFlag
 from tidal.dp_coordinator.state import CoordinatorState
 from tidal.engine_core.proc import TO_CLIENT, EngineCoreProc, EngineIOThreadError
@@ -44,13 +45,6 @@ from tidal.protocol.messages import (
 from tidal.utils.dropped import DropCounter
 
 T = EngineCoreRequestType
-
-
-def _until(pred: Any, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not pred():
-        assert time.monotonic() < deadline, "condition not reached"
-        time.sleep(0.01)
 
 
 # ---------------------------------------------------------------------- DropCounter
@@ -251,12 +245,12 @@ def test_coordinator_loop_drops_bad_messages_on_every_socket(tmp_path):
         dealer.send_multipart([b"\xc1", b"junk"])
         assert dealer.poll(5000)
         assert dealer.recv_multipart()[0] == b"\xc1"
-        _until(lambda: loop.dropped.total == 7)
+        assert wait_until(lambda: loop.dropped.total == 7, 10)
         assert loop.dropped.counts() == {"engine message": 4, "frontend message": 3}
         # Still serving.
         push.send(encode(EngineCoreOutputs(engine_index=1, scheduler_stats=SchedulerStats(2, 1))))
         dealer.send(encode(DPStatsRequest()))
-        _until(lambda: loop.state.full_stats(time.monotonic()).ranks[1].waiting == 1)
+        assert wait_until(lambda: loop.state.full_stats(time.monotonic()).ranks[1].waiting == 1, 10)
         assert dealer.poll(5000)
         assert STATS_DECODER.decode(dealer.recv()).num_engines == 2
         assert runner.is_alive()
@@ -311,7 +305,7 @@ def test_sync_reader_drops_bad_frames_and_fails_the_client_on_a_bug():
             push.send(frame)
         snap_pub.send(encode("not an int"))
         push.send(encode(EngineCoreOutputs(engine_index=1)))
-        _until(lambda: client.dispatched)
+        assert wait_until(lambda: client.dispatched, 10)
         assert client.dropped.counts() == {"engine output frame": 3, "load snapshot frame": 1}
         assert reader.is_alive() and not client.deaths
         push.send(encode(EngineCoreOutputs(engine_index=66)))

@@ -322,6 +322,10 @@ class Balancer:
         self._reset_start()
         return True
 
+    @property
+    def draining(self) -> frozenset[int]:
+        return self._draining
+
     def set_draining(self, engine_ids: Sequence[int]) -> None:
         """Engines being removed by a scale-down get no automatically chosen requests."""
         for e in engine_ids:

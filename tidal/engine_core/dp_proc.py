@@ -99,7 +99,8 @@ class DPEngineCoreProc(EngineCoreProc):
         while True:
             # 1. Drain the input queue (blocks only when idle and no wave is running).
             self._process_input_queue()
-            # 2. Elastic EP: advance a scale operation (never blocks).
+            # 2. Elastic EP: advance a scale operation (never blocks; an idle step 1 waits
+            #    at most 50 ms, so the operation's timers are checked at least that often).
             if self.shell is not None:
                 self.shell.progress()
                 if not self.shell.serving or self._leaving:  # a joiner before its commit
@@ -135,15 +136,6 @@ class DPEngineCoreProc(EngineCoreProc):
         if self.paused or (self.shell is not None and not self.shell.serving):
             return False
         return self.engine_core.has_unfinished_requests() or self.wave.running
-
-    def _process_input_queue(self) -> None:
-        shell = self.shell
-        if shell is not None and shell.active and not self._has_work():
-            # An operation in progress has timers: wait for input only until the next one.
-            deadline = shell.next_deadline()
-            if deadline is not None and deadline <= time.monotonic():
-                return
-        super()._process_input_queue()
 
     def _shutdown_done(self) -> bool:
         if self._leaving:

@@ -118,7 +118,6 @@ class ElasticShell:
         self._threads: dict[str, tuple[threading.Thread, int]] = {}  # job -> (thread, epoch)
         self._cancelled_epochs: dict[str, int] = {}  # cancelled job -> its epoch
         self._committed_epochs: set[int] = set()
-        self.jobs_started = 0
 
     # ---- queries for the busy loop ------------------------------------------------------
 
@@ -142,9 +141,6 @@ class ElasticShell:
     def serving(self) -> bool:
         """False for a joiner until it committed: it is in no group and must not step."""
         return self.slot.current_epoch is not None
-
-    def next_deadline(self) -> float | None:
-        return self.slot.next_deadline()
 
     # ---- inputs -------------------------------------------------------------------------
 
@@ -277,7 +273,6 @@ class ElasticShell:
 
         t = threading.Thread(target=run, name=f"elastic-{job_id}", daemon=True)
         self._threads[job_id] = (t, epoch)
-        self.jobs_started += 1
         t.start()
 
     def _reap_threads(self) -> None:

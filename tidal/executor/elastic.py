@@ -261,7 +261,7 @@ class ElasticWorkerState:
         group, participants = entry.xfer, entry.participants
         runner = self.worker.model_runner
         model = runner.model
-        layer_ids = _moe_layer_ids(model)
+        layer_ids = model.moe_layer_ids()
         layers = model.moe_layers()
         n13, n2 = layers[0].w13[0].numel(), layers[0].w2[0].numel()
         shape13, shape2 = tuple(layers[0].w13.shape[1:]), tuple(layers[0].w2.shape[1:])
@@ -392,7 +392,7 @@ class ElasticWorkerState:
         new_ids = placement.local_expert_ids(rank)
         with self._lock:
             staged = dict(self._staged.get(epoch, {}))
-        layer_ids, layers = _moe_layer_ids(model), model.moe_layers()
+        layer_ids, layers = model.moe_layer_ids(), model.moe_layers()
 
         def held(moe: Any) -> dict[int, int]:
             if not self.experts_valid:
@@ -470,7 +470,3 @@ class ElasticWorkerState:
     def standby_epochs(self) -> list[int]:
         with self._lock:
             return sorted(self._standby)
-
-
-def _moe_layer_ids(model: Any) -> list[int]:
-    return [i for i, layer in enumerate(model.layers) if layer.is_moe]

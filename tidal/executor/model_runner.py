@@ -143,7 +143,7 @@ class ModelRunner:
         for moe in layers:
             moe.dispatcher = shared or make()
             moe.forward_context = self.moe_context
-        layer_ids = [i for i, layer in enumerate(self.model.layers) if layer.is_moe]
+        layer_ids = self.model.moe_layer_ids()
         self.eplb = EplbState(
             layers,
             layer_ids,

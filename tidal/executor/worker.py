@@ -32,7 +32,7 @@ from torch.distributed import ReduceOp
 from tidal.config import EngineConfig, ParallelConfig
 from tidal.distributed.groups import StatelessGroup, create_store
 from tidal.executor.batch import ModelRunnerOutput, SchedulerOutput
-from tidal.executor.elastic import ElasticWorkerState
+from tidal.executor.elastic import ElasticWorkerState, parse_address
 from tidal.executor.model_runner import ModelRunner
 from tidal.protocol.elastic import ExpertTransferSpec
 from tidal.protocol.topology import Topology
@@ -55,8 +55,7 @@ def cpu_threads_for_rank(num_local_ranks: int) -> int:
 def _store_address(topology: Topology, parallel: ParallelConfig) -> tuple[str, int]:
     """``(host, port)`` of the groups' TCPStore: the topology's, else the launch flags."""
     if topology.store_address:
-        host, _, port = topology.store_address.rpartition(":")
-        return host, int(port)
+        return parse_address(topology.store_address)
     return parallel.data_parallel_address, parallel.data_parallel_master_port
 
 

@@ -129,6 +129,10 @@ class DPFrontendState:
         self.balancer.set_topology(topology)
         self.wave.set_topology(topology)
 
+    @property
+    def draining(self) -> frozenset[int]:
+        return self.balancer.draining
+
     def set_draining(self, engine_ids: Collection[int]) -> None:
         """Engines that get no automatically routed request (members of the topology
         only; the others are dropped)."""

@@ -116,7 +116,6 @@ class MPClient(EngineCoreClient):
             RequestBook(0, config.model.max_model_len) if par.enable_elastic_ep else None
         )
         self._book_lock = threading.Lock()
-        self._excluded: set[int] = set()  # engines that get no routed request (leaving)
         self._scale_hooks: ScaleHooks | None = None
         self.ipc_dir = ipc_dir()
         self.ctx: zmq.Context = zmq.asyncio.Context() if asyncio_mode else zmq.Context()
@@ -277,10 +276,6 @@ class MPClient(EngineCoreClient):
     # ---- elastic EP (DESIGN.md 6.2-6.3): executed for the scale driver -----------------
 
     @property
-    def elastic(self) -> bool:
-        return self._book is not None
-
-    @property
     def request_book(self) -> RequestBook | None:
         return self._book
 
@@ -299,28 +294,21 @@ class MPClient(EngineCoreClient):
         if self.dp is None:
             raise RuntimeError("set_topology needs the DP machinery (elastic EP)")
         self._wakeup_socket.send(encode(DPSetTopology(topology)))
-        self.dp.set_topology(topology)
-        self._excluded &= set(self.dp.topology.engine_ids)
-        self.dp.set_draining(self._excluded)
+        self.dp.set_topology(topology)  # keeps the draining engines that are still members
         self.manager.set_topology(self.dp.topology)
         if self._book is not None:
             with self._book_lock:
                 self._book.set_epoch(self.dp.topology.epoch)
 
     def exclude_from_routing(self, engine_ids: Iterable[int]) -> None:
-        """These engines get no automatically routed request (leaving in a scale-down)."""
-        self._excluded |= set(engine_ids)
+        """These engines get no automatically routed request (leaving in a scale-down):
+        the balancer's draining set."""
         if self.dp is not None:
-            self.dp.set_draining(self._excluded)
+            self.dp.set_draining(self.dp.draining | set(engine_ids))
 
     def restore_routing(self, engine_ids: Iterable[int]) -> None:
-        self._excluded -= set(engine_ids)
         if self.dp is not None:
-            self.dp.set_draining(self._excluded)
-
-    @property
-    def excluded_engines(self) -> frozenset[int]:
-        return frozenset(self._excluded)
+            self.dp.set_draining(self.dp.draining - set(engine_ids))
 
     def _drain_registrations(self) -> None:
         """Read the input registrations of engines started after launch (joiners): an

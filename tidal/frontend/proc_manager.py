@@ -55,6 +55,9 @@ from tidal.utils.procs import ModuleProcess
 
 logger = logging.getLogger(__name__)
 
+# A local engine process: a fresh interpreter, or forked by the warm launcher.
+EngineProcess = ModuleProcess | ForkedProcess
+
 STARTUP_TIMEOUT_S = 300.0
 
 
@@ -95,7 +98,7 @@ class EngineProcManager:
     ) -> None:
         self.config = config
         self.topology = topology  # the engines to wait for, sent to each in the handshake
-        self.procs: dict[int, ModuleProcess | ForkedProcess] = {}
+        self.procs: dict[int, EngineProcess] = {}
         self.num_blocks: dict[int, int] = {}
         self._shutting_down = False
         self._monitor: threading.Thread | None = None
@@ -150,7 +153,7 @@ class EngineProcManager:
             # At launch an engine's id is its launch rank (ids 0..N-1 in rank order); a
             # joining engine's is fresh (``Topology.new_engine_ids``).
             cfg = self.config.with_parallel(data_parallel_rank=e)
-            proc: ModuleProcess | ForkedProcess | None = None
+            proc: EngineProcess | None = None
             if warm and self._zygote is not None and self._zygote.alive:
                 try:
                     proc = spawn_engine(self._zygote, cfg, e, self._handshake_address)
@@ -245,24 +248,12 @@ class EngineProcManager:
         with self._lock:
             procs = {e: self.procs[e] for e in engine_ids if e in self.procs}
             self._expected.update(procs)
-        for p in procs.values():
-            if p.is_alive():
-                if force:
-                    p.kill()
-                else:
-                    p.terminate()
-        deadline = time.monotonic() + timeout_s
-        for e, p in procs.items():
-            p.join(max(0.0, deadline - time.monotonic()))
-            if p.is_alive():
-                logger.warning("engine %d did not exit within %.0fs: killed", e, timeout_s)
-                p.kill()
-                p.join(5)
+        _end_processes(procs, force=force, timeout_s=timeout_s)
         codes = {e: p.exitcode for e, p in procs.items()}
         self._forget(procs)
         return codes
 
-    def _forget(self, procs: dict[int, ModuleProcess]) -> None:
+    def _forget(self, procs: dict[int, EngineProcess]) -> None:
         """Drop stopped engines: out of the monitor's wait list first, then close."""
         with self._lock:
             for e, p in procs.items():
@@ -428,17 +419,9 @@ class EngineProcManager:
             if self._shutting_down:
                 return
             self._shutting_down = True
-            procs = list(self.procs.values())
+            procs = dict(self.procs)
         self._wake()
-        for p in procs:
-            if p.is_alive():
-                p.terminate()
-        deadline = time.monotonic() + timeout_s
-        for p in procs:
-            p.join(max(0.0, deadline - time.monotonic()))
-            if p.is_alive():
-                p.kill()
-                p.join(2)
+        _end_processes(procs, force=False, timeout_s=timeout_s)
         # The monitor was woken and returns at the top of its loop: join it before its
         # sentinels are closed under it.
         if self._monitor is not None and self._monitor is not threading.current_thread():
@@ -456,6 +439,24 @@ class EngineProcManager:
             self._handshake_busy.release()
         self._wake_r.close()
         self._wake_w.close()
+
+
+def _end_processes(procs: dict[int, EngineProcess], *, force: bool, timeout_s: float) -> None:
+    """SIGTERM (each engine drains, then exits) or, ``force``, SIGKILL every engine, wait
+    until the deadline, SIGKILL what is left and reap it."""
+    for p in procs.values():
+        if p.is_alive():
+            if force:
+                p.kill()
+            else:
+                p.terminate()
+    deadline = time.monotonic() + timeout_s
+    for e, p in procs.items():
+        p.join(max(0.0, deadline - time.monotonic()))
+        if p.is_alive():
+            logger.warning("engine %d did not exit within %.0fs: killed", e, timeout_s)
+            p.kill()
+            p.join(5)
 
 
 @dataclass(frozen=True)

@@ -75,8 +75,6 @@ from tidal.protocol.topology import Topology
 
 logger = logging.getLogger(__name__)
 
-_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
-
 
 # ------------------------------------------------------------------------ what it drives
 
@@ -130,7 +128,7 @@ def expert_sizes(config: EngineConfig) -> tuple[int, int]:
     ``3 * hidden * moe_intermediate * dtype bytes`` per MoE layer."""
     spec = get_model_class(config.model.architecture).spec_from_config(config.model.hf_config)
     num_moe_layers = sum(spec.moe_layer_mask)
-    dtype_bytes = _DTYPE_BYTES.get(config.model.dtype, 4)
+    dtype_bytes = config.model.torch_dtype.itemsize
     nbytes = expert_nbytes(
         spec.hidden_size, spec.moe_intermediate_size, num_moe_layers, dtype_bytes
     )
@@ -203,7 +201,6 @@ class ScaleDriver:
         self._listeners: list[Listener] = []
         self._stores: dict[str, tuple[Any, str]] = {}  # operation id -> its store
         self._current_store: tuple[Any, str] | None = None  # the served topology's
-        self._spawned: set[int] = set()  # every engine id this driver started
         self._stopping: set[int] = set()  # every engine id it asked to stop
         self._closed = False
 
@@ -439,7 +436,6 @@ class ScaleDriver:
         task.add_done_callback(self._background.discard)
 
     async def _spawn(self, a: SpawnEngines) -> None:
-        self._spawned.update(a.engine_ids)
         try:
             await asyncio.to_thread(self.processes.spawn, a.engine_ids, a.topology)
         except Exception as e:  # noqa: BLE001 - reported as the engine's failure

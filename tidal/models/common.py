@@ -234,6 +234,10 @@ class MoECausalLM(nn.Module):
     def moe_layers(self) -> list[FusedMoE]:
         return [layer.mlp for layer in self.layers if layer.is_moe]
 
+    def moe_layer_ids(self) -> list[int]:
+        """Decoder-layer indices of ``moe_layers()`` (the keys of per-layer expert data)."""
+        return [i for i, layer in enumerate(self.layers) if layer.is_moe]
+
     def weight_targets(self) -> dict[str, Tensor | None]:
         """Checkpoint name -> destination view (None: known but not held by this rank)."""
         targets: dict[str, Tensor | None] = {
