@@ -63,7 +63,7 @@ import random
 import signal
 import sys
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -373,7 +373,9 @@ def log(msg: str) -> None:
     print(f"[elastic {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
-def make_llm(model: str | None, dtype: str, size: int, elastic: bool) -> Any:
+def make_llm(
+    model: str | None, dtype: str, size: int, elastic: bool, *, restore: bool = False
+) -> Any:
     from tidal.frontend.async_llm import AsyncLLM
     from tidal.launch.engine_args import EngineArgs
 
@@ -383,6 +385,7 @@ def make_llm(model: str | None, dtype: str, size: int, elastic: bool) -> Any:
         data_parallel_size=size,
         enable_expert_parallel=True,
         enable_elastic_ep=elastic,
+        elastic_restore=restore,
     )
     return AsyncLLM(args.create_engine_config())
 
@@ -617,19 +620,24 @@ def reap_children(timeout_s: float = 5.0) -> int:
     return len(left)
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+def add_load_args(p: argparse.ArgumentParser, baseline_s: float, settle_s: float) -> None:
+    """The model and load options this benchmark shares with ``faults.py``."""
     p.add_argument("--model", default=None, help="checkpoint folder (default: the embedded one)")
     p.add_argument("--dtype", default="float32")
-    p.add_argument("--start-size", type=int, default=2)
-    p.add_argument("--sequence", default="3,2,4,2", help="sizes to scale to, in order")
     p.add_argument("--streams", type=int, default=32)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--warmup-s", type=float, default=3.0)
-    p.add_argument("--baseline-s", type=float, default=10.0)
-    p.add_argument("--settle-s", type=float, default=3.0)
-    p.add_argument("--retry-s", type=float, default=0.1, help="relaunch: client retry interval")
+    p.add_argument("--baseline-s", type=float, default=baseline_s)
+    p.add_argument("--settle-s", type=float, default=settle_s)
+    p.add_argument("--retry-s", type=float, default=0.1, help="peer: client retry interval")
     p.add_argument("--seed", type=int, default=0)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    add_load_args(p, baseline_s=10.0, settle_s=3.0)
+    p.add_argument("--start-size", type=int, default=2)
+    p.add_argument("--sequence", default="3,2,4,2", help="sizes to scale to, in order")
     p.add_argument("--no-peer", action="store_true", help="skip the stop-and-relaunch peer")
     p.add_argument("--quick", action="store_true", help="smoke run: 8 streams, 3,2, short windows")
     opts = p.parse_args(argv)
@@ -643,20 +651,29 @@ def _sigterm(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
 
-def main(argv: list[str] | None = None) -> None:
-    opts = parse_args(argv)
+def run_benchmark(
+    run: Callable[[argparse.Namespace], Awaitable[dict[str, Any]]],
+    opts: argparse.Namespace,
+    log: Callable[[str], None],
+) -> None:
+    """Run ``run(opts)`` and print its JSON document, stopping every process it left
+    (also on Ctrl-C, SIGTERM or an error); ``leftover_processes`` counts them."""
     signal.signal(signal.SIGTERM, _sigterm)
     # Ctrl-C even where SIGINT was inherited ignored (a background job of a script).
     signal.signal(signal.SIGINT, signal.default_int_handler)
     doc: dict[str, Any] | None = None
     try:
-        doc = asyncio.run(run_all(opts))
+        doc = asyncio.run(run(opts))
     finally:
         leftover = reap_children()
         if leftover:
             log(f"stopped {leftover} leftover process(es)")
     doc["leftover_processes"] = leftover
     print(json.dumps(doc, indent=1), flush=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    run_benchmark(run_all, parse_args(argv), log)
 
 
 if __name__ == "__main__":

@@ -79,6 +79,9 @@ class ParallelConfig:
     # the DP machinery (coordinator, wave loop, process groups) even at size 1, since its
     # live size is the topology's and may not stay 1.
     enable_elastic_ep: bool = False
+    # Elastic EP, after a rank death (DESIGN.md 6.5): the recovery removes the dead rank;
+    # with this, a scale-up then brings the deployment back to the size it had.
+    elastic_restore: bool = False
     all2all_backend: str = "allgather_reducescatter"
     enable_eplb: bool = False
     num_redundant_experts: int = 0
@@ -113,6 +116,7 @@ class ParallelConfig:
             "data_parallel_master_port",
             "dp_lb_policy",
             "data_parallel_auth_key",
+            "elastic_restore",  # the frontend's policy, not the ranks'
         ):
             d.pop(k)
         return _digest(d)

@@ -16,7 +16,7 @@ import pytest
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from tidal.distributed.ports import get_open_port
+from tests.distributed.headless import start_with_headless, stop_processes
 from tidal.distributed.zmq_auth import (
     CurveKeys,
     curve_keys,
@@ -172,18 +172,6 @@ def _tcp_config(path: str, rpc: int, secret: str, **kw: Any):
     ).create_engine_config()
 
 
-def _stop(procs: list[Any]) -> None:
-    for p in procs:
-        if p.is_alive():
-            p.terminate()
-    for p in procs:
-        p.join(30)
-        if p.is_alive():
-            p.kill()
-            p.join(5)
-        p.close()
-
-
 def _generate(client: Any, rank: int, rid: str) -> list[int]:
     params = SamplingParams(temperature=0.0, max_tokens=4, min_tokens=4)
     client.add_request(EngineCoreRequest(rid, [5, 6, 7], params, data_parallel_rank=rank))
@@ -197,26 +185,9 @@ def _generate(client: Any, rank: int, rid: str) -> list[int]:
                     return tokens
 
 
-def _deployment(path: str, attempts: int = 3) -> tuple[SyncMPClient, list[Any]]:
-    """A frontend (rank 0 local) and rank 1 started headless, joined over TCP. The RPC
-    port must be chosen before the frontend binds it: retried if another process took it
-    in between."""
-    for attempt in range(attempts):
-        rpc = get_open_port()
-        config = _tcp_config(path, rpc, SECRET)
-        headless = spawn_headless_engines(
-            config.with_parallel(data_parallel_start_rank=1), f"tcp://127.0.0.1:{rpc}"
-        )
-        try:
-            return SyncMPClient(config), headless
-        except zmq.ZMQError as e:
-            _stop(headless)
-            if e.errno != zmq.EADDRINUSE or attempt + 1 == attempts:
-                raise
-        except BaseException:
-            _stop(headless)
-            raise
-    raise AssertionError("unreachable")
+def _deployment(path: str) -> tuple[SyncMPClient, list[Any]]:
+    """A frontend (rank 0 local) and rank 1 started headless, joined over TCP."""
+    return start_with_headless(lambda rpc: _tcp_config(path, rpc, SECRET), SyncMPClient, 1)
 
 
 def test_headless_rank_with_the_secret_serves_and_strangers_are_refused(qwen3_ckpt):
@@ -253,7 +224,7 @@ def test_headless_rank_with_the_secret_serves_and_strangers_are_refused(qwen3_ck
         assert stats.num_engines == 2
     finally:
         client.shutdown()
-        _stop(headless)
+        stop_processes(headless)
         ctx.destroy(linger=0)
 
 
@@ -280,7 +251,7 @@ def test_rank_with_the_wrong_secret_fails_fast(qwen3_ckpt):
             procs[0].join(_DEADLINE_MS / 1000)
             assert procs[0].exitcode == 1
         finally:
-            _stop(procs)
+            stop_processes(procs)
     finally:
         front.close(0)
         auth.stop()

@@ -2,7 +2,8 @@
 uvicorn server (a fake engine behind it), runs the page's JavaScript for a few seconds of
 virtual time (several ``/stats`` polls), and the rendered DOM must show the fake data:
 per-rank throughput (rates from successive polls), the expert-load heatmap per layer,
-and the scaling timeline with the rank count over time.
+the scaling timeline with the rank count over time, and rank deaths: their markers, the
+recovery operations set apart, and the degraded banner.
 
 Needs a Chromium binary (Debian: ``apt-get install chromium``); skipped without one.
 """
@@ -18,7 +19,7 @@ from html.parser import HTMLParser
 import pytest
 
 from tests.unit.test_api_server import live_server, run
-from tests.unit.test_scale_api import ScalingFakeLLM, make_record
+from tests.unit.test_scale_api import ScalingFakeLLM, make_death, make_faults, make_record
 
 CHROMIUM = next(
     (
@@ -41,22 +42,42 @@ pytestmark = pytest.mark.skipif(
 ENGINE_IDS = [0, 2, 5]
 EXPERT_LOAD = {"0": [5, 10, 40, 0, 7, 7, 7, 4], "1": [9, 9, 9, 9, 9, 9, 9, 9]}
 CAUSE = "engine 6 did not start: <i>boom</i>"
+DEGRADED = "engines [2] dead; recovering"
 
 
 class DashboardFakeLLM(ScalingFakeLLM):
     """/stats as a 3-rank elastic deployment after three operations; the counters grow
-    with every call, as a serving deployment's do."""
+    with every call, as a serving deployment's do. With ``faults``: engine 1 died and the
+    second operation (a recovery) removed it, engine 2 died since (degraded); without,
+    ``/stats`` has no faults (null), as from an engine that does not report them."""
 
-    def __init__(self, per_rank_tokens: bool) -> None:
+    def __init__(self, per_rank_tokens: bool, faults: bool = True) -> None:
         super().__init__(len(ENGINE_IDS))
         self.engine_ids = list(ENGINE_IDS)
         self.per_rank_tokens = per_rank_tokens
         self.polls = 0
         self.history = [
             make_record("grow-1", 1, 2, 4, started_at=1000.0, engine_ids=[0, 1]),
-            make_record("shrink-2", 2, 4, 3, started_at=1030.0, engine_ids=[0, 1, 2, 3], dead=(1,)),
+            make_record(
+                "shrink-2",
+                2,
+                4,
+                3,
+                started_at=1030.0,
+                engine_ids=[0, 1, 2, 3],
+                dead=(1,),
+                trigger="recovery",
+            ),
             make_record("grow-3", 3, 3, 4, result="rolled_back", started_at=1060.0, cause=CAUSE),
         ]
+        deaths = [
+            make_death(1, 1028.0, migrated=4, recovered_by="shrink-2", recovery_s=5.7),
+            make_death(2, 1080.0, epoch=2, migrated=2),
+        ]
+        self.faults = make_faults(deaths, degraded=DEGRADED, dead=[2]) if faults else None
+
+    def fault_status(self) -> dict | None:
+        return None if self.faults is None else super().fault_status()
 
     async def get_stats(self) -> dict:
         self.polls += 1
@@ -142,10 +163,11 @@ async def render(url: str) -> str:
     return out.decode()
 
 
+# Without per-rank tokens, /stats is as older servers sent it: no faults either.
 @pytest.mark.parametrize("per_rank_tokens", [False, True], ids=["stats-as-today", "tokens"])
 @run
 async def test_dashboard_renders_throughput_heatmap_and_timeline(per_rank_tokens):
-    engine = DashboardFakeLLM(per_rank_tokens)
+    engine = DashboardFakeLLM(per_rank_tokens, faults=per_rank_tokens)
     async with live_server(engine) as url:
         dom = await render(url + "/dashboard")
     page = Elements()
@@ -200,6 +222,11 @@ async def test_dashboard_renders_throughput_heatmap_and_timeline(per_rank_tokens
         "shrink-2": ("4", "3", "succeeded"),
         "grow-3": ("3", "4", "rolled_back"),
     }
+    triggers = {k: g["data-trigger"] for k, g in ops.items()}
+    assert triggers == {"grow-1": "api", "shrink-2": "recovery", "grow-3": "api"}
+    # The recovery is outlined and labelled as one; a caller's operation is not.
+    recovery_bar = page.one("rect", stroke="#8250df")
+    assert "fill" in recovery_bar and len(page.find("text", **{"class": "t-recovery"})) == 1
     line = page.one("path", id="rank-line")
     assert (line["data-sizes"], line["data-current"]) == ("2,4,3", "3")
     assert page.one("text", **{"class": "death"})["data-engine-id"] == "1"
@@ -211,5 +238,28 @@ async def test_dashboard_renders_throughput_heatmap_and_timeline(per_rank_tokens
         "grow-1",
     ]
     assert page.one("div", id="scaling-status")["data-is-scaling"] == "false"
+    check_faults(page, dom, engine.faults is not None)
     # Server text is shown as text, never parsed as HTML.
     assert "&lt;i&gt;boom&lt;/i&gt;" in dom and not page.find("i")
+
+
+def check_faults(page: Elements, dom: str, faults: bool) -> None:
+    """Rank deaths on the timeline and in their table, and the degraded banner (none of
+    it when /stats has no faults)."""
+    banner = page.one("div", id="degraded")
+    timeline = page.one("svg", id="timeline")
+    markers = {g["data-engine-id"]: g for g in page.find("g", **{"class": "rank-death"})}
+    rows = page.find("tr", data_engine_id="1") + page.find("tr", data_engine_id="2")
+    if not faults:
+        assert "hidden" in banner and banner["data-degraded"] == "false"
+        assert timeline["data-deaths"] == "0" and not markers and not rows
+        assert "hidden" in page.one("table", id="deaths")
+        return
+    assert "hidden" not in banner and banner["data-degraded"] == "true"
+    assert f"Degraded: {DEGRADED} · 2 engine(s) serving · 2 rank death(s), 1 recovered" in dom
+    assert timeline["data-deaths"] == "2"
+    assert {e: g["data-recovered-by"] for e, g in markers.items()} == {"1": "shrink-2", "2": ""}
+    assert len(page.find("line", **{"class": "recovery-span"})) == 1  # only 1 recovered
+    assert [r["data-recovered-by"] for r in rows] == ["shrink-2", ""]
+    assert "hidden" not in page.one("table", id="deaths")
+    assert "✖ engine 1" in dom and "✖ engine 2" in dom and "5.70 s" in dom

@@ -338,11 +338,12 @@ def test_scale_server_under_streaming_load(qwen3_ckpt):
         assert [h["operation_id"] for h in history] == [up["operation_id"], down["operation_id"]]
         assert wait_until(lambda: len(srv.engine_processes()) == 1, 60), srv.engine_processes()
         metrics = client.get("/metrics").text
-        assert 'tidal:scale_operations_total{result="succeeded"} 2.0' in metrics, metrics
+        succeeded = 'tidal:scale_operations_total{result="succeeded",trigger="api"} 2.0'
+        assert succeeded in metrics, metrics
         operations = [
             m for m in metrics.splitlines() if m.startswith("tidal:scale_operations_total")
         ]
-        assert operations == ['tidal:scale_operations_total{result="succeeded"} 2.0'], operations
+        assert operations == [succeeded], operations
         assert "tidal:scale_in_progress 0.0" in metrics
         client.close()
     finally:

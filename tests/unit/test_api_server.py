@@ -320,8 +320,8 @@ async def test_models_health_version_ping_stats():
         assert card["max_model_len"] == MAX_MODEL_LEN and card["object"] == "model"
         assert (await c.get(f"/v1/models/{SERVED}")).json()["id"] == SERVED
         assert_error(await c.get("/v1/models/other"), 404)
-        assert (await c.get("/health")).status_code == 200
-        assert (await c.get("/ping")).status_code == 200
+        assert (await c.get("/health")).json() == {"status": "ok"}
+        assert (await c.get("/ping")).json() == {"status": "ok"}
         import tidal
 
         assert (await c.get("/version")).json() == {"version": tidal.__version__}
@@ -329,11 +329,15 @@ async def test_models_health_version_ping_stats():
         assert stats == {
             **await c.engine.get_stats(),
             "scaling": {"is_scaling": False, "history": []},
+            "faults": None,  # this fake has no fault_status (AsyncLLM's: test_scale_api)
             "tokens": {"prompt_total": 0, "generation_total": 0},
         }
         page = await c.get("/dashboard")
         assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
         assert 'fetch("/stats"' in page.text and "http" not in page.text.split("<script>")[1]
+        # Rank deaths: the degraded banner, the death markers and recovery outlines.
+        assert 'id="degraded"' in page.text and "s.faults" in page.text
+        assert '"rank-death"' in page.text and "TRIGGER_OUTLINES" in page.text
         assert_error(await c.get("/no/such/route"), 404)
 
 
@@ -728,6 +732,7 @@ class ErrorEngineClient:
 
     def __init__(self, message: str, invalid: bool) -> None:
         self.message, self.invalid = message, invalid
+        self.topology = Topology.initial(1)  # AsyncLLM.fault_status (/metrics) reads it
         self.outputs: asyncio.Queue[EngineCoreOutputs] = asyncio.Queue()
         self.aborted: list[str] = []
 
@@ -822,7 +827,12 @@ def test_stats_rows_carry_per_rank_generation_tokens(qwen3_ckpt, dp):
         app = build_app(engine, served_model_name=SERVED, shutdown_engine=False)
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
-            ranks = (await c.get("/stats")).json()["ranks"]
+            stats = (await c.get("/stats")).json()
+            # AsyncLLM.fault_status without elastic EP: nothing died, every engine serves.
+            assert (await c.get("/health")).json() == {"status": "ok"}
+        ranks = stats["ranks"]
+        assert stats["faults"]["degraded"] is None and stats["faults"]["deaths"] == []
+        assert stats["faults"]["serving_engines"] == len(reports)
         got = [(r["engine_id"], r["requests_total"], r["generation_tokens_total"]) for r in ranks]
         assert got == [(0, 3, 40), (1, 1, 7)][: len(reports)]
 

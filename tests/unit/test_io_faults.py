@@ -324,6 +324,9 @@ def _async_client(ctx: zmq.asyncio.Context) -> AsyncMPClient:
     """An AsyncMPClient with only what its readers use (no engines, no coordinator)."""
     client = AsyncMPClient.__new__(AsyncMPClient)
     client._pending_calls = {}
+    client._call_targets = {}
+    client._last_seen = {}
+    client._suspect_until = 0.0
     client._queue = asyncio.Queue()
     client.dead_reason = None
     client._closed = False

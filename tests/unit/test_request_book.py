@@ -142,6 +142,8 @@ def fake_client(topology: Topology) -> AsyncMPClient:
     c._queue = asyncio.Queue()
     c._reader_task = object()  # _ensure_reader: already reading
     c._pending_calls = {}
+    c.coordinator = None  # (no coordinator process: wake-ups go to the fake socket)
+    c._direct_wakeups_until = 0.0
 
     class _Manager:
         topology = None

@@ -1,5 +1,6 @@
 """Elastic EP's user-facing surface against a fake engine: ``POST /scale_elastic_ep``,
-``GET|POST /is_scaling_elastic_ep``, ``/stats``' scaling history, the scale metrics and
+``GET|POST /is_scaling_elastic_ep``, ``/stats``' scaling history, the scale metrics,
+rank deaths (``/health`` degraded, ``/stats``' faults, the rank-death metrics) and
 ``tidal scale`` (a real subprocess against a real uvicorn server).
 
 ``ScalingFakeLLM`` answers ``scale_elastic_ep`` the way ``AsyncLLM`` does: one operation at a
@@ -7,12 +8,14 @@ time (409 for another while one runs), a repeated ``operation_id`` returns the f
 record, a rolled-back operation's record with status 200 (``failure_status``: or 500; the
 server answers 500 either way), ValueError for a size the placement cannot serve. Its
 records are real ``OperationRecord.to_dict()``s, and its ``get_stats`` has AsyncLLM's flat
-scaling keys, which the server folds into ``scaling``.
+scaling keys, which the server folds into ``scaling``. Its ``fault_status`` answers
+``faults`` (``make_faults``: no death by default), as ``AsyncLLM.fault_status`` does.
 """
 
 from __future__ import annotations
 
 import asyncio
+import copy
 import dataclasses
 import json
 import sys
@@ -31,7 +34,7 @@ from tests.unit.test_api_server import (
     wait_for,
 )
 from tidal.config import ParallelConfig
-from tidal.frontend.scale_records import OperationRecord, PhaseTiming, ScalePhase
+from tidal.frontend.scale_records import DeathRecord, OperationRecord, PhaseTiming, ScalePhase
 from tidal.launch.admin import SCALING_HISTORY
 from tidal.launch.api_server import bind_socket
 from tidal.launch.metrics import ServerMetrics
@@ -60,6 +63,7 @@ def make_record(
     cause: str | None = None,
     requests_migrated: int = 0,
     dead: tuple[int, ...] = (),
+    trigger: str = "api",
 ) -> dict[str, Any]:
     """An ``OperationRecord.to_dict()`` of a from -> to operation (unfinished if ``result``
     is None): engines ``from_size..`` join, the last ones leave."""
@@ -73,6 +77,7 @@ def make_record(
         to_epoch=sequence,
         started_at=started_at,
         drain_timeout_s=0.0,
+        trigger=trigger,
     )
     next_id = max(ids, default=-1) + 1
     rec.joining = list(range(next_id, next_id + max(0, to_size - from_size)))
@@ -102,6 +107,44 @@ def make_record(
     return rec.to_dict()
 
 
+def make_death(
+    engine_id: int,
+    at: float,
+    *,
+    epoch: int = 1,
+    migrated: int = 0,
+    recovered_by: str | None = None,
+    recovery_s: float = 2.5,
+) -> dict[str, Any]:
+    """A ``DeathRecord.to_dict()``: recovered ``recovery_s`` after ``at`` if
+    ``recovered_by`` names the operation."""
+    death = DeathRecord(engine_id, epoch, at, f"engine {engine_id} exited with code -9")
+    death.requests_migrated = migrated
+    if recovered_by is not None:
+        death.recovered_by, death.recovered_at = recovered_by, at + recovery_s
+    return death.to_dict()
+
+
+def make_faults(
+    deaths: list[dict[str, Any]] = (),  # type: ignore[assignment]
+    *,
+    degraded: str | None = None,
+    dead: list[int] = (),  # type: ignore[assignment]
+    failed_groups: dict[int, str] | None = None,
+) -> dict[str, Any]:
+    """``AsyncLLM.fault_status()`` without ``serving_engines`` (the fake adds it)."""
+    done = [d["recovery_s"] for d in deaths if d["recovery_s"] is not None]
+    return {
+        "deaths": list(deaths),
+        "rank_deaths": len(deaths),
+        "recovered": len(done),
+        "recovery_s_last": done[-1] if done else None,
+        "dead": list(dead),
+        "failed_groups": dict(failed_groups or {}),
+        "degraded": degraded,
+    }
+
+
 class ScalingFakeLLM(FakeAsyncLLM):
     """``FakeAsyncLLM`` with elastic EP: ``scale_elastic_ep`` as AsyncLLM answers it.
 
@@ -122,6 +165,12 @@ class ScalingFakeLLM(FakeAsyncLLM):
         self.requests_migrated = 0
         self.current: dict | None = None
         self._clock = 100.0
+        self.faults = make_faults()  # what fault_status answers
+
+    def fault_status(self) -> dict[str, Any]:
+        # A fresh copy each time, as AsyncLLM builds one: the server may not mutate ours.
+        live = [e for e in self.engine_ids if e not in self.faults["dead"]]
+        return {**copy.deepcopy(self.faults), "serving_engines": 0 if self.dead else len(live)}
 
     async def get_stats(self) -> dict:
         return {
@@ -181,6 +230,11 @@ class ScalingFakeLLM(FakeAsyncLLM):
         return (200 if self.outcome == "succeeded" else self.failure_status), rec
 
 
+def ops_sample(result: str, trigger: str = "api") -> str:
+    """The finished-operations counter's sample for one result and trigger."""
+    return f'tidal:scale_operations_total{{result="{result}",trigger="{trigger}"}}'
+
+
 def metric(text: str, line_start: str) -> float:
     """The value of the sample whose line starts with ``line_start``."""
     for line in text.splitlines():
@@ -222,7 +276,7 @@ async def test_scale_up_answers_the_record_and_feeds_stats_and_metrics():
         assert (await c.get("/is_scaling_elastic_ep")).json() == {"is_scaling_elastic_ep": False}
 
         text = (await c.get("/metrics")).text
-        assert metric(text, 'tidal:scale_operations_total{result="succeeded"}') == 1
+        assert metric(text, ops_sample("succeeded")) == 1
         assert metric(text, 'tidal:scale_duration_seconds_count{result="succeeded"}') == 1
         assert metric(text, 'tidal:scale_duration_seconds_sum{result="succeeded"}') == (
             pytest.approx(rec["duration_s"])
@@ -242,7 +296,7 @@ async def test_scale_up_answers_the_record_and_feeds_stats_and_metrics():
         assert r.status_code == 200 and r.json() == rec
         assert len(engine.history) == 1
         text = (await c.get("/metrics")).text
-        assert metric(text, 'tidal:scale_operations_total{result="succeeded"}') == 1
+        assert metric(text, ops_sample("succeeded")) == 1
         await ok_completion(c)  # serving goes on
 
 
@@ -323,7 +377,7 @@ async def test_rolled_back_operation_is_a_500_with_its_cause_and_record(engine_s
         metrics.record_scheduler_stats(0, SchedulerStats())
         metrics.record_scheduler_stats(2, SchedulerStats())
         text = (await c.get("/metrics")).text
-        assert metric(text, 'tidal:scale_operations_total{result="rolled_back"}') == 1
+        assert metric(text, ops_sample("rolled_back")) == 1
         assert metric(text, "tidal:scale_bytes_moved_total") == 0  # nothing committed
         assert 'engine="2"' not in text and 'engine="0"' in text
         # Its id repeated: the same outcome again.
@@ -482,11 +536,12 @@ def test_metrics_scale_listener():
     m.record_scale_operation(down)  # reported twice: counted once
     failed = make_record("f", 2, 2, 3, result="failed", cause="outcome unknown")
     m.record_scale_operation(failed)
-    dead = make_record("x", 3, 2, 2, dead=(1,))
+    dead = make_record("x", 3, 2, 2, dead=(1,), trigger="recovery")  # after a rank death
     m.record_scale_operation(dead)
     text = m.render().decode()
-    assert metric(text, 'tidal:scale_operations_total{result="succeeded"}') == 2
-    assert metric(text, 'tidal:scale_operations_total{result="failed"}') == 1
+    assert metric(text, ops_sample("succeeded")) == 1
+    assert metric(text, ops_sample("succeeded", "recovery")) == 1
+    assert metric(text, ops_sample("failed")) == 1
     assert metric(text, "tidal:scale_requests_migrated_total") == 5
     assert metric(text, "tidal:scale_bytes_moved_total") == 4 * BYTES_PER_EXPERT
     assert metric(text, 'tidal:scale_phase_seconds_count{phase="preparing"}') == 3
@@ -501,7 +556,156 @@ def test_metrics_scale_listener():
     m.record_scale_operation({**late, "resolution": "committed", "leaving": [5]})
     text = m.render().decode()
     assert 'engine="5"' not in text
-    assert metric(text, 'tidal:scale_operations_total{result="failed"}') == 2
+    assert metric(text, ops_sample("failed")) == 2
+
+
+# ---- rank deaths (DESIGN.md 6.5) ------------------------------------------------------------
+
+DEGRADED = "engines [1] dead; recovering"
+
+
+@run
+async def test_health_is_ok_degraded_or_503():
+    engine = ScalingFakeLLM(3)
+    async with client_for(engine) as c:
+        for path in ("/health", "/ping"):
+            r = await c.get(path)
+            assert (r.status_code, r.json()) == (200, {"status": "ok"})
+        # A rank died and its recovery runs: the others serve, so 200 (a load balancer
+        # keeps the server), with why and how many engines serve.
+        engine.faults = make_faults([make_death(1, 200.0, migrated=2)], degraded=DEGRADED, dead=[1])
+        for path in ("/health", "/ping"):
+            r = await c.get(path)
+            assert r.status_code == 200, r.text
+            assert r.json() == {"status": "degraded", "detail": DEGRADED, "serving_engines": 2}
+        await ok_completion(c)
+        # No live member left (the client fails next): nothing can serve.
+        engine.faults["dead"] = [0, 1, 2]
+        err = assert_error(await c.get("/health"), 503)
+        assert err["code"] == "engine_dead" and DEGRADED in err["message"]
+        # The engine client dead: 503 as ever, whatever the faults say.
+        engine.faults["dead"], engine.dead = [1], True
+        assert assert_error(await c.get("/health"), 503)["code"] == "engine_dead"
+        # Recovered: ok again (the death stays on record).
+        engine.dead = False
+        engine.faults = make_faults([make_death(1, 200.0, recovered_by="recovery-1")])
+        assert (await c.get("/health")).json() == {"status": "ok"}
+    # An engine without fault_status (the base fake): ok, as before.
+    async with client_for(FakeAsyncLLM()) as c:
+        assert (await c.get("/health")).json() == {"status": "ok"}
+
+
+@run
+async def test_stats_reports_faults():
+    engine = ScalingFakeLLM(3)
+    async with client_for(engine) as c:
+        stats = (await c.get("/stats")).json()
+        assert stats["faults"] == {**make_faults(), "serving_engines": 3}
+        assert stats["scaling"] == {"is_scaling": False, "history": []}
+        deaths = [
+            make_death(1, 200.0, migrated=4, recovered_by="recovery-1", recovery_s=1.5),
+            make_death(2, 250.0, epoch=2, migrated=1),
+        ]
+        failed = {0: "all_reduce failed: peer 2 gone"}
+        degraded = "engines [2] dead; recovering"
+        engine.faults = make_faults(deaths, degraded=degraded, dead=[2], failed_groups=failed)
+        faults = (await c.get("/stats")).json()["faults"]
+        # JSON: the failed groups' engine ids become string keys.
+        assert faults == {
+            **make_faults(deaths, degraded=degraded, dead=[2]),
+            "failed_groups": {"0": failed[0]},
+            "serving_engines": 2,
+        }
+        assert (faults["rank_deaths"], faults["recovered"], faults["recovery_s_last"]) == (
+            2,
+            1,
+            1.5,
+        )
+    async with client_for(FakeAsyncLLM()) as c:  # no fault_status: null
+        assert (await c.get("/stats")).json()["faults"] is None
+
+
+def test_metrics_count_each_death_and_recovery_once():
+    m = ServerMetrics()
+
+    def scrape(faults: dict[str, Any], serving: int = 2) -> str:
+        m.record_faults({**faults, "serving_engines": serving})
+        return m.render().decode()
+
+    def values(text: str) -> tuple[float, ...]:
+        return tuple(
+            metric(text, "tidal:" + name)
+            for name in (
+                "rank_deaths_total",
+                "rank_recoveries_total",
+                "rank_death_requests_migrated_total",
+                "rank_recovery_seconds_count",
+                "deployment_degraded",
+                "serving_engines",
+            )
+        )
+
+    assert values(scrape(make_faults(), 3)) == (0, 0, 0, 0, 0, 3)
+    faults = make_faults([make_death(1, 200.0, migrated=2)], degraded=DEGRADED, dead=[1])
+    for _ in range(3):  # scraped again and again: counted once
+        assert values(scrape(faults)) == (1, 0, 2, 0, 1, 2)
+    # More of its requests resumed elsewhere, then its recovery committed.
+    first = make_death(1, 200.0, migrated=5, recovered_by="recovery-1", recovery_s=3.0)
+    for _ in range(3):
+        text = scrape(make_faults([first]))
+        assert values(text) == (1, 1, 5, 1, 0, 2)
+        assert metric(text, "tidal:rank_recovery_seconds_sum") == 3.0
+        assert metric(text, 'tidal:rank_recovery_seconds_bucket{le="2.5"}') == 0
+        assert metric(text, 'tidal:rank_recovery_seconds_bucket{le="5.0"}') == 1
+    # The list is bounded: a second death comes as the first falls off the front.
+    second = make_death(4, 300.0, epoch=2, migrated=1)
+    for _ in range(3):
+        assert values(scrape(make_faults([second], degraded=DEGRADED, dead=[4]))) == (
+            2,
+            1,
+            6,
+            1,
+            1,
+            2,
+        )
+    # Both listed (a status read before the trim, scraped late): nothing counted twice.
+    assert values(scrape(make_faults([first, second]))) == (2, 1, 6, 1, 0, 2)
+    # The engine client dead: nothing serves.
+    assert values(scrape(make_faults([first, second]), serving=0))[-1] == 0
+
+
+@run
+async def test_metrics_route_reads_faults_and_labels_operations_by_trigger():
+    engine = ScalingFakeLLM(3)
+    async with client_for(engine) as c:
+        engine.faults = make_faults([make_death(2, 200.0, migrated=3)], degraded=DEGRADED, dead=[2])
+        for _ in range(2):  # every scrape reads the faults; each death counts once
+            text = (await c.get("/metrics")).text
+            assert metric(text, "tidal:rank_deaths_total") == 1
+            assert metric(text, "tidal:rank_death_requests_migrated_total") == 3
+            assert metric(text, "tidal:deployment_degraded") == 1
+            assert metric(text, "tidal:serving_engines") == 2
+        # The automatic recovery removes engine 2 (reported to the scale listeners, as the
+        # driver does), then "restore" brings the size back.
+        recovery = make_record("recovery-1", 1, 3, 2, dead=(2,), trigger="recovery")
+        restore = make_record("restore-2", 2, 2, 3, engine_ids=[0, 1], trigger="restore")
+        for rec in (recovery, restore):
+            for listener in engine.scale_listeners:
+                listener(rec)
+        engine.engine_ids = [0, 1, *restore["joining"]]
+        engine.faults = make_faults([make_death(2, 200.0, migrated=3, recovered_by="recovery-1")])
+        text = (await c.get("/metrics")).text
+        assert metric(text, ops_sample("succeeded", "recovery")) == 1
+        assert metric(text, ops_sample("succeeded", "restore")) == 1
+        assert ops_sample("succeeded") not in text  # no caller asked for any
+        assert metric(text, "tidal:rank_recoveries_total") == 1
+        assert metric(text, "tidal:rank_recovery_seconds_count") == 1
+        assert metric(text, "tidal:deployment_degraded") == 0
+        assert metric(text, "tidal:serving_engines") == 3
+        engine.dead = True  # the metrics still render; nothing serves
+        text = (await c.get("/metrics")).text
+        assert metric(text, "tidal:serving_engines") == 0
+        assert metric(text, "tidal:rank_deaths_total") == 1
 
 
 # ---- tidal scale --------------------------------------------------------------------------

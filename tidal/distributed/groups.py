@@ -16,7 +16,10 @@ Backends:
   (``torch.cuda.set_device``) before ``create``. Not exercised by the CPU test suite.
 
 Collectives call the backend object directly (``backend.allreduce([t], opts).wait()``);
-every one is synchronous and blocks at most ``timeout_s`` before raising ``RuntimeError``.
+every one is synchronous and blocks at most ``timeout_s`` before raising ``GroupFailure``
+(a ``RuntimeError``): a peer that died, a timeout, or a group destroyed under the caller.
+The engine tells that apart from its own bugs by the type: a ``GroupFailure`` is a rank
+death to recover from (DESIGN.md 6.5), anything else is fatal.
 On torch 2.13 gloo natively supports all-gather, reduce-scatter (``_reduce_scatter_base``)
 and uneven all-to-all (``alltoall_base``) on CPU; where a build lacks reduce-scatter we fall
 back to all-reduce + slice (costs ``world_size`` times the reduce-scatter traffic).
@@ -37,6 +40,22 @@ import torch.distributed as dist
 from torch.distributed import PrefixStore, ReduceOp, TCPStore
 
 logger = logging.getLogger(__name__)
+
+
+class GroupFailure(RuntimeError):
+    """A collective of a ``StatelessGroup`` failed: a peer is gone (its sockets closed),
+    the collective timed out, or the group was destroyed. The group is unusable."""
+
+
+def _wait(work: Any, prefix: str) -> None:
+    """Wait for a backend ``Work``; its failure becomes a ``GroupFailure``."""
+    try:
+        work.wait()
+    except GroupFailure:
+        raise
+    except RuntimeError as e:  # gloo/NCCL errors (DistBackendError is one)
+        raise GroupFailure(f"collective on group {prefix!r} failed: {e}") from e
+
 
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
 _BACKENDS = ("gloo", "nccl")
@@ -180,7 +199,7 @@ class StatelessGroup:
 
     def _check_alive(self) -> None:
         if self._destroyed:
-            raise RuntimeError(f"process group {self.prefix!r} was destroyed")
+            raise GroupFailure(f"process group {self.prefix!r} was destroyed")
 
     # ------------------------------------------------------------------ collectives
     def all_reduce(self, t: torch.Tensor, op: ReduceOp = ReduceOp.SUM) -> torch.Tensor:
@@ -189,7 +208,7 @@ class StatelessGroup:
         buf = t if t.is_contiguous() else t.contiguous()
         opts = dist.AllreduceOptions()
         opts.reduceOp = op
-        self._backend.allreduce([buf], opts).wait()
+        _wait(self._backend.allreduce([buf], opts), self.prefix)
         if buf is not t:
             t.copy_(buf)
         return t
@@ -201,7 +220,7 @@ class StatelessGroup:
             raise ValueError(f"all_gather_into: out {tuple(out.shape)} vs inp {tuple(inp.shape)}")
         if out.numel() == 0:
             return out
-        self._backend._allgather_base(out, inp.contiguous()).wait()
+        _wait(self._backend._allgather_base(out, inp.contiguous()), self.prefix)
         return out
 
     def all_gather(self, t: torch.Tensor) -> torch.Tensor:
@@ -236,7 +255,7 @@ class StatelessGroup:
             opts = dist.ReduceScatterOptions()
             opts.reduceOp = op
             try:
-                self._backend._reduce_scatter_base(out, inp, opts).wait()
+                _wait(self._backend._reduce_scatter_base(out, inp, opts), self.prefix)
                 return out
             except RuntimeError as e:
                 if "support" not in str(e):
@@ -294,7 +313,9 @@ class StatelessGroup:
             raise ValueError(f"all_to_all_single: in_splits {in_splits} vs {inp.shape[0]} rows")
         if out_splits and sum(out_splits) != out.shape[0]:
             raise ValueError(f"all_to_all_single: out_splits {out_splits} vs {out.shape[0]} rows")
-        self._backend.alltoall_base(out, inp.contiguous(), out_splits, in_splits).wait()
+        _wait(
+            self._backend.alltoall_base(out, inp.contiguous(), out_splits, in_splits), self.prefix
+        )
         return out
 
     def broadcast(self, t: torch.Tensor, src: int) -> torch.Tensor:
@@ -305,13 +326,13 @@ class StatelessGroup:
         opts = dist.BroadcastOptions()
         opts.rootRank = src
         opts.rootTensor = 0
-        self._backend.broadcast([t], opts).wait()
+        _wait(self._backend.broadcast([t], opts), self.prefix)
         return t
 
     def barrier(self) -> None:
         self._check_alive()
         if self.backend_name == "gloo":
-            self._backend.barrier().wait()
+            _wait(self._backend.barrier(), self.prefix)
         else:  # NCCL's barrier needs a device hint; a 1-element all-reduce is equivalent
             self.all_reduce(
                 torch.zeros(1, device=torch.device("cuda", torch.cuda.current_device()))
@@ -320,14 +341,14 @@ class StatelessGroup:
     def send(self, t: torch.Tensor, dst: int, tag: int = 0) -> None:
         """Point-to-point send (blocks until the peer has received, for gloo)."""
         self._check_alive()
-        self._backend.send([t.contiguous()], dst, tag).wait()
+        _wait(self._backend.send([t.contiguous()], dst, tag), self.prefix)
 
     def recv(self, t: torch.Tensor, src: int, tag: int = 0) -> torch.Tensor:
         """Receive into ``t`` (shape and dtype agreed with the sender)."""
         self._check_alive()
         if not t.is_contiguous():
             raise ValueError("recv needs a contiguous tensor (it is written in place)")
-        self._backend.recv([t], src, tag).wait()
+        _wait(self._backend.recv([t], src, tag), self.prefix)
         return t
 
     def all_gather_object(self, obj: Any, type: Any = Any) -> list[Any]:

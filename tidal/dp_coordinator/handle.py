@@ -87,11 +87,19 @@ class DPCoordinator:
         if addresses is None:
             tmpdir = tempfile.mkdtemp(prefix="tidal-dpc-")  # mode 0700
             addresses = CoordinatorAddresses.ipc(tmpdir)
-        # A fresh interpreter running the entry module, not multiprocessing's spawn (which
-        # would re-run the caller's __main__); it answers on a pipe it inherits.
-        ready_r, ready_w = os.pipe()
         if isinstance(topology, int):
             topology = Topology.initial(topology)
+        self._tmpdir = tmpdir
+        self._settings = (publish_interval_s, heartbeat_interval_s, history_len, auth_key)
+        self._start_timeout_s = start_timeout_s
+        self.restarts = 0
+        self._start(addresses, topology, 0)
+
+    def _start(self, addresses: CoordinatorAddresses, topology: Topology, wave: int) -> None:
+        # A fresh interpreter running the entry module, not multiprocessing's spawn (which
+        # would re-run the caller's __main__); it answers on a pipe it inherits.
+        publish_interval_s, heartbeat_interval_s, history_len, auth_key = self._settings
+        ready_r, ready_w = os.pipe()
         launch = CoordinatorLaunch(
             addresses,
             topology,
@@ -101,6 +109,7 @@ class DPCoordinator:
             os.getpid(),
             ready_w,
             auth_key,
+            wave,
         )
         recv_conn = Connection(ready_r, writable=False)
         try:
@@ -115,14 +124,29 @@ class DPCoordinator:
             raise
         finally:
             os.close(ready_w)
-        self._finalizer = weakref.finalize(self, _cleanup, self.proc, addresses, tmpdir, 5.0)
+        self._finalizer = weakref.finalize(self, _cleanup, self.proc, addresses, self._tmpdir, 5.0)
         try:
-            self.addresses = _await_ready(recv_conn, start_timeout_s)
+            self.addresses = _await_ready(recv_conn, self._start_timeout_s)
         except BaseException:
             self.shutdown()
             raise
         finally:
             recv_conn.close()
+
+    def is_alive(self) -> bool:
+        return self._finalizer.alive and self.proc.is_alive()
+
+    def restart(self, topology: Topology, wave: int) -> None:
+        """The process died (DESIGN.md 6.5): start a new one on the *same* addresses (the
+        bound ones: engines and frontends reconnect by themselves), serving ``topology``
+        from ``wave``, paused. Its load table fills from the engines' next stats.
+        Blocking (a new interpreter): call it off the event loop."""
+        if not self._finalizer.alive:
+            raise RuntimeError("the DP coordinator was shut down")
+        self._finalizer.detach()
+        _cleanup(self.proc, self.addresses, None, 5.0)  # reap it; keep the ipc directory
+        self.restarts += 1
+        self._start(self.addresses, topology, wave)
 
     def shutdown(self, timeout_s: float = 5.0) -> None:
         """SIGTERM, join (kill after ``timeout_s``), unlink ipc files. Idempotent."""

@@ -235,6 +235,7 @@ def run_coordinator(
     ready_conn: Connection | None = None,
     parent_pid: int | None = None,
     auth_key: str | None = None,
+    wave: int = 0,
 ) -> None:
     """The coordinator process's body (``tidal.dp_coordinator.entry``). Reports the bound
     addresses (or the startup error) as msgpack bytes on ``ready_conn``, then serves until
@@ -248,7 +249,9 @@ def run_coordinator(
     try:
         curve = curve_keys(auth_key)
         authenticator = start_authenticator(ctx, curve)  # before any bind
-        state = CoordinatorState(topology, history_len, publish_interval_s, heartbeat_interval_s)
+        state = CoordinatorState(
+            topology, history_len, publish_interval_s, heartbeat_interval_s, wave=wave
+        )
         loop = _CoordinatorLoop(ctx, addresses, state, stop, curve)
     except Exception as e:
         if ready_conn is not None:
@@ -292,6 +295,7 @@ class CoordinatorLaunch(msgspec.Struct, frozen=True):
     parent_pid: int
     ready_fd: int  # write end of the startup-reply pipe, inherited by the child
     auth_key: str | None = None  # shared secret of a TCP control plane (stdin is private)
+    wave: int = 0  # a restarted coordinator starts at the frontend's last known wave
 
 
 def run_coordinator_launch(launch: CoordinatorLaunch) -> None:
@@ -305,4 +309,5 @@ def run_coordinator_launch(launch: CoordinatorLaunch) -> None:
         ready_conn=ready_conn,
         parent_pid=launch.parent_pid,
         auth_key=launch.auth_key,
+        wave=launch.wave,
     )

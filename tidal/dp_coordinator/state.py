@@ -236,7 +236,11 @@ class CoordinatorState:
         history_len: int = 600,
         publish_interval_s: float = 0.1,
         heartbeat_interval_s: float = 3.0,
+        wave: int = 0,
     ) -> None:
+        """``wave``: where to start -- 0 at launch; a restarted coordinator (DESIGN.md
+        6.5) starts at the frontend's last known wave, paused (when in doubt, R = False);
+        the engines' next ``start_wave`` / ``wave_complete`` correct it (races 1, 3)."""
         if isinstance(topology, int):  # launch size: engine ids 0..n-1
             topology = Topology.initial(topology)
         if history_len < 1:
@@ -248,7 +252,7 @@ class CoordinatorState:
         self._ranks = {e: _Rank(history_len) for e in topology.engine_ids}
         # Rows of future engines (race 11), adopted when a topology holding them arrives.
         self._early: dict[int, _Rank] = {}
-        self.wave = 0
+        self.wave = wave
         self.running = False
         self.waves_completed = 0
         self.start_wave_broadcasts = 0

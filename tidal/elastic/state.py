@@ -518,7 +518,10 @@ class ElasticEPScalingState:
         out += [
             SwapGroups(self.epoch),
             InstallExperts(self.epoch, local),
-            TakeRank(self.epoch, rank, topo.size, wave if self.role is Role.JOINING else None),
+            # Joiners take the group's wave; so does everyone after a standby-barrier
+            # commit (the old group broke mid-wave on some ranks, not on others: every
+            # new member runs the barrier's wave, and its first all-reduce ends it).
+            TakeRank(self.epoch, rank, topo.size, None if self._keeps_wave() else wave),
         ]
         if p.threads_per_rank is not None:
             out.append(SetNumThreads(p.threads_per_rank))
@@ -526,6 +529,9 @@ class ElasticEPScalingState:
             out.append(DestroyOldGroups(old_epoch))
             if self.old_mode:
                 out.append(NewGroupBarrier(self.epoch, step))
+
+    def _keeps_wave(self) -> bool:
+        return self.old_mode and self.role is not Role.JOINING
 
     def _committed(self, now: float, out: list[Action]) -> None:
         self.current_epoch = self.epoch

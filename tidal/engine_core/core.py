@@ -12,6 +12,7 @@ import time
 from typing import Any
 
 from tidal.config import EngineConfig
+from tidal.distributed.groups import GroupFailure
 from tidal.engine_core.request import Request
 from tidal.engine_core.scheduler import Scheduler
 from tidal.executor.base import Executor
@@ -76,7 +77,11 @@ class EngineCore:
         if not self.scheduler.has_requests():
             return {}, False
         sched = self.scheduler.schedule()
-        runner_out = self.executor.execute_model(sched)
+        try:
+            runner_out = self.executor.execute_model(sched)
+        except GroupFailure:
+            self.scheduler.abandon_step(sched)  # its tokens never reach the scheduler
+            raise
         outputs = self.scheduler.update_from_output(sched, runner_out)
         return outputs, sched.total_num_scheduled_tokens > 0
 

@@ -5,9 +5,11 @@ shutdown). The wave protocol itself is written down in ``tidal.dp_coordinator.st
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
+from tidal.distributed.groups import GroupFailure
 from tidal.elastic.scaling_events import Input
 from tidal.engine_core.core import EngineCore
 from tidal.engine_core.elastic_shell import ElasticShell
@@ -15,7 +17,7 @@ from tidal.engine_core.proc import TO_COORDINATOR, EngineCoreProc
 from tidal.engine_core.request_decode import UndecodableRequest
 from tidal.engine_core.wave import EngineWaveState
 from tidal.executor.uniproc import UniProcExecutor
-from tidal.protocol.elastic import ScaleMessage, ScaleReport
+from tidal.protocol.elastic import ScaleEvent, ScaleMessage, ScaleReport
 from tidal.protocol.errors import EngineStartupError
 from tidal.protocol.messages import (
     EngineCoreOutputs,
@@ -24,6 +26,8 @@ from tidal.protocol.messages import (
     StartDPWave,
 )
 from tidal.protocol.topology import Topology
+
+logger = logging.getLogger(__name__)
 
 # How often the ranks of a running wave all-reduce "does anyone still have work?".
 DP_ALLREDUCE_INTERVAL = 32
@@ -63,6 +67,8 @@ class DPEngineCoreProc(EngineCoreProc):
         self._last_published: tuple[int, int] | None = None
         self._tokens_published: tuple[int, float] = (0, 0.0)  # (total, when)
         self._leaving = False
+        self.group_failed: str | None = None  # why this rank's groups broke (until commit)
+        self.num_group_failures = 0
         self.shell: ElasticShell | None = None
         if self.config.parallel.enable_elastic_ep:
             top = self.topology
@@ -101,9 +107,13 @@ class DPEngineCoreProc(EngineCoreProc):
             self._process_input_queue()
             # 2. Elastic EP: advance a scale operation (never blocks; an idle step 1 waits
             #    at most 50 ms, so the operation's timers are checked at least that often).
+            #    No step while this rank is in no usable group: a joiner before its
+            #    commit, a leaving rank after it, a rank whose group lost a member.
             if self.shell is not None:
                 self.shell.progress()
-                if not self.shell.serving or self._leaving:  # a joiner before its commit
+                if self.shell.old_group_dead and self.group_failed is None:
+                    self._on_group_failure("the scale operation removes a dead member")
+                if not self.shell.serving or self._leaving or self.group_failed is not None:
                     if self._shutdown_done():
                         return
                     continue
@@ -111,29 +121,72 @@ class DPEngineCoreProc(EngineCoreProc):
                 if self._shutdown_done():
                     return
                 continue
-            # 3. Step the engine; publish (waiting, running) when it changed.
-            executed = self._process_engine_step()
-            self._publish_load_if_changed()
-            if not self.wave.running:
-                if self._shutdown_done():
-                    return
-                continue
-            # 4. Nothing ran but the wave is running: a dummy forward keeps collectives matched.
-            if not executed:
-                self.engine_core.execute_dummy_batch()
-                self.num_dummy_batches += 1
-            # 5. Every DP_ALLREDUCE_INTERVAL steps, agree whether anyone still has work
-            #    (and, elastic EP, whether every rank is ready to commit).
-            if not self._group_has_work():
-                # 6. The group is idle: end the wave (rank 0 reports it) and pause.
-                self._end_wave()
+            # 3-6. One step of the group. A failed collective (a rank died) abandons it.
+            try:
+                self._step_group()
+            except GroupFailure as e:
+                if self.shell is None:
+                    raise  # no elastic EP: nothing can rebuild the group
+                self._on_group_failure(str(e))
             # 7. On shutdown, leave between waves (or at the drain deadline): leaving
             #    mid-wave would strand the other ranks in a collective.
             if self._shutdown_done():
                 return
 
+    def _step_group(self) -> None:
+        # 3. Step the engine; publish (waiting, running) when it changed.
+        executed = self._process_engine_step()
+        self._publish_load_if_changed()
+        if not self.wave.running:
+            return
+        # 4. Nothing ran but the wave is running: a dummy forward keeps collectives matched.
+        if not executed:
+            self.engine_core.execute_dummy_batch()
+            self.num_dummy_batches += 1
+        # 5. Every DP_ALLREDUCE_INTERVAL steps, agree whether anyone still has work
+        #    (and, elastic EP, whether every rank is ready to commit).
+        if not self._group_has_work():
+            # 6. The group is idle: end the wave (rank 0 reports it) and pause.
+            self._end_wave()
+
+    def _on_group_failure(self, cause: str) -> None:
+        """A collective of the current groups failed, or the running operation says a
+        member is dead (DESIGN.md 6.5). The step in flight is abandoned (its tokens never
+        reached the scheduler); every running request is preempted by recompute (its
+        outputs so far stay; it re-prefills on the new groups); the groups are destroyed
+        so a peer blocked on this rank fails now rather than at its timeout; the rank
+        steps no more until a commit gives it new groups (``_take_rank``). Requests that
+        arrive meanwhile queue. The frontend is told (GROUP_FAILED), and its recovery
+        operation removes the dead member."""
+        assert self.shell is not None
+        logger.warning("engine %d: DP/EP group failed: %s", self.engine_index, cause)
+        self.group_failed = cause
+        self.num_group_failures += 1
+        if self.shell.active:
+            self.shell.on_group_failed(cause)  # an operation on the old group rolls back
+        preempted = self.engine_core.scheduler.abandon_step()
+        self.engine_core.executor.abandon_groups()
+        self.wave.running = False
+        self.step_counter = 0
+        self._last_published = None
+        top = self.topology
+        self._send_outputs(
+            EngineCoreOutputs(
+                scale_report=ScaleReport(
+                    operation_id="",
+                    engine_id=self.engine_index,
+                    epoch=top.epoch if top is not None else 0,
+                    event=ScaleEvent.GROUP_FAILED,
+                    cause=cause,
+                    requests_preempted=preempted,
+                )
+            )
+        )
+
     def _has_work(self) -> bool:
-        if self.paused or (self.shell is not None and not self.shell.serving):
+        if self.paused or self.group_failed is not None:
+            return False
+        if self.shell is not None and not self.shell.serving:
             return False
         return self.engine_core.has_unfinished_requests() or self.wave.running
 
@@ -185,6 +238,8 @@ class DPEngineCoreProc(EngineCoreProc):
             "step_counter": self.step_counter,
             "dummy_batches": self.num_dummy_batches,
             "paused": self.paused,
+            "group_failed": self.group_failed,
+            "group_failures": self.num_group_failures,
         }
 
     def _group_has_work(self) -> bool:
@@ -196,17 +251,13 @@ class DPEngineCoreProc(EngineCoreProc):
         has_work = self.engine_core.has_unfinished_requests() or (
             shell is not None and shell.holds_wave
         )
-        try:
-            # MAX over the DP ranks: anyone has work / wants a pause; the commit flag's
-            # MAX and (negated) MIN, so "every rank raised this operation's flag" is
-            # ready_min == ready_max == its sequence.
-            any_work, pause, ready_max, neg_min = self.engine_core.executor.all_reduce_dp(
-                [int(has_work), int(self.pending_pause), ready, -ready], op="max"
-            )
-        except RuntimeError as e:
-            if shell is not None and shell.active:
-                shell.on_group_failed(str(e))  # roll back (and say so) before dying
-            raise
+        # MAX over the DP ranks: anyone has work / wants a pause; the commit flag's MAX
+        # and (negated) MIN, so "every rank raised this operation's flag" is
+        # ready_min == ready_max == its sequence. A failure raises GroupFailure: the
+        # busy loop's ``_on_group_failure`` rolls an operation back and says so.
+        any_work, pause, ready_max, neg_min = self.engine_core.executor.all_reduce_dp(
+            [int(has_work), int(self.pending_pause), ready, -ready], op="max"
+        )
         if shell is not None:
             shell.on_consensus(self.step_counter, -neg_min, ready_max)
         if pause:
@@ -251,6 +302,7 @@ class DPEngineCoreProc(EngineCoreProc):
 
     def _take_rank(self, topology: Topology, wave: int | None) -> None:
         self.addresses.topology = topology  # dp_rank is the position here from now on
+        self.group_failed = None  # new groups: step again
         self.step_counter = 0  # the all-reduce cadence restarts together on the new group
         self._last_published = None  # tell the coordinator our load in the new epoch
         if wave is not None:  # a joiner: run the group's wave

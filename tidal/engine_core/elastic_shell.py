@@ -138,6 +138,13 @@ class ElasticShell:
         return self.slot.holds_wave
 
     @property
+    def old_group_dead(self) -> bool:
+        """The running operation removes a dead member (DESIGN.md 6.5): the current
+        groups cannot run a collective any more, so this rank must not step on them."""
+        s = self.slot.state
+        return s is not None and s.active and not s.old_mode and s.role is not Role.JOINING
+
+    @property
     def serving(self) -> bool:
         """False for a joiner until it committed: it is in no group and must not step."""
         return self.slot.current_epoch is not None
@@ -204,10 +211,14 @@ class ElasticShell:
                     ),
                 )
             elif isinstance(a, StartCommitBarrier):
+                # MAX over the new members: a joiner's 0 never wins over a survivor's wave.
+                wave = self.hooks.current_wave()
                 self._start_job(
                     a.job_id,
                     a.epoch,
-                    lambda a=a: BarrierResult(*self.executor.standby_barrier(a.epoch, 0, 0)),
+                    lambda a=a, w=wave: BarrierResult(
+                        *self.executor.standby_barrier(a.epoch, w, 0)
+                    ),
                 )
             elif isinstance(a, CancelJob):
                 entry = self._threads.get(a.job_id)

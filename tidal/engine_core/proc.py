@@ -51,6 +51,8 @@ from tidal.engine_core.request_decode import UndecodableRequest, decode_client_r
 from tidal.executor.uniproc import UniProcExecutor
 from tidal.protocol.errors import EngineStartupError
 from tidal.protocol.messages import (
+    FRONTEND_TIMEOUT_S,
+    HEARTBEAT_INTERVAL_S,
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
@@ -72,6 +74,22 @@ logger = logging.getLogger(__name__)
 TO_CLIENT, TO_COORDINATOR = 0, 1
 # How long the idle busy loop blocks on its queue before re-checking shutdown flags.
 _IDLE_POLL_S = 0.05
+
+
+class _FrontendWatch:
+    """Whether the frontend fell silent. Only a frontend that sends heartbeats is
+    watched (the offline ``LLM`` does not): from its first HEARTBEAT on, any message
+    proves it alive, and ``FRONTEND_TIMEOUT_S`` without one is its death."""
+
+    def __init__(self) -> None:
+        self.last: float | None = None  # None until the first heartbeat
+
+    def heard(self, heartbeat: bool, now: float) -> None:
+        if heartbeat or self.last is not None:
+            self.last = now
+
+    def silent(self, now: float) -> bool:
+        return self.last is not None and now - self.last > FRONTEND_TIMEOUT_S
 
 
 class EngineIOThreadError(RuntimeError):
@@ -105,6 +123,7 @@ class EngineCoreProc:
         # the thread.
         self.output_queue: queue.Queue[tuple[int, EngineCoreOutputs | bytes] | None] = queue.Queue()
         self.dropped = DropCounter(f"engine {engine_index}", logger)
+        self._heartbeat = encode(EngineCoreOutputs(engine_index=engine_index, heartbeat=True))
         # Set by an I/O thread that failed for good; the busy loop then raises.
         self._io_failure: str | None = None
         self.ctx = zmq.Context()
@@ -182,13 +201,22 @@ class EngineCoreProc:
                 poller.register(coord, zmq.POLLIN)
             registered.set()
             parent = os.getppid()
+            frontend = _FrontendWatch()
             while not self._stop_io.is_set():
                 if os.getppid() != parent:
                     # The launcher died without stopping us (SIGKILL): don't linger as an orphan.
                     self._on_launcher_death()
+                if frontend.silent(time.monotonic()):
+                    # A remote frontend (headless ranks) died: release the device and ports.
+                    logger.error(
+                        "engine %d: no heartbeat from the frontend for %.1fs, exiting",
+                        self.engine_index,
+                        FRONTEND_TIMEOUT_S,
+                    )
+                    self._on_launcher_death()
                 for ready, _ in poller.poll(100):
                     if ready is sock:
-                        self._read_client_request(sock)
+                        frontend.heard(self._read_client_request(sock), time.monotonic())
                     else:
                         self._read_coordinator_message(coord)
         except BaseException as e:  # noqa: BLE001 - fatal for the engine, never silent
@@ -211,18 +239,22 @@ class EngineCoreProc:
         sub.connect(self.addresses.coordinator_input)
         return sub
 
-    def _read_client_request(self, sock: zmq.Socket) -> None:
+    def _read_client_request(self, sock: zmq.Socket) -> bool:
         """One message from the frontend: ``[type byte, msgpack payload]``. One that does
         not decode (an unknown type, a payload missing or malformed) is dropped alone; an
-        ADD whose payload is malformed is still answered (``UndecodableRequest``)."""
+        ADD whose payload is malformed is still answered (``UndecodableRequest``).
+        Returns whether it was a HEARTBEAT (it goes no further)."""
         frames = sock.recv_multipart(copy=False)
+        if bytes(frames[0].buffer) == EngineCoreRequestType.HEARTBEAT.value:
+            return True
         try:
             payload = frames[1].buffer if len(frames) > 1 else None
             item = decode_client_request(bytes(frames[0].buffer), payload)
         except Exception as e:  # noqa: BLE001 - a bad message must not kill this thread
             self.dropped.drop("client request", e)
-            return
+            return False
         self.input_queue.put_nowait(item)
+        return False
 
     def _read_coordinator_message(self, sub: zmq.Socket) -> None:
         frames = sub.recv_multipart()
@@ -245,7 +277,11 @@ class EngineCoreProc:
             if self.addresses.coordinator_output:
                 socks[TO_COORDINATOR] = self._push_socket(self.addresses.coordinator_output)
             while True:
-                item = self.output_queue.get()
+                try:
+                    item = self.output_queue.get(timeout=HEARTBEAT_INTERVAL_S)
+                except queue.Empty:  # nothing sent for an interval: say we are alive
+                    socks[TO_CLIENT].send(self._heartbeat)
+                    continue
                 if item is None:
                     break
                 dest, outputs = item
@@ -466,7 +502,9 @@ class EngineCoreProc:
     def _on_scale(self, msg: Any) -> None:
         """Elastic EP only (see DPEngineCoreProc)."""
         logger.warning(
-            "engine %d: ignored %s: elastic EP is not enabled", self.engine_index, type(msg).__name__
+            "engine %d: ignored %s: elastic EP is not enabled",
+            self.engine_index,
+            type(msg).__name__,
         )
 
     # ---- shutdown ----------------------------------------------------------------------

@@ -14,13 +14,20 @@ from typing import Any
 import msgspec
 
 from tidal.protocol.elastic import ScaleMessage
-from tidal.protocol.messages import EngineCoreRequest, EngineCoreRequestType, UtilityRequest
+from tidal.protocol.messages import (
+    EngineCoreRequest,
+    EngineCoreRequestType,
+    StartDPWave,
+    UtilityRequest,
+)
 
 REQUEST_DECODERS = {
     EngineCoreRequestType.ADD: msgspec.msgpack.Decoder(EngineCoreRequest),
     EngineCoreRequestType.ABORT: msgspec.msgpack.Decoder(list[str]),
     EngineCoreRequestType.UTILITY: msgspec.msgpack.Decoder(UtilityRequest),
     EngineCoreRequestType.SCALE: msgspec.msgpack.Decoder(ScaleMessage),
+    # From the frontend only while the DP coordinator is being restarted (DESIGN.md 6.5).
+    EngineCoreRequestType.START_DP_WAVE: msgspec.msgpack.Decoder(StartDPWave),
 }
 _ADD_FIELDS = EngineCoreRequest.__struct_fields__
 

@@ -244,6 +244,23 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(req)
 
+    def abandon_step(self, sched: SchedulerOutput | None = None) -> int:
+        """A step that will never complete (its collective failed: DESIGN.md 6.5): every
+        running request is preempted by recompute -- its KV may be half-written, and the
+        tokens it was computing never reached anyone -- in its order, ahead of the
+        waiting ones; the abandoned step's finish notices go to the next step; the prefix
+        cache is emptied (blocks cached for this step may hold garbage). Output tokens
+        already produced stay: the re-prefill recomputes exactly the same state.
+        Returns how many requests were preempted."""
+        if sched is not None:
+            self._finished_req_ids |= sched.finished_req_ids
+        preempted = 0
+        while self.running:
+            self._preempt(self.running.pop())  # last first: appendleft keeps the order
+            preempted += 1
+        self.kv_cache_manager.reset_prefix_cache()
+        return preempted
+
     # ---- update --------------------------------------------------------------------
 
     def update_from_output(

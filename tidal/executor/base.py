@@ -117,6 +117,10 @@ class Executor(ABC):
         """Leaving engine at the commit: destroy the current groups."""
         self.collective_rpc("leave_groups")
 
+    def abandon_groups(self) -> None:
+        """A collective failed (rank death): destroy the current groups at once."""
+        self.collective_rpc("abandon_groups")
+
     def set_num_threads(self, num_threads: int) -> None:
         self.collective_rpc("set_num_threads", (num_threads,))
 

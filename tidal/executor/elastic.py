@@ -454,6 +454,19 @@ class ElasticWorkerState:
         self.destroy_retired_groups()
         self.epoch = None
 
+    def abandon_groups(self) -> None:
+        """A collective of the current groups failed (a member died, DESIGN.md 6.5):
+        destroy them now, so a peer blocked on this rank fails at once instead of at its
+        timeout. The epoch stays (the recovery's PREPARE is for epoch + 1), and so do the
+        experts and any standby groups: the recovery builds on them."""
+        w = self.worker
+        for g in (w.ep_group, w.dp_group):
+            if g is not None:
+                g.destroy()
+        self._retired += [g for g in (w.ep_group, w.dp_group, w._store) if g is not None]
+        w.dp_group = w.ep_group = w._store = None
+        w.model_runner.set_process_groups(None, None)
+
     def shutdown(self) -> None:
         """Destroy every standby and retired group, drop staged experts (no peers)."""
         with self._lock:

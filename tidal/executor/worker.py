@@ -227,6 +227,9 @@ class Worker:
     def leave_groups(self) -> None:
         self.elastic.leave_groups()
 
+    def abandon_groups(self) -> None:
+        self.elastic.abandon_groups()
+
     def set_num_threads(self, num_threads: int) -> None:
         if num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {num_threads}")

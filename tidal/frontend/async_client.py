@@ -22,9 +22,11 @@ import zmq.asyncio
 from tidal.config import EngineConfig
 from tidal.dp_coordinator.handle import fetch_stats_async
 from tidal.frontend.mp_client import OUTPUT_DECODER, MPClient, exit_reason
-from tidal.protocol.elastic import ScaleMessage
+from tidal.protocol.elastic import ScaleEvent, ScaleMessage
 from tidal.protocol.errors import EngineDeadError
 from tidal.protocol.messages import (
+    HEARTBEAT_INTERVAL_S,
+    HEARTBEAT_TIMEOUT_S,
     DPCoordinatorStats,
     EngineCoreOutputs,
     EngineCoreRequestType,
@@ -44,6 +46,12 @@ class AsyncMPClient(MPClient):
 
     def __init__(self, config: EngineConfig, entry_module: str | None = None) -> None:
         self._pending_calls: dict[int, asyncio.Future] = {}
+        self._call_targets: dict[int, int] = {}  # call id -> engine id
+        self._gone_engines: set[int] = set()  # exited engines the scale driver took over
+        self._last_seen: dict[int, float] = {}  # engine id -> its last frame (liveness)
+        self._suspect_until = 0.0  # a GROUP_FAILED came in: shorter silence limit until then
+        self._coordinator_restart: asyncio.Task | None = None
+        self._heartbeat_task: asyncio.Task | None = None
         self._queue: asyncio.Queue[EngineCoreOutputs] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._reader_task: asyncio.Task | None = None
@@ -56,6 +64,7 @@ class AsyncMPClient(MPClient):
             self._queue = asyncio.Queue()
             self._async_out = zmq.asyncio.Socket.from_socket(self._output_socket)
             self._reader_task = self._loop.create_task(self._read_outputs())
+            self._heartbeat_task = self._loop.create_task(self._heartbeats())
             if self.dp is not None:
                 self._async_snap = zmq.asyncio.Socket.from_socket(self._snapshot_socket)
                 self._snapshot_task = self._loop.create_task(self._read_snapshots())
@@ -76,8 +85,18 @@ class AsyncMPClient(MPClient):
             self._reader_failed("output", e)
 
     def _dispatch(self, outs: EngineCoreOutputs) -> None:
+        now = time.monotonic()
+        self._last_seen[outs.engine_index] = now
+        if outs.heartbeat:
+            return
+        report = outs.scale_report
+        if report is not None and report.event is ScaleEvent.GROUP_FAILED:
+            # A collective broke: some member is probably dead. A remote one is declared
+            # after a short silence from now on, not the full timeout.
+            self._suspect_until = now + HEARTBEAT_TIMEOUT_S
         if outs.utility_output is not None:
             fut = self._pending_calls.pop(outs.utility_output.call_id, None)
+            self._call_targets.pop(outs.utility_output.call_id, None)
             if fut is not None and not fut.done():
                 fut.set_result(outs.utility_output)
         elif outs.engine_dead:
@@ -133,12 +152,83 @@ class AsyncMPClient(MPClient):
         except RuntimeError:  # the loop is closed: nobody is left to tell
             pass
 
-    def _handle_engine_exit(self, engine_id: int, exitcode: int | None) -> None:
+    async def _heartbeats(self) -> None:
+        """Liveness (DESIGN.md 6.5), every HEARTBEAT_INTERVAL_S: a HEARTBEAT to every
+        member (so headless ranks notice a dead frontend), and a *remote* member silent
+        for HEARTBEAT_TIMEOUT_S is dead (local engines have their process sentinel)."""
+        started = time.monotonic()
+        while self.dead_reason is None and not self._closed:
+            now = time.monotonic()
+            coord = self.coordinator
+            if coord is not None and self._coordinator_restart is None and not coord.is_alive():
+                self._coordinator_restart = asyncio.create_task(self._restart_coordinator())
+            for e in list(self.engine_ids):
+                if e in self._gone_engines:
+                    continue
+                try:
+                    self._send_frame(e, EngineCoreRequestType.HEARTBEAT, b"")
+                except EngineDeadError:
+                    return
+                except zmq.ZMQError:
+                    pass  # no route (gone, or a joiner not registered yet): nothing to tell
+                if e in self.manager.procs:
+                    continue
+                silent = now - self._last_seen.get(e, started)
+                # A live engine sends at least every interval (its output thread, not its
+                # busy loop, which may be stuck in the broken collective).
+                limit = 3 * HEARTBEAT_INTERVAL_S if now < self._suspect_until else None
+                if silent > (limit or HEARTBEAT_TIMEOUT_S):
+                    logger.error("engine %d: no heartbeat for %.1fs", e, silent)
+                    self._handle_engine_exit(e, None, f"no heartbeat for {silent:.1f}s")
+            await asyncio.sleep(HEARTBEAT_INTERVAL_S)
+
+    async def _restart_coordinator(self) -> None:
+        """The DP coordinator died (DESIGN.md 6.5): start a new one on the same addresses
+        with the current topology, at the last wave this frontend saw. Requests keep
+        flowing meanwhile: routing uses the last snapshot, wake-ups go straight to the
+        engines (``_send_wakeup``), and the engines' own messages to the coordinator wait
+        in their sockets until it is back."""
+        assert self.coordinator is not None and self.dp is not None
+        code = self.coordinator.proc.exitcode
+        logger.error("the DP coordinator died (exit code %s): restarting it", code)
+        try:
+            wave = self.dp.wave.wave
+            await asyncio.to_thread(self.coordinator.restart, self.dp.topology, wave)
+        except Exception as e:  # noqa: BLE001 - without it no wave can start: fail loudly
+            if not self._closed:
+                self._fail(f"the DP coordinator died and could not be restarted: {e}")
+            return
+        finally:
+            self._coordinator_restart = None
+        # Its sockets reconnect in the background: wake engines directly for a while too.
+        self._direct_wakeups_until = time.monotonic() + 2.0
+        self.dp.wave.running = False  # when in doubt, paused: the next request wakes them
+        logger.warning("DP coordinator restarted (%d restart(s))", self.coordinator.restarts)
+
+    def _handle_engine_exit(
+        self, engine_id: int, exitcode: int | None, cause: str | None = None
+    ) -> None:
+        if engine_id in self._gone_engines:
+            return  # reported once (a sentinel and a silence can both see it)
         hooks = self._scale_hooks
         if hooks is not None and hooks.owns_engine(engine_id):
-            hooks.on_exit(engine_id, exitcode)
+            # Joining, leaving, or a rank death the deployment recovers from: the scale
+            # driver's event. Only the calls waiting on this engine fail.
+            self._gone_engines.add(engine_id)
+            reason = cause or exit_reason(engine_id, exitcode)
+            for call_id, target in list(self._call_targets.items()):
+                if target == engine_id:
+                    del self._call_targets[call_id]
+                    fut = self._pending_calls.pop(call_id, None)
+                    if fut is not None and not fut.done():
+                        fut.set_exception(EngineDeadError(reason))
+            hooks.on_exit(engine_id, exitcode, cause)
             return
-        self._fail(exit_reason(engine_id, exitcode))
+        self._fail(cause or exit_reason(engine_id, exitcode))
+
+    def fail_deployment(self, reason: str) -> None:
+        """Nothing can serve any more (the scale driver found every engine dead)."""
+        self._fail(reason)
 
     # ---- elastic EP ----------------------------------------------------------------------
 
@@ -197,20 +287,25 @@ class AsyncMPClient(MPClient):
         raise RuntimeError("AsyncMPClient: use call_utility_async()")
 
     async def call_utility_all_async(self, method: str, *args: Any) -> list[Any]:
-        calls = [self.call_utility_async(method, *args, engine=e) for e in self.engine_ids]
+        live = [e for e in self.engine_ids if e not in self._gone_engines]  # dead: no answer
+        calls = [self.call_utility_async(method, *args, engine=e) for e in live]
         return list(await asyncio.gather(*calls))
 
     async def call_utility_async(self, method: str, *args: Any, engine: int | None = None) -> Any:
         self._ensure_reader()
+        target = self.engine_ids[0] if engine is None else engine
+        if target in self._gone_engines:
+            raise EngineDeadError(f"engine {target} is gone")
         call = self._utility_request(method, args)
         fut = asyncio.get_running_loop().create_future()
         self._pending_calls[call.call_id] = fut
-        self._send(
-            self.engine_ids[0] if engine is None else engine,
-            EngineCoreRequestType.UTILITY,
-            call,
-        )
-        out = await asyncio.wait_for(fut, 60)
+        self._call_targets[call.call_id] = target
+        try:
+            self._send(target, EngineCoreRequestType.UTILITY, call)
+            out = await asyncio.wait_for(fut, 60)
+        finally:
+            self._pending_calls.pop(call.call_id, None)
+            self._call_targets.pop(call.call_id, None)
         if out.failure_message:
             raise RuntimeError(out.failure_message)
         return out.result
@@ -218,7 +313,11 @@ class AsyncMPClient(MPClient):
     def shutdown(self) -> None:
         """Stop the engines and release everything. Idempotent; also runs at interpreter
         exit if nobody called it (the reader tasks keep the client itself alive)."""
-        for task in (self._reader_task, getattr(self, "_snapshot_task", None)):
+        for task in (
+            self._reader_task,
+            getattr(self, "_snapshot_task", None),
+            getattr(self, "_heartbeat_task", None),
+        ):
             if task is not None and not task.done():
                 task.cancel()
         # The asyncio views of the sockets registered their fds with the event loop; the

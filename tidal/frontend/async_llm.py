@@ -224,6 +224,32 @@ class AsyncLLM:
         a running one is last with its current phase."""
         return [] if self._scale_driver is None else self._scale_driver.history()
 
+    def fault_status(self) -> dict[str, Any]:
+        """Rank deaths and their recoveries (DESIGN.md 6.5), for ``/health``, ``/stats``
+        and the metrics: ``degraded`` (why it serves below full health, or None),
+        ``rank_deaths``, ``recovered``, ``recovery_s_last``, ``dead``, ``failed_groups``
+        and ``deaths`` (one record each: engine, epoch, when, cause, requests migrated,
+        the recovery operation and how long it took). ``serving``: live members."""
+        driver = self._scale_driver
+        if driver is None:
+            status: dict[str, Any] = {
+                "deaths": [],
+                "rank_deaths": 0,
+                "recovered": 0,
+                "recovery_s_last": None,
+                "dead": [],
+                "failed_groups": {},
+                "degraded": None,
+            }
+            serving = 0 if self.is_dead else self.client.topology.size
+        else:
+            status = driver.controller.faults()
+            serving = 0 if self.is_dead else len(driver.controller.live_members)
+        status["serving_engines"] = serving
+        coordinator = getattr(self.client, "coordinator", None)
+        status["coordinator_restarts"] = getattr(coordinator, "restarts", 0)
+        return status
+
     def add_scale_listener(self, listener: Callable[[dict[str, Any]], None]) -> None:
         """``listener(record)`` on the event loop each time an operation ends (and again if
         an unknown outcome is learnt later): the record ``scale_elastic_ep`` answers."""
@@ -276,9 +302,19 @@ class AsyncLLM:
         if children and not self.is_dead:
             self.client.abort_requests(children)
 
+    def start(self) -> None:
+        """On the running loop, before the first request (the API server's startup):
+        read outputs, send heartbeats to the engines and, with elastic EP, let the
+        scale driver watch for rank deaths from now on. Idempotent."""
+        self._ensure_handler()
+
     def _ensure_handler(self) -> None:
         if self._handler is None or self._handler.done():
             self._handler = asyncio.get_running_loop().create_task(self._output_handler())
+            if self.elastic_ep_enabled and not self.is_dead:
+                # From the first request on, a rank death is the driver's to recover
+                # from (DESIGN.md 6.5), not the end of the client.
+                self.scale_driver.start()
 
     async def _output_handler(self) -> None:
         try:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import shutil
 import threading
+import time
 import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -48,10 +49,12 @@ from tidal.protocol.errors import EngineDeadError
 from tidal.protocol.messages import (
     SNAPSHOT_DECODER,
     DPSetTopology,
+    DPWakeUp,
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
     EngineCoreRequestType,
+    StartDPWave,
     UtilityRequest,
     encode,
     engine_identity,
@@ -71,11 +74,11 @@ class ScaleHooks:
     ``owns_engine(engine_id)``: whether an exit (or ENGINE_CORE_DEAD) of this engine is
     the driver's (an engine joining or leaving in a scale operation, or one no longer
     serving) rather than a rank death that fails the client. ``on_exit(engine_id,
-    exitcode)`` is then called for the exit; ``on_report`` for every ``ScaleReport``."""
+    exitcode, cause)`` is then called for the exit (``cause``: e.g. no heartbeat); ``on_report`` for every ``ScaleReport``."""
 
     on_report: Callable[[ScaleReport], None]
     owns_engine: Callable[[int], bool]
-    on_exit: Callable[[int, int | None], None]
+    on_exit: Callable[[int, int | None, str | None], None]
 
 
 def encode_request(request: EngineCoreRequest) -> bytes:
@@ -112,9 +115,7 @@ class MPClient(EngineCoreClient):
         self._launch_topology = Topology.initial(par.data_parallel_size, store_address=store)
         # Elastic EP: every engine request sent, its owner and outputs (migration), guarded
         # by a lock (the sync client reads outputs on its own thread).
-        self._book = (
-            RequestBook(0, config.model.max_model_len) if par.enable_elastic_ep else None
-        )
+        self._book = RequestBook(0, config.model.max_model_len) if par.enable_elastic_ep else None
         self._book_lock = threading.Lock()
         self._scale_hooks: ScaleHooks | None = None
         self.ipc_dir = ipc_dir()
@@ -123,6 +124,7 @@ class MPClient(EngineCoreClient):
         self._call_ids = iter(range(1, 1 << 62))
         self._closed = False
         self.coordinator: DPCoordinator | None = None
+        self._direct_wakeups_until = 0.0  # after a coordinator restart (see _send_wakeup)
         self.dp: DPFrontendState | None = None
         self.addresses = frontend_addresses(config, self.ipc_dir)
         # Over TCP (ranks on other hosts) every control-plane socket is a CURVE peer and a
@@ -237,11 +239,31 @@ class MPClient(EngineCoreClient):
         if wake is not None:
             # Only now that the ADD is out: the ranks this wakes wait in a collective for
             # the one holding the request, so it must be certain to get it.
+            self._send_wakeup(wake)
+
+    def _send_wakeup(self, wake: DPWakeUp) -> None:
+        """To the coordinator, which starts the other ranks. While it is down or just
+        restarted (DESIGN.md 6.5: its sockets may not have reconnected yet) the frontend
+        also plays its part: START_DP_WAVE straight to every other member, what the
+        coordinator broadcasts for a wake-up. A duplicate START is harmless (engines
+        ignore it for a wave they run or ended), a lost one strands a rank alone."""
+        coord = self.coordinator
+        if coord is None or coord.is_alive():
             self._wakeup_socket.send(encode(wake))
+            if time.monotonic() >= self._direct_wakeups_until:
+                return
+        start = encode(StartDPWave(wake.wave, wake.engine_id))
+        for e in self.engine_ids:
+            if e == wake.engine_id:
+                continue
+            try:
+                self._send_frame(e, EngineCoreRequestType.START_DP_WAVE, start)
+            except zmq.ZMQError:
+                pass  # no route to it (gone): nothing to wake
 
     def abort_requests(self, request_ids: list[str]) -> None:
-        if not request_ids or self.dead_reason is not None:
-            return
+        if not request_ids or self.dead_reason is not None or getattr(self, "_closed", False):
+            return  # nothing runs any more (a generator cancelled at shutdown lands here)
         if self._book is not None:
             with self._book_lock:
                 for rid in request_ids:
@@ -383,7 +405,7 @@ class MPClient(EngineCoreClient):
                     )
                 continue
             if wake is not None:
-                self._wakeup_socket.send(encode(wake))
+                self._send_wakeup(wake)
             moved += 1
         if finishes:
             self._deliver_injected(EngineCoreOutputs(engine_index=engine_id, outputs=finishes))

@@ -39,6 +39,19 @@ migrate at once (``MigrateRequests(engine, None)``); the next operation removes 
 (``dead`` in its plan: no copy is taken from it, the consensus runs on the standby
 group), so "scale to the same size" replaces it.
 
+Rank death (DESIGN.md 6.5), with ``recover=True``: a member's ``EngineExited`` is
+recorded (``deaths``), its requests migrate at once, and as soon as no operation runs
+the controller asks for a *recovery* (``AdmitScale``, trigger "recovery"): an operation
+to the largest valid size the live members can hold, with the dead in ``dead`` -- the
+survivors' groups are broken (they stopped stepping at their failed collective and
+queue what arrives), so its consensus is the standby barrier. A recovery that rolls
+back is asked again after ``recovery_retry_s``. Once it committed, ``restore_size``
+(``--elastic-restore``) asks for the size before the death (trigger "restore", the
+normal scale-up path; an API scale that succeeds sets the size to restore). With no
+live member left, ``FailDeployment``. ``GROUP_FAILED`` reports (a survivor's collective
+failed) are kept until the next commit: ``/health`` says "degraded" while any of this
+is open.
+
 Races, and why each is impossible by construction
 -------------------------------------------------
 1. An engine dies during prepare: ``EngineExited`` -> rollback; a dead current member
@@ -95,6 +108,7 @@ of the live ones did, epochs only increase, and no request is lost or changed.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -108,10 +122,12 @@ from tidal.elastic.plan import (
 )
 from tidal.frontend.scale_events import (
     Action,
+    AdmitScale,
     EngineExited,
     EngineReady,
     Event,
     ExcludeFromRouting,
+    FailDeployment,
     MigrateRequests,
     PublishTopology,
     RecordResult,
@@ -125,6 +141,7 @@ from tidal.frontend.scale_events import (
 )
 from tidal.frontend.scale_records import (
     Admission,
+    DeathRecord,
     OperationRecord,
     PhaseTiming,
     ScalePhase,
@@ -207,6 +224,9 @@ class ScaleController:
         timeouts: ScaleTimeouts | None = None,
         cpu_cores: int | None = None,
         history_len: int = 256,
+        recover: bool = False,
+        restore_size: int | None = None,
+        recovery_retry_s: float = 1.0,
     ) -> None:
         self.topology = topology  # the committed one: what is served
         self.num_experts = num_experts
@@ -222,6 +242,16 @@ class ScaleController:
         self._op: _Operation | None = None
         self._unresolved: _Operation | None = None  # FAILED with the outcome unknown
         self._sequence = 0
+        # Rank death (module docstring): what died, when the next recovery may be asked.
+        self.recover = recover
+        self.restore_size = restore_size
+        self.recovery_retry_s = recovery_retry_s
+        self.deaths: list[DeathRecord] = []
+        self.failed_groups: dict[int, str] = {}  # GROUP_FAILED since the last commit
+        self._recover_at: float | None = None
+        self._restore_at: float | None = None
+        self._asked: str | None = None  # an AdmitScale out, not yet admitted
+        self._asks = 0
 
     # ------------------------------------------------------------------ queries
 
@@ -236,7 +266,40 @@ class ScaleController:
         return None if op is None else op.record
 
     def next_deadline(self) -> float | None:
-        return None if self._op is None else self._op.deadline
+        if self._op is not None:
+            return self._op.deadline
+        times = [t for t in (self._recover_at, self._restore_at) if t is not None]
+        return min(times, default=None)
+
+    @property
+    def live_members(self) -> tuple[int, ...]:
+        return tuple(e for e in self.topology.engine_ids if e not in self.dead)
+
+    @property
+    def degraded(self) -> str | None:
+        """Why the deployment serves below its health (``/health`` 200 "degraded"), or
+        None: a dead member not yet removed, a group that failed, a recovery running."""
+        if self.dead:
+            return f"engines {sorted(self.dead)} dead; recovering"
+        if self.failed_groups:
+            return f"groups of engines {sorted(self.failed_groups)} failed; recovering"
+        rec = self.current
+        if rec is not None and rec.trigger == "recovery":
+            return f"recovery {rec.operation_id} running"
+        return None
+
+    def faults(self) -> dict[str, object]:
+        """For ``/stats`` and the metrics."""
+        done = [d.recovery_s for d in self.deaths if d.recovery_s is not None]
+        return {
+            "deaths": [d.to_dict() for d in self.deaths],
+            "rank_deaths": len(self.deaths),
+            "recovered": len(done),
+            "recovery_s_last": done[-1] if done else None,
+            "dead": sorted(self.dead),
+            "failed_groups": dict(sorted(self.failed_groups.items())),
+            "degraded": self.degraded,
+        }
 
     # ------------------------------------------------------------------ admission
 
@@ -256,6 +319,15 @@ class ScaleController:
                 raise ScalePlanError("operation_id must be a string of 1 to 256 characters")
             if op_id in self.history:  # race 4: the first result, nothing started
                 return ScaleResponse(Admission.DUPLICATE, self.history[op_id]), []
+        if request.trigger != "api":
+            self._asked = None  # our own AdmitScale came back
+        if request.trigger == "recovery":
+            # Asked before more members died (the ask waited for its admission): size it
+            # from the members alive now.
+            size = self._recovery_size()
+            if size is None:
+                raise ScalePlanError("no live engine left to recover with")
+            request = dataclasses.replace(request, new_size=size)
         busy = self._op or self._unresolved
         if busy is not None:
             return ScaleResponse(Admission.CONFLICT, busy.record), []
@@ -336,19 +408,27 @@ class ScaleController:
 
     def handle(self, event: Event, now: float) -> list[Action]:
         if isinstance(event, ScaleReport):
-            return self._on_report(event, now)
-        if isinstance(event, EngineExited):
-            return self._on_exit(event, now)
-        if isinstance(event, EngineReady):
-            return self._on_ready(event.engine_id, now)
-        if isinstance(event, RequestsMigrated):
+            out = self._on_report(event, now)
+        elif isinstance(event, EngineExited):
+            out = self._on_exit(event, now)
+        elif isinstance(event, EngineReady):
+            out = self._on_ready(event.engine_id, now)
+        elif isinstance(event, RequestsMigrated):
             rec = self.history.get(event.operation_id) if event.operation_id else None
             if rec is not None:
                 rec.requests_migrated += event.count
-            return []
-        raise TypeError(f"ScaleController cannot handle {type(event).__name__}")
+            for d in self.deaths:
+                if d.engine_id == event.engine_id and d.recovered_at is None:
+                    d.requests_migrated += event.count
+            out = []
+        else:
+            raise TypeError(f"ScaleController cannot handle {type(event).__name__}")
+        return out + self._heal(now)
 
     def tick(self, now: float) -> list[Action]:
+        return self._tick(now) + self._heal(now)
+
+    def _tick(self, now: float) -> list[Action]:
         op = self._op
         if op is None or now < op.deadline:
             return []
@@ -381,6 +461,78 @@ class ScaleController:
 
     # ------------------------------------------------------------------ phases
 
+    def _heal(self, now: float) -> list[Action]:
+        """Rank death: ask for the recovery (or the restore) once nothing runs."""
+        if not self.recover:
+            return []
+        if not self.dead:
+            self._recover_at = None  # nothing (left) to recover from
+        if not self._wants_restore():
+            self._restore_at = None
+        if self._op is not None or self._unresolved is not None or self._asked is not None:
+            return []  # its end re-arms the timers (``_finish``)
+        if self._recover_at is not None and now >= self._recover_at:
+            self._recover_at = None
+            size = self._recovery_size()
+            if size is None:
+                live = len(self.live_members)
+                why = (
+                    "every engine of the deployment is dead"
+                    if live == 0
+                    else (f"no valid size for the {live} live engine(s)")
+                )
+                return [FailDeployment(why)]
+            return [self._ask(size, "recovery", "recover")]
+        if not self.dead and self._restore_at is not None and now >= self._restore_at:
+            self._restore_at = None
+            assert self.restore_size is not None
+            return [self._ask(self.restore_size, "restore", "restore")]
+        return []
+
+    def _wants_restore(self) -> bool:
+        return self.restore_size is not None and self.topology.size < self.restore_size
+
+    def _recovery_size(self) -> int | None:
+        """The largest valid size the live members can hold; if they are too few for any
+        (redundant experts set a minimum), the smallest valid size (new engines join);
+        None with no live member: nothing can serve."""
+        live = len(self.live_members)
+        if live == 0:
+            return None
+        valid = [n for n in range(1, self.num_experts + 1) if self._valid(n)]
+        below = [n for n in valid if n <= live]
+        if below:
+            return max(below)
+        return min(valid, default=None)
+
+    def _valid(self, size: int) -> bool:
+        try:
+            self.validate(size)
+        except ScalePlanError:
+            return False
+        return True
+
+    def _ask(self, size: int, trigger: str, prefix: str) -> AdmitScale:
+        self._asks += 1
+        op_id = f"{prefix}-{self._asks}"
+        while op_id in self.history:
+            op_id += "'"
+        self._asked = op_id
+        return AdmitScale(ScaleRequest(size, 0.0, op_id, trigger=trigger))
+
+    def admission_failed(self, request: ScaleRequest, now: float) -> None:
+        """The driver could not admit our own ``AdmitScale`` (no store, a plan error):
+        try again after the retry delay (at once if nothing is left to serve: the next
+        ``_heal`` fails the deployment)."""
+        if request.trigger == "api":
+            return
+        self._asked = None
+        retry = now + (self.recovery_retry_s if self.live_members else 0.0)
+        if request.trigger == "recovery":
+            self._recover_at = retry
+        else:
+            self._restore_at = retry
+
     def _new_record(
         self, op_id: str, seq: int, request: ScaleRequest, now: float
     ) -> OperationRecord:
@@ -393,6 +545,7 @@ class ScaleController:
             to_epoch=self.topology.epoch,
             started_at=now,
             drain_timeout_s=float(request.drain_timeout_s),
+            trigger=request.trigger,
         )
 
     def _remember(self, record: OperationRecord) -> None:
@@ -443,6 +596,10 @@ class ScaleController:
             if not r.request_ids:
                 return []
             return [MigrateRequests(r.engine_id, tuple(r.request_ids), r.operation_id)]
+        if r.event is ScaleEvent.GROUP_FAILED:
+            if r.epoch == self.topology.epoch and r.engine_id in self.topology:
+                self.failed_groups[r.engine_id] = r.cause or "collective failed"
+            return []
         if not self._mine(op, r):
             if self._mine(self._unresolved, r):
                 return self._resolve_late(r, now)
@@ -513,17 +670,23 @@ class ScaleController:
         out: list[Action] = []
         if op.outcome is None:
             op.outcome = "committed"
-            out += self._adopt(op)
+            out += self._adopt(op, now)
         if op.record.phase is ScalePhase.COMMITTING and op.committed >= set(
             op.alive(op.new_members)
         ):
             out += self._start_finishing(op, now)
         return out
 
-    def _adopt(self, op: _Operation) -> list[Action]:
+    def _adopt(self, op: _Operation, now: float) -> list[Action]:
         """The engines switched: serve the new topology from now on."""
         new = op.plan.new_topology
         self.topology = new
+        self.failed_groups.clear()  # those groups are gone: every member has new ones
+        for d in self.deaths:
+            if d.recovered_at is None and d.engine_id not in new:
+                d.recovered_at, d.recovered_by = now, op.record.operation_id
+        if op.record.trigger == "api" and self.restore_size is not None:
+            self.restore_size = new.size  # the caller's size is the one to keep
         # Members that died or rolled back during the operation (a joiner with no say,
         # state race 4) are dead members of the new epoch: stopped, replaced next time.
         self.dead = (self.dead | op.exited | op.rolled) & set(new.engine_ids)
@@ -549,8 +712,12 @@ class ScaleController:
         out: list[Action] = [
             MigrateRequests(e, None, None if running is None else running.record.operation_id)
         ]
-        if e in self.topology:
+        if e in self.topology and e not in self.dead:
             self.dead.add(e)  # a member of what is served: the next operation removes it
+            self.deaths.append(DeathRecord(e, self.topology.epoch, now, ev.cause))
+            del self.deaths[: -self.history_len]
+            if self.recover:
+                self._recover_at = now
         late = self._unresolved
         if late is not None and e in late.plan.participants:
             late.exited.add(e)
@@ -622,7 +789,7 @@ class ScaleController:
         out: list[Action] = []
         op.outcome = op.record.resolution = outcome
         if outcome == "committed":
-            out += self._adopt(op)
+            out += self._adopt(op, now)
             left = op.alive(op.plan.leaving)
             if left:
                 out.append(StopEngines(left, "left the deployment"))
@@ -648,4 +815,15 @@ class ScaleController:
         rec.finished_at = now
         rec.cause = cause
         self._op = None
+        if self.recover:
+            # What to heal next: at once after another operation (an own ask that met
+            # it as a conflict included), after the retry delay when this one was that
+            # very healing and did not succeed.
+            failed = phase is not ScalePhase.SUCCEEDED
+            if self.dead:
+                again = failed and rec.trigger == "recovery"
+                self._recover_at = now + (self.recovery_retry_s if again else 0.0)
+            elif self._wants_restore():
+                again = failed and rec.trigger == "restore"
+                self._restore_at = now + (self.recovery_retry_s if again else 0.0)
         return [RecordResult(rec)]

@@ -46,9 +46,11 @@ from tidal.frontend.mp_client import ScaleHooks
 from tidal.frontend.scale_controller import ScaleController
 from tidal.frontend.scale_events import (
     Action,
+    AdmitScale,
     EngineExited,
     EngineReady,
     ExcludeFromRouting,
+    FailDeployment,
     MigrateRequests,
     PublishTopology,
     RecordResult,
@@ -94,6 +96,8 @@ class ScaleClient(Protocol):
     async def send_scale(self, engine_ids: Iterable[int], message: ScaleMessage) -> list[int]: ...
 
     def migrate(self, engine_id: int, request_ids: Iterable[str] | None = None) -> int: ...
+
+    def fail_deployment(self, reason: str) -> None: ...
 
 
 class ScaleProcesses(Protocol):
@@ -148,6 +152,8 @@ def controller_for(
         bytes_per_expert=bytes_per_expert,
         timeouts=timeouts,
         cpu_cores=cores,
+        recover=True,
+        restore_size=topology.size if config.parallel.elastic_restore else None,
     )
 
 
@@ -162,6 +168,26 @@ class _Admit:
 
 class _Tick:
     pass
+
+
+def _log_own_admission(reply: asyncio.Future) -> None:
+    if reply.cancelled():
+        return
+    e = reply.exception()
+    if e is not None:
+        logger.warning("scale driver: own operation not admitted: %s", e)
+        return
+    resp, _ = reply.result()
+    rec = resp.record
+    if resp.admission is Admission.STARTED:
+        logger.warning(
+            "scale driver: %s %s started: %d -> %d engines (dead %s)",
+            rec.trigger,
+            rec.operation_id,
+            rec.from_size,
+            rec.to_size,
+            rec.dead,
+        )
 
 
 _TICK = _Tick()
@@ -202,6 +228,7 @@ class ScaleDriver:
         self._stores: dict[str, tuple[Any, str]] = {}  # operation id -> its store
         self._current_store: tuple[Any, str] | None = None  # the served topology's
         self._stopping: set[int] = set()  # every engine id it asked to stop
+        self._gone: set[int] = set()  # exits seen by the monitor (before the loop has them)
         self._closed = False
 
     @classmethod
@@ -257,6 +284,12 @@ class ScaleDriver:
         record = await asyncio.shield(waiter)
         return ScaleResponse(resp.admission, record)
 
+    def start(self) -> None:
+        """Run the driver's task on the running loop now: engine exits and reports are
+        handled from here on (a rank death may come before any scale call)."""
+        if not self._closed:
+            self._ensure_running()
+
     def close(self) -> None:
         """Stop driving: cancel the task and the background work, fail the callers still
         waiting, drop the stores. The engines are the client's to stop."""
@@ -290,16 +323,23 @@ class ScaleDriver:
         a rolled-back operation, an engine that left)."""
         if engine_id in self._stopping:
             return True
-        rec = self.controller.current
+        c = self.controller
+        rec = c.current
         if rec is not None and (engine_id in rec.joining or engine_id in rec.leaving):
             return True
-        return engine_id not in self.controller.topology
+        if engine_id not in c.topology:
+            return True
+        # A member: a rank death the controller recovers from, while another can serve.
+        others = set(c.live_members) - self._gone - {engine_id}
+        return c.recover and bool(others)
 
-    def on_exit(self, engine_id: int, exitcode: int | None) -> None:
-        """The monitor saw ``engine_id`` exit (an engine ``owns_engine`` claimed)."""
+    def on_exit(self, engine_id: int, exitcode: int | None, cause: str | None = None) -> None:
+        """The monitor saw ``engine_id`` exit, or its heartbeats stop (an engine
+        ``owns_engine`` claimed)."""
         if self._closed:
             return
-        self._post(EngineExited(engine_id, f"exited with code {exitcode}"))
+        self._gone.add(engine_id)
+        self._post(EngineExited(engine_id, cause or f"exited with code {exitcode}"))
         self._background_task(self._reap(engine_id))
 
     async def _reap(self, engine_id: int) -> None:
@@ -345,15 +385,15 @@ class ScaleDriver:
         if isinstance(item, _Admit):
             await self._admit(item)
             return
+        if isinstance(item, EngineExited) and item.engine_id in c.topology:
+            # A member gone (dead, or leaving): no new request goes there from now on --
+            # before its requests migrate, so none is routed to it after the move.
+            self.client.exclude_from_routing((item.engine_id,))
         if item is _TICK:
             actions = c.tick(self._clock())
         else:
             actions = c.handle(item, self._clock())
         await self._execute(actions)
-        if isinstance(item, EngineExited) and item.engine_id in c.dead:
-            # A dead member of what is served: no new requests until the next operation
-            # removes it (its requests migrated with the MigrateRequests above).
-            self.client.exclude_from_routing((item.engine_id,))
 
     def _arm_tick(self) -> None:
         if self._timer is not None:
@@ -375,6 +415,7 @@ class ScaleDriver:
                 item.request, self._clock(), store_address=None if store is None else store[1]
             )
         except Exception as e:  # noqa: BLE001 - ScalePlanError (400) or no store: the caller's
+            c.admission_failed(item.request, self._clock())
             if not item.reply.done():
                 item.reply.set_exception(e)
             return
@@ -401,7 +442,16 @@ class ScaleDriver:
                 logger.exception("scale driver: %s failed", type(a).__name__)
 
     async def _do(self, a: Action) -> None:
-        if isinstance(a, SpawnEngines):
+        if isinstance(a, AdmitScale):
+            # The controller's own operation (a recovery, a restore): admitted in turn,
+            # through the same path as a caller's; nobody awaits its reply.
+            reply = asyncio.get_running_loop().create_future()
+            reply.add_done_callback(_log_own_admission)
+            self._post(_Admit(a.request, reply))
+        elif isinstance(a, FailDeployment):
+            logger.error("scale driver: %s", a.reason)
+            self.client.fail_deployment(a.reason)
+        elif isinstance(a, SpawnEngines):
             await self._spawn(a)
         elif isinstance(a, ExcludeFromRouting):
             self.client.exclude_from_routing(a.engine_ids)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tidal.frontend.scale_records import OperationRecord
+from tidal.frontend.scale_records import OperationRecord, ScaleRequest
 from tidal.protocol.elastic import ScaleAbort, ScaleCommit, ScalePrepare, ScaleReport
 from tidal.protocol.topology import Topology
 
@@ -122,8 +122,26 @@ class RecordResult:
     record: OperationRecord
 
 
+@dataclass(frozen=True)
+class AdmitScale:
+    """Start this operation as if a caller had asked (a recovery after a rank death, or
+    the restore to the size before it): the driver makes its store and admits it."""
+
+    request: ScaleRequest
+
+
+@dataclass(frozen=True)
+class FailDeployment:
+    """No engine of the served topology is alive: nothing can serve. Fail every request
+    and call now (HTTP 503 from then on)."""
+
+    reason: str
+
+
 Action = (
-    SpawnEngines
+    AdmitScale
+    | FailDeployment
+    | SpawnEngines
     | ExcludeFromRouting
     | RestoreRouting
     | SendPrepare

@@ -64,6 +64,9 @@ class ScaleRequest:
     drain_timeout_s: float = 0.0
     operation_id: str | None = None
     remove: tuple[int, ...] = ()
+    # Who asked: "api" (a caller), "recovery" (a rank died: the controller removes it,
+    # DESIGN.md 6.5) or "restore" (back to the size before the death, --elastic-restore).
+    trigger: str = "api"
 
 
 # ------------------------------------------------------------------------------ record
@@ -96,6 +99,7 @@ class OperationRecord:
     leaving: list[int] = field(default_factory=list)
     dead: list[int] = field(default_factory=list)
     drain_timeout_s: float = 0.0
+    trigger: str = "api"  # ScaleRequest.trigger
     finished_at: float | None = None
     phases: list[PhaseTiming] = field(default_factory=list)
     experts_moved: int = 0
@@ -146,6 +150,7 @@ class OperationRecord:
             "leaving": list(self.leaving),
             "dead": list(self.dead),
             "drain_timeout_s": self.drain_timeout_s,
+            "trigger": self.trigger,
             "experts_moved": self.experts_moved,
             "bytes_moved": self.bytes_moved,
             "min_bytes": self.min_bytes,
@@ -174,3 +179,35 @@ class ScaleResponse:
     def status_code(self) -> int:
         """HTTP status once answered (200 is sent when ``record.done``)."""
         return 409 if self.admission is Admission.CONFLICT else 200
+
+
+# ------------------------------------------------------------------------------ deaths
+
+
+@dataclass
+class DeathRecord:
+    """One member of the served topology found dead (DESIGN.md 6.5), and its recovery."""
+
+    engine_id: int
+    epoch: int  # the epoch it served
+    at: float
+    cause: str
+    requests_migrated: int = 0
+    recovered_by: str | None = None  # the operation whose commit removed it
+    recovered_at: float | None = None
+
+    @property
+    def recovery_s(self) -> float | None:
+        return None if self.recovered_at is None else self.recovered_at - self.at
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "engine_id": self.engine_id,
+            "epoch": self.epoch,
+            "at": self.at,
+            "cause": self.cause,
+            "requests_migrated": self.requests_migrated,
+            "recovered_by": self.recovered_by,
+            "recovered_at": self.recovered_at,
+            "recovery_s": self.recovery_s,
+        }

@@ -51,6 +51,8 @@ class SyncMPClient(MPClient):
         self._reader.start()
 
     def _dispatch(self, outs: EngineCoreOutputs) -> None:
+        if outs.heartbeat:
+            return  # liveness only
         if outs.utility_output is not None:
             fut = self._pending_calls.pop(outs.utility_output.call_id, None)
             if fut is not None:

@@ -1,22 +1,30 @@
 """Operator routes: ``/health``, ``/ping``, ``/version``, ``/metrics`` (prometheus text),
 ``/stats`` (JSON) and ``/dashboard`` (the static load-balance page).
 
+``/health`` is 200 ``{"status": "ok"}``; 200 ``{"status": "degraded", "detail": why,
+"serving_engines": n}`` while the deployment serves below full health (a rank died and
+its recovery runs, DESIGN.md 6.5): it still answers, so a load balancer keeps it; 503
+when nothing can serve (the engine client is dead, or no live member is left).
+
 ``/stats`` is the engine's (per-rank load keyed by rank and ``engine_id``, waves, expert
 load) plus what the API server knows: ``scaling`` (whether an elastic EP operation runs,
-and the records of the last ``SCALING_HISTORY`` operations, oldest first) and ``tokens``
-(prompt and generated tokens this server has counted, all ranks together).
+and the records of the last ``SCALING_HISTORY`` operations, oldest first), ``faults``
+(``AsyncLLM.fault_status()``: rank deaths and their recoveries; null for an engine that
+has none) and ``tokens`` (prompt and generated tokens this server has counted, all ranks
+together).
 """
 
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 
 import tidal
 from tidal.launch.dashboard import dashboard_html
-from tidal.launch.errors import classify_error
+from tidal.launch.errors import APIError, classify_error
 from tidal.launch.metrics import CONTENT_TYPE, ServerMetrics
 from tidal.launch.serving import OpenAIServing
 
@@ -31,7 +39,13 @@ def add_admin_routes(app: FastAPI, serving: OpenAIServing, metrics: ServerMetric
     @app.get("/health")
     async def health() -> JSONResponse:
         serving.check_alive()
-        return JSONResponse({"status": "ok"})
+        faults = fault_status(engine)
+        if faults is None or faults.get("degraded") is None:
+            return JSONResponse({"status": "ok"})
+        detail, live = faults["degraded"], faults.get("serving_engines")
+        if live == 0:  # every member dead: the client fails next; nothing serves meanwhile
+            raise APIError(503, f"no engine can serve: {detail}", code="engine_dead")
+        return JSONResponse({"status": "degraded", "detail": detail, "serving_engines": live})
 
     @app.api_route("/ping", methods=["GET", "POST"])
     async def ping() -> JSONResponse:
@@ -49,6 +63,9 @@ def add_admin_routes(app: FastAPI, serving: OpenAIServing, metrics: ServerMetric
             except Exception:  # noqa: BLE001 - metrics must render even if a rank is busy
                 logger.warning("expert load unavailable for /metrics", exc_info=True)
         metrics.set_scaling(engine.is_scaling_elastic_ep())
+        faults = fault_status(engine)
+        if faults is not None:
+            metrics.record_faults(faults)
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
     @app.get("/dashboard")
@@ -72,8 +89,16 @@ def add_admin_routes(app: FastAPI, serving: OpenAIServing, metrics: ServerMetric
             "is_scaling": bool(engine.is_scaling_elastic_ep()),
             "history": list(engine.scaling_history())[-SCALING_HISTORY:],
         }
+        stats["faults"] = fault_status(engine)
         stats["tokens"] = {
             "prompt_total": metrics.prompt_tokens_total,
             "generation_total": metrics.generation_tokens_total,
         }
         return JSONResponse(stats)
+
+
+def fault_status(engine: Any) -> dict[str, Any] | None:
+    """``AsyncLLM.fault_status()`` (rank deaths, DESIGN.md 6.5), or None for an engine
+    that does not report them (a test double, a non-elastic stand-in)."""
+    status = getattr(engine, "fault_status", None)
+    return status() if callable(status) else None

@@ -66,6 +66,9 @@ def build_app(
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        start = getattr(engine, "start", None)
+        if start is not None:
+            start()  # heartbeats and rank-death recovery run from startup, not first use
         try:
             yield
         finally:

@@ -44,6 +44,8 @@ _HELP = {
     "enable_expert_parallel": "shard MoE experts across the data-parallel ranks",
     "enable_elastic_ep": "elastic expert parallelism: the deployment can grow and shrink "
     "while serving; runs the DP coordinator and wave loop even with one rank",
+    "elastic_restore": "elastic EP: after a rank died and the deployment recovered without "
+    "it, scale back up to the size it had (a new rank, by the normal scale-up path)",
     "all2all_backend": "expert-parallel token exchange: " + " | ".join(ALL2ALL_BACKENDS),
     "enable_eplb": "rebalance experts across ranks from their measured load",
     "num_redundant_experts": "extra physical expert copies for EPLB to place",

@@ -83,6 +83,7 @@ class EngineArgs:
     data_parallel_master_port: int = 0
     enable_expert_parallel: bool = False
     enable_elastic_ep: bool = False
+    elastic_restore: bool = False
     all2all_backend: str = "allgather_reducescatter"
     enable_eplb: bool = False
     num_redundant_experts: int = 0
@@ -193,6 +194,8 @@ class EngineArgs:
             raise ValueError(
                 f"num_redundant_experts must be >= 0, got {self.num_redundant_experts}"
             )
+        if self.elastic_restore and not self.enable_elastic_ep:
+            raise ValueError("elastic_restore requires enable_elastic_ep")
         if self.enable_eplb and not self.enable_expert_parallel:
             raise ValueError("enable_eplb requires enable_expert_parallel")
         local = self.data_parallel_size_local if self.data_parallel_size_local is not None else dp

@@ -8,13 +8,19 @@ never reused), not with a DP rank, which changes when the topology does.
 Elastic EP operations (``record_scale_operation``, a scale listener of ``AsyncLLM``) count
 by result, time each phase, and add up the bytes moved and requests migrated; an engine an
 operation removed (or found dead) loses its per-engine series, and a late stats message
-from it cannot bring them back.
+from it cannot bring them back. Operations count by ``trigger`` too: "api" (a caller),
+"recovery" (automatic, after a rank death) or "restore" (back to the size before it).
+
+Rank deaths (DESIGN.md 6.5) are read from ``AsyncLLM.fault_status()`` when ``/metrics``
+is scraped (``record_faults``): each death, recovery and migrated request is counted
+once however often it is scraped.
 """
 
 from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CONTENT_TYPE_LATEST as CONTENT_TYPE  # noqa: F401 - re-exported
@@ -37,6 +43,18 @@ _SCALE_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 6
 # fmt: on
 # Operation ids remembered so a record reported twice is counted once.
 _SEEN_OPERATIONS = 1024
+# Death records remembered likewise: more than fault_status() lists (the controller keeps
+# the last 256), so every death it can list again is one already counted.
+_SEEN_DEATHS = 1024
+
+
+@dataclass
+class _DeathCount:
+    """What the counters already hold of one death record (its migrated requests grow
+    after the death is first seen; its recovery comes later)."""
+
+    migrated: int = 0
+    recovered: bool = False
 
 
 class ServerMetrics:
@@ -84,8 +102,9 @@ class ServerMetrics:
         # Elastic EP (DESIGN.md 6): one sample per finished operation.
         self.scale_operations = Counter(
             _PREFIX + "scale_operations",
-            "Finished elastic EP operations by result (succeeded, rolled_back, failed).",
-            ["result"],
+            "Finished elastic EP operations by result (succeeded, rolled_back, failed) and "
+            "trigger (api, recovery after a rank death, restore).",
+            ["result", "trigger"],
             registry=r,
         )
         self.scale_duration = Histogram(
@@ -122,12 +141,45 @@ class ServerMetrics:
             "1 while an elastic EP operation runs (or its outcome is unknown).",
             registry=r,
         )
+        # Rank deaths (DESIGN.md 6.5), from AsyncLLM.fault_status() at each scrape.
+        self.rank_deaths = Counter(
+            _PREFIX + "rank_deaths", "Members of the served topology found dead.", registry=r
+        )
+        self.rank_recoveries = Counter(
+            _PREFIX + "rank_recoveries",
+            "Rank deaths recovered: an operation committed without the dead engine.",
+            registry=r,
+        )
+        self.rank_recovery_seconds = Histogram(
+            _PREFIX + "rank_recovery_seconds",
+            "Time from a rank death to the commit of the operation that removed it.",
+            buckets=_SCALE_BUCKETS,
+            registry=r,
+        )
+        self.rank_death_requests_migrated = Counter(
+            _PREFIX + "rank_death_requests_migrated",
+            "Requests of dead engines resumed on another engine.",
+            registry=r,
+        )
+        self.degraded = Gauge(
+            _PREFIX + "deployment_degraded",
+            "1 while the deployment serves below full health (a dead member, a failed "
+            "group, a recovery running).",
+            registry=r,
+        )
+        self.serving_engines = Gauge(
+            _PREFIX + "serving_engines",
+            "Live members of the served topology (0 when the engine client is dead).",
+            registry=r,
+        )
         # Totals /stats reports (the counters above are for prometheus).
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self._lock = threading.Lock()
         self._retired: set[str] = set()  # engine ids removed; never reused (DESIGN.md 6.1)
         self._seen: OrderedDict[str, None] = OrderedDict()
+        # Death records counted so far, by identity, the most recently listed last.
+        self._deaths: OrderedDict[tuple[Any, ...], _DeathCount] = OrderedDict()
 
     def record_expert_load(self, load: dict[int, list[int]]) -> None:
         for layer, counts in load.items():
@@ -193,7 +245,8 @@ class ServerMetrics:
             while len(self._seen) > _SEEN_OPERATIONS:
                 self._seen.popitem(last=False)
         if first:
-            self.scale_operations.labels(result=result).inc()
+            trigger = str(record.get("trigger") or "api")
+            self.scale_operations.labels(result=result, trigger=trigger).inc()
             if record.get("duration_s") is not None:
                 self.scale_duration.labels(result=result).observe(record["duration_s"])
             for phase, seconds in (record.get("phase_durations_s") or {}).items():
@@ -209,6 +262,36 @@ class ServerMetrics:
     def set_scaling(self, is_scaling: bool) -> None:
         self.scaling.set(1 if is_scaling else 0)
 
+    # ---- rank deaths (called at each /metrics scrape with AsyncLLM.fault_status()) ---------
+
+    def record_faults(self, status: dict[str, Any]) -> None:
+        """Bring the rank-death series up to ``status`` (``AsyncLLM.fault_status()``).
+        Idempotent: the same status scraped twice adds nothing."""
+        self.degraded.set(0 if status.get("degraded") is None else 1)
+        self.serving_engines.set(status.get("serving_engines") or 0)
+        with self._lock:
+            for death in status.get("deaths") or ():
+                key = _death_key(death)
+                count = self._deaths.get(key)
+                if count is None:
+                    count = self._deaths[key] = _DeathCount()
+                    self.rank_deaths.inc()
+                self._deaths.move_to_end(key)
+                self._count_death(death, count)
+            while len(self._deaths) > _SEEN_DEATHS:
+                self._deaths.popitem(last=False)
+
+    def _count_death(self, death: dict[str, Any], count: _DeathCount) -> None:
+        migrated = int(death.get("requests_migrated") or 0)
+        if migrated > count.migrated:  # grows while its requests are resumed elsewhere
+            self.rank_death_requests_migrated.inc(migrated - count.migrated)
+            count.migrated = migrated
+        if not count.recovered and death.get("recovered_by") is not None:
+            count.recovered = True
+            self.rank_recoveries.inc()
+            if death.get("recovery_s") is not None:
+                self.rank_recovery_seconds.observe(death["recovery_s"])
+
     def render(self) -> bytes:
         """The prometheus text exposition of every collector."""
         return generate_latest(self.registry)
@@ -223,6 +306,12 @@ def _gone(record: dict[str, Any], result: str) -> list[int]:
     if outcome == "rolled_back":
         return list(record.get("joining", ()))
     return []
+
+
+def _death_key(death: dict[str, Any]) -> tuple[Any, ...]:
+    # Engine ids are never reused (DESIGN.md 6.1), so an engine dies once; its epoch and
+    # time make the key safe against a test double that reuses ids.
+    return (death.get("engine_id"), death.get("epoch"), death.get("at"))
 
 
 def _per_engine(name: str, doc: str, registry: CollectorRegistry) -> Gauge:

@@ -104,6 +104,10 @@ class ScaleEvent(enum.IntEnum):
     COMMITTED = 3  # switched to the new topology at consensus step ``step``
     ROLLED_BACK = 4  # rolled back because told (abort, consensus abort, group failure)
     LEFT = 5  # leaving engine: left the group, about to exit
+    # Not of an operation (empty id; epoch = the one it serves): a collective of this
+    # engine's groups failed (a member died, DESIGN.md 6.5); it preempted its running
+    # requests and steps no more until a recovery operation commits new groups.
+    GROUP_FAILED = 6
 
     def __str__(self) -> str:
         return self.name.lower()
@@ -121,6 +125,7 @@ class ScaleReport(msgspec.Struct, frozen=True, array_like=True, omit_defaults=Tr
     request_ids: list[str] = []  # HANDED_BACK
     experts_received: int = 0  # PREPARED: network + disk copies installed on this engine
     bytes_received: int = 0
+    requests_preempted: int = 0  # GROUP_FAILED: running requests it will re-prefill
 
 
 # Frontend -> engine, one ``EngineCoreRequestType.SCALE`` frame (tagged: one decoder).

@@ -26,6 +26,20 @@ class EngineCoreRequestType(enum.Enum):
     EXECUTOR_FAILED = b"\x04"
     # Elastic EP: a ``ScaleMessage`` (ScalePrepare | ScaleCommit | ScaleAbort).
     SCALE = b"\x05"
+    # Frontend liveness, no payload, every HEARTBEAT_INTERVAL_S (DESIGN.md 6.5): an
+    # engine that got one and then hears nothing for FRONTEND_TIMEOUT_S exits.
+    HEARTBEAT = b"\x06"
+
+
+# Liveness both ways (DESIGN.md 6.5): the frontend sends HEARTBEAT to every member, an
+# engine's output thread sends ``EngineCoreOutputs(heartbeat=True)`` when it sent nothing
+# else for an interval. Silence is a death: of a remote (headless) engine for the
+# frontend after HEARTBEAT_TIMEOUT_S (local ones are watched by their process sentinel);
+# of the frontend for an engine after FRONTEND_TIMEOUT_S -- longer, because a frontend
+# event loop stalled by a burst of work must not make every engine exit.
+HEARTBEAT_INTERVAL_S = 0.5
+HEARTBEAT_TIMEOUT_S = 3.0
+FRONTEND_TIMEOUT_S = 10.0
 
 
 @enum.unique
@@ -116,6 +130,8 @@ class EngineCoreOutputs(msgspec.Struct, omit_defaults=True, array_like=True):
     dead_reason: str | None = None
     # Elastic EP: this engine's progress in a scale operation (DESIGN.md 6.2).
     scale_report: ScaleReport | None = None
+    # Liveness only (nothing else set): see HEARTBEAT_INTERVAL_S.
+    heartbeat: bool = False
 
 
 class UtilityRequest(msgspec.Struct, array_like=True):

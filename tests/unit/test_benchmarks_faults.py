@@ -1,0 +1,75 @@
+"""benchmarks/faults.py without processes: the pause each stream saw across the kill,
+the first token of a request submitted after it, the requests in flight and lost, and
+the targets."""
+
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+import sys
+
+import pytest
+
+BENCH_DIR = pathlib.Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    sys.path.insert(0, str(BENCH_DIR))  # faults.py imports its sibling elastic.py
+    try:
+        spec = importlib.util.spec_from_file_location("bench_faults", BENCH_DIR / "faults.py")
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules["bench_faults"] = mod
+        spec.loader.exec_module(mod)
+    finally:
+        sys.path.remove(str(BENCH_DIR))
+    return mod
+
+
+def _req(bench, stream, submitted, times, ok=True, error=None, deployment=0):
+    r = bench.Req(stream, deployment, submitted, [(t, 1) for t in times])
+    r.ok, r.error = ok, error
+    r.done = times[-1] if times else submitted
+    return r
+
+
+def test_stream_pauses_span_request_boundaries(bench):
+    reqs = [
+        _req(bench, 0, 0.0, [1.0, 2.0]),  # stream 0: last token before the kill at 2.0
+        _req(bench, 0, 2.0, [3.5, 3.6]),  # ... first after at 3.5
+        _req(bench, 1, 0.0, [1.5, 4.0]),  # stream 1: one request across the kill
+        _req(bench, 2, 2.6, [2.9]),  # no token before the kill: no pause
+    ]
+    assert bench.stream_pauses(reqs, 2.5) == [1.5, 2.5]
+
+
+def test_first_token_after_and_in_flight(bench):
+    reqs = [
+        _req(bench, 0, 1.0, [1.2, 3.0]),
+        _req(bench, 1, 2.6, [2.8], deployment=1),
+        _req(bench, 2, 2.7, [2.75]),
+        _req(bench, 3, 2.0, [], ok=False, error="EngineDeadError: x"),
+    ]
+    assert bench.first_token_after(reqs, 2.5) == 2.75
+    assert bench.first_token_after(reqs, 2.5, deployment=1) == 2.8
+    assert bench.first_token_after(reqs, 5.0) is None
+    hit = bench.in_flight_at(reqs, 2.5)
+    assert [r.stream for r in hit] == [0]  # stream 3 ended (failed) at its submission
+
+
+def test_fault_row_counts_lost_and_targets(bench):
+    reqs = [
+        _req(bench, 0, 0.0, [1.0, 3.0]),  # 2 tokens: complete with max_tokens=2
+        _req(bench, 1, 0.0, [1.0], ok=False, error="EngineDeadError: gone"),
+        _req(bench, 2, 2.5, [2.6, 2.7]),
+    ]
+    reqs[1].done = 2.2  # failed after the kill
+    row = bench.fault_row("restart", reqs, 2.0, 2, 2.6, {"detect_s": 0.1})
+    assert row["in_flight_at_kill"] == 2 and row["lost"] == 1 and row["errors"] == 1
+    assert row["new_requests_served_s"] == 0.6 and row["detect_s"] == 0.1
+    assert row["max_stream_pause_s"] == 2.0  # stream 0: 1.0 -> 3.0
+    t = bench.targets(row)
+    assert t["new_requests_served_s"]["ok"] and not t["lost"]["ok"]
+    ok = bench.targets({**row, "lost": 0, "errors": 0, "new_requests_served_s": 0.3})
+    assert all(v["ok"] for v in ok.values())
+    assert not bench.targets({**row, "new_requests_served_s": None})["new_requests_served_s"]["ok"]
