@@ -17,8 +17,9 @@ Measured (``system: tidal``), on the clock of the scale records (``time.monotoni
 
 - ``detect_s``: kill -> the death recorded by the frontend;
 - ``recovered_s``: kill -> the recovery operation's commit (groups rebuilt);
-- ``new_requests_served_s``: kill -> the first token of any request submitted after the
-  kill ("time until new requests are served again");
+- ``new_requests_served_s``: a probe request (4 greedy tokens) is submitted the moment
+  after the kill, and again every ``--retry-s`` while it is refused or fails: kill -> its
+  first token ("time until new requests are served again");
 - ``max_stream_pause_s`` / ``p50_stream_pause_s``: per stream, its last token before the
   kill to its first token after (every stream is affected: the survivors' groups broke
   with the dead rank), beside ``baseline_gap`` (token gaps before the kill);
@@ -31,8 +32,8 @@ elastic EP -- what a deployment does today (vLLM has no automatic recovery; SGLa
 elastic EP loses the dead ranks' requests). The same rank is killed; the client fails
 every request (``EngineDeadError``); a supervisor that polls ``is_dead`` every
 ``--retry-s`` stops the deployment and starts it again at the same size while the
-clients keep retrying. ``new_requests_served_s`` is kill -> first token of the new
-deployment; ``lost``: the requests in flight at the kill; ``errors`` counts every
+clients keep retrying. ``new_requests_served_s``: the same probe, which the new
+deployment answers; ``lost``: the requests in flight at the kill; ``errors`` counts every
 request that failed (attempts against the dead deployment included). The restart is in-process
 (interpreter, imports and page cache kept), so it is the peer at its fastest.
 
@@ -50,6 +51,7 @@ import platform
 import signal
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -75,16 +77,6 @@ def log(msg: str) -> None:
 
 
 # ------------------------------------------------------------------ measures (pure)
-
-
-def first_token_after(reqs: list[Req], t: float, deployment: int | None = None) -> float | None:
-    """The first chunk of a request submitted after ``t`` (of ``deployment`` if given)."""
-    ts = [
-        r.chunks[0][0]
-        for r in reqs
-        if r.submitted > t and r.chunks and (deployment is None or r.deployment == deployment)
-    ]
-    return min(ts) if ts else None
 
 
 def stream_pauses(reqs: list[Req], t: float) -> list[float]:
@@ -151,6 +143,29 @@ async def _warm(load: Load, opts: argparse.Namespace) -> tuple[float, float]:
     return b0, time.monotonic()
 
 
+async def probe(get_llm: Callable[[], Any], retry_s: float) -> float:
+    """Submit one short request now; while it is refused or fails, again every
+    ``retry_s``. Returns when its first token arrived."""
+    from tidal.frontend.processor import ProcessedPrompt
+    from tidal.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    attempt = 0
+    while True:
+        llm = get_llm()
+        if llm is not None:
+            attempt += 1
+            try:
+                gen = llm.generate(ProcessedPrompt(None, [5, 6, 7]), params, f"probe-{attempt}")
+                async for _ in gen:
+                    t = time.monotonic()
+                    await gen.aclose()
+                    return t
+            except Exception:  # noqa: BLE001, S110 - refused or failed: try again
+                pass
+        await asyncio.sleep(retry_s)
+
+
 def _kill(llm: Any, rank: int) -> tuple[int, float]:
     engine = llm.client.topology.engine_ids[rank]
     os.kill(llm.client.manager.procs[engine].pid, signal.SIGKILL)
@@ -166,6 +181,7 @@ async def run_tidal(opts: argparse.Namespace) -> dict[str, Any]:
         load = Load(llm, opts.streams, opts.max_tokens, seed=opts.seed)
         b0, b1 = await _warm(load, opts)
         victim, t_kill = _kill(llm, opts.victim_rank)
+        probing = asyncio.create_task(probe(lambda: llm, opts.retry_s))
         log(f"tidal: killed engine {victim} (rank {opts.victim_rank} of {opts.size})")
         controller = llm.scale_driver.controller
 
@@ -173,7 +189,7 @@ async def run_tidal(opts: argparse.Namespace) -> dict[str, Any]:
             return any(d["recovered_at"] for d in controller.faults()["deaths"])
 
         await load.wait(recovered, 120)
-        await load.wait(lambda: first_token_after(load.reqs, t_kill) is not None, 120)
+        t_new = await asyncio.wait_for(probing, 120)
         if opts.restore:
             await load.wait(lambda: llm.client.topology.size == opts.size, 300)
         await asyncio.sleep(opts.settle_s)
@@ -200,7 +216,6 @@ async def run_tidal(opts: argparse.Namespace) -> dict[str, Any]:
         "baseline_gap": gap_summary(gaps_ending_in(reqs, b0, b1)),
         "requests": len(reqs),
     }
-    t_new = first_token_after(reqs, t_kill)
     return fault_row("tidal", reqs, t_kill, opts.max_tokens, t_new, extra)
 
 
@@ -211,6 +226,7 @@ async def run_restart(opts: argparse.Namespace) -> dict[str, Any]:
         load = Load(llm, opts.streams, opts.max_tokens, seed=opts.seed + 1, retry_s=opts.retry_s)
         await _warm(load, opts)
         victim, t_kill = _kill(llm, opts.victim_rank)
+        probing = asyncio.create_task(probe(lambda: load.llm, opts.retry_s))
         log(f"restart: killed engine {victim}")
         while not llm.is_dead:  # the supervisor's poll
             await asyncio.sleep(opts.retry_s)
@@ -223,8 +239,7 @@ async def run_restart(opts: argparse.Namespace) -> dict[str, Any]:
         llm = await asyncio.to_thread(make_llm, opts.model, opts.dtype, opts.size, False)
         t_up = time.monotonic()
         load.llm = llm
-        dep = load.deployment
-        await load.wait(lambda: first_token_after(load.reqs, t_kill, dep) is not None, 300)
+        t_new = await asyncio.wait_for(probing, 300)
         await asyncio.sleep(opts.settle_s)
         await load.finish()
     finally:
@@ -241,7 +256,6 @@ async def run_restart(opts: argparse.Namespace) -> dict[str, Any]:
         "refused_attempts": len(load.refused),
         "requests": len(reqs),
     }
-    t_new = first_token_after(reqs, t_kill, dep)
     log(f"restart: new requests served {t_new - t_kill:.2f}s after the kill")
     return fault_row("restart", reqs, t_kill, opts.max_tokens, t_new, extra)
 

@@ -2,6 +2,9 @@
 (DESIGN.md 6.5): the survivors abandon the step whose collective failed, the frontend's
 recovery operation rebuilds the groups without the dead rank, its requests migrate as
 resumed requests, and every stream completes with the tokens of an undisturbed run.
+With ``elastic_restore`` a scale-up then brings the deployment back to its size. A rank
+dying in the middle of a scale operation rolls that back first. Where nothing can serve
+(every rank dead), every request fails with a clear error instead of hanging.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ import asyncio
 import os
 import signal
 
+import psutil
 import pytest
 
 from tests.distributed.test_elastic_scale import (  # noqa: F401 - fixture
@@ -21,55 +25,148 @@ from tests.distributed.test_elastic_scale import (  # noqa: F401 - fixture
     _run,
     reference,
 )
-from tests.waiting import wait_until_async
+from tests.waiting import wait_until, wait_until_async
+from tidal.protocol.elastic import ScalePrepare
+from tidal.protocol.errors import EngineDeadError
 
 pytestmark = pytest.mark.timeout(600)
 
 
-def _recoveries(llm) -> list[dict]:
-    return [r for r in llm.scaling_history() if r["trigger"] == "recovery"]
+def _records(llm, trigger: str) -> list[dict]:
+    return [r for r in llm.scaling_history() if r["trigger"] == trigger]
+
+
+def _kill(llm, engine_id: int) -> None:
+    os.kill(llm.client.manager.procs[engine_id].pid, signal.SIGKILL)
+
+
+async def _pinned(llm, rank: int) -> list[asyncio.Task]:
+    """The long greedy stream and the n=2 seeded one on ``rank``, once both streamed."""
+    started = [asyncio.Event(), asyncio.Event()]
+    tasks = [
+        asyncio.create_task(_run(llm, f"pinned-{item}", item, ev.set, rank=rank))
+        for item, ev in zip((LONG, RICH), started)
+    ]
+    for ev in started:
+        await asyncio.wait_for(ev.wait(), 120)
+    return tasks
+
+
+def _no_children_left() -> bool:
+    procs = [p for p in psutil.Process().children(recursive=True) if p.is_running()]
+    return all(
+        p.status() == psutil.STATUS_ZOMBIE or "resource_tracker" in " ".join(p.cmdline())
+        for p in procs
+    )
 
 
 @pytest.mark.parametrize(
-    "options",
-    [pytest.param({}, id="allgather"), pytest.param({"all2all_backend": "all2all"}, id="all2all")],
+    ("options", "restore"),
+    [
+        pytest.param({}, False, id="allgather"),
+        pytest.param({"all2all_backend": "all2all"}, False, id="all2all"),
+        pytest.param({}, True, id="allgather-restore"),
+    ],
 )
-def test_kill_one_rank_of_three_under_streaming_load(qwen3_ckpt, reference, options):  # noqa: F811
+def test_kill_one_rank_of_three_under_streaming_load(qwen3_ckpt, reference, options, restore):  # noqa: F811
     async def main() -> None:
-        llm = _llm(qwen3_ckpt, 3, **options)
+        llm = _llm(qwen3_ckpt, 3, elastic_restore=restore, **options)
         try:
             load = Load(llm)
             assert await wait_until_async(lambda: len(load.results) >= 2)
             victim = llm.client.topology.engine_ids[1]  # a middle rank
-            started = [asyncio.Event(), asyncio.Event()]
-            pinned = [
-                asyncio.create_task(_run(llm, f"pinned-{item}", item, ev.set, rank=1))
-                for item, ev in zip((LONG, RICH), started)
-            ]
-            for ev in started:
-                await asyncio.wait_for(ev.wait(), 120)
-            os.kill(llm.client.manager.procs[victim].pid, signal.SIGKILL)
+            pinned = await _pinned(llm, 1)
+            _kill(llm, victim)
             assert await wait_until_async(
-                lambda: any(r["result"] for r in _recoveries(llm)), timeout_s=120
+                lambda: any(r["result"] for r in _records(llm, "recovery"))
             )
-            (rec,) = _recoveries(llm)
+            (rec,) = _records(llm, "recovery")
             assert rec["result"] == "succeeded", rec
             assert rec["dead"] == [victim] and rec["to_size"] == 2
-            ids, procs = _live(llm)
-            assert victim not in ids and len(ids) == 2 and procs == sorted(ids)
             served = load.tokens
             assert await wait_until_async(lambda: load.tokens > served + 20)  # it serves
+            if restore:  # back to 3 by the normal scale-up path: a new engine joins
+                assert await wait_until_async(
+                    lambda: any(r["result"] for r in _records(llm, "restore"))
+                )
+                (back,) = _records(llm, "restore")
+                assert back["result"] == "succeeded" and back["to_size"] == 3, back
+                assert len(back["joining"]) == 1 and victim not in back["joining"]
+            ids, procs = _live(llm)
+            assert victim not in ids and len(ids) == (3 if restore else 2)
+            assert procs == sorted(ids)  # nothing else alive
             assert await pinned[0] == reference[LONG]
             assert await pinned[1] == reference[RICH]
             for item, tokens in await load.finish():
                 assert tokens == reference[item], f"workload item {item} changed"
-            faults = llm.scale_driver.controller.faults()
+            faults = llm.fault_status()
             assert faults["rank_deaths"] == 1 and faults["recovered"] == 1
             (death,) = faults["deaths"]
             assert death["engine_id"] == victim and death["requests_migrated"] >= 2
-            assert faults["degraded"] is None
+            assert faults["degraded"] is None and faults["serving_engines"] == len(ids)
             assert len(llm.client.request_book) == 0
         finally:
             await llm.shutdown()
+        assert wait_until(_no_children_left)
+
+    asyncio.run(main())
+
+
+def test_rank_dying_during_a_scale_up_rolls_it_back_then_recovers(qwen3_ckpt, reference):  # noqa: F811
+    async def main() -> None:
+        llm = _llm(qwen3_ckpt, 2)
+        try:
+            load = Load(llm, workers=4)
+            assert await wait_until_async(lambda: len(load.results) >= 2)
+            client = llm.client
+            send = client.send_scale
+
+            async def kill_survivor_at_prepare(engine_ids, message):
+                if isinstance(message, ScalePrepare) and not message.dead:
+                    _kill(llm, 1)  # a survivor of the scale-up, mid-operation
+                return await send(engine_ids, message)
+
+            client.send_scale = kill_survivor_at_prepare
+            code, rec = await llm.scale_elastic_ep(3)
+            assert (code, rec["result"]) == (200, "rolled_back"), rec
+            assert "engine 1" in rec["cause"], rec["cause"]
+            assert await wait_until_async(
+                lambda: any(r["result"] for r in _records(llm, "recovery"))
+            )
+            client.send_scale = send
+            (recovery,) = _records(llm, "recovery")
+            assert recovery["result"] == "succeeded" and recovery["dead"] == [1], recovery
+            assert _live(llm) == ([0], [0])
+            served = load.tokens
+            assert await wait_until_async(lambda: load.tokens > served + 20)
+            for item, tokens in await load.finish():
+                assert tokens == reference[item], f"workload item {item} changed"
+            # And the deployment grows again by a plain scale call.
+            code, rec = await llm.scale_elastic_ep(2)
+            assert (code, rec["result"]) == (200, "succeeded"), rec
+        finally:
+            await llm.shutdown()
+
+    asyncio.run(main())
+
+
+def test_every_rank_dead_fails_every_request_with_a_clear_error(qwen3_ckpt):
+    async def main() -> None:
+        llm = _llm(qwen3_ckpt, 2)
+        try:
+            load = Load(llm, workers=4)
+            assert await wait_until_async(lambda: len(load.results) >= 1)
+            for e in list(llm.client.topology.engine_ids):
+                _kill(llm, e)
+            with pytest.raises(EngineDeadError, match="engine"):
+                await load.finish()  # the first stream's error; no stream hangs
+            assert await wait_until_async(lambda: all(t.done() for t in load.tasks))
+            assert llm.is_dead and "engine" in llm.dead_reason
+            assert llm.fault_status()["serving_engines"] == 0
+            with pytest.raises(EngineDeadError):
+                await _run(llm, "after", 0)
+        finally:
+            await llm.shutdown()
+        assert wait_until(_no_children_left)
 
     asyncio.run(main())

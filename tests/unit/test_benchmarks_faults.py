@@ -43,18 +43,32 @@ def test_stream_pauses_span_request_boundaries(bench):
     assert bench.stream_pauses(reqs, 2.5) == [1.5, 2.5]
 
 
-def test_first_token_after_and_in_flight(bench):
+def test_in_flight_at_the_kill(bench):
     reqs = [
         _req(bench, 0, 1.0, [1.2, 3.0]),
         _req(bench, 1, 2.6, [2.8], deployment=1),
-        _req(bench, 2, 2.7, [2.75]),
         _req(bench, 3, 2.0, [], ok=False, error="EngineDeadError: x"),
     ]
-    assert bench.first_token_after(reqs, 2.5) == 2.75
-    assert bench.first_token_after(reqs, 2.5, deployment=1) == 2.8
-    assert bench.first_token_after(reqs, 5.0) is None
     hit = bench.in_flight_at(reqs, 2.5)
     assert [r.stream for r in hit] == [0]  # stream 3 ended (failed) at its submission
+
+
+def test_probe_retries_until_a_first_token(bench):
+    class Refusing:
+        def generate(self, *a):
+            raise RuntimeError("engine dead")
+
+    class Serving:
+        async def generate(self, *a):
+            yield "token"
+
+    async def main():
+        llms = [None, Refusing(), Serving()]
+        t0 = bench.time.monotonic()
+        t = await bench.probe(lambda: llms.pop(0) if len(llms) > 1 else llms[0], 0.001)
+        assert t >= t0 and llms and isinstance(llms[0], Serving)
+
+    bench.asyncio.run(main())
 
 
 def test_fault_row_counts_lost_and_targets(bench):
