@@ -174,6 +174,49 @@ def test_late_engine_gets_ready_with_current_wave(ctx, coordinator):
     assert late.recv(CoordinatorReady).wave == 5
 
 
+def test_late_engine_gets_the_running_wave_started(ctx, coordinator):
+    """A START broadcast before an engine subscribed never reaches it (slow joiner): a
+    subscriber gets the running wave's START right after its READY."""
+    addrs = coordinator.addresses
+    first = FakeEngine(ctx, addrs, 0)
+    first.recv(CoordinatorReady)
+    first.send(start_wave=0)  # engine 0 runs wave 0 on its own: START(0, exclude 0)
+    assert first.recv(StartDPWave) == StartDPWave(0, 0)
+    late = FakeEngine(ctx, addrs, 1)
+    ready = late.recv(CoordinatorReady)
+    assert (ready.wave, ready.running) == (0, True)
+    assert late.recv(StartDPWave) == StartDPWave(0, None)
+
+
+def test_restart_serves_on_the_same_addresses_from_the_given_wave(ctx):
+    coord = DPCoordinator(2, heartbeat_interval_s=0.5, start_timeout_s=TIMEOUT_S)
+    try:
+        addrs = coord.addresses
+        engine = FakeEngine(ctx, addrs, 0)
+        engine.recv(CoordinatorReady)
+        front = FakeFrontend(ctx, addrs)
+        front.wait_for(lambda s: s.wave == 0, "wave 0")
+        tmpdir = os.path.dirname(addrs.ipc_paths()[0])
+        old = coord.proc.pid
+        os.kill(old, signal.SIGKILL)
+        coord.proc.join(TIMEOUT_S)
+        assert not coord.is_alive()
+        coord.restart(Topology.initial(2).with_engines([0, 1]), wave=7)
+        assert coord.is_alive() and coord.proc.pid != old and coord.restarts == 1
+        assert coord.addresses == addrs and os.path.isdir(tmpdir)
+        # The same sockets reconnect by themselves: a READY at the new wave, snapshots,
+        # and the engine's messages are applied.
+        assert engine.recv(CoordinatorReady).wave == 7
+        front.wait_for(lambda s: s.wave == 7 and not s.running, "wave 7, paused")
+        engine.send(start_wave=7)
+        front.wait_for(lambda s: s.wave == 7 and s.running, "wave 7 running")
+    finally:
+        coord.shutdown()
+    assert not any(os.path.exists(p) for p in addrs.ipc_paths()) and not os.path.exists(tmpdir)
+    with pytest.raises(RuntimeError, match="shut down"):
+        coord.restart(Topology.initial(2), wave=0)  # after a shutdown: starts nothing
+
+
 def test_shutdown_leaves_nothing_behind():
     coord = DPCoordinator(2, start_timeout_s=TIMEOUT_S)
     paths = coord.addresses.ipc_paths()

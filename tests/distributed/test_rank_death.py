@@ -26,7 +26,7 @@ from tests.distributed.test_elastic_scale import (  # noqa: F401 - fixture
     reference,
 )
 from tests.waiting import wait_until, wait_until_async
-from tidal.protocol.elastic import ScalePrepare
+from tidal.protocol.elastic import ScaleCommit, ScalePrepare
 from tidal.protocol.errors import EngineDeadError
 
 pytestmark = pytest.mark.timeout(600)
@@ -144,6 +144,50 @@ def test_rank_dying_during_a_scale_up_rolls_it_back_then_recovers(qwen3_ckpt, re
             # And the deployment grows again by a plain scale call.
             code, rec = await llm.scale_elastic_ep(2)
             assert (code, rec["result"]) == (200, "succeeded"), rec
+        finally:
+            await llm.shutdown()
+
+    asyncio.run(main())
+
+
+def test_joiner_dying_after_prepared_is_a_death_of_the_new_epoch(qwen3_ckpt, reference):  # noqa: F811
+    """The survivors decide the commit alone (their all-reduce); a joiner killed once it
+    reported PREPARED fails their first collective on the new group. The commit stands,
+    the broken survivors wait, and the recovery removes the joiner (engine state race 4)."""
+
+    async def main() -> None:
+        llm = _llm(qwen3_ckpt, 2)
+        try:
+            load = Load(llm, workers=4)
+            assert await wait_until_async(lambda: len(load.results) >= 2)
+            client = llm.client
+            send = client.send_scale
+
+            async def kill_joiner_at_commit(engine_ids, message):
+                if isinstance(message, ScaleCommit):
+                    for e in set(engine_ids) - {0, 1}:
+                        _kill(llm, e)
+                return await send(engine_ids, message)
+
+            client.send_scale = kill_joiner_at_commit
+            code, rec = await llm.scale_elastic_ep(3)
+            client.send_scale = send
+            (joiner,) = rec["joining"]
+            # Committed (the survivors' consensus) or, had the death reached them before
+            # the flag, rolled back: either way no engine is left stuck.
+            assert rec["result"] in ("succeeded", "rolled_back"), rec
+            if rec["result"] == "succeeded":
+                assert await wait_until_async(
+                    lambda: any(r["result"] for r in _records(llm, "recovery"))
+                )
+                (recovery,) = _records(llm, "recovery")
+                assert recovery["result"] == "succeeded" and recovery["dead"] == [joiner]
+            assert await wait_until_async(lambda: _live(llm) == ([0, 1], [0, 1]))
+            served = load.tokens
+            assert await wait_until_async(lambda: load.tokens > served + 20)
+            for item, tokens in await load.finish():
+                assert tokens == reference[item], f"workload item {item} changed"
+            assert llm.fault_status()["degraded"] is None
         finally:
             await llm.shutdown()
 

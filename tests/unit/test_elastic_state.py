@@ -3,6 +3,7 @@ Pure: no processes, no groups; jobs and collectives are inputs fed by the test."
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 from tidal.elastic.plan import plan_scale
@@ -521,6 +522,26 @@ def test_emergency_scale_down_commits_on_the_standby_barrier():
     assert one(out, TakeRank).wave == 3  # every new member runs the barrier's wave
     e.step(CommitApplied())
     assert e.phase is P.DONE and e.s.commit_step == 40
+
+
+def test_rebuild_by_the_same_engines_commits_on_the_standby_barrier():
+    """Groups that failed with nobody dead: same engines, next epoch, nothing to move."""
+    plan = plan_scale(Topology.initial(3), 3, 8, bytes_per_expert=10, rebuild=True)
+    assert plan.new_topology.engine_ids == [0, 1, 2] and not plan.transfers
+    p = msgspec.structs.replace(make_prepare(Topology.initial(3), 2), rebuild=True)
+    p = msgspec.structs.replace(p, topology=plan.new_topology, leaving=[], joining=[], transfers=[])
+    assert not p.old_group_usable
+    e = Engine(1, p)
+    assert e.s.role is Role.SURVIVOR and not e.s.old_mode
+    e.step()
+    e.done(StartRendezvous)
+    out = e.done(StartTransfer)
+    assert not of(out, EnsureWaveRunning) and e.s.consensus_value == 0
+    one(e.step(_commit(p)), StartCommitBarrier)
+    out = e.done(StartCommitBarrier, BarrierResult(wave=5, step=0))
+    assert one(out, TakeRank).wave == 5 and not of(out, NewGroupBarrier)
+    e.step(CommitApplied())
+    assert e.phase is P.DONE
 
 
 def test_emergency_commit_before_ready_posts_the_barrier_when_ready():

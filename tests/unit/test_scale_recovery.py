@@ -343,18 +343,61 @@ def test_group_failed_is_kept_until_the_next_commit():
     assert c.handle(group_failed(c, 0, epoch=5), 1.2) == []
     assert c.handle(group_failed(c, 9), 1.3) == []
     assert set(c.failed_groups) == {1, 2}
-    assert c.tick(100.0) == [] and c.next_deadline() is None  # no AdmitScale by itself
-    # A later operation that commits gives every member new groups.
-    resp, _ = c.request_scale(ScaleRequest(2, operation_id="down"), 101.0)
-    all_report(c, [0, 1, 2], ScaleEvent.PREPARED, 102.0)
+    assert c.next_deadline() == 1.0 + c.rebuild_grace_s  # a death may still explain it
+    # A later operation that commits gives every member new groups (admitted before the
+    # rebuild would be asked).
+    resp, _ = c.request_scale(ScaleRequest(2, operation_id="down"), 1.5)
+    all_report(c, [0, 1, 2], ScaleEvent.PREPARED, 2.0)
     assert c.failed_groups  # not before the commit
-    c.handle(rep(c, 0, ScaleEvent.COMMITTED, step=1), 103.0)
+    c.handle(rep(c, 0, ScaleEvent.COMMITTED, step=1), 3.0)
     assert c.failed_groups == {} and c.faults()["failed_groups"] == {}
-    c.handle(rep(c, 1, ScaleEvent.COMMITTED, step=1), 103.1)
-    c.handle(EngineExited(2), 103.2)
+    c.handle(rep(c, 1, ScaleEvent.COMMITTED, step=1), 3.1)
+    c.handle(EngineExited(2), 3.2)
     assert resp.record.phase is ScalePhase.SUCCEEDED and c.degraded is None
+    assert c.next_deadline() is None and c.tick(100.0) == []  # no rebuild left to ask
     # The old epoch's reports are ignored now.
     assert c.handle(group_failed(c, 0, epoch=0), 104.0) == [] and c.failed_groups == {}
+
+
+def test_group_failed_with_nobody_dead_is_rebuilt_by_the_same_engines():
+    c = ctl(3, recover=True)
+    assert c.handle(group_failed(c, 1), 1.0) == []
+    assert c.tick(1.0 + c.rebuild_grace_s - 0.1) == []  # a death may still explain it
+    ask = one(c.tick(1.0 + c.rebuild_grace_s), AdmitScale)
+    assert ask.request.trigger == "rebuild" and ask.request.new_size == 3
+    resp, out = c.request_scale(ask.request, 7.0, store_address=STORE)
+    prep = one(out, SendPrepare)
+    assert not of(out, SpawnEngines) and prep.engine_ids == (0, 1, 2)
+    msg = prep.message
+    assert msg.rebuild and not msg.dead and not msg.old_group_usable
+    assert msg.topology.engine_ids == [0, 1, 2] and msg.topology.epoch == 1
+    assert msg.transfers == [] and not msg.leaving and not msg.joining
+    all_report(c, [0, 1, 2], ScaleEvent.PREPARED, 8.0)
+    all_report(c, [0, 1, 2], ScaleEvent.COMMITTED, 9.0, step=0)
+    assert resp.record.phase is ScalePhase.SUCCEEDED and resp.record.trigger == "rebuild"
+    assert c.failed_groups == {} and c.degraded is None and c.next_deadline() is None
+
+
+def test_a_rebuild_that_rolls_back_is_asked_again():
+    c = ctl(2, recover=True)
+    c.handle(group_failed(c, 0), 0.0)
+    ask = one(c.tick(c.rebuild_grace_s), AdmitScale)
+    resp, _ = c.request_scale(ask.request, 6.0, store_address=STORE)
+    c.handle(rep(c, 1, ScaleEvent.FAILED, cause="rendezvous timed out"), 7.0)
+    assert resp.record.phase is ScalePhase.ROLLED_BACK
+    assert c.next_deadline() == 7.0 + c.recovery_retry_s
+    again = one(c.tick(7.0 + c.recovery_retry_s), AdmitScale)
+    assert (
+        again.request.trigger == "rebuild"
+        and again.request.operation_id != ask.request.operation_id
+    )
+
+
+def test_a_death_after_group_failed_is_a_recovery_not_a_rebuild():
+    c = ctl(3, recover=True)
+    c.handle(group_failed(c, 0), 0.0)
+    out = c.handle(EngineExited(2), 1.0)  # within the grace: the death explains it
+    assert one(out, AdmitScale).request.trigger == "recovery"
 
 
 def test_group_failed_after_a_death_is_cleared_by_the_recovery():

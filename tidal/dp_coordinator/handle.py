@@ -10,6 +10,7 @@ import logging
 import os
 import shutil
 import tempfile
+import threading
 import weakref
 from multiprocessing.connection import Connection
 
@@ -93,6 +94,10 @@ class DPCoordinator:
         self._settings = (publish_interval_s, heartbeat_interval_s, history_len, auth_key)
         self._start_timeout_s = start_timeout_s
         self.restarts = 0
+        # ``restart`` runs on a worker thread: it and ``shutdown`` exclude each other, and
+        # a restart after a shutdown starts nothing (no process nobody would stop).
+        self._lock = threading.RLock()
+        self._closing = False
         self._start(addresses, topology, 0)
 
     def _start(self, addresses: CoordinatorAddresses, topology: Topology, wave: int) -> None:
@@ -141,18 +146,27 @@ class DPCoordinator:
         bound ones: engines and frontends reconnect by themselves), serving ``topology``
         from ``wave``, paused. Its load table fills from the engines' next stats.
         Blocking (a new interpreter): call it off the event loop."""
-        if not self._finalizer.alive:
-            raise RuntimeError("the DP coordinator was shut down")
-        self._finalizer.detach()
-        _cleanup(self.proc, self.addresses, None, 5.0)  # reap it; keep the ipc directory
-        self.restarts += 1
-        self._start(self.addresses, topology, wave)
+        with self._lock:
+            if self._closing or not self._finalizer.alive:
+                raise RuntimeError("the DP coordinator was shut down")
+            self._finalizer.detach()
+            _cleanup(self.proc, self.addresses, None, 5.0)  # reap it; keep the ipc dir
+            self.restarts += 1
+            try:
+                self._start(self.addresses, topology, wave)
+            except BaseException:
+                if self._tmpdir is not None:  # _start's shutdown found no finalizer
+                    shutil.rmtree(self._tmpdir, ignore_errors=True)
+                raise
 
     def shutdown(self, timeout_s: float = 5.0) -> None:
-        """SIGTERM, join (kill after ``timeout_s``), unlink ipc files. Idempotent."""
-        if self._finalizer.alive:
-            args = self._finalizer.detach()[2]
-            _cleanup(*args[:3], timeout_s)
+        """SIGTERM, join (kill after ``timeout_s``), unlink ipc files. Idempotent; waits
+        for a restart in progress, whose new process it then stops."""
+        with self._lock:
+            self._closing = True
+            if self._finalizer.alive:
+                args = self._finalizer.detach()[2]
+                _cleanup(*args[:3], timeout_s)
 
     def __enter__(self) -> DPCoordinator:
         return self

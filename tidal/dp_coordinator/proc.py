@@ -8,7 +8,9 @@ bound addresses are reported back):
 ``engine_publish``   XPUB -> engines (SUB or XSUB, subscribed to everything). Two frames:
                      ``[COORDINATOR_READY, CoordinatorReady]`` each time an engine
                      subscribes (the handshake: an engine waits for it before it relies on
-                     START_DP_WAVE; engines past their handshake ignore later ones), and
+                     START_DP_WAVE; engines past their handshake ignore later ones), then,
+                     while a wave runs, ``[START_DP_WAVE, StartDPWave(wave)]`` again (a
+                     broadcast sent before the subscription would be lost), and
                      ``[START_DP_WAVE, StartDPWave]`` broadcasts.
 ``engine_input``     PULL <- engines (PUSH): one frame, ``EngineCoreOutputs`` carrying
                      ``scheduler_stats`` and/or ``wave_complete`` / ``start_wave`` /
@@ -195,8 +197,18 @@ class _CoordinatorLoop:
         return []
 
     def _on_engine_subscription(self, msg: bytes) -> None:
-        if msg[:1] == bytes([_SUBSCRIBE]):
-            self.engine_pub.send_multipart([COORDINATOR_READY, encode(self.state.ready_message())])
+        if msg[:1] != bytes([_SUBSCRIBE]):
+            return
+        self.engine_pub.send_multipart([COORDINATOR_READY, encode(self.state.ready_message())])
+        if self.state.running:
+            # A START broadcast before this engine's subscription reached it would be lost
+            # (slow joiner): after a coordinator restart (DESIGN.md 6.5) the engines
+            # resubscribe while a rank may already wait in a collective. Repeat it for the
+            # running wave, excluding nobody: a duplicate START is harmless (wave rules).
+            start = BroadcastStartWave(self.state.wave, None)
+            self.engine_pub.send_multipart(
+                [EngineCoreRequestType.START_DP_WAVE.value, encode(start.message())]
+            )
 
     def _on_frontend(self, msg: bytes, now: float) -> list[Action]:
         if msg[:1] == bytes([_SUBSCRIBE]):

@@ -260,8 +260,12 @@ def plan_scale(
     strategy: PlacementStrategy | str = PlacementStrategy.LINEAR,
     load: Sequence[float] | None = None,
     store_address: str | None = None,
+    rebuild: bool = False,
 ) -> ScalePlan:
     """Plan the change from ``topology`` to ``new_size`` engines.
+
+    ``rebuild``: the same engines may stay (a new epoch with fresh groups: a collective
+    failed with nobody dead, DESIGN.md 6.5); otherwise that is "nothing to change".
 
     ``remove``: engine ids that must leave (any rank, e.g. a middle one); ``dead``:
     engines that are gone (they leave, and no expert is copied from them). If the size
@@ -280,7 +284,7 @@ def plan_scale(
     survivors = [e for e in old_ids if e not in must_go]
     while len(survivors) > new_size:  # default: the highest ranks leave
         survivors.pop()
-    if survivors == old_ids and new_size == len(old_ids):
+    if survivors == old_ids and new_size == len(old_ids) and not rebuild:
         raise ScalePlanError(
             f"the deployment already has {new_size} engine(s) {old_ids}: nothing to change"
         )

@@ -111,8 +111,11 @@ class DPEngineCoreProc(EngineCoreProc):
             #    commit, a leaving rank after it, a rank whose group lost a member.
             if self.shell is not None:
                 self.shell.progress()
+                failure = self.shell.take_group_failure()  # in a commit's first collective
+                if failure is not None:
+                    self._on_group_failure(failure)
                 if self.shell.old_group_dead and self.group_failed is None:
-                    self._on_group_failure("the scale operation removes a dead member")
+                    self._on_group_failure("the scale operation replaces the current groups")
                 if not self.shell.serving or self._leaving or self.group_failed is not None:
                     if self._shutdown_done():
                         return
@@ -164,7 +167,8 @@ class DPEngineCoreProc(EngineCoreProc):
         self.num_group_failures += 1
         if self.shell.active:
             self.shell.on_group_failed(cause)  # an operation on the old group rolls back
-        preempted = self.engine_core.scheduler.abandon_step()
+        self.engine_core.scheduler.abandon_step()
+        preempted = self.engine_core.scheduler.take_abandoned()  # also those of step()
         self.engine_core.executor.abandon_groups()
         self.wave.running = False
         self.step_counter = 0
@@ -278,7 +282,9 @@ class DPEngineCoreProc(EngineCoreProc):
             if isinstance(req, EngineCoreRequest):
                 shell.bounce(req.request_id)
             return
-        if self.paused:  # queued; resume starts the wave
+        if self.paused or self.group_failed is not None:
+            # Queued: resume starts the wave; a broken rank keeps its wave frozen (the
+            # recovery's commit sets it for every member alike).
             super()._add_request(req)
             return
         start = self.wave.on_request(req.current_wave)
@@ -296,6 +302,8 @@ class DPEngineCoreProc(EngineCoreProc):
     def _start_wave(self, msg: StartDPWave) -> None:
         if self.shell is not None and not self.shell.serving:
             return  # a joiner takes the group's wave at its commit
+        if self.group_failed is not None:
+            return  # frozen until the recovery's commit (see _add_request)
         self.wave.on_start_wave(msg)
 
     # ---- elastic EP: what the shell asks of the busy loop ------------------------------

@@ -32,6 +32,7 @@ import time
 from collections.abc import Callable
 from typing import Protocol
 
+from tidal.distributed.groups import GroupFailure
 from tidal.elastic.scaling_events import (
     Action,
     BarrierResult,
@@ -118,6 +119,9 @@ class ElasticShell:
         self._threads: dict[str, tuple[threading.Thread, int]] = {}  # job -> (thread, epoch)
         self._cancelled_epochs: dict[str, int] = {}  # cancelled job -> its epoch
         self._committed_epochs: set[int] = set()
+        # A collective of the (new) serving groups failed inside a commit action: for the
+        # busy loop to handle (``take_group_failure``) after the commit completed.
+        self.group_failure: str | None = None
 
     # ---- queries for the busy loop ------------------------------------------------------
 
@@ -148,6 +152,10 @@ class ElasticShell:
     def serving(self) -> bool:
         """False for a joiner until it committed: it is in no group and must not step."""
         return self.slot.current_epoch is not None
+
+    def take_group_failure(self) -> str | None:
+        cause, self.group_failure = self.group_failure, None
+        return cause
 
     # ---- inputs -------------------------------------------------------------------------
 
@@ -257,8 +265,14 @@ class ElasticShell:
                 else:
                     self.executor.destroy_retired_groups()
             elif isinstance(a, NewGroupBarrier):
-                # The first collective of the new group: matches the joiners' barrier.
-                self.executor.standby_barrier(a.epoch, self.hooks.current_wave(), a.step)
+                # The first collective of the new group: matches the joiners' barrier. A
+                # joiner that died after PREPARED fails it (state race 4): the commit
+                # stands -- it is a rank death of the new epoch -- and the busy loop
+                # treats the group as failed once the commit is applied.
+                try:
+                    self.executor.standby_barrier(a.epoch, self.hooks.current_wave(), a.step)
+                except GroupFailure as e:
+                    self.group_failure = str(e)
             elif isinstance(a, Leave):
                 self.hooks.leave()
             elif isinstance(a, Fatal):

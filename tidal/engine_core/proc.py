@@ -81,7 +81,8 @@ class _FrontendWatch:
     watched (the offline ``LLM`` does not): from its first HEARTBEAT on, any message
     proves it alive, and ``FRONTEND_TIMEOUT_S`` without one is its death."""
 
-    def __init__(self) -> None:
+    def __init__(self, enabled: bool = True) -> None:
+        self.enabled = enabled
         self.last: float | None = None  # None until the first heartbeat
 
     def heard(self, heartbeat: bool, now: float) -> None:
@@ -89,7 +90,7 @@ class _FrontendWatch:
             self.last = now
 
     def silent(self, now: float) -> bool:
-        return self.last is not None and now - self.last > FRONTEND_TIMEOUT_S
+        return self.enabled and self.last is not None and now - self.last > FRONTEND_TIMEOUT_S
 
 
 class EngineIOThreadError(RuntimeError):
@@ -201,19 +202,22 @@ class EngineCoreProc:
                 poller.register(coord, zmq.POLLIN)
             registered.set()
             parent = os.getppid()
-            frontend = _FrontendWatch()
+            # Only a frontend reached over TCP can die without our parent dying with it
+            # (headless ranks); a local one is covered by the parent check below.
+            frontend = _FrontendWatch(enabled=self._handshake_address.startswith("tcp://"))
             while not self._stop_io.is_set():
                 if os.getppid() != parent:
                     # The launcher died without stopping us (SIGKILL): don't linger as an orphan.
                     self._on_launcher_death()
                 if frontend.silent(time.monotonic()):
-                    # A remote frontend (headless ranks) died: release the device and ports.
+                    # A remote frontend died: release the device and ports.
                     logger.error(
                         "engine %d: no heartbeat from the frontend for %.1fs, exiting",
                         self.engine_index,
                         FRONTEND_TIMEOUT_S,
                     )
-                    self._on_launcher_death()
+                    frontend.enabled = False  # once
+                    self._leave_now()
                 for ready, _ in poller.poll(100):
                     if ready is sock:
                         frontend.heard(self._read_client_request(sock), time.monotonic())
@@ -515,6 +519,10 @@ class EngineCoreProc:
 
     def _on_launcher_death(self) -> None:
         self._remove_orphaned_ipc_dir()
+        self._leave_now()
+
+    def _leave_now(self) -> None:
+        """Nobody is left to serve: exit without draining."""
         if not hasattr(self, "engine_core"):
             # Still starting: the main thread may wait minutes in the group rendezvous for
             # ranks that will never come, and there is nothing to drain. Leave now.

@@ -77,6 +77,7 @@ class Scheduler:
         # request id -> prompt tokens 1..n whose logprobs were sent (recompute resends).
         self._prompt_logprobs_sent: dict[str, int] = {}
         self.num_preemptions = 0  # cumulative
+        self._abandoned = 0  # preempted by abandon_step, not yet taken
 
     # ---- request lifecycle ---------------------------------------------------------
 
@@ -259,7 +260,13 @@ class Scheduler:
             self._preempt(self.running.pop())  # last first: appendleft keeps the order
             preempted += 1
         self.kv_cache_manager.reset_prefix_cache()
+        self._abandoned += preempted
         return preempted
+
+    def take_abandoned(self) -> int:
+        """Requests preempted by ``abandon_step`` since the last call."""
+        n, self._abandoned = self._abandoned, 0
+        return n
 
     # ---- update --------------------------------------------------------------------
 

@@ -156,9 +156,13 @@ class AsyncMPClient(MPClient):
         """Liveness (DESIGN.md 6.5), every HEARTBEAT_INTERVAL_S: a HEARTBEAT to every
         member (so headless ranks notice a dead frontend), and a *remote* member silent
         for HEARTBEAT_TIMEOUT_S is dead (local engines have their process sentinel)."""
-        started = time.monotonic()
+        started = last_round = time.monotonic()
         while self.dead_reason is None and not self._closed:
             now = time.monotonic()
+            # The loop itself stalled (a burst of work): frames may wait unread, so the
+            # silences measured now are not the engines'. Judge from the next round on.
+            stalled = now - last_round > 2 * HEARTBEAT_INTERVAL_S
+            last_round = now
             coord = self.coordinator
             if coord is not None and self._coordinator_restart is None and not coord.is_alive():
                 self._coordinator_restart = asyncio.create_task(self._restart_coordinator())
@@ -171,12 +175,12 @@ class AsyncMPClient(MPClient):
                     return
                 except zmq.ZMQError:
                     pass  # no route (gone, or a joiner not registered yet): nothing to tell
-                if e in self.manager.procs:
+                if e in self.manager.procs or stalled:
                     continue
                 silent = now - self._last_seen.get(e, started)
                 # A live engine sends at least every interval (its output thread, not its
                 # busy loop, which may be stuck in the broken collective).
-                limit = 3 * HEARTBEAT_INTERVAL_S if now < self._suspect_until else None
+                limit = 4 * HEARTBEAT_INTERVAL_S if now < self._suspect_until else None
                 if silent > (limit or HEARTBEAT_TIMEOUT_S):
                     logger.error("engine %d: no heartbeat for %.1fs", e, silent)
                     self._handle_engine_exit(e, None, f"no heartbeat for {silent:.1f}s")
@@ -317,6 +321,7 @@ class AsyncMPClient(MPClient):
             self._reader_task,
             getattr(self, "_snapshot_task", None),
             getattr(self, "_heartbeat_task", None),
+            getattr(self, "_coordinator_restart", None),  # its thread ends under the lock
         ):
             if task is not None and not task.done():
                 task.cancel()

@@ -397,6 +397,13 @@ class MPClient(EngineCoreClient):
             except EngineDeadError:
                 raise
             except Exception as e:  # noqa: BLE001 - one request fails, not the client
+                if isinstance(e, zmq.ZMQError) and e.errno == zmq.EHOSTUNREACH:
+                    # The target is gone too (its exit is on its way): the request stays
+                    # in its name, and that death moves it again -- or, with nobody left,
+                    # the client's failure ends it.
+                    logger.warning("request %s: engine %d is gone as well", rid, target)
+                    moved += 1
+                    continue
                 logger.warning("request %s could not be moved to engine %d: %s", rid, target, e)
                 self.dp.unroute(rid, target, wake)
                 with self._book_lock:

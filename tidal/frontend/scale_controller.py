@@ -50,7 +50,9 @@ back is asked again after ``recovery_retry_s``. Once it committed, ``restore_siz
 normal scale-up path; an API scale that succeeds sets the size to restore). With no
 live member left, ``FailDeployment``. ``GROUP_FAILED`` reports (a survivor's collective
 failed) are kept until the next commit: ``/health`` says "degraded" while any of this
-is open.
+is open; if no death explains them within ``rebuild_grace_s``, a *rebuild* (trigger
+"rebuild": the same engines, fresh groups of the next epoch, standby-barrier consensus)
+brings the broken ranks back.
 
 Races, and why each is impossible by construction
 -------------------------------------------------
@@ -227,6 +229,7 @@ class ScaleController:
         recover: bool = False,
         restore_size: int | None = None,
         recovery_retry_s: float = 1.0,
+        rebuild_grace_s: float = 5.0,
     ) -> None:
         self.topology = topology  # the committed one: what is served
         self.num_experts = num_experts
@@ -250,6 +253,8 @@ class ScaleController:
         self.failed_groups: dict[int, str] = {}  # GROUP_FAILED since the last commit
         self._recover_at: float | None = None
         self._restore_at: float | None = None
+        self.rebuild_grace_s = rebuild_grace_s
+        self._rebuild_at: float | None = None
         self._asked: str | None = None  # an AdmitScale out, not yet admitted
         self._asks = 0
 
@@ -268,7 +273,7 @@ class ScaleController:
     def next_deadline(self) -> float | None:
         if self._op is not None:
             return self._op.deadline
-        times = [t for t in (self._recover_at, self._restore_at) if t is not None]
+        times = [t for t in (self._recover_at, self._restore_at, self._rebuild_at) if t is not None]
         return min(times, default=None)
 
     @property
@@ -342,7 +347,8 @@ class ScaleController:
                 op_id += "'"
         dead = sorted(self.dead)
         remove = set(request.remove) | self.dead
-        if request.new_size == self.topology.size and not remove:
+        rebuild = request.trigger == "rebuild"
+        if request.new_size == self.topology.size and not remove and not rebuild:
             self.validate(request.new_size)  # a no-op still answers 400 when invalid
             record = self._new_record(op_id, seq, request, now)
             record.phase = ScalePhase.SUCCEEDED
@@ -361,6 +367,7 @@ class ScaleController:
             strategy=self.strategy,
             load=load,
             store_address=store_address,
+            rebuild=rebuild,
         )
         t = self.timeouts
         prepare = ScalePrepare(
@@ -378,6 +385,7 @@ class ScaleController:
             threads_per_rank=(
                 None if self.cpu_cores is None else threads_per_rank(self.cpu_cores, plan.to_size)
             ),
+            rebuild=rebuild and not plan.dead,
         )
         record = self._new_record(op_id, seq, request, now)
         record.to_epoch = plan.epoch
@@ -483,6 +491,11 @@ class ScaleController:
                 )
                 return [FailDeployment(why)]
             return [self._ask(size, "recovery", "recover")]
+        if self.dead or not self.failed_groups:
+            self._rebuild_at = None  # a recovery rebuilds them, or nothing is broken
+        elif self._rebuild_at is not None and now >= self._rebuild_at:
+            self._rebuild_at = None
+            return [self._ask(self.topology.size, "rebuild", "rebuild")]
         if not self.dead and self._restore_at is not None and now >= self._restore_at:
             self._restore_at = None
             assert self.restore_size is not None
@@ -530,6 +543,8 @@ class ScaleController:
         retry = now + (self.recovery_retry_s if self.live_members else 0.0)
         if request.trigger == "recovery":
             self._recover_at = retry
+        elif request.trigger == "rebuild":
+            self._rebuild_at = retry
         else:
             self._restore_at = retry
 
@@ -598,6 +613,10 @@ class ScaleController:
             return [MigrateRequests(r.engine_id, tuple(r.request_ids), r.operation_id)]
         if r.event is ScaleEvent.GROUP_FAILED:
             if r.epoch == self.topology.epoch and r.engine_id in self.topology:
+                if not self.failed_groups and self.recover:
+                    # A death shows up within the heartbeat timeout (at once for a local
+                    # engine); if none does, the same engines rebuild their groups.
+                    self._rebuild_at = now + self.rebuild_grace_s
                 self.failed_groups[r.engine_id] = r.cause or "collective failed"
             return []
         if not self._mine(op, r):
@@ -682,6 +701,7 @@ class ScaleController:
         new = op.plan.new_topology
         self.topology = new
         self.failed_groups.clear()  # those groups are gone: every member has new ones
+        self._rebuild_at = None
         for d in self.deaths:
             if d.recovered_at is None and d.engine_id not in new:
                 d.recovered_at, d.recovered_by = now, op.record.operation_id
@@ -823,6 +843,9 @@ class ScaleController:
             if self.dead:
                 again = failed and rec.trigger == "recovery"
                 self._recover_at = now + (self.recovery_retry_s if again else 0.0)
+            elif self.failed_groups:
+                again = failed and rec.trigger == "rebuild"
+                self._rebuild_at = now + (self.recovery_retry_s if again else 0.0)
             elif self._wants_restore():
                 again = failed and rec.trigger == "restore"
                 self._restore_at = now + (self.recovery_retry_s if again else 0.0)

@@ -65,7 +65,8 @@ class ScaleRequest:
     operation_id: str | None = None
     remove: tuple[int, ...] = ()
     # Who asked: "api" (a caller), "recovery" (a rank died: the controller removes it,
-    # DESIGN.md 6.5) or "restore" (back to the size before the death, --elastic-restore).
+    # DESIGN.md 6.5), "restore" (back to the size before the death, --elastic-restore) or
+    # "rebuild" (groups failed with nobody dead: the same engines, fresh groups).
     trigger: str = "api"
 
 

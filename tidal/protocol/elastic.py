@@ -71,6 +71,9 @@ class ScalePrepare(msgspec.Struct, frozen=True, array_like=True, omit_defaults=T
     dead: list[int] = []
     # CPU: torch threads per rank after the commit (cores // local ranks); None = GPU.
     threads_per_rank: int | None = None
+    # The current groups failed with nobody found dead (DESIGN.md 6.5): the same engines
+    # build fresh groups of the next epoch, and the consensus is the standby barrier.
+    rebuild: bool = False
 
     @property
     def epoch(self) -> int:
@@ -78,7 +81,7 @@ class ScalePrepare(msgspec.Struct, frozen=True, array_like=True, omit_defaults=T
 
     @property
     def old_group_usable(self) -> bool:
-        return not self.dead
+        return not self.dead and not self.rebuild
 
 
 class ScaleCommit(msgspec.Struct, frozen=True, array_like=True, tag="commit"):
