@@ -10,6 +10,7 @@ dying in the middle of a scale operation rolls that back first. Where nothing ca
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 
@@ -50,6 +51,23 @@ async def _pinned(llm, rank: int) -> list[asyncio.Task]:
     for ev in started:
         await asyncio.wait_for(ev.wait(), 120)
     return tasks
+
+
+@contextlib.contextmanager
+def _on_send(llm, hook):
+    """Call ``hook(message, engine_ids)`` before each SCALE message the frontend sends."""
+    client = llm.client
+    send = client.send_scale
+
+    async def hooked(engine_ids, message):
+        hook(message, engine_ids)
+        return await send(engine_ids, message)
+
+    client.send_scale = hooked
+    try:
+        yield
+    finally:
+        client.send_scale = send
 
 
 def _no_children_left() -> bool:
@@ -118,22 +136,18 @@ def test_rank_dying_during_a_scale_up_rolls_it_back_then_recovers(qwen3_ckpt, re
         try:
             load = Load(llm, workers=4)
             assert await wait_until_async(lambda: len(load.results) >= 2)
-            client = llm.client
-            send = client.send_scale
 
-            async def kill_survivor_at_prepare(engine_ids, message):
+            def kill_survivor(message, engine_ids) -> None:
                 if isinstance(message, ScalePrepare) and not message.dead:
                     _kill(llm, 1)  # a survivor of the scale-up, mid-operation
-                return await send(engine_ids, message)
 
-            client.send_scale = kill_survivor_at_prepare
-            code, rec = await llm.scale_elastic_ep(3)
+            with _on_send(llm, kill_survivor):
+                code, rec = await llm.scale_elastic_ep(3)
             assert (code, rec["result"]) == (200, "rolled_back"), rec
             assert "engine 1" in rec["cause"], rec["cause"]
             assert await wait_until_async(
                 lambda: any(r["result"] for r in _records(llm, "recovery"))
             )
-            client.send_scale = send
             (recovery,) = _records(llm, "recovery")
             assert recovery["result"] == "succeeded" and recovery["dead"] == [1], recovery
             assert _live(llm) == ([0], [0])
@@ -160,18 +174,14 @@ def test_joiner_dying_after_prepared_is_a_death_of_the_new_epoch(qwen3_ckpt, ref
         try:
             load = Load(llm, workers=4)
             assert await wait_until_async(lambda: len(load.results) >= 2)
-            client = llm.client
-            send = client.send_scale
 
-            async def kill_joiner_at_commit(engine_ids, message):
+            def kill_joiner(message, engine_ids) -> None:
                 if isinstance(message, ScaleCommit):
                     for e in set(engine_ids) - {0, 1}:
                         _kill(llm, e)
-                return await send(engine_ids, message)
 
-            client.send_scale = kill_joiner_at_commit
-            code, rec = await llm.scale_elastic_ep(3)
-            client.send_scale = send
+            with _on_send(llm, kill_joiner):
+                code, rec = await llm.scale_elastic_ep(3)
             (joiner,) = rec["joining"]
             # Committed (the survivors' consensus) or, had the death reached them before
             # the flag, rolled back: either way no engine is left stuck.
