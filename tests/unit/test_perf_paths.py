@@ -8,14 +8,17 @@ import random
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from tidal.kernels.fused_moe_torch import (
     STRATEGIES,
+    PackedExperts,
     _choose,
     fused_experts_torch,
     is_k_major,
     k_major_experts,
 )
+from tidal.kernels.onednn import onednn_available
 from tidal.layers.attention import (
     AttentionMetadata,
     PagedAttention,
@@ -52,6 +55,16 @@ def _moe_problem(tokens: int, experts: int, top_k: int, local: int, skew: float 
     return x, w13, w2, weights, ids
 
 
+def _experts(x, w13, w2, weights, ids, emap=None, apply=True, *, strategy="auto"):
+    """``fused_experts_torch`` with the strategy pinned; ``onednn`` gets its packed copies."""
+    if strategy == "onednn" and not onednn_available(w13.dtype):
+        pytest.skip(f"no oneDNN prepacked linear for {w13.dtype} in this torch")
+    packed = PackedExperts(w13, w2) if strategy == "onednn" else None
+    return fused_experts_torch(
+        x, w13, w2, weights, ids, emap, apply, strategy=strategy, packed=packed
+    )
+
+
 @pytest.mark.parametrize("strategy", STRATEGIES)
 @pytest.mark.parametrize("k_major", [False, True])
 @pytest.mark.parametrize(
@@ -70,9 +83,7 @@ def test_experts_strategies_and_layouts_match_reference(
     if k_major:
         w13, w2 = k_major_experts(w13, w2)
         assert is_k_major(w13) and is_k_major(w2)
-    got = fused_experts_torch(
-        x, w13, w2, weights, ids, emap, apply_router_weight, strategy=strategy
-    )
+    got = _experts(x, w13, w2, weights, ids, emap, apply_router_weight, strategy=strategy)
     assert got.shape == x.shape and got.dtype == x.dtype
     torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
 
@@ -82,7 +93,7 @@ def test_experts_bf16_close_to_float32(strategy):
     x, w13, w2, weights, ids = _moe_problem(24, 8, 2, 8)
     want = fused_experts_reference(x, w13, w2, weights, ids)
     b13, b2 = k_major_experts(w13.bfloat16(), w2.bfloat16())
-    got = fused_experts_torch(x.bfloat16(), b13, b2, weights, ids, strategy=strategy)
+    got = _experts(x.bfloat16(), b13, b2, weights, ids, strategy=strategy)
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), want, atol=3e-2, rtol=3e-2)
 
@@ -105,9 +116,42 @@ def test_experts_ids_out_of_range_without_map_contribute_zero():
     ids = torch.tensor([[0, 5], [-1, 1], [7, 4], [3, 3]])
     want = fused_experts_reference(x, w13, w2, weights, ids)
     for strategy in STRATEGIES:
-        got = fused_experts_torch(x, w13, w2, weights, ids, strategy=strategy)
+        got = _experts(x, w13, w2, weights, ids, strategy=strategy)
         torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
     assert torch.count_nonzero(want[2]) == 0  # both of token 2's experts are elsewhere
+
+
+@pytest.mark.skipif(not onednn_available(), reason="no oneDNN prepacked linear")
+def test_moe_layer_repacks_after_every_weight_write():
+    """The oneDNN copies are derived data: a write the layer is told of (loader, expert
+    moves, EPLB: ``weights_updated``; ``set_local_experts``) is what the next forward
+    computes with, never a stale copy."""
+    from tidal.moe.layer import FusedMoE
+
+    moe = FusedMoE(8, 2, 32, 16, True)
+    x, w13, w2, _, _ = _moe_problem(12, 8, 2, 8)
+    moe.w13.data.copy_(w13)
+    moe.w2.data.copy_(w2)
+    moe.weights_updated()
+    assert moe.use_onednn
+
+    def want() -> torch.Tensor:
+        weights, ids = softmax_topk(torch.nn.functional.linear(x, moe.gate), 2, True)
+        return fused_experts_reference(x, moe.w13, moe.w2, weights, ids, moe._map_arg)
+
+    moe.gate.data.copy_(torch.randn(8, 32))
+    torch.testing.assert_close(moe(x), want(), atol=ATOL, rtol=0)
+    first = moe._packed
+    assert first is not None
+    moe(x)
+    assert moe._packed is first  # reused while nothing was written
+    moe.w13.data[3] *= -1.0  # an in-place write, as EPLB and expert installs do
+    moe.weights_updated()
+    torch.testing.assert_close(moe(x), want(), atol=ATOL, rtol=0)
+    moe.set_local_experts([5, 6, 7])  # fewer experts: new storage, map and copies
+    moe.w13.data.copy_(w13[5:])
+    moe.w2.data.copy_(w2[5:])
+    torch.testing.assert_close(moe(x), want(), atol=ATOL, rtol=0)
 
 
 def test_auto_strategy_choice():
@@ -147,6 +191,35 @@ def test_k_major_linear_matches_row_major(bias):
     x = torch.randn(5, 24)
     torch.testing.assert_close(fast(x), slow(x), atol=ATOL, rtol=0)
     torch.testing.assert_close(fast(x), x @ w.t() + (b if bias else 0), atol=ATOL, rtol=0)
+
+
+@pytest.mark.skipif(not onednn_available(), reason="no oneDNN prepacked linear")
+@pytest.mark.parametrize("bias", [False, True])
+def test_onednn_linear_matches_f_linear_and_follows_weight_writes(bias):
+    fast = Linear(24, 40, bias)
+    slow = Linear(24, 40, bias)
+    slow.use_onednn = False  # the plain F.linear path: the reference
+    assert fast.use_onednn
+    with torch.no_grad():
+        for lin in (fast, slow):
+            lin.weight.copy_(torch.randn(40, 24, generator=torch.Generator().manual_seed(1)))
+            if bias:
+                lin.bias.copy_(torch.randn(40, generator=torch.Generator().manual_seed(2)))
+    for shape in ((1, 24), (7, 24), (2, 3, 24)):  # any leading dims
+        x = torch.randn(*shape)
+        torch.testing.assert_close(fast(x), slow(x), atol=ATOL, rtol=0)
+    assert fast._packed is not None
+    with torch.no_grad():  # what the loader does: write, then say so
+        fast.weight.mul_(-1.0)
+        slow.weight.mul_(-1.0)
+    fast.weights_updated()
+    x = torch.randn(4, 24)
+    torch.testing.assert_close(fast(x), slow(x), atol=ATOL, rtol=0)
+    # Other dtypes keep F.linear (oneDNN is used for float32 only).
+    assert torch.equal(
+        fast.bfloat16()(x.bfloat16()),
+        F.linear(x.bfloat16(), fast.weight.bfloat16(), None if not bias else fast.bias.bfloat16()),
+    )
 
 
 # ---- paged decode attention --------------------------------------------------------------

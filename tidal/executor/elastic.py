@@ -427,6 +427,7 @@ class ElasticWorkerState:
             moe.set_local_experts(new_ids)  # keeps the backend's storage layout
             moe.w13.data.copy_(new13)
             moe.w2.data.copy_(new2)
+            moe.weights_updated()
         runner.placement = placement
         if ep is not None:
             runner.setup_expert_parallel(placement)

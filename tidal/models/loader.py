@@ -111,6 +111,10 @@ def load_weights(model: MoECausalLM, folder: str, *, load_experts: bool = True) 
                     dest = targets[vname]
                     if dest is not None:
                         _copy(vname, os.path.basename(path), get(), dest)
+    for module in model.modules():  # what was derived from the weights (oneDNN copies) goes
+        updated = getattr(module, "weights_updated", None)
+        if updated is not None:
+            updated()
     optional = model.optional_weight_names()
     missing = [n for n in targets if n not in seen and n not in optional]
     if missing or unexpected:

@@ -180,6 +180,7 @@ def move_expert_weights(moe: FusedMoE, plan: TransferPlan, group: Any) -> None:
         new2[ridx] = got[:, n13:].reshape(-1, *w2.shape[1:])
     w13.copy_(new13)
     w2.copy_(new2)
+    moe.weights_updated()
 
 
 # ---------------------------------------------------------------------- the shell

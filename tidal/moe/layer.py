@@ -31,7 +31,13 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor, nn
 
-from tidal.kernels.fused_moe_torch import fused_experts_torch, is_k_major, k_major_experts
+from tidal.kernels.fused_moe_torch import (
+    PackedExperts,
+    fused_experts_torch,
+    is_k_major,
+    k_major_experts,
+)
+from tidal.kernels.onednn import onednn_available
 from tidal.moe.reference import fused_experts_reference
 from tidal.moe.router import softmax_topk
 
@@ -165,6 +171,10 @@ class FusedMoE(nn.Module):
         self.register_buffer(
             "expert_load", torch.zeros(num_experts, dtype=torch.int64, device=device)
         )
+        # CPU torch backend, float32: oneDNN-prepacked copies of w13/w2, derived data that
+        # every writer drops (``weights_updated``) and the next forward rebuilds.
+        self.use_onednn = self.backend == "torch" and torch.device(device or "cpu").type == "cpu"
+        self._packed: PackedExperts | None = None
 
     def forward(self, hidden: Tensor) -> Tensor:  # [T, H] -> [T, H]
         router_logits = torch.nn.functional.linear(hidden, self.gate)  # [T, E_global]
@@ -179,9 +189,10 @@ class FusedMoE(nn.Module):
     ) -> Tensor:  # [T, H]
         if self.record_expert_load:
             self.expert_load += torch.bincount(topk_ids.reshape(-1), minlength=self.num_experts)
+        kw = self._experts_kwargs()
         if self.dispatcher is None:
             return self.experts_fn(
-                hidden, self.w13, self.w2, topk_weights, topk_ids, self._map_arg, True
+                hidden, self.w13, self.w2, topk_weights, topk_ids, self._map_arg, True, **kw
             )
         ctx = self.forward_context
         sizes = None if ctx is None else ctx.num_tokens_across_dp
@@ -191,13 +202,27 @@ class FusedMoE(nn.Module):
             x, weights, ids, handle = self.dispatcher.dispatch(
                 hidden, topk_weights, topk_ids, num_tokens_across_dp=sizes
             )
-        out = self.experts_fn(x, self.w13, self.w2, weights, ids, self.expert_map, True)
+        out = self.experts_fn(x, self.w13, self.w2, weights, ids, self.expert_map, True, **kw)
         return self.dispatcher.combine(out, handle)
+
+    def _experts_kwargs(self) -> dict[str, Any]:
+        if not self.use_onednn or not onednn_available(self.w13.dtype):
+            return {}
+        packed = self._packed
+        if packed is None or packed.shapes != (tuple(self.w13.shape), tuple(self.w2.shape)):
+            packed = self._packed = PackedExperts(self.w13, self.w2)
+        return {"packed": packed}
+
+    def weights_updated(self) -> None:
+        """``w13``/``w2`` were written (loader, expert moves, EPLB): drop what was derived
+        from them (the oneDNN copies), rebuilt at the next forward."""
+        self._packed = None
 
     def set_local_experts(self, local_expert_ids: Sequence[int]) -> None:
         """Rebuild the expert map for new owners (EP resize / EPLB); the caller then fills
         ``w13``/``w2`` (resized here when the count changes) with those experts."""
         ids = list(local_expert_ids)
+        self.weights_updated()  # the caller writes the new experts next
         self.expert_map.copy_(build_expert_map(self.num_experts, ids, self.expert_map.device))
         if len(ids) != len(self.local_expert_ids):
             k_major = is_k_major(self.w13)  # keep the storage layout the backend chose

@@ -1,0 +1,40 @@
+"""oneDNN's prepacked float32 linear on CPU (``torch.ops.mkldnn``), one checked wrapper.
+
+Why: torch's float32 ``mm`` on CPU goes to MKL, which on the machines measured (AMD EPYC,
+AVX-512, 2 cores) reaches 125-180 GFLOP/s at decode shapes; oneDNN with a weight reordered
+once into its blocked layout reaches 410-480 (``benchmarks/cpu_speed.py`` prints both).
+The packed weight is a derived copy: its owner drops it when the source is written.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+# Rows oneDNN tunes the packed layout for: the decode batches that dominate serving.
+BATCH_HINT = 32
+
+
+def onednn_available(dtype: torch.dtype = torch.float32) -> bool:
+    """The prepacked linear is in this torch build; float32 only (the dtype measured)."""
+    return (
+        dtype == torch.float32
+        and torch.backends.mkldnn.is_available()
+        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+        and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    )
+
+
+def pack_weight(weight: Tensor, batch_hint: int = BATCH_HINT) -> Tensor:
+    """``weight [out, in]`` (any strides) reordered for ``packed_linear``."""
+    if weight.dim() != 2 or weight.dtype != torch.float32 or weight.device.type != "cpu":
+        raise ValueError(
+            f"pack_weight takes a 2-D float32 CPU weight, got {tuple(weight.shape)} "
+            f"{weight.dtype} on {weight.device}"
+        )
+    return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), batch_hint)
+
+
+def packed_linear(x: Tensor, packed: Tensor, bias: Tensor | None = None) -> Tensor:
+    """``x [M, in] @ weight.T (+ bias)`` -> ``[M, out]`` with a weight from ``pack_weight``."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
