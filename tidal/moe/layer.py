@@ -37,7 +37,7 @@ from tidal.kernels.fused_moe_torch import (
     is_k_major,
     k_major_experts,
 )
-from tidal.kernels.onednn import onednn_available
+from tidal.kernels.onednn import onednn_available, pack_weight, packed_linear
 from tidal.moe.reference import fused_experts_reference
 from tidal.moe.router import softmax_topk
 
@@ -175,9 +175,10 @@ class FusedMoE(nn.Module):
         # every writer drops (``weights_updated``) and the next forward rebuilds.
         self.use_onednn = self.backend == "torch" and torch.device(device or "cpu").type == "cpu"
         self._packed: PackedExperts | None = None
+        self._packed_gate: Tensor | None = None  # the router's, likewise
 
     def forward(self, hidden: Tensor) -> Tensor:  # [T, H] -> [T, H]
-        router_logits = torch.nn.functional.linear(hidden, self.gate)  # [T, E_global]
+        router_logits = self._router_logits(hidden)  # [T, E_global]
         topk_weights, topk_ids = softmax_topk(router_logits, self.top_k, self.renormalize)
         return self.forward_experts(hidden, topk_weights, topk_ids)
 
@@ -205,6 +206,13 @@ class FusedMoE(nn.Module):
         out = self.experts_fn(x, self.w13, self.w2, weights, ids, self.expert_map, True, **kw)
         return self.dispatcher.combine(out, handle)
 
+    def _router_logits(self, hidden: Tensor) -> Tensor:  # [T, H] -> [T, E_global]
+        if self.use_onednn and hidden.dtype == torch.float32 and onednn_available():
+            if self._packed_gate is None:
+                self._packed_gate = pack_weight(self.gate)
+            return packed_linear(hidden.contiguous(), self._packed_gate)
+        return torch.nn.functional.linear(hidden, self.gate)
+
     def _experts_kwargs(self) -> dict[str, Any]:
         if not self.use_onednn or not onednn_available(self.w13.dtype):
             return {}
@@ -214,9 +222,10 @@ class FusedMoE(nn.Module):
         return {"packed": packed}
 
     def weights_updated(self) -> None:
-        """``w13``/``w2`` were written (loader, expert moves, EPLB): drop what was derived
+        """``gate``/``w13``/``w2`` were written (loader, expert moves, EPLB): drop what was derived
         from them (the oneDNN copies), rebuilt at the next forward."""
         self._packed = None
+        self._packed_gate = None
 
     def set_local_experts(self, local_expert_ids: Sequence[int]) -> None:
         """Rebuild the expert map for new owners (EP resize / EPLB); the caller then fills
