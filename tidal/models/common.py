@@ -219,7 +219,10 @@ class MoECausalLM(nn.Module):
 
     @torch.no_grad()
     def compute_logits(self, hidden: Tensor) -> Tensor:  # [N, H] -> [N, V] float32
-        logits = torch.nn.functional.linear(hidden, self.lm_head.weight)
+        if isinstance(self.lm_head, Linear):
+            logits = self.lm_head(hidden)  # its oneDNN-packed weight on CPU float32
+        else:  # tied to the embedding
+            logits = torch.nn.functional.linear(hidden, self.lm_head.weight)
         return logits if logits.dtype == torch.float32 else logits.float()
 
     def kv_cache_spec(self) -> tuple[int, int, int]:
