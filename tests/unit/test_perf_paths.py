@@ -309,3 +309,11 @@ def test_model_uses_k_major_layouts_and_matches_row_major_copy(qwen3_ckpt):
                 m.compute_logits(m(step_ids, step_pos, a)) for m, a in zip((fast, slow), meta)
             )
             torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+
+
+def test_one_row_on_a_small_weight_stays_with_mkl():
+    from tidal.kernels.onednn import SMALL_WEIGHT, prefers_packed
+
+    small, big = torch.empty(256, 256), torch.empty(1024, SMALL_WEIGHT // 1024)
+    assert not prefers_packed(1, small)  # oneDNN's fixed cost per call would dominate
+    assert prefers_packed(2, small) and prefers_packed(1, big)

@@ -47,7 +47,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from tidal.kernels.onednn import BATCH_HINT, pack_weight, packed_linear
+from tidal.kernels.onednn import BATCH_HINT, pack_weight, packed_linear, prefers_packed
 
 STRATEGIES = ("auto", "bmm", "grouped_mm", "loop", "onednn")
 # auto picks bmm (with more than one thread) while padding every expert to the busiest one
@@ -97,7 +97,7 @@ def fused_experts_torch(
     if strategy == "onednn":
         assert packed is not None
         x = hidden.index_select(0, token_idx)
-        down = _onednn_experts(x, packed, weights, counts)
+        down = _onednn_experts(x, w13, w2, packed, weights, counts)
     elif strategy == "bmm":
         rows = _padded_rows(sorted_slots[:num_valid], counts_t[:num_local], max(counts))
         down = _bmm_experts(hidden.index_select(0, token_idx), w13, w2, weights, rows, counts)
@@ -129,22 +129,31 @@ class PackedExperts:
 
 def _onednn_experts(
     x: Tensor,  # [N, H] float32 rows sorted by expert
+    w13: Tensor,  # [E, 2I, H] (the source of ``packed``)
+    w2: Tensor,  # [E, H, I]
     packed: PackedExperts,
     weights: Tensor | None,  # [N] float32 router weight of each row
     counts: list[int],  # rows per expert
 ) -> Tensor:  # [N, H]
-    """One oneDNN GEMM per busy expert for gate/up, one SiLU-and-mul over all rows (a
-    handful of ops instead of a handful per expert: at decode sizes the per-op cost is
-    what is left besides the GEMMs), then one GEMM per busy expert for down."""
+    """One GEMM per busy expert for gate/up, one SiLU-and-mul over all rows (a handful of
+    ops instead of a handful per expert: at decode sizes the per-op cost is what is left
+    besides the GEMMs), then one GEMM per busy expert for down. Each GEMM on the packed
+    copy, except one row on a small expert, which MKL does cheaper (``prefers_packed``)."""
     spans = [(e, n) for e, n in enumerate(counts) if n]
     bounds = list(itertools.accumulate(n for _, n in spans))
     starts = [0, *bounds[:-1]]
+
+    def gemm(rows: Tensor, e: int, w: Tensor, p: list[Tensor]) -> Tensor:
+        if prefers_packed(rows.shape[0], w[e]):
+            return packed_linear(rows, p[e])
+        return F.linear(rows, w[e])
+
     gate_up = torch.cat(
-        [packed_linear(x[s : s + n], packed.w13[e]) for (e, n), s in zip(spans, starts)]
+        [gemm(x[s : s + n], e, w13, packed.w13) for (e, n), s in zip(spans, starts)]
     )  # [N, 2I]
     act = _swiglu(gate_up, weights)  # [N, I]
     return torch.cat(
-        [packed_linear(act[s : s + n], packed.w2[e]) for (e, n), s in zip(spans, starts)]
+        [gemm(act[s : s + n], e, w2, packed.w2) for (e, n), s in zip(spans, starts)]
     )  # [N, H]
 
 

@@ -13,6 +13,15 @@ from torch import Tensor
 
 # Rows oneDNN tunes the packed layout for: the decode batches that dominate serving.
 BATCH_HINT = 32
+# oneDNN costs ~13-15 us a call however small; MKL's single-row GEMM on a small weight
+# is cheaper (256x256: 4 vs 15 us; 768x256: 9 vs 18; 1024x1024: 58 vs 36 -- 2 cores,
+# ``benchmarks/cpu_speed.py``). Below this many weight elements one row stays with MKL.
+SMALL_WEIGHT = 1 << 19
+
+
+def prefers_packed(rows: int, weight: Tensor) -> bool:
+    """Whether ``rows`` rows times ``weight`` are faster on the packed copy than MKL."""
+    return rows > 1 or weight.numel() >= SMALL_WEIGHT
 
 
 def onednn_available(dtype: torch.dtype = torch.float32) -> bool:

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from tidal.kernels.onednn import onednn_available, pack_weight, packed_linear
+from tidal.kernels.onednn import onednn_available, pack_weight, packed_linear, prefers_packed
 
 
 class Linear(nn.Module):
@@ -55,11 +55,16 @@ class Linear(nn.Module):
         self._packed: Tensor | None = None
 
     def forward(self, x: Tensor) -> Tensor:  # [..., in] -> [..., out]
-        if self.use_onednn and x.dtype == torch.float32 and onednn_available(self.weight.dtype):
+        out_f, in_f = self.weight.shape
+        if (
+            self.use_onednn
+            and x.dtype == torch.float32
+            and prefers_packed(x.numel() // in_f, self.weight)
+            and onednn_available(self.weight.dtype)
+        ):
             packed = self._packed
             if packed is None:
                 packed = self._packed = pack_weight(self.weight)
-            out_f, in_f = self.weight.shape
             y = packed_linear(x.reshape(-1, in_f).contiguous(), packed, self.bias)
             return y.reshape(*x.shape[:-1], out_f)
         return F.linear(x, self.weight, self.bias)
