@@ -1,0 +1,44 @@
+"""benchmarks/cpu_speed.py without engines: medians over rounds (booleans must hold in
+every round) and the vLLM environment taken from env_vllm.sh."""
+
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+import sys
+
+import pytest
+
+BENCH = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "cpu_speed.py"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("bench_cpu_speed", BENCH)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["bench_cpu_speed"] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_median_rows(bench):
+    rows = [
+        {"single": 10.0, "batch": 100.0, "single_identical": True, "ready_s": 3.0},
+        {"single": 30.0, "batch": 90.0, "single_identical": False, "ready_s": None},
+        {"single": 20.0, "batch": 95.0, "single_identical": True, "ready_s": 5.0},
+    ]
+    out = bench._median_rows(rows)
+    assert out == {
+        "single": 20.0,
+        "batch": 95.0,
+        "single_identical": False,  # identical only if identical in every round
+        "ready_s": 4.0,  # the rounds that have it
+        "rounds": 3,
+    }
+
+
+def test_vllm_env_drops_a_missing_preload(bench, tmp_path):
+    env = bench._vllm_env(tmp_path)
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0-1"
+    assert env["VLLM_CACHE_ROOT"].startswith(str(tmp_path))
+    assert all(pathlib.Path(p).exists() for p in env["LD_PRELOAD"].split(":") if p)
