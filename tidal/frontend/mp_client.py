@@ -130,6 +130,10 @@ class MPClient(EngineCoreClient):
         # Over TCP (ranks on other hosts) every control-plane socket is a CURVE peer and a
         # ZAP handler admits only holders of the shared secret (tidal/distributed/zmq_auth.py).
         tcp = self.addresses.input.startswith("tcp://")
+        if tcp:
+            # Nothing lives in the ipc directory then; were it kept, a SIGKILLed frontend
+            # would leave it behind (only ipc engines know to remove it).
+            shutil.rmtree(self.ipc_dir, ignore_errors=True)
         self._curve = curve_keys(par.data_parallel_auth_key) if tcp else None
         # Sockets used during startup are synchronous even in asyncio mode.
         sync_ctx = zmq.Context.shadow(self.ctx.underlying) if asyncio_mode else self.ctx
