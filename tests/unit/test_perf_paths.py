@@ -18,7 +18,7 @@ from tidal.kernels.fused_moe_torch import (
     is_k_major,
     k_major_experts,
 )
-from tidal.kernels.onednn import onednn_available
+from tidal.kernels.onednn import SMALL_WEIGHT, onednn_available, prefers_packed
 from tidal.layers.attention import (
     AttentionMetadata,
     PagedAttention,
@@ -26,7 +26,7 @@ from tidal.layers.attention import (
     kv_cache_shape,
 )
 from tidal.layers.linear import Linear
-from tidal.moe.layer import build_expert_map
+from tidal.moe.layer import FusedMoE, build_expert_map
 from tidal.moe.reference import fused_experts_reference
 from tidal.moe.router import softmax_topk
 
@@ -126,8 +126,6 @@ def test_moe_layer_repacks_after_every_weight_write():
     """The oneDNN copies are derived data: a write the layer is told of (loader, expert
     moves, EPLB: ``weights_updated``; ``set_local_experts``) is what the next forward
     computes with, never a stale copy."""
-    from tidal.moe.layer import FusedMoE
-
     moe = FusedMoE(8, 2, 32, 16, True)
     x, w13, w2, _, _ = _moe_problem(12, 8, 2, 8)
     moe.w13.data.copy_(w13)
@@ -312,8 +310,6 @@ def test_model_uses_k_major_layouts_and_matches_row_major_copy(qwen3_ckpt):
 
 
 def test_one_row_on_a_small_weight_stays_with_mkl():
-    from tidal.kernels.onednn import SMALL_WEIGHT, prefers_packed
-
     small, big = torch.empty(256, 256), torch.empty(1024, SMALL_WEIGHT // 1024)
     assert not prefers_packed(1, small)  # oneDNN's fixed cost per call would dominate
     assert prefers_packed(2, small) and prefers_packed(1, big)
