@@ -34,7 +34,13 @@ from tests.unit.test_api_server import (
     wait_for,
 )
 from tidal.config import ParallelConfig
-from tidal.frontend.scale_records import DeathRecord, OperationRecord, PhaseTiming, ScalePhase
+from tidal.frontend.scale_records import (
+    DeathRecord,
+    OperationRecord,
+    PhaseTiming,
+    ScalePhase,
+    fault_summary,
+)
 from tidal.launch.admin import SCALING_HISTORY
 from tidal.launch.api_server import bind_socket
 from tidal.launch.metrics import ServerMetrics
@@ -115,34 +121,25 @@ def make_death(
     migrated: int = 0,
     recovered_by: str | None = None,
     recovery_s: float = 2.5,
-) -> dict[str, Any]:
-    """A ``DeathRecord.to_dict()``: recovered ``recovery_s`` after ``at`` if
-    ``recovered_by`` names the operation."""
+) -> DeathRecord:
+    """A rank death, recovered ``recovery_s`` after ``at`` if ``recovered_by`` names the
+    operation."""
     death = DeathRecord(engine_id, epoch, at, f"engine {engine_id} exited with code -9")
     death.requests_migrated = migrated
     if recovered_by is not None:
         death.recovered_by, death.recovered_at = recovered_by, at + recovery_s
-    return death.to_dict()
+    return death
 
 
 def make_faults(
-    deaths: list[dict[str, Any]] = (),  # type: ignore[assignment]
+    deaths: list[DeathRecord] = (),  # type: ignore[assignment]
     *,
     degraded: str | None = None,
     dead: list[int] = (),  # type: ignore[assignment]
     failed_groups: dict[int, str] | None = None,
 ) -> dict[str, Any]:
     """``AsyncLLM.fault_status()`` without ``serving_engines`` (the fake adds it)."""
-    done = [d["recovery_s"] for d in deaths if d["recovery_s"] is not None]
-    return {
-        "deaths": list(deaths),
-        "rank_deaths": len(deaths),
-        "recovered": len(done),
-        "recovery_s_last": done[-1] if done else None,
-        "dead": list(dead),
-        "failed_groups": dict(failed_groups or {}),
-        "degraded": degraded,
-    }
+    return fault_summary(deaths, dead, failed_groups, degraded)
 
 
 class ScalingFakeLLM(FakeAsyncLLM):

@@ -29,7 +29,7 @@ from tidal.frontend.output_processor import OutputProcessor
 from tidal.frontend.outputs import OutputKind, RequestOutput
 from tidal.frontend.processor import InputProcessor, ProcessedPrompt, load_tokenizer
 from tidal.frontend.scale_driver import ScaleDriver
-from tidal.frontend.scale_records import ScaleTimeouts
+from tidal.frontend.scale_records import ScaleTimeouts, fault_summary
 from tidal.protocol.errors import EngineDeadError
 from tidal.protocol.messages import DPCoordinatorStats, EngineCoreOutputs
 from tidal.sampling_params import SamplingParams
@@ -232,15 +232,7 @@ class AsyncLLM:
         the recovery operation and how long it took). ``serving``: live members."""
         driver = self._scale_driver
         if driver is None:
-            status: dict[str, Any] = {
-                "deaths": [],
-                "rank_deaths": 0,
-                "recovered": 0,
-                "recovery_s_last": None,
-                "dead": [],
-                "failed_groups": {},
-                "degraded": None,
-            }
+            status = fault_summary()
             serving = 0 if self.is_dead else self.client.topology.size
         else:
             status = driver.controller.faults()

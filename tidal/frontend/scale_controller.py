@@ -114,6 +114,7 @@ import dataclasses
 import math
 from collections import OrderedDict
 from collections.abc import Sequence
+from typing import Any
 
 from tidal.elastic.plan import (
     ScalePlan,
@@ -150,6 +151,7 @@ from tidal.frontend.scale_records import (
     ScaleRequest,
     ScaleResponse,
     ScaleTimeouts,
+    fault_summary,
 )
 from tidal.moe.placement import PlacementStrategy
 from tidal.protocol.elastic import (
@@ -293,18 +295,9 @@ class ScaleController:
             return f"recovery {rec.operation_id} running"
         return None
 
-    def faults(self) -> dict[str, object]:
+    def faults(self) -> dict[str, Any]:
         """For ``/stats`` and the metrics."""
-        done = [d.recovery_s for d in self.deaths if d.recovery_s is not None]
-        return {
-            "deaths": [d.to_dict() for d in self.deaths],
-            "rank_deaths": len(self.deaths),
-            "recovered": len(done),
-            "recovery_s_last": done[-1] if done else None,
-            "dead": sorted(self.dead),
-            "failed_groups": dict(sorted(self.failed_groups.items())),
-            "degraded": self.degraded,
-        }
+        return fault_summary(self.deaths, self.dead, self.failed_groups, self.degraded)
 
     # ------------------------------------------------------------------ admission
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import enum
 import math
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -212,3 +213,23 @@ class DeathRecord:
             "recovered_at": self.recovered_at,
             "recovery_s": self.recovery_s,
         }
+
+
+def fault_summary(
+    deaths: Sequence[DeathRecord] = (),
+    dead: Iterable[int] = (),
+    failed_groups: Mapping[int, str] | None = None,
+    degraded: str | None = None,
+) -> dict[str, Any]:
+    """Rank deaths and their recoveries as ``/stats`` ``faults`` shows them (the defaults:
+    a deployment that never lost a rank)."""
+    done = [d.recovery_s for d in deaths if d.recovery_s is not None]
+    return {
+        "deaths": [d.to_dict() for d in deaths],
+        "rank_deaths": len(deaths),
+        "recovered": len(done),
+        "recovery_s_last": done[-1] if done else None,
+        "dead": sorted(dead),
+        "failed_groups": dict(sorted((failed_groups or {}).items())),
+        "degraded": degraded,
+    }
