@@ -143,8 +143,9 @@ class ElasticShell:
 
     @property
     def old_group_dead(self) -> bool:
-        """The running operation removes a dead member (DESIGN.md 6.5): the current
-        groups cannot run a collective any more, so this rank must not step on them."""
+        """The running operation removes a dead member or rebuilds failed groups
+        (DESIGN.md 6.5): the current groups cannot run a collective any more, so this
+        rank must not step on them."""
         s = self.slot.state
         return s is not None and s.active and not s.old_mode and s.role is not Role.JOINING
 

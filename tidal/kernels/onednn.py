@@ -8,6 +8,8 @@ The packed weight is a derived copy: its owner drops it when the source is writt
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import Tensor
 
@@ -24,8 +26,10 @@ def prefers_packed(rows: int, weight: Tensor) -> bool:
     return rows > 1 or weight.numel() >= SMALL_WEIGHT
 
 
+@functools.cache
 def onednn_available(dtype: torch.dtype = torch.float32) -> bool:
-    """The prepacked linear is in this torch build; float32 only (the dtype measured)."""
+    """The prepacked linear is in this torch build; float32 only (the dtype measured).
+    Cached: every ``Linear`` and MoE forward asks."""
     return (
         dtype == torch.float32
         and torch.backends.mkldnn.is_available()
