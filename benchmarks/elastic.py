@@ -529,12 +529,7 @@ async def run_relaunch(opts: argparse.Namespace, sequence: list[int]) -> dict[st
 
 
 async def run_all(opts: argparse.Namespace) -> dict[str, Any]:
-    import torch
-
-    from tidal.models.tiny import DEFAULT_MODEL_ARGS, default_model_path
-
     sequence = [int(s) for s in opts.sequence.split(",") if s.strip()]
-    model = opts.model or default_model_path()
     t0 = time.monotonic()
     tidal = await run_tidal(opts, sequence)
     peer = await run_relaunch(opts, sequence) if not opts.no_peer else {"rows": []}
@@ -561,20 +556,8 @@ async def run_all(opts: argparse.Namespace) -> dict[str, Any]:
     ]
     return {
         "benchmark": "elastic",
-        "machine": {
-            "cpu_count": os.cpu_count(),
-            "cpus_usable": len(os.sched_getaffinity(0)),
-            "torch": torch.__version__,
-            "torch_threads": torch.get_num_threads(),
-            "python": platform.python_version(),
-            "platform": platform.platform(),
-        },
-        "model": {
-            "path": model,
-            "default": opts.model is None,
-            "args": DEFAULT_MODEL_ARGS if opts.model is None else None,
-            "dtype": opts.dtype,
-        },
+        "machine": machine_info(),
+        "model": model_info(opts),
         "load": {
             "streams": opts.streams,
             "max_tokens": opts.max_tokens,
@@ -594,6 +577,32 @@ async def run_all(opts: argparse.Namespace) -> dict[str, Any]:
         "table": table,
         "targets": targets(tidal["rows"], tidal["errors"], tidal["lost"]),
         "elapsed_s": _r(time.monotonic() - t0, 1),
+    }
+
+
+def machine_info() -> dict[str, Any]:
+    """Where a benchmark ran (every benchmark JSON carries it)."""
+    import torch
+
+    return {
+        "cpu_count": os.cpu_count(),
+        "cpus_usable": len(os.sched_getaffinity(0)),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+    }
+
+
+def model_info(opts: argparse.Namespace) -> dict[str, Any]:
+    """``--model`` (or the embedded default, with the arguments it is built from)."""
+    from tidal.models.tiny import DEFAULT_MODEL_ARGS, default_model_path
+
+    return {
+        "path": opts.model or default_model_path(),
+        "default": opts.model is None,
+        "args": DEFAULT_MODEL_ARGS if opts.model is None else None,
+        "dtype": opts.dtype,
     }
 
 

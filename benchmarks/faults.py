@@ -47,7 +47,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import platform
 import signal
 import sys
 import time
@@ -64,7 +63,9 @@ from elastic import (  # noqa: E402 - the sibling benchmark's load generator and
     add_load_args,
     gap_summary,
     gaps_ending_in,
+    machine_info,
     make_llm,
+    model_info,
     percentile,
     run_benchmark,
 )
@@ -261,28 +262,13 @@ async def run_restart(opts: argparse.Namespace) -> dict[str, Any]:
 
 
 async def run_all(opts: argparse.Namespace) -> dict[str, Any]:
-    import torch
-
-    from tidal.models.tiny import DEFAULT_MODEL_ARGS, default_model_path
-
     t0 = time.monotonic()
     tidal = await run_tidal(opts)
     peer = await run_restart(opts) if not opts.no_peer else None
     return {
         "benchmark": "faults",
-        "machine": {
-            "cpu_count": os.cpu_count(),
-            "cpus_usable": len(os.sched_getaffinity(0)),
-            "torch": torch.__version__,
-            "python": platform.python_version(),
-            "platform": platform.platform(),
-        },
-        "model": {
-            "path": opts.model or default_model_path(),
-            "default": opts.model is None,
-            "args": DEFAULT_MODEL_ARGS if opts.model is None else None,
-            "dtype": opts.dtype,
-        },
+        "machine": machine_info(),
+        "model": model_info(opts),
         "load": {
             "streams": opts.streams,
             "max_tokens": opts.max_tokens,
