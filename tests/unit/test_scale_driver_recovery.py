@@ -163,11 +163,12 @@ def test_a_recovery_that_could_not_be_admitted_is_asked_again():
 
 def test_fail_deployment_reaches_the_client():
     async def main() -> None:
-        # Both members die before the recovery asked for the first death is admitted
-        # (the second exit is posted the way the client does once it claimed it).
+        # Both members die before the recovery asked for the first death is admitted:
+        # both exits reach the controller back to back, as ``on_exit`` posts them once
+        # each process is reaped.
         driver, client, procs, _, _ = make(2)
         assert driver.owns_engine(0)
-        driver.on_exit(0, -9)
+        driver._post(EngineExited(0, "exited with code -9"))
         driver._post(EngineExited(1, "exited with code -9"))
         await until(lambda: client.failed)
         (reason,) = client.failed

@@ -339,16 +339,22 @@ class ScaleDriver:
         if self._closed:
             return
         self._gone.add(engine_id)
-        self._post(EngineExited(engine_id, cause or f"exited with code {exitcode}"))
-        self._background_task(self._reap(engine_id))
+        exited = EngineExited(engine_id, cause or f"exited with code {exitcode}")
+        self._background_task(self._reap(engine_id, then=exited))
 
-    async def _reap(self, engine_id: int) -> None:
+    async def _reap(self, engine_id: int, then: EngineExited | None = None) -> None:
         """An engine that exited on its own: reap and forget its process (the controller
-        may never ask to stop it: it is already gone)."""
+        may never ask to stop it: it is already gone), then post ``then``. The controller
+        learns of the exit only once the process is forgotten, so an operation it ends
+        (a leaving engine's exit finishes a scale-down) never answers while the process
+        is still listed."""
         try:
             await asyncio.to_thread(self.processes.stop, (engine_id,), force=True, timeout_s=5.0)
         except Exception:  # noqa: BLE001
             logger.exception("scale driver: reaping engine %d failed", engine_id)
+        finally:
+            if then is not None:
+                self._post(then)
 
     # ------------------------------------------------------------------ the loop
 
