@@ -18,10 +18,11 @@ Printed as one JSON document:
 - ``e2e``: per model and engine, tok/s single and batch (medians), time to ready, and
   whether the greedy outputs equal transformers'; ``ratios``: Tidal / vLLM and Tidal /
   transformers;
-- ``moe_block``: the MoE block (router + experts) on layer 0 of the big checkpoint, ms
-  per call at 1, 32 and 256 tokens: Tidal's ``auto`` (oneDNN-prepacked experts), Tidal's
-  previous torch strategies (the best of bmm / grouped_mm / loop, K-major weights) and, with
-  vLLM, its ``cpu_fused_moe`` kernel;
+- ``moe_block``: the MoE block (router + experts) on layer 0 of each checkpoint, ms per
+  call at 1, 32 and 256 tokens: Tidal's C++ kernel (``tidal/kernels/cpu_moe.py``, what
+  the layer runs when ``pip install`` built it), the previous designs -- oneDNN-prepacked
+  experts, and the best of the torch strategies bmm / grouped_mm / loop on K-major weights
+  -- and, with vLLM, its ``cpu_fused_moe`` kernel (big checkpoint);
 - ``gemm``: GFLOP/s of one [M, 1024] x [1024, 1024] float32 GEMM through MKL (torch's
   ``mm``) and oneDNN with a prepacked weight: why the experts moved to oneDNN;
 - ``roofline``: this machine's memory read bandwidth (a 1 GiB ``sum``), the bytes one
@@ -188,6 +189,7 @@ def moe_block(model: Path, opts: argparse.Namespace, results: Path) -> dict[str,
     import torch.nn.functional as F
     from safetensors import safe_open
 
+    from tidal.kernels.cpu_moe import CpuPackedExperts, kernel_available, kernel_status
     from tidal.kernels.fused_moe_torch import PackedExperts, fused_experts_torch, k_major_experts
     from tidal.moe.reference import fused_experts_reference
 
@@ -207,6 +209,9 @@ def moe_block(model: Path, opts: argparse.Namespace, results: Path) -> dict[str,
         w2 = stack("down_proj").contiguous()
     k13, k2 = k_major_experts(w13, w2)
     packed = PackedExperts(w13, w2)
+    cpp = CpuPackedExperts(w13, w2) if kernel_available() else None
+    if cpp is None:
+        log(f"the C++ MoE kernel is missing ({kernel_status()}): its rows are null")
 
     def route(x: Any) -> tuple[Any, Any]:
         p = torch.softmax(F.linear(x, gate_w), -1, dtype=torch.float)
@@ -221,22 +226,29 @@ def moe_block(model: Path, opts: argparse.Namespace, results: Path) -> dict[str,
         with torch.inference_mode():
             tw, ti = route(x)
             want = fused_experts_reference(x, w13, w2, tw, ti)
-            got = fused_experts_torch(x, w13, w2, tw, ti, packed=packed)
+            got = fused_experts_torch(x, w13, w2, tw, ti, packed=cpp or packed)
             err = (got - want).abs().max().item()
-            auto = _timeit(lambda x=x: fused_experts_torch(x, w13, w2, *route(x), packed=packed))
+            kernel = None
+            if cpp is not None:
+                kernel = _timeit(lambda x=x: fused_experts_torch(x, w13, w2, *route(x), packed=cpp))
+            onednn = _timeit(lambda x=x: fused_experts_torch(x, w13, w2, *route(x), packed=packed))
             before = {
                 s: _timeit(lambda x=x, s=s: fused_experts_torch(x, k13, k2, *route(x), strategy=s))
                 for s in ("bmm", "grouped_mm", "loop")
             }
         rows[tokens] = {
-            "tidal_onednn_ms": _r(auto),
-            "tidal_previous_best_ms": _r(min(before.values())),
-            "tidal_previous_ms": {k: _r(v) for k, v in before.items()},
+            "tidal_ms": _r(kernel),
+            "tidal_onednn_ms": _r(onednn),
+            "tidal_torch_best_ms": _r(min(before.values())),
+            "tidal_torch_ms": {k: _r(v) for k, v in before.items()},
             "max_abs_err_vs_reference": err,
         }
-        log(f"moe block T={tokens}: onednn {auto:.2f} ms, previous best {min(before.values()):.2f}")
+        log(
+            f"moe block {model.name} T={tokens}: kernel {kernel and round(kernel, 3)} ms, "
+            f"onednn {onednn:.3f}, torch best {min(before.values()):.3f}"
+        )
     if opts.vllm_python:
-        out = results / "vllm_moe_kernel.json"
+        out = results / f"vllm_moe_kernel_{model.name}.json"
         proc = subprocess.run(
             [
                 opts.vllm_python,
@@ -253,7 +265,8 @@ def moe_block(model: Path, opts: argparse.Namespace, results: Path) -> dict[str,
             for tokens, row in rows.items():
                 v = per_t[str(tokens)]
                 row["vllm_block_ms"] = _r(v["block_median_ms"])
-                row["tidal_over_vllm_time"] = _r(row["tidal_onednn_ms"] / v["block_median_ms"])
+                best = row["tidal_ms"] or row["tidal_onednn_ms"]
+                row["tidal_over_vllm_time"] = _r(best / v["block_median_ms"])
         else:
             log(f"vLLM's MoE kernel bench failed: {proc.stderr[-2000:]}")
     return rows
@@ -360,6 +373,8 @@ def main(argv: list[str] | None = None) -> None:
     opts = p.parse_args(argv)
     import torch
 
+    from tidal.kernels.cpu_moe import kernel_status
+
     t0 = time.monotonic()
     paths = ensure_models(opts.peers_dir)
     results = opts.peers_dir / "results"
@@ -371,6 +386,7 @@ def main(argv: list[str] | None = None) -> None:
             "cpus_usable": len(os.sched_getaffinity(0)),
             "torch": torch.__version__,
             "threads": opts.threads,
+            "moe_kernel": kernel_status(),
             "python": platform.python_version(),
             "platform": platform.platform(),
         },
@@ -381,7 +397,7 @@ def main(argv: list[str] | None = None) -> None:
         for tag in tags:
             doc["e2e"][tag] = run_e2e(tag, paths[tag], opts, results)
     big = paths["big"]
-    doc["moe_block"] = moe_block(big, opts, results)
+    doc["moe_block"] = {tag: moe_block(paths[tag], opts, results) for tag in tags}
     doc["gemm"] = gemm(opts)
     batch = doc["e2e"].get("big", {}).get("engines", {}).get("tidal", {}).get("batch")
     doc["roofline"] = roofline(big, opts, batch)

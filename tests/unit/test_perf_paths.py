@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tidal.kernels.cpu_moe import CpuPackedExperts, kernel_available, kernel_status
 from tidal.kernels.fused_moe_torch import (
     STRATEGIES,
     PackedExperts,
@@ -56,10 +57,17 @@ def _moe_problem(tokens: int, experts: int, top_k: int, local: int, skew: float 
 
 
 def _experts(x, w13, w2, weights, ids, emap=None, apply=True, *, strategy="auto"):
-    """``fused_experts_torch`` with the strategy pinned; ``onednn`` gets its packed copies."""
+    """``fused_experts_torch`` with the strategy pinned; ``onednn`` and ``cpp`` get their
+    packed copies."""
     if strategy == "onednn" and not onednn_available(w13.dtype):
         pytest.skip(f"no oneDNN prepacked linear for {w13.dtype} in this torch")
-    packed = PackedExperts(w13, w2) if strategy == "onednn" else None
+    if strategy == "cpp" and (w13.dtype != torch.float32 or not kernel_available()):
+        pytest.skip(f"the C++ kernel is float32 only and {kernel_status()}")
+    packed = None
+    if strategy == "onednn":
+        packed = PackedExperts(w13, w2)
+    elif strategy == "cpp":
+        packed = CpuPackedExperts(w13, w2)
     return fused_experts_torch(
         x, w13, w2, weights, ids, emap, apply, strategy=strategy, packed=packed
     )
@@ -121,11 +129,18 @@ def test_experts_ids_out_of_range_without_map_contribute_zero():
     assert torch.count_nonzero(want[2]) == 0  # both of token 2's experts are elsewhere
 
 
-@pytest.mark.skipif(not onednn_available(), reason="no oneDNN prepacked linear")
-def test_moe_layer_repacks_after_every_weight_write():
-    """The oneDNN copies are derived data: a write the layer is told of (loader, expert
-    moves, EPLB: ``weights_updated``; ``set_local_experts``) is what the next forward
-    computes with, never a stale copy."""
+@pytest.mark.parametrize("kernel", ["cpp", "onednn"])
+def test_moe_layer_repacks_after_every_weight_write(kernel, monkeypatch):
+    """The packed copies (the C++ kernel's, or oneDNN's when it was not built) are derived
+    data: a write the layer is told of (loader, expert moves, EPLB: ``weights_updated``;
+    ``set_local_experts``) is what the next forward computes with, never a stale copy."""
+    if kernel == "cpp" and not kernel_available():
+        pytest.skip(kernel_status())
+    if kernel == "onednn":
+        if not onednn_available():
+            pytest.skip("no oneDNN prepacked linear")
+        monkeypatch.setattr("tidal.moe.layer.kernel_available", lambda: False)
+    kind = CpuPackedExperts if kernel == "cpp" else PackedExperts
     moe = FusedMoE(8, 2, 32, 16, True)
     x, w13, w2, _, _ = _moe_problem(12, 8, 2, 8)
     moe.w13.data.copy_(w13)
@@ -140,7 +155,7 @@ def test_moe_layer_repacks_after_every_weight_write():
     moe.gate.data.copy_(torch.randn(8, 32))
     torch.testing.assert_close(moe(x), want(), atol=ATOL, rtol=0)
     first = moe._packed
-    assert first is not None
+    assert isinstance(first, kind)
     moe(x)
     assert moe._packed is first  # reused while nothing was written
     moe.w13.data[3] *= -1.0  # an in-place write, as EPLB and expert installs do

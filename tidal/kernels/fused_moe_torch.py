@@ -20,6 +20,10 @@ Strategies for the GEMMs (``strategy=``; tests pin each one against the referenc
 * ``onednn``: one oneDNN GEMM pair per busy expert on prepacked weights
   (``PackedExperts``, given by the layer as ``packed=``); ``auto`` takes it whenever
   ``packed`` is given (CPU, float32): 2.2x the others on the 1024-wide model's block.
+* ``cpp``: the C++ kernel of ``tidal/kernels/cpu_moe.py`` on its own packed layout
+  (``CpuPackedExperts``, given as ``packed=``): the whole layer in one call, two parallel
+  regions; ``auto`` takes it whenever such a ``packed`` is given (the layer gives one
+  when the kernel was built). 1.1-4x the ``onednn`` strategy (``benchmarks/cpu_speed.py``).
 * ``auto``: ``loop`` when at most half the experts have tokens (small batches: only busy
   experts cost anything); else, with more than one torch thread, ``bmm`` for small
   balanced batches (at most ``BMM_MAX_ROWS`` rows per expert and at most
@@ -47,9 +51,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from tidal.kernels.cpu_moe import CpuPackedExperts, fused_experts_cpu
 from tidal.kernels.onednn import BATCH_HINT, pack_weight, packed_linear, prefers_packed
 
-STRATEGIES = ("auto", "bmm", "grouped_mm", "loop", "onednn")
+STRATEGIES = ("auto", "bmm", "grouped_mm", "loop", "onednn", "cpp")
 # auto picks bmm (with more than one thread) while padding every expert to the busiest one
 # at most doubles the rows and the busiest expert has at most BMM_MAX_ROWS rows.
 MAX_BMM_PADDING = 2.0
@@ -65,17 +70,30 @@ def fused_experts_torch(
     expert_map: Tensor | None = None,  # [E_global] int32: global id -> local slot or -1
     apply_router_weight: bool = True,
     *,
-    strategy: str = "auto",  # auto | bmm | grouped_mm | loop | onednn (tests pin each one)
-    packed: PackedExperts | None = None,  # oneDNN copies of w13/w2 (the owner keeps them fresh)
+    strategy: str = "auto",  # auto | bmm | grouped_mm | loop | onednn | cpp (tests pin each)
+    # derived copies of w13/w2 for onednn or cpp (the owner keeps them fresh)
+    packed: PackedExperts | CpuPackedExperts | None = None,
 ) -> Tensor:  # [T, H], dtype of hidden
     num_tokens, top_k = topk_ids.shape
     num_local, two_i, hidden_size = w13.shape
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
-    if strategy == "onednn" and packed is None:
+    if strategy == "auto" and packed is not None:
+        strategy = "cpp" if isinstance(packed, CpuPackedExperts) else "onednn"
+    if strategy == "onednn" and not isinstance(packed, PackedExperts):
         raise ValueError("strategy 'onednn' needs packed=PackedExperts(w13, w2)")
-    if packed is not None and strategy == "auto":
-        strategy = "onednn"
+    if strategy == "cpp":
+        if not isinstance(packed, CpuPackedExperts):
+            raise ValueError("strategy 'cpp' needs packed=CpuPackedExperts(w13, w2)")
+        out = fused_experts_cpu(
+            _as(hidden, torch.float32),
+            packed,
+            topk_weights,
+            topk_ids,
+            expert_map,
+            apply_router_weight,
+        )
+        return _as(out, hidden.dtype)
     out = torch.zeros((num_tokens, hidden_size), dtype=torch.float32, device=hidden.device)
     if num_tokens == 0:
         return _as(out, hidden.dtype)
@@ -95,7 +113,7 @@ def fused_experts_torch(
 
     strategy = _choose(strategy, counts, num_valid, hidden, two_i // 2)
     if strategy == "onednn":
-        assert packed is not None
+        assert isinstance(packed, PackedExperts)
         x = hidden.index_select(0, token_idx)
         down = _onednn_experts(x, w13, w2, packed, weights, counts)
     elif strategy == "bmm":

@@ -31,6 +31,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor, nn
 
+from tidal.kernels.cpu_moe import CpuPackedExperts, kernel_available
 from tidal.kernels.fused_moe_torch import (
     PackedExperts,
     fused_experts_torch,
@@ -171,10 +172,11 @@ class FusedMoE(nn.Module):
         self.register_buffer(
             "expert_load", torch.zeros(num_experts, dtype=torch.int64, device=device)
         )
-        # CPU torch backend, float32: oneDNN-prepacked copies of w13/w2, derived data that
-        # every writer drops (``weights_updated``) and the next forward rebuilds.
+        # CPU torch backend, float32: w13/w2 packed for the C++ kernel (or, when it was not
+        # built, for oneDNN), derived data that every writer drops (``weights_updated``)
+        # and the next forward rebuilds.
         self.use_onednn = self.backend == "torch" and torch.device(device or "cpu").type == "cpu"
-        self._packed: PackedExperts | None = None
+        self._packed: CpuPackedExperts | PackedExperts | None = None
         self._packed_gate: Tensor | None = None  # the router's, likewise
 
     def forward(self, hidden: Tensor) -> Tensor:  # [T, H] -> [T, H]
@@ -214,16 +216,22 @@ class FusedMoE(nn.Module):
         return torch.nn.functional.linear(hidden, self.gate)
 
     def _experts_kwargs(self) -> dict[str, Any]:
-        if not self.use_onednn or not onednn_available(self.w13.dtype):
+        if not self.use_onednn or self.w13.dtype != torch.float32:
             return {}
         packed = self._packed
         if packed is None or packed.shapes != (tuple(self.w13.shape), tuple(self.w2.shape)):
-            packed = self._packed = PackedExperts(self.w13, self.w2)
+            if kernel_available():  # the C++ kernel, when pip install built it
+                packed = CpuPackedExperts(self.w13, self.w2)
+            elif onednn_available():
+                packed = PackedExperts(self.w13, self.w2)
+            else:
+                return {}
+            self._packed = packed
         return {"packed": packed}
 
     def weights_updated(self) -> None:
         """``gate``/``w13``/``w2`` were written (loader, expert moves, EPLB): drop what was derived
-        from them (the oneDNN copies), rebuilt at the next forward."""
+        from them (the packed copies), rebuilt at the next forward."""
         self._packed = None
         self._packed_gate = None
 

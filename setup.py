@@ -1,0 +1,32 @@
+"""Builds the optional C++ MoE kernel (``tidal/kernels/csrc/moe_cpu.cpp``) with the package.
+
+Everything else is in ``pyproject.toml``. The kernel is an accelerator, never a
+requirement: when torch is not importable at build time, or the compiler fails, the
+package installs without it and the MoE layer uses its torch path (the same results,
+slower on CPU; ``tidal.kernels.cpu_moe.kernel_status()`` says why it is missing).
+"""
+
+from setuptools import setup
+
+ext_modules = []
+cmdclass = {}
+try:
+    from torch.utils.cpp_extension import BuildExtension, CppExtension
+except ImportError:
+    print("tidal: torch is not importable at build time; the C++ MoE kernel is not built")
+else:
+    ext_modules.append(
+        CppExtension(
+            "tidal.kernels._moe_cpu",
+            ["tidal/kernels/csrc/moe_cpu.cpp"],
+            # -march=native: the kernel's 16-lane vectors compile to the build machine's
+            # widest ISA (an editable install builds on the machine that runs it).
+            # -fopenmp: at::parallel_for's inline region; the symbols resolve to the
+            # OpenMP runtime torch itself loaded, so one thread pool serves both.
+            extra_compile_args=["-O3", "-march=native", "-fopenmp"],
+            optional=True,
+        )
+    )
+    cmdclass["build_ext"] = BuildExtension.with_options(use_ninja=False)
+
+setup(ext_modules=ext_modules, cmdclass=cmdclass)

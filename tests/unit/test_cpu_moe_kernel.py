@@ -1,0 +1,129 @@
+"""The C++ fused MoE kernel (``tidal/kernels/csrc/moe_cpu.cpp``) against the oracle
+``tidal/moe/reference.py``: shapes that do not fill its blocks, expert maps, ids that are
+not local, 1 and 2 threads; its packed layout; and its input checks."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from tidal.kernels.cpu_moe import (
+    DOWN_BLOCK,
+    GATE_BLOCK,
+    CpuPackedExperts,
+    fused_experts_cpu,
+    kernel_available,
+    kernel_status,
+)
+from tidal.moe.layer import build_expert_map
+from tidal.moe.reference import fused_experts_reference
+from tidal.moe.router import softmax_topk
+
+needs_kernel = pytest.mark.skipif(not kernel_available(), reason=kernel_status())
+
+
+@pytest.fixture(autouse=True)
+def _threads():
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_pip_install_built_the_kernel():
+    """Where a C++ compiler exists, ``pip install -e .`` builds the kernel and it loads:
+    a silent build failure would otherwise only show as a slower CPU path."""
+    if shutil.which("c++") is None:
+        pytest.skip("no C++ compiler on this machine: the torch path serves")
+    assert kernel_status() == "ok"
+
+
+def _problem(tokens, hidden, inter, experts, top_k, local, seed):
+    g = torch.Generator().manual_seed(seed)
+    nloc = experts if local is None else len(local)
+    x = torch.randn(tokens, hidden, generator=g)
+    w13 = torch.randn(nloc, 2 * inter, hidden, generator=g) / hidden**0.5
+    w2 = torch.randn(nloc, hidden, inter, generator=g) / inter**0.5
+    weights, ids = softmax_topk(torch.randn(tokens, experts, generator=g), top_k, True)
+    emap = None if local is None else build_expert_map(experts, local)
+    return x, w13, w2, weights, ids, emap
+
+
+@needs_kernel
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize(
+    "tokens,hidden,inter,experts,top_k,local",
+    [(1, 64, 32, 8, 2, None), (7, 100, 20, 8, 3, None), (33, 128, 96, 16, 4, None),
+     (257, 64, 64, 8, 2, None), (40, 72, 48, 8, 2, [6, 1, 3]), (19, 64, 32, 8, 2, [2]),
+     (5, 48, 16, 4, 4, [3, 2, 1, 0]), (0, 64, 32, 8, 2, None)],
+)  # fmt: skip
+@pytest.mark.parametrize("apply_router_weight", [True, False])
+def test_kernel_matches_reference(threads, tokens, hidden, inter, experts, top_k, local,
+                                  apply_router_weight):  # fmt: skip
+    torch.set_num_threads(threads)
+    x, w13, w2, weights, ids, emap = _problem(tokens, hidden, inter, experts, top_k, local, 7)
+    want = fused_experts_reference(x, w13, w2, weights, ids, emap, apply_router_weight)
+    got = fused_experts_cpu(x, CpuPackedExperts(w13, w2), weights, ids, emap, apply_router_weight)
+    assert got.shape == x.shape and got.dtype == torch.float32
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
+
+
+@needs_kernel
+def test_kernel_ids_not_local_duplicates_and_strided_hidden():
+    x, w13, w2, weights, _, _ = _problem(6, 64, 32, 4, 2, None, 3)
+    ids = torch.tensor(
+        [[0, 9], [-1, 1], [7, -5], [3, 3], [2, 2], [1, 0]]
+    )  # 9, 7, -5, -1: elsewhere
+    packed = CpuPackedExperts(w13, w2)
+    want = fused_experts_reference(x, w13, w2, weights, ids)
+    torch.testing.assert_close(fused_experts_cpu(x, packed, weights, ids), want, atol=2e-5, rtol=0)
+    assert torch.count_nonzero(want[2]) == 0
+    # Through a map (ids in range: the reference indexes the map with them).
+    emap = build_expert_map(4, [3, 0, 2])
+    want = fused_experts_reference(x, w13, w2, weights, ids.clamp(0, 3), emap)
+    got = fused_experts_cpu(x, packed, weights, ids.clamp(0, 3), emap)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=0)
+    wide = torch.randn(6, 128)[:, ::2]  # not contiguous
+    want = fused_experts_reference(wide, w13, w2, weights, ids)
+    torch.testing.assert_close(
+        fused_experts_cpu(wide, packed, weights, ids), want, atol=2e-5, rtol=0
+    )
+
+
+def test_packed_layout():
+    """Block j of ``w13`` holds gate then up columns 32j.. for each input column; block j
+    of ``w2`` the down weights of output columns 64j..; zero past I and H."""
+    _, w13, w2, _, _, _ = _problem(1, 70, 40, 3, 1, None, 5)
+    p = CpuPackedExperts(w13, w2)
+    assert p.w13.shape == (3, 2, 70, 2 * GATE_BLOCK) and p.w2.shape == (3, 2, 64, DOWN_BLOCK)
+    e, k = 2, 11
+    for col in (0, 31, 32, 39):
+        j, c = divmod(col, GATE_BLOCK)
+        assert p.w13[e, j, k, c] == w13[e, col, k]  # gate
+        assert p.w13[e, j, k, GATE_BLOCK + c] == w13[e, 40 + col, k]  # up
+        assert p.w2[e, 0, col, 5] == w2[e, 5, col]
+        assert p.w2[e, 1, col, 69 - DOWN_BLOCK] == w2[e, 69, col]
+    assert torch.count_nonzero(p.w13[:, 1, :, 8:GATE_BLOCK]) == 0  # gate columns 40..63
+    assert torch.count_nonzero(p.w2[:, :, 40:]) == 0  # intermediate rows past I
+    assert torch.count_nonzero(p.w2[:, 1, :, 70 - DOWN_BLOCK :]) == 0  # outputs past H
+
+
+@needs_kernel
+def test_kernel_rejects_bad_inputs_with_errors():
+    x, w13, w2, weights, ids, _ = _problem(4, 64, 32, 4, 2, None, 1)
+    packed = CpuPackedExperts(w13, w2)
+    with pytest.raises(ValueError, match="float32"):
+        fused_experts_cpu(x.double(), packed, weights, ids)
+    with pytest.raises(ValueError, match="width"):
+        fused_experts_cpu(torch.randn(4, 32), packed, weights, ids)
+    with pytest.raises(RuntimeError, match="topk"):
+        fused_experts_cpu(x, packed, weights[:3], ids)
+    with pytest.raises(RuntimeError, match="w13p"):
+        torch.ops.tidal_cpu.fused_moe(
+            x, packed.w13[:, :, :, :32], packed.w2, weights, ids, None, True
+        )
+    with pytest.raises(ValueError, match="float32"):
+        CpuPackedExperts(w13.bfloat16(), w2.bfloat16())
+    with pytest.raises(ValueError, match="does not match"):
+        CpuPackedExperts(w13, w2[:, :, :16])

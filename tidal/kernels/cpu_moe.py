@@ -1,0 +1,116 @@
+"""The C++ fused MoE kernel for float32 on CPU (``csrc/moe_cpu.cpp``), one checked wrapper.
+
+Why: at decode sizes each expert sees a few rows, so the experts' GEMMs are bound by
+reading the weights once; what the torch paths add on top is per-call cost (oneDNN: ~14
+us and a thread barrier per GEMM, two GEMMs per busy expert). The kernel does the whole
+layer -- routing sort, gate/up with SiLU-and-mul and the router weight, down summed into
+the tokens -- in one call with two parallel regions on torch's own thread pool.
+
+It is built by ``pip install -e .`` (``setup.py``) when torch is importable at build time
+and a C++ compiler works; otherwise ``kernel_available()`` is False, ``kernel_status()``
+says why, and the MoE layer keeps the torch path. Tests pin it against
+``tidal/moe/reference.py``.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+GATE_BLOCK = 32  # intermediate columns per w13 block (the kernel's kGateBlock)
+DOWN_BLOCK = 64  # output columns per w2 block (kDownBlock)
+_MODULE = "tidal.kernels._moe_cpu"
+
+
+@functools.cache
+def kernel_status() -> str:
+    """'ok', or why the kernel cannot be used in this process."""
+    spec = importlib.util.find_spec(_MODULE)
+    if spec is None or spec.origin is None:
+        return "not built (pip install -e . builds it when torch and a C++ compiler are there)"
+    try:
+        torch.ops.load_library(spec.origin)
+    except (OSError, RuntimeError) as exc:  # built against another torch, missing symbols
+        return f"built but not loadable: {exc}"
+    return "ok"
+
+
+def kernel_available() -> bool:
+    return kernel_status() == "ok"
+
+
+class CpuPackedExperts:
+    """Each local expert's weights in the kernel's blocked layout (see ``csrc/moe_cpu.cpp``):
+
+    * ``w13 [E, I_pad/32, H, 64]``: block j holds, for each input column k, the 32 gate
+      weights of intermediate columns 32j.. then the 32 matching up weights;
+    * ``w2 [E, H_pad/64, I_pad, 64]``: block j holds, for each intermediate column k, the
+      down weights of output columns 64j..;
+
+    zero past I and H. Derived data, like ``PackedExperts``: the layer drops it whenever
+    ``w13``/``w2`` are written (``FusedMoE.weights_updated``) and packs again."""
+
+    def __init__(self, w13: Tensor, w2: Tensor) -> None:  # [E, 2I, H], [E, H, I] float32
+        if w13.dtype != torch.float32 or w2.dtype != torch.float32:
+            raise ValueError(f"the CPU kernel is float32 only, got {w13.dtype}/{w2.dtype}")
+        num, two_i, hidden = w13.shape
+        inter = two_i // 2
+        if w2.shape != (num, hidden, inter):
+            raise ValueError(f"w2 {tuple(w2.shape)} does not match w13 {tuple(w13.shape)}")
+        inter_pad = _round_up(inter, GATE_BLOCK)
+        hidden_pad = _round_up(hidden, DOWN_BLOCK)
+        gate_blocks = inter_pad // GATE_BLOCK
+
+        def halves(rows: Tensor) -> Tensor:  # [E, I, H] -> [E, I_pad/32, 32, H]
+            return F.pad(rows, (0, 0, 0, inter_pad - inter)).view(
+                num, gate_blocks, GATE_BLOCK, hidden
+            )
+
+        self.w13 = (
+            torch.cat([halves(w13[:, :inter]), halves(w13[:, inter:])], 2)
+            .transpose(2, 3)
+            .contiguous()
+        )  # [E, I_pad/32, H, 64]
+        self.w2 = (
+            F.pad(w2, (0, inter_pad - inter, 0, hidden_pad - hidden))
+            .view(num, hidden_pad // DOWN_BLOCK, DOWN_BLOCK, inter_pad)
+            .transpose(2, 3)
+            .contiguous()
+        )  # [E, H_pad/64, I_pad, 64]
+        self.shapes = (tuple(w13.shape), tuple(w2.shape))
+
+
+def fused_experts_cpu(
+    hidden: Tensor,  # [T, H] float32
+    packed: CpuPackedExperts,
+    topk_weights: Tensor,  # [T, K]
+    topk_ids: Tensor,  # [T, K] global ids
+    expert_map: Tensor | None = None,  # [E_global] int32: global id -> local slot or -1
+    apply_router_weight: bool = True,
+) -> Tensor:  # [T, H] float32
+    """The experts of one MoE layer; slots whose expert is not local contribute zero."""
+    if hidden.dtype != torch.float32 or hidden.device.type != "cpu":
+        raise ValueError(f"the CPU kernel takes float32 CPU hidden, got {hidden.dtype}")
+    if hidden.dim() != 2 or hidden.shape[1] != packed.shapes[0][2]:
+        raise ValueError(
+            f"hidden {tuple(hidden.shape)} does not match the experts' width {packed.shapes[0][2]}"
+        )
+    if not kernel_available():
+        raise RuntimeError(f"the C++ MoE kernel is unavailable: {kernel_status()}")
+    return torch.ops.tidal_cpu.fused_moe(
+        hidden,
+        packed.w13,
+        packed.w2,
+        topk_weights.to(torch.float32),
+        topk_ids.to(torch.int64),
+        None if expert_map is None else expert_map.to(torch.int32),
+        apply_router_weight,
+    )
+
+
+def _round_up(n: int, block: int) -> int:
+    return -(-n // block) * block

@@ -1,0 +1,269 @@
+// Fused MoE experts for float32 on CPU: one call per layer does the routing sort, every
+// busy expert's gate/up GEMM with SiLU-and-mul and the router weight in its epilogue, and
+// every down GEMM summed straight into the tokens' outputs. Two parallel regions per
+// layer (torch's own OpenMP pool, so no second thread pool competes for the cores).
+//
+// Why (issue #13): at decode sizes an expert sees a handful of rows, so its GEMMs are
+// bound by reading the weights once; what costs on top is per-call overhead. The oneDNN
+// path pays ~14 us and a thread barrier per GEMM, two GEMMs per busy expert (64 a layer
+// at 32 tokens on the 1024-wide model); this pays two barriers a layer.
+//
+// Weight layouts (built by tidal/kernels/cpu_moe.py, which also holds the Python
+// reference of this exact layout):
+//   w13p [E, I_pad / 32, H, 64]: column block j of expert e holds, for each k, the 32
+//        gate weights of intermediate columns j*32.. then the 32 matching up weights, so
+//        one block gives both halves of SiLU-and-mul; columns past I are zero.
+//   w2p  [E, H_pad / 64, I_pad, 64]: column block j holds, for each k, the down weights
+//        of output columns j*64..; rows past I and columns past H are zero.
+// Each block is read front to back, once per group of up to 4 rows.
+
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kGateBlock = 32;  // intermediate columns per w13p block (x2: gate, up)
+constexpr int64_t kDownBlock = 64;  // output columns per w2p block
+constexpr int kRows = 4;            // rows sharing one pass over a weight block
+
+typedef float vec16 __attribute__((vector_size(64)));
+
+inline vec16 splat(float v) { return vec16{} + v; }
+
+inline vec16 load(const float* p) {
+  vec16 v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline void store(float* p, vec16 v) { std::memcpy(p, &v, sizeof(v)); }
+
+// exp on 16 lanes: 2^n * p(r), r = x - n ln2 in [-ln2/2, ln2/2], degree-6 polynomial
+// (~1 ulp on the range SiLU needs); clamped so 2^n stays a normal float.
+inline vec16 vexp(vec16 x) {
+  x = x < splat(-87.f) ? splat(-87.f) : x;
+  x = x > splat(88.f) ? splat(88.f) : x;
+  vec16 n = x * splat(1.44269504088896341f);
+  typedef int32_t ivec16 __attribute__((vector_size(64)));
+  ivec16 ni = __builtin_convertvector(n + (n < splat(0.f) ? splat(-0.5f) : splat(0.5f)), ivec16);
+  vec16 nf = __builtin_convertvector(ni, vec16);
+  vec16 r = x - nf * splat(0.693145751953125f);
+  r = r - nf * splat(1.428606765330187045e-06f);
+  vec16 p = splat(1.f / 5040) * r + splat(1.f / 720);
+  p = p * r + splat(1.f / 120);
+  p = p * r + splat(1.f / 24);
+  p = p * r + splat(1.f / 6);
+  p = p * r + splat(0.5f);
+  p = p * r + splat(1.f);
+  p = p * r + splat(1.f);
+  ivec16 bits = (ni + 127) << 23;
+  vec16 scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+inline vec16 silu(vec16 g) { return g / (splat(1.f) + vexp(-g)); }
+
+// acc[m][0..3] = sum_k x[m][k] * w[k][0..63] for R rows; w is K x 64 contiguous.
+template <int R>
+inline void block_gemm(const float* const* x, const float* w, int64_t k_len, vec16 acc[][4]) {
+  for (int m = 0; m < R; ++m)
+    for (int v = 0; v < 4; ++v) acc[m][v] = splat(0.f);
+  for (int64_t k = 0; k < k_len; ++k) {
+    const float* wk = w + k * 64;
+    vec16 w0 = load(wk), w1 = load(wk + 16), w2 = load(wk + 32), w3 = load(wk + 48);
+    for (int m = 0; m < R; ++m) {
+      vec16 xm = splat(x[m][k]);
+      acc[m][0] += xm * w0;
+      acc[m][1] += xm * w1;
+      acc[m][2] += xm * w2;
+      acc[m][3] += xm * w3;
+    }
+  }
+}
+
+template <int R>
+void gate_up_rows(const float* const* x, const float* w, int64_t hidden, float* const* act,
+                  const float* weights) {
+  vec16 acc[kRows][4];
+  block_gemm<R>(x, w, hidden, acc);
+  for (int m = 0; m < R; ++m) {
+    vec16 s = splat(weights ? weights[m] : 1.f);
+    store(act[m], silu(acc[m][0]) * acc[m][2] * s);
+    store(act[m] + 16, silu(acc[m][1]) * acc[m][3] * s);
+  }
+}
+
+template <int R>
+void down_rows(const float* const* a, const float* w, int64_t inter, float* const* out,
+               int64_t cols) {
+  vec16 acc[kRows][4];
+  block_gemm<R>(a, w, inter, acc);
+  for (int m = 0; m < R; ++m) {
+    if (cols == 64) {
+      for (int v = 0; v < 4; ++v) store(out[m] + 16 * v, load(out[m] + 16 * v) + acc[m][v]);
+    } else {
+      float tmp[64];
+      for (int v = 0; v < 4; ++v) store(tmp + 16 * v, acc[m][v]);
+      for (int64_t c = 0; c < cols; ++c) out[m][c] += tmp[c];
+    }
+  }
+}
+
+template <typename F>
+void dispatch_rows(int r, F&& f) {
+  switch (r) {
+    case 1: f(std::integral_constant<int, 1>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    case 3: f(std::integral_constant<int, 3>{}); break;
+    default: f(std::integral_constant<int, 4>{}); break;
+  }
+}
+
+// Runs task(i) for i in [0, n) on torch's threads, each thread taking the next task.
+template <typename F>
+void for_each_task(int64_t n, F&& task) {
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+    for (int64_t i = next.fetch_add(1); i < n; i = next.fetch_add(1)) task(i);
+  });
+}
+
+at::Tensor fused_moe(const at::Tensor& hidden,        // [T, H] float32
+                     const at::Tensor& w13p,          // [E, I_pad/32, H, 64] float32
+                     const at::Tensor& w2p,           // [E, H_pad/64, I_pad, 64] float32
+                     const at::Tensor& topk_weights,  // [T, K] float32
+                     const at::Tensor& topk_ids,      // [T, K] int64 global ids
+                     const std::optional<at::Tensor>& expert_map,  // [E_global] int32
+                     bool apply_router_weight) {
+  TORCH_CHECK(hidden.dim() == 2 && hidden.scalar_type() == at::kFloat && hidden.is_cpu(),
+              "hidden must be [T, H] float32 on CPU");
+  TORCH_CHECK(w13p.dim() == 4 && w13p.scalar_type() == at::kFloat && w13p.is_contiguous() &&
+                  w13p.size(3) == 2 * kGateBlock,
+              "w13p must be a contiguous [E, I_pad/32, H, 64] float32 pack");
+  TORCH_CHECK(w2p.dim() == 4 && w2p.scalar_type() == at::kFloat && w2p.is_contiguous() &&
+                  w2p.size(3) == kDownBlock,
+              "w2p must be a contiguous [E, H_pad/64, I_pad, 64] float32 pack");
+  const int64_t num_tokens = hidden.size(0), hidden_size = hidden.size(1);
+  const int64_t num_local = w13p.size(0), gate_blocks = w13p.size(1);
+  const int64_t inter_pad = gate_blocks * kGateBlock, down_blocks = w2p.size(1);
+  TORCH_CHECK(w13p.size(2) == hidden_size && w2p.size(0) == num_local &&
+                  w2p.size(2) == inter_pad && down_blocks * kDownBlock >= hidden_size &&
+                  (down_blocks - 1) * kDownBlock < hidden_size,
+              "w13p/w2p do not match hidden's width or each other");
+  TORCH_CHECK(topk_ids.dim() == 2 && topk_ids.size(0) == num_tokens &&
+                  topk_ids.scalar_type() == at::kLong && topk_weights.sizes() == topk_ids.sizes() &&
+                  topk_weights.scalar_type() == at::kFloat,
+              "topk_ids/topk_weights must be [T, K] int64/float32");
+  const int64_t top_k = topk_ids.size(1);
+  auto x = hidden.contiguous();
+  auto ids = topk_ids.contiguous();
+  auto tw = topk_weights.contiguous();
+  at::Tensor map;
+  if (expert_map.has_value()) {
+    map = expert_map->contiguous();
+    TORCH_CHECK(map.dim() == 1 && map.scalar_type() == at::kInt, "expert_map must be int32");
+  }
+  auto out = at::zeros({num_tokens, hidden_size}, hidden.options());
+  if (num_tokens == 0) return out;
+
+  // 1. Routing: each local slot's rows (token, router weight), ordered by expert and,
+  //    within an expert, by token (stable, as the torch path sorts).
+  const int64_t* id = ids.data_ptr<int64_t>();
+  const float* w = tw.data_ptr<float>();
+  const int32_t* mp = map.defined() ? map.data_ptr<int32_t>() : nullptr;
+  const int64_t map_len = map.defined() ? map.size(0) : 0;
+  std::vector<int64_t> slot(num_tokens * top_k), start(num_local + 1, 0);
+  for (int64_t i = 0; i < num_tokens * top_k; ++i) {
+    int64_t s = id[i];
+    if (mp) s = (s >= 0 && s < map_len) ? mp[s] : -1;
+    slot[i] = (s >= 0 && s < num_local) ? s : -1;
+    if (slot[i] >= 0) ++start[slot[i] + 1];
+  }
+  for (int64_t e = 0; e < num_local; ++e) start[e + 1] += start[e];
+  const int64_t rows = start[num_local];
+  if (rows == 0) return out;
+  std::vector<int64_t> token(rows), fill(start.begin(), start.end() - 1);
+  std::vector<float> row_weight(rows);
+  for (int64_t i = 0; i < num_tokens * top_k; ++i) {
+    if (slot[i] < 0) continue;
+    int64_t r = fill[slot[i]]++;
+    token[r] = i / top_k;
+    row_weight[r] = apply_router_weight ? w[i] : 1.f;
+  }
+  // Busy (expert, group of up to kRows rows) pairs: the units of work.
+  std::vector<int64_t> group_expert, group_row;
+  for (int64_t e = 0; e < num_local; ++e)
+    for (int64_t r = start[e]; r < start[e + 1]; r += kRows) {
+      group_expert.push_back(e);
+      group_row.push_back(r);
+    }
+  const int64_t groups = group_expert.size();
+
+  auto act = at::empty({rows, inter_pad}, hidden.options());  // [N, I_pad]
+  const float* xp = x.data_ptr<float>();
+  const float* w13 = w13p.data_ptr<float>();
+  const float* w2 = w2p.data_ptr<float>();
+  float* ap = act.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+
+  // 2. gate/up + SiLU-and-mul + router weight: task = (busy expert, column block); its
+  //    row groups take turns on the block, so only the first reads it from memory.
+  std::vector<int64_t> busy;
+  for (int64_t e = 0; e < num_local; ++e)
+    if (start[e + 1] > start[e]) busy.push_back(e);
+  for_each_task(static_cast<int64_t>(busy.size()) * gate_blocks, [&](int64_t task) {
+    const int64_t e = busy[task / gate_blocks], j = task % gate_blocks;
+    const float* blk = w13 + (e * gate_blocks + j) * hidden_size * 2 * kGateBlock;
+    for (int64_t r0 = start[e]; r0 < start[e + 1]; r0 += kRows) {
+      const int r = static_cast<int>(std::min<int64_t>(kRows, start[e + 1] - r0));
+      const float* xs[kRows];
+      float* as[kRows];
+      for (int m = 0; m < r; ++m) {
+        xs[m] = xp + token[r0 + m] * hidden_size;
+        as[m] = ap + (r0 + m) * inter_pad + j * kGateBlock;
+      }
+      dispatch_rows(r, [&](auto R) {
+        gate_up_rows<R()>(xs, blk, hidden_size, as, &row_weight[r0]);
+      });
+    }
+  });
+
+  // 3. down, summed into the tokens: task = output column block, over every row group
+  //    (a token's rows all land in the same task, so no two threads add to one element).
+  for_each_task(down_blocks, [&](int64_t j) {
+    const int64_t cols = std::min<int64_t>(kDownBlock, hidden_size - j * kDownBlock);
+    for (int64_t g = 0; g < groups; ++g) {
+      const int64_t e = group_expert[g], r0 = group_row[g];
+      const int r = static_cast<int>(std::min<int64_t>(kRows, start[e + 1] - r0));
+      const float* as[kRows];
+      float* os[kRows];
+      for (int m = 0; m < r; ++m) {
+        as[m] = ap + (r0 + m) * inter_pad;
+        os[m] = op + token[r0 + m] * hidden_size + j * kDownBlock;
+      }
+      const float* blk = w2 + (e * down_blocks + j) * inter_pad * kDownBlock;
+      dispatch_rows(r, [&](auto R) { down_rows<R()>(as, blk, inter_pad, os, cols); });
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(tidal_cpu, m) {
+  m.def(
+      "fused_moe(Tensor hidden, Tensor w13p, Tensor w2p, Tensor topk_weights, "
+      "Tensor topk_ids, Tensor? expert_map, bool apply_router_weight) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(tidal_cpu, CPU, m) { m.impl("fused_moe", &fused_moe); }
