@@ -15,7 +15,7 @@
 //        one block gives both halves of SiLU-and-mul; columns past I are zero.
 //   w2p  [E, H_pad / 64, I_pad, 64]: column block j holds, for each k, the down weights
 //        of output columns j*64..; rows past I and columns past H are zero.
-// Each block is read front to back, once per group of up to 4 rows.
+// Each block is read front to back, once per group of up to kRows rows.
 
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -33,7 +33,10 @@ namespace {
 
 constexpr int64_t kGateBlock = 32;  // intermediate columns per w13p block (x2: gate, up)
 constexpr int64_t kDownBlock = 64;  // output columns per w2p block
-constexpr int kRows = 4;            // rows sharing one pass over a weight block
+// Rows sharing one pass over a weight block: 6 rows x 4 vectors = 24 accumulators, plus
+// 4 weight vectors, fit the 32 AVX-512 registers (4 rows: 11.0 ms at 256 tokens, 6: 9.0).
+constexpr int kRows = 6;
+constexpr int64_t kPrefetch = 16;   // weight rows (of 64 floats) to prefetch ahead
 
 typedef float vec16 __attribute__((vector_size(64)));
 
@@ -80,6 +83,9 @@ inline void block_gemm(const float* const* x, const float* w, int64_t k_len, vec
     for (int v = 0; v < 4; ++v) acc[m][v] = splat(0.f);
   for (int64_t k = 0; k < k_len; ++k) {
     const float* wk = w + k * 64;
+    // The weights stream from memory once: ask for them kPrefetch rows ahead, on top of
+    // the hardware prefetcher (+5% at 32 tokens on the 1024-wide model).
+    for (int line = 0; line < 4; ++line) __builtin_prefetch(wk + kPrefetch * 64 + 16 * line, 0, 0);
     vec16 w0 = load(wk), w1 = load(wk + 16), w2 = load(wk + 32), w3 = load(wk + 48);
     for (int m = 0; m < R; ++m) {
       vec16 xm = splat(x[m][k]);
@@ -125,7 +131,9 @@ void dispatch_rows(int r, F&& f) {
     case 1: f(std::integral_constant<int, 1>{}); break;
     case 2: f(std::integral_constant<int, 2>{}); break;
     case 3: f(std::integral_constant<int, 3>{}); break;
-    default: f(std::integral_constant<int, 4>{}); break;
+    case 4: f(std::integral_constant<int, 4>{}); break;
+    case 5: f(std::integral_constant<int, 5>{}); break;
+    default: f(std::integral_constant<int, 6>{}); break;
   }
 }
 
