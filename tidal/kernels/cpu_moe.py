@@ -29,6 +29,10 @@ _MODULE = "tidal.kernels._moe_cpu"
 @functools.cache
 def kernel_status() -> str:
     """'ok', or why the kernel cannot be used in this process."""
+    if hasattr(torch.ops.tidal_cpu, "fused_moe"):
+        # Already registered in this process (loaded twice, a second copy would abort it:
+        # torch allows one TORCH_LIBRARY per namespace).
+        return "ok"
     spec = importlib.util.find_spec(_MODULE)
     if spec is None or spec.origin is None:
         return "not built (pip install -e . builds it when torch and a C++ compiler are there)"
