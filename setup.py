@@ -1,9 +1,10 @@
-"""Builds the optional C++ MoE kernel (``tidal/kernels/csrc/moe_cpu.cpp``) with the package.
+"""Builds the optional C++ extension of CPU kernels (``tidal/kernels/csrc/*.cpp``) with
+the package.
 
-Everything else is in ``pyproject.toml``. The kernel is an accelerator, never a
+Everything else is in ``pyproject.toml``. The extension is an accelerator, never a
 requirement: when torch is not importable at build time, or the compiler fails, the
-package installs without it and the MoE layer uses its torch path (the same results,
-slower on CPU; ``tidal.kernels.cpu_moe.kernel_status()`` says why it is missing).
+package installs without it and every caller uses its torch path (the same results,
+slower on CPU; ``tidal.kernels.cpu_ext.kernel_status()`` says why it is missing).
 """
 
 from setuptools import setup
@@ -13,12 +14,12 @@ cmdclass = {}
 try:
     from torch.utils.cpp_extension import BuildExtension, CppExtension
 except ImportError:
-    print("tidal: torch is not importable at build time; the C++ MoE kernel is not built")
+    print("tidal: torch is not importable at build time; the C++ CPU kernels are not built")
 else:
     ext_modules.append(
         CppExtension(
-            "tidal.kernels._moe_cpu",
-            ["tidal/kernels/csrc/moe_cpu.cpp"],
+            "tidal.kernels._cpu_ops",
+            ["tidal/kernels/csrc/moe_cpu.cpp", "tidal/kernels/csrc/norm_cpu.cpp"],
             # -march=native: the kernel's 16-lane vectors compile to the build machine's
             # widest ISA (an editable install builds on the machine that runs it).
             # -fopenmp: at::parallel_for's inline region; the symbols resolve to the

@@ -189,7 +189,8 @@ def moe_block(model: Path, opts: argparse.Namespace, results: Path) -> dict[str,
     import torch.nn.functional as F
     from safetensors import safe_open
 
-    from tidal.kernels.cpu_moe import CpuPackedExperts, kernel_available, kernel_status
+    from tidal.kernels.cpu_ext import kernel_available, kernel_status
+    from tidal.kernels.cpu_moe import CpuPackedExperts
     from tidal.kernels.fused_moe_torch import PackedExperts, fused_experts_torch, k_major_experts
     from tidal.moe.reference import fused_experts_reference
 
@@ -373,7 +374,7 @@ def main(argv: list[str] | None = None) -> None:
     opts = p.parse_args(argv)
     import torch
 
-    from tidal.kernels.cpu_moe import kernel_status
+    from tidal.kernels.cpu_ext import kernel_status
 
     t0 = time.monotonic()
     paths = ensure_models(opts.peers_dir)

@@ -9,14 +9,8 @@ import shutil
 import pytest
 import torch
 
-from tidal.kernels.cpu_moe import (
-    DOWN_BLOCK,
-    GATE_BLOCK,
-    CpuPackedExperts,
-    fused_experts_cpu,
-    kernel_available,
-    kernel_status,
-)
+from tidal.kernels.cpu_ext import kernel_available, kernel_status
+from tidal.kernels.cpu_moe import DOWN_BLOCK, GATE_BLOCK, CpuPackedExperts, fused_experts_cpu
 from tidal.moe.layer import build_expert_map
 from tidal.moe.reference import fused_experts_reference
 from tidal.moe.router import softmax_topk

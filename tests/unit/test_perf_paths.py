@@ -10,7 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tidal.kernels.cpu_moe import CpuPackedExperts, kernel_available, kernel_status
+from tidal.kernels.cpu_ext import kernel_available, kernel_status
+from tidal.kernels.cpu_moe import CpuPackedExperts
 from tidal.kernels.fused_moe_torch import (
     STRATEGIES,
     PackedExperts,

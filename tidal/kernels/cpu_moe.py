@@ -6,45 +6,20 @@ us and a thread barrier per GEMM, two GEMMs per busy expert). The kernel does th
 layer -- routing sort, gate/up with SiLU-and-mul and the router weight, down summed into
 the tokens -- in one call with two parallel regions on torch's own thread pool.
 
-It is built by ``pip install -e .`` (``setup.py``) when torch is importable at build time
-and a C++ compiler works; otherwise ``kernel_available()`` is False, ``kernel_status()``
-says why, and the MoE layer keeps the torch path. Tests pin it against
-``tidal/moe/reference.py``.
+It is part of the C++ extension ``tidal/kernels/cpu_ext.py`` loads; where that was not
+built the MoE layer keeps the torch path. Tests pin it against ``tidal/moe/reference.py``.
 """
 
 from __future__ import annotations
-
-import functools
-import importlib.util
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from tidal.kernels.cpu_ext import kernel_available, kernel_status
+
 GATE_BLOCK = 32  # intermediate columns per w13 block (the kernel's kGateBlock)
 DOWN_BLOCK = 64  # output columns per w2 block (kDownBlock)
-_MODULE = "tidal.kernels._moe_cpu"
-
-
-@functools.cache
-def kernel_status() -> str:
-    """'ok', or why the kernel cannot be used in this process."""
-    if hasattr(torch.ops.tidal_cpu, "fused_moe"):
-        # Already registered in this process (loaded twice, a second copy would abort it:
-        # torch allows one TORCH_LIBRARY per namespace).
-        return "ok"
-    spec = importlib.util.find_spec(_MODULE)
-    if spec is None or spec.origin is None:
-        return "not built (pip install -e . builds it when torch and a C++ compiler are there)"
-    try:
-        torch.ops.load_library(spec.origin)
-    except (OSError, RuntimeError) as exc:  # built against another torch, missing symbols
-        return f"built but not loadable: {exc}"
-    return "ok"
-
-
-def kernel_available() -> bool:
-    return kernel_status() == "ok"
 
 
 class CpuPackedExperts:

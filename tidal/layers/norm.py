@@ -8,6 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from tidal.kernels.cpu_norm import rms_norm_cpu, rms_norm_cpu_ok
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float, *, dtype: Any = None, device: Any = None) -> None:
@@ -18,6 +20,8 @@ class RMSNorm(nn.Module):
         )
 
     def forward(self, x: Tensor) -> Tensor:  # [..., dim], normalised over the last dim
+        if rms_norm_cpu_ok(x):  # one C++ pass (tidal/kernels/cpu_norm.py)
+            return rms_norm_cpu(x, self.weight, self.eps)
         if x.dtype == torch.float32:
             # One fused op; equal to the float32 formula (tested against transformers).
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
@@ -38,7 +42,10 @@ def rms_norm_heads(
     if x.dtype != torch.float32:
         parts = x.split(list(group_sizes), dim=1)
         return torch.cat([_rms_norm_hf(p, w, eps) for p, w in zip(parts, weights)], dim=1)
-    out = F.rms_norm(x, (x.shape[-1],), None, eps)
+    if rms_norm_cpu_ok(x):
+        out = rms_norm_cpu(x, None, eps)
+    else:
+        out = F.rms_norm(x, (x.shape[-1],), None, eps)
     start = 0
     for size, w in zip(group_sizes, weights):
         out[:, start : start + size].mul_(w)

@@ -31,7 +31,8 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor, nn
 
-from tidal.kernels.cpu_moe import CpuPackedExperts, kernel_available
+from tidal.kernels.cpu_ext import kernel_available
+from tidal.kernels.cpu_moe import CpuPackedExperts
 from tidal.kernels.fused_moe_torch import (
     PackedExperts,
     fused_experts_torch,

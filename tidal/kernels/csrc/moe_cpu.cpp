@@ -268,7 +268,7 @@ at::Tensor fused_moe(const at::Tensor& hidden,        // [T, H] float32
 
 }  // namespace
 
-TORCH_LIBRARY(tidal_cpu, m) {
+TORCH_LIBRARY_FRAGMENT(tidal_cpu, m) {
   m.def(
       "fused_moe(Tensor hidden, Tensor w13p, Tensor w2p, Tensor topk_weights, "
       "Tensor topk_ids, Tensor? expert_map, bool apply_router_weight) -> Tensor");

@@ -1,0 +1,38 @@
+"""The C++ extension of CPU kernels (``csrc/*.cpp``, ops ``torch.ops.tidal_cpu.*``):
+whether this process can use it.
+
+``pip install -e .`` builds it (``setup.py``) when torch is importable at build time and a
+C++ compiler works. Every op in it is an accelerator with a torch path beside it: where it
+is missing ``kernel_available()`` is False, ``kernel_status()`` says why, and the callers
+keep their torch paths (same results, slower).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+
+import torch
+
+_MODULE = "tidal.kernels._cpu_ops"
+
+
+@functools.cache
+def kernel_status() -> str:
+    """'ok', or why the kernel cannot be used in this process."""
+    if hasattr(torch.ops.tidal_cpu, "fused_moe"):
+        # Already registered in this process: loading a second copy would abort it (torch
+        # refuses to define an op twice, from a static initializer).
+        return "ok"
+    spec = importlib.util.find_spec(_MODULE)
+    if spec is None or spec.origin is None:
+        return "not built (pip install -e . builds it when torch and a C++ compiler are there)"
+    try:
+        torch.ops.load_library(spec.origin)
+    except (OSError, RuntimeError) as exc:  # built against another torch, missing symbols
+        return f"built but not loadable: {exc}"
+    return "ok"
+
+
+def kernel_available() -> bool:
+    return kernel_status() == "ok"
