@@ -10,6 +10,7 @@ leaves nothing behind either.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -60,6 +61,23 @@ def _alive(p: psutil.Process) -> bool:
         return False
 
 
+@contextlib.contextmanager
+def _sigint_not_ignored():
+    """The script starts with SIGINT at its default, as from a terminal. A test run
+    started as a background job (``cmd &`` in a non-interactive shell) ignores SIGINT, an
+    ignored signal stays ignored across exec, and Python then installs no
+    KeyboardInterrupt handler: Ctrl-C would do nothing. A handler (unlike SIG_IGN) is
+    reset to the default by exec."""
+    before = signal.getsignal(signal.SIGINT)
+    if before is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        if before is signal.SIG_IGN:
+            signal.signal(signal.SIGINT, before)
+
+
 class Script:
     """``python script.py`` in ``tmp_path``, in its own session (as a shell job would be:
     its own process group, which a terminal's Ctrl-C signals as a whole)."""
@@ -68,15 +86,16 @@ class Script:
         path = tmp_path / "script.py"
         path.write_text(textwrap.dedent(source))
         self.tag = uuid.uuid4().hex
-        self.proc = subprocess.Popen(
-            [sys.executable, str(path)],
-            cwd=tmp_path,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env={**os.environ, _TAG: self.tag, "PYTHONUNBUFFERED": "1"},
-            start_new_session=True,
-        )
+        with _sigint_not_ignored():
+            self.proc = subprocess.Popen(
+                [sys.executable, str(path)],
+                cwd=tmp_path,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                env={**os.environ, _TAG: self.tag, "PYTHONUNBUFFERED": "1"},
+                start_new_session=True,
+            )
         # pid -> command line of every tagged process seen (its name changes as it starts)
         self.seen: dict[int, str] = {}
         self.stdout: list[str] = []
