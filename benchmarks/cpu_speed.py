@@ -30,7 +30,8 @@ Printed as one JSON document:
   lm_head), the roofline tok/s that implies, and Tidal's batch tok/s as a fraction of it;
 - ``step_overhead``: Tidal in-process on the big model, batch 32 decode: wall time per
   step, the part spent in ``execute_model`` (input preparation, forward, sampling) and
-  the rest (scheduler, output processing, detokenization).
+  the rest (scheduler, output processing, detokenization); and the forward's parts (MoE
+  blocks, attention with its projections, norms).
 """
 
 from __future__ import annotations
@@ -316,12 +317,35 @@ def roofline(model: Path, opts: argparse.Namespace, tidal_batch: float | None) -
 
 
 def step_overhead(model: Path, opts: argparse.Namespace) -> dict[str, Any]:
-    """In-process Tidal, 32 requests decoding: per step, execute_model vs the rest."""
+    """In-process Tidal, 32 requests decoding: per step, execute_model vs the rest, and
+    where the model's forward goes (MoE blocks, attention with its projections, norms)."""
     import torch
+    from torch.nn.modules import module as nn_module
 
     from tidal import LLM, SamplingParams
+    from tidal.layers.norm import RMSNorm
+    from tidal.models.common import Attention, MoECausalLM
+    from tidal.moe.layer import FusedMoE
 
     torch.set_num_threads(opts.threads)
+    kinds = {FusedMoE: "moe", Attention: "attention", RMSNorm: "norm", MoECausalLM: "model"}
+    parts = dict.fromkeys(kinds.values(), 0.0)
+    started: dict[int, float] = {}
+
+    def pre(mod: Any, _args: Any) -> None:
+        if type(mod) in kinds or isinstance(mod, MoECausalLM):
+            started[id(mod)] = time.perf_counter()
+
+    def post(mod: Any, _args: Any, _out: Any) -> None:
+        t0 = started.pop(id(mod), None)
+        if t0 is not None:
+            kind = kinds.get(type(mod), "model")
+            parts[kind] += time.perf_counter() - t0
+
+    hooks = [
+        nn_module.register_module_forward_pre_hook(pre),
+        nn_module.register_module_forward_hook(post),
+    ]
     llm = LLM(str(model), dtype="float32", multiprocess=False)
     try:
         engine = llm.client.engine
@@ -341,18 +365,27 @@ def step_overhead(model: Path, opts: argparse.Namespace) -> dict[str, Any]:
         params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
         llm.generate(prompts, params, use_tqdm=False)  # warm-up
         timing.update(forward=0.0, steps=0)
+        parts.update(dict.fromkeys(parts, 0.0))
         t = time.perf_counter()
         llm.generate(prompts, params, use_tqdm=False)
         wall = time.perf_counter() - t
     finally:
+        for h in hooks:
+            h.remove()
         llm.shutdown()
     steps = timing["steps"]
+    per_step = {k: _r(v / steps * 1e3) for k, v in parts.items()}
     return {
         "steps": steps,
         "step_ms": _r(wall / steps * 1e3),
         "execute_model_ms": _r(timing["forward"] / steps * 1e3),
         "overhead_ms": _r((wall - timing["forward"]) / steps * 1e3),
         "overhead_fraction": _r((wall - timing["forward"]) / wall),
+        # Inside execute_model: the model's forward and its parts (attention includes the
+        # q/k/v and o projections); the rest of execute_model is input preparation, the
+        # lm_head and sampling.
+        "forward_ms": per_step.pop("model"),
+        "forward_parts_ms": per_step,
     }
 
 

@@ -250,8 +250,21 @@ def _attention_case(lengths: list[int], heads: int, kv_heads: int, num_blocks: i
     return attn, blocks
 
 
+@pytest.fixture(params=["cpp", "torch", "torch_lazy_rows"])
+def decode_path(request, monkeypatch):
+    """Which decode path the attention takes: the C++ kernel; the torch path; or the torch
+    path after ``CacheRows.build`` expected the kernel (its rows then built lazily)."""
+    if request.param == "cpp" and not kernel_available():
+        pytest.skip(kernel_status())
+    if request.param != "cpp":
+        monkeypatch.setattr("tidal.layers.attention.decode_attention_cpu_ok", lambda *a: False)
+    if request.param == "torch":
+        monkeypatch.setattr("tidal.layers.attention.kernel_available", lambda: False)
+    return request.param
+
+
 @pytest.mark.parametrize("heads,kv_heads", [(4, 2), (4, 4), (6, 1)])
-def test_decode_attention_matches_per_sequence_oracle(heads, kv_heads):
+def test_decode_attention_matches_per_sequence_oracle(heads, kv_heads, decode_path):
     lengths = [1, 5, 8, 9, 3, 12]  # block edges, a first token, unequal padding
     attn, blocks = _attention_case(lengths, heads, kv_heads)
     meta = AttentionMetadata.build([(n - 1, 1, b) for n, b in zip(lengths, blocks)], BS, "cpu")
@@ -267,7 +280,7 @@ def test_decode_attention_matches_per_sequence_oracle(heads, kv_heads):
     torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
 
 
-def test_decode_rows_inside_a_mixed_batch_match_oracle():
+def test_decode_rows_inside_a_mixed_batch_match_oracle(decode_path):
     # decode, 3-token prefill continuing a cached prefix, decode, fresh 2-token prefill
     attn, blocks = _attention_case([7, 9, 4, 2], 4, 2)
     seqs = [(6, 1, blocks[0]), (6, 3, blocks[1]), (3, 1, blocks[2]), (0, 2, blocks[3])]

@@ -29,7 +29,10 @@ Each layer first writes the new K/V into the cache through ``slot_mapping``, the
   and ``bmm`` (and ~1.6x faster than ``scaled_dot_product_attention``, whose CPU flash
   kernel runs a few tiny GEMMs per (sequence, head)): the gathered copy of V, written
   then read once, was half of the step's KV memory traffic.
-  ``decode_attention_reference`` is the per-sequence oracle the tests compare against;
+  ``decode_attention_reference`` is the per-sequence oracle the tests compare against.
+  On float32 CPU with the C++ extension built, the decode group instead goes to one C++
+  op (``tidal/kernels/cpu_attention.py``) that reads K and V straight from the cache; the
+  torch path above is its fallback, tested against the same oracle;
 * each prefill chunk runs its own SDPA: causal on its fresh K/V when it starts at 0,
   else on its gathered cached blocks with an explicit mask (query i at position
   ``start + i`` sees keys ``<= start + i``).
@@ -47,6 +50,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from tidal.kernels.cpu_attention import MAX_GROUP, decode_attention_cpu, decode_attention_cpu_ok
+from tidal.kernels.cpu_ext import kernel_available
 
 
 def kv_cache_shape(
@@ -76,6 +82,7 @@ class AttentionMetadata:
     # Decode group: sequences with exactly one new token.
     decode_rows: slice | Tensor | None = None  # their rows (a slice when contiguous)
     decode_block_table: Tensor | None = None  # [D, max_blocks] int64, padded with block 0
+    decode_seq_lens: Tensor | None = None  # [D] int64 keys of each decode sequence
     decode_mask: Tensor | None = None  # [D, 1, 1, max_blocks * block_size] bool; None = no padding
     prefills: list[PrefillChunk] = field(default_factory=list)
     # Per layer geometry: row indices into the cache and the decode bias, built by the
@@ -152,6 +159,7 @@ class AttentionMetadata:
         max_blocks = max(len(b) for b in blocks)
         table = [list(b) + [0] * (max_blocks - len(b)) for b in blocks]
         self.decode_block_table = torch.tensor(table, dtype=torch.int64).to(device)
+        self.decode_seq_lens = torch.tensor(lens, dtype=torch.int64).to(device)
         width = max_blocks * self.block_size
         if any(n != width for n in lens):
             lens_t = torch.tensor(lens, dtype=torch.int64)
@@ -221,7 +229,17 @@ class CacheRows:
         block, offset = slots // bs, slots % bs
         write_k = ((block * hkv * bs + offset)[:, None] + heads[None, :] * bs).reshape(-1)
         decode = None
-        if meta.decode_block_table is not None:
+        table = meta.decode_block_table
+        # The C++ decode path reads the block table itself; the torch path's rows are then
+        # built only if a layer falls back to it (``PagedAttention._decode``).
+        native = (
+            table is not None
+            and table.device.type == "cpu"
+            and dtype == torch.float32
+            and num_heads // hkv <= MAX_GROUP
+            and kernel_available()
+        )
+        if table is not None and not native:
             decode = _decode_rows(meta, heads, num_heads // hkv, dtype)
         prefill = [
             None if c.kv_blocks is None else _kv_block_rows(c.kv_blocks[None], heads, num_blocks)
@@ -309,10 +327,10 @@ class PagedAttention(nn.Module):
         by_token.index_copy_(0, rows.write_v, v.reshape(-1, self.head_dim))
         dec = meta.decode_rows
         if not meta.prefills and isinstance(dec, slice) and dec.stop - dec.start == q.shape[0]:
-            return self._decode(q, cache, rows.decode)  # pure decode step: no output assembly
+            return self._decode(q, cache, meta, rows)  # pure decode step: no output assembly
         out = torch.empty_like(q)
         if dec is not None:
-            out[dec] = self._decode(q[dec], cache, rows.decode)
+            out[dec] = self._decode(q[dec], cache, meta, rows)
         for chunk, gather in zip(meta.prefills, rows.prefill_gather):
             r = chunk.rows
             out[r] = self._prefill(q[r], k[r], v[r], cache, chunk, gather)
@@ -323,7 +341,23 @@ class PagedAttention(nn.Module):
         by_block = cache.view(-1, cache.shape[3] * self.head_dim)  # [2 * NB * Hkv, bs * Dh]
         return by_block.index_select(0, rows).view(2, num, self.num_kv_heads, -1, self.head_dim)
 
-    def _decode(self, q: Tensor, cache: Tensor, rows: DecodeRows) -> Tensor:  # [D, Hq, Dh]
+    def _decode(
+        self, q: Tensor, cache: Tensor, meta: AttentionMetadata, rows: CacheRows
+    ) -> Tensor:  # [D, Hq, Dh]
+        """The decode group: the C++ kernel on float32 CPU, else the torch path."""
+        if decode_attention_cpu_ok(q, cache, self.num_kv_heads):
+            assert meta.decode_block_table is not None and meta.decode_seq_lens is not None
+            return decode_attention_cpu(
+                q, cache, meta.decode_block_table, meta.decode_seq_lens, self.scale
+            )
+        if rows.decode is None:  # built lazily: CacheRows.build expected the C++ path
+            heads = torch.arange(self.num_kv_heads, device=q.device)
+            rows.decode = _decode_rows(
+                meta, heads, self.num_heads // self.num_kv_heads, cache.dtype
+            )
+        return self._decode_torch(q, cache, rows.decode)
+
+    def _decode_torch(self, q: Tensor, cache: Tensor, rows: DecodeRows) -> Tensor:
         num, hkv, dh = q.shape[0], self.num_kv_heads, self.head_dim
         by_block = cache.view(-1, cache.shape[3] * dh)  # [2 * NB * Hkv, bs * Dh], K rows first
         k = by_block.index_select(0, rows.k_blocks).view(num * hkv, -1, dh)  # [D * Hkv, keys, Dh]

@@ -18,6 +18,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from tidal.kernels.cpu_attention import rope_cpu, rope_cpu_ok
+
 SUPPORTED_ROPE_TYPES = ("default",)
 
 
@@ -82,5 +84,13 @@ class RotaryEmbedding(nn.Module):
 
 def apply_rotary(x: Tensor, cos: Tensor, signed_sin: Tensor) -> Tensor:
     """x [T, heads, Dh] with cos/signed_sin [T, 1, Dh] from ``cos_sin`` -> rotated x (new
-    tensor); equals transformers' ``x * cos + rotate_half(x) * sin``."""
+    tensor); equals transformers' ``x * cos + rotate_half(x) * sin``. On float32 CPU one
+    C++ pass (``tidal/kernels/cpu_attention.py``), bit-identical to the torch expression."""
+    if rope_cpu_ok(x):
+        return rope_cpu(x, cos, signed_sin)
+    return apply_rotary_torch(x, cos, signed_sin)
+
+
+def apply_rotary_torch(x: Tensor, cos: Tensor, signed_sin: Tensor) -> Tensor:
+    """The torch expression: the fallback, and the reference of the C++ path."""
     return (x * cos) + (x.roll(x.shape[-1] // 2, dims=-1) * signed_sin)

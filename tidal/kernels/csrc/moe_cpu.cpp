@@ -17,6 +17,8 @@
 //        of output columns j*64..; rows past I and columns past H are zero.
 // Each block is read front to back, once per group of up to kRows rows.
 
+#include "vec.h"
+
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 #include <ATen/core/Tensor.h>
@@ -31,48 +33,14 @@
 
 namespace {
 
+using namespace tidal_cpu;
+
 constexpr int64_t kGateBlock = 32;  // intermediate columns per w13p block (x2: gate, up)
 constexpr int64_t kDownBlock = 64;  // output columns per w2p block
 // Rows sharing one pass over a weight block: 6 rows x 4 vectors = 24 accumulators, plus
 // 4 weight vectors, fit the 32 AVX-512 registers (4 rows: 11.0 ms at 256 tokens, 6: 9.0).
 constexpr int kRows = 6;
 constexpr int64_t kPrefetch = 16;   // weight rows (of 64 floats) to prefetch ahead
-
-typedef float vec16 __attribute__((vector_size(64)));
-
-inline vec16 splat(float v) { return vec16{} + v; }
-
-inline vec16 load(const float* p) {
-  vec16 v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-
-inline void store(float* p, vec16 v) { std::memcpy(p, &v, sizeof(v)); }
-
-// exp on 16 lanes: 2^n * p(r), r = x - n ln2 in [-ln2/2, ln2/2], degree-6 polynomial
-// (~1 ulp on the range SiLU needs); clamped so 2^n stays a normal float.
-inline vec16 vexp(vec16 x) {
-  x = x < splat(-87.f) ? splat(-87.f) : x;
-  x = x > splat(88.f) ? splat(88.f) : x;
-  vec16 n = x * splat(1.44269504088896341f);
-  typedef int32_t ivec16 __attribute__((vector_size(64)));
-  ivec16 ni = __builtin_convertvector(n + (n < splat(0.f) ? splat(-0.5f) : splat(0.5f)), ivec16);
-  vec16 nf = __builtin_convertvector(ni, vec16);
-  vec16 r = x - nf * splat(0.693145751953125f);
-  r = r - nf * splat(1.428606765330187045e-06f);
-  vec16 p = splat(1.f / 5040) * r + splat(1.f / 720);
-  p = p * r + splat(1.f / 120);
-  p = p * r + splat(1.f / 24);
-  p = p * r + splat(1.f / 6);
-  p = p * r + splat(0.5f);
-  p = p * r + splat(1.f);
-  p = p * r + splat(1.f);
-  ivec16 bits = (ni + 127) << 23;
-  vec16 scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
-}
 
 inline vec16 silu(vec16 g) { return g / (splat(1.f) + vexp(-g)); }
 
@@ -135,15 +103,6 @@ void dispatch_rows(int r, F&& f) {
     case 5: f(std::integral_constant<int, 5>{}); break;
     default: f(std::integral_constant<int, 6>{}); break;
   }
-}
-
-// Runs task(i) for i in [0, n) on torch's threads, each thread taking the next task.
-template <typename F>
-void for_each_task(int64_t n, F&& task) {
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
-    for (int64_t i = next.fetch_add(1); i < n; i = next.fetch_add(1)) task(i);
-  });
 }
 
 at::Tensor fused_moe(const at::Tensor& hidden,        // [T, H] float32

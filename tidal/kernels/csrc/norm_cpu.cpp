@@ -3,6 +3,8 @@
 // products). torch's F.rms_norm on CPU is a chain of 5-6 ops, ~8 us for one 1024-wide row
 // and ~26 us for 32; a model calls it 2-3 times a layer (issue #13's per-step overhead).
 
+#include "vec.h"
+
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 #include <ATen/core/Tensor.h>
@@ -14,15 +16,7 @@
 
 namespace {
 
-typedef float vec16 __attribute__((vector_size(64)));
-
-inline vec16 load(const float* p) {
-  vec16 v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-
-inline void store(float* p, vec16 v) { std::memcpy(p, &v, sizeof(v)); }
+using namespace tidal_cpu;
 
 void norm_rows(const float* x, const float* w, float* out, int64_t rows, int64_t dim, float eps) {
   for (int64_t r = 0; r < rows; ++r, x += dim, out += dim) {

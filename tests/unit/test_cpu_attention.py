@@ -1,0 +1,68 @@
+"""The C++ rotary embedding and decode attention (``tidal/kernels/csrc/attention_cpu.cpp``):
+the rotary bit for bit against the torch expression, the attention against the float64
+per-sequence oracle, and their input checks. The attention layer's own tests
+(``test_perf_paths.py``) run both decode paths."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tidal.kernels.cpu_attention import decode_attention_cpu, rope_cpu
+from tidal.kernels.cpu_ext import kernel_available, kernel_status
+from tidal.layers.attention import decode_attention_reference
+from tidal.layers.rotary import RotaryEmbedding, apply_rotary, apply_rotary_torch
+
+pytestmark = pytest.mark.skipif(not kernel_available(), reason=kernel_status())
+
+
+@pytest.mark.parametrize("tokens,heads,head_dim", [(1, 6, 64), (33, 20, 64), (5, 3, 2), (0, 4, 8)])
+def test_rope_is_bit_identical_to_torch(tokens, heads, head_dim):
+    rot = RotaryEmbedding(head_dim, 4096, 1_000_000.0)
+    cos, sin = rot.cos_sin(torch.randint(0, 4096, (tokens,)))
+    qkv = torch.randn(tokens, heads + 2, head_dim)
+    x = qkv[:, :heads]  # a strided view, as the model passes q and k
+    got = rope_cpu(x, cos, sin)
+    assert torch.equal(got, apply_rotary_torch(x, cos, sin))
+    assert torch.equal(apply_rotary(x, cos, sin), got)  # the layer's entry point takes it
+
+
+def _cache(num_blocks=32, kv_heads=2, block_size=4, head_dim=32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(2, num_blocks, kv_heads, block_size, head_dim, generator=g)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize(
+    "heads,kv_heads,head_dim", [(8, 2, 32), (4, 4, 16), (16, 1, 24), (16, 4, 64), (6, 2, 64)]
+)
+def test_decode_attention_matches_oracle(threads, heads, kv_heads, head_dim):
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        cache = _cache(kv_heads=kv_heads, head_dim=head_dim)
+        lengths = [1, 4, 5, 17, 20, 9]  # up to all 5 blocks of 4
+        perm = torch.randperm(32, generator=torch.Generator().manual_seed(1)).tolist()
+        tables = [perm[i * 5 : i * 5 + 5] for i in range(len(lengths))]  # 5 blocks each
+        q = torch.randn(len(lengths), heads + 3, head_dim)[:, :heads]  # strided rows
+        got = decode_attention_cpu(
+            q, cache, torch.tensor(tables), torch.tensor(lengths), head_dim**-0.5
+        )
+        want = decode_attention_reference(q, cache, list(zip(lengths, tables)))
+        torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
+    finally:
+        torch.set_num_threads(old)
+
+
+def test_decode_attention_refuses_bad_tables():
+    cache, q = _cache(), torch.randn(1, 4, 32)
+    with pytest.raises(RuntimeError, match="length"):  # 9 keys need 3 blocks of 4
+        decode_attention_cpu(q, cache, torch.tensor([[1, 2]]), torch.tensor([9]), 1.0)
+    with pytest.raises(RuntimeError, match="block id"):
+        decode_attention_cpu(q, cache, torch.tensor([[1, 99]]), torch.tensor([5]), 1.0)
+    with pytest.raises(RuntimeError, match="multiple"):
+        decode_attention_cpu(
+            torch.randn(1, 3, 32), cache, torch.tensor([[1]]), torch.tensor([1]), 1.0
+        )
+    with pytest.raises(RuntimeError, match="float32"):
+        decode_attention_cpu(q.double(), cache, torch.tensor([[1]]), torch.tensor([1]), 1.0)
