@@ -259,7 +259,9 @@ def decode_path(request, monkeypatch):
     if request.param != "cpp":
         monkeypatch.setattr("tidal.layers.attention.decode_attention_cpu_ok", lambda *a: False)
     if request.param == "torch":
-        monkeypatch.setattr("tidal.layers.attention.kernel_available", lambda: False)
+        monkeypatch.setattr(
+            "tidal.layers.attention.decode_attention_cpu_supports", lambda *a: False
+        )
     return request.param
 
 

@@ -6,8 +6,9 @@ tensors) and the rotary chain (mul, roll, mul, add) are many small ops a layer; 
 sizes on 2 cores they were ~10% of the big model's batch step and ~30% of the tiny
 model's (issue #13). The C++ versions read each sequence's K and V rows once, straight
 from the cache: decode attention 334 -> 301 us a layer on the 1024-wide model and 144 ->
-91 on the 256-wide one, rotary 4-30x faster (32 sequences, 2 cores). The torch paths stay as fallbacks, and ``decode_attention_reference`` /
-the torch rotary expression are what the tests hold them to (the rotary bit for bit).
+91 on the 256-wide one, rotary 4-30x faster (32 sequences, 2 cores). The torch paths
+stay as fallbacks, and ``decode_attention_reference`` / the torch rotary expression are
+what the tests hold them to (the rotary bit for bit).
 """
 
 from __future__ import annotations
@@ -20,17 +21,26 @@ from tidal.kernels.cpu_ext import kernel_available
 MAX_GROUP = 16  # query heads per KV head the C++ decode attention takes
 
 
-def decode_attention_cpu_ok(q: Tensor, cache: Tensor, num_kv_heads: int) -> bool:
-    """Whether ``decode_attention_cpu`` takes these: float32 CPU, a contiguous cache,
-    at most ``MAX_GROUP`` query heads per KV head, the extension loaded."""
+def decode_attention_cpu_supports(dtype: torch.dtype, device: torch.device, group: int) -> bool:
+    """Whether the C++ decode attention serves this dtype, device and number of query
+    heads per KV head (the extension loaded). The metadata asks it before any tensor
+    exists, to skip the torch path's index rows."""
     return (
-        q.dtype == torch.float32
-        and q.device.type == "cpu"
+        dtype == torch.float32
+        and device.type == "cpu"
+        and group <= MAX_GROUP
+        and kernel_available()
+    )
+
+
+def decode_attention_cpu_ok(q: Tensor, cache: Tensor, num_kv_heads: int) -> bool:
+    """Whether ``decode_attention_cpu`` takes these very tensors: as above, plus a float32
+    contiguous cache and q's last dimension contiguous."""
+    return (
+        decode_attention_cpu_supports(q.dtype, q.device, q.shape[1] // num_kv_heads)
         and cache.dtype == torch.float32
         and cache.is_contiguous()
-        and q.shape[1] // num_kv_heads <= MAX_GROUP
         and q.stride(2) == 1
-        and kernel_available()
     )
 
 

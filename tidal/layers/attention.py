@@ -51,8 +51,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from tidal.kernels.cpu_attention import MAX_GROUP, decode_attention_cpu, decode_attention_cpu_ok
-from tidal.kernels.cpu_ext import kernel_available
+from tidal.kernels.cpu_attention import (
+    decode_attention_cpu,
+    decode_attention_cpu_ok,
+    decode_attention_cpu_supports,
+)
 
 
 def kv_cache_shape(
@@ -232,12 +235,8 @@ class CacheRows:
         table = meta.decode_block_table
         # The C++ decode path reads the block table itself; the torch path's rows are then
         # built only if a layer falls back to it (``PagedAttention._decode``).
-        native = (
-            table is not None
-            and table.device.type == "cpu"
-            and dtype == torch.float32
-            and num_heads // hkv <= MAX_GROUP
-            and kernel_available()
+        native = table is not None and decode_attention_cpu_supports(
+            dtype, table.device, num_heads // hkv
         )
         if table is not None and not native:
             decode = _decode_rows(meta, heads, num_heads // hkv, dtype)
