@@ -23,7 +23,7 @@ Strategies for the GEMMs (``strategy=``; tests pin each one against the referenc
 * ``cpp``: the C++ kernel of ``tidal/kernels/cpu_moe.py`` on its own packed layout
   (``CpuPackedExperts``, given as ``packed=``): the whole layer in one call, two parallel
   regions; ``auto`` takes it whenever such a ``packed`` is given (the layer gives one
-  when the kernel was built). 1.1-4x the ``onednn`` strategy (``benchmarks/cpu_speed.py``).
+  when the kernel was built). 1.3-4x the ``onednn`` strategy (``benchmarks/cpu_speed.py``).
 * ``auto``: ``loop`` when at most half the experts have tokens (small batches: only busy
   experts cost anything); else, with more than one torch thread, ``bmm`` for small
   balanced batches (at most ``BMM_MAX_ROWS`` rows per expert and at most
