@@ -73,6 +73,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 # Targets of the issue on a 2-core machine with the default model.
 TARGET_SCALE_UP_TOTAL_S = 5.0
 TARGET_COMMIT_PAUSE_S = 1.0
+# Prompt lengths Load draws, [low, high): 8 to 40 tokens of random ids.
+PROMPT_TOKENS_RANGE = (8, 41)
 
 
 # ------------------------------------------------------------------ records (pure)
@@ -293,7 +295,8 @@ class Load:
     def _prompt(self, w: int) -> Any:
         rng = self._rngs[w]
         return self._prompt_cls(
-            None, [rng.randrange(10, 4000) for _ in range(rng.randrange(8, 41))]
+            None,
+            [rng.randrange(10, 4000) for _ in range(rng.randrange(*PROMPT_TOKENS_RANGE))],
         )
 
     async def _one(self, llm: Any, req: Req, prompt: Any, rid: str) -> None:
@@ -559,14 +562,9 @@ async def run_all(opts: argparse.Namespace) -> dict[str, Any]:
         "machine": machine_info(),
         "model": model_info(opts),
         "load": {
-            "streams": opts.streams,
-            "max_tokens": opts.max_tokens,
-            "prompt_tokens": "8-40 random ids",
-            "sampling": "greedy, ignore_eos",
+            **load_info(opts),
             "start_size": opts.start_size,
             "sequence": sequence,
-            "warmup_s": opts.warmup_s,
-            "baseline_s": opts.baseline_s,
             "settle_s": opts.settle_s,
             "drain_timeout_s": 0.0,
             "relaunch_retry_s": opts.retry_s,
@@ -627,6 +625,19 @@ def reap_children(timeout_s: float = 5.0) -> int:
             p.kill()
     psutil.wait_procs(alive, timeout=timeout_s)
     return len(left)
+
+
+def load_info(opts: argparse.Namespace) -> dict[str, Any]:
+    """What ``Load`` generates, for a benchmark's JSON (shared with ``faults.py``)."""
+    low, high = PROMPT_TOKENS_RANGE
+    return {
+        "streams": opts.streams,
+        "max_tokens": opts.max_tokens,
+        "prompt_tokens": f"{low}-{high - 1} random ids",
+        "sampling": "greedy, ignore_eos",
+        "warmup_s": opts.warmup_s,
+        "baseline_s": opts.baseline_s,
+    }
 
 
 def add_load_args(p: argparse.ArgumentParser, baseline_s: float, settle_s: float) -> None:
