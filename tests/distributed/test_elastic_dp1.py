@@ -42,7 +42,7 @@ def prompts_and_expected(qwen3_ckpt):
 
     prompts = _prompts(AutoConfig.from_pretrained(qwen3_ckpt).vocab_size)
     hf = _hf_greedy(qwen3_ckpt, prompts, MAX_TOKENS)
-    plain = LLM(qwen3_ckpt, dtype="float32")  # DP=1 without the flag: no DP machinery
+    plain = LLM(qwen3_ckpt, dtype="float32", multiprocess=True)  # DP=1, no flag: no DP machinery
     try:
         assert plain.client.coordinator is None and plain.client.dp is None
         assert _greedy(plain, prompts) == hf

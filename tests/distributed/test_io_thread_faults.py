@@ -337,7 +337,7 @@ def test_output_thread_failure_fails_everything_at_once(qwen3_ckpt):
 
 
 def test_input_thread_failure_fails_everything_at_once(qwen3_ckpt):
-    llm = _FaultLLM(qwen3_ckpt, dtype="float32")
+    llm = _FaultLLM(qwen3_ckpt, dtype="float32", multiprocess=True)
     client: SyncMPClient = llm.client
     procs = _procs(client)
     try:

@@ -199,7 +199,7 @@ def test_plain_script_without_guard_or_shutdown(run_script) -> None:
     script = run_script(
         """
         from tidal import LLM, SamplingParams
-        llm = LLM()
+        llm = LLM(multiprocess=True)
         out = llm.generate(["The tide comes in"], SamplingParams(temperature=0, max_tokens=8))
         print("OUTPUT:", repr(out[0].outputs[0].text))
         """
@@ -209,13 +209,33 @@ def test_plain_script_without_guard_or_shutdown(run_script) -> None:
     assert len(outputs) == 1, script.output  # a child that re-ran the script would print too
 
 
+def test_default_llm_runs_its_engine_in_the_script(run_script) -> None:
+    """One CPU rank: the engine core runs in the script's own process (``runs_in_process``),
+    so a plain script starts no child process at all, and still ends cleanly."""
+    script = run_script(
+        """
+        import psutil
+        from tidal import LLM, SamplingParams
+        llm = LLM()
+        out = llm.generate(["The tide comes in"], SamplingParams(temperature=0, max_tokens=8))
+        print("OUTPUT:", repr(out[0].outputs[0].text))
+        print("CHILDREN:", psutil.Process().children())
+        """
+    )
+    rc = script.wait(SCRIPT_DEADLINE_S)
+    assert rc == 0 and "Traceback" not in "".join(script.stderr), script.output
+    text = "".join(script.stdout)
+    assert "CHILDREN: []" in text and text.count("OUTPUT:") == 1, script.output
+    assert script.engines_seen() == 0 and script.leftovers() == [], script.output
+
+
 def test_guarded_script(run_script) -> None:
     script = run_script(
         """
         from tidal import LLM, SamplingParams
 
         def main():
-            llm = LLM()
+            llm = LLM(multiprocess=True)
             out = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=8))
             print("OUTPUT:", repr(out[0].outputs[0].text))
 
@@ -265,7 +285,7 @@ def test_del_llm_stops_engines_and_script_continues(run_script) -> None:
         import psutil
         from tidal import LLM, SamplingParams
 
-        llm = LLM()
+        llm = LLM(multiprocess=True)
         out = llm.generate(["The tide comes in"], SamplingParams(temperature=0, max_tokens=8))
         print("OUTPUT:", repr(out[0].outputs[0].text))
         print("CHILDREN BEFORE DEL:", [c.name() for c in psutil.Process().children()])
@@ -287,7 +307,7 @@ def test_ctrl_c_during_generate_stops_everything(run_script) -> None:
         """
         from tidal import LLM, SamplingParams
 
-        llm = LLM()
+        llm = LLM(multiprocess=True)
         llm.generate(["warm up"], SamplingParams(max_tokens=2))
         print("GENERATING", flush=True)
         llm.generate(["x"] * 64, SamplingParams(max_tokens=1500, ignore_eos=True))
@@ -315,7 +335,7 @@ def test_killed_script_leaves_no_engine(run_script) -> None:
         """
         from tidal import LLM, SamplingParams
 
-        llm = LLM()
+        llm = LLM(multiprocess=True)
         llm.generate(["warm up"], SamplingParams(max_tokens=2))
         print("GENERATING", flush=True)
         llm.generate(["x"] * 64, SamplingParams(max_tokens=1500, ignore_eos=True))

@@ -9,6 +9,7 @@ from typing import Any
 
 from tqdm import tqdm
 
+from tidal.config import EngineConfig
 from tidal.frontend.core_client import EngineCoreClient, InprocClient
 from tidal.frontend.output_processor import OutputProcessor
 from tidal.frontend.outputs import OutputKind, RequestOutput
@@ -22,19 +23,22 @@ class LLM:
     """Generate from a Hugging Face MoE checkpoint folder (or the embedded default model).
 
     Keyword arguments are ``EngineArgs`` fields (``max_num_seqs``, ``data_parallel_size``,
-    ``enable_expert_parallel``, ...). ``multiprocess=False`` runs the engine core in this
-    process (single rank only; handy for debugging and fast tests).
+    ``enable_expert_parallel``, ...). ``multiprocess`` says where the engine core runs:
+    ``True`` in its own process (data-parallel and elastic deployments always do), ``False``
+    in this process, ``None`` (the default) chooses -- see ``runs_in_process``.
 
     The engines stop at ``shutdown()``, at the end of a ``with LLM(...) as llm:`` block,
     when the ``LLM`` is garbage-collected (``del llm``), or at interpreter exit, whichever
     comes first: a script needs neither a ``__main__`` guard nor a ``shutdown()`` call."""
 
     def __init__(
-        self, model: str | None = None, *, multiprocess: bool = True, **kwargs: Any
+        self, model: str | None = None, *, multiprocess: bool | None = None, **kwargs: Any
     ) -> None:
-        self.multiprocess = multiprocess
         self.engine_args = EngineArgs(model=model, **kwargs)
         self.config = self.engine_args.create_engine_config()
+        self.multiprocess = (
+            not runs_in_process(self.config) if multiprocess is None else multiprocess
+        )
         self.tokenizer = load_tokenizer(self.config.model.tokenizer)
         self.input_processor = InputProcessor(
             self.config.model, self.tokenizer, self.config.frontend
@@ -143,6 +147,17 @@ class LLM:
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
+
+
+def runs_in_process(config: EngineConfig) -> bool:
+    """Where ``LLM(multiprocess=None)`` runs the engine core: in the caller's process when it
+    is one CPU rank. Such a rank gives its OpenMP threads every core (``Worker``), so a
+    frontend process beside it can only run by preempting one of them, and the step's whole
+    parallel region waits for that thread: on the 2-core CI machine the separate process cost
+    7-15% of decode throughput (issue #13). In-process, output processing runs between steps
+    instead of against them. A GPU rank keeps its process: there the frontend's work overlaps
+    the device's. ``multiprocess=True`` asks for the process anyway (crash isolation)."""
+    return config.device == "cpu" and not config.parallel.is_data_parallel
 
 
 def _broadcast_params(
