@@ -45,7 +45,7 @@ def _problem(tokens, hidden, inter, experts, top_k, local, seed):
 
 
 @needs_kernel
-@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("threads", [1, 2, 3])  # 3: static runs of unequal length
 @pytest.mark.parametrize(
     "tokens,hidden,inter,experts,top_k,local",
     [(1, 64, 32, 8, 2, None), (7, 100, 20, 8, 3, None), (33, 128, 96, 16, 4, None),

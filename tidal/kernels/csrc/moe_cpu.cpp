@@ -41,6 +41,7 @@ constexpr int64_t kDownBlock = 64;  // output columns per w2p block
 // 4 weight vectors, fit the 32 AVX-512 registers (4 rows: 11.0 ms at 256 tokens, 6: 9.0).
 constexpr int kRows = 6;
 constexpr int64_t kPrefetch = 16;   // weight rows (of 64 floats) to prefetch ahead
+constexpr double kReadRows = 4;     // a block's read costs about as much as this many rows
 
 inline vec16 silu(vec16 g) { return g / (splat(1.f) + vexp(-g)); }
 
@@ -188,7 +189,12 @@ at::Tensor fused_moe(const at::Tensor& hidden,        // [T, H] float32
   std::vector<int64_t> busy;
   for (int64_t e = 0; e < num_local; ++e)
     if (start[e + 1] > start[e]) busy.push_back(e);
-  for_each_task(static_cast<int64_t>(busy.size()) * gate_blocks, [&](int64_t task) {
+  // A task's cost: reading its block (worth about kReadRows rows of FMAs) plus its rows.
+  std::vector<double> cost1(busy.size() * gate_blocks);
+  for (size_t b = 0; b < busy.size(); ++b)
+    for (int64_t j = 0; j < gate_blocks; ++j)
+      cost1[b * gate_blocks + j] = kReadRows + (start[busy[b] + 1] - start[busy[b]]);
+  for_each_task_static(cost1, [&](int64_t task) {
     const int64_t e = busy[task / gate_blocks], j = task % gate_blocks;
     const float* blk = w13 + (e * gate_blocks + j) * hidden_size * 2 * kGateBlock;
     for (int64_t r0 = start[e]; r0 < start[e + 1]; r0 += kRows) {
@@ -207,7 +213,9 @@ at::Tensor fused_moe(const at::Tensor& hidden,        // [T, H] float32
 
   // 3. down, summed into the tokens: task = output column block, over every row group
   //    (a token's rows all land in the same task, so no two threads add to one element).
-  for_each_task(down_blocks, [&](int64_t j) {
+  std::vector<double> cost2(down_blocks, 1.0);  // every block: all the rows, I_pad deep
+  cost2.back() = static_cast<double>(hidden_size - (down_blocks - 1) * kDownBlock) / kDownBlock;
+  for_each_task_static(cost2, [&](int64_t j) {
     const int64_t cols = std::min<int64_t>(kDownBlock, hidden_size - j * kDownBlock);
     for (int64_t g = 0; g < groups; ++g) {
       const int64_t e = group_expert[g], r0 = group_row[g];
