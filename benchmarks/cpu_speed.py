@@ -19,8 +19,9 @@ Printed as one JSON document:
   whether the greedy outputs equal transformers'; ``ratios``: Tidal / vLLM and Tidal /
   transformers;
 - ``moe_block``: the MoE block (router + experts) on layer 0 of each checkpoint, ms per
-  call at 1, 32 and 256 tokens: Tidal's C++ kernel (``tidal/kernels/cpu_moe.py``, what
-  the layer runs when ``pip install`` built it), the previous designs -- oneDNN-prepacked
+  call at 1, 32 and 256 tokens: Tidal's MoE layer as a model runs it (``FusedMoE``: the
+  C++ router and experts kernels, ``tidal/kernels/cpu_router.py`` and ``cpu_moe.py``, when
+  ``pip install`` built them), the previous designs -- oneDNN-prepacked
   experts, and the best of the torch strategies bmm / grouped_mm / loop on K-major weights
   -- and, with vLLM, its ``cpu_fused_moe`` kernel (big checkpoint);
 - ``gemm``: GFLOP/s of one [M, 1024] x [1024, 1024] float32 GEMM through MKL (torch's
@@ -191,8 +192,8 @@ def moe_block(model: Path, opts: argparse.Namespace, results: Path) -> dict[str,
     from safetensors import safe_open
 
     from tidal.kernels.cpu_ext import kernel_available, kernel_status
-    from tidal.kernels.cpu_moe import CpuPackedExperts
     from tidal.kernels.fused_moe_torch import PackedExperts, fused_experts_torch, k_major_experts
+    from tidal.moe.layer import FusedMoE
     from tidal.moe.reference import fused_experts_reference
 
     torch.set_num_threads(opts.threads)
@@ -211,9 +212,13 @@ def moe_block(model: Path, opts: argparse.Namespace, results: Path) -> dict[str,
         w2 = stack("down_proj").contiguous()
     k13, k2 = k_major_experts(w13, w2)
     packed = PackedExperts(w13, w2)
-    cpp = CpuPackedExperts(w13, w2) if kernel_available() else None
-    if cpp is None:
-        log(f"the C++ MoE kernel is missing ({kernel_status()}): its rows are null")
+    if not kernel_available():
+        log(f"the C++ kernels are missing ({kernel_status()}): the tidal_ms rows are null")
+    # What a model runs: the layer itself (the C++ router and experts when built).
+    layer = FusedMoE(n_exp, top_k, cfg["hidden_size"], w2.shape[2], renormalize=True)
+    for param, value in ((layer.gate, gate_w), (layer.w13, w13), (layer.w2, w2)):
+        param.data.copy_(value)
+    layer.weights_updated()
 
     def route(x: Any) -> tuple[Any, Any]:
         p = torch.softmax(F.linear(x, gate_w), -1, dtype=torch.float)
@@ -228,11 +233,8 @@ def moe_block(model: Path, opts: argparse.Namespace, results: Path) -> dict[str,
         with torch.inference_mode():
             tw, ti = route(x)
             want = fused_experts_reference(x, w13, w2, tw, ti)
-            got = fused_experts_torch(x, w13, w2, tw, ti, packed=cpp or packed)
-            err = (got - want).abs().max().item()
-            kernel = None
-            if cpp is not None:
-                kernel = _timeit(lambda x=x: fused_experts_torch(x, w13, w2, *route(x), packed=cpp))
+            err = (layer(x) - want).abs().max().item()
+            kernel = _timeit(lambda x=x: layer(x)) if kernel_available() else None
             onednn = _timeit(lambda x=x: fused_experts_torch(x, w13, w2, *route(x), packed=packed))
             before = {
                 s: _timeit(lambda x=x, s=s: fused_experts_torch(x, k13, k2, *route(x), strategy=s))

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from tidal.kernels.cpu_ext import kernel_available, kernel_status
 from tidal.kernels.cpu_moe import CpuPackedExperts
+from tidal.kernels.cpu_router import CpuPackedGate
 from tidal.kernels.fused_moe_torch import (
     STRATEGIES,
     PackedExperts,
@@ -141,7 +142,9 @@ def test_moe_layer_repacks_after_every_weight_write(kernel, monkeypatch):
         if not onednn_available():
             pytest.skip("no oneDNN prepacked linear")
         monkeypatch.setattr("tidal.moe.layer.kernel_available", lambda: False)
+        monkeypatch.setattr("tidal.moe.layer.router_cpu_ok", lambda hidden: False)
     kind = CpuPackedExperts if kernel == "cpp" else PackedExperts
+    gate_kind = CpuPackedGate if kernel == "cpp" else torch.Tensor
     moe = FusedMoE(8, 2, 32, 16, True)
     x, w13, w2, _, _ = _moe_problem(12, 8, 2, 8)
     moe.w13.data.copy_(w13)
@@ -159,6 +162,12 @@ def test_moe_layer_repacks_after_every_weight_write(kernel, monkeypatch):
     assert isinstance(first, kind)
     moe(x)
     assert moe._packed is first  # reused while nothing was written
+    gate = moe._packed_gate
+    assert isinstance(gate, gate_kind)
+    moe.gate.data.copy_(torch.randn(8, 32))  # a new router (loader, checkpoint reload)
+    moe.weights_updated()
+    torch.testing.assert_close(moe(x), want(), atol=ATOL, rtol=0)
+    assert isinstance(moe._packed_gate, gate_kind) and moe._packed_gate is not gate
     moe.w13.data[3] *= -1.0  # an in-place write, as EPLB and expert installs do
     moe.weights_updated()
     torch.testing.assert_close(moe(x), want(), atol=ATOL, rtol=0)

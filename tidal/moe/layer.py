@@ -33,6 +33,7 @@ from torch import Tensor, nn
 
 from tidal.kernels.cpu_ext import kernel_available
 from tidal.kernels.cpu_moe import CpuPackedExperts
+from tidal.kernels.cpu_router import CpuPackedGate, router_cpu_ok, softmax_topk_cpu
 from tidal.kernels.fused_moe_torch import (
     PackedExperts,
     fused_experts_torch,
@@ -178,11 +179,18 @@ class FusedMoE(nn.Module):
         # and the next forward rebuilds.
         self.use_onednn = self.backend == "torch" and torch.device(device or "cpu").type == "cpu"
         self._packed: CpuPackedExperts | PackedExperts | None = None
-        self._packed_gate: Tensor | None = None  # the router's, likewise
+        # The router's gate, likewise: packed for the C++ router, or for oneDNN's linear.
+        self._packed_gate: CpuPackedGate | Tensor | None = None
 
     def forward(self, hidden: Tensor) -> Tensor:  # [T, H] -> [T, H]
-        router_logits = self._router_logits(hidden)  # [T, E_global]
-        topk_weights, topk_ids = softmax_topk(router_logits, self.top_k, self.renormalize)
+        if self.use_onednn and router_cpu_ok(hidden):  # the C++ router: one call
+            gate = self._packed_gate
+            if not isinstance(gate, CpuPackedGate):
+                gate = self._packed_gate = CpuPackedGate(self.gate)
+            topk_weights, topk_ids = softmax_topk_cpu(hidden, gate, self.top_k, self.renormalize)
+        else:
+            router_logits = self._router_logits(hidden)  # [T, E_global]
+            topk_weights, topk_ids = softmax_topk(router_logits, self.top_k, self.renormalize)
         return self.forward_experts(hidden, topk_weights, topk_ids)
 
     def forward_experts(
@@ -211,9 +219,10 @@ class FusedMoE(nn.Module):
 
     def _router_logits(self, hidden: Tensor) -> Tensor:  # [T, H] -> [T, E_global]
         if self.use_onednn and hidden.dtype == torch.float32 and onednn_available():
-            if self._packed_gate is None:
-                self._packed_gate = pack_weight(self.gate)
-            return packed_linear(hidden.contiguous(), self._packed_gate)
+            packed = self._packed_gate
+            if not isinstance(packed, Tensor):
+                packed = self._packed_gate = pack_weight(self.gate)
+            return packed_linear(hidden.contiguous(), packed)
         return torch.nn.functional.linear(hidden, self.gate)
 
     def _experts_kwargs(self) -> dict[str, Any]:

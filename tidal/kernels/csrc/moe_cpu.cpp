@@ -17,6 +17,7 @@
 //        of output columns j*64..; rows past I and columns past H are zero.
 // Each block is read front to back, once per group of up to kRows rows.
 
+#include "gemm.h"
 #include "vec.h"
 
 #include <ATen/Parallel.h>
@@ -37,34 +38,9 @@ using namespace tidal_cpu;
 
 constexpr int64_t kGateBlock = 32;  // intermediate columns per w13p block (x2: gate, up)
 constexpr int64_t kDownBlock = 64;  // output columns per w2p block
-// Rows sharing one pass over a weight block: 6 rows x 4 vectors = 24 accumulators, plus
-// 4 weight vectors, fit the 32 AVX-512 registers (4 rows: 11.0 ms at 256 tokens, 6: 9.0).
-constexpr int kRows = 6;
-constexpr int64_t kPrefetch = 16;   // weight rows (of 64 floats) to prefetch ahead
 constexpr double kReadRows = 4;     // a block's read costs about as much as this many rows
 
 inline vec16 silu(vec16 g) { return g / (splat(1.f) + vexp(-g)); }
-
-// acc[m][0..3] = sum_k x[m][k] * w[k][0..63] for R rows; w is K x 64 contiguous.
-template <int R>
-inline void block_gemm(const float* const* x, const float* w, int64_t k_len, vec16 acc[][4]) {
-  for (int m = 0; m < R; ++m)
-    for (int v = 0; v < 4; ++v) acc[m][v] = splat(0.f);
-  for (int64_t k = 0; k < k_len; ++k) {
-    const float* wk = w + k * 64;
-    // The weights stream from memory once: ask for them kPrefetch rows ahead, on top of
-    // the hardware prefetcher (+5% at 32 tokens on the 1024-wide model).
-    for (int line = 0; line < 4; ++line) __builtin_prefetch(wk + kPrefetch * 64 + 16 * line, 0, 0);
-    vec16 w0 = load(wk), w1 = load(wk + 16), w2 = load(wk + 32), w3 = load(wk + 48);
-    for (int m = 0; m < R; ++m) {
-      vec16 xm = splat(x[m][k]);
-      acc[m][0] += xm * w0;
-      acc[m][1] += xm * w1;
-      acc[m][2] += xm * w2;
-      acc[m][3] += xm * w3;
-    }
-  }
-}
 
 template <int R>
 void gate_up_rows(const float* const* x, const float* w, int64_t hidden, float* const* act,
@@ -91,18 +67,6 @@ void down_rows(const float* const* a, const float* w, int64_t inter, float* cons
       for (int v = 0; v < 4; ++v) store(tmp + 16 * v, acc[m][v]);
       for (int64_t c = 0; c < cols; ++c) out[m][c] += tmp[c];
     }
-  }
-}
-
-template <typename F>
-void dispatch_rows(int r, F&& f) {
-  switch (r) {
-    case 1: f(std::integral_constant<int, 1>{}); break;
-    case 2: f(std::integral_constant<int, 2>{}); break;
-    case 3: f(std::integral_constant<int, 3>{}); break;
-    case 4: f(std::integral_constant<int, 4>{}); break;
-    case 5: f(std::integral_constant<int, 5>{}); break;
-    default: f(std::integral_constant<int, 6>{}); break;
   }
 }
 

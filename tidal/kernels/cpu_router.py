@@ -1,0 +1,57 @@
+"""The MoE router for float32 on CPU in one C++ call (``csrc/router_cpu.cpp``): logits,
+softmax, top-k and renormalisation; one checked wrapper.
+
+Why: the torch path (``tidal/moe/router.py``'s ``softmax_topk`` after the gate's linear)
+is a GEMM call and four small ops, ~35 us a layer at decode sizes on 2 cores for ~1 us of
+arithmetic. ``softmax_topk`` stays the reference and the fallback; the two differ by the
+summation order of the logits (an ulp), so a near-tie between two experts could resolve
+either way, as it already could between MKL and oneDNN.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from tidal.kernels.cpu_ext import kernel_available
+
+BLOCK = 64  # experts per column block of the pack (the kernel's block_gemm width)
+
+
+class CpuPackedGate:
+    """The router's ``gate [E, H]`` as ``[E_pad/64, H, 64]``: block j holds, for each
+    input column k, the gate weights of experts 64j.. (zero past E). Derived data: the
+    layer drops it when the gate is written (``FusedMoE.weights_updated``)."""
+
+    def __init__(self, gate: Tensor) -> None:  # [E, H] float32
+        if gate.dtype != torch.float32 or gate.dim() != 2:
+            raise ValueError(f"the CPU router takes a float32 [E, H] gate, got {gate.dtype}")
+        num, hidden = gate.shape
+        padded = -(-num // BLOCK) * BLOCK
+        self.num_experts = num
+        self.weight = (
+            F.pad(gate, (0, 0, 0, padded - num))
+            .view(padded // BLOCK, BLOCK, hidden)
+            .transpose(1, 2)
+            .contiguous()
+        )  # [E_pad/64, H, 64]
+
+
+def router_cpu_ok(hidden: Tensor) -> bool:
+    """Whether ``softmax_topk_cpu`` takes ``hidden``: float32 on CPU, the extension loaded."""
+    return hidden.dtype == torch.float32 and hidden.device.type == "cpu" and kernel_available()
+
+
+def softmax_topk_cpu(
+    hidden: Tensor,  # [T, H] float32 CPU
+    gate: CpuPackedGate,
+    top_k: int,
+    renormalize: bool,
+) -> tuple[Tensor, Tensor]:  # ([T, K] float32, [T, K] int64)
+    """``softmax_topk(hidden @ gate.T, top_k, renormalize)`` in one call."""
+    if not 1 <= top_k <= gate.num_experts:
+        raise ValueError(f"top_k must be in [1, {gate.num_experts}], got {top_k}")
+    return torch.ops.tidal_cpu.softmax_topk(
+        hidden, gate.weight, gate.num_experts, top_k, renormalize
+    )

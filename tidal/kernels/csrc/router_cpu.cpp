@@ -1,0 +1,120 @@
+// The MoE router for float32 on CPU in one call: router logits (x @ gate^T), softmax over
+// the experts, the top-k, optionally renormalised -- what tidal/moe/router.py's
+// softmax_topk does after a linear, in torch's order of operations.
+//
+// Why (issue #13): the torch path is a GEMM call plus four small ops (softmax, topk, sum,
+// divide), ~35 us a layer at decode sizes on 2 cores for ~1 us of arithmetic; a model
+// routes once per MoE layer.
+//
+// Gate layout (built by tidal/kernels/cpu_router.py): gate_p [E_pad / 64, H, 64], column
+// block j holding, for each k, the gate weights of experts 64j..; zero past E.
+
+#include "gemm.h"
+#include "vec.h"
+
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+
+#include <cmath>
+#include <cstdint>
+#include <tuple>
+#include <vector>
+
+namespace {
+
+using namespace tidal_cpu;
+
+// Below this many multiply-adds a call stays on the calling thread: waking the pool
+// costs more than the work (one token of a 1024-wide, 32-expert layer is 64k).
+constexpr int64_t kSerialWork = 1 << 18;
+
+// probs = softmax(logits); the k largest, ties to the lower expert id; renormalised to
+// sum 1 when asked. (A NaN row picks valid ids with NaN weights, never an index out of
+// range.)
+void select_top_k(const float* logits, int64_t num_experts, int64_t top_k, bool renormalize,
+                  float* probs, char* taken, float* weights, int64_t* ids) {
+  float max = logits[0];
+  for (int64_t e = 1; e < num_experts; ++e) max = std::max(max, logits[e]);
+  float sum = 0.f;
+  for (int64_t e = 0; e < num_experts; ++e) sum += probs[e] = std::exp(logits[e] - max);
+  for (int64_t e = 0; e < num_experts; ++e) {
+    probs[e] /= sum;
+    taken[e] = 0;
+  }
+  float chosen = 0.f;
+  for (int64_t i = 0; i < top_k; ++i) {
+    int64_t best = -1;
+    for (int64_t e = 0; e < num_experts; ++e)
+      if (!taken[e] && (best < 0 || probs[e] > probs[best])) best = e;
+    taken[best] = 1;
+    ids[i] = best;
+    weights[i] = probs[best];
+    chosen += probs[best];
+  }
+  if (renormalize)
+    for (int64_t i = 0; i < top_k; ++i) weights[i] /= chosen;
+}
+
+std::tuple<at::Tensor, at::Tensor> softmax_topk(
+    const at::Tensor& hidden,  // [T, H] float32
+    const at::Tensor& gate_p,  // [E_pad/64, H, 64] float32
+    int64_t num_experts, int64_t top_k, bool renormalize) {
+  TORCH_CHECK(hidden.dim() == 2 && hidden.scalar_type() == at::kFloat && hidden.is_cpu(),
+              "hidden must be [T, H] float32 on CPU");
+  TORCH_CHECK(gate_p.dim() == 3 && gate_p.scalar_type() == at::kFloat && gate_p.is_contiguous() &&
+                  gate_p.size(2) == 64 && gate_p.size(1) == hidden.size(1),
+              "gate_p must be a contiguous [E_pad/64, H, 64] float32 pack matching hidden");
+  const int64_t blocks = gate_p.size(0), width = hidden.size(1), tokens = hidden.size(0);
+  TORCH_CHECK(num_experts > (blocks - 1) * 64 && num_experts <= blocks * 64,
+              "num_experts does not match the pack");
+  TORCH_CHECK(top_k >= 1 && top_k <= num_experts, "top_k must be in [1, num_experts]");
+  auto x = hidden.contiguous();
+  auto weights = at::empty({tokens, top_k}, hidden.options());
+  auto ids = at::empty({tokens, top_k}, hidden.options().dtype(at::kLong));
+  if (tokens == 0) return {weights, ids};
+  const float* xp = x.data_ptr<float>();
+  const float* gp = gate_p.data_ptr<float>();
+  float* wp = weights.data_ptr<float>();
+  int64_t* ip = ids.data_ptr<int64_t>();
+  const int64_t padded = blocks * 64;
+
+  // Task = a group of up to kRows tokens: their logits over every block, then their top-k.
+  auto group = [&](int64_t g) {
+    const int64_t t0 = g * kRows;
+    const int r = static_cast<int>(std::min<int64_t>(kRows, tokens - t0));
+    const float* xs[kRows];
+    for (int m = 0; m < r; ++m) xs[m] = xp + (t0 + m) * width;
+    std::vector<float> logits(r * padded), probs(num_experts);
+    std::vector<char> taken(num_experts);
+    for (int64_t j = 0; j < blocks; ++j) {
+      dispatch_rows(r, [&](auto R) {
+        vec16 acc[kRows][4];
+        block_gemm<R()>(xs, gp + j * width * 64, width, acc);
+        for (int m = 0; m < R(); ++m)
+          for (int v = 0; v < 4; ++v) store(&logits[m * padded + j * 64 + 16 * v], acc[m][v]);
+      });
+    }
+    for (int m = 0; m < r; ++m)
+      select_top_k(&logits[m * padded], num_experts, top_k, renormalize, probs.data(),
+                   taken.data(), wp + (t0 + m) * top_k, ip + (t0 + m) * top_k);
+  };
+  const int64_t groups = (tokens + kRows - 1) / kRows;
+  if (groups == 1 || tokens * width * padded < kSerialWork) {
+    for (int64_t g = 0; g < groups; ++g) group(g);
+  } else {
+    for_each_task(groups, group);
+  }
+  return {weights, ids};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(tidal_cpu, m) {
+  m.def(
+      "softmax_topk(Tensor hidden, Tensor gate_p, int num_experts, int top_k, "
+      "bool renormalize) -> (Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(tidal_cpu, CPU, m) { m.impl("softmax_topk", &softmax_topk); }
