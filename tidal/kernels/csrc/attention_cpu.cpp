@@ -118,6 +118,17 @@ at::Tensor decode_attention(const at::Tensor& q,            // [D, Hq, Dh] float
     for (int64_t g = 0; g < group; ++g) qg[g] = qp + d * qs0 + (kvh * group + g) * qs1;
     thread_local std::vector<float> scores;
     scores.resize(static_cast<size_t>(group * len));
+    // 0. The task's K and V rows sit in a few scattered blocks, cold in cache at decode
+    //    (the MoE weights streamed through since the last step); ask for all of them now
+    //    so their misses overlap instead of each block waiting on its own.
+    for (int64_t b = 0; b * bs < len; ++b) {
+      const int64_t row = (blocks[b] * hkv + kvh) * bs * dh;
+      const int64_t floats = std::min<int64_t>(bs, len - b * bs) * dh;
+      for (int64_t f = 0; f < floats; f += 16) {
+        __builtin_prefetch(kc + row + f, 0, 2);
+        __builtin_prefetch(vc + row + f, 0, 2);
+      }
+    }
     // 1. scores[g][t] = q_g . k_t * scale: 16 keys at a time, each key's products summed
     //    across lanes by one transposing add tree (instead of a horizontal sum per key).
     const float* keys[16];
