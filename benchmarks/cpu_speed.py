@@ -11,7 +11,9 @@ top-4, I512). Each engine runs in its own process with the peer harness of
 ``benchmarks/peers/`` (what the issue's baseline was measured with): 1 stream x 128 new
 tokens, and 32 requests x 64 new tokens, ``--rounds`` rounds, medians reported. vLLM runs
 only with ``--vllm-python`` (its own venv, see ``benchmarks/peers/README.md``), with the
-settings of ``env_vllm.sh`` (compiled; its first start compiles for a minute).
+settings of ``env_vllm.sh`` (compiled; its first start compiles for a minute). Both
+return token ids only (vLLM: ``detokenize=False``; Tidal the same flag, unless
+``--tidal-detokenize``, the baseline's setting, asks it for text too).
 
 Printed as one JSON document:
 
@@ -129,7 +131,7 @@ def run_e2e(tag: str, model: Path, opts: argparse.Namespace, results: Path) -> d
         out = results / f"tidal_{tag}_r{r}.json"
         t = _run_json(
             [py, str(PEERS_SCRIPTS / "bench_tidal.py"), "--model", str(model), "--hf-ref",
-             str(ref), "--out", str(out)],
+             str(ref), "--out", str(out), "--detokenize", str(int(opts.tidal_detokenize))],
             out,
         )  # fmt: skip
         rows["tidal"].append(_engine_row(t))
@@ -406,6 +408,12 @@ def main(argv: list[str] | None = None) -> None:
         default=Path(os.environ.get("PEERS", Path.home() / ".cache" / "tidal-peers")),
     )
     p.add_argument("--skip-e2e", action="store_true", help="kernels, roofline and overhead only")
+    p.add_argument(
+        "--tidal-detokenize",
+        action="store_true",
+        help="Tidal detokenizes its outputs (the baseline's harness); by default it returns "
+        "token ids only, as bench_vllm.py asks of vLLM (detokenize=False)",
+    )
     opts = p.parse_args(argv)
     import torch
 
@@ -427,6 +435,7 @@ def main(argv: list[str] | None = None) -> None:
             "platform": platform.platform(),
         },
         "e2e": {},
+        "tidal_detokenize": opts.tidal_detokenize,
     }
     tags = [t.strip() for t in opts.models.split(",") if t.strip()]
     if not opts.skip_e2e:

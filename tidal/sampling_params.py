@@ -63,6 +63,9 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, array_like=True):
     prompt_logprobs: Annotated[int, Meta(ge=0, le=INT64_MAX)] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # False: outputs carry token ids only (empty text, logprobs without decoded tokens),
+    # as vLLM's flag; the frontend then spends nothing on the tokenizer per step.
+    detokenize: bool = True
 
     def __post_init__(self) -> None:
         # Conveniences of the Python API, normalised before the table is applied.
@@ -76,6 +79,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, array_like=True):
             setattr(self, name, _checked(name, ftype, getattr(self, name)))
         if self.top_k == -1:
             self.top_k = 0
+        if self.stop and not self.detokenize:
+            raise ValueError("stop strings are matched in the text: they need detokenize=True")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(
                 f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}"

@@ -101,6 +101,34 @@ def test_logprobs_converted(tokenizer):
     assert ro.outputs[0].cumulative_logprob == -0.5
 
 
+@pytest.mark.parametrize("kind", [OutputKind.FINAL_ONLY, OutputKind.DELTA])
+def test_detokenize_false_gives_ids_only_and_never_decodes(tokenizer, monkeypatch, kind):
+    """vLLM's ``detokenize=False``: token ids (and logprob values) as usual, empty text,
+    no decoded tokens, and the tokenizer is never asked to decode."""
+    op = OutputProcessor(tokenizer)
+    params = SamplingParams(max_tokens=3, logprobs=1, detokenize=False)
+    op.add_request("d", None, [1, 2], params, kind)
+
+    def no_decode(*args, **kwargs):
+        raise AssertionError("decode called with detokenize=False")
+
+    monkeypatch.setattr(tokenizer, "decode", no_decode)
+    lp = Logprobs(token_ids=[5, 7], logprobs=[-0.5, -0.1], rank=2)
+    outs = op.process_outputs([_out("d", [5, 9], lps=[lp, lp])]).request_outputs
+    outs += op.process_outputs([_out("d", [11], FinishReason.LENGTH, [lp])]).request_outputs
+    assert outs[-1].finished
+    ids = [t for ro in outs for t in ro.outputs[0].token_ids]
+    assert ids == [5, 9, 11] and all(ro.outputs[0].text == "" for ro in outs)
+    positions = [p for ro in outs for p in ro.outputs[0].logprobs]
+    assert len(positions) == 3 and all(p[5].decoded_token is None for p in positions)
+
+
+def test_detokenize_false_refuses_stop_strings():
+    with pytest.raises(ValueError, match="^stop strings .* need detokenize=True"):
+        SamplingParams(stop=["\n"], detokenize=False)
+    assert SamplingParams(stop_token_ids=[3], detokenize=False).stop_token_ids == [3]
+
+
 def _error(rid, message, invalid=False):
     return EngineCoreOutput(
         rid, [], finish_reason=FinishReason.ERROR, stop_reason=message, invalid_request=invalid

@@ -85,6 +85,7 @@ FIELD_CASES: dict[str, tuple[list[Any], list[Any]]] = {
     "prompt_logprobs": ([None, 0, 5], [-1, "1", *BIG]),
     "include_stop_str_in_output": ([True, False], [0, None]),
     "skip_special_tokens": ([True, False], [1, "true"]),
+    "detokenize": ([True, False], [0, "no", None]),
 }
 
 
@@ -132,6 +133,8 @@ def test_python_conveniences_and_cross_field_rule():
     assert type(p.temperature) is float and p.stop_token_ids == [3]
     with pytest.raises(ValueError, match=r"^min_tokens\b"):
         SamplingParams(min_tokens=5, max_tokens=4)
+    with pytest.raises(ValueError, match=r"^stop\b"):  # stop strings are matched in text
+        SamplingParams(stop=["x"], detokenize=False)
     SamplingParams(min_tokens=5, max_tokens=None)
 
 

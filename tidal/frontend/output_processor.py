@@ -163,12 +163,14 @@ class OutputProcessor:
         """Fold one engine output into a child; True when a stop string ended it."""
         parent.num_cached_tokens = max(parent.num_cached_tokens, out.num_cached_tokens)
         if out.new_prompt_logprobs and parent.prompt_logprobs is not None:
-            parent.prompt_logprobs.extend(self._to_dicts(out.new_prompt_logprobs))
+            parent.prompt_logprobs.extend(
+                self._to_dicts(out.new_prompt_logprobs, parent.params.detokenize)
+            )
         child.token_ids.extend(out.new_token_ids)
         if out.new_logprobs and child.logprobs is not None:
-            child.logprobs.extend(self._to_dicts(out.new_logprobs))
+            child.logprobs.extend(self._to_dicts(out.new_logprobs, parent.params.detokenize))
             child.cumulative_logprob += sum(lp.logprobs[0] for lp in out.new_logprobs)
-        stop = child.detok.update(out.new_token_ids)
+        stop = child.detok.update(out.new_token_ids) if parent.params.detokenize else None
         if stop is not None:
             child.finish_reason, child.stop_reason = "stop", stop
             return out.finish_reason is None  # still running in the engine: abort it
@@ -177,7 +179,7 @@ class OutputProcessor:
             child.stop_reason = out.stop_reason
         return False
 
-    def _to_dicts(self, lps: list[Logprobs]) -> list[dict[int, Logprob]]:
+    def _to_dicts(self, lps: list[Logprobs], decode: bool) -> list[dict[int, Logprob]]:
         result = []
         for lp in lps:
             d: dict[int, Logprob] = {}
@@ -185,7 +187,7 @@ class OutputProcessor:
                 if tok in d:
                     continue
                 rank = lp.rank if j == 0 else j
-                d[tok] = Logprob(val, rank, self.tokenizer.decode([tok]))
+                d[tok] = Logprob(val, rank, self.tokenizer.decode([tok]) if decode else None)
             result.append(d)
         return result
 
