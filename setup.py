@@ -21,7 +21,7 @@ else:
             "tidal.kernels._cpu_ops",
             [
                 f"tidal/kernels/csrc/{name}_cpu.cpp"
-                for name in ("moe", "router", "norm", "attention")
+                for name in ("moe", "router", "linear", "norm", "attention")
             ],
             depends=["tidal/kernels/csrc/vec.h", "tidal/kernels/csrc/gemm.h"],
             # -march=native: the kernel's 16-lane vectors compile to the build machine's

@@ -216,9 +216,18 @@ def test_k_major_linear_matches_row_major(bias):
     torch.testing.assert_close(fast(x), x @ w.t() + (b if bias else 0), atol=ATOL, rtol=0)
 
 
-@pytest.mark.skipif(not onednn_available(), reason="no oneDNN prepacked linear")
+@pytest.mark.parametrize("kernel", ["cpp", "onednn"])
 @pytest.mark.parametrize("bias", [False, True])
-def test_onednn_linear_matches_f_linear_and_follows_weight_writes(bias):
+def test_packed_linear_matches_f_linear_and_follows_weight_writes(kernel, bias, monkeypatch):
+    """The C++ linear's pack, or oneDNN's where it was not built: same outputs as F.linear,
+    and a weight write the layer is told of is what the next forward computes with."""
+    if kernel == "cpp" and not kernel_available():
+        pytest.skip(kernel_status())
+    if kernel == "onednn":
+        if not onednn_available():
+            pytest.skip("no oneDNN prepacked linear")
+        monkeypatch.setattr("tidal.layers.linear.linear_cpu_ok", lambda x: False)
+    attr = "_cpp_packed" if kernel == "cpp" else "_packed"
     fast = Linear(24, 40, bias)
     slow = Linear(24, 40, bias)
     slow.use_onednn = False  # the plain F.linear path: the reference
@@ -231,14 +240,20 @@ def test_onednn_linear_matches_f_linear_and_follows_weight_writes(bias):
     for shape in ((1, 24), (7, 24), (2, 3, 24)):  # any leading dims
         x = torch.randn(*shape)
         torch.testing.assert_close(fast(x), slow(x), atol=ATOL, rtol=0)
-    assert fast._packed is not None
+    x = torch.randn(6, 48)[:, ::2]  # strided rows
+    torch.testing.assert_close(fast(x), slow(x), atol=ATOL, rtol=0)
+    first = getattr(fast, attr)
+    assert first is not None
+    fast(x)
+    assert getattr(fast, attr) is first  # reused while nothing was written
     with torch.no_grad():  # what the loader does: write, then say so
         fast.weight.mul_(-1.0)
         slow.weight.mul_(-1.0)
     fast.weights_updated()
     x = torch.randn(4, 24)
     torch.testing.assert_close(fast(x), slow(x), atol=ATOL, rtol=0)
-    # Other dtypes keep F.linear (oneDNN is used for float32 only).
+    assert getattr(fast, attr) is not first
+    # Other dtypes keep F.linear (the packed paths are float32 only).
     assert torch.equal(
         fast.bfloat16()(x.bfloat16()),
         F.linear(x.bfloat16(), fast.weight.bfloat16(), None if not bias else fast.bias.bfloat16()),

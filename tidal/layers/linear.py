@@ -12,9 +12,11 @@ the transposed-operand form for decode-sized batches (measured on the default mo
 shapes: about 1.5-2x for one row, 10-25% for 32 rows). The loader copies into views of
 ``weight`` as usual, so nothing else sees the layout.
 
-On CPU in float32 the forward uses a oneDNN-prepacked copy of the weight instead (2.5-3x
-MKL's GFLOP/s at decode shapes, ``tidal/kernels/onednn.py``); ``weight`` stays the source
-of truth, and the loader's ``weights_updated`` drops the copy.
+On CPU in float32 the forward uses a packed copy of the weight instead: the C++ linear's
+(``tidal/kernels/cpu_linear.py``; at 1-32 rows 10-60% faster than oneDNN, within 5% of
+it at 128-1024) where ``pip install`` built it, else a oneDNN-prepacked one (2.5-3x MKL's
+GFLOP/s at decode shapes, ``tidal/kernels/onednn.py``). ``weight`` stays the source of
+truth, and the loader's ``weights_updated`` drops the copies.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from tidal.kernels.cpu_linear import linear_cpu, linear_cpu_ok, pack_linear_weight
 from tidal.kernels.onednn import onednn_available, pack_weight, packed_linear, prefers_packed
 
 
@@ -52,10 +55,19 @@ class Linear(nn.Module):
         # CPU float32: a oneDNN-prepacked copy of the weight (tidal/kernels/onednn.py),
         # made at the first forward and dropped when the loader writes the weight.
         self.use_onednn = torch.device(device or "cpu").type == "cpu"
-        self._packed: Tensor | None = None
+        self._packed: Tensor | None = None  # oneDNN's copy of the weight
+        self._cpp_packed: Tensor | None = None  # the C++ linear's (tidal/kernels/cpu_linear.py)
 
     def forward(self, x: Tensor) -> Tensor:  # [..., in] -> [..., out]
         out_f, in_f = self.weight.shape
+        if self.use_onednn and linear_cpu_ok(x):  # the C++ linear, when pip install built it
+            packed = self._cpp_packed
+            if packed is None:
+                packed = self._cpp_packed = pack_linear_weight(self.weight)
+            rows = x.reshape(-1, in_f)
+            if rows.stride(1) != 1:
+                rows = rows.contiguous()
+            return linear_cpu(rows, packed, out_f, self.bias).reshape(*x.shape[:-1], out_f)
         if (
             self.use_onednn
             and x.dtype == torch.float32
@@ -70,8 +82,9 @@ class Linear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
     def weights_updated(self) -> None:
-        """The weight was written (the loader): drop the packed copy."""
+        """The weight was written (the loader): drop the packed copies."""
         self._packed = None
+        self._cpp_packed = None
 
     def extra_repr(self) -> str:
         out_f, in_f = self.weight.shape
