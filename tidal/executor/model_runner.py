@@ -38,6 +38,7 @@ import torch
 
 from tidal.config import EngineConfig
 from tidal.executor.batch import NULL_BLOCK_ID, ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from tidal.kernels.host_memory import empty_huge
 from tidal.layers.attention import AttentionMetadata, kv_cache_shape
 from tidal.layers.sampler import RowInfo, Sampler, SamplingMetadata, compute_logprobs
 from tidal.models.loader import load_model
@@ -184,10 +185,16 @@ class ModelRunner:
         num_layers, num_kv_heads, head_dim = self.model.kv_cache_spec()
         shape = kv_cache_shape(num_blocks, self.block_size, num_kv_heads, head_dim)
         dtype = self.config.model.torch_dtype
-        self.kv_caches = [
-            torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)
-        ]
+        self.kv_caches = [self._zeros_cache(shape, dtype) for _ in range(num_layers)]
         self.model.bind_kv_cache(self.kv_caches)
+
+    def _zeros_cache(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        if self.device.type != "cpu":
+            return torch.zeros(shape, dtype=dtype, device=self.device)
+        # Decode attention reads each sequence's blocks scattered over the whole cache: on
+        # huge pages that costs no TLB miss per block. Touched now, as torch.zeros would,
+        # so no step pays the page faults.
+        return empty_huge(shape, dtype).zero_()
 
     # ---- step --------------------------------------------------------------------------
 

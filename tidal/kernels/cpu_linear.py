@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from tidal.kernels.cpu_ext import kernel_available, kernel_status
+from tidal.kernels.host_memory import empty_huge
 
 BLOCK = 64  # output columns per block of the pack (gemm.h's block_gemm width)
 
@@ -25,12 +26,10 @@ def pack_linear_weight(weight: Tensor) -> Tensor:  # [N, K] -> [N_pad/64, K, 64]
         raise ValueError(f"the CPU linear takes a float32 [N, K] weight, got {weight.dtype}")
     out_f, in_f = weight.shape
     padded = -(-out_f // BLOCK) * BLOCK
-    return (
-        F.pad(weight, (0, 0, 0, padded - out_f))
-        .view(padded // BLOCK, BLOCK, in_f)
-        .transpose(1, 2)
-        .contiguous()
-    )
+    blocks = F.pad(weight, (0, 0, 0, padded - out_f)).view(padded // BLOCK, BLOCK, in_f)
+    out = empty_huge((padded // BLOCK, in_f, BLOCK))  # streamed at decode: huge pages
+    out.copy_(blocks.transpose(1, 2))
+    return out
 
 
 def linear_cpu_ok(x: Tensor) -> bool:

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from tidal.kernels.cpu_ext import kernel_available, kernel_status
+from tidal.kernels.host_memory import empty_huge
 
 GATE_BLOCK = 32  # intermediate columns per w13 block (the kernel's kGateBlock)
 DOWN_BLOCK = 64  # output columns per w2 block (kDownBlock)
@@ -49,16 +50,14 @@ class CpuPackedExperts:
                 num, gate_blocks, GATE_BLOCK, hidden
             )
 
-        self.w13 = (
-            torch.cat([halves(w13[:, :inter]), halves(w13[:, inter:])], 2)
-            .transpose(2, 3)
-            .contiguous()
+        # On huge pages: the kernel streams these in blocks scattered over all of them.
+        self.w13 = _huge_copy(
+            torch.cat([halves(w13[:, :inter]), halves(w13[:, inter:])], 2).transpose(2, 3)
         )  # [E, I_pad/32, H, 64]
-        self.w2 = (
+        self.w2 = _huge_copy(
             F.pad(w2, (0, inter_pad - inter, 0, hidden_pad - hidden))
             .view(num, hidden_pad // DOWN_BLOCK, DOWN_BLOCK, inter_pad)
             .transpose(2, 3)
-            .contiguous()
         )  # [E, H_pad/64, I_pad, 64]
         self.shapes = (tuple(w13.shape), tuple(w2.shape))
 
@@ -89,6 +88,12 @@ def fused_experts_cpu(
         None if expert_map is None else expert_map.to(torch.int32),
         apply_router_weight,
     )
+
+
+def _huge_copy(t: Tensor) -> Tensor:  # a contiguous copy of t on huge pages
+    out = empty_huge(t.shape, t.dtype)
+    out.copy_(t)
+    return out
 
 
 def _round_up(n: int, block: int) -> int:
