@@ -258,16 +258,25 @@ def k_major_experts(w13: Tensor, w2: Tensor) -> tuple[Tensor, Tensor]:
     return _k_major_copy(w13), _k_major_copy(w2)
 
 
+def empty_k_major_experts(w13: Tensor, w2: Tensor) -> tuple[Tensor, Tensor]:
+    """Uninitialised tensors shaped like ``w13``/``w2`` with ``k_major_experts``' storage,
+    for weights about to be written (no copy of values nobody will read)."""
+    return _empty_k_major(w13), _empty_k_major(w2)
+
+
 def is_k_major(w: Tensor) -> bool:
     """Whether ``w [E, N, K]`` has the K-major storage of ``k_major_experts``."""
     return w.transpose(1, 2).is_contiguous()
 
 
-def _k_major_copy(w: Tensor) -> Tensor:
-    out = torch.empty(
+def _empty_k_major(w: Tensor) -> Tensor:
+    return torch.empty(
         (w.shape[0], w.shape[2], w.shape[1]), dtype=w.dtype, device=w.device
     ).transpose(1, 2)
-    return out.copy_(w)
+
+
+def _k_major_copy(w: Tensor) -> Tensor:
+    return _empty_k_major(w).copy_(w)
 
 
 def _local_slots(

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from tidal.kernels.cpu_ext import kernel_available
 from tidal.kernels.cpu_linear import linear_cpu, linear_cpu_ok, pack_linear_weight
 from tidal.kernels.onednn import onednn_available, pack_weight, packed_linear, prefers_packed
 
@@ -80,6 +81,14 @@ class Linear(nn.Module):
             y = packed_linear(x.reshape(-1, in_f).contiguous(), packed, self.bias)
             return y.reshape(*x.shape[:-1], out_f)
         return F.linear(x, self.weight, self.bias)
+
+    def pack_weights(self) -> None:
+        """Build the C++ linear's packed copy now rather than at the next forward (the
+        loader, at start-up). oneDNN's copy stays lazy: whether it is used depends on the
+        row count."""
+        if self.use_onednn and self.weight.dtype == torch.float32 and kernel_available():
+            if self._cpp_packed is None:
+                self._cpp_packed = pack_linear_weight(self.weight)
 
     def weights_updated(self) -> None:
         """The weight was written (the loader): drop the packed copies."""

@@ -27,7 +27,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor, nn
 
-from tidal.kernels.fused_moe_torch import k_major_experts
+from tidal.kernels.fused_moe_torch import empty_k_major_experts
 from tidal.layers.attention import AttentionMetadata, PagedAttention
 from tidal.layers.linear import Embedding, Linear
 from tidal.layers.norm import RMSNorm, rms_norm_heads
@@ -165,11 +165,12 @@ class DecoderLayer(nn.Module):
 
 
 def set_k_major_moe_weights(moe: FusedMoE) -> None:
-    """Give the CPU MoE block's weights input-major storage (same shapes and values): the
-    router and expert GEMMs then read plain row-major matrices, which MKL runs fastest
-    (see ``tidal/layers/linear.py``). The loader and expert moves write into these very
-    tensors, so there is no second copy to keep in sync."""
-    moe.w13.data, moe.w2.data = k_major_experts(moe.w13, moe.w2)
+    """Give the CPU MoE block's weights input-major storage (same shapes), before the
+    loader writes them (the values are uninitialised, so none is copied): the router and
+    expert GEMMs of the torch paths then read plain row-major matrices, which MKL runs
+    fastest (see ``tidal/layers/linear.py``). The loader and expert moves write into these
+    very tensors, so there is no second copy to keep in sync."""
+    moe.w13.data, moe.w2.data = empty_k_major_experts(moe.w13, moe.w2)
     moe.gate.data = moe.gate.data.t().contiguous().t()
 
 

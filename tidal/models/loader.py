@@ -32,7 +32,7 @@ from torch import Tensor
 
 from tidal.models.common import MoECausalLM
 from tidal.models.registry import get_model_class
-from tidal.moe.layer import resolve_moe_backend
+from tidal.moe.layer import FusedMoE, resolve_moe_backend
 
 INDEX_FILE = "model.safetensors.index.json"
 # Buffers some exporters save that the runtime recomputes.
@@ -115,6 +115,14 @@ def load_weights(model: MoECausalLM, folder: str, *, load_experts: bool = True) 
         updated = getattr(module, "weights_updated", None)
         if updated is not None:
             updated()
+    # ... and the CPU kernels' packed copies are built now, not by the first step: that
+    # costs ~3 s on the 1024-wide model, which belongs to start-up (and to the memory
+    # measured before the KV cache is sized), not to the first request. Experts that were
+    # not read (a joining engine: they arrive from peers) are packed when they are written.
+    for module in model.modules():
+        pack = getattr(module, "pack_weights", None)
+        if pack is not None and (load_experts or not isinstance(module, FusedMoE)):
+            pack()
     optional = model.optional_weight_names()
     missing = [n for n in targets if n not in seen and n not in optional]
     if missing or unexpected:

@@ -36,9 +36,9 @@ from tidal.kernels.cpu_moe import CpuPackedExperts
 from tidal.kernels.cpu_router import CpuPackedGate, router_cpu_ok, softmax_topk_cpu
 from tidal.kernels.fused_moe_torch import (
     PackedExperts,
+    empty_k_major_experts,
     fused_experts_torch,
     is_k_major,
-    k_major_experts,
 )
 from tidal.kernels.onednn import onednn_available, pack_weight, packed_linear
 from tidal.moe.reference import fused_experts_reference
@@ -239,6 +239,14 @@ class FusedMoE(nn.Module):
             self._packed = packed
         return {"packed": packed}
 
+    def pack_weights(self) -> None:
+        """Build the packed copies now rather than at the next forward (the loader, at
+        start-up). A no-op where no packed path applies."""
+        self._experts_kwargs()
+        if self.use_onednn and self.gate.dtype == torch.float32 and kernel_available():
+            if not isinstance(self._packed_gate, CpuPackedGate):
+                self._packed_gate = CpuPackedGate(self.gate)
+
     def weights_updated(self) -> None:
         """``gate``/``w13``/``w2`` were written (loader, expert moves, EPLB): drop what was derived
         from them (the packed copies), rebuilt at the next forward."""
@@ -256,7 +264,7 @@ class FusedMoE(nn.Module):
             self.w13.data = self.w13.data.new_empty((len(ids), *self.w13.shape[1:]))
             self.w2.data = self.w2.data.new_empty((len(ids), *self.w2.shape[1:]))
             if k_major:
-                self.w13.data, self.w2.data = k_major_experts(self.w13, self.w2)
+                self.w13.data, self.w2.data = empty_k_major_experts(self.w13, self.w2)
         self.local_expert_ids = ids
         self._map_arg = None if ids == list(range(self.num_experts)) else self.expert_map
 
