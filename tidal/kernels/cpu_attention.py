@@ -70,3 +70,28 @@ def rope_cpu(
     signed_sin: Tensor,  # [T, 1, Dh]
 ) -> Tensor:  # [T, H, Dh], a new tensor, bit-identical to the torch expression
     return torch.ops.tidal_cpu.rope(x, cos, signed_sin)
+
+
+def write_kv_cpu_ok(cache: Tensor, k: Tensor, v: Tensor) -> bool:
+    """Whether ``write_kv_cpu`` takes these tensors: float32 on CPU, a contiguous cache,
+    k and v [T, Hkv, Dh] with their last dimension contiguous, the extension loaded."""
+    return (
+        cache.dtype == k.dtype == v.dtype == torch.float32
+        and cache.device.type == "cpu"
+        and cache.is_contiguous()
+        and k.dim() == v.dim() == 3
+        and k.stride(2) == v.stride(2) == 1
+        and kernel_available()
+    )
+
+
+def write_kv_cpu(
+    cache: Tensor,  # [2, NB, Hkv, bs, Dh] one layer's cache, contiguous; written in place
+    rows_k: Tensor,  # [T * Hkv] int64 rows of cache.view(-1, Dh), (token, head) order
+    k: Tensor,  # [T, Hkv, Dh] float32 (rows may be strided)
+    rows_v: Tensor,  # [T * Hkv] int64
+    v: Tensor,  # [T, Hkv, Dh]
+) -> None:
+    """``index_copy_`` of k and v into the cache's rows, with the scattered destinations'
+    cache misses overlapped (one call for both)."""
+    torch.ops.tidal_cpu.write_kv(cache, rows_k, k, rows_v, v)

@@ -55,6 +55,8 @@ from tidal.kernels.cpu_attention import (
     decode_attention_cpu,
     decode_attention_cpu_ok,
     decode_attention_cpu_supports,
+    write_kv_cpu,
+    write_kv_cpu_ok,
 )
 
 
@@ -321,9 +323,12 @@ class PagedAttention(nn.Module):
         if cache is None:
             raise RuntimeError("KV cache not bound: call model.bind_kv_cache(caches) first")
         rows = meta.cache_rows(cache.shape[1], self.num_kv_heads, self.num_heads, cache.dtype)
-        by_token = cache.view(-1, self.head_dim)  # [2 * NB * Hkv * bs, Dh]
-        by_token.index_copy_(0, rows.write_k, k.reshape(-1, self.head_dim))
-        by_token.index_copy_(0, rows.write_v, v.reshape(-1, self.head_dim))
+        if write_kv_cpu_ok(cache, k, v):
+            write_kv_cpu(cache, rows.write_k, k, rows.write_v, v)
+        else:
+            by_token = cache.view(-1, self.head_dim)  # [2 * NB * Hkv * bs, Dh]
+            by_token.index_copy_(0, rows.write_k, k.reshape(-1, self.head_dim))
+            by_token.index_copy_(0, rows.write_v, v.reshape(-1, self.head_dim))
         dec = meta.decode_rows
         if not meta.prefills and isinstance(dec, slice) and dec.stop - dec.start == q.shape[0]:
             return self._decode(q, cache, meta, rows)  # pure decode step: no output assembly

@@ -27,6 +27,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -205,6 +206,46 @@ at::Tensor decode_attention(const at::Tensor& q,            // [D, Hq, Dh] float
   return out;
 }
 
+// write_kv: this step's K and V rows into the cache, at the rows the metadata chose.
+// The destinations are scattered and cold (a 4 KB run per block): ask for all their lines
+// first, with write intent, so the misses overlap; index_copy_ takes them one at a time
+// (~36 us for 128 rows of the 1024-wide model against ~5 hot).
+void write_rows(float* dst, const int64_t* rows, const at::Tensor& src, int64_t dh) {
+  const int64_t num = src.size(0), heads = src.size(1), s0 = src.stride(0), s1 = src.stride(1);
+  const float* sp = src.data_ptr<float>();
+  for (int64_t i = 0; i < num * heads; ++i)
+    for (int64_t f = 0; f < dh; f += 16) __builtin_prefetch(dst + rows[i] * dh + f, 1, 3);
+  for (int64_t t = 0; t < num; ++t)
+    for (int64_t h = 0; h < heads; ++h)
+      std::memcpy(dst + rows[t * heads + h] * dh, sp + t * s0 + h * s1, dh * sizeof(float));
+}
+
+void write_kv(const at::Tensor& cache,   // [2, NB, Hkv, bs, Dh] float32, written
+              const at::Tensor& rows_k,  // [T * Hkv] int64 rows of cache.view(-1, Dh)
+              const at::Tensor& k,       // [T, Hkv, Dh] float32, last dim contiguous
+              const at::Tensor& rows_v,  // [T * Hkv] int64
+              const at::Tensor& v) {     // [T, Hkv, Dh]
+  TORCH_CHECK(cache.is_cpu() && cache.scalar_type() == at::kFloat && cache.dim() == 5 &&
+                  cache.is_contiguous(),
+              "write_kv: cache must be a contiguous float32 [2, NB, Hkv, bs, Dh]");
+  const int64_t dh = cache.size(4), total = cache.numel() / std::max<int64_t>(dh, 1);
+  for (const at::Tensor* t : {&k, &v})
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->dim() == 3 && t->size(2) == dh &&
+                    t->stride(2) == 1 && t->sizes() == k.sizes(),
+                "write_kv: k and v must be float32 [T, Hkv, Dh], last dim contiguous");
+  for (const at::Tensor* r : {&rows_k, &rows_v}) {
+    TORCH_CHECK(r->scalar_type() == at::kLong && r->dim() == 1 && r->is_contiguous() &&
+                    r->size(0) == k.size(0) * k.size(1),
+                "write_kv: rows must be int64 [T * Hkv]");
+    const int64_t* rp = r->data_ptr<int64_t>();
+    for (int64_t i = 0; i < r->size(0); ++i)
+      TORCH_CHECK(rp[i] >= 0 && rp[i] < total, "write_kv: a row is outside the cache");
+  }
+  float* dst = cache.data_ptr<float>();
+  write_rows(dst, rows_k.data_ptr<int64_t>(), k, dh);
+  write_rows(dst, rows_v.data_ptr<int64_t>(), v, dh);
+}
+
 #pragma GCC push_options
 #pragma GCC optimize("fp-contract=off")
 // x * cos + roll(x) * sin rounded as torch rounds it: product, product, sum.
@@ -251,9 +292,11 @@ TORCH_LIBRARY_FRAGMENT(tidal_cpu, m) {
       "decode_attention(Tensor q, Tensor cache, Tensor block_table, Tensor seq_lens, "
       "float scale) -> Tensor");
   m.def("rope(Tensor x, Tensor cos, Tensor signed_sin) -> Tensor");
+  m.def("write_kv(Tensor(a!) cache, Tensor rows_k, Tensor k, Tensor rows_v, Tensor v) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(tidal_cpu, CPU, m) {
   m.impl("decode_attention", &decode_attention);
   m.impl("rope", &rope);
+  m.impl("write_kv", &write_kv);
 }
