@@ -90,17 +90,17 @@ def test_packed_layout():
     of ``w2`` the down weights of output columns 64j..; zero past I and H."""
     _, w13, w2, _, _, _ = _problem(1, 70, 40, 3, 1, None, 5)
     p = CpuPackedExperts(w13, w2)
-    assert p.w13.shape == (3, 2, 70, 2 * GATE_BLOCK) and p.w2.shape == (3, 2, 64, DOWN_BLOCK)
+    assert p.w13.shape == (3, 2, 70, 2 * GATE_BLOCK) and p.w2.shape == (2, 3, 64, DOWN_BLOCK)
     e, k = 2, 11
     for col in (0, 31, 32, 39):
         j, c = divmod(col, GATE_BLOCK)
         assert p.w13[e, j, k, c] == w13[e, col, k]  # gate
         assert p.w13[e, j, k, GATE_BLOCK + c] == w13[e, 40 + col, k]  # up
-        assert p.w2[e, 0, col, 5] == w2[e, 5, col]
-        assert p.w2[e, 1, col, 69 - DOWN_BLOCK] == w2[e, 69, col]
+        assert p.w2[0, e, col, 5] == w2[e, 5, col]
+        assert p.w2[1, e, col, 69 - DOWN_BLOCK] == w2[e, 69, col]
     assert torch.count_nonzero(p.w13[:, 1, :, 8:GATE_BLOCK]) == 0  # gate columns 40..63
     assert torch.count_nonzero(p.w2[:, :, 40:]) == 0  # intermediate rows past I
-    assert torch.count_nonzero(p.w2[:, 1, :, 70 - DOWN_BLOCK :]) == 0  # outputs past H
+    assert torch.count_nonzero(p.w2[1, :, :, 70 - DOWN_BLOCK :]) == 0  # outputs past H
 
 
 @needs_kernel

@@ -27,8 +27,9 @@ class CpuPackedExperts:
 
     * ``w13 [E, I_pad/32, H, 64]``: block j holds, for each input column k, the 32 gate
       weights of intermediate columns 32j.. then the 32 matching up weights;
-    * ``w2 [E, H_pad/64, I_pad, 64]``: block j holds, for each intermediate column k, the
-      down weights of output columns 64j..;
+    * ``w2 [H_pad/64, E, I_pad, 64]``: block (j, e) holds, for each intermediate column k,
+      expert e's down weights of output columns 64j.. (column block major, so one output
+      block's experts lie in address order);
 
     zero past I and H. Derived data, like ``PackedExperts``: the layer drops it whenever
     ``w13``/``w2`` are written (``FusedMoE.weights_updated``) and packs again."""
@@ -50,8 +51,8 @@ class CpuPackedExperts:
         halves = self.w13.view(num, gate_blocks, hidden, 2, GATE_BLOCK)
         for half, rows in enumerate((w13[:, :inter], w13[:, inter:])):  # gate, up: [E, I, H]
             _copy_blocks(halves[:, :, :, half], rows, GATE_BLOCK)
-        self.w2 = empty_huge((num, down_blocks, inter_pad, DOWN_BLOCK))  # [E, H_pad/64, I_pad, 64]
-        _copy_blocks(self.w2[:, :, :inter], w2, DOWN_BLOCK)
+        self.w2 = empty_huge((down_blocks, num, inter_pad, DOWN_BLOCK))  # [H_pad/64, E, I_pad, 64]
+        _copy_blocks(self.w2.transpose(0, 1)[:, :, :inter], w2, DOWN_BLOCK)
         self.shapes = (tuple(w13.shape), tuple(w2.shape))
 
 

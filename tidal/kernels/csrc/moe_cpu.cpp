@@ -13,8 +13,10 @@
 //   w13p [E, I_pad / 32, H, 64]: column block j of expert e holds, for each k, the 32
 //        gate weights of intermediate columns j*32.. then the 32 matching up weights, so
 //        one block gives both halves of SiLU-and-mul; columns past I are zero.
-//   w2p  [E, H_pad / 64, I_pad, 64]: column block j holds, for each k, the down weights
-//        of output columns j*64..; rows past I and columns past H are zero.
+//   w2p  [H_pad / 64, E, I_pad, 64]: block (j, e) holds, for each k, expert e's down
+//        weights of output columns j*64..; rows past I and columns past H are zero. Column
+//        block major: the down pass's task j reads its experts' blocks in address order,
+//        so the lookahead prefetch runs on into the next block instead of past its end.
 // Each block is read front to back, once per group of up to kRows rows.
 
 #include "gemm.h"
@@ -72,7 +74,7 @@ void down_rows(const float* const* a, const float* w, int64_t inter, float* cons
 
 at::Tensor fused_moe(const at::Tensor& hidden,        // [T, H] float32
                      const at::Tensor& w13p,          // [E, I_pad/32, H, 64] float32
-                     const at::Tensor& w2p,           // [E, H_pad/64, I_pad, 64] float32
+                     const at::Tensor& w2p,           // [H_pad/64, E, I_pad, 64] float32
                      const at::Tensor& topk_weights,  // [T, K] float32
                      const at::Tensor& topk_ids,      // [T, K] int64 global ids
                      const std::optional<at::Tensor>& expert_map,  // [E_global] int32
@@ -84,11 +86,11 @@ at::Tensor fused_moe(const at::Tensor& hidden,        // [T, H] float32
               "w13p must be a contiguous [E, I_pad/32, H, 64] float32 pack");
   TORCH_CHECK(w2p.dim() == 4 && w2p.scalar_type() == at::kFloat && w2p.is_contiguous() &&
                   w2p.size(3) == kDownBlock,
-              "w2p must be a contiguous [E, H_pad/64, I_pad, 64] float32 pack");
+              "w2p must be a contiguous [H_pad/64, E, I_pad, 64] float32 pack");
   const int64_t num_tokens = hidden.size(0), hidden_size = hidden.size(1);
   const int64_t num_local = w13p.size(0), gate_blocks = w13p.size(1);
-  const int64_t inter_pad = gate_blocks * kGateBlock, down_blocks = w2p.size(1);
-  TORCH_CHECK(w13p.size(2) == hidden_size && w2p.size(0) == num_local &&
+  const int64_t inter_pad = gate_blocks * kGateBlock, down_blocks = w2p.size(0);
+  TORCH_CHECK(w13p.size(2) == hidden_size && w2p.size(1) == num_local &&
                   w2p.size(2) == inter_pad && down_blocks * kDownBlock >= hidden_size &&
                   (down_blocks - 1) * kDownBlock < hidden_size,
               "w13p/w2p do not match hidden's width or each other");
@@ -190,7 +192,7 @@ at::Tensor fused_moe(const at::Tensor& hidden,        // [T, H] float32
         as[m] = ap + (r0 + m) * inter_pad;
         os[m] = op + token[r0 + m] * hidden_size + j * kDownBlock;
       }
-      const float* blk = w2 + (e * down_blocks + j) * inter_pad * kDownBlock;
+      const float* blk = w2 + (j * num_local + e) * inter_pad * kDownBlock;
       dispatch_rows(r, [&](auto R) { down_rows<R()>(as, blk, inter_pad, os, cols); });
     }
   });
