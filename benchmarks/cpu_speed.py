@@ -40,13 +40,17 @@ Printed as one JSON document:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -83,8 +87,25 @@ def ensure_models(peers: Path) -> dict[str, Path]:
 # ------------------------------------------------------------------ end to end
 
 
+@contextlib.contextmanager
+def _private_tmpdir(env: dict[str, str] | None) -> Iterator[dict[str, str]]:
+    """``env`` (else this process's) with TMPDIR a fresh directory, removed afterwards: a
+    peer's leftovers go with it (vLLM leaves its ipc:// socket files in the temp
+    directory, a few per run)."""
+    tmp = tempfile.mkdtemp(prefix="cpu-speed-")
+    try:
+        yield {**(os.environ if env is None else env), "TMPDIR": tmp}
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _run(cmd: list[str], env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    with _private_tmpdir(env) as child_env:
+        return subprocess.run(cmd, env=child_env, capture_output=True, text=True)
+
+
 def _run_json(cmd: list[str], out: Path, env: dict[str, str] | None = None) -> dict[str, Any]:
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    proc = _run(cmd, env)
     if proc.returncode != 0 or not out.exists():
         raise RuntimeError(f"{cmd[1]} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
     return json.loads(out.read_text())
@@ -255,16 +276,14 @@ def moe_block(model: Path, opts: argparse.Namespace, results: Path) -> dict[str,
         )
     if opts.vllm_python:
         out = results / f"vllm_moe_kernel_{model.name}.json"
-        proc = subprocess.run(
+        proc = _run(
             [
                 opts.vllm_python,
                 str(PEERS_SCRIPTS / "bench_vllm_moe_kernel.py"),
                 str(model),
                 str(out),
             ],
-            env=_vllm_env(opts.peers_dir),
-            capture_output=True,
-            text=True,
+            _vllm_env(opts.peers_dir),
         )
         if proc.returncode == 0 and out.exists():
             per_t = json.loads(out.read_text())["per_T"]

@@ -42,3 +42,16 @@ def test_vllm_env_drops_a_missing_preload(bench, tmp_path):
     assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0-1"
     assert env["VLLM_CACHE_ROOT"].startswith(str(tmp_path))
     assert all(pathlib.Path(p).exists() for p in env["LD_PRELOAD"].split(":") if p)
+
+
+def test_peer_runs_in_a_private_temp_dir_removed_after(bench, tmp_path):
+    """What a peer leaves in its temp directory (vLLM: ipc:// socket files) goes with it."""
+    script = (
+        "import json, os, sys, tempfile; d = tempfile.gettempdir();"
+        "open(os.path.join(d, 'left-behind'), 'w').close();"
+        "json.dump({'tmp': d}, open(sys.argv[1], 'w'))"
+    )
+    out = tmp_path / "out.json"
+    got = bench._run_json([sys.executable, "-c", script, str(out)], out)
+    tmp = pathlib.Path(got["tmp"])
+    assert tmp.name.startswith("cpu-speed-") and not tmp.exists()
