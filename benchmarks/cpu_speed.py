@@ -27,7 +27,7 @@ Printed as one JSON document:
   experts, and the best of the torch strategies bmm / grouped_mm / loop on K-major weights
   -- and, with vLLM, its ``cpu_fused_moe`` kernel (big checkpoint);
 - ``gemm``: GFLOP/s of one [M, 1024] x [1024, 1024] float32 GEMM through MKL (torch's
-  ``mm``) and oneDNN with a prepacked weight: why the experts moved to oneDNN;
+  ``mm``), oneDNN with a prepacked weight, and Tidal's C++ linear (what ``Linear`` runs);
 - ``roofline``: this machine's memory read bandwidth (a 1 GiB ``sum``), the bytes one
   batch-32 decode step of the big model reads (every expert of every layer, attention,
   lm_head), the roofline tok/s that implies, and Tidal's batch tok/s as a fraction of it;
@@ -300,6 +300,9 @@ def moe_block(model: Path, opts: argparse.Namespace, results: Path) -> dict[str,
 def gemm(opts: argparse.Namespace) -> dict[str, Any]:
     import torch
 
+    from tidal.kernels.cpu_ext import kernel_available
+    from tidal.kernels.cpu_linear import linear_cpu, pack_linear_weight
+
     torch.set_num_threads(opts.threads)
     out: dict[str, Any] = {}
     for m in (1, 4, 32, 256):
@@ -313,6 +316,10 @@ def gemm(opts: argparse.Namespace) -> dict[str, Any]:
             0.1,
         )
         out[m] = {"mkl_gflops": _r(flops / mkl / 1e6, 1), "onednn_gflops": _r(flops / dnn / 1e6, 1)}
+        if kernel_available():  # what Linear runs now (tidal/kernels/cpu_linear.py)
+            ours = pack_linear_weight(w)
+            cpp = _timeit(lambda x=x, p=ours: linear_cpu(x, p, 1024), 0.1)
+            out[m]["tidal_cpp_gflops"] = _r(flops / cpp / 1e6, 1)
     return out
 
 
