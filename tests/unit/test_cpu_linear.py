@@ -8,17 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tidal.kernels.cpu_ext import kernel_available, kernel_status
+from tests.cpu_kernels import keep_torch_threads, needs_kernel  # noqa: F401 - autouse fixture
 from tidal.kernels.cpu_linear import BLOCK, linear_cpu, pack_linear_weight
-
-needs_kernel = pytest.mark.skipif(not kernel_available(), reason=kernel_status())
-
-
-@pytest.fixture(autouse=True)
-def _threads():
-    threads = torch.get_num_threads()
-    yield
-    torch.set_num_threads(threads)
 
 
 @needs_kernel

@@ -9,20 +9,12 @@ import shutil
 import pytest
 import torch
 
-from tidal.kernels.cpu_ext import kernel_available, kernel_status
+from tests.cpu_kernels import keep_torch_threads, needs_kernel  # noqa: F401 - autouse fixture
+from tidal.kernels.cpu_ext import kernel_status
 from tidal.kernels.cpu_moe import DOWN_BLOCK, GATE_BLOCK, CpuPackedExperts, fused_experts_cpu
 from tidal.moe.layer import build_expert_map
 from tidal.moe.reference import fused_experts_reference
 from tidal.moe.router import softmax_topk
-
-needs_kernel = pytest.mark.skipif(not kernel_available(), reason=kernel_status())
-
-
-@pytest.fixture(autouse=True)
-def _threads():
-    threads = torch.get_num_threads()
-    yield
-    torch.set_num_threads(threads)
 
 
 def test_pip_install_built_the_kernel():

@@ -7,18 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tidal.kernels.cpu_ext import kernel_available, kernel_status
+from tests.cpu_kernels import keep_torch_threads, needs_kernel  # noqa: F401 - autouse fixture
 from tidal.kernels.cpu_router import BLOCK, CpuPackedGate, softmax_topk_cpu
 from tidal.moe.router import softmax_topk
-
-needs_kernel = pytest.mark.skipif(not kernel_available(), reason=kernel_status())
-
-
-@pytest.fixture(autouse=True)
-def _threads():
-    threads = torch.get_num_threads()
-    yield
-    torch.set_num_threads(threads)
 
 
 @needs_kernel

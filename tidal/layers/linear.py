@@ -62,13 +62,11 @@ class Linear(nn.Module):
     def forward(self, x: Tensor) -> Tensor:  # [..., in] -> [..., out]
         out_f, in_f = self.weight.shape
         if self.use_onednn and linear_cpu_ok(x):  # the C++ linear, when pip install built it
-            packed = self._cpp_packed
-            if packed is None:
-                packed = self._cpp_packed = pack_linear_weight(self.weight)
             rows = x.reshape(-1, in_f)
             if rows.stride(1) != 1:
                 rows = rows.contiguous()
-            return linear_cpu(rows, packed, out_f, self.bias).reshape(*x.shape[:-1], out_f)
+            y = linear_cpu(rows, self._cpp_weight(), out_f, self.bias)
+            return y.reshape(*x.shape[:-1], out_f)
         if (
             self.use_onednn
             and x.dtype == torch.float32
@@ -87,8 +85,13 @@ class Linear(nn.Module):
         loader, at start-up). oneDNN's copy stays lazy: whether it is used depends on the
         row count."""
         if self.use_onednn and self.weight.dtype == torch.float32 and kernel_available():
-            if self._cpp_packed is None:
-                self._cpp_packed = pack_linear_weight(self.weight)
+            self._cpp_weight()
+
+    def _cpp_weight(self) -> Tensor:
+        packed = self._cpp_packed
+        if packed is None:
+            packed = self._cpp_packed = pack_linear_weight(self.weight)
+        return packed
 
     def weights_updated(self) -> None:
         """The weight was written (the loader): drop the packed copies."""

@@ -184,9 +184,7 @@ class FusedMoE(nn.Module):
 
     def forward(self, hidden: Tensor) -> Tensor:  # [T, H] -> [T, H]
         if self.use_onednn and router_cpu_ok(hidden):  # the C++ router: one call
-            gate = self._packed_gate
-            if not isinstance(gate, CpuPackedGate):
-                gate = self._packed_gate = CpuPackedGate(self.gate)
+            gate = self._cpu_gate()
             topk_weights, topk_ids = softmax_topk_cpu(hidden, gate, self.top_k, self.renormalize)
         else:
             router_logits = self._router_logits(hidden)  # [T, E_global]
@@ -239,13 +237,18 @@ class FusedMoE(nn.Module):
             self._packed = packed
         return {"packed": packed}
 
+    def _cpu_gate(self) -> CpuPackedGate:
+        gate = self._packed_gate
+        if not isinstance(gate, CpuPackedGate):
+            gate = self._packed_gate = CpuPackedGate(self.gate)
+        return gate
+
     def pack_weights(self) -> None:
         """Build the packed copies now rather than at the next forward (the loader, at
         start-up). A no-op where no packed path applies."""
         self._experts_kwargs()
         if self.use_onednn and self.gate.dtype == torch.float32 and kernel_available():
-            if not isinstance(self._packed_gate, CpuPackedGate):
-                self._packed_gate = CpuPackedGate(self.gate)
+            self._cpu_gate()
 
     def weights_updated(self) -> None:
         """``gate``/``w13``/``w2`` were written (loader, expert moves, EPLB): drop what was derived
