@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from tests.cpu_kernels import keep_torch_threads, needs_kernel  # noqa: F401 - autouse fixture
-from tidal.kernels.cpu_router import BLOCK, CpuPackedGate, softmax_topk_cpu
+from tidal.kernels.cpu_linear import BLOCK
+from tidal.kernels.cpu_router import CpuPackedGate, softmax_topk_cpu
 from tidal.moe.router import softmax_topk
 
 

@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from tidal.kernels.cpu_ext import kernel_available, kernel_status
+from tidal.kernels.cpu_linear import copy_blocks
 from tidal.kernels.host_memory import empty_huge
 
 GATE_BLOCK = 32  # intermediate columns per w13 block (the kernel's kGateBlock)
@@ -50,9 +51,9 @@ class CpuPackedExperts:
         self.w13 = empty_huge((num, gate_blocks, hidden, 2 * GATE_BLOCK))  # [E, I_pad/32, H, 64]
         halves = self.w13.view(num, gate_blocks, hidden, 2, GATE_BLOCK)
         for half, rows in enumerate((w13[:, :inter], w13[:, inter:])):  # gate, up: [E, I, H]
-            _copy_blocks(halves[:, :, :, half], rows, GATE_BLOCK)
+            copy_blocks(halves[:, :, :, half], rows, GATE_BLOCK)
         self.w2 = empty_huge((down_blocks, num, inter_pad, DOWN_BLOCK))  # [H_pad/64, E, I_pad, 64]
-        _copy_blocks(self.w2.transpose(0, 1)[:, :, :inter], w2, DOWN_BLOCK)
+        copy_blocks(self.w2.transpose(0, 1)[:, :, :inter], w2, DOWN_BLOCK)
         self.shapes = (tuple(w13.shape), tuple(w2.shape))
 
 
@@ -82,18 +83,6 @@ def fused_experts_cpu(
         None if expert_map is None else expert_map.to(torch.int32),
         apply_router_weight,
     )
-
-
-def _copy_blocks(dst: Tensor, src: Tensor, block: int) -> None:
-    """dst[e, j, k, c] = src[e, j * block + c, k]: src [E, N, K] cut into blocks of ``block``
-    rows, each stored transposed; dst [E, ceil(N / block), K, block] (columns past N are
-    left as they are)."""
-    num, rows, depth = src.shape
-    full = rows // block
-    if full:
-        dst[:, :full].copy_(src[:, : full * block].reshape(num, full, block, depth).transpose(2, 3))
-    if rows % block:
-        dst[:, full, :, : rows % block].copy_(src[:, full * block :].transpose(1, 2))
 
 
 def _round_up(n: int, block: int) -> int:

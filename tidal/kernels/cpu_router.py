@@ -11,12 +11,10 @@ either way, as it already could between MKL and oneDNN.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from tidal.kernels.cpu_ext import kernel_available
-
-BLOCK = 64  # experts per column block of the pack (the kernel's block_gemm width)
+from tidal.kernels.cpu_linear import pack_linear_weight
 
 
 class CpuPackedGate:
@@ -27,15 +25,8 @@ class CpuPackedGate:
     def __init__(self, gate: Tensor) -> None:  # [E, H] float32
         if gate.dtype != torch.float32 or gate.dim() != 2:
             raise ValueError(f"the CPU router takes a float32 [E, H] gate, got {gate.dtype}")
-        num, hidden = gate.shape
-        padded = -(-num // BLOCK) * BLOCK
-        self.num_experts = num
-        self.weight = (
-            F.pad(gate, (0, 0, 0, padded - num))
-            .view(padded // BLOCK, BLOCK, hidden)
-            .transpose(1, 2)
-            .contiguous()
-        )  # [E_pad/64, H, 64]
+        self.num_experts = gate.shape[0]
+        self.weight = pack_linear_weight(gate)  # [E_pad/64, H, 64]: the linear's layout
 
 
 def router_cpu_ok(hidden: Tensor) -> bool:

@@ -5,7 +5,8 @@
 // 1024-wide projections at 32 rows, but on the 256-wide model's q/k/v and o projections it
 // takes 26-37 us for 2-4 M multiply-adds (~160-225 GFLOP/s): fixed cost. This is the MoE
 // kernel's register-blocked micro-kernel (gemm.h) over the weight's 64-column blocks, one
-// parallel region a call; tidal/layers/linear.py picks it for small weights only.
+// parallel region a call: 10-60% faster than oneDNN at 1-32 rows, within 5% at 128-1024,
+// so tidal/layers/linear.py uses it for every float32 CPU forward.
 //
 // Weight layout (built by tidal/kernels/cpu_linear.py): w_p [N_pad / 64, K, 64], column
 // block j holding, for each k, the weights of output columns 64j..; zero past N.
