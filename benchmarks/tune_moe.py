@@ -123,12 +123,13 @@ def reference(problem) -> object:
     return fused_experts_reference(x, w13, w2, weights, ids)
 
 
-def timer(device: str) -> Callable[[Callable[[], object], int], float]:
+def timer(device: str) -> Callable[..., float]:
     """Mean microseconds of fn over iters (CUDA events on GPU, wall clock otherwise)."""
     import torch
 
-    def time_cuda(fn: Callable[[], object], iters: int) -> float:
-        fn()
+    def time_cuda(fn: Callable[[], object], iters: int, warmup: int = 1) -> float:
+        for _ in range(warmup):
+            fn()
         torch.cuda.synchronize()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()

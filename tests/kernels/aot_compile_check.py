@@ -49,22 +49,21 @@ def main() -> int:
     compile_kernel(moe_align._align_count_kernel, ids, blocks)
     compile_kernel(moe_align._align_scatter_kernel, ids, blocks)
     compile_kernel(moe_align._align_scan_kernel, ids, dict(BLOCK_E=128, BLOCK_C=2, BLOCK_B=64))
+    compile_kernel(
+        moe_align._align_small_kernel,
+        ids,
+        dict(HAS_MAP=True, BLOCK_E=256, BLOCK_S=64, BLOCK_F=256, BLOCK_B=16),
+        num_warps=8,
+    )
     gemm = dict(a_ptr="bf16", b_ptr="bf16", c_ptr="bf16", topk_weights_ptr="fp32", **ids)
     compile_kernel(
         fused_moe._fused_moe_gemm_kernel,
         gemm,
-        dict(
-            MUL_ROUTED_WEIGHT=True,
-            DOT_FP32=False,
-            DOT_PRECISION=None,
-            BLOCK_M=16,
-            BLOCK_N=64,
-            BLOCK_K=64,
-            GROUP_M=8,
-        ),  # fmt: skip
+        dict(MUL_ROUTED_WEIGHT=True, DOT_FP32=False, DOT_PRECISION=None, BLOCK_M=16,
+             BLOCK_N=64, BLOCK_K=64, GROUP_M=8),
         num_warps=4,
         num_stages=3,
-    )
+    )  # fmt: skip
     compile_kernel(activation._silu_and_mul_kernel, dict(x_ptr="bf16", out_ptr="bf16"),
                    dict(BLOCK=512))  # fmt: skip
     compile_kernel(moe_sum._moe_sum_kernel, dict(x_ptr="bf16", out_ptr="bf16"), dict(BLOCK_H=512))

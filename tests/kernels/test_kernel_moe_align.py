@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tidal.kernels import moe_align
 from tidal.kernels.moe_align import (
     max_padded_slots,
     moe_align_block_size,
@@ -68,6 +69,30 @@ def test_align_matches_reference(tokens, top_k, experts, block, remote, id_dtype
         assert g.dtype == torch.int32, name
         assert torch.equal(g.cpu(), w.cpu()), name
     _check_invariants(ids, want, block, experts)
+
+
+@pytest.mark.parametrize("path", ["one_program", "chunked"])
+@pytest.mark.parametrize(
+    "tokens,top_k,experts,block,with_map",
+    [(1, 8, 128, 16, False), (8, 8, 128, 16, True), (3, 2, 6, 64, True), (16, 4, 16, 32, False)],
+)
+def test_align_paths_agree(tokens, top_k, experts, block, with_map, path, device, monkeypatch):
+    """Decode-sized routings (the shapes a serving step sends) through each path: the
+    one-program kernel and the count/scan/scatter kernels give the reference's bits."""
+    if path == "chunked":
+        monkeypatch.setattr(moe_align, "_SMALL_TILE_ELEMENTS", 0)
+    e_global = 2 * experts if with_map else experts
+    ids = torch.stack([torch.randperm(e_global)[:top_k] for _ in range(tokens)])
+    expert_map = None
+    if with_map:
+        expert_map = torch.full((e_global,), -1, dtype=torch.int32)
+        expert_map[torch.randperm(e_global)[:experts]] = torch.arange(experts, dtype=torch.int32)
+    want = moe_align_block_size_reference(ids, block, experts, expert_map)
+    got = moe_align_block_size(
+        ids.to(device), block, experts, None if expert_map is None else expert_map.to(device)
+    )
+    for g, w in zip(got, want):
+        assert torch.equal(g.cpu(), w.cpu())
 
 
 def test_align_all_slots_one_expert(device):

@@ -98,6 +98,19 @@ def test_shipped_config_files_parse():
         assert parse_config_file(path.read_text()), path
 
 
+def test_shipped_h200_table_is_found_by_the_device_name_torch_reports():
+    """The H200 table (benchmarks/gpu_proof.sh) under the name torch.cuda gives that GPU,
+    at the experts and width of the layer it was swept on; other shapes keep the default."""
+    table = parse_config_file(
+        (CONFIG_DIR / "E=128,N=768,device_name=NVIDIA_H200,dtype=bfloat16.json").read_text()
+    )
+    for m, want in ((1, table[1]), (3, table[1]), (200, table[256]), (4096, table[2048])):
+        got = get_moe_config(m, 128, 768, 8, torch.bfloat16, "NVIDIA H200", interpret=False)
+        assert got == want, m
+    other = get_moe_config(1, 64, 768, 8, torch.bfloat16, "NVIDIA H200", interpret=False)
+    assert other == default_config(1, 64, 8, interpret=False)
+
+
 def test_config_validation():
     with pytest.raises(ValueError):
         MoeKernelConfig(24, 64, 64)

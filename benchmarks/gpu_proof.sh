@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# GPU proof in one prepared run (issue #22): device facts, the kernel tests compiled on CUDA,
+# fused MoE (Triton) against the torch path with a block-size sweep, one CUDA engine rank.
+#
+#   OUT=/some/dir benchmarks/gpu_proof.sh            # all steps
+#   STEPS="moe engine" OUT=... benchmarks/gpu_proof.sh   # a rerun of some steps
+#
+# Each step is time-boxed and writes its own JSON under $OUT; a failed step is recorded and
+# the next one still runs. At the end the parts are merged into $OUT/gpu-<device>.json and
+# the tuned config JSON lies in $OUT. Python packages the GPU machine lacks travel as wheels
+# in .whl/ (installed into a private target dir, never into the system).
+# SMOKE=1 rehearses the whole script on a CPU with toy shapes.
+set -u
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/tidal-gpu-proof}
+STEPS=${STEPS:-"facts kernels moe engine"}
+mkdir -p "$OUT"
+if ! python3 -c "import msgspec, zmq, fastapi, uvicorn" 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1
+then
+  site=$(mktemp -d /tmp/tidal-site-XXXXXX)
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target "$site" .whl/*.whl || exit 1
+  export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
+fi
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+smoke=()
+[ "${SMOKE:-0}" = 1 ] && smoke=(--smoke)
+step() {  # step NAME TIMEOUT_S ARGS...: one time-boxed step; its output goes to $OUT/steps.log
+  local name=$1 limit=$2; shift 2
+  case " $STEPS " in *" $name "*) ;; *) return 0 ;; esac
+  echo "== $name (time box ${limit}s) $(date +%T)"
+  timeout -k 10 "$limit" python3 benchmarks/gpu_proof.py "$name" --out "$OUT/$name.json" \
+    "${smoke[@]}" "$@" >"$OUT/$name.log.tmp" 2>&1
+  echo "   rc=$? $(date +%T)"; tail -n 4 "$OUT/$name.log.tmp"
+  { echo "===== $name"; cat "$OUT/$name.log.tmp"; } >>"$OUT/steps.log"; rm -f "$OUT/$name.log.tmp"
+}
+step facts 90
+step kernels 200 --timeout 170
+step moe 240 --config-dir "$OUT"
+# The engine step serves with the table just tuned (as a shipped file would be found).
+if [ "${SMOKE:-0}" != 1 ] && [ -f "$OUT/tuned_moe_config.json" ]; then
+  name=$(python3 -c "import json;print(json.load(open('$OUT/moe.json'))['config_file'])")
+  cp "$OUT/tuned_moe_config.json" "tidal/kernels/configs/$name" && echo "   engine uses $name"
+fi
+step engine 300
+device=$(python3 -c "import json;print(json.load(open('$OUT/facts.json'))['device'])" 2>/dev/null \
+  | tr -c 'A-Za-z0-9_.\n-' '_')
+python3 benchmarks/gpu_proof.py merge --out "$OUT/gpu-${device:-unknown}.json" \
+  "$OUT"/facts.json "$OUT"/kernels.json "$OUT"/moe.json "$OUT"/engine.json
