@@ -16,6 +16,7 @@ import asyncio
 import dataclasses
 import json
 import math
+import os
 import threading
 from types import SimpleNamespace
 from typing import Any
@@ -426,6 +427,30 @@ async def test_sandbox_that_cannot_start_is_a_server_error():
         await sandbox.render(CHAT, chat_template="{{ 1 }}", add_generation_prompt=True, kwargs={})
     await sandbox.close()
     assert sandbox.pid is None
+
+
+@run
+async def test_sandbox_imports_nothing_from_the_working_directory(
+    qwen3_ckpt, tmp_path, monkeypatch
+):
+    """A module in the server's working directory (``msgspec.py``, which the worker
+    imports first) is not what the worker imports, even where PYTHONPATH names the
+    directory implicitly (an empty or relative entry)."""
+    marker = tmp_path / "shadow-imported"
+    (tmp_path / "msgspec.py").write_text(
+        f"open({str(marker)!r}, 'w').close()\nraise ImportError('shadowed')\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([".", os.environ.get("PYTHONPATH", ""), ""]))
+    sandbox = TemplateSandbox(qwen3_ckpt, max_chars=10_000, timeout_s=60.0)
+    try:
+        text, ids = await sandbox.render(
+            CHAT, chat_template=CHAT_TEMPLATE, add_generation_prompt=False, kwargs={}
+        )
+    finally:
+        await sandbox.close()
+    assert text.startswith("<|im_start|>system\n") and ids
+    assert not marker.exists()
 
 
 def _alive(pid: int) -> bool:
