@@ -73,14 +73,7 @@ def create_store(
     """
     if rank == 0:
         return serve_store(host, port, world_size=world_size, timeout_s=timeout_s)
-    return TCPStore(
-        host,
-        port,
-        world_size,
-        is_master=False,
-        timeout=datetime.timedelta(seconds=timeout_s),
-        wait_for_workers=False,
-    )
+    return _tcp_store(host, port, world_size, timeout_s, is_master=False)
 
 
 def serve_store(
@@ -94,16 +87,17 @@ def serve_store(
     and closes it)."""
     sock = listening_socket(host, port)
     bound_port = sock.getsockname()[1]
-    return TCPStore(
-        host,
-        bound_port,
-        world_size,
-        is_master=True,
-        timeout=datetime.timedelta(seconds=timeout_s),
-        wait_for_workers=False,
-        master_listen_fd=sock.detach(),
-        use_libuv=True,
+    fd = sock.detach()
+    return _tcp_store(
+        host, bound_port, world_size, timeout_s, is_master=True, master_listen_fd=fd, use_libuv=True
     )
+
+
+def _tcp_store(
+    host: str, port: int, world_size: int | None, timeout_s: float, **kwargs: Any
+) -> TCPStore:
+    timeout = datetime.timedelta(seconds=timeout_s)
+    return TCPStore(host, port, world_size, timeout=timeout, wait_for_workers=False, **kwargs)
 
 
 class StatelessGroup:
