@@ -50,7 +50,7 @@ class EngineCore:
         self.scheduler.add_request(self.make_request(req))
 
     def make_request(self, req: EngineCoreRequest) -> Request:
-        # Sizes first, by length and set alone: no per-item check walks a huge list.
+        # Sizes first, by length alone: no per-item check walks a huge list.
         params = req.sampling_params
         self.config.frontend.check_sizes(
             stop=params.stop,
