@@ -78,3 +78,20 @@ def test_greedy_matches_transformers(ckpt_and_expected, engine_kwargs):
     got = _run(path, prompts, **engine_kwargs)
     for i, (g, e) in enumerate(zip(got, expected)):
         assert g == e, f"prompt {i} (len {len(prompts[i])}): {g} != {e}"
+
+
+def test_greedy_matches_transformers_at_tensor_parallel_2(ckpt_and_expected):
+    """Two TP workers (their own processes, gloo), with chunked prefill and preemption in
+    the mix: the same tokens as transformers."""
+    path, prompts, expected = ckpt_and_expected
+    got = _run(
+        path,
+        prompts,
+        tensor_parallel_size=2,
+        max_num_batched_tokens=8,
+        block_size=4,
+        num_gpu_blocks_override=40,
+        max_model_len=64,
+    )
+    for i, (g, e) in enumerate(zip(got, expected)):
+        assert g == e, f"prompt {i} (len {len(prompts[i])}): {g} != {e}"

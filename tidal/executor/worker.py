@@ -119,6 +119,33 @@ class Worker:
         torch.set_num_threads(cpu_threads_for_rank(p.data_parallel_size_local * self.tp_size))
         return torch.device("cpu")
 
+    def start(
+        self,
+        topology: Topology | None = None,
+        engine_id: int | None = None,
+        joining: bool = False,
+        local_expert_ids: list[int] | None = None,
+        *,
+        tp_store_port: int | None = None,
+    ) -> None:
+        """Everything between construction and the KV cache, in order: the rank's TP group
+        (``tp_store_port``, TP size > 1), then a joiner's startup (``init_joiner``: no DP/EP
+        group yet) or the DP/EP groups of ``topology`` and the model (with EP the placement
+        decides what to load). On failure the groups made so far are destroyed."""
+        try:
+            if tp_store_port is not None:
+                self.init_tensor_parallel(tp_store_port)
+            if joining:
+                if topology is None or engine_id is None:
+                    raise ValueError("a joining engine needs its topology and engine id")
+                self.init_joiner(topology, engine_id)
+                return
+            self.init_distributed(topology, engine_id)
+            self.load_model(local_expert_ids)
+        except Exception:
+            self.shutdown()
+            raise
+
     # ---- process groups ----------------------------------------------------------------
 
     def init_tensor_parallel(self, store_port: int) -> None:

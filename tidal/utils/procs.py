@@ -23,7 +23,7 @@ import multiprocessing
 import os
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from tidal.utils.proctitle import set_process_name
 
@@ -60,10 +60,16 @@ class ModuleProcess:
 
     ``payload`` is written to the child's stdin, which is then closed: the child reads it
     to EOF (``read_child_launch``). ``pass_fds`` stay open in the child (e.g. a pipe end
-    for a startup reply)."""
+    for a startup reply); ``env`` adds to (or overrides) the inherited environment."""
 
     def __init__(
-        self, module: str, name: str, payload: bytes = b"", *, pass_fds: Sequence[int] = ()
+        self,
+        module: str,
+        name: str,
+        payload: bytes = b"",
+        *,
+        pass_fds: Sequence[int] = (),
+        env: Mapping[str, str] | None = None,
     ) -> None:
         self.name = name
         self.module = module
@@ -79,7 +85,7 @@ class ModuleProcess:
                 [sys.executable, "-P", "-m", module, name],
                 stdin=subprocess.PIPE,
                 pass_fds=fds,
-                env=_child_env(),
+                env={**_child_env(), **(env or {})},
                 process_group=0,  # see the module docstring: Ctrl-C reaches the launcher only
             )
         except BaseException:
