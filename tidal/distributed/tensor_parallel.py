@@ -32,8 +32,12 @@ import torch
 from torch import Tensor
 
 
-@dataclass(frozen=True)
+@dataclass
 class TensorParallel:
+    """One object per worker, shared by all its layers: when the rank rebuilds its TP
+    group (after a peer rank's death left a collective half done, ``Worker``), replacing
+    ``group`` here reaches every layer."""
+
     rank: int = 0
     size: int = 1
     # A StatelessGroup over the rank's workers (tidal/distributed/groups.py); None at size 1.

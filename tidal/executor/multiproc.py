@@ -88,6 +88,7 @@ _BOUNDED = {
     "destroy_standby": 60.0,
     "discard_staged": 60.0,
     "destroy_retired_groups": 60.0,
+    "rebuild_tensor_parallel": 60.0,
     "shutdown": 10.0,
 }
 # Calls that run no collective: a failure there fails the call, not the rank (startup
@@ -150,6 +151,7 @@ class MultiprocExecutor(Executor):
         self._monitor: threading.Thread | None = None
         self._wake_r, self._wake_w = Pipe(duplex=False)
         self.encoder = StepEncoder()
+        self._tp_generation = 0
         self.queue: ShmQueueWriter | None = None
         self._tp_store: TCPStore | None = None
         self._dir = tempfile.mkdtemp(prefix=f"{IPC_DIR_PREFIX}tp-")
@@ -383,6 +385,13 @@ class MultiprocExecutor(Executor):
     ) -> int:
         # Each worker moves its own experts: the rank received the sum.
         return sum(self._call("transfer_experts", (epoch, sends, receives, engine_id, timeout_s)))
+
+    def abandon_groups(self) -> None:
+        """Also a fresh TP group: the step the failure cut short may have left a worker
+        in a TP collective (its peer broke that group to free it, ``WorkerProc``)."""
+        self._call("abandon_groups")
+        self._tp_generation += 1
+        self._call("rebuild_tensor_parallel", (self._tp_generation,))
 
     def get_expert_load(self) -> dict[int, list[int]]:
         """Summed over the workers: each counted the tokens of its own share."""

@@ -153,28 +153,49 @@ class Worker:
         TCPStore at ``127.0.0.1:store_port``. Call before ``load_model``."""
         if self.tp_size == 1 or self.tp_group is not None:
             return
-        timeout = self.dist_timeout_s
         # Rank + 1: the engine process hosts the store (it outlives any one worker).
         self._tp_store = create_store(
             TP_STORE_HOST,
             store_port,
             rank=self.tp_rank + 1,
             world_size=self.tp_size + 1,
-            timeout_s=timeout,
+            timeout_s=self.dist_timeout_s,
         )
-        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        self._join_tp_group("tp")
+
+    def _join_tp_group(self, prefix: str) -> None:
         self.tp_group = StatelessGroup.create(
             host=TP_STORE_HOST,
             port=0,
             rank=self.tp_rank,
             world_size=self.tp_size,
-            backend=backend,
+            backend=self._backend(),
             store=self._tp_store,
-            prefix="tp",
-            timeout_s=timeout,
+            prefix=prefix,
+            timeout_s=self.dist_timeout_s,
             failure=LocalGroupFailure,
         )
-        self.model_runner.tp = TensorParallel(self.tp_rank, self.tp_size, self.tp_group)
+        tp = self.model_runner.tp
+        if tp.size == 1:
+            self.model_runner.tp = TensorParallel(self.tp_rank, self.tp_size, self.tp_group)
+        else:  # a rebuild: every layer holds this very object
+            tp.group = self.tp_group
+
+    def break_tensor_parallel(self) -> None:
+        """Destroy the TP group now: a TP peer waiting in one of its collectives fails at
+        once (``LocalGroupFailure``) instead of at the timeout. After a step that a peer
+        rank's death cut short, a worker may be in a TP collective its peers will never
+        enter; the engine then rebuilds the group (``rebuild_tensor_parallel``)."""
+        if self.tp_group is not None:
+            self.tp_group.destroy()
+
+    def rebuild_tensor_parallel(self, generation: int) -> None:
+        """A fresh TP group (every worker of the rank calls it, with the same
+        ``generation``), on the same store."""
+        if self.tp_size == 1:
+            return
+        self.break_tensor_parallel()
+        self._join_tp_group(f"tp.{generation}")
 
     def init_distributed(
         self, topology: Topology | None = None, engine_id: int | None = None

@@ -40,7 +40,7 @@ import msgspec
 import zmq
 
 from tidal.config import EngineConfig
-from tidal.distributed.groups import GroupFailure
+from tidal.distributed.groups import GroupFailure, LocalGroupFailure
 from tidal.distributed.ports import IPC_DIR_PREFIX
 from tidal.distributed.shm_queue import QueueCancelled, QueueClosed, ShmQueueReader
 from tidal.executor.batch import ModelRunnerOutput
@@ -64,6 +64,8 @@ logger = logging.getLogger(__name__)
 WORKER_ENTRY_MODULE = "tidal.executor.worker_proc"
 _CALL_DECODER = msgspec.msgpack.Decoder(WorkerCall)
 _ARGS_DECODER = msgspec.msgpack.Decoder(list[msgspec.Raw])
+# The calls that run the model: TP collectives interleaved with the DP/EP ones.
+_STEP_CALLS = frozenset({"execute_model", "execute_dummy_batch"})
 
 
 class WorkerLaunch(msgspec.Struct, frozen=True):
@@ -182,24 +184,32 @@ class WorkerProc:
             result = fn(*self._decode_args(owner, call))
             if answer:
                 self._reply(WorkerReply(call.call_id, self.tp_rank, msgspec.Raw(_encode(result))))
-        except GroupFailure as e:
-            self._reply(
-                WorkerReply(
-                    call.call_id, self.tp_rank, error=str(e),
-                    error_kind=WorkerErrorKind.GROUP_FAILURE,
-                )
-            )  # fmt: skip
+            return
         except Exception as e:  # noqa: BLE001 - the engine decides; this worker goes on
+            error = e
+        kind = WorkerErrorKind.ERROR
+        if isinstance(error, GroupFailure) or (
+            isinstance(error, LocalGroupFailure) and call.method in _STEP_CALLS
+        ):
+            kind = WorkerErrorKind.GROUP_FAILURE
+            if call.method in _STEP_CALLS:
+                # A peer rank died mid-step. This worker's TP peers may be waiting in a TP
+                # collective it will never enter: break the group so they fail now too
+                # (and answer the same). A dead TP peer is the rank's death, which the
+                # engine's monitor sees.
+                self.worker.break_tensor_parallel()
+        else:
             logger.error(
                 "worker %d of engine %d: %s failed:\n%s",
-                self.tp_rank, self.engine_id, call.method, traceback.format_exc(),
+                self.tp_rank, self.engine_id, call.method,
+                "".join(traceback.format_exception(error)),
             )  # fmt: skip
-            self._reply(
-                WorkerReply(
-                    call.call_id, self.tp_rank, error=f"{type(e).__name__}: {e}",
-                    error_kind=WorkerErrorKind.ERROR,
-                )
-            )  # fmt: skip
+        self._reply(
+            WorkerReply(
+                call.call_id, self.tp_rank, error=f"{type(error).__name__}: {error}",
+                error_kind=kind,
+            )
+        )  # fmt: skip
 
     @staticmethod
     def _decode_args(owner: type, call: WorkerCall) -> list[Any]:

@@ -21,6 +21,7 @@ import contextlib
 import functools
 import multiprocessing
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import Mapping, Sequence
@@ -138,6 +139,22 @@ class ModuleProcess:
     def __repr__(self) -> str:
         state = "alive" if self.is_alive() else f"exitcode={self.exitcode}"
         return f"<ModuleProcess {self.name} pid={self.pid} {state}>"
+
+
+def kill_if_named(pid: int, prefix: str) -> bool:
+    """SIGKILL ``pid`` if it is still a process whose name (``set_process_name``'s, at
+    most 15 characters) starts with ``prefix``: a pid reused by another program is left
+    alone. True if it was killed."""
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            name = f.read().strip()
+    except OSError:
+        return False
+    if not name.startswith(prefix[:15]):
+        return False
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+    return True
 
 
 def read_child_launch() -> tuple[str, bytes]:
