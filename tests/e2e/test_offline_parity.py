@@ -95,3 +95,29 @@ def test_greedy_matches_transformers_at_tensor_parallel_2(ckpt_and_expected):
     )
     for i, (g, e) in enumerate(zip(got, expected)):
         assert g == e, f"prompt {i} (len {len(prompts[i])}): {g} != {e}"
+
+
+@pytest.mark.parametrize("backend", ["allgather_reducescatter", "all2all"])
+def test_greedy_matches_transformers_at_dp2_tp2_ep(ckpt_and_expected, backend):
+    """``--dp 2 -tp 2 --ep``: two ranks of two workers each, experts over all four, each
+    worker dispatching its share of its rank's tokens. One dispatcher per model (CI time:
+    six processes start per run)."""
+    path, prompts, expected = ckpt_and_expected
+    if ("mixtral" in path) != (backend == "all2all"):
+        pytest.skip("each dispatcher runs on one of the two models")
+    llm = LLM(
+        path,
+        dtype="float32",
+        data_parallel_size=2,
+        tensor_parallel_size=2,
+        enable_expert_parallel=True,
+        all2all_backend=backend,
+    )
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, min_tokens=MAX_TOKENS)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        got = [o.outputs[0].token_ids for o in outs]
+    finally:
+        llm.shutdown()
+    for i, (g, e) in enumerate(zip(got, expected)):
+        assert g == e, f"prompt {i} (len {len(prompts[i])}): {g} != {e}"

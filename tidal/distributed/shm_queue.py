@@ -61,6 +61,7 @@ import ctypes
 import mmap
 import os
 import secrets
+import struct
 import threading
 import time
 from collections.abc import Callable
@@ -87,6 +88,7 @@ _H_MAGIC, _H_READERS, _H_CHUNKS, _H_CHUNK_BYTES, _H_CLOSED, _H_SEQ, _H_WRITER = 
 _R_PID, _R_SLEEPING = 0, 4
 _KIND_INLINE, _KIND_OVERFLOW = 0, 1
 _DATA_HEADER = 16  # kind u32, pad u32, length u64
+_HEADER = struct.Struct("<IIQ")
 _U32 = 0xFFFFFFFF
 
 
@@ -288,6 +290,11 @@ class ShmQueueWriter:
         self._base = base
         self._seq_addr = base + _H_SEQ
         self._sleeping = [base + g.reader(r) + _R_SLEEPING for r in range(num_readers)]
+        # Per chunk: the address of its written word and of each reader's read flag.
+        self._written = [base + g.written(c) for c in range(num_chunks)]
+        self._flags = [
+            [base + g.read_flag(c, r) for r in range(num_readers)] for c in range(num_chunks)
+        ]
         self._reader_pids: list[int] = [0] * num_readers
         self.messages = 0
         self.overflows = 0
@@ -343,29 +350,34 @@ class ShmQueueWriter:
             raise QueueClosed("the shm queue is closed")
         g, s = self.geo, self.sync
         chunk = self._next
-        written = self._base + g.written(chunk)
-        self._wait_free(chunk, written, timeout_s, abort)
-        s.store(written, 0)
-        for r in range(g.num_readers):
-            s.store(self._base + g.read_flag(chunk, r), 0)
+        written, flags = self._written[chunk], self._flags[chunk]
+        load = s.load
+        if load(written) and not all(load(f) for f in flags):
+            self._wait_free(chunk, written, flags, timeout_s, abort)
+        store = s.store
+        store(written, 0)
+        for f in flags:
+            store(f, 0)
         n = len(data)
         at = g.payload(chunk)
         mm = self.seg.mm
-        if n <= g.max_inline:
-            mm[at : at + 8] = _KIND_INLINE.to_bytes(8, "little")
-            mm[at + 8 : at + 16] = n.to_bytes(8, "little")
-            mm[at + 16 : at + 16 + n] = data
+        if n <= min(4096, g.max_inline):  # one copy into the segment
+            mm[at : at + _DATA_HEADER + n] = _HEADER.pack(_KIND_INLINE, 0, n) + data
+        elif n <= g.max_inline:
+            mm[at : at + _DATA_HEADER] = _HEADER.pack(_KIND_INLINE, 0, n)
+            mm[at + _DATA_HEADER : at + _DATA_HEADER + n] = data
         else:
-            mm[at : at + 8] = _KIND_OVERFLOW.to_bytes(8, "little")
-            mm[at + 8 : at + 16] = n.to_bytes(8, "little")
+            mm[at : at + _DATA_HEADER] = _HEADER.pack(_KIND_OVERFLOW, 0, n)
             self.pub.send(data, copy=n < 65536)
             self.overflows += 1
-        s.store(written, 1)
+        store(written, 1)
         self._seq = (self._seq + 1) & _U32
         s.store_sc(self._seq_addr, self._seq)
         load_sc = s.load_sc
-        if any(load_sc(a) for a in self._sleeping):
-            s.wake(self._seq_addr)
+        for a in self._sleeping:
+            if load_sc(a):
+                s.wake(self._seq_addr)
+                break
         self._next = (chunk + 1) % g.num_chunks
         self.messages += 1
 
@@ -373,14 +385,12 @@ class ShmQueueWriter:
         self,
         chunk: int,
         written: int,
+        flags: list[int],
         timeout_s: float | None,
         abort: Callable[[], str | None] | None,
     ) -> None:
         g, load = self.geo, self.sync.load
         base = self._base
-        flags = [base + g.read_flag(chunk, r) for r in range(g.num_readers)]
-        if not load(written) or all(load(f) for f in flags):
-            return
         start = time.monotonic()
         next_check = start + POLL_S
         delay = 0.0
@@ -512,6 +522,8 @@ class ShmQueueReader:
         self._closed_addr = base + _H_CLOSED
         self._sleeping = base + g.reader(rank) + _R_SLEEPING
         self._writer_pid = self.sync.load(base + _H_WRITER)
+        self._written = [base + g.written(c) for c in range(g.num_chunks)]
+        self._flags = [base + g.read_flag(c, rank) for c in range(g.num_chunks)]
         self._next = 0
         self._own_ctx = ctx is None
         self.ctx = ctx or zmq.Context()
@@ -529,18 +541,15 @@ class ShmQueueReader:
         after ``cancel()``; ``TimeoutError`` after ``timeout_s``."""
         g, s = self.geo, self.sync
         chunk = self._next
-        base = self._base
-        flag = base + g.read_flag(chunk, self.rank)
-        written = base + g.written(chunk)
+        flag, written = self._flags[chunk], self._written[chunk]
         load = s.load
-        if not (not load(flag) and load(written)):
+        if load(flag) or not load(written):
             self._wait(flag, written, timeout_s)
         at = g.payload(chunk)
         mm = self.seg.mm
-        kind = int.from_bytes(mm[at : at + 8], "little")
-        n = int.from_bytes(mm[at + 8 : at + 16], "little")
+        kind, _, n = _HEADER.unpack_from(mm, at)
         if kind == _KIND_INLINE:
-            data = mm[at + 16 : at + 16 + n]
+            data = mm[at + _DATA_HEADER : at + _DATA_HEADER + n]
         else:
             data = self._recv_overflow(n)
         s.store(flag, 1)
