@@ -82,6 +82,8 @@ from tidal.utils.procs import ModuleProcess
 logger = logging.getLogger(__name__)
 
 STARTUP_TIMEOUT_S = 300.0  # workers import torch and load their shard meanwhile
+FREEZE_POLL_S = 1.0
+FREEZE_TIMEOUT_S = 5.0  # a worker stopped this long is dead
 # Calls that clean up after a failure are bounded (see the module docstring): seconds.
 _BOUNDED = {
     "abandon_groups": 60.0,
@@ -99,6 +101,16 @@ _LOCAL_CALLS = frozenset(
 )  # fmt: skip
 _REPLY_DECODER = msgspec.msgpack.Decoder(WorkerReply)
 _HELLO_DECODER = msgspec.msgpack.Decoder(WorkerHello)
+
+
+def _stopped(pid: int) -> bool:
+    """Whether ``pid`` is stopped (SIGSTOP, traced): state T or t in /proc."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return False
+    return stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3] in (b"T", b"t")
 
 
 class WorkerDied(RuntimeError):
@@ -419,13 +431,28 @@ class MultiprocExecutor(Executor):
     # ---- worker death --------------------------------------------------------------------
 
     def _watch(self) -> None:
+        """Until shutdown: a worker's exit, or a worker stopped (SIGSTOP, a debugger) for
+        ``FREEZE_TIMEOUT_S``, is the rank's death: a frozen worker is handled like a
+        dead one (DESIGN.md 6.5), not waited for."""
         sentinels = {p.sentinel: t for t, p in enumerate(self._procs)}
-        wait_sentinels([self._wake_r, *sentinels])
-        if self._stopping:
-            return
-        why = self._exited()
-        if why is not None:
-            self._fail(why)
+        stopped_since: dict[int, float] = {}
+        while True:
+            ready = wait_sentinels([self._wake_r, *sentinels], timeout=FREEZE_POLL_S)
+            if self._stopping:
+                return
+            why = self._exited() if ready else None
+            now = time.monotonic()
+            for t, p in enumerate(self._procs):
+                if not _stopped(p.pid):
+                    stopped_since.pop(t, None)
+                elif now - stopped_since.setdefault(t, now) >= FREEZE_TIMEOUT_S:
+                    why = why or (
+                        f"worker {t} (pid {p.pid}) of engine {self.engine_id} has been "
+                        f"stopped for {FREEZE_TIMEOUT_S:g}s"
+                    )
+            if why is not None:
+                self._fail(why)
+                return
 
     def _fail(self, why: str) -> None:
         """The rank is dead: record why, kill what is left of it, tell the engine."""
