@@ -232,11 +232,11 @@ class EngineArgs:
         try:
             check_tensor_parallel(spec, tp, self.enable_expert_parallel)
         except ValueError as e:
-            raise ValueError(f"tensor_parallel_size={tp} cannot shard this model: {e}") from None
+            raise ValueError(f"tensor_parallel_size {tp} cannot shard this model: {e}") from None
         ep = self.data_parallel_size * tp
         if self.enable_expert_parallel and ep > spec.num_experts:
             raise ValueError(
-                f"tensor_parallel_size={tp} with data_parallel_size={self.data_parallel_size} "
+                f"tensor_parallel_size {tp} with data_parallel_size {self.data_parallel_size} "
                 f"makes {ep} expert-parallel workers for {spec.num_experts} experts: every "
                 "worker needs at least one expert"
             )
