@@ -11,13 +11,17 @@ does to throughput, and whether scale cycles of TP ranks leak.
    same clock in every process), ``round_trip_us`` adds the acks (a ZMQ PUSH, the same
    for both). ``gap_us`` is the engine's own time between steps: at 0 the readers are
    still spinning, at 1000 they sleep (futex wake for the queue; a blocking recv for
-   ZMQ). One JSON line per (payload, gap) with both peers; medians and p90s.
+   ZMQ). One JSON line per (payload, gap) with both peers; medians and p90s. The queue's
+   readers spin before sleeping only on hosts with spare cores (``default_spin_s``);
+   ``TIDAL_BENCH_SPIN_US`` overrides that, to compare.
 2. ``throughput`` (``--throughput``): offline greedy decode tok/s of the embedded default
    model at TP=1 and TP=2 on this machine (2 CPU cores in CI: no speed goal, the record).
-3. ``cycles`` (``--cycles N``): ``--dp 2 -tp 2 --ep --enable-elastic-ep``, N scale cycles
-   2 -> 3 -> 2 with a request between them; prints the seconds per cycle and what is
-   left afterwards: worker processes beyond the topology's, /dev/shm segments, socket
-   directories, and the frontend's thread and fd counts before and after.
+3. ``cycles`` (``--cycles N``): ``--dp 2 -tp 2 --ep --enable-elastic-ep``, one warm-up
+   cycle (it creates the scale driver and its threads), then N scale cycles 2 -> 3 -> 2
+   with a request after each; prints the seconds per cycle and what is left: worker
+   processes beyond the topology's, the frontend's threads and fds after the warm-up
+   cycle and after the N, and after shutdown any process, /dev/shm segment or socket
+   directory.
 
 Usage: ``python benchmarks/tp.py [--throughput] [--cycles 10]``.
 """
@@ -75,7 +79,9 @@ def reader_main(mode: str, address: str, ack_address: str, rank: int, handle_hex
     ack.connect(ack_address)
     if mode == "shm":
         handle = msgspec.msgpack.decode(bytes.fromhex(handle_hex), type=ShmQueueHandle)
-        q = ShmQueueReader(handle, rank, ctx=ctx)
+        spin = os.environ.get("TIDAL_BENCH_SPIN_US")
+        kw = {} if spin is None else {"spin_s": float(spin) / 1e6}
+        q = ShmQueueReader(handle, rank, ctx=ctx, **kw)
 
         def get() -> bytes:
             return q.get()
@@ -266,15 +272,18 @@ def cycles(model: str | None, n: int) -> None:
         me = psutil.Process()
         try:
             await one(llm, "warm")
-            before = {"threads": me.num_threads(), "fds": me.num_fds()}
-            times = []
-            for c in range(n):
+
+            async def cycle(c: int) -> float:
                 t0 = time.perf_counter()
                 for size in (3, 2):
                     code, rec = await llm.scale_elastic_ep(size)
                     assert rec["result"] == "succeeded", rec
                 await one(llm, f"c{c}")
-                times.append(time.perf_counter() - t0)
+                return time.perf_counter() - t0
+
+            await cycle(-1)  # warm-up: the scale driver's threads and sockets start here
+            before = {"threads": me.num_threads(), "fds": me.num_fds()}
+            times = [await cycle(c) for c in range(n)]
             after = {"threads": me.num_threads(), "fds": me.num_fds()}
             live = workers()
         finally:

@@ -13,6 +13,7 @@ import threading
 import psutil
 import pytest
 
+from tests.distributed.test_shm_queue import leftover_segments
 from tests.waiting import wait_until
 from tidal.distributed import shm_queue
 
@@ -31,7 +32,7 @@ def _socket_dirs() -> set[str]:
 
 
 def _segments() -> set[str]:
-    return {n for n in os.listdir(shm_queue.SHM_DIR) if n.startswith(shm_queue.NAME_PREFIX)}
+    return leftover_segments()
 
 
 def test_a_stopped_worker_is_the_ranks_death(qwen3_ckpt):

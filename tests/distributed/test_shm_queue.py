@@ -18,6 +18,7 @@ import threading
 import time
 
 import msgspec
+import psutil
 import pytest
 
 from tests.waiting import wait_until
@@ -50,7 +51,23 @@ def _payload(i: int) -> bytes:
 
 
 def _segments() -> set[str]:
-    return {n for n in os.listdir(shm_queue.SHM_DIR) if n.startswith(shm_queue.NAME_PREFIX)}
+    return leftover_segments()
+
+
+def leftover_segments() -> set[str]:
+    """The queue segments in /dev/shm that this test run may have made: those of this
+    process, of its descendants, or of creators that are gone (a leak). A live unrelated
+    process's segment (another run on the machine) is not ours to count."""
+    me = psutil.Process()
+    ours = {me.pid} | {p.pid for p in me.children(recursive=True)}
+    out = set()
+    for name in os.listdir(shm_queue.SHM_DIR):
+        if not name.startswith(shm_queue.NAME_PREFIX):
+            continue
+        pid = int(name[len(shm_queue.NAME_PREFIX) :].split("-")[0])
+        if pid in ours or not psutil.pid_exists(pid):
+            out.add(name)
+    return out
 
 
 def _read_in_thread(

@@ -34,15 +34,15 @@ from tests.distributed.test_elastic_scale import (  # noqa: F401 - fixture
     reference,
 )
 from tests.distributed.test_rank_death import _no_children_left, _pinned, _records
+from tests.distributed.test_shm_queue import leftover_segments
 from tests.waiting import wait_until, wait_until_async
-from tidal.distributed.shm_queue import NAME_PREFIX, SHM_DIR
 
 pytestmark = pytest.mark.timeout(900)
 TP = 2
 
 
 def _segments() -> set[str]:
-    return {n for n in os.listdir(SHM_DIR) if n.startswith(NAME_PREFIX)}
+    return leftover_segments()
 
 
 def _workers() -> dict[int, str]:

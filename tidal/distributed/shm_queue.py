@@ -26,7 +26,10 @@ Protocol, per chunk (the ring index advances with every message):
   the previous lap's ``written``); copy the payload; ``read = 1`` (release).
 
 Sleep and wake (two cores cannot afford spinners): a reader polls for ``spin_s`` (with
-``sched_yield``), then sets its ``sleeping`` word, reads ``seq``, checks once more and
+``sched_yield``) -- only where the host has more than two cores per reader: on fewer a
+spinning reader takes the core the writer needs, and measured on 2 busy cores a reader
+that sleeps at once sees each message sooner (``benchmarks/tp.py``) -- then sets its
+``sleeping`` word, reads ``seq``, checks once more and
 sleeps on the futex of ``seq`` while it still holds that value. The writer's ``seq``
 store and its load of ``sleeping`` are sequentially consistent, as are the reader's
 ``sleeping`` store and its load of ``seq``: either the writer sees the sleeper and wakes
@@ -79,7 +82,7 @@ SHM_DIR = "/dev/shm"
 NAME_PREFIX = "tidal-shmq-"
 DEFAULT_CHUNK_BYTES = 1 << 20
 DEFAULT_NUM_CHUNKS = 8
-SPIN_S = 50e-6  # a reader polls this long before it sleeps
+SPIN_S = 50e-6  # a reader polls this long before it sleeps (hosts with spare cores)
 POLL_S = 0.1  # longest sleep between liveness checks
 
 _MAGIC = 0x51445454  # "TTDQ"
@@ -110,6 +113,12 @@ class ShmTooSmall(OSError):
 
 def native_available() -> bool:
     return _native is not None
+
+
+def default_spin_s(num_readers: int) -> float:
+    """``SPIN_S`` where the host has more than two cores per reader, else 0."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return SPIN_S if (cores or 1) > 2 * num_readers else 0.0
 
 
 def segment_bytes(num_readers: int, num_chunks: int, chunk_bytes: int) -> int:
@@ -493,16 +502,17 @@ class ShmQueueReader:
         ctx: zmq.Context | None = None,
         native: bool | None = None,
         shm_dir: str = SHM_DIR,
-        spin_s: float = SPIN_S,
+        spin_s: float | None = None,
     ) -> None:
         """``fd``: the segment's descriptor, inherited from the creator (else the name is
-        opened: the creator must not have unlinked it yet)."""
+        opened: the creator must not have unlinked it yet). ``spin_s``: how long ``get``
+        polls before it sleeps; None: ``default_spin_s``."""
         self.geo = g = _Geometry(handle.num_readers, handle.num_chunks, handle.chunk_bytes)
         if not 0 <= rank < g.num_readers:
             raise ValueError(f"reader rank must be in [0, {g.num_readers}), got {rank}")
         self.rank = rank
         self.sync = _Sync(native)
-        self.spin_s = spin_s
+        self.spin_s = default_spin_s(g.num_readers) if spin_s is None else spin_s
         self._cancelled = False
         self._closed = False
         own_fd = fd < 0
