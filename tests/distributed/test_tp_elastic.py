@@ -1,8 +1,8 @@
 """Tensor parallelism inside elastic EP ranks, end to end (``--dp 2 -tp 2 --ep
 --enable-elastic-ep``: every rank an engine process and two worker processes, gloo):
 
-- 2 -> 3 -> 2 -> 3 -> 2 under streaming load: every stream completes with the greedy and
-  seeded tokens of an unscaled TP=1 DP=1 run, the leaving rank's streams migrate, the new
+- 2 -> 3 -> 2 -> 3 -> 2 under streaming load, EPLB re-placing experts meanwhile: every
+  stream completes with the greedy and seeded tokens of an unscaled TP=1 DP=1 run, the leaving rank's streams migrate, the new
   topology's engines and exactly their workers are alive after each operation, and the
   cycles leak no process, /dev/shm segment or socket directory;
 - kill -9 of one worker of a rank: that rank dies as a whole (its other worker and its
@@ -80,7 +80,12 @@ def test_tp2_ranks_scale_2_3_2_twice_under_streaming_load(qwen3_ckpt, reference)
     before = _segments()
 
     async def main() -> None:
-        llm = _llm(qwen3_ckpt, 2, tensor_parallel_size=TP)
+        # EPLB re-places the layers over the workers every 48 steps meanwhile, with two
+        # redundant copies (a worker holds at most one copy of an expert).
+        llm = _llm(
+            qwen3_ckpt, 2, tensor_parallel_size=TP, enable_eplb=True, num_redundant_experts=2,
+            eplb_interval=48, eplb_window=48,
+        )  # fmt: skip
         try:
             _check_processes(llm)
             await _check_stats(llm)
@@ -100,6 +105,8 @@ def test_tp2_ranks_scale_2_3_2_twice_under_streaming_load(qwen3_ckpt, reference)
                     assert await pinned[0] == reference[LONG]
                     assert await pinned[1] == reference[RICH]
             await _check_stats(llm)
+            infos = await llm.client.call_utility_all_async("get_eplb_info")
+            assert any(i["num_rebalances"] for i in infos)  # experts moved between workers
             results = await load.finish()
             assert results
             for item, tokens in results:
