@@ -44,6 +44,20 @@ IMPLS = [
 CHUNK = 1024
 
 
+@pytest.fixture
+def track():
+    """``track(obj)`` returns ``obj`` and closes (queues) or kills (processes) it at the end
+    of the test, passed or failed: a failing test leaves no segment or process behind."""
+    held: list = []
+    yield lambda obj: held.append(obj) or obj
+    for obj in reversed(held):
+        if isinstance(obj, subprocess.Popen):
+            obj.kill()
+            obj.wait(30)
+        else:
+            obj.close()
+
+
 def _payload(i: int) -> bytes:
     # Sizes around the inline limit (chunk - 16) and well past it (overflow).
     size = (0, 1, 100, CHUNK - 16, CHUNK - 15, 5 * CHUNK, 3)[i % 7] + i % 5
@@ -88,10 +102,10 @@ def _read_in_thread(
 
 
 @pytest.mark.parametrize("native", IMPLS)
-def test_every_reader_gets_every_message_in_order_across_wraps_and_overflows(native):
+def test_every_reader_gets_every_message_in_order_across_wraps_and_overflows(native, track):
     before = _segments()
-    writer = ShmQueueWriter(2, chunk_bytes=CHUNK, num_chunks=3, native=native)
-    readers = [ShmQueueReader(writer.handle, r, native=native) for r in range(2)]
+    writer = track(ShmQueueWriter(2, chunk_bytes=CHUNK, num_chunks=3, native=native))
+    readers = [track(ShmQueueReader(writer.handle, r, native=native)) for r in range(2)]
     assert writer.wait_for_readers(10) == [os.getpid()] * 2
     writer.unlink()  # the mappings stay valid
     assert writer.name not in _segments()
@@ -112,9 +126,9 @@ def test_every_reader_gets_every_message_in_order_across_wraps_and_overflows(nat
 
 
 @pytest.mark.parametrize("native", IMPLS)
-def test_a_slow_reader_holds_the_writer_back_and_loses_nothing(native):
-    writer = ShmQueueWriter(2, chunk_bytes=CHUNK, num_chunks=2, native=native)
-    fast, slow = (ShmQueueReader(writer.handle, r, native=native) for r in range(2))
+def test_a_slow_reader_holds_the_writer_back_and_loses_nothing(native, track):
+    writer = track(ShmQueueWriter(2, chunk_bytes=CHUNK, num_chunks=2, native=native))
+    fast, slow = (track(ShmQueueReader(writer.handle, r, native=native)) for r in range(2))
     writer.wait_for_readers(10)
     writer.put(b"a")
     writer.put(b"b")
@@ -131,9 +145,9 @@ def test_a_slow_reader_holds_the_writer_back_and_loses_nothing(native):
 
 
 @pytest.mark.parametrize("native", IMPLS)
-def test_close_and_cancel_wake_sleeping_readers(native):
-    writer = ShmQueueWriter(2, chunk_bytes=CHUNK, num_chunks=4, native=native)
-    r0, r1 = (ShmQueueReader(writer.handle, r, native=native) for r in range(2))
+def test_close_and_cancel_wake_sleeping_readers(native, track):
+    writer = track(ShmQueueWriter(2, chunk_bytes=CHUNK, num_chunks=4, native=native))
+    r0, r1 = (track(ShmQueueReader(writer.handle, r, native=native)) for r in range(2))
     writer.wait_for_readers(10)
     out0: list = []
     out1: list = []
@@ -221,11 +235,14 @@ def _start_reader(writer: ShmQueueWriter, rank: int, count: int, inherit: bool) 
     )
 
 
-def test_reader_processes_by_name_and_by_inherited_descriptor():
+def test_reader_processes_by_name_and_by_inherited_descriptor(track):
     before = _segments()
-    writer = ShmQueueWriter(2, chunk_bytes=CHUNK, num_chunks=3)
+    writer = track(ShmQueueWriter(2, chunk_bytes=CHUNK, num_chunks=3))
     n = 40
-    procs = [_start_reader(writer, 0, n, inherit=True), _start_reader(writer, 1, n, inherit=False)]
+    procs = [
+        track(_start_reader(writer, 0, n, inherit=True)),
+        track(_start_reader(writer, 1, n, inherit=False)),
+    ]
     for p in procs:
         assert p.stdout.readline().strip() == "attached"
     writer.wait_for_readers(60)
@@ -241,10 +258,10 @@ def test_reader_processes_by_name_and_by_inherited_descriptor():
     assert _segments() == before
 
 
-def test_a_dead_reader_fails_the_writer_instead_of_hanging_it():
-    writer = ShmQueueWriter(2, chunk_bytes=CHUNK, num_chunks=2)
-    alive = ShmQueueReader(writer.handle, 0)
-    victim = _start_reader(writer, 1, 10**6, inherit=True)
+def test_a_dead_reader_fails_the_writer_instead_of_hanging_it(track):
+    writer = track(ShmQueueWriter(2, chunk_bytes=CHUNK, num_chunks=2))
+    alive = track(ShmQueueReader(writer.handle, 0))
+    victim = track(_start_reader(writer, 1, 10**6, inherit=True))
     assert victim.stdout.readline().strip() == "attached"
     writer.wait_for_readers(60)
     writer.unlink()
@@ -262,12 +279,12 @@ def test_a_dead_reader_fails_the_writer_instead_of_hanging_it():
     writer.close()
 
 
-def test_a_dead_writer_closes_the_queue_for_its_readers_and_leaves_no_segment():
+def test_a_dead_writer_closes_the_queue_for_its_readers_and_leaves_no_segment(track):
     before = _segments()
     proc = _python(_WRITER)
     try:
         handle = msgspec.msgpack.decode(bytes.fromhex(proc.stdout.readline()), type=ShmQueueHandle)
-        reader = ShmQueueReader(handle, 0)
+        reader = track(ShmQueueReader(handle, 0))
         assert proc.stdout.readline().strip() == "ready"
         assert handle.name not in _segments()  # unlinked by its creator once attached
         out: list = []
