@@ -1,5 +1,5 @@
-"""Builds the optional C++ extension of CPU kernels (``tidal/kernels/csrc/*.cpp``) with
-the package.
+"""Builds the optional C++ extension of CPU kernels (``tidal/kernels/csrc/*.cpp``) and the
+shared-memory queue's atomics (``tidal/distributed/csrc/shm_sync.c``) with the package.
 
 Everything else is in ``pyproject.toml``. The extension is an accelerator, never a
 requirement: when torch is not importable at build time, or the compiler fails, the
@@ -7,9 +7,18 @@ package installs without it and every caller uses its torch path (the same resul
 slower on CPU; ``tidal.kernels.cpu_ext.kernel_status()`` says why it is missing).
 """
 
-from setuptools import setup
+from setuptools import Extension, setup
 
-ext_modules = []
+# Plain C, no torch: C11 atomics and futexes for the TP broadcast queue
+# (tidal/distributed/shm_queue.py; without it the queue uses its pure-Python reference).
+ext_modules = [
+    Extension(
+        "tidal.distributed._shm_sync",
+        ["tidal/distributed/csrc/shm_sync.c"],
+        extra_compile_args=["-O2"],
+        optional=True,
+    )
+]
 cmdclass = {}
 try:
     from torch.utils.cpp_extension import BuildExtension, CppExtension

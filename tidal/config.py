@@ -75,6 +75,12 @@ class ParallelConfig:
     # TCPStore port (on data_parallel_address, hosted by rank 0) for the DP/EP groups;
     # chosen by the launcher when 0.
     data_parallel_master_port: int = 0
+    # Workers per DP rank (DESIGN.md 9): the rank's engine core drives this many worker
+    # processes, each holding a shard of the model.
+    tensor_parallel_size: int = 1
+    # This rank's device slots on its host (CUDA; one per TP worker), handed out by the
+    # launcher (tidal/distributed/device_slots.py); () on CPU or when nothing assigned.
+    device_ids: tuple[int, ...] = ()
     enable_expert_parallel: bool = False
     # vLLM's flag: the deployment may grow and shrink while serving (DESIGN.md 6). It runs
     # the DP machinery (coordinator, wave loop, process groups) even at size 1, since its
@@ -101,7 +107,10 @@ class ParallelConfig:
 
     @property
     def ep_size(self) -> int:
-        return self.data_parallel_size if self.enable_expert_parallel else 1
+        """EP ranks at launch: every worker of every DP rank."""
+        if not self.enable_expert_parallel:
+            return 1
+        return self.data_parallel_size * self.tensor_parallel_size
 
     def config_hash(self) -> str:
         """Hash of the parallel settings every rank must agree on (EP on/off, backends,
@@ -115,6 +124,7 @@ class ParallelConfig:
             "data_parallel_size_local",
             "data_parallel_start_rank",
             "data_parallel_master_port",
+            "device_ids",
             "dp_lb_policy",
             "data_parallel_auth_key",
             "elastic_restore",  # the frontend's policy, not the ranks'

@@ -118,3 +118,46 @@ def test_greedy_matches_transformers(ckpt_and_expected, engine_kwargs, min_hits,
     else:
         assert stats.prefix_cache_queries == stats.prefix_cache_hits == 0, stats
     assert (stats.num_preempted > 0) == preempts, stats
+
+
+def test_greedy_matches_transformers_at_tensor_parallel_2(ckpt_and_expected):
+    """Two TP workers (their own processes, gloo), with chunked prefill and preemption in
+    the mix: the same tokens as transformers."""
+    path, prompts, expected = ckpt_and_expected
+    got, _ = _run(
+        path,
+        prompts,
+        tensor_parallel_size=2,
+        max_num_batched_tokens=8,
+        block_size=4,
+        num_gpu_blocks_override=40,
+        max_model_len=64,
+    )
+    for i, (g, e) in enumerate(zip(got, expected)):
+        assert g == e, f"prompt {i} (len {len(prompts[i])}): {g} != {e}"
+
+
+@pytest.mark.parametrize("backend", ["allgather_reducescatter", "all2all"])
+def test_greedy_matches_transformers_at_dp2_tp2_ep(ckpt_and_expected, backend):
+    """``--dp 2 -tp 2 --ep``: two ranks of two workers each, experts over all four, each
+    worker dispatching its share of its rank's tokens. One dispatcher per model (CI time:
+    six processes start per run)."""
+    path, prompts, expected = ckpt_and_expected
+    if ("mixtral" in path) != (backend == "all2all"):
+        pytest.skip("each dispatcher runs on one of the two models")
+    llm = LLM(
+        path,
+        dtype="float32",
+        data_parallel_size=2,
+        tensor_parallel_size=2,
+        enable_expert_parallel=True,
+        all2all_backend=backend,
+    )
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, min_tokens=MAX_TOKENS)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        got = [o.outputs[0].token_ids for o in outs]
+    finally:
+        llm.shutdown()
+    for i, (g, e) in enumerate(zip(got, expected)):
+        assert g == e, f"prompt {i} (len {len(prompts[i])}): {g} != {e}"

@@ -25,6 +25,7 @@ import psutil
 import pytest
 
 from tidal.engine_core.entry import ENGINE_ENTRY_MODULE
+from tidal.executor.worker_proc import WORKER_ENTRY_MODULE
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -207,6 +208,27 @@ def test_plain_script_without_guard_or_shutdown(run_script) -> None:
     _check_clean_exit(script, script.wait(SCRIPT_DEADLINE_S))
     outputs = [line for line in script.stdout if line.startswith("OUTPUT:")]
     assert len(outputs) == 1, script.output  # a child that re-ran the script would print too
+
+
+def test_plain_script_with_tensor_parallel_workers(run_script) -> None:
+    """``LLM(tensor_parallel_size=2)`` in a script without guard or shutdown: the engine
+    core runs in the script, its two workers start as ``python -m
+    tidal.executor.worker_proc`` (the script runs once), and all stop when it ends."""
+    script = run_script(
+        """
+        from tidal import LLM, SamplingParams
+        llm = LLM(tensor_parallel_size=2)
+        out = llm.generate(["The tide comes in"], SamplingParams(temperature=0, max_tokens=8))
+        print("OUTPUT:", repr(out[0].outputs[0].text))
+        """
+    )
+    rc = script.wait(SCRIPT_DEADLINE_S)
+    assert rc == 0 and "Traceback" not in "".join(script.stderr), script.output
+    assert script.leftovers() == [], f"processes left behind:\n{script.output}"
+    workers = [c for c in script.seen.values() if WORKER_ENTRY_MODULE in c]
+    assert len(workers) == 2, script.seen
+    outputs = [line for line in script.stdout if line.startswith("OUTPUT:")]
+    assert len(outputs) == 1, script.output
 
 
 def test_default_llm_runs_its_engine_in_the_script(run_script) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -132,3 +133,45 @@ def test_cli_error_names_the_flag(qwen3_ckpt):
     )
     assert r.returncode == 2
     assert "--block-size" in r.stderr
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"tensor_parallel_size": 0}, "tensor_parallel_size must be an integer >= 1, got 0"),
+        # 4 query heads, 2 KV heads, expert intermediate 32 (tests/conftest.py's model).
+        (
+            {"tensor_parallel_size": 3},
+            r"num_attention_heads \(4\) is not divisible by tensor_parallel_size \(3\)",
+        ),
+        ({"tensor_parallel_size": 4}, r"num_key_value_heads \(2\) is not divisible"),
+        (
+            {"tensor_parallel_size": 2, "data_parallel_size": 5, "enable_expert_parallel": True},
+            "makes 10 expert-parallel workers for 8 experts",
+        ),
+    ],
+)
+def test_tensor_parallel_sizes_the_model_cannot_shard(qwen3_ckpt, kwargs, message):
+    with pytest.raises(ValueError, match=message) as e:
+        _cfg(qwen3_ckpt, **kwargs)
+    assert str(e.value).startswith("tensor_parallel_size")  # the CLI names -tp's flag
+
+
+def test_experts_whose_intermediate_does_not_divide(tmp_path):
+    from tidal.models.tiny import make_tiny_checkpoint
+
+    path = make_tiny_checkpoint(
+        str(tmp_path / "odd"), "qwen3_moe", hidden_size=64, num_heads=4, num_kv_heads=4,
+        moe_intermediate_size=30, vocab_size=300, max_position_embeddings=128,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match=r"moe_intermediate_size \(30\) is not divisible"):
+        _cfg(path, tensor_parallel_size=4)
+    # With EP the experts stay whole: only the heads must divide.
+    assert _cfg(path, tensor_parallel_size=2, enable_expert_parallel=True)
+
+
+def test_tensor_parallel_size_is_in_the_config_hash_and_device_slots_are_not(qwen3_ckpt):
+    a = _cfg(qwen3_ckpt).parallel
+    b = _cfg(qwen3_ckpt, tensor_parallel_size=2).parallel
+    assert a.config_hash() != b.config_hash()
+    assert b.config_hash() == dataclasses.replace(b, device_ids=(3, 4)).config_hash()

@@ -19,7 +19,9 @@ Collectives call the backend object directly (``backend.allreduce([t], opts).wai
 every one is synchronous and blocks at most ``timeout_s`` before raising ``GroupFailure``
 (a ``RuntimeError``): a peer that died, a timeout, or a group destroyed under the caller.
 The engine tells that apart from its own bugs by the type: a ``GroupFailure`` is a rank
-death to recover from (DESIGN.md 6.5), anything else is fatal.
+death to recover from (DESIGN.md 6.5), anything else is fatal. A group created with
+``failure=LocalGroupFailure`` (the tensor-parallel group inside one rank) raises that
+instead: its peers are this rank's own workers, so its failure is this rank's death.
 On torch 2.13 gloo natively supports all-gather, reduce-scatter (``_reduce_scatter_base``)
 and uneven all-to-all (``alltoall_base``) on CPU; where a build lacks reduce-scatter we fall
 back to all-reduce + slice (costs ``world_size`` times the reduce-scatter traffic).
@@ -49,14 +51,20 @@ class GroupFailure(RuntimeError):
     the collective timed out, or the group was destroyed. The group is unusable."""
 
 
-def _wait(work: Any, prefix: str) -> None:
-    """Wait for a backend ``Work``; its failure becomes a ``GroupFailure``."""
+class LocalGroupFailure(RuntimeError):
+    """A collective among this rank's own workers (its TP group) failed: a worker of this
+    rank is gone, so the rank is (DESIGN.md 6.5). Not a ``GroupFailure``: nothing to
+    recover inside the rank."""
+
+
+def _wait(work: Any, prefix: str, failure: type[RuntimeError] = GroupFailure) -> None:
+    """Wait for a backend ``Work``; its failure becomes a ``failure``."""
     try:
         work.wait()
-    except GroupFailure:
+    except (GroupFailure, LocalGroupFailure):
         raise
     except RuntimeError as e:  # gloo/NCCL errors (DistBackendError is one)
-        raise GroupFailure(f"collective on group {prefix!r} failed: {e}") from e
+        raise failure(f"collective on group {prefix!r} failed: {e}") from e
 
 
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -119,6 +127,7 @@ class StatelessGroup:
         store: TCPStore,
         owns_store: bool,
         prefix: str,
+        failure: type[RuntimeError] = GroupFailure,
     ) -> None:
         self.rank = rank
         self.world_size = world_size
@@ -130,6 +139,7 @@ class StatelessGroup:
         self._owns_store = owns_store
         self._native_reduce_scatter = True
         self._destroyed = False
+        self._failure = failure
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -145,6 +155,7 @@ class StatelessGroup:
         prefix: str = "",
         timeout_s: float = 60.0,
         local_addr: str | None = None,
+        failure: type[RuntimeError] = GroupFailure,
     ) -> StatelessGroup:
         """Create the group on this rank; blocks until all ``world_size`` ranks have joined.
 
@@ -156,6 +167,7 @@ class StatelessGroup:
         local_addr: the address gloo binds for its peer connections; default 127.0.0.1
             when ``host`` is loopback, else this machine's address on the route to ``host``
             (``host`` itself on the host that serves the store).
+        failure: what a failed collective raises (``LocalGroupFailure`` for a rank's TP group).
         """
         if backend not in _BACKENDS:
             raise ValueError(f"backend must be one of {', '.join(_BACKENDS)}; got {backend!r}")
@@ -182,6 +194,7 @@ class StatelessGroup:
             store=store,
             owns_store=owns_store,
             prefix=prefix,
+            failure=failure,
         )
 
     @property
@@ -221,7 +234,7 @@ class StatelessGroup:
 
     def _check_alive(self) -> None:
         if self._destroyed:
-            raise GroupFailure(f"process group {self.prefix!r} was destroyed")
+            raise self._failure(f"process group {self.prefix!r} was destroyed")
 
     # ------------------------------------------------------------------ collectives
     def all_reduce(self, t: torch.Tensor, op: ReduceOp = ReduceOp.SUM) -> torch.Tensor:
@@ -230,7 +243,7 @@ class StatelessGroup:
         buf = t if t.is_contiguous() else t.contiguous()
         opts = dist.AllreduceOptions()
         opts.reduceOp = op
-        _wait(self._backend.allreduce([buf], opts), self.prefix)
+        _wait(self._backend.allreduce([buf], opts), self.prefix, self._failure)
         if buf is not t:
             t.copy_(buf)
         return t
@@ -242,7 +255,7 @@ class StatelessGroup:
             raise ValueError(f"all_gather_into: out {tuple(out.shape)} vs inp {tuple(inp.shape)}")
         if out.numel() == 0:
             return out
-        _wait(self._backend._allgather_base(out, inp.contiguous()), self.prefix)
+        _wait(self._backend._allgather_base(out, inp.contiguous()), self.prefix, self._failure)
         return out
 
     def all_gather(self, t: torch.Tensor) -> torch.Tensor:
@@ -277,7 +290,9 @@ class StatelessGroup:
             opts = dist.ReduceScatterOptions()
             opts.reduceOp = op
             try:
-                _wait(self._backend._reduce_scatter_base(out, inp, opts), self.prefix)
+                _wait(
+                    self._backend._reduce_scatter_base(out, inp, opts), self.prefix, self._failure
+                )
                 return out
             except RuntimeError as e:
                 if "support" not in str(e):
@@ -336,7 +351,9 @@ class StatelessGroup:
         if out_splits and sum(out_splits) != out.shape[0]:
             raise ValueError(f"all_to_all_single: out_splits {out_splits} vs {out.shape[0]} rows")
         _wait(
-            self._backend.alltoall_base(out, inp.contiguous(), out_splits, in_splits), self.prefix
+            self._backend.alltoall_base(out, inp.contiguous(), out_splits, in_splits),
+            self.prefix,
+            self._failure,
         )
         return out
 
@@ -348,13 +365,23 @@ class StatelessGroup:
         opts = dist.BroadcastOptions()
         opts.rootRank = src
         opts.rootTensor = 0
-        _wait(self._backend.broadcast([t], opts), self.prefix)
+        _wait(self._backend.broadcast([t], opts), self.prefix, self._failure)
         return t
+
+    def gather(self, t: torch.Tensor, dst: int = 0) -> list[torch.Tensor] | None:
+        """Every rank's equal-shaped ``t``, in rank order, on rank ``dst`` (None elsewhere)."""
+        self._check_alive()
+        opts = dist.GatherOptions()
+        opts.rootRank = dst
+        t = t.contiguous()
+        outs = [torch.empty_like(t) for _ in range(self.world_size)] if self.rank == dst else []
+        _wait(self._backend.gather([outs] if outs else [], [t], opts), self.prefix, self._failure)
+        return outs if self.rank == dst else None
 
     def barrier(self) -> None:
         self._check_alive()
         if self.backend_name == "gloo":
-            _wait(self._backend.barrier(), self.prefix)
+            _wait(self._backend.barrier(), self.prefix, self._failure)
         else:  # NCCL's barrier needs a device hint; a 1-element all-reduce is equivalent
             self.all_reduce(
                 torch.zeros(1, device=torch.device("cuda", torch.cuda.current_device()))
@@ -363,14 +390,14 @@ class StatelessGroup:
     def send(self, t: torch.Tensor, dst: int, tag: int = 0) -> None:
         """Point-to-point send (blocks until the peer has received, for gloo)."""
         self._check_alive()
-        _wait(self._backend.send([t.contiguous()], dst, tag), self.prefix)
+        _wait(self._backend.send([t.contiguous()], dst, tag), self.prefix, self._failure)
 
     def recv(self, t: torch.Tensor, src: int, tag: int = 0) -> torch.Tensor:
         """Receive into ``t`` (shape and dtype agreed with the sender)."""
         self._check_alive()
         if not t.is_contiguous():
             raise ValueError("recv needs a contiguous tensor (it is written in place)")
-        _wait(self._backend.recv([t], src, tag), self.prefix)
+        _wait(self._backend.recv([t], src, tag), self.prefix, self._failure)
         return t
 
     def all_gather_object(self, obj: Any, type: Any = Any) -> list[Any]:

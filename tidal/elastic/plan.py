@@ -34,6 +34,11 @@ matching (``M`` distinct experts), keep more of each rank's own experts while th
 slots still exceed the uncovered experts, put each uncovered expert in a free slot, and
 fill what is left with replicas (by load).
 
+Tensor parallelism: the EP ranks are the workers (``topology.tp_size`` per engine, worker t
+of the engine at position d is EP rank ``d * tp + t``). Placements, the optimal
+placement and the moves are computed over workers; engines join and leave whole, with
+all their workers, and each transfer names its source and destination worker.
+
 Validation (``ScalePlanError``, a ``ValueError``: the API answers 400 with its message):
 a size below 1, above the number of experts (every rank needs at least one expert of its
 own), or below the smallest size whose placement can hold every expert plus the
@@ -73,23 +78,27 @@ class ScalePlanError(ValueError):
 # ---------------------------------------------------------------------------- sizes
 
 
-def min_size(num_experts: int, num_redundant: int = 0) -> int:
-    """The smallest EP size whose placement can serve: a rank holds at most one copy of
-    each expert, so ``ceil((E + R) / n) <= E`` slots per rank, i.e. ``n >= ceil((E+R)/E)``."""
+def min_size(num_experts: int, num_redundant: int = 0, tp_size: int = 1) -> int:
+    """The smallest DP size whose placement can serve: an EP rank (worker) holds at most
+    one copy of each expert, so ``ceil((E + R) / n) <= E`` slots per rank, i.e.
+    ``n >= ceil((E+R)/E)`` EP ranks, ``tp_size`` of them per engine."""
     _check_expert_counts(num_experts, num_redundant)
-    return math.ceil((num_experts + num_redundant) / num_experts)
+    return math.ceil(math.ceil((num_experts + num_redundant) / num_experts) / tp_size)
 
 
-def max_size(num_experts: int) -> int:
-    """The largest EP size: every rank must own at least one expert (DESIGN.md 6.6)."""
+def max_size(num_experts: int, tp_size: int = 1) -> int:
+    """The largest DP size: every EP rank (worker) must own at least one expert
+    (DESIGN.md 6.6)."""
     _check_expert_counts(num_experts, 0)
-    return num_experts
+    return num_experts // tp_size
 
 
-def validate_size(new_size: object, num_experts: int, num_redundant: int = 0) -> int:
-    """``new_size`` if a deployment of ``num_experts`` (+ redundant copies) can run at it,
-    else ScalePlanError naming the valid range."""
-    lo, hi = min_size(num_experts, num_redundant), max_size(num_experts)
+def validate_size(
+    new_size: object, num_experts: int, num_redundant: int = 0, tp_size: int = 1
+) -> int:
+    """``new_size`` if a deployment of ``num_experts`` (+ redundant copies) can run at it
+    with ``tp_size`` workers per engine, else ScalePlanError naming the valid range."""
+    lo, hi = min_size(num_experts, num_redundant, tp_size), max_size(num_experts, tp_size)
     if not isinstance(new_size, int) or isinstance(new_size, bool):
         raise ScalePlanError(
             f"new_data_parallel_size must be an integer, got {new_size!r}", minimum=lo, maximum=hi
@@ -99,8 +108,9 @@ def validate_size(new_size: object, num_experts: int, num_redundant: int = 0) ->
             f"new_data_parallel_size must be >= 1, got {new_size}", minimum=lo, maximum=hi
         )
     if new_size > hi:
+        per = "" if tp_size == 1 else f" x tensor_parallel_size {tp_size}"
         raise ScalePlanError(
-            f"new_data_parallel_size={new_size} is above the number of experts "
+            f"new_data_parallel_size={new_size}{per} is above the number of experts "
             f"({num_experts}): every rank needs at least one expert; the maximum is {hi}",
             minimum=lo,
             maximum=hi,
@@ -150,6 +160,8 @@ class ExpertTransfer:
     src_slot: int  # -1 from disk
     dst_slot: int
     nbytes: int
+    src_tp: int = 0  # the workers (tensor parallelism)
+    dst_tp: int = 0
 
     @property
     def from_disk(self) -> bool:
@@ -163,6 +175,8 @@ class ExpertTransfer:
             src_engine_id=self.src_engine,
             src_slot=self.src_slot,
             nbytes=self.nbytes,
+            src_tp_rank=self.src_tp,
+            dst_tp_rank=self.dst_tp,
         )
 
 
@@ -175,6 +189,7 @@ class SlotMove:
     engine: int
     src_slot: int
     dst_slot: int
+    tp: int = 0  # the engine's worker
 
 
 @dataclass(frozen=True)
@@ -275,7 +290,8 @@ def plan_scale(
     ``topology.placement`` is the current placement; without one, the launch placement
     (``strategy``) of the current size is assumed.
     """
-    validate_size(new_size, num_experts, num_redundant)
+    tp = topology.tp_size
+    validate_size(new_size, num_experts, num_redundant, tp)
     if bytes_per_expert < 0:
         raise ScalePlanError(f"bytes_per_expert must be >= 0, got {bytes_per_expert}")
     old_ids = list(topology.engine_ids)
@@ -295,30 +311,41 @@ def plan_scale(
     keep = set(survivors)
     leaving = [e for e in old_ids if e not in keep]
     old = _current_placement(topology, num_experts, num_redundant, strategy)
-    rank_map = {topology.rank_of(e): n for n, e in enumerate(survivors)}
-    new = min_move_placement(old, new_size, num_redundant, rank_map, load)
+    rank_map = {topology.rank_of(e): n for n, e in enumerate(survivors)}  # engines
+    worker_map = {o * tp + t: n * tp + t for o, n in rank_map.items() for t in range(tp)}
+    new = min_move_placement(old, new_size * tp, num_redundant, worker_map, load)
     new_ids = [*survivors, *joining]
     new_topology = topology.with_engines(
         new_ids,
-        placement=[new.local_expert_ids(r) for r in range(new_size)],
+        placement=[new.local_expert_ids(r) for r in range(new_size * tp)],
         store_address=store_address,
     )
     moves = plan_moves(
         old,
         new,
-        rank_map=rank_map,
-        unavailable_ranks=[topology.rank_of(e) for e in dead_set],
+        rank_map=worker_map,
+        unavailable_ranks=[topology.rank_of(e) * tp + t for e in dead_set for t in range(tp)],
     )
     transfers: list[ExpertTransfer] = []
     slot_moves: list[SlotMove] = []
-    for m in moves:
-        dst = new_ids[m.dst_rank]
+    for m in moves:  # worker ranks -> (engine, TP rank)
+        dst, dst_tp = new_ids[m.dst_rank // tp], m.dst_rank % tp
         if m.local:
-            slot_moves.append(SlotMove(m.logical_expert, dst, m.src_slot, m.dst_slot))
+            slot_moves.append(SlotMove(m.logical_expert, dst, m.src_slot, m.dst_slot, dst_tp))
             continue
-        src = None if m.src_rank == DISK else old_ids[m.src_rank]
+        src = None if m.src_rank == DISK else old_ids[m.src_rank // tp]
+        src_tp = 0 if m.src_rank == DISK else m.src_rank % tp
         transfers.append(
-            ExpertTransfer(m.logical_expert, src, dst, m.src_slot, m.dst_slot, bytes_per_expert)
+            ExpertTransfer(
+                m.logical_expert,
+                src,
+                dst,
+                m.src_slot,
+                m.dst_slot,
+                bytes_per_expert,
+                src_tp,
+                dst_tp,
+            )  # fmt: skip
         )
     return ScalePlan(
         old_topology=topology,
@@ -406,13 +433,18 @@ def required_copies(
     new_engine_ids: Sequence[int],
     new: ExpertPlacement,
 ) -> int:
-    """(engine, expert) pairs of ``new`` whose engine does not hold that expert in ``old``:
+    """(worker, expert) pairs of ``new`` whose worker does not hold that expert in ``old``:
     each needs one copy over the network or from disk, whatever the move plan."""
+    tp = old_topology.tp_size
     rank = {e: r for r, e in enumerate(old_topology.engine_ids)}
     count = 0
     for n, engine in enumerate(new_engine_ids):
-        held = set(old.local_expert_ids(rank[engine])) if engine in rank else set()
-        count += sum(1 for e in new.local_expert_ids(n) if e not in held)
+        for t in range(tp):
+            if engine in rank:
+                held = set(old.local_expert_ids(rank[engine] * tp + t))
+            else:
+                held = set()
+            count += sum(1 for e in new.local_expert_ids(n * tp + t) if e not in held)
     return count
 
 
@@ -435,7 +467,7 @@ def _current_placement(
 ) -> ExpertPlacement:
     if topology.placement is None:
         try:
-            return ExpertPlacement.build(strategy, num_experts, topology.size, num_redundant)
+            return ExpertPlacement.build(strategy, num_experts, topology.ep_size, num_redundant)
         except ValueError as e:
             raise ScalePlanError(f"no placement for the current size: {e}") from None
     try:

@@ -16,7 +16,7 @@ from tidal.distributed.groups import GroupFailure
 from tidal.engine_core.request import Request
 from tidal.engine_core.scheduler import Scheduler
 from tidal.executor.base import Executor
-from tidal.executor.uniproc import UniProcExecutor
+from tidal.executor.select import create_executor
 from tidal.protocol.messages import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from tidal.sampling_params import SamplingParams
 
@@ -31,7 +31,7 @@ class EngineCore:
     ) -> None:
         t0 = time.monotonic()
         self.config = config
-        self.executor = executor or UniProcExecutor(config)
+        self.executor = executor or create_executor(config)
         self.num_blocks = self.executor.determine_num_blocks()
         self.executor.initialize_kv_cache(self.num_blocks)
         self.scheduler = Scheduler(config.scheduler, config.cache, self.num_blocks)

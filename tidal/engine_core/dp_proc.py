@@ -16,7 +16,8 @@ from tidal.engine_core.elastic_shell import ElasticShell
 from tidal.engine_core.proc import TO_COORDINATOR, EngineCoreProc
 from tidal.engine_core.request_decode import UndecodableRequest
 from tidal.engine_core.wave import EngineWaveState
-from tidal.executor.uniproc import UniProcExecutor
+from tidal.executor.base import Executor
+from tidal.executor.select import create_executor
 from tidal.protocol.elastic import ScaleEvent, ScaleMessage, ScaleReport
 from tidal.protocol.errors import EngineStartupError
 from tidal.protocol.messages import (
@@ -90,11 +91,11 @@ class DPEngineCoreProc(EngineCoreProc):
             )
         return super()._build_engine_core()
 
-    def _make_executor(self) -> UniProcExecutor:
+    def _make_executor(self) -> Executor:
         # The DP/EP groups of the topology from the handshake, at this engine's position
         # there: the live size, not the launch size in the config. A joiner joins no
         # group at startup: it gets its groups and experts in the scale operation.
-        return UniProcExecutor(
+        return create_executor(
             self.config,
             topology=self.topology,
             engine_id=self.engine_index,

@@ -4,23 +4,20 @@ Engines are started as a fresh interpreter running this module (``tidal.utils.pr
 never with multiprocessing's spawn, which would re-run the user's ``__main__`` in every
 engine. The launcher writes one ``EngineLaunch`` (msgspec msgpack) to the child's stdin.
 
-The config is a tree of frozen dataclasses that msgspec encodes as they are, except
-``ModelConfig.hf_config``, a transformers ``PretrainedConfig``: it travels as its
-``to_dict()`` and is rebuilt by its own config class, which reproduces it exactly.
+The config travels as ``tidal.models.config_wire`` encodes it (``hf_config`` as its dict).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import multiprocessing
 from typing import Any
 
 import msgspec
-from transformers import CONFIG_MAPPING, AutoConfig
 
 from tidal.config import EngineConfig
 from tidal.engine_core.dp_proc import DPEngineCoreProc
 from tidal.engine_core.proc import EngineCoreProc, run_engine_core
+from tidal.models.config_wire import join_hf_config, split_hf_config
 from tidal.utils.forkserver import ForkedProcess, ForkServer
 from tidal.utils.procs import ModuleProcess, read_child_launch
 
@@ -36,32 +33,14 @@ class EngineLaunch(msgspec.Struct, frozen=True):
 
 
 def encode_engine_launch(config: EngineConfig, engine_index: int, handshake_address: str) -> bytes:
-    hf = config.model.hf_config
-    wire = dataclasses.replace(config, model=dataclasses.replace(config.model, hf_config=None))
-    return msgspec.msgpack.encode(
-        EngineLaunch(
-            wire, hf.to_dict() if hf is not None else None, engine_index, handshake_address
-        )
-    )
+    wire, hf = split_hf_config(config)
+    return msgspec.msgpack.encode(EngineLaunch(wire, hf, engine_index, handshake_address))
 
 
 def decode_engine_launch(data: bytes) -> tuple[EngineConfig, int, str]:
     launch = msgspec.msgpack.decode(data, type=EngineLaunch)
-    config = launch.config
-    model = dataclasses.replace(
-        config.model, hf_config=_rebuild_hf_config(config, launch.hf_config)
-    )
-    return dataclasses.replace(config, model=model), launch.engine_index, launch.handshake_address
-
-
-def _rebuild_hf_config(config: EngineConfig, hf: dict[str, Any] | None) -> Any:
-    if hf is None:
-        return None
-    config_class = CONFIG_MAPPING.get(hf.get("model_type", ""))
-    if config_class is None:
-        # Not a transformers-native model type: read it the way the launcher did.
-        return AutoConfig.from_pretrained(config.model.model)
-    return config_class.from_dict(hf)
+    config = join_hf_config(launch.config, launch.hf_config)
+    return config, launch.engine_index, launch.handshake_address
 
 
 def engine_process_name(engine_index: int) -> str:

@@ -81,8 +81,15 @@ class EngineHandshake:
             )
         return None
 
-    def send_ready(self, config_hash: str, num_blocks: int, error: str | None = None) -> None:
-        self._sock.send(encode(EngineReady(self.engine_id, config_hash, num_blocks, error)))
+    def send_ready(
+        self,
+        config_hash: str,
+        num_blocks: int,
+        error: str | None = None,
+        worker_pids: list[int] | None = None,
+    ) -> None:
+        ready = EngineReady(self.engine_id, config_hash, num_blocks, error, worker_pids or [])
+        self._sock.send(encode(ready))
 
     def close(self, linger_ms: int | None = None) -> None:
         self._close_monitor()

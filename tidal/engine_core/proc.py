@@ -48,7 +48,8 @@ from tidal.distributed.zmq_auth import curve_keys, secure_client
 from tidal.engine_core.core import EngineCore
 from tidal.engine_core.handshake import EngineHandshake
 from tidal.engine_core.request_decode import UndecodableRequest, decode_client_request
-from tidal.executor.uniproc import UniProcExecutor
+from tidal.executor.base import Executor
+from tidal.executor.select import create_executor
 from tidal.protocol.errors import EngineStartupError
 from tidal.protocol.messages import (
     FRONTEND_TIMEOUT_S,
@@ -95,6 +96,10 @@ class _FrontendWatch:
 
 class EngineIOThreadError(RuntimeError):
     """An I/O thread of the engine failed: the engine cannot hear or answer any more."""
+
+
+class ExecutorFailed(RuntimeError):
+    """A worker of this rank died (tensor parallelism): the rank is dead."""
 
 
 @enum.unique
@@ -147,7 +152,10 @@ class EngineCoreProc:
         except Exception as e:
             self._send_ready(0, error=f"{type(e).__name__}: {e}")
             raise
-        self._send_ready(self.engine_core.num_blocks)
+        # A TP worker that dies is this rank's death (DESIGN.md 6.5): the busy loop
+        # raises at its next turn, even when idle.
+        self.engine_core.executor.register_failure_callback(self._on_executor_failure)
+        self._send_ready(self.engine_core.num_blocks, self.engine_core.executor.worker_pids())
 
     # ---- startup -----------------------------------------------------------------------
 
@@ -165,12 +173,18 @@ class EngineCoreProc:
     def _build_engine_core(self) -> EngineCore:
         return EngineCore(self.config, self._make_executor())
 
-    def _make_executor(self) -> UniProcExecutor:
+    def _make_executor(self) -> Executor:
         # A single engine joins no process group (the DP subclass does).
-        return UniProcExecutor(self.config)
+        return create_executor(self.config)
 
-    def _send_ready(self, num_blocks: int, error: str | None = None) -> None:
-        self._handshake.send_ready(self.config.config_hash(), num_blocks, error)
+    def _send_ready(
+        self, num_blocks: int, worker_pids: list[int] | None = None, *, error: str | None = None
+    ) -> None:
+        self._handshake.send_ready(self.config.config_hash(), num_blocks, error, worker_pids)
+
+    def _on_executor_failure(self, reason: str) -> None:
+        """From the executor's monitor thread: wake the busy loop, which raises."""
+        self.input_queue.put_nowait((EngineCoreRequestType.EXECUTOR_FAILED, reason))
 
     def _start_io_threads(self) -> None:
         registered = threading.Event()
@@ -441,6 +455,8 @@ class EngineCoreProc:
             self._start_wave(payload)
         elif req_type is EngineCoreRequestType.SCALE:
             self._on_scale(payload)
+        elif req_type is EngineCoreRequestType.EXECUTOR_FAILED:
+            raise ExecutorFailed(f"engine {self.engine_index}: {payload}")
 
     def _add_request(self, req: EngineCoreRequest | UndecodableRequest) -> None:
         if isinstance(req, UndecodableRequest):
@@ -571,6 +587,12 @@ class EngineCoreProc:
         self._send_outputs(EngineCoreOutputs(engine_dead=True, dead_reason=reason))
 
     def close(self) -> None:
+        core = getattr(self, "engine_core", None)
+        if core is not None:  # stop the rank's workers while they can still answer
+            try:
+                core.shutdown()
+            except Exception:  # noqa: BLE001 - exiting anyway
+                logger.exception("engine %d: shutting the executor down failed", self.engine_index)
         self.output_queue.put(None)
         self._output_thread.join(5)
         self._stop_io.set()

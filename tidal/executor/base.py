@@ -1,11 +1,17 @@
 """Executor ABC: how an engine core reaches its worker(s).
 
 The engine core calls only these methods, never a worker directly (DESIGN.md 1), so an
-executor whose workers live in other processes (TP > 1) is a drop-in replacement."""
+executor whose workers live in other processes (``MultiprocExecutor``, TP > 1) is a
+drop-in replacement for the in-process one (``UniProcExecutor``); ``create_executor``
+(``tidal.executor.select``) picks by the config.
+
+Threads: the engine's busy loop calls these; the elastic shell's helper threads call
+``join_standby``, ``transfer_experts`` and ``standby_barrier`` meanwhile (see below)."""
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from typing import Any
 
 from tidal.config import EngineConfig
@@ -17,6 +23,15 @@ from tidal.protocol.topology import Topology
 class Executor(ABC):
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+
+    @abstractmethod
+    def worker_pids(self) -> list[int]:
+        """The processes of this rank's workers, in TP rank order (``/stats``)."""
+
+    @abstractmethod
+    def register_failure_callback(self, callback: Callable[[str], None]) -> None:
+        """``callback(reason)`` (from any thread) when a worker dies on its own: the
+        rank is dead (DESIGN.md 6.5)."""
 
     @abstractmethod
     def collective_rpc(

@@ -8,7 +8,9 @@ Per scale operation (epoch ``n`` = the new topology's), on each engine:
    wait until every participant has announced itself there (the part a rollback can
    interrupt), then the transfer group over the operation's participants (prefix ``e{n}/xfer``) and, for a
    member of the new topology, its DP and EP groups (``e{n}/dp``, ``e{n}/ep``). Same order
-   on every engine (xfer first: a leaving engine creates only that one).
+   on every engine (xfer first: a leaving engine creates only that one). With TP each
+   worker joins them at its own place (``process_groups``: ``e{n}/dp.tp{t}``, and
+   position * TP + t in the transfer and EP groups): experts move worker to worker.
 2. ``pack_expert_sends`` (busy loop): a snapshot of every expert this engine sends, per
    MoE layer from the layer's *current* slots (EPLB may have re-placed layers
    differently, so an expert can be absent from some layers): an int64 ``[L]`` "held"
@@ -44,34 +46,33 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor
 from torch.distributed import ReduceOp, TCPStore
 
+from tidal.config import EngineConfig
 from tidal.distributed.groups import StatelessGroup
-from tidal.executor.model_runner import num_experts
+from tidal.executor.model_runner import ModelRunner, num_experts
+from tidal.executor.process_groups import WorkerGroups, dp_prefix, worker_rank
 from tidal.models.loader import load_expert_weights
 from tidal.moe.placement import ExpertPlacement
 from tidal.protocol.elastic import ExpertTransferSpec
 from tidal.protocol.topology import Topology
-
-if TYPE_CHECKING:
-    from tidal.executor.worker import Worker
 
 logger = logging.getLogger(__name__)
 
 _TAG_FLAGS = 1
 _TAG_PAYLOAD = 2
 
-TransferKey = tuple[int, int, int]  # (expert, dst_engine_id, dst_slot)
+TransferKey = tuple[int, int, int, int]  # (expert, dst_engine_id, dst_tp_rank, dst_slot)
 Staged = dict[tuple[int, int], tuple[Tensor, Tensor]]  # (layer index, expert) -> w13, w2
 
 
 def transfer_key(spec: ExpertTransferSpec) -> TransferKey:
     """Unique per transfer of a plan and the same on every engine: the global order."""
-    return (spec.expert, spec.dst_engine_id, spec.dst_slot)
+    return (spec.expert, spec.dst_engine_id, spec.dst_tp_rank, spec.dst_slot)
 
 
 def parse_address(address: str) -> tuple[str, int]:
@@ -114,24 +115,29 @@ class _Standby:
         self.store = None
 
 
-def _await_participants(entry: _Standby, store: Any, engine_id: int, timeout_s: float) -> None:
-    """Announce this engine in the operation's store, then wait until every participant
-    has: the groups' rendezvous (gloo's, inside its constructor) cannot be interrupted,
-    so the wait for a peer that may never come happens here, where a cancellation
-    (``destroy_standby``: a rollback) ends it at once and the deadline names who is
-    missing. The store is fresh per operation, so no key outlives its attempt."""
+def _await_participants(
+    entry: _Standby, store: Any, engine_id: int, timeout_s: float, tp_rank: int = 0, tp_size: int = 1
+) -> None:
+    """Announce this worker (engine ``engine_id``, TP rank ``tp_rank``) in the operation's
+    store, then wait until every worker of every participant has: the groups' rendezvous
+    (gloo's, inside its constructor) cannot be interrupted, so the wait for a peer that
+    may never come happens here, where a cancellation (``destroy_standby``: a rollback)
+    ends it at once and the deadline names who is missing. The store is fresh per
+    operation, so no key outlives its attempt."""
 
-    def key(e: int) -> str:
-        return f"tidal/e{entry.epoch}/arrived/{e}"
+    def key(e: int, t: int) -> str:
+        return f"tidal/e{entry.epoch}/arrived/{e}.{t}"
 
-    store.set(key(engine_id), b"1")
-    keys = [key(e) for e in entry.participants]
+    store.set(key(engine_id, tp_rank), b"1")
+    keys = [key(e, t) for e in entry.participants for t in range(tp_size)]
     deadline = time.monotonic() + timeout_s
     while not store.check(keys):
         if entry.cancel_event.wait(_ARRIVAL_POLL_S):
             raise RuntimeError(f"the standby groups of epoch {entry.epoch} were destroyed")
         if time.monotonic() > deadline:
-            missing = [e for e in entry.participants if not store.check([key(e)])]
+            missing = sorted(
+                {e for e in entry.participants for t in range(tp_size) if not store.check([key(e, t)])}
+            )
             raise TimeoutError(
                 f"standby rendezvous of epoch {entry.epoch} timed out after {timeout_s:g} s "
                 f"waiting for engines {missing}"
@@ -139,10 +145,25 @@ def _await_participants(entry: _Standby, store: Any, engine_id: int, timeout_s: 
 
 
 class ElasticWorkerState:
-    """Elastic-EP state of one worker; every method is called through ``Worker``."""
+    """Elastic-EP state of one worker; every method is called through ``Worker``, which
+    hands it what it works on: the config, the device, the runner (its model and its
+    groups) and the groups holder it swaps."""
 
-    def __init__(self, worker: Worker) -> None:
-        self.worker = worker
+    def __init__(
+        self,
+        config: EngineConfig,
+        device: torch.device,
+        runner: ModelRunner,
+        groups: WorkerGroups,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+    ) -> None:
+        self.config = config
+        self.device = device
+        self.runner = runner
+        self.groups = groups
+        self.tp_rank = tp_rank
+        self.tp_size = tp_size
         self._lock = threading.Lock()
         self._standby: dict[int, _Standby] = {}
         self._packed: dict[int, dict[TransferKey, tuple[Tensor, Tensor]]] = {}
@@ -159,8 +180,8 @@ class ElasticWorkerState:
     def init_joiner(self, topology: Topology, engine_id: int) -> None:
         if topology.placement is None:
             raise ValueError("a joining engine needs the new topology's expert placement")
-        runner = self.worker.model_runner
-        rank = topology.rank_of(engine_id)
+        runner = self.runner
+        rank = worker_rank(topology.rank_of(engine_id), self.tp_rank, self.tp_size)
         placement = ExpertPlacement.from_layout(num_experts(runner.config), topology.placement)
         runner.load_model(placement.local_expert_ids(rank), load_experts=False)
         runner.placement = placement
@@ -206,29 +227,38 @@ class ElasticWorkerState:
                 timeout=datetime.timedelta(seconds=timeout_s),
             )
             self._attach(entry, "store", store)
-            _await_participants(entry, store, engine_id, timeout_s)
+            _await_participants(entry, store, engine_id, timeout_s, self.tp_rank, self.tp_size)
 
-            def create(name: str, group_members: list[int], backend: str) -> None:
+            tp = self.tp_size
+
+            def create(name: str, prefix: str, rank: int, world: int, backend: str) -> None:
                 group = StatelessGroup.create(
                     host=host,
                     port=0,
-                    rank=group_members.index(engine_id),
-                    world_size=len(group_members),
+                    rank=rank,
+                    world_size=world,
                     backend=backend,
                     store=store,
-                    prefix=f"e{epoch}/{name}",
+                    prefix=f"e{epoch}/{prefix}",
                     timeout_s=timeout_s,
                 )
                 self._attach(entry, name, group)
 
-            create("xfer", entry.participants, "gloo")
-            if engine_id in entry.members:
-                create("dp", entry.members, "gloo")
-                if self.worker.config.parallel.enable_expert_parallel:
-                    device = self.worker.device
+            # Every worker of every participant / member (rank: position * TP + t).
+            parts, members = entry.participants, entry.members
+            t = self.tp_rank
+            create(
+                "xfer", "xfer", worker_rank(parts.index(engine_id), t, tp), len(parts) * tp, "gloo"
+            )
+            if engine_id in members:
+                position = members.index(engine_id)
+                create("dp", dp_prefix(t), position, len(members), "gloo")
+                if self.config.parallel.enable_expert_parallel:
+                    device = self.device
                     if device.type == "cuda":
                         torch.cuda.set_device(device)  # per thread: this helper's
-                    create("ep", entry.members, "nccl" if device.type == "cuda" else "gloo")
+                    backend = "nccl" if device.type == "cuda" else "gloo"
+                    create("ep", "ep", worker_rank(position, t, tp), len(members) * tp, backend)
         except BaseException:
             with self._lock:
                 if self._standby.get(epoch) is entry:
@@ -265,9 +295,11 @@ class ElasticWorkerState:
 
     @torch.no_grad()
     def pack_expert_sends(self, epoch: int, sends: list[ExpertTransferSpec]) -> None:
-        layers = self.worker.model_runner.model.moe_layers()
+        layers = self.runner.model.moe_layers()
         packed: dict[TransferKey, tuple[Tensor, Tensor]] = {}
         for spec in sends:
+            if spec.src_tp_rank != self.tp_rank:
+                continue  # another worker of this engine sends it
             flags = torch.zeros(len(layers), dtype=torch.int64)
             parts: list[Tensor] = []
             for li, moe in enumerate(layers):
@@ -298,7 +330,12 @@ class ElasticWorkerState:
         if entry is None or entry.xfer is None:
             raise RuntimeError(f"engine {engine_id}: no transfer group of epoch {epoch}")
         group, participants = entry.xfer, entry.participants
-        runner = self.worker.model_runner
+        tp, me = self.tp_size, (engine_id, self.tp_rank)
+
+        def peer(engine: int, tp_rank: int) -> int:  # rank in the transfer group
+            return worker_rank(participants.index(engine), tp_rank, tp)
+
+        runner = self.runner
         model = runner.model
         layer_ids = model.moe_layer_ids()
         layers = model.moe_layers()
@@ -319,7 +356,8 @@ class ElasticWorkerState:
         for key in sorted(todo):
             spec = todo[key]
             src, dst = spec.src_engine_id, spec.dst_engine_id
-            if src == engine_id and dst != engine_id:
+            src_w, dst_w = (src, spec.src_tp_rank), (dst, spec.dst_tp_rank)
+            if src_w == me and dst_w != me:
                 flags, payload = packed.get(key) or (None, None)
                 if flags is None:
                     logger.warning(
@@ -330,28 +368,28 @@ class ElasticWorkerState:
                         dst,
                     )
                     flags, payload = torch.zeros(len(layers), dtype=torch.int64), None
-                peer = participants.index(dst)
-                wait(group.process_group.send([flags], peer, _TAG_FLAGS), f"send to {dst}")
+                to = peer(*dst_w)
+                wait(group.process_group.send([flags], to, _TAG_FLAGS), f"send to {dst}")
                 if int(flags.sum()):
                     data = payload.contiguous().view(torch.uint8)
-                    wait(group.process_group.send([data], peer, _TAG_PAYLOAD), f"send to {dst}")
+                    wait(group.process_group.send([data], to, _TAG_PAYLOAD), f"send to {dst}")
                 continue
-            if dst != engine_id:
-                continue  # not this engine's
-            if src is None or (src == engine_id and key not in packed):
+            if dst_w != me:
+                continue  # not this worker's
+            if src is None or (src_w == me and key not in packed):
                 flags = torch.zeros(len(layers), dtype=torch.int64)  # all from disk
                 payload = torch.empty(0, dtype=dtype)
-            elif src == engine_id:  # a copy to itself (plans make these slot moves)
+            elif src_w == me:  # a copy to itself (plans make these slot moves)
                 flags, payload = packed[key]
             else:
-                peer = participants.index(src)
+                frm = peer(*src_w)
                 flags = torch.empty(len(layers), dtype=torch.int64)
-                wait(group.process_group.recv([flags], peer, _TAG_FLAGS), f"recv from {src}")
+                wait(group.process_group.recv([flags], frm, _TAG_FLAGS), f"recv from {src}")
                 held = int(flags.sum())
                 payload = torch.empty(held * (n13 + n2), dtype=dtype)
                 if held:
                     buf = payload.view(torch.uint8)
-                    wait(group.process_group.recv([buf], peer, _TAG_PAYLOAD), f"recv from {src}")
+                    wait(group.process_group.recv([buf], frm, _TAG_PAYLOAD), f"recv from {src}")
             offset = 0
             for li, lid in enumerate(layer_ids):
                 if not int(flags[li]):
@@ -362,7 +400,7 @@ class ElasticWorkerState:
                 offset += n13 + n2
                 staged[lid, spec.expert] = (w13, w2)
         if from_disk:
-            staged.update(load_expert_weights(model, self.worker.config.model.model, from_disk))
+            staged.update(load_expert_weights(model, self.config.model.model, from_disk))
         nbytes = sum(w13.nbytes + w2.nbytes for w13, w2 in staged.values())
         with self._lock:
             if entry.cancelled:
@@ -373,7 +411,7 @@ class ElasticWorkerState:
             "%d bytes",
             engine_id,
             epoch,
-            sum(1 for s in todo.values() if s.src_engine_id == engine_id),
+            sum(1 for s in todo.values() if (s.src_engine_id, s.src_tp_rank) == me),
             len({e for _, e in staged}),
             sum(len(v) for v in from_disk.values()),
             nbytes,
@@ -392,7 +430,7 @@ class ElasticWorkerState:
             entry = self._standby.get(epoch)
         group = entry.dp if entry is not None else None
         if group is None and self.epoch == epoch:
-            group = self.worker.dp_group  # swapped in already: the standby is current
+            group = self.groups.dp  # swapped in already: the standby is current
         if group is None:
             raise RuntimeError(f"no DP group of epoch {epoch} (standby or current)")
         t = group.all_reduce(torch.tensor([wave, step], dtype=torch.int64), ReduceOp.MAX)
@@ -403,22 +441,25 @@ class ElasticWorkerState:
             entry = self._standby.get(epoch)
             if entry is None or entry.dp is None:
                 raise RuntimeError(f"no standby DP group of epoch {epoch} to swap in")
-            if self.worker.config.parallel.enable_expert_parallel and entry.ep is None:
+            if self.config.parallel.enable_expert_parallel and entry.ep is None:
                 raise RuntimeError(f"no standby EP group of epoch {epoch} to swap in")
             del self._standby[epoch]
-        w = self.worker
-        self._retired += [g for g in (w.ep_group, w.dp_group, w._store) if g is not None]
+        g = self.groups
+        self._retired += g.take()
         if entry.xfer is not None:
             entry.xfer.destroy()
-        w.dp_group, w.ep_group, w._store = entry.dp, entry.ep, entry.store
-        w.model_runner.set_process_groups(entry.dp, entry.ep)
+        g.dp, g.ep, g.store = entry.dp, entry.ep, entry.store
+        self.runner.set_process_groups(entry.dp, entry.ep)
         self.epoch = epoch
         logger.info("swapped in the groups of epoch %d (DP rank %d)", epoch, entry.dp.rank)
 
     @torch.no_grad()
-    def install_experts(self, epoch: int, layout: list[list[int]], rank: int) -> None:
-        runner = self.worker.model_runner
+    def install_experts(self, epoch: int, layout: list[list[int]], position: int) -> None:
+        """``layout``: one row per worker of the new topology; ``position``: this engine's
+        place there (its workers take rows ``position * TP + t``)."""
+        runner = self.runner
         model = runner.model
+        rank = worker_rank(position, self.tp_rank, self.tp_size)
         placement = ExpertPlacement.from_layout(num_experts(runner.config), layout)
         if not 0 <= rank < placement.ep_size:
             raise ValueError(f"rank {rank} is outside the layout's {placement.ep_size} ranks")
@@ -448,7 +489,7 @@ class ElasticWorkerState:
             logger.warning(
                 "epoch %d: experts neither held nor staged, read from disk: %s", epoch, missing
             )
-            staged.update(load_expert_weights(model, self.worker.config.model.model, missing))
+            staged.update(load_expert_weights(model, self.config.model.model, missing))
         for lid, moe in zip(layer_ids, layers):
             have = held(moe)
             dev = moe.w13.device
@@ -483,12 +524,8 @@ class ElasticWorkerState:
     def leave_groups(self) -> None:
         """A leaving engine at the commit: its current groups go, and with them whatever
         it still has of the operation (the transfer group) and of earlier epochs."""
-        w = self.worker
-        for g in (w.ep_group, w.dp_group):
-            if g is not None:
-                g.destroy()
-        w.dp_group = w.ep_group = w._store = None
-        w.model_runner.set_process_groups(None, None)
+        self.groups.destroy()
+        self.runner.set_process_groups(None, None)
         for epoch in self.standby_epochs():
             self.destroy_standby(epoch)
         self.destroy_retired_groups()
@@ -499,13 +536,12 @@ class ElasticWorkerState:
         destroy them now, so a peer blocked on this rank fails at once instead of at its
         timeout. The epoch stays (the recovery's PREPARE is for epoch + 1), and so do the
         experts and any standby groups: the recovery builds on them."""
-        w = self.worker
-        for g in (w.ep_group, w.dp_group):
-            if g is not None:
-                g.destroy()
-        self._retired += [g for g in (w.ep_group, w.dp_group, w._store) if g is not None]
-        w.dp_group = w.ep_group = w._store = None
-        w.model_runner.set_process_groups(None, None)
+        g = self.groups
+        for group in (g.ep, g.dp):
+            if group is not None:
+                group.destroy()
+        self._retired += g.take()
+        self.runner.set_process_groups(None, None)
 
     def shutdown(self) -> None:
         """Destroy every standby and retired group, drop staged experts (no peers)."""

@@ -18,6 +18,14 @@ layer by layer, as a busy rank's real one. After every forward ``EplbState.end_s
 counts the expert load and, every ``eplb_interval`` forwards with ``enable_eplb``,
 rebalances; forward counts are equal on all EP ranks, so they rebalance together.
 
+Tensor parallelism (``tp``, DESIGN.md 9): every worker of a rank runs this same runner
+on the same batch, each with its shard of the model (``tidal/distributed/tensor_parallel.py``); they
+meet in the model's TP collectives, the logits gather included, so each also calls
+``compute_logits`` wherever the driver does. Only the driver (TP rank 0) samples and
+fills the output; the others' output stays empty. With EP each worker is an EP rank
+that feeds its share of its DP rank's tokens, so the agreed per-DP-rank counts are
+expanded into per-worker shares before the forward.
+
 Fault isolation: a request whose host-side preparation or sampling raises (a value the
 engine's validation missed) must fail alone, never the rank. Both stages are tried for
 the whole batch first (no per-request cost when nothing is wrong); on an exception they
@@ -37,6 +45,7 @@ from typing import Any
 import torch
 
 from tidal.config import EngineConfig
+from tidal.distributed.tensor_parallel import TensorParallel
 from tidal.executor.batch import NULL_BLOCK_ID, ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from tidal.kernels.host_memory import empty_huge
 from tidal.layers.attention import AttentionMetadata, kv_cache_shape
@@ -63,9 +72,14 @@ class _Inputs:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, device: torch.device) -> None:
+    def __init__(
+        self, config: EngineConfig, device: torch.device, tp: TensorParallel | None = None
+    ) -> None:
         self.config = config
         self.device = device
+        # This worker's place in its rank's TP group; the worker sets it (with the group)
+        # before load_model.
+        self.tp = tp or TensorParallel()
         self.block_size = config.cache.block_size
         self.vocab_size = int(config.model.hf_config.vocab_size)
         self.model: torch.nn.Module | None = None
@@ -83,12 +97,16 @@ class ModelRunner:
 
     def set_process_groups(self, dp_group: Any, ep_group: Any) -> None:
         """Before ``load_model``: ``ep_group`` (a StatelessGroup, or None) turns EP on;
-        ``dp_group`` (gloo, same ranks) carries the per-forward token-count agreement."""
-        if ep_group is not None and dp_group is None:
+        ``dp_group`` (gloo, one member per DP rank) carries the per-forward token-count
+        agreement. The EP group has one member per worker: DP size x TP size (without a
+        DP group, one DP rank: its TP workers)."""
+        tp = self.tp.size
+        dp_size = 1 if dp_group is None else dp_group.world_size
+        if ep_group is not None and dp_group is None and tp == 1:
             raise ValueError("expert parallelism needs the DP group for token-count agreement")
-        if ep_group is not None and ep_group.world_size != dp_group.world_size:
+        if ep_group is not None and ep_group.world_size != dp_size * tp:
             raise ValueError(
-                f"EP group has {ep_group.world_size} ranks, DP group {dp_group.world_size}"
+                f"EP group has {ep_group.world_size} ranks, DP group {dp_size} x TP {tp}"
             )
         self.dp_group, self.ep_group = dp_group, ep_group
 
@@ -103,10 +121,9 @@ class ModelRunner:
         experts: ``layout`` (the topology's, one row of logical experts per rank) when
         given, else the linear launch placement. ``load_experts=False``: allocate the
         expert slots but do not read them (a joining engine: they arrive from peers)."""
+        common = {"load_experts": load_experts, "tp": self.tp, "device": self.device}
         if self.ep_group is None:
-            self.model = load_model(
-                self.config, local_expert_ids=local_expert_ids, load_experts=load_experts
-            )
+            self.model = load_model(self.config, local_expert_ids=local_expert_ids, **common)
             return
         if local_expert_ids is not None:
             raise ValueError("with expert parallelism the placement chooses the local experts")
@@ -119,9 +136,7 @@ class ModelRunner:
             self.placement = initial_placement(self.config, ep_size)
         rank = self.ep_group.rank
         self.model = load_model(
-            self.config,
-            local_expert_ids=self.placement.local_expert_ids(rank),
-            load_experts=load_experts,
+            self.config, local_expert_ids=self.placement.local_expert_ids(rank), **common
         )
         self.setup_expert_parallel(self.placement)
 
@@ -234,12 +249,17 @@ class ModelRunner:
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata
     ) -> torch.Tensor:  # [T] int64, [T] int64 -> [T, H]
         if self.ep_group is not None:
-            self.moe_context.num_tokens_across_dp = self.agree_num_tokens(input_ids.shape[0])
+            counts = self.agree_num_tokens(input_ids.shape[0])  # per DP rank
+            if self.tp.size > 1:  # per worker: each feeds its share of its rank's tokens
+                counts = [c for n in counts for c in self.tp.row_shares(n)]
+            self.moe_context.num_tokens_across_dp = counts
         return self.model(input_ids, positions, attn)
 
     def agree_num_tokens(self, num_tokens: int) -> list[int]:
         """Every rank's token count for this forward, in rank order (a DP-group all-gather:
         all ranks call it before the same forward)."""
+        if self.dp_group is None:  # one DP rank (EP over its TP workers only)
+            return [num_tokens]
         mine = torch.tensor([num_tokens], dtype=torch.int64)  # [1] CPU: gloo
         return [int(n) for n in self.dp_group.all_gather(mine).tolist()]
 
@@ -331,6 +351,8 @@ class ModelRunner:
     def _sample(self, hidden: torch.Tensor, inputs: _Inputs, out: ModelRunnerOutput) -> None:
         rows = torch.tensor(inputs.sample_rows, dtype=torch.long, device=hidden.device)
         logits = self.model.compute_logits(hidden.index_select(0, rows))  # [N, V] float32
+        if logits is None:  # a TP worker other than the driver: only the driver samples
+            return
         reqs = inputs.sample_reqs
         # Seeded rows draw from fresh per-position generators, so the row-by-row retry
         # draws what an untroubled step would have (DESIGN 6.3: seeded = reproducible).
@@ -376,6 +398,8 @@ class ModelRunner:
             req = sr.request
             try:
                 logits = self.model.compute_logits(hidden[row0 : row0 + count])  # [count, V]
+                if logits is None:  # not the TP driver
+                    continue
                 nxt = req.prompt_token_ids[sr.start + 1 : sr.start + 1 + count]
                 targets = torch.tensor(nxt, dtype=torch.long, device=logits.device)
                 k = req.sampling_params.prompt_logprobs

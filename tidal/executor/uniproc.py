@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+from collections.abc import Callable
 from typing import Any
 
 from tidal.config import EngineConfig
@@ -24,21 +26,23 @@ class UniProcExecutor(Executor):
         (see ``Worker.init_distributed``); None: the launch topology of ``config``.
         ``joining``: an elastic EP joiner (``Worker.init_joiner``): no group yet."""
         super().__init__(config)
-        self.worker = Worker(config, local_rank=config.parallel.data_parallel_rank)
-        try:
-            if joining:
-                if topology is None or engine_id is None:
-                    raise ValueError("a joining engine needs its topology and engine id")
-                self.worker.init_joiner(topology, engine_id)
-                return
-            # Groups first: with expert parallelism the placement decides what to load.
-            self.worker.init_distributed(topology, engine_id)
-            self.worker.load_model(local_expert_ids)
-        except Exception:
-            self.worker.shutdown()
-            raise
+        p = config.parallel
+        if p.tensor_parallel_size != 1:
+            raise ValueError("UniProcExecutor runs one worker: tensor_parallel_size must be 1")
+        self.worker = Worker(
+            config,
+            local_rank=p.data_parallel_rank,
+            device_index=p.device_ids[0] if p.device_ids else 0,
+        )
+        self.worker.start(topology, engine_id, joining, local_expert_ids)
 
     def collective_rpc(
         self, method: str, args: tuple = (), kwargs: dict | None = None
     ) -> list[Any]:
         return [getattr(self.worker, method)(*args, **(kwargs or {}))]
+
+    def worker_pids(self) -> list[int]:
+        return [os.getpid()]
+
+    def register_failure_callback(self, callback: Callable[[str], None]) -> None:
+        """The worker is this process: it cannot die on its own."""

@@ -1,18 +1,28 @@
-"""One rank's device: pin threads or the GPU, join the process groups, load weights,
-allocate the KV cache.
+"""One worker's device: pin threads or the GPU, join the process groups, load weights,
+allocate the KV cache. A DP rank is one worker (in the engine's process, ``uniproc``) or,
+with tensor parallelism, N worker processes (``multiproc``).
 
-Process groups (``init_distributed``, with the DP machinery: DP > 1 or elastic EP): one
-TCPStore (the topology's ``store_address``), hosted by DP rank 0, carries
+Process groups (``tidal/executor/process_groups.py`` names them):
 
-- ``dp_group``: gloo over all DP ranks (prefix "dp"): CPU consensus — the busy loop's wave
-  all-reduce and the per-forward token-count all-gather;
-- ``ep_group`` (with ``enable_expert_parallel``; prefix "ep"): the MoE dispatch/combine
-  and EPLB weight moves; gloo on CPU, NCCL on CUDA. EP rank == DP rank == the engine's
-  position in the ``Topology``; the group size is the topology's (the live size).
+- ``tp`` (TP size > 1, ``init_tensor_parallel``): the rank's own workers, on the engine's
+  own TCPStore; gloo on CPU, NCCL on CUDA. Its failure is the rank's death
+  (``LocalGroupFailure``), never a peer's to recover from;
+- with the DP machinery (DP > 1 or elastic EP, ``init_distributed``), on one TCPStore (the
+  topology's ``store_address``, hosted by the first worker of DP rank 0):
+  ``dp``: gloo over the DP ranks' TP-rank-0 workers (``dp.tp{t}``: their t-th workers),
+  the busy loop's wave all-reduce and the per-forward token-count all-gather;
+  ``ep`` (with ``enable_expert_parallel``): every worker of every rank, the MoE
+  dispatch/combine and EPLB weight moves; gloo on CPU, NCCL on CUDA. DP rank = the
+  engine's position in the ``Topology``; EP rank = position * TP size + TP rank.
 
-Both are ``StatelessGroup``s (nothing in torch's global state), so elastic scaling can
-build new ones beside them and swap: the elastic methods (standby groups, expert
-transfers, swap, install) live in ``tidal/executor/elastic.py``; this class forwards them.
+DP and EP groups are ``StatelessGroup``s (nothing in torch's global state), so elastic
+scaling can build new ones beside them and swap: the elastic methods (standby groups,
+expert transfers, swap, install) live in ``tidal/executor/elastic.py``; this class forwards them.
+
+Devices: on CUDA the launcher hands each rank device slots (``tidal/distributed/device_slots``):
+a worker process sees only its own (``CUDA_VISIBLE_DEVICES``) and uses ``cuda:0``; an
+in-process worker uses ``device_index``. On CPU each worker takes its share of the cores:
+``cores // (local ranks * TP size)`` threads.
 
 Security: the TCPStore and the gloo/NCCL peer connections have no authentication (the
 ZMQ control plane does: tidal/distributed/zmq_auth.py). Multi-node deployments must keep
@@ -30,10 +40,12 @@ import torch
 from torch.distributed import ReduceOp
 
 from tidal.config import EngineConfig, ParallelConfig
-from tidal.distributed.groups import StatelessGroup, create_store
+from tidal.distributed.groups import LocalGroupFailure, StatelessGroup, create_store
+from tidal.distributed.tensor_parallel import TensorParallel
 from tidal.executor.batch import ModelRunnerOutput, SchedulerOutput
 from tidal.executor.elastic import ElasticWorkerState, parse_address
 from tidal.executor.model_runner import ModelRunner
+from tidal.executor.process_groups import WorkerGroups, dp_prefix, worker_rank
 from tidal.protocol.elastic import ExpertTransferSpec
 from tidal.protocol.topology import Topology
 
@@ -42,14 +54,15 @@ logger = logging.getLogger(__name__)
 # Group rendezvous and collective timeout. Generous: a peer may still be loading weights,
 # or running a long CPU prefill, while this rank waits in a collective.
 DIST_TIMEOUT_S = 300.0
+TP_STORE_HOST = "127.0.0.1"  # a rank's workers share a host
 
 _REDUCE_OPS = {"sum": ReduceOp.SUM, "max": ReduceOp.MAX}
 
 
-def cpu_threads_for_rank(num_local_ranks: int) -> int:
-    """Each rank on a node takes an equal share of the cores (at least one)."""
+def cpu_threads_for_rank(num_local_workers: int) -> int:
+    """Each worker on a node takes an equal share of the cores (at least one)."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return max(1, (cores or 1) // max(1, num_local_ranks))
+    return max(1, (cores or 1) // max(1, num_local_workers))
 
 
 def _store_address(topology: Topology, parallel: ParallelConfig) -> tuple[str, int]:
@@ -61,50 +74,152 @@ def _store_address(topology: Topology, parallel: ParallelConfig) -> tuple[str, i
 
 class Worker:
     def __init__(
-        self, config: EngineConfig, local_rank: int = 0, *, dist_timeout_s: float = DIST_TIMEOUT_S
+        self,
+        config: EngineConfig,
+        local_rank: int = 0,
+        *,
+        dist_timeout_s: float = DIST_TIMEOUT_S,
+        tp_rank: int = 0,
+        device_index: int = 0,
     ) -> None:
+        """``tp_rank``: this worker's place in its rank (TP size from the config);
+        ``device_index``: the CUDA device it uses (its slot, or 0 in a process that sees
+        only its own device)."""
         self.config = config
         self.local_rank = local_rank
         self.dist_timeout_s = dist_timeout_s
-        self.device = self._init_device()
+        self.tp_rank = tp_rank
+        self.tp_size = config.parallel.tensor_parallel_size
+        self.device = self._init_device(device_index)
         torch.manual_seed(config.model.seed)
         self.model_runner = ModelRunner(config, self.device)
-        self.dp_group: StatelessGroup | None = None
-        self.ep_group: StatelessGroup | None = None
-        self._store: Any = None
-        # The topology's expert placement (rows per rank) from init_distributed, if any.
+        self.groups = WorkerGroups()
+        self.tp_group: StatelessGroup | None = None
+        self._tp_store: Any = None
+        # The topology's expert placement (rows per worker) from init_distributed, if any.
         self._layout: list[list[int]] | None = None
-        self.elastic = ElasticWorkerState(self)
+        self.elastic = ElasticWorkerState(
+            config, self.device, self.model_runner, self.groups, tp_rank, self.tp_size
+        )
 
-    def _init_device(self) -> torch.device:
+    @property
+    def dp_group(self) -> StatelessGroup | None:
+        return self.groups.dp
+
+    @property
+    def ep_group(self) -> StatelessGroup | None:
+        return self.groups.ep
+
+    def _init_device(self, device_index: int) -> torch.device:
         if self.config.device == "cuda":
-            device = torch.device("cuda", self.local_rank % max(1, torch.cuda.device_count()))
+            device = torch.device("cuda", device_index)
             torch.cuda.set_device(device)
             return device
-        torch.set_num_threads(cpu_threads_for_rank(self.config.parallel.data_parallel_size_local))
+        p = self.config.parallel
+        torch.set_num_threads(cpu_threads_for_rank(p.data_parallel_size_local * self.tp_size))
         return torch.device("cpu")
 
+    def start(
+        self,
+        topology: Topology | None = None,
+        engine_id: int | None = None,
+        joining: bool = False,
+        local_expert_ids: list[int] | None = None,
+        *,
+        tp_store_port: int | None = None,
+    ) -> None:
+        """Everything between construction and the KV cache, in order: the rank's TP group
+        (``tp_store_port``, TP size > 1), then a joiner's startup (``init_joiner``: no DP/EP
+        group yet) or the DP/EP groups of ``topology`` and the model (with EP the placement
+        decides what to load). On failure the groups made so far are destroyed."""
+        try:
+            if tp_store_port is not None:
+                self.init_tensor_parallel(tp_store_port)
+            if joining:
+                if topology is None or engine_id is None:
+                    raise ValueError("a joining engine needs its topology and engine id")
+                self.init_joiner(topology, engine_id)
+                return
+            self.init_distributed(topology, engine_id)
+            self.load_model(local_expert_ids)
+        except Exception:
+            self.shutdown()
+            raise
+
     # ---- process groups ----------------------------------------------------------------
+
+    def init_tensor_parallel(self, store_port: int) -> None:
+        """Join the rank's TP group (every worker of the rank calls it) on the engine's
+        TCPStore at ``127.0.0.1:store_port``. Call before ``load_model``."""
+        if self.tp_size == 1 or self.tp_group is not None:
+            return
+        # Rank + 1: the engine process hosts the store (it outlives any one worker).
+        self._tp_store = create_store(
+            TP_STORE_HOST,
+            store_port,
+            rank=self.tp_rank + 1,
+            world_size=self.tp_size + 1,
+            timeout_s=self.dist_timeout_s,
+        )
+        self._join_tp_group("tp")
+
+    def _join_tp_group(self, prefix: str) -> None:
+        self.tp_group = StatelessGroup.create(
+            host=TP_STORE_HOST,
+            port=0,
+            rank=self.tp_rank,
+            world_size=self.tp_size,
+            backend=self._backend(),
+            store=self._tp_store,
+            prefix=prefix,
+            timeout_s=self.dist_timeout_s,
+            failure=LocalGroupFailure,
+        )
+        tp = self.model_runner.tp
+        if tp.size == 1:
+            self.model_runner.tp = TensorParallel(self.tp_rank, self.tp_size, self.tp_group)
+        else:  # a rebuild: every layer holds this very object
+            tp.group = self.tp_group
+
+    def break_tensor_parallel(self) -> None:
+        """Destroy the TP group now: a TP peer waiting in one of its collectives fails at
+        once (``LocalGroupFailure``) instead of at the timeout. After a step that a peer
+        rank's death cut short, a worker may be in a TP collective its peers will never
+        enter; the engine then rebuilds the group (``rebuild_tensor_parallel``)."""
+        if self.tp_group is not None:
+            self.tp_group.destroy()
+
+    def rebuild_tensor_parallel(self, generation: int) -> None:
+        """A fresh TP group (every worker of the rank calls it, with the same
+        ``generation``), on the same store."""
+        if self.tp_size == 1:
+            return
+        self.break_tensor_parallel()
+        self._join_tp_group(f"tp.{generation}")
 
     def init_distributed(
         self, topology: Topology | None = None, engine_id: int | None = None
     ) -> None:
         """Join the DP group (and the EP group with expert parallelism) of ``topology`` as
-        engine ``engine_id``: rank = its position there, world size = ``topology.size``
-        (the live size, not the launch size in the config), TCPStore at
+        a worker of engine ``engine_id``: DP rank = its position there, DP size =
+        ``topology.size`` (the live size, not the launch size in the config), TCPStore at
         ``topology.store_address``. Blocks until every member has called it. Call before
         ``load_model``. Without a topology: the launch one (ids 0..N-1, this config's rank
-        and master port), or no groups for a single rank."""
+        and master port), or no DP group for a single rank (with EP and TP > 1, the EP
+        group of the rank's own workers still forms, on the TP store)."""
         p = self.config.parallel
-        if self.dp_group is not None:
+        if self.groups.dp is not None or self.groups.ep is not None:
             return
         if topology is None:
             if p.data_parallel_size <= 1:
+                self._init_local_ep()
                 return
-            topology, engine_id = Topology.initial(p.data_parallel_size), p.data_parallel_rank
+            topology = Topology.initial(p.data_parallel_size, tp_size=self.tp_size)
+            engine_id = p.data_parallel_rank
         if engine_id is None:
             raise ValueError("init_distributed: a topology needs this engine's id")
-        rank, world = topology.rank_of(engine_id), topology.size
+        position, world = topology.rank_of(engine_id), topology.size
+        tp = self.tp_size
         host, port = _store_address(topology, p)
         if not port:
             raise ValueError(
@@ -112,42 +227,59 @@ class Worker:
                 f"for a DP group of {world}"
             )
         timeout = self.dist_timeout_s
-        self._store = create_store(host, port, rank=rank, world_size=world, timeout_s=timeout)
-        common = {"host": host, "port": 0, "rank": rank, "world_size": world}
+        me = worker_rank(position, self.tp_rank, tp)
+        g = self.groups
+        g.store = create_store(host, port, rank=me, world_size=world * tp, timeout_s=timeout)
         try:
-            self.dp_group = StatelessGroup.create(
-                **common, backend="gloo", store=self._store, prefix="dp", timeout_s=timeout
-            )
+            g.dp = StatelessGroup.create(
+                host=host, port=0, rank=position, world_size=world, backend="gloo",
+                store=g.store, prefix=dp_prefix(self.tp_rank), timeout_s=timeout,
+            )  # fmt: skip
             if p.enable_expert_parallel:
-                backend = "nccl" if self.device.type == "cuda" else "gloo"
-                self.ep_group = StatelessGroup.create(
-                    **common, backend=backend, store=self._store, prefix="ep", timeout_s=timeout
-                )
+                g.ep = StatelessGroup.create(
+                    host=host, port=0, rank=me, world_size=world * tp, backend=self._backend(),
+                    store=g.store, prefix="ep", timeout_s=timeout,
+                )  # fmt: skip
         except Exception:
             self.shutdown()
             raise
-        self.model_runner.set_process_groups(self.dp_group, self.ep_group)
+        self.model_runner.set_process_groups(g.dp, g.ep)
         self._layout = topology.placement
         self.elastic.epoch = topology.epoch
         logger.info(
-            "engine %d: DP rank %d/%d of epoch %d joined the process groups (EP: %s)",
+            "engine %d worker %d: DP rank %d/%d of epoch %d joined the process groups (EP: %s)",
             engine_id,
-            rank,
+            self.tp_rank,
+            position,
             world,
             topology.epoch,
-            self.ep_group.backend_name if self.ep_group else "off",
+            g.ep.backend_name if g.ep else "off",
         )
+
+    def _init_local_ep(self) -> None:
+        """One DP rank with EP over its TP workers: the EP group is the rank's workers."""
+        if not self.config.parallel.enable_expert_parallel or self.tp_size == 1:
+            return
+        self.groups.ep = StatelessGroup.create(
+            host=TP_STORE_HOST, port=0, rank=self.tp_rank, world_size=self.tp_size,
+            backend=self._backend(), store=self._tp_store, prefix="ep",
+            timeout_s=self.dist_timeout_s, failure=LocalGroupFailure,
+        )  # fmt: skip
+        self.model_runner.set_process_groups(None, self.groups.ep)
+
+    def _backend(self) -> str:
+        return "nccl" if self.device.type == "cuda" else "gloo"
 
     def shutdown(self) -> None:
         """Destroy the groups, standby and retired ones included (idempotent, does not
-        wait for peers) and drop the store."""
+        wait for peers) and drop the stores."""
         self.elastic.shutdown()
-        for group in (self.ep_group, self.dp_group):
-            if group is not None:
-                group.destroy()
-        self.ep_group = self.dp_group = None
+        self.groups.destroy()
         self.model_runner.set_process_groups(None, None)
-        self._store = None
+        if self.tp_group is not None:
+            self.tp_group.destroy()
+        self.tp_group = None
+        self._tp_store = None
 
     # ---- model -------------------------------------------------------------------------
 
@@ -169,13 +301,14 @@ class Worker:
 
     def all_reduce_dp(self, values: list[int], op: str = "sum") -> list[int]:
         """Reduce ``values`` (``op``: "sum" or "max") over the DP group (gloo, CPU); as they
-        are without one (DP=1)."""
+        are without one (DP=1). With TP only the driver calls it (its group is the ranks'
+        consensus)."""
         if op not in _REDUCE_OPS:
             raise ValueError(f"op must be one of {sorted(_REDUCE_OPS)}, got {op!r}")
-        if self.dp_group is None:
+        if self.groups.dp is None:
             return list(values)
         t = torch.tensor(values, dtype=torch.int64)
-        return self.dp_group.all_reduce(t, _REDUCE_OPS[op]).tolist()
+        return self.groups.dp.all_reduce(t, _REDUCE_OPS[op]).tolist()
 
     # ---- elastic EP (tidal/executor/elastic.py; see Executor for the contract) ----------
 

@@ -153,15 +153,36 @@ class AsyncLLM:
         return dict(sorted(total.items()))
 
     async def get_stats(self) -> dict[str, Any]:
-        """``/stats``: per-rank load, wave state (the coordinator's view with DP) and, with
+        """``/stats``: per-rank load, wave state (the coordinator's view with DP), each
+        rank's processes (its engine's pid, its TP size and its workers' pids) and, with
         expert parallelism, the expert load."""
         stats = await self._load_stats()
+        self._add_processes(stats)
         if self.elastic_ep_enabled:
             stats["is_scaling_elastic_ep"] = self.is_scaling_elastic_ep()
             stats["scaling_history"] = self.scaling_history()
         if self.has_expert_load:
             stats["expert_load"] = {str(k): v for k, v in (await self.get_expert_load()).items()}
         return stats
+
+    def processes(self) -> dict[int, dict[str, Any]]:
+        """Engine id -> its process (``pid``, None when not known here) and its workers'
+        (``worker_pids``, TP rank order), for every engine the frontend has seen ready."""
+        manager = getattr(self.client, "manager", None)
+        engine_pids = dict(getattr(manager, "engine_pids", {}))
+        worker_pids = dict(getattr(manager, "worker_pids", {}))
+        return {
+            e: {"pid": engine_pids.get(e), "worker_pids": list(worker_pids.get(e, []))}
+            for e in sorted(set(engine_pids) | set(worker_pids))
+        }
+
+    def _add_processes(self, stats: dict[str, Any]) -> None:
+        tp = self.config.parallel.tensor_parallel_size
+        procs = self.processes()
+        stats["tensor_parallel_size"] = tp
+        for rank in stats.get("ranks", []):
+            rank["tensor_parallel_size"] = tp
+            rank.update(procs.get(rank["engine_id"], {"pid": None, "worker_pids": []}))
 
     async def _load_stats(self) -> dict[str, Any]:
         if getattr(self.client, "coordinator", None) is not None:

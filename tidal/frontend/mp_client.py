@@ -112,7 +112,9 @@ class MPClient(EngineCoreClient):
         self.config = config
         # The launch topology: engine ids 0..N-1 in rank order. Every engine gets it in the
         # handshake and takes its DP/EP rank and group size from it, not from the config.
-        self._launch_topology = Topology.initial(par.data_parallel_size, store_address=store)
+        self._launch_topology = Topology.initial(
+            par.data_parallel_size, store_address=store, tp_size=par.tensor_parallel_size
+        )
         # Elastic EP: every engine request sent, its owner and outputs (migration), guarded
         # by a lock (the sync client reads outputs on its own thread).
         self._book = RequestBook(0, config.model.max_model_len) if par.enable_elastic_ep else None

@@ -11,6 +11,10 @@ set that changes while it runs (a wake-up pipe makes it rebuild its wait list) a
 reports every exit nobody asked for as ``on_exit(engine_id, exitcode)``; exits caused by
 ``stop`` or ``shutdown`` are expected and never reported.
 
+Devices (CUDA): a rank of tensor-parallel size N takes N free device slots of this host
+when it starts and gives them back when it stops or dies (``DeviceSlots``); a rank that
+cannot get them does not start (a scale-up then rolls back with that cause).
+
 Threads: the handshake socket is used by one thread at a time (the caller of
 ``wait_for_ready`` at launch, then the thread running ``wait_for_joiners``: one scale
 operation at a time). ``procs`` is guarded by a lock; a process's sentinel is closed
@@ -20,6 +24,7 @@ only once the monitor has dropped it from its wait list.
 from __future__ import annotations
 
 import logging
+import os
 import tempfile
 import threading
 import time
@@ -29,9 +34,11 @@ from multiprocessing import Pipe
 from multiprocessing.connection import wait as wait_sentinels
 
 import msgspec
+import torch
 import zmq
 
 from tidal.config import EngineConfig
+from tidal.distributed.device_slots import DeviceSlots
 from tidal.distributed.ports import IPC_DIR_PREFIX, get_open_port
 from tidal.distributed.zmq_auth import CurveKeys, secure_server
 from tidal.dp_coordinator.proc import CoordinatorAddresses
@@ -41,6 +48,7 @@ from tidal.engine_core.entry import (
     start_engine_process,
     start_engine_zygote,
 )
+from tidal.executor.worker_proc import worker_process_name
 from tidal.protocol.errors import EngineDeadError
 from tidal.protocol.messages import (
     EngineAddresses,
@@ -51,7 +59,7 @@ from tidal.protocol.messages import (
 )
 from tidal.protocol.topology import Topology
 from tidal.utils.forkserver import ForkedProcess, ForkServer
-from tidal.utils.procs import ModuleProcess
+from tidal.utils.procs import ModuleProcess, kill_if_named
 
 logger = logging.getLogger(__name__)
 
@@ -100,6 +108,10 @@ class EngineProcManager:
         self.topology = topology  # the engines to wait for, sent to each in the handshake
         self.procs: dict[int, EngineProcess] = {}
         self.num_blocks: dict[int, int] = {}
+        # engine id -> its process (HELLO) and its workers' (READY, TP rank order): /stats.
+        self.engine_pids: dict[int, int] = {}
+        self.worker_pids: dict[int, list[int]] = {}
+        self.devices = DeviceSlots(local_device_count(config))
         self._shutting_down = False
         self._monitor: threading.Thread | None = None
         self._handshake_address = handshake_address
@@ -152,7 +164,7 @@ class EngineProcManager:
         for e in engine_ids:
             # At launch an engine's id is its launch rank (ids 0..N-1 in rank order); a
             # joining engine's is fresh (``Topology.new_engine_ids``).
-            cfg = self.config.with_parallel(data_parallel_rank=e)
+            cfg = self.config.with_parallel(data_parallel_rank=e, device_ids=self._take_devices(e))
             proc: EngineProcess | None = None
             if warm and self._zygote is not None and self._zygote.alive:
                 try:
@@ -160,10 +172,25 @@ class EngineProcManager:
                 except RuntimeError as err:  # the zygote is gone: a cold start still works
                     logger.warning("engine %d: warm start failed (%s); starting cold", e, err)
             if proc is None:
-                proc = start_engine_process(cfg, e, self._handshake_address, self._entry_module)
+                try:
+                    proc = start_engine_process(cfg, e, self._handshake_address, self._entry_module)
+                except BaseException:
+                    self._release_devices(e)
+                    raise
             with self._lock:
                 self.procs[e] = proc
         self._wake()
+
+    def _take_devices(self, engine_id: int) -> tuple[int, ...]:
+        """The rank's device slots (CUDA), ``NoFreeDevices`` when this host has too few."""
+        if self.config.device != "cuda":
+            return ()
+        with self._lock:
+            return self.devices.acquire(engine_id, self.config.parallel.tensor_parallel_size)
+
+    def _release_devices(self, engine_id: int) -> None:
+        with self._lock:
+            self.devices.release(engine_id)
 
     def set_topology(self, topology: Topology) -> None:
         """The committed topology (elastic EP): what later handshakes are answered with."""
@@ -256,11 +283,16 @@ class EngineProcManager:
     def _forget(self, procs: dict[int, EngineProcess]) -> None:
         """Drop stopped engines: out of the monitor's wait list first, then close."""
         with self._lock:
+            workers = {e: self.worker_pids.pop(e, []) for e in procs}
             for e, p in procs.items():
                 if self.procs.get(e) is p:
                     del self.procs[e]
                 self._joiners.pop(e, None)
                 self._reported.discard(e)
+                self.engine_pids.pop(e, None)
+                self.devices.release(e)  # reaped: its devices are free again
+        for e, pids in workers.items():
+            _kill_orphaned_workers(e, pids)
             gen = self._generation
             watching = self._monitor is not None and self._monitor.is_alive()
         if watching and self._monitor is not threading.current_thread():
@@ -309,6 +341,7 @@ class EngineProcManager:
             # fails the startup here with the same message.
             with self._lock:
                 reply = self._joiners.get(hello.engine_index, self._addresses)
+                self.engine_pids[hello.engine_index] = hello.pid
             self._handshake.send_multipart([ident, encode(reply)])
             return
         try:
@@ -340,6 +373,7 @@ class EngineProcManager:
                 return
             raise EngineDeadError(error)
         self.num_blocks[e] = ready.num_blocks
+        self.worker_pids[e] = list(ready.worker_pids)
         pending.discard(e)
         if joining:
             with self._lock:
@@ -405,8 +439,12 @@ class EngineProcManager:
                     if self.procs.get(e) is not p or e in self._expected or e in self._reported:
                         continue
                     self._reported.add(e)
+                    self.devices.release(e)  # it is dead: whoever starts next may use them
                     exits.append((e, p.exitcode))
             for e, code in exits:
+                with self._lock:
+                    pids = list(self.worker_pids.get(e, []))
+                _kill_orphaned_workers(e, pids)
                 try:
                     on_exit(e, code)
                 except Exception:  # noqa: BLE001 - the monitor must keep watching
@@ -422,6 +460,10 @@ class EngineProcManager:
             procs = dict(self.procs)
         self._wake()
         _end_processes(procs, force=False, timeout_s=timeout_s)
+        with self._lock:
+            workers = dict(self.worker_pids)
+        for e, pids in workers.items():
+            _kill_orphaned_workers(e, pids)
         # The monitor was woken and returns at the top of its loop: join it before its
         # sentinels are closed under it.
         if self._monitor is not None and self._monitor is not threading.current_thread():
@@ -439,6 +481,20 @@ class EngineProcManager:
             self._handshake_busy.release()
         self._wake_r.close()
         self._wake_w.close()
+
+
+def _kill_orphaned_workers(engine_id: int, pids: list[int]) -> None:
+    """An engine that exits stops its TP workers, and they leave on their own when it
+    dies; one that cannot run (frozen: SIGSTOP, a VM pause) is killed here, so no worker
+    outlives its rank (DESIGN.md 6.5)."""
+    for pid in pids:
+        if pid != os.getpid() and kill_if_named(pid, worker_process_name(engine_id, 0)[:-1]):
+            logger.warning("engine %d's worker %d outlived it: killed", engine_id, pid)
+
+
+def local_device_count(config: EngineConfig) -> int:
+    """Accelerators this host gives engine ranks (0 on CPU)."""
+    return torch.cuda.device_count() if config.device == "cuda" else 0
 
 
 def _end_processes(procs: dict[int, EngineProcess], *, force: bool, timeout_s: float) -> None:
@@ -494,9 +550,13 @@ def spawn_headless_engines(config: EngineConfig, handshake_address: str) -> list
     par = config.parallel
     first = par.data_parallel_start_rank
     procs: list[ModuleProcess] = []
+    devices = DeviceSlots(local_device_count(config))
     try:
         for idx in range(first, first + par.data_parallel_size_local):
-            cfg = config.with_parallel(data_parallel_rank=idx)
+            slots = (
+                devices.acquire(idx, par.tensor_parallel_size) if config.device == "cuda" else ()
+            )
+            cfg = config.with_parallel(data_parallel_rank=idx, device_ids=slots)
             procs.append(start_engine_process(cfg, idx, handshake_address))
     except BaseException:
         for p in procs:  # the ranks started before the failure

@@ -376,7 +376,9 @@ class ScaleController:
             commit_timeout_s=t.engine_commit_s,
             dead=list(plan.dead),
             threads_per_rank=(
-                None if self.cpu_cores is None else threads_per_rank(self.cpu_cores, plan.to_size)
+                None
+                if self.cpu_cores is None
+                else threads_per_rank(self.cpu_cores, plan.to_size * self.topology.tp_size)
             ),
             rebuild=rebuild and not plan.dead,
         )
@@ -403,7 +405,7 @@ class ScaleController:
 
     def validate(self, new_size: int) -> None:
         """ScalePlanError (HTTP 400) if ``new_size`` cannot be served."""
-        validate_size(new_size, self.num_experts, self.num_redundant)
+        validate_size(new_size, self.num_experts, self.num_redundant, self.topology.tp_size)
 
     # ------------------------------------------------------------------ events
 

@@ -63,6 +63,9 @@ def add_admin_routes(app: FastAPI, serving: OpenAIServing, metrics: ServerMetric
             except Exception:  # noqa: BLE001 - metrics must render even if a rank is busy
                 logger.warning("expert load unavailable for /metrics", exc_info=True)
         metrics.set_scaling(engine.is_scaling_elastic_ep())
+        processes = getattr(engine, "processes", None)
+        if callable(processes):
+            metrics.record_processes(engine.config.parallel.tensor_parallel_size, processes())
         faults = fault_status(engine)
         if faults is not None:
             metrics.record_faults(faults)

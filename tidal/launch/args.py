@@ -18,6 +18,7 @@ from tidal.launch.engine_args import ALL2ALL_BACKENDS, AUTH_KEY_ENV, EngineArgs
 
 _ALIASES = {
     "data_parallel_size": ["--dp"],
+    "tensor_parallel_size": ["-tp"],
     "enable_expert_parallel": ["--ep"],
     "num_gpu_blocks_override": ["--num-kv-blocks"],
 }
@@ -41,7 +42,11 @@ _HELP = {
     "data_parallel_address": "host the frontend and rank 0's groups listen on",
     "data_parallel_rpc_port": "frontend handshake port headless ranks connect to (0: pick)",
     "data_parallel_master_port": "TCPStore port of the DP/EP process groups (0: pick)",
-    "enable_expert_parallel": "shard MoE experts across the data-parallel ranks",
+    "tensor_parallel_size": "worker processes (devices) per data-parallel rank, each with a "
+    "shard of the model (attention heads, dense MLP, vocabulary; MoE experts' intermediate "
+    "dimension, or with --ep the experts, over every rank's workers)",
+    "enable_expert_parallel": "shard MoE experts across the data-parallel ranks (and their "
+    "tensor-parallel workers)",
     "enable_elastic_ep": "elastic expert parallelism: the deployment can grow and shrink "
     "while serving; runs the DP coordinator and wave loop even with one rank",
     "elastic_restore": "elastic EP: after a rank died and the deployment recovered without "

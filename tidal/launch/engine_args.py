@@ -33,7 +33,8 @@ from tidal.config import (
     SchedulerConfig,
     as_id_list,
 )
-from tidal.models.registry import resolve_architecture
+from tidal.models.common import check_tensor_parallel
+from tidal.models.registry import get_model_class, resolve_architecture
 from tidal.models.tiny import default_model_path
 
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
@@ -81,6 +82,7 @@ class EngineArgs:
     data_parallel_address: str = "127.0.0.1"
     data_parallel_rpc_port: int = 0
     data_parallel_master_port: int = 0
+    tensor_parallel_size: int = 1
     enable_expert_parallel: bool = False
     enable_elastic_ep: bool = False
     elastic_restore: bool = False
@@ -131,7 +133,7 @@ class EngineArgs:
             model=model_cfg,
             cache=self._cache_config(),
             scheduler=self._scheduler_config(model_cfg.max_model_len),
-            parallel=self._parallel_config(hf_config),
+            parallel=self._parallel_config(hf_config, arch),
             device=_resolve_device(self.device),
             moe_backend=_check_choice(
                 "moe_backend", self.moe_backend, ("auto", "torch", "triton", "reference")
@@ -185,10 +187,11 @@ class EngineArgs:
             enable_chunked_prefill=self.enable_chunked_prefill,
         )
 
-    def _parallel_config(self, hf_config: Any) -> ParallelConfig:
+    def _parallel_config(self, hf_config: Any, arch: str) -> ParallelConfig:
         dp = self.data_parallel_size
         if dp < 1:
             raise ValueError(f"data_parallel_size must be >= 1, got {dp}")
+        self._check_tensor_parallel(hf_config, arch)
         if not 0 <= self.data_parallel_rank < dp:
             raise ValueError(
                 f"data_parallel_rank must be in [0, {dp}), got {self.data_parallel_rank}"
@@ -216,9 +219,31 @@ class EngineArgs:
                 f"data_parallel_auth_key must be at least {MIN_AUTH_KEY_LEN} characters (use "
                 "a random one: python -c 'import secrets; print(secrets.token_urlsafe(32))')"
             )
-        # Same-named fields copy over; only the local size needs resolving.
-        same = {f.name: getattr(self, f.name) for f in dataclasses.fields(ParallelConfig)}
+        # Same-named fields copy over; only the local size needs resolving (device_ids
+        # are the launcher's to assign, per rank).
+        same = {
+            f.name: getattr(self, f.name)
+            for f in dataclasses.fields(ParallelConfig)
+            if f.name != "device_ids"
+        }
         return ParallelConfig(**{**same, "data_parallel_size_local": local})
+
+    def _check_tensor_parallel(self, hf_config: Any, arch: str) -> None:
+        tp = self.tensor_parallel_size
+        if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+            raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {tp!r}")
+        spec = get_model_class(arch).spec_from_config(hf_config)
+        try:
+            check_tensor_parallel(spec, tp, self.enable_expert_parallel)
+        except ValueError as e:
+            raise ValueError(f"tensor_parallel_size {tp} cannot shard this model: {e}") from None
+        ep = self.data_parallel_size * tp
+        if self.enable_expert_parallel and ep > spec.num_experts:
+            raise ValueError(
+                f"tensor_parallel_size {tp} with data_parallel_size {self.data_parallel_size} "
+                f"makes {ep} expert-parallel workers for {spec.num_experts} experts: every "
+                "worker needs at least one expert"
+            )
 
 
 def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> str:

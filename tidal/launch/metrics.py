@@ -92,6 +92,12 @@ class ServerMetrics:
             "request_generation_tokens", "Generated tokens per request.", _LEN_BUCKETS, r
         )
 
+        self.tensor_parallel_size = Gauge(
+            _PREFIX + "tensor_parallel_size", "Worker processes per DP rank.", registry=r
+        )
+        self.engine_workers = _per_engine(
+            "engine_workers", "Live worker processes of an engine (its TP workers).", r
+        )
         self.expert_load = Gauge(
             _PREFIX + "expert_load_tokens",
             "Tokens routed to each logical expert over the EPLB window (all ranks).",
@@ -181,6 +187,13 @@ class ServerMetrics:
         # Death records counted so far, by identity, the most recently listed last.
         self._deaths: OrderedDict[tuple[Any, ...], _DeathCount] = OrderedDict()
 
+    def record_processes(self, tp_size: int, processes: dict[int, dict[str, Any]]) -> None:
+        """TP size and each engine's worker count (``AsyncLLM.processes``), at a scrape."""
+        self.tensor_parallel_size.set(tp_size)
+        for engine, info in processes.items():
+            if str(engine) not in self._retired:
+                self.engine_workers.labels(engine=str(engine)).set(len(info["worker_pids"]))
+
     def record_expert_load(self, load: dict[int, list[int]]) -> None:
         for layer, counts in load.items():
             for expert, n in enumerate(counts):
@@ -225,7 +238,7 @@ class ServerMetrics:
         """Drop a removed engine's series (elastic scale-down, rank death) so dashboards
         don't show it stale; later stats from it are ignored (ids are never reused)."""
         self._retired.add(str(engine_index))
-        for gauge in (self.running, self.waiting, self.kv_usage):
+        for gauge in (self.running, self.waiting, self.kv_usage, self.engine_workers):
             try:
                 gauge.remove(str(engine_index))
             except KeyError:

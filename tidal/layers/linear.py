@@ -17,6 +17,11 @@ On CPU in float32 the forward uses a packed copy of the weight instead: the C++ 
 it at 128-1024) where ``pip install`` built it, else a oneDNN-prepacked one (2.5-3x MKL's
 GFLOP/s at decode shapes, ``tidal/kernels/onednn.py``). ``weight`` stays the source of
 truth, and the loader's ``weights_updated`` drops the copies.
+
+Tensor parallelism (``tidal/distributed/tensor_parallel.py``): a column-parallel layer is a plain
+``Linear`` over its block of rows (the loader fills it with its shard);
+``RowParallelLinear`` sums its partial product over the TP group before its bias, and
+``Embedding`` with a ``TensorParallel`` is vocab-parallel.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from tidal.distributed.tensor_parallel import TensorParallel
 from tidal.kernels.cpu_ext import kernel_available
 from tidal.kernels.cpu_linear import linear_cpu, linear_cpu_ok, pack_linear_weight
 from tidal.kernels.onednn import onednn_available, pack_weight, packed_linear, prefers_packed
@@ -60,12 +66,15 @@ class Linear(nn.Module):
         self._cpp_packed: Tensor | None = None  # the C++ linear's (tidal/kernels/cpu_linear.py)
 
     def forward(self, x: Tensor) -> Tensor:  # [..., in] -> [..., out]
+        return self._linear(x, self.bias)
+
+    def _linear(self, x: Tensor, bias: Tensor | None) -> Tensor:
         out_f, in_f = self.weight.shape
         if self.use_onednn and linear_cpu_ok(x):  # the C++ linear, when pip install built it
             rows = x.reshape(-1, in_f)
             if rows.stride(1) != 1:
                 rows = rows.contiguous()
-            y = linear_cpu(rows, self._cpp_weight(), out_f, self.bias)
+            y = linear_cpu(rows, self._cpp_weight(), out_f, bias)
             return y.reshape(*x.shape[:-1], out_f)
         if (
             self.use_onednn
@@ -76,9 +85,9 @@ class Linear(nn.Module):
             packed = self._packed
             if packed is None:
                 packed = self._packed = pack_weight(self.weight)
-            y = packed_linear(x.reshape(-1, in_f).contiguous(), packed, self.bias)
+            y = packed_linear(x.reshape(-1, in_f).contiguous(), packed, bias)
             return y.reshape(*x.shape[:-1], out_f)
-        return F.linear(x, self.weight, self.bias)
+        return F.linear(x, self.weight, bias)
 
     def pack_weights(self) -> None:
         """Build the C++ linear's packed copy now rather than at the next forward (the
@@ -111,14 +120,63 @@ def empty_weight(
     return torch.empty(rows, cols, dtype=dtype, device=device)
 
 
-class Embedding(nn.Module):
+class RowParallelLinear(Linear):
+    """``x @ W.T + b`` where this worker holds input columns ``in_features / N`` of ``W``
+    (its block, the loader's shard) and ``x`` is its block of the input (the previous
+    column-parallel layer's output): the partial products are summed over the TP group,
+    then the bias (held whole) is added once. At TP size 1 exactly ``Linear``."""
+
     def __init__(
-        self, num_embeddings: int, dim: int, *, dtype: Any = None, device: Any = None
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = False,
+        *,
+        tp: TensorParallel,
+        dtype: Any = None,
+        device: Any = None,
+    ) -> None:
+        local_in = tp.split(in_features, f"row-parallel input of {in_features} features")
+        super().__init__(local_in, out_features, bias, dtype=dtype, device=device)
+        self.tp = tp
+
+    def forward(self, x: Tensor) -> Tensor:  # [..., in / N] -> [..., out]
+        if self.tp.size == 1:
+            return self._linear(x, self.bias)
+        y = self.tp.all_reduce(self._linear(x, None))
+        return y if self.bias is None else y + self.bias
+
+
+class Embedding(nn.Module):
+    """A lookup table; with a ``TensorParallel`` of size N, vocab-parallel: this worker
+    holds rows ``[start, start + valid)`` of the vocabulary in a padded block of
+    ``ceil(V / N)`` rows (``TensorParallel.vocab_shard``), looks up the ids it holds,
+    zeroes the others and sums over the group."""
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        dim: int,
+        *,
+        tp: TensorParallel | None = None,
+        dtype: Any = None,
+        device: Any = None,
     ) -> None:
         super().__init__()
+        self.tp = tp or TensorParallel()
+        self.num_embeddings = num_embeddings
+        self.start, self.valid, rows = self.tp.vocab_shard(num_embeddings)
         self.weight = nn.Parameter(
-            torch.empty(num_embeddings, dim, dtype=dtype, device=device), requires_grad=False
+            torch.empty(rows, dim, dtype=dtype, device=device), requires_grad=False
         )
+        if rows > self.valid:  # the padded rows: zero logits, never looked up
+            self.weight.data[self.valid :].zero_()
 
     def forward(self, ids: Tensor) -> Tensor:  # [T] int64 -> [T, dim]
-        return F.embedding(ids, self.weight)
+        if self.tp.size == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.start
+        mine = (local >= 0) & (local < self.valid)
+        out = F.embedding(torch.where(mine, local, torch.zeros_like(local)), self.weight)
+        out.masked_fill_(~mine.unsqueeze(1), 0)
+        return self.tp.all_reduce(out)

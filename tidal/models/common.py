@@ -14,8 +14,15 @@ Runner-facing API (every architecture class)::
     model.moe_layers() -> list[FusedMoE]  # for EP / EPLB setup
 
 Loader-facing API: ``model.weight_targets()`` maps each checkpoint tensor name to the
-parameter view it fills (or None: a known tensor this rank does not hold);
+parameter view it fills (or None: a known tensor this rank does not hold; or a ``Shard``:
+the view takes a block of the checkpoint tensor, tensor parallelism);
 ``model.optional_weight_names()`` lists the names that may be absent.
+
+Tensor parallelism (``tp``, ``tidal/distributed/tensor_parallel.py``): QKV and gate/up are
+column-parallel, O and down row-parallel, the embedding and lm_head vocab-parallel; each
+worker attends with its own heads (and caches their KV); MoE experts split their
+intermediate dimension over the workers unless ``expert_parallel`` (then they are whole
+and the workers split the tokens). ``check_tensor_parallel`` names what does not divide.
 """
 
 from __future__ import annotations
@@ -27,9 +34,10 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor, nn
 
+from tidal.distributed.tensor_parallel import TensorParallel
 from tidal.kernels.fused_moe_torch import empty_k_major_experts
 from tidal.layers.attention import AttentionMetadata, PagedAttention
-from tidal.layers.linear import Embedding, Linear
+from tidal.layers.linear import Embedding, Linear, RowParallelLinear
 from tidal.layers.norm import RMSNorm, rms_norm_heads
 from tidal.layers.rotary import RotaryEmbedding, apply_rotary, rope_theta_from_config
 from tidal.moe.layer import FusedMoE
@@ -67,6 +75,27 @@ class CheckpointNames:
     expert_down: str
 
 
+@dataclass(frozen=True)
+class Shard:
+    """A loader target that takes a block of its checkpoint tensor: ``dest`` is filled
+    with ``tensor.narrow(dim, start, dest.shape[dim])``."""
+
+    dest: Tensor
+    dim: int
+    start: int
+
+
+def check_tensor_parallel(spec: DecoderSpec, tp_size: int, expert_parallel: bool) -> None:
+    """ValueError naming what ``tp_size`` workers cannot split evenly."""
+    tp = TensorParallel(0, tp_size)
+    tp.split(spec.num_heads, "num_attention_heads")
+    tp.split(spec.num_kv_heads, "num_key_value_heads")
+    if not all(spec.moe_layer_mask):
+        tp.split(spec.dense_intermediate_size, "intermediate_size")
+    if any(spec.moe_layer_mask) and not expert_parallel:
+        tp.split(spec.moe_intermediate_size, "moe_intermediate_size")
+
+
 def check_common_config(hf_config: Any) -> None:
     """Reject config features this runtime does not implement, naming them."""
     act = getattr(hf_config, "hidden_act", "silu")
@@ -96,13 +125,19 @@ def base_spec_kwargs(hf_config: Any) -> dict[str, Any]:
 
 
 class Attention(nn.Module):
-    def __init__(self, spec: DecoderSpec, **kw: Any) -> None:
+    def __init__(self, spec: DecoderSpec, tp: TensorParallel, **kw: Any) -> None:
         super().__init__()
-        hq, hkv, dh = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        dh = spec.head_dim
+        # This worker's heads (all of them at TP size 1).
+        hq = tp.split(spec.num_heads, "num_attention_heads")
+        hkv = tp.split(spec.num_kv_heads, "num_key_value_heads")
         self.num_heads, self.num_kv_heads, self.head_dim = hq, hkv, dh
+        self.tp = tp
         self.split = (hq * dh, hkv * dh, hkv * dh)  # q | k | v rows of qkv_proj
         self.qkv_proj = Linear(spec.hidden_size, sum(self.split), spec.attention_bias, **kw)
-        self.o_proj = Linear(hq * dh, spec.hidden_size, spec.attention_bias, **kw)
+        self.o_proj = RowParallelLinear(
+            spec.num_heads * dh, spec.hidden_size, spec.attention_bias, tp=tp, **kw
+        )
         self.q_norm = RMSNorm(dh, spec.rms_norm_eps, **kw) if spec.qk_norm else None
         self.k_norm = RMSNorm(dh, spec.rms_norm_eps, **kw) if spec.qk_norm else None
         self.attn = PagedAttention(hq, hkv, dh)
@@ -122,11 +157,13 @@ class Attention(nn.Module):
 
 
 class DenseMLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int, **kw: Any) -> None:
+    def __init__(
+        self, hidden_size: int, intermediate_size: int, tp: TensorParallel, **kw: Any
+    ) -> None:
         super().__init__()
-        self.inter = intermediate_size
-        self.gate_up = Linear(hidden_size, 2 * intermediate_size, **kw)
-        self.down = Linear(intermediate_size, hidden_size, **kw)
+        self.inter = tp.split(intermediate_size, "intermediate_size")  # this worker's
+        self.gate_up = Linear(hidden_size, 2 * self.inter, **kw)
+        self.down = RowParallelLinear(intermediate_size, hidden_size, tp=tp, **kw)
 
     def forward(self, x: Tensor) -> Tensor:
         gate_up = self.gate_up(x)
@@ -142,22 +179,27 @@ class DecoderLayer(nn.Module):
         layer_idx: int,
         moe_backend: str,
         local_expert_ids: Sequence[int] | None,
+        tp: TensorParallel,
+        expert_parallel: bool,
         **kw: Any,
     ) -> None:
         super().__init__()
-        self.self_attn = Attention(spec, **kw)
+        self.self_attn = Attention(spec, tp, **kw)
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, **kw)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, **kw)
         self.is_moe = spec.moe_layer_mask[layer_idx]
         if self.is_moe:
+            inter = spec.moe_intermediate_size
+            if not expert_parallel:  # else whole experts, and the workers split the tokens
+                inter = tp.split(inter, "moe_intermediate_size")
             self.mlp: nn.Module = FusedMoE(
-                spec.num_experts, spec.top_k, spec.hidden_size, spec.moe_intermediate_size,
-                spec.renormalize, local_expert_ids, moe_backend, **kw,
+                spec.num_experts, spec.top_k, spec.hidden_size, inter,
+                spec.renormalize, local_expert_ids, moe_backend, tp=tp, **kw,
             )  # fmt: skip
             if self.mlp.backend == "torch":
                 set_k_major_moe_weights(self.mlp)
         else:
-            self.mlp = DenseMLP(spec.hidden_size, spec.dense_intermediate_size, **kw)
+            self.mlp = DenseMLP(spec.hidden_size, spec.dense_intermediate_size, tp, **kw)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, meta: AttentionMetadata) -> Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta)
@@ -191,23 +233,29 @@ class MoECausalLM(nn.Module):
         device: Any = "cpu",
         moe_backend: str = "torch",
         local_expert_ids: Sequence[int] | None = None,
+        tp: TensorParallel | None = None,
+        expert_parallel: bool = False,
     ) -> None:
+        """``tp``: this worker's place in its rank's TP group (None: TP size 1);
+        ``expert_parallel``: the MoE layers hold whole experts (a subset, EP) rather than
+        every expert's TP slice."""
         super().__init__()
         self.config = hf_config
         self.spec = spec = self.spec_from_config(hf_config)
+        self.tp = tp = tp or TensorParallel()
         kw = {"dtype": dtype, "device": device}
-        self.embed_tokens = Embedding(spec.vocab_size, spec.hidden_size, **kw)
+        self.embed_tokens = Embedding(spec.vocab_size, spec.hidden_size, tp=tp, **kw)
         self.rotary = RotaryEmbedding(spec.head_dim, spec.max_position, spec.rope_theta, **kw)
         self.layers = nn.ModuleList(
-            DecoderLayer(spec, i, moe_backend, local_expert_ids, **kw)
+            DecoderLayer(spec, i, moe_backend, local_expert_ids, tp, expert_parallel, **kw)
             for i in range(spec.num_layers)
         )
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, **kw)
-        self.lm_head = (
-            self.embed_tokens
-            if spec.tie_word_embeddings
-            else Linear(spec.hidden_size, spec.vocab_size, **kw)
-        )
+        if spec.tie_word_embeddings:
+            self.lm_head = self.embed_tokens
+        else:  # vocab-parallel like the embedding: the same padded block of rows
+            self.lm_head = Linear(spec.hidden_size, self.embed_tokens.weight.shape[0], **kw)
+            self.lm_head.weight.data[self.embed_tokens.valid :].zero_()
 
     @torch.no_grad()
     def forward(self, input_ids: Tensor, positions: Tensor, attn: AttentionMetadata) -> Tensor:
@@ -219,15 +267,24 @@ class MoECausalLM(nn.Module):
         return self.norm(x)
 
     @torch.no_grad()
-    def compute_logits(self, hidden: Tensor) -> Tensor:  # [N, H] -> [N, V] float32
+    def compute_logits(self, hidden: Tensor) -> Tensor | None:  # [N, H] -> [N, V] float32
+        """With TP a collective (every worker calls it): the driver gets the logits, the
+        other workers None."""
         if isinstance(self.lm_head, Linear):
             logits = self.lm_head(hidden)  # its oneDNN-packed weight on CPU float32
         else:  # tied to the embedding
             logits = torch.nn.functional.linear(hidden, self.lm_head.weight)
+        if self.tp.size > 1:
+            logits = self.tp.gather_cols(logits)  # [N, N_tp * ceil(V / N_tp)] on the driver
+            if logits is None:
+                return None
+            logits = logits[:, : self.spec.vocab_size]
         return logits if logits.dtype == torch.float32 else logits.float()
 
     def kv_cache_spec(self) -> tuple[int, int, int]:
-        return self.spec.num_layers, self.spec.num_kv_heads, self.spec.head_dim
+        """(layers, KV heads of this worker, head dim)."""
+        attn = self.layers[0].self_attn
+        return self.spec.num_layers, attn.num_kv_heads, self.spec.head_dim
 
     def bind_kv_cache(self, caches: Sequence[Tensor]) -> None:
         if len(caches) != self.spec.num_layers:
@@ -242,16 +299,28 @@ class MoECausalLM(nn.Module):
         """Decoder-layer indices of ``moe_layers()`` (the keys of per-layer expert data)."""
         return [i for i, layer in enumerate(self.layers) if layer.is_moe]
 
-    def weight_targets(self) -> dict[str, Tensor | None]:
-        """Checkpoint name -> destination view (None: known but not held by this rank)."""
-        targets: dict[str, Tensor | None] = {
-            "model.embed_tokens.weight": self.embed_tokens.weight.data,
+    def _shard(self, dest: Tensor, dim: int, block: int) -> Tensor | Shard:
+        """``dest`` filled with this worker's ``block``-th block of its tensor along
+        ``dim`` (blocks of ``dest``'s size); ``dest`` itself at TP size 1."""
+        if self.tp.size == 1:
+            return dest
+        return Shard(dest, dim, block * dest.shape[dim])
+
+    def weight_targets(self) -> dict[str, Tensor | Shard | None]:
+        """Checkpoint name -> destination view (None: known but not held by this rank; a
+        ``Shard``: this worker's block of the tensor)."""
+        emb = self.embed_tokens
+        vocab_rows = emb.weight.data[: emb.valid]
+        embed = vocab_rows if self.tp.size == 1 else Shard(vocab_rows, 0, emb.start)
+        targets: dict[str, Tensor | Shard | None] = {
+            "model.embed_tokens.weight": embed,
             "model.norm.weight": self.norm.weight.data,
         }
         if self.spec.tie_word_embeddings:
             targets["lm_head.weight"] = None  # optional: some exporters write the tied copy
         else:
-            targets["lm_head.weight"] = self.lm_head.weight.data
+            head = self.lm_head.weight.data[: emb.valid]
+            targets["lm_head.weight"] = head if self.tp.size == 1 else Shard(head, 0, emb.start)
         for i, layer in enumerate(self.layers):
             targets.update(self._layer_targets(f"model.layers.{i}", layer))
         return targets
@@ -260,8 +329,9 @@ class MoECausalLM(nn.Module):
         """Known checkpoint names that may be absent."""
         return {"lm_head.weight"} if self.spec.tie_word_embeddings else set()
 
-    def _layer_targets(self, prefix: str, layer: DecoderLayer) -> dict[str, Tensor | None]:
-        t: dict[str, Tensor | None] = {
+    def _layer_targets(self, prefix: str, layer: DecoderLayer) -> dict[str, Tensor | Shard | None]:
+        rank = self.tp.rank
+        t: dict[str, Tensor | Shard | None] = {
             f"{prefix}.input_layernorm.weight": layer.input_layernorm.weight.data,
             f"{prefix}.post_attention_layernorm.weight": layer.post_attention_layernorm.weight.data,
         }
@@ -273,8 +343,9 @@ class MoECausalLM(nn.Module):
             for name, part in zip(
                 ("q_proj", "k_proj", "v_proj"), fused.data.split(attn.split, dim=0)
             ):
-                t[f"{prefix}.self_attn.{name}.{kind}"] = part
-            t[f"{prefix}.self_attn.o_proj.{kind}"] = getattr(attn.o_proj, kind).data
+                t[f"{prefix}.self_attn.{name}.{kind}"] = self._shard(part, 0, rank)
+            o = getattr(attn.o_proj, kind).data  # the bias is whole: added after the sum
+            t[f"{prefix}.self_attn.o_proj.{kind}"] = self._shard(o, 1, rank) if o.dim() == 2 else o
         if attn.q_norm is not None:
             t[f"{prefix}.self_attn.q_norm.weight"] = attn.q_norm.weight.data
             t[f"{prefix}.self_attn.k_norm.weight"] = attn.k_norm.weight.data
@@ -283,21 +354,26 @@ class MoECausalLM(nn.Module):
         else:
             mlp = layer.mlp
             gate, up = mlp.gate_up.weight.data.split(mlp.inter, dim=0)
-            t[f"{prefix}.mlp.gate_proj.weight"] = gate
-            t[f"{prefix}.mlp.up_proj.weight"] = up
-            t[f"{prefix}.mlp.down_proj.weight"] = mlp.down.weight.data
+            t[f"{prefix}.mlp.gate_proj.weight"] = self._shard(gate, 0, rank)
+            t[f"{prefix}.mlp.up_proj.weight"] = self._shard(up, 0, rank)
+            t[f"{prefix}.mlp.down_proj.weight"] = self._shard(mlp.down.weight.data, 1, rank)
         return t
 
-    def _moe_targets(self, prefix: str, moe: FusedMoE) -> dict[str, Tensor | None]:
+    def _moe_targets(self, prefix: str, moe: FusedMoE) -> dict[str, Tensor | Shard | None]:
         n = self.names
-        t: dict[str, Tensor | None] = {f"{prefix}.gate.weight": moe.gate.data}
+        t: dict[str, Tensor | Shard | None] = {f"{prefix}.gate.weight": moe.gate.data}
         slot_of = {e: s for s, e in enumerate(moe.local_expert_ids)}
         inter = moe.w2.shape[2]
+        # Whole experts (EP, or TP size 1): block 0 of a tensor that is one block.
+        block = self.tp.rank if inter < self.spec.moe_intermediate_size else 0
         for e in range(moe.num_experts):
             s = slot_of.get(e)
             base = f"{prefix}.experts.{e}"
-            local = s is not None
-            t[f"{base}.{n.expert_gate}.weight"] = moe.w13.data[s, :inter] if local else None
-            t[f"{base}.{n.expert_up}.weight"] = moe.w13.data[s, inter:] if local else None
-            t[f"{base}.{n.expert_down}.weight"] = moe.w2.data[s] if local else None
+            if s is None:
+                for name in (n.expert_gate, n.expert_up, n.expert_down):
+                    t[f"{base}.{name}.weight"] = None
+                continue
+            t[f"{base}.{n.expert_gate}.weight"] = self._shard(moe.w13.data[s, :inter], 0, block)
+            t[f"{base}.{n.expert_up}.weight"] = self._shard(moe.w13.data[s, inter:], 0, block)
+            t[f"{base}.{n.expert_down}.weight"] = self._shard(moe.w2.data[s], 1, block)
         return t

@@ -30,7 +30,8 @@ import torch
 from safetensors import safe_open
 from torch import Tensor
 
-from tidal.models.common import MoECausalLM
+from tidal.distributed.tensor_parallel import TensorParallel
+from tidal.models.common import MoECausalLM, Shard
 from tidal.models.registry import get_model_class
 from tidal.moe.layer import FusedMoE, resolve_moe_backend
 
@@ -53,19 +54,25 @@ def load_model(
     *,
     local_expert_ids: Sequence[int] | None = None,
     load_experts: bool = True,
+    tp: TensorParallel | None = None,
+    device: Any = None,
 ) -> torch.nn.Module:
-    """Model of ``engine_config.model`` in its dtype on ``engine_config.device``, weights
-    loaded. ``local_expert_ids``: the global experts this rank holds, in local slot order
-    (None = all). ``load_experts=False``: the experts' slots are allocated (zeros) but
-    not read from the checkpoint."""
+    """Model of ``engine_config.model`` in its dtype on ``device`` (default
+    ``engine_config.device``), weights loaded. ``local_expert_ids``: the global experts
+    this rank holds, in local slot order (None = all). ``load_experts=False``: the
+    experts' slots are allocated (zeros) but not read from the checkpoint. ``tp``: this
+    worker's shard (tensor parallelism); with ``enable_expert_parallel`` its experts are
+    whole, else every expert's TP slice."""
     mc = engine_config.model
     cls = get_model_class(mc.architecture)
     model = cls(
         mc.hf_config,
         dtype=mc.torch_dtype,
-        device=engine_config.device,
+        device=device if device is not None else engine_config.device,
         moe_backend=resolve_moe_backend(engine_config.moe_backend, engine_config.device),
         local_expert_ids=local_expert_ids,
+        tp=tp,
+        expert_parallel=engine_config.parallel.enable_expert_parallel,
     )
     load_weights(model, mc.model, load_experts=load_experts)
     return model.eval()
@@ -194,7 +201,15 @@ def load_expert_weights(
     return out
 
 
-def _copy(name: str, file: str, src: Tensor, dest: Tensor) -> None:
+def _copy(name: str, file: str, src: Tensor, dest: Tensor | Shard) -> None:
+    if isinstance(dest, Shard):  # this worker's block (tensor parallelism)
+        size = dest.dest.shape[dest.dim]
+        if src.dim() != dest.dest.dim() or src.shape[dest.dim] < dest.start + size:
+            raise CheckpointError(
+                f"tensor {name!r} in {file} has shape {tuple(src.shape)}, too small for "
+                f"block [{dest.start}, {dest.start + size}) of dim {dest.dim}"
+            )
+        src, dest = src.narrow(dest.dim, dest.start, size), dest.dest
     if tuple(src.shape) != tuple(dest.shape):
         raise CheckpointError(
             f"tensor {name!r} in {file} has shape {tuple(src.shape)}, "

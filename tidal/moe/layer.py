@@ -18,6 +18,12 @@ and points every layer's ``forward_context`` at one shared ``MoEForwardContext``
 ``num_tokens_across_dp`` the runner fills before each forward (the token counts all ranks
 agreed on), so a dispatcher needs no count exchange of its own.
 
+Tensor parallelism (``tp``, ``tidal/distributed/tensor_parallel.py``): without a dispatcher each
+worker holds every expert's slice of the intermediate dimension (``intermediate_size`` is
+that slice) and the partial outputs are summed over the TP group; with one (EP over
+DP x TP workers) each worker routes and dispatches only its share of the rows
+(``TensorParallel.row_shares``) and the TP group all-gathers the results.
+
 Expert backends share one signature (see ``tidal/moe/reference.py``) and are looked up
 by name in ``EXPERT_BACKENDS``; "triton" is imported lazily so CPU-only installs work.
 """
@@ -31,6 +37,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor, nn
 
+from tidal.distributed.tensor_parallel import TensorParallel
 from tidal.kernels.cpu_ext import kernel_available
 from tidal.kernels.cpu_moe import CpuPackedExperts
 from tidal.kernels.cpu_router import CpuPackedGate, router_cpu_ok, softmax_topk_cpu
@@ -73,6 +80,7 @@ class MoEForwardContext:
 
     ``num_tokens_across_dp``: tokens each EP rank feeds this forward (``[ep]``, rank
     order), agreed before the forward; None lets the dispatcher exchange them itself.
+    With TP each worker is an EP rank and feeds its share of its DP rank's tokens.
     """
 
     num_tokens_across_dp: list[int] | None = None
@@ -138,8 +146,10 @@ class FusedMoE(nn.Module):
         *,
         dtype: torch.dtype | None = None,
         device: Any = None,
+        tp: TensorParallel | None = None,
     ) -> None:
         super().__init__()
+        self.tp = tp or TensorParallel()
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"top_k must be in [1, {num_experts}], got {top_k}")
         self.num_experts = num_experts
@@ -183,6 +193,17 @@ class FusedMoE(nn.Module):
         self._packed_gate: CpuPackedGate | Tensor | None = None
 
     def forward(self, hidden: Tensor) -> Tensor:  # [T, H] -> [T, H]
+        tp = self.tp
+        if tp.size == 1:
+            return self._route_and_compute(hidden)
+        if self.dispatcher is None:  # every expert's intermediate split: partial sums
+            return tp.all_reduce(self._route_and_compute(hidden))
+        sizes = tp.row_shares(hidden.shape[0])  # EP: this worker's rows only
+        start = sum(sizes[: tp.rank])
+        out = self._route_and_compute(hidden[start : start + sizes[tp.rank]])
+        return tp.all_gather_rows(out, sizes)
+
+    def _route_and_compute(self, hidden: Tensor) -> Tensor:  # [T, H] -> [T, H]
         if self.use_onednn and router_cpu_ok(hidden):  # the C++ router: one call
             gate = self._cpu_gate()
             topk_weights, topk_ids = softmax_topk_cpu(hidden, gate, self.top_k, self.renormalize)

@@ -30,9 +30,11 @@ from tidal.protocol.topology import Topology
 
 
 class ExpertTransferSpec(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True):
-    """Copy logical expert ``expert`` (all its MoE layers) from ``src_engine_id``'s local
-    slot ``src_slot`` (old placement) into ``dst_engine_id``'s slot ``dst_slot`` (new
-    placement). ``src_engine_id is None``: no live engine holds it, load it from disk."""
+    """Copy logical expert ``expert`` (all its MoE layers) from worker ``src_tp_rank`` of
+    ``src_engine_id``, its local slot ``src_slot`` (old placement), into worker
+    ``dst_tp_rank`` of ``dst_engine_id``, slot ``dst_slot`` (new placement); the TP ranks
+    are 0 without tensor parallelism. ``src_engine_id is None``: no live engine holds it,
+    load it from disk."""
 
     expert: int
     dst_engine_id: int
@@ -40,6 +42,8 @@ class ExpertTransferSpec(msgspec.Struct, frozen=True, array_like=True, omit_defa
     src_engine_id: int | None = None
     src_slot: int = -1
     nbytes: int = 0
+    src_tp_rank: int = 0
+    dst_tp_rank: int = 0
 
     @property
     def from_disk(self) -> bool:

@@ -195,6 +195,8 @@ class EngineReady(msgspec.Struct, array_like=True):
     parallel_config_hash: str
     num_blocks: int
     error: str | None = None
+    # The rank's worker processes in TP rank order (its own pid at TP size 1): /stats.
+    worker_pids: list[int] = []
 
 
 # ---- DP coordinator ----

@@ -6,8 +6,11 @@ Two numbers used to be one:
   and never reused, so a late message from an engine that has gone can never be taken
   for one from its successor. It is the ZMQ identity (2 bytes, little-endian), the key of
   every table (coordinator, balancer, clients) and the ``engine`` label in logs and stats.
-- DP rank (= EP rank): the engine's *position* in the current ``Topology``. It changes
-  when an engine before it is removed; the collectives and the expert placement use it.
+- DP rank: the engine's *position* in the current ``Topology``. It changes when an
+  engine before it is removed; the collectives and the expert placement use it. With
+  tensor parallelism (``tp_size`` workers per engine) the EP ranks are the workers:
+  worker t of the engine at position d is EP rank ``d * tp_size + t``, and the placement
+  has one row per worker.
 
 At launch the ids are ``0..N-1`` (so id == rank and nothing changes for a fixed-size
 deployment); a new engine gets ``next_id`` (the largest id ever handed out + 1).
@@ -44,12 +47,15 @@ class Topology(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True)
     # Smallest id never handed out (the allocator). At least ``max(engine_ids) + 1``: a
     # smaller value is raised to that on construction.
     next_id: int = 0
-    # Expert placement, one row per rank (same order as engine_ids): the logical expert in
-    # each local slot of that rank (``ExpertPlacement.local_expert_ids``). None when the
-    # deployment has no EP placement to agree on.
+    # Expert placement, one row per EP rank (the engines' workers, in position then TP
+    # rank order): the logical expert in each local slot of that rank
+    # (``ExpertPlacement.local_expert_ids``). None when the deployment has no EP
+    # placement to agree on.
     placement: list[list[int]] | None = None
     # TCPStore (``host:port``) of this epoch's stateless DP/EP groups; None = launch default.
     store_address: str | None = None
+    # Workers per engine (tensor parallelism); the same for every engine, every epoch.
+    tp_size: int = 1
 
     def __post_init__(self) -> None:
         # Runs on construction and on decode (msgspec turns ValueError into a
@@ -68,8 +74,10 @@ class Topology(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True)
             raise ValueError(f"next_id must be an int <= {MAX_ENGINE_ID + 1}, got {self.next_id}")
         if self.next_id <= max(ids):
             msgspec.structs.force_setattr(self, "next_id", max(ids) + 1)
+        if not _is_int(self.tp_size) or self.tp_size < 1:
+            raise ValueError(f"tp_size must be an int >= 1, got {self.tp_size!r}")
         if self.placement is not None:
-            _check_placement(self.placement, len(ids))
+            _check_placement(self.placement, len(ids) * self.tp_size)
 
     # ---------------------------------------------------------------- construction
 
@@ -80,11 +88,12 @@ class Topology(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True)
         *,
         placement: list[list[int]] | None = None,
         store_address: str | None = None,
+        tp_size: int = 1,
     ) -> Topology:
         """The launch topology: epoch 0, engine ids ``0..num_engines-1`` (id == rank)."""
         if not _is_int(num_engines) or num_engines < 1:
             raise ValueError(f"num_engines must be >= 1, got {num_engines!r}")
-        return cls(0, list(range(num_engines)), num_engines, placement, store_address)
+        return cls(0, list(range(num_engines)), num_engines, placement, store_address, tp_size)
 
     def with_engines(
         self,
@@ -108,7 +117,7 @@ class Topology(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True)
                 f"new engines take ids >= {self.next_id}"
             )
         next_id = max([self.next_id, *(e + 1 for e in ids if _is_int(e))])
-        return Topology(self.epoch + 1, ids, next_id, placement, store_address)
+        return Topology(self.epoch + 1, ids, next_id, placement, store_address, self.tp_size)
 
     def without(self, engine_ids: Iterable[int]) -> Topology:
         """The next epoch with ``engine_ids`` removed (any position; survivors keep order)."""
@@ -143,8 +152,13 @@ class Topology(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True)
 
     @property
     def size(self) -> int:
-        """The live DP (= EP) size."""
+        """The live DP size (engines)."""
         return len(self.engine_ids)
+
+    @property
+    def ep_size(self) -> int:
+        """EP ranks: every worker of every engine."""
+        return len(self.engine_ids) * self.tp_size
 
     @property
     def next_engine_id(self) -> int:
@@ -194,7 +208,7 @@ def _is_int(x: object) -> bool:
 
 def _check_placement(placement: Sequence[Sequence[int]], size: int) -> None:
     if len(placement) != size:
-        raise ValueError(f"placement has {len(placement)} rows for {size} engines")
+        raise ValueError(f"placement has {len(placement)} rows for {size} EP ranks")
     slots = {len(row) for row in placement}
     if len(slots) != 1:
         raise ValueError(f"every rank must hold the same number of expert slots, got {slots}")

@@ -21,9 +21,10 @@ import contextlib
 import functools
 import multiprocessing
 import os
+import signal
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from tidal.utils.proctitle import set_process_name
 
@@ -60,10 +61,16 @@ class ModuleProcess:
 
     ``payload`` is written to the child's stdin, which is then closed: the child reads it
     to EOF (``read_child_launch``). ``pass_fds`` stay open in the child (e.g. a pipe end
-    for a startup reply)."""
+    for a startup reply); ``env`` adds to (or overrides) the inherited environment."""
 
     def __init__(
-        self, module: str, name: str, payload: bytes = b"", *, pass_fds: Sequence[int] = ()
+        self,
+        module: str,
+        name: str,
+        payload: bytes = b"",
+        *,
+        pass_fds: Sequence[int] = (),
+        env: Mapping[str, str] | None = None,
     ) -> None:
         self.name = name
         self.module = module
@@ -79,7 +86,7 @@ class ModuleProcess:
                 [sys.executable, "-P", "-m", module, name],
                 stdin=subprocess.PIPE,
                 pass_fds=fds,
-                env=_child_env(),
+                env={**_child_env(), **(env or {})},
                 process_group=0,  # see the module docstring: Ctrl-C reaches the launcher only
             )
         except BaseException:
@@ -132,6 +139,22 @@ class ModuleProcess:
     def __repr__(self) -> str:
         state = "alive" if self.is_alive() else f"exitcode={self.exitcode}"
         return f"<ModuleProcess {self.name} pid={self.pid} {state}>"
+
+
+def kill_if_named(pid: int, prefix: str) -> bool:
+    """SIGKILL ``pid`` if it is still a process whose name (``set_process_name``'s, at
+    most 15 characters) starts with ``prefix``: a pid reused by another program is left
+    alone. True if it was killed."""
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            name = f.read().strip()
+    except OSError:
+        return False
+    if not name.startswith(prefix[:15]):
+        return False
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+    return True
 
 
 def read_child_launch() -> tuple[str, bytes]:

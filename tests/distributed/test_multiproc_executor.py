@@ -1,0 +1,91 @@
+"""``MultiprocExecutor`` on its own (TP=2, one rank, real worker processes): the workers
+name themselves, a frozen worker (SIGSTOP) is the rank's death like a dead one, and
+/dev/shm too small fails the start with the bytes it needs -- nothing left behind either
+way (processes, segment, socket directory)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import tempfile
+import threading
+
+import psutil
+import pytest
+
+from tests.distributed.test_shm_queue import leftover_segments
+from tests.waiting import wait_until
+from tidal.distributed import shm_queue
+
+
+def _config(path: str):
+    from tidal.launch.engine_args import EngineArgs
+
+    return EngineArgs(
+        model=path, dtype="float32", device="cpu", tensor_parallel_size=2,
+        num_gpu_blocks_override=32, block_size=4, max_model_len=64,
+    ).create_engine_config()  # fmt: skip
+
+
+def _socket_dirs() -> set[str]:
+    return {n for n in os.listdir(tempfile.gettempdir()) if n.startswith("tidal-tp-")}
+
+
+def _segments() -> set[str]:
+    return leftover_segments()
+
+
+def test_a_stopped_worker_is_the_ranks_death(qwen3_ckpt):
+    from tidal.executor.multiproc import MultiprocExecutor, WorkerDied
+
+    dirs, segs = _socket_dirs(), _segments()
+    ex = MultiprocExecutor(_config(qwen3_ckpt))
+    try:
+        pids = ex.worker_pids()
+        names = [psutil.Process(p).name() for p in pids]
+        assert names == ["Worker_DP0_TP0", "Worker_DP0_TP1"]
+        assert ex.determine_num_blocks() == 32
+        assert _segments() == segs  # unlinked by its creator as soon as the workers had it
+        failed = threading.Event()
+        reasons: list[str] = []
+
+        def on_failure(why: str) -> None:
+            reasons.append(why)
+            failed.set()
+
+        ex.register_failure_callback(on_failure)
+        os.kill(pids[1], signal.SIGSTOP)
+        assert failed.wait(120)
+        assert "worker 1" in reasons[0] and "stopped" in reasons[0]
+        assert wait_until(lambda: not any(psutil.pid_exists(p) and _running(p) for p in pids))
+        with pytest.raises(WorkerDied, match="stopped"):
+            ex.determine_num_blocks()
+    finally:
+        ex.shutdown()
+    assert _socket_dirs() == dirs and _segments() == segs
+
+
+def _running(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def test_dev_shm_too_small_fails_the_start_naming_the_bytes(qwen3_ckpt, monkeypatch):
+    from tidal.executor.multiproc import MultiprocExecutor
+
+    class Tiny:
+        f_bavail, f_frsize = 1, 4096
+
+    real = os.statvfs
+    monkeypatch.setattr(
+        shm_queue.os, "statvfs", lambda p: Tiny() if p == shm_queue.SHM_DIR else real(p)
+    )
+    dirs = _socket_dirs()
+    children = set(psutil.Process().children())
+    need = shm_queue.segment_bytes(2, shm_queue.DEFAULT_NUM_CHUNKS, shm_queue.DEFAULT_CHUNK_BYTES)
+    with pytest.raises(shm_queue.ShmTooSmall, match=f"needs {need} bytes"):
+        MultiprocExecutor(_config(qwen3_ckpt))
+    assert _socket_dirs() == dirs
+    assert set(psutil.Process().children()) == children  # no worker was started

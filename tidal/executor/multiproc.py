@@ -1,0 +1,522 @@
+"""``MultiprocExecutor``: one DP rank's ``tensor_parallel_size`` workers in processes of
+their own (DESIGN.md 9), driven through the ``Executor`` interface like the in-process one.
+
+Wire: every call is broadcast to all workers through a shared-memory ring
+(``tidal/distributed/shm_queue.py``: one copy into shared memory per step, however many
+workers; payloads over a chunk overflow to ZMQ); replies come back on a PULL socket, and
+only the driver (TP rank 0) answers a step (``ReplyMode.DRIVER``). A step's input crosses
+in its delta form (``tidal/executor/step_wire.py``). Messages are msgspec Structs of
+``tidal.protocol.worker``; arguments and results are decoded into the called method's
+annotated types (``worker_proc.rpc_signature``): no pickle anywhere.
+
+Startup is strict: the ring, the reply socket, the rank's TCPStore (the TP group's) and a
+death pipe per worker exist first; then every worker is spawned (``python -m
+tidal.executor.worker_proc``: the user's script is never re-imported; the ring's
+descriptor and its death pipe's read end are inherited, and on CUDA
+``CUDA_VISIBLE_DEVICES`` is its device slot alone); the segment's name is unlinked at
+once (the creator's job: nothing is left in /dev/shm whoever dies later); then every HELLO,
+then every reader attached, then ``start`` on all of them (TP group, DP/EP groups, model).
+A worker that exits or fails meanwhile fails the startup, naming it.
+
+Worker death (DESIGN.md 6.5): a monitor thread watches the workers' sentinels. A worker
+that exits while the rank serves is the death of the whole rank: the others are killed
+(their peers in other ranks then fail their collectives at once), every pending and later
+call raises ``WorkerDied``, and the engine is told through its failure callback -- it
+exits as dead, and the frontend recovers as for any dead rank. The engine's own death is
+seen by each worker through its death pipe (EOF): it exits.
+
+Threads (the same as for an in-process worker): the busy loop calls most methods; the
+elastic shell's helper threads call the blocking ones meanwhile. A call from another
+thread than the one that built the executor runs on a thread of its own in each worker
+(``WorkerCall.background``). Sends are serialised by a lock; whichever thread waits reads
+the reply socket for everyone (one reader at a time, a condition hands results over).
+
+Failures: a worker answers every failure whatever the reply mode. ``GroupFailure`` (a peer
+rank died) is raised as such, so the DP busy loop recovers; any other error is
+``WorkerError``, which the engine treats as fatal. Calls that clean up after a failure are
+bounded in time: a worker stuck in a collective with a dead peer must not hang the rank.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import itertools
+import logging
+import os
+import shutil
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from multiprocessing import Pipe
+from multiprocessing.connection import wait as wait_sentinels
+from typing import Any
+
+import msgspec
+import zmq
+from torch.distributed import TCPStore
+
+from tidal.config import EngineConfig
+from tidal.distributed.device_slots import visible_devices
+from tidal.distributed.groups import GroupFailure
+from tidal.distributed.ports import IPC_DIR_PREFIX
+from tidal.distributed.shm_queue import QueueClosed, ReaderGone, ShmQueueWriter
+from tidal.executor.base import Executor
+from tidal.executor.batch import ModelRunnerOutput, SchedulerOutput
+from tidal.executor.step_wire import StepEncoder
+from tidal.executor.worker_proc import (
+    WORKER_ENTRY_MODULE,
+    WorkerLaunch,
+    rpc_owner,
+    rpc_signature,
+    worker_process_name,
+)
+from tidal.models.config_wire import split_hf_config
+from tidal.protocol.elastic import ExpertTransferSpec
+from tidal.protocol.topology import Topology
+from tidal.protocol.worker import ReplyMode, WorkerCall, WorkerErrorKind, WorkerHello, WorkerReply
+from tidal.utils.procs import ModuleProcess
+
+logger = logging.getLogger(__name__)
+
+STARTUP_TIMEOUT_S = 300.0  # workers import torch and load their shard meanwhile
+FREEZE_POLL_S = 1.0
+FREEZE_TIMEOUT_S = 5.0  # a worker stopped this long is dead
+# Calls that clean up after a failure are bounded (see the module docstring): seconds.
+_BOUNDED = {
+    "abandon_groups": 60.0,
+    "destroy_standby": 60.0,
+    "discard_staged": 60.0,
+    "destroy_retired_groups": 60.0,
+    "rebuild_tensor_parallel": 60.0,
+    "shutdown": 10.0,
+}
+# Calls that run no collective: a failure there fails the call, not the rank (startup
+# failures fail the startup).
+_LOCAL_CALLS = frozenset(
+    {"start", "init_joiner", "determine_num_blocks", "set_num_threads", "get_expert_load",
+     "get_eplb_info"}
+)  # fmt: skip
+_REPLY_DECODER = msgspec.msgpack.Decoder(WorkerReply)
+_HELLO_DECODER = msgspec.msgpack.Decoder(WorkerHello)
+
+
+def _stopped(pid: int) -> bool:
+    """Whether ``pid`` is stopped (SIGSTOP, traced): state T or t in /proc."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return False
+    return stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3] in (b"T", b"t")
+
+
+class WorkerDied(RuntimeError):
+    """A worker of this rank died, or stopped answering: the rank is dead."""
+
+
+class WorkerError(RuntimeError):
+    """A worker call failed (not a peer rank's death): fatal for the rank."""
+
+
+@dataclass
+class _Call:
+    expect: frozenset[int]  # TP ranks whose results complete it
+    result_type: Any
+    results: dict[int, Any] = field(default_factory=dict)
+    error: WorkerReply | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.error is not None or self.expect <= self.results.keys()
+
+
+class MultiprocExecutor(Executor):
+    def __init__(
+        self,
+        config: EngineConfig,
+        *,
+        topology: Topology | None = None,
+        engine_id: int | None = None,
+        joining: bool = False,
+        startup_timeout_s: float = STARTUP_TIMEOUT_S,
+    ) -> None:
+        """As ``UniProcExecutor``: ``topology``/``engine_id`` place this rank (None: the
+        launch topology of ``config``); ``joining``: an elastic EP joiner."""
+        super().__init__(config)
+        p = config.parallel
+        self.tp_size = p.tensor_parallel_size
+        self.engine_id = p.data_parallel_rank if engine_id is None else engine_id
+        self._home_thread = threading.get_ident()
+        self._cond = threading.Condition()
+        self._calls: dict[int, _Call] = {}
+        self._ids = itertools.count(1)
+        self._reading = False
+        self._failure: str | None = None
+        self._stopping = False
+        self._callbacks: list[Callable[[str], None]] = []
+        self._send_lock = threading.Lock()
+        self._procs: list[ModuleProcess] = []
+        self._death_w: list[int] = []
+        self._monitor: threading.Thread | None = None
+        self._wake_r, self._wake_w = Pipe(duplex=False)
+        self.encoder = StepEncoder()
+        self._tp_generation = 0
+        self.queue: ShmQueueWriter | None = None
+        self._tp_store: TCPStore | None = None
+        self._dir = tempfile.mkdtemp(prefix=f"{IPC_DIR_PREFIX}tp-")
+        self._ctx = zmq.Context()
+        try:
+            self._replies = self._ctx.socket(zmq.PULL)
+            self._replies.setsockopt(zmq.LINGER, 0)
+            self._reply_address = f"ipc://{self._dir}/replies"
+            self._replies.bind(self._reply_address)
+            self.queue = ShmQueueWriter(
+                self.tp_size, ctx=self._ctx, overflow_address=f"ipc://{self._dir}/broadcast"
+            )
+            self._tp_store = TCPStore(
+                "127.0.0.1", 0, self.tp_size + 1, is_master=True, wait_for_workers=False,
+                timeout=datetime.timedelta(seconds=startup_timeout_s),
+            )  # fmt: skip
+            for t in range(self.tp_size):
+                self._spawn(t)
+            self.queue.unlink()  # every worker inherited the descriptor
+            deadline = time.monotonic() + startup_timeout_s
+            self._wait_for_hellos(deadline)
+            self.queue.wait_for_readers(max(1.0, deadline - time.monotonic()), self._exited)
+            self._monitor = threading.Thread(
+                target=self._watch, name=f"tp-monitor-{self.engine_id}", daemon=True
+            )
+            self._monitor.start()
+            self._call("start", (topology, engine_id, joining))
+        except BaseException:
+            self.shutdown()
+            raise
+        logger.info(
+            "engine %d: %d TP workers ready (pids %s)", self.engine_id, self.tp_size,
+            self.worker_pids(),
+        )  # fmt: skip
+
+    # ---- startup ------------------------------------------------------------------------
+
+    def _spawn(self, t: int) -> None:
+        assert self.queue is not None and self._tp_store is not None
+        config = self.config
+        wire, hf = split_hf_config(config)
+        death_r, death_w = os.pipe()
+        self._death_w.append(death_w)
+        launch = WorkerLaunch(
+            config=wire,
+            hf_config=hf,
+            engine_id=self.engine_id,
+            tp_rank=t,
+            queue=self.queue.handle,
+            reply_address=self._reply_address,
+            tp_store_port=self._tp_store.port,
+            socket_dir=self._dir,
+            queue_fd=self.queue.fd,
+            death_fd=death_r,
+        )
+        env = {}
+        if config.device == "cuda":
+            slots = config.parallel.device_ids or tuple(range(self.tp_size))
+            env["CUDA_VISIBLE_DEVICES"] = visible_devices([slots[t]], os.environ)
+        try:
+            proc = ModuleProcess(
+                WORKER_ENTRY_MODULE,
+                worker_process_name(self.engine_id, t),
+                msgspec.msgpack.encode(launch),
+                pass_fds=(self.queue.fd, death_r),
+                env=env,
+            )
+        finally:
+            os.close(death_r)  # the worker holds its copy
+        self._procs.append(proc)
+
+    def _exited(self) -> str | None:
+        for t, p in enumerate(self._procs):
+            code = p.exitcode
+            if code is not None:
+                return (
+                    f"worker {t} (pid {p.pid}) of engine {self.engine_id} exited with code {code}"
+                )
+        return None
+
+    def _wait_for_hellos(self, deadline: float) -> None:
+        pending = set(range(self.tp_size))
+        while pending:
+            why = self._exited()
+            if why is not None:
+                raise WorkerDied(f"{why} during its startup")
+            if time.monotonic() > deadline:
+                raise WorkerDied(
+                    f"TP workers {sorted(pending)} of engine {self.engine_id} did not start"
+                )
+            if self._replies.poll(100):
+                hello = _HELLO_DECODER.decode(self._replies.recv())
+                pending.discard(hello.tp_rank)
+
+    # ---- calls ---------------------------------------------------------------------------
+
+    def collective_rpc(
+        self, method: str, args: tuple = (), kwargs: dict | None = None
+    ) -> list[Any]:
+        if kwargs:
+            raise TypeError("worker calls take positional arguments only")
+        return self._call(method, args)
+
+    def _call(
+        self,
+        method: str,
+        args: tuple | list = (),
+        *,
+        reply: ReplyMode = ReplyMode.ALL,
+        driver_only: bool = False,
+    ) -> list[Any]:
+        """Broadcast one call; the results of the workers ``reply`` names, by TP rank."""
+        _, result_type = rpc_signature(rpc_owner(method), method)
+        expect = frozenset({0} if reply is ReplyMode.DRIVER else range(self.tp_size))
+        with self._cond:
+            if self._failure is not None:
+                raise WorkerDied(self._failure)
+            call_id = next(self._ids)
+            self._calls[call_id] = _Call(expect, result_type)
+        call = WorkerCall(
+            call_id,
+            method,
+            msgspec.Raw(msgspec.msgpack.encode(list(args))),
+            reply,
+            background=threading.get_ident() != self._home_thread,
+            driver_only=driver_only,
+        )
+        frame = msgspec.msgpack.encode(call)
+        assert self.queue is not None
+        try:
+            with self._send_lock:
+                self.queue.put(frame, abort=lambda: self._failure)
+        except (ReaderGone, QueueClosed) as e:
+            self._forget(call_id)
+            self._fail(f"engine {self.engine_id}: {e}")
+            raise WorkerDied(str(e)) from e
+        done = self._wait(call_id, method, _BOUNDED.get(method))
+        return [done.results[t] for t in sorted(done.results)]
+
+    def _forget(self, call_id: int) -> None:
+        with self._cond:
+            self._calls.pop(call_id, None)
+
+    def _wait(self, call_id: int, method: str, timeout_s: float | None) -> _Call:
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            with self._cond:
+                call = self._calls[call_id]
+                failure = self._failure
+                late = deadline is not None and time.monotonic() > deadline
+                if call.done or failure is not None or late:
+                    del self._calls[call_id]
+                    break
+                if self._reading:
+                    self._cond.wait(0.05)
+                    continue
+                self._reading = True
+            try:
+                replies = self._receive(100)
+            finally:
+                with self._cond:
+                    self._reading = False
+                    stray = [r for r in replies if not self._deliver(r)]
+                    self._cond.notify_all()
+            for r in stray:  # an error after its call completed: the rank is out of step
+                self._fail(f"worker {r.tp_rank} of engine {self.engine_id}: {r.error}")
+        if not call.done:
+            if failure is None:
+                failure = (
+                    f"engine {self.engine_id}: TP workers did not answer {method} "
+                    f"within {timeout_s:g}s"
+                )
+                self._fail(failure)
+            raise WorkerDied(failure)
+        err = call.error
+        if err is not None:
+            if err.error_kind is WorkerErrorKind.GROUP_FAILURE:
+                raise GroupFailure(err.error or "a collective failed")
+            why = f"worker {err.tp_rank} of engine {self.engine_id}: {method}: {err.error}"
+            if method not in _LOCAL_CALLS:
+                self._fail(why)  # the rank's workers may be out of step: it is dead
+            raise WorkerError(why)
+        return call
+
+    def _receive(self, timeout_ms: int) -> list[WorkerReply]:
+        out: list[WorkerReply] = []
+        if not self._replies.poll(timeout_ms):
+            return out
+        while True:
+            try:
+                frame = self._replies.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return out
+            out.append(_REPLY_DECODER.decode(frame))
+
+    def _deliver(self, reply: WorkerReply) -> bool:
+        """Hand ``reply`` to its call (under the lock). False: a failure of a call that is
+        no longer waited for (the caller fails the rank); a late result is just dropped."""
+        call = self._calls.get(reply.call_id)
+        if call is None:
+            return reply.error is None or reply.error_kind is WorkerErrorKind.GROUP_FAILURE
+        if reply.error is not None:
+            if call.error is None:
+                call.error = reply
+            return True
+        call.results[reply.tp_rank] = msgspec.msgpack.decode(reply.result, type=call.result_type)
+        return True
+
+    # ---- the Executor interface --------------------------------------------------------
+
+    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        step = self.encoder.encode(sched)
+        return self._call("execute_model", (step,), reply=ReplyMode.DRIVER)[0]
+
+    def execute_dummy_batch(self, num_tokens: int = 1) -> None:
+        self._call("execute_dummy_batch", (num_tokens,), reply=ReplyMode.DRIVER)
+
+    def all_reduce_dp(self, values: list[int], op: str = "sum") -> list[int]:
+        # The DP group of the TP-rank-0 workers carries the ranks' consensus.
+        return self._call("all_reduce_dp", (values, op), reply=ReplyMode.DRIVER, driver_only=True)[
+            0
+        ]
+
+    def transfer_experts(
+        self,
+        epoch: int,
+        sends: list[ExpertTransferSpec],
+        receives: list[ExpertTransferSpec],
+        engine_id: int,
+        timeout_s: float,
+    ) -> int:
+        # Each worker moves its own experts: the rank received the sum.
+        return sum(self._call("transfer_experts", (epoch, sends, receives, engine_id, timeout_s)))
+
+    def abandon_groups(self) -> None:
+        """Also a fresh TP group: the step the failure cut short may have left a worker
+        in a TP collective (its peer broke that group to free it, ``WorkerProc``)."""
+        self._call("abandon_groups")
+        self._tp_generation += 1
+        self._call("rebuild_tensor_parallel", (self._tp_generation,))
+
+    def get_expert_load(self) -> dict[int, list[int]]:
+        """Summed over the workers: each counted the tokens of its own share."""
+        total: dict[int, list[int]] = {}
+        for load in self._call("get_expert_load"):
+            for layer, counts in load.items():
+                acc = total.setdefault(layer, [0] * len(counts))
+                for e, n in enumerate(counts):
+                    acc[e] += n
+        return total
+
+    def get_eplb_info(self) -> dict[str, Any]:
+        return self._call("get_eplb_info", reply=ReplyMode.DRIVER)[0]
+
+    def worker_pids(self) -> list[int]:
+        return [p.pid for p in self._procs]
+
+    def register_failure_callback(self, callback: Callable[[str], None]) -> None:
+        with self._cond:
+            self._callbacks.append(callback)
+            failed = self._failure
+        if failed is not None:
+            callback(failed)
+
+    # ---- worker death --------------------------------------------------------------------
+
+    def _watch(self) -> None:
+        """Until shutdown: a worker's exit, or a worker stopped (SIGSTOP, a debugger) for
+        ``FREEZE_TIMEOUT_S``, is the rank's death: a frozen worker is handled like a
+        dead one (DESIGN.md 6.5), not waited for."""
+        sentinels = {p.sentinel: t for t, p in enumerate(self._procs)}
+        stopped_since: dict[int, float] = {}
+        while True:
+            ready = wait_sentinels([self._wake_r, *sentinels], timeout=FREEZE_POLL_S)
+            if self._stopping:
+                return
+            why = self._exited() if ready else None
+            now = time.monotonic()
+            for t, p in enumerate(self._procs):
+                if not _stopped(p.pid):
+                    stopped_since.pop(t, None)
+                elif now - stopped_since.setdefault(t, now) >= FREEZE_TIMEOUT_S:
+                    why = why or (
+                        f"worker {t} (pid {p.pid}) of engine {self.engine_id} has been "
+                        f"stopped for {FREEZE_TIMEOUT_S:g}s"
+                    )
+            if why is not None:
+                self._fail(why)
+                return
+
+    def _fail(self, why: str) -> None:
+        """The rank is dead: record why, kill what is left of it, tell the engine."""
+        with self._cond:
+            if self._failure is not None or self._stopping:
+                return
+            self._failure = why
+            self._cond.notify_all()
+            callbacks = list(self._callbacks)
+        logger.error("engine %d: %s; the rank is dead", self.engine_id, why)
+        for p in self._procs:
+            with contextlib.suppress(Exception):
+                p.kill()
+        for cb in callbacks:
+            try:
+                cb(why)
+            except Exception:  # noqa: BLE001 - a callback must not stop the others
+                logger.exception("worker failure callback failed")
+
+    # ---- shutdown -------------------------------------------------------------------------
+
+    def shutdown(self) -> None:
+        """Stop the workers (their groups first, while they can still answer), then
+        release the ring, the sockets, the store and the socket directory. Idempotent;
+        also after a failure, and from a half-finished startup."""
+        with self._cond:
+            if self._stopping:
+                return
+            orderly = self._failure is None and self._monitor is not None
+        if orderly:
+            try:
+                self._call("shutdown")
+            except Exception as e:  # noqa: BLE001 - stopping anyway
+                logger.warning("engine %d: TP workers' shutdown failed: %s", self.engine_id, e)
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        if not orderly:  # a worker watching its death pipe leaves at once
+            self._close_death_pipes()
+        if self.queue is not None:
+            self.queue.close()  # the workers leave their loop
+        deadline = time.monotonic() + 10
+        for p in self._procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+        with contextlib.suppress(OSError, ValueError):
+            self._wake_w.send_bytes(b"w")
+        if self._monitor is not None and self._monitor is not threading.current_thread():
+            self._monitor.join(5)
+        self._close_death_pipes()
+        for p in self._procs:
+            p.close()
+        with contextlib.suppress(Exception):
+            self._replies.close(linger=0)
+        self._wake_r.close()
+        self._wake_w.close()
+        self._ctx.term()
+        self._tp_store = None
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+    def _close_death_pipes(self) -> None:
+        for fd in self._death_w:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self._death_w = []
