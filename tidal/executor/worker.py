@@ -23,7 +23,6 @@ Nothing read from them is unpickled (``StatelessGroup.all_gather_object`` is msg
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any
 
 import torch
@@ -36,6 +35,7 @@ from tidal.executor.elastic import ElasticWorkerState, parse_address
 from tidal.executor.model_runner import ModelRunner
 from tidal.protocol.elastic import ExpertTransferSpec
 from tidal.protocol.topology import Topology
+from tidal.utils.cpu_threads import threads_per_rank, usable_cores
 
 logger = logging.getLogger(__name__)
 
@@ -48,8 +48,7 @@ _REDUCE_OPS = {"sum": ReduceOp.SUM, "max": ReduceOp.MAX}
 
 def cpu_threads_for_rank(num_local_ranks: int) -> int:
     """Each rank on a node takes an equal share of the cores (at least one)."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return max(1, (cores or 1) // max(1, num_local_ranks))
+    return threads_per_rank(usable_cores(), num_local_ranks)
 
 
 def _store_address(topology: Topology, parallel: ParallelConfig) -> tuple[str, int]:
