@@ -52,7 +52,13 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from tidal.kernels.cpu_moe import CpuPackedExperts, fused_experts_cpu
-from tidal.kernels.onednn import BATCH_HINT, pack_weight, packed_linear, prefers_packed
+from tidal.kernels.onednn import (
+    BATCH_HINT,
+    pack_weight,
+    packed_linear,
+    prefers_packed,
+    unpack_weight,
+)
 
 STRATEGIES = ("auto", "bmm", "grouped_mm", "loop", "onednn", "cpp")
 # auto picks bmm (with more than one thread) while padding every expert to the busiest one
@@ -139,10 +145,30 @@ class PackedExperts:
     EPLB) tells the layer (``FusedMoE.weights_updated``), which drops it; it is rebuilt
     at the next forward. ``batch_hint``: the row count oneDNN tunes the layout for."""
 
-    def __init__(self, w13: Tensor, w2: Tensor, batch_hint: int = BATCH_HINT) -> None:
+    def __init__(
+        self, w13: Tensor, w2: Tensor, batch_hint: int = BATCH_HINT, *, sole: bool = False
+    ) -> None:
         self.w13 = [pack_weight(w13[e], batch_hint) for e in range(w13.shape[0])]
         self.w2 = [pack_weight(w2[e], batch_hint) for e in range(w2.shape[0])]
         self.shapes = (tuple(w13.shape), tuple(w2.shape))
+        # The only copy (issue #25: one copy per weight): every GEMM reads the pack, never
+        # ``w13``/``w2`` (then shape stand-ins), even where MKL would be cheaper.
+        self.sole = sole
+
+    def unpack(self, slots: list[int] | None = None) -> tuple[Tensor, Tensor]:
+        """``(w13 [S, 2I, H], w2 [S, H, I])`` of the local ``slots`` (None: all) rebuilt
+        from the packs (exact, ``unpack_weight``), with ``k_major_experts``' storage."""
+        return self.unpack_w13(slots), self.unpack_w2(slots)
+
+    def unpack_w13(self, slots: list[int] | None = None) -> Tensor:  # [S, 2I, H]
+        (num, _, hidden), _ = self.shapes
+        idx = range(num) if slots is None else slots
+        return _k_major_copy(torch.stack([unpack_weight(self.w13[e], hidden) for e in idx]))
+
+    def unpack_w2(self, slots: list[int] | None = None) -> Tensor:  # [S, H, I]
+        _, (num, _, inter) = self.shapes
+        idx = range(num) if slots is None else slots
+        return _k_major_copy(torch.stack([unpack_weight(self.w2[e], inter) for e in idx]))
 
 
 def _onednn_experts(
@@ -162,7 +188,7 @@ def _onednn_experts(
     starts = [0, *bounds[:-1]]
 
     def gemm(rows: Tensor, e: int, w: Tensor, p: list[Tensor]) -> Tensor:
-        if prefers_packed(rows.shape[0], w[e]):
+        if packed.sole or prefers_packed(rows.shape[0], w[e]):
             return packed_linear(rows, p[e])
         return F.linear(rows, w[e])
 

@@ -51,3 +51,11 @@ def pack_weight(weight: Tensor, batch_hint: int = BATCH_HINT) -> Tensor:
 def packed_linear(x: Tensor, packed: Tensor, bias: Tensor | None = None) -> Tensor:
     """``x [M, in] @ weight.T (+ bias)`` -> ``[M, out]`` with a weight from ``pack_weight``."""
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+def unpack_weight(packed: Tensor, in_features: int) -> Tensor:  # -> [out, in] float32
+    """The weight back from ``pack_weight``'s opaque layout: ``I @ W^T`` through the packed
+    GEMM itself, which is exact (each output is one weight times 1 plus zeros) for finite
+    weights. Input-major storage, as ``tidal/layers/linear.py`` keeps its weights."""
+    eye = torch.eye(in_features, dtype=torch.float32)
+    return packed_linear(eye, packed).t()  # [in, out] computed, viewed [out, in]
