@@ -1,15 +1,27 @@
-"""Online serving benchmark: bounded concurrent streaming load on an OpenAI-compatible server.
+"""Online serving benchmark: bounded concurrent streaming load on an OpenAI-compatible server,
+Tidal's and its peer's in the same run.
 
 Sends ``--num-requests`` streaming ``/v1/completions`` requests, at most ``--concurrency``
 at a time, each with a random token-id prompt of ``--prompt-len`` tokens and
-``ignore_eos`` so every request generates exactly ``--max-tokens`` tokens. Prints one JSON
-line: throughput (req/s, output tok/s), TTFT and TPOT p50/p90/p99, e2e p50 (ms).
+``ignore_eos`` so every request generates exactly ``--max-tokens`` tokens. Measures
+throughput (req/s, output tok/s), TTFT and TPOT p50/p90/p99, e2e p50 (ms).
 
-    python benchmarks/serving.py --url http://127.0.0.1:8000 --num-requests 64 --concurrency 8
-    python benchmarks/serving.py --launch --launch-args "--dp 2 --ep" --num-requests 32
+    python benchmarks/serving.py --launch --num-requests 32 --concurrency 8
+    python benchmarks/serving.py --launch --launch-args "--dp 2 --ep" --peer-ref main
+    python benchmarks/serving.py --launch --vllm-python ~/.cache/tidal-peers/vllm/bin/python
+    python benchmarks/serving.py --url http://127.0.0.1:8000      # one running server, no peer
 
-``--launch`` starts ``python -m tidal.launch.cli serve`` on a free port in its own process
-group, waits for ``/health``, runs, then stops the whole group (SIGTERM, then SIGKILL).
+``--launch`` starts this tree's server (``python -m tidal.launch.cli serve``) and the peer
+one after the other on the same model (``--model``, default the embedded one), each on a
+free port in its own process group, waits for ``/health``, sends the same load, and stops
+the whole group. The peer is vLLM's OpenAI server when ``--vllm-python`` names a vLLM venv
+(``benchmarks/peers/README.md``; the settings of ``env_vllm.sh``), else Tidal at
+``--peer-ref`` (default ``HEAD~1``: the previous commit), extracted with ``git archive``
+into a temporary directory (the built C++ kernels copied over when ``tidal/kernels/csrc``
+is the same at both commits, else built there) and removed afterwards. ``--rounds``
+repeats the pair, alternating which runs first; the median run of each is reported.
+Prints one JSON line: the case, ``tidal``, ``peer`` (null with ``--url``) and the
+``tidal_over_peer`` ratios.
 """
 
 from __future__ import annotations
@@ -21,15 +33,22 @@ import json
 import os
 import random
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import httpx
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
 
 
 @dataclass
@@ -212,13 +231,19 @@ def _stop(proc: subprocess.Popen, grace_s: float = 30.0) -> None:
 
 @contextlib.contextmanager
 def launched_server(
-    launch_args: list[str], host: str, api_key: str | None, timeout_s: float
+    cmd: list[str],
+    host: str,
+    api_key: str | None,
+    timeout_s: float,
+    *,
+    cwd: str | None = None,
+    env: dict[str, str] | None = None,
 ) -> Iterator[str]:
+    """Run ``cmd`` + ``--host HOST --port P`` (P free) until the block ends."""
     port = _free_port(host)
-    cmd = [sys.executable, "-m", "tidal.launch.cli", "serve", "--host", host, "--port", str(port)]
-    if api_key:
-        cmd += ["--api-key", api_key]
-    proc = subprocess.Popen([*cmd, *launch_args], start_new_session=True)
+    proc = subprocess.Popen(
+        [*cmd, "--host", host, "--port", str(port)], start_new_session=True, cwd=cwd, env=env
+    )
     try:
         url = f"http://{host}:{port}"
         _wait_healthy(url, proc, api_key, timeout_s)
@@ -227,7 +252,90 @@ def launched_server(
         _stop(proc)
 
 
+def tidal_command(model: str, launch_args: list[str], api_key: str | None) -> list[str]:
+    cmd = [sys.executable, "-m", "tidal.launch.cli", "serve", "--model", model]
+    if api_key:
+        cmd += ["--api-key", api_key]
+    return [*cmd, "--log-level", "warning", *launch_args]
+
+
+def _git(*args: str, cwd: Path = REPO) -> str:
+    return subprocess.run(
+        ["git", *args], cwd=cwd, check=True, capture_output=True, text=True
+    ).stdout.strip()
+
+
+@contextlib.contextmanager
+def previous_commit(ref: str) -> Iterator[Path]:
+    """This repository's files at ``ref`` (``git archive``: no checkout or worktree is
+    registered) in a temporary directory, with its C++ kernels, removed afterwards."""
+    tree = Path(tempfile.mkdtemp(prefix="tidal-peer-"))
+    try:
+        archive = subprocess.run(
+            ["git", "archive", "--format=tar", ref], cwd=REPO, check=True, capture_output=True
+        ).stdout
+        subprocess.run(["tar", "-x", "-C", str(tree)], input=archive, check=True)
+        built = sorted(REPO.glob("tidal/kernels/*.so"))
+        same_kernels = subprocess.run(
+            ["git", "diff", "--quiet", ref, "--", "tidal/kernels/csrc", "setup.py"], cwd=REPO
+        )
+        if built and same_kernels.returncode == 0:
+            for so in built:
+                shutil.copy2(so, tree / "tidal" / "kernels" / so.name)
+        else:  # the kernels differ (or none is built here): build the peer's own
+            subprocess.run(
+                [sys.executable, "setup.py", "build_ext", "--inplace", "-q"], cwd=tree, check=True
+            )
+        yield tree
+    finally:
+        shutil.rmtree(tree, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def peer_server(args: argparse.Namespace, model: str) -> Iterator[tuple[dict, Any]]:
+    """(what the peer is, a ``launch()`` context manager that serves it)."""
+    if args.vllm_python:
+        cmd = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", model]
+        peers = Path(os.environ.get("PEERS", Path.home() / ".cache" / "tidal-peers"))
+        script = f"export PEERS={peers}; . {HERE / 'peers' / 'env_vllm.sh'}; env -0"
+        raw = subprocess.run(["bash", "-c", script], capture_output=True, check=True).stdout
+        env = dict(kv.split("=", 1) for kv in raw.decode().split("\0") if "=" in kv)
+        info = {"name": "vllm", "python": args.vllm_python}
+        yield info, lambda: launched_server(cmd, HOST, None, args.launch_timeout, env=env)
+        return
+    sha = _git("rev-parse", "--short", args.peer_ref)
+    with previous_commit(args.peer_ref) as tree:
+        env = {**os.environ, "PYTHONPATH": str(tree)}
+        cmd = tidal_command(model, shlex.split(args.launch_args), args.api_key)
+        info = {"name": "tidal", "ref": args.peer_ref, "commit": sha}
+        yield (
+            info,
+            lambda: launched_server(
+                cmd, HOST, args.api_key, args.launch_timeout, cwd=str(tree), env=env
+            ),
+        )
+
+
+def _median_summary(runs: list[dict]) -> dict:
+    """The run with the median output throughput (its whole summary: one real run)."""
+    ranked = sorted(runs, key=lambda s: s["output_tok_per_s"] or 0.0)
+    return {**ranked[len(ranked) // 2], "rounds": len(runs)}
+
+
+def _ratios(tidal: dict, peer: dict) -> dict:
+    def ratio(a: float | None, b: float | None) -> float | None:
+        return round(a / b, 3) if a and b else None
+
+    return {
+        "output_tok_per_s": ratio(tidal["output_tok_per_s"], peer["output_tok_per_s"]),
+        "ttft_p50": ratio(tidal["ttft_ms"]["p50"], peer["ttft_ms"]["p50"]),
+        "tpot_p50": ratio(tidal["tpot_ms"]["p50"], peer["tpot_ms"]["p50"]),
+    }
+
+
 # ---- main --------------------------------------------------------------------------------
+
+HOST = "127.0.0.1"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -238,19 +346,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-len", type=int, default=32, help="prompt tokens per request")
     p.add_argument("--max-tokens", type=int, default=32, help="output tokens per request")
     p.add_argument("--token-id-range", type=int, default=100, help="prompt ids in [1, N)")
-    p.add_argument("--model", default=None, help="model field (default: omitted)")
+    p.add_argument("--model", default=None, help="checkpoint (--launch: default the embedded one)")
     p.add_argument("--api-key", default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--warmup", type=int, default=1, help="untimed requests first")
     p.add_argument("--timeout", type=float, default=600.0, help="per-request timeout (s)")
-    p.add_argument("--launch", action="store_true", help="start `tidal serve` on a free port")
-    p.add_argument("--launch-args", default="", help="extra flags for the launched server")
+    p.add_argument("--launch", action="store_true", help="start Tidal's server and the peer's")
+    p.add_argument("--launch-args", default="", help="extra flags for the launched Tidal servers")
     p.add_argument("--launch-timeout", type=float, default=600.0)
+    p.add_argument("--peer-ref", default="HEAD~1", help="git ref of the Tidal peer")
+    p.add_argument("--vllm-python", default=None, help="python of a vLLM venv: vLLM is the peer")
+    p.add_argument("--rounds", type=int, default=1, help="runs of each server (--launch)")
     args = p.parse_args(argv)
     if min(args.num_requests, args.concurrency, args.prompt_len, args.max_tokens) < 1:
         p.error("--num-requests, --concurrency, --prompt-len and --max-tokens must be >= 1")
+    if args.rounds < 1:
+        p.error("--rounds must be >= 1")
 
-    def run(url: str) -> dict:
+    def run(url: str, model: str | None) -> dict:
         return asyncio.run(
             run_benchmark(
                 url,
@@ -259,7 +372,7 @@ def main(argv: list[str] | None = None) -> int:
                 prompt_len=args.prompt_len,
                 max_tokens=args.max_tokens,
                 api_key=args.api_key,
-                model=args.model,
+                model=model,
                 token_id_range=args.token_id_range,
                 seed=args.seed,
                 warmup=args.warmup,
@@ -267,24 +380,51 @@ def main(argv: list[str] | None = None) -> int:
             )
         )
 
-    if args.launch:
-        launch_args = shlex.split(args.launch_args)
-        with launched_server(launch_args, "127.0.0.1", args.api_key, args.launch_timeout) as url:
-            summary = run(url)
-    else:
-        url = args.url.rstrip("/")
-        summary = run(url)
     case = {
         "benchmark": "serving",
-        "url": url,
-        "launched": args.launch,
         "num_requests": args.num_requests,
         "concurrency": args.concurrency,
         "prompt_len": args.prompt_len,
         "max_tokens": args.max_tokens,
     }
-    print(json.dumps({**case, **summary}), flush=True)
-    return 0 if summary["failed"] == 0 else 1
+    if not args.launch:
+        url = args.url.rstrip("/")
+        summary = run(url, args.model)
+        line = {**case, "url": url, "tidal": summary, "peer": None, "tidal_over_peer": None}
+        print(json.dumps(line), flush=True)
+        return 0 if summary["failed"] == 0 else 1
+
+    model = args.model or _default_model()
+    tidal_cmd = tidal_command(model, shlex.split(args.launch_args), args.api_key)
+    runs: dict[str, list[dict]] = {"tidal": [], "peer": []}
+    with peer_server(args, model) as (peer_info, launch_peer):
+        servers = {
+            "tidal": lambda: launched_server(tidal_cmd, HOST, args.api_key, args.launch_timeout),
+            "peer": launch_peer,
+        }
+        for r in range(args.rounds):
+            for name in ("tidal", "peer") if r % 2 == 0 else ("peer", "tidal"):
+                with servers[name]() as url:
+                    # vLLM names the model by its path; Tidal takes either.
+                    runs[name].append(run(url, model))
+    tidal, peer = _median_summary(runs["tidal"]), _median_summary(runs["peer"])
+    line = {
+        **case,
+        "model": model,
+        "launch_args": args.launch_args,
+        "tidal": tidal,
+        "peer": {**peer_info, **peer},
+        "tidal_over_peer": _ratios(tidal, peer),
+    }
+    print(json.dumps(line), flush=True)
+    failed = tidal["failed"] + peer["failed"]
+    return 0 if failed == 0 else 1
+
+
+def _default_model() -> str:
+    from tidal.models.tiny import default_model_path
+
+    return default_model_path()
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -125,8 +126,8 @@ class ParallelConfig:
 @dataclass(frozen=True)
 class FrontendConfig:
     """What one request may ask for. Checked where requests enter (the HTTP server, ``LLM``,
-    ``AsyncLLM``); the engine never sees these. Each is a flag of the same name because a
-    deployment may need to raise it."""
+    ``AsyncLLM``); the engine re-checks the sizes (``check_sizes``) of what it is handed.
+    Each is a flag of the same name because a deployment may need to raise it."""
 
     # OpenAI's own cap on ``n``; every choice is a sequence in the scheduler.
     max_n: int = 128
@@ -135,12 +136,69 @@ class FrontendConfig:
     max_prompts_per_request: int = 256
     # vLLM's flag and default: top logprobs per position (completion and prompt).
     max_logprobs: int = 20
+    # Prompts x n of one call: each is an engine request, however the call spells it
+    # (256 prompts x n=128 would be 32,768 of them).
+    max_choices_per_request: int = 1024
+    # Stop strings are matched against every new piece of text of every choice, on the
+    # server's event loop: their number and length bound that work per token.
+    max_stop_strings: int = 64
+    max_stop_string_length: int = 1024  # characters of one stop string
+    # Stop token ids (deduplicated once accepted); every choice carries them to the
+    # engine, which keeps them as a set.
+    max_stop_token_ids: int = 1024
     # A prompt of a 128k-token context is under 1 MiB of JSON, as text or as token ids;
     # 8 MiB leaves room for batches and long chats and refuses a flood before it is read.
     max_request_body_bytes: int = 8 * 1024 * 1024
     # vLLM's flag: accept a ``chat_template`` in chat requests (rendered in a sandboxed,
     # time-bounded worker). Off: a template is code, run by anyone who can send a request.
     trust_request_chat_template: bool = False
+
+    def check_sizes(
+        self,
+        *,
+        n: int = 1,
+        num_prompts: int = 1,
+        stop: Sequence[Any] = (),
+        stop_token_ids: Sequence[Any] = (),
+        extra_stop_token_ids: int = 0,
+    ) -> None:
+        """How much work one call may ask for (ValueError naming the field and its flag):
+        prompts, choices (``n``, prompts x ``n``), stop strings (count, length) and stop
+        token ids (``extra_stop_token_ids`` more where the model's extra EOS ids were
+        added). Lists are counted as sent, repeats included: what bounds is the work of
+        reading them (``SamplingParams`` then drops the repeats). Lengths only, and
+        tolerant of items of the wrong type, which it leaves to the type checks: the HTTP
+        server runs it on the raw JSON before anything walks the body, so a huge list
+        costs nothing; ``InputProcessor.check`` runs it on every request of every entry
+        point, and the engine once more on what it is handed."""
+        if num_prompts > self.max_prompts_per_request:
+            raise ValueError(
+                f"prompt: at most {self.max_prompts_per_request} prompts per request "
+                f"(--max-prompts-per-request), got {num_prompts}"
+            )
+        if n > self.max_n:
+            raise ValueError(f"n must be <= {self.max_n} (max_n, --max-n), got {n}")
+        if num_prompts * n > self.max_choices_per_request:
+            raise ValueError(
+                f"n: {num_prompts} prompts x n={n} = {num_prompts * n} choices; at most "
+                f"{self.max_choices_per_request} per request (--max-choices-per-request)"
+            )
+        if len(stop) > self.max_stop_strings:
+            raise ValueError(
+                f"stop: at most {self.max_stop_strings} stop strings (--max-stop-strings), "
+                f"got {len(stop)}"
+            )
+        longest = max((len(s) for s in stop if isinstance(s, str)), default=0)
+        if longest > self.max_stop_string_length:
+            raise ValueError(
+                f"stop: a stop string may have at most {self.max_stop_string_length} "
+                f"characters (--max-stop-string-length), got one of {longest}"
+            )
+        if len(stop_token_ids) > self.max_stop_token_ids + extra_stop_token_ids:
+            raise ValueError(
+                f"stop_token_ids: at most {self.max_stop_token_ids} ids "
+                f"(--max-stop-token-ids), got {len(stop_token_ids)}"
+            )
 
 
 @dataclass(frozen=True)

@@ -77,6 +77,10 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, array_like=True):
             self.stop_token_ids = []
         for name, ftype in _FIELD_TYPES:
             setattr(self, name, _checked(name, ftype, getattr(self, name)))
+        # A repeated stop id stops nothing more: kept once (in order), before every child
+        # of ``n`` carries them to the engine.
+        if len(self.stop_token_ids) > 1:
+            self.stop_token_ids = list(dict.fromkeys(self.stop_token_ids))
         if self.top_k == -1:
             self.top_k = 0
         if self.stop and not self.detokenize:
@@ -132,6 +136,8 @@ def _checked(name: str, t: mi.Type, v: Any) -> Any:
     if isinstance(t, mi.ListType):
         if isinstance(v, (str, bytes)) or not isinstance(v, (list, tuple)):
             raise ValueError(f"{name} must be a list, got {type(v).__name__}")
+        if _plain_ints_in_bounds(t.item_type, v):
+            return list(v)
         return [_checked(f"{name}[{i}]", t.item_type, x) for i, x in enumerate(v)]
     if isinstance(t, mi.IntType):
         # bool is an int to Python but not to JSON or msgspec: refuse it like they do.
@@ -151,6 +157,21 @@ def _checked(name: str, t: mi.Type, v: Any) -> Any:
         raise TypeError(f"SamplingParams.{name}: unsupported field type {t!r}")
     _check_bounds(name, t, v)
     return v
+
+
+def _plain_ints_in_bounds(t: mi.Type, v: list | tuple) -> bool:
+    """Whether a list of an int field's items is valid as it is, checked at C speed
+    (token-id lists are long; the engine re-checks every request it is handed). False
+    sends the caller down the per-item path, whose error names the first bad item."""
+    if not isinstance(t, mi.IntType) or not all(type(x) is int for x in v):
+        return False
+    lo, hi = min(v, default=0), max(v, default=0)
+    return (
+        (t.ge is None or lo >= t.ge)
+        and (t.gt is None or lo > t.gt)
+        and (t.le is None or hi <= t.le)
+        and (t.lt is None or hi < t.lt)
+    )
 
 
 def _check_bounds(name: str, t: mi.IntType | mi.FloatType, v: float) -> None:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import datetime
 import threading
-import time
 
 import pytest
 import torch
@@ -304,10 +303,9 @@ def test_join_standby_without_a_member_times_out_and_leaves_nothing(qwen3_ckpt):
     cfg = _config(qwen3_ckpt, 0, 2, store.port)
     worker = Worker(cfg, dist_timeout_s=TIMEOUT_S)
     addr = f"127.0.0.1:{store.port}"
-    start = time.monotonic()
-    with pytest.raises(Exception):  # noqa: B017, PT011 - gloo/store timeouts vary in type
+    # Our deadline, naming the engine that never came (not gloo's, minutes later).
+    with pytest.raises(TimeoutError, match=r"standby rendezvous of epoch \d+ timed out .*\[1\]"):
         worker.join_standby(EPOCH, addr, [0, 1], [0, 1], 0, 3.0)
-    assert time.monotonic() - start < 30
     assert worker.elastic.standby_epochs() == []
     with pytest.raises(RuntimeError, match="no standby DP group"):
         worker.swap_groups(EPOCH)

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import datetime
+import ipaddress
 import re
+import socket
+import threading
 import time
 
 import psutil
@@ -194,3 +197,53 @@ def test_single_rank_group_without_peers():
     assert g.reduce_scatter(t).tolist() == t.tolist()
     g.destroy()
     assert not dist.is_initialized()
+
+
+def _listening() -> set[tuple[str, int]]:
+    return {
+        (c.laddr.ip, c.laddr.port)
+        for c in psutil.Process().net_connections(kind="tcp")
+        if c.status == psutil.CONN_LISTEN
+    }
+
+
+def _addresses() -> list[str]:
+    """Loopback, and this machine's first other IPv4 address if it has one (a stand-in
+    for a multi-host ``--data-parallel-address``)."""
+    others = [
+        a.address
+        for addrs in psutil.net_if_addrs().values()
+        for a in addrs
+        if a.family == socket.AF_INET and not ipaddress.ip_address(a.address).is_loopback
+    ]
+    return ["127.0.0.1", *others[:1]]
+
+
+@pytest.mark.parametrize("host", _addresses())
+def test_store_and_gloo_listen_on_the_store_host_only(host):
+    """torch's TCPStore server listens on every interface by itself; ours listens on the
+    address it is given, and the gloo groups on it accept peers there only."""
+    before = _listening()
+    store = create_store(host, 0, rank=0, world_size=2, timeout_s=60)
+    port = store.port
+    results: dict[int, list[float]] = {}
+
+    def rank(r: int) -> None:
+        own = store if r == 0 else create_store(host, port, rank=1, world_size=2, timeout_s=60)
+        g = StatelessGroup.create(host=host, port=0, rank=r, world_size=2, store=own, prefix="x")
+        t = torch.tensor([r + 1.0])
+        results[r] = g.all_reduce(t).tolist()
+        g.barrier()
+        results[r + 10] = sorted(_listening() - before)  # while both groups are alive
+        g.barrier()
+        g.destroy()
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert results[0] == results[1] == [3.0]
+    opened = results[10]
+    assert (host, port) in opened and len(opened) >= 3, opened  # the store, gloo's two ranks
+    assert {ip for ip, _ in opened} == {host}, opened

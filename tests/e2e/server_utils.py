@@ -68,15 +68,23 @@ def is_alive(p: psutil.Process) -> bool:
 
 class RemoteServer:
     def __init__(
-        self, args: list[str], *, startup_timeout_s: float = 300.0, env: dict | None = None
+        self,
+        args: list[str],
+        *,
+        startup_timeout_s: float = 300.0,
+        env: dict | None = None,
+        headers: dict[str, str] | None = None,
     ):
+        """``headers`` go with the readiness probe (an API key's Authorization)."""
+        self.headers = headers or {}
         cmd = [sys.executable, "-m", "tidal.launch.cli", "serve", "--port", "0", *args]
         self.proc = subprocess.Popen(
             cmd,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
-            env={**os.environ, **(env or {})},
+            # An ``env`` value of None removes the variable.
+            env={k: v for k, v in {**os.environ, **(env or {})}.items() if v is not None},
             start_new_session=True,
         )
         self._lines: list[str] = []
@@ -128,7 +136,8 @@ class RemoteServer:
                 self._reader.join(10)
                 raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.output}")
             try:
-                if httpx.get(f"{self.url}/health", timeout=10).status_code == 200:
+                health = httpx.get(f"{self.url}/health", headers=self.headers, timeout=10)
+                if health.status_code == 200:
                     return
             except httpx.HTTPError:
                 pass

@@ -1,29 +1,44 @@
-"""No input takes a ``launch --dp 2 --ep`` deployment down (issue 9).
+"""No input takes a ``launch --dp 2 --ep --enable-elastic-ep --host 127.0.0.1``
+deployment down, and neither a web page nor the network reaches what it should not
+(issues 9 and 23).
 
-One server for the whole module: every hostile value a new user might send gets a 4xx with
-a message (or a 200 where the value is legal), and afterwards every rank still serves.
+One server for the whole module, with no API key (the configuration a new user starts
+with): every hostile value gets a 4xx with a message (or a 200 where the value is legal);
+the requests a web page could send (huge stop lists, the largest fan-out, ``text/plain``
+POSTs to every JSON route, a foreign ``Host``) are refused and nothing scales; every rank
+still serves the same greedy text; and no process of the deployment listens outside
+loopback, before, during or after a scale operation. The last test scales (2 -> 3 -> 2),
+so it runs last.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import json
+import threading
 from collections.abc import Iterator
 from typing import Any
 
 import httpx
+import psutil
 import pytest
 
 from tests.e2e.server_utils import RemoteServer
+from tests.waiting import wait_until
+
+pytestmark = pytest.mark.timeout(600)
 
 VOCAB = 512  # tests/conftest.py TINY_KWARGS
 CHAT = [{"role": "user", "content": "hello"}]
+GREEDY = {"prompt": "The tide comes in", "max_tokens": 6, "temperature": 0}
 
 
 @pytest.fixture(scope="module")
 def server(qwen3_ckpt: str) -> Iterator[RemoteServer]:
     srv = RemoteServer(
-        ["--model", qwen3_ckpt, "--dp", "2", "--ep", "--max-model-len", "256"]
-        + ["--log-level", "warning"]
+        ["--model", qwen3_ckpt, "--dp", "2", "--ep", "--enable-elastic-ep", "--host", "127.0.0.1"]
+        + ["--max-model-len", "256", "--log-level", "warning"],
+        env={"TIDAL_API_KEY": None},
     )
     try:
         yield srv
@@ -114,19 +129,153 @@ def test_64mb_body_refused_unread(server):
     assert "--max-request-body-bytes" in err["message"] and err["code"] == "request_too_large"
 
 
-def test_every_rank_still_serves(server):
-    assert httpx.get(server.url + "/health", timeout=30).status_code == 200
-    assert len(server.engine_processes()) == 2
+# ---- what a web page (or a careless client) could send: issue 23 --------------------------
+
+SCALE = "/scale_elastic_ep"
+JSON_ROUTES = {
+    C: {"prompt": "a", "max_tokens": 2},
+    CH: {"messages": CHAT, "max_tokens": 2},
+    SCALE: {"new_data_parallel_size": 3},
+}
+# (body, param, fragment): refused on their size, before anything walks the body.
+TOO_BIG: list[tuple[dict, str, str]] = [
+    ({"prompt": "a", "stop_token_ids": [i % VOCAB for i in range(1_500_000)]}, "stop_token_ids", "--max-stop-token-ids"),
+    ({"prompt": "a", "n": 16, "stop": [f"stop{i}" for i in range(100_000)]}, "stop", "--max-stop-strings"),
+    ({"prompt": ["a"] * 256, "n": 128}, "n", "--max-choices-per-request"),
+]  # fmt: skip
+
+
+def _scaling(server: RemoteServer) -> tuple[int, int, list[int]]:
+    """(scale operations so far, epoch, engine ids): what a scale would change."""
+    stats = httpx.get(server.url + "/stats", timeout=60).json()
+    return (
+        len(stats["scaling"]["history"]),
+        stats["epoch"],
+        [r["engine_id"] for r in stats["ranks"]],
+    )
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "fragment"), TOO_BIG, ids=["stop_ids", "stops_n16", "fan_out"]
+)
+def test_oversized_requests_refused(server, body, param, fragment):
+    content = json.dumps(body, separators=(",", ":")).encode()
+    assert len(content) < 8 << 20  # under the body limit: refused for what it asks, not its size
+    r = httpx.post(
+        server.url + C, content=content, headers={"content-type": "application/json"}, timeout=120
+    )
+    assert r.status_code == 400, r.text[:500]
+    err = r.json()["error"]
+    assert err["param"] == param and fragment in err["message"], err
+
+
+def test_only_json_bodies_reach_the_json_routes_and_nothing_scales(server):
+    before = _scaling(server)
+    for path, body in JSON_ROUTES.items():
+        for content_type in ("text/plain", "application/x-www-form-urlencoded", None):
+            headers = {"content-type": content_type} if content_type else {}
+            r = httpx.post(
+                server.url + path, content=json.dumps(body), headers=headers, timeout=120
+            )
+            assert r.status_code == 415, (path, content_type, r.text[:500])
+            assert r.json()["error"]["code"] == "unsupported_media_type"
+    assert httpx.get(server.url + "/is_scaling_elastic_ep", timeout=60).json() == {
+        "is_scaling_elastic_ep": False
+    }
+    assert _scaling(server) == before
+
+
+def test_a_foreign_host_header_is_refused_everywhere(server):
+    """DNS rebinding: a page whose name resolves to 127.0.0.1 still sends its own name."""
+    before = _scaling(server)
+    evil = {"host": f"rebind.example:{server.port}"}
+    for path in ("/health", "/stats", "/metrics", "/v1/models", "/dashboard"):
+        r = httpx.get(server.url + path, headers=evil, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_host", (path, r.text)
+    for path, body in JSON_ROUTES.items():
+        r = httpx.post(server.url + path, json=body, headers=evil, timeout=120)
+        assert r.status_code == 400 and "--allowed-hosts" in r.json()["error"]["message"], path
+    for host in (f"localhost:{server.port}", f"127.0.0.1:{server.port}", "localhost"):
+        r = httpx.get(server.url + "/v1/models", headers={"host": host}, timeout=60)
+        assert r.status_code == 200, (host, r.text)
+    assert _scaling(server) == before
+
+
+def _greedy_on_every_rank(server: RemoteServer) -> list[str]:
+    ranks = len(httpx.get(server.url + "/stats", timeout=60).json()["ranks"])
     texts = []
-    for rank in (0, 1):
-        body = {"prompt": "The tide comes in", "max_tokens": 6, "temperature": 0}
-        r = httpx.post(
-            server.url + "/v1/completions", json={**body, "data_parallel_rank": rank}, timeout=120
-        )
+    for rank in range(ranks):
+        body = {**GREEDY, "data_parallel_rank": rank}
+        r = httpx.post(server.url + "/v1/completions", json=body, timeout=120)
         assert r.status_code == 200, r.text
         (choice,) = r.json()["choices"]
         assert choice["finish_reason"] == "length"
         texts.append(choice["text"])
-    assert texts[0] == texts[1]  # greedy: the same on every rank
+    return texts
+
+
+def test_every_rank_still_serves(server):
+    assert httpx.get(server.url + "/health", timeout=30).status_code == 200
+    assert len(server.engine_processes()) == 2
+    texts = _greedy_on_every_rank(server)
+    assert len(texts) == 2 and texts[0] == texts[1]  # greedy: the same on every rank
     r = httpx.post(server.url + "/v1/chat/completions", json={"messages": CHAT, "max_tokens": 4})
     assert r.status_code == 200, r.text
+
+
+# ---- listening sockets: none outside loopback (issue 23) -------------------------------------
+
+
+def _listening(server: RemoteServer) -> list[tuple[str, str, int]]:
+    """(process name, address, port) of every TCP socket listening and every UDP socket
+    bound by the launcher and all its descendants."""
+    found = []
+    for proc in [psutil.Process(server.proc.pid), *server.descendants()]:
+        try:
+            name, conns = proc.name(), proc.net_connections(kind="inet")
+        except (psutil.NoSuchProcess, psutil.ZombieProcess):
+            continue  # exited meanwhile (a leaving engine)
+        for c in conns:
+            if c.laddr and (c.status == psutil.CONN_LISTEN or c.type == 2):  # 2: SOCK_DGRAM
+                found.append((name, c.laddr.ip, c.laddr.port))
+    return found
+
+
+def _is_loopback(ip: str) -> bool:
+    addr = ipaddress.ip_address(ip.split("%")[0])
+    mapped = getattr(addr, "ipv4_mapped", None)
+    return (mapped or addr).is_loopback
+
+
+def _assert_loopback_only(sockets: list[tuple[str, str, int]]) -> None:
+    outside = [s for s in sockets if not _is_loopback(s[1])]
+    assert outside == [], f"listening outside loopback: {outside}"
+
+
+def test_no_socket_listens_outside_loopback_before_during_and_after_scaling(server):
+    before = _listening(server)
+    _assert_loopback_only(before)
+    assert ("127.0.0.1", server.port) in {(ip, port) for _, ip, port in before}
+    assert len({name for name, _, _ in before}) >= 3  # the frontend and both engines listen
+    for size in (3, 2):
+        result: dict[str, Any] = {}
+
+        def scale(size: int = size, result: dict = result) -> None:
+            body = {"new_data_parallel_size": size, "operation_id": f"sockets-{size}"}
+            result["r"] = httpx.post(server.url + SCALE, json=body, timeout=300)
+
+        t = threading.Thread(target=scale, daemon=True)
+        t.start()
+        during = 0
+        while t.is_alive():
+            scaling = httpx.get(server.url + "/is_scaling_elastic_ep", timeout=60).json()
+            snapshot = _listening(server)
+            _assert_loopback_only(snapshot)
+            during += scaling["is_scaling_elastic_ep"]
+        t.join()
+        assert result["r"].status_code == 200, result["r"].text
+        assert during > 0, "no snapshot was taken while the operation ran"
+        assert wait_until(lambda size=size: len(server.engine_processes()) == size, 120)
+        _assert_loopback_only(_listening(server))
+    texts = _greedy_on_every_rank(server)
+    assert len(texts) == 2 and texts[0] == texts[1]

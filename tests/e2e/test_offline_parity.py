@@ -1,6 +1,11 @@
-"""Greedy LLM.generate must equal transformers' generate token for token (float32)."""
+"""Greedy LLM.generate must equal transformers' generate token for token (float32), on
+every path of the scheduler: each case asserts, from the engine's own counters, that it
+took the path it is named for (prefix-cache hits, chunked prefill, preemption, none of
+them)."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import pytest
 import torch
@@ -10,11 +15,16 @@ from tidal import LLM, SamplingParams
 MAX_TOKENS = 12
 
 
+SHARED_PREFIX = 20  # tokens the last two prompts share
+
+
 def _prompts(vocab: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(1234)
-    shared = torch.randint(3, vocab, (20,), generator=g).tolist()
+    shared = torch.randint(3, vocab, (SHARED_PREFIX,), generator=g).tolist()
     prompts = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in (1, 3, 7, 16, 17, 33)]
-    # Two prompts sharing a 20-token prefix (longer than one block): prefix-cache hits.
+    # Two prompts sharing a 20-token prefix (longer than one block). ``_run`` sends the
+    # last one after the others have finished, so it finds the shared blocks cached:
+    # sent together, both would be scheduled in the same step and neither could hit.
     prompts.append(shared + [5, 6, 7])
     prompts.append(shared + [9])
     return prompts
@@ -50,31 +60,61 @@ def ckpt_and_expected(request):
     return path, prompts, _hf_greedy(path, prompts, MAX_TOKENS)
 
 
-def _run(path: str, prompts: list[list[int]], **engine_kwargs) -> list[list[int]]:
+def _run(path: str, prompts: list[list[int]], **engine_kwargs) -> tuple[list[list[int]], Any]:
+    """Greedy outputs of ``prompts`` (the last one sent once the others have finished)
+    and the engine's scheduler counters afterwards."""
     llm = LLM(path, dtype="float32", multiprocess=False, **engine_kwargs)
     try:
         # min_tokens masks EOS exactly like transformers' min_new_tokens does.
         params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, min_tokens=MAX_TOKENS)
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        return [o.outputs[0].token_ids for o in outs]
+        outs = []
+        for batch in (prompts[:-1], prompts[-1:]):
+            ids = [{"prompt_token_ids": p} for p in batch]
+            outs += llm.generate(ids, params, use_tqdm=False)
+        return [o.outputs[0].token_ids for o in outs], llm.client.call_utility("get_stats")
     finally:
         llm.shutdown()
 
 
-@pytest.mark.parametrize(
-    "engine_kwargs",
-    [
-        pytest.param({}, id="default"),
-        pytest.param({"max_num_batched_tokens": 8, "block_size": 4}, id="chunked-prefill"),
-        pytest.param(
-            {"num_gpu_blocks_override": 24, "block_size": 4, "max_model_len": 64},
-            id="preemption",
-        ),
-        pytest.param({"enable_prefix_caching": False, "max_num_seqs": 3}, id="no-prefix-cache"),
-    ],
-)
-def test_greedy_matches_transformers(ckpt_and_expected, engine_kwargs):
+def _full_blocks(tokens: int, block_size: int) -> int:
+    return tokens // block_size * block_size
+
+
+# (engine kwargs, what its counters must show: the least prefix-cache hit tokens, and
+# whether requests were preempted). Hits: the last prompt's shared prefix, in whole
+# blocks (a preempted request's recompute may hit more).
+CASES = [
+    pytest.param({}, _full_blocks(SHARED_PREFIX, 16), False, id="default"),
+    # Budget 8 < the longest prompt (33): prompts are prefilled in chunks.
+    pytest.param(
+        {"max_num_batched_tokens": 8, "block_size": 4},
+        _full_blocks(SHARED_PREFIX, 4),
+        False,
+        id="chunked-prefill",
+    ),
+    # 24 blocks of 4 tokens cannot hold the running requests' KV: some are preempted.
+    pytest.param(
+        {"num_gpu_blocks_override": 24, "block_size": 4, "max_model_len": 64},
+        _full_blocks(SHARED_PREFIX, 4),
+        True,
+        id="preemption",
+    ),
+    pytest.param(
+        {"enable_prefix_caching": False, "max_num_seqs": 3}, 0, False, id="no-prefix-cache"
+    ),
+]
+
+
+@pytest.mark.parametrize(("engine_kwargs", "min_hits", "preempts"), CASES)
+def test_greedy_matches_transformers(ckpt_and_expected, engine_kwargs, min_hits, preempts):
     path, prompts, expected = ckpt_and_expected
-    got = _run(path, prompts, **engine_kwargs)
+    if "max_num_batched_tokens" in engine_kwargs:
+        assert max(map(len, prompts)) > engine_kwargs["max_num_batched_tokens"]
+    got, stats = _run(path, prompts, **engine_kwargs)
     for i, (g, e) in enumerate(zip(got, expected)):
         assert g == e, f"prompt {i} (len {len(prompts[i])}): {g} != {e}"
+    if engine_kwargs.get("enable_prefix_caching", True):
+        assert stats.prefix_cache_hits >= min_hits > 0, stats
+    else:
+        assert stats.prefix_cache_queries == stats.prefix_cache_hits == 0, stats
+    assert (stats.num_preempted > 0) == preempts, stats

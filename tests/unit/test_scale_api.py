@@ -18,6 +18,7 @@ import asyncio
 import copy
 import dataclasses
 import json
+import os
 import sys
 from typing import Any
 
@@ -708,7 +709,11 @@ async def test_metrics_route_reads_faults_and_labels_operations_by_trigger():
 # ---- tidal scale --------------------------------------------------------------------------
 
 
-async def tidal_scale(*args: str) -> tuple[int, str, str]:
+async def tidal_scale(*args: str, api_key_env: str | None = None) -> tuple[int, str, str]:
+    """``tidal scale ARGS``; ``TIDAL_API_KEY`` is ``api_key_env`` (unset when None)."""
+    env = {k: v for k, v in os.environ.items() if k != "TIDAL_API_KEY"}
+    if api_key_env is not None:
+        env["TIDAL_API_KEY"] = api_key_env
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
@@ -717,6 +722,7 @@ async def tidal_scale(*args: str) -> tuple[int, str, str]:
         *args,
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
+        env=env,
     )
     out, err = await asyncio.wait_for(proc.communicate(), 120)
     return proc.returncode, out.decode(), err.decode()
@@ -742,6 +748,13 @@ async def test_tidal_scale_cli_against_a_live_server():
         assert rc == 1 and "HTTP 400" in err and f"the maximum is {NUM_EXPERTS}" in err
         rc, out, err = await tidal_scale("--to", "3", "--url", url)
         assert rc == 1 and "HTTP 401" in err and "API key" in err
+        # $TIDAL_API_KEY is the default of --api-key (the flag wins over it).
+        rc, out, err = await tidal_scale("--to", "99", "--url", url, api_key_env="k")
+        assert rc == 1 and "HTTP 400" in err and f"the maximum is {NUM_EXPERTS}" in err
+        rc, out, err = await tidal_scale("--to", "99", *auth, api_key_env="bad")
+        assert rc == 1 and "HTTP 400" in err
+        rc, out, err = await tidal_scale("--to", "99", "--url", url, api_key_env="bad")
+        assert rc == 1 and "HTTP 401" in err
         rc, out, err = await tidal_scale("--to", "3", "--url", url, "--api-key", "bad")
         assert rc == 1 and "HTTP 401" in err
 

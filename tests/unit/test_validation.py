@@ -16,6 +16,7 @@ import asyncio
 import dataclasses
 import json
 import math
+import os
 import threading
 from types import SimpleNamespace
 from typing import Any
@@ -282,7 +283,39 @@ HOSTILE = [
     ("/v1/chat/completions", {"messages": CHAT, "chat_template_kwargs": {"tokenize": True}}, 400, "chat_template_kwargs", "tokenize"),
     ("/v1/chat/completions", {"messages": CHAT, "logprobs": True, "top_logprobs": 21}, 400, "logprobs", "--max-logprobs"),
     ("/v1/chat/completions", {"messages": CHAT, "n": 129}, 400, "n", "--max-n"),
+    # Request limits: checked on the raw body before anything walks it (issue 23).
+    ("/v1/completions", {"prompt": "a", "stop": ["x"] * 65}, 400, "stop", "--max-stop-strings"),
+    ("/v1/completions", {"prompt": "a", "stop": "x" * 1025}, 400, "stop", "--max-stop-string-length"),
+    ("/v1/chat/completions", {"messages": CHAT, "stop": ["y" * 2000]}, 400, "stop", "--max-stop-string-length"),
+    ("/v1/completions", {"prompt": "a", "stop": ["z"] * 100_000, "n": 16}, 400, "stop", "--max-stop-strings"),
+    ("/v1/completions", {"prompt": "a", "stop_token_ids": list(range(100_000))}, 400, "stop_token_ids", "--max-stop-token-ids"),
+    ("/v1/chat/completions", {"messages": CHAT, "stop_token_ids": list(range(1025))}, 400, "stop_token_ids", "--max-stop-token-ids"),
+    ("/v1/completions", {"prompt": "a", "stop_token_ids": [1] * 1_000_000}, 400, "stop_token_ids", "--max-stop-token-ids"),
+    ("/v1/completions", {"prompt": ["a"] * 9, "n": 128}, 400, "n", "--max-choices-per-request"),
+    ("/v1/completions", {"prompt": [[5, 6]] * 256, "n": 128}, 400, "n", "--max-choices-per-request"),
+    ("/v1/completions", {"prompt": ["a"] * 256, "n": 5}, 400, "n", "--max-choices-per-request"),
 ]  # fmt: skip
+
+
+@run
+async def test_repeated_stop_ids_reach_the_engine_once():
+    """Repeats are counted against the limit as sent, then dropped (in order)."""
+    async with client_for() as c:
+        body = {"prompt": "hi there", "max_tokens": 2, "stop_token_ids": [7, 5] * 512}
+        r = await c.post("/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        assert c.engine.calls[-1]["params"].stop_token_ids == [7, 5]
+
+
+@run
+async def test_largest_fan_out_within_the_limit_is_served():
+    async with client_for(_engine(max_n=4, max_choices_per_request=8)) as c:
+        body = {"prompt": ["a", "b"], "n": 4, "max_tokens": 1}
+        r = await c.post("/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        assert len(r.json()["choices"]) == 8
+        r = await c.post("/v1/completions", json={**body, "prompt": ["a", "b", "c"]})
+        assert "3 prompts x n=4 = 12 choices" in assert_error(r, 400, "n")["message"]
 
 
 @pytest.mark.parametrize(("path", "body", "status", "param", "fragment"), HOSTILE)
@@ -315,8 +348,9 @@ async def test_body_size_limit_content_length_and_chunked():
             for _ in range(100):
                 yield b" " * 1024
 
-        assert_error(await c.post("/v1/completions", content=chunks()), 413)
-        assert_error(await c.post("/v1/chat/completions", content=chunks()), 413)
+        json_type = {"content-type": "application/json"}
+        for path in ("/v1/completions", "/v1/chat/completions"):
+            assert_error(await c.post(path, content=chunks(), headers=json_type), 413)
         assert c.engine.calls == []
         await ok_completion(c)  # a body under the limit is served
 
@@ -428,6 +462,30 @@ async def test_sandbox_that_cannot_start_is_a_server_error():
     assert sandbox.pid is None
 
 
+@run
+async def test_sandbox_imports_nothing_from_the_working_directory(
+    qwen3_ckpt, tmp_path, monkeypatch
+):
+    """A module in the server's working directory (``msgspec.py``, which the worker
+    imports first) is not what the worker imports, even where PYTHONPATH names the
+    directory implicitly (an empty or relative entry)."""
+    marker = tmp_path / "shadow-imported"
+    (tmp_path / "msgspec.py").write_text(
+        f"open({str(marker)!r}, 'w').close()\nraise ImportError('shadowed')\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([".", os.environ.get("PYTHONPATH", ""), ""]))
+    sandbox = TemplateSandbox(qwen3_ckpt, max_chars=10_000, timeout_s=60.0)
+    try:
+        text, ids = await sandbox.render(
+            CHAT, chat_template=CHAT_TEMPLATE, add_generation_prompt=False, kwargs={}
+        )
+    finally:
+        await sandbox.close()
+    assert text.startswith("<|im_start|>system\n") and ids
+    assert not marker.exists()
+
+
 def _alive(pid: int) -> bool:
     try:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
@@ -445,6 +503,10 @@ SAME_ERRORS = [
     ({"stop_token_ids": [512]}, [5, 6], "stop_token_ids"),
     ({}, [5, 512], "prompt"),
     ({"max_tokens": 1000}, [5, 6], "This model's maximum context length"),
+    # The request limits (FrontendConfig.check_sizes), at their defaults.
+    ({"stop": [f"s{i}" for i in range(65)]}, [5, 6], "stop"),
+    ({"stop": ["x" * 1025]}, [5, 6], "stop"),
+    ({"stop_token_ids": list(range(1025))}, [5, 6], "stop_token_ids"),
 ]
 
 
@@ -487,6 +549,30 @@ def test_llm_asyncllm_and_http_refuse_alike(offline, params, ids, field):
 
     assert asyncio.run(via_async_llm()) == str(from_llm.value)
     assert asyncio.run(via_http())["message"] == str(from_llm.value)
+
+
+def test_the_engine_rechecks_sizes_and_keeps_stop_ids_as_a_set(offline):
+    """What skipped the frontend's checks is refused by its length before any per-item
+    check; the engine's request keeps its stop ids as a set, and stops on them."""
+    engine = offline.client.engine
+    many_ids = SamplingParams(stop_token_ids=list(range(100_000)))
+    many_stops = SamplingParams(stop=[f"s{i}" for i in range(100)])
+    for params, field in ((many_ids, "stop_token_ids"), (many_stops, "stop")):
+        with pytest.raises(ValueError, match=rf"^{field}: at most"):
+            engine.make_request(EngineCoreRequest("big", [5, 6], params))
+    params = SamplingParams(temperature=0.0, max_tokens=8, stop_token_ids=[3, 4, 3])
+    req = engine.make_request(EngineCoreRequest("ok", [5, 6], params))
+    assert req.stop_token_ids == frozenset({3, 4}) and params.stop_token_ids == [3, 4]
+    # Greedy: stop on whatever the model says second.
+    (free,) = offline.generate(
+        {"prompt_token_ids": [5, 6]}, SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False
+    )
+    stop_at = free.outputs[0].token_ids[1]
+    params = SamplingParams(temperature=0.0, max_tokens=4, stop_token_ids=[stop_at] * 3 + [511])
+    (out,) = offline.generate({"prompt_token_ids": [5, 6]}, params, use_tqdm=False)
+    c = out.outputs[0]
+    assert c.finish_reason == "stop" and c.stop_reason == stop_at
+    assert c.token_ids == free.outputs[0].token_ids[: c.token_ids.index(stop_at) + 1]
 
 
 def test_llm_refuses_table_and_chat_errors_then_serves(offline):
@@ -537,9 +623,16 @@ def test_llm_raises_when_the_engine_fails_a_request(offline, monkeypatch):
 
 def test_frontend_limits_are_flags(qwen3_ckpt, capsys):
     parser = make_parser()
+    sys_args = ["--model", qwen3_ckpt, "--max-n", "8", "--max-request-body-bytes", "4096"] + [
+        "--max-logprobs",
+        "3",
+        "--max-prompts-per-request",
+        "2",
+        "--trust-request-chat-template",
+    ]
     ns = parser.parse_args(
-        ["--model", qwen3_ckpt, "--max-n", "8", "--max-request-body-bytes", "4096"]
-        + ["--max-logprobs", "3", "--max-prompts-per-request", "2", "--trust-request-chat-template"]
+        [*sys_args, "--max-choices-per-request", "9", "--max-stop-strings", "4"]
+        + ["--max-stop-string-length", "5", "--max-stop-token-ids", "6"]
     )
     cfg = build_engine_config(parser, ns)
     assert cfg.frontend == FrontendConfig(
@@ -548,6 +641,10 @@ def test_frontend_limits_are_flags(qwen3_ckpt, capsys):
         max_logprobs=3,
         max_request_body_bytes=4096,
         trust_request_chat_template=True,
+        max_choices_per_request=9,
+        max_stop_strings=4,
+        max_stop_string_length=5,
+        max_stop_token_ids=6,
     )
     assert EngineArgs(model=qwen3_ckpt).create_engine_config().frontend == FrontendConfig()
     with pytest.raises(SystemExit):

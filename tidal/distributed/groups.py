@@ -39,6 +39,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import PrefixStore, ReduceOp, TCPStore
 
+from tidal.distributed.ports import listening_socket, local_address_towards
+
 logger = logging.getLogger(__name__)
 
 
@@ -64,19 +66,38 @@ _BACKENDS = ("gloo", "nccl")
 def create_store(
     host: str, port: int, *, rank: int, world_size: int, timeout_s: float = 60.0
 ) -> TCPStore:
-    """Rank 0 hosts the store (``is_master``); the others connect to ``host:port``.
+    """Rank 0 hosts the store (``serve_store``); the others connect to ``host:port``.
 
     Does not wait for all workers, so rank 0 returns at once; the group's rendezvous
     (inside the backend constructor) is what blocks until every rank has arrived.
     """
-    return TCPStore(
-        host,
-        port,
-        world_size,
-        is_master=(rank == 0),
-        timeout=datetime.timedelta(seconds=timeout_s),
-        wait_for_workers=False,
+    if rank == 0:
+        return serve_store(host, port, world_size=world_size, timeout_s=timeout_s)
+    return _tcp_store(host, port, world_size, timeout_s, is_master=False)
+
+
+def serve_store(
+    host: str, port: int = 0, *, world_size: int | None = None, timeout_s: float = 60.0
+) -> TCPStore:
+    """A TCPStore server listening on ``host`` only (port 0: a free one, ``store.port``).
+
+    torch's own server listens on every interface (``*:port``) whatever ``host`` says,
+    which would open the rendezvous of a loopback-only deployment to the network. So the
+    listening socket is made here, bound to ``host``, and handed over (the store owns
+    and closes it)."""
+    sock = listening_socket(host, port)
+    bound_port = sock.getsockname()[1]
+    fd = sock.detach()
+    return _tcp_store(
+        host, bound_port, world_size, timeout_s, is_master=True, master_listen_fd=fd, use_libuv=True
     )
+
+
+def _tcp_store(
+    host: str, port: int, world_size: int | None, timeout_s: float, **kwargs: Any
+) -> TCPStore:
+    timeout = datetime.timedelta(seconds=timeout_s)
+    return TCPStore(host, port, world_size, timeout=timeout, wait_for_workers=False, **kwargs)
 
 
 class StatelessGroup:
@@ -133,7 +154,8 @@ class StatelessGroup:
         prefix: namespace of this group's keys in the store. Must be unique per store:
             groups sharing a store (or re-created on it) need distinct prefixes.
         local_addr: the address gloo binds for its peer connections; default 127.0.0.1
-            when ``host`` is loopback, else gloo's default device for this machine's hostname.
+            when ``host`` is loopback, else this machine's address on the route to ``host``
+            (``host`` itself on the host that serves the store).
         """
         if backend not in _BACKENDS:
             raise ValueError(f"backend must be one of {', '.join(_BACKENDS)}; got {backend!r}")
@@ -409,6 +431,10 @@ def _make_gloo(
     opts._timeout = timeout
     if local_addr is None and host in _LOOPBACK:
         local_addr = "127.0.0.1"
+    if local_addr is None:
+        # This host's address facing the store's host (the DP address itself on that
+        # host), rather than whatever the machine's hostname resolves to.
+        local_addr = local_address_towards(host)
     if local_addr is None:
         opts._devices = [gloo.create_default_device()]
     else:

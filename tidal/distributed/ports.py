@@ -1,8 +1,41 @@
-"""Free TCP ports for the stores and sockets a deployment binds."""
+"""Free TCP ports and listening sockets for the stores and sockets a deployment binds.
+
+Every TCP socket a deployment listens on is bound to one address: loopback on a single
+host, ``--data-parallel-address`` (or, on another host, this host's address on the route
+to it) across hosts, never every interface.
+"""
 
 from __future__ import annotations
 
 import socket
+
+
+def listening_socket(host: str, port: int, backlog: int = 128) -> socket.socket:
+    """A TCP socket listening on ``host`` only (its first address), not on every
+    interface: what the TCPStore servers listen on (``serve_store``)."""
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(backlog)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def local_address_towards(host: str) -> str | None:
+    """This machine's address on the route to ``host`` (the one its packets to ``host``
+    would leave from; ``host`` itself when it is one of ours), or None when there is no
+    route. A UDP "connect" only looks the route up: nothing is sent."""
+    try:
+        family, _, _, _, address = socket.getaddrinfo(host, 9, type=socket.SOCK_DGRAM)[0]
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            s.connect(address)
+            return str(s.getsockname()[0])
+    except OSError:
+        return None
 
 
 def get_open_port(host: str = "127.0.0.1") -> int:

@@ -50,6 +50,13 @@ class EngineCore:
         self.scheduler.add_request(self.make_request(req))
 
     def make_request(self, req: EngineCoreRequest) -> Request:
+        # Sizes first, by length alone: no per-item check walks a huge list.
+        params = req.sampling_params
+        self.config.frontend.check_sizes(
+            stop=params.stop,
+            stop_token_ids=params.stop_token_ids,
+            extra_stop_token_ids=len(self.config.model.eos_token_ids),
+        )
         validate_request(req, self.config.model.max_model_len, self.vocab_size)
         # Rebuilding the params re-runs their own range checks on what came off the wire.
         params = SamplingParams(**_struct_fields(req.sampling_params))

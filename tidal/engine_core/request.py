@@ -59,6 +59,8 @@ class Request:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids[:split])
         self.sampling_params = sampling_params
+        # Checked against every sampled token: a set, whatever the list's length.
+        self.stop_token_ids = frozenset(sampling_params.stop_token_ids)
         self.eos_token_id = eos_token_id
         self.client_index = client_index
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time

@@ -355,7 +355,7 @@ class Scheduler:
             if not sp.ignore_eos and req.eos_token_id is not None and last == req.eos_token_id:
                 req.status = RequestStatus.FINISHED_STOPPED
                 return True
-            if last in sp.stop_token_ids:
+            if last in req.stop_token_ids:
                 req.status = RequestStatus.FINISHED_STOPPED
                 req.stop_reason = last
                 return True

@@ -4,8 +4,9 @@ methods here.
 
 Per scale operation (epoch ``n`` = the new topology's), on each engine:
 
-1. ``join_standby`` (helper thread): a TCPStore client to the frontend's fresh store, then
-   the transfer group over the operation's participants (prefix ``e{n}/xfer``) and, for a
+1. ``join_standby`` (helper thread): a TCPStore client to the frontend's fresh store, a
+   wait until every participant has announced itself there (the part a rollback can
+   interrupt), then the transfer group over the operation's participants (prefix ``e{n}/xfer``) and, for a
    member of the new topology, its DP and EP groups (``e{n}/dp``, ``e{n}/ep``). Same order
    on every engine (xfer first: a leaving engine creates only that one).
 2. ``pack_expert_sends`` (busy loop): a snapshot of every expert this engine sends, per
@@ -30,9 +31,10 @@ Per scale operation (epoch ``n`` = the new topology's), on each engine:
 
 Threads: the helper-thread calls touch only the standby entry and the staged experts of
 their epoch; a lock guards the dicts. A ``destroy_standby`` while the helper is still in
-a rendezvous or a transfer cancels that attempt: what it creates afterwards is destroyed
-and it raises, so a late helper can never leak a group or stage into a later attempt of
-the same epoch (a rolled-back operation's epoch is reused by the next one).
+a rendezvous or a transfer cancels that attempt: a wait for peers ends at once, what it
+creates afterwards is destroyed and it raises, so a late helper can never leak a group or
+stage into a later attempt of the same epoch (a rolled-back operation's epoch is reused
+by the next one).
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ import datetime
 import logging
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -79,6 +81,10 @@ def parse_address(address: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
+# How often a helper waiting for its peers looks at the store (one small request each).
+_ARRIVAL_POLL_S = 0.05
+
+
 @dataclass(eq=False)
 class _Standby:
     """One attempt's standby groups of an epoch (a retry of the epoch is a new object)."""
@@ -90,7 +96,15 @@ class _Standby:
     xfer: StatelessGroup | None = None
     dp: StatelessGroup | None = None
     ep: StatelessGroup | None = None
-    cancelled: bool = False
+    # Set by destroy_standby (a rollback): wakes a helper waiting for its peers.
+    cancel_event: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def cancelled(self) -> bool:
+        return self.cancel_event.is_set()
+
+    def cancel(self) -> None:
+        self.cancel_event.set()
 
     def destroy(self) -> None:
         for g in (self.ep, self.dp, self.xfer):
@@ -98,6 +112,30 @@ class _Standby:
                 g.destroy()
         self.ep = self.dp = self.xfer = None
         self.store = None
+
+
+def _await_participants(entry: _Standby, store: Any, engine_id: int, timeout_s: float) -> None:
+    """Announce this engine in the operation's store, then wait until every participant
+    has: the groups' rendezvous (gloo's, inside its constructor) cannot be interrupted,
+    so the wait for a peer that may never come happens here, where a cancellation
+    (``destroy_standby``: a rollback) ends it at once and the deadline names who is
+    missing. The store is fresh per operation, so no key outlives its attempt."""
+
+    def key(e: int) -> str:
+        return f"tidal/e{entry.epoch}/arrived/{e}"
+
+    store.set(key(engine_id), b"1")
+    keys = [key(e) for e in entry.participants]
+    deadline = time.monotonic() + timeout_s
+    while not store.check(keys):
+        if entry.cancel_event.wait(_ARRIVAL_POLL_S):
+            raise RuntimeError(f"the standby groups of epoch {entry.epoch} were destroyed")
+        if time.monotonic() > deadline:
+            missing = [e for e in entry.participants if not store.check([key(e)])]
+            raise TimeoutError(
+                f"standby rendezvous of epoch {entry.epoch} timed out after {timeout_s:g} s "
+                f"waiting for engines {missing}"
+            )
 
 
 class ElasticWorkerState:
@@ -157,7 +195,7 @@ class ElasticWorkerState:
             logger.warning(
                 "engine %d: replacing stale standby groups of epoch %d", engine_id, epoch
             )
-            stale.cancelled = True
+            stale.cancel()
             stale.destroy()
         try:
             store = TCPStore(
@@ -168,6 +206,7 @@ class ElasticWorkerState:
                 timeout=datetime.timedelta(seconds=timeout_s),
             )
             self._attach(entry, "store", store)
+            _await_participants(entry, store, engine_id, timeout_s)
 
             def create(name: str, group_members: list[int], backend: str) -> None:
                 group = StatelessGroup.create(
@@ -218,7 +257,7 @@ class ElasticWorkerState:
         with self._lock:
             entry = self._standby.pop(epoch, None)
             if entry is not None:
-                entry.cancelled = True
+                entry.cancel()
         if entry is not None:
             entry.destroy()
 
@@ -480,7 +519,7 @@ class ElasticWorkerState:
             entries = list(self._standby.values())
             self._standby.clear()
             for entry in entries:
-                entry.cancelled = True
+                entry.cancel()
             self._staged.clear()
             self._packed.clear()
         for entry in entries:

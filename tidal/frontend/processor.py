@@ -2,9 +2,10 @@
 for n.
 
 ``InputProcessor.check`` is the one place for checks that need the model or the
-deployment's limits (vocabulary, context length, ``max_n``, ``max_logprobs``); the HTTP
-server, ``LLM`` and ``AsyncLLM`` all call it, so they refuse the same inputs with the same
-messages. Field-by-field bounds live in ``SamplingParams`` itself.
+deployment's limits (vocabulary, context length, ``max_logprobs``, and the sizes of
+``FrontendConfig.check_sizes``: ``n``, stop strings and ids); the HTTP server, ``LLM`` and
+``AsyncLLM`` all call it, so they refuse the same inputs with the same messages.
+Field-by-field bounds live in ``SamplingParams`` itself.
 """
 
 from __future__ import annotations
@@ -125,8 +126,7 @@ class InputProcessor:
         ``params`` already passed its own field table; this adds the bounds that depend on
         the vocabulary, the context length and the request limits."""
         vocab, limits = self.vocab_size, self.limits
-        if params.n > limits.max_n:
-            raise ValueError(f"n must be <= {limits.max_n} (max_n, --max-n), got {params.n}")
+        limits.check_sizes(n=params.n, stop=params.stop, stop_token_ids=params.stop_token_ids)
         if params.top_k > vocab:
             raise ValueError(
                 f"top_k must be <= the vocabulary size ({vocab}), or -1/0 to disable; "
@@ -175,7 +175,11 @@ class InputProcessor:
         data_parallel_rank: int | None = None,
     ) -> list[EngineCoreRequest]:
         """One engine request per child; child i of a seeded request uses seed + i (wrapped
-        into int64, so a seed near the top of the range stays representable)."""
+        into int64, so a seed near the top of the range stays representable).
+
+        The children share one stop-id list and carry no stop strings: those are matched
+        here, by the detokenizer, and the engine never reads them, so ``n`` children do
+        not send ``n`` copies of them."""
         now = time.time()
         stop_ids = list(params.stop_token_ids)
         if not params.ignore_eos:
@@ -183,7 +187,9 @@ class InputProcessor:
         reqs = []
         for i, cid in enumerate(child_ids):
             seed = None if params.seed is None else wrap_int64(params.seed + i)
-            child = msgspec.structs.replace(params, n=1, seed=seed, stop_token_ids=stop_ids)
+            child = msgspec.structs.replace(
+                params, n=1, seed=seed, stop=[], stop_token_ids=stop_ids
+            )
             reqs.append(
                 EngineCoreRequest(
                     request_id=cid,

@@ -38,9 +38,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from torch.distributed import TCPStore
-
 from tidal.config import EngineConfig
+from tidal.distributed.groups import serve_store
 from tidal.elastic.plan import expert_nbytes
 from tidal.frontend.mp_client import ScaleHooks
 from tidal.frontend.scale_controller import ScaleController
@@ -121,7 +120,7 @@ def tcp_store_factory(host: str) -> StoreFactory:
     """Host each operation's store on ``host`` (the DP address), on a free port."""
 
     def make() -> tuple[Any, str]:
-        store = TCPStore(host, 0, is_master=True, wait_for_workers=False)
+        store = serve_store(host)  # listens on ``host`` only, not every interface
         return store, f"{host}:{store.port}"
 
     return make

@@ -14,16 +14,20 @@ out of memory.
 The worker loads the same tokenizer, so the template sees the same special tokens and
 transformers' own rendering (its sandbox, control-token sanitising); it returns the text and
 its token ids. Frames on its stdin/stdout are a 4-byte big-endian length + msgpack (never
-pickle). It runs as ``python -m tidal.frontend.template_sandbox TOKENIZER``, so it never
-re-imports the caller's ``__main__``, and it exits when its stdin closes (the server went).
+pickle). It runs as ``python -P -m tidal.frontend.template_sandbox TOKENIZER``, so it never
+re-imports the caller's ``__main__`` and imports nothing from the server's working
+directory (``worker_command``, ``worker_env``: the template is hostile, and so may be
+the directory), and it exits when its stdin closes (the server went).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import struct
 import sys
+from collections.abc import Mapping
 from typing import Any, BinaryIO
 
 import msgspec
@@ -144,12 +148,10 @@ class TemplateSandbox:
         if self._proc is not None and self._proc.returncode is None:
             return self._proc
         self._proc = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-m",
-            _MODULE,
-            self.tokenizer,
+            *worker_command(self.tokenizer),
             stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE,
+            env=worker_env(os.environ),
         )
         try:
             ready = await asyncio.wait_for(_read_reply(self._proc), self.startup_timeout_s)
@@ -180,6 +182,23 @@ class TemplateSandbox:
         fut = asyncio.ensure_future(proc.wait())
         self._reaping.add(fut)
         fut.add_done_callback(self._reaping.discard)
+
+
+def worker_command(tokenizer: str) -> list[str]:
+    """``python -P -m ...``: ``-P`` (safe path) keeps the working directory off
+    ``sys.path``, so a module there cannot shadow one the worker imports."""
+    return [sys.executable, "-P", "-m", _MODULE, tokenizer]
+
+
+def worker_env(environ: Mapping[str, str]) -> dict[str, str]:
+    """The worker's environment: the server's, with ``PYTHONPATH`` cleaned of what
+    names the working directory without saying so (empty and relative entries, which
+    ``-P`` does not drop: Python reads them against the working directory)."""
+    env = dict(environ)
+    entries = [p for p in env.pop("PYTHONPATH", "").split(os.pathsep) if os.path.isabs(p)]
+    if entries:
+        env["PYTHONPATH"] = os.pathsep.join(entries)
+    return env
 
 
 async def _read_reply(proc: asyncio.subprocess.Process) -> RenderReply:

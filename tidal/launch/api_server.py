@@ -33,6 +33,7 @@ import tidal
 from tidal.launch.admin import add_admin_routes
 from tidal.launch.auth import BearerAuthMiddleware
 from tidal.launch.errors import add_error_handlers
+from tidal.launch.hosts import add_browser_guards
 from tidal.launch.http_limits import BodyLimitMiddleware
 from tidal.launch.metrics import ServerMetrics
 from tidal.launch.scaling import add_scaling_routes
@@ -53,12 +54,19 @@ def build_app(
     metrics: ServerMetrics | None = None,
     shutdown_engine: bool = True,
     routers: Sequence[APIRouter] = (),
+    bind_host: str | None = None,
+    allowed_hosts: Sequence[str] = (),
+    allowed_origins: Sequence[str] = (),
 ) -> FastAPI:
     """The FastAPI app. ``metrics`` is registered as the engine's stat logger and scale
     listener; on lifespan shutdown (SIGTERM/SIGINT under uvicorn) ``engine.shutdown()``
     is awaited unless ``shutdown_engine`` is False. ``routers`` (admin, dashboard) are
     included as they are; the API key protects them too. Handlers find the engine and
-    metrics on ``request.app.state``."""
+    metrics on ``request.app.state``. ``bind_host`` (the address the server listens on),
+    ``allowed_hosts`` and ``allowed_origins`` set the Host check and CORS (``hosts``);
+    an empty ``api_key`` is an error, not "no authentication"."""
+    if api_key is not None and not api_key:
+        raise ValueError("api_key must not be empty (None: no API key)")
     metrics = metrics if metrics is not None else ServerMetrics()
     engine.add_stat_logger(metrics)
     engine.add_scale_listener(metrics.record_scale_operation)
@@ -82,8 +90,15 @@ def build_app(
     app.state.engine, app.state.metrics, app.state.serving = engine, metrics, serving
     if api_key:
         app.add_middleware(BearerAuthMiddleware, api_key=api_key)
-    # Added last, so outermost: an oversized body is refused before anything else runs.
     app.add_middleware(BodyLimitMiddleware, max_bytes=serving.limits.max_request_body_bytes)
+    # Outermost: a foreign Host is refused before anything else runs, an oversized body
+    # right after (before the API key is even looked at).
+    add_browser_guards(
+        app,
+        bind_host=bind_host,
+        allowed_hosts=allowed_hosts,
+        allowed_origins=allowed_origins,
+    )
     add_error_handlers(app)
     add_openai_routes(app, serving)
     add_admin_routes(app, serving, metrics)
@@ -141,12 +156,23 @@ async def serve(
     log_level: str = "info",
     timeout_graceful_shutdown: float | None = 10.0,
     routers: Sequence[APIRouter] = (),
+    allowed_hosts: Sequence[str] = (),
+    allowed_origins: Sequence[str] = (),
 ) -> None:
-    """Serve until SIGTERM/SIGINT; the engine is shut down on the way out.
+    """Serve until SIGTERM/SIGINT; the engine is shut down on the way out. The Host check
+    follows the address served: ``sock``'s when given, else ``host``.
 
     uvicorn restores the previous signal handlers and re-raises the signal after a
     graceful shutdown, so a caller's own SIGTERM handler still runs afterwards."""
-    app = build_app(engine, api_key=api_key, served_model_name=served_model_name, routers=routers)
+    app = build_app(
+        engine,
+        api_key=api_key,
+        served_model_name=served_model_name,
+        routers=routers,
+        bind_host=sock.getsockname()[0] if sock is not None else host,
+        allowed_hosts=allowed_hosts,
+        allowed_origins=allowed_origins,
+    )
     server = make_server(
         app,
         host=host,

@@ -66,6 +66,10 @@ _HELP = {
     "max_n": "most choices (n) one request may ask for",
     "max_prompts_per_request": "most prompts in one /v1/completions request",
     "max_logprobs": "most top logprobs per position a request may ask for",
+    "max_choices_per_request": "most choices one request may ask for: prompts x n",
+    "max_stop_strings": "most stop strings one request may give",
+    "max_stop_string_length": "longest stop string, in characters",
+    "max_stop_token_ids": "most stop_token_ids one request may give",
     "max_request_body_bytes": "largest HTTP request body; a larger one gets 413 unread",
     "trust_request_chat_template": "accept a chat_template in chat requests (rendered in a "
     "sandboxed, time-bounded worker process)",

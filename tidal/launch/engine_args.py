@@ -102,6 +102,10 @@ class EngineArgs:
     max_n: int = 128
     max_prompts_per_request: int = 256
     max_logprobs: int = 20
+    max_choices_per_request: int = 1024
+    max_stop_strings: int = 64
+    max_stop_string_length: int = 1024
+    max_stop_token_ids: int = 1024
     max_request_body_bytes: int = 8 * 1024 * 1024
     trust_request_chat_template: bool = False
 

@@ -1,16 +1,24 @@
 """Request bodies, checked before any route reads them: their size (``BodyLimitMiddleware``,
-before the body is read), encoding, JSON syntax, nesting depth and every number in them
-(``decode_json_body``), then their shape against the route's pydantic model
-(``parse_request``). Each check stops what the next one cannot handle.
+before the body is read), their media type (``read_json``: only ``application/json``), encoding,
+JSON syntax, the route's own size limits on the raw JSON (``precheck``), nesting depth and
+every number in them (``decode_json_body``), then their shape against the route's pydantic
+model (``parse_request``). Each check stops what the next one cannot handle.
+
+Why the media type: a web page can POST ``text/plain`` (or a form) to any address without
+a CORS preflight, so a JSON route that parsed any body could be driven by every page the
+operator opens. ``application/json`` needs a preflight, which this server never answers
+unless ``--allowed-origins`` lists the page's origin.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 from collections.abc import Callable
 from typing import Any
 
+from fastapi import Request
 from pydantic import BaseModel, ValidationError
 
 from tidal.launch.errors import APIError, validation_message
@@ -76,12 +84,17 @@ def _content_length(scope: dict) -> int | None:
 MAX_JSON_DEPTH = 64
 
 
-def decode_json_body(body: bytes) -> Any:
+Precheck = Callable[[Any], None]
+
+
+def decode_json_body(body: bytes, precheck: Precheck | None = None) -> Any:
     """The request body as JSON, or APIError 400 saying what is wrong with it: not UTF-8,
     not JSON (NaN and Infinity included: not JSON, and not a number any field takes),
-    nested deeper than ``MAX_JSON_DEPTH``, or a number no field can hold (an int outside
-    int64, a float that overflows to infinity). Checked for every field of every route at
-    once, before any field's own checks."""
+    refused by ``precheck`` (the route's cheap size limits, given the decoded JSON as it
+    is; a ValueError it raises is a 400 naming its field), nested deeper than
+    ``MAX_JSON_DEPTH``, or a number no field can hold (an int outside int64, a float that
+    overflows to infinity). Checked for every field of every route at once, before any
+    field's own checks."""
     try:
         text = body.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -92,6 +105,8 @@ def decode_json_body(body: bytes) -> Any:
         raise APIError(400, _TOO_DEEP) from None
     except ValueError as e:
         raise APIError(400, f"malformed JSON body: {e}") from None
+    if precheck is not None:
+        precheck(data)  # before the walk below: it visits every item of a huge list
     _check_json_values(data)
     return data
 
@@ -138,11 +153,43 @@ def _top(path: tuple[str | int, ...]) -> str | None:
     return path[0] if path and isinstance(path[0], str) else None
 
 
-def parse_request(body: bytes, model: type[BaseModel]) -> Any:
+def parse_request(body: bytes, model: type[BaseModel], precheck: Precheck | None = None) -> Any:
     """Body bytes -> request model, or APIError 400 (runs in a worker thread)."""
-    data = decode_json_body(body)
+    data = decode_json_body(body, precheck)
     try:
         return model.model_validate(data)
     except ValidationError as e:
         msg, param = validation_message(e)
         raise APIError(400, msg, param=param) from None
+
+
+class UnsupportedMediaType(APIError):
+    def __init__(self, got: str | None) -> None:
+        super().__init__(
+            415,
+            "request body must be JSON: send Content-Type: application/json, got "
+            + (repr(got) if got else "no Content-Type"),
+            code="unsupported_media_type",
+        )
+
+
+def check_json_content_type(content_type: str | None) -> None:
+    """``application/json``, with no parameter but an optional UTF-8 charset (JSON is
+    UTF-8, RFC 8259), or APIError 415."""
+    media, *params = (content_type or "").split(";")
+    if media.strip().lower() != "application/json":
+        raise UnsupportedMediaType(content_type)
+    for param in params:
+        name, _, value = param.partition("=")
+        if name.strip().lower() != "charset" or value.strip().strip('"').lower() != "utf-8":
+            raise UnsupportedMediaType(content_type)
+
+
+async def read_json(
+    request: Request, model: type[BaseModel], precheck: Precheck | None = None
+) -> Any:
+    """A JSON route's body as ``model``: 415 unless it is ``application/json`` (checked
+    before a byte of it is read), then ``parse_request`` off the event loop."""
+    check_json_content_type(request.headers.get("content-type"))
+    body = await request.body()  # bounded by BodyLimitMiddleware
+    return await asyncio.to_thread(parse_request, body, model, precheck)

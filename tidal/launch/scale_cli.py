@@ -12,14 +12,14 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
 import urllib.error
 import urllib.parse
 import urllib.request
 from typing import Any
 
-API_KEY_ENV = "TIDAL_API_KEY"  # launch's --api-key default, too
+from tidal.launch.api_key import add_api_key_arg, resolve_api_key
+
 MAX_OPERATION_ID_CHARS = 256
 
 
@@ -33,11 +33,7 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--url", default="http://127.0.0.1:8000", help="the server (default: %(default)s)"
     )
-    p.add_argument(
-        "--api-key",
-        default=os.environ.get(API_KEY_ENV),
-        help=f"the server's --api-key (default: ${API_KEY_ENV})",
-    )
+    add_api_key_arg(p, "the server's --api-key")
     p.add_argument(
         "--drain-timeout",
         type=float,
@@ -63,7 +59,8 @@ def make_parser() -> argparse.ArgumentParser:
 
 
 def _check(p: argparse.ArgumentParser, ns: argparse.Namespace) -> str:
-    """Flag errors (naming the flag) and the route's URL."""
+    """Flag errors (naming the flag) and the route's URL; ``ns.api_key`` resolved."""
+    ns.api_key = resolve_api_key(p, ns)
     if ns.to < 1:
         p.error(f"--to: must be >= 1, got {ns.to}")
     if not (math.isfinite(ns.drain_timeout) and ns.drain_timeout >= 0):

@@ -24,7 +24,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
 
 from tidal.launch.errors import APIError, classify_error
-from tidal.launch.http_limits import parse_request
+from tidal.launch.http_limits import read_json
 
 if TYPE_CHECKING:
     from tidal.launch.serving import OpenAIServing
@@ -99,8 +99,7 @@ def add_scaling_routes(app: FastAPI, serving: OpenAIServing) -> None:
     @app.post("/scale_elastic_ep")
     async def scale_elastic_ep(request: Request) -> Response:
         try:
-            body = await request.body()  # bounded by BodyLimitMiddleware
-            req = await asyncio.to_thread(parse_request, body, ScaleElasticEPRequest)
+            req = await read_json(request, ScaleElasticEPRequest)
             serving.check_alive()
             if not engine.config.parallel.enable_elastic_ep:
                 raise APIError(

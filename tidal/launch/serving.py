@@ -24,7 +24,7 @@ from tidal.frontend.processor import ProcessedPrompt
 from tidal.frontend.template_sandbox import SandboxUnavailable, TemplateSandbox
 from tidal.launch import protocol as P
 from tidal.launch.errors import APIError, classify_error
-from tidal.launch.http_limits import parse_request
+from tidal.launch.http_limits import read_json
 from tidal.sampling_params import SamplingParams
 
 if TYPE_CHECKING:  # annotations only: the server takes any engine with AsyncLLM's
@@ -33,11 +33,6 @@ if TYPE_CHECKING:  # annotations only: the server takes any engine with AsyncLLM
 
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 _DONE = "data: [DONE]\n\n"
-
-
-async def _parse(request: Request, model: type[BaseModel]) -> Any:
-    body = await request.body()  # bounded by BodyLimitMiddleware
-    return await asyncio.to_thread(parse_request, body, model)
 
 
 async def _wait_disconnect(request: Request) -> None:
@@ -120,6 +115,21 @@ class OpenAIServing:
         if self.engine.is_dead:
             raise APIError(503, "engine is dead", code="engine_dead")
 
+    def check_sizes(self, data: Any) -> None:
+        """The request limits on the raw JSON body, before anything walks it (the
+        ``precheck`` of ``read_json``): a body of a million stop ids or a fan-out of
+        32,768 choices is refused in milliseconds. Values of the wrong type are left to
+        the type checks that follow."""
+        if not isinstance(data, dict):
+            return
+        stop, ids, n, prompt = (data.get(k) for k in ("stop", "stop_token_ids", "n", "prompt"))
+        self.limits.check_sizes(
+            n=n if type(n) is int else 1,
+            num_prompts=_num_prompts(prompt),
+            stop=[stop] if isinstance(stop, str) else stop if isinstance(stop, list) else (),
+            stop_token_ids=ids if isinstance(ids, list) else (),
+        )
+
     def model_card(self) -> P.ModelCard:
         return P.ModelCard(
             id=self.model_name, root=self.model_path, max_model_len=self.max_model_len
@@ -192,7 +202,7 @@ class OpenAIServing:
     # -- /v1/completions --
 
     async def completion_jobs(self, req: P.CompletionRequest, request_id: str) -> list[_Job]:
-        batch = self._completion_batch(req.prompt)
+        batch = self._completion_batch(req)
         tokenize = self.engine.input_processor.tokenize
         # Off the event loop: a long prompt must not stall the other streams.
         prompts = await asyncio.to_thread(lambda: [tokenize(p) for p in batch])
@@ -202,18 +212,15 @@ class OpenAIServing:
             for i, p in enumerate(prompts)
         ]
 
-    def _completion_batch(self, prompt: Any) -> list[Any]:
-        """A string, token ids, or a batch of either -> the list of prompts."""
+    def _completion_batch(self, req: P.CompletionRequest) -> list[Any]:
+        """A string, token ids, or a batch of either -> the list of prompts (prompts x n
+        within the request limits)."""
+        prompt = req.prompt
         if isinstance(prompt, list) and not prompt:
             raise ValueError("prompt must not be empty")
-        if isinstance(prompt, str) or isinstance(prompt[0], int):
-            return [prompt]
-        if len(prompt) > self.limits.max_prompts_per_request:
-            raise ValueError(
-                f"prompt: at most {self.limits.max_prompts_per_request} prompts per request "
-                f"(--max-prompts-per-request), got {len(prompt)}"
-            )
-        return prompt
+        batch = [prompt] if isinstance(prompt, str) or isinstance(prompt[0], int) else prompt
+        self.limits.check_sizes(n=req.n or 1, num_prompts=len(batch))
+        return batch
 
     async def completion(self, req: P.CompletionRequest, request: Request) -> Response:
         rid, created = P.random_id("cmpl"), P.now_s()
@@ -419,6 +426,13 @@ class OpenAIServing:
         yield _DONE
 
 
+def _num_prompts(prompt: Any) -> int:
+    """Prompts in a raw ``prompt`` value: a batch is a list of strings or of id lists."""
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        return len(prompt)
+    return 1
+
+
 def _prompt_tokens(jobs: list[_Job]) -> int:
     # Counted once per prompt, not once per choice (n), like OpenAI.
     return sum(len(j.prompt.prompt_token_ids) for j in jobs)
@@ -429,7 +443,7 @@ def add_openai_routes(app: FastAPI, serving: OpenAIServing) -> None:
 
     async def handle(request: Request, model: type[BaseModel], run: Callable) -> Response:
         try:
-            req = await _parse(request, model)
+            req = await read_json(request, model, serving.check_sizes)
             serving.check_model(req.model)
             serving.check_alive()
             return await run(req, request)

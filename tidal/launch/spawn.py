@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import signal
 import sys
 import threading
@@ -18,6 +17,7 @@ import threading
 from tidal.config import EngineConfig
 from tidal.frontend.async_llm import AsyncLLM
 from tidal.frontend.proc_manager import spawn_headless_engines
+from tidal.launch.api_key import add_api_key_arg, resolve_api_key
 from tidal.launch.api_server import bind_socket, run_server
 from tidal.launch.args import add_engine_args, build_engine_config
 
@@ -28,8 +28,23 @@ def make_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--host", default="127.0.0.1", help="HTTP bind address")
     p.add_argument("--port", type=int, default=8000, help="HTTP port")
+    add_api_key_arg(p, "require this bearer token on every route")
     p.add_argument(
-        "--api-key", default=os.environ.get("TIDAL_API_KEY"), help="require this bearer token"
+        "--allowed-hosts",
+        nargs="+",
+        default=[],
+        metavar="HOST",
+        help="Host header names the server answers to (besides localhost, 127.0.0.1 and "
+        "[::1] when --host is loopback); '*' for any. Default: loopback names when bound "
+        "to loopback, else any",
+    )
+    p.add_argument(
+        "--allowed-origins",
+        nargs="+",
+        default=[],
+        metavar="ORIGIN",
+        help="web origins (scheme://host[:port]) whose pages may call the API (CORS); "
+        "'*' for any. Default: none, no CORS headers",
     )
     p.add_argument(
         "--served-model-name", default=None, help="model name clients use (default: the path)"
@@ -61,6 +76,11 @@ def _check_multi_node(
         )
 
 
+def _split(values: list[str]) -> list[str]:
+    """Repeated or comma-separated values of a list flag."""
+    return [v.strip() for value in values for v in value.split(",") if v.strip()]
+
+
 def run_headless(config: EngineConfig) -> int:
     """Start this host's ranks and wait; SIGTERM/SIGINT stops them."""
     par = config.parallel
@@ -89,6 +109,7 @@ def serve_main(argv: list[str]) -> int:
     ns = parser.parse_args(argv)
     if not 0 <= ns.port <= 65535:
         parser.error(f"--port: must be in [0, 65535], got {ns.port}")
+    api_key = resolve_api_key(parser, ns)
     config: EngineConfig = build_engine_config(parser, ns)
     _check_multi_node(parser, ns, config)
     if ns.headless:
@@ -116,9 +137,11 @@ def serve_main(argv: list[str]) -> int:
         run_server(
             make_engine,
             sock=sock,
-            api_key=ns.api_key,
+            api_key=api_key,
             served_model_name=name,
             log_level=ns.log_level,
+            allowed_hosts=_split(ns.allowed_hosts),
+            allowed_origins=_split(ns.allowed_origins),
         )
     except KeyboardInterrupt:
         pass
