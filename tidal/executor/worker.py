@@ -246,3 +246,7 @@ class Worker:
 
     def get_eplb_info(self) -> dict[str, Any]:
         return self.model_runner.get_eplb_info()
+
+    def get_cpu_kernels(self) -> dict[str, Any] | None:
+        report = getattr(self.model_runner.model, "cpu_paths", None)
+        return None if report is None else report.as_dict()

@@ -38,7 +38,6 @@ import logging
 import math
 import os
 import platform
-import statistics
 import tempfile
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -63,6 +62,7 @@ NATIVE_HINTS = ("nta", "t0")
 DECODE_MAX_ROWS = 4
 # Bump when a path's code changes in a way the kernels' build hash does not show.
 CACHE_FORMAT = 1
+WARM_UP = 2  # untimed-for-the-estimate calls of each trial (first touches, thread wake-ups)
 
 
 @dataclass(frozen=True)
@@ -235,36 +235,55 @@ def measure(
     rounds: int = 4,
     clock: Callable[[], float] = time.perf_counter,
     drop_slower: float = 3.0,
+    skip_slower: float = 10.0,
+    quantile: float = 0.2,
 ) -> dict[str, float]:
-    """ms per call of each trial: one warm-up call each, then ``rounds`` rounds in which
-    each runs its share of ~``budget_s`` worth of calls (at least one a round),
-    interleaved so a burst of noise from elsewhere hits them alike. Every call is timed
-    on its own and a trial's time is the median of its calls: a call that a preemption or
-    another process's burst landed on is an outlier, not a tenth of the estimate (2 shared
-    cores: a round's mean moved 100x). After two rounds a trial ``drop_slower`` x slower
-    than the best stops being timed. A trial that raises is left out (its candidate cannot
-    serve here)."""
-    first: dict[str, float] = {}
+    """ms per call of each trial. Each warms up with ``WARM_UP`` calls (its fastest sizes
+    its rounds), then ``rounds`` rounds in which each runs its share of ~``budget_s``
+    worth of calls (at least one a round), interleaved so a burst of noise from elsewhere
+    hits them alike. Every call is timed on its own and a trial's time is the
+    ``quantile`` of its calls: noise only ever adds time, and on 2 shared cores most of a
+    call's time can be a wait for its second thread to be scheduled (a C++ call of 50 us
+    measured 8-16 ms at the median while another process held the other core), so the
+    fast end of the distribution is the path's own speed. After two rounds a trial
+    ``drop_slower`` x slower than the best stops being timed, and one whose fastest
+    warm-up call took ``skip_slower`` x the fastest one's is not timed on. A trial that
+    raises is left out (its candidate cannot serve here)."""
+    times: dict[str, list[float]] = {}
     for name, fn in trials.items():
         try:
-            t = clock()
-            fn()
-            first[name] = max(clock() - t, 1e-9)
+            for _ in range(WARM_UP):
+                t = clock()
+                fn()
+                times.setdefault(name, []).append(max(clock() - t, 1e-9))
         except Exception as e:  # noqa: BLE001 - a path that fails here must not serve
             logger.warning("cpu kernel trial %s failed: %s", name, e)
-    times: dict[str, list[float]] = {name: [] for name in first}
-    live = list(first)
+            times.pop(name, None)
+    first = {name: min(ts) for name, ts in times.items()}
+    fastest_first = min(first.values(), default=0.0)
+    live = [n for n in first if first[n] <= skip_slower * fastest_first]
+
+    def estimate(name: str) -> float:
+        ts = sorted(times[name])
+        return ts[int(quantile * (len(ts) - 1))]
+
+    for name in live:
+        times[name] = []  # the warm-up calls are not the estimate where rounds follow
+    share = budget_s / rounds  # each live trial's time a round
     for r in range(rounds):
         for name in live:
             fn = trials[name]
-            for _ in range(max(1, min(250, int(budget_s / rounds / first[name])))):
+            began = clock()
+            for _ in range(max(1, min(250, int(share / first[name])))):
                 t = clock()
                 fn()
                 times[name].append(clock() - t)
+                if t - began > 2 * share:  # noise stretched the calls: enough of them
+                    break
         if r >= 1 and len(live) > 1:
-            fastest = min(statistics.median(times[n]) for n in live)
-            live = [n for n in live if statistics.median(times[n]) <= drop_slower * fastest]
-    return {name: statistics.median(ts) * 1e3 for name, ts in times.items()}
+            fastest = min(estimate(n) for n in live)
+            live = [n for n in live if estimate(n) <= drop_slower * fastest]
+    return {name: estimate(name) * 1e3 for name in times}
 
 
 # ------------------------------------------------------------------------------ cache
@@ -417,11 +436,11 @@ class CpuPathsModule(Protocol):
         ...
 
     def cpu_trial(
-        self, op: str, candidate: Candidate, rows: int, instances: int
-    ) -> Callable[[], object]:
-        """A thunk running ``op`` of stand-ins of this module's shape (``instances`` of
-        them, synthetic weights, in ``candidate``'s layout) on ``rows`` rows, as the
-        forward runs it."""
+        self, op: str, candidate: Candidate, instances: int
+    ) -> Callable[[int], Callable[[], object]]:
+        """Stand-ins of this module's shape for ``op`` (``instances`` of them, synthetic
+        weights, in ``candidate``'s layout), as ``rows -> thunk``: the thunk runs ``op`` of
+        the next stand-in on ``rows`` rows, as the forward runs it."""
         ...
 
     def set_cpu_path(self, op: str, choice: Choice) -> None:
@@ -430,6 +449,9 @@ class CpuPathsModule(Protocol):
         ...
 
 
+# The trials of one model stop after this long (then the defaults serve, uncached): a
+# quiet 2-core machine measures the 1024-wide model in a few seconds, a loaded one in tens.
+TRIAL_DEADLINE_S = 30.0
 # A trial's stand-ins stream at most about this many bytes of weights per candidate:
 # several times any L3 measured, so they come from memory as the model's weights do.
 TRIAL_BYTES = 96 << 20
@@ -462,8 +484,11 @@ def choose_paths(
     batch_rows: int = 32,
     dtype: torch.dtype = torch.float32,
     clock: Callable[[], float] = time.perf_counter,  # the trials' (tests pass a fake one)
+    deadline_s: float = TRIAL_DEADLINE_S,
 ) -> SelectionReport:
-    """Choose and set the path of every CPU op of ``modules`` (e.g. ``model.modules()``)."""
+    """Choose and set the path of every CPU op of ``modules`` (e.g. ``model.modules()``).
+    Ops still unmeasured ``deadline_s`` after the start (a machine so loaded that trials
+    crawl) take the default path, uncached: the next start measures them."""
     if mode not in MODES:
         raise ValueError(f"cpu_kernels must be one of {', '.join(MODES)}; got {mode!r}")
     start = clock()
@@ -484,11 +509,17 @@ def choose_paths(
         else:
             timings = cache.get(key, cands)
             source = "cached"
-            if timings is None:
+            if timings is None and clock() - start > deadline_s:
+                choice = default_choice(cands, spec.holds_weights)
+                logger.warning("cpu kernels: trial deadline passed; %s takes the default", key.name)
+            elif timings is None:
                 timings = _trial(module, op, spec, cands, rows, len(members), clock)
                 cache.put(key, timings)
                 measured, source = True, "measured"
-            choice = decide(cands, timings, mode, holds_weights=spec.holds_weights, source=source)
+            if timings is not None:
+                choice = decide(
+                    cands, timings, mode, holds_weights=spec.holds_weights, source=source
+                )
         choices[key.name] = choice
         for m, name, _ in members:
             m.set_cpu_path(name, choice)
@@ -513,16 +544,21 @@ def _trial(
     instances = max(1, min(count, TRIAL_BYTES // max(1, spec.weight_bytes)))
     out: dict[str, dict[str, float]] = {}
     with torch.inference_mode():
+        stand_ins: dict[str, Callable[[int], Callable[[], object]]] = {}
+        for c in cands:  # built once for both classes: the weights are the trial's cost
+            try:
+                stand_ins[c.name] = module.cpu_trial(op, c, instances)
+            except Exception as e:  # noqa: BLE001 - that candidate cannot serve here
+                logger.warning("cpu kernel trial %s %s: %s", spec.key.name, c.name, e)
         for cls, n in rows.items():
             thunks: dict[str, Callable[[], object]] = {}
-            for c in cands:
+            for name, for_rows in stand_ins.items():
                 try:
-                    thunks[c.name] = module.cpu_trial(op, c, n, instances)
-                except Exception as e:  # noqa: BLE001 - that candidate cannot serve here
-                    logger.warning("cpu kernel trial %s %s: %s", spec.key.name, c.name, e)
+                    thunks[name] = for_rows(n)
+                except Exception as e:  # noqa: BLE001
+                    logger.warning("cpu kernel trial %s %s: %s", spec.key.name, name, e)
             timed = measure(thunks, clock=clock)
             out[cls] = {k: round(v, 5) for k, v in timed.items() if _finite(v)}
-            del thunks  # the stand-ins' weights go before the next class's
     return out
 
 

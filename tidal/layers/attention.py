@@ -337,24 +337,28 @@ class PagedAttention(nn.Module):
         key = OpKey("attention", (self.num_heads, self.num_kv_heads, self.head_dim))
         return {"decode": OpSpec(key, tuple(kernel_candidates(self.cache_dtype)), False)}
 
-    def cpu_trial(self, op: str, candidate: Candidate, rows: int, instances: int) -> Any:
-        """``rows`` sequences of ``TRIAL_CONTEXT`` tokens each decoding one more."""
+    def cpu_trial(self, op: str, candidate: Candidate, instances: int) -> Any:
+        """Sequences of ``TRIAL_CONTEXT`` tokens each decoding one more."""
         attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim)
         attn.set_cpu_path(op, Choice(candidate, candidate, None))
         bs = TRIAL_BLOCK_SIZE
         per_seq = -(-TRIAL_CONTEXT // bs)
-        num_blocks = rows * per_seq + 1
-        attn.kv_cache = torch.full(
-            kv_cache_shape(num_blocks, bs, self.num_kv_heads, self.head_dim), 0.01
-        )
-        seqs = [
-            (TRIAL_CONTEXT - 1, 1, list(range(1 + i * per_seq, 1 + (i + 1) * per_seq)))
-            for i in range(rows)
-        ]
-        meta = AttentionMetadata.build(seqs, bs, "cpu")
-        q = torch.full((rows, self.num_heads, self.head_dim), 0.1)
-        kv = torch.full((rows, self.num_kv_heads, self.head_dim), 0.1)
-        return lambda: attn(q, kv, kv, meta)
+        caches: dict[int, Tensor] = {}
+
+        def for_rows(rows: int) -> Any:
+            shape = kv_cache_shape(rows * per_seq + 1, bs, self.num_kv_heads, self.head_dim)
+            caches.clear()  # one size at a time
+            attn.kv_cache = caches[rows] = torch.full(shape, 0.01)
+            seqs = [
+                (TRIAL_CONTEXT - 1, 1, list(range(1 + i * per_seq, 1 + (i + 1) * per_seq)))
+                for i in range(rows)
+            ]
+            meta = AttentionMetadata.build(seqs, bs, "cpu")
+            q = torch.full((rows, self.num_heads, self.head_dim), 0.1)
+            kv = torch.full((rows, self.num_kv_heads, self.head_dim), 0.1)
+            return lambda: attn(q, kv, kv, meta)
+
+        return for_rows
 
     def set_cpu_path(self, op: str, choice: Choice) -> None:
         self.cpu_choice = choice

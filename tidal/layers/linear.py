@@ -114,7 +114,7 @@ class Linear(HeldParamsModule):
         nbytes = self.in_features * self.out_features * self.params_dtype.itemsize
         return {"linear": OpSpec(key, tuple(cpu_candidates(self.params_dtype)), True, nbytes)}
 
-    def cpu_trial(self, op: str, candidate: Candidate, rows: int, instances: int) -> Any:
+    def cpu_trial(self, op: str, candidate: Candidate, instances: int) -> Any:
         stand_ins = []
         for _ in range(instances):
             lin = Linear(self.in_features, self.out_features, self.bias is not None)
@@ -124,9 +124,13 @@ class Linear(HeldParamsModule):
             lin.set_cpu_path(op, Choice(candidate, candidate, candidate.path))
             lin.pack_weights()
             stand_ins.append(lin)
-        x = torch.full((rows, self.in_features), 0.5)
         turn = itertools.cycle(stand_ins)
-        return lambda: next(turn)(x)
+
+        def for_rows(rows: int) -> Any:
+            x = torch.full((rows, self.in_features), 0.5)
+            return lambda: next(turn)(x)
+
+        return for_rows
 
     def set_cpu_path(self, op: str, choice: Choice) -> None:
         self.cpu_choice = choice

@@ -41,12 +41,16 @@ class RMSNorm(nn.Module):
         key = OpKey("norm", (w.shape[0],))
         return {"norm": OpSpec(key, tuple(kernel_candidates(w.dtype)), False)}
 
-    def cpu_trial(self, op: str, candidate: Candidate, rows: int, instances: int) -> Any:
+    def cpu_trial(self, op: str, candidate: Candidate, instances: int) -> Any:
         norm = RMSNorm(self.weight.shape[0], self.eps)
         norm.weight.data.fill_(1.0)
         norm.set_cpu_path(op, Choice(candidate, candidate, None))
-        x = torch.full((rows, self.weight.shape[0]), 0.5)
-        return lambda: norm(x)
+
+        def for_rows(rows: int) -> Any:
+            x = torch.full((rows, self.weight.shape[0]), 0.5)
+            return lambda: norm(x)
+
+        return for_rows
 
     def set_cpu_path(self, op: str, choice: Choice) -> None:
         self.cpu_choice = choice

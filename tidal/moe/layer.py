@@ -316,34 +316,42 @@ class FusedMoE(HeldParamsModule):
             "router": OpSpec(router, cands, True, self.num_experts * hidden * size),
         }
 
-    def cpu_trial(self, op: str, candidate: Candidate, rows: int, instances: int) -> Any:
+    def cpu_trial(self, op: str, candidate: Candidate, instances: int) -> Any:
         """Stand-ins with this layer's shape on synthetic weights; the experts' trial routes
         each token to ``top_k`` distinct local experts at random (seeded)."""
         two_i, hidden = self.expert_shape
         stand_ins = []
         for _ in range(instances):
+            # Only the op's own weights are filled and packed (the others stay untouched
+            # virtual memory): the router's trial must not pay for the experts'.
             moe = FusedMoE(
                 self.num_experts, self.top_k, hidden, two_i // 2, self.renormalize,
                 self.local_expert_ids,
             )  # fmt: skip
-            moe.w13.data, moe.w2.data = empty_k_major_experts(moe.w13, moe.w2)
-            for w in (moe.gate, moe.w13, moe.w2):
-                w.data.fill_(0.01)
             moe.set_cpu_path(op, Choice(candidate, candidate, candidate.path))
-            moe.pack_weights()
+            if op == "router":
+                moe.gate.data.fill_(0.01)
+            else:
+                moe.w13.data, moe.w2.data = empty_k_major_experts(moe.w13, moe.w2)
+                moe.w13.data.fill_(0.01)
+                moe.w2.data.fill_(0.01)
+            moe._pack(op)
             stand_ins.append(moe)
-        x = torch.full((rows, hidden), 0.5)
         turn = itertools.cycle(stand_ins)
-        if op == "router":
-            return lambda: next(turn).route(x)
-        g = torch.Generator().manual_seed(rows)
         local = torch.tensor(self.local_expert_ids, dtype=torch.int64)
-        pick = torch.stack(
-            [torch.randperm(len(local), generator=g)[: self.top_k] for _ in range(rows)]
-        )
-        ids = local[pick]  # [rows, K] global ids of local experts
-        weights = torch.full((rows, self.top_k), 1.0 / self.top_k)
-        return lambda: next(turn).forward_experts(x, weights, ids)
+        top_k = min(self.top_k, len(local))
+
+        def for_rows(rows: int) -> Any:
+            x = torch.full((rows, hidden), 0.5)
+            if op == "router":
+                return lambda: next(turn).route(x)
+            g = torch.Generator().manual_seed(rows)
+            pick = [torch.randperm(len(local), generator=g)[:top_k] for _ in range(rows)]
+            ids = local[torch.stack(pick)]  # [rows, K] global ids of local experts
+            weights = torch.full((rows, top_k), 1.0 / top_k)
+            return lambda: next(turn).forward_experts(x, weights, ids)
+
+        return for_rows
 
     def set_cpu_path(self, op: str, choice: Choice) -> None:
         self.cpu_choice[op] = choice
