@@ -92,7 +92,12 @@ def ensure_models(peers: Path, tags: list[str]) -> dict[str, Path]:
     made = []
     if any(not (paths[t] / "tokenizer.json").exists() for t in tags if t in ("tiny", "big")):
         log(f"building the tiny and big checkpoints under {peers}")
-        subprocess.run([sys.executable, PEERS_SCRIPTS / "make_models.py"], env=env, check=True)
+        subprocess.run(
+            [sys.executable, PEERS_SCRIPTS / "make_models.py"],
+            env=env,
+            check=True,
+            stdout=sys.stderr,  # stdout carries the JSON document only
+        )
         made += [peers / MODELS["tiny"], peers / MODELS["big"]]
     if "moe64" in tags and not (paths["moe64"] / "tokenizer.json").exists():
         log(f"building the 64-expert checkpoint under {peers}")
@@ -103,6 +108,7 @@ def ensure_models(peers: Path, tags: list[str]) -> dict[str, Path]:
             [sys.executable, PEERS_SCRIPTS / "make_tokenizer.py", *map(str, made)],
             env=env,
             check=True,
+            stdout=sys.stderr,
         )
     return paths
 
@@ -621,8 +627,6 @@ def memory(model: Path, kernel_cache: Path) -> dict[str, Any]:
 
 
 def memory_probe(model: str, kernel_cache: str) -> None:
-    import resource
-
     from tidal import LLM, SamplingParams
 
     def status() -> dict[str, int]:
@@ -642,7 +646,8 @@ def memory_probe(model: str, kernel_cache: str) -> None:
     finally:
         llm.shutdown()
     ckpt = sum(f.stat().st_size for f in Path(model).glob("*.safetensors"))
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    # VmHWM: this process's own peak (ru_maxrss keeps the parent's from before the exec).
+    peak = served["VmHWM"]
     print(
         json.dumps(
             {

@@ -543,11 +543,29 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if summary["failed"] == 0 else 1
 
     model = args.model or _default_model()
+    # This tree's server measures its CPU paths afresh (a kernel-choice cache private to
+    # the run, removed with it): never a choice an earlier, noisier run left.
+    kernel_cache = tempfile.mkdtemp(prefix="serving-kernels-")
+    try:
+        return _launch_sizes(args, case, sizes, model, run, kernel_cache)
+    finally:
+        shutil.rmtree(kernel_cache, ignore_errors=True)
+
+
+def _launch_sizes(
+    args: argparse.Namespace,
+    case: dict,
+    sizes: list[int],
+    model: str,
+    run: Any,
+    kernel_cache: str,
+) -> int:
     failed = 0
     peer_at: dict[int, dict] = {}  # the peer's median run per size, for a size it cannot serve
     for dp in sizes:
         launch_args = [*shlex.split(args.launch_args), *_dp_args(dp)]
-        tidal_cmd = tidal_command(model, launch_args, args.api_key)
+        ours = [*launch_args, "--kernel-cache-dir", kernel_cache]
+        tidal_cmd = tidal_command(model, ours, args.api_key)
         runs: dict[str, list[dict]] = {"tidal": [], "peer": []}
         peer_error = None
         with peer_server(args, model, dp) as (peer_info, launch_peer):

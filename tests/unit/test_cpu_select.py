@@ -223,6 +223,7 @@ def fake_cpu(monkeypatch):
     """The fingerprint's CPU, settable (a machine change), and a fake clock."""
     cpu = {"model": "AMD EPYC", "flags": "avx512f"}
     monkeypatch.setattr(select, "cpu_description", lambda: dict(cpu))
+    monkeypatch.setattr(select, "oversubscribed", lambda: None)  # a quiet machine
     return cpu, FakeClock()
 
 
@@ -270,7 +271,7 @@ def test_choose_paths_version_change_measures_again(tmp_path, fake_cpu, monkeypa
 # ---- the real layers: every path serves the same values ------------------------------------
 
 
-def test_real_modules_choose_and_serve_by_the_choice(tmp_path):
+def test_real_modules_choose_and_serve_by_the_choice(tmp_path, monkeypatch):
     """Linear, RMSNorm, decode attention and the MoE layer offer their paths, run trials on
     stand-ins, and take the choice; outputs equal the reference's on every forced path."""
     torch.manual_seed(0)
@@ -279,6 +280,7 @@ def test_real_modules_choose_and_serve_by_the_choice(tmp_path):
         p.data.copy_(torch.randn(p.shape) * 0.3)
     weights = {k: v.clone() for k, v in (("w", lin.weight), ("w13", moe.w13), ("w2", moe.w2))}
     gate = moe.gate.detach().clone()
+    monkeypatch.setattr(select, "oversubscribed", lambda: None)  # the forced modes reuse it
     x = torch.randn(5, 32)
     want_lin = x @ weights["w"].T
     report = choose_paths([lin, norm, moe], cache_dir=str(tmp_path), batch_rows=8)
@@ -295,6 +297,25 @@ def test_real_modules_choose_and_serve_by_the_choice(tmp_path):
         tw, ti = softmax_topk(x @ gate.T, 2, True)
         want = fused_experts_reference(x, weights["w13"], weights["w2"], tw, ti)
         torch.testing.assert_close(moe(x), want, atol=1e-5, rtol=0)
+
+
+def test_a_trial_on_an_oversubscribed_machine_serves_but_is_not_kept(
+    tmp_path, fake_cpu, monkeypatch
+):
+    _, clock = fake_cpu
+    costs = {T0: 1e-3, TORCH: 2e-3}
+    key = OpKey("linear", (8, 8, 0))
+    monkeypatch.setattr(select, "oversubscribed", lambda: "load average 6.0 on 2 cores")
+    busy = FakeModule(clock, key, costs)
+    choose_paths([busy], cache_dir=str(tmp_path), clock=clock)
+    assert busy.trials and busy.choice.decode == T0  # this start is served by it
+    monkeypatch.setattr(select, "oversubscribed", lambda: None)
+    quiet = FakeModule(clock, key, costs)
+    choose_paths([quiet], cache_dir=str(tmp_path), clock=clock)
+    assert quiet.trials and quiet.choice.source == "measured"  # measured again, then kept
+    kept = FakeModule(clock, key, costs)
+    choose_paths([kept], cache_dir=str(tmp_path), clock=clock)
+    assert not kept.trials and kept.choice.source == "cached"
 
 
 def test_trials_past_the_deadline_take_the_default_uncached(tmp_path, fake_cpu):

@@ -32,8 +32,9 @@ class CpuPackedExperts:
       expert e's down weights of output columns 64j.. (column block major, so one output
       block's experts lie in address order);
 
-    zero past I and H. Derived data, like ``PackedExperts``: the layer drops it whenever
-    ``w13``/``w2`` are written (``FusedMoE.weights_updated``) and packs again."""
+    zero past I and H. When the C++ path serves a layer this is the experts' only copy
+    (``tidal/kernels/cpu_paths.py``): ``unpack`` rebuilds the checkpoint layout, and a
+    write through it is packed again (``FusedMoE.weights_updated``)."""
 
     def __init__(self, w13: Tensor, w2: Tensor) -> None:  # [E, 2I, H], [E, H, I] float32
         if w13.dtype != torch.float32 or w2.dtype != torch.float32:

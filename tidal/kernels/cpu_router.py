@@ -19,8 +19,9 @@ from tidal.kernels.cpu_linear import pack_linear_weight, unpack_linear_weight
 
 class CpuPackedGate:
     """The router's ``gate [E, H]`` as ``[E_pad/64, H, 64]``: block j holds, for each
-    input column k, the gate weights of experts 64j.. (zero past E). Derived data: the
-    layer drops it when the gate is written (``FusedMoE.weights_updated``)."""
+    input column k, the gate weights of experts 64j.. (zero past E). The gate's only copy
+    when the C++ router serves (``unpack`` rebuilds it; ``FusedMoE.weights_updated``
+    packs a written one again)."""
 
     def __init__(self, gate: Tensor) -> None:  # [E, H] float32
         if gate.dtype != torch.float32 or gate.dim() != 2:

@@ -77,7 +77,7 @@ def fused_experts_torch(
     apply_router_weight: bool = True,
     *,
     strategy: str = "auto",  # auto | bmm | grouped_mm | loop | onednn | cpp (tests pin each)
-    # derived copies of w13/w2 for onednn or cpp (the owner keeps them fresh)
+    # w13/w2 in onednn's or cpp's layout (a sole pack: then w13/w2 give only shapes)
     packed: PackedExperts | CpuPackedExperts | None = None,
 ) -> Tensor:  # [T, H], dtype of hidden
     num_tokens, top_k = topk_ids.shape
@@ -140,10 +140,11 @@ class PackedExperts:
     Why: on the CPUs measured (AMD EPYC, AVX-512) torch's float32 ``mm`` goes to MKL,
     which reaches 125-180 GFLOP/s on 2 cores at decode shapes; oneDNN with prepacked
     weights reaches 410-480 (``benchmarks/cpu_speed.py`` prints both), and the MoE block of
-    the 1024-wide model runs 2.2x faster (see ``tidal/kernels/onednn.py``). The price is a second copy of the expert
-    weights. It is derived data: whoever writes ``w13``/``w2`` (loader, expert moves,
-    EPLB) tells the layer (``FusedMoE.weights_updated``), which drops it; it is rebuilt
-    at the next forward. ``batch_hint``: the row count oneDNN tunes the layout for."""
+    the 1024-wide model runs 2.2x faster (see ``tidal/kernels/onednn.py``). When the layer's
+    measured path is oneDNN it is the experts' only copy (``sole``, issue #25): ``unpack``
+    rebuilds the checkpoint layout (exactly, through the packed GEMM), and a write through
+    it is packed again (``FusedMoE.weights_updated``). ``batch_hint``: the row count
+    oneDNN tunes the layout for."""
 
     def __init__(
         self, w13: Tensor, w2: Tensor, batch_hint: int = BATCH_HINT, *, sole: bool = False

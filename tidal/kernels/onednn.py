@@ -3,7 +3,8 @@
 Why: torch's float32 ``mm`` on CPU goes to MKL, which on the machines measured (AMD EPYC,
 AVX-512, 2 cores) reaches 125-180 GFLOP/s at decode shapes; oneDNN with a weight reordered
 once into its blocked layout reaches 410-480 (``benchmarks/cpu_speed.py`` prints both).
-The packed weight is a derived copy: its owner drops it when the source is written.
+Where the measured path is oneDNN (``tidal/kernels/select.py``) the packed weight is the
+only copy (``tidal/kernels/cpu_paths.py``); ``unpack_weight`` rebuilds the source.
 """
 
 from __future__ import annotations

@@ -532,6 +532,22 @@ def choose_paths(
     return report
 
 
+def oversubscribed() -> str | None:
+    """Why timings taken now should not be kept, or None: a load average above the cores
+    this process may use (plus one, for the trial itself). On an oversubscribed machine a
+    parallel region waits for its threads to be scheduled, which can make any path look
+    like any other (2 shared cores, 3 busy processes elsewhere: every 2-thread call of a
+    50 us kernel took 8-12 ms); such a choice serves this start only."""
+    try:
+        load = os.getloadavg()[0]
+    except (OSError, AttributeError):
+        return None
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    if load > (cores or 1) + 1:
+        return f"load average {load:.1f} on {cores} cores"
+    return None
+
+
 def _trial(
     module: Any,
     op: str,

@@ -13,6 +13,12 @@ local slot i holds global expert ``local_expert_ids[i]``. ``expert_map [E_global
 maps a global id to its local slot or -1. Without a dispatcher and with a subset of
 experts, the output holds only the local experts' share (what a dispatcher then sums).
 
+On CPU (torch backend) the router and the experts each run on the path measured at load
+(``tidal/kernels/select.py``: the C++ kernels, oneDNN prepacked or torch); a packed path
+holds the only copy of its weights, and ``gate``/``w13``/``w2`` then read as rebuilt
+copies (``HeldParamsModule``): write through them and call ``weights_updated()``, as the
+loader, EPLB and expert installs do; ``expert_weights(slots)`` rebuilds just some slots.
+
 Expert parallelism: the EP setup (``tidal/executor/model_runner.py``) sets ``dispatcher``
 and points every layer's ``forward_context`` at one shared ``MoEForwardContext``, whose
 ``num_tokens_across_dp`` the runner fills before each forward (the token counts all ranks
