@@ -523,11 +523,16 @@ def choose_paths(
         choices[key.name] = choice
         for m, name, _ in members:
             m.set_cpu_path(name, choice)
-    if measured:
+    busy = oversubscribed()
+    if measured and busy is None:
         cache.save()
-    report = SelectionReport(
-        mode, cache.fingerprint, cache.path, time.perf_counter() - start, choices
-    )
+    elif measured:
+        logger.warning(
+            "cpu kernels: not caching this trial, the machine was oversubscribed (%s): "
+            "the next start measures again",
+            busy,
+        )
+    report = SelectionReport(mode, cache.fingerprint, cache.path, clock() - start, choices)
     _log(report)
     return report
 
