@@ -282,8 +282,11 @@ def _omp_registrations() -> set[Path]:
 def _remove_dead_omp_registrations(new: set[Path]) -> None:
     """Those of a stopped server's processes: a process killed at the end of the run never
     removes its own (``__KMP_REGISTERED_LIB_<pid>_<n>``), so the run does."""
-    for path in new:
+    deadline = time.monotonic() + 10.0  # the group was SIGKILLed: its members die now
+    for path in sorted(new):
         pid = path.name.split("_")[5] if path.name.count("_") >= 6 else ""
+        while pid.isdigit() and Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
         if pid.isdigit() and not Path(f"/proc/{pid}").exists():
             path.unlink(missing_ok=True)
 
