@@ -1,40 +1,49 @@
-"""CPU speed of Tidal vs transformers and vLLM-CPU, in one run, on the checkpoints of
-issue #13 (same prompts, greedy, float32; outputs checked against transformers).
+"""CPU speed of Tidal vs transformers and vLLM-CPU, in one run, on the peer checkpoints of
+issues #13 and #25 (same prompts, greedy, float32; outputs checked against transformers),
+with every CPU path of Tidal's and the machine's memory bandwidth measured in the same run.
 
-    python benchmarks/cpu_speed.py                          # tiny + big, Tidal vs transformers
     python benchmarks/cpu_speed.py --vllm-python ~/.cache/tidal-peers/vllm/bin/python
-    python benchmarks/cpu_speed.py --models big --rounds 3 --skip-e2e   # the MoE block only
+    python benchmarks/cpu_speed.py --models tiny --paths auto,torch --skip-kernels
+    python benchmarks/cpu_speed.py --models big --rounds 3 --skip-e2e   # kernels only
 
-Checkpoints (built once under ``--peers-dir`` by ``benchmarks/peers/make_models.py``):
-tiny Qwen3-MoE (H256, 4 layers, 16 experts top-4) and big (H1024, 8 layers, 32 experts
-top-4, I512). Each engine runs in its own process with the peer harness of
-``benchmarks/peers/`` (what the issue's baseline was measured with): 1 stream x 128 new
-tokens, and 32 requests x 64 new tokens, ``--rounds`` rounds, medians reported. vLLM runs
-only with ``--vllm-python`` (its own venv, see ``benchmarks/peers/README.md``), with the
-settings of ``env_vllm.sh`` (compiled; its first start compiles for a minute). Both
-return token ids only (vLLM: ``detokenize=False``; Tidal the same flag, unless
-``--tidal-detokenize``, the baseline's setting, asks it for text too).
+Checkpoints (built once under ``--peers-dir``): tiny Qwen3-MoE (H256, 4 layers, 16 experts
+top-4) and big (H1024, 8 layers, 32 experts top-4, I512) by ``benchmarks/peers/
+make_models.py``, and ``moe64`` (H512, 8 layers, 64 experts top-8, I256), made here with
+the same recipe (issue #25's held-back shape class). Each engine runs in its own process
+with the peer harness of ``benchmarks/peers/``: 1 stream x 128 new tokens, and 32
+requests x 64 new tokens, ``--rounds`` rounds, medians reported. vLLM runs only with
+``--vllm-python`` (its own venv), with the settings of ``env_vllm.sh``. Both return token
+ids only (vLLM: ``detokenize=False``; Tidal the same flag, unless ``--tidal-detokenize``).
+
+Tidal runs once per ``--paths`` entry: ``auto`` (the default: each op's path measured at
+load, ``tidal/kernels/select.py``, into a kernel-choice cache private to this run, so the
+first start's trial is in its ready time) and each forced path (``--cpu-kernels native |
+onednn | torch``). The goals of issue #25 are checked from the same run: the default
+within 5% of Tidal's fastest path, single and batch; >= 1.2x vLLM batch and >= 1.0x vLLM
+single (big, moe64); never slower than transformers; >= 75% of the measured bandwidth at
+batch 1 for the MoE and linear kernels.
 
 Printed as one JSON document:
 
-- ``e2e``: per model and engine, tok/s single and batch (medians), time to ready, and
-  whether the greedy outputs equal transformers'; ``ratios``: Tidal / vLLM and Tidal /
-  transformers;
-- ``moe_block``: the MoE block (router + experts) on layer 0 of each checkpoint, ms per
-  call at 1, 32 and 256 tokens: Tidal's MoE layer as a model runs it (``FusedMoE``: the
-  C++ router and experts kernels, ``tidal/kernels/cpu_router.py`` and ``cpu_moe.py``, when
-  ``pip install`` built them), the previous designs -- oneDNN-prepacked
-  experts, and the best of the torch strategies bmm / grouped_mm / loop on K-major weights
-  -- and, with vLLM, its ``cpu_fused_moe`` kernel (big checkpoint);
-- ``gemm``: GFLOP/s of one [M, 1024] x [1024, 1024] float32 GEMM through MKL (torch's
-  ``mm``), oneDNN with a prepacked weight, and Tidal's C++ linear (what ``Linear`` runs);
-- ``roofline``: this machine's memory read bandwidth (a 1 GiB ``sum``), the bytes one
-  batch-32 decode step of the big model reads (every expert of every layer, attention,
-  lm_head), the roofline tok/s that implies, and Tidal's batch tok/s as a fraction of it;
-- ``step_overhead``: Tidal in-process on the big model, batch 32 decode: wall time per
-  step, the part spent in ``execute_model`` (input preparation, forward, sampling) and
-  the rest (scheduler, output processing, detokenization); and the forward's parts (MoE
-  blocks, attention with its projections, norms).
+- ``machine``: CPU model and flags (/proc/cpuinfo), cores, torch, the load average at the
+  start and the end (2 shared cores: numbers move with it);
+- ``e2e``: per model and engine (``tidal_<path>``), tok/s single and batch (medians), time
+  to ready, greedy outputs vs transformers; ``choices``: the default's path per op with
+  the trial's timings; ``ratios`` and ``goals``;
+- ``kernels``: batch-1 bandwidth of the linear (a pool of 1024x1024 weights) and of the
+  MoE experts (64 experts of the big shape, 4 random a call) on every path and prefetch
+  hint, interleaved round by round with a 1 GiB ``sum`` (the machine's read bandwidth):
+  GB/s and the fraction of the sum's; the path the selection would take, and its fraction;
+- ``moe_block``: the MoE layer (router + experts) on layer 0 of each checkpoint, ms per
+  call at 1, 32 and 256 tokens, on every path; with vLLM, its ``cpu_fused_moe``;
+- ``gemm``: GFLOP/s of [M, 1024] x [1024, 1024] through MKL, oneDNN prepacked and the C++
+  linear with each hint;
+- ``roofline``: bytes a batch-32 decode step of the big model reads, the tok/s the
+  bandwidth allows, and the default's batch tok/s as a fraction of it;
+- ``memory``: per model, the default engine in a fresh process (in-process ``LLM``): VmRSS
+  after serving and the peak (``ru_maxrss``) against checkpoint bytes + KV cache;
+- ``step_overhead``: Tidal in-process on the big model, batch 32 decode: per step,
+  ``execute_model`` and the rest; the forward's parts.
 """
 
 from __future__ import annotations
@@ -56,7 +65,14 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 PEERS_SCRIPTS = HERE / "peers"
-MODELS = {"tiny": "tiny-qwen3-moe", "big": "big-qwen3-moe"}
+MODELS = {"tiny": "tiny-qwen3-moe", "big": "big-qwen3-moe", "moe64": "moe64-qwen3-moe"}
+# The 64-expert top-8 checkpoint (issue #25): the recipe of make_models.py, another shape.
+MOE64 = {
+    "hidden_size": 512, "intermediate_size": 1024, "moe_intermediate_size": 256,
+    "num_hidden_layers": 8, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 64,
+    "num_experts": 64, "num_experts_per_tok": 8,
+}  # fmt: skip
+TIDAL_PATHS = ("auto", "native", "onednn", "torch")
 
 
 def log(msg: str) -> None:
@@ -70,18 +86,52 @@ def _r(x: float | None, nd: int = 3) -> float | None:
 # ------------------------------------------------------------------ checkpoints
 
 
-def ensure_models(peers: Path) -> dict[str, Path]:
-    paths = {tag: peers / name for tag, name in MODELS.items()}
-    if not all((p / "tokenizer.json").exists() for p in paths.values()):
-        log(f"building the checkpoints under {peers}")
-        env = {**os.environ, "PEERS": str(peers)}
-        subprocess.run([sys.executable, PEERS_SCRIPTS / "make_models.py"], env=env, check=True)
+def ensure_models(peers: Path, tags: list[str]) -> dict[str, Path]:
+    paths = {tag: peers / MODELS[tag] for tag in tags}
+    env = {**os.environ, "PEERS": str(peers)}
+    made = []
+    if any(not (paths[t] / "tokenizer.json").exists() for t in tags if t in ("tiny", "big")):
+        log(f"building the tiny and big checkpoints under {peers}")
         subprocess.run(
-            [sys.executable, PEERS_SCRIPTS / "make_tokenizer.py", *map(str, paths.values())],
+            [sys.executable, PEERS_SCRIPTS / "make_models.py"],
             env=env,
             check=True,
+            stdout=sys.stderr,  # stdout carries the JSON document only
+        )
+        made += [peers / MODELS["tiny"], peers / MODELS["big"]]
+    if "moe64" in tags and not (paths["moe64"] / "tokenizer.json").exists():
+        log(f"building the 64-expert checkpoint under {peers}")
+        make_moe64(paths["moe64"])
+        made.append(paths["moe64"])
+    if made:
+        subprocess.run(
+            [sys.executable, PEERS_SCRIPTS / "make_tokenizer.py", *map(str, made)],
+            env=env,
+            check=True,
+            stdout=sys.stderr,
         )
     return paths
+
+
+def make_moe64(path: Path) -> None:
+    """make_models.py's recipe (config fields, seeding, fp32, fixed-length generation)
+    at the ``MOE64`` shape."""
+    import torch
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(8642)
+    cfg = Qwen3MoeConfig(
+        vocab_size=4096, max_position_embeddings=2048, hidden_act="silu", rms_norm_eps=1e-6,
+        initializer_range=0.02, tie_word_embeddings=False, attention_bias=False,
+        use_sliding_window=False, decoder_sparse_step=1, mlp_only_layers=[],
+        norm_topk_prob=True, output_router_logits=False, bos_token_id=1, eos_token_id=2,
+        pad_token_id=0, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+        dtype="float32", **MOE64,
+    )  # fmt: skip
+    model = Qwen3MoeForCausalLM(cfg).to(torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    model.save_pretrained(str(path), safe_serialization=True)
 
 
 # ------------------------------------------------------------------ end to end
@@ -121,9 +171,12 @@ def _vllm_env(peers: Path) -> dict[str, str]:
     return env
 
 
-def run_e2e(tag: str, model: Path, opts: argparse.Namespace, results: Path) -> dict[str, Any]:
+def run_e2e(
+    tag: str, model: Path, opts: argparse.Namespace, results: Path, kernel_cache: Path
+) -> dict[str, Any]:
     ref = results / f"hf_{tag}.json"
-    rows: dict[str, list[dict[str, Any]]] = {"transformers": [], "tidal": [], "vllm": []}
+    engines = ["transformers", *(["vllm"] if opts.vllm_python else []), *_tidal_names(opts)]
+    rows: dict[str, list[dict[str, Any]]] = {e: [] for e in engines}
     py = sys.executable
     for r in range(opts.rounds):
         log(f"{tag}: round {r + 1}/{opts.rounds}: transformers")
@@ -133,7 +186,7 @@ def run_e2e(tag: str, model: Path, opts: argparse.Namespace, results: Path) -> d
              "--out", str(out)],
             out,
         )  # fmt: skip
-        if not ref.exists():
+        if r == 0:  # this run's prompts and reference outputs (the checkpoint may be new)
             ref.write_text(out.read_text())
         rows["transformers"].append(
             {"single": hf["a_single"]["tok_per_s"], "batch": hf["b_batch"]["out_tok_per_s"]}
@@ -148,22 +201,79 @@ def run_e2e(tag: str, model: Path, opts: argparse.Namespace, results: Path) -> d
                 env=_vllm_env(opts.peers_dir),
             )  # fmt: skip
             rows["vllm"].append(_engine_row(v))
-        log(f"{tag}: round {r + 1}: Tidal")
-        out = results / f"tidal_{tag}_r{r}.json"
-        t = _run_json(
-            [py, str(PEERS_SCRIPTS / "bench_tidal.py"), "--model", str(model), "--hf-ref",
-             str(ref), "--out", str(out), "--detokenize", str(int(opts.tidal_detokenize))],
-            out,
-        )  # fmt: skip
-        rows["tidal"].append(_engine_row(t))
+        for path in opts.paths:
+            log(f"{tag}: round {r + 1}: Tidal, --cpu-kernels {path}")
+            out = results / f"tidal_{tag}_{path}_r{r}.json"
+            extra = {"cpu_kernels": path, "kernel_cache_dir": str(kernel_cache)}
+            t = _run_json(
+                [py, str(PEERS_SCRIPTS / "bench_tidal.py"), "--model", str(model), "--hf-ref",
+                 str(ref), "--out", str(out), "--detokenize", str(int(opts.tidal_detokenize)),
+                 "--extra", json.dumps(extra)],
+                out,
+            )  # fmt: skip
+            rows[f"tidal_{path}"].append(_engine_row(t))
     summary = {k: _median_rows(v) for k, v in rows.items() if v}
+    default = summary.get("tidal_auto")
     ratios: dict[str, Any] = {}
-    for peer in ("vllm", "transformers"):
-        if peer in summary:
-            ratios[f"tidal_over_{peer}"] = {
-                k: _r(summary["tidal"][k] / summary[peer][k]) for k in ("single", "batch")
-            }
-    return {"engines": summary, "ratios": ratios}
+    if default:
+        for peer in ("vllm", "transformers"):
+            if peer in summary:
+                ratios[f"default_over_{peer}"] = _ratio_pair(default, summary[peer])
+        own = [summary[n] for n in _tidal_names(opts)]
+        best = {k: max(e[k] for e in own) for k in ("single", "batch")}
+        ratios["default_over_best_own_path"] = _ratio_pair(default, best)
+    return {
+        "engines": summary,
+        "ratios": ratios,
+        "goals": _goals(tag, ratios),
+        "choices": _choices(kernel_cache),
+    }
+
+
+def _tidal_names(opts: argparse.Namespace) -> list[str]:
+    return [f"tidal_{p}" for p in opts.paths]
+
+
+def _ratio_pair(a: dict[str, Any], b: dict[str, Any]) -> dict[str, float | None]:
+    return {k: _r(a[k] / b[k]) if a.get(k) and b.get(k) else None for k in ("single", "batch")}
+
+
+def _goals(tag: str, ratios: dict[str, Any]) -> dict[str, bool | None]:
+    """Issue #25's end-to-end goals, as this run measured them."""
+
+    def at_least(key: str, part: str, bound: float) -> bool | None:
+        v = ratios.get(key, {}).get(part)
+        return None if v is None else v >= bound
+
+    goals = {
+        "default_within_5pct_of_best_single": at_least(
+            "default_over_best_own_path", "single", 0.95
+        ),
+        "default_within_5pct_of_best_batch": at_least("default_over_best_own_path", "batch", 0.95),
+        "not_slower_than_transformers_single": at_least("default_over_transformers", "single", 1.0),
+        "not_slower_than_transformers_batch": at_least("default_over_transformers", "batch", 1.0),
+    }
+    if tag != "tiny":  # the vLLM goals are on big and the 64-expert checkpoint
+        goals["vllm_batch_ge_1.2x"] = at_least("default_over_vllm", "batch", 1.2)
+        goals["vllm_single_ge_1.0x"] = at_least("default_over_vllm", "single", 1.0)
+    return goals
+
+
+def _choices(kernel_cache: Path) -> dict[str, Any]:
+    """The default's path per op and the trial's timings, from the run's private kernel
+    choice cache (the same decision ``select.decide`` makes from them at load)."""
+    from tidal.kernels.select import Candidate, decide
+
+    out: dict[str, Any] = {}
+    for file in sorted(kernel_cache.glob("cpu-kernels-*.json")):
+        doc = json.loads(file.read_text())
+        for op, timings in doc.get("ops", {}).items():
+            cands = [Candidate.parse(n) for n in timings.get("decode", {})]
+            weights = op.startswith(("linear", "moe", "router"))
+            c = decide(cands, timings, holds_weights=weights)
+            out[op] = {"decode": c.decode.name, "batch": c.batch.name, "timings_ms": timings}
+        out["_cpu"] = doc.get("fingerprint", {}).get("cpu_model")
+    return out
 
 
 def _engine_row(d: dict[str, Any]) -> dict[str, Any]:
@@ -208,16 +318,26 @@ def _timeit(fn: Any, budget_s: float = 0.3) -> float:
     return statistics.median(reps) * 1e3
 
 
-def moe_block(model: Path, opts: argparse.Namespace, results: Path) -> dict[str, Any]:
-    """Router + experts of layer 0, as ``bench_vllm_moe_kernel.py`` times vLLM's."""
+def _forced_layer_paths() -> list[Any]:
+    """Every candidate path of a weight-holding op here (select.py's list)."""
     import torch
-    import torch.nn.functional as F
+
+    from tidal.kernels.select import weight_candidates
+
+    return weight_candidates(torch.float32)
+
+
+def moe_block(model: Path, opts: argparse.Namespace, results: Path) -> dict[str, Any]:
+    """Router + experts of layer 0 (``FusedMoE`` on each path), as
+    ``bench_vllm_moe_kernel.py`` times vLLM's."""
+    import torch
     from safetensors import safe_open
 
-    from tidal.kernels.cpu_ext import kernel_available, kernel_status
-    from tidal.kernels.fused_moe_torch import PackedExperts, fused_experts_torch, k_major_experts
+    from tidal.kernels.fused_moe_torch import k_major_experts
+    from tidal.kernels.select import Choice
     from tidal.moe.layer import FusedMoE
     from tidal.moe.reference import fused_experts_reference
+    from tidal.moe.router import softmax_topk
 
     torch.set_num_threads(opts.threads)
     cfg = json.loads((model / "config.json").read_text())
@@ -233,65 +353,44 @@ def moe_block(model: Path, opts: argparse.Namespace, results: Path) -> dict[str,
 
         w13 = torch.cat([stack("gate_proj"), stack("up_proj")], 1).contiguous()
         w2 = stack("down_proj").contiguous()
-    k13, k2 = k_major_experts(w13, w2)
-    packed = PackedExperts(w13, w2)
-    if not kernel_available():
-        log(f"the C++ kernels are missing ({kernel_status()}): the tidal_ms rows are null")
-    # What a model runs: the layer itself (the C++ router and experts when built).
-    layer = FusedMoE(n_exp, top_k, cfg["hidden_size"], w2.shape[2], renormalize=True)
-    for param, value in ((layer.gate, gate_w), (layer.w13, w13), (layer.w2, w2)):
-        param.data.copy_(value)
-    layer.weights_updated()
-
-    def route(x: Any) -> tuple[Any, Any]:
-        p = torch.softmax(F.linear(x, gate_w), -1, dtype=torch.float)
-        tw, ti = torch.topk(p, top_k, -1)
-        return tw / tw.sum(-1, keepdim=True), ti
-
+    layers = {}
+    for cand in _forced_layer_paths():
+        layer = FusedMoE(n_exp, top_k, cfg["hidden_size"], w2.shape[2], renormalize=True)
+        layer.w13.data, layer.w2.data = k_major_experts(w13, w2)
+        layer.gate.data.copy_(gate_w)
+        for op in ("experts", "router"):
+            layer.set_cpu_path(op, Choice(cand, cand, cand.path))
+        layer.pack_weights()
+        layers[cand.name] = layer
     rows: dict[str, Any] = {}
     for tokens in (1, 32, 256):
         x = torch.randn(
             1, tokens, cfg["hidden_size"], generator=torch.Generator().manual_seed(tokens)
         )[0]
         with torch.inference_mode():
-            tw, ti = route(x)
+            tw, ti = softmax_topk(x @ gate_w.T, top_k, True)
             want = fused_experts_reference(x, w13, w2, tw, ti)
-            err = (layer(x) - want).abs().max().item()
-            kernel = _timeit(lambda x=x: layer(x)) if kernel_available() else None
-            onednn = _timeit(lambda x=x: fused_experts_torch(x, w13, w2, *route(x), packed=packed))
-            before = {
-                s: _timeit(lambda x=x, s=s: fused_experts_torch(x, k13, k2, *route(x), strategy=s))
-                for s in ("bmm", "grouped_mm", "loop")
-            }
-        rows[tokens] = {
-            "tidal_ms": _r(kernel),
-            "tidal_onednn_ms": _r(onednn),
-            "tidal_torch_best_ms": _r(min(before.values())),
-            "tidal_torch_ms": {k: _r(v) for k, v in before.items()},
-            "max_abs_err_vs_reference": err,
-        }
+            ms = {name: _timeit(lambda x=x, m=m: m(x)) for name, m in layers.items()}
+            err = max((m(x) - want).abs().max().item() for m in layers.values())
+        rows[tokens] = {"tidal_ms": {k: _r(v) for k, v in ms.items()}, "max_abs_err": err}
+        rows[tokens]["tidal_best_ms"] = _r(min(ms.values()))
         log(
-            f"moe block {model.name} T={tokens}: kernel {kernel and round(kernel, 3)} ms, "
-            f"onednn {onednn:.3f}, torch best {min(before.values()):.3f}"
+            f"moe block {model.name} T={tokens}: "
+            + ", ".join(f"{k} {v:.3f}" for k, v in ms.items())
         )
     if opts.vllm_python:
         out = results / f"vllm_moe_kernel_{model.name}.json"
         proc = _run(
-            [
-                opts.vllm_python,
-                str(PEERS_SCRIPTS / "bench_vllm_moe_kernel.py"),
-                str(model),
-                str(out),
-            ],
+            [opts.vllm_python, str(PEERS_SCRIPTS / "bench_vllm_moe_kernel.py"), str(model),
+             str(out)],
             _vllm_env(opts.peers_dir),
-        )
+        )  # fmt: skip
         if proc.returncode == 0 and out.exists():
             per_t = json.loads(out.read_text())["per_T"]
             for tokens, row in rows.items():
                 v = per_t[str(tokens)]
                 row["vllm_block_ms"] = _r(v["block_median_ms"])
-                best = row["tidal_ms"] or row["tidal_onednn_ms"]
-                row["tidal_over_vllm_time"] = _r(best / v["block_median_ms"])
+                row["tidal_best_over_vllm_time"] = _r(row["tidal_best_ms"] / v["block_median_ms"])
         else:
             log(f"vLLM's MoE kernel bench failed: {proc.stderr[-2000:]}")
     return rows
@@ -300,7 +399,7 @@ def moe_block(model: Path, opts: argparse.Namespace, results: Path) -> dict[str,
 def gemm(opts: argparse.Namespace) -> dict[str, Any]:
     import torch
 
-    from tidal.kernels.cpu_ext import kernel_available
+    from tidal.kernels.cpu_ext import PREFETCH_HINTS, kernel_available
     from tidal.kernels.cpu_linear import linear_cpu, pack_linear_weight
 
     torch.set_num_threads(opts.threads)
@@ -316,10 +415,97 @@ def gemm(opts: argparse.Namespace) -> dict[str, Any]:
             0.1,
         )
         out[m] = {"mkl_gflops": _r(flops / mkl / 1e6, 1), "onednn_gflops": _r(flops / dnn / 1e6, 1)}
-        if kernel_available():  # what Linear runs now (tidal/kernels/cpu_linear.py)
+        if kernel_available():  # the C++ linear, each prefetch hint
             ours = pack_linear_weight(w)
-            cpp = _timeit(lambda x=x, p=ours: linear_cpu(x, p, 1024), 0.1)
-            out[m]["tidal_cpp_gflops"] = _r(flops / cpp / 1e6, 1)
+            for hint, code in PREFETCH_HINTS.items():
+                ms = _timeit(lambda x=x, p=ours, c=code: linear_cpu(x, p, 1024, None, c), 0.1)
+                out[m][f"tidal_cpp_{hint}_gflops"] = _r(flops / ms / 1e6, 1)
+    return out
+
+
+def kernel_bandwidth(opts: argparse.Namespace) -> dict[str, Any]:
+    """Batch 1, weights streamed from memory: a pool of linear weights (1024x1024, 4 MiB
+    each) read once per pass, and the experts of a 64-expert layer of the big shape (H1024,
+    I512) of which each call reads 4 at random (as a decode step does), on every path and
+    hint, interleaved with a 1 GiB ``sum`` round by round; GB/s of weights read, and each
+    round's fraction of the sum's bandwidth (the median reported)."""
+    import random
+
+    import torch
+
+    from tidal.kernels.cpu_ext import PREFETCH_HINTS
+    from tidal.kernels.cpu_paths import HeldExperts, HeldLinear
+    from tidal.kernels.fused_moe_torch import fused_experts_torch, k_major_experts
+    from tidal.kernels.select import Candidate, decide
+
+    torch.set_num_threads(opts.threads)
+    buf = torch.ones(256 * 1024 * 1024)  # 1 GiB float32
+    n_lin, k = opts.pool_matrices, 1024
+    base = torch.randn(k, k) * 0.03
+    lin: dict[str, Any] = {"torch": [base.t().contiguous().t().clone() for _ in range(n_lin)]}
+    held = {p: [HeldLinear(p, base) for _ in range(n_lin)] for p in ("native", "onednn")}
+    experts, hidden, inter, top_k = 64, 1024, 512, 4
+    w13 = torch.randn(experts, 2 * inter, hidden) * 0.03
+    w2 = torch.randn(experts, hidden, inter) * 0.03
+    k13, k2 = k_major_experts(w13, w2)
+    moe_held = {p: HeldExperts(p, w13, w2) for p in ("native", "onednn")}
+    del w13, w2
+    x1, xh = torch.randn(1, k), torch.randn(1, hidden)
+    rng = random.Random(0)
+    picks = [rng.sample(range(experts), top_k) for _ in range(16)]
+    routes = [(torch.full((1, top_k), 1 / top_k), torch.tensor([p])) for p in picks]
+    expert_bytes = 3 * hidden * inter * 4
+
+    def linear_pass(name: str) -> float:
+        path, _, hint = name.partition(":")
+        t = time.perf_counter()
+        if path == "torch":
+            for w in lin["torch"]:
+                torch.nn.functional.linear(x1, w)
+        else:
+            for h in held[path]:
+                h(x1, None, hint)
+        return n_lin * k * k * 4 / (time.perf_counter() - t)
+
+    def moe_pass(name: str) -> float:
+        path, _, hint = name.partition(":")
+        t = time.perf_counter()
+        for tw, ti in routes:
+            if path == "torch":
+                fused_experts_torch(xh, k13, k2, tw, ti)
+            else:
+                moe_held[path](xh, tw, ti, None, True, hint)
+        return len(routes) * top_k * expert_bytes / (time.perf_counter() - t)
+
+    names = [f"native:{h}" for h in PREFETCH_HINTS] + ["onednn", "torch"]
+    sums: list[float] = []
+    got: dict[str, dict[str, list[float]]] = {"linear": {}, "moe": {}}
+    with torch.inference_mode():
+        for fn in (linear_pass, moe_pass):  # warm-up: first touches, packs' pages
+            for n in names:
+                fn(n)
+        for _ in range(opts.bandwidth_rounds):
+            t = time.perf_counter()
+            buf.sum()
+            sums.append(buf.numel() * 4 / (time.perf_counter() - t))
+            for kind, fn in (("linear", linear_pass), ("moe", moe_pass)):
+                for n in names:
+                    got[kind].setdefault(n, []).append(fn(n))
+    out: dict[str, Any] = {"sum_gb_s": _r(statistics.median(sums) / 1e9, 1)}
+    for kind, per in got.items():
+        frac = {n: statistics.median(b / s for b, s in zip(v, sums)) for n, v in per.items()}
+        gbs = {n: statistics.median(v) / 1e9 for n, v in per.items()}
+        # What the selection keeps (decode class): the fastest here, as it measures it.
+        ms = {n: 1.0 / g for n, g in gbs.items()}
+        choice = decide([Candidate.parse(n) for n in names], {"decode": ms, "batch": ms})
+        out[kind] = {
+            "gb_s": {n: _r(v, 1) for n, v in gbs.items()},
+            "fraction_of_sum": {n: _r(v) for n, v in frac.items()},
+            "chosen": choice.decode.name,
+            "chosen_fraction_of_sum": _r(frac[choice.decode.name]),
+        }
+        log(f"{kind} at batch 1: " + ", ".join(f"{n} {gbs[n]:.1f} GB/s" for n in names))
+    log(f"sum: {out['sum_gb_s']} GB/s")
     return out
 
 
@@ -346,7 +532,7 @@ def roofline(model: Path, opts: argparse.Namespace, tidal_batch: float | None) -
     }
 
 
-def step_overhead(model: Path, opts: argparse.Namespace) -> dict[str, Any]:
+def step_overhead(model: Path, opts: argparse.Namespace, kernel_cache: Path) -> dict[str, Any]:
     """In-process Tidal, 32 requests decoding: per step, execute_model vs the rest, and
     where the model's forward goes (MoE blocks, attention with its projections, norms)."""
     import torch
@@ -376,7 +562,7 @@ def step_overhead(model: Path, opts: argparse.Namespace) -> dict[str, Any]:
         nn_module.register_module_forward_pre_hook(pre),
         nn_module.register_module_forward_hook(post),
     ]
-    llm = LLM(str(model), dtype="float32", multiprocess=False)
+    llm = LLM(str(model), dtype="float32", multiprocess=False, kernel_cache_dir=str(kernel_cache))
     try:
         engine = llm.client.engine
         timing = {"forward": 0.0, "steps": 0}
@@ -419,12 +605,94 @@ def step_overhead(model: Path, opts: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+# ------------------------------------------------------------------ memory
+
+
+def memory(model: Path, kernel_cache: Path) -> dict[str, Any]:
+    """The default engine in a fresh process (``--memory-probe``): its resident memory
+    after loading and serving a few requests, and its peak, against the checkpoint's bytes
+    plus the KV cache (issue #25: <= 1.15x)."""
+    cmd = [
+        sys.executable,
+        __file__,
+        "--memory-probe",
+        str(model),
+        "--kernel-cache",
+        str(kernel_cache),
+    ]
+    out = subprocess.run(cmd, capture_output=True, text=True)
+    if out.returncode != 0:
+        return {"error": out.stderr[-2000:]}
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def memory_probe(model: str, kernel_cache: str) -> None:
+    from tidal import LLM, SamplingParams
+
+    def status() -> dict[str, int]:
+        keys = ("VmRSS", "VmHWM", "RssAnon", "RssFile")
+        with open("/proc/self/status") as f:
+            rows = (line.split(":", 1) for line in f)
+            return {k: int(v.split()[0]) * 1024 for k, v in rows if k in keys}
+
+    before = status()
+    llm = LLM(model, dtype="float32", multiprocess=False, kernel_cache_dir=kernel_cache)
+    try:
+        params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+        llm.generate([{"prompt_token_ids": [5, 6, 7]}] * 4, params, use_tqdm=False)
+        served = status()
+        runner = llm.client.engine.executor.worker.model_runner
+        kv = sum(t.numel() * t.element_size() for t in runner.kv_caches)
+    finally:
+        llm.shutdown()
+    ckpt = sum(f.stat().st_size for f in Path(model).glob("*.safetensors"))
+    # VmHWM: this process's own peak (ru_maxrss keeps the parent's from before the exec).
+    peak = served["VmHWM"]
+    print(
+        json.dumps(
+            {
+                "checkpoint_bytes": ckpt,
+                "kv_cache_bytes": kv,
+                "rss_before_load": before["VmRSS"],
+                "rss_serving": served["VmRSS"],
+                "rss_anon": served["RssAnon"],
+                "rss_file": served["RssFile"],
+                "peak_rss": peak,
+                "rss_over_ckpt_plus_kv": _r(served["VmRSS"] / (ckpt + kv)),
+                "peak_over_ckpt_plus_kv": _r(peak / (ckpt + kv)),
+            }
+        )
+    )
+
+
 # ------------------------------------------------------------------ main
+
+
+def machine(opts: argparse.Namespace) -> dict[str, Any]:
+    import torch
+
+    from tidal.kernels.cpu_ext import kernel_status
+    from tidal.kernels.select import cpu_description
+
+    cpu = cpu_description()
+    return {
+        "cpu_model": cpu["model"],
+        "cpu_flags": cpu["flags"],
+        "cpu_count": os.cpu_count(),
+        "cpus_usable": len(os.sched_getaffinity(0)),
+        "torch": torch.__version__,
+        "threads": opts.threads,
+        "cpu_kernels": kernel_status(),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "load_avg_start": os.getloadavg(),
+    }
 
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--models", default="tiny,big", help="tiny, big or both")
+    p.add_argument("--models", default="tiny,big,moe64", help="any of tiny, big, moe64")
+    p.add_argument("--paths", default=",".join(TIDAL_PATHS), help="Tidal's --cpu-kernels runs")
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--vllm-python", default=None, help="python of a vLLM-CPU 0.32 venv")
@@ -434,45 +702,56 @@ def main(argv: list[str] | None = None) -> None:
         default=Path(os.environ.get("PEERS", Path.home() / ".cache" / "tidal-peers")),
     )
     p.add_argument("--skip-e2e", action="store_true", help="kernels, roofline and overhead only")
+    p.add_argument("--skip-kernels", action="store_true", help="end to end and memory only")
+    p.add_argument("--pool-matrices", type=int, default=64, help="linear weights streamed")
+    p.add_argument("--bandwidth-rounds", type=int, default=7)
     p.add_argument(
         "--tidal-detokenize",
         action="store_true",
         help="Tidal detokenizes its outputs (the baseline's harness); by default it returns "
         "token ids only, as bench_vllm.py asks of vLLM (detokenize=False)",
     )
+    p.add_argument("--memory-probe", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--kernel-cache", default=None, help=argparse.SUPPRESS)
     opts = p.parse_args(argv)
-    import torch
-
-    from tidal.kernels.cpu_ext import kernel_status
+    if opts.memory_probe:
+        memory_probe(opts.memory_probe, opts.kernel_cache)
+        return
+    opts.paths = [x.strip() for x in opts.paths.split(",") if x.strip()]
+    bad = [x for x in opts.paths if x not in TIDAL_PATHS]
+    if bad or "auto" not in opts.paths:
+        p.error(f"--paths: a list of {', '.join(TIDAL_PATHS)} with auto (the default) in it")
+    tags = [t.strip() for t in opts.models.split(",") if t.strip()]
+    if any(t not in MODELS for t in tags):
+        p.error(f"--models: any of {', '.join(MODELS)}")
 
     t0 = time.monotonic()
-    paths = ensure_models(opts.peers_dir)
+    paths = ensure_models(opts.peers_dir, sorted(set(tags) | {"big"}))
     results = opts.peers_dir / "results"
     results.mkdir(parents=True, exist_ok=True)
-    doc: dict[str, Any] = {
-        "benchmark": "cpu_speed",
-        "machine": {
-            "cpu_count": os.cpu_count(),
-            "cpus_usable": len(os.sched_getaffinity(0)),
-            "torch": torch.__version__,
-            "threads": opts.threads,
-            "moe_kernel": kernel_status(),
-            "python": platform.python_version(),
-            "platform": platform.platform(),
-        },
-        "e2e": {},
-        "tidal_detokenize": opts.tidal_detokenize,
-    }
-    tags = [t.strip() for t in opts.models.split(",") if t.strip()]
-    if not opts.skip_e2e:
-        for tag in tags:
-            doc["e2e"][tag] = run_e2e(tag, paths[tag], opts, results)
-    big = paths["big"]
-    doc["moe_block"] = {tag: moe_block(paths[tag], opts, results) for tag in tags}
-    doc["gemm"] = gemm(opts)
-    batch = doc["e2e"].get("big", {}).get("engines", {}).get("tidal", {}).get("batch")
-    doc["roofline"] = roofline(big, opts, batch)
-    doc["step_overhead"] = step_overhead(big, opts)
+    # The kernel choices this run measures (per model) and reuses: never an older run's.
+    kernel_cache = Path(tempfile.mkdtemp(prefix="cpu-speed-kernels-"))
+    try:
+        doc: dict[str, Any] = {
+            "benchmark": "cpu_speed",
+            "machine": machine(opts),
+            "e2e": {},
+            "tidal_detokenize": opts.tidal_detokenize,
+        }
+        if not opts.skip_e2e:
+            for tag in tags:
+                doc["e2e"][tag] = run_e2e(tag, paths[tag], opts, results, kernel_cache / tag)
+            doc["memory"] = {tag: memory(paths[tag], kernel_cache / tag) for tag in tags}
+        if not opts.skip_kernels:
+            doc["kernels"] = kernel_bandwidth(opts)
+            doc["moe_block"] = {tag: moe_block(paths[tag], opts, results) for tag in tags}
+            doc["gemm"] = gemm(opts)
+        big = doc["e2e"].get("big", {}).get("engines", {}).get("tidal_auto", {}).get("batch")
+        doc["roofline"] = roofline(paths["big"], opts, big)
+        doc["step_overhead"] = step_overhead(paths["big"], opts, kernel_cache / "big")
+    finally:
+        shutil.rmtree(kernel_cache, ignore_errors=True)
+    doc["machine"]["load_avg_end"] = os.getloadavg()
     doc["elapsed_s"] = _r(time.monotonic() - t0, 1)
     print(json.dumps(doc, indent=1), flush=True)
 

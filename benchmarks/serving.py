@@ -22,6 +22,21 @@ is the same at both commits, else built there) and removed afterwards. ``--round
 repeats the pair, alternating which runs first; the median run of each is reported.
 Prints one JSON line: the case, ``tidal``, ``peer`` (null with ``--url``) and the
 ``tidal_over_peer`` ratios.
+
+``--dp 1,2`` measures each data-parallel size in turn (Tidal's ``--dp N``, vLLM's
+``--data-parallel-size N`` with its OpenMP threads bound one core group per rank), one
+JSON line per size. ``--client aiperf`` sends the load with NVIDIA's aiperf instead of the
+built-in client (a third-party client; issue #25's measurements): completions, streaming,
+the same counts and lengths, its TTFT and inter-token latency (``tpot_ms``) reported in
+the same fields, plus their means. aiperf runs from a venv of its own (``--aiperf-venv``,
+default ``$PEERS/aiperf``), made with ``pip install aiperf`` when missing, so its
+dependencies never move Tidal's. The run also records the CPU model and the load average.
+The issue's online comparison, one command:
+
+    python benchmarks/serving.py --launch --client aiperf --dp 1,2 \\
+        --vllm-python ~/.cache/tidal-peers/vllm/bin/python \\
+        --model ~/.cache/tidal-peers/tiny-qwen3-moe --concurrency 16 --num-requests 96 \\
+        --prompt-len 32 --max-tokens 64
 """
 
 from __future__ import annotations
@@ -239,10 +254,16 @@ def launched_server(
     cwd: str | None = None,
     env: dict[str, str] | None = None,
 ) -> Iterator[str]:
-    """Run ``cmd`` + ``--host HOST --port P`` (P free) until the block ends."""
+    """Run ``cmd`` + ``--host HOST --port P`` (P free) until the block ends; its output goes
+    to stderr (stdout carries the JSON lines)."""
     port = _free_port(host)
+    shm_before = _omp_registrations()
     proc = subprocess.Popen(
-        [*cmd, "--host", host, "--port", str(port)], start_new_session=True, cwd=cwd, env=env
+        [*cmd, "--host", host, "--port", str(port)],
+        start_new_session=True,
+        cwd=cwd,
+        env=env,
+        stdout=sys.stderr,
     )
     try:
         url = f"http://{host}:{port}"
@@ -250,6 +271,24 @@ def launched_server(
         yield url
     finally:
         _stop(proc)
+        _remove_dead_omp_registrations(_omp_registrations() - shm_before)
+
+
+def _omp_registrations() -> set[Path]:
+    """Intel OpenMP's per-process files in /dev/shm (vLLM preloads that runtime)."""
+    return set(Path("/dev/shm").glob("__KMP_REGISTERED_LIB_*"))
+
+
+def _remove_dead_omp_registrations(new: set[Path]) -> None:
+    """Those of a stopped server's processes: a process killed at the end of the run never
+    removes its own (``__KMP_REGISTERED_LIB_<pid>_<n>``), so the run does."""
+    deadline = time.monotonic() + 10.0  # the group was SIGKILLed: its members die now
+    for path in sorted(new):
+        pid = path.name.split("_")[5] if path.name.count("_") >= 6 else ""
+        while pid.isdigit() and Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            path.unlink(missing_ok=True)
 
 
 def tidal_command(model: str, launch_args: list[str], api_key: str | None) -> list[str]:
@@ -292,21 +331,27 @@ def previous_commit(ref: str) -> Iterator[Path]:
 
 
 @contextlib.contextmanager
-def peer_server(args: argparse.Namespace, model: str) -> Iterator[tuple[dict, Any]]:
-    """(what the peer is, a ``launch()`` context manager that serves it)."""
+def peer_server(args: argparse.Namespace, model: str, dp: int = 1) -> Iterator[tuple[dict, Any]]:
+    """(what the peer is, a ``launch()`` context manager that serves it) at ``dp`` ranks."""
     if args.vllm_python:
         cmd = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", model]
+        if dp > 1:
+            cmd += ["--data-parallel-size", str(dp)]
         peers = Path(os.environ.get("PEERS", Path.home() / ".cache" / "tidal-peers"))
         script = f"export PEERS={peers}; . {HERE / 'peers' / 'env_vllm.sh'}; env -0"
         raw = subprocess.run(["bash", "-c", script], capture_output=True, check=True).stdout
         env = dict(kv.split("=", 1) for kv in raw.decode().split("\0") if "=" in kv)
+        preload = [p for p in env.get("LD_PRELOAD", "").split(":") if p and os.path.exists(p)]
+        env["LD_PRELOAD"] = ":".join(preload)  # a missing tcmalloc is optional
+        if dp > 1:  # each local DP rank binds its own group of cores ("0|1" on 2 cores)
+            env["VLLM_CPU_OMP_THREADS_BIND"] = _core_groups(dp)
         info = {"name": "vllm", "python": args.vllm_python}
         yield info, lambda: launched_server(cmd, HOST, None, args.launch_timeout, env=env)
         return
     sha = _git("rev-parse", "--short", args.peer_ref)
     with previous_commit(args.peer_ref) as tree:
         env = {**os.environ, "PYTHONPATH": str(tree)}
-        cmd = tidal_command(model, shlex.split(args.launch_args), args.api_key)
+        cmd = tidal_command(model, [*shlex.split(args.launch_args), *_dp_args(dp)], args.api_key)
         info = {"name": "tidal", "ref": args.peer_ref, "commit": sha}
         yield (
             info,
@@ -314,6 +359,87 @@ def peer_server(args: argparse.Namespace, model: str) -> Iterator[tuple[dict, An
                 cmd, HOST, args.api_key, args.launch_timeout, cwd=str(tree), env=env
             ),
         )
+
+
+def _dp_args(dp: int) -> list[str]:
+    return ["--dp", str(dp)] if dp > 1 else []
+
+
+def _core_groups(groups: int) -> str:
+    """This process's usable cores cut into ``groups`` contiguous lists, "|"-separated."""
+    cores = sorted(os.sched_getaffinity(0))
+    size = max(1, len(cores) // groups)
+    return "|".join(
+        ",".join(map(str, cores[i * size : (i + 1) * size] or cores[-1:])) for i in range(groups)
+    )
+
+
+# ---- --client aiperf ---------------------------------------------------------------------
+
+
+def ensure_aiperf(venv: Path) -> Path:
+    """``venv/bin/aiperf``, installing aiperf into the venv ``venv`` when it is missing."""
+    exe = venv / "bin" / "aiperf"
+    if not exe.exists():
+        print(f"serving: installing aiperf into {venv}", file=sys.stderr, flush=True)
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+        subprocess.run([str(venv / "bin" / "pip"), "install", "-q", "aiperf"], check=True)
+    return exe
+
+
+def run_aiperf(aiperf: Path, url: str, model: str, args: argparse.Namespace) -> dict:
+    """One aiperf profile against ``url`` (completions, streaming, the case's counts and
+    lengths, ``ignore_eos``), summarised in ``summarize``'s fields; aiperf's inter-token
+    latency is ``tpot_ms``."""
+    out = Path(tempfile.mkdtemp(prefix="serving-aiperf-"))
+    try:
+        cmd = [
+            str(aiperf), "profile", "--model", model, "--tokenizer", model, "--url", url,
+            "--endpoint-type", "completions", "--streaming",
+            "--concurrency", str(args.concurrency), "--request-count", str(args.num_requests),
+            "--warmup-request-count", str(max(args.warmup, args.concurrency)),
+            "--prompt-input-tokens-mean", str(args.prompt_len),
+            "--prompt-input-tokens-stddev", "0",
+            "--prompt-output-tokens-mean", str(args.max_tokens),
+            "--prompt-output-tokens-stddev", "0", "--extra-inputs", "ignore_eos:true",
+            "--random-seed", str(args.seed), "--output-artifact-dir", str(out),
+            "--ui-type", "none", "--no-server-metrics", "--no-gpu-telemetry",
+        ]  # fmt: skip
+        if args.api_key:
+            cmd += ["--api-key", args.api_key]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+        export = out / "profile_export_aiperf.json"
+        if proc.returncode != 0 or not export.exists():
+            raise RuntimeError(f"aiperf failed ({proc.returncode}): {proc.stdout[-2000:]}")
+        doc = json.loads(export.read_text())
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
+
+    def stats(name: str, keys: tuple[str, ...] = ("avg", "p50", "p90", "p99")) -> dict:
+        got = doc.get(name) or {}
+        return {k: None if got.get(k) is None else round(float(got[k]), 3) for k in keys}
+
+    completed = int((doc.get("request_count") or {}).get("avg") or 0)
+    errors = doc.get("error_summary") or []
+    return {
+        "client": "aiperf",
+        "completed": completed,
+        "failed": max(0, args.num_requests - completed) + len(errors),
+        "first_error": str(errors[0]) if errors else None,
+        "duration_s": stats("benchmark_duration", ("avg",))["avg"],
+        "req_per_s": stats("request_throughput", ("avg",))["avg"],
+        "output_tok_per_s": stats("output_token_throughput", ("avg",))["avg"],
+        "ttft_ms": stats("time_to_first_token"),
+        "tpot_ms": stats("inter_token_latency"),
+    }
+
+
+def _machine() -> dict:
+    model = ""
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
+        model = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "")
+    load = os.getloadavg() if hasattr(os, "getloadavg") else None
+    return {"cpu": model, "cores": len(os.sched_getaffinity(0)), "load_avg": load}
 
 
 def _median_summary(runs: list[dict]) -> dict:
@@ -326,11 +452,15 @@ def _ratios(tidal: dict, peer: dict) -> dict:
     def ratio(a: float | None, b: float | None) -> float | None:
         return round(a / b, 3) if a and b else None
 
-    return {
+    out = {
         "output_tok_per_s": ratio(tidal["output_tok_per_s"], peer["output_tok_per_s"]),
         "ttft_p50": ratio(tidal["ttft_ms"]["p50"], peer["ttft_ms"]["p50"]),
         "tpot_p50": ratio(tidal["tpot_ms"]["p50"], peer["tpot_ms"]["p50"]),
     }
+    if "avg" in tidal["ttft_ms"] and "avg" in peer["ttft_ms"]:  # aiperf's means
+        out["ttft_avg"] = ratio(tidal["ttft_ms"]["avg"], peer["ttft_ms"]["avg"])
+        out["tpot_avg"] = ratio(tidal["tpot_ms"]["avg"], peer["tpot_ms"]["avg"])
+    return out
 
 
 # ---- main --------------------------------------------------------------------------------
@@ -357,13 +487,32 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--peer-ref", default="HEAD~1", help="git ref of the Tidal peer")
     p.add_argument("--vllm-python", default=None, help="python of a vLLM venv: vLLM is the peer")
     p.add_argument("--rounds", type=int, default=1, help="runs of each server (--launch)")
+    p.add_argument("--dp", default="1", help="--launch: data-parallel sizes, e.g. 1,2")
+    p.add_argument("--client", choices=("builtin", "aiperf"), default="builtin")
+    p.add_argument(
+        "--aiperf-venv",
+        type=Path,
+        default=Path(os.environ.get("PEERS", Path.home() / ".cache" / "tidal-peers")) / "aiperf",
+        help="venv of the aiperf client (--client aiperf; made when missing)",
+    )
     args = p.parse_args(argv)
     if min(args.num_requests, args.concurrency, args.prompt_len, args.max_tokens) < 1:
         p.error("--num-requests, --concurrency, --prompt-len and --max-tokens must be >= 1")
     if args.rounds < 1:
         p.error("--rounds must be >= 1")
+    try:
+        sizes = [int(d) for d in args.dp.split(",") if d.strip()]
+    except ValueError:
+        p.error(f"--dp: a comma-separated list of sizes, got {args.dp!r}")
+    if not sizes or min(sizes) < 1:
+        p.error("--dp: sizes must be >= 1")
+    if args.client == "aiperf" and not args.launch and not args.model:
+        p.error("--client aiperf: --model names the checkpoint (its tokenizer) to send")
+    aiperf = ensure_aiperf(args.aiperf_venv) if args.client == "aiperf" else None
 
     def run(url: str, model: str | None) -> dict:
+        if aiperf is not None:
+            return run_aiperf(aiperf, url, model or args.model, args)
         return asyncio.run(
             run_benchmark(
                 url,
@@ -382,10 +531,12 @@ def main(argv: list[str] | None = None) -> int:
 
     case = {
         "benchmark": "serving",
+        "client": args.client,
         "num_requests": args.num_requests,
         "concurrency": args.concurrency,
         "prompt_len": args.prompt_len,
         "max_tokens": args.max_tokens,
+        "machine": _machine(),
     }
     if not args.launch:
         url = args.url.rstrip("/")
@@ -395,29 +546,68 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if summary["failed"] == 0 else 1
 
     model = args.model or _default_model()
-    tidal_cmd = tidal_command(model, shlex.split(args.launch_args), args.api_key)
-    runs: dict[str, list[dict]] = {"tidal": [], "peer": []}
-    with peer_server(args, model) as (peer_info, launch_peer):
-        servers = {
-            "tidal": lambda: launched_server(tidal_cmd, HOST, args.api_key, args.launch_timeout),
-            "peer": launch_peer,
-        }
-        for r in range(args.rounds):
-            for name in ("tidal", "peer") if r % 2 == 0 else ("peer", "tidal"):
-                with servers[name]() as url:
-                    # vLLM names the model by its path; Tidal takes either.
-                    runs[name].append(run(url, model))
-    tidal, peer = _median_summary(runs["tidal"]), _median_summary(runs["peer"])
-    line = {
-        **case,
-        "model": model,
-        "launch_args": args.launch_args,
-        "tidal": tidal,
-        "peer": {**peer_info, **peer},
-        "tidal_over_peer": _ratios(tidal, peer),
-    }
-    print(json.dumps(line), flush=True)
-    failed = tidal["failed"] + peer["failed"]
+    # This tree's server measures its CPU paths afresh (a kernel-choice cache private to
+    # the run, removed with it): never a choice an earlier, noisier run left.
+    kernel_cache = tempfile.mkdtemp(prefix="serving-kernels-")
+    try:
+        return _launch_sizes(args, case, sizes, model, run, kernel_cache)
+    finally:
+        shutil.rmtree(kernel_cache, ignore_errors=True)
+
+
+def _launch_sizes(
+    args: argparse.Namespace,
+    case: dict,
+    sizes: list[int],
+    model: str,
+    run: Any,
+    kernel_cache: str,
+) -> int:
+    failed = 0
+    peer_at: dict[int, dict] = {}  # the peer's median run per size, for a size it cannot serve
+    for dp in sizes:
+        launch_args = [*shlex.split(args.launch_args), *_dp_args(dp)]
+        ours = [*launch_args, "--kernel-cache-dir", kernel_cache]
+        tidal_cmd = tidal_command(model, ours, args.api_key)
+        runs: dict[str, list[dict]] = {"tidal": [], "peer": []}
+        peer_error = None
+        with peer_server(args, model, dp) as (peer_info, launch_peer):
+            servers = {
+                "tidal": lambda cmd=tidal_cmd: launched_server(
+                    cmd, HOST, args.api_key, args.launch_timeout
+                ),
+                "peer": launch_peer,
+            }
+            for r in range(args.rounds):
+                for name in ("tidal", "peer") if r % 2 == 0 else ("peer", "tidal"):
+                    if name == "peer" and peer_error is not None:
+                        continue
+                    try:
+                        with servers[name]() as url:
+                            # vLLM names the model by its path; Tidal takes either.
+                            runs[name].append(run(url, model))
+                    except RuntimeError as e:
+                        if name == "tidal":
+                            raise
+                        # e.g. vLLM-CPU 0.32 cannot serve an MoE model at DP > 1 (its CPU
+                        # communicator lacks all_gatherv): said, and compared below with
+                        # the peer's nearest size that served.
+                        peer_error = f"{e}"
+        tidal = _median_summary(runs["tidal"])
+        line = {**case, "model": model, "dp": dp, "launch_args": " ".join(launch_args)}
+        line["tidal"] = tidal
+        if runs["peer"]:
+            peer = peer_at[dp] = {**peer_info, **_median_summary(runs["peer"])}
+            line["peer"] = peer
+        else:
+            line["peer"] = {**peer_info, "dp": dp, "error": peer_error}
+            nearest = max((d for d in peer_at if d < dp), default=None)
+            peer = peer_at.get(nearest) if nearest is not None else None
+            line["peer_compared"] = None if peer is None else {**peer, "dp": nearest}
+        line["tidal_over_peer"] = None if peer is None else _ratios(tidal, peer)
+        line["load_avg_after"] = os.getloadavg() if hasattr(os, "getloadavg") else None
+        print(json.dumps(line), flush=True)
+        failed += tidal["failed"] + (peer["failed"] if runs["peer"] else 0)
     return 0 if failed == 0 else 1
 
 

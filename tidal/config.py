@@ -220,6 +220,12 @@ class EngineConfig:
     device: str = "cpu"
     moe_backend: str = "auto"  # auto | torch | triton | reference
     frontend: FrontendConfig = field(default_factory=FrontendConfig)
+    # CPU: which path serves each op (tidal/kernels/select.py): "auto" measures them at
+    # load; native | onednn | torch forces one. Not in the config hash: every path gives
+    # the same tokens, and ranks may differ (their CPUs may).
+    cpu_kernels: str = "auto"
+    # Where the measured choices are cached (one file per CPU and setup); None: not cached.
+    kernel_cache_dir: str | None = None
 
     def with_parallel(self, **changes: Any) -> EngineConfig:
         return dataclasses.replace(self, parallel=dataclasses.replace(self.parallel, **changes))

@@ -31,6 +31,7 @@ if __name__ == "__main__":
             }
         ),
         "pgid": os.getpgid(0),
+        "env": {k: os.environ.get(k) for k in launch.get("env_keys", [])},
     }
     with os.fdopen(launch["report_fd"], "wb") as f:
         f.write(msgspec.msgpack.encode(report))

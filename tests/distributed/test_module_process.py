@@ -39,12 +39,17 @@ def started() -> Iterator[list[ModuleProcess]]:
 
 
 def _start(
-    started: list[ModuleProcess], name: str, exit_code: int | None
+    started: list[ModuleProcess],
+    name: str,
+    exit_code: int | None,
+    env: dict[str, str] | None = None,
 ) -> tuple[ModuleProcess, dict]:
     r, w = os.pipe()
-    payload = msgspec.msgpack.encode({"report_fd": w, "exit_code": exit_code, "x": [1.5, "é"]})
+    launch = {"report_fd": w, "exit_code": exit_code, "x": [1.5, "é"], "env_keys": list(env or {})}
     try:
-        p = ModuleProcess("module_process_child", name, payload, pass_fds=[w])
+        p = ModuleProcess(
+            "module_process_child", name, msgspec.msgpack.encode(launch), pass_fds=[w], env=env
+        )
     finally:
         os.close(w)
     started.append(p)
@@ -79,6 +84,15 @@ def test_child_runs_the_module_not_our_main(
     p.terminate()  # a no-op once reaped
     with pytest.raises(ProcessLookupError):
         os.kill(p.pid, 0)
+
+
+def test_child_gets_the_added_environment(started: list[ModuleProcess]) -> None:
+    """What an engine's OpenMP runtime must find at start (tidal/utils/cpu_threads.py) is
+    in the child's environment from its first instruction, beside the inherited one."""
+    env = {"GOMP_SPINCOUNT": "1000", "TIDAL_TEST_MARK": "x"}
+    _, report = _start(started, "TidalTestEnv", exit_code=0, env=env)
+    assert report["env"] == env
+    assert "PATH" in os.environ  # inherited too: the child found python's modules
 
 
 def test_exit_code_and_kill(started: list[ModuleProcess], sentinel_kind: str) -> None:

@@ -18,6 +18,7 @@ from tests.e2e.server_utils import (
     is_port_conflict,
     retry_port_conflicts,
 )
+from tidal.utils.cpu_threads import SPIN_COUNT
 
 
 def _complete(url: str, prompt: str, **kw) -> dict:
@@ -44,6 +45,13 @@ def _serve_and_check(url: str, dp: int) -> None:
     totals = [r["requests_total"] for r in stats["ranks"]]
     assert sum(totals) >= dp + 7 and all(t >= 1 for t in totals), totals
     assert stats["wave"] >= 0 and isinstance(stats["engines_running"], bool)
+    # Each rank's measured CPU path per op, with the timings it was chosen by.
+    assert len(stats["cpu_kernels"]) == dp
+    for rank in stats["cpu_kernels"]:
+        assert rank["threads"] == max(1, len(os.sched_getaffinity(0)) // dp)
+        moe = next(v for k, v in rank["ops"].items() if k.startswith("moe["))
+        assert moe["decode"] and moe["batch"] and moe["source"] in ("measured", "cached")
+        assert moe["decode"] in moe["timings_ms"]["decode"]
     metrics = httpx.get(url + "/metrics", timeout=60).text
     assert 'engine="1"' in metrics  # labelled by engine id (DESIGN.md 6.1)
 
@@ -51,7 +59,11 @@ def _serve_and_check(url: str, dp: int) -> None:
 def test_launch_dp2(qwen3_ckpt):
     srv = RemoteServer(["--model", qwen3_ckpt, "--dp", "2", "--log-level", "warning"])
     try:
-        assert len(srv.engine_processes()) == 2
+        engines = srv.engine_processes()
+        assert len(engines) == 2
+        if not any(v in os.environ for v in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")):
+            # Ranks beside a frontend spin briefly, then sleep (tidal/utils/cpu_threads.py).
+            assert all(p.environ().get("GOMP_SPINCOUNT") == str(SPIN_COUNT) for p in engines)
         _serve_and_check(srv.url, 2)
     finally:
         srv.stop()

@@ -11,6 +11,8 @@ import pytest
 import torch
 
 from tidal import LLM, SamplingParams
+from tidal.kernels.cpu_ext import kernel_available, kernel_status
+from tidal.kernels.onednn import onednn_available
 
 MAX_TOKENS = 12
 
@@ -60,9 +62,9 @@ def ckpt_and_expected(request):
     return path, prompts, _hf_greedy(path, prompts, MAX_TOKENS)
 
 
-def _run(path: str, prompts: list[list[int]], **engine_kwargs) -> tuple[list[list[int]], Any]:
-    """Greedy outputs of ``prompts`` (the last one sent once the others have finished)
-    and the engine's scheduler counters afterwards."""
+def _run(path: str, prompts: list[list[int]], **engine_kwargs) -> tuple[list[list[int]], Any, Any]:
+    """Greedy outputs of ``prompts`` (the last one sent once the others have finished),
+    the engine's scheduler counters afterwards and its CPU paths."""
     llm = LLM(path, dtype="float32", multiprocess=False, **engine_kwargs)
     try:
         # min_tokens masks EOS exactly like transformers' min_new_tokens does.
@@ -71,7 +73,12 @@ def _run(path: str, prompts: list[list[int]], **engine_kwargs) -> tuple[list[lis
         for batch in (prompts[:-1], prompts[-1:]):
             ids = [{"prompt_token_ids": p} for p in batch]
             outs += llm.generate(ids, params, use_tqdm=False)
-        return [o.outputs[0].token_ids for o in outs], llm.client.call_utility("get_stats")
+        stats = llm.client.call_utility("get_stats")
+        return (
+            [o.outputs[0].token_ids for o in outs],
+            stats,
+            llm.client.call_utility("get_cpu_kernels"),
+        )
     finally:
         llm.shutdown()
 
@@ -110,7 +117,7 @@ def test_greedy_matches_transformers(ckpt_and_expected, engine_kwargs, min_hits,
     path, prompts, expected = ckpt_and_expected
     if "max_num_batched_tokens" in engine_kwargs:
         assert max(map(len, prompts)) > engine_kwargs["max_num_batched_tokens"]
-    got, stats = _run(path, prompts, **engine_kwargs)
+    got, stats, _ = _run(path, prompts, **engine_kwargs)
     for i, (g, e) in enumerate(zip(got, expected)):
         assert g == e, f"prompt {i} (len {len(prompts[i])}): {g} != {e}"
     if engine_kwargs.get("enable_prefix_caching", True):
@@ -124,7 +131,7 @@ def test_greedy_matches_transformers_at_tensor_parallel_2(ckpt_and_expected):
     """Two TP workers (their own processes, gloo), with chunked prefill and preemption in
     the mix: the same tokens as transformers."""
     path, prompts, expected = ckpt_and_expected
-    got, _ = _run(
+    got, _, _ = _run(
         path,
         prompts,
         tensor_parallel_size=2,
@@ -161,3 +168,24 @@ def test_greedy_matches_transformers_at_dp2_tp2_ep(ckpt_and_expected, backend):
         llm.shutdown()
     for i, (g, e) in enumerate(zip(got, expected)):
         assert g == e, f"prompt {i} (len {len(prompts[i])}): {g} != {e}"
+
+
+@pytest.mark.parametrize("cpu_path", ["native", "onednn", "torch"])
+def test_greedy_matches_transformers_on_every_cpu_path(ckpt_and_expected, cpu_path):
+    """Whichever path the measurement picks on a machine, the tokens are transformers'
+    (issue #25): each forced in turn, and each op served by it (or, for an op the path
+    does not serve -- oneDNN has no norm or attention -- by torch)."""
+    if cpu_path == "native" and not kernel_available():
+        pytest.skip(kernel_status())
+    if cpu_path == "onednn" and not onednn_available():
+        pytest.skip("no oneDNN prepacked linear in this torch")
+    path, prompts, expected = ckpt_and_expected
+    got, _, kernels = _run(path, prompts, cpu_kernels=cpu_path)
+    for i, (g, e) in enumerate(zip(got, expected)):
+        assert g == e, f"prompt {i} (len {len(prompts[i])}) on {cpu_path}: {g} != {e}"
+    assert kernels["mode"] == cpu_path
+    for op, choice in kernels["ops"].items():
+        served = {choice["decode"].split(":")[0], choice["batch"].split(":")[0]}
+        assert served <= {cpu_path, "torch"}, (op, choice)
+        if op.startswith(("linear", "moe", "router")):
+            assert served == {cpu_path}, (op, choice)

@@ -4,15 +4,14 @@ per-sequence oracle, and the cache rows it writes)."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from tidal.kernels.cpu_ext import kernel_available, kernel_status
 from tidal.kernels.cpu_moe import CpuPackedExperts
-from tidal.kernels.cpu_router import CpuPackedGate
 from tidal.kernels.fused_moe_torch import (
     STRATEGIES,
     PackedExperts,
@@ -22,6 +21,7 @@ from tidal.kernels.fused_moe_torch import (
     k_major_experts,
 )
 from tidal.kernels.onednn import SMALL_WEIGHT, onednn_available, prefers_packed
+from tidal.kernels.select import Candidate, Choice
 from tidal.layers.attention import (
     AttentionMetadata,
     PagedAttention,
@@ -131,50 +131,60 @@ def test_experts_ids_out_of_range_without_map_contribute_zero():
     assert torch.count_nonzero(want[2]) == 0  # both of token 2's experts are elsewhere
 
 
-@pytest.mark.parametrize("kernel", ["cpp", "onednn"])
-def test_moe_layer_repacks_after_every_weight_write(kernel, monkeypatch):
-    """The packed copies (the C++ kernel's, or oneDNN's when it was not built) are derived
-    data: a write the layer is told of (loader, expert moves, EPLB: ``weights_updated``;
-    ``set_local_experts``) is what the next forward computes with, never a stale copy."""
-    if kernel == "cpp" and not kernel_available():
+def _forced(path: str) -> Choice:
+    """A choice serving every call by ``path`` (skips where that path is not here)."""
+    if path == "native" and not kernel_available():
         pytest.skip(kernel_status())
-    if kernel == "onednn":
-        if not onednn_available():
-            pytest.skip("no oneDNN prepacked linear")
-        monkeypatch.setattr("tidal.moe.layer.kernel_available", lambda: False)
-        monkeypatch.setattr("tidal.moe.layer.router_cpu_ok", lambda hidden: False)
-    kind = CpuPackedExperts if kernel == "cpp" else PackedExperts
-    gate_kind = CpuPackedGate if kernel == "cpp" else torch.Tensor
+    if path == "onednn" and not onednn_available():
+        pytest.skip("no oneDNN prepacked linear")
+    cand = Candidate(path, "nta" if path == "native" else "")
+    return Choice(cand, cand, path)
+
+
+@pytest.mark.parametrize("path", ["native", "onednn", "torch"])
+def test_moe_layer_holds_one_copy_and_follows_every_weight_write(path):
+    """Each CPU path of the MoE layer (the C++ kernels, oneDNN, torch) holds the experts
+    and the router's gate once, in its own layout; reading ``w13``/``w2``/``gate`` rebuilds
+    them exactly, and a write the layer is told of (loader, expert moves, EPLB:
+    ``weights_updated``; ``set_local_experts``) is what the next forward computes with."""
+    choice = _forced(path)
     moe = FusedMoE(8, 2, 32, 16, True)
+    moe.set_cpu_path("experts", choice)
+    moe.set_cpu_path("router", choice)
     x, w13, w2, _, _ = _moe_problem(12, 8, 2, 8)
     moe.w13.data.copy_(w13)
     moe.w2.data.copy_(w2)
+    moe.gate.data.copy_(torch.randn(8, 32))
     moe.weights_updated()
-    assert moe.use_onednn
+    moe.pack_weights()
+    packed = path != "torch"
+    names = ("w13", "w2", "gate")
+    assert all(moe.is_released(n) == packed for n in names)
+    assert all((n in moe._parameters) != packed for n in names)  # one copy of each
+    assert torch.equal(moe.w13, w13) and torch.equal(moe.w2, w2)  # rebuilt exactly
+    assert torch.equal(moe.expert_weights([6, 1])[0], w13[[6, 1]])
+    assert torch.equal(moe.state_dict()["w2"], w2)
 
     def want() -> torch.Tensor:
         weights, ids = softmax_topk(torch.nn.functional.linear(x, moe.gate), 2, True)
         return fused_experts_reference(x, moe.w13, moe.w2, weights, ids, moe._map_arg)
 
-    moe.gate.data.copy_(torch.randn(8, 32))
     torch.testing.assert_close(moe(x), want(), atol=ATOL, rtol=0)
-    first = moe._packed
-    assert isinstance(first, kind)
     moe(x)
-    assert moe._packed is first  # reused while nothing was written
-    gate = moe._packed_gate
-    assert isinstance(gate, gate_kind)
+    assert all((n in moe._parameters) != packed for n in names)  # the reads were dropped
     moe.gate.data.copy_(torch.randn(8, 32))  # a new router (loader, checkpoint reload)
     moe.weights_updated()
     torch.testing.assert_close(moe(x), want(), atol=ATOL, rtol=0)
-    assert isinstance(moe._packed_gate, gate_kind) and moe._packed_gate is not gate
     moe.w13.data[3] *= -1.0  # an in-place write, as EPLB and expert installs do
     moe.weights_updated()
     torch.testing.assert_close(moe(x), want(), atol=ATOL, rtol=0)
-    moe.set_local_experts([5, 6, 7])  # fewer experts: new storage, map and copies
+    moe.set_local_experts([5, 6, 7])  # fewer experts: new storage, map and pack
     moe.w13.data.copy_(w13[5:])
     moe.w2.data.copy_(w2[5:])
+    moe.weights_updated()
     torch.testing.assert_close(moe(x), want(), atol=ATOL, rtol=0)
+    moe(x)  # the next forward packed the new storage and dropped the reads
+    assert all((n in moe._parameters) != packed for n in ("w13", "w2"))
 
 
 def test_auto_strategy_choice():
@@ -216,25 +226,20 @@ def test_k_major_linear_matches_row_major(bias):
     torch.testing.assert_close(fast(x), x @ w.t() + (b if bias else 0), atol=ATOL, rtol=0)
 
 
-@pytest.mark.parametrize("kernel", ["cpp", "onednn"])
+@pytest.mark.parametrize("path", ["native", "onednn"])
 @pytest.mark.parametrize("bias", [False, True])
-def test_packed_linear_matches_f_linear_and_follows_weight_writes(kernel, bias, monkeypatch):
-    """The C++ linear's pack, or oneDNN's where it was not built: same outputs as F.linear,
-    and a weight write the layer is told of is what the next forward computes with."""
-    if kernel == "cpp" and not kernel_available():
-        pytest.skip(kernel_status())
-    if kernel == "onednn":
-        if not onednn_available():
-            pytest.skip("no oneDNN prepacked linear")
-        monkeypatch.setattr("tidal.layers.linear.linear_cpu_ok", lambda x: False)
-    attr = "_cpp_packed" if kernel == "cpp" else "_packed"
+def test_packed_linear_matches_f_linear_and_follows_weight_writes(path, bias):
+    """The C++ linear's pack and oneDNN's: same outputs as F.linear on the weight, the
+    pack the only copy (``weight`` reads rebuild it exactly), and a weight write the layer
+    is told of is what the next forward computes with."""
     fast = Linear(24, 40, bias)
+    fast.set_cpu_path("linear", _forced(path))
     slow = Linear(24, 40, bias)
-    slow.use_onednn = False  # the plain F.linear path: the reference
-    assert fast.use_onednn
+    slow.set_cpu_path("linear", _forced("torch"))  # the plain F.linear path: the reference
+    w = torch.randn(40, 24, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         for lin in (fast, slow):
-            lin.weight.copy_(torch.randn(40, 24, generator=torch.Generator().manual_seed(1)))
+            lin.weight.copy_(w)
             if bias:
                 lin.bias.copy_(torch.randn(40, generator=torch.Generator().manual_seed(2)))
     for shape in ((1, 24), (7, 24), (2, 3, 24)):  # any leading dims
@@ -242,22 +247,23 @@ def test_packed_linear_matches_f_linear_and_follows_weight_writes(kernel, bias, 
         torch.testing.assert_close(fast(x), slow(x), atol=ATOL, rtol=0)
     x = torch.randn(6, 48)[:, ::2]  # strided rows
     torch.testing.assert_close(fast(x), slow(x), atol=ATOL, rtol=0)
-    first = getattr(fast, attr)
-    assert first is not None
+    assert fast.is_released("weight") and "weight" not in fast._parameters
+    assert not slow.is_released("weight")
+    first = fast._held
+    assert first is not None and first.path == path
     fast(x)
-    assert getattr(fast, attr) is first  # reused while nothing was written
+    assert fast._held is first  # reused while nothing was written
+    assert torch.equal(fast.weight, w) and fast.weight.t().is_contiguous()  # rebuilt, K-major
     with torch.no_grad():  # what the loader does: write, then say so
         fast.weight.mul_(-1.0)
         slow.weight.mul_(-1.0)
     fast.weights_updated()
     x = torch.randn(4, 24)
     torch.testing.assert_close(fast(x), slow(x), atol=ATOL, rtol=0)
-    assert getattr(fast, attr) is not first
+    assert fast._held is not first and "weight" not in fast._parameters
     # Other dtypes keep F.linear (the packed paths are float32 only).
-    assert torch.equal(
-        fast.bfloat16()(x.bfloat16()),
-        F.linear(x.bfloat16(), fast.weight.bfloat16(), None if not bias else fast.bias.bfloat16()),
-    )
+    lin16 = Linear(24, 40, bias, dtype=torch.bfloat16)
+    assert lin16.cpu_ops()["linear"].candidates == (Candidate("torch"),)
 
 
 # ---- paged decode attention --------------------------------------------------------------
@@ -265,8 +271,12 @@ def test_packed_linear_matches_f_linear_and_follows_weight_writes(kernel, bias, 
 BS = 4  # block size
 
 
-def _attention_case(lengths: list[int], heads: int, kv_heads: int, num_blocks: int = 64):
+def _attention_case(
+    lengths: list[int], heads: int, kv_heads: int, num_blocks: int = 64, path: str = "cpp"
+):
     attn = PagedAttention(heads, kv_heads, 16)
+    if path == "torch_chosen":
+        attn.set_cpu_path("decode", _forced("torch"))
     attn.kv_cache = torch.randn(kv_cache_shape(num_blocks, BS, kv_heads, 16))
     free = list(range(1, num_blocks))
     random.Random(0).shuffle(free)
@@ -274,13 +284,14 @@ def _attention_case(lengths: list[int], heads: int, kv_heads: int, num_blocks: i
     return attn, blocks
 
 
-@pytest.fixture(params=["cpp", "torch", "torch_lazy_rows"])
+@pytest.fixture(params=["cpp", "torch", "torch_chosen", "torch_lazy_rows"])
 def decode_path(request, monkeypatch):
-    """Which decode path the attention takes: the C++ kernel; the torch path; or the torch
-    path after ``CacheRows.build`` expected the kernel (its rows then built lazily)."""
+    """Which decode path the attention takes: the C++ kernel; the torch path (where the
+    kernel is missing, or as the measured choice); or the torch path after
+    ``CacheRows.build`` expected the kernel (its rows then built lazily)."""
     if request.param == "cpp" and not kernel_available():
         pytest.skip(kernel_status())
-    if request.param != "cpp":
+    if request.param in ("torch", "torch_lazy_rows"):
         monkeypatch.setattr("tidal.layers.attention.decode_attention_cpu_ok", lambda *a: False)
     if request.param == "torch":
         monkeypatch.setattr(
@@ -292,7 +303,7 @@ def decode_path(request, monkeypatch):
 @pytest.mark.parametrize("heads,kv_heads", [(4, 2), (4, 4), (6, 1)])
 def test_decode_attention_matches_per_sequence_oracle(heads, kv_heads, decode_path):
     lengths = [1, 5, 8, 9, 3, 12]  # block edges, a first token, unequal padding
-    attn, blocks = _attention_case(lengths, heads, kv_heads)
+    attn, blocks = _attention_case(lengths, heads, kv_heads, path=decode_path)
     meta = AttentionMetadata.build([(n - 1, 1, b) for n, b in zip(lengths, blocks)], BS, "cpu")
     q = torch.randn(len(lengths), heads, 16)
     k, v = torch.randn(len(lengths), kv_heads, 16), torch.randn(len(lengths), kv_heads, 16)
@@ -308,7 +319,7 @@ def test_decode_attention_matches_per_sequence_oracle(heads, kv_heads, decode_pa
 
 def test_decode_rows_inside_a_mixed_batch_match_oracle(decode_path):
     # decode, 3-token prefill continuing a cached prefix, decode, fresh 2-token prefill
-    attn, blocks = _attention_case([7, 9, 4, 2], 4, 2)
+    attn, blocks = _attention_case([7, 9, 4, 2], 4, 2, path=decode_path)
     seqs = [(6, 1, blocks[0]), (6, 3, blocks[1]), (3, 1, blocks[2]), (0, 2, blocks[3])]
     meta = AttentionMetadata.build(seqs, BS, "cpu")
     q, k, v = torch.randn(7, 4, 16), torch.randn(7, 2, 16), torch.randn(7, 2, 16)
@@ -331,7 +342,8 @@ def test_model_uses_k_major_layouts_and_matches_row_major_copy(qwen3_ckpt):
     from tidal.models.loader import load_model
 
     config = EngineArgs(model=qwen3_ckpt, device="cpu").create_engine_config()
-    fast, slow = load_model(config), load_model(config)
+    fast = load_model(config)
+    slow = load_model(dataclasses.replace(config, cpu_kernels="torch"))
     for module in slow.modules():  # the slow copy: every weight back to row-major storage
         if isinstance(module, Linear):
             module.weight.data = module.weight.data.contiguous()

@@ -115,6 +115,10 @@ class EngineCore:
         """Rebalances so far and the current physical -> logical expert layout per layer."""
         return self.executor.get_eplb_info()
 
+    def get_cpu_kernels(self) -> dict[str, Any] | None:
+        """The CPU path serving each op, with the trial's timings (``/stats``)."""
+        return self.executor.get_cpu_kernels()
+
     def get_num_blocks(self) -> int:
         return self.num_blocks
 

@@ -10,6 +10,7 @@ The config travels as ``tidal.models.config_wire`` encodes it (``hf_config`` as 
 from __future__ import annotations
 
 import multiprocessing
+import os
 from typing import Any
 
 import msgspec
@@ -18,6 +19,7 @@ from tidal.config import EngineConfig
 from tidal.engine_core.dp_proc import DPEngineCoreProc
 from tidal.engine_core.proc import EngineCoreProc, run_engine_core
 from tidal.models.config_wire import join_hf_config, split_hf_config
+from tidal.utils.cpu_threads import engine_process_env, usable_cores
 from tidal.utils.forkserver import ForkedProcess, ForkServer
 from tidal.utils.procs import ModuleProcess, read_child_launch
 
@@ -59,7 +61,17 @@ def start_engine_process(
         entry_module,
         engine_process_name(engine_index),
         encode_engine_launch(config, engine_index, handshake_address),
+        env=engine_env(config),
     )
+
+
+def engine_env(config: EngineConfig) -> dict[str, str]:
+    """What an engine process beside a frontend adds to its environment: how its OpenMP
+    threads wait and how many there are (``tidal/utils/cpu_threads.py``), CPU ranks only."""
+    if config.device != "cpu":
+        return {}
+    local = config.parallel.data_parallel_size_local
+    return engine_process_env(os.environ, cores=usable_cores(), local_ranks=local)
 
 
 def engine_proc_class(config: EngineConfig) -> type[EngineCoreProc]:
@@ -75,10 +87,11 @@ def run_launch(payload: bytes) -> None:
     run_engine_core(config, engine_index, handshake_address, engine_proc_class(config))
 
 
-def start_engine_zygote() -> ForkServer:
+def start_engine_zygote(config: EngineConfig) -> ForkServer:
     """A warm launcher for engines (``tidal.engine_core.zygote``): ``spawn_engine`` with
-    it starts an engine without the seconds of imports of a fresh interpreter."""
-    return ForkServer(ENGINE_ZYGOTE_MODULE, "EngineZygote")
+    it starts an engine without the seconds of imports of a fresh interpreter. It loads
+    the OpenMP runtime, so the engines' environment (``engine_env``) is set on it."""
+    return ForkServer(ENGINE_ZYGOTE_MODULE, "EngineZygote", env=engine_env(config))
 
 
 def spawn_engine(

@@ -147,6 +147,11 @@ class Executor(ABC):
         """EPLB rebalances so far and each MoE layer's physical -> logical expert layout."""
         return self.collective_rpc("get_eplb_info")[0]
 
+    def get_cpu_kernels(self) -> dict[str, Any] | None:
+        """The CPU path chosen for each op and the trial's timings (tidal/kernels/select.py),
+        None off CPU."""
+        return self.collective_rpc("get_cpu_kernels")[0]
+
     def shutdown(self) -> None:
         """Release the workers' process groups (each worker's ``shutdown``)."""
         self.collective_rpc("shutdown")

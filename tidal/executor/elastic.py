@@ -307,8 +307,10 @@ class ElasticWorkerState:
                     continue
                 slot = moe.local_expert_ids.index(spec.expert)
                 flags[li] = 1
-                parts += [moe.w13.data[slot].reshape(-1), moe.w2.data[slot].reshape(-1)]
-            dtype = layers[0].w13.dtype
+                # From whichever layout holds it (a packed path's is the only copy).
+                w13, w2 = moe.expert_weights([slot])
+                parts += [w13.reshape(-1), w2.reshape(-1)]
+            dtype = layers[0].params_dtype
             # cat copies: the snapshot never aliases a slot an EPLB move may rewrite.
             payload = torch.cat(parts).cpu() if parts else torch.empty(0, dtype=dtype)
             packed[transfer_key(spec)] = (flags, payload)
@@ -339,9 +341,10 @@ class ElasticWorkerState:
         model = runner.model
         layer_ids = model.moe_layer_ids()
         layers = model.moe_layers()
-        n13, n2 = layers[0].w13[0].numel(), layers[0].w2[0].numel()
-        shape13, shape2 = tuple(layers[0].w13.shape[1:]), tuple(layers[0].w2.shape[1:])
-        dtype = layers[0].w13.dtype
+        shape13 = tuple(layers[0].expert_shape)  # (2I, H), w2 (H, I): read without the weights
+        shape2 = (shape13[1], shape13[0] // 2)
+        n13, n2 = shape13[0] * shape13[1], shape2[0] * shape2[1]
+        dtype = layers[0].params_dtype
         deadline = time.monotonic() + timeout_s
 
         def wait(work: Any, what: str) -> None:
@@ -492,12 +495,15 @@ class ElasticWorkerState:
             staged.update(load_expert_weights(model, self.config.model.model, missing))
         for lid, moe in zip(layer_ids, layers):
             have = held(moe)
-            dev = moe.w13.device
+            dev = moe.expert_map.device
+            kept = [e for e in new_ids if e in have]
+            own13, own2 = moe.expert_weights([have[e] for e in kept])  # copies
+            mine = {e: i for i, e in enumerate(kept)}
             w13s, w2s = [], []
             for e in new_ids:
                 if e in have:
-                    w13s.append(moe.w13.data[have[e]])
-                    w2s.append(moe.w2.data[have[e]])
+                    w13s.append(own13[mine[e]])
+                    w2s.append(own2[mine[e]])
                 else:
                     w13, w2 = staged[lid, e]
                     w13s.append(w13.to(dev))

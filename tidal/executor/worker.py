@@ -33,7 +33,6 @@ Nothing read from them is unpickled (``StatelessGroup.all_gather_object`` is msg
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any
 
 import torch
@@ -48,6 +47,7 @@ from tidal.executor.model_runner import ModelRunner
 from tidal.executor.process_groups import WorkerGroups, dp_prefix, worker_rank
 from tidal.protocol.elastic import ExpertTransferSpec
 from tidal.protocol.topology import Topology
+from tidal.utils.cpu_threads import threads_per_rank, usable_cores
 
 logger = logging.getLogger(__name__)
 
@@ -61,8 +61,7 @@ _REDUCE_OPS = {"sum": ReduceOp.SUM, "max": ReduceOp.MAX}
 
 def cpu_threads_for_rank(num_local_workers: int) -> int:
     """Each worker on a node takes an equal share of the cores (at least one)."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return max(1, (cores or 1) // max(1, num_local_workers))
+    return threads_per_rank(usable_cores(), num_local_workers)
 
 
 def _store_address(topology: Topology, parallel: ParallelConfig) -> tuple[str, int]:
@@ -380,3 +379,7 @@ class Worker:
 
     def get_eplb_info(self) -> dict[str, Any]:
         return self.model_runner.get_eplb_info()
+
+    def get_cpu_kernels(self) -> dict[str, Any] | None:
+        report = getattr(self.model_runner.model, "cpu_paths", None)
+        return None if report is None else report.as_dict()

@@ -155,7 +155,7 @@ class EngineProcManager:
         try:
             self._start(local)
             if config.parallel.enable_elastic_ep and self._entry_module == ENGINE_ENTRY_MODULE:
-                self._zygote = start_engine_zygote()
+                self._zygote = start_engine_zygote(config)
         except BaseException:
             self.shutdown()  # the ranks started before the failure
             raise

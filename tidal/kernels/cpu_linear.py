@@ -33,6 +33,15 @@ def pack_linear_weight(weight: Tensor) -> Tensor:  # [N, K] -> [N_pad/64, K, 64]
     return out
 
 
+def unpack_linear_weight(packed: Tensor, out_features: int) -> Tensor:  # -> [N, K] float32
+    """The checkpoint-shaped weight back from ``pack_linear_weight``'s layout (exact: a copy),
+    with the input-major storage ``tidal/layers/linear.py`` gives its weights."""
+    blocks, in_f, block = packed.shape
+    out = torch.empty(in_f, out_features, dtype=packed.dtype).t()  # [N, K], K-major storage
+    out.copy_(packed.permute(0, 2, 1).reshape(blocks * block, in_f)[:out_features])
+    return out
+
+
 def copy_blocks(dst: Tensor, src: Tensor, block: int) -> None:
     """dst[e, j, k, c] = src[e, j * block + c, k]: src [E, N, K] cut into blocks of ``block``
     rows, each stored transposed; dst [E, ceil(N / block), K, block] (columns past N are
@@ -55,9 +64,10 @@ def linear_cpu(
     packed: Tensor,  # pack_linear_weight(weight)
     out_features: int,
     bias: Tensor | None = None,  # [N] float32
+    prefetch: int = 0,  # cpu_ext.PREFETCH_HINTS value: a per-CPU choice (select.py)
 ) -> Tensor:  # [T, N] float32
     if x.dim() != 2 or x.shape[1] != packed.shape[1]:
         raise ValueError(f"x {tuple(x.shape)} does not match the weight's {packed.shape[1]} inputs")
     if not kernel_available():
         raise RuntimeError(f"the C++ linear is unavailable: {kernel_status()}")
-    return torch.ops.tidal_cpu.linear(x, packed, bias, out_features)
+    return torch.ops.tidal_cpu.linear(x, packed, bias, out_features, prefetch)

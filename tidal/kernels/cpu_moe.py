@@ -32,8 +32,9 @@ class CpuPackedExperts:
       expert e's down weights of output columns 64j.. (column block major, so one output
       block's experts lie in address order);
 
-    zero past I and H. Derived data, like ``PackedExperts``: the layer drops it whenever
-    ``w13``/``w2`` are written (``FusedMoE.weights_updated``) and packs again."""
+    zero past I and H. When the C++ path serves a layer this is the experts' only copy
+    (``tidal/kernels/cpu_paths.py``): ``unpack`` rebuilds the checkpoint layout, and a
+    write through it is packed again (``FusedMoE.weights_updated``)."""
 
     def __init__(self, w13: Tensor, w2: Tensor) -> None:  # [E, 2I, H], [E, H, I] float32
         if w13.dtype != torch.float32 or w2.dtype != torch.float32:
@@ -56,6 +57,34 @@ class CpuPackedExperts:
         copy_blocks(self.w2.transpose(0, 1)[:, :, :inter], w2, DOWN_BLOCK)
         self.shapes = (tuple(w13.shape), tuple(w2.shape))
 
+    def unpack(self, slots: list[int] | None = None) -> tuple[Tensor, Tensor]:
+        """``(w13 [S, 2I, H], w2 [S, H, I])`` of the local ``slots`` (None: all) back from
+        the pack, exact (copies), with ``k_major_experts``' storage: what expert transfers,
+        EPLB moves and checkpoint-shaped reads need when this pack is the only copy."""
+        return self.unpack_w13(slots), self.unpack_w2(slots)
+
+    def unpack_w13(self, slots: list[int] | None = None) -> Tensor:  # [S, 2I, H]
+        (num, two_i, hidden), _ = self.shapes
+        idx = list(range(num)) if slots is None else list(slots)
+        gate_blocks = self.w13.shape[1]
+        blocks = self.w13[idx].view(len(idx), gate_blocks, hidden, 2, GATE_BLOCK)
+        # [S, G, H, 2, 32] -> [S, 2, G, 32, H] = [S, 2, I_pad, H], cut to I
+        halves = blocks.permute(0, 3, 1, 4, 2).reshape(len(idx), 2, -1, hidden)
+        out = _k_major_empty(len(idx), two_i, hidden)
+        out.view(len(idx), 2, two_i // 2, hidden).copy_(halves[:, :, : two_i // 2])
+        return out
+
+    def unpack_w2(self, slots: list[int] | None = None) -> Tensor:  # [S, H, I]
+        _, (num, hidden, inter) = self.shapes
+        idx = list(range(num)) if slots is None else list(slots)
+        blocks = self.w2[:, idx]  # [H_pad/64, S, I_pad, 64]
+        down = blocks.permute(1, 0, 3, 2).reshape(
+            len(idx), -1, blocks.shape[2]
+        )  # [S, H_pad, I_pad]
+        out = _k_major_empty(len(idx), hidden, inter)
+        out.copy_(down[:, :hidden, :inter])
+        return out
+
 
 def fused_experts_cpu(
     hidden: Tensor,  # [T, H] float32
@@ -64,6 +93,7 @@ def fused_experts_cpu(
     topk_ids: Tensor,  # [T, K] global ids
     expert_map: Tensor | None = None,  # [E_global] int32: global id -> local slot or -1
     apply_router_weight: bool = True,
+    prefetch: int = 0,  # cpu_ext.PREFETCH_HINTS value: a per-CPU choice (select.py)
 ) -> Tensor:  # [T, H] float32
     """The experts of one MoE layer; slots whose expert is not local contribute zero."""
     if hidden.dtype != torch.float32 or hidden.device.type != "cpu":
@@ -82,7 +112,12 @@ def fused_experts_cpu(
         topk_ids.to(torch.int64),
         None if expert_map is None else expert_map.to(torch.int32),
         apply_router_weight,
+        prefetch,
     )
+
+
+def _k_major_empty(num: int, rows: int, cols: int) -> Tensor:  # [num, rows, cols], K-major
+    return torch.empty(num, cols, rows).transpose(1, 2)
 
 
 def _round_up(n: int, block: int) -> int:

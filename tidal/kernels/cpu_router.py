@@ -14,19 +14,23 @@ import torch
 from torch import Tensor
 
 from tidal.kernels.cpu_ext import kernel_available
-from tidal.kernels.cpu_linear import pack_linear_weight
+from tidal.kernels.cpu_linear import pack_linear_weight, unpack_linear_weight
 
 
 class CpuPackedGate:
     """The router's ``gate [E, H]`` as ``[E_pad/64, H, 64]``: block j holds, for each
-    input column k, the gate weights of experts 64j.. (zero past E). Derived data: the
-    layer drops it when the gate is written (``FusedMoE.weights_updated``)."""
+    input column k, the gate weights of experts 64j.. (zero past E). The gate's only copy
+    when the C++ router serves (``unpack`` rebuilds it; ``FusedMoE.weights_updated``
+    packs a written one again)."""
 
     def __init__(self, gate: Tensor) -> None:  # [E, H] float32
         if gate.dtype != torch.float32 or gate.dim() != 2:
             raise ValueError(f"the CPU router takes a float32 [E, H] gate, got {gate.dtype}")
         self.num_experts = gate.shape[0]
         self.weight = pack_linear_weight(gate)  # [E_pad/64, H, 64]: the linear's layout
+
+    def unpack(self) -> Tensor:  # [E, H] float32, the gate back (exact)
+        return unpack_linear_weight(self.weight, self.num_experts)
 
 
 def router_cpu_ok(hidden: Tensor) -> bool:
@@ -39,10 +43,11 @@ def softmax_topk_cpu(
     gate: CpuPackedGate,
     top_k: int,
     renormalize: bool,
+    prefetch: int = 0,  # cpu_ext.PREFETCH_HINTS value: a per-CPU choice (select.py)
 ) -> tuple[Tensor, Tensor]:  # ([T, K] float32, [T, K] int64)
     """``softmax_topk(hidden @ gate.T, top_k, renormalize)`` in one call."""
     if not 1 <= top_k <= gate.num_experts:
         raise ValueError(f"top_k must be in [1, {gate.num_experts}], got {top_k}")
     return torch.ops.tidal_cpu.softmax_topk(
-        hidden, gate.weight, gate.num_experts, top_k, renormalize
+        hidden, gate.weight, gate.num_experts, top_k, renormalize, prefetch
     )

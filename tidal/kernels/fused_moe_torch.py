@@ -52,7 +52,13 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from tidal.kernels.cpu_moe import CpuPackedExperts, fused_experts_cpu
-from tidal.kernels.onednn import BATCH_HINT, pack_weight, packed_linear, prefers_packed
+from tidal.kernels.onednn import (
+    BATCH_HINT,
+    pack_weight,
+    packed_linear,
+    prefers_packed,
+    unpack_weight,
+)
 
 STRATEGIES = ("auto", "bmm", "grouped_mm", "loop", "onednn", "cpp")
 # auto picks bmm (with more than one thread) while padding every expert to the busiest one
@@ -71,7 +77,7 @@ def fused_experts_torch(
     apply_router_weight: bool = True,
     *,
     strategy: str = "auto",  # auto | bmm | grouped_mm | loop | onednn | cpp (tests pin each)
-    # derived copies of w13/w2 for onednn or cpp (the owner keeps them fresh)
+    # w13/w2 in onednn's or cpp's layout (a sole pack: then w13/w2 give only shapes)
     packed: PackedExperts | CpuPackedExperts | None = None,
 ) -> Tensor:  # [T, H], dtype of hidden
     num_tokens, top_k = topk_ids.shape
@@ -134,15 +140,36 @@ class PackedExperts:
     Why: on the CPUs measured (AMD EPYC, AVX-512) torch's float32 ``mm`` goes to MKL,
     which reaches 125-180 GFLOP/s on 2 cores at decode shapes; oneDNN with prepacked
     weights reaches 410-480 (``benchmarks/cpu_speed.py`` prints both), and the MoE block of
-    the 1024-wide model runs 2.2x faster (see ``tidal/kernels/onednn.py``). The price is a second copy of the expert
-    weights. It is derived data: whoever writes ``w13``/``w2`` (loader, expert moves,
-    EPLB) tells the layer (``FusedMoE.weights_updated``), which drops it; it is rebuilt
-    at the next forward. ``batch_hint``: the row count oneDNN tunes the layout for."""
+    the 1024-wide model runs 2.2x faster (see ``tidal/kernels/onednn.py``). When the layer's
+    measured path is oneDNN it is the experts' only copy (``sole``, issue #25): ``unpack``
+    rebuilds the checkpoint layout (exactly, through the packed GEMM), and a write through
+    it is packed again (``FusedMoE.weights_updated``). ``batch_hint``: the row count
+    oneDNN tunes the layout for."""
 
-    def __init__(self, w13: Tensor, w2: Tensor, batch_hint: int = BATCH_HINT) -> None:
+    def __init__(
+        self, w13: Tensor, w2: Tensor, batch_hint: int = BATCH_HINT, *, sole: bool = False
+    ) -> None:
         self.w13 = [pack_weight(w13[e], batch_hint) for e in range(w13.shape[0])]
         self.w2 = [pack_weight(w2[e], batch_hint) for e in range(w2.shape[0])]
         self.shapes = (tuple(w13.shape), tuple(w2.shape))
+        # The only copy (issue #25: one copy per weight): every GEMM reads the pack, never
+        # ``w13``/``w2`` (then shape stand-ins), even where MKL would be cheaper.
+        self.sole = sole
+
+    def unpack(self, slots: list[int] | None = None) -> tuple[Tensor, Tensor]:
+        """``(w13 [S, 2I, H], w2 [S, H, I])`` of the local ``slots`` (None: all) rebuilt
+        from the packs (exact, ``unpack_weight``), with ``k_major_experts``' storage."""
+        return self.unpack_w13(slots), self.unpack_w2(slots)
+
+    def unpack_w13(self, slots: list[int] | None = None) -> Tensor:  # [S, 2I, H]
+        (num, _, hidden), _ = self.shapes
+        idx = range(num) if slots is None else slots
+        return _k_major_copy(torch.stack([unpack_weight(self.w13[e], hidden) for e in idx]))
+
+    def unpack_w2(self, slots: list[int] | None = None) -> Tensor:  # [S, H, I]
+        _, (num, _, inter) = self.shapes
+        idx = range(num) if slots is None else slots
+        return _k_major_copy(torch.stack([unpack_weight(self.w2[e], inter) for e in idx]))
 
 
 def _onednn_experts(
@@ -162,7 +189,7 @@ def _onednn_experts(
     starts = [0, *bounds[:-1]]
 
     def gemm(rows: Tensor, e: int, w: Tensor, p: list[Tensor]) -> Tensor:
-        if prefers_packed(rows.shape[0], w[e]):
+        if packed.sole or prefers_packed(rows.shape[0], w[e]):
             return packed_linear(rows, p[e])
         return F.linear(rows, w[e])
 

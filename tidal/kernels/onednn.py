@@ -3,7 +3,8 @@
 Why: torch's float32 ``mm`` on CPU goes to MKL, which on the machines measured (AMD EPYC,
 AVX-512, 2 cores) reaches 125-180 GFLOP/s at decode shapes; oneDNN with a weight reordered
 once into its blocked layout reaches 410-480 (``benchmarks/cpu_speed.py`` prints both).
-The packed weight is a derived copy: its owner drops it when the source is written.
+Where the measured path is oneDNN (``tidal/kernels/select.py``) the packed weight is the
+only copy (``tidal/kernels/cpu_paths.py``); ``unpack_weight`` rebuilds the source.
 """
 
 from __future__ import annotations
@@ -51,3 +52,11 @@ def pack_weight(weight: Tensor, batch_hint: int = BATCH_HINT) -> Tensor:
 def packed_linear(x: Tensor, packed: Tensor, bias: Tensor | None = None) -> Tensor:
     """``x [M, in] @ weight.T (+ bias)`` -> ``[M, out]`` with a weight from ``pack_weight``."""
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+def unpack_weight(packed: Tensor, in_features: int) -> Tensor:  # -> [out, in] float32
+    """The weight back from ``pack_weight``'s opaque layout: ``I @ W^T`` through the packed
+    GEMM itself, which is exact (each output is one weight times 1 plus zeros) for finite
+    weights. Input-major storage, as ``tidal/layers/linear.py`` keeps its weights."""
+    eye = torch.eye(in_features, dtype=torch.float32)
+    return packed_linear(eye, packed).t()  # [in, out] computed, viewed [out, in]

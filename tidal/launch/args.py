@@ -62,6 +62,12 @@ _HELP = {
     "which keeps it out of the process list)",
     "device": "auto | cpu | cuda",
     "moe_backend": "auto | torch | triton | reference (auto: triton on CUDA, else torch)",
+    "cpu_kernels": "auto | native | onednn | torch: the CPU path of every op (auto: each "
+    "op's paths are timed at load on the model's shapes, the fastest kept, the timings "
+    "cached); the others force one: native = the C++ kernels, onednn = oneDNN prepacked, "
+    "torch = plain torch",
+    "kernel_cache_dir": "where the measured CPU kernel choices are cached (default: "
+    "$XDG_CACHE_HOME/tidal/kernels; '' for none)",
     "max_n": "most choices (n) one request may ask for",
     "max_prompts_per_request": "most prompts in one /v1/completions request",
     "max_logprobs": "most top logprobs per position a request may ask for",

@@ -33,6 +33,7 @@ from tidal.config import (
     SchedulerConfig,
     as_id_list,
 )
+from tidal.kernels.select import MODES as CPU_KERNEL_MODES
 from tidal.models.common import check_tensor_parallel
 from tidal.models.registry import get_model_class, resolve_architecture
 from tidal.models.tiny import default_model_path
@@ -96,6 +97,9 @@ class EngineArgs:
     data_parallel_auth_key: str | None = field(default=None, repr=False)
     device: str = "auto"
     moe_backend: str = "auto"
+    cpu_kernels: str = "auto"
+    # None: $XDG_CACHE_HOME/tidal/kernels (~/.cache/tidal/kernels); "": no cache.
+    kernel_cache_dir: str | None = None
     # FrontendConfig (request limits)
     max_n: int = 128
     max_prompts_per_request: int = 256
@@ -139,6 +143,8 @@ class EngineArgs:
                 "moe_backend", self.moe_backend, ("auto", "torch", "triton", "reference")
             ),
             frontend=self._frontend_config(),
+            cpu_kernels=_check_choice("cpu_kernels", self.cpu_kernels, CPU_KERNEL_MODES),
+            kernel_cache_dir=_resolve_kernel_cache_dir(self.kernel_cache_dir),
         )
 
     def _frontend_config(self) -> FrontendConfig:
@@ -272,6 +278,15 @@ def _resolve_max_model_len(requested: int | None, hf_config: Any) -> int:
             f"max_model_len ({requested}) exceeds the model's max_position_embeddings ({limit})"
         )
     return requested
+
+
+def _resolve_kernel_cache_dir(path: str | None) -> str | None:
+    if path == "":
+        return None
+    if path is None:
+        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        return os.path.join(base, "tidal", "kernels")
+    return os.path.abspath(os.path.expanduser(path))
 
 
 def _resolve_device(device: str) -> str:

@@ -58,6 +58,12 @@ from tidal.kernels.cpu_attention import (
     write_kv_cpu,
     write_kv_cpu_ok,
 )
+from tidal.kernels.select import Candidate, Choice, OpKey, OpSpec, kernel_candidates
+
+# The decode attention trial (select.py): sequences of this many tokens, in blocks of this
+# size (the default ``--block-size``).
+TRIAL_CONTEXT = 256
+TRIAL_BLOCK_SIZE = 16
 
 
 def kv_cache_shape(
@@ -300,7 +306,10 @@ def decode_attention_reference(
 class PagedAttention(nn.Module):
     """Writes the new K/V into this layer's cache, then attends (see module docstring)."""
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+    def __init__(
+        self, num_heads: int, num_kv_heads: int, head_dim: int, *, dtype: Any = None,
+        device: Any = None,
+    ) -> None:  # fmt: skip
         super().__init__()
         if num_heads % num_kv_heads:
             raise ValueError(
@@ -311,6 +320,48 @@ class PagedAttention(nn.Module):
         self.head_dim = head_dim
         self.scale = head_dim**-0.5
         self.kv_cache: Tensor | None = None  # set by bind_kv_cache
+        # The cache's dtype and device (the model's), for the CPU path choice (select.py).
+        self.cache_dtype = dtype or torch.get_default_dtype()
+        self.on_cpu = torch.device(device or "cpu").type == "cpu"
+        self.cpu_choice: Choice | None = None  # measured at load; None: the C++ kernels
+
+    def native(self, rows: int) -> bool:
+        """Whether a step with ``rows`` decode rows (or new tokens, for the cache writes)
+        takes the C++ kernels (where they take its tensors)."""
+        choice = self.cpu_choice
+        return choice is None or choice.for_rows(rows).path == "native"
+
+    def cpu_ops(self) -> dict[str, OpSpec]:
+        if not self.on_cpu:
+            return {}
+        key = OpKey("attention", (self.num_heads, self.num_kv_heads, self.head_dim))
+        return {"decode": OpSpec(key, tuple(kernel_candidates(self.cache_dtype)), False)}
+
+    def cpu_trial(self, op: str, candidate: Candidate, instances: int) -> Any:
+        """Sequences of ``TRIAL_CONTEXT`` tokens each decoding one more."""
+        attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim)
+        attn.set_cpu_path(op, Choice(candidate, candidate, None))
+        bs = TRIAL_BLOCK_SIZE
+        per_seq = -(-TRIAL_CONTEXT // bs)
+        caches: dict[int, Tensor] = {}
+
+        def for_rows(rows: int) -> Any:
+            shape = kv_cache_shape(rows * per_seq + 1, bs, self.num_kv_heads, self.head_dim)
+            caches.clear()  # one size at a time
+            attn.kv_cache = caches[rows] = torch.full(shape, 0.01)
+            seqs = [
+                (TRIAL_CONTEXT - 1, 1, list(range(1 + i * per_seq, 1 + (i + 1) * per_seq)))
+                for i in range(rows)
+            ]
+            meta = AttentionMetadata.build(seqs, bs, "cpu")
+            q = torch.full((rows, self.num_heads, self.head_dim), 0.1)
+            kv = torch.full((rows, self.num_kv_heads, self.head_dim), 0.1)
+            return lambda: attn(q, kv, kv, meta)
+
+        return for_rows
+
+    def set_cpu_path(self, op: str, choice: Choice) -> None:
+        self.cpu_choice = choice
 
     def forward(
         self,
@@ -323,7 +374,7 @@ class PagedAttention(nn.Module):
         if cache is None:
             raise RuntimeError("KV cache not bound: call model.bind_kv_cache(caches) first")
         rows = meta.cache_rows(cache.shape[1], self.num_kv_heads, self.num_heads, cache.dtype)
-        if write_kv_cpu_ok(cache, k, v):
+        if self.native(q.shape[0]) and write_kv_cpu_ok(cache, k, v):
             write_kv_cpu(cache, rows.write_k, k, rows.write_v, v)
         else:
             by_token = cache.view(-1, self.head_dim)  # [2 * NB * Hkv * bs, Dh]
@@ -348,8 +399,9 @@ class PagedAttention(nn.Module):
     def _decode(
         self, q: Tensor, cache: Tensor, meta: AttentionMetadata, rows: CacheRows
     ) -> Tensor:  # [D, Hq, Dh]
-        """The decode group: the C++ kernel on float32 CPU, else the torch path."""
-        if decode_attention_cpu_ok(q, cache, self.num_kv_heads):
+        """The decode group: the C++ kernel on float32 CPU (unless the measured choice is
+        the torch path), else the torch path."""
+        if self.native(q.shape[0]) and decode_attention_cpu_ok(q, cache, self.num_kv_heads):
             assert meta.decode_block_table is not None and meta.decode_seq_lens is not None
             return decode_attention_cpu(
                 q, cache, meta.decode_block_table, meta.decode_seq_lens, self.scale

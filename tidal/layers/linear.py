@@ -12,20 +12,22 @@ the transposed-operand form for decode-sized batches (measured on the default mo
 shapes: about 1.5-2x for one row, 10-25% for 32 rows). The loader copies into views of
 ``weight`` as usual, so nothing else sees the layout.
 
-On CPU in float32 the forward uses a packed copy of the weight instead: the C++ linear's
-(``tidal/kernels/cpu_linear.py``; at 1-32 rows 10-60% faster than oneDNN, within 5% of
-it at 128-1024) where ``pip install`` built it, else a oneDNN-prepacked one (2.5-3x MKL's
-GFLOP/s at decode shapes, ``tidal/kernels/onednn.py``). ``weight`` stays the source of
-truth, and the loader's ``weights_updated`` drops the copies.
+On CPU the path that serves the forward is measured at load (``tidal/kernels/select.py``:
+the C++ linear with each prefetch hint, oneDNN prepacked, or ``F.linear`` on ``weight``);
+a packed path then holds the only copy of the weight (``tidal/kernels/cpu_paths.py``),
+and ``weight`` reads rebuild it (``HeldParamsModule``).
 
 Tensor parallelism (``tidal/distributed/tensor_parallel.py``): a column-parallel layer is a plain
 ``Linear`` over its block of rows (the loader fills it with its shard);
 ``RowParallelLinear`` sums its partial product over the TP group before its bias, and
-``Embedding`` with a ``TensorParallel`` is vocab-parallel.
+``Embedding`` with a ``TensorParallel`` is vocab-parallel. Every worker's layers hold
+only their shard, so the CPU path trials run on the shard's shape and the packed layout
+holds the shard (``in_features``/``out_features`` are the local ones).
 """
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import torch
@@ -33,12 +35,13 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from tidal.distributed.tensor_parallel import TensorParallel
-from tidal.kernels.cpu_ext import kernel_available
-from tidal.kernels.cpu_linear import linear_cpu, linear_cpu_ok, pack_linear_weight
-from tidal.kernels.onednn import onednn_available, pack_weight, packed_linear, prefers_packed
+from tidal.kernels.cpu_paths import PACKED_PATHS, HeldLinear
+from tidal.kernels.held_params import HeldParamsModule
+from tidal.kernels.select import Candidate, Choice, OpKey, OpSpec, default_choice
+from tidal.kernels.select import weight_candidates as cpu_candidates
 
 
-class Linear(nn.Module):
+class Linear(HeldParamsModule):
     def __init__(
         self,
         in_features: int,
@@ -59,57 +62,94 @@ class Linear(nn.Module):
         self.bias = (
             nn.Parameter(torch.empty(out_features, **kw), requires_grad=False) if bias else None
         )
-        # CPU float32: a oneDNN-prepacked copy of the weight (tidal/kernels/onednn.py),
-        # made at the first forward and dropped when the loader writes the weight.
-        self.use_onednn = torch.device(device or "cpu").type == "cpu"
-        self._packed: Tensor | None = None  # oneDNN's copy of the weight
-        self._cpp_packed: Tensor | None = None  # the C++ linear's (tidal/kernels/cpu_linear.py)
+        self.in_features, self.out_features = in_features, out_features
+        self.params_dtype = self.weight.dtype
+        self.on_cpu = torch.device(device or "cpu").type == "cpu"
+        # The measured path (select.py's Choice; None: the default, decided at first use)
+        # and, for a packed path, the weight in its layout: then the only copy.
+        self.cpu_choice: Choice | None = None
+        self._held: HeldLinear | None = None
 
     def forward(self, x: Tensor) -> Tensor:  # [..., in] -> [..., out]
         return self._linear(x, self.bias)
 
-    def _linear(self, x: Tensor, bias: Tensor | None) -> Tensor:
-        out_f, in_f = self.weight.shape
-        if self.use_onednn and linear_cpu_ok(x):  # the C++ linear, when pip install built it
-            rows = x.reshape(-1, in_f)
-            if rows.stride(1) != 1:
-                rows = rows.contiguous()
-            y = linear_cpu(rows, self._cpp_weight(), out_f, bias)
-            return y.reshape(*x.shape[:-1], out_f)
-        if (
-            self.use_onednn
-            and x.dtype == torch.float32
-            and prefers_packed(x.numel() // in_f, self.weight)
-            and onednn_available(self.weight.dtype)
-        ):
-            packed = self._packed
-            if packed is None:
-                packed = self._packed = pack_weight(self.weight)
-            y = packed_linear(x.reshape(-1, in_f).contiguous(), packed, bias)
-            return y.reshape(*x.shape[:-1], out_f)
-        return F.linear(x, self.weight, bias)
+    def _linear(self, x: Tensor, bias: Tensor | None) -> Tensor:  # [..., in] -> [..., out]
+        self.drop_materialized()
+        held = self._held_weight() if self.on_cpu and x.dtype == torch.float32 else None
+        if held is None:
+            return F.linear(x, self.weight, bias)
+        rows = x.reshape(-1, self.in_features)
+        if rows.stride(1) != 1:
+            rows = rows.contiguous()
+        variant = self._choice().for_rows(rows.shape[0]).variant
+        return held(rows, bias, variant).reshape(*x.shape[:-1], self.out_features)
+
+    # ---- the CPU path (select.py) and the one copy of the weight ---------------------
+
+    def _choice(self) -> Choice:
+        if self.cpu_choice is None:
+            self.cpu_choice = default_choice(cpu_candidates(self.params_dtype), True)
+        return self.cpu_choice
+
+    def _held_weight(self) -> HeldLinear | None:
+        if self._held is None and self._choice().layout in PACKED_PATHS:
+            self.pack_weights()
+        return self._held
 
     def pack_weights(self) -> None:
-        """Build the C++ linear's packed copy now rather than at the next forward (the
-        loader, at start-up). oneDNN's copy stays lazy: whether it is used depends on the
-        row count."""
-        if self.use_onednn and self.weight.dtype == torch.float32 and kernel_available():
-            self._cpp_weight()
-
-    def _cpp_weight(self) -> Tensor:
-        packed = self._cpp_packed
-        if packed is None:
-            packed = self._cpp_packed = pack_linear_weight(self.weight)
-        return packed
+        """Put the weight in the chosen path's layout now (the loader, at start-up)."""
+        if not self.on_cpu:
+            return
+        layout = self._choice().layout
+        held = None if self._held is None else self._held.path
+        if held == (layout if layout in PACKED_PATHS else None):
+            return
+        weight = self.weight.detach()  # the parameter, or rebuilt from the old pack
+        if layout in PACKED_PATHS:
+            self._held = HeldLinear(layout, weight)
+            self.release_param("weight", self._held.unpack)
+        else:
+            self._held = None
+            self.restore_param("weight", weight)
 
     def weights_updated(self) -> None:
-        """The weight was written (the loader): drop the packed copies."""
-        self._packed = None
-        self._cpp_packed = None
+        """The weight was written (the loader, through ``weight``): re-pack what was."""
+        if self._held is not None and "weight" in self.materialized_params():
+            self._held = None
+            self.pack_weights()
+
+    def cpu_ops(self) -> dict[str, OpSpec]:
+        if not self.on_cpu:
+            return {}
+        key = OpKey("linear", (self.in_features, self.out_features, int(self.bias is not None)))
+        nbytes = self.in_features * self.out_features * self.params_dtype.itemsize
+        return {"linear": OpSpec(key, tuple(cpu_candidates(self.params_dtype)), True, nbytes)}
+
+    def cpu_trial(self, op: str, candidate: Candidate, instances: int) -> Any:
+        stand_ins = []
+        for _ in range(instances):
+            lin = Linear(self.in_features, self.out_features, self.bias is not None)
+            lin.weight.data.fill_(0.01)
+            if lin.bias is not None:
+                lin.bias.data.zero_()
+            lin.set_cpu_path(op, Choice(candidate, candidate, candidate.path))
+            lin.pack_weights()
+            stand_ins.append(lin)
+        turn = itertools.cycle(stand_ins)
+
+        def for_rows(rows: int) -> Any:
+            x = torch.full((rows, self.in_features), 0.5)
+            return lambda: next(turn)(x)
+
+        return for_rows
+
+    def set_cpu_path(self, op: str, choice: Choice) -> None:
+        self.cpu_choice = choice
+        if self._held is not None and self._held.path != choice.layout:
+            self.pack_weights()  # loaded already: move the weight to the new layout
 
     def extra_repr(self) -> str:
-        out_f, in_f = self.weight.shape
-        return f"in={in_f}, out={out_f}, bias={self.bias is not None}"
+        return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}"
 
 
 def empty_weight(

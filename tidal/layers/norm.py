@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from tidal.kernels.cpu_norm import rms_norm_cpu, rms_norm_cpu_ok
+from tidal.kernels.select import Candidate, Choice, OpKey, OpSpec, kernel_candidates
 
 
 class RMSNorm(nn.Module):
@@ -18,14 +19,41 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(
             torch.empty(dim, dtype=dtype, device=device), requires_grad=False
         )
+        self.cpu_choice: Choice | None = None  # measured at load (select.py); None: C++
 
     def forward(self, x: Tensor) -> Tensor:  # [..., dim], normalised over the last dim
-        if rms_norm_cpu_ok(x):  # one C++ pass (tidal/kernels/cpu_norm.py)
-            return rms_norm_cpu(x, self.weight, self.eps)
+        if self.native(x.numel() // x.shape[-1]) and rms_norm_cpu_ok(x):
+            return rms_norm_cpu(x, self.weight, self.eps)  # one C++ pass (cpu_norm.py)
         if x.dtype == torch.float32:
             # One fused op; equal to the float32 formula (tested against transformers).
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         return _rms_norm_hf(x, self.weight, self.eps)
+
+    def native(self, rows: int) -> bool:
+        """Whether calls of ``rows`` rows take the C++ kernel (where it takes them)."""
+        choice = self.cpu_choice
+        return choice is None or choice.for_rows(rows).path == "native"
+
+    def cpu_ops(self) -> dict[str, OpSpec]:
+        w = self.weight
+        if w.device.type != "cpu" or w.dtype != torch.float32:
+            return {}
+        key = OpKey("norm", (w.shape[0],))
+        return {"norm": OpSpec(key, tuple(kernel_candidates(w.dtype)), False)}
+
+    def cpu_trial(self, op: str, candidate: Candidate, instances: int) -> Any:
+        norm = RMSNorm(self.weight.shape[0], self.eps)
+        norm.weight.data.fill_(1.0)
+        norm.set_cpu_path(op, Choice(candidate, candidate, None))
+
+        def for_rows(rows: int) -> Any:
+            x = torch.full((rows, self.weight.shape[0]), 0.5)
+            return lambda: norm(x)
+
+        return for_rows
+
+    def set_cpu_path(self, op: str, choice: Choice) -> None:
+        self.cpu_choice = choice
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"
@@ -36,13 +64,14 @@ def rms_norm_heads(
     weights: tuple[Tensor, ...],  # one [Dh] weight per head group
     group_sizes: tuple[int, ...],  # heads per group, sum == heads
     eps: float,
+    native: bool = True,  # the C++ kernel where it takes x (the norms' measured choice)
 ) -> Tensor:  # [T, heads, Dh], new tensor
     """Per-head RMSNorm of several head groups in one pass (Qwen3's q_norm and k_norm over
     the joint q|k heads): normalise every head, then scale each group by its weight."""
     if x.dtype != torch.float32:
         parts = x.split(list(group_sizes), dim=1)
         return torch.cat([_rms_norm_hf(p, w, eps) for p, w in zip(parts, weights)], dim=1)
-    if rms_norm_cpu_ok(x):
+    if native and rms_norm_cpu_ok(x):
         out = rms_norm_cpu(x, None, eps)
     else:
         out = F.rms_norm(x, (x.shape[-1],), None, eps)

@@ -140,7 +140,7 @@ class Attention(nn.Module):
         )
         self.q_norm = RMSNorm(dh, spec.rms_norm_eps, **kw) if spec.qk_norm else None
         self.k_norm = RMSNorm(dh, spec.rms_norm_eps, **kw) if spec.qk_norm else None
-        self.attn = PagedAttention(hq, hkv, dh)
+        self.attn = PagedAttention(hq, hkv, dh, **kw)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, meta: AttentionMetadata) -> Tensor:
         num_tokens = x.shape[0]
@@ -150,7 +150,8 @@ class Attention(nn.Module):
         qk, v = qkv[:, : hq + hkv], qkv[:, hq + hkv :]
         if self.q_norm is not None:
             weights = (self.q_norm.weight, self.k_norm.weight)
-            qk = rms_norm_heads(qk, weights, (hq, hkv), self.q_norm.eps)
+            native = self.q_norm.native(num_tokens * (hq + hkv))
+            qk = rms_norm_heads(qk, weights, (hq, hkv), self.q_norm.eps, native)
         qk = apply_rotary(qk, cos, sin)
         out = self.attn(qk[:, :hq], qk[:, hq:], v, meta)  # [T, Hq, Dh]
         return self.o_proj(out.reshape(num_tokens, -1))
@@ -243,6 +244,9 @@ class MoECausalLM(nn.Module):
         self.config = hf_config
         self.spec = spec = self.spec_from_config(hf_config)
         self.tp = tp = tp or TensorParallel()
+        # The CPU paths chosen for its ops (tidal/kernels/select.py's SelectionReport), set
+        # by the loader on CPU; the log and /stats show it.
+        self.cpu_paths: Any = None
         kw = {"dtype": dtype, "device": device}
         self.embed_tokens = Embedding(spec.vocab_size, spec.hidden_size, tp=tp, **kw)
         self.rotary = RotaryEmbedding(spec.head_dim, spec.max_position, spec.rope_theta, **kw)
@@ -271,7 +275,7 @@ class MoECausalLM(nn.Module):
         """With TP a collective (every worker calls it): the driver gets the logits, the
         other workers None."""
         if isinstance(self.lm_head, Linear):
-            logits = self.lm_head(hidden)  # its oneDNN-packed weight on CPU float32
+            logits = self.lm_head(hidden)  # its measured CPU path (select.py)
         else:  # tied to the embedding
             logits = torch.nn.functional.linear(hidden, self.lm_head.weight)
         if self.tp.size > 1:

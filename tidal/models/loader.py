@@ -1,7 +1,9 @@
 """Build a model and fill it from a Hugging Face folder's ``*.safetensors`` files.
 
-Files are opened memory-mapped (``safetensors.safe_open``); a sharded checkpoint is
-found through ``model.safetensors.index.json``. Only tensors this rank holds are read:
+Files are read with plain file I/O (``SafetensorsFile``; a sharded checkpoint is found
+through ``model.safetensors.index.json``), not memory-mapped: a mapped file's pages count
+toward the process's resident memory until it is closed, and the 1024-wide model's load
+peaked at 3.5 GB for 1.7 GB of weights (issue #25). Only tensors this rank holds are read:
 with ``local_expert_ids`` the other experts' tensors are recognised and skipped.
 
 Checkpoint layouts: the per-expert names written by ``save_pretrained``
@@ -27,10 +29,10 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
-from safetensors import safe_open
 from torch import Tensor
 
 from tidal.distributed.tensor_parallel import TensorParallel
+from tidal.kernels.select import choose_paths
 from tidal.models.common import MoECausalLM, Shard
 from tidal.models.registry import get_model_class
 from tidal.moe.layer import FusedMoE, resolve_moe_backend
@@ -41,6 +43,8 @@ _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
 _FUSED_EXPERTS = re.compile(r"^(model\.layers\.\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
 _FUSED_GATE = re.compile(r"^(model\.layers\.\d+)\.mlp\.gate\.weight$")
 _MAX_NAMES = 10
+# The batch shape class of the CPU path trials: decode steps of this many sequences.
+TRIAL_BATCH_ROWS = 32
 
 Getter = Callable[[], Tensor]
 
@@ -74,6 +78,16 @@ def load_model(
         tp=tp,
         expert_parallel=engine_config.parallel.enable_expert_parallel,
     )
+    if engine_config.device == "cpu":
+        # Before the weights: the trials run on stand-ins of the model's shapes, and the
+        # loader then packs each weight straight into the chosen path's layout (one copy).
+        model.cpu_paths = choose_paths(
+            model.modules(),
+            mode=engine_config.cpu_kernels,
+            cache_dir=engine_config.kernel_cache_dir,
+            batch_rows=min(TRIAL_BATCH_ROWS, engine_config.scheduler.max_num_seqs),
+            dtype=mc.torch_dtype,
+        )
     load_weights(model, mc.model, load_experts=load_experts)
     return model.eval()
 
@@ -106,8 +120,9 @@ def load_weights(model: MoECausalLM, folder: str, *, load_experts: bool = True) 
             moe.w2.data.zero_()
     seen: set[str] = set()
     unexpected: list[str] = []
+    dest: Tensor | None = None
     for path in safetensors_files(folder):
-        with safe_open(path, framework="pt", device="cpu") as f:
+        with SafetensorsFile(path) as f:
             for name in f.keys():
                 for vname, get in _expand(name, f, model):
                     if vname not in targets:
@@ -118,20 +133,24 @@ def load_weights(model: MoECausalLM, folder: str, *, load_experts: bool = True) 
                     dest = targets[vname]
                     if dest is not None:
                         _copy(vname, os.path.basename(path), get(), dest)
-    for module in model.modules():  # what was derived from the weights (oneDNN copies) goes
+    optional = model.optional_weight_names()
+    missing = [n for n in targets if n not in seen and n not in optional]
+    # The views of every parameter go before the packing: a parameter a packed path
+    # releases is then freed as its pack is made, so the weights are never held twice.
+    del targets, dest
+    for module in model.modules():  # weights written through rebuilt parameters: re-packed
         updated = getattr(module, "weights_updated", None)
         if updated is not None:
             updated()
-    # ... and the CPU kernels' packed copies are built now, not by the first step: that
-    # costs ~3 s on the 1024-wide model, which belongs to start-up (and to the memory
-    # measured before the KV cache is sized), not to the first request. Experts that were
+    # ... and the chosen CPU paths' packed layouts are built now, not by the first step:
+    # that costs ~1 s on the 1024-wide model, which belongs to start-up (and to the memory
+    # measured before the KV cache is sized), not to the first request. A packed layout is
+    # the weight's only copy from then on (tidal/kernels/cpu_paths.py). Experts that were
     # not read (a joining engine: they arrive from peers) are packed when they are written.
     for module in model.modules():
         pack = getattr(module, "pack_weights", None)
         if pack is not None and (load_experts or not isinstance(module, FusedMoE)):
             pack()
-    optional = model.optional_weight_names()
-    missing = [n for n in targets if n not in seen and n not in optional]
     if missing or unexpected:
         raise CheckpointError(_mismatch_message(type(model).__name__, folder, missing, unexpected))
 
@@ -172,7 +191,7 @@ def load_expert_weights(
         return {}
     spec = model.spec
     inter, hidden = spec.moe_intermediate_size, spec.hidden_size
-    dtype = model.moe_layers()[0].w13.dtype
+    dtype = model.moe_layers()[0].params_dtype
     out: dict[tuple[int, int], tuple[Tensor, Tensor]] = {}
     for layer, e, _ in names.values():
         if (layer, e) not in out:
@@ -182,7 +201,7 @@ def load_expert_weights(
             )
     seen: set[str] = set()
     for path in safetensors_files(folder):
-        with safe_open(path, framework="pt", device="cpu") as f:
+        with SafetensorsFile(path) as f:
             for name in f.keys():
                 if ".experts" not in name:
                     continue
@@ -199,6 +218,73 @@ def load_expert_weights(
     if missing:
         raise CheckpointError(f"checkpoint {folder} lacks expert tensor(s): {_some(missing)}")
     return out
+
+
+# safetensors' dtype names (its format: little-endian, as this reader assumes).
+_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+    "U8": torch.uint8, "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+}  # fmt: skip
+
+
+class SafetensorsFile:
+    """One ``*.safetensors`` file, its tensors read with ``readinto`` into fresh tensors
+    (the part of ``safetensors.safe_open``'s interface the loader uses: ``keys()``,
+    ``get_tensor(name)``, ``get_slice(name).get_shape()``). Nothing is memory-mapped, so
+    what was read is resident only as the copy the caller keeps."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._file = open(path, "rb")  # noqa: SIM115 - closed by close() / the with block
+        try:
+            size = int.from_bytes(self._file.read(8), "little")
+            header = json.loads(self._file.read(size))
+        except (ValueError, OSError) as e:
+            self._file.close()
+            raise CheckpointError(f"{path} is not a safetensors file: {e}") from e
+        header.pop("__metadata__", None)
+        self._header: dict[str, dict[str, Any]] = header
+        self._base = 8 + size
+
+    def keys(self) -> list[str]:
+        return list(self._header)
+
+    def get_slice(self, name: str) -> _TensorInfo:
+        return _TensorInfo(tuple(self._header[name]["shape"]))
+
+    def get_tensor(self, name: str) -> Tensor:
+        info = self._header[name]
+        dtype = _DTYPES.get(info["dtype"])
+        if dtype is None:
+            raise CheckpointError(f"tensor {name!r} in {self.path}: dtype {info['dtype']}")
+        start, end = info["data_offsets"]
+        out = torch.empty(info["shape"], dtype=dtype)
+        raw = out.reshape(-1).view(torch.uint8).numpy()
+        if raw.nbytes != end - start:
+            raise CheckpointError(f"tensor {name!r} in {self.path}: size does not match shape")
+        self._file.seek(self._base + start)
+        if self._file.readinto(memoryview(raw)) != raw.nbytes:
+            raise CheckpointError(f"tensor {name!r} in {self.path}: file truncated")
+        return out
+
+    def close(self) -> None:
+        self._file.close()
+
+    def __enter__(self) -> SafetensorsFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class _TensorInfo:
+    def __init__(self, shape: tuple[int, ...]) -> None:
+        self._shape = shape
+
+    def get_shape(self) -> list[int]:
+        return list(self._shape)
 
 
 def _copy(name: str, file: str, src: Tensor, dest: Tensor | Shard) -> None:

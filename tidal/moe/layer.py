@@ -13,6 +13,12 @@ local slot i holds global expert ``local_expert_ids[i]``. ``expert_map [E_global
 maps a global id to its local slot or -1. Without a dispatcher and with a subset of
 experts, the output holds only the local experts' share (what a dispatcher then sums).
 
+On CPU (torch backend) the router and the experts each run on the path measured at load
+(``tidal/kernels/select.py``: the C++ kernels, oneDNN prepacked or torch); a packed path
+holds the only copy of its weights, and ``gate``/``w13``/``w2`` then read as rebuilt
+copies (``HeldParamsModule``): write through them and call ``weights_updated()``, as the
+loader, EPLB and expert installs do; ``expert_weights(slots)`` rebuilds just some slots.
+
 Expert parallelism: the EP setup (``tidal/executor/model_runner.py``) sets ``dispatcher``
 and points every layer's ``forward_context`` at one shared ``MoEForwardContext``, whose
 ``num_tokens_across_dp`` the runner fills before each forward (the token counts all ranks
@@ -30,6 +36,7 @@ by name in ``EXPERT_BACKENDS``; "triton" is imported lazily so CPU-only installs
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -38,16 +45,10 @@ import torch
 from torch import Tensor, nn
 
 from tidal.distributed.tensor_parallel import TensorParallel
-from tidal.kernels.cpu_ext import kernel_available
-from tidal.kernels.cpu_moe import CpuPackedExperts
-from tidal.kernels.cpu_router import CpuPackedGate, router_cpu_ok, softmax_topk_cpu
-from tidal.kernels.fused_moe_torch import (
-    PackedExperts,
-    empty_k_major_experts,
-    fused_experts_torch,
-    is_k_major,
-)
-from tidal.kernels.onednn import onednn_available, pack_weight, packed_linear
+from tidal.kernels.cpu_paths import PACKED_PATHS, HeldExperts, HeldGate
+from tidal.kernels.fused_moe_torch import empty_k_major_experts, fused_experts_torch, is_k_major
+from tidal.kernels.held_params import HeldParamsModule
+from tidal.kernels.select import Candidate, Choice, OpKey, OpSpec, default_choice, weight_candidates
 from tidal.moe.reference import fused_experts_reference
 from tidal.moe.router import softmax_topk
 
@@ -133,7 +134,7 @@ def build_expert_map(
     return expert_map
 
 
-class FusedMoE(nn.Module):
+class FusedMoE(HeldParamsModule):
     def __init__(
         self,
         num_experts: int,
@@ -184,15 +185,18 @@ class FusedMoE(nn.Module):
         self.register_buffer(
             "expert_load", torch.zeros(num_experts, dtype=torch.int64, device=device)
         )
-        # CPU torch backend, float32: w13/w2 packed for the C++ kernel (or, when it was not
-        # built, for oneDNN), derived data that every writer drops (``weights_updated``)
-        # and the next forward rebuilds.
-        self.use_onednn = self.backend == "torch" and torch.device(device or "cpu").type == "cpu"
-        self._packed: CpuPackedExperts | PackedExperts | None = None
-        # The router's gate, likewise: packed for the C++ router, or for oneDNN's linear.
-        self._packed_gate: CpuPackedGate | Tensor | None = None
+        # CPU, torch backend: each op's path is measured at load (tidal/kernels/select.py);
+        # a packed path then holds the only copy of its weights (tidal/kernels/cpu_paths.py;
+        # reading ``w13``/``w2``/``gate`` rebuilds them, see HeldParamsModule).
+        self.on_cpu = self.backend == "torch" and torch.device(device or "cpu").type == "cpu"
+        self.params_dtype = self.w13.dtype
+        self.expert_shape = (2 * intermediate_size, hidden_size)  # one expert's w13 (w2: .T)
+        self.cpu_choice: dict[str, Choice] = {}  # "experts", "router"; absent: the default
+        self._held_experts: HeldExperts | None = None
+        self._held_gate: HeldGate | None = None
 
     def forward(self, hidden: Tensor) -> Tensor:  # [T, H] -> [T, H]
+        self.drop_materialized()
         tp = self.tp
         if tp.size == 1:
             return self._route_and_compute(hidden)
@@ -204,13 +208,21 @@ class FusedMoE(nn.Module):
         return tp.all_gather_rows(out, sizes)
 
     def _route_and_compute(self, hidden: Tensor) -> Tensor:  # [T, H] -> [T, H]
-        if self.use_onednn and router_cpu_ok(hidden):  # the C++ router: one call
-            gate = self._cpu_gate()
-            topk_weights, topk_ids = softmax_topk_cpu(hidden, gate, self.top_k, self.renormalize)
-        else:
-            router_logits = self._router_logits(hidden)  # [T, E_global]
-            topk_weights, topk_ids = softmax_topk(router_logits, self.top_k, self.renormalize)
+        topk_weights, topk_ids = self.route(hidden)
         return self.forward_experts(hidden, topk_weights, topk_ids)
+
+    def route(self, hidden: Tensor) -> tuple[Tensor, Tensor]:  # [T, H] -> [T, K] f32, int64
+        gate = self._held("router") if self._cpu_float32(hidden) else None
+        routed = None
+        if isinstance(gate, HeldGate):  # the C++ router: one call; oneDNN: its logits
+            variant = self._choice("router").for_rows(hidden.shape[0]).variant
+            routed = gate(hidden, self.top_k, self.renormalize, variant)
+            logits = gate.logits(hidden) if routed is None else None
+        else:
+            logits = torch.nn.functional.linear(hidden, self.gate)  # [T, E_global]
+        if routed is None:
+            routed = softmax_topk(logits, self.top_k, self.renormalize)
+        return routed
 
     def forward_experts(
         self,
@@ -220,11 +232,8 @@ class FusedMoE(nn.Module):
     ) -> Tensor:  # [T, H]
         if self.record_expert_load:
             self.expert_load += torch.bincount(topk_ids.reshape(-1), minlength=self.num_experts)
-        kw = self._experts_kwargs()
         if self.dispatcher is None:
-            return self.experts_fn(
-                hidden, self.w13, self.w2, topk_weights, topk_ids, self._map_arg, True, **kw
-            )
+            return self._experts(hidden, topk_weights, topk_ids, self._map_arg)
         ctx = self.forward_context
         sizes = None if ctx is None else ctx.num_tokens_across_dp
         if sizes is None:
@@ -233,62 +242,169 @@ class FusedMoE(nn.Module):
             x, weights, ids, handle = self.dispatcher.dispatch(
                 hidden, topk_weights, topk_ids, num_tokens_across_dp=sizes
             )
-        out = self.experts_fn(x, self.w13, self.w2, weights, ids, self.expert_map, True, **kw)
+        out = self._experts(x, weights, ids, self.expert_map)
         return self.dispatcher.combine(out, handle)
 
-    def _router_logits(self, hidden: Tensor) -> Tensor:  # [T, H] -> [T, E_global]
-        if self.use_onednn and hidden.dtype == torch.float32 and onednn_available():
-            packed = self._packed_gate
-            if not isinstance(packed, Tensor):
-                packed = self._packed_gate = pack_weight(self.gate)
-            return packed_linear(hidden.contiguous(), packed)
-        return torch.nn.functional.linear(hidden, self.gate)
+    def _experts(
+        self, x: Tensor, weights: Tensor, ids: Tensor, expert_map: Tensor | None
+    ) -> Tensor:  # [T', H]: this rank's experts on the tokens it got
+        held = self._held("experts") if self._cpu_float32(x) else None
+        if isinstance(held, HeldExperts):
+            variant = self._choice("experts").for_rows(x.shape[0]).variant
+            return held(x, weights, ids, expert_map, True, variant)
+        return self.experts_fn(x, self.w13, self.w2, weights, ids, expert_map, True)
 
-    def _experts_kwargs(self) -> dict[str, Any]:
-        if not self.use_onednn or self.w13.dtype != torch.float32:
-            return {}
-        packed = self._packed
-        if packed is None or packed.shapes != (tuple(self.w13.shape), tuple(self.w2.shape)):
-            if kernel_available():  # the C++ kernel, when pip install built it
-                packed = CpuPackedExperts(self.w13, self.w2)
-            elif onednn_available():
-                packed = PackedExperts(self.w13, self.w2)
+    # ---- the CPU paths (select.py) and the one copy of the weights --------------------
+
+    def _cpu_float32(self, x: Tensor) -> bool:
+        return self.on_cpu and x.dtype == torch.float32 and self.params_dtype == torch.float32
+
+    def _choice(self, op: str) -> Choice:
+        choice = self.cpu_choice.get(op)
+        if choice is None:
+            choice = self.cpu_choice[op] = default_choice(
+                weight_candidates(self.params_dtype), True
+            )
+        return choice
+
+    def _held(self, op: str) -> HeldExperts | HeldGate | None:
+        held = self._held_experts if op == "experts" else self._held_gate
+        if held is None and self._choice(op).layout in PACKED_PATHS:
+            self._pack(op)
+            held = self._held_experts if op == "experts" else self._held_gate
+        return held
+
+    def _pack(self, op: str) -> None:
+        """Put ``op``'s weights in its chosen layout: packed (then the only copy; the
+        parameters are released) or the parameters themselves."""
+        layout = self._choice(op).layout
+        want = layout if layout in PACKED_PATHS else None
+        held = self._held_experts if op == "experts" else self._held_gate
+        if (None if held is None else held.path) == want:
+            return
+        if op == "experts":
+            w13, w2 = self.w13.detach(), self.w2.detach()  # parameters, or rebuilt
+            self._held_experts = experts = None if want is None else HeldExperts(want, w13, w2)
+            if experts is None:
+                self.restore_param("w13", w13)
+                self.restore_param("w2", w2)
             else:
-                return {}
-            self._packed = packed
-        return {"packed": packed}
-
-    def _cpu_gate(self) -> CpuPackedGate:
-        gate = self._packed_gate
-        if not isinstance(gate, CpuPackedGate):
-            gate = self._packed_gate = CpuPackedGate(self.gate)
-        return gate
+                self.release_param("w13", experts.unpack_w13)
+                self.release_param("w2", experts.unpack_w2)
+        else:
+            gate = self.gate.detach()
+            self._held_gate = held_gate = None if want is None else HeldGate(want, gate)
+            if held_gate is None:
+                self.restore_param("gate", gate)
+            else:
+                self.release_param("gate", held_gate.unpack)
 
     def pack_weights(self) -> None:
-        """Build the packed copies now rather than at the next forward (the loader, at
-        start-up). A no-op where no packed path applies."""
-        self._experts_kwargs()
-        if self.use_onednn and self.gate.dtype == torch.float32 and kernel_available():
-            self._cpu_gate()
+        """Put the weights in their chosen layouts now rather than at the next forward (the
+        loader, at start-up). A no-op where no CPU path applies."""
+        if self.on_cpu and self.params_dtype == torch.float32:
+            self._pack("experts")
+            self._pack("router")
 
     def weights_updated(self) -> None:
-        """``gate``/``w13``/``w2`` were written (loader, expert moves, EPLB): drop what was derived
-        from them (the packed copies), rebuilt at the next forward."""
-        self._packed = None
-        self._packed_gate = None
+        """``gate``/``w13``/``w2`` were written through their (rebuilt) parameters (loader,
+        expert moves, EPLB): re-pack what a packed path holds."""
+        written = self.materialized_params()
+        if "w13" in written or "w2" in written:
+            self._held_experts = None  # the other of the two is rebuilt from it by _pack
+            self._pack("experts")
+        if "gate" in written:
+            self._held_gate = None
+            self._pack("router")
+
+    def expert_weights(self, slots: Sequence[int]) -> tuple[Tensor, Tensor]:
+        """Copies of local ``slots``' weights, ``(w13 [n, 2I, H], w2 [n, H, I])``, from the
+        layout that holds them, rebuilding only those slots (expert transfers)."""
+        held = self._held_experts
+        if held is not None and "w13" not in self.materialized_params():
+            return held.unpack(list(slots))
+        idx = torch.tensor(list(slots), dtype=torch.int64, device=self.w13.device)
+        return self.w13.data.index_select(0, idx), self.w2.data.index_select(0, idx)
+
+    def cpu_ops(self) -> dict[str, OpSpec]:
+        if not self.on_cpu:
+            return {}
+        dtype, e_local, (two_i, hidden) = (
+            self.params_dtype,
+            len(self.local_expert_ids),
+            self.expert_shape,
+        )
+        cands = tuple(weight_candidates(dtype))
+        size = dtype.itemsize
+        key = OpKey("moe", (e_local, hidden, two_i // 2, self.top_k, self.num_experts))
+        router = OpKey("router", (self.num_experts, hidden, self.top_k))
+        return {
+            "experts": OpSpec(key, cands, True, e_local * 3 * hidden * (two_i // 2) * size),
+            "router": OpSpec(router, cands, True, self.num_experts * hidden * size),
+        }
+
+    def cpu_trial(self, op: str, candidate: Candidate, instances: int) -> Any:
+        """Stand-ins with this layer's shape on synthetic weights; the experts' trial routes
+        each token to ``top_k`` distinct local experts at random (seeded)."""
+        two_i, hidden = self.expert_shape
+        stand_ins = []
+        for _ in range(instances):
+            # Only the op's own weights are filled and packed (the others stay untouched
+            # virtual memory): the router's trial must not pay for the experts'.
+            moe = FusedMoE(
+                self.num_experts, self.top_k, hidden, two_i // 2, self.renormalize,
+                self.local_expert_ids,
+            )  # fmt: skip
+            moe.set_cpu_path(op, Choice(candidate, candidate, candidate.path))
+            if op == "router":
+                moe.gate.data.fill_(0.01)
+            else:
+                moe.w13.data, moe.w2.data = empty_k_major_experts(moe.w13, moe.w2)
+                moe.w13.data.fill_(0.01)
+                moe.w2.data.fill_(0.01)
+            moe._pack(op)
+            stand_ins.append(moe)
+        turn = itertools.cycle(stand_ins)
+        local = torch.tensor(self.local_expert_ids, dtype=torch.int64)
+        top_k = min(self.top_k, len(local))
+
+        def for_rows(rows: int) -> Any:
+            x = torch.full((rows, hidden), 0.5)
+            if op == "router":
+                return lambda: next(turn).route(x)
+            g = torch.Generator().manual_seed(rows)
+            pick = [torch.randperm(len(local), generator=g)[:top_k] for _ in range(rows)]
+            ids = local[torch.stack(pick)]  # [rows, K] global ids of local experts
+            weights = torch.full((rows, top_k), 1.0 / top_k)
+            return lambda: next(turn).forward_experts(x, weights, ids)
+
+        return for_rows
+
+    def set_cpu_path(self, op: str, choice: Choice) -> None:
+        self.cpu_choice[op] = choice
+        held = self._held_experts if op == "experts" else self._held_gate
+        if held is not None and held.path != choice.layout:
+            self._pack(op)  # loaded already: move the weights to the new layout
 
     def set_local_experts(self, local_expert_ids: Sequence[int]) -> None:
         """Rebuild the expert map for new owners (EP resize / EPLB); the caller then fills
         ``w13``/``w2`` (resized here when the count changes) with those experts."""
         ids = list(local_expert_ids)
-        self.weights_updated()  # the caller writes the new experts next
-        self.expert_map.copy_(build_expert_map(self.num_experts, ids, self.expert_map.device))
+        self.weights_updated()  # a write pending through the old parameters lands first
+        device = self.expert_map.device
+        self.expert_map.copy_(build_expert_map(self.num_experts, ids, device))
         if len(ids) != len(self.local_expert_ids):
-            k_major = is_k_major(self.w13)  # keep the storage layout the backend chose
-            self.w13.data = self.w13.data.new_empty((len(ids), *self.w13.shape[1:]))
-            self.w2.data = self.w2.data.new_empty((len(ids), *self.w2.shape[1:]))
+            # Fresh parameters of the new count, in the storage layout the backend chose
+            # (rebuilt ones are K-major); the next forward packs them for a packed path.
+            k_major = self.is_released("w13") or is_k_major(self.w13)
+            (two_i, hidden), kw = self.expert_shape, {"dtype": self.params_dtype, "device": device}
+            w13 = torch.empty((len(ids), two_i, hidden), **kw)
+            w2 = torch.empty((len(ids), hidden, two_i // 2), **kw)
             if k_major:
-                self.w13.data, self.w2.data = empty_k_major_experts(self.w13, self.w2)
+                w13, w2 = empty_k_major_experts(w13, w2)
+            self._held_experts = None
+            self.restore_param("w13", w13)
+            self.restore_param("w2", w2)
         self.local_expert_ids = ids
         self._map_arg = None if ids == list(range(self.num_experts)) else self.expert_map
 

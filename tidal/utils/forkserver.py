@@ -35,7 +35,7 @@ import socket
 import subprocess
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import msgspec
 
@@ -99,14 +99,16 @@ class ForkServer:
     """The launcher's side: start the zygote (``python -P -m module name FD``), then
     ``spawn(name, payload)`` returns a ``ForkedProcess`` in milliseconds."""
 
-    def __init__(self, module: str, name: str) -> None:
+    def __init__(self, module: str, name: str, env: Mapping[str, str] | None = None) -> None:
+        # env: added to the zygote's environment, which every forked child shares (what
+        # the OpenMP runtime reads when torch loads, in the zygote, must be there).
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             self._popen = subprocess.Popen(
                 [sys.executable, "-P", "-m", module, name, str(theirs.fileno())],
                 stdin=subprocess.DEVNULL,
                 pass_fds=(theirs.fileno(),),
-                env=_child_env(),
+                env=_child_env(env),
                 process_group=0,
             )
         except BaseException:

@@ -41,13 +41,14 @@ def _pidfd_supported() -> bool:
     return True
 
 
-def _child_env() -> dict[str, str]:
-    """The parent's environment, with its ``sys.path`` as the child's ``PYTHONPATH``.
+def _child_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The parent's environment plus ``extra``, with its ``sys.path`` as the child's
+    ``PYTHONPATH``.
 
     The child then imports exactly what the parent would (a source checkout, a path added
     by a test runner) — what multiprocessing's spawn gets by copying ``sys.path`` — while
     ``-P`` keeps the child's working directory off its path."""
-    env = dict(os.environ)
+    env = {**os.environ, **(extra or {})}
     paths = [os.path.abspath(p) if p else os.getcwd() for p in sys.path]
     env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(p for p in paths if os.path.exists(p)))
     return env
@@ -70,7 +71,7 @@ class ModuleProcess:
         payload: bytes = b"",
         *,
         pass_fds: Sequence[int] = (),
-        env: Mapping[str, str] | None = None,
+        env: Mapping[str, str] | None = None,  # added to the inherited environment
     ) -> None:
         self.name = name
         self.module = module
@@ -86,7 +87,7 @@ class ModuleProcess:
                 [sys.executable, "-P", "-m", module, name],
                 stdin=subprocess.PIPE,
                 pass_fds=fds,
-                env={**_child_env(), **(env or {})},
+                env=_child_env(env),
                 process_group=0,  # see the module docstring: Ctrl-C reaches the launcher only
             )
         except BaseException:

@@ -29,7 +29,8 @@ using namespace tidal_cpu;
 at::Tensor linear(const at::Tensor& x,    // [T, K] float32, rows may be strided
                   const at::Tensor& w_p,  // [N_pad/64, K, 64] float32
                   const std::optional<at::Tensor>& bias,  // [N] float32
-                  int64_t out_features) {
+                  int64_t out_features,
+                  int64_t prefetch) {  // Prefetch hint (gemm.h), a per-CPU choice
   TORCH_CHECK(x.is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.stride(1) == 1,
               "linear: x must be a float32 [T, K] CPU tensor, last dim contiguous");
   TORCH_CHECK(w_p.dim() == 3 && w_p.scalar_type() == at::kFloat && w_p.is_contiguous() &&
@@ -38,6 +39,8 @@ at::Tensor linear(const at::Tensor& x,    // [T, K] float32, rows may be strided
   const int64_t blocks = w_p.size(0), depth = x.size(1), rows = x.size(0);
   TORCH_CHECK(out_features > (blocks - 1) * 64 && out_features <= blocks * 64,
               "linear: out_features does not match the pack");
+  TORCH_CHECK(prefetch >= 0 && prefetch < kNumPrefetch, "linear: prefetch must be in [0, ",
+              kNumPrefetch, ")");
   const float* bp = nullptr;
   at::Tensor b;
   if (bias.has_value()) {
@@ -55,7 +58,7 @@ at::Tensor linear(const at::Tensor& x,    // [T, K] float32, rows may be strided
 
   // Task = one column block, for every group of rows: the block is read from memory once
   // and stays in L1/L2 for the next groups.
-  auto column_block = [&](int64_t j) {
+  auto column_block = [&](int64_t j, auto P) {
     const int64_t c0 = j * 64, cols = std::min<int64_t>(64, out_features - c0);
     const float* blk = wp + j * depth * 64;
     for (int64_t r0 = 0; r0 < rows; r0 += kRows) {
@@ -64,7 +67,7 @@ at::Tensor linear(const at::Tensor& x,    // [T, K] float32, rows may be strided
       for (int m = 0; m < r; ++m) xr[m] = xp + (r0 + m) * xs;
       dispatch_rows(r, [&](auto R) {
         vec16 acc[kRows][4];
-        block_gemm<R()>(xr, blk, depth, acc);
+        block_gemm<R(), P()>(xr, blk, depth, acc);
         for (int m = 0; m < R(); ++m) {
           float* o = op + (r0 + m) * out_features + c0;
           float tmp[64];
@@ -76,14 +79,16 @@ at::Tensor linear(const at::Tensor& x,    // [T, K] float32, rows may be strided
   };
   std::vector<double> cost(blocks, 1.0);
   cost.back() = static_cast<double>(out_features - (blocks - 1) * 64) / 64;
-  for_each_task_static(cost, column_block);
+  dispatch_prefetch(prefetch, [&](auto P) {
+    for_each_task_static(cost, [&](int64_t j) { column_block(j, P); });
+  });
   return out;
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(tidal_cpu, m) {
-  m.def("linear(Tensor x, Tensor w_p, Tensor? bias, int out_features) -> Tensor");
+  m.def("linear(Tensor x, Tensor w_p, Tensor? bias, int out_features, int prefetch=0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tidal_cpu, CPU, m) { m.impl("linear", &linear); }

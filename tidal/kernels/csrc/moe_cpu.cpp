@@ -44,11 +44,11 @@ constexpr double kReadRows = 4;     // a block's read costs about as much as thi
 
 inline vec16 silu(vec16 g) { return g / (splat(1.f) + vexp(-g)); }
 
-template <int R>
+template <int R, int P>
 void gate_up_rows(const float* const* x, const float* w, int64_t hidden, float* const* act,
                   const float* weights) {
   vec16 acc[kRows][4];
-  block_gemm<R>(x, w, hidden, acc);
+  block_gemm<R, P>(x, w, hidden, acc);
   for (int m = 0; m < R; ++m) {
     vec16 s = splat(weights ? weights[m] : 1.f);
     store(act[m], silu(acc[m][0]) * acc[m][2] * s);
@@ -56,11 +56,11 @@ void gate_up_rows(const float* const* x, const float* w, int64_t hidden, float* 
   }
 }
 
-template <int R>
+template <int R, int P>
 void down_rows(const float* const* a, const float* w, int64_t inter, float* const* out,
                int64_t cols) {
   vec16 acc[kRows][4];
-  block_gemm<R>(a, w, inter, acc);
+  block_gemm<R, P>(a, w, inter, acc);
   for (int m = 0; m < R; ++m) {
     if (cols == 64) {
       for (int v = 0; v < 4; ++v) store(out[m] + 16 * v, load(out[m] + 16 * v) + acc[m][v]);
@@ -78,7 +78,8 @@ at::Tensor fused_moe(const at::Tensor& hidden,        // [T, H] float32
                      const at::Tensor& topk_weights,  // [T, K] float32
                      const at::Tensor& topk_ids,      // [T, K] int64 global ids
                      const std::optional<at::Tensor>& expert_map,  // [E_global] int32
-                     bool apply_router_weight) {
+                     bool apply_router_weight,
+                     int64_t prefetch) {  // Prefetch hint (gemm.h), a per-CPU choice
   TORCH_CHECK(hidden.dim() == 2 && hidden.scalar_type() == at::kFloat && hidden.is_cpu(),
               "hidden must be [T, H] float32 on CPU");
   TORCH_CHECK(w13p.dim() == 4 && w13p.scalar_type() == at::kFloat && w13p.is_contiguous() &&
@@ -98,6 +99,8 @@ at::Tensor fused_moe(const at::Tensor& hidden,        // [T, H] float32
                   topk_ids.scalar_type() == at::kLong && topk_weights.sizes() == topk_ids.sizes() &&
                   topk_weights.scalar_type() == at::kFloat,
               "topk_ids/topk_weights must be [T, K] int64/float32");
+  TORCH_CHECK(prefetch >= 0 && prefetch < kNumPrefetch, "prefetch must be in [0, ", kNumPrefetch,
+              ")");
   const int64_t top_k = topk_ids.size(1);
   auto x = hidden.contiguous();
   auto ids = topk_ids.contiguous();
@@ -160,41 +163,43 @@ at::Tensor fused_moe(const at::Tensor& hidden,        // [T, H] float32
   for (size_t b = 0; b < busy.size(); ++b)
     for (int64_t j = 0; j < gate_blocks; ++j)
       cost1[b * gate_blocks + j] = kReadRows + (start[busy[b] + 1] - start[busy[b]]);
-  for_each_task_static(cost1, [&](int64_t task) {
-    const int64_t e = busy[task / gate_blocks], j = task % gate_blocks;
-    const float* blk = w13 + (e * gate_blocks + j) * hidden_size * 2 * kGateBlock;
-    for (int64_t r0 = start[e]; r0 < start[e + 1]; r0 += kRows) {
-      const int r = static_cast<int>(std::min<int64_t>(kRows, start[e + 1] - r0));
-      const float* xs[kRows];
-      float* as[kRows];
-      for (int m = 0; m < r; ++m) {
-        xs[m] = xp + token[r0 + m] * hidden_size;
-        as[m] = ap + (r0 + m) * inter_pad + j * kGateBlock;
+  dispatch_prefetch(prefetch, [&](auto P) {
+    for_each_task_static(cost1, [&](int64_t task) {
+      const int64_t e = busy[task / gate_blocks], j = task % gate_blocks;
+      const float* blk = w13 + (e * gate_blocks + j) * hidden_size * 2 * kGateBlock;
+      for (int64_t r0 = start[e]; r0 < start[e + 1]; r0 += kRows) {
+        const int r = static_cast<int>(std::min<int64_t>(kRows, start[e + 1] - r0));
+        const float* xs[kRows];
+        float* as[kRows];
+        for (int m = 0; m < r; ++m) {
+          xs[m] = xp + token[r0 + m] * hidden_size;
+          as[m] = ap + (r0 + m) * inter_pad + j * kGateBlock;
+        }
+        dispatch_rows(r, [&](auto R) {
+          gate_up_rows<R(), P()>(xs, blk, hidden_size, as, &row_weight[r0]);
+        });
       }
-      dispatch_rows(r, [&](auto R) {
-        gate_up_rows<R()>(xs, blk, hidden_size, as, &row_weight[r0]);
-      });
-    }
-  });
+    });
 
-  // 3. down, summed into the tokens: task = output column block, over every row group
-  //    (a token's rows all land in the same task, so no two threads add to one element).
-  std::vector<double> cost2(down_blocks, 1.0);  // every block: all the rows, I_pad deep
-  cost2.back() = static_cast<double>(hidden_size - (down_blocks - 1) * kDownBlock) / kDownBlock;
-  for_each_task_static(cost2, [&](int64_t j) {
-    const int64_t cols = std::min<int64_t>(kDownBlock, hidden_size - j * kDownBlock);
-    for (int64_t g = 0; g < groups; ++g) {
-      const int64_t e = group_expert[g], r0 = group_row[g];
-      const int r = static_cast<int>(std::min<int64_t>(kRows, start[e + 1] - r0));
-      const float* as[kRows];
-      float* os[kRows];
-      for (int m = 0; m < r; ++m) {
-        as[m] = ap + (r0 + m) * inter_pad;
-        os[m] = op + token[r0 + m] * hidden_size + j * kDownBlock;
+    // 3. down, summed into the tokens: task = output column block, over every row group
+    //    (a token's rows all land in the same task, so no two threads add to one element).
+    std::vector<double> cost2(down_blocks, 1.0);  // every block: all the rows, I_pad deep
+    cost2.back() = static_cast<double>(hidden_size - (down_blocks - 1) * kDownBlock) / kDownBlock;
+    for_each_task_static(cost2, [&](int64_t j) {
+      const int64_t cols = std::min<int64_t>(kDownBlock, hidden_size - j * kDownBlock);
+      for (int64_t g = 0; g < groups; ++g) {
+        const int64_t e = group_expert[g], r0 = group_row[g];
+        const int r = static_cast<int>(std::min<int64_t>(kRows, start[e + 1] - r0));
+        const float* as[kRows];
+        float* os[kRows];
+        for (int m = 0; m < r; ++m) {
+          as[m] = ap + (r0 + m) * inter_pad;
+          os[m] = op + token[r0 + m] * hidden_size + j * kDownBlock;
+        }
+        const float* blk = w2 + (j * num_local + e) * inter_pad * kDownBlock;
+        dispatch_rows(r, [&](auto R) { down_rows<R(), P()>(as, blk, inter_pad, os, cols); });
       }
-      const float* blk = w2 + (j * num_local + e) * inter_pad * kDownBlock;
-      dispatch_rows(r, [&](auto R) { down_rows<R()>(as, blk, inter_pad, os, cols); });
-    }
+    });
   });
   return out;
 }
@@ -204,7 +209,7 @@ at::Tensor fused_moe(const at::Tensor& hidden,        // [T, H] float32
 TORCH_LIBRARY_FRAGMENT(tidal_cpu, m) {
   m.def(
       "fused_moe(Tensor hidden, Tensor w13p, Tensor w2p, Tensor topk_weights, "
-      "Tensor topk_ids, Tensor? expert_map, bool apply_router_weight) -> Tensor");
+      "Tensor topk_ids, Tensor? expert_map, bool apply_router_weight, int prefetch=0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tidal_cpu, CPU, m) { m.impl("fused_moe", &fused_moe); }

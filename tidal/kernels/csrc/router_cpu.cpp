@@ -60,7 +60,8 @@ void select_top_k(const float* logits, int64_t num_experts, int64_t top_k, bool 
 std::tuple<at::Tensor, at::Tensor> softmax_topk(
     const at::Tensor& hidden,  // [T, H] float32
     const at::Tensor& gate_p,  // [E_pad/64, H, 64] float32
-    int64_t num_experts, int64_t top_k, bool renormalize) {
+    int64_t num_experts, int64_t top_k, bool renormalize,
+    int64_t prefetch) {  // Prefetch hint (gemm.h), a per-CPU choice
   TORCH_CHECK(hidden.dim() == 2 && hidden.scalar_type() == at::kFloat && hidden.is_cpu(),
               "hidden must be [T, H] float32 on CPU");
   TORCH_CHECK(gate_p.dim() == 3 && gate_p.scalar_type() == at::kFloat && gate_p.is_contiguous() &&
@@ -70,6 +71,8 @@ std::tuple<at::Tensor, at::Tensor> softmax_topk(
   TORCH_CHECK(num_experts > (blocks - 1) * 64 && num_experts <= blocks * 64,
               "num_experts does not match the pack");
   TORCH_CHECK(top_k >= 1 && top_k <= num_experts, "top_k must be in [1, num_experts]");
+  TORCH_CHECK(prefetch >= 0 && prefetch < kNumPrefetch, "prefetch must be in [0, ", kNumPrefetch,
+              ")");
   auto x = hidden.contiguous();
   auto weights = at::empty({tokens, top_k}, hidden.options());
   auto ids = at::empty({tokens, top_k}, hidden.options().dtype(at::kLong));
@@ -91,7 +94,9 @@ std::tuple<at::Tensor, at::Tensor> softmax_topk(
     for (int64_t j = 0; j < blocks; ++j) {
       dispatch_rows(r, [&](auto R) {
         vec16 acc[kRows][4];
-        block_gemm<R()>(xs, gp + j * width * 64, width, acc);
+        dispatch_prefetch(prefetch, [&](auto P) {
+          block_gemm<R(), P()>(xs, gp + j * width * 64, width, acc);
+        });
         for (int m = 0; m < R(); ++m)
           for (int v = 0; v < 4; ++v) store(&logits[m * padded + j * 64 + 16 * v], acc[m][v]);
       });
@@ -114,7 +119,7 @@ std::tuple<at::Tensor, at::Tensor> softmax_topk(
 TORCH_LIBRARY_FRAGMENT(tidal_cpu, m) {
   m.def(
       "softmax_topk(Tensor hidden, Tensor gate_p, int num_experts, int top_k, "
-      "bool renormalize) -> (Tensor, Tensor)");
+      "bool renormalize, int prefetch=0) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(tidal_cpu, CPU, m) { m.impl("softmax_topk", &softmax_topk); }

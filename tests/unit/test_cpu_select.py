@@ -1,0 +1,331 @@
+"""The measured choice of CPU paths (``tidal/kernels/select.py``), without real timing: a
+fake clock that each fake path advances by its own cost. A slow path is never chosen; the
+cached timings are reused and invalidated when the CPU, the shapes or the version change;
+a forced mode wins; a model's modules get the choice and serve by it."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+from tidal.kernels import select
+from tidal.kernels.select import (
+    Candidate,
+    Choice,
+    ChoiceCache,
+    OpKey,
+    OpSpec,
+    allowed,
+    choose_paths,
+    decide,
+    measure,
+)
+from tidal.layers.linear import Linear
+from tidal.layers.norm import RMSNorm
+from tidal.moe.layer import FusedMoE
+from tidal.moe.reference import fused_experts_reference
+from tidal.moe.router import softmax_topk
+
+NTA, T0 = Candidate("native", "nta"), Candidate("native", "t0")
+ONEDNN, TORCH = Candidate("onednn"), Candidate("torch")
+ALL = (NTA, T0, ONEDNN, TORCH)
+
+
+def _timings(decode: dict[Candidate, float], batch: dict[Candidate, float]) -> dict[str, Any]:
+    return {
+        "decode": {c.name: t for c, t in decode.items()},
+        "batch": {c.name: t for c, t in batch.items()},
+    }
+
+
+# ---- decide (pure) ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("slow", ALL)
+def test_a_slow_path_is_never_chosen(slow):
+    """Whichever path is the slow one on this machine (the C++ kernels with the wrong
+    prefetch hint on an Intel Xeon, oneDNN's per-call cost, torch), it does not serve."""
+    fast = {c: 1.0 + 0.1 * i for i, c in enumerate(ALL)}
+    times = {c: (50.0 if c == slow else t) for c, t in fast.items()}
+    choice = decide(ALL, _timings(times, times))
+    assert slow not in (choice.decode, choice.batch)
+    assert choice.decode == min((c for c in ALL if c != slow), key=times.get)
+    assert choice.layout == choice.decode.path and choice.source == "measured"
+
+
+def test_weights_keep_one_layout_and_each_class_its_best_variant():
+    # decode: t0 best; batch: oneDNN 1% ahead of nta. One layout per op (one copy of each
+    # weight): native loses least in sum, and within it each class takes its own hint.
+    choice = decide(
+        ALL,
+        _timings(
+            {NTA: 2.0, T0: 1.0, ONEDNN: 3.0, TORCH: 4.0},
+            {NTA: 10.1, T0: 12.0, ONEDNN: 10.0, TORCH: 30.0},
+        ),
+    )
+    assert (choice.decode, choice.batch, choice.layout) == (T0, NTA, "native")
+    assert choice.for_rows(1) == T0 and choice.for_rows(select.DECODE_MAX_ROWS + 1) == NTA
+
+
+def test_ops_without_weights_choose_per_class():
+    native, torch_ = Candidate("native"), TORCH
+    choice = decide(
+        (native, torch_),
+        _timings({native: 1.0, torch_: 2.0}, {native: 5.0, torch_: 3.0}),
+        holds_weights=False,
+    )
+    assert (choice.decode, choice.batch, choice.layout) == (native, torch_, None)
+
+
+def test_unmeasured_or_failed_candidates_are_not_chosen():
+    times = _timings({NTA: 3.0, TORCH: 2.0}, {NTA: 3.0, TORCH: 2.0})  # t0, onednn missing
+    choice = decide(ALL, times)
+    assert choice.decode == choice.batch == TORCH
+    times["batch"][ONEDNN.name] = float("nan")
+    assert decide(ALL, times).batch == TORCH
+
+
+@pytest.mark.parametrize("mode", ["native", "onednn", "torch"])
+def test_a_forced_mode_wins_over_the_timings(mode):
+    times = {NTA: 9.0, T0: 8.0, ONEDNN: 7.0, TORCH: 6.0} if mode != "torch" else {}
+    times = times or {NTA: 1.0, T0: 1.0, ONEDNN: 1.0, TORCH: 9.0}
+    choice = decide(ALL, _timings(times, times), mode)
+    assert choice.decode.path == choice.batch.path == choice.layout == mode
+    assert choice.source in ("forced", "only")
+    if mode == "native":  # among its own variants the faster hint
+        assert choice.decode == T0
+
+
+def test_forced_path_an_op_lacks_falls_back_to_torch():
+    norm = (Candidate("native"), TORCH)
+    assert allowed(norm, "onednn") == [TORCH]
+    assert allowed((TORCH,), "native") == [TORCH]
+    with pytest.raises(ValueError, match="cpu_kernels"):
+        allowed(norm, "fast")
+
+
+# ---- measure (a fake clock) --------------------------------------------------------------
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.calls: dict[str, int] = {}
+
+    def __call__(self) -> float:
+        return self.now
+
+    def path(self, name: str, cost_s: float) -> Callable[[], None]:
+        def run() -> None:
+            self.calls[name] = self.calls.get(name, 0) + 1
+            self.now += cost_s
+
+        return run
+
+
+def test_measure_times_each_call_and_ignores_the_slow_ones_noise_makes():
+    clock = FakeClock()
+    # Calls of "b" that land on a preemption, or wait for a descheduled second thread:
+    # most of them (as on 2 shared cores), yet the fast end is the path's own speed.
+    spikes = iter([0.5 if i % 4 else 0.0 for i in range(2000)])
+
+    def noisy() -> None:
+        clock.now += 0.001 + next(spikes)
+
+    got = measure({"a": clock.path("a", 0.002), "b": noisy}, clock=clock)
+    assert got == {"a": pytest.approx(2.0), "b": pytest.approx(1.0)}
+
+
+def test_measure_stops_timing_far_slower_paths_and_skips_a_failing_one():
+    clock = FakeClock()
+
+    def broken() -> None:
+        raise RuntimeError("no such kernel here")
+
+    got = measure(
+        {
+            "fast": clock.path("fast", 1e-4),
+            "slow": clock.path("slow", 5e-4),
+            "hopeless": clock.path("hopeless", 1e-2),
+            "bad": broken,
+        },
+        clock=clock,
+        rounds=6,
+        budget_s=0.012,
+    )
+    assert set(got) == {"fast", "slow", "hopeless"}
+    assert got["hopeless"] > got["slow"] > 3 * got["fast"]
+    warm = select.WARM_UP
+    assert clock.calls["hopeless"] == warm  # its warm-up was 100x the fastest: not timed on
+    per_round = int(0.012 / 6 / 5e-4)  # its share of the budget a round, in calls
+    assert clock.calls["slow"] == warm + 2 * per_round  # warm-up + the first two rounds
+    assert clock.calls["fast"] > 10
+
+
+# ---- the cache -----------------------------------------------------------------------------
+
+
+def _print(**changes: Any) -> dict[str, Any]:
+    base = {"cpu_model": "Some CPU", "cpu_flags": "abc", "threads": 2, "tidal": "1", "format": 1}
+    return {**base, **changes}
+
+
+def test_cache_round_trip_and_invalidation(tmp_path):
+    key = OpKey("linear", (256, 512, 0))
+    times = _timings({NTA: 1.0, TORCH: 2.0}, {NTA: 3.0, TORCH: 4.0})
+    cache = ChoiceCache(str(tmp_path), _print())
+    assert cache.get(key, (NTA, TORCH)) is None
+    cache.put(key, times)
+    cache.save()
+    again = ChoiceCache(str(tmp_path), _print())
+    assert again.get(key, (NTA, TORCH)) == times
+    assert again.get(OpKey("linear", (256, 1024, 0)), (NTA, TORCH)) is None  # other shape
+    assert again.get(key, (NTA, T0, TORCH)) is None  # a candidate it never timed
+    for changed in (_print(cpu_model="Intel Xeon"), _print(tidal="2"), _print(threads=1)):
+        assert ChoiceCache(str(tmp_path), changed).get(key, (NTA, TORCH)) is None
+    assert ChoiceCache(None, _print()).path is None  # no directory: nothing on disk
+    with open(again.path, "w") as f:
+        f.write("{not json")
+    assert ChoiceCache(str(tmp_path), _print()).get(key, (NTA, TORCH)) is None
+
+
+# ---- choose_paths over modules ---------------------------------------------------------------
+
+
+class FakeModule:
+    """A module with one op whose candidates cost what ``costs`` says (fake seconds)."""
+
+    def __init__(self, clock: FakeClock, key: OpKey, costs: dict[Candidate, float]) -> None:
+        self.clock, self.key, self.costs = clock, key, costs
+        self.trials: list[tuple[str, int, int]] = []
+        self.choice: Choice | None = None
+
+    def cpu_ops(self) -> dict[str, OpSpec]:
+        return {"op": OpSpec(self.key, tuple(self.costs), True, 1 << 20)}
+
+    def cpu_trial(self, op: str, candidate: Candidate, instances: int) -> Any:
+        def for_rows(rows: int) -> Any:
+            self.trials.append((candidate.name, rows, instances))
+            return self.clock.path(candidate.name, self.costs[candidate] * rows)
+
+        return for_rows
+
+    def set_cpu_path(self, op: str, choice: Choice) -> None:
+        self.choice = choice
+
+
+@pytest.fixture
+def fake_cpu(monkeypatch):
+    """The fingerprint's CPU, settable (a machine change), and a fake clock."""
+    cpu = {"model": "AMD EPYC", "flags": "avx512f"}
+    monkeypatch.setattr(select, "cpu_description", lambda: dict(cpu))
+    monkeypatch.setattr(select, "oversubscribed", lambda: None)  # a quiet machine
+    return cpu, FakeClock()
+
+
+def test_choose_paths_measures_once_then_reuses_until_the_machine_changes(tmp_path, fake_cpu):
+    cpu, clock = fake_cpu
+    costs = {NTA: 3e-5, T0: 1e-5, TORCH: 2e-5}  # t0 is this machine's fast hint
+    key = OpKey("linear", (64, 64, 0))
+    mods = [FakeModule(clock, key, costs) for _ in range(3)]
+    report = choose_paths(mods, cache_dir=str(tmp_path), batch_rows=8, clock=clock)
+    assert all(m.choice.decode == T0 and m.choice.source == "measured" for m in mods)
+    assert {r for _, r, _ in mods[0].trials} == {1, 8} and not mods[1].trials  # one trial
+    assert max(n for _, _, n in mods[0].trials) == 3  # stand-ins for every layer: memory
+    assert json.loads(json.dumps(report.as_dict()))["ops"][key.name]["decode"] == "native:t0"
+
+    again = [FakeModule(clock, key, costs)]
+    choose_paths(again, cache_dir=str(tmp_path), batch_rows=8, clock=clock)
+    assert not again[0].trials and again[0].choice.source == "cached"
+    assert again[0].choice.decode == T0
+
+    forced = [FakeModule(clock, key, costs)]
+    choose_paths(forced, mode="torch", cache_dir=str(tmp_path), clock=clock)
+    assert forced[0].choice.decode == TORCH and not forced[0].trials
+
+    other_shape = [FakeModule(clock, OpKey("linear", (64, 128, 0)), costs)]
+    choose_paths(other_shape, cache_dir=str(tmp_path), batch_rows=8, clock=clock)
+    assert other_shape[0].trials  # shapes are part of the key
+
+    cpu["model"] = "Intel Xeon"  # another machine: there nta is the fast hint
+    intel = [FakeModule(clock, key, {NTA: 1e-5, T0: 3e-5, TORCH: 2e-5})]
+    choose_paths(intel, cache_dir=str(tmp_path), batch_rows=8, clock=clock)
+    assert intel[0].trials and intel[0].choice.decode == NTA
+
+
+def test_choose_paths_version_change_measures_again(tmp_path, fake_cpu, monkeypatch):
+    _, clock = fake_cpu
+    key = OpKey("norm", (64,))
+    costs = {Candidate("native"): 1e-5, TORCH: 2e-5}
+    choose_paths([FakeModule(clock, key, costs)], cache_dir=str(tmp_path), clock=clock)
+    monkeypatch.setattr(select, "_tidal_version", lambda: "99.0")
+    upgraded = FakeModule(clock, key, costs)
+    choose_paths([upgraded], cache_dir=str(tmp_path), clock=clock)
+    assert upgraded.trials and upgraded.choice.source == "measured"
+
+
+# ---- the real layers: every path serves the same values ------------------------------------
+
+
+def test_real_modules_choose_and_serve_by_the_choice(tmp_path, monkeypatch):
+    """Linear, RMSNorm, decode attention and the MoE layer offer their paths, run trials on
+    stand-ins, and take the choice; outputs equal the reference's on every forced path."""
+    torch.manual_seed(0)
+    lin, norm, moe = Linear(32, 48), RMSNorm(32, 1e-6), FusedMoE(8, 2, 32, 16, True)
+    for p in (lin.weight, norm.weight, moe.gate, moe.w13, moe.w2):
+        p.data.copy_(torch.randn(p.shape) * 0.3)
+    weights = {k: v.clone() for k, v in (("w", lin.weight), ("w13", moe.w13), ("w2", moe.w2))}
+    gate = moe.gate.detach().clone()
+    monkeypatch.setattr(select, "oversubscribed", lambda: None)  # the forced modes reuse it
+    x = torch.randn(5, 32)
+    want_lin = x @ weights["w"].T
+    report = choose_paths([lin, norm, moe], cache_dir=str(tmp_path), batch_rows=8)
+    assert {"linear[32x48x0]", "norm[32]", "moe[8x32x16x2x8]", "router[8x32x2]"} <= set(
+        report.choices
+    )
+    for mode in ("auto", "native", "onednn", "torch"):
+        choose_paths([lin, norm, moe], mode=mode, cache_dir=str(tmp_path), batch_rows=8)
+        for m in (lin, moe):
+            m.pack_weights()
+        torch.testing.assert_close(lin(x), want_lin, atol=1e-5, rtol=0)
+        assert torch.equal(lin.weight, weights["w"])  # whichever layout holds it
+        assert torch.equal(moe.w13, weights["w13"]) and torch.equal(moe.gate, gate)
+        tw, ti = softmax_topk(x @ gate.T, 2, True)
+        want = fused_experts_reference(x, weights["w13"], weights["w2"], tw, ti)
+        torch.testing.assert_close(moe(x), want, atol=1e-5, rtol=0)
+
+
+def test_a_trial_on_an_oversubscribed_machine_serves_but_is_not_kept(
+    tmp_path, fake_cpu, monkeypatch
+):
+    _, clock = fake_cpu
+    costs = {T0: 1e-3, TORCH: 2e-3}
+    key = OpKey("linear", (8, 8, 0))
+    monkeypatch.setattr(select, "oversubscribed", lambda: "load average 6.0 on 2 cores")
+    busy = FakeModule(clock, key, costs)
+    choose_paths([busy], cache_dir=str(tmp_path), clock=clock)
+    assert busy.trials and busy.choice.decode == T0  # this start is served by it
+    monkeypatch.setattr(select, "oversubscribed", lambda: None)
+    quiet = FakeModule(clock, key, costs)
+    choose_paths([quiet], cache_dir=str(tmp_path), clock=clock)
+    assert quiet.trials and quiet.choice.source == "measured"  # measured again, then kept
+    kept = FakeModule(clock, key, costs)
+    choose_paths([kept], cache_dir=str(tmp_path), clock=clock)
+    assert not kept.trials and kept.choice.source == "cached"
+
+
+def test_trials_past_the_deadline_take_the_default_uncached(tmp_path, fake_cpu):
+    _, clock = fake_cpu
+    costs = {T0: 2e-3, TORCH: 1e-3}
+    first, second = (FakeModule(clock, OpKey("linear", (8, n, 0)), costs) for n in (8, 16))
+    choose_paths([first, second], cache_dir=str(tmp_path), clock=clock, deadline_s=1e-3)
+    assert first.choice.decode == TORCH and first.choice.source == "measured"
+    assert not second.trials and second.choice.source == "default"
+    assert second.choice.decode == T0  # the C++ kernels, as before any measurement
+    again = FakeModule(clock, second.key, costs)
+    choose_paths([again], cache_dir=str(tmp_path), clock=clock)
+    assert again.trials and again.choice.decode == TORCH  # measured at the next start

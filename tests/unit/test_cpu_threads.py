@@ -1,0 +1,45 @@
+"""How an engine process's OpenMP threads wait and how many there are, by deployment shape
+(tidal/utils/cpu_threads.py): the defaults fill what the operator left unset, and the
+launcher hands them to CPU engine processes only."""
+
+from __future__ import annotations
+
+from tidal.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from tidal.engine_core.entry import engine_env
+from tidal.utils.cpu_threads import SPIN_COUNT, engine_process_env, threads_per_rank
+
+
+def test_engine_beside_a_frontend_spins_briefly_then_sleeps():
+    env = engine_process_env({}, cores=8, local_ranks=1)
+    assert env == {"GOMP_SPINCOUNT": str(SPIN_COUNT), "KMP_BLOCKTIME": "0", "OMP_NUM_THREADS": "8"}
+
+
+def test_several_ranks_share_the_cores():
+    assert engine_process_env({}, cores=8, local_ranks=2)["OMP_NUM_THREADS"] == "4"
+    assert threads_per_rank(2, 4) == 1  # never zero
+
+
+def test_an_operators_settings_win():
+    for var in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME"):
+        env = engine_process_env({var: "x"}, cores=2, local_ranks=1)
+        assert not {"GOMP_SPINCOUNT", "KMP_BLOCKTIME"} & set(env)  # one wait setting: theirs
+    assert "OMP_NUM_THREADS" not in engine_process_env(
+        {"OMP_NUM_THREADS": "1"}, cores=2, local_ranks=1
+    )
+
+
+def _config(device: str, local: int) -> EngineConfig:
+    model = ModelConfig("m", "m", "float32", 64, 0, "Qwen3MoeForCausalLM", None)
+    return EngineConfig(
+        model, CacheConfig(), SchedulerConfig(), ParallelConfig(data_parallel_size=local,
+        data_parallel_size_local=local), device=device,
+    )  # fmt: skip
+
+
+def test_the_launcher_sets_it_for_cpu_engines_only(monkeypatch):
+    for var in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME", "OMP_NUM_THREADS"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr("tidal.engine_core.entry.usable_cores", lambda: 4)
+    assert engine_env(_config("cpu", 2))["OMP_NUM_THREADS"] == "2"
+    assert engine_env(_config("cpu", 1))["GOMP_SPINCOUNT"] == str(SPIN_COUNT)
+    assert engine_env(_config("cuda", 1)) == {}

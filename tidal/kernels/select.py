@@ -1,0 +1,596 @@
+"""Which path serves each CPU op: measured on this machine at load, cached on disk
+(DESIGN.md 5).
+
+Why (issue #25): the fastest path on one CPU is the slowest on another. The C++ kernels
+tuned on an AMD EPYC ran 1.5-1.7x slower than plain torch on an Intel Xeon (their
+software prefetch hint), and Tidal's default was slower than transformers there. So for
+each op a model runs -- MoE experts, router, linear, decode attention, norm -- every
+available path (the C++ kernels with each prefetch hint, oneDNN prepacked, plain torch)
+runs a short timed trial on the model's own shapes, at decode (one row) and at a batch,
+and the fastest is kept. The trials' timings are cached per machine fingerprint (CPU model
+and flags, thread count, dtype, Tidal and torch versions, the kernels' build) and op shape,
+so the next start decides from the cache without running anything.
+
+The parts:
+
+* ``decide``: pure -- candidates, their timings and the mode (``auto`` or a forced
+  path) in, a ``Choice`` out. A path that holds weights keeps one layout per op (one copy
+  of each weight, issue #25), so such an op gets one path for both shape classes (the
+  one with the least summed slowdown against each class's best) and, within it, each
+  class's fastest variant; ops without weights (norm, attention) choose per class freely.
+* ``measure``: the trial harness, candidates interleaved round by round (the machine's
+  noise hits them alike), the best round per candidate; the clock is an argument, so the
+  tests drive it.
+* ``ChoiceCache``: the timings on disk, one JSON file per fingerprint.
+* ``choose_paths``: walks a model's modules that offer CPU paths (``CpuPathsModule``),
+  groups their ops by key, measures what the cache lacks, and hands each module its
+  ``Choice``; returns the report the log and ``/stats`` show.
+
+Imports nothing of tidal (DESIGN.md 1): modules are found by duck typing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+import logging
+import math
+import os
+import platform
+import tempfile
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+from tidal.kernels.cpu_ext import PREFETCH_HINTS, kernel_available
+from tidal.kernels.onednn import onednn_available
+
+logger = logging.getLogger(__name__)
+
+PATHS = ("native", "onednn", "torch")  # preference order on an exact tie
+MODES = ("auto", *PATHS)
+CLASSES = ("decode", "batch")
+# The hints measured for the C++ kernels ("none", the hardware prefetcher alone, never won
+# on either CPU measured and would cost trial time).
+NATIVE_HINTS = ("nta", "t0")
+# A call of ``rows`` rows is in the decode class when rows <= this (the trials run 1 row
+# and ``batch_rows``; the boundary sits near their geometric mean).
+DECODE_MAX_ROWS = 4
+# Bump when a path's code changes in a way the kernels' build hash does not show.
+CACHE_FORMAT = 1
+WARM_UP = 2  # untimed-for-the-estimate calls of each trial (first touches, thread wake-ups)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One way to run an op: a path (the layout it holds) and a variant within it."""
+
+    path: str  # native | onednn | torch
+    variant: str = ""  # native: the prefetch hint
+
+    @property
+    def name(self) -> str:
+        return f"{self.path}:{self.variant}" if self.variant else self.path
+
+    @classmethod
+    def parse(cls, name: str) -> Candidate:
+        path, _, variant = name.partition(":")
+        return cls(path, variant)
+
+
+@dataclass(frozen=True)
+class OpKey:
+    """An op family and the shape it runs at: ops of equal keys share one choice."""
+
+    op: str  # moe | router | linear | attention | norm
+    shape: tuple[int, ...]
+
+    @property
+    def name(self) -> str:
+        return f"{self.op}[{'x'.join(map(str, self.shape))}]"
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The paths serving one op key: ``decode`` for calls of at most ``DECODE_MAX_ROWS``
+    rows, ``batch`` above; ``layout`` the path whose layout holds the weights (None for
+    an op without weights)."""
+
+    decode: Candidate
+    batch: Candidate
+    layout: str | None
+    source: str = "measured"  # measured | cached | forced | only | default
+    timings_ms: dict[str, dict[str, float]] = field(default_factory=dict, compare=False)
+
+    def for_rows(self, rows: int) -> Candidate:
+        return self.decode if rows <= DECODE_MAX_ROWS else self.batch
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "decode": self.decode.name,
+            "batch": self.batch.name,
+            "layout": self.layout,
+            "source": self.source,
+            "timings_ms": self.timings_ms,
+        }
+
+
+def default_choice(candidates: Iterable[Candidate], holds_weights: bool) -> Choice:
+    """What serves before (or without) a measurement: the first candidate in ``PATHS``
+    order (the C++ kernels where built), as before issue #25."""
+    best = min(candidates, key=_path_rank)
+    return Choice(best, best, best.path if holds_weights else None, source="default")
+
+
+def native_candidates(hints: Iterable[str] = NATIVE_HINTS) -> list[Candidate]:
+    """The C++ kernels, one candidate per prefetch hint (none where not built)."""
+    if not kernel_available():
+        return []
+    return [Candidate("native", h) for h in hints if h in PREFETCH_HINTS]
+
+
+def weight_candidates(dtype: torch.dtype) -> list[Candidate]:
+    """The candidates of an op holding weights (linear, router, experts) for ``dtype``."""
+    if dtype != torch.float32:
+        return [Candidate("torch")]
+    out = native_candidates()
+    if onednn_available(dtype):
+        out.append(Candidate("onednn"))
+    return [*out, Candidate("torch")]
+
+
+def kernel_candidates(dtype: torch.dtype) -> list[Candidate]:
+    """The candidates of an op without weights or hints (norm, decode attention): the C++
+    kernel where built (float32), and torch."""
+    native = [Candidate("native")] if dtype == torch.float32 and kernel_available() else []
+    return [*native, Candidate("torch")]
+
+
+def _path_rank(c: Candidate) -> tuple[int, str]:
+    return PATHS.index(c.path), c.variant
+
+
+# ------------------------------------------------------------------------------ decide
+
+
+def allowed(candidates: Iterable[Candidate], mode: str) -> list[Candidate]:
+    """The candidates ``mode`` lets serve: all for ``auto``; a forced path's own, or, for
+    an op that path does not serve, the torch path (every op has one)."""
+    if mode not in MODES:
+        raise ValueError(f"cpu_kernels must be one of {', '.join(MODES)}; got {mode!r}")
+    cands = list(candidates)
+    if mode == "auto":
+        return cands
+    forced = [c for c in cands if c.path == mode]
+    return forced or [c for c in cands if c.path == "torch"] or cands[:1]
+
+
+def decide(
+    candidates: Iterable[Candidate],
+    timings_ms: Mapping[str, Mapping[str, float]],  # class -> candidate name -> ms per call
+    mode: str = "auto",
+    *,
+    holds_weights: bool = True,
+    source: str = "measured",
+) -> Choice:
+    """The choice for one op key. Candidates without a timing in a class (not measured,
+    or failed) are never chosen for it unless nothing was measured at all."""
+    cands = allowed(candidates, mode)
+    if not cands:
+        raise ValueError("no candidate to choose from")
+    shown = {cls: dict(timings_ms.get(cls, {})) for cls in CLASSES}
+    if len(cands) == 1:
+        return Choice(cands[0], cands[0], _layout(cands[0], holds_weights), "only", shown)
+
+    def best(pool: list[Candidate], cls: str) -> Candidate | None:
+        timed = [c for c in pool if _finite(timings_ms.get(cls, {}).get(c.name))]
+        return min(timed, key=lambda c: (timings_ms[cls][c.name], _path_rank(c)), default=None)
+
+    if mode != "auto":
+        source = "forced"
+    if not holds_weights:
+        picks = [best(cands, cls) for cls in CLASSES]
+        if any(p is None for p in picks):
+            return default_choice(cands, holds_weights)
+        return Choice(picks[0], picks[1], None, source, shown)
+    # One layout per op: the path whose best variant loses least, summed over the classes.
+    overall = {cls: best(cands, cls) for cls in CLASSES}
+    if any(b is None for b in overall.values()):
+        return default_choice(cands, holds_weights)
+    scores: dict[str, float] = {}
+    for path in dict.fromkeys(c.path for c in cands):
+        pool = [c for c in cands if c.path == path]
+        picks = {cls: best(pool, cls) for cls in CLASSES}
+        if any(p is None for p in picks.values()):
+            continue
+        scores[path] = sum(
+            timings_ms[cls][picks[cls].name] / timings_ms[cls][overall[cls].name] for cls in CLASSES
+        )
+    path = min(scores, key=lambda p: (scores[p], PATHS.index(p)))
+    pool = [c for c in cands if c.path == path]
+    decode, batch = best(pool, "decode"), best(pool, "batch")
+    assert decode is not None and batch is not None
+    return Choice(decode, batch, path, source, shown)
+
+
+def _layout(c: Candidate, holds_weights: bool) -> str | None:
+    return c.path if holds_weights else None
+
+
+def _finite(x: float | None) -> bool:
+    return x is not None and math.isfinite(x) and x >= 0
+
+
+# ------------------------------------------------------------------------------ measure
+
+
+def measure(
+    trials: Mapping[str, Callable[[], object]],
+    *,
+    budget_s: float = 0.012,
+    rounds: int = 4,
+    clock: Callable[[], float] = time.perf_counter,
+    drop_slower: float = 3.0,
+    skip_slower: float = 10.0,
+    quantile: float = 0.2,
+) -> dict[str, float]:
+    """ms per call of each trial. Each warms up with ``WARM_UP`` calls (its fastest sizes
+    its rounds), then ``rounds`` rounds in which each runs its share of ~``budget_s``
+    worth of calls (at least one a round), interleaved so a burst of noise from elsewhere
+    hits them alike. Every call is timed on its own and a trial's time is the
+    ``quantile`` of its calls: noise only ever adds time, and on 2 shared cores most of a
+    call's time can be a wait for its second thread to be scheduled (a C++ call of 50 us
+    measured 8-16 ms at the median while another process held the other core), so the
+    fast end of the distribution is the path's own speed. After two rounds a trial
+    ``drop_slower`` x slower than the best stops being timed, and one whose fastest
+    warm-up call took ``skip_slower`` x the fastest one's is not timed on. A trial that
+    raises is left out (its candidate cannot serve here)."""
+    times: dict[str, list[float]] = {}
+    for name, fn in trials.items():
+        try:
+            for _ in range(WARM_UP):
+                t = clock()
+                fn()
+                times.setdefault(name, []).append(max(clock() - t, 1e-9))
+        except Exception as e:  # noqa: BLE001 - a path that fails here must not serve
+            logger.warning("cpu kernel trial %s failed: %s", name, e)
+            times.pop(name, None)
+    first = {name: min(ts) for name, ts in times.items()}
+    fastest_first = min(first.values(), default=0.0)
+    live = [n for n in first if first[n] <= skip_slower * fastest_first]
+
+    def estimate(name: str) -> float:
+        ts = sorted(times[name])
+        return ts[int(quantile * (len(ts) - 1))]
+
+    for name in live:
+        times[name] = []  # the warm-up calls are not the estimate where rounds follow
+    share = budget_s / rounds  # each live trial's time a round
+    for r in range(rounds):
+        for name in live:
+            fn = trials[name]
+            began = clock()
+            for _ in range(max(1, min(250, int(share / first[name])))):
+                t = clock()
+                fn()
+                times[name].append(clock() - t)
+                if t - began > 2 * share:  # noise stretched the calls: enough of them
+                    break
+        if r >= 1 and len(live) > 1:
+            fastest = min(estimate(n) for n in live)
+            live = [n for n in live if estimate(n) <= drop_slower * fastest]
+    return {name: estimate(name) * 1e3 for name in times}
+
+
+# ------------------------------------------------------------------------------ cache
+
+
+def cpu_description() -> dict[str, str]:
+    """The CPU's model name and its flags (Linux: /proc/cpuinfo), else what platform says."""
+    model, flags = "", ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key == "model name" and not model:
+                    model = value.strip()
+                elif key in ("flags", "Features") and not flags:
+                    flags = value.strip()
+                if model and flags:
+                    break
+    except OSError:
+        pass
+    return {"model": model or platform.processor() or platform.machine(), "flags": flags}
+
+
+def fingerprint(threads: int, dtype: torch.dtype) -> dict[str, Any]:
+    """What a cached timing is only valid for: this CPU, thread count, dtype, and the code
+    that ran (Tidal's version, the kernels' build, torch's version)."""
+    cpu = cpu_description()
+    return {
+        "cpu_model": cpu["model"],
+        "cpu_flags": hashlib.sha256(" ".join(sorted(cpu["flags"].split())).encode()).hexdigest()[
+            :16
+        ],
+        "threads": threads,
+        "dtype": str(dtype).replace("torch.", ""),
+        "tidal": _tidal_version(),
+        "kernels": _kernel_build(),
+        "torch": torch.__version__,
+        "format": CACHE_FORMAT,
+    }
+
+
+def _tidal_version() -> str:
+    try:
+        return importlib.metadata.version("tidal")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def _kernel_build() -> str:
+    """A hash of the C++ extension's file (a rebuild after a kernel change is a new build)."""
+    if not kernel_available():
+        return "none"
+    path = getattr(torch.ops.tidal_cpu, "__file__", None) or _extension_path()
+    try:
+        with open(path, "rb") as f:
+            return hashlib.sha256(f.read()).hexdigest()[:16]
+    except (OSError, TypeError):
+        return "unknown"
+
+
+def _extension_path() -> str | None:
+    import importlib.util
+
+    spec = importlib.util.find_spec("tidal.kernels._cpu_ops")
+    return None if spec is None else spec.origin
+
+
+class ChoiceCache:
+    """Measured timings per op key, one JSON file per fingerprint under ``directory``
+    (None or "": no disk, every start measures). A missing, unreadable or foreign file is
+    an empty cache; writes replace the file atomically."""
+
+    def __init__(self, directory: str | None, print_: Mapping[str, Any]) -> None:
+        self.fingerprint = dict(print_)
+        digest = hashlib.sha256(json.dumps(self.fingerprint, sort_keys=True).encode())
+        self.path = (
+            os.path.join(directory, f"cpu-kernels-{digest.hexdigest()[:20]}.json")
+            if directory
+            else None
+        )
+        self._ops: dict[str, dict[str, dict[str, float]]] = self._read()
+
+    def _read(self) -> dict[str, dict[str, dict[str, float]]]:
+        if self.path is None or not os.path.exists(self.path):
+            return {}
+        try:
+            with open(self.path) as f:
+                doc = json.load(f)
+        except (OSError, ValueError):
+            return {}
+        if not isinstance(doc, dict) or doc.get("fingerprint") != self.fingerprint:
+            return {}
+        ops = doc.get("ops")
+        return ops if isinstance(ops, dict) else {}
+
+    def get(
+        self, key: OpKey, candidates: Iterable[Candidate]
+    ) -> dict[str, dict[str, float]] | None:
+        """The cached timings of ``key`` if they cover every candidate, else None."""
+        timings = self._ops.get(key.name)
+        if not isinstance(timings, dict):
+            return None
+        names = {c.name for c in candidates}
+        for cls in CLASSES:
+            got = timings.get(cls)
+            if not isinstance(got, dict) or not names <= set(got):
+                return None
+        return timings
+
+    def put(self, key: OpKey, timings: dict[str, dict[str, float]]) -> None:
+        self._ops[key.name] = timings
+
+    def save(self) -> None:
+        if self.path is None:
+            return
+        try:
+            os.makedirs(os.path.dirname(self.path), exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=os.path.dirname(self.path), suffix=".tmp")
+            with os.fdopen(fd, "w") as f:
+                json.dump({"fingerprint": self.fingerprint, "ops": self._ops}, f, indent=1)
+            os.replace(tmp, self.path)
+        except OSError as e:  # a read-only home: measured again next start, still correct
+            logger.warning("cannot write the CPU kernel choices to %s: %s", self.path, e)
+            if "tmp" in locals() and os.path.exists(tmp):
+                os.unlink(tmp)
+
+
+# ------------------------------------------------------------------------------ modules
+
+
+@dataclass(frozen=True)
+class OpSpec:
+    """One op a module runs on CPU: its key, its candidates, whether its path holds the
+    weights (one layout per op), and the bytes of one instance's weights (how many
+    instances a trial streams, so it reads from memory as the model does)."""
+
+    key: OpKey
+    candidates: tuple[Candidate, ...]
+    holds_weights: bool
+    weight_bytes: int = 0
+
+
+@runtime_checkable
+class CpuPathsModule(Protocol):
+    """A module with CPU ops whose path is chosen (Linear, FusedMoE, RMSNorm, attention)."""
+
+    def cpu_ops(self) -> dict[str, OpSpec]:
+        """The module's ops by a name of its own (e.g. "experts", "router")."""
+        ...
+
+    def cpu_trial(
+        self, op: str, candidate: Candidate, instances: int
+    ) -> Callable[[int], Callable[[], object]]:
+        """Stand-ins of this module's shape for ``op`` (``instances`` of them, synthetic
+        weights, in ``candidate``'s layout), as ``rows -> thunk``: the thunk runs ``op`` of
+        the next stand-in on ``rows`` rows, as the forward runs it."""
+        ...
+
+    def set_cpu_path(self, op: str, choice: Choice) -> None:
+        """Serve ``op`` by ``choice`` (a path that holds weights packs them at the loader's
+        ``pack_weights``, or at once when they are loaded already)."""
+        ...
+
+
+# The trials of one model stop after this long (then the defaults serve, uncached): a
+# quiet 2-core machine measures the 1024-wide model in a few seconds, a loaded one in tens.
+TRIAL_DEADLINE_S = 30.0
+# A trial's stand-ins stream at most about this many bytes of weights per candidate:
+# several times any L3 measured, so they come from memory as the model's weights do.
+TRIAL_BYTES = 96 << 20
+
+
+@dataclass
+class SelectionReport:
+    mode: str
+    fingerprint: dict[str, Any]
+    cache_file: str | None
+    trial_s: float
+    choices: dict[str, Choice]
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "mode": self.mode,
+            "cpu": self.fingerprint.get("cpu_model"),
+            "threads": self.fingerprint.get("threads"),
+            "cache_file": self.cache_file,
+            "trial_s": round(self.trial_s, 3),
+            "ops": {k: c.as_dict() for k, c in self.choices.items()},
+        }
+
+
+def choose_paths(
+    modules: Iterable[Any],
+    *,
+    mode: str = "auto",
+    cache_dir: str | None = None,
+    batch_rows: int = 32,
+    dtype: torch.dtype = torch.float32,
+    clock: Callable[[], float] = time.perf_counter,  # the trials' (tests pass a fake one)
+    deadline_s: float = TRIAL_DEADLINE_S,
+) -> SelectionReport:
+    """Choose and set the path of every CPU op of ``modules`` (e.g. ``model.modules()``).
+    Ops still unmeasured ``deadline_s`` after the start (a machine so loaded that trials
+    crawl) take the default path, uncached: the next start measures them."""
+    if mode not in MODES:
+        raise ValueError(f"cpu_kernels must be one of {', '.join(MODES)}; got {mode!r}")
+    start = clock()
+    groups: dict[OpKey, list[tuple[Any, str, OpSpec]]] = {}
+    for module in modules:
+        if isinstance(module, CpuPathsModule):
+            for op, spec in module.cpu_ops().items():
+                groups.setdefault(spec.key, []).append((module, op, spec))
+    cache = ChoiceCache(cache_dir, fingerprint(torch.get_num_threads(), dtype))
+    rows = {"decode": 1, "batch": max(DECODE_MAX_ROWS + 1, batch_rows)}
+    choices: dict[str, Choice] = {}
+    measured = False
+    for key, members in groups.items():
+        module, op, spec = members[0]
+        cands = allowed(spec.candidates, mode)
+        if len(cands) <= 1:
+            choice = decide(cands, {}, mode, holds_weights=spec.holds_weights)
+        else:
+            timings = cache.get(key, cands)
+            source = "cached"
+            if timings is None and clock() - start > deadline_s:
+                choice = default_choice(cands, spec.holds_weights)
+                logger.warning("cpu kernels: trial deadline passed; %s takes the default", key.name)
+            elif timings is None:
+                timings = _trial(module, op, spec, cands, rows, len(members), clock)
+                cache.put(key, timings)
+                measured, source = True, "measured"
+            if timings is not None:
+                choice = decide(
+                    cands, timings, mode, holds_weights=spec.holds_weights, source=source
+                )
+        choices[key.name] = choice
+        for m, name, _ in members:
+            m.set_cpu_path(name, choice)
+    busy = oversubscribed()
+    if measured and busy is None:
+        cache.save()
+    elif measured:
+        logger.warning(
+            "cpu kernels: not caching this trial, the machine was oversubscribed (%s): "
+            "the next start measures again",
+            busy,
+        )
+    report = SelectionReport(mode, cache.fingerprint, cache.path, clock() - start, choices)
+    _log(report)
+    return report
+
+
+def oversubscribed() -> str | None:
+    """Why timings taken now should not be kept, or None: a load average above the cores
+    this process may use (plus one, for the trial itself). On an oversubscribed machine a
+    parallel region waits for its threads to be scheduled, which can make any path look
+    like any other (2 shared cores, 3 busy processes elsewhere: every 2-thread call of a
+    50 us kernel took 8-12 ms); such a choice serves this start only."""
+    try:
+        load = os.getloadavg()[0]
+    except (OSError, AttributeError):
+        return None
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    if load > (cores or 1) + 1:
+        return f"load average {load:.1f} on {cores} cores"
+    return None
+
+
+def _trial(
+    module: Any,
+    op: str,
+    spec: OpSpec,
+    cands: list[Candidate],
+    rows: Mapping[str, int],
+    count: int,
+    clock: Callable[[], float],
+) -> dict[str, dict[str, float]]:
+    instances = max(1, min(count, TRIAL_BYTES // max(1, spec.weight_bytes)))
+    out: dict[str, dict[str, float]] = {}
+    with torch.inference_mode():
+        stand_ins: dict[str, Callable[[int], Callable[[], object]]] = {}
+        for c in cands:  # built once for both classes: the weights are the trial's cost
+            try:
+                stand_ins[c.name] = module.cpu_trial(op, c, instances)
+            except Exception as e:  # noqa: BLE001 - that candidate cannot serve here
+                logger.warning("cpu kernel trial %s %s: %s", spec.key.name, c.name, e)
+        for cls, n in rows.items():
+            thunks: dict[str, Callable[[], object]] = {}
+            for name, for_rows in stand_ins.items():
+                try:
+                    thunks[name] = for_rows(n)
+                except Exception as e:  # noqa: BLE001
+                    logger.warning("cpu kernel trial %s %s: %s", spec.key.name, name, e)
+            timed = measure(thunks, clock=clock)
+            out[cls] = {k: round(v, 5) for k, v in timed.items() if _finite(v)}
+    return out
+
+
+def _log(report: SelectionReport) -> None:
+    for name, c in report.choices.items():
+        logger.info(
+            "cpu kernels: %s -> decode %s, batch %s (%s; ms per call %s)",
+            name, c.decode.name, c.batch.name, c.source, json.dumps(c.timings_ms),
+        )  # fmt: skip
+    logger.info(
+        "cpu kernels (%s) chosen in %.2f s for %s, %d thread(s); cache %s",
+        report.mode, report.trial_s, report.fingerprint.get("cpu_model"),
+        report.fingerprint.get("threads"), report.cache_file,
+    )  # fmt: skip
