@@ -329,3 +329,14 @@ def test_trials_past_the_deadline_take_the_default_uncached(tmp_path, fake_cpu):
     again = FakeModule(clock, second.key, costs)
     choose_paths([again], cache_dir=str(tmp_path), clock=clock)
     assert again.trials and again.choice.decode == TORCH  # measured at the next start
+
+
+def test_the_kernels_build_is_part_of_the_fingerprint():
+    """A rebuilt extension (a kernel changed) is another fingerprint: its file's hash."""
+    from tidal.kernels.cpu_ext import kernel_available, kernel_status
+
+    if not kernel_available():
+        pytest.skip(kernel_status())
+    build = select._kernel_build()
+    assert len(build) == 16 and int(build, 16) >= 0, build
+    assert select.fingerprint(1, torch.float32)["kernels"] == build

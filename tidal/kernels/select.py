@@ -337,7 +337,9 @@ def _kernel_build() -> str:
     """A hash of the C++ extension's file (a rebuild after a kernel change is a new build)."""
     if not kernel_available():
         return "none"
-    path = getattr(torch.ops.tidal_cpu, "__file__", None) or _extension_path()
+    # The extension module's own file (``torch.ops.tidal_cpu.__file__`` is the string
+    # "torch.ops", which named no file: every build hashed alike, as "unknown").
+    path = _extension_path()
     try:
         with open(path, "rb") as f:
             return hashlib.sha256(f.read()).hexdigest()[:16]
