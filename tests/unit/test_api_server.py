@@ -804,6 +804,10 @@ class StatsEngineClient:
         assert self.coordinator is not None
         return STATS_DECODER.decode(encode(self.coordinator.full_stats(2.0)))
 
+    async def call_utility_all_async(self, method: str, *args: object) -> list:
+        assert method == "get_cpu_kernels"  # /stats on CPU: no engine measured anything here
+        return [None] * len(self.topology.engine_ids)
+
 
 @pytest.mark.parametrize("dp", [False, True], ids=["one-engine", "dp-coordinator"])
 def test_stats_rows_carry_per_rank_generation_tokens(qwen3_ckpt, dp):
