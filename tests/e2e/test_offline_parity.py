@@ -127,11 +127,32 @@ def test_greedy_matches_transformers(ckpt_and_expected, engine_kwargs, min_hits,
     assert (stats.num_preempted > 0) == preempts, stats
 
 
-def test_greedy_matches_transformers_at_tensor_parallel_2(ckpt_and_expected):
+def _skip_unavailable(cpu_path: str) -> None:
+    if cpu_path == "native" and not kernel_available():
+        pytest.skip(kernel_status())
+    if cpu_path == "onednn" and not onednn_available():
+        pytest.skip("no oneDNN prepacked linear in this torch")
+
+
+def _assert_served_by(kernels: dict, cpu_path: str) -> None:
+    """Each op of the report served by ``cpu_path`` (or, for an op the path does not serve
+    -- oneDNN has no norm or attention -- by torch)."""
+    assert kernels["mode"] == cpu_path
+    for op, choice in kernels["ops"].items():
+        served = {choice["decode"].split(":")[0], choice["batch"].split(":")[0]}
+        assert served <= {cpu_path, "torch"}, (op, choice)
+        if op.startswith(("linear", "moe", "router")):
+            assert served == {cpu_path}, (op, choice)
+
+
+@pytest.mark.parametrize("cpu_path", ["auto", "native", "onednn", "torch"])
+def test_greedy_matches_transformers_at_tensor_parallel_2(ckpt_and_expected, cpu_path):
     """Two TP workers (their own processes, gloo), with chunked prefill and preemption in
-    the mix: the same tokens as transformers."""
+    the mix: the same tokens as transformers, on the measured choice and on every CPU path
+    forced -- each worker holding its shard in that path's packed layout."""
+    _skip_unavailable(cpu_path)
     path, prompts, expected = ckpt_and_expected
-    got, _, _ = _run(
+    got, _, kernels = _run(
         path,
         prompts,
         tensor_parallel_size=2,
@@ -139,9 +160,13 @@ def test_greedy_matches_transformers_at_tensor_parallel_2(ckpt_and_expected):
         block_size=4,
         num_gpu_blocks_override=40,
         max_model_len=64,
+        cpu_kernels=cpu_path,
     )
     for i, (g, e) in enumerate(zip(got, expected)):
-        assert g == e, f"prompt {i} (len {len(prompts[i])}): {g} != {e}"
+        assert g == e, f"prompt {i} (len {len(prompts[i])}) on {cpu_path}: {g} != {e}"
+    assert kernels["chosen_by"] is None  # the driver chose; its peer took its choices
+    if cpu_path != "auto":
+        _assert_served_by(kernels, cpu_path)
 
 
 @pytest.mark.parametrize("backend", ["allgather_reducescatter", "all2all"])
@@ -173,19 +198,10 @@ def test_greedy_matches_transformers_at_dp2_tp2_ep(ckpt_and_expected, backend):
 @pytest.mark.parametrize("cpu_path", ["native", "onednn", "torch"])
 def test_greedy_matches_transformers_on_every_cpu_path(ckpt_and_expected, cpu_path):
     """Whichever path the measurement picks on a machine, the tokens are transformers'
-    (issue #25): each forced in turn, and each op served by it (or, for an op the path
-    does not serve -- oneDNN has no norm or attention -- by torch)."""
-    if cpu_path == "native" and not kernel_available():
-        pytest.skip(kernel_status())
-    if cpu_path == "onednn" and not onednn_available():
-        pytest.skip("no oneDNN prepacked linear in this torch")
+    (issue #25): each forced in turn, and each op served by it."""
+    _skip_unavailable(cpu_path)
     path, prompts, expected = ckpt_and_expected
     got, _, kernels = _run(path, prompts, cpu_kernels=cpu_path)
     for i, (g, e) in enumerate(zip(got, expected)):
         assert g == e, f"prompt {i} (len {len(prompts[i])}) on {cpu_path}: {g} != {e}"
-    assert kernels["mode"] == cpu_path
-    for op, choice in kernels["ops"].items():
-        served = {choice["decode"].split(":")[0], choice["batch"].split(":")[0]}
-        assert served <= {cpu_path, "torch"}, (op, choice)
-        if op.startswith(("linear", "moe", "router")):
-            assert served == {cpu_path}, (op, choice)
+    _assert_served_by(kernels, cpu_path)

@@ -331,6 +331,48 @@ def test_trials_past_the_deadline_take_the_default_uncached(tmp_path, fake_cpu):
     assert again.trials and again.choice.decode == TORCH  # measured at the next start
 
 
+def test_shared_choice_the_leader_measures_and_the_others_serve_by_its_choice(
+    tmp_path, fake_cpu
+):
+    """A rank's TP workers: only the leader runs trials, every one serves by its choice
+    (the exchange stands in for the TP group's all-gather), and a follower whose ops the
+    leader did not choose for fails rather than serve apart from it."""
+    from tidal.kernels.select import SharedChoice
+
+    _, clock = fake_cpu
+    key = OpKey("linear", (64, 32, 0))
+    sent: list[dict] = []
+
+    def lead(doc):
+        sent.append(doc)
+        return doc
+
+    leader = FakeModule(clock, key, {NTA: 3e-5, T0: 1e-5, TORCH: 2e-5})
+    report = choose_paths(
+        [leader], cache_dir=str(tmp_path), clock=clock, share=SharedChoice(True, lead, "rank 0")
+    )
+    assert leader.trials and report.chosen_by is None and leader.choice.decode == T0
+    # The follower's own trials would pick torch: it must not run them, nor differ.
+    follower = FakeModule(clock, key, {NTA: 3e-5, T0: 9e-5, TORCH: 1e-6})
+    got = choose_paths(
+        [follower], cache_dir=str(tmp_path / "f"), clock=clock,
+        share=SharedChoice(False, lambda doc: sent[0], "rank 0"),
+    )  # fmt: skip
+    assert not follower.trials and follower.choice == leader.choice
+    assert got.chosen_by == "rank 0" and got.cache_file is None
+    assert got.as_dict()["ops"] == report.as_dict()["ops"]
+    other = FakeModule(clock, OpKey("linear", (64, 64, 0)), {T0: 1e-5, TORCH: 2e-5})
+    with pytest.raises(RuntimeError, match="rank 0 chose no path"):
+        choose_paths(
+            [other], clock=clock, share=SharedChoice(False, lambda doc: sent[0], "rank 0")
+        )
+    torch_only = FakeModule(clock, key, {TORCH: 1e-5})  # the leader's native is not here
+    with pytest.raises(RuntimeError, match="cannot run"):
+        choose_paths(
+            [torch_only], clock=clock, share=SharedChoice(False, lambda doc: sent[0], "rank 0")
+        )
+
+
 def test_the_kernels_build_is_part_of_the_fingerprint():
     """A rebuilt extension (a kernel changed) is another fingerprint: its file's hash."""
     from tidal.kernels.cpu_ext import kernel_available, kernel_status

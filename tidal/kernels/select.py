@@ -24,7 +24,9 @@ The parts:
 * ``ChoiceCache``: the timings on disk, one JSON file per fingerprint.
 * ``choose_paths``: walks a model's modules that offer CPU paths (``CpuPathsModule``),
   groups their ops by key, measures what the cache lacks, and hands each module its
-  ``Choice``; returns the report the log and ``/stats`` show.
+  ``Choice``; returns the report the log and ``/stats`` show. With a ``SharedChoice``
+  (a rank's tensor-parallel workers) only the leader measures and all serve by its
+  choices.
 
 Imports nothing of tidal (DESIGN.md 1): modules are found by duck typing.
 """
@@ -117,6 +119,17 @@ class Choice:
             "source": self.source,
             "timings_ms": self.timings_ms,
         }
+
+    @classmethod
+    def from_dict(cls, doc: Mapping[str, Any]) -> Choice:
+        """The inverse of ``as_dict`` (a choice another process made, ``SharedChoice``)."""
+        return cls(
+            Candidate.parse(doc["decode"]),
+            Candidate.parse(doc["batch"]),
+            doc.get("layout"),
+            doc.get("source", "measured"),
+            dict(doc.get("timings_ms") or {}),
+        )
 
 
 def default_choice(candidates: Iterable[Candidate], holds_weights: bool) -> Choice:
@@ -466,6 +479,7 @@ class SelectionReport:
     cache_file: str | None
     trial_s: float
     choices: dict[str, Choice]
+    chosen_by: str | None = None  # None: this process; else the leader it took them from
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -474,8 +488,30 @@ class SelectionReport:
             "threads": self.fingerprint.get("threads"),
             "cache_file": self.cache_file,
             "trial_s": round(self.trial_s, 3),
+            "chosen_by": self.chosen_by,
             "ops": {k: c.as_dict() for k, c in self.choices.items()},
         }
+
+
+@dataclass(frozen=True)
+class SharedChoice:
+    """Processes that must serve every op by the same path choose once, on the leader.
+
+    Why: a rank's tensor-parallel workers each repeat some ops on the same values (the
+    norms on the replicated hidden state, the router without EP, whose top-k picks which
+    experts' slices every worker adds up); paths differ in their last bits, so workers
+    choosing apart (their trials are noisy) could pick different experts on a near tie and
+    sum slices of different experts. Their shards have the same shapes, so the leader's
+    trials are theirs too; the others do not run trials (on shared cores they would only
+    slow the leader's).
+
+    ``exchange`` is a collective over the processes: the leader passes its choices
+    (``{op key name: Choice.as_dict()}``), the others None, and every caller gets the
+    leader's."""
+
+    leader: bool
+    exchange: Callable[[dict[str, Any] | None], dict[str, Any]]
+    leader_name: str = "the leader"
 
 
 def choose_paths(
@@ -487,10 +523,12 @@ def choose_paths(
     dtype: torch.dtype = torch.float32,
     clock: Callable[[], float] = time.perf_counter,  # the trials' (tests pass a fake one)
     deadline_s: float = TRIAL_DEADLINE_S,
+    share: SharedChoice | None = None,
 ) -> SelectionReport:
     """Choose and set the path of every CPU op of ``modules`` (e.g. ``model.modules()``).
     Ops still unmeasured ``deadline_s`` after the start (a machine so loaded that trials
-    crawl) take the default path, uncached: the next start measures them."""
+    crawl) take the default path, uncached: the next start measures them. With ``share``
+    one process (its leader) chooses for all of them."""
     if mode not in MODES:
         raise ValueError(f"cpu_kernels must be one of {', '.join(MODES)}; got {mode!r}")
     start = clock()
@@ -499,7 +537,35 @@ def choose_paths(
         if isinstance(module, CpuPathsModule):
             for op, spec in module.cpu_ops().items():
                 groups.setdefault(spec.key, []).append((module, op, spec))
-    cache = ChoiceCache(cache_dir, fingerprint(torch.get_num_threads(), dtype))
+    print_ = fingerprint(torch.get_num_threads(), dtype)
+    if share is not None and not share.leader:
+        choices = _follow(groups, share.exchange(None), share.leader_name)
+        report = SelectionReport(
+            mode, print_, None, clock() - start, choices, chosen_by=share.leader_name
+        )
+    else:
+        cache = ChoiceCache(cache_dir, print_)
+        choices = _choose(groups, mode, cache, batch_rows, clock, start, deadline_s)
+        report = SelectionReport(mode, print_, cache.path, clock() - start, choices)
+        if share is not None:
+            share.exchange({name: c.as_dict() for name, c in choices.items()})
+    for key, members in groups.items():
+        for m, name, _ in members:
+            m.set_cpu_path(name, choices[key.name])
+    _log(report)
+    return report
+
+
+def _choose(
+    groups: Mapping[OpKey, list[tuple[Any, str, OpSpec]]],
+    mode: str,
+    cache: ChoiceCache,
+    batch_rows: int,
+    clock: Callable[[], float],
+    start: float,
+    deadline_s: float,
+) -> dict[str, Choice]:
+    """Each op key's choice, from the cache or a trial (cached unless the machine was busy)."""
     rows = {"decode": 1, "batch": max(DECODE_MAX_ROWS + 1, batch_rows)}
     choices: dict[str, Choice] = {}
     measured = False
@@ -523,8 +589,6 @@ def choose_paths(
                     cands, timings, mode, holds_weights=spec.holds_weights, source=source
                 )
         choices[key.name] = choice
-        for m, name, _ in members:
-            m.set_cpu_path(name, choice)
     busy = oversubscribed()
     if measured and busy is None:
         cache.save()
@@ -534,9 +598,29 @@ def choose_paths(
             "the next start measures again",
             busy,
         )
-    report = SelectionReport(mode, cache.fingerprint, cache.path, clock() - start, choices)
-    _log(report)
-    return report
+    return choices
+
+
+def _follow(
+    groups: Mapping[OpKey, list[tuple[Any, str, OpSpec]]], doc: Mapping[str, Any], leader: str
+) -> dict[str, Choice]:
+    """The leader's choices for this process's op keys. A key the leader lacks, or a path
+    this process cannot run, is an error: serving apart from the leader is what
+    ``SharedChoice`` exists to prevent."""
+    choices: dict[str, Choice] = {}
+    for key, members in groups.items():
+        got = doc.get(key.name)
+        if got is None:
+            raise RuntimeError(f"cpu kernels: {leader} chose no path for {key.name}")
+        choice = Choice.from_dict(got)
+        runnable = set(members[0][2].candidates)
+        if not {choice.decode, choice.batch} <= runnable:
+            raise RuntimeError(
+                f"cpu kernels: {leader} chose {choice.decode.name}/{choice.batch.name} for "
+                f"{key.name}, which this process cannot run"
+            )
+        choices[key.name] = choice
+    return choices
 
 
 def oversubscribed() -> str | None:
@@ -586,6 +670,12 @@ def _trial(
 
 
 def _log(report: SelectionReport) -> None:
+    if report.chosen_by is not None:  # the leader logged each choice and its timings
+        logger.info(
+            "cpu kernels (%s): %d op(s) serve by %s's choices",
+            report.mode, len(report.choices), report.chosen_by,
+        )  # fmt: skip
+        return
     for name, c in report.choices.items():
         logger.info(
             "cpu kernels: %s -> decode %s, batch %s (%s; ms per call %s)",

@@ -32,7 +32,7 @@ import torch
 from torch import Tensor
 
 from tidal.distributed.tensor_parallel import TensorParallel
-from tidal.kernels.select import choose_paths
+from tidal.kernels.select import SharedChoice, choose_paths
 from tidal.models.common import MoECausalLM, Shard
 from tidal.models.registry import get_model_class
 from tidal.moe.layer import FusedMoE, resolve_moe_backend
@@ -87,9 +87,22 @@ def load_model(
             cache_dir=engine_config.kernel_cache_dir,
             batch_rows=min(TRIAL_BATCH_ROWS, engine_config.scheduler.max_num_seqs),
             dtype=mc.torch_dtype,
+            share=_tp_shared_choice(tp),
         )
     load_weights(model, mc.model, load_experts=load_experts)
     return model.eval()
+
+
+def _tp_shared_choice(tp: TensorParallel | None) -> SharedChoice | None:
+    """A rank's TP workers serve by one choice, TP rank 0's (``SharedChoice`` says why);
+    their shards have equal shapes, so its trials ran on every worker's shapes."""
+    if tp is None or tp.size == 1:
+        return None
+
+    def exchange(doc: dict[str, Any] | None) -> dict[str, Any]:
+        return tp.group.all_gather_object(doc)[0]
+
+    return SharedChoice(tp.is_driver, exchange, "TP rank 0")
 
 
 def safetensors_files(folder: str) -> list[str]:
