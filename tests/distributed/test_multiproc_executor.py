@@ -1,7 +1,9 @@
 """``MultiprocExecutor`` on its own (TP=2, one rank, real worker processes): the workers
 name themselves, a frozen worker (SIGSTOP) is the rank's death like a dead one, and
 /dev/shm too small fails the start with the bytes it needs -- nothing left behind either
-way (processes, segment, socket directory)."""
+way (processes, segment, socket directory). On CPU the workers start with the engine
+processes' OpenMP policy and their share of the cores, and serve by TP rank 0's CPU path
+choices, measured on the shard's shapes (issue #25 with #21)."""
 
 from __future__ import annotations
 
@@ -18,12 +20,12 @@ from tests.waiting import wait_until
 from tidal.distributed import shm_queue
 
 
-def _config(path: str):
+def _config(path: str, **kw):
     from tidal.launch.engine_args import EngineArgs
 
     return EngineArgs(
         model=path, dtype="float32", device="cpu", tensor_parallel_size=2,
-        num_gpu_blocks_override=32, block_size=4, max_model_len=64,
+        num_gpu_blocks_override=32, block_size=4, max_model_len=64, **kw,
     ).create_engine_config()  # fmt: skip
 
 
@@ -63,6 +65,41 @@ def test_a_stopped_worker_is_the_ranks_death(qwen3_ckpt):
     finally:
         ex.shutdown()
     assert _socket_dirs() == dirs and _segments() == segs
+
+
+def test_workers_yield_their_cores_and_serve_by_rank_zeros_choice(
+    qwen3_ckpt, tmp_path, monkeypatch
+):
+    from transformers import AutoConfig
+
+    from tidal.executor.multiproc import MultiprocExecutor
+    from tidal.utils.cpu_threads import SPIN_COUNT, threads_per_rank, usable_cores
+
+    for var in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME", "OMP_NUM_THREADS"):
+        monkeypatch.delenv(var, raising=False)  # the engine's defaults, not an operator's
+    ex = MultiprocExecutor(_config(qwen3_ckpt, kernel_cache_dir=str(tmp_path)))
+    try:
+        envs = [psutil.Process(p).environ() for p in ex.worker_pids()]
+        reports = ex.collective_rpc("get_cpu_kernels")
+    finally:
+        ex.shutdown()
+    share = str(threads_per_rank(usable_cores(), 2))
+    for env in envs:
+        assert env.get("GOMP_SPINCOUNT") == str(SPIN_COUNT) and env.get("KMP_BLOCKTIME") == "0"
+        assert env.get("OMP_NUM_THREADS") == share
+    lead, peer = reports
+    assert lead["chosen_by"] is None and peer["chosen_by"] == "TP rank 0"
+    assert lead["cache_file"] and peer["cache_file"] is None  # only the driver measures
+    pick = ("decode", "batch", "layout")
+    assert {k: [c[f] for f in pick] for k, c in lead["ops"].items()} == {
+        k: [c[f] for f in pick] for k, c in peer["ops"].items()
+    }
+    hf = AutoConfig.from_pretrained(qwen3_ckpt)
+    dh = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+    o_proj = f"linear[{hf.num_attention_heads * dh // 2}x{hf.hidden_size}x0]"  # row shard
+    experts = f"moe[{hf.num_experts}x{hf.hidden_size}x{hf.moe_intermediate_size // 2}x"
+    assert o_proj in lead["ops"], sorted(lead["ops"])
+    assert any(k.startswith(experts) for k in lead["ops"]), sorted(lead["ops"])
 
 
 def _running(pid: int) -> bool:

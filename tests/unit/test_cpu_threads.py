@@ -28,11 +28,11 @@ def test_an_operators_settings_win():
     )
 
 
-def _config(device: str, local: int) -> EngineConfig:
+def _config(device: str, local: int, tp: int = 1) -> EngineConfig:
     model = ModelConfig("m", "m", "float32", 64, 0, "Qwen3MoeForCausalLM", None)
     return EngineConfig(
         model, CacheConfig(), SchedulerConfig(), ParallelConfig(data_parallel_size=local,
-        data_parallel_size_local=local), device=device,
+        data_parallel_size_local=local, tensor_parallel_size=tp), device=device,
     )  # fmt: skip
 
 
@@ -43,3 +43,6 @@ def test_the_launcher_sets_it_for_cpu_engines_only(monkeypatch):
     assert engine_env(_config("cpu", 2))["OMP_NUM_THREADS"] == "2"
     assert engine_env(_config("cpu", 1))["GOMP_SPINCOUNT"] == str(SPIN_COUNT)
     assert engine_env(_config("cuda", 1)) == {}
+    # -tp 2: the rank's worker processes inherit it, each a worker's share of the cores.
+    assert engine_env(_config("cpu", 2, tp=2))["OMP_NUM_THREADS"] == "1"
+    assert engine_env(_config("cpu", 1, tp=2))["OMP_NUM_THREADS"] == "2"

@@ -67,10 +67,14 @@ def start_engine_process(
 
 def engine_env(config: EngineConfig) -> dict[str, str]:
     """What an engine process beside a frontend adds to its environment: how its OpenMP
-    threads wait and how many there are (``tidal/utils/cpu_threads.py``), CPU ranks only."""
+    threads wait and how many there are (``tidal/utils/cpu_threads.py``), CPU ranks only.
+    With TP the rank's worker processes inherit it, so the thread count is a worker's
+    share: the cores over every worker on the host (the engine process itself then runs
+    no model, only the scheduler and the step broadcast)."""
     if config.device != "cpu":
         return {}
-    local = config.parallel.data_parallel_size_local
+    p = config.parallel
+    local = p.data_parallel_size_local * p.tensor_parallel_size
     return engine_process_env(os.environ, cores=usable_cores(), local_ranks=local)
 
 

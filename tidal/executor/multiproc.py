@@ -13,7 +13,9 @@ Startup is strict: the ring, the reply socket, the rank's TCPStore (the TP group
 death pipe per worker exist first; then every worker is spawned (``python -m
 tidal.executor.worker_proc``: the user's script is never re-imported; the ring's
 descriptor and its death pipe's read end are inherited, and on CUDA
-``CUDA_VISIBLE_DEVICES`` is its device slot alone); the segment's name is unlinked at
+``CUDA_VISIBLE_DEVICES`` is its device slot alone, on CPU its OpenMP threads wait as an
+engine process's do and number its share of the cores, ``tidal/utils/cpu_threads.py``);
+the segment's name is unlinked at
 once (the creator's job: nothing is left in /dev/shm whoever dies later); then every HELLO,
 then every reader attached, then ``start`` on all of them (TP group, DP/EP groups, model).
 A worker that exits or fails meanwhile fails the startup, naming it.
@@ -77,6 +79,7 @@ from tidal.models.config_wire import split_hf_config
 from tidal.protocol.elastic import ExpertTransferSpec
 from tidal.protocol.topology import Topology
 from tidal.protocol.worker import ReplyMode, WorkerCall, WorkerErrorKind, WorkerHello, WorkerReply
+from tidal.utils.cpu_threads import engine_process_env, usable_cores
 from tidal.utils.procs import ModuleProcess
 
 logger = logging.getLogger(__name__)
@@ -223,6 +226,9 @@ class MultiprocExecutor(Executor):
         if config.device == "cuda":
             slots = config.parallel.device_ids or tuple(range(self.tp_size))
             env["CUDA_VISIBLE_DEVICES"] = visible_devices([slots[t]], os.environ)
+        else:  # beside the engine core and its peers: OpenMP threads that yield, its share
+            local = config.parallel.data_parallel_size_local * self.tp_size
+            env.update(engine_process_env(os.environ, cores=usable_cores(), local_ranks=local))
         try:
             proc = ModuleProcess(
                 WORKER_ENTRY_MODULE,
