@@ -1,7 +1,8 @@
 """Tensor parallelism inside elastic EP ranks, end to end (``--dp 2 -tp 2 --ep
 --enable-elastic-ep``: every rank an engine process and two worker processes, gloo):
 
-- 2 -> 3 -> 2 -> 3 -> 2 under streaming load, EPLB re-placing experts meanwhile: every
+- 2 -> 3 -> 2 -> 3 -> 2 under streaming load, EPLB re-placing experts meanwhile, the
+  experts held only in a packed CPU layout (sends and moves rebuild them from it): every
   stream completes with the greedy and seeded tokens of an unscaled TP=1 DP=1 run, the leaving rank's streams migrate, the new
   topology's engines and exactly their workers are alive after each operation, and the
   cycles leak no process, /dev/shm segment or socket directory;
@@ -36,9 +37,13 @@ from tests.distributed.test_elastic_scale import (  # noqa: F401 - fixture
 from tests.distributed.test_rank_death import _no_children_left, _pinned, _records
 from tests.distributed.test_shm_queue import leftover_segments
 from tests.waiting import wait_until, wait_until_async
+from tidal.kernels.cpu_ext import kernel_available
+from tidal.kernels.onednn import onednn_available
 
 pytestmark = pytest.mark.timeout(900)
 TP = 2
+# The CPU path the scaling test forces: one that packs the weights (their only copy).
+PACKED = "native" if kernel_available() else "onednn" if onednn_available() else "auto"
 
 
 def _segments() -> set[str]:
@@ -76,19 +81,33 @@ async def _check_stats(llm) -> None:
         assert rank["pid"] == llm.client.manager.procs[rank["engine_id"]].pid
 
 
+async def _check_packed(llm) -> None:
+    """Every rank's experts and router are held in ``PACKED``'s layout."""
+    if PACKED == "auto":
+        return
+    ranks = (await llm.get_stats())["cpu_kernels"]
+    assert len(ranks) == len(llm.client.topology.engine_ids)
+    for rank in ranks:
+        ops = [c for k, c in rank["ops"].items() if k.startswith(("moe[", "router["))]
+        assert ops and all(c["layout"] == PACKED for c in ops), rank["ops"]
+
+
 def test_tp2_ranks_scale_2_3_2_twice_under_streaming_load(qwen3_ckpt, reference):  # noqa: F811
     before = _segments()
 
     async def main() -> None:
         # EPLB re-places the layers over the workers every 48 steps meanwhile, with two
         # redundant copies (a worker holds at most one copy of an expert).
+        # A packed CPU path holds the experts' only copy (issue #25): every send, EPLB
+        # move and install below goes through rebuilds of the worker's shard and re-packs.
         llm = _llm(
             qwen3_ckpt, 2, tensor_parallel_size=TP, enable_eplb=True, num_redundant_experts=2,
-            eplb_interval=48, eplb_window=48,
+            eplb_interval=48, eplb_window=48, cpu_kernels=PACKED,
         )  # fmt: skip
         try:
             _check_processes(llm)
             await _check_stats(llm)
+            await _check_packed(llm)
             load = Load(llm, workers=4)
             assert await wait_until_async(lambda: len(load.results) >= 2)
             migrated = 0
@@ -105,6 +124,7 @@ def test_tp2_ranks_scale_2_3_2_twice_under_streaming_load(qwen3_ckpt, reference)
                     assert await pinned[0] == reference[LONG]
                     assert await pinned[1] == reference[RICH]
             await _check_stats(llm)
+            await _check_packed(llm)
             infos = await llm.client.call_utility_all_async("get_eplb_info")
             assert any(i["num_rebalances"] for i in infos)  # experts moved between workers
             results = await load.finish()

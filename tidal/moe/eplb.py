@@ -218,7 +218,7 @@ class EplbState:
         self.interval = rebalance_interval
         self.num_redundant = num_redundant
         self.num_rebalances = 0
-        device = self.layers[0].w13.device
+        device = self.layers[0].expert_map.device  # not w13: a packed path would rebuild it
         self.window = ExpertLoadWindow(len(layers), layers[0].num_experts, window, device)
         for i, moe in enumerate(self.layers):
             moe.bind_expert_load(self.window.current[i])
