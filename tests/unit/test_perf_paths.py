@@ -172,6 +172,13 @@ def test_moe_layer_holds_one_copy_and_follows_every_weight_write(path):
     torch.testing.assert_close(moe(x), want(), atol=ATOL, rtol=0)
     moe(x)
     assert all((n in moe._parameters) != packed for n in names)  # the reads were dropped
+    # Transfers rebuild just their slots from the layout that holds them, none included
+    # (an install that keeps none of a worker's experts: few per worker with TP).
+    got13, got2 = moe.expert_weights([6, 1])
+    assert torch.equal(got13, w13[[6, 1]]) and torch.equal(got2, w2[[6, 1]])
+    none13, none2 = moe.expert_weights([])
+    assert none13.shape == (0, *w13.shape[1:]) and none2.shape == (0, *w2.shape[1:])
+    assert all((n in moe._parameters) != packed for n in names)  # nothing materialized
     moe.gate.data.copy_(torch.randn(8, 32))  # a new router (loader, checkpoint reload)
     moe.weights_updated()
     torch.testing.assert_close(moe(x), want(), atol=ATOL, rtol=0)

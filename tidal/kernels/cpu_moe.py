@@ -68,8 +68,11 @@ class CpuPackedExperts:
         idx = list(range(num)) if slots is None else list(slots)
         gate_blocks = self.w13.shape[1]
         blocks = self.w13[idx].view(len(idx), gate_blocks, hidden, 2, GATE_BLOCK)
-        # [S, G, H, 2, 32] -> [S, 2, G, 32, H] = [S, 2, I_pad, H], cut to I
-        halves = blocks.permute(0, 3, 1, 4, 2).reshape(len(idx), 2, -1, hidden)
+        # [S, G, H, 2, 32] -> [S, 2, G, 32, H] = [S, 2, I_pad, H], cut to I (sizes spelled
+        # out: S may be 0, a transfer that keeps none of a worker's experts)
+        halves = blocks.permute(0, 3, 1, 4, 2).reshape(
+            len(idx), 2, gate_blocks * GATE_BLOCK, hidden
+        )
         out = _k_major_empty(len(idx), two_i, hidden)
         out.view(len(idx), 2, two_i // 2, hidden).copy_(halves[:, :, : two_i // 2])
         return out
@@ -79,7 +82,7 @@ class CpuPackedExperts:
         idx = list(range(num)) if slots is None else list(slots)
         blocks = self.w2[:, idx]  # [H_pad/64, S, I_pad, 64]
         down = blocks.permute(1, 0, 3, 2).reshape(
-            len(idx), -1, blocks.shape[2]
+            len(idx), blocks.shape[0] * DOWN_BLOCK, blocks.shape[2]
         )  # [S, H_pad, I_pad]
         out = _k_major_empty(len(idx), hidden, inter)
         out.copy_(down[:, :hidden, :inter])

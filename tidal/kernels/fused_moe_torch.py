@@ -162,14 +162,22 @@ class PackedExperts:
         return self.unpack_w13(slots), self.unpack_w2(slots)
 
     def unpack_w13(self, slots: list[int] | None = None) -> Tensor:  # [S, 2I, H]
-        (num, _, hidden), _ = self.shapes
+        (num, two_i, hidden), _ = self.shapes
         idx = range(num) if slots is None else slots
-        return _k_major_copy(torch.stack([unpack_weight(self.w13[e], hidden) for e in idx]))
+        return _stack_k_major([unpack_weight(self.w13[e], hidden) for e in idx], two_i, hidden)
 
     def unpack_w2(self, slots: list[int] | None = None) -> Tensor:  # [S, H, I]
-        _, (num, _, inter) = self.shapes
+        _, (num, hidden, inter) = self.shapes
         idx = range(num) if slots is None else slots
-        return _k_major_copy(torch.stack([unpack_weight(self.w2[e], inter) for e in idx]))
+        return _stack_k_major([unpack_weight(self.w2[e], inter) for e in idx], hidden, inter)
+
+
+def _stack_k_major(mats: list[Tensor], rows: int, cols: int) -> Tensor:  # [S, rows, cols]
+    """K-major ``[S, rows, cols]`` of ``mats``; S may be 0 (a transfer that keeps none of
+    a worker's experts)."""
+    if not mats:
+        return torch.empty(0, cols, rows).transpose(1, 2)
+    return _k_major_copy(torch.stack(mats))
 
 
 def _onednn_experts(
