@@ -175,3 +175,21 @@ def test_tensor_parallel_size_is_in_the_config_hash_and_device_slots_are_not(qwe
     b = _cfg(qwen3_ckpt, tensor_parallel_size=2).parallel
     assert a.config_hash() != b.config_hash()
     assert b.config_hash() == dataclasses.replace(b, device_ids=(3, 4)).config_hash()
+
+
+def test_the_cli_takes_tp_and_cpu_kernels_together(qwen3_ckpt, capsys):
+    """``-tp`` (issue 21) and ``--cpu-kernels`` (issue 25) on one command line: both reach
+    the engine config, and a bad path is a CLI error naming its flag."""
+    import argparse
+
+    from tidal.launch.args import add_engine_args, build_engine_config
+
+    parser = argparse.ArgumentParser(exit_on_error=False)
+    add_engine_args(parser)
+    ns = parser.parse_args(["--model", qwen3_ckpt, "-tp", "2", "--cpu-kernels", "onednn"])
+    cfg = build_engine_config(parser, ns)
+    assert cfg.parallel.tensor_parallel_size == 2 and cfg.cpu_kernels == "onednn"
+    bad = parser.parse_args(["--model", qwen3_ckpt, "-tp", "2", "--cpu-kernels", "fast"])
+    with pytest.raises(SystemExit):
+        build_engine_config(parser, bad)
+    assert "--cpu-kernels: cpu_kernels must be one of" in capsys.readouterr().err
