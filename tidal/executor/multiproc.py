@@ -12,12 +12,12 @@ annotated types (``worker_proc.rpc_signature``): no pickle anywhere.
 Startup is strict: the ring, the reply socket, the rank's TCPStore (the TP group's) and a
 death pipe per worker exist first; then every worker is spawned (``python -m
 tidal.executor.worker_proc``: the user's script is never re-imported; the ring's
-descriptor and its death pipe's read end are inherited, and on CUDA
-``CUDA_VISIBLE_DEVICES`` is its device slot alone, on CPU its OpenMP threads wait as an
-engine process's do and number its share of the cores, ``tidal/utils/cpu_threads.py``);
-the segment's name is unlinked at
-once (the creator's job: nothing is left in /dev/shm whoever dies later); then every HELLO,
-then every reader attached, then ``start`` on all of them (TP group, DP/EP groups, model).
+descriptor and its death pipe's read end are inherited; on CUDA ``CUDA_VISIBLE_DEVICES``
+is its device slot alone, on CPU its OpenMP threads wait as an engine process's do and
+number its share of the cores, ``tidal/utils/cpu_threads.py``); the segment's name is
+unlinked at once (the creator's job: nothing is left in /dev/shm whoever dies later); then
+every HELLO, then every reader attached, then ``start`` on all of them (TP group, DP/EP
+groups, model: TP rank 0 chooses the CPU paths for all, ``tidal/kernels/select.py``).
 A worker that exits or fails meanwhile fails the startup, naming it.
 
 Worker death (DESIGN.md 6.5): a monitor thread watches the workers' sentinels. A worker
