@@ -20,6 +20,16 @@ every one is synchronous and blocks at most ``timeout_s`` before raising ``Group
 (a ``RuntimeError``): a peer that died, a timeout, or a group destroyed under the caller.
 The engine tells that apart from its own bugs by the type: a ``GroupFailure`` is a rank
 death to recover from (DESIGN.md 6.5), anything else is fatal.
+
+Abortable waits (a group made with a ``CollectiveControl`` and an epoch, gloo): a peer
+that froze without closing its sockets would keep a collective waiting for ``timeout_s``.
+Such a group waits in slices of ``WAIT_SLICE_S`` and between two asks its control whether
+its epoch was aborted (a recovery replaces it); then the wait ends with ``GroupFailure``
+at once. The abandoned operation still runs in gloo's worker thread until its peers or
+its timeout end it: it may still write its *output* later, so an aborted in-place
+collective works on a private copy (its caller's tensor is never written after the
+failure), and the backend is released on a thread of its own (releasing a gloo backend
+joins its worker thread, which would block the caller until then).
 On torch 2.13 gloo natively supports all-gather, reduce-scatter (``_reduce_scatter_base``)
 and uneven all-to-all (``alltoall_base``) on CPU; where a build lacks reduce-scatter we fall
 back to all-reduce + slice (costs ``world_size`` times the reduce-scatter traffic).
@@ -31,6 +41,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -39,12 +50,20 @@ import torch
 import torch.distributed as dist
 from torch.distributed import PrefixStore, ReduceOp, TCPStore
 
+from tidal.distributed.collectives import CollectiveControl
+
 logger = logging.getLogger(__name__)
 
 
 class GroupFailure(RuntimeError):
     """A collective of a ``StatelessGroup`` failed: a peer is gone (its sockets closed),
     the collective timed out, or the group was destroyed. The group is unusable."""
+
+
+# An abortable wait checks its control this often: how long a survivor may stay in a
+# collective after a recovery aborted it.
+WAIT_SLICE_S = 0.05
+_SLICE = datetime.timedelta(seconds=WAIT_SLICE_S)
 
 
 def _wait(work: Any, prefix: str) -> None:
@@ -55,6 +74,15 @@ def _wait(work: Any, prefix: str) -> None:
         raise
     except RuntimeError as e:  # gloo/NCCL errors (DistBackendError is one)
         raise GroupFailure(f"collective on group {prefix!r} failed: {e}") from e
+
+
+def _release_later(*objs: Any) -> None:
+    """Drop the last references to a backend with an abandoned operation on a thread of
+    its own: releasing it joins gloo's worker thread, which returns only when that
+    operation ends (its peers, or its timeout)."""
+    holder = list(objs)
+    objs = ()
+    threading.Thread(target=holder.clear, name="group-release", daemon=True).start()
 
 
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -98,17 +126,23 @@ class StatelessGroup:
         store: TCPStore,
         owns_store: bool,
         prefix: str,
+        control: CollectiveControl | None = None,
+        epoch: int | None = None,
     ) -> None:
         self.rank = rank
         self.world_size = world_size
         self.backend_name = backend_name
         self.prefix = prefix
+        self.epoch = epoch
         self._backend = backend
         self._pg = process_group
         self._store: TCPStore | None = store
         self._owns_store = owns_store
         self._native_reduce_scatter = True
         self._destroyed = False
+        # Abortable waits: gloo only (an NCCL wait returns at once; the device waits).
+        self._control = control if backend_name == "gloo" else None
+        self._abandoned: Any = None  # the work of an aborted wait, still running in gloo
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -124,6 +158,8 @@ class StatelessGroup:
         prefix: str = "",
         timeout_s: float = 60.0,
         local_addr: str | None = None,
+        control: CollectiveControl | None = None,
+        epoch: int | None = None,
     ) -> StatelessGroup:
         """Create the group on this rank; blocks until all ``world_size`` ranks have joined.
 
@@ -134,6 +170,8 @@ class StatelessGroup:
             groups sharing a store (or re-created on it) need distinct prefixes.
         local_addr: the address gloo binds for its peer connections; default 127.0.0.1
             when ``host`` is loopback, else gloo's default device for this machine's hostname.
+        control, epoch: make waits abortable (module docstring): ``control.abort`` of an
+            epoch above ``epoch`` ends them.
         """
         if backend not in _BACKENDS:
             raise ValueError(f"backend must be one of {', '.join(_BACKENDS)}; got {backend!r}")
@@ -160,6 +198,8 @@ class StatelessGroup:
             store=store,
             owns_store=owns_store,
             prefix=prefix,
+            control=control,
+            epoch=epoch,
         )
 
     @property
@@ -191,6 +231,9 @@ class StatelessGroup:
             self._backend.shutdown()
         except Exception as e:  # noqa: BLE001 - best effort: peers may already be gone
             logger.debug("group %r shutdown: %s", self.prefix, e)
+        if self._abandoned is not None:  # see the module docstring: never block here
+            _release_later(self._backend, self._pg, self._abandoned)
+            self._abandoned = None
         self._backend = None
         self._pg = None
         # Dropping our reference closes a store we created (server on rank 0, client
@@ -200,15 +243,53 @@ class StatelessGroup:
     def _check_alive(self) -> None:
         if self._destroyed:
             raise GroupFailure(f"process group {self.prefix!r} was destroyed")
+        if self._control is not None:
+            cause = self._control.aborted(self.epoch)
+            if cause is not None:
+                raise GroupFailure(f"collective on group {self.prefix!r} aborted: {cause}")
+
+    @property
+    def abortable(self) -> bool:
+        return self._control is not None
+
+    def _private(self, t: torch.Tensor) -> torch.Tensor:
+        """The buffer an in-place collective writes: ``t`` itself, or a copy when the
+        wait may be aborted (an abandoned operation may still write it later) or ``t``
+        is not contiguous. The caller copies it back on success."""
+        if self._control is not None or not t.is_contiguous():
+            return t.clone(memory_format=torch.contiguous_format)
+        return t
+
+    def _wait(self, work: Any) -> None:
+        """Wait for ``work``; a failure, or an abort of this group's epoch meanwhile,
+        raises ``GroupFailure``."""
+        control = self._control
+        if control is None:
+            _wait(work, self.prefix)
+            return
+        with control.waiting():
+            while True:
+                try:
+                    work.wait(_SLICE)
+                    return
+                except RuntimeError as e:
+                    if work.is_completed():  # it failed (a peer gone, gloo's timeout)
+                        raise GroupFailure(
+                            f"collective on group {self.prefix!r} failed: {e}"
+                        ) from e
+                cause = control.aborted(self.epoch)  # only the slice ran out
+                if cause is not None:
+                    self._abandoned = work
+                    raise GroupFailure(f"collective on group {self.prefix!r} aborted: {cause}")
 
     # ------------------------------------------------------------------ collectives
     def all_reduce(self, t: torch.Tensor, op: ReduceOp = ReduceOp.SUM) -> torch.Tensor:
         """In place over all ranks; returns ``t``."""
         self._check_alive()
-        buf = t if t.is_contiguous() else t.contiguous()
+        buf = self._private(t)
         opts = dist.AllreduceOptions()
         opts.reduceOp = op
-        _wait(self._backend.allreduce([buf], opts), self.prefix)
+        self._wait(self._backend.allreduce([buf], opts))
         if buf is not t:
             t.copy_(buf)
         return t
@@ -220,7 +301,7 @@ class StatelessGroup:
             raise ValueError(f"all_gather_into: out {tuple(out.shape)} vs inp {tuple(inp.shape)}")
         if out.numel() == 0:
             return out
-        _wait(self._backend._allgather_base(out, inp.contiguous()), self.prefix)
+        self._wait(self._backend._allgather_base(out, inp.contiguous()))
         return out
 
     def all_gather(self, t: torch.Tensor) -> torch.Tensor:
@@ -255,7 +336,7 @@ class StatelessGroup:
             opts = dist.ReduceScatterOptions()
             opts.reduceOp = op
             try:
-                _wait(self._backend._reduce_scatter_base(out, inp, opts), self.prefix)
+                self._wait(self._backend._reduce_scatter_base(out, inp, opts))
                 return out
             except RuntimeError as e:
                 if "support" not in str(e):
@@ -313,9 +394,7 @@ class StatelessGroup:
             raise ValueError(f"all_to_all_single: in_splits {in_splits} vs {inp.shape[0]} rows")
         if out_splits and sum(out_splits) != out.shape[0]:
             raise ValueError(f"all_to_all_single: out_splits {out_splits} vs {out.shape[0]} rows")
-        _wait(
-            self._backend.alltoall_base(out, inp.contiguous(), out_splits, in_splits), self.prefix
-        )
+        self._wait(self._backend.alltoall_base(out, inp.contiguous(), out_splits, in_splits))
         return out
 
     def broadcast(self, t: torch.Tensor, src: int) -> torch.Tensor:
@@ -326,13 +405,16 @@ class StatelessGroup:
         opts = dist.BroadcastOptions()
         opts.rootRank = src
         opts.rootTensor = 0
-        _wait(self._backend.broadcast([t], opts), self.prefix)
+        buf = self._private(t)
+        self._wait(self._backend.broadcast([buf], opts))
+        if buf is not t:
+            t.copy_(buf)
         return t
 
     def barrier(self) -> None:
         self._check_alive()
         if self.backend_name == "gloo":
-            _wait(self._backend.barrier(), self.prefix)
+            self._wait(self._backend.barrier())
         else:  # NCCL's barrier needs a device hint; a 1-element all-reduce is equivalent
             self.all_reduce(
                 torch.zeros(1, device=torch.device("cuda", torch.cuda.current_device()))
@@ -341,14 +423,17 @@ class StatelessGroup:
     def send(self, t: torch.Tensor, dst: int, tag: int = 0) -> None:
         """Point-to-point send (blocks until the peer has received, for gloo)."""
         self._check_alive()
-        _wait(self._backend.send([t.contiguous()], dst, tag), self.prefix)
+        self._wait(self._backend.send([t.contiguous()], dst, tag))
 
     def recv(self, t: torch.Tensor, src: int, tag: int = 0) -> torch.Tensor:
         """Receive into ``t`` (shape and dtype agreed with the sender)."""
         self._check_alive()
         if not t.is_contiguous():
             raise ValueError("recv needs a contiguous tensor (it is written in place)")
-        _wait(self._backend.recv([t], src, tag), self.prefix)
+        buf = self._private(t)
+        self._wait(self._backend.recv([buf], src, tag))
+        if buf is not t:
+            t.copy_(buf)
         return t
 
     def all_gather_object(self, obj: Any, type: Any = Any) -> list[Any]:

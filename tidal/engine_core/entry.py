@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import multiprocessing
+import os
 from typing import Any
 
 import msgspec
@@ -33,25 +34,35 @@ class EngineLaunch(msgspec.Struct, frozen=True):
     hf_config: dict[str, Any] | None
     engine_index: int
     handshake_address: str
+    # The process that asked for this engine (the frontend, a headless host's launcher):
+    # the engine leaves when it is gone. Not necessarily the parent (a warm launcher's
+    # fork); 0: the parent.
+    launcher_pid: int = 0
 
 
 def encode_engine_launch(config: EngineConfig, engine_index: int, handshake_address: str) -> bytes:
+    """The launch payload, asked for by this process (its launcher)."""
     hf = config.model.hf_config
     wire = dataclasses.replace(config, model=dataclasses.replace(config.model, hf_config=None))
     return msgspec.msgpack.encode(
         EngineLaunch(
-            wire, hf.to_dict() if hf is not None else None, engine_index, handshake_address
+            wire,
+            hf.to_dict() if hf is not None else None,
+            engine_index,
+            handshake_address,
+            os.getpid(),
         )
     )
 
 
-def decode_engine_launch(data: bytes) -> tuple[EngineConfig, int, str]:
+def decode_engine_launch(data: bytes) -> EngineLaunch:
+    """The payload, with ``config.model.hf_config`` rebuilt."""
     launch = msgspec.msgpack.decode(data, type=EngineLaunch)
     config = launch.config
     model = dataclasses.replace(
         config.model, hf_config=_rebuild_hf_config(config, launch.hf_config)
     )
-    return dataclasses.replace(config, model=model), launch.engine_index, launch.handshake_address
+    return msgspec.structs.replace(launch, config=dataclasses.replace(config, model=model))
 
 
 def _rebuild_hf_config(config: EngineConfig, hf: dict[str, Any] | None) -> Any:
@@ -91,9 +102,16 @@ def engine_proc_class(config: EngineConfig) -> type[EngineCoreProc]:
 
 def run_launch(payload: bytes) -> None:
     """Run the engine an ``EngineLaunch`` payload describes (does not return)."""
-    config, engine_index, handshake_address = decode_engine_launch(payload)
+    launch = decode_engine_launch(payload)
+    config, engine_index = launch.config, launch.engine_index
     multiprocessing.current_process().name = engine_process_name(engine_index)
-    run_engine_core(config, engine_index, handshake_address, engine_proc_class(config))
+    run_engine_core(
+        config,
+        engine_index,
+        launch.handshake_address,
+        engine_proc_class(config),
+        launcher_pid=launch.launcher_pid or None,
+    )
 
 
 def start_engine_zygote() -> ForkServer:
@@ -103,11 +121,16 @@ def start_engine_zygote() -> ForkServer:
 
 
 def spawn_engine(
-    zygote: ForkServer, config: EngineConfig, engine_index: int, handshake_address: str
+    zygote: ForkServer,
+    config: EngineConfig,
+    engine_index: int,
+    handshake_address: str,
+    timeout_s: float = 10.0,
 ) -> ForkedProcess:
     return zygote.spawn(
         engine_process_name(engine_index),
         encode_engine_launch(config, engine_index, handshake_address),
+        timeout_s,
     )
 
 

@@ -170,6 +170,9 @@ class ElasticWorkerState:
             self._attach(entry, "store", store)
 
             def create(name: str, group_members: list[int], backend: str) -> None:
+                # The DP and EP groups serve after the commit: abortable like the launch
+                # ones (the transfer group runs on a helper thread with its own deadline).
+                serving = name != "xfer"
                 group = StatelessGroup.create(
                     host=host,
                     port=0,
@@ -179,6 +182,8 @@ class ElasticWorkerState:
                     store=store,
                     prefix=f"e{epoch}/{name}",
                     timeout_s=timeout_s,
+                    control=self.worker.collectives if serving else None,
+                    epoch=epoch if serving else None,
                 )
                 self._attach(entry, name, group)
 

@@ -30,6 +30,7 @@ import torch
 from torch.distributed import ReduceOp
 
 from tidal.config import EngineConfig, ParallelConfig
+from tidal.distributed.collectives import CollectiveControl
 from tidal.distributed.groups import StatelessGroup, create_store
 from tidal.executor.batch import ModelRunnerOutput, SchedulerOutput
 from tidal.executor.elastic import ElasticWorkerState, parse_address
@@ -40,7 +41,9 @@ from tidal.protocol.topology import Topology
 logger = logging.getLogger(__name__)
 
 # Group rendezvous and collective timeout. Generous: a peer may still be loading weights,
-# or running a long CPU prefill, while this rank waits in a collective.
+# or running a long CPU prefill, while this rank waits in a collective. A peer that froze
+# does not cost this long: the serving groups' waits are abortable (``collectives``), and
+# the recovery that removes the peer aborts them (DESIGN.md 6.5).
 DIST_TIMEOUT_S = 300.0
 
 _REDUCE_OPS = {"sum": ReduceOp.SUM, "max": ReduceOp.MAX}
@@ -74,6 +77,9 @@ class Worker:
         self._store: Any = None
         # The topology's expert placement (rows per rank) from init_distributed, if any.
         self._layout: list[list[int]] | None = None
+        # Shared by the serving DP/EP groups (current and standby): abort flags, and
+        # whether the busy loop waits on its peers now.
+        self.collectives = CollectiveControl()
         self.elastic = ElasticWorkerState(self)
 
     def _init_device(self) -> torch.device:
@@ -113,7 +119,14 @@ class Worker:
             )
         timeout = self.dist_timeout_s
         self._store = create_store(host, port, rank=rank, world_size=world, timeout_s=timeout)
-        common = {"host": host, "port": 0, "rank": rank, "world_size": world}
+        common = {
+            "host": host,
+            "port": 0,
+            "rank": rank,
+            "world_size": world,
+            "control": self.collectives,
+            "epoch": topology.epoch,
+        }
         try:
             self.dp_group = StatelessGroup.create(
                 **common, backend="gloo", store=self._store, prefix="dp", timeout_s=timeout
@@ -176,6 +189,15 @@ class Worker:
             return list(values)
         t = torch.tensor(values, dtype=torch.int64)
         return self.dp_group.all_reduce(t, _REDUCE_OPS[op]).tolist()
+
+    def abort_collectives(self, below_epoch: int, cause: str) -> None:
+        """Any thread: collectives of serving groups older than ``below_epoch`` end now."""
+        self.collectives.abort(below_epoch, cause)
+
+    def waiting_on_peers(self, thread_id: int) -> bool:
+        """Any thread: whether thread ``thread_id`` waits in a collective of the serving
+        groups for its peers."""
+        return self.collectives.is_waiting(thread_id)
 
     # ---- elastic EP (tidal/executor/elastic.py; see Executor for the contract) ----------
 
