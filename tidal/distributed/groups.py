@@ -25,7 +25,8 @@ Abortable waits (a group made with a ``CollectiveControl`` and an epoch, gloo): 
 that froze without closing its sockets would keep a collective waiting for ``timeout_s``.
 Such a group waits in slices of ``WAIT_SLICE_S`` and between two asks its control whether
 its epoch was aborted (a recovery replaces it); then the wait ends with ``GroupFailure``
-at once. The abandoned operation still runs in gloo's worker thread until its peers or
+at once. (Gloo's reduce-scatter runs inside ``Work.wait()``, whose timeout it ignores:
+such a group reduce-scatters with an all-to-all and a local reduction instead.) The abandoned operation still runs in gloo's worker thread until its peers or
 its timeout end it: it may still write its *output* later, so an aborted in-place
 collective works on a private copy (its caller's tensor is never written after the
 failure), and the backend is released on a thread of its own (releasing a gloo backend
@@ -76,16 +77,17 @@ def _wait(work: Any, prefix: str) -> None:
         raise GroupFailure(f"collective on group {prefix!r} failed: {e}") from e
 
 
-def _release_later(*objs: Any) -> None:
-    """Drop the last references to a backend with an abandoned operation on a thread of
-    its own: releasing it joins gloo's worker thread, which returns only when that
-    operation ends (its peers, or its timeout)."""
-    holder = list(objs)
-    objs = ()
+def _release_later(holder: list[Any]) -> None:
+    """Drop the references in ``holder`` -- the last ones to a backend with an abandoned
+    operation -- on a thread of its own: releasing it joins gloo's worker thread, which
+    returns only when that operation ends (its peers, or its timeout). The caller must
+    hold no other reference to them (not even a local variable)."""
     threading.Thread(target=holder.clear, name="group-release", daemon=True).start()
 
 
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
+# The reductions an abortable reduce-scatter does locally (``_reduce_scatter_via_all_to_all``).
+_LOCAL_REDUCE = {ReduceOp.SUM: torch.sum, ReduceOp.MAX: torch.amax}
 _BACKENDS = ("gloo", "nccl")
 
 
@@ -232,8 +234,9 @@ class StatelessGroup:
         except Exception as e:  # noqa: BLE001 - best effort: peers may already be gone
             logger.debug("group %r shutdown: %s", self.prefix, e)
         if self._abandoned is not None:  # see the module docstring: never block here
-            _release_later(self._backend, self._pg, self._abandoned)
-            self._abandoned = None
+            holder = [self._backend, self._pg, self._abandoned]
+            self._backend = self._pg = self._abandoned = None
+            _release_later(holder)
         self._backend = None
         self._pg = None
         # Dropping our reference closes a store we created (server on rank 0, client
@@ -332,6 +335,8 @@ class StatelessGroup:
         if inp.numel() == 0:
             return out
         inp = inp.contiguous()
+        if self._control is not None and op in _LOCAL_REDUCE:
+            return self._reduce_scatter_via_all_to_all(out, inp, op)
         if self._native_reduce_scatter:
             opts = dist.ReduceScatterOptions()
             opts.reduceOp = op
@@ -344,6 +349,19 @@ class StatelessGroup:
                 logger.info("native reduce_scatter unavailable (%s); using all_reduce + slice", e)
                 self._native_reduce_scatter = False
         return self._reduce_scatter_via_all_reduce(out, inp, op)
+
+    def _reduce_scatter_via_all_to_all(
+        self, out: torch.Tensor, inp: torch.Tensor, op: ReduceOp
+    ) -> torch.Tensor:
+        """Abortable groups: gloo's native reduce-scatter runs inside ``Work.wait()``,
+        which ignores its timeout, so no slice could end it. An all-to-all moves the same
+        bytes (rank r gets every rank's block r), then the blocks are reduced here, in
+        rank order."""
+        recv = torch.empty_like(inp)  # [W*n, ...]: block j is rank j's block for us
+        self._wait(self._backend.alltoall_base(recv, inp, [], []))
+        blocks = recv.view(self.world_size, *out.shape)
+        _LOCAL_REDUCE[op](blocks, dim=0, out=out)
+        return out
 
     def _reduce_scatter_via_all_reduce(
         self, out: torch.Tensor, inp: torch.Tensor, op: ReduceOp = ReduceOp.SUM
