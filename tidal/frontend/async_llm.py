@@ -112,7 +112,7 @@ class AsyncLLM:
         if self.is_dead:
             raise EngineDeadError(self.dead_reason)
         self.input_processor.check(prompt, params)
-        self._check_dp_rank(data_parallel_rank)
+        self.check_data_parallel_rank(data_parallel_rank)
         request_id = request_id or uuid.uuid4().hex
         self._ensure_handler()
         children = self.output_processor.add_request(
@@ -298,12 +298,16 @@ class AsyncLLM:
 
     # ---- internals ---------------------------------------------------------------------
 
-    def _check_dp_rank(self, rank: int | None) -> None:
+    def check_data_parallel_rank(self, rank: int | None) -> None:
+        """A request may be pinned to ``rank``: ``ValueError`` (HTTP 400) outside the live
+        size, ``RankUnavailableError`` (HTTP 503) while its engine is dead (the deployment
+        recovers without it). A leaving rank is fine: the request goes elsewhere."""
         if rank is None:
             return
         size = self.client.topology.size  # the live size: a rank is a position in it
         if not 0 <= rank < size:
             raise ValueError(f"data_parallel_rank must be in [0, {size}), got {rank}")
+        self.client.check_pinned_rank(rank)
 
     def _abort_children(self, request_id: str) -> None:
         children = self.output_processor.abort(request_id)

@@ -250,7 +250,8 @@ class MPClient(EngineCoreClient):
                 if e.errno != zmq.EHOSTUNREACH:
                     raise
                 if request.data_parallel_rank is not None:
-                    raise RankUnavailableError(self._pinned_gone(request, rank)) from None
+                    gone = self._pinned_gone(request.data_parallel_rank, rank)
+                    raise RankUnavailableError(gone) from None
                 logger.warning("engine %d is unreachable (gone?): request rerouted", rank)
                 unreachable.add(rank)
                 continue
@@ -277,26 +278,30 @@ class MPClient(EngineCoreClient):
                     self._book.finish(request.request_id)
             raise
 
-    def _check_pinned(self, request: EngineCoreRequest) -> None:
-        """A pinned request's rank: dead -> ``RankUnavailableError``; leaving (draining)
-        -> unpinned, routed like any request (the rank's own requests move too)."""
-        rank = request.data_parallel_rank
-        if rank is None:
-            return
+    def check_pinned_rank(self, rank: int | None) -> bool:
+        """Whether a request pinned to DP rank ``rank`` can go there: raises
+        ``RankUnavailableError`` when its engine is dead (the deployment recovers without
+        it); False when it leaves (a scale-down drains it: the request goes where the
+        balancer sends it, as that rank's own requests do); True otherwise (or unpinned).
+        A rank outside the topology is the balancer's to refuse."""
+        if rank is None or self.dp is None:
+            return True
         ids = self.dp.topology.engine_ids
         if not 0 <= rank < len(ids):
-            return  # the balancer names the valid range
+            return True
         engine = ids[rank]
         if engine in self._gone_engines:
-            raise RankUnavailableError(self._pinned_gone(request, engine))
-        if engine in self.dp.draining:
+            raise RankUnavailableError(self._pinned_gone(rank, engine))
+        return engine not in self.dp.draining
+
+    def _check_pinned(self, request: EngineCoreRequest) -> None:
+        if not self.check_pinned_rank(request.data_parallel_rank):
             request.data_parallel_rank = None
 
-    def _pinned_gone(self, request: EngineCoreRequest, engine: int) -> str:
+    def _pinned_gone(self, rank: int | None, engine: int) -> str:
         return (
-            f"data_parallel_rank {request.data_parallel_rank}: its engine ({engine}) is "
-            "dead and the deployment is recovering without it; retry without "
-            "data_parallel_rank, or with another rank"
+            f"data_parallel_rank {rank}: its engine ({engine}) is dead and the deployment "
+            "is recovering without it; retry without data_parallel_rank, or with another rank"
         )
 
     def _send_wakeup(self, wake: DPWakeUp) -> None:
