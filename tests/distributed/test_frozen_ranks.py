@@ -10,7 +10,9 @@ default):
 - a request pinned (``data_parallel_rank``) to a dead rank gets ``RankUnavailableError``
   (HTTP 503), never a socket error;
 - a request with ``prompt_logprobs`` whose rank dies mid-prefill returns every prompt
-  position exactly once, equal to an undisturbed run.
+  position exactly once, equal to an undisturbed run;
+- an offline engine with no peers that froze fails ``generate`` with a clear error
+  instead of leaving it waiting forever.
 
 Deadlines are generous and nothing is timed: the "within seconds" numbers are
 ``benchmarks/faults.py --matrix``'s.
@@ -23,6 +25,7 @@ import contextlib
 import math
 import os
 import signal
+import threading
 
 import psutil
 import pytest
@@ -34,7 +37,7 @@ from tests.distributed.test_elastic_scale import (  # noqa: F401 - fixture
     _run,
     reference,
 )
-from tests.waiting import wait_until_async
+from tests.waiting import wait_until, wait_until_async
 from tidal import LLM
 from tidal.frontend.async_client import AsyncMPClient
 from tidal.frontend.async_llm import AsyncLLM
@@ -235,3 +238,31 @@ def test_prompt_logprobs_of_a_request_moved_mid_prefill_are_complete(qwen3_ckpt)
             await llm.shutdown()
 
     asyncio.run(main())
+
+
+def test_an_offline_engine_that_froze_fails_generate_instead_of_hanging(qwen3_ckpt):
+    """One engine, nothing to recover with: a frozen one fails the client with a clear
+    error (and is killed) instead of leaving ``generate`` waiting forever."""
+    llm = LLM(qwen3_ckpt, dtype="float32", multiprocess=True)
+    try:
+        (engine,) = llm.client.manager.procs.values()
+        params = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
+        outcome: list[BaseException] = []
+
+        def generate() -> None:
+            try:
+                llm.generate([{"prompt_token_ids": [5, 6, 7]}], params, use_tqdm=False)
+            except BaseException as e:  # noqa: BLE001 - what the caller sees
+                outcome.append(e)
+
+        thread = threading.Thread(target=generate)
+        thread.start()
+        assert wait_until(lambda: llm.output_processor.has_unfinished())
+        os.kill(engine.pid, signal.SIGSTOP)
+        thread.join(180)
+        assert not thread.is_alive(), "generate hung on a frozen engine"
+        (err,) = outcome
+        assert isinstance(err, EngineDeadError) and "heartbeat" in str(err)
+        assert wait_until(lambda: _gone(engine.pid))
+    finally:
+        llm.shutdown()

@@ -290,6 +290,9 @@ class _SyncStub:
     def _on_engine_death(self, reason: str) -> None:
         self.deaths.append(reason)
 
+    def _check_liveness(self) -> None:
+        """Between frames (nothing to judge here)."""
+
 
 def test_sync_reader_drops_bad_frames_and_fails_the_client_on_a_bug():
     ctx = zmq.Context()

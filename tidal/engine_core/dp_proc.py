@@ -212,7 +212,9 @@ class DPEngineCoreProc(EngineCoreProc):
         a rebuild) ends a collective the busy loop may be blocked in on them, now, rather
         than at the collective timeout; the busy loop then abandons that step as for any
         group failure and goes on with the operation."""
-        if req_type is not EngineCoreRequestType.SCALE or self.shell is None:
+        # Attributes may not exist yet: the input thread starts before this class's
+        # __init__ has run.
+        if req_type is not EngineCoreRequestType.SCALE or getattr(self, "shell", None) is None:
             return
         if isinstance(payload, ScalePrepare) and not payload.old_group_usable:
             core = getattr(self, "engine_core", None)  # None while the engine starts
