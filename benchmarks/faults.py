@@ -5,6 +5,7 @@ fault matrix: every process kind killed or frozen.
     python benchmarks/faults.py --restore        # ... then scale back to 3 (--elastic-restore)
     python benchmarks/faults.py --quick          # a short smoke run (8 streams)
     python benchmarks/faults.py --matrix         # 5 process kinds x 3 faults, a line each
+    python benchmarks/faults.py --host-loss      # a whole headless host killed or frozen
 
 The default model (the embedded tiny Qwen3-MoE, float32) is served by an in-process
 ``AsyncLLM`` at DP=EP=``--size`` with elastic EP. ``--streams`` clients stream requests
@@ -63,6 +64,12 @@ exactly ``--max-tokens`` tokens), ``errors`` (requests that raised), ``max_strea
 (a probe submitted right after the fault, retried while refused: its first token), the
 ``final_size``, the operations the cell caused, and restarts of helpers. A last line
 sums the matrix up (``all_zero_lost``).
+
+``--host-loss``: the README's two-host deployment on loopback -- the frontend with rank 0,
+a ``launch --headless`` host (its own launcher process) with ranks 1 and 2 -- under the
+same load, without and with ``--enable-elastic-ep``; the whole host is killed (SIGKILL to
+its launcher and both ranks at once) or frozen for good (SIGSTOP to all three: nothing
+here can kill them). A line each, as the matrix's, with ``target: host``.
 """
 
 from __future__ import annotations
@@ -475,6 +482,138 @@ async def run_cell(opts: argparse.Namespace, target: str, kind: str) -> dict[str
     }
 
 
+HOST_SECRET = "faults-benchmark-host-secret-0123"
+
+
+def _start_host(opts: argparse.Namespace, rpc: int, elastic: bool) -> Any:
+    """``launch --headless`` for ranks 1 and 2 of DP=3, as another host would run it."""
+    import subprocess
+
+    flags = [
+        "--dtype", opts.dtype, "--dp", "3", "--data-parallel-size-local", "2",
+        "--data-parallel-start-rank", "1", "--data-parallel-address", "127.0.0.1",
+        "--data-parallel-rpc-port", str(rpc), "--ep", "--headless",
+    ] + (["--model", opts.model] if opts.model else []) + (
+        ["--enable-elastic-ep"] if elastic else []
+    )  # fmt: skip
+    env = {**os.environ, "TIDAL_DP_AUTH_KEY": HOST_SECRET}
+    return subprocess.Popen(
+        [sys.executable, "-m", "tidal.launch.spawn", *flags], env=env, stdout=subprocess.DEVNULL
+    )
+
+
+def _host_llm(opts: argparse.Namespace, rpc: int, elastic: bool) -> Any:
+    from tidal.frontend.async_llm import AsyncLLM
+    from tidal.launch.engine_args import EngineArgs
+
+    config = EngineArgs(
+        model=opts.model,
+        dtype=opts.dtype,
+        data_parallel_size=3,
+        data_parallel_size_local=1,
+        data_parallel_address="127.0.0.1",
+        data_parallel_rpc_port=rpc,
+        data_parallel_auth_key=HOST_SECRET,
+        enable_expert_parallel=True,
+        enable_elastic_ep=elastic,
+    ).create_engine_config()
+    return AsyncLLM(config)
+
+
+async def run_host_cell(opts: argparse.Namespace, elastic: bool, kind: str) -> dict[str, Any]:
+    """The host of ranks 1 and 2 lost (``kill``) or frozen for good (``stop``)."""
+    import psutil
+
+    from tidal.distributed.ports import get_open_port
+
+    rpc = get_open_port()
+    host = _start_host(opts, rpc, elastic)
+    llm = await asyncio.to_thread(_host_llm, opts, rpc, elastic)
+    llm.start()
+    load: Load | None = None
+    frozen: list[Any] = []
+    try:
+        load = Load(llm, opts.streams, opts.max_tokens, seed=opts.seed)
+        await _warm(load, opts)
+        procs = [psutil.Process(host.pid), *psutil.Process(host.pid).children(recursive=True)]
+        t_fault = time.monotonic()
+        for p in procs:
+            p.send_signal(signal.SIGKILL if kind == "kill" else signal.SIGSTOP)
+        frozen = procs if kind == "stop" else []
+        probing = asyncio.create_task(probe(lambda: llm, opts.retry_s))
+        log(f"host loss ({'elastic' if elastic else 'default'}) x {kind} at t={t_fault:.2f}")
+        t_new = await asyncio.wait_for(probing, 300)
+
+        def recovered() -> bool:
+            return llm.fault_status()["degraded"] is None and llm.client.topology.size == 1
+
+        if not await _until(recovered, 300):
+            log("host loss: not recovered after 300 s")
+        await asyncio.sleep(opts.settle_s)
+        await load.finish()
+        history = llm.scaling_history()
+        faults = llm.fault_status()
+        final_size = llm.client.topology.size
+    finally:
+        if load is not None:
+            await load.cancel()
+        await llm.shutdown()
+        for p in frozen:
+            with contextlib.suppress(psutil.Error):
+                p.kill()
+        if host.poll() is None:
+            host.kill()
+        host.wait(30)
+    reqs = load.reqs
+    hit = in_flight_at(reqs, t_fault)
+    pauses = stream_pauses(reqs, t_fault)
+    return {
+        "target": "host",
+        "fault": kind,
+        "elastic": elastic,
+        "lost": sum(1 for r in hit if not r.complete(opts.max_tokens)),
+        "errors": sum(1 for r in reqs if r.error is not None),
+        "max_stream_pause_s": _r(max(pauses) if pauses else None),
+        "new_request_served_s": _r(t_new - t_fault),
+        "final_size": final_size,
+        "in_flight_at_fault": len(hit),
+        "requests": len(reqs),
+        "recovery_operations": sum(1 for h in history if h["trigger"] == "recovery"),
+        "operations": [
+            {"trigger": h["trigger"], "sizes": f"{h['from_size']}->{h['to_size']}",
+             "result": h["result"], "dead": h["dead"], "duration_s": _r(h["duration_s"])}
+            for h in history
+        ],  # fmt: skip
+        "deaths": [
+            {"engine": d["engine_id"], "detect_s": _r(d["at"] - t_fault), "cause": d["cause"]}
+            for d in faults["deaths"]
+        ],
+    }
+
+
+async def run_host_loss(opts: argparse.Namespace) -> dict[str, Any]:
+    t0 = time.monotonic()
+    cells = []
+    for elastic in (False, True):
+        for kind in ("kill", "stop"):
+            cell = await run_host_cell(opts, elastic, kind)
+            cells.append(cell)
+            print(json.dumps({"benchmark": "faults-host-loss", **cell}), flush=True)
+    return {
+        "benchmark": "faults-host-loss-summary",
+        "machine": machine_info(),
+        "model": model_info(opts),
+        "load": {**load_info(opts), "size": 3, "host_ranks": [1, 2]},
+        "target_new_request_served_s": TARGET_NEW_REQUESTS_SERVED_S,
+        "all_served_within_target": all(
+            c["new_request_served_s"] < TARGET_NEW_REQUESTS_SERVED_S for c in cells
+        ),
+        "all_zero_lost": all(c["lost"] == 0 for c in cells),
+        "all_one_recovery": all(c["recovery_operations"] == 1 for c in cells),
+        "elapsed_s": _r(time.monotonic() - t0, 1),
+    }
+
+
 async def run_matrix(opts: argparse.Namespace) -> dict[str, Any]:
     """Every cell, a JSON line each as it ends; the summary is the returned document."""
     t0 = time.monotonic()
@@ -509,6 +648,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-peer", action="store_true", help="skip the restart peer")
     p.add_argument("--quick", action="store_true", help="smoke run: 8 streams, short windows")
     p.add_argument("--matrix", action="store_true", help="the fault matrix (see above)")
+    p.add_argument("--host-loss", action="store_true", help="a headless host lost (see above)")
     p.add_argument("--targets", default=",".join(TARGETS), help="matrix: process kinds")
     p.add_argument("--faults", default=",".join(FAULTS), help="matrix: faults")
     opts = p.parse_args(argv)
@@ -519,7 +659,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if opts.quick:
         opts.streams, opts.max_tokens = 8, 16
         opts.warmup_s, opts.baseline_s, opts.settle_s = 0.5, 1.0, 0.5
-    elif opts.matrix:  # 15 deployments: a lighter load and shorter windows each
+    elif opts.matrix or opts.host_loss:  # many deployments: lighter load, shorter windows
         given = argv if argv is not None else sys.argv
         for flag, name, value in (
             ("--streams", "streams", 16),
@@ -536,8 +676,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     opts = parse_args(argv)
-    if opts.matrix:  # a JSON line per cell, then the summary's line
-        run_benchmark(run_matrix, opts, log, indent=None)
+    if opts.matrix or opts.host_loss:  # a JSON line per cell, then the summary's line
+        run_benchmark(run_matrix if opts.matrix else run_host_loss, opts, log, indent=None)
     else:
         run_benchmark(run_all, opts, log)
 

@@ -90,7 +90,13 @@ async def _pinned(llm: AsyncLLM, rank: int) -> list[asyncio.Task]:
     return tasks
 
 
-async def _recovered_without(llm: AsyncLLM, victim: int, load: Load, reference, pinned) -> dict:  # noqa: F811
+async def _recovered_without(
+    llm: AsyncLLM,
+    victim: int,
+    load: Load,
+    reference,  # noqa: F811
+    pinned: list[asyncio.Task],
+) -> dict:
     """The one recovery removed ``victim``; the deployment serves again; every stream
     (pinned to the victim's rank or not) equals the undisturbed run."""
     assert await wait_until_async(lambda: any(r["result"] for r in _recoveries(llm)), 180)

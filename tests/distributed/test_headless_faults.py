@@ -85,7 +85,12 @@ async def _pinned(llm: AsyncLLM, rank: int) -> list[asyncio.Task]:
     return tasks
 
 
-async def _complete(llm: AsyncLLM, load: Load, pinned: list[asyncio.Task], reference) -> None:  # noqa: F811
+async def _complete(
+    llm: AsyncLLM,
+    load: Load,
+    pinned: list[asyncio.Task],
+    reference,  # noqa: F811
+) -> None:
     """Served again, and every stream equals the undisturbed run (nothing lost)."""
     served = load.tokens
     assert await wait_until_async(lambda: load.tokens > served + 20)

@@ -40,7 +40,10 @@ from tidal.utils.forkserver import ForkedProcess
 pytestmark = pytest.mark.timeout(600)
 
 
-def test_a_killed_zygote_is_replaced_and_its_engines_keep_serving(qwen3_ckpt, reference):  # noqa: F811
+def test_a_killed_zygote_is_replaced_and_its_engines_keep_serving(
+    qwen3_ckpt,
+    reference,  # noqa: F811
+):
     async def main() -> None:
         llm = _llm(qwen3_ckpt, 2)
         manager = llm.client.manager
@@ -56,7 +59,9 @@ def test_a_killed_zygote_is_replaced_and_its_engines_keep_serving(qwen3_ckpt, re
             old = manager.zygote
             os.kill(old.pid, signal.SIGKILL)
             # Within seconds in practice; the deadline is generous (loaded CI).
-            assert await wait_until_async(lambda: manager.zygote is not old and manager.zygote.ready)
+            assert await wait_until_async(
+                lambda: manager.zygote is not old and manager.zygote.ready
+            )
             assert manager.zygote_restarts == 1
             assert manager.procs[forked].is_alive() and os.path.isdir(llm.client.ipc_dir)
             stats = await llm.get_stats()  # the coordinator's sockets are where they were

@@ -94,7 +94,8 @@ def test_matrix_options(bench):
     assert opts.matrix and opts.targets == list(bench.TARGETS) and opts.faults == list(bench.FAULTS)
     assert len(opts.targets) * len(opts.faults) == 15
     assert (opts.streams, opts.warmup_s, opts.baseline_s) == (16, 1.0, 1.0)  # 15 deployments
-    opts = bench.parse_args(["--matrix", "--targets", "zygote", "--faults", "stop5", "--streams", "4"])
+    argv = ["--matrix", "--targets", "zygote", "--faults", "stop5", "--streams", "4"]
+    opts = bench.parse_args(argv)
     assert (opts.targets, opts.faults, opts.streams) == (["zygote"], ["stop5"], 4)
     with pytest.raises(SystemExit):
         bench.parse_args(["--matrix", "--targets", "engine,frontend"])

@@ -26,8 +26,9 @@ that froze without closing its sockets would keep a collective waiting for ``tim
 Such a group waits in slices of ``WAIT_SLICE_S`` and between two asks its control whether
 its epoch was aborted (a recovery replaces it); then the wait ends with ``GroupFailure``
 at once. (Gloo's reduce-scatter runs inside ``Work.wait()``, whose timeout it ignores:
-such a group reduce-scatters with an all-to-all and a local reduction instead.) The abandoned operation still runs in gloo's worker thread until its peers or
-its timeout end it: it may still write its *output* later, so an aborted in-place
+such a group reduce-scatters with an all-to-all and a local reduction instead.) The
+abandoned operation still runs in gloo's worker thread until its peers or its timeout
+end it: it may still write its *output* later, so an aborted in-place
 collective works on a private copy (its caller's tensor is never written after the
 failure), and the backend is released on a thread of its own (releasing a gloo backend
 joins its worker thread, which would block the caller until then).

@@ -10,8 +10,9 @@ An engine refuses to start, and says why in READY(error) so the frontend fails w
 same message, when its config hash differs from the frontend's or its id is not in the
 topology. A process the frontend did not start as this engine (a stray fork of a
 cancelled warm spawn: its pid is not the one the frontend knows) is refused in the answer
-and exits without READY: an engine id never runs twice. Over TCP the socket is a CURVE client; a frontend that refuses our secret is
-seen on the socket monitor and fails the handshake at once, not at the timeout.
+and exits without READY: an engine id never runs twice. Over TCP the socket is a CURVE
+client; a frontend that refuses our secret is seen on the socket monitor and fails the
+handshake at once, not at the timeout.
 """
 
 from __future__ import annotations

@@ -140,6 +140,14 @@ class LoopThreadClient(EngineCoreClient):
         return self.client.manager
 
     @property
+    def coordinator(self) -> Any:
+        return self.client.coordinator
+
+    @property
+    def dp(self) -> Any:
+        return self.client.dp
+
+    @property
     def request_book(self) -> Any:
         return self.client.request_book
 

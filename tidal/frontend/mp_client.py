@@ -105,8 +105,15 @@ class MPClient(EngineCoreClient):
     one ``Topology``: its engine ids are who gets requests, its size the live DP size."""
 
     def __init__(
-        self, config: EngineConfig, *, asyncio_mode: bool, entry_module: str | None = None
+        self,
+        config: EngineConfig,
+        *,
+        asyncio_mode: bool,
+        entry_module: str | None = None,
+        migrates: bool = True,
     ) -> None:
+        """``migrates``: a scale driver may move requests (keep the request book), when
+        the deployment is reconfigurable."""
         par = config.parallel
         store = None
         if par.is_data_parallel:
@@ -119,7 +126,9 @@ class MPClient(EngineCoreClient):
         self._launch_topology = Topology.initial(par.data_parallel_size, store_address=store)
         # Elastic EP: every engine request sent, its owner and outputs (migration), guarded
         # by a lock (the sync client reads outputs on its own thread).
-        self._book = RequestBook(0, config.model.max_model_len) if par.reconfigurable else None
+        self._book = (
+            RequestBook(0, config.model.max_model_len) if par.reconfigurable and migrates else None
+        )
         self._book_lock = threading.Lock()
         self._scale_hooks: ScaleHooks | None = None
         self.ipc_dir = ipc_dir()

@@ -48,7 +48,8 @@ class SyncMPClient(MPClient):
         self.dropped = DropCounter("frontend client", logger)  # undecodable frames
         self.liveness = Liveness(stall_s=config.parallel.engine_stall_timeout)
         self._liveness_round = 0.0  # the reader's last liveness check
-        super().__init__(config, asyncio_mode=False, entry_module=entry_module)
+        # No scale driver runs here, so no request ever moves: no request book.
+        super().__init__(config, asyncio_mode=False, entry_module=entry_module, migrates=False)
         self._liveness_round = time.monotonic()
         self.liveness.expect(self.engine_ids, self._liveness_round)  # ready now
         # The reader holds only a weak reference to the client (see _MPResources).
