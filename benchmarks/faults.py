@@ -351,6 +351,17 @@ class Fault:
         assert self.at is not None
         return self.at + (RESUME_AFTER_S if self.kind == "stop5" else 0.0)
 
+    def handled(self) -> bool:
+        """A process stopped for good must have been found and killed by the frontend."""
+        if self.kind != "stop" or self.pid is None:
+            return True
+        import psutil
+
+        try:
+            return psutil.Process(self.pid).status() == psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return True
+
     def release(self) -> None:
         if self._resume is not None:
             self._resume.cancel()
@@ -427,7 +438,8 @@ async def run_cell(opts: argparse.Namespace, target: str, kind: str) -> dict[str
             faults = llm.fault_status()
             coord = llm.client.coordinator
             return (
-                faults["degraded"] is None
+                fault.handled()
+                and faults["degraded"] is None
                 and not llm.is_scaling_elastic_ep()
                 and (coord is None or coord.is_alive())
                 and manager.zygote is not None

@@ -331,3 +331,20 @@ def test_an_unreachable_engine_is_skipped_never_raised_to_the_caller():
         assert "pinned" not in c._book and "pinned" not in c.dp.rank_of
 
     asyncio.run(main())
+
+
+def test_send_scale_does_not_wait_for_an_engine_known_gone():
+    """A rollback's ABORT to an engine declared dead must not hold the scale driver (and
+    the recovery behind it) for the retry time."""
+
+    async def main() -> None:
+        c = fake_client(Topology.initial(3))
+        c.input_socket.unreachable = {2}
+        c._gone_engines.add(2)
+        missing = await asyncio.wait_for(
+            c.send_scale([0, 2, 1], ScaleCommit("op", 1), retry_s=600), 60
+        )
+        assert missing == [2]
+        assert [engine_id_of(f[0]) for f in c.input_socket.sent] == [0, 1]
+
+    asyncio.run(main())

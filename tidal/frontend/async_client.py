@@ -289,16 +289,21 @@ class AsyncMPClient(MPClient):
     ) -> list[int]:
         """Send one SCALE frame (``ScalePrepare | ScaleCommit | ScaleAbort``) to each
         engine, in order. An engine whose input route is not there yet (a joiner right
-        after READY) is retried for ``retry_s``; returns those still unreachable then (an
-        engine that exited). Raises ``EngineDeadError`` once the client failed."""
+        after READY) is retried for ``retry_s``; returns those still unreachable then, and
+        at once those known gone (exited or declared dead: waiting for them would hold
+        the scale driver, and with it the recovery that removes them). Raises
+        ``EngineDeadError`` once the client failed."""
         payload = encode(message)
         pending = list(dict.fromkeys(engine_ids))
         deadline = time.monotonic() + retry_s
         while True:
             self._drain_registrations()
-            pending = [e for e in pending if not self._try_send_scale(e, payload)]
+            gone = [e for e in pending if e in self._gone_engines]
+            pending = [
+                e for e in pending if e not in gone and not self._try_send_scale(e, payload)
+            ]
             if not pending or time.monotonic() >= deadline:
-                return pending
+                return gone + pending
             await asyncio.sleep(0.02)
 
     def _deliver_injected(self, outs: EngineCoreOutputs) -> None:
