@@ -411,7 +411,9 @@ def run_aiperf(aiperf: Path, url: str, model: str, args: argparse.Namespace) -> 
         ]  # fmt: skip
         if args.api_key:
             cmd += ["--api-key", args.api_key]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+        # TMPDIR inside ``out``: aiperf leaves its mmap folders (aiperf_mmap_*) there.
+        env = {**os.environ, "TMPDIR": str(out)}
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=env)
         export = out / "profile_export_aiperf.json"
         if proc.returncode != 0 or not export.exists():
             raise RuntimeError(f"aiperf failed ({proc.returncode}): {proc.stdout[-2000:]}")
