@@ -6,12 +6,17 @@ a forced mode wins; a model's modules get the choice and serve by it."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from collections.abc import Callable
 from typing import Any
 
+import psutil
 import pytest
 import torch
 
+from tests.waiting import wait_until
 from tidal.kernels import select
 from tidal.kernels.select import (
     Candidate,
@@ -223,7 +228,7 @@ def fake_cpu(monkeypatch):
     """The fingerprint's CPU, settable (a machine change), and a fake clock."""
     cpu = {"model": "AMD EPYC", "flags": "avx512f"}
     monkeypatch.setattr(select, "cpu_description", lambda: dict(cpu))
-    monkeypatch.setattr(select, "oversubscribed", lambda: None)  # a quiet machine
+    monkeypatch.setattr(select, "oversubscribed", lambda *a, **k: None)  # a quiet machine
     return cpu, FakeClock()
 
 
@@ -280,7 +285,7 @@ def test_real_modules_choose_and_serve_by_the_choice(tmp_path, monkeypatch):
         p.data.copy_(torch.randn(p.shape) * 0.3)
     weights = {k: v.clone() for k, v in (("w", lin.weight), ("w13", moe.w13), ("w2", moe.w2))}
     gate = moe.gate.detach().clone()
-    monkeypatch.setattr(select, "oversubscribed", lambda: None)  # the forced modes reuse it
+    monkeypatch.setattr(select, "oversubscribed", lambda *a, **k: None)  # the forced modes reuse it
     x = torch.randn(5, 32)
     want_lin = x @ weights["w"].T
     report = choose_paths([lin, norm, moe], cache_dir=str(tmp_path), batch_rows=8)
@@ -305,11 +310,11 @@ def test_a_trial_on_an_oversubscribed_machine_serves_but_is_not_kept(
     _, clock = fake_cpu
     costs = {T0: 1e-3, TORCH: 2e-3}
     key = OpKey("linear", (8, 8, 0))
-    monkeypatch.setattr(select, "oversubscribed", lambda: "load average 6.0 on 2 cores")
+    monkeypatch.setattr(select, "oversubscribed", lambda *a, **k: "load average 6.0 on 2 cores")
     busy = FakeModule(clock, key, costs)
     choose_paths([busy], cache_dir=str(tmp_path), clock=clock)
     assert busy.trials and busy.choice.decode == T0  # this start is served by it
-    monkeypatch.setattr(select, "oversubscribed", lambda: None)
+    monkeypatch.setattr(select, "oversubscribed", lambda *a, **k: None)
     quiet = FakeModule(clock, key, costs)
     choose_paths([quiet], cache_dir=str(tmp_path), clock=clock)
     assert quiet.trials and quiet.choice.source == "measured"  # measured again, then kept
@@ -382,3 +387,50 @@ def test_the_kernels_build_is_part_of_the_fingerprint():
     build = select._kernel_build()
     assert len(build) == 16 and int(build, 16) >= 0, build
     assert select.fingerprint(1, torch.float32)["kernels"] == build
+
+
+# ---- contention during the trials ------------------------------------------------------------
+
+
+def _window(monkeypatch, *, cores: int, others_busy_s: float, own_s: float, wall_s: float):
+    """A trial window of ``wall_s`` in which this process used ``own_s`` CPU seconds and
+    the rest of the machine ``others_busy_s``."""
+    monkeypatch.setattr(select.os, "sched_getaffinity", lambda _pid: set(range(cores)))
+    start = select.CpuSample(machine_busy_s=100.0, own_s=10.0, at_s=50.0)
+    end = select.CpuSample(100.0 + own_s + others_busy_s, 10.0 + own_s, 50.0 + wall_s)
+    monkeypatch.setattr(select, "cpu_sample", lambda: end)
+    return start
+
+
+def test_others_using_the_cores_the_trial_runs_on_make_it_contended(monkeypatch):
+    # One busy process beside a 2-thread trial on 2 cores: the trial's measurements are off.
+    since = _window(monkeypatch, cores=2, others_busy_s=1.0, own_s=1.0, wall_s=1.0)
+    assert "other processes used 1.0 of 2 cores" in select.oversubscribed(since, threads=2)
+    # A quiet machine (a little background noise).
+    since = _window(monkeypatch, cores=2, others_busy_s=0.1, own_s=2.0, wall_s=1.0)
+    assert select.oversubscribed(since, threads=2) is None
+
+
+def test_ranks_on_their_own_share_of_the_cores_are_not_contention(monkeypatch):
+    # Two DP ranks, one thread each, measuring at the same time on 2 cores.
+    since = _window(monkeypatch, cores=2, others_busy_s=1.0, own_s=1.0, wall_s=1.0)
+    assert select.oversubscribed(since, threads=1) is None
+    # ... but a third busy process on top is.
+    since = _window(monkeypatch, cores=2, others_busy_s=1.8, own_s=0.6, wall_s=1.0)
+    assert select.oversubscribed(since, threads=1) is not None
+
+
+def test_a_real_busy_process_is_seen_during_a_trial_window():
+    if select.cpu_sample().machine_busy_s is None:
+        pytest.skip("no /proc/stat here")
+    code = "import time\nt = time.monotonic()\nwhile time.monotonic() - t < 30: pass\n"
+    busy = subprocess.Popen([sys.executable, "-c", code])
+    try:
+        since = select.cpu_sample()
+        # The window: this process idles until the other one has spun a CPU second.
+        assert wait_until(lambda: psutil.Process(busy.pid).cpu_times().user >= 1.0, 60)
+        why = select.oversubscribed(since, threads=len(os.sched_getaffinity(0)))
+    finally:
+        busy.kill()
+        busy.wait()
+    assert why is not None and "other processes used" in why

@@ -249,16 +249,19 @@ def measure(
     clock: Callable[[], float] = time.perf_counter,
     drop_slower: float = 3.0,
     skip_slower: float = 10.0,
-    quantile: float = 0.2,
+    quantile: float = 0.0,
 ) -> dict[str, float]:
     """ms per call of each trial. Each warms up with ``WARM_UP`` calls (its fastest sizes
     its rounds), then ``rounds`` rounds in which each runs its share of ~``budget_s``
     worth of calls (at least one a round), interleaved so a burst of noise from elsewhere
     hits them alike. Every call is timed on its own and a trial's time is the
-    ``quantile`` of its calls: noise only ever adds time, and on 2 shared cores most of a
-    call's time can be a wait for its second thread to be scheduled (a C++ call of 50 us
-    measured 8-16 ms at the median while another process held the other core), so the
-    fast end of the distribution is the path's own speed. After two rounds a trial
+    ``quantile`` of its calls, by default the fastest: noise only ever adds time, and on 2
+    shared cores most of a call's time can be a wait for its second thread to be
+    scheduled (a C++ call of 50 us measured 8-16 ms at the median while another process
+    held the other core; with one busy process beside it the 20th percentile of a 1024x1024
+    linear's calls still read 5-6 ms where the fastest read 0.07-0.1), so the fast end of
+    the distribution is the path's own speed. The stand-ins rotate over more weights than
+    any cache holds, so the fastest call is not a cache-warm one. After two rounds a trial
     ``drop_slower`` x slower than the best stops being timed, and one whose fastest
     warm-up call took ``skip_slower`` x the fastest one's is not timed on. A trial that
     raises is left out (its candidate cannot serve here)."""
@@ -569,6 +572,7 @@ def _choose(
     rows = {"decode": 1, "batch": max(DECODE_MAX_ROWS + 1, batch_rows)}
     choices: dict[str, Choice] = {}
     measured = False
+    window = cpu_sample()  # what else ran during the trials decides whether they are kept
     for key, members in groups.items():
         module, op, spec = members[0]
         cands = allowed(spec.candidates, mode)
@@ -589,7 +593,7 @@ def _choose(
                     cands, timings, mode, holds_weights=spec.holds_weights, source=source
                 )
         choices[key.name] = choice
-    busy = oversubscribed()
+    busy = oversubscribed(window) if measured else None
     if measured and busy is None:
         cache.save()
     elif measured:
@@ -623,18 +627,70 @@ def _follow(
     return choices
 
 
-def oversubscribed() -> str | None:
-    """Why timings taken now should not be kept, or None: a load average above the cores
-    this process may use (plus one, for the trial itself). On an oversubscribed machine a
-    parallel region waits for its threads to be scheduled, which can make any path look
-    like any other (2 shared cores, 3 busy processes elsewhere: every 2-thread call of a
-    50 us kernel took 8-12 ms); such a choice serves this start only."""
+# Other processes may use this much of the cores this process's threads do not (in cores,
+# averaged over the trials) before the trials count as contended.
+OTHERS_SLACK_CORES = 0.3
+
+
+@dataclass(frozen=True)
+class CpuSample:
+    """CPU seconds used by the whole machine (None: unknown) and by this process (all its
+    threads), at one moment of the monotonic clock."""
+
+    machine_busy_s: float | None
+    own_s: float
+    at_s: float
+
+
+def cpu_sample() -> CpuSample:
+    return CpuSample(_machine_busy_s(), time.process_time(), time.monotonic())
+
+
+def _machine_busy_s() -> float | None:
+    """Busy CPU seconds of every core since boot (/proc/stat: all but idle and iowait;
+    steal counts, it is a hypervisor's other guest on our core), or None."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()
+        ticks = [int(v) for v in fields[1:9]]  # user nice system idle iowait irq softirq steal
+    except (OSError, ValueError):
+        return None
+    if fields[:1] != ["cpu"] or len(ticks) < 5:
+        return None
+    return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
+
+
+def oversubscribed(since: CpuSample | None = None, threads: int | None = None) -> str | None:
+    """Why timings taken since ``since`` should not be kept, or None.
+
+    Other processes that ran meanwhile make any path look like any other: a parallel
+    region waits for a descheduled thread, so a multi-threaded path's calls stretch while
+    a single-threaded one's do not (measured with one other busy process on 2 cores: a
+    1024x1024 linear at one row "took" 5-6 ms on the C++ path and 0.36 ms on torch's; its
+    own speed is 0.07-0.1 ms against torch's 0.3-0.4). So the trials' window is judged by
+    the CPU time others used in it, from /proc/stat: more than the cores this process's
+    ``threads`` leave free (plus ``OTHERS_SLACK_CORES``) is contention -- ranks beside
+    each other on their own share of the cores are not. Without /proc/stat (or
+    ``since``): a load average above the usable cores plus one. Such a choice serves this
+    start only."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    cores = cores or 1
+    now = cpu_sample()
+    if since is not None and since.machine_busy_s is not None and now.machine_busy_s is not None:
+        wall = now.at_s - since.at_s
+        if wall <= 0:
+            return None
+        own = now.own_s - since.own_s
+        others = max(0.0, (now.machine_busy_s - since.machine_busy_s) - own) / wall
+        free = max(0, cores - (threads or torch.get_num_threads()))
+        if others > free + OTHERS_SLACK_CORES:
+            return f"other processes used {others:.1f} of {cores} cores during the trials"
+        return None
     try:
         load = os.getloadavg()[0]
     except (OSError, AttributeError):
         return None
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    if load > (cores or 1) + 1:
+    if load > cores + 1:
         return f"load average {load:.1f} on {cores} cores"
     return None
 
