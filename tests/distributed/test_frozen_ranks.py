@@ -37,6 +37,7 @@ from tests.distributed.test_elastic_scale import (  # noqa: F401 - fixture
     _run,
     reference,
 )
+from tests.distributed.test_rank_death import _pinned
 from tests.waiting import wait_until, wait_until_async
 from tidal import LLM
 from tidal.frontend.async_client import AsyncMPClient
@@ -77,17 +78,6 @@ def _gone(pid: int) -> bool:
         return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return True
-
-
-async def _pinned(llm: AsyncLLM, rank: int) -> list[asyncio.Task]:
-    started = [asyncio.Event(), asyncio.Event()]
-    tasks = [
-        asyncio.create_task(_run(llm, f"pinned-{item}", item, ev.set, rank=rank))
-        for item, ev in zip((LONG, RICH), started)
-    ]
-    for ev in started:
-        await asyncio.wait_for(ev.wait(), 120)
-    return tasks
 
 
 async def _recovered_without(
@@ -141,9 +131,7 @@ def test_a_frozen_engine_is_killed_and_recovered_from(qwen3_ckpt, reference):  #
 
 def test_a_stuck_busy_loop_is_found_by_the_watchdog(qwen3_ckpt, reference):  # noqa: F811
     async def main() -> None:
-        llm = _llm(
-            qwen3_ckpt, 3, entry_module=FAULT_ENGINE, engine_stall_timeout=STALL_TIMEOUT_S
-        )
+        llm = _llm(qwen3_ckpt, 3, entry_module=FAULT_ENGINE, engine_stall_timeout=STALL_TIMEOUT_S)
         try:
             load = Load(llm, workers=4)
             assert await wait_until_async(lambda: len(load.results) >= 2)

@@ -33,7 +33,7 @@ from tests.distributed.test_elastic_scale import (  # noqa: F401 - fixture
     _run,
     reference,
 )
-from tests.distributed.test_rank_death import _no_children_left
+from tests.distributed.test_rank_death import _no_children_left, _pinned
 from tests.waiting import wait_until, wait_until_async
 from tidal.distributed.ports import get_open_port
 from tidal.frontend.async_llm import AsyncLLM
@@ -72,17 +72,6 @@ def _started(config) -> AsyncLLM:
 
 def _recoveries(llm: AsyncLLM) -> list[dict]:
     return [r for r in llm.scaling_history() if r["trigger"] == "recovery"]
-
-
-async def _pinned(llm: AsyncLLM, rank: int) -> list[asyncio.Task]:
-    started = [asyncio.Event(), asyncio.Event()]
-    tasks = [
-        asyncio.create_task(_run(llm, f"pinned-{item}", item, ev.set, rank=rank))
-        for item, ev in zip((LONG, RICH), started)
-    ]
-    for ev in started:
-        await asyncio.wait_for(ev.wait(), 120)
-    return tasks
 
 
 async def _complete(
