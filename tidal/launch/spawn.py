@@ -64,6 +64,13 @@ def _check_multi_node(
     parser: argparse.ArgumentParser, ns: argparse.Namespace, config: EngineConfig
 ) -> None:
     par = config.parallel
+    if par.data_parallel_backend == "ray":
+        if ns.headless:
+            parser.error(
+                "--headless: not with --data-parallel-backend ray (Ray starts the ranks on "
+                "its nodes; run `ray start --address ...` on the other hosts instead)"
+            )
+        return  # Ray places the ranks; the frontend picks its own ports
     remote = ns.headless or par.data_parallel_size_local < par.data_parallel_size
     if remote and not ns.data_parallel_rpc_port:
         parser.error(

@@ -1,0 +1,74 @@
+"""A multi-node Ray cluster on this machine (DESIGN.md 10), shared by a test module.
+
+``ray.cluster_utils.Cluster``: a head node with no CPU (nothing is placed on it; the
+frontend's driver connects there) and worker nodes of one logical CPU each, so every
+engine rank (one CPU bundle) needs a node of its own and a test decides where ranks can
+go by adding and removing nodes. Everything listens on loopback
+(``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``, set before Ray starts). Node deaths are seen in
+about a second (health checks every 500 ms, two missed), not Ray's default half minute.
+
+Skipped when Ray is not installed (``pip install 'tidal[ray]'``; the ``test`` extra has it).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import pytest
+
+# Read once, when Ray is first imported: before that, in every process of these tests (the
+# servers they start inherit it). Ray then takes loopback as every node's address.
+os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+LOOPBACK = "127.0.0.1"
+OBJECT_STORE_BYTES = 80 * 1024 * 1024  # per node: Ray's least is 75 MiB
+SYSTEM_CONFIG = {"health_check_period_ms": 500, "health_check_failure_threshold": 2}
+
+
+class RayCluster:
+    """The cluster plus what tests need of it: its address, adding one-CPU nodes,
+    removing one, and the resources free now."""
+
+    def __init__(self, num_nodes: int) -> None:
+        import ray
+        from ray.cluster_utils import Cluster
+
+        self.cluster = Cluster(
+            initialize_head=True,
+            head_node_args={
+                "num_cpus": 0,
+                "node_ip_address": LOOPBACK,
+                "include_dashboard": False,
+                "object_store_memory": OBJECT_STORE_BYTES,
+                "_system_config": SYSTEM_CONFIG,
+            },
+        )
+        self.address = self.cluster.address
+        self.nodes = [self.add_node() for _ in range(num_nodes)]
+        ray.init(address=self.address, namespace="tidal-tests")
+        self.cluster.wait_for_nodes()
+
+    def add_node(self):
+        return self.cluster.add_node(
+            num_cpus=1, node_ip_address=LOOPBACK, object_store_memory=OBJECT_STORE_BYTES
+        )
+
+    def remove_node(self, node) -> None:
+        self.cluster.remove_node(node, allow_graceful=False)
+        self.nodes.remove(node)
+
+    def shutdown(self) -> None:
+        import ray
+
+        ray.shutdown()
+        self.cluster.shutdown()
+
+
+@pytest.fixture(scope="module")
+def ray_cluster() -> Iterator[RayCluster]:
+    pytest.importorskip("ray")
+    cluster = RayCluster(num_nodes=2)
+    try:
+        yield cluster
+    finally:
+        cluster.shutdown()
