@@ -675,9 +675,11 @@ def run_benchmark(
     run: Callable[[argparse.Namespace], Awaitable[dict[str, Any]]],
     opts: argparse.Namespace,
     log: Callable[[str], None],
+    indent: int | None = 1,
 ) -> None:
-    """Run ``run(opts)`` and print its JSON document, stopping every process it left
-    (also on Ctrl-C, SIGTERM or an error); ``leftover_processes`` counts them."""
+    """Run ``run(opts)`` and print its JSON document (``indent``: None for one line),
+    stopping every process it left (also on Ctrl-C, SIGTERM or an error);
+    ``leftover_processes`` counts them."""
     signal.signal(signal.SIGTERM, _sigterm)
     # Ctrl-C even where SIGINT was inherited ignored (a background job of a script).
     signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -689,7 +691,7 @@ def run_benchmark(
         if leftover:
             log(f"stopped {leftover} leftover process(es)")
     doc["leftover_processes"] = leftover
-    print(json.dumps(doc, indent=1), flush=True)
+    print(json.dumps(doc, indent=indent), flush=True)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,8 +1,11 @@
-"""Rank death under load: Tidal's emergency scale-down vs a restart, in one run.
+"""Rank death under load: Tidal's emergency scale-down vs a restart, in one run; and the
+fault matrix: every process kind killed or frozen.
 
     python benchmarks/faults.py                  # kill -9 one rank of DP=3 under 32 streams
     python benchmarks/faults.py --restore        # ... then scale back to 3 (--elastic-restore)
     python benchmarks/faults.py --quick          # a short smoke run (8 streams)
+    python benchmarks/faults.py --matrix         # 5 process kinds x 3 faults, a line each
+    python benchmarks/faults.py --host-loss      # a whole headless host killed or frozen
 
 The default model (the embedded tiny Qwen3-MoE, float32) is served by an in-process
 ``AsyncLLM`` at DP=EP=``--size`` with elastic EP. ``--streams`` clients stream requests
@@ -40,12 +43,41 @@ request that failed (attempts against the dead deployment included). The restart
 Prints one JSON document (machine, model, load, one row per system, ``targets``: new
 requests served < 5 s after the kill, 0 lost). Every engine process is stopped at the
 end, also on Ctrl-C, SIGTERM or an error; ``leftover_processes`` counts what was alive.
+
+``--matrix`` (DESIGN.md 6.5: a helper is never a single point of failure, and a process
+that freezes is handled like one that dies). A fresh DP=EP=``--size`` deployment with
+elastic EP per cell, under ``--streams`` streams; the fault hits one process of a kind:
+
+- ``engine``: the engine at rank 1;
+- ``zygote``: the warm launcher, then a scale-up to ``--size`` + 1 asks it for an engine
+  (cold-started while no zygote answers);
+- ``coordinator``: the DP coordinator;
+- ``joiner``: the new engine of a scale-up to ``--size`` + 1, once its PREPARE is out;
+- ``leaver``: the leaving engine of a scale-down to ``--size`` - 1 with a 30 s drain, once
+  its PREPARE is out (it drains its streams);
+
+with each fault: ``kill`` (SIGKILL), ``stop`` (SIGSTOP for good: the frontend must find
+it and kill it), ``stop5`` (SIGSTOP, SIGCONT 5 s later). Nothing else is done by hand.
+One JSON line per cell: ``lost`` (requests in flight at the fault that did not end with
+exactly ``--max-tokens`` tokens), ``errors`` (requests that raised), ``max_stream_pause_s``
+(per stream, its last token before the fault to its first after), ``new_request_served_s``
+(a probe submitted right after the fault, retried while refused: its first token), the
+``final_size``, the operations the cell caused, and restarts of helpers. A last line
+sums the matrix up (``all_zero_lost``).
+
+``--host-loss``: the README's two-host deployment on loopback -- the frontend with rank 0,
+a ``launch --headless`` host (its own launcher process) with ranks 1 and 2 -- under the
+same load, without and with ``--enable-elastic-ep``; the whole host is killed (SIGKILL to
+its launcher and both ranks at once) or frozen for good (SIGSTOP to all three: nothing
+here can kill them). A line each, as the matrix's, with ``target: host``.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import json
 import os
 import signal
 import sys
@@ -282,6 +314,343 @@ async def run_all(opts: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+# ------------------------------------------------------------------ the fault matrix
+
+TARGETS = ("engine", "zygote", "coordinator", "joiner", "leaver")
+FAULTS = ("kill", "stop", "stop5")
+RESUME_AFTER_S = 5.0  # stop5: SIGCONT this long after SIGSTOP
+LEAVER_DRAIN_S = 30.0
+
+
+class Fault:
+    """One fault on one process: SIGKILL, or SIGSTOP (SIGCONT after ``RESUME_AFTER_S``
+    for ``stop5``). ``release()`` resumes a process still stopped (cleanup)."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+        self.pid: int | None = None
+        self.at: float | None = None
+        self._resume: asyncio.TimerHandle | None = None
+
+    def hit(self, pid: int) -> float:
+        self.pid, self.at = pid, time.monotonic()
+        os.kill(pid, signal.SIGKILL if self.kind == "kill" else signal.SIGSTOP)
+        if self.kind == "stop5":
+            loop = asyncio.get_running_loop()
+            self._resume = loop.call_later(RESUME_AFTER_S, self._cont)
+        return self.at
+
+    def _cont(self) -> None:
+        if self.pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signal.SIGCONT)
+
+    @property
+    def resumed_by(self) -> float:
+        """When the fault's own part is over (a stop5 process resumed)."""
+        assert self.at is not None
+        return self.at + (RESUME_AFTER_S if self.kind == "stop5" else 0.0)
+
+    def handled(self) -> bool:
+        """A process stopped for good must have been found and killed by the frontend."""
+        if self.kind != "stop" or self.pid is None:
+            return True
+        import psutil
+
+        try:
+            return psutil.Process(self.pid).status() == psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return True
+
+    def release(self) -> None:
+        if self._resume is not None:
+            self._resume.cancel()
+        if self.kind != "kill":
+            self._cont()
+
+
+def _on_prepare(llm: Any, pick: Callable[[Any], list[int]], fault: Fault) -> asyncio.Future:
+    """Hit ``fault`` on the first engine ``pick(prepare)`` names, once that PREPARE is out;
+    the future gets the hit time."""
+    client = llm.client
+    send = client.send_scale
+    hit: asyncio.Future = asyncio.get_running_loop().create_future()
+
+    async def hooked(engine_ids: Any, message: Any) -> list[int]:
+        out = await send(engine_ids, message)
+        from tidal.protocol.elastic import ScalePrepare
+
+        if isinstance(message, ScalePrepare) and not hit.done():
+            targets = pick(message)
+            if targets:
+                hit.set_result(fault.hit(client.manager.procs[targets[0]].pid))
+        return out
+
+    client.send_scale = hooked
+    return hit
+
+
+async def _until(pred: Callable[[], bool], timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not pred():
+        if time.monotonic() > deadline:
+            return False
+        await asyncio.sleep(0.05)
+    return True
+
+
+async def run_cell(opts: argparse.Namespace, target: str, kind: str) -> dict[str, Any]:
+    """One cell of the matrix (see the module docstring)."""
+    llm = await asyncio.to_thread(make_llm, opts.model, opts.dtype, opts.size, True)
+    llm.start()
+    load: Load | None = None
+    fault = Fault(kind)
+    scale: asyncio.Task | None = None
+    try:
+        manager, size = llm.client.manager, opts.size
+        load = Load(llm, opts.streams, opts.max_tokens, seed=opts.seed)
+        await _warm(load, opts)
+        await _until(lambda: manager.zygote is not None and manager.zygote.ready, 120)
+        history0 = len(llm.scaling_history())
+        if target == "engine":
+            t_fault = fault.hit(manager.procs[llm.client.topology.engine_ids[1]].pid)
+        elif target == "coordinator":
+            t_fault = fault.hit(llm.client.coordinator.proc.pid)
+        elif target == "zygote":
+            t_fault = fault.hit(manager.zygote.pid)
+            scale = asyncio.create_task(llm.scale_elastic_ep(size + 1))
+        else:
+            joiner = target == "joiner"
+            hit = _on_prepare(llm, lambda m: m.joining if joiner else m.leaving, fault)
+            new = size + 1 if joiner else size - 1
+            drain = 0.0 if joiner else LEAVER_DRAIN_S
+            scale = asyncio.create_task(llm.scale_elastic_ep(new, drain_timeout=drain))
+            t_fault = await asyncio.wait_for(hit, 300)
+        probing = asyncio.create_task(probe(lambda: llm, opts.retry_s))
+        log(f"matrix: {target} x {kind} at t={t_fault:.2f}")
+        if scale is not None:
+            code, rec = await asyncio.wait_for(scale, 600)
+            log(f"matrix: {target} x {kind}: the scale call ended {rec['result']} ({code})")
+        t_new = await asyncio.wait_for(probing, 300)
+        await asyncio.sleep(max(0.0, fault.resumed_by - time.monotonic()))
+
+        def settled() -> bool:
+            faults = llm.fault_status()
+            coord = llm.client.coordinator
+            return (
+                fault.handled()
+                and faults["degraded"] is None
+                and not llm.is_scaling_elastic_ep()
+                and (coord is None or coord.is_alive())
+                and manager.zygote is not None
+                and manager.zygote.ready
+            )
+
+        if not await _until(settled, 300):
+            log(f"matrix: {target} x {kind}: not settled after 300 s")
+        await asyncio.sleep(opts.settle_s)
+        await load.finish()
+        history = llm.scaling_history()[history0:]
+        faults = llm.fault_status()
+        final_size = llm.client.topology.size
+        coordinator_restarts = faults["coordinator_restarts"]
+        zygote_restarts = manager.zygote_restarts
+    finally:
+        fault.release()
+        if load is not None:
+            await load.cancel()
+        await llm.shutdown()
+    reqs = load.reqs
+    hit = in_flight_at(reqs, t_fault)
+    pauses = stream_pauses(reqs, t_fault)
+    deaths = faults["deaths"]
+    return {
+        "target": target,
+        "fault": kind,
+        "lost": sum(1 for r in hit if not r.complete(opts.max_tokens)),
+        "errors": sum(1 for r in reqs if r.error is not None),
+        "max_stream_pause_s": _r(max(pauses) if pauses else None),
+        "new_request_served_s": _r(t_new - t_fault),
+        "final_size": final_size,
+        "in_flight_at_fault": len(hit),
+        "requests": len(reqs),
+        "operations": [
+            {
+                "trigger": h["trigger"],
+                "sizes": f"{h['from_size']}->{h['to_size']}",
+                "result": h["result"],
+                "duration_s": _r(h["duration_s"]),
+                "cause": h["cause"],
+            }
+            for h in history
+        ],
+        "deaths": [
+            {"engine": d["engine_id"], "detect_s": _r(d["at"] - t_fault), "cause": d["cause"]}
+            for d in deaths
+        ],
+        "coordinator_restarts": coordinator_restarts,
+        "zygote_restarts": zygote_restarts,
+        "error_samples": sorted({r.error for r in reqs if r.error})[:3],
+    }
+
+
+HOST_SECRET = "faults-benchmark-host-secret-0123"
+
+
+def _start_host(opts: argparse.Namespace, rpc: int, elastic: bool) -> Any:
+    """``launch --headless`` for ranks 1 and 2 of DP=3, as another host would run it."""
+    import subprocess
+
+    flags = [
+        "--dtype", opts.dtype, "--dp", "3", "--data-parallel-size-local", "2",
+        "--data-parallel-start-rank", "1", "--data-parallel-address", "127.0.0.1",
+        "--data-parallel-rpc-port", str(rpc), "--ep", "--headless",
+    ] + (["--model", opts.model] if opts.model else []) + (
+        ["--enable-elastic-ep"] if elastic else []
+    )  # fmt: skip
+    env = {**os.environ, "TIDAL_DP_AUTH_KEY": HOST_SECRET}
+    return subprocess.Popen(
+        [sys.executable, "-m", "tidal.launch.spawn", *flags], env=env, stdout=subprocess.DEVNULL
+    )
+
+
+def _host_llm(opts: argparse.Namespace, rpc: int, elastic: bool) -> Any:
+    from tidal.frontend.async_llm import AsyncLLM
+    from tidal.launch.engine_args import EngineArgs
+
+    config = EngineArgs(
+        model=opts.model,
+        dtype=opts.dtype,
+        data_parallel_size=3,
+        data_parallel_size_local=1,
+        data_parallel_address="127.0.0.1",
+        data_parallel_rpc_port=rpc,
+        data_parallel_auth_key=HOST_SECRET,
+        enable_expert_parallel=True,
+        enable_elastic_ep=elastic,
+    ).create_engine_config()
+    return AsyncLLM(config)
+
+
+async def run_host_cell(opts: argparse.Namespace, elastic: bool, kind: str) -> dict[str, Any]:
+    """The host of ranks 1 and 2 lost (``kill``) or frozen for good (``stop``)."""
+    import psutil
+
+    from tidal.distributed.ports import get_open_port
+
+    rpc = get_open_port()
+    host = _start_host(opts, rpc, elastic)
+    llm = await asyncio.to_thread(_host_llm, opts, rpc, elastic)
+    llm.start()
+    load: Load | None = None
+    frozen: list[Any] = []
+    try:
+        load = Load(llm, opts.streams, opts.max_tokens, seed=opts.seed)
+        await _warm(load, opts)
+        procs = [psutil.Process(host.pid), *psutil.Process(host.pid).children(recursive=True)]
+        t_fault = time.monotonic()
+        for p in procs:
+            p.send_signal(signal.SIGKILL if kind == "kill" else signal.SIGSTOP)
+        frozen = procs if kind == "stop" else []
+        probing = asyncio.create_task(probe(lambda: llm, opts.retry_s))
+        log(f"host loss ({'elastic' if elastic else 'default'}) x {kind} at t={t_fault:.2f}")
+        t_new = await asyncio.wait_for(probing, 300)
+
+        def recovered() -> bool:
+            return llm.fault_status()["degraded"] is None and llm.client.topology.size == 1
+
+        if not await _until(recovered, 300):
+            log("host loss: not recovered after 300 s")
+        await asyncio.sleep(opts.settle_s)
+        await load.finish()
+        history = llm.scaling_history()
+        faults = llm.fault_status()
+        final_size = llm.client.topology.size
+    finally:
+        if load is not None:
+            await load.cancel()
+        await llm.shutdown()
+        for p in frozen:
+            with contextlib.suppress(psutil.Error):
+                p.kill()
+        if host.poll() is None:
+            host.kill()
+        host.wait(30)
+    reqs = load.reqs
+    hit = in_flight_at(reqs, t_fault)
+    pauses = stream_pauses(reqs, t_fault)
+    return {
+        "target": "host",
+        "fault": kind,
+        "elastic": elastic,
+        "lost": sum(1 for r in hit if not r.complete(opts.max_tokens)),
+        "errors": sum(1 for r in reqs if r.error is not None),
+        "max_stream_pause_s": _r(max(pauses) if pauses else None),
+        "new_request_served_s": _r(t_new - t_fault),
+        "final_size": final_size,
+        "in_flight_at_fault": len(hit),
+        "requests": len(reqs),
+        "recovery_operations": sum(1 for h in history if h["trigger"] == "recovery"),
+        "operations": [
+            {"trigger": h["trigger"], "sizes": f"{h['from_size']}->{h['to_size']}",
+             "result": h["result"], "dead": h["dead"], "duration_s": _r(h["duration_s"])}
+            for h in history
+        ],  # fmt: skip
+        "deaths": [
+            {"engine": d["engine_id"], "detect_s": _r(d["at"] - t_fault), "cause": d["cause"]}
+            for d in faults["deaths"]
+        ],
+    }
+
+
+async def run_host_loss(opts: argparse.Namespace) -> dict[str, Any]:
+    t0 = time.monotonic()
+    cells = []
+    for elastic in (False, True):
+        for kind in ("kill", "stop"):
+            cell = await run_host_cell(opts, elastic, kind)
+            cells.append(cell)
+            print(json.dumps({"benchmark": "faults-host-loss", **cell}), flush=True)
+    return {
+        "benchmark": "faults-host-loss-summary",
+        "machine": machine_info(),
+        "model": model_info(opts),
+        "load": {**load_info(opts), "size": 3, "host_ranks": [1, 2]},
+        "target_new_request_served_s": TARGET_NEW_REQUESTS_SERVED_S,
+        "all_served_within_target": all(
+            c["new_request_served_s"] < TARGET_NEW_REQUESTS_SERVED_S for c in cells
+        ),
+        "all_zero_lost": all(c["lost"] == 0 for c in cells),
+        "all_one_recovery": all(c["recovery_operations"] == 1 for c in cells),
+        "elapsed_s": _r(time.monotonic() - t0, 1),
+    }
+
+
+async def run_matrix(opts: argparse.Namespace) -> dict[str, Any]:
+    """Every cell, a JSON line each as it ends; the summary is the returned document."""
+    t0 = time.monotonic()
+    cells = []
+    for target in opts.targets:
+        for kind in opts.faults:
+            cell = await run_cell(opts, target, kind)
+            cells.append(cell)
+            print(json.dumps({"benchmark": "faults-matrix", **cell}), flush=True)
+    return {
+        "benchmark": "faults-matrix-summary",
+        "machine": machine_info(),
+        "model": model_info(opts),
+        "load": {**load_info(opts), "size": opts.size},
+        "table": [
+            {k: c[k] for k in ("target", "fault", "lost", "errors", "max_stream_pause_s",
+                               "new_request_served_s", "final_size")}  # fmt: skip
+            for c in cells
+        ],
+        "all_zero_lost": all(c["lost"] == 0 for c in cells),
+        "all_zero_errors": all(c["errors"] == 0 for c in cells),
+        "elapsed_s": _r(time.monotonic() - t0, 1),
+    }
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     add_load_args(p, baseline_s=5.0, settle_s=2.0)
@@ -290,17 +659,39 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--restore", action="store_true", help="scale back to --size afterwards")
     p.add_argument("--no-peer", action="store_true", help="skip the restart peer")
     p.add_argument("--quick", action="store_true", help="smoke run: 8 streams, short windows")
+    p.add_argument("--matrix", action="store_true", help="the fault matrix (see above)")
+    p.add_argument("--host-loss", action="store_true", help="a headless host lost (see above)")
+    p.add_argument("--targets", default=",".join(TARGETS), help="matrix: process kinds")
+    p.add_argument("--faults", default=",".join(FAULTS), help="matrix: faults")
     opts = p.parse_args(argv)
+    opts.targets = [t for t in opts.targets.split(",") if t]
+    opts.faults = [f for f in opts.faults.split(",") if f]
+    if not set(opts.targets) <= set(TARGETS) or not set(opts.faults) <= set(FAULTS):
+        p.error(f"--targets: of {','.join(TARGETS)}; --faults: of {','.join(FAULTS)}")
     if opts.quick:
         opts.streams, opts.max_tokens = 8, 16
         opts.warmup_s, opts.baseline_s, opts.settle_s = 0.5, 1.0, 0.5
+    elif opts.matrix or opts.host_loss:  # many deployments: lighter load, shorter windows
+        given = argv if argv is not None else sys.argv
+        for flag, name, value in (
+            ("--streams", "streams", 16),
+            ("--warmup-s", "warmup_s", 1.0),
+            ("--baseline-s", "baseline_s", 1.0),
+            ("--settle-s", "settle_s", 1.0),
+        ):
+            if flag not in given:
+                setattr(opts, name, value)
     if not 0 <= opts.victim_rank < opts.size or opts.size < 2:
         p.error(f"--victim-rank must be a rank of --size (>= 2): got {opts.victim_rank}")
     return opts
 
 
 def main(argv: list[str] | None = None) -> None:
-    run_benchmark(run_all, parse_args(argv), log)
+    opts = parse_args(argv)
+    if opts.matrix or opts.host_loss:  # a JSON line per cell, then the summary's line
+        run_benchmark(run_matrix if opts.matrix else run_host_loss, opts, log, indent=None)
+    else:
+        run_benchmark(run_all, opts, log)
 
 
 if __name__ == "__main__":

@@ -89,6 +89,16 @@ class ParallelConfig:
     # Elastic EP, after a rank death (DESIGN.md 6.5): the recovery removes the dead rank;
     # with this, a scale-up then brings the deployment back to the size it had.
     elastic_restore: bool = False
+    # A data-parallel deployment survives the loss of ranks (DESIGN.md 6.5), with or
+    # without elastic EP: the dead ranks are removed by a recovery operation and their
+    # requests migrate. False: a rank death ends the deployment (every request fails),
+    # for those who restart it from outside.
+    rank_recovery: bool = True
+    # The step-progress watchdog (DESIGN.md 6.5): a busy loop inside one iteration this
+    # long, not waiting on its peers, is stuck, and its rank is killed and recovered from.
+    # Seconds; 0 disables it. The default is ``protocol.messages.ENGINE_STALL_TIMEOUT_S``
+    # (why there; this layer imports nothing of tidal).
+    engine_stall_timeout: float = 120.0
     all2all_backend: str = "allgather_reducescatter"
     enable_eplb: bool = False
     num_redundant_experts: int = 0
@@ -118,6 +128,19 @@ class ParallelConfig:
         return self.data_parallel_size > 1 or self.enable_elastic_ep
 
     @property
+    def reconfigurable(self) -> bool:
+        """Whether the deployment can change its groups while it serves: elastic EP, or
+        a data-parallel deployment that recovers from rank deaths. Engines then run the
+        elastic shell (a broken group waits for a recovery instead of ending the rank)
+        and the frontend a scale driver."""
+        return self.enable_elastic_ep or (self.data_parallel_size > 1 and self.rank_recovery)
+
+    @property
+    def recovers_ranks(self) -> bool:
+        """Whether a rank death is recovered from (DESIGN.md 6.5) rather than fatal."""
+        return self.is_data_parallel and self.rank_recovery
+
+    @property
     def ep_size(self) -> int:
         """EP ranks at launch: every worker of every DP rank."""
         if not self.enable_expert_parallel:
@@ -144,6 +167,7 @@ class ParallelConfig:
             "ray_address",
             "ray_placement_timeout_s",
             "ray_warm_ranks",
+            "engine_stall_timeout",  # the frontend's watchdog
         ):
             d.pop(k)
         return _digest(d)

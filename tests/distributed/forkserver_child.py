@@ -1,6 +1,7 @@
 """A zygote for tests/distributed/test_forkserver.py: ``serve_forks`` with a child that
 runs a msgpack ``[path, seconds, exit_code]`` payload: it writes its pid, parent pid and
-process group to ``path``, sleeps, and exits with ``exit_code``."""
+process group to ``path``, sleeps, and exits with ``exit_code``. With
+``FORKSERVER_CHILD_SLOW_FORK_S`` the zygote sleeps that long before each fork."""
 
 from __future__ import annotations
 
@@ -22,5 +23,18 @@ def run(payload: bytes) -> None:
     os._exit(code)
 
 
+def _slow_fork(seconds: float):
+    fork = os.fork
+
+    def slow() -> int:  # the zygote takes its time before each fork (test_forkserver)
+        time.sleep(seconds)
+        return fork()
+
+    return slow
+
+
 if __name__ == "__main__":
+    delay = float(os.environ.get("FORKSERVER_CHILD_SLOW_FORK_S", "0"))
+    if delay:
+        os.fork = _slow_fork(delay)
     serve_forks(int(sys.argv[2]), run)

@@ -1,5 +1,5 @@
 """The real engine process (``tidal.engine_core.entry``) with test-only faults, for
-test_io_thread_faults.py (run as ``python -m io_fault_engine``):
+test_io_thread_faults.py and test_frozen_ranks.py (run as ``python -m io_fault_engine``):
 
 - utility ``unencodable``: returns a value msgspec cannot encode;
 - utility ``unencodable_output``: queues a request output batch that cannot be encoded
@@ -7,11 +7,14 @@ test_io_thread_faults.py (run as ``python -m io_fault_engine``):
 - utility ``break_output_thread``: queues an item the output thread fails on (a
   destination with no socket), as a bug there would;
 - a client frame whose type byte is ``BREAK_INPUT`` makes the input thread fail outside
-  its per-frame handling (a ``BaseException`` from the decoder), as a bug there would.
+  its per-frame handling (a ``BaseException`` from the decoder), as a bug there would;
+- utility ``stall``: the busy loop sleeps inside its iteration for good, while its I/O
+  threads go on (heartbeats flow): a GPU hang or a deadlock, for the stall watchdog.
 """
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from tidal.engine_core import proc as engine_proc
@@ -36,6 +39,11 @@ def _unencodable_output(self: EngineCoreProc, request_id: str) -> bool:
     return True
 
 
+def _stall(self: EngineCoreProc) -> bool:
+    while True:  # inside a busy-loop iteration (the utility runs there), never done
+        time.sleep(3600)
+
+
 def _break_output_thread(self: EngineCoreProc) -> bool:
     self.output_queue.put_nowait((99, b"no socket for this destination"))
     return True
@@ -55,6 +63,7 @@ def install_faults() -> None:
     EngineCoreProc.utility_unencodable = _unencodable  # type: ignore[attr-defined]
     EngineCoreProc.utility_unencodable_output = _unencodable_output  # type: ignore[attr-defined]
     EngineCoreProc.utility_break_output_thread = _break_output_thread  # type: ignore[attr-defined]
+    EngineCoreProc.utility_stall = _stall  # type: ignore[attr-defined]
     engine_proc.decode_client_request = _decode_or_crash
 
 

@@ -14,7 +14,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tidal.distributed.groups import StatelessGroup, create_store
+from tidal.distributed.collectives import CollectiveControl
+from tidal.distributed.groups import GroupFailure, StatelessGroup, create_store
 
 
 def _tcp_connections() -> int:
@@ -103,6 +104,20 @@ def _groups_worker(rank: int, world_size: int, ports: list[int]) -> dict:
         _check_collectives(c, 0.75)
     c.destroy()
     _check_collectives(a, 0.5)  # destroying C (sharing A's store) leaves A working
+    # D: abortable (a control and an epoch): its own reduce-scatter and in-place paths.
+    d = StatelessGroup.create(
+        host="127.0.0.1",
+        port=0,
+        rank=rank,
+        world_size=3,
+        store=a.store,
+        prefix="d",
+        control=CollectiveControl(),
+        epoch=0,
+    )
+    assert d.abortable
+    _check_collectives(d, 0.125)
+    d.destroy()
 
     for g in (a, b):
         if g is not None:
@@ -178,6 +193,71 @@ def test_collective_times_out_when_a_peer_is_missing(run_ranks_on_ports):
     messages = run_ranks_on_ports(_timeout_worker, 2, timeout_s=240)
     # A timeout (of the group's timeout_s), not another failure such as a closed peer.
     assert re.search(r"timed out", messages[0], re.I), messages[0]
+
+
+# A peer that froze: the group's own timeout is far away; only the abort ends the wait.
+FROZEN_PEER_TIMEOUT_S = 120.0
+RELEASED = "rank0-released"
+
+
+def _abort_worker(rank: int, world_size: int, port: int) -> list[str]:
+    store = create_store("127.0.0.1", port, rank=rank, world_size=world_size, timeout_s=120)
+    store.set(f"up{rank}", "1")
+    store.wait([f"up{r}" for r in range(world_size)], datetime.timedelta(seconds=120))
+    control = CollectiveControl()
+    groups = [
+        StatelessGroup.create(
+            host="127.0.0.1",
+            port=0,
+            rank=rank,
+            world_size=world_size,
+            store=store,
+            prefix=f"ab{i}",
+            timeout_s=FROZEN_PEER_TIMEOUT_S,
+            control=control,
+            epoch=i,
+        )
+        for i in range(3)
+    ]
+    for g in groups:
+        g.barrier()
+    if rank == 1:  # the frozen peer: in the groups, in no collective, until rank 0 is done
+        store.wait([RELEASED], datetime.timedelta(seconds=60))
+        return []
+    me, causes = threading.get_ident(), []
+    calls = [  # one collective per group; the abort of each epoch ends its wait
+        lambda g: g.all_reduce(torch.ones(4)),
+        lambda g: g.reduce_scatter(torch.ones(4)),  # gloo's own ignores a wait timeout
+        lambda g: g.all_gather(torch.ones(2)),
+    ]
+    for epoch, (g, call) in enumerate(zip(groups, calls)):
+
+        def abort_once_waiting(epoch: int = epoch) -> None:
+            deadline = time.monotonic() + 60
+            while not control.is_waiting(me) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            control.abort(epoch + 1, f"recovery of epoch {epoch + 1}")
+
+        t = threading.Thread(target=abort_once_waiting)
+        t.start()
+        with pytest.raises(GroupFailure, match="aborted") as err:
+            call(g)
+        t.join()
+        causes.append(str(err.value))
+        with pytest.raises(GroupFailure, match="aborted"):  # and every later one at once
+            g.all_reduce(torch.ones(1))
+        g.destroy()  # never waits for the abandoned operation (rank 1 is still silent)
+    store.set(RELEASED, "1")  # only now: had a destroy waited, rank 1 would have given up
+    return causes
+
+
+def test_an_abort_ends_a_collective_a_frozen_peer_holds(run_ranks_on_ports):
+    causes, _ = run_ranks_on_ports(_abort_worker, 2, timeout_s=240)
+    assert [c.split("aborted: ")[1] for c in causes] == [
+        "recovery of epoch 1",
+        "recovery of epoch 2",
+        "recovery of epoch 3",
+    ]
 
 
 def test_create_rejects_bad_arguments():

@@ -12,6 +12,7 @@ import msgspec
 import psutil
 import pytest
 
+from tests.waiting import wait_until
 from tidal.utils import procs
 from tidal.utils.procs import ModuleProcess
 
@@ -105,3 +106,22 @@ def test_exit_code_and_kill(started: list[ModuleProcess], sentinel_kind: str) ->
     q.kill()
     q.join(DEADLINE_S)
     assert q.exitcode == -signal.SIGKILL
+
+
+def test_a_process_watch_sees_a_launcher_that_is_not_the_parent_exit(
+    started: list[ModuleProcess], sentinel_kind: str
+) -> None:
+    """A warm launcher's fork watches the frontend that asked for it, not its parent."""
+    p, _ = _start(started, "Watched", exit_code=None)  # stands for the frontend
+    watch = procs.ProcessWatch(p.pid)
+    mine = procs.ProcessWatch()  # our parent (pytest's runner): alive
+    try:
+        assert not watch.gone() and not mine.gone()
+        assert (watch.fileno is not None) == (sentinel_kind == "pidfd")
+        p.kill()
+        p.join(DEADLINE_S)
+        assert wait_until(watch.gone, DEADLINE_S) and watch.gone()  # and it stays gone
+        assert not mine.gone()
+    finally:
+        watch.close()
+        mine.close()

@@ -87,3 +87,25 @@ def test_fault_row_counts_lost_and_targets(bench):
     ok = bench.targets({**row, "lost": 0, "errors": 0, "new_requests_served_s": 0.3})
     assert all(v["ok"] for v in ok.values())
     assert not bench.targets({**row, "new_requests_served_s": None})["new_requests_served_s"]["ok"]
+
+
+def test_matrix_options(bench):
+    opts = bench.parse_args(["--matrix"])
+    assert opts.matrix and opts.targets == list(bench.TARGETS) and opts.faults == list(bench.FAULTS)
+    assert len(opts.targets) * len(opts.faults) == 15
+    assert (opts.streams, opts.warmup_s, opts.baseline_s) == (16, 1.0, 1.0)  # 15 deployments
+    argv = ["--matrix", "--targets", "zygote", "--faults", "stop5", "--streams", "4"]
+    opts = bench.parse_args(argv)
+    assert (opts.targets, opts.faults, opts.streams) == (["zygote"], ["stop5"], 4)
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--matrix", "--targets", "engine,frontend"])
+    assert bench.parse_args([]).streams == 32  # the single-kill run keeps its load
+
+
+def test_until_waits_for_a_condition_or_gives_up(bench):
+    async def main():
+        flips = iter([False, False, True])
+        assert await bench._until(lambda: next(flips), 60)
+        assert not await bench._until(lambda: False, 0.01)
+
+    bench.asyncio.run(main())

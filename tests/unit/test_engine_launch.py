@@ -4,6 +4,7 @@ rebuild exactly the config it was made from (msgspec; the transformers config as
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import msgspec
 import pytest
@@ -29,8 +30,10 @@ def test_launch_round_trip(ckpt: str, request: pytest.FixtureRequest) -> None:
     data = encode_engine_launch(config, 1, "ipc:///tmp/x/handshake")
     msgspec.msgpack.decode(data)  # plain msgpack: nothing a peer must unpickle
 
-    back, index, address = decode_engine_launch(data)
+    launch = decode_engine_launch(data)
+    back, index, address = launch.config, launch.engine_index, launch.handshake_address
     assert (index, address) == (1, "ipc:///tmp/x/handshake")
+    assert launch.launcher_pid == os.getpid()  # the engine watches who asked for it
     assert back == config  # every field but hf_config (compare=False)
     assert dataclasses.astuple(back.parallel) == dataclasses.astuple(config.parallel)
     assert back.model.generation_eos_token_ids == config.model.generation_eos_token_ids

@@ -23,9 +23,10 @@ import zmq.asyncio
 from tests.waiting import wait_until
 from tidal.dp_coordinator.proc import CoordinatorAddresses, _CoordinatorLoop, _StopFlag
 from tidal.dp_coordinator.state import CoordinatorState
-from tidal.engine_core.proc import TO_CLIENT, EngineCoreProc, EngineIOThreadError
+from tidal.engine_core.proc import TO_CLIENT, EngineCoreProc, EngineIOThreadError, LoopProgress
 from tidal.frontend import sync_client
 from tidal.frontend.async_client import AsyncMPClient
+from tidal.frontend.liveness import Liveness
 from tidal.protocol.errors import EngineDeadError
 from tidal.protocol.messages import (
     COORDINATOR_READY,
@@ -68,6 +69,8 @@ def test_drop_counter_counts_every_drop_and_rate_limits_the_log(caplog):
 
 
 class _Core:
+    executor = SimpleNamespace(waiting_on_peers=lambda thread_id: False)
+
     def weird(self) -> Any:
         return {"x": object()}
 
@@ -76,6 +79,8 @@ def _engine(ctx: zmq.Context | None = None, **addresses: Any) -> EngineCoreProc:
     """An EngineCoreProc with only what its I/O threads use (no handshake, no model)."""
     proc = EngineCoreProc.__new__(EngineCoreProc)
     proc.engine_index = 3
+    proc.progress = LoopProgress()
+    proc._loop_thread = threading.get_ident()
     proc.input_queue = queue.Queue()
     proc.output_queue = queue.Queue()
     proc.dropped = DropCounter("engine 3", logging.getLogger("test"))
@@ -285,6 +290,9 @@ class _SyncStub:
     def _on_engine_death(self, reason: str) -> None:
         self.deaths.append(reason)
 
+    def _check_liveness(self) -> None:
+        """Between frames (nothing to judge here)."""
+
 
 def test_sync_reader_drops_bad_frames_and_fails_the_client_on_a_bug():
     ctx = zmq.Context()
@@ -325,8 +333,7 @@ def _async_client(ctx: zmq.asyncio.Context) -> AsyncMPClient:
     client = AsyncMPClient.__new__(AsyncMPClient)
     client._pending_calls = {}
     client._call_targets = {}
-    client._last_seen = {}
-    client._suspect_until = 0.0
+    client.liveness = Liveness()
     client._queue = asyncio.Queue()
     client.dead_reason = None
     client._closed = False

@@ -17,6 +17,7 @@ from tidal.frontend.dp_state import DPFrontendState
 from tidal.frontend.migrations import RequestBook
 from tidal.frontend.mp_client import ScaleHooks
 from tidal.protocol.elastic import ScaleCommit, ScaleEvent, ScaleReport
+from tidal.protocol.errors import RankUnavailableError
 from tidal.protocol.messages import (
     DPSetTopology,
     EngineCoreOutput,
@@ -24,6 +25,7 @@ from tidal.protocol.messages import (
     EngineCoreRequest,
     EngineCoreRequestType,
     FinishReason,
+    Logprobs,
     engine_id_of,
 )
 from tidal.protocol.topology import Topology
@@ -34,6 +36,12 @@ EOS = 2
 
 def req(rid: str, **params) -> EngineCoreRequest:
     return EngineCoreRequest(rid, [5, 6, 7], SamplingParams(**params), eos_token_id=EOS)
+
+
+def pinned(rid: str, rank: int) -> EngineCoreRequest:
+    r = req(rid)
+    r.data_parallel_rank = rank
+    return r
 
 
 def out(rid: str, *tokens: int, finish: FinishReason | None = None) -> EngineCoreOutput:
@@ -109,6 +117,41 @@ def test_finish_and_abort_forget_requests():
     assert err.finish_reason is FinishReason.ERROR and err.stop_reason == "no engine"
 
 
+def lps(*ids: int) -> list[Logprobs]:
+    return [Logprobs([i], [-0.5], 1) for i in ids]
+
+
+def test_a_request_moved_mid_prefill_asks_for_its_prompt_logprobs_again():
+    """Chunked prefill: the client has positions 1-2 of a 6-token prompt when the engine
+    goes; the resumed request asks again, and the repeats are dropped."""
+    book = RequestBook()
+    r = EngineCoreRequest("a", [5, 6, 7, 8, 9, 10], SamplingParams(prompt_logprobs=1))
+    book.add(r, 0)
+    first = EngineCoreOutput("a", [], new_prompt_logprobs=lps(6, 7))
+    assert book.accept(0, [first]) == [first]
+    (moved,) = book.take(0)
+    assert isinstance(moved, ResumedRequest) and moved.prompt_logprobs_done == 2
+    assert moved.sampling_params.prompt_logprobs == 1  # asked for again
+    book.moved(moved, 1, old_owner_stopped=True)
+    assert book.resumed_mid_prefill == 1
+    again = [
+        EngineCoreOutput("a", [], new_prompt_logprobs=lps(6)),  # chunk 1: a repeat
+        EngineCoreOutput("a", [], new_prompt_logprobs=lps(7, 8)),  # half a repeat
+        EngineCoreOutput("a", [11], new_prompt_logprobs=lps(9, 10)),
+    ]
+    kept = book.accept(1, again)
+    assert [o.new_prompt_logprobs for o in kept] == [None, lps(8), lps(9, 10)]
+    assert book.outputs("a") == [11]
+
+
+def test_prompt_logprobs_returned_in_full_are_not_asked_for_again():
+    book = RequestBook()
+    book.add(EngineCoreRequest("a", [5, 6, 7], SamplingParams(prompt_logprobs=1)), 0)
+    book.accept(0, [EngineCoreOutput("a", [], new_prompt_logprobs=lps(6, 7))])
+    (moved,) = book.take(0)
+    assert moved.prompt_logprobs_done is None and moved.sampling_params.prompt_logprobs is None
+
+
 # ----------------------------------------------------------------------------- the client
 
 
@@ -133,6 +176,7 @@ def fake_client(topology: Topology) -> AsyncMPClient:
     """An AsyncMPClient with fake sockets and no processes: just its routing and book."""
     c = object.__new__(AsyncMPClient)
     c.dead_reason = None
+    c._gone_engines = set()
     c._book = RequestBook(topology.epoch)
     c._book_lock = threading.Lock()
     c._scale_hooks = None
@@ -251,5 +295,56 @@ def test_send_scale_retries_an_engine_whose_route_is_not_there_yet():
         assert missing == [7]
         assert [engine_id_of(f[0]) for f in c.input_socket.sent] == [0, 5]
         assert all(f[1] == EngineCoreRequestType.SCALE.value for f in c.input_socket.sent)
+
+    asyncio.run(main())
+
+
+def test_a_request_pinned_to_a_dead_rank_is_refused_and_to_a_leaving_one_rerouted():
+    async def main() -> None:
+        c = fake_client(Topology.initial(3))
+        c._gone_engines.add(1)  # dead; the recovery has not removed it yet
+        c.exclude_from_routing([1])  # as the driver does on its exit
+        with pytest.raises(RankUnavailableError, match="data_parallel_rank 1.*dead"):
+            c.add_request(pinned("pinned-dead", 1))
+        assert "pinned-dead" not in c._book and "pinned-dead" not in c.dp.rank_of
+        c.add_request(pinned("pinned-live", 2))
+        c.exclude_from_routing([0, 1])  # 0 leaves in a scale-down
+        c.add_request(pinned("pinned-leaving", 0))
+        sent = {r.request_id: (e, r.data_parallel_rank) for e, r in adds(c.input_socket)}
+        assert sent["pinned-live"] == (2, 2)
+        assert sent["pinned-leaving"][0] == 2 and sent["pinned-leaving"][1] is None
+
+    asyncio.run(main())
+
+
+def test_an_unreachable_engine_is_skipped_never_raised_to_the_caller():
+    """An engine that is gone before its exit was seen: no route to it."""
+    async def main() -> None:
+        c = fake_client(Topology.initial(3))
+        c.input_socket.unreachable = {0, 1}
+        for i in range(4):
+            c.add_request(req(f"r{i}"))
+        assert {e for e, _ in adds(c.input_socket)} == {2}
+        assert {c._book.owner(f"r{i}") for i in range(4)} == {2}
+        with pytest.raises(RankUnavailableError):
+            c.add_request(pinned("pinned", 1))
+        assert "pinned" not in c._book and "pinned" not in c.dp.rank_of
+
+    asyncio.run(main())
+
+
+def test_send_scale_does_not_wait_for_an_engine_known_gone():
+    """A rollback's ABORT to an engine declared dead must not hold the scale driver (and
+    the recovery behind it) for the retry time."""
+
+    async def main() -> None:
+        c = fake_client(Topology.initial(3))
+        c.input_socket.unreachable = {2}
+        c._gone_engines.add(2)
+        missing = await asyncio.wait_for(
+            c.send_scale([0, 2, 1], ScaleCommit("op", 1), retry_s=600), 60
+        )
+        assert missing == [2]
+        assert [engine_id_of(f[0]) for f in c.input_socket.sent] == [0, 1]
 
     asyncio.run(main())

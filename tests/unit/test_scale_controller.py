@@ -78,6 +78,7 @@ T = ScaleTimeouts(
 
 def ctl(n: int = 2, **kw) -> ScaleController:
     kw.setdefault("timeouts", T)
+    kw.setdefault("death_settle_s", 0.0)  # recovery asked at once (the settle has its tests)
     return ScaleController(Topology.initial(n), 8, bytes_per_expert=10, cpu_cores=4, **kw)
 
 

@@ -59,6 +59,33 @@ def group_failed(c: ScaleController, e: int, epoch: int | None = None, cause="x"
 # ----------------------------------------------------------------------------- recovery
 
 
+def test_deaths_found_together_are_recovered_by_one_operation():
+    """Ranks of a lost host, or killed at once, are found moments apart: the recovery
+    waits ``death_settle_s`` from the first, and one operation removes them all."""
+    c = ctl(4, recover=True, death_settle_s=0.25)
+    out = c.handle(EngineExited(1, "no heartbeat"), 10.0)
+    assert out == [MigrateRequests(1, None, None)] and c.next_deadline() == 10.25
+    out = c.handle(EngineExited(3, "no heartbeat"), 10.1)
+    assert out == [MigrateRequests(3, None, None)] and c.next_deadline() == 10.25
+    assert c.tick(10.2) == []
+    req, rec, out = recover_ok(c, 10.25, c.tick(10.25))
+    assert req.new_size == 2 and rec.dead == [1, 3], rec
+    assert c.topology.engine_ids == [0, 2] and c.dead == set()
+    assert [r.trigger for r in c.history.values()] == ["recovery"]
+    assert c.next_deadline() is None  # nothing left to heal
+
+
+def test_a_death_after_the_settle_is_a_recovery_of_its_own():
+    c = ctl(4, recover=True, death_settle_s=0.25)
+    c.handle(EngineExited(1), 10.0)
+    req, rec, out = admit(c, c.tick(10.25), 10.25)
+    assert rec.dead == [1]
+    out = c.handle(EngineExited(3), 10.5)  # during its prepare: it rolls back
+    assert one(out, RecordResult).record.phase is ScalePhase.ROLLED_BACK
+    req, rec, out = recover_ok(c, 11.0, c.tick(11.0) or c.tick(11.5))
+    assert rec.dead == [1, 3] and c.topology.engine_ids == [0, 2]
+
+
 def test_member_death_is_recovered_without_it():
     c = ctl(3, recover=True)
     assert c.degraded is None and c.next_deadline() is None
@@ -442,7 +469,10 @@ def test_without_recover_nothing_is_asked():
 def test_the_recovery_asks_the_largest_valid_size_or_the_minimum():
     # 8 experts + 16 redundant copies: a rank holds one copy of each at most, so at
     # least 3 ranks (validate_size); at most 8 (one expert each).
-    c = ScaleController(Topology.initial(4), 8, 16, bytes_per_expert=10, timeouts=T, recover=True)
+    c = ScaleController(
+        Topology.initial(4), 8, 16, bytes_per_expert=10, timeouts=T, recover=True,
+        death_settle_s=0.0,
+    )
     req = one(c.handle(EngineExited(3), 0.0), AdmitScale).request
     assert req.new_size == 3 == len(c.live_members)
     _, rec, _ = recover_ok(c, 0.0, [AdmitScale(req)])
@@ -461,7 +491,10 @@ def test_the_recovery_asks_the_largest_valid_size_or_the_minimum():
 def test_the_recovery_skips_sizes_below_the_minimum():
     # 8 + 8 copies: at least 2 ranks. 3 -> one dies -> 2 (valid) -> one dies -> 2 again
     # with a new engine; nothing alive -> FailDeployment.
-    c = ScaleController(Topology.initial(3), 8, 8, bytes_per_expert=10, timeouts=T, recover=True)
+    c = ScaleController(
+        Topology.initial(3), 8, 8, bytes_per_expert=10, timeouts=T, recover=True,
+        death_settle_s=0.0,
+    )
     _, _, _ = recover_ok(c, 0.0, c.handle(EngineExited(0), 0.0))
     assert c.topology.engine_ids == [1, 2]
     req = one(c.handle(EngineExited(2), 5.0), AdmitScale).request

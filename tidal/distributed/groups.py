@@ -22,6 +22,18 @@ The engine tells that apart from its own bugs by the type: a ``GroupFailure`` is
 death to recover from (DESIGN.md 6.5), anything else is fatal. A group created with
 ``failure=LocalGroupFailure`` (the tensor-parallel group inside one rank) raises that
 instead: its peers are this rank's own workers, so its failure is this rank's death.
+
+Abortable waits (a group made with a ``CollectiveControl`` and an epoch, gloo): a peer
+that froze without closing its sockets would keep a collective waiting for ``timeout_s``.
+Such a group waits in slices of ``WAIT_SLICE_S`` and between two asks its control whether
+its epoch was aborted (a recovery replaces it); then the wait ends with ``GroupFailure``
+at once. (Gloo's reduce-scatter runs inside ``Work.wait()``, whose timeout it ignores:
+such a group reduce-scatters with an all-to-all and a local reduction instead.) The
+abandoned operation still runs in gloo's worker thread until its peers or its timeout
+end it: it may still write its *output* later, so an aborted in-place
+collective works on a private copy (its caller's tensor is never written after the
+failure), and the backend is released on a thread of its own (releasing a gloo backend
+joins its worker thread, which would block the caller until then).
 On torch 2.13 gloo natively supports all-gather, reduce-scatter (``_reduce_scatter_base``)
 and uneven all-to-all (``alltoall_base``) on CPU; where a build lacks reduce-scatter we fall
 back to all-reduce + slice (costs ``world_size`` times the reduce-scatter traffic).
@@ -33,6 +45,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -41,6 +54,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import PrefixStore, ReduceOp, TCPStore
 
+from tidal.distributed.collectives import CollectiveControl
 from tidal.distributed.ports import listening_socket, local_address_towards
 
 logger = logging.getLogger(__name__)
@@ -57,6 +71,12 @@ class LocalGroupFailure(RuntimeError):
     recover inside the rank."""
 
 
+# An abortable wait checks its control this often: how long a survivor may stay in a
+# collective after a recovery aborted it.
+WAIT_SLICE_S = 0.05
+_SLICE = datetime.timedelta(seconds=WAIT_SLICE_S)
+
+
 def _wait(work: Any, prefix: str, failure: type[RuntimeError] = GroupFailure) -> None:
     """Wait for a backend ``Work``; its failure becomes a ``failure``."""
     try:
@@ -67,7 +87,17 @@ def _wait(work: Any, prefix: str, failure: type[RuntimeError] = GroupFailure) ->
         raise failure(f"collective on group {prefix!r} failed: {e}") from e
 
 
+def _release_later(holder: list[Any]) -> None:
+    """Drop the references in ``holder`` -- the last ones to a backend with an abandoned
+    operation -- on a thread of its own: releasing it joins gloo's worker thread, which
+    returns only when that operation ends (its peers, or its timeout). The caller must
+    hold no other reference to them (not even a local variable)."""
+    threading.Thread(target=holder.clear, name="group-release", daemon=True).start()
+
+
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
+# The reductions an abortable reduce-scatter does locally (``_reduce_scatter_via_all_to_all``).
+_LOCAL_REDUCE = {ReduceOp.SUM: torch.sum, ReduceOp.MAX: torch.amax}
 _BACKENDS = ("gloo", "nccl")
 
 
@@ -128,11 +158,14 @@ class StatelessGroup:
         owns_store: bool,
         prefix: str,
         failure: type[RuntimeError] = GroupFailure,
+        control: CollectiveControl | None = None,
+        epoch: int | None = None,
     ) -> None:
         self.rank = rank
         self.world_size = world_size
         self.backend_name = backend_name
         self.prefix = prefix
+        self.epoch = epoch
         self._backend = backend
         self._pg = process_group
         self._store: TCPStore | None = store
@@ -140,6 +173,9 @@ class StatelessGroup:
         self._native_reduce_scatter = True
         self._destroyed = False
         self._failure = failure
+        # Abortable waits: gloo only (an NCCL wait returns at once; the device waits).
+        self._control = control if backend_name == "gloo" else None
+        self._abandoned: Any = None  # the work of an aborted wait, still running in gloo
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -156,6 +192,8 @@ class StatelessGroup:
         timeout_s: float = 60.0,
         local_addr: str | None = None,
         failure: type[RuntimeError] = GroupFailure,
+        control: CollectiveControl | None = None,
+        epoch: int | None = None,
     ) -> StatelessGroup:
         """Create the group on this rank; blocks until all ``world_size`` ranks have joined.
 
@@ -168,6 +206,8 @@ class StatelessGroup:
             when ``host`` is loopback, else this machine's address on the route to ``host``
             (``host`` itself on the host that serves the store).
         failure: what a failed collective raises (``LocalGroupFailure`` for a rank's TP group).
+        control, epoch: make waits abortable (module docstring): ``control.abort`` of an
+            epoch above ``epoch`` ends them.
         """
         if backend not in _BACKENDS:
             raise ValueError(f"backend must be one of {', '.join(_BACKENDS)}; got {backend!r}")
@@ -195,6 +235,8 @@ class StatelessGroup:
             owns_store=owns_store,
             prefix=prefix,
             failure=failure,
+            control=control,
+            epoch=epoch,
         )
 
     @property
@@ -226,6 +268,10 @@ class StatelessGroup:
             self._backend.shutdown()
         except Exception as e:  # noqa: BLE001 - best effort: peers may already be gone
             logger.debug("group %r shutdown: %s", self.prefix, e)
+        if self._abandoned is not None:  # see the module docstring: never block here
+            holder = [self._backend, self._pg, self._abandoned]
+            self._backend = self._pg = self._abandoned = None
+            _release_later(holder)
         self._backend = None
         self._pg = None
         # Dropping our reference closes a store we created (server on rank 0, client
@@ -235,15 +281,53 @@ class StatelessGroup:
     def _check_alive(self) -> None:
         if self._destroyed:
             raise self._failure(f"process group {self.prefix!r} was destroyed")
+        if self._control is not None:
+            cause = self._control.aborted(self.epoch)
+            if cause is not None:
+                raise self._failure(f"collective on group {self.prefix!r} aborted: {cause}")
+
+    @property
+    def abortable(self) -> bool:
+        return self._control is not None
+
+    def _private(self, t: torch.Tensor) -> torch.Tensor:
+        """The buffer an in-place collective writes: ``t`` itself, or a copy when the
+        wait may be aborted (an abandoned operation may still write it later) or ``t``
+        is not contiguous. The caller copies it back on success."""
+        if self._control is not None or not t.is_contiguous():
+            return t.clone(memory_format=torch.contiguous_format)
+        return t
+
+    def _wait(self, work: Any) -> None:
+        """Wait for ``work``; a failure, or an abort of this group's epoch meanwhile,
+        raises ``GroupFailure`` (``LocalGroupFailure`` for a TP group)."""
+        control = self._control
+        if control is None:
+            _wait(work, self.prefix, self._failure)
+            return
+        with control.waiting():
+            while True:
+                try:
+                    work.wait(_SLICE)
+                    return
+                except RuntimeError as e:
+                    if work.is_completed():  # it failed (a peer gone, gloo's timeout)
+                        raise self._failure(
+                            f"collective on group {self.prefix!r} failed: {e}"
+                        ) from e
+                cause = control.aborted(self.epoch)  # only the slice ran out
+                if cause is not None:
+                    self._abandoned = work
+                    raise self._failure(f"collective on group {self.prefix!r} aborted: {cause}")
 
     # ------------------------------------------------------------------ collectives
     def all_reduce(self, t: torch.Tensor, op: ReduceOp = ReduceOp.SUM) -> torch.Tensor:
         """In place over all ranks; returns ``t``."""
         self._check_alive()
-        buf = t if t.is_contiguous() else t.contiguous()
+        buf = self._private(t)
         opts = dist.AllreduceOptions()
         opts.reduceOp = op
-        _wait(self._backend.allreduce([buf], opts), self.prefix, self._failure)
+        self._wait(self._backend.allreduce([buf], opts))
         if buf is not t:
             t.copy_(buf)
         return t
@@ -255,7 +339,7 @@ class StatelessGroup:
             raise ValueError(f"all_gather_into: out {tuple(out.shape)} vs inp {tuple(inp.shape)}")
         if out.numel() == 0:
             return out
-        _wait(self._backend._allgather_base(out, inp.contiguous()), self.prefix, self._failure)
+        self._wait(self._backend._allgather_base(out, inp.contiguous()))
         return out
 
     def all_gather(self, t: torch.Tensor) -> torch.Tensor:
@@ -286,13 +370,13 @@ class StatelessGroup:
         if inp.numel() == 0:
             return out
         inp = inp.contiguous()
+        if self._control is not None and op in _LOCAL_REDUCE:
+            return self._reduce_scatter_via_all_to_all(out, inp, op)
         if self._native_reduce_scatter:
             opts = dist.ReduceScatterOptions()
             opts.reduceOp = op
             try:
-                _wait(
-                    self._backend._reduce_scatter_base(out, inp, opts), self.prefix, self._failure
-                )
+                self._wait(self._backend._reduce_scatter_base(out, inp, opts))
                 return out
             except RuntimeError as e:
                 if "support" not in str(e):
@@ -300,6 +384,19 @@ class StatelessGroup:
                 logger.info("native reduce_scatter unavailable (%s); using all_reduce + slice", e)
                 self._native_reduce_scatter = False
         return self._reduce_scatter_via_all_reduce(out, inp, op)
+
+    def _reduce_scatter_via_all_to_all(
+        self, out: torch.Tensor, inp: torch.Tensor, op: ReduceOp
+    ) -> torch.Tensor:
+        """Abortable groups: gloo's native reduce-scatter runs inside ``Work.wait()``,
+        which ignores its timeout, so no slice could end it. An all-to-all moves the same
+        bytes (rank r gets every rank's block r), then the blocks are reduced here, in
+        rank order."""
+        recv = torch.empty_like(inp)  # [W*n, ...]: block j is rank j's block for us
+        self._wait(self._backend.alltoall_base(recv, inp, [], []))
+        blocks = recv.view(self.world_size, *out.shape)
+        _LOCAL_REDUCE[op](blocks, dim=0, out=out)
+        return out
 
     def _reduce_scatter_via_all_reduce(
         self, out: torch.Tensor, inp: torch.Tensor, op: ReduceOp = ReduceOp.SUM
@@ -350,11 +447,7 @@ class StatelessGroup:
             raise ValueError(f"all_to_all_single: in_splits {in_splits} vs {inp.shape[0]} rows")
         if out_splits and sum(out_splits) != out.shape[0]:
             raise ValueError(f"all_to_all_single: out_splits {out_splits} vs {out.shape[0]} rows")
-        _wait(
-            self._backend.alltoall_base(out, inp.contiguous(), out_splits, in_splits),
-            self.prefix,
-            self._failure,
-        )
+        self._wait(self._backend.alltoall_base(out, inp.contiguous(), out_splits, in_splits))
         return out
 
     def broadcast(self, t: torch.Tensor, src: int) -> torch.Tensor:
@@ -365,7 +458,10 @@ class StatelessGroup:
         opts = dist.BroadcastOptions()
         opts.rootRank = src
         opts.rootTensor = 0
-        _wait(self._backend.broadcast([t], opts), self.prefix, self._failure)
+        buf = self._private(t)
+        self._wait(self._backend.broadcast([buf], opts))
+        if buf is not t:
+            t.copy_(buf)
         return t
 
     def gather(self, t: torch.Tensor, dst: int = 0) -> list[torch.Tensor] | None:
@@ -375,13 +471,13 @@ class StatelessGroup:
         opts.rootRank = dst
         t = t.contiguous()
         outs = [torch.empty_like(t) for _ in range(self.world_size)] if self.rank == dst else []
-        _wait(self._backend.gather([outs] if outs else [], [t], opts), self.prefix, self._failure)
+        self._wait(self._backend.gather([outs] if outs else [], [t], opts))
         return outs if self.rank == dst else None
 
     def barrier(self) -> None:
         self._check_alive()
         if self.backend_name == "gloo":
-            _wait(self._backend.barrier(), self.prefix, self._failure)
+            self._wait(self._backend.barrier())
         else:  # NCCL's barrier needs a device hint; a 1-element all-reduce is equivalent
             self.all_reduce(
                 torch.zeros(1, device=torch.device("cuda", torch.cuda.current_device()))
@@ -390,14 +486,17 @@ class StatelessGroup:
     def send(self, t: torch.Tensor, dst: int, tag: int = 0) -> None:
         """Point-to-point send (blocks until the peer has received, for gloo)."""
         self._check_alive()
-        _wait(self._backend.send([t.contiguous()], dst, tag), self.prefix, self._failure)
+        self._wait(self._backend.send([t.contiguous()], dst, tag))
 
     def recv(self, t: torch.Tensor, src: int, tag: int = 0) -> torch.Tensor:
         """Receive into ``t`` (shape and dtype agreed with the sender)."""
         self._check_alive()
         if not t.is_contiguous():
             raise ValueError("recv needs a contiguous tensor (it is written in place)")
-        _wait(self._backend.recv([t], src, tag), self.prefix, self._failure)
+        buf = self._private(t)
+        self._wait(self._backend.recv([buf], src, tag))
+        if buf is not t:
+            t.copy_(buf)
         return t
 
     def all_gather_object(self, obj: Any, type: Any = Any) -> list[Any]:

@@ -141,6 +141,12 @@ class DPCoordinator:
     def is_alive(self) -> bool:
         return self._finalizer.alive and self.proc.is_alive()
 
+    def kill(self) -> None:
+        """SIGKILL the process (it froze: DESIGN.md 6.5); ``restart`` reaps it."""
+        with self._lock:
+            if self._finalizer.alive:
+                self.proc.kill()
+
     def restart(self, topology: Topology, wave: int) -> None:
         """The process died (DESIGN.md 6.5): start a new one on the *same* addresses (the
         bound ones: engines and frontends reconnect by themselves), serving ``topology``

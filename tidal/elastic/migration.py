@@ -9,8 +9,10 @@ parameters; ``resume_request`` builds the *resumed* request for another engine:
 - the output count carries over (``num_output_tokens``): ``max_tokens`` and
   ``min_tokens`` count the tokens already streamed, so the total is what an unmoved
   request would produce; stop strings are the frontend detokenizer's and simply carry
-  on; logprobs continue per new token; prompt logprobs, already returned, are not
-  asked for again;
+  on; logprobs continue per new token; prompt logprobs, once all returned, are not
+  asked for again -- a request that moves mid-prefill (chunked: some of them returned,
+  no output yet) asks for them again, and the frontend drops the positions it already
+  has (``prompt_logprobs_done``), so the client gets each position exactly once;
 - the request id is unchanged (the frontend's output processor keys on it; a child of an
   ``n > 1`` request keeps its own id and seed), and an explicit ``data_parallel_rank``
   is dropped (that rank may be the one that left).
@@ -55,6 +57,10 @@ class ResumedRequest:
     original: EngineCoreRequest
     prompt_token_ids: list[int]  # original prompt + outputs so far
     num_output_tokens: int  # carried over: the last this many prompt tokens are outputs
+    # Prompt logprob positions already returned, when the original asked for them and
+    # they are not all returned yet (a move mid-prefill): asked for again, and the first
+    # this many dropped. None: not asked for (again).
+    prompt_logprobs_done: int | None = None
 
     @property
     def request_id(self) -> str:
@@ -67,7 +73,9 @@ class ResumedRequest:
 
     @property
     def sampling_params(self) -> SamplingParams:
-        """The original parameters, prompt logprobs off (they were already returned)."""
+        """The original parameters; prompt logprobs off once all were returned."""
+        if self.prompt_logprobs_done is not None:
+            return self.original.sampling_params
         return msgspec.structs.replace(self.original.sampling_params, prompt_logprobs=None)
 
     def to_engine_request(
@@ -100,11 +108,13 @@ def resume_request(
     request: EngineCoreRequest,
     output_token_ids: Sequence[int],
     max_model_len: int | None = None,
+    prompt_logprobs_returned: int = 0,
 ) -> ResumedRequest | AlreadyFinished:
     """The resumed form of ``request`` after ``output_token_ids`` were streamed, or
     ``AlreadyFinished`` when those outputs already meet a stop condition (the engine
     died between sampling the last token and reporting the finish). ``max_model_len``:
-    the context limit, which also ends a request (as LENGTH)."""
+    the context limit, which also ends a request (as LENGTH). ``prompt_logprobs_returned``:
+    prompt logprob positions the client has (one per prompt token after the first)."""
     p = request.sampling_params
     if p.n != 1:
         raise ValueError(
@@ -124,7 +134,12 @@ def resume_request(
         return AlreadyFinished(request.request_id, FinishReason.LENGTH)
     if max_model_len is not None and len(request.prompt_token_ids) + k >= max_model_len:
         return AlreadyFinished(request.request_id, FinishReason.LENGTH)
-    return ResumedRequest(request, [*request.prompt_token_ids, *outputs], k)
+    done: int | None = None
+    wanted = len(request.prompt_token_ids) - 1  # positions 1 .. P-1
+    if p.prompt_logprobs is not None and k == 0 and prompt_logprobs_returned < wanted:
+        # Moved mid-prefill: the prompt is re-read from its start, logprobs with it.
+        done = prompt_logprobs_returned
+    return ResumedRequest(request, [*request.prompt_token_ids, *outputs], k, done)
 
 
 # ------------------------------------------------------------------- ownership

@@ -18,7 +18,7 @@ from tidal.engine_core.request_decode import UndecodableRequest
 from tidal.engine_core.wave import EngineWaveState
 from tidal.executor.base import Executor
 from tidal.executor.select import create_executor
-from tidal.protocol.elastic import ScaleEvent, ScaleMessage, ScaleReport
+from tidal.protocol.elastic import ScaleEvent, ScaleMessage, ScalePrepare, ScaleReport
 from tidal.protocol.errors import EngineStartupError
 from tidal.protocol.messages import (
     EngineCoreOutputs,
@@ -52,10 +52,13 @@ class DPEngineCoreProc(EngineCoreProc):
     resumed earlier than another waits for it in the next collective instead of running
     alone); ``resume`` clears the pause and restarts the wave if there is work.
 
-    Elastic EP (``enable_elastic_ep``): an ``ElasticShell`` (``elastic_shell.py``) runs
-    the engine's part of a scale operation from step 2, and its commit consensus rides
-    on the step-5 all-reduce. A *joining* engine (``EngineAddresses.joining``) starts in
-    no group: it only drains input and progresses the operation until its commit.
+    Elastic EP, and rank recovery (``ParallelConfig.reconfigurable``): an
+    ``ElasticShell`` (``elastic_shell.py``) runs the engine's part of a scale operation
+    (a recovery is one) from step 2, and its commit consensus rides on the step-5
+    all-reduce. A *joining* engine (``EngineAddresses.joining``) starts in no group: it
+    only drains input and progresses the operation until its commit. A recovery's
+    PREPARE aborts, on the input thread, any collective this rank is blocked in on the
+    groups it replaces (``_on_input``): a peer that froze must not hold it there.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -71,7 +74,7 @@ class DPEngineCoreProc(EngineCoreProc):
         self.group_failed: str | None = None  # why this rank's groups broke (until commit)
         self.num_group_failures = 0
         self.shell: ElasticShell | None = None
-        if self.config.parallel.enable_elastic_ep:
+        if self.config.parallel.reconfigurable:
             top = self.topology
             self.shell = ElasticShell(
                 self.engine_index,
@@ -130,7 +133,7 @@ class DPEngineCoreProc(EngineCoreProc):
                 self._step_group()
             except GroupFailure as e:
                 if self.shell is None:
-                    raise  # no elastic EP: nothing can rebuild the group
+                    raise  # not reconfigurable (no recovery): nothing can rebuild it
                 self._on_group_failure(str(e))
             # 7. On shutdown, leave between waves (or at the drain deadline): leaving
             #    mid-wave would strand the other ranks in a collective.
@@ -204,6 +207,23 @@ class DPEngineCoreProc(EngineCoreProc):
         if self.shell is not None:
             self.shell.close()
         super().close()
+
+    def _on_input(self, req_type: EngineCoreRequestType, payload: Any) -> None:
+        """Input thread: an operation that replaces the current groups (a dead member, or
+        a rebuild) ends a collective the busy loop may be blocked in on them, now, rather
+        than at the collective timeout; the busy loop then abandons that step as for any
+        group failure and goes on with the operation."""
+        # Attributes may not exist yet: the input thread starts before this class's
+        # __init__ has run.
+        if req_type is not EngineCoreRequestType.SCALE or getattr(self, "shell", None) is None:
+            return
+        if isinstance(payload, ScalePrepare) and not payload.old_group_usable:
+            core = getattr(self, "engine_core", None)  # None while the engine starts
+            if core is not None:
+                cause = f"operation {payload.operation_id} replaces these groups"
+                if payload.dead:
+                    cause += f" (engines {list(payload.dead)} dead)"
+                core.executor.abort_collectives(payload.epoch, cause)
 
     def _on_scale(self, msg: ScaleMessage | Input) -> None:
         if self.shell is None:

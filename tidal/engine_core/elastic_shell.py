@@ -292,8 +292,10 @@ class ElasticShell:
             try:
                 result = work()
             except Exception as e:  # noqa: BLE001 - reported to the state as the cause
-                logger.warning("engine %d: %s failed: %s", self.engine_id, job_id, e)
-                self.hooks.post_input(JobFailed(job_id, f"{type(e).__name__}: {e}"))
+                # torch's store errors carry a C++ backtrace after their first line.
+                what = str(e).split("\n", 1)[0]
+                logger.warning("engine %d: %s failed: %s", self.engine_id, job_id, what)
+                self.hooks.post_input(JobFailed(job_id, f"{type(e).__name__}: {what}"))
                 return
             self.hooks.post_input(JobDone(job_id, result))
 

@@ -32,17 +32,24 @@ class EngineLaunch(msgspec.Struct, frozen=True):
     hf_config: dict[str, Any] | None
     engine_index: int
     handshake_address: str
+    # The process that asked for this engine (the frontend, a headless host's launcher):
+    # the engine leaves when it is gone. Not necessarily the parent (a warm launcher's
+    # fork); 0: the parent.
+    launcher_pid: int = 0
 
 
 def encode_engine_launch(config: EngineConfig, engine_index: int, handshake_address: str) -> bytes:
+    """The launch payload, asked for by this process (its launcher)."""
     wire, hf = split_hf_config(config)
-    return msgspec.msgpack.encode(EngineLaunch(wire, hf, engine_index, handshake_address))
+    return msgspec.msgpack.encode(
+        EngineLaunch(wire, hf, engine_index, handshake_address, os.getpid())
+    )
 
 
-def decode_engine_launch(data: bytes) -> tuple[EngineConfig, int, str]:
+def decode_engine_launch(data: bytes) -> EngineLaunch:
+    """The payload, with ``config.model.hf_config`` rebuilt."""
     launch = msgspec.msgpack.decode(data, type=EngineLaunch)
-    config = join_hf_config(launch.config, launch.hf_config)
-    return config, launch.engine_index, launch.handshake_address
+    return msgspec.structs.replace(launch, config=join_hf_config(launch.config, launch.hf_config))
 
 
 def engine_process_name(engine_index: int) -> str:
@@ -86,9 +93,16 @@ def engine_proc_class(config: EngineConfig) -> type[EngineCoreProc]:
 
 def run_launch(payload: bytes) -> None:
     """Run the engine an ``EngineLaunch`` payload describes (does not return)."""
-    config, engine_index, handshake_address = decode_engine_launch(payload)
+    launch = decode_engine_launch(payload)
+    config, engine_index = launch.config, launch.engine_index
     multiprocessing.current_process().name = engine_process_name(engine_index)
-    run_engine_core(config, engine_index, handshake_address, engine_proc_class(config))
+    run_engine_core(
+        config,
+        engine_index,
+        launch.handshake_address,
+        engine_proc_class(config),
+        launcher_pid=launch.launcher_pid or None,
+    )
 
 
 def start_engine_zygote(config: EngineConfig) -> ForkServer:
@@ -99,11 +113,16 @@ def start_engine_zygote(config: EngineConfig) -> ForkServer:
 
 
 def spawn_engine(
-    zygote: ForkServer, config: EngineConfig, engine_index: int, handshake_address: str
+    zygote: ForkServer,
+    config: EngineConfig,
+    engine_index: int,
+    handshake_address: str,
+    timeout_s: float = 10.0,
 ) -> ForkedProcess:
     return zygote.spawn(
         engine_process_name(engine_index),
         encode_engine_launch(config, engine_index, handshake_address),
+        timeout_s,
     )
 
 

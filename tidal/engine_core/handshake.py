@@ -8,8 +8,11 @@ ROUTER (the frontend's side is ``tidal.frontend.proc_manager.EngineProcManager``
 
 An engine refuses to start, and says why in READY(error) so the frontend fails with the
 same message, when its config hash differs from the frontend's or its id is not in the
-topology. Over TCP the socket is a CURVE client; a frontend that refuses our secret is
-seen on the socket monitor and fails the handshake at once, not at the timeout.
+topology. A process the frontend did not start as this engine (a stray fork of a
+cancelled warm spawn: its pid is not the one the frontend knows) is refused in the answer
+and exits without READY: an engine id never runs twice. Over TCP the socket is a CURVE
+client; a frontend that refuses our secret is seen on the socket monitor and fails the
+handshake at once, not at the timeout.
 """
 
 from __future__ import annotations
@@ -58,6 +61,8 @@ class EngineHandshake:
         finally:
             self._close_monitor()
         addresses = msgspec.msgpack.decode(self._sock.recv(), type=EngineAddresses)
+        if addresses.refused is not None:  # another process is this engine: no READY
+            raise EngineStartupError(f"engine {self.engine_id}: {addresses.refused}")
         error = self._refusal(addresses, config.config_hash())
         if error is not None:
             self.send_ready(config.config_hash(), 0, error)

@@ -25,6 +25,13 @@ encoded fail their requests. Anything else that ends an I/O thread (a socket err
 bug) is fatal for the engine: the thread records it (the output thread also tries to send
 ENGINE_CORE_DEAD itself), the busy loop raises at its next turn, and the process exits
 non-zero after ENGINE_CORE_DEAD, instead of living on deaf or mute.
+
+Liveness (DESIGN.md 6.5): the output thread's heartbeats carry the busy loop's progress
+(``EngineProgress``: iterations begun, inside one or idle, waiting on peers there), which
+the frontend's stall watchdog reads. The engine watches its *launcher* -- the process that
+asked for it (``launcher_pid``), not its parent, which is a warm launcher for a forked
+engine -- and leaves when it is gone; only then does it remove the launcher's private
+``ipc://`` directory, which a live launcher still owns.
 """
 
 from __future__ import annotations
@@ -58,6 +65,7 @@ from tidal.protocol.messages import (
     EngineCoreOutputs,
     EngineCoreRequest,
     EngineCoreRequestType,
+    EngineProgress,
     FinishReason,
     StartDPWave,
     UtilityOutput,
@@ -68,6 +76,7 @@ from tidal.protocol.messages import (
 )
 from tidal.protocol.topology import Topology
 from tidal.utils.dropped import DropCounter
+from tidal.utils.procs import ProcessWatch
 from tidal.utils.proctitle import set_process_name
 
 logger = logging.getLogger(__name__)
@@ -94,6 +103,21 @@ class _FrontendWatch:
         return self.enabled and self.last is not None and now - self.last > FRONTEND_TIMEOUT_S
 
 
+class LoopProgress:
+    """The busy loop's progress, written by it and read by the output thread for the
+    heartbeats (plain attribute reads and writes: atomic under the GIL). ``idle`` only
+    while the loop waits for input with nothing to do; ``iterations`` counts the
+    iterations begun."""
+
+    def __init__(self) -> None:
+        self.iterations = 0
+        self.idle = True  # before the loop runs (startup) it is not inside an iteration
+
+    def begin_iteration(self) -> None:
+        self.iterations += 1
+        self.idle = False
+
+
 class EngineIOThreadError(RuntimeError):
     """An I/O thread of the engine failed: the engine cannot hear or answer any more."""
 
@@ -118,10 +142,16 @@ class EngineCoreProc:
         engine_index: int,
         handshake_address: str,
         drain_timeout_s: float = 30.0,
+        launcher_pid: int | None = None,
     ) -> None:
+        """``launcher_pid``: the process that asked for this engine (the frontend, or a
+        headless host's launcher), watched for its death; None: the parent."""
         self.config = config
         self.engine_index = engine_index
         self.drain_timeout_s = drain_timeout_s
+        self._launcher = ProcessWatch(launcher_pid)
+        self.progress = LoopProgress()
+        self._loop_thread = threading.get_ident()  # the busy loop runs on this thread
         self.shutdown_state = ShutdownState.RUNNING
         self._drain_deadline = 0.0
         self.input_queue: queue.Queue[tuple[EngineCoreRequestType, Any]] = queue.Queue()
@@ -129,7 +159,6 @@ class EngineCoreProc:
         # the thread.
         self.output_queue: queue.Queue[tuple[int, EngineCoreOutputs | bytes] | None] = queue.Queue()
         self.dropped = DropCounter(f"engine {engine_index}", logger)
-        self._heartbeat = encode(EngineCoreOutputs(engine_index=engine_index, heartbeat=True))
         # Set by an I/O thread that failed for good; the busy loop then raises.
         self._io_failure: str | None = None
         self.ctx = zmq.Context()
@@ -215,12 +244,11 @@ class EngineCoreProc:
             if coord is not None:
                 poller.register(coord, zmq.POLLIN)
             registered.set()
-            parent = os.getppid()
-            # Only a frontend reached over TCP can die without our parent dying with it
-            # (headless ranks); a local one is covered by the parent check below.
+            # Only a frontend reached over TCP can die without our launcher dying with it
+            # (headless ranks); a local one is our launcher, watched below.
             frontend = _FrontendWatch(enabled=self._handshake_address.startswith("tcp://"))
             while not self._stop_io.is_set():
-                if os.getppid() != parent:
+                if self._launcher.gone():
                     # The launcher died without stopping us (SIGKILL): don't linger as an orphan.
                     self._on_launcher_death()
                 if frontend.silent(time.monotonic()):
@@ -271,8 +299,13 @@ class EngineCoreProc:
         except Exception as e:  # noqa: BLE001 - a bad message must not kill this thread
             self.dropped.drop("client request", e)
             return False
+        self._on_input(*item)
         self.input_queue.put_nowait(item)
         return False
+
+    def _on_input(self, req_type: EngineCoreRequestType, payload: Any) -> None:
+        """The input thread, before the busy loop gets the item: what cannot wait for a
+        busy loop that may be blocked (see DPEngineCoreProc)."""
 
     def _read_coordinator_message(self, sub: zmq.Socket) -> None:
         frames = sub.recv_multipart()
@@ -298,7 +331,7 @@ class EngineCoreProc:
                 try:
                     item = self.output_queue.get(timeout=HEARTBEAT_INTERVAL_S)
                 except queue.Empty:  # nothing sent for an interval: say we are alive
-                    socks[TO_CLIENT].send(self._heartbeat)
+                    socks[TO_CLIENT].send(self._heartbeat())
                     continue
                 if item is None:
                     break
@@ -313,6 +346,16 @@ class EngineCoreProc:
         finally:
             for sock in socks.values():
                 sock.close()
+
+    def _heartbeat(self) -> bytes:
+        """Alive, and where the busy loop is (the frontend's stall watchdog)."""
+        core = getattr(self, "engine_core", None)  # None while the engine starts
+        waiting = core is not None and core.executor.waiting_on_peers(self._loop_thread)
+        p = self.progress
+        progress = EngineProgress(p.iterations, not p.idle, waiting)
+        return encode(
+            EngineCoreOutputs(engine_index=self.engine_index, heartbeat=True, progress=progress)
+        )
 
     def _encode_outputs(self, outputs: EngineCoreOutputs) -> bytes | None:
         """msgpack of ``outputs``; what msgspec cannot encode is replaced by what tells its
@@ -412,12 +455,16 @@ class EngineCoreProc:
                 return
 
     def _process_input_queue(self) -> None:
+        self.progress.begin_iteration()
         self._check_io_threads()
         if not self._has_work() and self.shutdown_state is ShutdownState.RUNNING:
+            self.progress.idle = True
             try:
                 item = self.input_queue.get(timeout=_IDLE_POLL_S)
             except queue.Empty:
                 return
+            finally:
+                self.progress.idle = False
             self._handle_client_request(*item)
         while True:
             try:
@@ -554,7 +601,9 @@ class EngineCoreProc:
         """The launcher owns its private ``ipc://`` directory and removes it at shutdown;
         a SIGKILL skips that, so the engines it leaves behind remove it (any of them, in any
         order: rmtree ignores what another already removed). Only a directory made by the
-        frontend's ``mkdtemp(prefix="tidal-")`` is touched, never a caller-chosen path."""
+        frontend's ``mkdtemp(prefix="tidal-")`` is touched, never a caller-chosen path, and
+        only once the launcher that owns it has exited (``_launcher``: the frontend itself,
+        never a warm launcher that forked this engine for it)."""
         if not self._handshake_address.startswith("ipc://"):
             return
         directory = os.path.dirname(self._handshake_address[len("ipc://") :])
@@ -599,6 +648,7 @@ class EngineCoreProc:
         self._input_thread.join(2)
         self._handshake.close(linger_ms=500)
         self.ctx.term()
+        self._launcher.close()
 
 
 def run_engine_core(

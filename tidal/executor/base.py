@@ -57,6 +57,21 @@ class Executor(ABC):
         DP group): ``values``."""
         return self.collective_rpc("all_reduce_dp", (values, op))[0]
 
+    # ---- liveness (DESIGN.md 6.5): called from the engine's I/O threads ----------------
+
+    def abort_collectives(self, below_epoch: int, cause: str) -> None:
+        """Thread-safe, from any thread while the busy loop may be blocked in a
+        collective: every collective of serving groups older than ``below_epoch`` ends
+        with ``GroupFailure`` (a recovery replaces those groups: a frozen peer must not
+        hold the survivors until the collective timeout)."""
+        self.collective_rpc("abort_collectives", (below_epoch, cause))
+
+    def waiting_on_peers(self, thread_id: int) -> bool:
+        """Thread-safe: whether thread ``thread_id`` (the busy loop's) waits in a
+        collective for its peers (the stall watchdog must not take a rank waiting for a
+        stuck peer for the stuck one)."""
+        return any(self.collective_rpc("waiting_on_peers", (thread_id,)))
+
     # ---- elastic EP (DESIGN.md 6.2; the engine's ``ElasticShell`` calls these) ----------
     # Helper-thread calls touch only the standby groups and staged experts of ``epoch``;
     # the others run on the busy loop's thread.

@@ -53,6 +53,7 @@ from torch import Tensor
 from torch.distributed import ReduceOp, TCPStore
 
 from tidal.config import EngineConfig
+from tidal.distributed.collectives import CollectiveControl
 from tidal.distributed.groups import StatelessGroup
 from tidal.executor.model_runner import ModelRunner, num_experts
 from tidal.executor.process_groups import WorkerGroups, dp_prefix, worker_rank
@@ -155,10 +156,13 @@ class ElasticWorkerState:
         device: torch.device,
         runner: ModelRunner,
         groups: WorkerGroups,
+        collectives: CollectiveControl,
         tp_rank: int = 0,
         tp_size: int = 1,
     ) -> None:
         self.config = config
+        # The worker's abort flags: the standby DP/EP groups serve after the commit.
+        self.collectives = collectives
         self.device = device
         self.runner = runner
         self.groups = groups
@@ -232,6 +236,9 @@ class ElasticWorkerState:
             tp = self.tp_size
 
             def create(name: str, prefix: str, rank: int, world: int, backend: str) -> None:
+                # The DP and EP groups serve after the commit: abortable like the launch
+                # ones (the transfer group runs on a helper thread with its own deadline).
+                serving = name != "xfer"
                 group = StatelessGroup.create(
                     host=host,
                     port=0,
@@ -241,6 +248,8 @@ class ElasticWorkerState:
                     store=store,
                     prefix=f"e{epoch}/{prefix}",
                     timeout_s=timeout_s,
+                    control=self.collectives if serving else None,
+                    epoch=epoch if serving else None,
                 )
                 self._attach(entry, name, group)
 

@@ -89,6 +89,10 @@ FREEZE_POLL_S = 1.0
 FREEZE_TIMEOUT_S = 5.0  # a worker stopped this long is dead
 # Calls that clean up after a failure are bounded (see the module docstring): seconds.
 _BOUNDED = {
+    # Liveness calls from the engine's I/O threads: a worker's queue reader serves them
+    # while its home thread is blocked in a collective (``worker_proc``).
+    "abort_collectives": 10.0,
+    "home_waiting_on_peers": 10.0,
     "abandon_groups": 60.0,
     "destroy_standby": 60.0,
     "discard_staged": 60.0,
@@ -403,6 +407,11 @@ class MultiprocExecutor(Executor):
     ) -> int:
         # Each worker moves its own experts: the rank received the sum.
         return sum(self._call("transfer_experts", (epoch, sends, receives, engine_id, timeout_s)))
+
+    def waiting_on_peers(self, thread_id: int) -> bool:
+        """Whether the workers' step threads wait in a DP/EP collective for a peer rank
+        (``thread_id``, the busy loop's, waits for the workers meanwhile)."""
+        return any(self._call("home_waiting_on_peers"))
 
     def abandon_groups(self) -> None:
         """Also a fresh TP group: the step the failure cut short may have left a worker

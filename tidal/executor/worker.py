@@ -39,6 +39,7 @@ import torch
 from torch.distributed import ReduceOp
 
 from tidal.config import EngineConfig, ParallelConfig
+from tidal.distributed.collectives import CollectiveControl
 from tidal.distributed.groups import LocalGroupFailure, StatelessGroup, create_store
 from tidal.distributed.tensor_parallel import TensorParallel
 from tidal.executor.batch import ModelRunnerOutput, SchedulerOutput
@@ -52,7 +53,9 @@ from tidal.utils.cpu_threads import threads_per_rank, usable_cores
 logger = logging.getLogger(__name__)
 
 # Group rendezvous and collective timeout. Generous: a peer may still be loading weights,
-# or running a long CPU prefill, while this rank waits in a collective.
+# or running a long CPU prefill, while this rank waits in a collective. A peer that froze
+# does not cost this long: the serving groups' waits are abortable (``collectives``), and
+# the recovery that removes the peer aborts them (DESIGN.md 6.5).
 DIST_TIMEOUT_S = 300.0
 TP_STORE_HOST = "127.0.0.1"  # a rank's workers share a host
 
@@ -97,9 +100,13 @@ class Worker:
         self._tp_store: Any = None
         # The topology's expert placement (rows per worker) from init_distributed, if any.
         self._layout: list[list[int]] | None = None
+        # Shared by the serving DP/EP groups (current and standby): abort flags, and
+        # whether the busy loop waits on its peers now.
+        self.collectives = CollectiveControl()
         self.elastic = ElasticWorkerState(
-            config, self.device, self.model_runner, self.groups, tp_rank, self.tp_size
-        )
+            config, self.device, self.model_runner, self.groups, self.collectives, tp_rank,
+            self.tp_size,
+        )  # fmt: skip
 
     @property
     def dp_group(self) -> StatelessGroup | None:
@@ -229,15 +236,16 @@ class Worker:
         me = worker_rank(position, self.tp_rank, tp)
         g = self.groups
         g.store = create_store(host, port, rank=me, world_size=world * tp, timeout_s=timeout)
+        serving = {"control": self.collectives, "epoch": topology.epoch}
         try:
             g.dp = StatelessGroup.create(
                 host=host, port=0, rank=position, world_size=world, backend="gloo",
-                store=g.store, prefix=dp_prefix(self.tp_rank), timeout_s=timeout,
+                store=g.store, prefix=dp_prefix(self.tp_rank), timeout_s=timeout, **serving,
             )  # fmt: skip
             if p.enable_expert_parallel:
                 g.ep = StatelessGroup.create(
                     host=host, port=0, rank=me, world_size=world * tp, backend=self._backend(),
-                    store=g.store, prefix="ep", timeout_s=timeout,
+                    store=g.store, prefix="ep", timeout_s=timeout, **serving,
                 )  # fmt: skip
         except Exception:
             self.shutdown()
@@ -308,6 +316,15 @@ class Worker:
             return list(values)
         t = torch.tensor(values, dtype=torch.int64)
         return self.groups.dp.all_reduce(t, _REDUCE_OPS[op]).tolist()
+
+    def abort_collectives(self, below_epoch: int, cause: str) -> None:
+        """Any thread: collectives of serving groups older than ``below_epoch`` end now."""
+        self.collectives.abort(below_epoch, cause)
+
+    def waiting_on_peers(self, thread_id: int) -> bool:
+        """Any thread: whether thread ``thread_id`` waits in a collective of the serving
+        groups for its peers."""
+        return self.collectives.is_waiting(thread_id)
 
     # ---- elastic EP (tidal/executor/elastic.py; see Executor for the contract) ----------
 

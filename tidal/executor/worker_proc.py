@@ -28,6 +28,7 @@ import contextlib
 import functools
 import logging
 import os
+import queue
 import shutil
 import signal
 import threading
@@ -116,7 +117,7 @@ class WorkerProc:
     """One worker process: the call loop around a ``Worker``."""
 
     # Calls served by this class (the rest go to ``Worker``).
-    RPCS = frozenset({"start", "execute_model"})
+    RPCS = frozenset({"start", "execute_model", "home_waiting_on_peers"})
 
     def __init__(self, launch: WorkerLaunch) -> None:
         self.config = join_hf_config(launch.config, launch.hf_config)
@@ -144,6 +145,7 @@ class WorkerProc:
         )
         self.steps = StepDecoder()
         self._background: list[threading.Thread] = []
+        self._home = threading.get_ident()  # the thread that runs steps (``run``)
         self._send(msgspec.msgpack.encode(WorkerHello(self.tp_rank, os.getpid())))
 
     # ---- RPCs of this class -------------------------------------------------------------
@@ -159,22 +161,45 @@ class WorkerProc:
     # ---- the loop -----------------------------------------------------------------------
 
     def run(self) -> None:
-        while True:
-            try:
-                raw = self.queue.get()
-            except (QueueClosed, QueueCancelled):
-                return
-            call = _CALL_DECODER.decode(raw)
-            if call.driver_only and self.tp_rank != 0:
-                continue
-            if call.background:
+        """Serve the engine's calls in queue order on this (the home) thread. A reader
+        thread takes them off the queue, so a background call (``abort_collectives`` from
+        the engine's input thread) still runs while this thread is blocked in a step's
+        collective: a frozen peer rank must not hold it there until the timeout."""
+        self._home = threading.get_ident()
+        calls: queue.SimpleQueue[WorkerCall | None] = queue.SimpleQueue()
+        reader = threading.Thread(
+            target=self._read, args=(calls,), name="queue-reader", daemon=True
+        )
+        reader.start()
+        while (call := calls.get()) is not None:
+            self._serve(call)
+        reader.join(5)
+
+    def _read(self, calls: queue.SimpleQueue[WorkerCall | None]) -> None:
+        try:
+            while True:
+                try:
+                    raw = self.queue.get()
+                except (QueueClosed, QueueCancelled):
+                    return
+                call = _CALL_DECODER.decode(raw)
+                if call.driver_only and self.tp_rank != 0:
+                    continue
+                if not call.background:
+                    calls.put(call)
+                    continue
                 t = threading.Thread(
                     target=self._serve, args=(call,), name=f"call-{call.method}", daemon=True
                 )
                 self._background = [b for b in self._background if b.is_alive()] + [t]
                 t.start()
-            else:
-                self._serve(call)
+        finally:
+            calls.put(None)  # whatever ended the reader ends the worker
+
+    def home_waiting_on_peers(self) -> bool:
+        """Whether the home thread (the one running steps) waits in a collective of the
+        serving groups for a peer rank (the engine's stall watchdog asks)."""
+        return self.worker.waiting_on_peers(self._home)
 
     def _serve(self, call: WorkerCall) -> None:
         answer = call.reply is ReplyMode.ALL or self.tp_rank == 0

@@ -6,7 +6,13 @@ scale driver asks of it on that loop (``send_scale``, ``migrate``, ``set_topolog
 The reader tasks never die silently: a frame that does not decode is dropped, counted
 (``dropped``) and logged; any other failure of a reader fails the client at once
 (``_fail``: every pending request and utility call gets ``EngineDeadError``) instead of
-leaving them waiting for outputs nobody reads."""
+leaving them waiting for outputs nobody reads.
+
+Liveness (DESIGN.md 6.5) runs on the loop too (``_heartbeats``): a HEARTBEAT to every
+member each interval; every engine, local or remote, judged by ``Liveness`` (silence,
+and the stall watchdog); what it declares is SIGKILLed when it is local and handled as an
+exit. The coordinator is watched by its snapshots: one that falls silent is killed and
+restarted like a dead one."""
 
 from __future__ import annotations
 
@@ -21,12 +27,17 @@ import zmq.asyncio
 
 from tidal.config import EngineConfig
 from tidal.dp_coordinator.handle import fetch_stats_async
-from tidal.frontend.mp_client import OUTPUT_DECODER, MPClient, exit_reason
+from tidal.frontend.liveness import Liveness
+from tidal.frontend.mp_client import (
+    COORDINATOR_HEARTBEAT_S,
+    OUTPUT_DECODER,
+    MPClient,
+    exit_reason,
+)
 from tidal.protocol.elastic import ScaleEvent, ScaleMessage
 from tidal.protocol.errors import EngineDeadError
 from tidal.protocol.messages import (
     HEARTBEAT_INTERVAL_S,
-    HEARTBEAT_TIMEOUT_S,
     DPCoordinatorStats,
     EngineCoreOutputs,
     EngineCoreRequestType,
@@ -39,6 +50,10 @@ logger = logging.getLogger(__name__)
 # A joining engine registers its input route before it loads the model, so the route
 # exists long before its READY; this only covers a slow connect.
 SCALE_SEND_RETRY_S = 5.0
+# A coordinator that published nothing (not even its heartbeat) this long is frozen: it
+# is killed and restarted (DESIGN.md 6.5). Meanwhile, past two of its heartbeats, wake-ups
+# also go straight to the engines (``_send_wakeup``).
+COORDINATOR_TIMEOUT_S = 4 * COORDINATOR_HEARTBEAT_S
 
 
 class AsyncMPClient(MPClient):
@@ -47,9 +62,8 @@ class AsyncMPClient(MPClient):
     def __init__(self, config: EngineConfig, entry_module: str | None = None) -> None:
         self._pending_calls: dict[int, asyncio.Future] = {}
         self._call_targets: dict[int, int] = {}  # call id -> engine id
-        self._gone_engines: set[int] = set()  # exited engines the scale driver took over
-        self._last_seen: dict[int, float] = {}  # engine id -> its last frame (liveness)
-        self._suspect_until = 0.0  # a GROUP_FAILED came in: shorter silence limit until then
+        self.liveness = Liveness(stall_s=config.parallel.engine_stall_timeout)
+        self._coordinator_heard = time.monotonic()  # its last snapshot
         self._coordinator_restart: asyncio.Task | None = None
         self._heartbeat_task: asyncio.Task | None = None
         self._queue: asyncio.Queue[EngineCoreOutputs] | None = None
@@ -86,14 +100,14 @@ class AsyncMPClient(MPClient):
 
     def _dispatch(self, outs: EngineCoreOutputs) -> None:
         now = time.monotonic()
-        self._last_seen[outs.engine_index] = now
+        self.liveness.heard(outs.engine_index, now, outs.progress if outs.heartbeat else None)
         if outs.heartbeat:
             return
         report = outs.scale_report
         if report is not None and report.event is ScaleEvent.GROUP_FAILED:
-            # A collective broke: some member is probably dead. A remote one is declared
+            # A collective broke: some member is probably dead. A silent one is declared
             # after a short silence from now on, not the full timeout.
-            self._suspect_until = now + HEARTBEAT_TIMEOUT_S
+            self.liveness.suspect(now)
         if outs.utility_output is not None:
             fut = self._pending_calls.pop(outs.utility_output.call_id, None)
             self._call_targets.pop(outs.utility_output.call_id, None)
@@ -114,6 +128,7 @@ class AsyncMPClient(MPClient):
         try:
             while True:
                 frame = await self._async_snap.recv()
+                self._coordinator_heard = time.monotonic()
                 try:
                     self._on_snapshot(frame)
                 except msgspec.DecodeError as e:
@@ -154,18 +169,19 @@ class AsyncMPClient(MPClient):
 
     async def _heartbeats(self) -> None:
         """Liveness (DESIGN.md 6.5), every HEARTBEAT_INTERVAL_S: a HEARTBEAT to every
-        member (so headless ranks notice a dead frontend), and a *remote* member silent
-        for HEARTBEAT_TIMEOUT_S is dead (local engines have their process sentinel)."""
-        started = last_round = time.monotonic()
+        member (so headless ranks notice a dead frontend); every engine judged by
+        ``self.liveness`` (members and local processes once heard from); the coordinator
+        judged by its snapshots."""
+        last_round = time.monotonic()
+        self.liveness.expect(self.engine_ids, last_round)  # ready when we started
+        self._coordinator_heard = last_round  # its snapshots are read from now on
         while self.dead_reason is None and not self._closed:
             now = time.monotonic()
             # The loop itself stalled (a burst of work): frames may wait unread, so the
             # silences measured now are not the engines'. Judge from the next round on.
             stalled = now - last_round > 2 * HEARTBEAT_INTERVAL_S
             last_round = now
-            coord = self.coordinator
-            if coord is not None and self._coordinator_restart is None and not coord.is_alive():
-                self._coordinator_restart = asyncio.create_task(self._restart_coordinator())
+            self._watch_coordinator(now, stalled)
             for e in list(self.engine_ids):
                 if e in self._gone_engines:
                     continue
@@ -175,16 +191,37 @@ class AsyncMPClient(MPClient):
                     return
                 except zmq.ZMQError:
                     pass  # no route (gone, or a joiner not registered yet): nothing to tell
-                if e in self.manager.procs or stalled:
-                    continue
-                silent = now - self._last_seen.get(e, started)
-                # A live engine sends at least every interval (its output thread, not its
-                # busy loop, which may be stuck in the broken collective).
-                limit = 4 * HEARTBEAT_INTERVAL_S if now < self._suspect_until else None
-                if silent > (limit or HEARTBEAT_TIMEOUT_S):
-                    logger.error("engine %d: no heartbeat for %.1fs", e, silent)
-                    self._handle_engine_exit(e, None, f"no heartbeat for {silent:.1f}s")
+            watched = (set(self.engine_ids) | self.manager.watched_ids()) - self._gone_engines
+            for v in self.liveness.check(now, watched, loop_stalled=stalled):
+                logger.error("engine %d: %s: declared dead", v.engine_id, v.cause)
+                self._declare_dead(v.engine_id, v.cause)
             await asyncio.sleep(HEARTBEAT_INTERVAL_S)
+
+    def _declare_dead(self, engine_id: int, cause: str) -> None:
+        """An engine that stopped without dying (frozen, stuck): SIGKILL it if it runs
+        here (its sockets close, so peers blocked on it fail at once), then handle it as
+        an exit (DESIGN.md 6.5)."""
+        self.manager.kill(engine_id)
+        self._handle_engine_exit(engine_id, None, cause)
+
+    def _watch_coordinator(self, now: float, loop_stalled: bool) -> None:
+        """A dead coordinator is restarted; one silent past ``COORDINATOR_TIMEOUT_S``
+        (frozen) is killed first, so the next round restarts it."""
+        coord = self.coordinator
+        if coord is None or self._coordinator_restart is not None:
+            return
+        if not coord.is_alive():
+            self._coordinator_restart = asyncio.create_task(self._restart_coordinator())
+            return
+        silent = now - self._coordinator_heard
+        if silent > COORDINATOR_TIMEOUT_S and not loop_stalled:
+            logger.error("the DP coordinator published nothing for %.1fs: killing it", silent)
+            coord.kill()
+
+    def _coordinator_silent(self) -> bool:
+        if self.coordinator is None:
+            return False
+        return time.monotonic() - self._coordinator_heard > 2 * COORDINATOR_HEARTBEAT_S
 
     async def _restart_coordinator(self) -> None:
         """The DP coordinator died (DESIGN.md 6.5): start a new one on the same addresses
@@ -205,6 +242,7 @@ class AsyncMPClient(MPClient):
         finally:
             self._coordinator_restart = None
         # Its sockets reconnect in the background: wake engines directly for a while too.
+        self._coordinator_heard = time.monotonic()
         self._direct_wakeups_until = time.monotonic() + 2.0
         self.dp.wave.running = False  # when in doubt, paused: the next request wakes them
         logger.warning("DP coordinator restarted (%d restart(s))", self.coordinator.restarts)
@@ -214,6 +252,7 @@ class AsyncMPClient(MPClient):
     ) -> None:
         if engine_id in self._gone_engines:
             return  # reported once (a sentinel and a silence can both see it)
+        self.liveness.forget(engine_id)
         hooks = self._scale_hooks
         if hooks is not None and hooks.owns_engine(engine_id):
             # Joining, leaving, or a rank death the deployment recovers from: the scale
@@ -250,16 +289,21 @@ class AsyncMPClient(MPClient):
     ) -> list[int]:
         """Send one SCALE frame (``ScalePrepare | ScaleCommit | ScaleAbort``) to each
         engine, in order. An engine whose input route is not there yet (a joiner right
-        after READY) is retried for ``retry_s``; returns those still unreachable then (an
-        engine that exited). Raises ``EngineDeadError`` once the client failed."""
+        after READY) is retried for ``retry_s``; returns those still unreachable then, and
+        at once those known gone (exited or declared dead: waiting for them would hold
+        the scale driver, and with it the recovery that removes them). Raises
+        ``EngineDeadError`` once the client failed."""
         payload = encode(message)
         pending = list(dict.fromkeys(engine_ids))
         deadline = time.monotonic() + retry_s
         while True:
             self._drain_registrations()
-            pending = [e for e in pending if not self._try_send_scale(e, payload)]
+            gone = [e for e in pending if e in self._gone_engines]
+            pending = [
+                e for e in pending if e not in gone and not self._try_send_scale(e, payload)
+            ]
             if not pending or time.monotonic() >= deadline:
-                return pending
+                return gone + pending
             await asyncio.sleep(0.02)
 
     def _deliver_injected(self, outs: EngineCoreOutputs) -> None:

@@ -10,6 +10,11 @@ operation through the ``ScaleDriver`` (``tidal.frontend.scale_driver``) and answ
 ``(status_code, record)``; ``is_scaling_elastic_ep``, ``scaling_history`` and
 ``add_scale_listener`` (every finished operation's record, for the metrics) report on
 them. Requests are never refused because of scaling.
+
+Rank recovery (DESIGN.md 6.5) needs no flag: a data-parallel deployment runs the same
+driver, whose recovery operations remove dead ranks while the others serve
+(``--no-rank-recovery`` turns that off; ``--enable-elastic-ep`` adds the scale API and the
+warm launcher on top).
 """
 
 from __future__ import annotations
@@ -37,6 +42,11 @@ from tidal.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 __all__ = ["AsyncLLM", "EngineDeadError"]
+
+_ELASTIC_OFF = (
+    "elastic EP is not enabled: start the server with --enable-elastic-ep "
+    "to scale the deployment while it serves"
+)
 
 
 @dataclass
@@ -102,7 +112,7 @@ class AsyncLLM:
         if self.is_dead:
             raise EngineDeadError(self.dead_reason)
         self.input_processor.check(prompt, params)
-        self._check_dp_rank(data_parallel_rank)
+        self.check_data_parallel_rank(data_parallel_rank)
         request_id = request_id or uuid.uuid4().hex
         self._ensure_handler()
         children = self.output_processor.add_request(
@@ -219,6 +229,12 @@ class AsyncLLM:
     def elastic_ep_enabled(self) -> bool:
         return self.config.parallel.enable_elastic_ep
 
+    @property
+    def drives_reconfiguration(self) -> bool:
+        """Whether a scale driver runs: elastic EP, or a data-parallel deployment that
+        recovers from rank deaths."""
+        return self.config.parallel.reconfigurable
+
     async def scale_elastic_ep(
         self,
         new_data_parallel_size: int,
@@ -232,6 +248,8 @@ class AsyncLLM:
         operation running answers ``(409, that operation's record)``. ``ValueError`` (HTTP
         400) when elastic EP is off or the request cannot be served (size, drain timeout,
         operation id), naming the valid range."""
+        if not self.elastic_ep_enabled:
+            raise ValueError(_ELASTIC_OFF)
         driver = self.scale_driver
         if self.is_dead:
             raise EngineDeadError(self.dead_reason)
@@ -275,12 +293,10 @@ class AsyncLLM:
 
     @property
     def scale_driver(self) -> ScaleDriver:
-        """The elastic EP driver (created on first use); ``ValueError`` without elastic EP."""
-        if not self.elastic_ep_enabled:
-            raise ValueError(
-                "elastic EP is not enabled: start the server with --enable-elastic-ep "
-                "to scale the deployment while it serves"
-            )
+        """The driver of scale and recovery operations (created on first use);
+        ``ValueError`` when neither elastic EP nor rank recovery runs."""
+        if not self.drives_reconfiguration:
+            raise ValueError(_ELASTIC_OFF)
         if self._scale_driver is None:
             driver = ScaleDriver.for_client(self.config, self.client, self.scale_timeouts)
             driver.add_listener(self._on_scale_record)
@@ -306,12 +322,16 @@ class AsyncLLM:
 
     # ---- internals ---------------------------------------------------------------------
 
-    def _check_dp_rank(self, rank: int | None) -> None:
+    def check_data_parallel_rank(self, rank: int | None) -> None:
+        """A request may be pinned to ``rank``: ``ValueError`` (HTTP 400) outside the live
+        size, ``RankUnavailableError`` (HTTP 503) while its engine is dead (the deployment
+        recovers without it). A leaving rank is fine: the request goes elsewhere."""
         if rank is None:
             return
         size = self.client.topology.size  # the live size: a rank is a position in it
         if not 0 <= rank < size:
             raise ValueError(f"data_parallel_rank must be in [0, {size}), got {rank}")
+        self.client.check_pinned_rank(rank)
 
     def _abort_children(self, request_id: str) -> None:
         children = self.output_processor.abort(request_id)
@@ -327,7 +347,7 @@ class AsyncLLM:
     def _ensure_handler(self) -> None:
         if self._handler is None or self._handler.done():
             self._handler = asyncio.get_running_loop().create_task(self._output_handler())
-            if self.elastic_ep_enabled and not self.is_dead:
+            if self.drives_reconfiguration and not self.is_dead:
                 # From the first request on, a rank death is the driver's to recover
                 # from (DESIGN.md 6.5), not the end of the client.
                 self.scale_driver.start()

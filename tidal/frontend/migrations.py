@@ -14,6 +14,10 @@ engine that owns it. That is what a move needs:
   end it: ``finished_output`` is the finish to deliver).
 - ``finish(request_id)``: the request finished or its client aborted it.
 
+Prompt logprobs: the positions accepted are counted; a request resumed mid-prefill asks
+for them again and the positions the client already has are dropped from its new owner's
+outputs (``_skip_prompt_lps``), so each position reaches the client exactly once.
+
 A request is resumed from exactly the tokens accepted up to the move, and only its new
 owner's outputs are accepted from then on: no gap, no duplicate (``tidal.elastic.migration``).
 """
@@ -39,7 +43,10 @@ class RequestBook:
         self.max_model_len = max_model_len
         self._requests: dict[str, EngineCoreRequest] = {}
         self._outputs: dict[str, list[int]] = {}
+        self._prompt_lps: dict[str, int] = {}  # prompt logprob positions accepted
+        self._skip_prompt_lps: dict[str, int] = {}  # ... to drop from a resumed request
         self.migrated = 0  # requests resumed on another engine
+        self.resumed_mid_prefill = 0  # ... asking for their prompt logprobs again
         self.finished_on_move = 0  # requests whose outputs already ended them
 
     def __len__(self) -> int:
@@ -81,17 +88,36 @@ class RequestBook:
                 continue  # finished or aborted here already: nobody waits for it
             if not self.ownership.accept(engine_id, rid, len(out.new_token_ids)):
                 continue  # a former owner's late output
+            if out.new_prompt_logprobs:
+                self._take_prompt_logprobs(rid, out)
             self._outputs[rid].extend(out.new_token_ids)
             kept.append(out)
             if out.finished:
                 self.finish(rid)
         return kept
 
+    def _take_prompt_logprobs(self, rid: str, out: EngineCoreOutput) -> None:
+        """Count the prompt logprob positions of ``out``, first dropping those a resumed
+        request repeats (the client has them from its earlier owner)."""
+        lps = out.new_prompt_logprobs or []
+        skip = self._skip_prompt_lps.get(rid, 0)
+        if skip:
+            dropped = min(skip, len(lps))
+            lps = lps[dropped:]
+            out.new_prompt_logprobs = lps or None
+            if skip > dropped:
+                self._skip_prompt_lps[rid] = skip - dropped
+            else:
+                del self._skip_prompt_lps[rid]
+        self._prompt_lps[rid] = self._prompt_lps.get(rid, 0) + len(lps)
+
     def finish(self, request_id: str) -> None:
         """Finished, or aborted by its client: forget it (idempotent)."""
         self.ownership.finish(request_id)
         self._requests.pop(request_id, None)
         self._outputs.pop(request_id, None)
+        self._prompt_lps.pop(request_id, None)
+        self._skip_prompt_lps.pop(request_id, None)
 
     def owned_by(self, engine_id: int) -> list[str]:
         return self.ownership.owned_by(engine_id)
@@ -109,7 +135,12 @@ class RequestBook:
             if self.owner(rid) != engine_id:
                 continue
             out.append(
-                resume_request(self._requests[rid], self._outputs[rid], self.max_model_len)
+                resume_request(
+                    self._requests[rid],
+                    self._outputs[rid],
+                    self.max_model_len,
+                    self._prompt_lps.get(rid, 0),
+                )
             )
         return out
 
@@ -126,6 +157,9 @@ class RequestBook:
             resumed.num_output_tokens,
             old_owner_stopped=old_owner_stopped,
         )
+        if resumed.prompt_logprobs_done is not None:  # asked again: drop what we have
+            self._skip_prompt_lps[resumed.request_id] = resumed.prompt_logprobs_done
+            self.resumed_mid_prefill += 1
         self.migrated += 1
 
     def finished_output(self, done: AlreadyFinished) -> EngineCoreOutput:

@@ -2,12 +2,13 @@
 read (threads for ``SyncMPClient``, asyncio for ``AsyncMPClient``): the frontend's
 sockets, the engine processes, the DP coordinator, routing, and releasing all of it.
 
-Elastic EP (``--enable-elastic-ep``, DESIGN.md 6.2-6.3) adds what the scale driver
-(``tidal.frontend.scale_driver``) executes through the client: ``set_topology`` (the
-coordinator, the balancer, the wave state, the process manager, the ownership epoch),
-``exclude_from_routing`` / ``restore_routing`` (leaving engines get no new request),
-``send_scale`` (SCALE frames) and ``migrate`` (resume an engine's requests elsewhere).
-With the flag every engine request sent is recorded in a ``RequestBook``
+Elastic EP (``--enable-elastic-ep``, DESIGN.md 6.2-6.3), and rank recovery (any
+data-parallel deployment unless ``--no-rank-recovery``: ``ParallelConfig.reconfigurable``)
+add what the scale driver (``tidal.frontend.scale_driver``) executes through the client:
+``set_topology`` (the coordinator, the balancer, the wave state, the process manager, the
+ownership epoch), ``exclude_from_routing`` / ``restore_routing`` (leaving engines get no
+new request), ``send_scale`` (SCALE frames) and ``migrate`` (resume an engine's requests
+elsewhere). Then every engine request sent is recorded in a ``RequestBook``
 (``tidal.frontend.migrations``): outputs of an engine that does not own the request are
 dropped before they reach the caller. ``ScaleHooks`` route the engines' scale reports,
 and the exits of engines in a scale operation, to the driver instead of failing the
@@ -45,7 +46,7 @@ from tidal.frontend.dp_state import DPFrontendState
 from tidal.frontend.migrations import RequestBook
 from tidal.frontend.proc_manager import EngineProcManager, frontend_addresses, ipc_dir
 from tidal.protocol.elastic import ScaleReport
-from tidal.protocol.errors import EngineDeadError
+from tidal.protocol.errors import EngineDeadError, RankUnavailableError
 from tidal.protocol.messages import (
     SNAPSHOT_DECODER,
     DPSetTopology,
@@ -64,6 +65,9 @@ from tidal.protocol.topology import Topology
 logger = logging.getLogger(__name__)
 
 OUTPUT_DECODER = msgspec.msgpack.Decoder(EngineCoreOutputs)
+# The coordinator publishes a snapshot at least this often (its heartbeat), so a frontend
+# can tell a frozen one from a quiet one.
+COORDINATOR_HEARTBEAT_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -101,8 +105,15 @@ class MPClient(EngineCoreClient):
     one ``Topology``: its engine ids are who gets requests, its size the live DP size."""
 
     def __init__(
-        self, config: EngineConfig, *, asyncio_mode: bool, entry_module: str | None = None
+        self,
+        config: EngineConfig,
+        *,
+        asyncio_mode: bool,
+        entry_module: str | None = None,
+        migrates: bool = True,
     ) -> None:
+        """``migrates``: a scale driver may move requests (keep the request book), when
+        the deployment is reconfigurable."""
         par = config.parallel
         store = None
         if par.is_data_parallel:
@@ -117,12 +128,17 @@ class MPClient(EngineCoreClient):
         )
         # Elastic EP: every engine request sent, its owner and outputs (migration), guarded
         # by a lock (the sync client reads outputs on its own thread).
-        self._book = RequestBook(0, config.model.max_model_len) if par.enable_elastic_ep else None
+        self._book = (
+            RequestBook(0, config.model.max_model_len) if par.reconfigurable and migrates else None
+        )
         self._book_lock = threading.Lock()
         self._scale_hooks: ScaleHooks | None = None
         self.ipc_dir = ipc_dir()
         self.ctx: zmq.Context = zmq.asyncio.Context() if asyncio_mode else zmq.Context()
         self.dead_reason: str | None = None
+        # Engines that exited (or were declared dead) and that a recovery removes: no
+        # request goes there any more (the scale driver took them over).
+        self._gone_engines: set[int] = set()
         self._call_ids = iter(range(1, 1 << 62))
         self._closed = False
         self.coordinator: DPCoordinator | None = None
@@ -194,6 +210,7 @@ class MPClient(EngineCoreClient):
         self.coordinator = DPCoordinator(
             self._launch_topology,
             self.addresses.coordinator,
+            heartbeat_interval_s=COORDINATOR_HEARTBEAT_S,
             auth_key=par.data_parallel_auth_key if self._curve else None,
         )
         addrs = self.coordinator.addresses
@@ -221,31 +238,82 @@ class MPClient(EngineCoreClient):
 
     def add_request(self, request: EngineCoreRequest) -> None:
         """Send an ADD. A request that cannot be encoded raises ``ValueError`` and leaves
-        no trace (no rank holds it, no wake-up went out)."""
+        no trace (no rank holds it, no wake-up went out).
+
+        A request pinned (``data_parallel_rank``) to a rank whose engine is dead raises
+        ``RankUnavailableError`` (HTTP 503: the deployment recovers without it); one
+        pinned to a rank that leaves (a scale-down drains it) goes where the balancer
+        sends it, as that rank's own requests do. An engine that vanished between its
+        death and our learning of it (no route to it) is skipped like a dead one."""
         if self.dead_reason is not None:
             raise EngineDeadError(self.dead_reason)
         if self.dp is None:
             self._send_frame(self.engine_ids[0], EngineCoreRequestType.ADD, encode_request(request))
             return
-        rank, wake = self.dp.route(request)  # stamps the wave, so encode after it
-        try:
-            if self._book is not None:
-                with self._book_lock:
-                    self._book.add(request, rank)
+        self._check_pinned(request)
+        unreachable: set[int] = set()
+        while True:
+            rank, wake = self.dp.route(request, exclude=unreachable)  # stamps the wave
             try:
-                self._send_frame(rank, EngineCoreRequestType.ADD, encode_request(request))
+                self._send_routed(request, rank)
+            except zmq.ZMQError as e:
+                self.dp.unroute(request.request_id, rank, wake)
+                if e.errno != zmq.EHOSTUNREACH:
+                    raise
+                if request.data_parallel_rank is not None:
+                    gone = self._pinned_gone(request.data_parallel_rank, rank)
+                    raise RankUnavailableError(gone) from None
+                logger.warning("engine %d is unreachable (gone?): request rerouted", rank)
+                unreachable.add(rank)
+                continue
             except BaseException:
-                if self._book is not None:
-                    with self._book_lock:
-                        self._book.finish(request.request_id)
+                self.dp.unroute(request.request_id, rank, wake)
                 raise
-        except BaseException:
-            self.dp.unroute(request.request_id, rank, wake)
-            raise
+            break
         if wake is not None:
             # Only now that the ADD is out: the ranks this wakes wait in a collective for
             # the one holding the request, so it must be certain to get it.
             self._send_wakeup(wake)
+
+    def _send_routed(self, request: EngineCoreRequest, engine_id: int) -> None:
+        """Record (request book) and send one routed ADD; nothing stays recorded if the
+        send fails."""
+        if self._book is not None:
+            with self._book_lock:
+                self._book.add(request, engine_id)
+        try:
+            self._send_frame(engine_id, EngineCoreRequestType.ADD, encode_request(request))
+        except BaseException:
+            if self._book is not None:
+                with self._book_lock:
+                    self._book.finish(request.request_id)
+            raise
+
+    def check_pinned_rank(self, rank: int | None) -> bool:
+        """Whether a request pinned to DP rank ``rank`` can go there: raises
+        ``RankUnavailableError`` when its engine is dead (the deployment recovers without
+        it); False when it leaves (a scale-down drains it: the request goes where the
+        balancer sends it, as that rank's own requests do); True otherwise (or unpinned).
+        A rank outside the topology is the balancer's to refuse."""
+        if rank is None or self.dp is None:
+            return True
+        ids = self.dp.topology.engine_ids
+        if not 0 <= rank < len(ids):
+            return True
+        engine = ids[rank]
+        if engine in self._gone_engines:
+            raise RankUnavailableError(self._pinned_gone(rank, engine))
+        return engine not in self.dp.draining
+
+    def _check_pinned(self, request: EngineCoreRequest) -> None:
+        if not self.check_pinned_rank(request.data_parallel_rank):
+            request.data_parallel_rank = None
+
+    def _pinned_gone(self, rank: int | None, engine: int) -> str:
+        return (
+            f"data_parallel_rank {rank}: its engine ({engine}) is dead and the deployment "
+            "is recovering without it; retry without data_parallel_rank, or with another rank"
+        )
 
     def _send_wakeup(self, wake: DPWakeUp) -> None:
         """To the coordinator, which starts the other ranks. While it is down or just
@@ -256,7 +324,7 @@ class MPClient(EngineCoreClient):
         coord = self.coordinator
         if coord is None or coord.is_alive():
             self._wakeup_socket.send(encode(wake))
-            if time.monotonic() >= self._direct_wakeups_until:
+            if time.monotonic() >= self._direct_wakeups_until and not self._coordinator_silent():
                 return
         start = encode(StartDPWave(wake.wave, wake.engine_id))
         for e in self.engine_ids:
@@ -266,6 +334,11 @@ class MPClient(EngineCoreClient):
                 self._send_frame(e, EngineCoreRequestType.START_DP_WAVE, start)
             except zmq.ZMQError:
                 pass  # no route to it (gone): nothing to wake
+
+    def _coordinator_silent(self) -> bool:
+        """Whether the coordinator has published nothing for a while (it may be frozen:
+        wake-ups then go straight to the engines too)."""
+        return False
 
     def abort_requests(self, request_ids: list[str]) -> None:
         if not request_ids or self.dead_reason is not None or getattr(self, "_closed", False):

@@ -19,6 +19,16 @@ Threads: the handshake socket is used by one thread at a time (the caller of
 ``wait_for_ready`` at launch, then the thread running ``wait_for_joiners``: one scale
 operation at a time). ``procs`` is guarded by a lock; a process's sentinel is closed
 only once the monitor has dropped it from its wait list.
+
+Faults (DESIGN.md 6.5):
+- The warm launcher is no single point of failure: a keeper thread restarts a zygote that
+  died or stopped answering its pings (frozen: SIGKILLed first); its forked engines are
+  ours, not its, and keep serving. A spawn while no zygote is ready starts cold.
+- An engine id never runs twice: the handshake answers a local engine id only from the
+  pid this manager started for it; any other process (a stray fork of a cancelled warm
+  spawn) is refused and exits.
+- An engine started while the manager shuts down is stopped at once (``_start`` checks
+  under the lock that ``shutdown`` takes its list under), so nothing outlives it.
 """
 
 from __future__ import annotations
@@ -67,6 +77,13 @@ logger = logging.getLogger(__name__)
 EngineProcess = ModuleProcess | ForkedProcess
 
 STARTUP_TIMEOUT_S = 300.0
+# The warm launcher's keeper: how often it pings the zygote, and after how long without
+# an answer the zygote counts as frozen (killed and replaced).
+ZYGOTE_PING_S = 1.0
+ZYGOTE_TIMEOUT_S = 5.0
+# A warm spawn is answered in milliseconds by a ready zygote; past this it is cancelled
+# and the engine starts cold.
+WARM_SPAWN_TIMEOUT_S = 10.0
 
 
 class EngineStartError(EngineDeadError):
@@ -147,15 +164,25 @@ class EngineProcManager:
             topology,
         )
         local = topology.engine_ids if local_engines is None else local_engines
+        # Local engines: the pid each was started as (the handshake answers only it).
+        self._pids: dict[int, int] = {}
+        self._hello: dict[int, bytes] = {}  # engine id -> handshake identity answered
         # Elastic EP: a warm launcher (imports done once) forks joining engines, so a
         # scale-up does not wait seconds for each new interpreter's imports. Started with
         # the launch engines, it imports while they load. Tests that substitute the entry
         # module start their engines cold.
         self._zygote: ForkServer | None = None
+        self.zygote_restarts = 0
+        self._keeper: threading.Thread | None = None
+        self._keeper_stop_r, self._keeper_stop_w = Pipe(duplex=False)
         try:
             self._start(local)
             if config.parallel.enable_elastic_ep and self._entry_module == ENGINE_ENTRY_MODULE:
                 self._zygote = start_engine_zygote(config)
+                self._keeper = threading.Thread(
+                    target=self._keep_zygote, name="zygote-keeper", daemon=True
+                )
+                self._keeper.start()
         except BaseException:
             self.shutdown()  # the ranks started before the failure
             raise
@@ -166,19 +193,32 @@ class EngineProcManager:
             # joining engine's is fresh (``Topology.new_engine_ids``).
             cfg = self.config.with_parallel(data_parallel_rank=e, device_ids=self._take_devices(e))
             proc: EngineProcess | None = None
-            if warm and self._zygote is not None and self._zygote.alive:
+            zygote = self._zygote
+            if warm and zygote is not None and zygote.ready:
                 try:
-                    proc = spawn_engine(self._zygote, cfg, e, self._handshake_address)
-                except RuntimeError as err:  # the zygote is gone: a cold start still works
+                    proc = spawn_engine(
+                        zygote, cfg, e, self._handshake_address, WARM_SPAWN_TIMEOUT_S
+                    )
+                except RuntimeError as err:  # gone or stuck: a cold start still works
                     logger.warning("engine %d: warm start failed (%s); starting cold", e, err)
             if proc is None:
+                if self._shutting_down:
+                    self._release_devices(e)
+                    raise EngineDeadError("the engine manager is shut down")
                 try:
                     proc = start_engine_process(cfg, e, self._handshake_address, self._entry_module)
                 except BaseException:
                     self._release_devices(e)
                     raise
             with self._lock:
-                self.procs[e] = proc
+                stray = self._shutting_down  # shutdown took its list already: stop it here
+                if not stray:
+                    self.procs[e] = proc
+                    self._pids[e] = proc.pid
+            if stray:
+                _end_processes({e: proc}, force=True, timeout_s=5.0)
+                proc.close()
+                raise EngineDeadError(f"engine {e} started while the deployment shut down")
         self._wake()
 
     def _take_devices(self, engine_id: int) -> tuple[int, ...]:
@@ -191,6 +231,63 @@ class EngineProcManager:
     def _release_devices(self, engine_id: int) -> None:
         with self._lock:
             self.devices.release(engine_id)
+
+    # ---- the warm launcher's keeper ----------------------------------------------------
+
+    def _keep_zygote(self) -> None:
+        """Restart the zygote when it died or froze (DESIGN.md 6.5); ping it meanwhile."""
+        stop = self._keeper_stop_r
+        while not self._shutting_down:
+            zygote = self._zygote
+            if zygote is None:
+                return
+            watch = [stop] if zygote.sentinel is None else [stop, zygote.sentinel]
+            if stop in wait_sentinels(watch, ZYGOTE_PING_S) or self._shutting_down:
+                return
+            if zygote.alive and zygote.unresponsive(ZYGOTE_TIMEOUT_S):
+                logger.error("the engine zygote answered nothing for %gs: killed", ZYGOTE_TIMEOUT_S)
+                zygote.kill()
+                zygote.gone.wait(5.0)
+            if zygote.alive:
+                try:
+                    zygote.ping()
+                except RuntimeError:
+                    pass  # gone: restarted at the next turn
+                continue
+            self._restart_zygote(zygote)
+
+    def _restart_zygote(self, old: ForkServer) -> None:
+        """A new zygote for a dead one. Its children are this manager's engines and keep
+        running; a scale-up meanwhile starts cold (``_start``: not ready yet)."""
+        logger.error("the engine zygote (pid %d) is gone: starting a new one", old.pid)
+        old.close(timeout_s=1.0)
+        with self._lock:
+            if self._shutting_down:
+                return
+            try:
+                self._zygote = start_engine_zygote(self.config)
+            except Exception:  # noqa: BLE001 - retried at the next turn; cold starts work
+                logger.exception("could not start a new engine zygote")
+                return
+            self.zygote_restarts += 1
+
+    @property
+    def zygote(self) -> ForkServer | None:
+        return self._zygote
+
+    def kill(self, engine_id: int) -> None:
+        """SIGKILL a local engine (frozen or stuck, DESIGN.md 6.5) without reaping it: its
+        exit is then seen like any other. Remote engines: nothing to do here."""
+        with self._lock:
+            proc = self.procs.get(engine_id)
+        if proc is not None and proc.is_alive():
+            logger.error("engine %d (pid %d): killed", engine_id, proc.pid)
+            proc.kill()
+
+    def watched_ids(self) -> set[int]:
+        """Local engines whose liveness matters: running, not being stopped."""
+        with self._lock:
+            return set(self.procs) - self._expected
 
     def set_topology(self, topology: Topology) -> None:
         """The committed topology (elastic EP): what later handshakes are answered with."""
@@ -287,7 +384,9 @@ class EngineProcManager:
             for e, p in procs.items():
                 if self.procs.get(e) is p:
                     del self.procs[e]
+                    self._pids.pop(e, None)
                 self._joiners.pop(e, None)
+                self._hello.pop(e, None)
                 self._reported.discard(e)
                 self.engine_pids.pop(e, None)
                 self.devices.release(e)  # reaped: its devices are free again
@@ -339,9 +438,17 @@ class EngineProcManager:
             # Answered even when the id is not in the topology: the engine then refuses to
             # start with a message naming the flags and reports it in READY(error), which
             # fails the startup here with the same message.
+            e = hello.engine_index
             with self._lock:
-                reply = self._joiners.get(hello.engine_index, self._addresses)
-                self.engine_pids[hello.engine_index] = hello.pid
+                reply = self._joiners.get(e, self._addresses)
+                self.engine_pids[e] = hello.pid
+                expected = self._pids.get(e)
+                if expected is None or expected == hello.pid:
+                    self._hello[e] = ident
+                else:  # not the process started as this engine: it never runs twice
+                    why = f"pid {hello.pid} is not engine {e}'s process (pid {expected})"
+                    logger.warning("handshake refused: %s", why)
+                    reply = msgspec.structs.replace(reply, refused=why)
             self._handshake.send_multipart([ident, encode(reply)])
             return
         try:
@@ -352,6 +459,11 @@ class EngineProcManager:
                 return
             raise
         e = ready.engine_index
+        with self._lock:
+            answered = self._hello.get(e)
+        if answered is not None and answered != ident:
+            logger.warning("READY for engine %d from a process it was not answered: ignored", e)
+            return
         error: str | None = None
         if ready.error:
             error = f"engine {e} failed to start: {ready.error}"
@@ -458,6 +570,10 @@ class EngineProcManager:
                 return
             self._shutting_down = True
             procs = dict(self.procs)
+        try:
+            self._keeper_stop_w.send_bytes(b"s")
+        except (OSError, ValueError):
+            pass
         self._wake()
         _end_processes(procs, force=False, timeout_s=timeout_s)
         with self._lock:
@@ -472,6 +588,10 @@ class EngineProcManager:
             procs = list(self.procs.values())
         for p in procs:
             p.close()
+        if self._keeper is not None and self._keeper is not threading.current_thread():
+            self._keeper.join(5)
+        self._keeper_stop_r.close()
+        self._keeper_stop_w.close()
         if self._zygote is not None:  # after its children: they are stopped and reaped
             self._zygote.close()
         # A wait_for_joiners in progress sees _shutting_down within one poll (100 ms).

@@ -41,7 +41,9 @@ group), so "scale to the same size" replaces it.
 
 Rank death (DESIGN.md 6.5), with ``recover=True``: a member's ``EngineExited`` is
 recorded (``deaths``), its requests migrate at once, and as soon as no operation runs
-the controller asks for a *recovery* (``AdmitScale``, trigger "recovery"): an operation
+the controller asks for a *recovery* (``AdmitScale``, trigger "recovery"), after
+``death_settle_s`` (deaths found together -- a lost host, ranks killed at once -- arrive
+as separate exits within moments; one recovery removes them all): an operation
 to the largest valid size the live members can hold, with the dead in ``dead`` -- the
 survivors' groups are broken (they stopped stepping at their failed collective and
 queue what arrives), so its consensus is the standby barrier. A recovery that rolls
@@ -232,6 +234,7 @@ class ScaleController:
         restore_size: int | None = None,
         recovery_retry_s: float = 1.0,
         rebuild_grace_s: float = 5.0,
+        death_settle_s: float = 0.25,
     ) -> None:
         self.topology = topology  # the committed one: what is served
         self.num_experts = num_experts
@@ -254,6 +257,7 @@ class ScaleController:
         self.deaths: list[DeathRecord] = []
         self.failed_groups: dict[int, str] = {}  # GROUP_FAILED since the last commit
         self._recover_at: float | None = None
+        self.death_settle_s = death_settle_s
         self._restore_at: float | None = None
         self.rebuild_grace_s = rebuild_grace_s
         self._rebuild_at: float | None = None
@@ -731,8 +735,10 @@ class ScaleController:
             self.dead.add(e)  # a member of what is served: the next operation removes it
             self.deaths.append(DeathRecord(e, self.topology.epoch, now, ev.cause))
             del self.deaths[: -self.history_len]
-            if self.recover:
-                self._recover_at = now
+            if self.recover and self._recover_at is None:
+                # Not at once: the other deaths of the same fault arrive within moments,
+                # and one recovery removes them all (a later one keeps this time).
+                self._recover_at = now + self.death_settle_s
         late = self._unresolved
         if late is not None and e in late.plan.participants:
             late.exited.add(e)

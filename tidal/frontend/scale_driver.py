@@ -151,7 +151,7 @@ def controller_for(
         bytes_per_expert=bytes_per_expert,
         timeouts=timeouts,
         cpu_cores=cores,
-        recover=True,
+        recover=config.parallel.recovers_ranks,
         restore_size=topology.size if config.parallel.elastic_restore else None,
     )
 

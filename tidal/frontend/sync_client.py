@@ -4,13 +4,20 @@ queue.
 The reader thread never dies silently: a frame that does not decode is dropped, counted
 (``SyncMPClient.dropped``) and logged; any other failure of the reader fails the client at
 once (every waiter gets ``EngineDeadError``) instead of leaving it waiting for outputs
-nobody reads."""
+nobody reads.
+
+Liveness (DESIGN.md 6.5): the reader also judges the engines' heartbeats (``Liveness``:
+silence, and the stall watchdog); an engine that froze or got stuck is killed and fails
+the client, as a dead one does, instead of leaving ``generate`` waiting forever. (This
+client runs deployments that do not recover from rank deaths; those that do run on
+``LoopThreadClient``.)"""
 
 from __future__ import annotations
 
 import logging
 import queue
 import threading
+import time
 import weakref
 from concurrent.futures import Future
 from typing import Any
@@ -19,9 +26,14 @@ import msgspec
 import zmq
 
 from tidal.config import EngineConfig
+from tidal.frontend.liveness import Liveness
 from tidal.frontend.mp_client import OUTPUT_DECODER, MPClient, exit_reason
 from tidal.protocol.errors import EngineDeadError
-from tidal.protocol.messages import EngineCoreOutputs, EngineCoreRequestType
+from tidal.protocol.messages import (
+    HEARTBEAT_INTERVAL_S,
+    EngineCoreOutputs,
+    EngineCoreRequestType,
+)
 from tidal.utils.dropped import DropCounter
 
 logger = logging.getLogger(__name__)
@@ -34,7 +46,12 @@ class SyncMPClient(MPClient):
         self.outputs: queue.Queue[EngineCoreOutputs] = queue.Queue()
         self._pending_calls: dict[int, Future] = {}
         self.dropped = DropCounter("frontend client", logger)  # undecodable frames
-        super().__init__(config, asyncio_mode=False, entry_module=entry_module)
+        self.liveness = Liveness(stall_s=config.parallel.engine_stall_timeout)
+        self._liveness_round = 0.0  # the reader's last liveness check
+        # No scale driver runs here, so no request ever moves: no request book.
+        super().__init__(config, asyncio_mode=False, entry_module=entry_module, migrates=False)
+        self._liveness_round = time.monotonic()
+        self.liveness.expect(self.engine_ids, self._liveness_round)  # ready now
         # The reader holds only a weak reference to the client (see _MPResources).
         self._reader = threading.Thread(
             target=_read_outputs,
@@ -51,6 +68,9 @@ class SyncMPClient(MPClient):
         self._reader.start()
 
     def _dispatch(self, outs: EngineCoreOutputs) -> None:
+        self.liveness.heard(
+            outs.engine_index, time.monotonic(), outs.progress if outs.heartbeat else None
+        )
         if outs.heartbeat:
             return  # liveness only
         if outs.utility_output is not None:
@@ -63,6 +83,20 @@ class SyncMPClient(MPClient):
             return
         if self._on_outputs(outs):
             self.outputs.put_nowait(outs)
+
+    def _check_liveness(self) -> None:
+        """The reader thread, between frames: an engine found frozen or stuck is killed
+        and fails the client (nothing recovers here)."""
+        now = time.monotonic()
+        if now - self._liveness_round < HEARTBEAT_INTERVAL_S or self.dead_reason is not None:
+            return
+        stalled = now - self._liveness_round > 2 * HEARTBEAT_INTERVAL_S  # we were starved
+        self._liveness_round = now
+        watched = set(self.engine_ids) | self.manager.watched_ids()
+        for v in self.liveness.check(now, watched, loop_stalled=stalled):
+            logger.error("engine %d: %s: declared dead", v.engine_id, v.cause)
+            self.manager.kill(v.engine_id)
+            self._on_engine_death(f"engine {v.engine_id}: {v.cause}")
 
     def _on_engine_exit(self, engine_id: int, exitcode: int | None) -> None:
         # No scale driver runs with the blocking client: every exit is a rank death.
@@ -127,6 +161,8 @@ def _read_outputs(
             for ready, _ in poller.poll(100):
                 if stop.is_set() or not _deliver(client_ref, ready is sock, ready.recv()):
                     return
+            if not _check_liveness(client_ref):
+                return
     except Exception as e:  # noqa: BLE001 - fail every waiter now, never hang them
         if not stop.is_set():
             _reader_failed(client_ref, e)
@@ -148,6 +184,15 @@ def _deliver(client_ref: weakref.ref[SyncMPClient], is_output: bool, frame: byte
         client.dropped.drop("engine output frame" if is_output else "load snapshot frame", e)
         return True
     client._dispatch(outs)
+    return True
+
+
+def _check_liveness(client_ref: weakref.ref[SyncMPClient]) -> bool:
+    """``client._check_liveness()``; False once the client is gone."""
+    client = client_ref()
+    if client is None:
+        return False
+    client._check_liveness()
     return True
 
 

@@ -15,6 +15,7 @@ from typing import Any
 
 from tidal.config import EngineConfig
 from tidal.launch.engine_args import ALL2ALL_BACKENDS, AUTH_KEY_ENV, EngineArgs
+from tidal.protocol.messages import ENGINE_STALL_TIMEOUT_S
 
 _ALIASES = {
     "data_parallel_size": ["--dp"],
@@ -51,6 +52,12 @@ _HELP = {
     "while serving; runs the DP coordinator and wave loop even with one rank",
     "elastic_restore": "elastic EP: after a rank died and the deployment recovered without "
     "it, scale back up to the size it had (a new rank, by the normal scale-up path)",
+    "rank_recovery": "data parallel: survive the loss of ranks or hosts -- the dead ranks "
+    "are removed while the others serve and their requests move (default on; "
+    "--no-rank-recovery: a rank death fails every request, for an outside restart)",
+    "engine_stall_timeout": "seconds a rank's busy loop may stay inside one step (not "
+    "waiting on its peers) before it counts as stuck, is killed and recovered from "
+    f"(0: no watchdog; default {ENGINE_STALL_TIMEOUT_S:g})",
     "all2all_backend": "expert-parallel token exchange: " + " | ".join(ALL2ALL_BACKENDS),
     "enable_eplb": "rebalance experts across ranks from their measured load",
     "num_redundant_experts": "extra physical expert copies for EPLB to place",

@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
+import math
 import os
 import secrets
 from dataclasses import dataclass, field
@@ -39,6 +40,7 @@ from tidal.kernels.select import MODES as CPU_KERNEL_MODES
 from tidal.models.common import check_tensor_parallel
 from tidal.models.registry import get_model_class, resolve_architecture
 from tidal.models.tiny import default_model_path
+from tidal.protocol.messages import ENGINE_STALL_TIMEOUT_S
 
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
 # The DP control plane's shared secret (tidal/distributed/zmq_auth.py): where the CLI reads it,
@@ -89,6 +91,8 @@ class EngineArgs:
     enable_expert_parallel: bool = False
     enable_elastic_ep: bool = False
     elastic_restore: bool = False
+    rank_recovery: bool = True
+    engine_stall_timeout: float = ENGINE_STALL_TIMEOUT_S
     all2all_backend: str = "allgather_reducescatter"
     enable_eplb: bool = False
     num_redundant_experts: int = 0
@@ -215,6 +219,12 @@ class EngineArgs:
             )
         if self.elastic_restore and not self.enable_elastic_ep:
             raise ValueError("elastic_restore requires enable_elastic_ep")
+        stall = self.engine_stall_timeout
+        if not isinstance(stall, int | float) or not math.isfinite(stall) or stall < 0:
+            raise ValueError(
+                f"engine_stall_timeout must be a finite number of seconds >= 0 (0: off), "
+                f"got {stall!r}"
+            )
         if self.enable_eplb and not self.enable_expert_parallel:
             raise ValueError("enable_eplb requires enable_expert_parallel")
         local = self.data_parallel_size_local if self.data_parallel_size_local is not None else dp

@@ -20,7 +20,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tidal.launch import protocol as P
-from tidal.protocol.errors import EngineDeadError, RequestFailedError
+from tidal.protocol.errors import EngineDeadError, RankUnavailableError, RequestFailedError
 from tidal.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -80,6 +80,8 @@ def classify_error(exc: BaseException, engine: Any) -> APIError:
             return _bad_value(exc)
         logger.warning("request %s failed in the engine: %s", exc.request_id, exc.message)
         return APIError(500, exc.message, code="request_failed")
+    if isinstance(exc, RankUnavailableError) and not engine.is_dead:
+        return APIError(503, str(exc), param="data_parallel_rank", code="rank_unavailable")
     if isinstance(exc, EngineDeadError) or engine.is_dead:
         return APIError(503, f"engine is dead: {exc}", code="engine_dead")
     if isinstance(exc, ValueError):

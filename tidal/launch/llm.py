@@ -11,6 +11,7 @@ from tqdm import tqdm
 
 from tidal.config import EngineConfig
 from tidal.frontend.core_client import EngineCoreClient, InprocClient
+from tidal.frontend.loop_client import LoopThreadClient
 from tidal.frontend.output_processor import OutputProcessor
 from tidal.frontend.outputs import OutputKind, RequestOutput
 from tidal.frontend.processor import InputProcessor, PromptType, load_tokenizer
@@ -25,7 +26,10 @@ class LLM:
     Keyword arguments are ``EngineArgs`` fields (``max_num_seqs``, ``data_parallel_size``,
     ``enable_expert_parallel``, ...). ``multiprocess`` says where the engine core runs:
     ``True`` in its own process (data-parallel and elastic deployments always do), ``False``
-    in this process, ``None`` (the default) chooses -- see ``runs_in_process``.
+    in this process, ``None`` (the default) chooses -- see ``runs_in_process``. A
+    data-parallel deployment survives the death of ranks (``rank_recovery``, on by
+    default) exactly as the server does: the dead ranks are removed while the others
+    serve, and their requests finish elsewhere.
 
     The engines stop at ``shutdown()``, at the end of a ``with LLM(...) as llm:`` block,
     when the ``LLM`` is garbage-collected (``del llm``), or at interpreter exit, whichever
@@ -55,7 +59,13 @@ class LLM:
             raise ValueError(
                 "multiprocess=False supports data_parallel_size=1 without enable_elastic_ep only"
             )
-        return SyncMPClient(self.config) if self.multiprocess else InprocClient(self.config)
+        if not self.multiprocess:
+            return InprocClient(self.config)
+        if self.config.parallel.reconfigurable:
+            # Rank recovery / elastic EP: the server's machinery on a loop of its own, so
+            # a rank death is survived here exactly as the server survives it.
+            return LoopThreadClient(self.config)
+        return SyncMPClient(self.config)
 
     def get_tokenizer(self) -> Any:
         return self.tokenizer

@@ -138,9 +138,12 @@ class OpenAIServing:
     def _job(self, req: Any, prompt: ProcessedPrompt, request_id: str, first_choice: int) -> _Job:
         default_max = max(1, self.max_model_len - len(prompt.prompt_token_ids))
         params = req.sampling_params(default_max)
-        # Checked here too (generate checks again) so a streaming request gets a 400
-        # before the SSE response starts.
+        # Checked here too (generate checks again) so a streaming request gets a 400 (or
+        # a 503 for a rank that is dead) before the SSE response starts.
         self.engine.input_processor.check(prompt, params)
+        check_rank = getattr(self.engine, "check_data_parallel_rank", None)  # not on doubles
+        if check_rank is not None:
+            check_rank(req.data_parallel_rank)
         return _Job(prompt, params, request_id, first_choice, req.data_parallel_rank)
 
     # -- engine iteration --

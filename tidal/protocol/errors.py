@@ -25,3 +25,9 @@ class RequestFailedError(RuntimeError):
     def __init__(self, request_id: str, message: str, *, invalid: bool = False) -> None:
         super().__init__(message)
         self.request_id, self.message, self.invalid = request_id, message, invalid
+
+
+class RankUnavailableError(EngineDeadError):
+    """A request pinned to one rank (``data_parallel_rank``) that cannot take it: that
+    rank's engine is dead and the deployment recovers without it. Only this request is
+    refused (HTTP 503); the others, and requests without a pinned rank, are served."""

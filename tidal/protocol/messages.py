@@ -33,13 +33,19 @@ class EngineCoreRequestType(enum.Enum):
 
 # Liveness both ways (DESIGN.md 6.5): the frontend sends HEARTBEAT to every member, an
 # engine's output thread sends ``EngineCoreOutputs(heartbeat=True)`` when it sent nothing
-# else for an interval. Silence is a death: of a remote (headless) engine for the
-# frontend after HEARTBEAT_TIMEOUT_S (local ones are watched by their process sentinel);
-# of the frontend for an engine after FRONTEND_TIMEOUT_S -- longer, because a frontend
-# event loop stalled by a burst of work must not make every engine exit.
+# else for an interval. Silence is a death: of any engine (local or headless: a frozen
+# process keeps its sentinel) for the frontend after HEARTBEAT_TIMEOUT_S; of the frontend
+# for an engine after FRONTEND_TIMEOUT_S -- longer, because a frontend event loop stalled
+# by a burst of work must not make every engine exit.
 HEARTBEAT_INTERVAL_S = 0.5
 HEARTBEAT_TIMEOUT_S = 3.0
 FRONTEND_TIMEOUT_S = 10.0
+# The step-progress watchdog's default (``--engine-stall-timeout``): a busy loop inside one
+# iteration this long, not waiting on its peers, is stuck (DESIGN.md 6.5). A step is at
+# most ``max_num_batched_tokens`` (2048) tokens: a few seconds on CPU; a GPU's first steps
+# also compile Triton kernels (tens of seconds on a slow host). Two minutes clears both
+# with room, and still turns a hang that would last forever into a recovery.
+ENGINE_STALL_TIMEOUT_S = 120.0
 
 
 @enum.unique
@@ -115,6 +121,16 @@ class SchedulerStats(msgspec.Struct, omit_defaults=True, array_like=True):
     num_generation_tokens_total: int = 0  # cumulative output tokens this engine generated
 
 
+class EngineProgress(msgspec.Struct, array_like=True):
+    """Where an engine's busy loop is, in its heartbeats (the stall watchdog): the
+    iterations it began so far, whether it is inside one (not idle, waiting for input),
+    and whether it waits in a collective for its peers there."""
+
+    iterations: int
+    busy: bool
+    waiting_on_peers: bool
+
+
 class EngineCoreOutputs(msgspec.Struct, omit_defaults=True, array_like=True):
     engine_index: int = 0  # the sender's engine id (== its DP rank only at launch)
     outputs: list[EngineCoreOutput] = []
@@ -130,8 +146,9 @@ class EngineCoreOutputs(msgspec.Struct, omit_defaults=True, array_like=True):
     dead_reason: str | None = None
     # Elastic EP: this engine's progress in a scale operation (DESIGN.md 6.2).
     scale_report: ScaleReport | None = None
-    # Liveness only (nothing else set): see HEARTBEAT_INTERVAL_S.
+    # Liveness only (nothing else set but ``progress``): see HEARTBEAT_INTERVAL_S.
     heartbeat: bool = False
+    progress: EngineProgress | None = None
 
 
 class UtilityRequest(msgspec.Struct, array_like=True):
@@ -186,6 +203,9 @@ class EngineAddresses(msgspec.Struct, array_like=True):
     # loads the non-expert weights, allocates its expert slots, sends READY and waits for
     # the operation's ScalePrepare; it joins the groups only at the commit.
     joining: bool = False
+    # Set: this process may not start as this engine (the frontend started another
+    # process for that id: an engine id never runs twice); it exits without READY.
+    refused: str | None = None
 
 
 class EngineReady(msgspec.Struct, array_like=True):

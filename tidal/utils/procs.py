@@ -12,7 +12,10 @@ a terminal's Ctrl-C (SIGINT to the foreground group) reaches only the launcher, 
 stops the children in order (SIGTERM, then SIGKILL after a deadline): a half-started
 child never prints a KeyboardInterrupt traceback, and data-parallel ranks are not torn
 down independently mid-wave. A child whose launcher dies without stopping it (SIGKILL)
-must notice on its own (``os.getppid()`` changes) and exit.
+must notice on its own (``ProcessWatch`` on the launcher's pid) and exit. The launcher is
+the process that asked for the child, which need not be its parent: a warm launcher
+(``tidal.utils.forkserver``) forks children on another process's behalf, and their
+parent dying says nothing about their launcher.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import contextlib
 import functools
 import multiprocessing
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -39,6 +43,55 @@ def _pidfd_supported() -> bool:
         return False
     os.close(fd)
     return True
+
+
+class ProcessWatch:
+    """Whether process ``pid`` (a child's launcher) has exited, polled from any thread.
+
+    A pidfd where the kernel has them (readable once the process exited; immune to pid
+    reuse), else the parent pid for a launcher that is our parent (it changes when the
+    parent dies), else ``kill(pid, 0)``. Race: the pidfd is opened when the watch is made;
+    a launcher that died and whose pid was reused before that would be mistaken for the
+    new process. Watches are made at the child's start, moments after the launcher asked
+    for it, so that would take a pid wrap-around within moments."""
+
+    def __init__(self, pid: int | None = None) -> None:
+        self._parent = os.getppid()
+        self.pid = self._parent if pid is None else pid
+        self._fd: int | None = None
+        if _pidfd_supported():
+            try:
+                self._fd = os.pidfd_open(self.pid)
+            except ProcessLookupError:
+                self._gone = True
+                return
+        self._gone = False
+
+    @property
+    def fileno(self) -> int | None:
+        """The pidfd (readable once the process exited), for a poller; None without."""
+        return self._fd
+
+    def gone(self) -> bool:
+        if self._gone:
+            return True
+        if self._fd is not None:
+            self._gone = bool(select.select([self._fd], [], [], 0)[0])
+        elif self.pid == self._parent:
+            self._gone = os.getppid() != self._parent
+        else:
+            try:
+                os.kill(self.pid, 0)
+            except ProcessLookupError:
+                self._gone = True
+            except PermissionError:
+                pass  # exists (another user's pid: reused, but we cannot tell)
+        return self._gone
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
 
 
 def _child_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:

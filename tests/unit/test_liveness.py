@@ -1,0 +1,123 @@
+"""Liveness decisions (tidal/frontend/liveness.py), pure: silence (frozen processes, lost
+hosts), the step-progress watchdog (stuck busy loops), and deaths found together."""
+
+from __future__ import annotations
+
+from tidal.frontend.liveness import Finding, Liveness
+from tidal.protocol.messages import EngineProgress
+
+
+def busy(iterations: int, waiting: bool = False) -> EngineProgress:
+    return EngineProgress(iterations, True, waiting)
+
+
+IDLE = EngineProgress(7, False, False)
+
+
+def ids(verdicts) -> list[tuple[int, Finding]]:
+    return [(v.engine_id, v.finding) for v in verdicts]
+
+
+def test_an_engine_never_heard_from_is_not_judged():
+    lv = Liveness(silence_s=3.0)
+    assert lv.check(100.0, [0, 1]) == []  # a local engine still importing says nothing
+    lv.heard(1, 100.0)
+    assert lv.check(102.9, [0, 1]) == []
+    assert ids(lv.check(103.1, [0, 1])) == [(1, Finding.SILENT)]
+
+
+def test_silence_is_death_and_each_engine_is_declared_once():
+    lv = Liveness(silence_s=3.0)
+    lv.expect([0, 1, 2], 10.0)
+    lv.heard(0, 12.0)
+    lv.heard(2, 12.0)
+    (v,) = lv.check(13.5, [0, 1, 2])
+    assert (v.engine_id, v.finding) == (1, Finding.SILENT) and "3.5s" in v.cause
+    assert lv.check(20.0, [1]) == []  # declared already
+    lv.forget(1)
+    assert lv.check(20.0, [1]) == []  # forgotten: not watched any more
+
+
+def test_only_watched_engines_are_judged():
+    lv = Liveness(silence_s=3.0)
+    lv.expect([0, 1], 0.0)
+    assert ids(lv.check(10.0, [0])) == [(0, Finding.SILENT)]
+
+
+def test_a_stalled_round_judges_nothing():
+    lv = Liveness(silence_s=3.0)
+    lv.expect([0], 0.0)
+    assert lv.check(10.0, [0], loop_stalled=True) == []  # frames may wait unread
+    lv.heard(0, 10.1)  # read once the loop ran again
+    assert lv.check(10.6, [0]) == []
+
+
+def test_after_a_group_failure_silence_is_judged_sooner_for_a_while():
+    lv = Liveness(silence_s=3.0, suspect_silence_s=2.0, suspect_for_s=3.0)
+    lv.expect([0, 1], 0.0)
+    lv.heard(0, 8.0)
+    lv.heard(1, 8.0)
+    lv.suspect(8.0)
+    assert lv.silence_limit(8.5) == 2.0 and lv.silence_limit(11.5) == 3.0
+    lv.heard(1, 10.0)
+    assert ids(lv.check(10.1, [0, 1])) == [(0, Finding.SILENT)]  # 2.1 s > 2 s; 1 spoke
+
+
+def test_ranks_silent_together_are_declared_together():
+    """A lost host: its ranks' last frames are up to a heartbeat interval apart, so one
+    crosses the limit a round before the other; both are declared in that round."""
+    lv = Liveness(silence_s=3.0, sweep_margin_s=1.0, min_sweep_s=1.25)
+    lv.expect([0, 1, 2, 3], 0.0)
+    lv.heard(0, 10.0)  # the survivor: spoke just now
+    lv.heard(1, 10.0)
+    lv.heard(2, 6.9)  # host lost at ~7: rank 2 spoke last at 6.9, rank 3 at 7.4
+    lv.heard(3, 7.4)
+    out = lv.check(10.0, [0, 1, 2, 3])
+    assert ids(out) == [(2, Finding.SILENT), (3, Finding.SILENT)]
+    assert "silent past" in out[1].cause  # declared with the other, below its own limit
+
+
+def test_a_live_rank_is_not_swept_with_a_dead_one():
+    lv = Liveness(silence_s=3.0, sweep_margin_s=1.0, min_sweep_s=1.25)
+    lv.expect([0, 1], 0.0)
+    lv.heard(1, 9.5)  # spoke half a second ago
+    assert ids(lv.check(10.0, [0, 1])) == [(0, Finding.SILENT)]
+
+
+def test_the_watchdog_finds_a_busy_loop_stuck_in_one_iteration():
+    lv = Liveness(silence_s=3.0, stall_s=10.0)
+    lv.expect([0, 1], 0.0)
+    for t in range(1, 30):  # heartbeats every second: 0 stuck in iteration 5, 1 idle
+        lv.heard(0, float(t), busy(5))
+        lv.heard(1, float(t), IDLE)
+        out = lv.check(float(t), [0, 1])
+        if out:
+            break
+    (v,) = out
+    assert (v.engine_id, v.finding) == (0, Finding.STALLED) and "iteration 5" in v.cause
+    assert t == 12  # first busy heartbeat at 1: stuck past 10 s at 12, not before
+
+
+def test_progress_waiting_on_peers_or_other_frames_are_no_stall():
+    lv = Liveness(silence_s=3.0, stall_s=10.0)
+    lv.expect([0, 1, 2], 0.0)
+    for t in range(1, 40):
+        lv.heard(0, float(t), busy(5, waiting=True))  # waits for a stuck peer
+        lv.heard(1, float(t), busy(t))  # a new iteration every second
+        lv.heard(2, float(t), busy(9) if t % 5 else None)  # outputs now and then
+    assert lv.check(40.0, [0, 1, 2]) == []
+
+
+def test_the_watchdog_is_off_with_no_timeout():
+    lv = Liveness(silence_s=3.0, stall_s=0.0)
+    lv.expect([0], 0.0)
+    for t in range(1, 1000, 2):
+        lv.heard(0, float(t), busy(5))
+    assert lv.check(1000.0, [0]) == []
+
+
+def test_a_silent_engine_is_not_also_reported_stalled():
+    lv = Liveness(silence_s=3.0, stall_s=5.0)
+    lv.expect([0], 0.0)
+    lv.heard(0, 1.0, busy(5))
+    assert ids(lv.check(20.0, [0])) == [(0, Finding.SILENT)]

@@ -1,0 +1,157 @@
+"""Which engines are dead without having exited (DESIGN.md 6.5), pure: fed with what the
+client hears and the time, it returns verdicts; the client kills what it declares and
+recovers as for a death.
+
+Two findings:
+
+- ``SILENT``: no frame for ``silence_s`` -- a frozen process (SIGSTOP, a paused VM, heavy
+  swap), a lost host. Local engines too: a frozen process keeps its sentinel. Every live
+  engine sends at least every ``HEARTBEAT_INTERVAL_S`` (its output thread, whatever its
+  busy loop does). After a GROUP_FAILED (``suspect``) the limit is ``suspect_silence_s``
+  for a while: a collective broke, so a death is likely.
+- ``STALLED``: the heartbeats say the busy loop has been inside one iteration for
+  ``stall_s``, not waiting on its peers (a GPU hang, a deadlock): the step-progress
+  watchdog. A rank waiting in a collective for a stuck peer is not stuck itself. Any frame
+  that is not a heartbeat came from a busy loop that moved on.
+
+Rules (``check``):
+
+1. An engine is judged only once heard from (``heard``) or announced (``expect``: the
+   launch members, ready when the client starts): a local engine still importing says
+   nothing yet and is not silent.
+2. A round in which the caller's own loop stalled (``loop_stalled``) judges nothing: the
+   frames may be waiting unread, so the silences measured are not the engines'.
+3. Deaths found together are declared together: when one watched engine crosses its
+   silence limit, every other watched engine silent for longer than that limit less
+   ``sweep_margin_s`` (at least ``min_sweep_s``) is declared with it -- the ranks of a
+   lost host stop at one instant, but their last frames, and so the rounds in which they
+   would cross the limit, differ by up to a heartbeat interval. One verdict list, one
+   recovery. (A live engine is that silent only when it is starved for seconds; it would
+   then be killed and recovered from like a dead one: nothing is lost.)
+4. An engine is declared once; ``forget`` stops watching it (gone, or no longer ours).
+
+Races:
+- A frame that arrives just after a verdict is too late: the engine is being killed.
+- The stall clock starts at the first heartbeat that shows the iteration busy, on our
+  clock: heartbeats read late (our loop busy) make it start late, never early, so a stall
+  is never declared before ``stall_s`` of the engine's own time.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from tidal.protocol.messages import (
+    HEARTBEAT_INTERVAL_S,
+    HEARTBEAT_TIMEOUT_S,
+    EngineProgress,
+)
+
+
+@enum.unique
+class Finding(enum.Enum):
+    SILENT = enum.auto()
+    STALLED = enum.auto()
+
+
+@dataclass(frozen=True)
+class Verdict:
+    engine_id: int
+    finding: Finding
+    cause: str
+
+
+class Liveness:
+    def __init__(
+        self,
+        *,
+        silence_s: float = HEARTBEAT_TIMEOUT_S,
+        suspect_silence_s: float = 4 * HEARTBEAT_INTERVAL_S,
+        suspect_for_s: float = HEARTBEAT_TIMEOUT_S,
+        sweep_margin_s: float = 2 * HEARTBEAT_INTERVAL_S,
+        min_sweep_s: float = 2.5 * HEARTBEAT_INTERVAL_S,
+        stall_s: float = 0.0,
+    ) -> None:
+        """``stall_s``: 0 turns the watchdog off."""
+        self.silence_s = silence_s
+        self.suspect_silence_s = suspect_silence_s
+        self.suspect_for_s = suspect_for_s
+        self.sweep_margin_s = sweep_margin_s
+        self.min_sweep_s = min_sweep_s
+        self.stall_s = stall_s
+        self._last: dict[int, float] = {}  # engine -> when we last heard from it
+        self._busy: dict[int, tuple[int, float]] = {}  # engine -> (iteration, busy since)
+        self._declared: set[int] = set()
+        self._suspect_until = float("-inf")
+
+    # ------------------------------------------------------------------ inputs
+
+    def expect(self, engine_ids: Iterable[int], now: float) -> None:
+        """Judge these from now on, as if heard now (engines known to be up)."""
+        for e in engine_ids:
+            self._last.setdefault(e, now)
+
+    def heard(self, engine_id: int, now: float, progress: EngineProgress | None = None) -> None:
+        """A frame from ``engine_id``; ``progress``: a heartbeat's (None: any other frame,
+        which the busy loop sent, so it is not stuck)."""
+        self._last[engine_id] = now
+        if progress is None or not progress.busy or progress.waiting_on_peers:
+            self._busy.pop(engine_id, None)
+            return
+        seen = self._busy.get(engine_id)
+        if seen is None or seen[0] != progress.iterations:
+            self._busy[engine_id] = (progress.iterations, now)
+
+    def suspect(self, now: float) -> None:
+        """A GROUP_FAILED came in: a member probably died; shorter silences for a while."""
+        self._suspect_until = now + self.suspect_for_s
+
+    def forget(self, engine_id: int) -> None:
+        self._last.pop(engine_id, None)
+        self._busy.pop(engine_id, None)
+        self._declared.discard(engine_id)
+
+    # ------------------------------------------------------------------ decisions
+
+    def silence_limit(self, now: float) -> float:
+        return self.suspect_silence_s if now < self._suspect_until else self.silence_s
+
+    def silent_for(self, engine_id: int, now: float) -> float | None:
+        last = self._last.get(engine_id)
+        return None if last is None else now - last
+
+    def check(
+        self, now: float, watched: Iterable[int], *, loop_stalled: bool = False
+    ) -> list[Verdict]:
+        """The engines among ``watched`` to declare dead now (each once), silent ones
+        first, in engine id order."""
+        if loop_stalled:
+            return []
+        candidates = sorted(e for e in set(watched) if e in self._last and e not in self._declared)
+        limit = self.silence_limit(now)
+        silences = {e: now - self._last[e] for e in candidates}
+        out: list[Verdict] = []
+        if any(s > limit for s in silences.values()):
+            sweep = max(limit - self.sweep_margin_s, self.min_sweep_s)
+            for e, s in silences.items():
+                if s > sweep:
+                    why = "" if s > limit else f", with engines silent past {limit:g}s"
+                    out.append(Verdict(e, Finding.SILENT, f"no heartbeat for {s:.1f}s{why}"))
+        if self.stall_s > 0:
+            silent = {v.engine_id for v in out}
+            for e in candidates:
+                busy = self._busy.get(e)
+                if e in silent or busy is None or now - busy[1] <= self.stall_s:
+                    continue
+                out.append(
+                    Verdict(
+                        e,
+                        Finding.STALLED,
+                        f"busy loop stuck in iteration {busy[0]} for {now - busy[1]:.1f}s "
+                        f"(--engine-stall-timeout {self.stall_s:g}s)",
+                    )
+                )
+        self._declared.update(v.engine_id for v in out)
+        return out
