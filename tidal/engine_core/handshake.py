@@ -1,5 +1,5 @@
 """The engine's side of the startup handshake, on a DEALER to the frontend's handshake
-ROUTER (the frontend's side is ``tidal.frontend.proc_manager.EngineProcManager``):
+ROUTER (the frontend's side is ``tidal.frontend.launchers.proc_manager.EngineProcManager``):
 
   engine: HELLO(engine id, pid) -> frontend: EngineAddresses (where to connect, its config
           hash, the topology)

@@ -6,7 +6,7 @@ the request's ``generate()`` iterator. Closing that iterator (client disconnect)
 request in the engine, which frees its KV blocks.
 
 Elastic EP (``--enable-elastic-ep``, DESIGN.md 6): ``scale_elastic_ep`` runs one scale
-operation through the ``ScaleDriver`` (``tidal.frontend.scale_driver``) and answers
+operation through the ``ScaleDriver`` (``tidal.frontend.scaling.scale_driver``) and answers
 ``(status_code, record)``; ``is_scaling_elastic_ep``, ``scaling_history`` and
 ``add_scale_listener`` (every finished operation's record, for the metrics) report on
 them. Requests are never refused because of scaling.
@@ -33,8 +33,8 @@ from tidal.frontend.async_client import AsyncMPClient
 from tidal.frontend.output_processor import OutputProcessor
 from tidal.frontend.outputs import OutputKind, RequestOutput
 from tidal.frontend.processor import InputProcessor, ProcessedPrompt, load_tokenizer
-from tidal.frontend.scale_driver import ScaleDriver
-from tidal.frontend.scale_records import ScaleTimeouts, fault_summary
+from tidal.frontend.scaling.scale_driver import ScaleDriver
+from tidal.frontend.scaling.scale_records import ScaleTimeouts, fault_summary
 from tidal.protocol.errors import EngineDeadError
 from tidal.protocol.messages import DPCoordinatorStats, EngineCoreOutputs
 from tidal.sampling_params import SamplingParams

@@ -4,7 +4,7 @@ sockets, the engine processes, the DP coordinator, routing, and releasing all of
 
 Elastic EP (``--enable-elastic-ep``, DESIGN.md 6.2-6.3), and rank recovery (any
 data-parallel deployment unless ``--no-rank-recovery``: ``ParallelConfig.reconfigurable``)
-add what the scale driver (``tidal.frontend.scale_driver``) executes through the client:
+add what the scale driver (``tidal.frontend.scaling.scale_driver``) executes through the client:
 ``set_topology`` (the coordinator, the balancer, the wave state, the process manager, the
 ownership epoch), ``exclude_from_routing`` / ``restore_routing`` (leaving engines get no
 new request), ``send_scale`` (SCALE frames) and ``migrate`` (resume an engine's requests
@@ -43,8 +43,8 @@ from tidal.dp_coordinator.handle import DPCoordinator
 from tidal.elastic.migration import AlreadyFinished
 from tidal.frontend.core_client import EngineCoreClient
 from tidal.frontend.dp_state import DPFrontendState
+from tidal.frontend.launchers.proc_manager import EngineProcManager, frontend_addresses, ipc_dir
 from tidal.frontend.migrations import RequestBook
-from tidal.frontend.proc_manager import EngineProcManager, frontend_addresses, ipc_dir
 from tidal.protocol.elastic import ScaleReport
 from tidal.protocol.errors import EngineDeadError, RankUnavailableError
 from tidal.protocol.messages import (
