@@ -179,13 +179,19 @@ class AsyncLLM:
         return stats
 
     def processes(self) -> dict[int, dict[str, Any]]:
-        """Engine id -> its process (``pid``, None when not known here) and its workers'
+        """Engine id -> its process (``pid``, None when not known here), the node it runs
+        on (``node``: the Ray node id on Ray, else its host name) and its workers'
         (``worker_pids``, TP rank order), for every engine the frontend has seen ready."""
         manager = getattr(self.client, "manager", None)
         engine_pids = dict(getattr(manager, "engine_pids", {}))
         worker_pids = dict(getattr(manager, "worker_pids", {}))
+        nodes = getattr(manager, "nodes", dict)()
         return {
-            e: {"pid": engine_pids.get(e), "worker_pids": list(worker_pids.get(e, []))}
+            e: {
+                "pid": engine_pids.get(e),
+                "node": nodes.get(e),
+                "worker_pids": list(worker_pids.get(e, [])),
+            }
             for e in sorted(set(engine_pids) | set(worker_pids))
         }
 
@@ -195,7 +201,9 @@ class AsyncLLM:
         stats["tensor_parallel_size"] = tp
         for rank in stats.get("ranks", []):
             rank["tensor_parallel_size"] = tp
-            rank.update(procs.get(rank["engine_id"], {"pid": None, "worker_pids": []}))
+            rank.update(
+                procs.get(rank["engine_id"], {"pid": None, "node": None, "worker_pids": []})
+            )
 
     async def _load_stats(self) -> dict[str, Any]:
         if getattr(self.client, "coordinator", None) is not None:

@@ -31,7 +31,7 @@ import zmq
 import zmq.asyncio
 from zmq.auth.thread import ThreadAuthenticator
 
-from tidal.config import EngineConfig
+from tidal.config import EngineConfig, ParallelConfig
 from tidal.distributed.ports import get_open_port
 from tidal.distributed.zmq_auth import (
     curve_keys,
@@ -44,6 +44,7 @@ from tidal.elastic.migration import AlreadyFinished
 from tidal.frontend.core_client import EngineCoreClient
 from tidal.frontend.dp_state import DPFrontendState
 from tidal.frontend.launchers.proc_manager import EngineProcManager, frontend_addresses, ipc_dir
+from tidal.frontend.launchers.registry import make_launcher
 from tidal.frontend.migrations import RequestBook
 from tidal.protocol.elastic import ScaleReport
 from tidal.protocol.errors import EngineDeadError, RankUnavailableError
@@ -114,6 +115,10 @@ class MPClient(EngineCoreClient):
     ) -> None:
         """``migrates``: a scale driver may move requests (keep the request book), when
         the deployment is reconfigurable."""
+        # Where the engine ranks run (DESIGN.md 10); the manager below owns it once made.
+        launcher = make_launcher(config, entry_module)
+        host = launcher.frontend_host(config.parallel.data_parallel_address)
+        config = config.with_parallel(data_parallel_address=host)
         par = config.parallel
         store = None
         if par.is_data_parallel:
@@ -171,13 +176,15 @@ class MPClient(EngineCoreClient):
                 output_address=self.output_address,
                 handshake_address=self.addresses.handshake,
                 coordinator_addresses=coord_addrs,
-                entry_module=entry_module,
-                local_engines=self._launch_topology.engine_ids[: par.data_parallel_size_local],
+                local_engines=self._launcher_engines(par),
                 curve=self._curve,
+                launcher=launcher,
             )
             self._output_socket = self._bind_output(sync_ctx)
             self.manager.wait_for_ready(self.input_socket)
         except BaseException:
+            if getattr(self, "manager", None) is None:
+                launcher.close()  # the manager closes it once it has it
             self._close_resources()
             raise
         # Released at shutdown(), when the client is garbage-collected, or at interpreter
@@ -185,6 +192,12 @@ class MPClient(EngineCoreClient):
         self._resources = _MPResources.of(self)
         self._finalizer = weakref.finalize(self, self._resources.close)
         self.manager.start_monitor(_weak_callback(self._on_engine_exit))
+
+    def _launcher_engines(self, par: ParallelConfig) -> list[int]:
+        """The launch ranks this frontend starts: all of them on Ray, else the first
+        ``--data-parallel-size-local`` (the others: headless hosts)."""
+        ids = self._launch_topology.engine_ids
+        return ids if par.data_parallel_backend == "ray" else ids[: par.data_parallel_size_local]
 
     @property
     def topology(self) -> Topology:

@@ -16,7 +16,7 @@ import threading
 
 from tidal.config import EngineConfig
 from tidal.frontend.async_llm import AsyncLLM
-from tidal.frontend.launchers.proc_manager import spawn_headless_engines
+from tidal.frontend.launchers.mp import spawn_headless_engines
 from tidal.launch.api_key import add_api_key_arg, resolve_api_key
 from tidal.launch.api_server import bind_socket, run_server
 from tidal.launch.args import add_engine_args, build_engine_config

@@ -44,9 +44,18 @@ class EngineHandle(Protocol):
     def close(self) -> None: ...
 
 
-class PlacementError(RuntimeError):
-    """Ranks could not be placed (no free node, no device, a placement deadline passed);
-    the message names what is missing. Nothing of the attempt is left behind."""
+class LaunchError(RuntimeError):
+    """Ranks could not be started; ``engine_id`` names the (first) one, the message why.
+    Nothing the failed ``start`` started is left behind."""
+
+    def __init__(self, engine_id: int, message: str) -> None:
+        super().__init__(message)
+        self.engine_id = engine_id
+
+
+class PlacementError(LaunchError):
+    """Ranks could not be placed (no free node, a placement deadline passed); the message
+    names what is missing."""
 
 
 class Launcher(ABC):
@@ -66,15 +75,25 @@ class Launcher(ABC):
         """Start these engine ranks, each told to handshake at ``handshake_address``.
         ``warm``: a scale-up, which should take what was started ahead. All or nothing:
         on a failure what this call started is stopped again and the error raised
-        (``PlacementError`` when resources are missing)."""
+        (``LaunchError``; ``PlacementError`` when resources are missing)."""
 
     @abstractmethod
     def node_of(self, engine_id: int) -> str | None:
         """The node a rank this launcher started runs on (Ray node id; host name), or
         None when it did not start it (a headless host's rank: its HELLO says)."""
 
-    def forget(self, engine_id: int) -> None:  # noqa: B027 - optional hook
-        """A rank this launcher started is stopped and closed: drop what it kept of it."""
+    @abstractmethod
+    def release(self, engine_id: int) -> None:
+        """A rank this launcher started has exited or was stopped: what it held (device
+        slots) is free again, and the launcher forgets it. Idempotent."""
+
+    def frontend_host(self, configured: str) -> str:
+        """The address ranks reach the frontend at, given ``--data-parallel-address``."""
+        return configured
+
+    def begin_close(self) -> None:  # noqa: B027 - optional hook
+        """The deployment is shutting down: start nothing more on its behalf (the warm
+        launcher's keeper stops). The ranks are stopped after this, then ``close``."""
 
     @abstractmethod
     def close(self) -> None:

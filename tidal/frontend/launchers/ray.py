@@ -32,6 +32,7 @@ and stops; the engine speaks Tidal's protocols to the frontend over TCP with CUR
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import os
 import socket
@@ -57,7 +58,7 @@ from tidal.engine_core.entry import (
     encode_engine_launch,
     engine_process_name,
 )
-from tidal.frontend.launchers.base import EngineHandle, Launcher, PlacementError
+from tidal.frontend.launchers.base import EngineHandle, Launcher, LaunchError, PlacementError
 from tidal.frontend.launchers.ray_actor import EngineActor
 
 logger = logging.getLogger(__name__)
@@ -224,15 +225,17 @@ class RayLauncher(Launcher):
         slots = self._take_spares(len(ids)) if warm else []
         fresh: list[_Slot] = []
         try:
-            fresh = self._place(len(ids) - len(slots), f"{len(ids)} rank(s)")
+            fresh = self._place(ids, len(ids) - len(slots))
             slots = _node_order(slots + fresh, self._driver_node)
             return self._start_engines(ids, slots, handshake_address)
-        except BaseException:
+        except BaseException as err:
             for slot in slots + [s for s in fresh if s not in slots]:
                 _free_slot(slot)
-            raise
+            if isinstance(err, (LaunchError, KeyboardInterrupt)):
+                raise
+            raise LaunchError(ids[0], f"Ray could not start engines {ids}: {err}") from err
 
-    def _place(self, count: int, what: str) -> list[_Slot]:
+    def _place(self, ids: list[int], count: int) -> list[_Slot]:
         """``count`` new groups, each with an actor, all placed within the deadline, or
         none (``PlacementError`` naming the missing resources)."""
         if count == 0:
@@ -242,10 +245,10 @@ class RayLauncher(Launcher):
             [pg.ready() for pg in pgs], num_returns=count, timeout=self._timeout_s
         )
         if pending:
-            message = self._missing(count, len(pending), what)
+            message = self._missing(count, len(pending), f"engine(s) {ids}")
             for pg in pgs:
                 remove_placement_group(pg)
-            raise PlacementError(message)
+            raise PlacementError(ids[0], message)
         slots = [self._new_slot(pg) for pg in pgs]
         try:
             self._locate(slots)
@@ -312,7 +315,8 @@ class RayLauncher(Launcher):
             cfg = self.config.with_parallel(
                 data_parallel_rank=e, data_parallel_size_local=per_node[slot.node_id]
             )
-            payload = encode_engine_launch(cfg, e, handshake_address)
+            # The actor is the engine's launcher: the engine leaves when it is gone.
+            payload = encode_engine_launch(cfg, e, handshake_address, slot.actor_pid)
             pids.append(
                 slot.actor.start.remote(engine_process_name(e), payload, self._entry_module)
             )
@@ -332,9 +336,15 @@ class RayLauncher(Launcher):
             r = self._ranks.get(engine_id)
         return None if r is None else r.node
 
-    def forget(self, engine_id: int) -> None:
+    def release(self, engine_id: int) -> None:
+        """Its actor and group go with the handle's ``close``; here it is only forgotten."""
         with self._lock:
             self._ranks.pop(engine_id, None)
+
+    def frontend_host(self, configured: str) -> str:
+        """The frontend's node IP as Ray knows it, unless ``--data-parallel-address`` names
+        an address that is not loopback (ranks on other nodes could not reach loopback)."""
+        return self.node_ip() if _is_loopback(configured) else configured
 
     # ---- watching ranks ---------------------------------------------------------------
 
@@ -428,6 +438,13 @@ class RayLauncher(Launcher):
             self._keeper.join(5)
         if self._owns_ray:
             ray.shutdown()
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return host == "localhost" or ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 def _check_reachable(address: str | None) -> None:
