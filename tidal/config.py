@@ -120,6 +120,9 @@ class ParallelConfig:
     # Ray, elastic EP: ranks kept started ahead (placement group + actor + warm engine
     # launcher, their resources held) so a scale-up does not wait for them.
     ray_warm_ranks: int = 0
+    # Ray: logical CPUs each rank reserves (its placement group's CPU bundle); on CPU its
+    # engine runs that many threads.
+    ray_cpus_per_rank: int = 1
 
     @property
     def is_data_parallel(self) -> bool:
@@ -167,6 +170,7 @@ class ParallelConfig:
             "ray_address",
             "ray_placement_timeout_s",
             "ray_warm_ranks",
+            "ray_cpus_per_rank",
             "engine_stall_timeout",  # the frontend's watchdog
         ):
             d.pop(k)

@@ -44,16 +44,24 @@ class RayCluster:
             },
         )
         self.address = self.cluster.address
-        self.nodes = [self.add_node() for _ in range(num_nodes)]
+        self.nodes: list = []  # worker nodes, in the order they were added
+        for _ in range(num_nodes):
+            self.add_node()
         ray.init(address=self.address, namespace="tidal-tests")
         self.cluster.wait_for_nodes()
 
-    def add_node(self):
-        return self.cluster.add_node(
+    def add_node(self) -> str:
+        """A node of one CPU; its Ray node id, once the cluster sees it."""
+        node = self.cluster.add_node(
             num_cpus=1, node_ip_address=LOOPBACK, object_store_memory=OBJECT_STORE_BYTES
         )
+        self.cluster.wait_for_nodes()
+        self.nodes.append(node)
+        return node.node_id
 
-    def remove_node(self, node) -> None:
+    def remove_node(self, node_id: str) -> None:
+        """Kill a node's processes (its raylet and what runs there), as a host lost."""
+        (node,) = [n for n in self.nodes if n.node_id == node_id]
         self.cluster.remove_node(node, allow_graceful=False)
         self.nodes.remove(node)
 

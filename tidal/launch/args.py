@@ -76,6 +76,8 @@ _HELP = {
     "resources before the launch or scale-up fails naming what is missing",
     "ray_warm_ranks": "Ray, elastic EP: ranks kept started ahead (their resources held) "
     "so a scale-up takes them at once",
+    "ray_cpus_per_rank": "Ray: logical CPUs each rank reserves on its node; on CPU the "
+    "rank's engine runs that many threads",
     "device": "auto | cpu | cuda",
     "moe_backend": "auto | torch | triton | reference (auto: triton on CUDA, else torch)",
     "cpu_kernels": "auto | native | onednn | torch: the CPU path of every op (auto: each "

@@ -105,6 +105,7 @@ class EngineArgs:
     ray_address: str | None = None
     ray_placement_timeout_s: float = 30.0
     ray_warm_ranks: int = 0
+    ray_cpus_per_rank: int = 1
     device: str = "auto"
     moe_backend: str = "auto"
     cpu_kernels: str = "auto"
@@ -265,6 +266,7 @@ class EngineArgs:
             for name, value, default in (
                 ("ray_address", self.ray_address, None),
                 ("ray_warm_ranks", self.ray_warm_ranks, 0),
+                ("ray_cpus_per_rank", self.ray_cpus_per_rank, 1),
             ):
                 if value != default:
                     raise ValueError(f"{name} needs data_parallel_backend ray")
@@ -284,6 +286,8 @@ class EngineArgs:
             raise ValueError(
                 f"ray_placement_timeout_s must be > 0, got {self.ray_placement_timeout_s}"
             )
+        if self.ray_cpus_per_rank < 1:
+            raise ValueError(f"ray_cpus_per_rank must be >= 1, got {self.ray_cpus_per_rank}")
         if self.ray_warm_ranks < 0:
             raise ValueError(f"ray_warm_ranks must be >= 0, got {self.ray_warm_ranks}")
         if self.ray_warm_ranks and not self.enable_elastic_ep:

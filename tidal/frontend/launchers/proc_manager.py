@@ -315,10 +315,10 @@ class EngineProcManager:
                 self.engine_pids.pop(e, None)
                 self.engine_hosts.pop(e, None)
                 self.launcher.release(e)  # reaped: its devices are free again
-        for e, pids in workers.items():
-            _kill_orphaned_workers(e, pids)
             gen = self._generation
             watching = self._monitor is not None and self._monitor.is_alive()
+        for e, pids in workers.items():
+            _kill_orphaned_workers(e, pids)
         if watching and self._monitor is not threading.current_thread():
             self._wake()
             with self._changed:

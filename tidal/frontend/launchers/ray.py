@@ -35,8 +35,10 @@ from __future__ import annotations
 import ipaddress
 import logging
 import os
+import signal
 import socket
 import threading
+import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -68,8 +70,7 @@ logger = logging.getLogger(__name__)
 ACTOR_START_TIMEOUT_S = 120.0
 # Actor threads: wait_exit blocks one; info, start and signal need the others.
 ACTOR_THREADS = 4
-CPUS_PER_RANK = 1.0
-REACH_TIMEOUT_S = 5.0  # a TCP connect to the cluster's address  # the engine core's bundle
+REACH_TIMEOUT_S = 5.0  # a TCP connect to the cluster's address
 
 
 class LauncherError(RuntimeError):
@@ -85,6 +86,7 @@ class _Slot:
     node_id: str = ""
     node_ip: str = ""
     actor_pid: int = 0
+    local_ranks: int = 1  # the engine's data_parallel_size_local (its thread share)
 
 
 class RayEngine:
@@ -177,22 +179,19 @@ class RayLauncher(Launcher):
         self._connect(par.ray_address)
         self._tag = uuid.uuid4().hex[:8]  # names this deployment's groups
         self._driver_node = ray.get_runtime_context().get_node_id()
-        self._lock = threading.Lock()  # guards _ranks, _spares, _closed
+        self._lock = threading.Lock()  # guards _ranks, the spares, _closed
         self._ranks: dict[int, RayEngine] = {}
         self._closed = False
         # Ranks started ahead (elastic EP): placed, actor up, warm launcher importing.
         self._want_spares = par.ray_warm_ranks if par.enable_elastic_ep else 0
         self._spares: list[_Slot] = []
         self._pending_spares: list[PlacementGroup] = []  # waiting for resources
+        self._promoting = 0  # spares placed, their actors starting
+        self._spare_ready = threading.Condition(self._lock)
         self._wake = threading.Event()
         self._watcher = threading.Thread(target=self._watch, name="ray-rank-watch", daemon=True)
         self._watcher.start()
-        self._keeper: threading.Thread | None = None
-        if self._want_spares:
-            self._keeper = threading.Thread(
-                target=self._keep_spares, name="ray-spares", daemon=True
-            )
-            self._keeper.start()
+        self._keeper: threading.Thread | None = None  # started after the launch ranks
 
     # ---- the cluster ------------------------------------------------------------------
 
@@ -201,6 +200,9 @@ class RayLauncher(Launcher):
             return  # the embedding program joined a cluster already (a Ray job)
         address = address or os.environ.get("RAY_ADDRESS") or None
         kwargs = {} if address else {"include_dashboard": False}
+        # ray.init makes SIGTERM exit the process at once (``sys.exit``): the server's
+        # own handler (drain, stop the ranks) is put back.
+        on_sigterm = signal.getsignal(signal.SIGTERM)
         try:
             _check_reachable(address)
             ray.init(address=address, namespace="tidal", **kwargs)
@@ -210,6 +212,9 @@ class RayLauncher(Launcher):
                 f"data_parallel_backend ray: cannot use {where} ({type(e).__name__}: {e}); "
                 "check --ray-address / RAY_ADDRESS, or `ray status` on the head node"
             ) from e
+        finally:
+            if threading.current_thread() is threading.main_thread():
+                signal.signal(signal.SIGTERM, on_sigterm)
         self._owns_ray = True
 
     def node_ip(self) -> str:
@@ -222,30 +227,38 @@ class RayLauncher(Launcher):
         self, engine_ids: Sequence[int], handshake_address: str, *, warm: bool
     ) -> dict[int, EngineHandle]:
         ids = sorted(engine_ids)
-        slots = self._take_spares(len(ids)) if warm else []
+        slots, adopted = self._take_spares(len(ids)) if warm else ([], [])
         fresh: list[_Slot] = []
         try:
-            fresh = self._place(ids, len(ids) - len(slots))
+            fresh = self._place(ids, len(ids) - len(slots), adopted)
             slots = _node_order(slots + fresh, self._driver_node)
-            return self._start_engines(ids, slots, handshake_address)
+            started = self._start_engines(ids, slots, handshake_address)
         except BaseException as err:
             for slot in slots + [s for s in fresh if s not in slots]:
                 _free_slot(slot)
             if isinstance(err, (LaunchError, KeyboardInterrupt)):
                 raise
             raise LaunchError(ids[0], f"Ray could not start engines {ids}: {err}") from err
+        if self._want_spares and self._keeper is None:
+            # After the launch ranks, which come first; the spares take what is left.
+            self._keeper = threading.Thread(
+                target=self._keep_spares, name="ray-spares", daemon=True
+            )
+            self._keeper.start()
+        return started
 
-    def _place(self, ids: list[int], count: int) -> list[_Slot]:
-        """``count`` new groups, each with an actor, all placed within the deadline, or
-        none (``PlacementError`` naming the missing resources)."""
+    def _place(
+        self, ids: list[int], count: int, adopted: list[PlacementGroup] | None = None
+    ) -> list[_Slot]:
+        """``count`` groups (``adopted`` ones, already asked of Ray, then new ones), each
+        with an actor, all placed within the deadline, or none (``PlacementError`` naming
+        the missing resources)."""
         if count == 0:
             return []
-        pgs = [self._new_group() for _ in range(count)]
-        ready, pending = ray.wait(
-            [pg.ready() for pg in pgs], num_returns=count, timeout=self._timeout_s
-        )
+        pgs = list(adopted or []) + [self._new_group() for _ in range(count - len(adopted or []))]
+        pending = _wait_placed(pgs, self._timeout_s)
         if pending:
-            message = self._missing(count, len(pending), f"engine(s) {ids}")
+            message = self._missing(count, pending, f"engine(s) {ids}")
             for pg in pgs:
                 remove_placement_group(pg)
             raise PlacementError(ids[0], message)
@@ -267,7 +280,7 @@ class RayLauncher(Launcher):
         actor = (
             ray.remote(EngineActor)
             .options(
-                num_cpus=CPUS_PER_RANK,
+                num_cpus=self._bundles[0]["CPU"],
                 num_gpus=self._bundles[0].get("GPU", 0),
                 max_concurrency=ACTOR_THREADS,
                 max_restarts=0,
@@ -275,7 +288,7 @@ class RayLauncher(Launcher):
                     pg, placement_group_bundle_index=0
                 ),
             )
-            .remote(ENGINE_ZYGOTE_MODULE if warm else None, 1)
+            .remote(ENGINE_ZYGOTE_MODULE if warm else None, self.config.parallel.ray_cpus_per_rank)
         )
         return _Slot(pg, actor)
 
@@ -284,6 +297,7 @@ class RayLauncher(Launcher):
         infos = ray.get([s.actor.info.remote() for s in slots], timeout=ACTOR_START_TIMEOUT_S)
         for slot, info in zip(slots, infos):
             slot.node_id, slot.node_ip, slot.actor_pid = info["node_id"], info["ip"], info["pid"]
+            slot.local_ranks = info["local_ranks"]
 
     def _missing(self, wanted: int, pending: int, what: str) -> str:
         """Why ``pending`` of ``wanted`` groups were not placed: what a rank needs on one
@@ -302,18 +316,10 @@ class RayLauncher(Launcher):
     def _start_engines(
         self, ids: list[int], slots: list[_Slot], handshake_address: str
     ) -> dict[int, EngineHandle]:
-        per_node: dict[str, int] = {}
-        with self._lock:
-            for r in self._ranks.values():
-                per_node[r.node] = per_node.get(r.node, 0) + 1
-        for s in slots:
-            per_node[s.node_id] = per_node.get(s.node_id, 0) + 1
         pids = []
         for e, slot in zip(ids, slots):
-            # ``data_parallel_size_local``: the deployment's ranks on that node, which
-            # share its cores (the engine's thread count).
             cfg = self.config.with_parallel(
-                data_parallel_rank=e, data_parallel_size_local=per_node[slot.node_id]
+                data_parallel_rank=e, data_parallel_size_local=slot.local_ranks
             )
             # The actor is the engine's launcher: the engine leaves when it is gone.
             payload = encode_engine_launch(cfg, e, handshake_address, slot.actor_pid)
@@ -378,43 +384,59 @@ class RayLauncher(Launcher):
             with self._lock:
                 if self._closed:
                     return
-                short = self._want_spares - len(self._spares) - len(self._pending_spares)
+                have = len(self._spares) + len(self._pending_spares) + self._promoting
+                short = self._want_spares - have
             for _ in range(short):
                 pg = self._new_group()
                 with self._lock:
                     self._pending_spares.append(pg)
             with self._lock:
                 pending = list(self._pending_spares)
-            if pending:
-                ray.wait([pg.ready() for pg in pending], num_returns=1, timeout=0.5)
-                for pg in pending:
-                    if _is_placed(pg):
-                        self._promote(pg)
-            else:
-                self._wake.wait(0.5)
+            for pg in pending:
+                if _is_placed(pg):
+                    self._promote(pg)
+            self._wake.wait(0.2)
 
     def _promote(self, pg: PlacementGroup) -> None:
         """A spare's group is placed: start its actor (with a warm launcher)."""
         with self._lock:
             if self._closed or pg not in self._pending_spares:
-                return
+                return  # taken by a scale-up meanwhile
             self._pending_spares.remove(pg)
-        ready = self._new_slot(pg, warm=True)
+            self._promoting += 1
+        slot = self._new_slot(pg, warm=True)
         try:
-            self._locate([ready])
-        except RayError:
-            _free_slot(ready)
-            return
-        with self._lock:
-            if not self._closed:
-                self._spares.append(ready)
-                return
-        _free_slot(ready)
+            self._locate([slot])
+        except RayError as e:
+            logger.warning("a rank started ahead failed to start (%s): replaced", e)
+            slot = None
+        with self._spare_ready:
+            self._promoting -= 1
+            keep = slot is not None and not self._closed
+            if keep:
+                self._spares.append(slot)
+            self._spare_ready.notify_all()
+        if slot is not None and not keep:
+            _free_slot(slot)
 
-    def _take_spares(self, count: int) -> list[_Slot]:
-        with self._lock:
-            taken, self._spares = self._spares[:count], self._spares[count:]
-        return taken
+    def _take_spares(self, count: int) -> tuple[list[_Slot], list[PlacementGroup]]:
+        """Up to ``count`` ranks started ahead, waiting (within the placement deadline) for
+        those whose actors are starting; for the rest, the spare groups still waiting for
+        resources (the scale-up adopts them: they are first in Ray's queue)."""
+        deadline = time.monotonic() + self._timeout_s
+        with self._spare_ready:
+            taken: list[_Slot] = []
+            while True:
+                n = count - len(taken)
+                taken += self._spares[:n]
+                self._spares = self._spares[n:]
+                left = deadline - time.monotonic()
+                if len(taken) == count or not self._promoting or left <= 0:
+                    break
+                self._spare_ready.wait(left)
+            n = count - len(taken)
+            adopted, self._pending_spares = self._pending_spares[:n], self._pending_spares[n:]
+        return taken, adopted
 
     # ---- the end ----------------------------------------------------------------------
 
@@ -462,7 +484,7 @@ def _check_reachable(address: str | None) -> None:
 def _bundles(config: EngineConfig) -> list[dict[str, float]]:
     """A rank's placement group (module docstring): one bundle, the engine core's CPU plus
     one GPU per TP worker on CUDA (on CPU the TP workers share the rank's node)."""
-    bundle = {"CPU": CPUS_PER_RANK}
+    bundle = {"CPU": float(config.parallel.ray_cpus_per_rank)}
     if config.device == "cuda":
         bundle["GPU"] = float(config.parallel.tensor_parallel_size)
     return [bundle]
@@ -478,6 +500,18 @@ def _sum_bundles(bundles: list[dict[str, float]]) -> dict[str, float]:
 
 def _is_placed(pg: PlacementGroup) -> bool:
     return placement_group_table(pg).get("state") == "CREATED"
+
+
+def _wait_placed(pgs: list[PlacementGroup], timeout_s: float) -> int:
+    """Poll the GCS until every group is placed or ``timeout_s`` passed; how many are not.
+    (Polled, not ``pg.ready()``: that runs a task in the group, a worker process each.)"""
+    deadline = time.monotonic() + timeout_s
+    waiting = list(pgs)
+    while True:
+        waiting = [pg for pg in waiting if not _is_placed(pg)]
+        if not waiting or time.monotonic() >= deadline:
+            return len(waiting)
+        time.sleep(0.1)
 
 
 def _node_order(slots: list[_Slot], driver_node: str) -> list[_Slot]:

@@ -30,6 +30,9 @@ from tidal.utils.cpu_threads import engine_process_env, usable_cores
 from tidal.utils.forkserver import ForkedProcess, ForkServer
 from tidal.utils.procs import ModuleProcess
 
+# A warm launcher still importing is waited for this long (a cold start would import too).
+WARM_READY_TIMEOUT_S = 10.0
+
 
 class EngineActor:
     """One engine rank on a Ray node. Methods run on the actor's thread pool
@@ -39,8 +42,11 @@ class EngineActor:
     started (``start``: the engine process runs) -> exited (``wait_exit`` returns its code).
     A second ``start`` is refused: one actor, one engine."""
 
-    def __init__(self, zygote_module: str | None, local_ranks: int) -> None:
-        self._local_ranks = max(1, local_ranks)
+    def __init__(self, zygote_module: str | None, cpus: int) -> None:
+        # The node's cores in shares of the CPUs this rank reserved: the engine takes one
+        # share (``data_parallel_size_local``, ``engine_process_env``), so it runs as many
+        # threads as it has CPUs, beside the node's other ranks and Ray's other work.
+        self._local_ranks = max(1, usable_cores() // max(1, cpus))
         self._lock = threading.Lock()
         self._started = threading.Event()
         self._proc: ModuleProcess | ForkedProcess | None = None
@@ -49,14 +55,15 @@ class EngineActor:
         )
 
     def _env(self) -> dict[str, str]:
-        """The engine's OpenMP settings for this node: its cores over the deployment's
-        ranks here (the launcher counts them when it places the ranks)."""
+        """The engine's OpenMP settings: its share of this node's cores."""
         return engine_process_env(os.environ, cores=usable_cores(), local_ranks=self._local_ranks)
 
     def info(self) -> dict[str, object]:
-        """Where this actor runs: its pid, Ray node id, node IP and host name."""
+        """Where this actor runs: its pid, Ray node id, node IP and host name, and the
+        ``data_parallel_size_local`` its engine takes its thread count from."""
         ctx = ray.get_runtime_context()
         return {
+            "local_ranks": self._local_ranks,
             "pid": os.getpid(),
             "node_id": ctx.get_node_id(),
             "ip": ray.util.get_node_ip_address(),
@@ -76,10 +83,10 @@ class EngineActor:
             if self._proc is not None:
                 raise RuntimeError(f"this actor already runs {self._proc.name}")
             proc: ModuleProcess | ForkedProcess | None = None
-            if self._zygote is not None and self._zygote.alive:
+            if self._zygote is not None and self._zygote.wait_ready(WARM_READY_TIMEOUT_S):
                 try:
-                    proc = self._zygote.spawn(name, payload)
-                except RuntimeError:  # the warm launcher is gone: a cold start still works
+                    proc = self._zygote.spawn(name, payload, WARM_READY_TIMEOUT_S)
+                except RuntimeError:  # gone or stuck: a cold start still works
                     proc = None
             if proc is None:
                 proc = ModuleProcess(entry_module, name, payload, env=self._env())
