@@ -202,6 +202,8 @@ def test_ray_deployment_places_scales_recovers_and_frees(ray_cluster, qwen3_ckpt
 
         # 3. A node joins; under load 2 -> 3 puts the new rank there; nothing lost.
         new_node = ray_cluster.add_node()
+        # The rank started ahead takes the new node: its actor is up (3 actors live).
+        assert wait_until(lambda: _ray_leftovers()["actors"] == 3, 120), _ray_leftovers()
         load = Load(srv.url)
         assert load.more(), load.errors
         r = httpx.post(
@@ -213,6 +215,8 @@ def test_ray_deployment_places_scales_recovers_and_frees(ray_cluster, qwen3_ckpt
         assert [x["engine_id"] for x in ranks] == [0, 1, 3]  # engine 2 was rolled back
         assert ranks[2]["node"] == new_node, (ranks, new_node)
         pids.add(ranks[2]["pid"])
+        # Forked by that rank's warm launcher (imports done ahead), not a cold start.
+        assert psutil.Process(ranks[2]["pid"]).parent().name() == "EngineZygote"
         assert load.more(), load.errors
 
         # 4. The new node is lost under load: its rank's death is recovered from, no
