@@ -18,6 +18,8 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import Protocol
 
+from tidal.config import EngineConfig
+
 
 class EngineHandle(Protocol):
     """A started engine rank (``ModuleProcess``, ``ForkedProcess``, ``RayEngine``)."""
@@ -67,6 +69,14 @@ class Launcher(ABC):
 
     #: ``--data-parallel-backend`` value of this launcher.
     backend: str
+    #: What ranks are started with (``with_config``).
+    config: EngineConfig
+
+    def with_config(self, config: EngineConfig) -> Launcher:
+        """Start ranks with ``config`` from now on: the deployment's final one, with the
+        addresses and ports the frontend chose after making the launcher."""
+        self.config = config
+        return self
 
     @abstractmethod
     def start(

@@ -107,7 +107,7 @@ class EngineProcManager:
         launcher: Launcher | None = None,
     ) -> None:
         self.config = config
-        self.launcher = launcher or MPLauncher(config, entry_module)
+        self.launcher = (launcher or MPLauncher(config, entry_module)).with_config(config)
         self.topology = topology  # the engines to wait for, sent to each in the handshake
         self.procs: dict[int, EngineProcess] = {}
         self.num_blocks: dict[int, int] = {}

@@ -328,8 +328,11 @@ class RayLauncher(Launcher):
             )
         started = ray.get(pids, timeout=ACTOR_START_TIMEOUT_S)
         handles = {
-            e: RayEngine(engine_process_name(e), s, pid) for e, s, pid in zip(ids, slots, started)
+            e: RayEngine(engine_process_name(e), s, pid)
+            for e, s, (pid, _) in zip(ids, slots, started)
         }
+        for e, (pid, warm) in zip(ids, started):
+            logger.info("engine %d: pid %d, %s", e, pid, "warm (forked)" if warm else "cold")
         with self._lock:
             self._ranks.update(handles)
         self._wake.set()
@@ -407,6 +410,10 @@ class RayLauncher(Launcher):
         slot = self._new_slot(pg, warm=True)
         try:
             self._locate([slot])
+            # Ready once its warm launcher has done the imports a scale-up would wait for.
+            if not ray.get(slot.actor.warm_up.remote(ACTOR_START_TIMEOUT_S)):
+                logger.warning("a rank started ahead has no warm launcher: starts cold")
+            logger.info("a rank started ahead is ready on Ray node %s", slot.node_id)
         except RayError as e:
             logger.warning("a rank started ahead failed to start (%s): replaced", e)
             slot = None
@@ -425,6 +432,8 @@ class RayLauncher(Launcher):
         resources (the scale-up adopts them: they are first in Ray's queue)."""
         deadline = time.monotonic() + self._timeout_s
         with self._spare_ready:
+            if not self._want_spares:
+                return [], []
             taken: list[_Slot] = []
             while True:
                 n = count - len(taken)
@@ -436,6 +445,9 @@ class RayLauncher(Launcher):
                 self._spare_ready.wait(left)
             n = count - len(taken)
             adopted, self._pending_spares = self._pending_spares[:n], self._pending_spares[n:]
+        logger.info(
+            "scale-up: %d rank(s) started ahead, %d group(s) adopted", len(taken), len(adopted)
+        )
         return taken, adopted
 
     # ---- the end ----------------------------------------------------------------------

@@ -76,9 +76,13 @@ class EngineActor:
             s.bind((host, 0))
             return s.getsockname()[1]
 
-    def start(self, name: str, payload: bytes, entry_module: str) -> int:
-        """Start the engine process (``EngineLaunch`` on its stdin); its pid. Forked by
-        the warm launcher when there is one alive, else a fresh interpreter."""
+    def warm_up(self, timeout_s: float) -> bool:
+        """Whether the warm launcher has its imports done (waits up to ``timeout_s``)."""
+        return self._zygote is not None and self._zygote.wait_ready(timeout_s)
+
+    def start(self, name: str, payload: bytes, entry_module: str) -> tuple[int, bool]:
+        """Start the engine process (``EngineLaunch`` on its stdin): its pid, and whether
+        the warm launcher forked it (else a fresh interpreter: none, or not ready)."""
         with self._lock:
             if self._proc is not None:
                 raise RuntimeError(f"this actor already runs {self._proc.name}")
@@ -92,7 +96,7 @@ class EngineActor:
                 proc = ModuleProcess(entry_module, name, payload, env=self._env())
             self._proc = proc
         self._started.set()
-        return proc.pid
+        return proc.pid, isinstance(proc, ForkedProcess)
 
     def wait_exit(self) -> int | None:
         """Block until the engine process exits; its exit code (negative: the signal)."""
