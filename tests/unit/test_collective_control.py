@@ -51,3 +51,40 @@ def test_waiting_is_per_thread():
         "busy loop waiting": True,
         "after": False,
     }
+
+
+class _Work:
+    """A gloo work whose first slice runs out ("Operation timed out!") just before it
+    completes: with ``ok`` it succeeded, else it failed (every later wait raises)."""
+
+    def __init__(self, ok: bool) -> None:
+        self.ok = ok
+        self.waits = 0
+
+    def wait(self, timeout=None) -> None:
+        self.waits += 1
+        if self.waits == 1 or not self.ok:
+            raise RuntimeError("Operation timed out!" if self.waits == 1 else "peer gone")
+
+    def is_completed(self) -> bool:
+        return True
+
+
+def _abortable_group():
+    from tidal.distributed.groups import GroupFailure, StatelessGroup
+
+    g = StatelessGroup.__new__(StatelessGroup)  # only what _wait reads
+    g._control, g.epoch, g.prefix, g._failure = CollectiveControl(), 0, "ep", GroupFailure
+    return g
+
+
+def test_a_collective_that_completes_as_its_slice_runs_out_succeeds():
+    import pytest
+
+    from tidal.distributed.groups import GroupFailure
+
+    late = _Work(ok=True)
+    _abortable_group()._wait(late)  # no GroupFailure: it completed
+    assert late.waits == 2
+    with pytest.raises(GroupFailure, match="peer gone"):
+        _abortable_group()._wait(_Work(ok=False))

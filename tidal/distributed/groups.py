@@ -310,11 +310,19 @@ class StatelessGroup:
                 try:
                     work.wait(_SLICE)
                     return
-                except RuntimeError as e:
-                    if work.is_completed():  # it failed (a peer gone, gloo's timeout)
-                        raise self._failure(
-                            f"collective on group {self.prefix!r} failed: {e}"
-                        ) from e
+                except RuntimeError:
+                    if work.is_completed():
+                        # Completed since the slice ran out ("Operation timed out!"), or
+                        # failed (a peer gone, gloo's timeout): waiting again says which,
+                        # at once. (Taking a late success for a failure made a busy
+                        # machine's collectives fail, and rebuild the groups, for nothing.)
+                        try:
+                            work.wait(_SLICE)
+                            return
+                        except RuntimeError as e:
+                            raise self._failure(
+                                f"collective on group {self.prefix!r} failed: {e}"
+                            ) from e
                 cause = control.aborted(self.epoch)  # only the slice ran out
                 if cause is not None:
                     self._abandoned = work
