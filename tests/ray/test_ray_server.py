@@ -53,6 +53,7 @@ def _stream(client: httpx.Client, prompt: str) -> str:
         "stream": True,
     }
     parts: list[str] = []
+    finish = None
     with client.stream("POST", "/v1/completions", json=body) as r:
         if r.status_code != 200:
             raise AssertionError(f"HTTP {r.status_code}: {r.read().decode()}")
@@ -61,11 +62,15 @@ def _stream(client: httpx.Client, prompt: str) -> str:
                 continue
             data = line.removeprefix("data: ")
             if data == "[DONE]":
+                if finish != "length":  # ignore_eos: exactly max_tokens, nothing else
+                    raise AssertionError(f"stream ended with {finish!r}: {''.join(parts)!r}")
                 return "".join(parts)
             event = json.loads(data)
             if "error" in event:
                 raise AssertionError(f"error event: {event}")
-            parts.extend(c["text"] for c in event["choices"])
+            for c in event["choices"]:
+                parts.append(c["text"])
+                finish = c.get("finish_reason") or finish
     raise AssertionError(f"stream of {prompt!r} ended without [DONE]")
 
 
@@ -230,7 +235,7 @@ def test_ray_deployment_places_scales_recovers_and_frees(ray_cluster, qwen3_ckpt
         results = load.finish()
         assert load.errors == [], load.errors
         for i, text in results:
-            assert text == dp1_reference[PROMPTS[i]], (i, text)
+            assert text == dp1_reference[PROMPTS[i]], (i, text, srv.output[-3000:])
     finally:
         if load is not None:
             load.stop.set()
