@@ -16,6 +16,7 @@ import threading
 
 from tidal.config import EngineConfig
 from tidal.frontend.async_llm import AsyncLLM
+from tidal.frontend.launchers.base import LauncherUnavailable
 from tidal.frontend.launchers.mp import spawn_headless_engines
 from tidal.launch.api_key import add_api_key_arg, resolve_api_key
 from tidal.launch.api_server import bind_socket, run_server
@@ -152,6 +153,9 @@ def serve_main(argv: list[str]) -> int:
         )
     except KeyboardInterrupt:
         pass
+    except LauncherUnavailable as e:  # e.g. --ray-address answers nothing
+        print(f"launch: error: {e}", file=sys.stderr, flush=True)
+        return 1
     finally:
         sock.close()
     return 0

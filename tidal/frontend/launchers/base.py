@@ -46,6 +46,11 @@ class EngineHandle(Protocol):
     def close(self) -> None: ...
 
 
+class LauncherUnavailable(RuntimeError):
+    """The launcher cannot run at all (its cluster is unreachable); the message says
+    which flag or variable to check. ``launch`` reports it as an error, not a traceback."""
+
+
 class LaunchError(RuntimeError):
     """Ranks could not be started; ``engine_id`` names the (first) one, the message why.
     Nothing the failed ``start`` started is left behind."""

@@ -60,7 +60,13 @@ from tidal.engine_core.entry import (
     encode_engine_launch,
     engine_process_name,
 )
-from tidal.frontend.launchers.base import EngineHandle, Launcher, LaunchError, PlacementError
+from tidal.frontend.launchers.base import (
+    EngineHandle,
+    Launcher,
+    LaunchError,
+    LauncherUnavailable,
+    PlacementError,
+)
 from tidal.frontend.launchers.ray_actor import EngineActor
 
 logger = logging.getLogger(__name__)
@@ -73,7 +79,7 @@ ACTOR_THREADS = 4
 REACH_TIMEOUT_S = 5.0  # a TCP connect to the cluster's address
 
 
-class LauncherError(RuntimeError):
+class LauncherError(LauncherUnavailable):
     """The Ray cluster cannot be used (unreachable, not a cluster)."""
 
 
