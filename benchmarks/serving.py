@@ -258,11 +258,14 @@ def launched_server(
     to stderr (stdout carries the JSON lines)."""
     port = _free_port(host)
     shm_before = _omp_registrations()
+    # A private TMPDIR, removed afterwards: vLLM's server puts its ipc:// sockets there
+    # (/tmp/<uuid>) and a server stopped by a signal leaves them behind.
+    tmp = tempfile.mkdtemp(prefix="serving-peer-")
     proc = subprocess.Popen(
         [*cmd, "--host", host, "--port", str(port)],
         start_new_session=True,
         cwd=cwd,
-        env=env,
+        env={**(os.environ if env is None else env), "TMPDIR": tmp},
         stdout=sys.stderr,
     )
     try:
@@ -272,6 +275,7 @@ def launched_server(
     finally:
         _stop(proc)
         _remove_dead_omp_registrations(_omp_registrations() - shm_before)
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _omp_registrations() -> set[Path]:
@@ -407,7 +411,9 @@ def run_aiperf(aiperf: Path, url: str, model: str, args: argparse.Namespace) -> 
         ]  # fmt: skip
         if args.api_key:
             cmd += ["--api-key", args.api_key]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+        # TMPDIR inside ``out``: aiperf leaves its mmap folders (aiperf_mmap_*) there.
+        env = {**os.environ, "TMPDIR": str(out)}
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=env)
         export = out / "profile_export_aiperf.json"
         if proc.returncode != 0 or not export.exists():
             raise RuntimeError(f"aiperf failed ({proc.returncode}): {proc.stdout[-2000:]}")
