@@ -68,8 +68,10 @@ import math
 import os
 import platform
 import random
+import shutil
 import signal
 import sys
+import tempfile
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
@@ -625,9 +627,10 @@ async def run_on_ray(opts: argparse.Namespace, sequence: list[int]) -> dict[str,
     import ray
 
     own = not opts.ray_address
+    temp_dir = tempfile.mkdtemp(prefix="tidal-bench-ray-")  # its session files, removed after
     if own:
         cpus = max([opts.start_size, *sequence]) + opts.ray_warm_ranks
-        ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=False)
+        ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=False, _temp_dir=temp_dir)
     try:
         cfg = {"ray_address": opts.ray_address, "ray_warm_ranks": opts.ray_warm_ranks}
         result = await run_tidal(opts, sequence, ray=cfg)
@@ -640,6 +643,7 @@ async def run_on_ray(opts: argparse.Namespace, sequence: list[int]) -> dict[str,
     finally:
         if own:
             ray.shutdown()
+        shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 def machine_info() -> dict[str, Any]:

@@ -12,14 +12,24 @@ Skipped when Ray is not installed (``pip install 'tidal[ray]'``; the ``test`` ex
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 from collections.abc import Iterator
 
 import pytest
 
+from tests.waiting import wait_until
+
 # Read once, when Ray is first imported: before that, in every process of these tests (the
 # servers they start inherit it). Ray then takes loopback as every node's address.
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+# Ray's session directories of these tests. Removed at teardown, and again when the
+# process exits: Ray's own exit hook writes into a session directory once more. This hook
+# is registered before Ray is imported (so it runs after Ray's: atexit runs in reverse).
+_TEMP_DIRS: list[str] = []
+atexit.register(lambda: [shutil.rmtree(d, ignore_errors=True) for d in _TEMP_DIRS])
 LOOPBACK = "127.0.0.1"
 OBJECT_STORE_BYTES = 80 * 1024 * 1024  # per node: Ray's least is 75 MiB
 SYSTEM_CONFIG = {"health_check_period_ms": 500, "health_check_failure_threshold": 2}
@@ -33,9 +43,14 @@ class RayCluster:
         import ray
         from ray.cluster_utils import Cluster
 
+        # Ray's session files (logs, sockets) in a directory of the test's own, removed at
+        # shutdown, not in /tmp/ray.
+        self.temp_dir = tempfile.mkdtemp(prefix="tidal-ray-")
+        _TEMP_DIRS.append(self.temp_dir)
         self.cluster = Cluster(
             initialize_head=True,
             head_node_args={
+                "temp_dir": self.temp_dir,
                 "num_cpus": 0,
                 "node_ip_address": LOOPBACK,
                 "include_dashboard": False,
@@ -53,7 +68,10 @@ class RayCluster:
     def add_node(self) -> str:
         """A node of one CPU; its Ray node id, once the cluster sees it."""
         node = self.cluster.add_node(
-            num_cpus=1, node_ip_address=LOOPBACK, object_store_memory=OBJECT_STORE_BYTES
+            num_cpus=1,
+            node_ip_address=LOOPBACK,
+            object_store_memory=OBJECT_STORE_BYTES,
+            temp_dir=self.temp_dir,
         )
         self.cluster.wait_for_nodes()
         self.nodes.append(node)
@@ -70,6 +88,12 @@ class RayCluster:
 
         ray.shutdown()
         self.cluster.shutdown()
+
+        def removed() -> bool:  # a Ray process still exiting may write there once more
+            shutil.rmtree(self.temp_dir, ignore_errors=True)
+            return not os.path.exists(self.temp_dir)
+
+        assert wait_until(removed, 30)
 
 
 @pytest.fixture(scope="module")
