@@ -433,10 +433,11 @@ class RayLauncher(Launcher):
             _free_slot(slot)
 
     def _take_spares(self, count: int) -> tuple[list[_Slot], list[PlacementGroup]]:
-        """Up to ``count`` ranks started ahead, waiting (within the placement deadline) for
-        those whose actors are starting; for the rest, the spare groups still waiting for
+        """Up to ``count`` ranks started ahead, waiting for those whose actors and warm
+        launchers are starting (already placed: waiting for them beats a fresh group that
+        would find their node taken); for the rest, the spare groups still waiting for
         resources (the scale-up adopts them: they are first in Ray's queue)."""
-        deadline = time.monotonic() + self._timeout_s
+        deadline = time.monotonic() + ACTOR_START_TIMEOUT_S
         with self._spare_ready:
             if not self._want_spares:
                 return [], []
