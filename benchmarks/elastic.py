@@ -629,6 +629,8 @@ async def run_on_ray(opts: argparse.Namespace, sequence: list[int]) -> dict[str,
     own = not opts.ray_address
     temp_dir = tempfile.mkdtemp(prefix="tidal-bench-ray-")  # its session files, removed after
     if own:
+        os.environ["RAY_TMPDIR"] = temp_dir  # also its address file (Ray writes, not makes, ray/)
+        os.makedirs(os.path.join(temp_dir, "ray"))
         cpus = max([opts.start_size, *sequence]) + opts.ray_warm_ranks
         ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=False, _temp_dir=temp_dir)
     try:

@@ -25,6 +25,8 @@ from tests.waiting import wait_until
 # Read once, when Ray is first imported: before that, in every process of these tests (the
 # servers they start inherit it). Ray then takes loopback as every node's address.
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+# Loopback only: no token authentication, so no token file is written to ~/.ray.
+os.environ["RAY_AUTH_MODE"] = "disabled"
 # Ray's session directories of these tests. Removed at teardown, and again when the
 # process exits: Ray's own exit hook writes into a session directory once more. This hook
 # is registered before Ray is imported (so it runs after Ray's: atexit runs in reverse).
@@ -47,6 +49,10 @@ class RayCluster:
         # shutdown, not in /tmp/ray.
         self.temp_dir = tempfile.mkdtemp(prefix="tidal-ray-")
         _TEMP_DIRS.append(self.temp_dir)
+        # Ray's default temp directory too (its address file; the servers inherit it).
+        self._tmpdir_before = os.environ.get("RAY_TMPDIR")
+        os.environ["RAY_TMPDIR"] = self.temp_dir
+        os.makedirs(os.path.join(self.temp_dir, "ray"))  # Ray writes it, but does not make it
         self.cluster = Cluster(
             initialize_head=True,
             head_node_args={
@@ -88,6 +94,10 @@ class RayCluster:
 
         ray.shutdown()
         self.cluster.shutdown()
+        if self._tmpdir_before is None:
+            os.environ.pop("RAY_TMPDIR", None)
+        else:
+            os.environ["RAY_TMPDIR"] = self._tmpdir_before
 
         def removed() -> bool:  # a Ray process still exiting may write there once more
             shutil.rmtree(self.temp_dir, ignore_errors=True)
