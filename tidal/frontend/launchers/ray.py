@@ -2,24 +2,30 @@
 (DESIGN.md 10). The only module of Tidal, with ``ray_actor``, that imports Ray.
 
 Per rank: one placement group of its own, one ``EngineActor`` in it, and the engine
-process the actor starts beside itself on that node. The group is one bundle: a CPU for
-the engine core, plus on CUDA one GPU per TP worker. One bundle, not a GPU bundle per
-worker: an actor takes its resources from one bundle, and Ray gives GPU ids
-(``CUDA_VISIBLE_DEVICES``) only to the actor that holds them; the TP workers are the
-engine's own processes, which inherit them and take one each (``device_ids`` index them). Ray places, starts, watches
-and stops; the engine speaks Tidal's protocols to the frontend over TCP with CURVE, as a
-``--headless`` rank does.
+process the actor starts beside itself on that node. The group is one bundle:
+``ray_cpus_per_rank`` CPUs for the engine core, plus on CUDA one GPU per TP worker. One
+bundle, not a GPU bundle per worker: an actor takes its resources from one bundle, and Ray
+gives GPU ids (``CUDA_VISIBLE_DEVICES``) only to the actor that holds them; the TP workers
+are the engine's own processes, which inherit them and take one each (``device_ids``
+index them). Ray places, starts, watches and stops; the engine speaks Tidal's protocols
+to the frontend over TCP with CURVE, as a ``--headless`` rank does.
 
 - Launch: every group is created, then waited for together until
   ``ray_placement_timeout_s``; ranks are numbered node by node (the frontend's node
   first, then by node IP and id), so a node's ranks are neighbours in the DP/EP order.
 - Scale-up (``start(..., warm=True)``): ranks kept started ahead (``ray_warm_ranks``:
-  group placed, actor up, its warm engine launcher imported) are taken first, fresh
-  groups are created for the rest, with the same deadline. A group not placed in time
+  group placed, actor up, its warm engine launcher imported) are taken first (waiting
+  for those still starting), spare groups still waiting for resources are adopted, and
+  fresh groups are created for the rest, with the same deadline. A group not placed in time
   fails the operation with ``PlacementError`` naming what the cluster lacks, and every
   group and actor this call made is removed (the scale controller then rolls back).
 - Scale-down and stop: the engine drains on SIGTERM (sent through its actor) and exits;
   ``close`` then kills the actor and removes its group, in that order.
+- Threads: ``start`` on the caller's (one at a time); ``_watch`` (rank exits);
+  ``_keep_spares`` (ranks started ahead), which shares ``_spares``, ``_pending_spares``
+  and ``_promoting`` with ``start`` under ``_lock``: a group is either pending (a
+  scale-up may adopt it), promoting (its actor starting: a scale-up waits for it) or a
+  spare (taken whole), never two of these.
 - Deaths: each rank's ``wait_exit`` call is watched by one thread (``ray.wait``); when it
   returns (the engine exited) or fails (Ray reports the actor or its node dead) the
   handle's sentinel turns readable and the process manager sees a rank death like a local
