@@ -3,6 +3,7 @@
     python benchmarks/elastic.py                        # 2->3, 3->2, 2->4, 4->2, 32 streams
     python benchmarks/elastic.py --sequence 3,2 --streams 16
     python benchmarks/elastic.py --quick                # a short smoke run (8 streams, 3,2)
+    python benchmarks/elastic.py --backend ray          # the same on Ray, beside mp's
 
 The default model (the embedded tiny Qwen3-MoE that ``launch`` serves without ``--model``,
 float32) is served by an in-process ``AsyncLLM`` starting at DP=EP=2 with elastic EP.
@@ -44,6 +45,13 @@ relaunch is in-process (the engines are new processes, but the frontend's interp
 imports are kept and the model files are in the page cache), so it is the peer at its
 fastest; a real server restart takes longer.
 
+``--backend ray`` (``pip install 'tidal[ray]'``) runs the same load and sequence twice in
+one run: with the default ``mp`` launcher (rows ``system: tidal``), then with the Ray
+launcher (``system: tidal-ray``; DESIGN.md 10): a Ray cluster started here (one node, one
+logical CPU per rank it may hold) unless ``--ray-address`` names one, and
+``--ray-warm-ranks`` ranks started ahead (default 1). The ``table`` then has ``ray_*``
+columns beside the mp ones for each operation.
+
 Prints one JSON document: machine, model, baseline, one row per operation and system, a
 ``table`` of the key numbers and ``targets`` (scale-up total < 5 s, commit pause < 1 s,
 0 errors, 0 lost). Progress goes to stderr. Every engine process is stopped at the end,
@@ -60,8 +68,10 @@ import math
 import os
 import platform
 import random
+import shutil
 import signal
 import sys
+import tempfile
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
@@ -377,11 +387,19 @@ def log(msg: str) -> None:
 
 
 def make_llm(
-    model: str | None, dtype: str, size: int, elastic: bool, *, restore: bool = False
+    model: str | None,
+    dtype: str,
+    size: int,
+    elastic: bool,
+    *,
+    restore: bool = False,
+    ray: dict[str, Any] | None = None,
 ) -> Any:
+    """``ray``: run the ranks on Ray (``EngineArgs`` fields: ``ray_address``, ...)."""
     from tidal.frontend.async_llm import AsyncLLM
     from tidal.launch.engine_args import EngineArgs
 
+    backend = {"data_parallel_backend": "ray", **ray} if ray is not None else {}
     args = EngineArgs(
         model=model,
         dtype=dtype,
@@ -389,13 +407,17 @@ def make_llm(
         enable_expert_parallel=True,
         enable_elastic_ep=elastic,
         elastic_restore=restore,
+        **backend,
     )
     return AsyncLLM(args.create_engine_config())
 
 
-async def run_tidal(opts: argparse.Namespace, sequence: list[int]) -> dict[str, Any]:
+async def run_tidal(
+    opts: argparse.Namespace, sequence: list[int], ray: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """The elastic deployment under load through ``sequence`` (on Ray with ``ray``)."""
     t_start = time.monotonic()
-    llm = await asyncio.to_thread(make_llm, opts.model, opts.dtype, opts.start_size, True)
+    llm = await asyncio.to_thread(make_llm, opts.model, opts.dtype, opts.start_size, True, ray=ray)
     load: Load | None = None
     try:
         startup_s = time.monotonic() - t_start
@@ -441,6 +463,9 @@ async def run_tidal(opts: argparse.Namespace, sequence: list[int]) -> dict[str, 
     rows = [
         tidal_row(rec, reqs, opts.max_tokens, base_p99, base_tps, call_s) for rec, call_s in ops
     ]
+    if ray is not None:
+        for row in rows:
+            row["system"] = "tidal-ray"
     errors = sum(1 for r in reqs if r.error is not None)
     lost = sum(1 for r in reqs if not r.complete(opts.max_tokens))
     return {
@@ -535,8 +560,9 @@ async def run_all(opts: argparse.Namespace) -> dict[str, Any]:
     sequence = [int(s) for s in opts.sequence.split(",") if s.strip()]
     t0 = time.monotonic()
     tidal = await run_tidal(opts, sequence)
+    on_ray = await run_on_ray(opts, sequence) if opts.backend == "ray" else None
     peer = await run_relaunch(opts, sequence) if not opts.no_peer else {"rows": []}
-    rows = tidal["rows"] + peer["rows"]
+    rows = tidal["rows"] + (on_ray["rows"] if on_ray else []) + peer["rows"]
     table = [
         {
             "op": r["op"],
@@ -557,6 +583,17 @@ async def run_all(opts: argparse.Namespace) -> dict[str, Any]:
         }
         for r, p in zip(tidal["rows"], peer["rows"] + [{}] * len(tidal["rows"]))
     ]
+    if on_ray is not None:
+        for t, r in zip(table, on_ray["rows"]):
+            if r["op"] == t["op"]:
+                t.update(
+                    ray_total_s=r["total_s"],
+                    ray_prepare_s=r["prepare_s"],
+                    ray_commit_s=r["commit_s"],
+                    ray_commit_pause_s=r["commit_pause_s"],
+                    ray_errors=r["errors"],
+                    ray_lost=r["lost"],
+                )
     return {
         "benchmark": "elastic",
         "machine": machine_info(),
@@ -571,11 +608,44 @@ async def run_all(opts: argparse.Namespace) -> dict[str, Any]:
             "relaunch_engine": "same model and EP, enable_elastic_ep=False",
         },
         "tidal": {k: v for k, v in tidal.items() if k != "rows"},
+        **(
+            {"tidal_ray": {k: v for k, v in on_ray.items() if k != "rows"}}
+            if on_ray is not None
+            else {}
+        ),
         "rows": rows,
         "table": table,
         "targets": targets(tidal["rows"], tidal["errors"], tidal["lost"]),
         "elapsed_s": _r(time.monotonic() - t0, 1),
     }
+
+
+async def run_on_ray(opts: argparse.Namespace, sequence: list[int]) -> dict[str, Any]:
+    """``run_tidal`` with the Ray launcher. Without ``--ray-address``, a one-node Ray is
+    started here with a logical CPU for every rank the sequence and the warm ranks need,
+    and stopped after."""
+    import ray
+
+    own = not opts.ray_address
+    temp_dir = tempfile.mkdtemp(prefix="tidal-bench-ray-")  # its session files, removed after
+    if own:
+        os.environ["RAY_TMPDIR"] = temp_dir  # also its address file (Ray writes, not makes, ray/)
+        os.makedirs(os.path.join(temp_dir, "ray"))
+        cpus = max([opts.start_size, *sequence]) + opts.ray_warm_ranks
+        ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=False, _temp_dir=temp_dir)
+    try:
+        cfg = {"ray_address": opts.ray_address, "ray_warm_ranks": opts.ray_warm_ranks}
+        result = await run_tidal(opts, sequence, ray=cfg)
+        result["ray"] = {
+            "cluster": opts.ray_address or "local, started by the benchmark",
+            "warm_ranks": opts.ray_warm_ranks,
+            "version": ray.__version__,
+        }
+        return result
+    finally:
+        if own:
+            ray.shutdown()
+        shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 def machine_info() -> dict[str, Any]:
@@ -659,6 +729,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--start-size", type=int, default=2)
     p.add_argument("--sequence", default="3,2,4,2", help="sizes to scale to, in order")
     p.add_argument("--no-peer", action="store_true", help="skip the stop-and-relaunch peer")
+    p.add_argument(
+        "--backend",
+        choices=("mp", "ray"),
+        default="mp",
+        help="ray: also run it with the Ray launcher, beside mp (pip install 'tidal[ray]')",
+    )
+    p.add_argument("--ray-address", default=None, help="Ray cluster (default: one started here)")
+    p.add_argument("--ray-warm-ranks", type=int, default=1, help="Ray: ranks started ahead")
     p.add_argument("--quick", action="store_true", help="smoke run: 8 streams, 3,2, short windows")
     opts = p.parse_args(argv)
     if opts.quick:

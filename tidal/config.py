@@ -108,6 +108,21 @@ class ParallelConfig:
     # Shared secret that authenticates the DP control plane when it runs over TCP
     # (tidal/distributed/zmq_auth.py). Never printed; not in the config hash, which peers see.
     data_parallel_auth_key: str | None = field(default=None, repr=False)
+    # Where engine ranks run (DESIGN.md 10): "mp" (local processes, headless hosts) or
+    # "ray" (Ray actors in placement groups). The frontend's choice, not the ranks'.
+    data_parallel_backend: str = "mp"
+    # Ray: the cluster to join ("auto", "host:port", "ray://..."); None: $RAY_ADDRESS, else
+    # a local cluster started for this deployment.
+    ray_address: str | None = None
+    # Ray: how long a rank's placement group may take to be placed before the launch or
+    # scale-up fails naming the missing resources.
+    ray_placement_timeout_s: float = 30.0
+    # Ray, elastic EP: ranks kept started ahead (placement group + actor + warm engine
+    # launcher, their resources held) so a scale-up does not wait for them.
+    ray_warm_ranks: int = 0
+    # Ray: logical CPUs each rank reserves (its placement group's CPU bundle); on CPU its
+    # engine runs that many threads.
+    ray_cpus_per_rank: int = 1
 
     @property
     def is_data_parallel(self) -> bool:
@@ -151,6 +166,11 @@ class ParallelConfig:
             "dp_lb_policy",
             "data_parallel_auth_key",
             "elastic_restore",  # the frontend's policy, not the ranks'
+            "data_parallel_backend",  # where ranks run: the frontend's choice
+            "ray_address",
+            "ray_placement_timeout_s",
+            "ray_warm_ranks",
+            "ray_cpus_per_rank",
             "engine_stall_timeout",  # the frontend's watchdog
         ):
             d.pop(k)

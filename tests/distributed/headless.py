@@ -9,7 +9,7 @@ import zmq
 
 from tidal.config import EngineConfig
 from tidal.distributed.ports import get_open_port
-from tidal.frontend.proc_manager import spawn_headless_engines
+from tidal.frontend.launchers.mp import spawn_headless_engines
 
 F = TypeVar("F")
 

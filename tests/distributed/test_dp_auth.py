@@ -26,7 +26,7 @@ from tidal.distributed.zmq_auth import (
 )
 from tidal.dp_coordinator.handle import fetch_stats
 from tidal.engine_core.proc import EngineCoreProc
-from tidal.frontend.proc_manager import spawn_headless_engines
+from tidal.frontend.launchers.mp import spawn_headless_engines
 from tidal.frontend.sync_client import SyncMPClient
 from tidal.launch.engine_args import EngineArgs
 from tidal.protocol.errors import EngineStartupError

@@ -13,7 +13,7 @@ import zmq
 
 from tests.waiting import wait_until
 from tidal.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
-from tidal.frontend.proc_manager import EngineProcManager, EngineStartError
+from tidal.frontend.launchers.proc_manager import EngineProcManager, EngineStartError
 from tidal.protocol.topology import Topology
 
 pytestmark = pytest.mark.timeout(120)

@@ -28,7 +28,7 @@ from tests.waiting import wait_until_async
 from tidal import LLM
 from tidal.frontend.async_llm import AsyncLLM
 from tidal.frontend.processor import ProcessedPrompt
-from tidal.frontend.scale_records import ScaleTimeouts
+from tidal.frontend.scaling.scale_records import ScaleTimeouts
 from tidal.launch.engine_args import EngineArgs
 from tidal.protocol.elastic import ScalePrepare
 from tidal.sampling_params import SamplingParams

@@ -37,7 +37,7 @@ from tests.distributed.test_rank_death import _no_children_left, _pinned
 from tests.waiting import wait_until, wait_until_async
 from tidal.distributed.ports import get_open_port
 from tidal.frontend.async_llm import AsyncLLM
-from tidal.frontend.proc_manager import spawn_headless_engines
+from tidal.frontend.launchers.mp import spawn_headless_engines
 from tidal.launch.engine_args import EngineArgs
 from tidal.protocol.messages import FRONTEND_TIMEOUT_S
 

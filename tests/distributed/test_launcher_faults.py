@@ -33,7 +33,8 @@ from tests.distributed.test_elastic_scale import (  # noqa: F401 - fixture
 from tests.distributed.test_rank_death import _no_children_left
 from tests.waiting import wait_until, wait_until_async
 from tidal import LLM
-from tidal.frontend import proc_manager
+from tidal.frontend.launchers import mp as mp_launcher
+from tidal.frontend.launchers import proc_manager
 from tidal.protocol.errors import EngineDeadError
 from tidal.utils.forkserver import ForkedProcess
 
@@ -86,7 +87,7 @@ def test_an_engine_started_while_the_deployment_shuts_down_is_stopped(qwen3_ckpt
     """The joiner's process is created after shutdown took its list of engines."""
     managers: list[proc_manager.EngineProcManager] = []
     started: list[int] = []
-    spawn_engine = proc_manager.spawn_engine
+    spawn_engine = mp_launcher.spawn_engine
 
     def late_spawn(*args, **kwargs):
         # Held until the manager is shutting down: its list of engines is taken.
@@ -95,7 +96,7 @@ def test_an_engine_started_while_the_deployment_shuts_down_is_stopped(qwen3_ckpt
         started.append(proc.pid)
         return proc
 
-    monkeypatch.setattr(proc_manager, "spawn_engine", late_spawn)
+    monkeypatch.setattr(mp_launcher, "spawn_engine", late_spawn)
 
     async def main() -> None:
         llm = _llm(qwen3_ckpt, 2)

@@ -43,6 +43,7 @@ ENGINE_IDS = [0, 2, 5]
 EXPERT_LOAD = {"0": [5, 10, 40, 0, 7, 7, 7, 4], "1": [9, 9, 9, 9, 9, 9, 9, 9]}
 CAUSE = "engine 6 did not start: <i>boom</i>"
 DEGRADED = "engines [2] dead; recovering"
+NODES = ("node-a-0123456789abcdef0123", "node-b")  # a Ray node id is long: shortened
 
 
 class DashboardFakeLLM(ScalingFakeLLM):
@@ -95,6 +96,8 @@ class DashboardFakeLLM(ScalingFakeLLM):
             }
             if self.per_rank_tokens:
                 rank["generation_tokens_total"] = 7 * self.requests_total(r)
+                # Ranks 0 and 2 on one node, rank 1 on another: grouped by node.
+                rank["node"] = NODES[r % 2]
             ranks.append(rank)
         for lg in self.loggers:  # the server's own token counters grow too
             lg.record_tokens(3, 50)
@@ -175,20 +178,24 @@ async def test_dashboard_renders_throughput_heatmap_and_timeline(per_rank_tokens
     polls = int(page.one("body")["data-polls"])
     assert polls >= 3, dom[-3000:]
 
-    # Per-rank throughput: one card per engine, in rank order, with rates from the polls.
+    # Per-rank throughput: one card per engine, in rank order (grouped by node when the
+    # ranks say theirs: a heading per node), with rates from the polls.
     cards = page.find("div", **{"class": "card"})
-    assert [c["data-engine-id"] for c in cards] == ["0", "2", "5"]
-    assert [c["data-rank"] for c in cards] == ["0", "1", "2"]
+    order = [0, 2, 1] if per_rank_tokens else [0, 1, 2]
+    assert [c["data-engine-id"] for c in cards] == [str(engine.engine_ids[r]) for r in order]
+    assert [c["data-rank"] for c in cards] == [str(r) for r in order]
+    heads = page.find("div", **{"class": "node"})
+    assert [h["data-node"] for h in heads] == (list(NODES) if per_rank_tokens else [])
     tputs = page.find("div", **{"class": "stat tput"})
     assert len(tputs) == 3
     totals = [int(t["data-requests-total"]) for t in tputs]
-    assert totals == [engine.requests_total(r) for r in range(3)]  # the last poll's
-    req = [float(t["data-requests-per-s"]) for t in tputs]
-    assert all(r > 0 for r in req), req
+    assert totals == [engine.requests_total(r) for r in order]  # the last poll's
+    req = dict(zip(order, (float(t["data-requests-per-s"]) for t in tputs)))
+    assert all(r > 0 for r in req.values()), req
     assert req[1] / req[0] == pytest.approx(2) and req[2] / req[0] == pytest.approx(3)
     if per_rank_tokens:
         toks = [float(t["data-tokens-per-s"]) for t in tputs]
-        assert [t / r for t, r in zip(toks, req)] == pytest.approx([7, 7, 7])
+        assert [t / req[r] for t, r in zip(toks, order)] == pytest.approx([7, 7, 7])
         assert "tokens/s ·" in dom
     else:
         assert all("data-tokens-per-s" not in t for t in tputs)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -42,6 +43,10 @@ def _serve_and_check(url: str, dp: int, ranks_per_host: int | None = None) -> No
     # The launch topology: epoch 0, engine ids 0..dp-1 in rank order (DESIGN.md 6.1).
     assert stats["epoch"] == 0
     assert [r["engine_id"] for r in stats["ranks"]] == list(range(dp))
+    # Where each rank runs (DESIGN.md 10): with the mp launcher, its host's name (the
+    # headless host here is this machine too) and its engine process.
+    assert [r["node"] for r in stats["ranks"]] == [socket.gethostname()] * dp
+    assert all(psutil.pid_exists(r["pid"]) for r in stats["ranks"])
     totals = [r["requests_total"] for r in stats["ranks"]]
     assert sum(totals) >= dp + 7 and all(t >= 1 for t in totals), totals
     assert stats["wave"] >= 0 and isinstance(stats["engines_running"], bool)

@@ -12,7 +12,7 @@ from tidal.engine_core.entry import engine_proc_class
 from tidal.engine_core.proc import EngineCoreProc
 from tidal.engine_core.request_decode import UndecodableRequest, decode_client_request
 from tidal.frontend.dp_state import DPFrontendState
-from tidal.frontend.proc_manager import frontend_addresses
+from tidal.frontend.launchers.proc_manager import frontend_addresses
 from tidal.launch.engine_args import EngineArgs
 from tidal.protocol.messages import (
     EngineAddresses,

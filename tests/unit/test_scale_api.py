@@ -35,7 +35,7 @@ from tests.unit.test_api_server import (
     wait_for,
 )
 from tidal.config import ParallelConfig
-from tidal.frontend.scale_records import (
+from tidal.frontend.scaling.scale_records import (
     DeathRecord,
     OperationRecord,
     PhaseTiming,

@@ -34,8 +34,8 @@ from tidal.elastic.scaling_events import (
     TakeRank,
 )
 from tidal.elastic.scaling_slot import ScalingSlot
-from tidal.frontend.scale_controller import ScaleController
-from tidal.frontend.scale_events import (
+from tidal.frontend.scaling.scale_controller import ScaleController
+from tidal.frontend.scaling.scale_events import (
     EngineExited,
     EngineReady,
     ExcludeFromRouting,
@@ -50,7 +50,7 @@ from tidal.frontend.scale_events import (
     SpawnEngines,
     StopEngines,
 )
-from tidal.frontend.scale_records import (
+from tidal.frontend.scaling.scale_records import (
     Admission,
     ScalePhase,
     ScaleRequest,

@@ -11,10 +11,10 @@ from collections.abc import Iterable
 import pytest
 
 from tidal.elastic.plan import ScalePlanError
-from tidal.frontend.proc_manager import EngineStartError
-from tidal.frontend.scale_controller import ScaleController
-from tidal.frontend.scale_driver import ScaleDriver
-from tidal.frontend.scale_records import Admission, ScaleTimeouts
+from tidal.frontend.launchers.proc_manager import EngineStartError
+from tidal.frontend.scaling.scale_controller import ScaleController
+from tidal.frontend.scaling.scale_driver import ScaleDriver
+from tidal.frontend.scaling.scale_records import Admission, ScaleTimeouts
 from tidal.protocol.elastic import (
     ScaleAbort,
     ScaleCommit,

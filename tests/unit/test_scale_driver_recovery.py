@@ -10,9 +10,9 @@ from collections.abc import Callable
 import pytest
 
 from tests.unit.test_scale_driver import FakeClient, FakeProcesses, Stores, T, until
-from tidal.frontend.scale_controller import ScaleController
-from tidal.frontend.scale_driver import ScaleDriver
-from tidal.frontend.scale_events import EngineExited
+from tidal.frontend.scaling.scale_controller import ScaleController
+from tidal.frontend.scaling.scale_driver import ScaleDriver
+from tidal.frontend.scaling.scale_events import EngineExited
 from tidal.protocol.elastic import ScaleCommit, ScaleEvent, ScalePrepare, ScaleReport
 from tidal.protocol.topology import Topology
 

@@ -10,8 +10,8 @@ import pytest
 
 from tests.unit.test_scale_controller import T, all_report, ctl, of, one, rep
 from tidal.elastic.plan import ScalePlanError
-from tidal.frontend.scale_controller import ScaleController
-from tidal.frontend.scale_events import (
+from tidal.frontend.scaling.scale_controller import ScaleController
+from tidal.frontend.scaling.scale_events import (
     AdmitScale,
     EngineExited,
     EngineReady,
@@ -26,7 +26,7 @@ from tidal.frontend.scale_events import (
     SpawnEngines,
     StopEngines,
 )
-from tidal.frontend.scale_records import Admission, ScalePhase, ScaleRequest
+from tidal.frontend.scaling.scale_records import Admission, ScalePhase, ScaleRequest
 from tidal.protocol.elastic import ScaleEvent, ScaleReport
 from tidal.protocol.topology import Topology
 

@@ -38,12 +38,17 @@ class EngineLaunch(msgspec.Struct, frozen=True):
     launcher_pid: int = 0
 
 
-def encode_engine_launch(config: EngineConfig, engine_index: int, handshake_address: str) -> bytes:
-    """The launch payload, asked for by this process (its launcher)."""
+def encode_engine_launch(
+    config: EngineConfig,
+    engine_index: int,
+    handshake_address: str,
+    launcher_pid: int | None = None,
+) -> bytes:
+    """The launch payload, asked for by this process (its launcher), or by the process
+    ``launcher_pid`` on the engine's host (a Ray actor that starts it for the frontend)."""
     wire, hf = split_hf_config(config)
-    return msgspec.msgpack.encode(
-        EngineLaunch(wire, hf, engine_index, handshake_address, os.getpid())
-    )
+    pid = os.getpid() if launcher_pid is None else launcher_pid
+    return msgspec.msgpack.encode(EngineLaunch(wire, hf, engine_index, handshake_address, pid))
 
 
 def decode_engine_launch(data: bytes) -> EngineLaunch:

@@ -1,5 +1,5 @@
 """The engine's side of the startup handshake, on a DEALER to the frontend's handshake
-ROUTER (the frontend's side is ``tidal.frontend.proc_manager.EngineProcManager``):
+ROUTER (the frontend's side is ``tidal.frontend.launchers.proc_manager.EngineProcManager``):
 
   engine: HELLO(engine id, pid) -> frontend: EngineAddresses (where to connect, its config
           hash, the topology)
@@ -18,6 +18,7 @@ handshake at once, not at the timeout.
 from __future__ import annotations
 
 import os
+import socket
 import time
 
 import msgspec
@@ -56,7 +57,7 @@ class EngineHandshake:
         id. Raises ``EngineStartupError`` (after sending READY(error) where the frontend
         can hear it)."""
         try:
-            self._sock.send(encode(EngineHello(self.engine_id, os.getpid())))
+            self._sock.send(encode(EngineHello(self.engine_id, os.getpid(), socket.gethostname())))
             self._await_reply()
         finally:
             self._close_monitor()

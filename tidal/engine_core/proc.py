@@ -154,6 +154,7 @@ class EngineCoreProc:
         self._loop_thread = threading.get_ident()  # the busy loop runs on this thread
         self.shutdown_state = ShutdownState.RUNNING
         self._drain_deadline = 0.0
+        self._abort_silently = False  # leaving without a frontend to report to (_leave_now)
         self.input_queue: queue.Queue[tuple[EngineCoreRequestType, Any]] = queue.Queue()
         # (destination, outputs or their msgpack): TO_CLIENT or TO_COORDINATOR; None stops
         # the thread.
@@ -593,6 +594,11 @@ class EngineCoreProc:
             os._exit(1)
         # Nobody is left to read what a drain would produce: leave without one. The
         # timeout is zeroed before the request so the busy loop never sets a later deadline.
+        # Nor are the requests reported aborted: a frontend that still lives (the launcher
+        # that died was a Ray actor or a headless host's launcher) takes this exit for a
+        # rank death and resumes them elsewhere (DESIGN.md 6.5), where an ABORT would have
+        # ended its clients' streams.
+        self._abort_silently = True
         self.drain_timeout_s = 0.0
         self._drain_deadline = 0.0
         self.request_shutdown()
@@ -618,7 +624,12 @@ class EngineCoreProc:
             self._drain_deadline = time.monotonic() + self.drain_timeout_s
         if self._has_work() and time.monotonic() < self._drain_deadline:
             return False
-        self._abort_all("engine shut down before the request finished")
+        if self._abort_silently:
+            ids = self.engine_core.scheduler.unfinished_request_ids()
+            if ids:
+                self.engine_core.abort_requests(ids)
+        else:
+            self._abort_all("engine shut down before the request finished")
         return True
 
     def _abort_all(self, reason: str) -> None:

@@ -1,5 +1,7 @@
 """Frontend side (layer 8, DESIGN.md 1): the engine clients (``core_client``: interface and
 in-process; ``mp_client`` + ``sync_client`` / ``async_client``: engines in processes), the
-engine process manager and handshake (``proc_manager``), the DP routing and wave state
-(``dp_state``), tokenization (``processor``), detokenization and stop strings, request
-outputs and ``AsyncLLM``."""
+DP routing and wave state (``dp_state``), the request book (``migrations``), liveness
+verdicts (``liveness``), tokenization (``processor``), detokenization and stop strings,
+request outputs and ``AsyncLLM``. Subpackages: ``launchers`` (where engine processes run,
+the startup handshake, watching and stopping them) and ``scaling`` (the elastic EP
+orchestration)."""

@@ -6,7 +6,7 @@ the request's ``generate()`` iterator. Closing that iterator (client disconnect)
 request in the engine, which frees its KV blocks.
 
 Elastic EP (``--enable-elastic-ep``, DESIGN.md 6): ``scale_elastic_ep`` runs one scale
-operation through the ``ScaleDriver`` (``tidal.frontend.scale_driver``) and answers
+operation through the ``ScaleDriver`` (``tidal.frontend.scaling.scale_driver``) and answers
 ``(status_code, record)``; ``is_scaling_elastic_ep``, ``scaling_history`` and
 ``add_scale_listener`` (every finished operation's record, for the metrics) report on
 them. Requests are never refused because of scaling.
@@ -33,8 +33,8 @@ from tidal.frontend.async_client import AsyncMPClient
 from tidal.frontend.output_processor import OutputProcessor
 from tidal.frontend.outputs import OutputKind, RequestOutput
 from tidal.frontend.processor import InputProcessor, ProcessedPrompt, load_tokenizer
-from tidal.frontend.scale_driver import ScaleDriver
-from tidal.frontend.scale_records import ScaleTimeouts, fault_summary
+from tidal.frontend.scaling.scale_driver import ScaleDriver
+from tidal.frontend.scaling.scale_records import ScaleTimeouts, fault_summary
 from tidal.protocol.errors import EngineDeadError
 from tidal.protocol.messages import DPCoordinatorStats, EngineCoreOutputs
 from tidal.sampling_params import SamplingParams
@@ -179,13 +179,19 @@ class AsyncLLM:
         return stats
 
     def processes(self) -> dict[int, dict[str, Any]]:
-        """Engine id -> its process (``pid``, None when not known here) and its workers'
+        """Engine id -> its process (``pid``, None when not known here), the node it runs
+        on (``node``: the Ray node id on Ray, else its host name) and its workers'
         (``worker_pids``, TP rank order), for every engine the frontend has seen ready."""
         manager = getattr(self.client, "manager", None)
         engine_pids = dict(getattr(manager, "engine_pids", {}))
         worker_pids = dict(getattr(manager, "worker_pids", {}))
+        nodes = getattr(manager, "nodes", dict)()
         return {
-            e: {"pid": engine_pids.get(e), "worker_pids": list(worker_pids.get(e, []))}
+            e: {
+                "pid": engine_pids.get(e),
+                "node": nodes.get(e),
+                "worker_pids": list(worker_pids.get(e, [])),
+            }
             for e in sorted(set(engine_pids) | set(worker_pids))
         }
 
@@ -195,7 +201,9 @@ class AsyncLLM:
         stats["tensor_parallel_size"] = tp
         for rank in stats.get("ranks", []):
             rank["tensor_parallel_size"] = tp
-            rank.update(procs.get(rank["engine_id"], {"pid": None, "worker_pids": []}))
+            rank.update(
+                procs.get(rank["engine_id"], {"pid": None, "node": None, "worker_pids": []})
+            )
 
     async def _load_stats(self) -> dict[str, Any]:
         if getattr(self.client, "coordinator", None) is not None:

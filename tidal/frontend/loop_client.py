@@ -21,8 +21,8 @@ from typing import Any, TypeVar
 from tidal.config import EngineConfig
 from tidal.frontend.async_client import AsyncMPClient
 from tidal.frontend.core_client import EngineCoreClient
-from tidal.frontend.scale_driver import ScaleDriver
-from tidal.frontend.scale_records import ScaleTimeouts
+from tidal.frontend.scaling.scale_driver import ScaleDriver
+from tidal.frontend.scaling.scale_records import ScaleTimeouts
 from tidal.protocol.errors import EngineDeadError
 from tidal.protocol.messages import EngineCoreOutputs, EngineCoreRequest
 

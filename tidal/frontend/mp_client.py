@@ -4,7 +4,7 @@ sockets, the engine processes, the DP coordinator, routing, and releasing all of
 
 Elastic EP (``--enable-elastic-ep``, DESIGN.md 6.2-6.3), and rank recovery (any
 data-parallel deployment unless ``--no-rank-recovery``: ``ParallelConfig.reconfigurable``)
-add what the scale driver (``tidal.frontend.scale_driver``) executes through the client:
+add what the scale driver (``tidal.frontend.scaling.scale_driver``) executes through the client:
 ``set_topology`` (the coordinator, the balancer, the wave state, the process manager, the
 ownership epoch), ``exclude_from_routing`` / ``restore_routing`` (leaving engines get no
 new request), ``send_scale`` (SCALE frames) and ``migrate`` (resume an engine's requests
@@ -31,7 +31,7 @@ import zmq
 import zmq.asyncio
 from zmq.auth.thread import ThreadAuthenticator
 
-from tidal.config import EngineConfig
+from tidal.config import EngineConfig, ParallelConfig
 from tidal.distributed.ports import get_open_port
 from tidal.distributed.zmq_auth import (
     curve_keys,
@@ -43,8 +43,9 @@ from tidal.dp_coordinator.handle import DPCoordinator
 from tidal.elastic.migration import AlreadyFinished
 from tidal.frontend.core_client import EngineCoreClient
 from tidal.frontend.dp_state import DPFrontendState
+from tidal.frontend.launchers.proc_manager import EngineProcManager, frontend_addresses, ipc_dir
+from tidal.frontend.launchers.registry import make_launcher
 from tidal.frontend.migrations import RequestBook
-from tidal.frontend.proc_manager import EngineProcManager, frontend_addresses, ipc_dir
 from tidal.protocol.elastic import ScaleReport
 from tidal.protocol.errors import EngineDeadError, RankUnavailableError
 from tidal.protocol.messages import (
@@ -114,6 +115,10 @@ class MPClient(EngineCoreClient):
     ) -> None:
         """``migrates``: a scale driver may move requests (keep the request book), when
         the deployment is reconfigurable."""
+        # Where the engine ranks run (DESIGN.md 10); the manager below owns it once made.
+        launcher = make_launcher(config, entry_module)
+        host = launcher.frontend_host(config.parallel.data_parallel_address)
+        config = config.with_parallel(data_parallel_address=host)
         par = config.parallel
         store = None
         if par.is_data_parallel:
@@ -171,13 +176,15 @@ class MPClient(EngineCoreClient):
                 output_address=self.output_address,
                 handshake_address=self.addresses.handshake,
                 coordinator_addresses=coord_addrs,
-                entry_module=entry_module,
-                local_engines=self._launch_topology.engine_ids[: par.data_parallel_size_local],
+                local_engines=self._launcher_engines(par),
                 curve=self._curve,
+                launcher=launcher,
             )
             self._output_socket = self._bind_output(sync_ctx)
             self.manager.wait_for_ready(self.input_socket)
         except BaseException:
+            if getattr(self, "manager", None) is None:
+                launcher.close()  # the manager closes it once it has it
             self._close_resources()
             raise
         # Released at shutdown(), when the client is garbage-collected, or at interpreter
@@ -185,6 +192,12 @@ class MPClient(EngineCoreClient):
         self._resources = _MPResources.of(self)
         self._finalizer = weakref.finalize(self, self._resources.close)
         self.manager.start_monitor(_weak_callback(self._on_engine_exit))
+
+    def _launcher_engines(self, par: ParallelConfig) -> list[int]:
+        """The launch ranks this frontend starts: all of them on Ray, else the first
+        ``--data-parallel-size-local`` (the others: headless hosts)."""
+        ids = self._launch_topology.engine_ids
+        return ids if par.data_parallel_backend == "ray" else ids[: par.data_parallel_size_local]
 
     @property
     def topology(self) -> Topology:

@@ -67,6 +67,17 @@ _HELP = {
     "data_parallel_auth_key": "shared secret that authenticates the DP control plane over "
     f"TCP; the same on every host, required with --headless ranks (default: ${AUTH_KEY_ENV}, "
     "which keeps it out of the process list)",
+    "data_parallel_backend": "where engine ranks run: mp (local processes; other hosts "
+    "with --headless) | ray (one Ray actor per rank in its own placement group, on the "
+    "cluster of --ray-address; pip install 'tidal[ray]')",
+    "ray_address": "Ray cluster to run the ranks on (auto | host:port | ray://host:port; "
+    "default: $RAY_ADDRESS, else a local cluster started for this deployment)",
+    "ray_placement_timeout_s": "Ray: seconds a rank's placement group may wait for "
+    "resources before the launch or scale-up fails naming what is missing",
+    "ray_warm_ranks": "Ray, elastic EP: ranks kept started ahead (their resources held) "
+    "so a scale-up takes them at once",
+    "ray_cpus_per_rank": "Ray: logical CPUs each rank reserves on its node; on CPU the "
+    "rank's engine runs that many threads",
     "device": "auto | cpu | cuda",
     "moe_backend": "auto | torch | triton | reference (auto: triton on CUDA, else torch)",
     "cpu_kernels": "auto | native | onednn | torch: the CPU path of every op (auto: each "

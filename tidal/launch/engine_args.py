@@ -16,9 +16,11 @@ turn them into ``--flag: ...`` CLI errors and the HTTP server can show them unch
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import math
 import os
+import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -99,6 +101,11 @@ class EngineArgs:
     dp_lb_policy: str = "tidal"
     # The CLI fills it from TIDAL_DP_AUTH_KEY when the flag is not given.
     data_parallel_auth_key: str | None = field(default=None, repr=False)
+    data_parallel_backend: str = "mp"
+    ray_address: str | None = None
+    ray_placement_timeout_s: float = 30.0
+    ray_warm_ranks: int = 0
+    ray_cpus_per_rank: int = 1
     device: str = "auto"
     moe_backend: str = "auto"
     cpu_kernels: str = "auto"
@@ -223,13 +230,18 @@ class EngineArgs:
             raise ValueError("enable_eplb requires enable_expert_parallel")
         local = self.data_parallel_size_local if self.data_parallel_size_local is not None else dp
         _check_choice("dp_lb_policy", self.dp_lb_policy, ("tidal", "vllm", "tidal-p2c"))
-        if local < dp and self.data_parallel_auth_key is None:
+        key = self.data_parallel_auth_key
+        if self._check_backend():
+            # Ray places every rank, none beside the frontend: the control plane is TCP,
+            # and the frontend, which starts every rank, may make the shared secret itself.
+            local = 0
+            key = key if key is not None else secrets.token_urlsafe(32)
+        elif local < dp and key is None:
             raise ValueError(
                 "data_parallel_auth_key is required when ranks run on other hosts (the DP "
                 "control plane then listens on TCP): give every host the same secret, "
                 f"preferably in the {AUTH_KEY_ENV} environment variable"
             )
-        key = self.data_parallel_auth_key
         if key is not None and len(key) < MIN_AUTH_KEY_LEN:
             raise ValueError(
                 f"data_parallel_auth_key must be at least {MIN_AUTH_KEY_LEN} characters (use "
@@ -242,7 +254,45 @@ class EngineArgs:
             for f in dataclasses.fields(ParallelConfig)
             if f.name != "device_ids"
         }
-        return ParallelConfig(**{**same, "data_parallel_size_local": local})
+        return ParallelConfig(
+            **{**same, "data_parallel_size_local": local, "data_parallel_auth_key": key}
+        )
+
+    def _check_backend(self) -> bool:
+        """Whether ranks run on Ray (``data_parallel_backend``), with its flags checked.
+        Ray is looked for, never imported: only the Ray launcher imports it."""
+        _check_choice("data_parallel_backend", self.data_parallel_backend, ("mp", "ray"))
+        if self.data_parallel_backend == "mp":
+            for name, value, default in (
+                ("ray_address", self.ray_address, None),
+                ("ray_warm_ranks", self.ray_warm_ranks, 0),
+                ("ray_cpus_per_rank", self.ray_cpus_per_rank, 1),
+            ):
+                if value != default:
+                    raise ValueError(f"{name} needs data_parallel_backend ray")
+            return False
+        if importlib.util.find_spec("ray") is None:
+            raise ValueError(
+                "data_parallel_backend ray needs Ray, which is not installed: "
+                "pip install 'tidal[ray]'"
+            )
+        if self.data_parallel_size_local is not None or self.data_parallel_start_rank:
+            raise ValueError(
+                "data_parallel_backend ray places every rank itself: drop "
+                "--data-parallel-size-local / --data-parallel-start-rank (those are for "
+                "--headless hosts of the mp backend)"
+            )
+        if not self.ray_placement_timeout_s > 0:
+            raise ValueError(
+                f"ray_placement_timeout_s must be > 0, got {self.ray_placement_timeout_s}"
+            )
+        if self.ray_cpus_per_rank < 1:
+            raise ValueError(f"ray_cpus_per_rank must be >= 1, got {self.ray_cpus_per_rank}")
+        if self.ray_warm_ranks < 0:
+            raise ValueError(f"ray_warm_ranks must be >= 0, got {self.ray_warm_ranks}")
+        if self.ray_warm_ranks and not self.enable_elastic_ep:
+            raise ValueError("ray_warm_ranks needs enable_elastic_ep (they serve scale-ups)")
+        return True
 
     def _check_tensor_parallel(self, hf_config: Any, arch: str) -> None:
         tp = self.tensor_parallel_size

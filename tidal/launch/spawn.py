@@ -16,7 +16,8 @@ import threading
 
 from tidal.config import EngineConfig
 from tidal.frontend.async_llm import AsyncLLM
-from tidal.frontend.proc_manager import spawn_headless_engines
+from tidal.frontend.launchers.base import LauncherUnavailable
+from tidal.frontend.launchers.mp import spawn_headless_engines
 from tidal.launch.api_key import add_api_key_arg, resolve_api_key
 from tidal.launch.api_server import bind_socket, run_server
 from tidal.launch.args import add_engine_args, build_engine_config
@@ -64,6 +65,13 @@ def _check_multi_node(
     parser: argparse.ArgumentParser, ns: argparse.Namespace, config: EngineConfig
 ) -> None:
     par = config.parallel
+    if par.data_parallel_backend == "ray":
+        if ns.headless:
+            parser.error(
+                "--headless: not with --data-parallel-backend ray (Ray starts the ranks on "
+                "its nodes; run `ray start --address ...` on the other hosts instead)"
+            )
+        return  # Ray places the ranks; the frontend picks its own ports
     remote = ns.headless or par.data_parallel_size_local < par.data_parallel_size
     if remote and not ns.data_parallel_rpc_port:
         parser.error(
@@ -145,6 +153,9 @@ def serve_main(argv: list[str]) -> int:
         )
     except KeyboardInterrupt:
         pass
+    except LauncherUnavailable as e:  # e.g. --ray-address answers nothing
+        print(f"launch: error: {e}", file=sys.stderr, flush=True)
+        return 1
     finally:
         sock.close()
     return 0

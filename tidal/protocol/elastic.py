@@ -1,6 +1,6 @@
 """Messages of elastic EP scaling between the frontend's scale controller and the engines
 (DESIGN.md 6.2-6.4). msgspec Structs only; the state machines that send and receive them
-are ``tidal.elastic.state`` (engine) and ``tidal.frontend.scale_controller`` (frontend).
+are ``tidal.elastic.state`` (engine) and ``tidal.frontend.scaling.scale_controller`` (frontend).
 
 Flow of one operation (the frontend sends the same message to every participant; each
 engine derives its own role -- survivor, leaving or joining -- from it)::

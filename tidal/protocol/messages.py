@@ -184,6 +184,7 @@ class EngineHello(msgspec.Struct, array_like=True):
 
     engine_index: int
     pid: int
+    host: str = ""  # the engine's host name (``/stats`` ``ranks[].node`` on mp)
 
 
 class EngineAddresses(msgspec.Struct, array_like=True):

@@ -1,4 +1,4 @@
-"""What the scale controller (``tidal.frontend.scale_controller``) admits and records.
+"""What the scale controller (``tidal.frontend.scaling.scale_controller``) admits and records.
 
 The request (``ScaleRequest``) and the deadlines (``ScaleTimeouts``) it runs under; the
 phases of one operation (``ScalePhase``); the record the API answers and ``/stats`` lists

@@ -5,8 +5,8 @@ Pure: no sockets, processes or clocks. ``request_scale(request, now)`` admits an
 engines and the process manager report, ``tick(now)`` fires deadlines; each returns the
 actions to carry out, in order. The engines' side is ``tidal.elastic.state``; the plan
 ``tidal.elastic.plan``; the messages ``tidal.protocol.elastic``. The events and actions
-are in ``tidal.frontend.scale_events``; the request, deadlines, phases and record in
-``tidal.frontend.scale_records``.
+are in ``tidal.frontend.scaling.scale_events``; the request, deadlines, phases and record in
+``tidal.frontend.scaling.scale_records``.
 
 Phases of one operation (each with a deadline; timings are kept in its record)::
 
@@ -125,7 +125,7 @@ from tidal.elastic.plan import (
     threads_per_rank,
     validate_size,
 )
-from tidal.frontend.scale_events import (
+from tidal.frontend.scaling.scale_events import (
     Action,
     AdmitScale,
     EngineExited,
@@ -144,7 +144,7 @@ from tidal.frontend.scale_events import (
     SpawnEngines,
     StopEngines,
 )
-from tidal.frontend.scale_records import (
+from tidal.frontend.scaling.scale_records import (
     Admission,
     DeathRecord,
     OperationRecord,

@@ -1,4 +1,4 @@
-"""Inputs and outputs of the scale controller (``tidal.frontend.scale_controller``).
+"""Inputs and outputs of the scale controller (``tidal.frontend.scaling.scale_controller``).
 
 The events the engines and the process manager report to ``ScaleController.handle``
 (``Event``), and the actions every controller call returns for the caller to carry out in
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tidal.frontend.scale_records import OperationRecord, ScaleRequest
+from tidal.frontend.scaling.scale_records import OperationRecord, ScaleRequest
 from tidal.protocol.elastic import ScaleAbort, ScaleCommit, ScalePrepare, ScaleReport
 from tidal.protocol.topology import Topology
 

@@ -1,7 +1,7 @@
 """Engine processes seen from the frontend: where they connect (``frontend_addresses``),
-starting the local ones, the startup handshake with every rank (local or headless
-elsewhere), watching for exits, stopping them (``EngineProcManager``), and starting a
-headless host's ranks (``spawn_headless_engines``).
+starting them through a launcher (``launchers/``: local processes, or Ray actors), the
+startup handshake with every rank (started here or by a headless host elsewhere), watching
+for exits, stopping them (``EngineProcManager``).
 
 Elastic EP (DESIGN.md 6.2) adds engines while the deployment serves: ``spawn`` starts
 fresh engine ids whose handshake answer carries the *new* topology and ``joining=True``,
@@ -11,9 +11,10 @@ set that changes while it runs (a wake-up pipe makes it rebuild its wait list) a
 reports every exit nobody asked for as ``on_exit(engine_id, exitcode)``; exits caused by
 ``stop`` or ``shutdown`` are expected and never reported.
 
-Devices (CUDA): a rank of tensor-parallel size N takes N free device slots of this host
-when it starts and gives them back when it stops or dies (``DeviceSlots``); a rank that
-cannot get them does not start (a scale-up then rolls back with that cause).
+Which launcher started a rank makes no difference here: every rank is an
+``EngineHandle`` with a sentinel the monitor waits on (a Ray rank's turns readable when Ray
+reports its engine exited or its actor or node dead), and the launcher is told when a rank
+is gone (``release``: its devices, its placement group).
 
 Threads: the handshake socket is used by one thread at a time (the caller of
 ``wait_for_ready`` at launch, then the thread running ``wait_for_joiners``: one scale
@@ -21,9 +22,7 @@ operation at a time). ``procs`` is guarded by a lock; a process's sentinel is cl
 only once the monitor has dropped it from its wait list.
 
 Faults (DESIGN.md 6.5):
-- The warm launcher is no single point of failure: a keeper thread restarts a zygote that
-  died or stopped answering its pings (frozen: SIGKILLed first); its forked engines are
-  ours, not its, and keep serving. A spawn while no zygote is ready starts cold.
+- The warm launcher is no single point of failure (``launchers/mp.py``).
 - An engine id never runs twice: the handshake answers a local engine id only from the
   pid this manager started for it; any other process (a stray fork of a cancelled warm
   spawn) is refused and exits.
@@ -44,21 +43,15 @@ from multiprocessing import Pipe
 from multiprocessing.connection import wait as wait_sentinels
 
 import msgspec
-import torch
 import zmq
 
 from tidal.config import EngineConfig
-from tidal.distributed.device_slots import DeviceSlots
 from tidal.distributed.ports import IPC_DIR_PREFIX, get_open_port
 from tidal.distributed.zmq_auth import CurveKeys, secure_server
 from tidal.dp_coordinator.proc import CoordinatorAddresses
-from tidal.engine_core.entry import (
-    ENGINE_ENTRY_MODULE,
-    spawn_engine,
-    start_engine_process,
-    start_engine_zygote,
-)
 from tidal.executor.worker_proc import worker_process_name
+from tidal.frontend.launchers.base import EngineHandle, Launcher, LaunchError
+from tidal.frontend.launchers.mp import MPLauncher
 from tidal.protocol.errors import EngineDeadError
 from tidal.protocol.messages import (
     EngineAddresses,
@@ -68,22 +61,15 @@ from tidal.protocol.messages import (
     engine_id_of,
 )
 from tidal.protocol.topology import Topology
-from tidal.utils.forkserver import ForkedProcess, ForkServer
-from tidal.utils.procs import ModuleProcess, kill_if_named
+from tidal.utils.forkserver import ForkServer
+from tidal.utils.procs import kill_if_named
 
 logger = logging.getLogger(__name__)
 
-# A local engine process: a fresh interpreter, or forked by the warm launcher.
-EngineProcess = ModuleProcess | ForkedProcess
+# A started rank, whichever launcher started it.
+EngineProcess = EngineHandle
 
 STARTUP_TIMEOUT_S = 300.0
-# The warm launcher's keeper: how often it pings the zygote, and after how long without
-# an answer the zygote counts as frozen (killed and replaced).
-ZYGOTE_PING_S = 1.0
-ZYGOTE_TIMEOUT_S = 5.0
-# A warm spawn is answered in milliseconds by a ready zygote; past this it is cancelled
-# and the engine starts cold.
-WARM_SPAWN_TIMEOUT_S = 10.0
 
 
 class EngineStartError(EngineDeadError):
@@ -101,11 +87,9 @@ def ipc_dir() -> str:
 
 
 class EngineProcManager:
-    """Starts the local engine processes, runs the startup handshake with every rank
-    (local or headless elsewhere), watches local ones for death, stops them.
-
-    Engines run ``python -m <entry_module>`` (``tidal.engine_core.entry``), never
-    multiprocessing's spawn: that would re-run the caller's ``__main__`` in each of them."""
+    """Starts engine ranks through its launcher (``MPLauncher`` unless given one), runs
+    the startup handshake with every rank (its own, or headless elsewhere), watches its
+    own for death, stops them."""
 
     def __init__(
         self,
@@ -120,19 +104,20 @@ class EngineProcManager:
         entry_module: str | None = None,
         local_engines: list[int] | None = None,
         curve: CurveKeys | None = None,
+        launcher: Launcher | None = None,
     ) -> None:
         self.config = config
+        self.launcher = (launcher or MPLauncher(config, entry_module)).with_config(config)
         self.topology = topology  # the engines to wait for, sent to each in the handshake
         self.procs: dict[int, EngineProcess] = {}
         self.num_blocks: dict[int, int] = {}
         # engine id -> its process (HELLO) and its workers' (READY, TP rank order): /stats.
         self.engine_pids: dict[int, int] = {}
         self.worker_pids: dict[int, list[int]] = {}
-        self.devices = DeviceSlots(local_device_count(config))
+        self.engine_hosts: dict[int, str] = {}  # engine id -> host name (HELLO)
         self._shutting_down = False
         self._monitor: threading.Thread | None = None
         self._handshake_address = handshake_address
-        self._entry_module = entry_module or ENGINE_ENTRY_MODULE
         # Guards procs, _expected, _reported, _generation; _changed wakes stop() once the
         # monitor has rebuilt its wait list (so a sentinel is never closed under it).
         self._lock = threading.Lock()
@@ -167,113 +152,49 @@ class EngineProcManager:
         # Local engines: the pid each was started as (the handshake answers only it).
         self._pids: dict[int, int] = {}
         self._hello: dict[int, bytes] = {}  # engine id -> handshake identity answered
-        # Elastic EP: a warm launcher (imports done once) forks joining engines, so a
-        # scale-up does not wait seconds for each new interpreter's imports. Started with
-        # the launch engines, it imports while they load. Tests that substitute the entry
-        # module start their engines cold.
-        self._zygote: ForkServer | None = None
-        self.zygote_restarts = 0
-        self._keeper: threading.Thread | None = None
-        self._keeper_stop_r, self._keeper_stop_w = Pipe(duplex=False)
         try:
             self._start(local)
-            if config.parallel.enable_elastic_ep and self._entry_module == ENGINE_ENTRY_MODULE:
-                self._zygote = start_engine_zygote(config)
-                self._keeper = threading.Thread(
-                    target=self._keep_zygote, name="zygote-keeper", daemon=True
-                )
-                self._keeper.start()
         except BaseException:
             self.shutdown()  # the ranks started before the failure
             raise
 
     def _start(self, engine_ids: Iterable[int], *, warm: bool = False) -> None:
-        for e in engine_ids:
-            # At launch an engine's id is its launch rank (ids 0..N-1 in rank order); a
-            # joining engine's is fresh (``Topology.new_engine_ids``).
-            cfg = self.config.with_parallel(data_parallel_rank=e, device_ids=self._take_devices(e))
-            proc: EngineProcess | None = None
-            zygote = self._zygote
-            if warm and zygote is not None and zygote.ready:
-                try:
-                    proc = spawn_engine(
-                        zygote, cfg, e, self._handshake_address, WARM_SPAWN_TIMEOUT_S
-                    )
-                except RuntimeError as err:  # gone or stuck: a cold start still works
-                    logger.warning("engine %d: warm start failed (%s); starting cold", e, err)
-            if proc is None:
-                if self._shutting_down:
-                    self._release_devices(e)
-                    raise EngineDeadError("the engine manager is shut down")
-                try:
-                    proc = start_engine_process(cfg, e, self._handshake_address, self._entry_module)
-                except BaseException:
-                    self._release_devices(e)
-                    raise
-            with self._lock:
-                stray = self._shutting_down  # shutdown took its list already: stop it here
-                if not stray:
+        """Start these ranks through the launcher (``warm``: a scale-up). Raises what the
+        launcher raises (``LaunchError``), having started nothing."""
+        ids = list(engine_ids)
+        if self._shutting_down:
+            raise EngineDeadError("the engine manager is shut down")
+        handles = self.launcher.start(ids, self._handshake_address, warm=warm)
+        with self._lock:
+            stray = self._shutting_down  # shutdown took its list already: stop them here
+            if not stray:
+                for e, proc in handles.items():
                     self.procs[e] = proc
                     self._pids[e] = proc.pid
-            if stray:
-                _end_processes({e: proc}, force=True, timeout_s=5.0)
+        if stray:
+            _end_processes(handles, force=True, timeout_s=5.0)
+            for e, proc in handles.items():
                 proc.close()
-                raise EngineDeadError(f"engine {e} started while the deployment shut down")
+                self.launcher.release(e)
+            raise EngineDeadError(f"engines {ids} started while the deployment shut down")
         self._wake()
-
-    def _take_devices(self, engine_id: int) -> tuple[int, ...]:
-        """The rank's device slots (CUDA), ``NoFreeDevices`` when this host has too few."""
-        if self.config.device != "cuda":
-            return ()
-        with self._lock:
-            return self.devices.acquire(engine_id, self.config.parallel.tensor_parallel_size)
-
-    def _release_devices(self, engine_id: int) -> None:
-        with self._lock:
-            self.devices.release(engine_id)
-
-    # ---- the warm launcher's keeper ----------------------------------------------------
-
-    def _keep_zygote(self) -> None:
-        """Restart the zygote when it died or froze (DESIGN.md 6.5); ping it meanwhile."""
-        stop = self._keeper_stop_r
-        while not self._shutting_down:
-            zygote = self._zygote
-            if zygote is None:
-                return
-            watch = [stop] if zygote.sentinel is None else [stop, zygote.sentinel]
-            if stop in wait_sentinels(watch, ZYGOTE_PING_S) or self._shutting_down:
-                return
-            if zygote.alive and zygote.unresponsive(ZYGOTE_TIMEOUT_S):
-                logger.error("the engine zygote answered nothing for %gs: killed", ZYGOTE_TIMEOUT_S)
-                zygote.kill()
-                zygote.gone.wait(5.0)
-            if zygote.alive:
-                try:
-                    zygote.ping()
-                except RuntimeError:
-                    pass  # gone: restarted at the next turn
-                continue
-            self._restart_zygote(zygote)
-
-    def _restart_zygote(self, old: ForkServer) -> None:
-        """A new zygote for a dead one. Its children are this manager's engines and keep
-        running; a scale-up meanwhile starts cold (``_start``: not ready yet)."""
-        logger.error("the engine zygote (pid %d) is gone: starting a new one", old.pid)
-        old.close(timeout_s=1.0)
-        with self._lock:
-            if self._shutting_down:
-                return
-            try:
-                self._zygote = start_engine_zygote(self.config)
-            except Exception:  # noqa: BLE001 - retried at the next turn; cold starts work
-                logger.exception("could not start a new engine zygote")
-                return
-            self.zygote_restarts += 1
 
     @property
     def zygote(self) -> ForkServer | None:
-        return self._zygote
+        """The mp launcher's warm launcher (elastic EP), if any."""
+        return getattr(self.launcher, "zygote", None)
+
+    @property
+    def zygote_restarts(self) -> int:
+        return getattr(self.launcher, "zygote_restarts", 0)
+
+    def nodes(self) -> dict[int, str | None]:
+        """Engine id -> the node it runs on: the launcher's (a Ray node id), else the host
+        name its HELLO gave (a local or headless rank)."""
+        with self._lock:
+            ids = set(self.engine_pids) | set(self.procs)
+            hosts = dict(self.engine_hosts)
+        return {e: self.launcher.node_of(e) or hosts.get(e) for e in sorted(ids)}
 
     def kill(self, engine_id: int) -> None:
         """SIGKILL a local engine (frozen or stuck, DESIGN.md 6.5) without reaping it: its
@@ -298,8 +219,8 @@ class EngineProcManager:
 
     def spawn(self, engine_ids: Iterable[int], topology: Topology) -> None:
         """Start engine processes for fresh ids that join ``topology`` (a new epoch): their
-        handshake answer carries it with ``joining=True``. Raises if one cannot start
-        (those started before stay; the caller stops them)."""
+        handshake answer carries it with ``joining=True``. Raises ``EngineStartError``
+        naming the engine if one cannot start (then none was started)."""
         ids = list(engine_ids)
         if self._shutting_down:
             raise EngineDeadError("the engine manager is shut down")
@@ -310,11 +231,14 @@ class EngineProcManager:
                 raise ValueError(f"engine ids {used} already run")
             for e in ids:
                 self._joiners[e] = reply
-        for e in ids:
-            try:
-                self._start([e], warm=True)
-            except BaseException as err:
-                raise EngineStartError(e, f"engine {e} could not be started: {err}") from err
+        try:
+            self._start(ids, warm=True)
+        except LaunchError as err:
+            e = err.engine_id
+            raise EngineStartError(e, f"engine {e} could not be started: {err}") from err
+        except BaseException as err:
+            e = ids[0]
+            raise EngineStartError(e, f"engine {e} could not be started: {err}") from err
 
     def wait_for_joiners(
         self, engine_ids: Iterable[int], timeout_s: float = STARTUP_TIMEOUT_S
@@ -389,11 +313,12 @@ class EngineProcManager:
                 self._hello.pop(e, None)
                 self._reported.discard(e)
                 self.engine_pids.pop(e, None)
-                self.devices.release(e)  # reaped: its devices are free again
-        for e, pids in workers.items():
-            _kill_orphaned_workers(e, pids)
+                self.engine_hosts.pop(e, None)
+                self.launcher.release(e)  # reaped: its devices are free again
             gen = self._generation
             watching = self._monitor is not None and self._monitor.is_alive()
+        for e, pids in workers.items():
+            _kill_orphaned_workers(e, pids)
         if watching and self._monitor is not threading.current_thread():
             self._wake()
             with self._changed:
@@ -442,6 +367,8 @@ class EngineProcManager:
             with self._lock:
                 reply = self._joiners.get(e, self._addresses)
                 self.engine_pids[e] = hello.pid
+                if hello.host:
+                    self.engine_hosts[e] = hello.host
                 expected = self._pids.get(e)
                 if expected is None or expected == hello.pid:
                     self._hello[e] = ident
@@ -551,7 +478,7 @@ class EngineProcManager:
                     if self.procs.get(e) is not p or e in self._expected or e in self._reported:
                         continue
                     self._reported.add(e)
-                    self.devices.release(e)  # it is dead: whoever starts next may use them
+                    self.launcher.release(e)  # dead: whoever starts next may use its devices
                     exits.append((e, p.exitcode))
             for e, code in exits:
                 with self._lock:
@@ -570,10 +497,7 @@ class EngineProcManager:
                 return
             self._shutting_down = True
             procs = dict(self.procs)
-        try:
-            self._keeper_stop_w.send_bytes(b"s")
-        except (OSError, ValueError):
-            pass
+        self.launcher.begin_close()
         self._wake()
         _end_processes(procs, force=False, timeout_s=timeout_s)
         with self._lock:
@@ -588,12 +512,7 @@ class EngineProcManager:
             procs = list(self.procs.values())
         for p in procs:
             p.close()
-        if self._keeper is not None and self._keeper is not threading.current_thread():
-            self._keeper.join(5)
-        self._keeper_stop_r.close()
-        self._keeper_stop_w.close()
-        if self._zygote is not None:  # after its children: they are stopped and reaped
-            self._zygote.close()
+        self.launcher.close()  # after the ranks: they are stopped and reaped
         # A wait_for_joiners in progress sees _shutting_down within one poll (100 ms).
         released = self._handshake_busy.acquire(timeout=5)
         self._handshake.close(linger=0)
@@ -610,11 +529,6 @@ def _kill_orphaned_workers(engine_id: int, pids: list[int]) -> None:
     for pid in pids:
         if pid != os.getpid() and kill_if_named(pid, worker_process_name(engine_id, 0)[:-1]):
             logger.warning("engine %d's worker %d outlived it: killed", engine_id, pid)
-
-
-def local_device_count(config: EngineConfig) -> int:
-    """Accelerators this host gives engine ranks (0 on CPU)."""
-    return torch.cuda.device_count() if config.device == "cuda" else 0
 
 
 def _end_processes(procs: dict[int, EngineProcess], *, force: bool, timeout_s: float) -> None:
@@ -662,26 +576,3 @@ def frontend_addresses(config: EngineConfig, ipc_dir: str) -> FrontendAddresses:
         f"tcp://{host}:{rpc}",
         CoordinatorAddresses.tcp(host, ports),
     )
-
-
-def spawn_headless_engines(config: EngineConfig, handshake_address: str) -> list[ModuleProcess]:
-    """``launch --headless``: start this host's ranks; they handshake with the frontend
-    at ``handshake_address`` (tcp) and get every other address from it."""
-    par = config.parallel
-    first = par.data_parallel_start_rank
-    procs: list[ModuleProcess] = []
-    devices = DeviceSlots(local_device_count(config))
-    try:
-        for idx in range(first, first + par.data_parallel_size_local):
-            slots = (
-                devices.acquire(idx, par.tensor_parallel_size) if config.device == "cuda" else ()
-            )
-            cfg = config.with_parallel(data_parallel_rank=idx, device_ids=slots)
-            procs.append(start_engine_process(cfg, idx, handshake_address))
-    except BaseException:
-        for p in procs:  # the ranks started before the failure
-            p.kill()
-            p.join()
-            p.close()
-        raise
-    return procs

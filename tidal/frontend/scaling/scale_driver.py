@@ -1,5 +1,5 @@
 """The scale driver: the asyncio I/O shell that carries out what the pure
-``ScaleController`` (``tidal.frontend.scale_controller``) decides (DESIGN.md 6.2-6.4).
+``ScaleController`` (``tidal.frontend.scaling.scale_controller``) decides (DESIGN.md 6.2-6.4).
 
 One task on the event loop owns the controller. Everything that reaches it goes through
 one queue, so the controller sees one event at a time, in arrival order:
@@ -42,8 +42,8 @@ from tidal.config import EngineConfig
 from tidal.distributed.groups import serve_store
 from tidal.elastic.plan import expert_nbytes
 from tidal.frontend.mp_client import ScaleHooks
-from tidal.frontend.scale_controller import ScaleController
-from tidal.frontend.scale_events import (
+from tidal.frontend.scaling.scale_controller import ScaleController
+from tidal.frontend.scaling.scale_events import (
     Action,
     AdmitScale,
     EngineExited,
@@ -61,7 +61,7 @@ from tidal.frontend.scale_events import (
     SpawnEngines,
     StopEngines,
 )
-from tidal.frontend.scale_records import (
+from tidal.frontend.scaling.scale_records import (
     Admission,
     OperationRecord,
     ScalePhase,

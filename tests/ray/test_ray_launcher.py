@@ -1,0 +1,88 @@
+"""The Ray launcher alone (``tidal/frontend/launchers/ray.py``) on a two-node cluster of one
+CPU per node, with a stand-in engine (``idle_engine``): ranks numbered node by node, a
+placement that cannot happen in time rolls back naming the missing CPU, a rank's exit and
+its actor's death turn its sentinel readable, and closing frees every group and actor."""
+
+from __future__ import annotations
+
+from multiprocessing.connection import wait as wait_sentinels
+
+import psutil
+import pytest
+
+from tests.waiting import wait_until
+
+pytestmark = pytest.mark.timeout(300)
+
+ENTRY = "tests.ray.idle_engine"
+
+
+@pytest.fixture(scope="module")
+def config(qwen3_ckpt):
+    from tidal.launch.engine_args import EngineArgs
+
+    return EngineArgs(
+        model=qwen3_ckpt,
+        data_parallel_size=2,
+        enable_expert_parallel=True,
+        enable_elastic_ep=True,
+        data_parallel_backend="ray",
+        ray_placement_timeout_s=3.0,
+        device="cpu",
+    ).create_engine_config()
+
+
+def _free_cpus() -> float:
+    import ray
+
+    return ray.available_resources().get("CPU", 0.0)
+
+
+def _live_actors() -> list:
+    """Actors not dead, from the GCS (the state API needs the dashboard, not run here)."""
+    import ray
+
+    return [a for a in ray._private.state.actors().values() if a["State"] != "DEAD"]
+
+
+def test_launcher_places_numbers_and_frees(ray_cluster, config):
+    from tidal.frontend.launchers.base import PlacementError
+    from tidal.frontend.launchers.ray import RayLauncher
+
+    launcher = RayLauncher(config, entry_module=ENTRY)
+    ranks = {}
+    try:
+        ranks = launcher.start([0, 1], "tcp://127.0.0.1:1", warm=False)
+        nodes = {e: launcher.node_of(e) for e in ranks}
+        assert len(set(nodes.values())) == 2  # one CPU per node: a node per rank
+        # Node by node: rank order follows (node IP, node id); same IP here, so node id.
+        assert nodes[0] < nodes[1]
+        for h in ranks.values():  # the engine process, named once it has started
+            assert wait_until(lambda h=h: psutil.Process(h.pid).name().startswith("EngineCore"))
+        assert wait_until(lambda: _free_cpus() == 0.0, 30)
+
+        # No free node: the third rank cannot be placed; nothing of the attempt remains.
+        with pytest.raises(PlacementError, match=r"CPU 1 \(free 0 of 2"):
+            launcher.start([2], "tcp://127.0.0.1:1", warm=True)
+        assert len(_live_actors()) == 2
+
+        # A rank's engine ends (SIGTERM through its actor): its sentinel turns readable.
+        ranks[1].terminate()
+        assert wait_sentinels([ranks[1].sentinel], 60)
+        assert ranks[1].exitcode == 0
+        # The other's actor dies (Ray kills it): its engine leaves, the sentinel says so.
+        pid0 = ranks[0].pid
+        import ray
+
+        ray.kill(ranks[0]._slot.actor, no_restart=True)
+        assert wait_sentinels([ranks[0].sentinel], 60)
+        assert ranks[0].exitcode == -9
+        assert wait_until(lambda: not psutil.pid_exists(pid0), 30)
+    finally:
+        for h in ranks.values():
+            h.kill()
+            h.join(10)
+            h.close()
+        launcher.close()
+    assert wait_until(lambda: _free_cpus() == 2.0, 30)
+    assert wait_until(lambda: not _live_actors(), 30)
