@@ -143,10 +143,18 @@ def _private_tmpdir(env: dict[str, str] | None) -> Iterator[dict[str, str]]:
     peer's leftovers go with it (vLLM leaves its ipc:// socket files in the temp
     directory, a few per run)."""
     tmp = tempfile.mkdtemp(prefix="cpu-speed-")
+    kmp_before = set(Path("/dev/shm").glob("__KMP_REGISTERED_LIB_*"))
     try:
         yield {**(os.environ if env is None else env), "TMPDIR": tmp}
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+        # Intel OpenMP (vLLM preloads it) registers each process in /dev/shm as
+        # __KMP_REGISTERED_LIB_<pid>_<n> and a process that exits abruptly leaves it: the
+        # run removes those of its peers' processes that are gone.
+        for f in set(Path("/dev/shm").glob("__KMP_REGISTERED_LIB_*")) - kmp_before:
+            pid = f.name.removeprefix("__KMP_REGISTERED_LIB_").split("_")[0]
+            if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+                f.unlink(missing_ok=True)
 
 
 def _run(cmd: list[str], env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
