@@ -461,19 +461,10 @@ async def run_cell(opts: argparse.Namespace, target: str, kind: str) -> dict[str
             await load.cancel()
         await llm.shutdown()
     reqs = load.reqs
-    hit = in_flight_at(reqs, t_fault)
-    pauses = stream_pauses(reqs, t_fault)
-    deaths = faults["deaths"]
     return {
         "target": target,
         "fault": kind,
-        "lost": sum(1 for r in hit if not r.complete(opts.max_tokens)),
-        "errors": sum(1 for r in reqs if r.error is not None),
-        "max_stream_pause_s": _r(max(pauses) if pauses else None),
-        "new_request_served_s": _r(t_new - t_fault),
-        "final_size": final_size,
-        "in_flight_at_fault": len(hit),
-        "requests": len(reqs),
+        **_outcome(reqs, opts, t_fault, t_new, final_size),
         "operations": [
             {
                 "trigger": h["trigger"],
@@ -486,11 +477,28 @@ async def run_cell(opts: argparse.Namespace, target: str, kind: str) -> dict[str
         ],
         "deaths": [
             {"engine": d["engine_id"], "detect_s": _r(d["at"] - t_fault), "cause": d["cause"]}
-            for d in deaths
+            for d in faults["deaths"]
         ],
         "coordinator_restarts": coordinator_restarts,
         "zygote_restarts": zygote_restarts,
         "error_samples": sorted({r.error for r in reqs if r.error})[:3],
+    }
+
+
+def _outcome(
+    reqs: list[Any], opts: argparse.Namespace, t_fault: float, t_new: float, final_size: int
+) -> dict[str, Any]:
+    """What every cell reports of its load around the fault at ``t_fault``."""
+    hit = in_flight_at(reqs, t_fault)
+    pauses = stream_pauses(reqs, t_fault)
+    return {
+        "lost": sum(1 for r in hit if not r.complete(opts.max_tokens)),
+        "errors": sum(1 for r in reqs if r.error is not None),
+        "max_stream_pause_s": _r(max(pauses) if pauses else None),
+        "new_request_served_s": _r(t_new - t_fault),
+        "final_size": final_size,
+        "in_flight_at_fault": len(hit),
+        "requests": len(reqs),
     }
 
 
@@ -577,19 +585,11 @@ async def run_host_cell(opts: argparse.Namespace, elastic: bool, kind: str) -> d
             host.kill()
         host.wait(30)
     reqs = load.reqs
-    hit = in_flight_at(reqs, t_fault)
-    pauses = stream_pauses(reqs, t_fault)
     return {
         "target": "host",
         "fault": kind,
         "elastic": elastic,
-        "lost": sum(1 for r in hit if not r.complete(opts.max_tokens)),
-        "errors": sum(1 for r in reqs if r.error is not None),
-        "max_stream_pause_s": _r(max(pauses) if pauses else None),
-        "new_request_served_s": _r(t_new - t_fault),
-        "final_size": final_size,
-        "in_flight_at_fault": len(hit),
-        "requests": len(reqs),
+        **_outcome(reqs, opts, t_fault, t_new, final_size),
         "recovery_operations": sum(1 for h in history if h["trigger"] == "recovery"),
         "operations": [
             {"trigger": h["trigger"], "sizes": f"{h['from_size']}->{h['to_size']}",
