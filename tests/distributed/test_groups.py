@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from tests.waiting import wait_until
 from tidal.distributed.collectives import CollectiveControl
 from tidal.distributed.groups import GroupFailure, StatelessGroup, create_store
 
@@ -233,9 +234,7 @@ def _abort_worker(rank: int, world_size: int, port: int) -> list[str]:
     for epoch, (g, call) in enumerate(zip(groups, calls)):
 
         def abort_once_waiting(epoch: int = epoch) -> None:
-            deadline = time.monotonic() + 60
-            while not control.is_waiting(me) and time.monotonic() < deadline:
-                time.sleep(0.01)
+            wait_until(lambda: control.is_waiting(me), 60)
             control.abort(epoch + 1, f"recovery of epoch {epoch + 1}")
 
         t = threading.Thread(target=abort_once_waiting)
