@@ -187,6 +187,9 @@ def run_e2e(
     rows: dict[str, list[dict[str, Any]]] = {e: [] for e in engines}
     py = sys.executable
     for r in range(opts.rounds):
+        if r >= opts.peer_rounds:  # the peers' rounds are done: Tidal's paths only
+            _tidal_round(tag, model, opts, results, kernel_cache, r, ref, rows)
+            continue
         log(f"{tag}: round {r + 1}/{opts.rounds}: transformers")
         out = results / f"hf_{tag}_r{r}.json"
         hf = _run_json(
@@ -209,17 +212,7 @@ def run_e2e(
                 env=_vllm_env(opts.peers_dir),
             )  # fmt: skip
             rows["vllm"].append(_engine_row(v))
-        for path in opts.paths:
-            log(f"{tag}: round {r + 1}: Tidal, --cpu-kernels {path}")
-            out = results / f"tidal_{tag}_{path}_r{r}.json"
-            extra = {"cpu_kernels": path, "kernel_cache_dir": str(kernel_cache)}
-            t = _run_json(
-                [py, str(PEERS_SCRIPTS / "bench_tidal.py"), "--model", str(model), "--hf-ref",
-                 str(ref), "--out", str(out), "--detokenize", str(int(opts.tidal_detokenize)),
-                 "--extra", json.dumps(extra)],
-                out,
-            )  # fmt: skip
-            rows[f"tidal_{path}"].append(_engine_row(t))
+        _tidal_round(tag, model, opts, results, kernel_cache, r, ref, rows)
     summary = {k: _median_rows(v) for k, v in rows.items() if v}
     default = summary.get("tidal_auto")
     ratios: dict[str, Any] = {}
@@ -229,13 +222,57 @@ def run_e2e(
                 ratios[f"default_over_{peer}"] = _ratio_pair(default, summary[peer])
         own = [summary[n] for n in _tidal_names(opts)]
         best = {k: max(e[k] for e in own) for k in ("single", "batch")}
-        ratios["default_over_best_own_path"] = _ratio_pair(default, best)
+        ratios["default_over_best_own_path_of_medians"] = _ratio_pair(default, best)
+        # Paired: each round's default against that round's best own path, minutes
+        # apart at most, then the median over rounds. The machine's bandwidth drifts by
+        # up to 40% between minutes, which the medians of far-apart runs keep.
+        ratios["default_over_best_own_path"] = _paired_ratio(rows, _tidal_names(opts))
     return {
         "engines": summary,
         "ratios": ratios,
         "goals": _goals(tag, ratios),
         "choices": _choices(kernel_cache),
     }
+
+
+def _tidal_round(
+    tag: str,
+    model: Path,
+    opts: argparse.Namespace,
+    results: Path,
+    kernel_cache: Path,
+    r: int,
+    ref: Path,
+    rows: dict[str, list[dict[str, Any]]],
+) -> None:
+    """Round ``r`` of every Tidal path (``--paths``) on ``model``, into ``rows``."""
+    py = sys.executable
+    # Rotated each round: no path always runs first (or right after vLLM's exit).
+    for path in opts.paths[r % len(opts.paths) :] + opts.paths[: r % len(opts.paths)]:
+        log(f"{tag}: round {r + 1}: Tidal, --cpu-kernels {path}")
+        out = results / f"tidal_{tag}_{path}_r{r}.json"
+        extra = {"cpu_kernels": path, "kernel_cache_dir": str(kernel_cache)}
+        t = _run_json(
+            [py, str(PEERS_SCRIPTS / "bench_tidal.py"), "--model", str(model), "--hf-ref",
+             str(ref), "--out", str(out), "--detokenize", str(int(opts.tidal_detokenize)),
+             "--extra", json.dumps(extra)],
+            out,
+        )  # fmt: skip
+        rows[f"tidal_{path}"].append(_engine_row(t))
+
+
+def _paired_ratio(rows: dict[str, list[dict[str, Any]]], names: list[str]) -> dict[str, Any]:
+    """Median over rounds of the default's tok/s over the best own path's in that round."""
+    out: dict[str, Any] = {}
+    for k in ("single", "batch"):
+        per_round = []
+        for r, row in enumerate(rows["tidal_auto"]):
+            best = max((rows[n][r].get(k) or 0.0) for n in names if len(rows[n]) > r)
+            if row.get(k) and best:
+                per_round.append(row[k] / best)
+        out[k] = _r(statistics.median(per_round)) if per_round else None
+        out[f"{k}_per_round"] = [_r(x) for x in per_round]
+    return out
 
 
 def _tidal_names(opts: argparse.Namespace) -> list[str]:
@@ -619,7 +656,8 @@ def step_overhead(model: Path, opts: argparse.Namespace, kernel_cache: Path) -> 
 def memory(model: Path, kernel_cache: Path) -> dict[str, Any]:
     """The default engine in a fresh process (``--memory-probe``): its resident memory
     after loading and serving a few requests, and its peak, against the checkpoint's bytes
-    plus the KV cache (issue #25: <= 1.15x)."""
+    plus the KV cache (issue #25: <= 1.15x), in the caller's process and as a rank's own
+    process."""
     cmd = [
         sys.executable,
         __file__,
@@ -634,43 +672,64 @@ def memory(model: Path, kernel_cache: Path) -> dict[str, Any]:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def _proc_status(pid: int | str = "self") -> dict[str, int]:
+    keys = ("VmRSS", "VmHWM", "RssAnon", "RssFile")
+    with open(f"/proc/{pid}/status") as f:
+        rows = (line.split(":", 1) for line in f)
+        return {k: int(v.split()[0]) * 1024 for k, v in rows if k in keys}
+
+
 def memory_probe(model: str, kernel_cache: str) -> None:
+    """Two measures: the engine in this process (``LLM(multiprocess=False)``: the rank plus
+    the frontend's tokenizer and transformers), and the rank alone, an engine process
+    beside its frontend (``LLM(multiprocess=True)``, as ``launch`` runs it)."""
+    import psutil
+
     from tidal import LLM, SamplingParams
 
-    def status() -> dict[str, int]:
-        keys = ("VmRSS", "VmHWM", "RssAnon", "RssFile")
-        with open("/proc/self/status") as f:
-            rows = (line.split(":", 1) for line in f)
-            return {k: int(v.split()[0]) * 1024 for k, v in rows if k in keys}
-
-    before = status()
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    prompts = [{"prompt_token_ids": [5, 6, 7]}] * 4
+    before = _proc_status()
     llm = LLM(model, dtype="float32", multiprocess=False, kernel_cache_dir=kernel_cache)
     try:
-        params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-        llm.generate([{"prompt_token_ids": [5, 6, 7]}] * 4, params, use_tqdm=False)
-        served = status()
+        llm.generate(prompts, params, use_tqdm=False)
+        served = _proc_status()
         runner = llm.client.engine.executor.worker.model_runner
         kv = sum(t.numel() * t.element_size() for t in runner.kv_caches)
     finally:
         llm.shutdown()
+    # The rank's own process, its trial cached by the run above (as at a restart).
+    llm = LLM(model, dtype="float32", multiprocess=True, kernel_cache_dir=kernel_cache)
+    try:
+        llm.generate(prompts, params, use_tqdm=False)
+        engines = [
+            c for c in psutil.Process().children(recursive=True)
+            if "tidal.engine_core.entry" in " ".join(c.cmdline())
+        ]  # fmt: skip
+        rank = _proc_status(engines[0].pid) if len(engines) == 1 else None
+    finally:
+        llm.shutdown()
     ckpt = sum(f.stat().st_size for f in Path(model).glob("*.safetensors"))
-    # VmHWM: this process's own peak (ru_maxrss keeps the parent's from before the exec).
-    peak = served["VmHWM"]
-    print(
-        json.dumps(
-            {
-                "checkpoint_bytes": ckpt,
-                "kv_cache_bytes": kv,
-                "rss_before_load": before["VmRSS"],
-                "rss_serving": served["VmRSS"],
-                "rss_anon": served["RssAnon"],
-                "rss_file": served["RssFile"],
-                "peak_rss": peak,
-                "rss_over_ckpt_plus_kv": _r(served["VmRSS"] / (ckpt + kv)),
-                "peak_over_ckpt_plus_kv": _r(peak / (ckpt + kv)),
-            }
-        )
-    )
+    # VmHWM: the process's own peak (ru_maxrss keeps the parent's from before the exec).
+    out = {
+        "checkpoint_bytes": ckpt,
+        "kv_cache_bytes": kv,
+        "rss_before_load": before["VmRSS"],
+        "rss_serving": served["VmRSS"],
+        "rss_anon": served["RssAnon"],
+        "rss_file": served["RssFile"],
+        "peak_rss": served["VmHWM"],
+        "rss_over_ckpt_plus_kv": _r(served["VmRSS"] / (ckpt + kv)),
+        "peak_over_ckpt_plus_kv": _r(served["VmHWM"] / (ckpt + kv)),
+    }
+    if rank is not None:
+        out["rank_process"] = {
+            "rss_serving": rank["VmRSS"],
+            "peak_rss": rank["VmHWM"],
+            "rss_over_ckpt_plus_kv": _r(rank["VmRSS"] / (ckpt + kv)),
+            "peak_over_ckpt_plus_kv": _r(rank["VmHWM"] / (ckpt + kv)),
+        }
+    print(json.dumps(out))
 
 
 # ------------------------------------------------------------------ main
@@ -702,6 +761,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--models", default="tiny,big,moe64", help="any of tiny, big, moe64")
     p.add_argument("--paths", default=",".join(TIDAL_PATHS), help="Tidal's --cpu-kernels runs")
     p.add_argument("--rounds", type=int, default=1)
+    p.add_argument(
+        "--peer-rounds",
+        type=int,
+        default=None,
+        help="rounds of transformers and vLLM (default: --rounds); Tidal runs every round",
+    )
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--vllm-python", default=None, help="python of a vLLM-CPU 0.32 venv")
     p.add_argument(
@@ -729,6 +794,13 @@ def main(argv: list[str] | None = None) -> None:
     bad = [x for x in opts.paths if x not in TIDAL_PATHS]
     if bad or "auto" not in opts.paths:
         p.error(f"--paths: a list of {', '.join(TIDAL_PATHS)} with auto (the default) in it")
+    if opts.rounds < 1:
+        p.error("--rounds must be >= 1")
+    opts.peer_rounds = opts.rounds if opts.peer_rounds is None else opts.peer_rounds
+    if not 1 <= opts.peer_rounds <= opts.rounds:
+        p.error(
+            "--peer-rounds: between 1 (the first round's outputs are the reference) and --rounds"
+        )
     tags = [t.strip() for t in opts.models.split(",") if t.strip()]
     if any(t not in MODELS for t in tags):
         p.error(f"--models: any of {', '.join(MODELS)}")

@@ -352,11 +352,13 @@ def peer_server(args: argparse.Namespace, model: str, dp: int = 1) -> Iterator[t
         info = {"name": "vllm", "python": args.vllm_python}
         yield info, lambda: launched_server(cmd, HOST, None, args.launch_timeout, env=env)
         return
-    sha = _git("rev-parse", "--short", args.peer_ref)
-    with previous_commit(args.peer_ref) as tree:
+    here = args.peer_ref == "."  # this tree, other flags: an A/B of --peer-launch-args
+    sha = _git("rev-parse", "--short", "HEAD" if here else args.peer_ref)
+    peer_args = args.launch_args if args.peer_launch_args is None else args.peer_launch_args
+    with contextlib.nullcontext(REPO) if here else previous_commit(args.peer_ref) as tree:
         env = {**os.environ, "PYTHONPATH": str(tree)}
-        cmd = tidal_command(model, [*shlex.split(args.launch_args), *_dp_args(dp)], args.api_key)
-        info = {"name": "tidal", "ref": args.peer_ref, "commit": sha}
+        cmd = tidal_command(model, [*shlex.split(peer_args), *_dp_args(dp)], args.api_key)
+        info = {"name": "tidal", "ref": args.peer_ref, "commit": sha, "launch_args": peer_args}
         yield (
             info,
             lambda: launched_server(
@@ -437,7 +439,20 @@ def run_aiperf(aiperf: Path, url: str, model: str, args: argparse.Namespace) -> 
         "output_tok_per_s": stats("output_token_throughput", ("avg",))["avg"],
         "ttft_ms": stats("time_to_first_token"),
         "tpot_ms": stats("inter_token_latency"),
+        # The whole request as its client waits for it, and how the tokens came: aiperf's
+        # inter-token latency is (latency - TTFT) / (tokens - 1), so a server that sends
+        # many tokens in one chunk (vLLM-CPU sends most 64-token answers in one) shows a
+        # small one while its client waits longest for the first text.
+        "request_latency_ms": stats("request_latency"),
+        "tokens_per_chunk": _per(
+            stats("output_sequence_length", ("avg",))["avg"],
+            stats("http_req_chunks_received", ("avg",))["avg"],
+        ),
     }
+
+
+def _per(a: float | None, b: float | None) -> float | None:
+    return round(a / b, 2) if a and b else None
 
 
 def _machine() -> dict:
@@ -454,6 +469,11 @@ def _median_summary(runs: list[dict]) -> dict:
     return {**ranked[len(ranked) // 2], "rounds": len(runs)}
 
 
+# A client's reads coalesce a fast server's one-token chunks (a Tidal server at 16 streams
+# read as 1.4-1.6 tokens a chunk); a server that bundles answers reads as tens.
+MAX_TOKENS_PER_CHUNK = 4.0
+
+
 def _ratios(tidal: dict, peer: dict) -> dict:
     def ratio(a: float | None, b: float | None) -> float | None:
         return round(a / b, 3) if a and b else None
@@ -466,6 +486,13 @@ def _ratios(tidal: dict, peer: dict) -> dict:
     if "avg" in tidal["ttft_ms"] and "avg" in peer["ttft_ms"]:  # aiperf's means
         out["ttft_avg"] = ratio(tidal["ttft_ms"]["avg"], peer["ttft_ms"]["avg"])
         out["tpot_avg"] = ratio(tidal["tpot_ms"]["avg"], peer["tpot_ms"]["avg"])
+    if "request_latency_ms" in tidal and "request_latency_ms" in peer:
+        t, q = tidal["request_latency_ms"], peer["request_latency_ms"]
+        out["request_latency_avg"] = ratio(t["avg"], q["avg"])
+        out["request_latency_p50"] = ratio(t["p50"], q["p50"])
+        # Inter-token latencies compare only where both streamed about a token a chunk.
+        chunked = [s.get("tokens_per_chunk") for s in (tidal, peer)]
+        out["tpot_comparable"] = all(c is not None and c <= MAX_TOKENS_PER_CHUNK for c in chunked)
     return out
 
 
@@ -490,7 +517,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--launch", action="store_true", help="start Tidal's server and the peer's")
     p.add_argument("--launch-args", default="", help="extra flags for the launched Tidal servers")
     p.add_argument("--launch-timeout", type=float, default=600.0)
-    p.add_argument("--peer-ref", default="HEAD~1", help="git ref of the Tidal peer")
+    p.add_argument(
+        "--peer-ref", default="HEAD~1", help="git ref of the Tidal peer ('.': this tree)"
+    )
+    p.add_argument(
+        "--peer-launch-args",
+        default=None,
+        help="the Tidal peer's flags (default: --launch-args), e.g. --peer-ref . "
+        "--peer-launch-args '--cpu-affinity off' for an A/B of one flag",
+    )
     p.add_argument("--vllm-python", default=None, help="python of a vLLM venv: vLLM is the peer")
     p.add_argument("--rounds", type=int, default=1, help="runs of each server (--launch)")
     p.add_argument("--dp", default="1", help="--launch: data-parallel sizes, e.g. 1,2")

@@ -9,10 +9,21 @@ the fixtures.
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 from collections.abc import Iterator
 
 import pytest
+
+# Everything Tidal caches under $XDG_CACHE_HOME (the measured CPU kernel choices, the
+# embedded default model) goes to a folder of this session's, removed at its end: tests
+# neither read a user's cached choices nor leave theirs behind. Engine processes inherit it.
+_CACHE_HOME = tempfile.mkdtemp(prefix="tidal-test-cache-")
+os.environ["XDG_CACHE_HOME"] = _CACHE_HOME
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    shutil.rmtree(_CACHE_HOME, ignore_errors=True)
 
 # Small enough that a model builds in well under a second and a forward is milliseconds.
 TINY_KWARGS = {

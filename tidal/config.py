@@ -81,6 +81,11 @@ class ParallelConfig:
     # This rank's device slots on its host (CUDA; one per TP worker), handed out by the
     # launcher (tidal/distributed/device_slots.py); () on CPU or when nothing assigned.
     device_ids: tuple[int, ...] = ()
+    # CPU: whether ranks are pinned to core groups (auto | off | rank,
+    # ``tidal/distributed/core_slots.py``), and this rank's group, the launcher's to assign
+    # per rank like ``device_ids`` (empty: not pinned).
+    cpu_affinity: str = "auto"
+    cpu_cores: tuple[int, ...] = ()
     enable_expert_parallel: bool = False
     # vLLM's flag: the deployment may grow and shrink while serving (DESIGN.md 6). It runs
     # the DP machinery (coordinator, wave loop, process groups) even at size 1, since its
@@ -163,6 +168,8 @@ class ParallelConfig:
             "data_parallel_start_rank",
             "data_parallel_master_port",
             "device_ids",
+            "cpu_affinity",  # per host: how its cores are shared
+            "cpu_cores",
             "dp_lb_policy",
             "data_parallel_auth_key",
             "elastic_restore",  # the frontend's policy, not the ranks'

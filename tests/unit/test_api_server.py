@@ -957,3 +957,23 @@ def test_engine_dead_error_is_a_503():
     err = classify_error(EngineDeadError("gone"), alive)
     assert (err.status, err.code) == (503, "engine_dead")
     assert classify_error(RuntimeError("x"), alive).status == 500
+
+
+def test_serving_ratios_say_when_inter_token_latencies_compare():
+    """aiperf's inter-token latency is (latency - TTFT) / (tokens - 1): a server that
+    sends most of an answer in one chunk shows a small one. The ratios carry the request
+    latency, and say whether both streamed about a token a chunk."""
+    bench = _load_benchmark()
+
+    def side(tpc: float, latency: float) -> dict:
+        return {
+            "output_tok_per_s": 100.0,
+            "ttft_ms": {"avg": 50.0, "p50": 40.0},
+            "tpot_ms": {"avg": 10.0, "p50": 10.0},
+            "request_latency_ms": {"avg": latency, "p50": latency},
+            "tokens_per_chunk": tpc,
+        }
+
+    out = bench._ratios(side(1.2, 500.0), side(40.0, 1000.0))
+    assert out["request_latency_avg"] == 0.5 and out["tpot_comparable"] is False
+    assert bench._ratios(side(1.2, 500.0), side(1.0, 1000.0))["tpot_comparable"] is True

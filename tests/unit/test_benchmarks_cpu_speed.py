@@ -37,6 +37,20 @@ def test_median_rows(bench):
     }
 
 
+def test_paired_ratio_compares_within_each_round(bench):
+    """The default against the best own path of the same round, then the median: a round
+    where the whole machine was slow moves both sides, not the ratio."""
+    rows = {
+        "tidal_auto": [{"single": 100.0, "batch": 50.0}, {"single": 60.0, "batch": 30.0}],
+        "tidal_native": [{"single": 110.0, "batch": 50.0}, {"single": 55.0, "batch": 33.0}],
+        "tidal_torch": [{"single": 40.0, "batch": 20.0}, {"single": 20.0, "batch": None}],
+    }
+    out = bench._paired_ratio(rows, ["tidal_auto", "tidal_native", "tidal_torch"])
+    assert out["single_per_round"] == [round(100 / 110, 3), 1.0]
+    assert out["batch_per_round"] == [1.0, round(30 / 33, 3)]
+    assert out["single"] == round((100 / 110 + 1.0) / 2, 3)
+
+
 def test_vllm_env_drops_a_missing_preload(bench, tmp_path):
     env = bench._vllm_env(tmp_path)
     assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0-1"

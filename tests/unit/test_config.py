@@ -193,3 +193,22 @@ def test_the_cli_takes_tp_and_cpu_kernels_together(qwen3_ckpt, capsys):
     with pytest.raises(SystemExit):
         build_engine_config(parser, bad)
     assert "--cpu-kernels: cpu_kernels must be one of" in capsys.readouterr().err
+
+
+def test_cpu_affinity_flag(qwen3_ckpt, capsys):
+    """``--cpu-affinity`` reaches the parallel config (the launcher assigns each rank's
+    cores, never the flag parser); a bad value is a CLI error naming the flag."""
+    import argparse
+
+    from tidal.launch.args import add_engine_args, build_engine_config
+
+    parser = argparse.ArgumentParser(exit_on_error=False)
+    add_engine_args(parser)
+    cfg = build_engine_config(parser, parser.parse_args(["--model", qwen3_ckpt]))
+    assert cfg.parallel.cpu_affinity == "auto" and cfg.parallel.cpu_cores == ()
+    ns = parser.parse_args(["--model", qwen3_ckpt, "--cpu-affinity", "0|1"])
+    assert build_engine_config(parser, ns).parallel.cpu_affinity == "0|1"
+    bad = parser.parse_args(["--model", qwen3_ckpt, "--cpu-affinity", "0-1|1"])
+    with pytest.raises(SystemExit):
+        build_engine_config(parser, bad)
+    assert "--cpu-affinity: cpu_affinity: groups overlap" in capsys.readouterr().err

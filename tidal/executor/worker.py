@@ -33,6 +33,7 @@ Nothing read from them is unpickled (``StatelessGroup.all_gather_object`` is msg
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 import torch
@@ -40,12 +41,14 @@ from torch.distributed import ReduceOp
 
 from tidal.config import EngineConfig, ParallelConfig
 from tidal.distributed.collectives import CollectiveControl
+from tidal.distributed.core_slots import pin_process, worker_cores
 from tidal.distributed.groups import LocalGroupFailure, StatelessGroup, create_store
 from tidal.distributed.tensor_parallel import TensorParallel
 from tidal.executor.batch import ModelRunnerOutput, SchedulerOutput
 from tidal.executor.elastic import ElasticWorkerState, parse_address
 from tidal.executor.model_runner import ModelRunner
 from tidal.executor.process_groups import WorkerGroups, dp_prefix, worker_rank
+from tidal.kernels.host_memory import release_free_heap
 from tidal.protocol.elastic import ExpertTransferSpec
 from tidal.protocol.topology import Topology
 from tidal.utils.cpu_threads import threads_per_rank, usable_cores
@@ -122,7 +125,12 @@ class Worker:
             torch.cuda.set_device(device)
             return device
         p = self.config.parallel
-        torch.set_num_threads(cpu_threads_for_rank(p.data_parallel_size_local * self.tp_size))
+        if p.cpu_cores:  # the launcher pinned this rank (core_slots.py): its share of them
+            cores = worker_cores(p.cpu_cores, self.tp_size, self.tp_rank)
+            pin_process(cores)
+            torch.set_num_threads(len(cores))
+        else:
+            torch.set_num_threads(cpu_threads_for_rank(p.data_parallel_size_local * self.tp_size))
         return torch.device("cpu")
 
     def start(
@@ -299,6 +307,8 @@ class Worker:
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.model_runner.initialize_kv_cache(num_blocks)
+        if self.device.type == "cpu":  # the end of startup: what loading freed goes back
+            release_free_heap()
 
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         return self.model_runner.execute_model(sched)
@@ -398,5 +408,14 @@ class Worker:
         return self.model_runner.get_eplb_info()
 
     def get_cpu_kernels(self) -> dict[str, Any] | None:
+        """The measured kernel choices (``/stats``), with the cores this worker runs on and
+        its thread count: pinned (``--cpu-affinity``) or the process's whole mask."""
         report = getattr(self.model_runner.model, "cpu_paths", None)
-        return None if report is None else report.as_dict()
+        if report is None:
+            return None
+        return {
+            **report.as_dict(),
+            "cores": sorted(os.sched_getaffinity(0)),
+            "pinned": bool(self.config.parallel.cpu_cores),
+            "threads": torch.get_num_threads(),
+        }

@@ -11,6 +11,8 @@ available the buffer is an ordinary ``torch.empty`` (4 KiB pages, the same value
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import math
 import mmap
 from collections.abc import Sequence
@@ -55,3 +57,20 @@ def is_huge_page_advised(t: Tensor) -> bool:
     except OSError:
         return False
     return False
+
+
+def release_free_heap() -> None:
+    """Hand the heap's free pages back to the OS (glibc ``malloc_trim``; elsewhere a no-op).
+
+    Why: loading packs each weight through temporaries, and the CPU path trial streams
+    stand-in weights; glibc keeps most such freed blocks below its mmap threshold
+    (32 MiB once raised) in its arenas, resident. Measured on the 64-expert checkpoint:
+    ~90 MB of a fresh-trial engine's 1.7 GB was freed heap that ``malloc_trim`` returned.
+    """
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        trim = libc.malloc_trim
+    except (OSError, AttributeError):
+        return
+    trim.argtypes = [ctypes.c_size_t]
+    trim(0)

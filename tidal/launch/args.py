@@ -84,6 +84,9 @@ _HELP = {
     "op's paths are timed at load on the model's shapes, the fastest kept, the timings "
     "cached); the others force one: native = the C++ kernels, onednn = oneDNN prepacked, "
     "torch = plain torch",
+    "cpu_affinity": "auto | off | explicit groups, one per local rank (0-7|8-15): pin each "
+    "CPU rank's threads to its own group of cores (auto: where the host runs several "
+    "workers, each with at least a core)",
     "kernel_cache_dir": "where the measured CPU kernel choices are cached (default: "
     "$XDG_CACHE_HOME/tidal/kernels; '' for none)",
     "max_n": "most choices (n) one request may ask for",

@@ -36,6 +36,7 @@ from tidal.config import (
     SchedulerConfig,
     as_id_list,
 )
+from tidal.distributed.core_slots import parse_affinity
 from tidal.kernels.select import MODES as CPU_KERNEL_MODES
 from tidal.models.common import check_tensor_parallel
 from tidal.models.registry import get_model_class, resolve_architecture
@@ -109,6 +110,7 @@ class EngineArgs:
     device: str = "auto"
     moe_backend: str = "auto"
     cpu_kernels: str = "auto"
+    cpu_affinity: str = "auto"
     # None: $XDG_CACHE_HOME/tidal/kernels (~/.cache/tidal/kernels); "": no cache.
     kernel_cache_dir: str | None = None
     # FrontendConfig (request limits)
@@ -248,12 +250,13 @@ class EngineArgs:
                 "a random one: python -c 'import secrets; print(secrets.token_urlsafe(32))')"
             )
         # Same-named fields copy over; only the local size needs resolving (device_ids
-        # are the launcher's to assign, per rank).
+        # and cpu_cores are the launcher's to assign, per rank).
         same = {
             f.name: getattr(self, f.name)
             for f in dataclasses.fields(ParallelConfig)
-            if f.name != "device_ids"
+            if f.name not in ("device_ids", "cpu_cores")
         }
+        parse_affinity(self.cpu_affinity)  # ValueError naming the flag
         return ParallelConfig(
             **{**same, "data_parallel_size_local": local, "data_parallel_auth_key": key}
         )

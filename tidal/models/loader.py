@@ -32,6 +32,7 @@ import torch
 from torch import Tensor
 
 from tidal.distributed.tensor_parallel import TensorParallel
+from tidal.kernels.host_memory import release_free_heap
 from tidal.kernels.select import SharedChoice, choose_paths
 from tidal.models.common import MoECausalLM, Shard
 from tidal.models.registry import get_model_class
@@ -89,6 +90,7 @@ def load_model(
             dtype=mc.torch_dtype,
             share=_tp_shared_choice(tp),
         )
+        release_free_heap()  # the trials' stand-ins: freed, but kept resident by the heap
     load_weights(model, mc.model, load_experts=load_experts)
     return model.eval()
 

@@ -16,6 +16,10 @@ spawn while no zygote is ready starts cold.
 Devices (CUDA): a rank of tensor-parallel size N takes N free device slots of this host
 when it starts and gives them back when it stops or dies (``DeviceSlots``); a rank that
 cannot get them does not start (a scale-up then rolls back with that cause).
+
+Cores (CPU): where the host runs several workers, each rank takes a free group of cores
+(``CoreSlots``, ``--cpu-affinity``) its threads are pinned to, given back the same way; a
+rank that finds none free runs unpinned.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from multiprocessing.connection import wait as wait_sentinels
 import torch
 
 from tidal.config import EngineConfig
+from tidal.distributed.core_slots import CoreSlots, host_cores, plan_groups
 from tidal.distributed.device_slots import DeviceSlots
 from tidal.engine_core.entry import (
     ENGINE_ENTRY_MODULE,
@@ -62,8 +67,9 @@ class MPLauncher(Launcher):
         self.config = config
         self._entry_module = entry_module or ENGINE_ENTRY_MODULE
         self._host = socket.gethostname()
-        self._lock = threading.Lock()  # guards devices, _zygote, _closed, _started
+        self._lock = threading.Lock()  # guards devices, cores, _zygote, _closed, _started
         self.devices = DeviceSlots(local_device_count(config))
+        self.cores = host_core_slots(config)
         self._started: set[int] = set()
         self._closed = False
         self._zygote: ForkServer | None = None
@@ -106,7 +112,9 @@ class MPLauncher(Launcher):
     def _start_one(self, e: int, handshake_address: str, warm: bool) -> EngineProcess:
         # At launch an engine's id is its launch rank (ids 0..N-1 in rank order); a
         # joining engine's is fresh (``Topology.new_engine_ids``).
-        cfg = self.config.with_parallel(data_parallel_rank=e, device_ids=self._take_devices(e))
+        cfg = self.config.with_parallel(
+            data_parallel_rank=e, device_ids=self._take_devices(e), cpu_cores=self._take_cores(e)
+        )
         proc: EngineProcess | None = None
         zygote = self._zygote
         if warm and zygote is not None and zygote.ready:
@@ -131,9 +139,18 @@ class MPLauncher(Launcher):
         with self._lock:
             return self.devices.acquire(engine_id, self.config.parallel.tensor_parallel_size)
 
+    def _take_cores(self, engine_id: int) -> tuple[int, ...]:
+        """The rank's core group (CPU ranks pinned by ``--cpu-affinity``), else ``()``."""
+        if self.cores is None:
+            return ()
+        with self._lock:
+            return self.cores.acquire(engine_id)
+
     def release(self, engine_id: int) -> None:
         with self._lock:
             self.devices.release(engine_id)  # it exited or was reaped: free again
+            if self.cores is not None:
+                self.cores.release(engine_id)
             self._started.discard(engine_id)
 
     def node_of(self, engine_id: int) -> str | None:
@@ -216,12 +233,14 @@ def spawn_headless_engines(config: EngineConfig, handshake_address: str) -> list
     first = par.data_parallel_start_rank
     procs: list[ModuleProcess] = []
     devices = DeviceSlots(local_device_count(config))
+    cores = host_core_slots(config)
     try:
         for idx in range(first, first + par.data_parallel_size_local):
             slots = (
                 devices.acquire(idx, par.tensor_parallel_size) if config.device == "cuda" else ()
             )
-            cfg = config.with_parallel(data_parallel_rank=idx, device_ids=slots)
+            pinned = cores.acquire(idx) if cores is not None else ()
+            cfg = config.with_parallel(data_parallel_rank=idx, device_ids=slots, cpu_cores=pinned)
             procs.append(start_engine_process(cfg, idx, handshake_address))
     except BaseException:
         for p in procs:  # the ranks started before the failure
@@ -230,3 +249,15 @@ def spawn_headless_engines(config: EngineConfig, handshake_address: str) -> list
             p.close()
         raise
     return procs
+
+
+def host_core_slots(config: EngineConfig) -> CoreSlots | None:
+    """This host's core groups, one per local rank, where its CPU ranks are pinned
+    (``core_slots.plan_groups``, ``--cpu-affinity``); None where they are not."""
+    par = config.parallel
+    if config.device != "cpu":
+        return None
+    groups = plan_groups(
+        par.cpu_affinity, host_cores(), par.data_parallel_size_local, par.tensor_parallel_size
+    )
+    return None if groups is None else CoreSlots(groups)
