@@ -212,3 +212,11 @@ def test_cpu_affinity_flag(qwen3_ckpt, capsys):
     with pytest.raises(SystemExit):
         build_engine_config(parser, bad)
     assert "--cpu-affinity: cpu_affinity: groups overlap" in capsys.readouterr().err
+    # This host's ranks need their groups here: a core outside this process's mask.
+    outside = max(os.sched_getaffinity(0)) + 1
+    bad = parser.parse_args(["--model", qwen3_ckpt, "--dp", "2", "--cpu-affinity", f"0|{outside}"])
+    with pytest.raises(SystemExit):
+        build_engine_config(parser, bad)
+    assert f"--cpu-affinity: cpu_affinity: cores [{outside}] are not usable" in (
+        capsys.readouterr().err
+    )

@@ -36,7 +36,7 @@ from tidal.config import (
     SchedulerConfig,
     as_id_list,
 )
-from tidal.distributed.core_slots import parse_affinity
+from tidal.distributed.core_slots import host_cores, parse_affinity, plan_groups
 from tidal.kernels.select import MODES as CPU_KERNEL_MODES
 from tidal.models.common import check_tensor_parallel
 from tidal.models.registry import get_model_class, resolve_architecture
@@ -146,12 +146,21 @@ class EngineArgs:
             hf_config=hf_config,
             generation_eos_token_ids=_read_generation_eos(model),
         )
+        parallel = self._parallel_config(hf_config, arch)
+        device = _resolve_device(self.device)
+        if device == "cpu":  # this host's ranks: their core groups must exist here
+            plan_groups(
+                parallel.cpu_affinity,
+                host_cores(),
+                parallel.data_parallel_size_local,
+                parallel.tensor_parallel_size,
+            )
         return EngineConfig(
             model=model_cfg,
             cache=self._cache_config(),
             scheduler=self._scheduler_config(model_cfg.max_model_len),
-            parallel=self._parallel_config(hf_config, arch),
-            device=_resolve_device(self.device),
+            parallel=parallel,
+            device=device,
             moe_backend=_check_choice(
                 "moe_backend", self.moe_backend, ("auto", "torch", "triton", "reference")
             ),
