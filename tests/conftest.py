@@ -25,6 +25,7 @@ os.environ["XDG_CACHE_HOME"] = _CACHE_HOME
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     shutil.rmtree(_CACHE_HOME, ignore_errors=True)
 
+
 # Small enough that a model builds in well under a second and a forward is milliseconds.
 TINY_KWARGS = {
     "hidden_size": 64,

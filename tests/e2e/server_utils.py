@@ -10,6 +10,7 @@ from ``free_port`` and the caller retries with a new one on a conflict
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -18,11 +19,14 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import TypeVar
 
 import httpx
 import psutil
+
+from tests.waiting import wait_until
 
 T = TypeVar("T")
 
@@ -175,3 +179,126 @@ class RemoteServer:
                 return []
             time.sleep(0.2)
         return alive
+
+
+# ---- streaming load ----------------------------------------------------------------------
+
+
+@dataclass
+class Streamed:
+    text: str
+    completion_tokens: int
+    finish_reason: str | None
+
+
+def stream_completion(
+    client: httpx.Client,
+    prompt: str,
+    max_tokens: int,
+    on_chunk: Callable[[], None] = lambda: None,
+    **extra: object,
+) -> Streamed:
+    """One streamed greedy completion (``ignore_eos``: exactly ``max_tokens`` tokens), read
+    to ``[DONE]``; fails on any other status, an error event, a stream that ends early or
+    one without its usage chunk."""
+    body = {
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        **extra,
+    }
+    parts: list[str] = []
+    usage = finish = None
+    done = False
+    with client.stream("POST", "/v1/completions", json=body) as r:
+        if r.status_code != 200:
+            raise AssertionError(f"HTTP {r.status_code}: {r.read().decode()}")
+        for line in r.iter_lines():
+            if not line:
+                continue
+            assert line.startswith("data: "), line
+            data = line.removeprefix("data: ")
+            if data == "[DONE]":
+                done = True
+                break
+            event = json.loads(data)
+            assert "error" not in event, event
+            for choice in event["choices"]:
+                parts.append(choice["text"])
+                finish = choice.get("finish_reason") or finish
+                on_chunk()
+            if event.get("usage"):
+                usage = event["usage"]
+    assert done, f"stream of {prompt!r} ended without [DONE]"
+    assert usage is not None, "no usage chunk"
+    return Streamed("".join(parts), usage["completion_tokens"], finish)
+
+
+class StreamingLoad:
+    """One client per prompt, each streaming its prompt back to back until ``finish``; any
+    failure is kept (with the prompt) for the test to report. ``served()`` counts the
+    chunks received, ``done()`` the streams completed."""
+
+    def __init__(
+        self,
+        url: str,
+        prompts: Sequence[str],
+        max_tokens: int,
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
+        self.url = url
+        self.prompts = list(prompts)
+        self.max_tokens = max_tokens
+        self.headers = dict(headers or {})
+        self.stop = threading.Event()
+        self.lock = threading.Lock()
+        self.results: list[tuple[int, Streamed]] = []
+        self.errors: list[str] = []
+        self.chunks = 0
+        self.threads = [
+            threading.Thread(target=self._worker, args=(i,), daemon=True)
+            for i in range(len(self.prompts))
+        ]
+        for t in self.threads:
+            t.start()
+
+    def _tick(self) -> None:
+        with self.lock:
+            self.chunks += 1
+
+    def _worker(self, i: int) -> None:
+        with httpx.Client(base_url=self.url, headers=self.headers, timeout=180) as client:
+            while not self.stop.is_set():
+                try:
+                    out = stream_completion(
+                        client, self.prompts[i], self.max_tokens, on_chunk=self._tick
+                    )
+                except BaseException as e:  # noqa: BLE001 - reported by the test
+                    with self.lock:
+                        self.errors.append(f"prompt {i}: {type(e).__name__}: {e}")
+                    return
+                with self.lock:
+                    self.results.append((i, out))
+
+    def served(self) -> int:
+        with self.lock:
+            return self.chunks
+
+    def done(self) -> int:
+        with self.lock:
+            return len(self.results)
+
+    def more(self, n: int = 3, timeout_s: float = 180.0) -> bool:
+        """Wait until ``n`` more streams complete (or one fails)."""
+        start = self.done()
+        return wait_until(lambda: self.done() >= start + n or bool(self.errors), timeout_s)
+
+    def finish(self) -> list[tuple[int, Streamed]]:
+        self.stop.set()
+        for t in self.threads:
+            t.join(240)
+            assert not t.is_alive(), "a streaming client hangs"
+        return self.results

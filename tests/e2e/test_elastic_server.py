@@ -15,13 +15,12 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass
 
 import httpx
 import psutil
 import pytest
 
-from tests.e2e.server_utils import RemoteServer
+from tests.e2e.server_utils import RemoteServer, Streamed, StreamingLoad, stream_completion
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(600)
@@ -75,102 +74,8 @@ class KeyedServer(RemoteServer):
             raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.output}")
 
 
-@dataclass
-class Streamed:
-    text: str
-    completion_tokens: int
-    finish_reason: str | None
-
-
-def _stream(
-    client: httpx.Client,
-    prompt: str,
-    max_tokens: int = MAX_TOKENS,
-    on_chunk=lambda: None,
-    **extra,
-) -> Streamed:
-    """One streamed greedy completion, read to ``[DONE]``; fails on any other status, an
-    error event, or a stream that ends early."""
-    body = {
-        "prompt": prompt,
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "ignore_eos": True,  # vLLM's extra field: always exactly max_tokens tokens
-        "stream": True,
-        "stream_options": {"include_usage": True},
-        **extra,
-    }
-    parts: list[str] = []
-    usage = finish = None
-    done = False
-    with client.stream("POST", "/v1/completions", json=body) as r:
-        if r.status_code != 200:
-            raise AssertionError(f"HTTP {r.status_code}: {r.read().decode()}")
-        for line in r.iter_lines():
-            if not line:
-                continue
-            assert line.startswith("data: "), line
-            data = line.removeprefix("data: ")
-            if data == "[DONE]":
-                done = True
-                break
-            event = json.loads(data)
-            assert "error" not in event, event
-            for choice in event["choices"]:
-                parts.append(choice["text"])
-                finish = choice.get("finish_reason") or finish
-                on_chunk()
-            if event.get("usage"):
-                usage = event["usage"]
-    assert done, f"stream of {prompt!r} ended without [DONE]"
-    assert usage is not None, "no usage chunk"
-    return Streamed("".join(parts), usage["completion_tokens"], finish)
-
-
-class Load:
-    """``len(PROMPTS)`` clients, each streaming its prompt back to back until stopped; any
-    failure is kept (with the prompt) for the test to report."""
-
-    def __init__(self, url: str) -> None:
-        self.url = url
-        self.stop = threading.Event()
-        self.lock = threading.Lock()
-        self.results: list[tuple[int, Streamed]] = []
-        self.errors: list[str] = []
-        self.chunks = 0
-        self.threads = [
-            threading.Thread(target=self._worker, args=(i,), daemon=True)
-            for i in range(len(PROMPTS))
-        ]
-        for t in self.threads:
-            t.start()
-
-    def _tick(self) -> None:
-        with self.lock:
-            self.chunks += 1
-
-    def _worker(self, i: int) -> None:
-        with httpx.Client(base_url=self.url, headers=AUTH, timeout=120) as client:
-            while not self.stop.is_set():
-                try:
-                    out = _stream(client, PROMPTS[i], on_chunk=self._tick)
-                except BaseException as e:  # noqa: BLE001 - reported by the test
-                    with self.lock:
-                        self.errors.append(f"prompt {i}: {type(e).__name__}: {e}")
-                    return
-                with self.lock:
-                    self.results.append((i, out))
-
-    def served(self) -> int:
-        with self.lock:
-            return self.chunks
-
-    def finish(self) -> list[tuple[int, Streamed]]:
-        self.stop.set()
-        for t in self.threads:
-            t.join(180)
-            assert not t.is_alive(), "a streaming client hangs"
-        return self.results
+def _stream(client: httpx.Client, prompt: str, max_tokens: int = MAX_TOKENS, *a, **kw) -> Streamed:
+    return stream_completion(client, prompt, max_tokens, *a, **kw)
 
 
 def _scale_cmd(url: str, size: int) -> list[str]:
@@ -220,7 +125,7 @@ def test_scale_server_under_streaming_load(qwen3_ckpt):
         ]
     )
     seen: dict[int, psutil.Process] = {p.pid: p for p in srv.children}
-    load: Load | None = None
+    load: StreamingLoad | None = None
     try:
         client = httpx.Client(base_url=srv.url, headers=AUTH, timeout=120)
         assert httpx.get(srv.url + "/is_scaling_elastic_ep").status_code == 401  # keyed
@@ -255,7 +160,7 @@ def test_scale_server_under_streaming_load(qwen3_ckpt):
         stats = client.get("/stats").json()
         assert [r["engine_id"] for r in stats["ranks"]] == [0, 1] and stats["epoch"] == 0
 
-        load = Load(srv.url)
+        load = StreamingLoad(srv.url, PROMPTS, MAX_TOKENS, AUTH)
         assert wait_until(lambda: load.served() > 20 or bool(load.errors), 120), "no load"
 
         # 2 -> 3 through the CLI; a second operation meanwhile is refused with 409.

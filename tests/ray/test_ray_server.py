@@ -19,15 +19,13 @@ One server, one cluster, in order:
 
 from __future__ import annotations
 
-import json
 import signal
-import threading
 
 import httpx
 import psutil
 import pytest
 
-from tests.e2e.server_utils import RemoteServer
+from tests.e2e.server_utils import RemoteServer, StreamingLoad
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(600)
@@ -41,82 +39,6 @@ def _complete(url: str, prompt: str, **extra) -> str:
     r = httpx.post(url + "/v1/completions", json={**body, **extra}, timeout=120)
     assert r.status_code == 200, r.text
     return r.json()["choices"][0]["text"]
-
-
-def _stream(client: httpx.Client, prompt: str) -> str:
-    """One streamed greedy completion read to ``[DONE]``; raises on anything else."""
-    body = {
-        "prompt": prompt,
-        "max_tokens": MAX_TOKENS,
-        "temperature": 0,
-        "ignore_eos": True,
-        "stream": True,
-    }
-    parts: list[str] = []
-    finish = None
-    with client.stream("POST", "/v1/completions", json=body) as r:
-        if r.status_code != 200:
-            raise AssertionError(f"HTTP {r.status_code}: {r.read().decode()}")
-        for line in r.iter_lines():
-            if not line:
-                continue
-            data = line.removeprefix("data: ")
-            if data == "[DONE]":
-                if finish != "length":  # ignore_eos: exactly max_tokens, nothing else
-                    raise AssertionError(f"stream ended with {finish!r}: {''.join(parts)!r}")
-                return "".join(parts)
-            event = json.loads(data)
-            if "error" in event:
-                raise AssertionError(f"error event: {event}")
-            for c in event["choices"]:
-                parts.append(c["text"])
-                finish = c.get("finish_reason") or finish
-    raise AssertionError(f"stream of {prompt!r} ended without [DONE]")
-
-
-class Load:
-    """A streaming client per prompt, back to back until ``finish``; failures kept."""
-
-    def __init__(self, url: str) -> None:
-        self.url = url
-        self.stop = threading.Event()
-        self.lock = threading.Lock()
-        self.results: list[tuple[int, str]] = []
-        self.errors: list[str] = []
-        self.threads = [
-            threading.Thread(target=self._worker, args=(i,), daemon=True)
-            for i in range(len(PROMPTS))
-        ]
-        for t in self.threads:
-            t.start()
-
-    def _worker(self, i: int) -> None:
-        with httpx.Client(base_url=self.url, timeout=180) as client:
-            while not self.stop.is_set():
-                try:
-                    out = _stream(client, PROMPTS[i])
-                except BaseException as e:  # noqa: BLE001 - reported by the test
-                    with self.lock:
-                        self.errors.append(f"prompt {i}: {type(e).__name__}: {e}")
-                    return
-                with self.lock:
-                    self.results.append((i, out))
-
-    def done(self) -> int:
-        with self.lock:
-            return len(self.results)
-
-    def more(self, n: int = 3) -> bool:
-        """Wait until ``n`` more streams complete (or one fails)."""
-        start = self.done()
-        return wait_until(lambda: self.done() >= start + n or bool(self.errors), 180)
-
-    def finish(self) -> list[tuple[int, str]]:
-        self.stop.set()
-        for t in self.threads:
-            t.join(240)
-            assert not t.is_alive(), "a streaming client hangs"
-        return self.results
 
 
 def _ranks(url: str) -> list[dict]:
@@ -180,7 +102,7 @@ def test_ray_deployment_places_scales_recovers_and_frees(ray_cluster, qwen3_ckpt
         ]
     )
     pids: set[int] = set()
-    load: Load | None = None
+    load: StreamingLoad | None = None
     try:
         # 1. Two ranks on two nodes, numbered node by node; greedy output as DP=1's.
         ranks = _ranks(srv.url)
@@ -209,7 +131,7 @@ def test_ray_deployment_places_scales_recovers_and_frees(ray_cluster, qwen3_ckpt
         new_node = ray_cluster.add_node()
         # The rank started ahead takes the new node: its actor is up (3 actors live).
         assert wait_until(lambda: _ray_leftovers()["actors"] == 3, 120), _ray_leftovers()
-        load = Load(srv.url)
+        load = StreamingLoad(srv.url, PROMPTS, MAX_TOKENS)
         assert load.more(), load.errors
         r = httpx.post(
             srv.url + "/scale_elastic_ep", json={"new_data_parallel_size": 3}, timeout=300
@@ -234,8 +156,9 @@ def test_ray_deployment_places_scales_recovers_and_frees(ray_cluster, qwen3_ckpt
         assert load.more(), load.errors
         results = load.finish()
         assert load.errors == [], load.errors
-        for i, text in results:
-            assert text == dp1_reference[PROMPTS[i]], (i, text, srv.output[-3000:])
+        for i, out in results:
+            assert (out.completion_tokens, out.finish_reason) == (MAX_TOKENS, "length"), out
+            assert out.text == dp1_reference[PROMPTS[i]], (i, out, srv.output[-3000:])
     finally:
         if load is not None:
             load.stop.set()
