@@ -592,13 +592,8 @@ async def run_host_cell(opts: argparse.Namespace, elastic: bool, kind: str) -> d
         **_outcome(reqs, opts, t_fault, t_new, final_size),
         "recovery_operations": sum(1 for h in history if h["trigger"] == "recovery"),
         "operations": [
-            {
-                "trigger": h["trigger"],
-                "sizes": f"{h['from_size']}->{h['to_size']}",
-                "result": h["result"],
-                "dead": h["dead"],
-                "duration_s": _r(h["duration_s"]),
-            }
+            {"trigger": h["trigger"], "sizes": f"{h['from_size']}->{h['to_size']}",
+             "result": h["result"], "dead": h["dead"], "duration_s": _r(h["duration_s"])}
             for h in history
         ],  # fmt: skip
         "deaths": [
@@ -646,18 +641,8 @@ async def run_matrix(opts: argparse.Namespace) -> dict[str, Any]:
         "model": model_info(opts),
         "load": {**load_info(opts), "size": opts.size},
         "table": [
-            {
-                k: c[k]
-                for k in (
-                    "target",
-                    "fault",
-                    "lost",
-                    "errors",
-                    "max_stream_pause_s",
-                    "new_request_served_s",
-                    "final_size",
-                )
-            }  # fmt: skip
+            {k: c[k] for k in ("target", "fault", "lost", "errors", "max_stream_pause_s",
+                               "new_request_served_s", "final_size")}  # fmt: skip
             for c in cells
         ],
         "all_zero_lost": all(c["lost"] == 0 for c in cells),

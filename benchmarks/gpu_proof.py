@@ -177,7 +177,9 @@ def _moe_problem(shape: dict[str, int], tokens: int, device: str, seed: int):
 def _expert_bytes(shape: dict[str, int], routings, elem: int) -> float:
     """Mean bytes of expert weights one call touches (each distinct expert's w13 and w2)."""
     per_expert = 3 * shape["H"] * shape["I"] * elem
-    return sum(len(set(ids.flatten().tolist())) * per_expert for _, ids in routings) / len(routings)
+    return sum(len(set(ids.flatten().tolist())) * per_expert for _, ids in routings) / len(
+        routings
+    )
 
 
 def _precompile(tokens_list, shape, configs_by_t, procs: int) -> dict[str, Any]:
@@ -344,7 +346,6 @@ def moe(result: dict[str, Any], smoke: bool, config_dir: Path, procs: int) -> No
         case["triton_default"] = {"config": default.to_json(), **time_triton(default)}
         # The torch path (what the CPU serves with), each GEMM strategy it has on CUDA.
         for strategy in ("auto", "loop", "bmm", "grouped_mm"):
-
             def torch_call(r: int, strategy: str = strategy) -> object:
                 return fused_experts_torch(x, w13, w2, *routings[r], strategy=strategy)  # noqa: B023
 
@@ -420,7 +421,7 @@ def _hf_greedy(path: str, prompts: list[str], max_new: int, device: str) -> list
         for p in prompts:
             ids = torch.tensor([tok(p).input_ids], device=device)
             gen = model.generate(ids, max_new_tokens=max_new, do_sample=False)
-            outs.append(gen[0, ids.shape[1] :].tolist())
+            outs.append(gen[0, ids.shape[1]:].tolist())
     del model
     return outs
 
@@ -558,7 +559,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.step == "facts":
         return _guarded("facts", lambda r: facts(r, args.smoke), args.out)
     if args.step == "kernels":
-        return _guarded("kernels", lambda r: kernel_tests(r, args.timeout, args.workers), args.out)
+        return _guarded(
+            "kernels", lambda r: kernel_tests(r, args.timeout, args.workers), args.out
+        )
     if args.step == "moe":
         config_dir = args.config_dir or args.out.parent
         return _guarded("moe", lambda r: moe(r, args.smoke, config_dir, args.procs), args.out)

@@ -34,11 +34,7 @@ def test_smoke_run_writes_parts_merge_and_a_config(tmp_path):
     merged = json.loads(next(tmp_path.glob("gpu-*.json")).read_text())
     assert merged["facts"]["ok"] and merged["moe"]["ok"], merged
     # Steps not asked for are recorded as not run, not silently absent.
-    assert merged["engine"] == {
-        "step": "engine",
-        "ok": False,
-        "error": "not run (time box or crash)",
-    }
+    assert merged["engine"] == {"step": "engine", "ok": False, "error": "not run (time box or crash)"}
     cases = merged["moe"]["cases"]
     assert [c["T"] for c in cases] == [1, 8]
     for case in cases:  # the interpreter's kernel and the torch path agree with the reference

@@ -73,9 +73,7 @@ def test_decode_attention_refuses_bad_tables():
         decode_attention_cpu(q.double(), cache, torch.tensor([[1]]), torch.tensor([1]), 1.0)
 
 
-@pytest.mark.parametrize(
-    "tokens,kv_heads,head_dim", [(1, 2, 64), (37, 4, 64), (5, 3, 24), (0, 2, 8)]
-)
+@pytest.mark.parametrize("tokens,kv_heads,head_dim", [(1, 2, 64), (37, 4, 64), (5, 3, 24), (0, 2, 8)])
 def test_write_kv_equals_index_copy(tokens, kv_heads, head_dim):
     """The C++ cache write puts exactly what ``index_copy_`` puts where it puts it, from
     the strided k and v views the layer passes (slices of the q/k/v projection)."""

@@ -336,7 +336,9 @@ def test_trials_past_the_deadline_take_the_default_uncached(tmp_path, fake_cpu):
     assert again.trials and again.choice.decode == TORCH  # measured at the next start
 
 
-def test_shared_choice_the_leader_measures_and_the_others_serve_by_its_choice(tmp_path, fake_cpu):
+def test_shared_choice_the_leader_measures_and_the_others_serve_by_its_choice(
+    tmp_path, fake_cpu
+):
     """A rank's TP workers: only the leader runs trials, every one serves by its choice
     (the exchange stands in for the TP group's all-gather), and a follower whose ops the
     leader did not choose for fails rather than serve apart from it."""
@@ -366,7 +368,9 @@ def test_shared_choice_the_leader_measures_and_the_others_serve_by_its_choice(tm
     assert got.as_dict()["ops"] == report.as_dict()["ops"]
     other = FakeModule(clock, OpKey("linear", (64, 64, 0)), {T0: 1e-5, TORCH: 2e-5})
     with pytest.raises(RuntimeError, match="rank 0 chose no path"):
-        choose_paths([other], clock=clock, share=SharedChoice(False, lambda doc: sent[0], "rank 0"))
+        choose_paths(
+            [other], clock=clock, share=SharedChoice(False, lambda doc: sent[0], "rank 0")
+        )
     torch_only = FakeModule(clock, key, {TORCH: 1e-5})  # the leader's native is not here
     with pytest.raises(RuntimeError, match="cannot run"):
         choose_paths(

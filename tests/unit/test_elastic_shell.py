@@ -123,7 +123,9 @@ OLD = Topology(0, [0, 1], placement=[[0, 1], [2, 3]], store_address="127.0.0.1:1
 
 
 def prepare_up(**kw) -> ScalePrepare:
-    new = Topology(1, [0, 1, 2], placement=[[0, 1], [2, 3], [0, 2]], store_address="127.0.0.1:2")
+    new = Topology(
+        1, [0, 1, 2], placement=[[0, 1], [2, 3], [0, 2]], store_address="127.0.0.1:2"
+    )
     return ScalePrepare(
         operation_id="op",
         sequence=1,

@@ -319,7 +319,6 @@ def test_a_request_pinned_to_a_dead_rank_is_refused_and_to_a_leaving_one_reroute
 
 def test_an_unreachable_engine_is_skipped_never_raised_to_the_caller():
     """An engine that is gone before its exit was seen: no route to it."""
-
     async def main() -> None:
         c = fake_client(Topology.initial(3))
         c.input_socket.unreachable = {0, 1}

@@ -470,12 +470,7 @@ def test_the_recovery_asks_the_largest_valid_size_or_the_minimum():
     # 8 experts + 16 redundant copies: a rank holds one copy of each at most, so at
     # least 3 ranks (validate_size); at most 8 (one expert each).
     c = ScaleController(
-        Topology.initial(4),
-        8,
-        16,
-        bytes_per_expert=10,
-        timeouts=T,
-        recover=True,
+        Topology.initial(4), 8, 16, bytes_per_expert=10, timeouts=T, recover=True,
         death_settle_s=0.0,
     )
     req = one(c.handle(EngineExited(3), 0.0), AdmitScale).request
@@ -497,12 +492,7 @@ def test_the_recovery_skips_sizes_below_the_minimum():
     # 8 + 8 copies: at least 2 ranks. 3 -> one dies -> 2 (valid) -> one dies -> 2 again
     # with a new engine; nothing alive -> FailDeployment.
     c = ScaleController(
-        Topology.initial(3),
-        8,
-        8,
-        bytes_per_expert=10,
-        timeouts=T,
-        recover=True,
+        Topology.initial(3), 8, 8, bytes_per_expert=10, timeouts=T, recover=True,
         death_settle_s=0.0,
     )
     _, _, _ = recover_ok(c, 0.0, c.handle(EngineExited(0), 0.0))

@@ -117,12 +117,7 @@ class _Standby:
 
 
 def _await_participants(
-    entry: _Standby,
-    store: Any,
-    engine_id: int,
-    timeout_s: float,
-    tp_rank: int = 0,
-    tp_size: int = 1,
+    entry: _Standby, store: Any, engine_id: int, timeout_s: float, tp_rank: int = 0, tp_size: int = 1
 ) -> None:
     """Announce this worker (engine ``engine_id``, TP rank ``tp_rank``) in the operation's
     store, then wait until every worker of every participant has: the groups' rendezvous
@@ -142,12 +137,7 @@ def _await_participants(
             raise RuntimeError(f"the standby groups of epoch {entry.epoch} were destroyed")
         if time.monotonic() > deadline:
             missing = sorted(
-                {
-                    e
-                    for e in entry.participants
-                    for t in range(tp_size)
-                    if not store.check([key(e, t)])
-                }
+                {e for e in entry.participants for t in range(tp_size) if not store.check([key(e, t)])}
             )
             raise TimeoutError(
                 f"standby rendezvous of epoch {entry.epoch} timed out after {timeout_s:g} s "

@@ -299,7 +299,9 @@ class AsyncMPClient(MPClient):
         while True:
             self._drain_registrations()
             gone = [e for e in pending if e in self._gone_engines]
-            pending = [e for e in pending if e not in gone and not self._try_send_scale(e, payload)]
+            pending = [
+                e for e in pending if e not in gone and not self._try_send_scale(e, payload)
+            ]
             if not pending or time.monotonic() >= deadline:
                 return gone + pending
             await asyncio.sleep(0.02)
