@@ -81,7 +81,7 @@ class ParallelConfig:
     # This rank's device slots on its host (CUDA; one per TP worker), handed out by the
     # launcher (tidal/distributed/device_slots.py); () on CPU or when nothing assigned.
     device_ids: tuple[int, ...] = ()
-    # CPU: whether ranks are pinned to core groups (auto | off | rank,
+    # CPU: whether ranks are pinned to core groups (auto | off | explicit groups,
     # ``tidal/distributed/core_slots.py``), and this rank's group, the launcher's to assign
     # per rank like ``device_ids`` (empty: not pinned).
     cpu_affinity: str = "auto"

@@ -16,13 +16,14 @@ from tidal.distributed.core_slots import (
     parse_affinity,
     parse_cpu_list,
     plan_groups,
-    worker_cores,
+    worker_threads,
 )
 
 
-def test_auto_pins_several_workers_with_a_core_each():
+def test_auto_pins_several_ranks_with_a_core_per_worker():
     assert plan_groups("auto", [0, 1], 2, 1) == [(0,), (1,)]
     assert plan_groups("auto", list(range(8)), 2, 2) == [(0, 1, 2, 3), (4, 5, 6, 7)]
+    assert plan_groups("auto", list(range(4)), 2, 2) == [(0, 1), (2, 3)]
     # The split's remainder is in no group: the frontend runs there.
     assert plan_groups("auto", list(range(5)), 2, 1) == [(0, 1), (2, 3)]
 
@@ -31,6 +32,7 @@ def test_auto_pins_several_workers_with_a_core_each():
     ("cores", "ranks", "tp"),
     [
         ([0, 1], 1, 1),  # one worker: it shares every core with its frontend
+        ([0, 1], 1, 2),  # one rank of two TP workers: they share every core too
         ([0, 1], 3, 1),  # fewer cores than workers
         ([0, 1, 2], 2, 2),
         ([0, 1], 0, 1),  # a host with no local rank (Ray, a frontend-only host)
@@ -65,12 +67,9 @@ def test_parse_cpu_list():
     assert parse_cpu_list("0-3,8,10-11\n") == [0, 1, 2, 3, 8, 10, 11]
 
 
-def test_worker_cores_split_a_rank_group():
-    group = (4, 5, 6, 7)
-    assert [worker_cores(group, 2, t) for t in range(2)] == [(4, 5), (6, 7)]
-    assert worker_cores((4,), 2, 1) == (4,)  # fewer cores than workers: shared
-    with pytest.raises(ValueError):
-        worker_cores(group, 2, 2)
+def test_tp_workers_share_their_rank_group():
+    assert worker_threads((4, 5, 6, 7), 2) == 2
+    assert worker_threads((4,), 2) == 1  # fewer cores than workers: one thread each
 
 
 def test_slots_hand_out_and_take_back():

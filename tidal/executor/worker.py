@@ -41,7 +41,7 @@ from torch.distributed import ReduceOp
 
 from tidal.config import EngineConfig, ParallelConfig
 from tidal.distributed.collectives import CollectiveControl
-from tidal.distributed.core_slots import pin_process, worker_cores
+from tidal.distributed.core_slots import pin_process, worker_threads
 from tidal.distributed.groups import LocalGroupFailure, StatelessGroup, create_store
 from tidal.distributed.tensor_parallel import TensorParallel
 from tidal.executor.batch import ModelRunnerOutput, SchedulerOutput
@@ -125,10 +125,9 @@ class Worker:
             torch.cuda.set_device(device)
             return device
         p = self.config.parallel
-        if p.cpu_cores:  # the launcher pinned this rank (core_slots.py): its share of them
-            cores = worker_cores(p.cpu_cores, self.tp_size, self.tp_rank)
-            pin_process(cores)
-            torch.set_num_threads(len(cores))
+        if p.cpu_cores:  # the launcher pinned this rank (core_slots.py); TP workers share it
+            pin_process(p.cpu_cores)
+            torch.set_num_threads(worker_threads(p.cpu_cores, self.tp_size))
         else:
             torch.set_num_threads(cpu_threads_for_rank(p.data_parallel_size_local * self.tp_size))
         return torch.device("cpu")

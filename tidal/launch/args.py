@@ -85,8 +85,8 @@ _HELP = {
     "cached); the others force one: native = the C++ kernels, onednn = oneDNN prepacked, "
     "torch = plain torch",
     "cpu_affinity": "auto | off | explicit groups, one per local rank (0-7|8-15): pin each "
-    "CPU rank's threads to its own group of cores (auto: where the host runs several "
-    "workers, each with at least a core)",
+    "CPU rank's threads to its own group of cores, shared by its TP workers (auto: where "
+    "the host runs several ranks, with at least a core for each of their workers)",
     "kernel_cache_dir": "where the measured CPU kernel choices are cached (default: "
     "$XDG_CACHE_HOME/tidal/kernels; '' for none)",
     "max_n": "most choices (n) one request may ask for",
