@@ -60,12 +60,12 @@ def _serve_and_check(url: str, dp: int, ranks_per_host: int | None = None) -> No
         # their own group of cores (tidal/distributed/core_slots.py).
         assert rank["pinned"] == (share >= 1 and (ranks_per_host or dp) >= 2)
         assert len(rank["cores"]) == (share if rank["pinned"] else len(os.sched_getaffinity(0)))
-    pinned = [set(r["cores"]) for r in stats["cpu_kernels"] if r["pinned"]]
-    if ranks_per_host is None:  # one host: its ranks' groups are disjoint
-        assert sum(map(len, pinned)) == len(set().union(*pinned))
         moe = next(v for k, v in rank["ops"].items() if k.startswith("moe["))
         assert moe["decode"] and moe["batch"] and moe["source"] in ("measured", "cached")
         assert moe["decode"] in moe["timings_ms"]["decode"]
+    pinned = [set(r["cores"]) for r in stats["cpu_kernels"] if r["pinned"]]
+    if ranks_per_host is None:  # one host: its ranks' groups are disjoint
+        assert sum(map(len, pinned)) == len(set().union(*pinned))
     metrics = httpx.get(url + "/metrics", timeout=60).text
     assert 'engine="1"' in metrics  # labelled by engine id (DESIGN.md 6.1)
 
