@@ -240,7 +240,8 @@ def stream_completion(
 class StreamingLoad:
     """One client per prompt, each streaming its prompt back to back until ``finish``; any
     failure is kept (with the prompt) for the test to report. ``served()`` counts the
-    chunks received, ``done()`` the streams completed."""
+    chunks received, ``done()`` the streams completed. ``timeout_s``: each client's HTTP
+    timeout; ``finish`` gives a client a minute more than that to end its stream."""
 
     def __init__(
         self,
@@ -248,11 +249,13 @@ class StreamingLoad:
         prompts: Sequence[str],
         max_tokens: int,
         headers: Mapping[str, str] | None = None,
+        timeout_s: float = 180.0,
     ) -> None:
         self.url = url
         self.prompts = list(prompts)
         self.max_tokens = max_tokens
         self.headers = dict(headers or {})
+        self.timeout_s = timeout_s
         self.stop = threading.Event()
         self.lock = threading.Lock()
         self.results: list[tuple[int, Streamed]] = []
@@ -270,7 +273,9 @@ class StreamingLoad:
             self.chunks += 1
 
     def _worker(self, i: int) -> None:
-        with httpx.Client(base_url=self.url, headers=self.headers, timeout=180) as client:
+        with httpx.Client(
+            base_url=self.url, headers=self.headers, timeout=self.timeout_s
+        ) as client:
             while not self.stop.is_set():
                 try:
                     out = stream_completion(
@@ -299,6 +304,6 @@ class StreamingLoad:
     def finish(self) -> list[tuple[int, Streamed]]:
         self.stop.set()
         for t in self.threads:
-            t.join(240)
+            t.join(self.timeout_s + 60)
             assert not t.is_alive(), "a streaming client hangs"
         return self.results

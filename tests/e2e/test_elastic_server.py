@@ -74,10 +74,6 @@ class KeyedServer(RemoteServer):
             raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.output}")
 
 
-def _stream(client: httpx.Client, prompt: str, max_tokens: int = MAX_TOKENS, *a, **kw) -> Streamed:
-    return stream_completion(client, prompt, max_tokens, *a, **kw)
-
-
 def _scale_cmd(url: str, size: int) -> list[str]:
     return [
         sys.executable,
@@ -144,9 +140,9 @@ def test_scale_server_under_streaming_load(qwen3_ckpt):
         def reference(i: int) -> None:
             with httpx.Client(base_url=srv.url, headers=AUTH, timeout=300) as c:
                 if i < len(PROMPTS):
-                    refs[i] = _stream(c, PROMPTS[i])
+                    refs[i] = stream_completion(c, PROMPTS[i], MAX_TOKENS)
                 else:
-                    refs[i] = _stream(c, LONG_PROMPT, LONG_TOKENS)
+                    refs[i] = stream_completion(c, LONG_PROMPT, LONG_TOKENS)
 
         threads = [threading.Thread(target=reference, args=(i,)) for i in range(len(PROMPTS) + 1)]
         for t in threads:
@@ -160,7 +156,7 @@ def test_scale_server_under_streaming_load(qwen3_ckpt):
         stats = client.get("/stats").json()
         assert [r["engine_id"] for r in stats["ranks"]] == [0, 1] and stats["epoch"] == 0
 
-        load = StreamingLoad(srv.url, PROMPTS, MAX_TOKENS, AUTH)
+        load = StreamingLoad(srv.url, PROMPTS, MAX_TOKENS, AUTH, timeout_s=120)
         assert wait_until(lambda: load.served() > 20 or bool(load.errors), 120), "no load"
 
         # 2 -> 3 through the CLI; a second operation meanwhile is refused with 409.
@@ -201,7 +197,7 @@ def test_scale_server_under_streaming_load(qwen3_ckpt):
         def run_pinned() -> None:
             with httpx.Client(base_url=srv.url, headers=AUTH, timeout=300) as c:
                 try:
-                    pinned["out"] = _stream(
+                    pinned["out"] = stream_completion(
                         c, LONG_PROMPT, LONG_TOKENS, started.set, data_parallel_rank=2
                     )
                 except BaseException as e:  # noqa: BLE001 - reported below
