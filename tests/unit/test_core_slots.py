@@ -16,7 +16,6 @@ from tidal.distributed.core_slots import (
     parse_affinity,
     parse_cpu_list,
     plan_groups,
-    worker_threads,
 )
 
 
@@ -65,11 +64,6 @@ def test_bad_affinity_is_refused(bad):
 
 def test_parse_cpu_list():
     assert parse_cpu_list("0-3,8,10-11\n") == [0, 1, 2, 3, 8, 10, 11]
-
-
-def test_tp_workers_share_their_rank_group():
-    assert worker_threads((4, 5, 6, 7), 2) == 2
-    assert worker_threads((4,), 2) == 1  # fewer cores than workers: one thread each
 
 
 def test_slots_hand_out_and_take_back():

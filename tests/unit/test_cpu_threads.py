@@ -17,6 +17,8 @@ def test_engine_beside_a_frontend_spins_briefly_then_sleeps():
 def test_several_ranks_share_the_cores():
     assert engine_process_env({}, cores=8, local_ranks=2)["OMP_NUM_THREADS"] == "4"
     assert threads_per_rank(2, 4) == 1  # never zero
+    # A pinned rank's TP workers: each runs its share of the rank's group of cores.
+    assert threads_per_rank(4, 2) == 2 and threads_per_rank(1, 2) == 1
 
 
 def test_an_operators_settings_win():

@@ -16,7 +16,11 @@ pinned 1,281 out tok/s at 747 ms a request, unpinned 1,149 at 830 ms.
 
 * ``auto``: pinned where the host runs several ranks and each of their workers (DP ranks
   x TP workers) gets at least a core: one group per local rank, ``len(cores) // ranks``
-  cores each, which the rank's TP workers share (``worker_threads``). Cores the split
+  cores each, which the rank's TP workers share: each worker's mask is the whole group and
+  its thread count its share of it. They meet at every layer's all-reduce, so a worker
+  whose core is taken a moment (by the rank's engine core or the frontend) must be free to
+  run on its peer's (measured on 2 cores, ``launch -tp 2``, aiperf, 16 streams, 2 rounds
+  each: a core per worker served 481 out tok/s, the shared mask 586). Cores the split
   leaves over are in no group: the frontend runs there. One rank alone (``launch`` with
   one rank, with or without TP, the offline engine) is never pinned: it shares every core
   with its frontend, which the kernel places best;
@@ -93,16 +97,6 @@ def core_groups(cores: Sequence[int], groups: int) -> list[tuple[int, ...]]:
     if size < 1:
         raise ValueError(f"{len(cores)} cores cannot make {groups} groups")
     return [tuple(cores[i * size : (i + 1) * size]) for i in range(groups)]
-
-
-def worker_threads(rank_cores: Sequence[int], tp_size: int) -> int:
-    """Threads of each of a rank's TP workers: its share of the rank's group (at least
-    one). The workers share the whole group's mask rather than each taking a slice of it:
-    they meet at every layer's all-reduce, so a worker whose core is taken a moment (by
-    the rank's engine core or the frontend) must be free to run on its peer's. Measured on
-    2 cores (``launch -tp 2``, aiperf, 16 streams, 2 rounds each): one core per worker
-    served 481 out tok/s, the shared mask 586."""
-    return max(1, len(rank_cores) // max(1, tp_size))
 
 
 class CoreSlots:

@@ -41,7 +41,7 @@ from torch.distributed import ReduceOp
 
 from tidal.config import EngineConfig, ParallelConfig
 from tidal.distributed.collectives import CollectiveControl
-from tidal.distributed.core_slots import pin_process, worker_threads
+from tidal.distributed.core_slots import pin_process
 from tidal.distributed.groups import LocalGroupFailure, StatelessGroup, create_store
 from tidal.distributed.tensor_parallel import TensorParallel
 from tidal.executor.batch import ModelRunnerOutput, SchedulerOutput
@@ -127,7 +127,7 @@ class Worker:
         p = self.config.parallel
         if p.cpu_cores:  # the launcher pinned this rank (core_slots.py); TP workers share it
             pin_process(p.cpu_cores)
-            torch.set_num_threads(worker_threads(p.cpu_cores, self.tp_size))
+            torch.set_num_threads(threads_per_rank(len(p.cpu_cores), self.tp_size))
         else:
             torch.set_num_threads(cpu_threads_for_rank(p.data_parallel_size_local * self.tp_size))
         return torch.device("cpu")
