@@ -64,6 +64,10 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from kmp_registrations import registrations, remove_dead  # noqa: E402 - a sibling module
+
 PEERS_SCRIPTS = HERE / "peers"
 MODELS = {"tiny": "tiny-qwen3-moe", "big": "big-qwen3-moe", "moe64": "moe64-qwen3-moe"}
 # The 64-expert top-8 checkpoint (issue #25): the recipe of make_models.py, another shape.
@@ -143,18 +147,12 @@ def _private_tmpdir(env: dict[str, str] | None) -> Iterator[dict[str, str]]:
     peer's leftovers go with it (vLLM leaves its ipc:// socket files in the temp
     directory, a few per run)."""
     tmp = tempfile.mkdtemp(prefix="cpu-speed-")
-    kmp_before = set(Path("/dev/shm").glob("__KMP_REGISTERED_LIB_*"))
+    kmp_before = registrations()
     try:
         yield {**(os.environ if env is None else env), "TMPDIR": tmp}
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-        # Intel OpenMP (vLLM preloads it) registers each process in /dev/shm as
-        # __KMP_REGISTERED_LIB_<pid>_<n> and a process that exits abruptly leaves it: the
-        # run removes those of its peers' processes that are gone.
-        for f in set(Path("/dev/shm").glob("__KMP_REGISTERED_LIB_*")) - kmp_before:
-            pid = f.name.removeprefix("__KMP_REGISTERED_LIB_").split("_")[0]
-            if pid.isdigit() and not Path(f"/proc/{pid}").exists():
-                f.unlink(missing_ok=True)
+        remove_dead(registrations() - kmp_before)  # the peer has exited: no wait
 
 
 def _run(cmd: list[str], env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
@@ -185,33 +183,9 @@ def run_e2e(
     ref = results / f"hf_{tag}.json"
     engines = ["transformers", *(["vllm"] if opts.vllm_python else []), *_tidal_names(opts)]
     rows: dict[str, list[dict[str, Any]]] = {e: [] for e in engines}
-    py = sys.executable
     for r in range(opts.rounds):
-        if r >= opts.peer_rounds:  # the peers' rounds are done: Tidal's paths only
-            _tidal_round(tag, model, opts, results, kernel_cache, r, ref, rows)
-            continue
-        log(f"{tag}: round {r + 1}/{opts.rounds}: transformers")
-        out = results / f"hf_{tag}_r{r}.json"
-        hf = _run_json(
-            [py, str(PEERS_SCRIPTS / "bench_hf.py"), "--model", str(model), "--skip", "bvar",
-             "--out", str(out)],
-            out,
-        )  # fmt: skip
-        if r == 0:  # this run's prompts and reference outputs (the checkpoint may be new)
-            ref.write_text(out.read_text())
-        rows["transformers"].append(
-            {"single": hf["a_single"]["tok_per_s"], "batch": hf["b_batch"]["out_tok_per_s"]}
-        )
-        if opts.vllm_python:
-            log(f"{tag}: round {r + 1}: vLLM-CPU")
-            out = results / f"vllm_{tag}_r{r}.json"
-            v = _run_json(
-                [opts.vllm_python, str(PEERS_SCRIPTS / "bench_vllm.py"), "--model", str(model),
-                 "--hf-ref", str(ref), "--out", str(out)],
-                out,
-                env=_vllm_env(opts.peers_dir),
-            )  # fmt: skip
-            rows["vllm"].append(_engine_row(v))
+        if r < opts.peer_rounds:  # --peer-rounds (at least round 0: the reference)
+            _peer_round(tag, model, opts, results, r, ref, rows)
         _tidal_round(tag, model, opts, results, kernel_cache, r, ref, rows)
     summary = {k: _median_rows(v) for k, v in rows.items() if v}
     default = summary.get("tidal_auto")
@@ -233,6 +207,42 @@ def run_e2e(
         "goals": _goals(tag, ratios),
         "choices": _choices(kernel_cache),
     }
+
+
+def _peer_round(
+    tag: str,
+    model: Path,
+    opts: argparse.Namespace,
+    results: Path,
+    r: int,
+    ref: Path,
+    rows: dict[str, list[dict[str, Any]]],
+) -> None:
+    """Round ``r`` of transformers and (``--vllm-python``) vLLM on ``model``, into ``rows``;
+    round 0 writes ``ref``, the prompts and outputs every engine is checked against."""
+    py = sys.executable
+    log(f"{tag}: round {r + 1}/{opts.rounds}: transformers")
+    out = results / f"hf_{tag}_r{r}.json"
+    hf = _run_json(
+        [py, str(PEERS_SCRIPTS / "bench_hf.py"), "--model", str(model), "--skip", "bvar",
+         "--out", str(out)],
+        out,
+    )  # fmt: skip
+    if r == 0:  # this run's prompts and reference outputs (the checkpoint may be new)
+        ref.write_text(out.read_text())
+    rows["transformers"].append(
+        {"single": hf["a_single"]["tok_per_s"], "batch": hf["b_batch"]["out_tok_per_s"]}
+    )
+    if opts.vllm_python:
+        log(f"{tag}: round {r + 1}: vLLM-CPU")
+        out = results / f"vllm_{tag}_r{r}.json"
+        v = _run_json(
+            [opts.vllm_python, str(PEERS_SCRIPTS / "bench_vllm.py"), "--model", str(model),
+             "--hf-ref", str(ref), "--out", str(out)],
+            out,
+            env=_vllm_env(opts.peers_dir),
+        )  # fmt: skip
+        rows["vllm"].append(_engine_row(v))
 
 
 def _tidal_round(

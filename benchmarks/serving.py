@@ -64,6 +64,9 @@ import httpx
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
+sys.path.insert(0, str(HERE))
+
+from kmp_registrations import registrations, remove_dead  # noqa: E402 - a sibling module
 
 
 @dataclass
@@ -257,7 +260,7 @@ def launched_server(
     """Run ``cmd`` + ``--host HOST --port P`` (P free) until the block ends; its output goes
     to stderr (stdout carries the JSON lines)."""
     port = _free_port(host)
-    shm_before = _omp_registrations()
+    shm_before = registrations()
     # A private TMPDIR, removed afterwards: vLLM's server puts its ipc:// sockets there
     # (/tmp/<uuid>) and a server stopped by a signal leaves them behind.
     tmp = tempfile.mkdtemp(prefix="serving-peer-")
@@ -274,25 +277,8 @@ def launched_server(
         yield url
     finally:
         _stop(proc)
-        _remove_dead_omp_registrations(_omp_registrations() - shm_before)
+        remove_dead(registrations() - shm_before, wait_s=10.0)  # the group was SIGKILLed
         shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _omp_registrations() -> set[Path]:
-    """Intel OpenMP's per-process files in /dev/shm (vLLM preloads that runtime)."""
-    return set(Path("/dev/shm").glob("__KMP_REGISTERED_LIB_*"))
-
-
-def _remove_dead_omp_registrations(new: set[Path]) -> None:
-    """Those of a stopped server's processes: a process killed at the end of the run never
-    removes its own (``__KMP_REGISTERED_LIB_<pid>_<n>``), so the run does."""
-    deadline = time.monotonic() + 10.0  # the group was SIGKILLed: its members die now
-    for path in sorted(new):
-        pid = path.name.split("_")[5] if path.name.count("_") >= 6 else ""
-        while pid.isdigit() and Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
-            time.sleep(0.1)
-        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
-            path.unlink(missing_ok=True)
 
 
 def tidal_command(model: str, launch_args: list[str], api_key: str | None) -> list[str]:
