@@ -17,9 +17,9 @@ Devices (CUDA): a rank of tensor-parallel size N takes N free device slots of th
 when it starts and gives them back when it stops or dies (``DeviceSlots``); a rank that
 cannot get them does not start (a scale-up then rolls back with that cause).
 
-Cores (CPU): where the host runs several workers, each rank takes a free group of cores
-(``CoreSlots``, ``--cpu-affinity``) its threads are pinned to, given back the same way; a
-rank that finds none free runs unpinned.
+Cores (CPU): where the host runs several ranks, each takes a free group of cores
+(``CoreSlots``, ``--cpu-affinity``) that its threads, TP workers included, are pinned to,
+given back the same way; a rank that finds none free runs unpinned.
 """
 
 from __future__ import annotations
