@@ -624,19 +624,19 @@ class EngineCoreProc:
             self._drain_deadline = time.monotonic() + self.drain_timeout_s
         if self._has_work() and time.monotonic() < self._drain_deadline:
             return False
-        if self._abort_silently:
-            ids = self.engine_core.scheduler.unfinished_request_ids()
-            if ids:
-                self.engine_core.abort_requests(ids)
-        else:
-            self._abort_all("engine shut down before the request finished")
+        self._abort_all(
+            "engine shut down before the request finished", report=not self._abort_silently
+        )
         return True
 
-    def _abort_all(self, reason: str) -> None:
+    def _abort_all(self, reason: str, *, report: bool = True) -> None:
+        """Abort every unfinished request; with ``report``, tell their clients (ABORT)."""
         ids = self.engine_core.scheduler.unfinished_request_ids()
         if not ids:
             return
         self.engine_core.abort_requests(ids)
+        if not report:
+            return
         outs = [
             EngineCoreOutput(r, [], finish_reason=FinishReason.ABORT, stop_reason=reason)
             for r in ids
