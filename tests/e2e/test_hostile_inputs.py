@@ -61,6 +61,9 @@ HOSTILE: list[tuple[str, Any, int, str | None, str]] = [
     (C, _nested(100_000), 400, None, "nested deeper"),
     (C, b'{"prompt": "caf\xe9"}', 400, None, "UTF-8"),
     (C, b'{"prompt": "a", "temperature": NaN}', 400, None, "NaN"),
+    (C, rb'{"prompt": "a\ud800b"}', 400, "prompt", "lone surrogate"),
+    (C, rb'{"model": "\udfff", "prompt": "a"}', 400, "model", "lone surrogate"),
+    (CH, rb'{"messages": [{"role": "user", "content": "\udc00"}]}', 400, "messages", "lone surrogate"),
     (CH, {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages", "role"),
     (CH, {"messages": CHAT, "chat_template": "{{ messages }}"}, 400, "chat_template", "--trust-request-chat-template"),
     # Out of range before the issue, still refused.

@@ -240,6 +240,12 @@ def _nested(depth: int) -> Any:
         (b'{"prompt": "\xff\xfe"}', "not valid UTF-8", None),
         (b'{"prompt": "a",', "malformed JSON", None),
         (b"1" * 5000, "malformed JSON", None),  # past Python's int-from-string digit limit
+        # Lone surrogates: valid JSON escapes, not text (nothing could tokenize or echo them).
+        (rb'{"prompt": "a\ud800b"}', "prompt: string holds a lone surrogate (U+D800 at index 1)", "prompt"),
+        (rb'{"messages": [{"role": "user", "content": "\udfff"}]}', "messages.0.content: string", "messages"),
+        (rb'{"logit_bias": {"\ud800": 1}}', "logit_bias.\\ud800: key holds a lone surrogate", "logit_bias"),
+        (rb'{"\udc00x": 1}', "\\udc00x: key holds", "\\udc00x"),
+        (rb'"\ud83d"', "body: string holds a lone surrogate (U+D83D", None),
     ],
 )  # fmt: skip
 def test_decode_json_body_refuses(body, fragment, param):
@@ -251,6 +257,8 @@ def test_decode_json_body_refuses(body, fragment, param):
 def test_decode_json_body_accepts_the_edges():
     ok = {"a": _nested(MAX_JSON_DEPTH - 1), "i": [INT64_MIN, INT64_MAX], "f": 1.5e308, "b": True}
     assert decode_json_body(json.dumps(ok).encode()) == ok
+    # A surrogate pair is one code point (an emoji), and non-ASCII text is text.
+    assert decode_json_body(rb'{"\ud83c\udf0a": "caf\u00e9 \ud83d\ude00"}') == {"🌊": "café 😀"}
 
 
 # ---- HTTP against a fake engine -------------------------------------------------------------

@@ -92,9 +92,11 @@ def decode_json_body(body: bytes, precheck: Precheck | None = None) -> Any:
     not JSON (NaN and Infinity included: not JSON, and not a number any field takes),
     refused by ``precheck`` (the route's cheap size limits, given the decoded JSON as it
     is; a ValueError it raises is a 400 naming its field), nested deeper than
-    ``MAX_JSON_DEPTH``, or a number no field can hold (an int outside int64, a float that
-    overflows to infinity). Checked for every field of every route at once, before any
-    field's own checks."""
+    ``MAX_JSON_DEPTH``, a number no field can hold (an int outside int64, a float that
+    overflows to infinity), or a string or key with a lone surrogate (``"\\ud800"``: JSON
+    lets it through, but it is not text: tokenizers refuse it and no response could
+    echo it). Checked for every field of every route at once, before any field's own
+    checks."""
     try:
         text = body.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -119,10 +121,10 @@ def _refuse_constant(name: str) -> Any:
 
 
 def _check_json_values(data: Any) -> None:
-    """Depth and numbers, iteratively (a recursive walk would itself hit the recursion
-    limit); the error names the path of the value, like pydantic's errors do."""
+    """Depth, numbers and strings, iteratively (a recursive walk would itself hit the
+    recursion limit); the error names the path of the value, like pydantic's errors do."""
     if not isinstance(data, (dict, list)):
-        _check_number(data, ())
+        _check_scalar(data, ())
         return
     stack: list[tuple[dict | list, tuple[str | int, ...]]] = [(data, ())]
     while stack:
@@ -130,13 +132,18 @@ def _check_json_values(data: Any) -> None:
         if len(path) >= MAX_JSON_DEPTH:
             raise APIError(400, _TOO_DEEP, param=_top(path))
         for key, v in node.items() if isinstance(node, dict) else enumerate(node):
+            if isinstance(key, str):
+                _check_text(key, (*path, key), "key")
             if isinstance(v, (dict, list)):
                 stack.append((v, (*path, key)))
             else:
-                _check_number(v, (*path, key))
+                _check_scalar(v, (*path, key))
 
 
-def _check_number(v: Any, path: tuple[str | int, ...]) -> None:
+def _check_scalar(v: Any, path: tuple[str | int, ...]) -> None:
+    if isinstance(v, str):
+        _check_text(v, path, "string")
+        return
     if isinstance(v, bool):
         return
     if isinstance(v, int) and not INT64_MIN <= v <= INT64_MAX:
@@ -145,12 +152,35 @@ def _check_number(v: Any, path: tuple[str | int, ...]) -> None:
         problem = "number is too large"
     else:
         return
-    where = ".".join(map(str, path)) or "body"
-    raise APIError(400, f"{where}: {problem}", param=_top(path))
+    raise APIError(400, f"{_where(path)}: {problem}", param=_top(path))
+
+
+def _check_text(s: str, path: tuple[str | int, ...], what: str) -> None:
+    if s.isascii():  # the common case, without a copy
+        return
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError as e:
+        code = ord(s[e.start])
+        raise APIError(
+            400,
+            f"{_where(path)}: {what} holds a lone surrogate (U+{code:04X} at index {e.start}), "
+            "which is not valid Unicode text",
+            param=_top(path),
+        ) from None
+
+
+def _printable(key: str | int) -> str:
+    # A key may itself be the bad text: escape it, or the error could not be sent either.
+    return str(key).encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def _where(path: tuple[str | int, ...]) -> str:
+    return ".".join(map(_printable, path)) or "body"
 
 
 def _top(path: tuple[str | int, ...]) -> str | None:
-    return path[0] if path and isinstance(path[0], str) else None
+    return _printable(path[0]) if path and isinstance(path[0], str) else None
 
 
 def parse_request(body: bytes, model: type[BaseModel], precheck: Precheck | None = None) -> Any:
