@@ -24,6 +24,7 @@ import httpx
 import pytest
 from fastapi import APIRouter, Request
 
+from tests.waiting import wait_until_async
 from tidal.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from tidal.dp_coordinator.state import CoordinatorState
 from tidal.frontend.async_llm import AsyncLLM
@@ -104,6 +105,7 @@ class FakeAsyncLLM:
         self.die_after: int | None = None  # tokens, then raise EngineDeadError
         self.fail_after: int | None = None  # tokens, then raise self.failure
         self.failure: BaseException = RequestFailedError("?", "the engine failed it")
+        self.fail_suffix: str | None = None  # requests whose id ends so fail at once
         self.shutdown_called = False
         self.scale_listeners: list[Any] = []
         self.history: list[dict] = []  # elastic EP operation records, oldest first
@@ -174,6 +176,8 @@ class FakeAsyncLLM:
     async def _outputs(self, prompt, params, request_id, kind):
         children = [_Child(i) for i in range(params.n)]
         for k in range(params.max_tokens):
+            if self.fail_suffix is not None and request_id.endswith(self.fail_suffix):
+                raise self.failure
             if k == self.hang_after:
                 await asyncio.Event().wait()
             if k == self.die_after:
@@ -720,6 +724,22 @@ async def test_engine_request_error_is_an_http_error(invalid, status, kind, para
             finishes = [ch["finish_reason"] for e in events[:-1] for ch in e["choices"]]
             assert finishes and set(finishes) == {None}, path  # never a finish_reason "error"
         engine.fail_after = None
+        await ok_completion(c)
+
+
+@run
+async def test_a_failed_prompt_of_a_batch_aborts_the_others():
+    """A non-streamed batch whose one prompt fails answers the error, and the engine
+    requests of its other prompts are aborted, not left generating for nobody."""
+    engine = FakeAsyncLLM()
+    engine.hang_after, engine.fail_suffix = 1, "-1"
+    async with client_for(engine) as c:
+        r = await c.post("/v1/completions", json={"prompt": ["a", "b", "c"], "max_tokens": 4})
+        assert_error(r, 500, None)
+        rid = engine.calls[0]["request_id"].rsplit("-", 1)[0]
+        siblings = {f"{rid}-0", f"{rid}-2"}
+        assert await wait_until_async(lambda: siblings <= set(engine.aborted), timeout_s=30)
+        engine.hang_after = engine.fail_suffix = None
         await ok_completion(c)
 
 

@@ -169,7 +169,15 @@ class OpenAIServing:
         return final
 
     async def _collect(self, jobs: list[_Job]) -> list[_Final]:
-        return list(await asyncio.gather(*(self._final(j) for j in jobs)))
+        tasks = [asyncio.ensure_future(self._final(j)) for j in jobs]
+        try:
+            return list(await asyncio.gather(*tasks))
+        finally:
+            # Where one job failed, gather raised and left the others running: cancel them
+            # (each closes its generate(), aborting its engine request), or they would
+            # generate to max_tokens for nobody. No-op for the finished ones.
+            for t in tasks:
+                t.cancel()
 
     async def _merged(self, jobs: list[_Job]) -> AsyncIterator[tuple[int, RequestOutput]]:
         """DELTA outputs of all jobs as they come, as (job index, output).
