@@ -106,10 +106,19 @@ def test_parallel_hash_ignores_rank_fields(qwen3_ckpt):
 
 
 def test_kv_cache_too_small_is_clear(qwen3_ckpt):
-    from tidal import LLM
+    from tidal import LLM, SamplingParams
 
     with pytest.raises(ValueError, match="max_model_len"):
         LLM(qwen3_ckpt, multiprocess=False, num_gpu_blocks_override=4, block_size=4)
+    # 4 x 4 = max_model_len tokens, but block 0 is never handed out: refused at start, not
+    # request by request later. One block more serves a full-length request.
+    kw = {"multiprocess": False, "block_size": 4, "max_model_len": 16}
+    with pytest.raises(ValueError, match="one block reserved"):
+        LLM(qwen3_ckpt, num_gpu_blocks_override=4, **kw)
+    with LLM(qwen3_ckpt, num_gpu_blocks_override=5, **kw) as llm:
+        params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+        (out,) = llm.generate([{"prompt_token_ids": [5, 6, 7, 8]}], params, use_tqdm=False)
+        assert len(out.outputs[0].token_ids) == 12
 
 
 def test_cli_error_names_the_flag(qwen3_ckpt):

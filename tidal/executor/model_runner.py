@@ -188,11 +188,16 @@ class ModelRunner:
                 cache.kv_cache_memory_bytes // self.kv_bytes_per_block(),
                 sched.max_num_seqs * per_seq + 1,
             )
-        if num_blocks * self.block_size < sched.max_model_len:
+        # What the scheduler admits against (Scheduler._validate): the blocks it hands out
+        # (all but the null block 0) must hold the KV of a full-length sequence, which is
+        # every token but the last. Else the engine would refuse the long requests that
+        # the frontend, checking max_model_len, lets through.
+        usable, need = num_blocks - 1, sched.max_model_len - 1
+        if usable * self.block_size < need:
             raise ValueError(
-                f"KV cache of {num_blocks} blocks x {self.block_size} tokens cannot hold one "
-                f"sequence of max_model_len={sched.max_model_len}; lower max_model_len or raise "
-                "kv_cache_memory_bytes / num_gpu_blocks_override"
+                f"KV cache of {num_blocks} blocks x {self.block_size} tokens (one block "
+                f"reserved) cannot hold one sequence of max_model_len={sched.max_model_len}; "
+                "lower max_model_len or raise kv_cache_memory_bytes / num_gpu_blocks_override"
             )
         return num_blocks
 
