@@ -35,6 +35,42 @@ def test_incremental_equals_full_decode(tokenizer):
     assert all("\ufffd" not in p for p in pieces)
 
 
+class CountingTokenizer:
+    """The test tokenizer, counting the token ids it is asked to decode."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer, self.decoded = tokenizer, 0
+
+    def decode(self, ids, **kw):
+        self.decoded += len(ids)
+        return self.tokenizer.decode(ids, **kw)
+
+
+def _stream(detok, ids) -> list[str]:
+    pieces = []
+    for t in ids:
+        before = len(detok.output_text)
+        assert detok.update([t]) is None
+        pieces.append(detok.output_text[before:])
+    return pieces
+
+
+def test_tokens_without_text_keep_decoding_linear(tokenizer):
+    """A model that emits hundreds of skipped special tokens (EOS under ignore_eos), or
+    bytes that never complete a character: the text is a full decode's, and each step
+    decodes a bounded window, not everything since the last visible character."""
+    invalid = next(i for i in range(512) if tokenizer.decode([i]) == "\ufffd")
+    eos = tokenizer.eos_token_id
+    assert tokenizer.decode([eos], skip_special_tokens=True) == ""
+    for filler in (eos, invalid):
+        ids = tokenizer.encode("The tide") + [filler] * 300 + tokenizer.encode(" goes out")
+        counting = CountingTokenizer(tokenizer)
+        detok = IncrementalDetokenizer(counting, tokenizer.encode("Say:"))
+        pieces = _stream(detok, ids)
+        assert "".join(pieces) == tokenizer.decode(ids, skip_special_tokens=True)
+        assert counting.decoded <= 40 * len(ids), (filler, counting.decoded)
+
+
 def test_stop_string_truncates(tokenizer):
     ids = tokenizer.encode(TEXT)
     detok = IncrementalDetokenizer(tokenizer, [], stop=["goes"])

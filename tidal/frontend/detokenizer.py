@@ -12,6 +12,10 @@ from typing import Any
 
 # Prompt tokens kept as left context so the first output token decodes with its spacing.
 _CONTEXT_TOKENS = 5
+# A character is at most 4 UTF-8 bytes, so at most 4 byte tokens: tokens still decoding to
+# an incomplete character after this many are invalid bytes for good, and are emitted as
+# U+FFFD (as a full decode shows them) rather than kept in an ever longer window.
+_MAX_PENDING = 8
 
 
 class IncrementalDetokenizer:
@@ -52,15 +56,24 @@ class IncrementalDetokenizer:
         return max(0, self._max_stop_len - 1)
 
     def _decode_step(self) -> str:
+        """The text the pending tokens (``ids[read_offset:]``) add. The window decoded
+        each step stays a few tokens long whatever the model emits: tokens that add no
+        text leave it, and invalid bytes are emitted after ``_MAX_PENDING`` tokens. (A
+        window that grew with each such token would make a long request decode
+        quadratically many tokens on the event loop, stalling every stream.)"""
         decode = self.tokenizer.decode
         skip = self.skip_special_tokens
         prefix = decode(self.ids[self.prefix_offset : self.read_offset], skip_special_tokens=skip)
         full = decode(self.ids[self.prefix_offset :], skip_special_tokens=skip)
-        if len(full) > len(prefix) and not full.endswith("\ufffd"):
-            self.prefix_offset = self.read_offset
-            self.read_offset = len(self.ids)
-            return full[len(prefix) :]
-        return ""
+        if full == prefix:  # no text (a skipped special token): the window need not keep it
+            del self.ids[self.read_offset :]
+            return ""
+        complete = len(full) > len(prefix) and not full.endswith("\ufffd")
+        if not complete and len(self.ids) - self.read_offset <= _MAX_PENDING:
+            return ""  # a character split over tokens: wait for its last byte
+        self.prefix_offset = self.read_offset
+        self.read_offset = len(self.ids)
+        return full[len(prefix) :]
 
     def _match_stop(self, delta_start: int) -> str | None:
         if not self.stop:
