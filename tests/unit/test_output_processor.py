@@ -188,3 +188,33 @@ def test_failed_child_fails_the_request_and_aborts_its_siblings(tokenizer, inval
     assert [ro.request_id for ro in r.request_outputs] == ["q"]  # "p" yields nothing more
     assert op.parent_of("0_p") is None and op.num_unfinished() == 1
     assert op.process_outputs([_out("0_p", [9], FinishReason.LENGTH)]).request_outputs == []
+
+
+class RaisingTokenizer:
+    """The test tokenizer, except that decoding token ``bad`` raises."""
+
+    def __init__(self, tokenizer, bad: int) -> None:
+        self.tokenizer, self.bad = tokenizer, bad
+
+    def decode(self, ids, **kw):
+        if self.bad in ids:
+            raise RuntimeError(f"cannot decode {self.bad}")
+        return self.tokenizer.decode(ids, **kw)
+
+
+def test_an_output_that_cannot_be_processed_fails_its_request_alone(tokenizer):
+    """The tokenizer raising on one request's token fails that request (its running
+    children aborted in the engine); the other requests of the same batch of outputs
+    are served as if nothing happened."""
+    op = OutputProcessor(RaisingTokenizer(tokenizer, bad=9))
+    op.add_request("p", None, [1], SamplingParams(n=2, max_tokens=4), OutputKind.DELTA)
+    op.add_request("q", None, [1], SamplingParams(max_tokens=2), OutputKind.DELTA)
+    hello = tokenizer.encode("hello")[0]
+    r = op.process_outputs([_out("0_p", [9]), _out("q", [hello]), _out("1_p", [5])])
+    (err,) = r.failed
+    assert err.request_id == "p" and not err.invalid and "cannot decode 9" in err.message
+    assert r.reqs_to_abort == ["1_p"]  # the sibling, still running in the engine
+    assert [ro.request_id for ro in r.request_outputs] == ["q"]
+    r = op.process_outputs([_out("q", [hello], FinishReason.LENGTH)])
+    (ro,) = r.request_outputs
+    assert ro.finished and not r.failed and op.num_unfinished() == 0

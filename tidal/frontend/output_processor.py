@@ -3,11 +3,14 @@
 Shared by the offline ``LLM`` and the server's ``AsyncLLM``. A request with ``n > 1`` is
 fanned out into ``n`` child engine requests (``"{i}_{request_id}"``); their outputs are
 merged back under the parent id here. A child the engine failed (``FinishReason.ERROR``)
-fails its whole request: it becomes a ``RequestFailedError`` instead of an output.
+fails its whole request: it becomes a ``RequestFailedError`` instead of an output. So
+does an output this side cannot process (the tokenizer raising on a token): that request
+fails alone, and the others in the same batch of outputs go on.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,6 +25,8 @@ from tidal.frontend.outputs import (
 from tidal.protocol.errors import RequestFailedError
 from tidal.protocol.messages import EngineCoreOutput, FinishReason, Logprobs
 from tidal.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
 
 
 def child_request_id(parent_id: str, index: int, n: int) -> str:
@@ -141,15 +146,22 @@ class OutputProcessor:
                 continue
             if out.finish_reason is FinishReason.ERROR:
                 message = str(out.stop_reason or "the engine failed the request")
-                failed.append(RequestFailedError(pid, message, invalid=out.invalid_request))
-                child.finish_reason = "error"
-                to_abort += [c for c, ch in parent.children.items() if ch.finish_reason is None]
-                self.abort(pid)
-                touched.pop(pid, None)
-                continue
-            if self._apply(parent, child, out):
-                to_abort.append(out.request_id)
-            touched[pid] = parent
+                error = RequestFailedError(pid, message, invalid=out.invalid_request)
+            else:
+                try:
+                    if self._apply(parent, child, out):
+                        to_abort.append(out.request_id)
+                    touched[pid] = parent
+                    continue
+                except Exception as e:  # noqa: BLE001 - fails this request, not the frontend
+                    logger.exception("request %s: processing its output failed", pid)
+                    message = f"the server failed to process this request's output: {e!r}"
+                    error = RequestFailedError(pid, message)
+            failed.append(error)
+            child.finish_reason = "error"
+            to_abort += [c for c, ch in parent.children.items() if ch.finish_reason is None]
+            self.abort(pid)
+            touched.pop(pid, None)
         results = []
         for pid, parent in touched.items():
             ro = self._make_output(parent)
