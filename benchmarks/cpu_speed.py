@@ -39,11 +39,16 @@ Printed as one JSON document:
 - ``gemm``: GFLOP/s of [M, 1024] x [1024, 1024] through MKL, oneDNN prepacked and the C++
   linear with each hint;
 - ``roofline``: bytes a batch-32 decode step of the big model reads, the tok/s the
-  bandwidth allows, and the default's batch tok/s as a fraction of it;
+  bandwidth allows, and the default's batch tok/s as a fraction of it; the measured decode
+  step against the bandwidth floor, and the batch's prefill in GFLOP/s (against the best
+  ``gemm`` rate where that ran): the two phases of the batch run, each near its own limit;
 - ``memory``: per model, the default engine in a fresh process (in-process ``LLM``): VmRSS
-  after serving and the peak (``ru_maxrss``) against checkpoint bytes + KV cache;
+  after serving and the peak (``ru_maxrss``) against checkpoint bytes + KV cache; the
+  same for a rank's own process, with its private bytes (USS) and what it holds above the
+  runtime floor (a process that has only imported the engine);
 - ``step_overhead``: Tidal in-process on the big model, batch 32 decode: per step,
-  ``execute_model`` and the rest; the forward's parts.
+  ``execute_model`` and the rest; the forward's parts; the median decode step, and the
+  batch run's prefill (32 x 32 tokens) timed alone.
 """
 
 from __future__ import annotations
@@ -564,7 +569,24 @@ def kernel_bandwidth(opts: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-def roofline(model: Path, opts: argparse.Namespace, tidal_batch: float | None) -> dict[str, Any]:
+def layer_flops_per_token(c: dict[str, Any], context: int) -> float:
+    """FLOPs (2 x multiply-adds) of one token through the decoder layers: projections,
+    router, top-k experts, and attention over ``context`` earlier tokens (no lm_head: a
+    prefill computes logits for each prompt's last token only)."""
+    h, layers = c["hidden_size"], c["num_hidden_layers"]
+    heads, kv, hd = c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]
+    proj = h * (heads + 2 * kv) * hd + heads * hd * h
+    experts = c["num_experts_per_tok"] * 3 * h * c["moe_intermediate_size"]
+    attend = 2 * heads * hd * context
+    return 2.0 * layers * (proj + c["num_local_experts"] * h + experts + attend)
+
+
+def roofline(
+    model: Path, opts: argparse.Namespace, tidal_batch: float | None, steps: dict[str, Any]
+) -> dict[str, Any]:
+    """The batch run's two phases against this machine's limits: a decode step streams every
+    weight once (bandwidth-bound at 32 rows), the 32 x 32-token prefill is compute-bound
+    (its GFLOP/s against the best GEMM rate of ``gemm``, where that section ran)."""
     import torch
 
     torch.set_num_threads(opts.threads)
@@ -578,13 +600,28 @@ def roofline(model: Path, opts: argparse.Namespace, tidal_batch: float | None) -
     attention = h * (heads + 2 * kv) * hd + heads * hd * h + c["num_local_experts"] * h
     step_bytes = 4 * (layers * (experts + attention) + c["vocab_size"] * h)
     roof = 32 * bandwidth / step_bytes  # tok/s of a batch-32 decode step at full bandwidth
-    return {
+    out = {
         "read_bandwidth_gb_s": _r(bandwidth / 1e9, 1),
         "batch32_step_bytes": step_bytes,
         "roofline_tok_s": _r(roof, 1),
         "tidal_batch_tok_s": tidal_batch,
         "tidal_fraction_of_roofline": _r(tidal_batch / roof) if tidal_batch else None,
     }
+    if steps.get("decode_step_ms"):
+        floor_ms = step_bytes / bandwidth * 1e3
+        out["decode_step_floor_ms"] = _r(floor_ms)
+        out["decode_step_ms"] = steps["decode_step_ms"]
+        out["decode_fraction_of_roofline"] = _r(floor_ms / steps["decode_step_ms"])
+    if steps.get("prefill_s"):
+        tokens, prompt_len = steps["prefill_tokens"], steps["prefill_prompt_len"]
+        flops = tokens * layer_flops_per_token(c, prompt_len // 2)  # causal: half on average
+        flops += tokens // prompt_len * 2.0 * c["vocab_size"] * h  # one row of logits a prompt
+        out["prefill_gflop_s"] = _r(flops / steps["prefill_s"] / 1e9, 1)
+        if steps.get("best_gemm_gflop_s"):
+            out["prefill_fraction_of_best_gemm"] = _r(
+                flops / steps["prefill_s"] / 1e9 / steps["best_gemm_gflop_s"]
+            )
+    return out
 
 
 def step_overhead(model: Path, opts: argparse.Namespace, kernel_cache: Path) -> dict[str, Any]:
@@ -621,6 +658,7 @@ def step_overhead(model: Path, opts: argparse.Namespace, kernel_cache: Path) -> 
     try:
         engine = llm.client.engine
         timing = {"forward": 0.0, "steps": 0}
+        step_ms: list[tuple[int, float]] = []  # (tokens scheduled, ms) per execute_model
         run = engine.executor.execute_model
 
         def timed(sched: Any) -> Any:
@@ -628,8 +666,10 @@ def step_overhead(model: Path, opts: argparse.Namespace, kernel_cache: Path) -> 
             try:
                 return run(sched)
             finally:
-                timing["forward"] += time.perf_counter() - t
+                dt = time.perf_counter() - t
+                timing["forward"] += dt
                 timing["steps"] += 1
+                step_ms.append((sched.total_num_scheduled_tokens, dt * 1e3))
 
         engine.executor.execute_model = timed
         prompts = [{"prompt_token_ids": [5 + i, 6, 7, 8]} for i in range(32)]
@@ -637,26 +677,56 @@ def step_overhead(model: Path, opts: argparse.Namespace, kernel_cache: Path) -> 
         llm.generate(prompts, params, use_tqdm=False)  # warm-up
         timing.update(forward=0.0, steps=0)
         parts.update(dict.fromkeys(parts, 0.0))
+        step_ms.clear()
         t = time.perf_counter()
         llm.generate(prompts, params, use_tqdm=False)
         wall = time.perf_counter() - t
+        decode = [ms for tokens, ms in step_ms if tokens == len(prompts)]
+        steps = timing["steps"]  # the counts above, before the prefill runs below add to them
+        forward_s = timing["forward"]
+        per_step = {k: _r(v / steps * 1e3) for k, v in parts.items()}
+        prefill = _prefill_s(
+            llm, vocab=json.loads((model / "config.json").read_text())["vocab_size"]
+        )
     finally:
         for h in hooks:
             h.remove()
         llm.shutdown()
-    steps = timing["steps"]
-    per_step = {k: _r(v / steps * 1e3) for k, v in parts.items()}
     return {
         "steps": steps,
         "step_ms": _r(wall / steps * 1e3),
-        "execute_model_ms": _r(timing["forward"] / steps * 1e3),
-        "overhead_ms": _r((wall - timing["forward"]) / steps * 1e3),
-        "overhead_fraction": _r((wall - timing["forward"]) / wall),
+        "execute_model_ms": _r(forward_s / steps * 1e3),
+        "overhead_ms": _r((wall - forward_s) / steps * 1e3),
+        "overhead_fraction": _r((wall - forward_s) / wall),
         # Inside execute_model: the model's forward and its parts (attention includes the
         # q/k/v and o projections); the rest of execute_model is input preparation, the
         # lm_head and sampling.
         "forward_ms": per_step.pop("model"),
         "forward_parts_ms": per_step,
+        "decode_step_ms": _r(statistics.median(decode)) if decode else None,
+        **prefill,
+    }
+
+
+def _prefill_s(llm: Any, vocab: int, batch: int = 32, prompt_len: int = 32) -> dict[str, Any]:
+    """The batch run's prefill alone (``bench_hf.py``'s shape: 32 random 32-token prompts,
+    one output token): the median of 3, new prompts each time so no prefix is cached."""
+    import torch
+
+    from tidal import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    gen = torch.Generator().manual_seed(2)
+    times = []
+    for _ in range(3):
+        ids = torch.randint(3, vocab, (batch, prompt_len), generator=gen).tolist()
+        t = time.perf_counter()
+        llm.generate([{"prompt_token_ids": p} for p in ids], params, use_tqdm=False)
+        times.append(time.perf_counter() - t)
+    return {
+        "prefill_tokens": batch * prompt_len,
+        "prefill_prompt_len": prompt_len,
+        "prefill_s": _r(statistics.median(times)),
     }
 
 
@@ -717,8 +787,11 @@ def memory_probe(model: str, kernel_cache: str) -> None:
             if "tidal.engine_core.entry" in " ".join(c.cmdline())
         ]  # fmt: skip
         rank = _proc_status(engines[0].pid) if len(engines) == 1 else None
+        if rank is not None:  # private to the rank: what its exit would give back
+            rank["uss"] = engines[0].memory_full_info().uss
     finally:
         llm.shutdown()
+    floor = _runtime_floor()
     ckpt = sum(f.stat().st_size for f in Path(model).glob("*.safetensors"))
     # VmHWM: the process's own peak (ru_maxrss keeps the parent's from before the exec).
     out = {
@@ -736,10 +809,27 @@ def memory_probe(model: str, kernel_cache: str) -> None:
         out["rank_process"] = {
             "rss_serving": rank["VmRSS"],
             "peak_rss": rank["VmHWM"],
+            "uss_serving": rank["uss"],
             "rss_over_ckpt_plus_kv": _r(rank["VmRSS"] / (ckpt + kv)),
             "peak_over_ckpt_plus_kv": _r(rank["VmHWM"] / (ckpt + kv)),
+            "uss_over_ckpt_plus_kv": _r(rank["uss"] / (ckpt + kv)),
+            # What the rank holds beyond a process that has only imported the engine.
+            "above_runtime_over_ckpt_plus_kv": _r((rank["VmRSS"] - floor["rss"]) / (ckpt + kv)),
         }
+        out["runtime_floor"] = floor
     print(json.dumps(out))
+
+
+def _runtime_floor() -> dict[str, int]:
+    """Resident and private bytes of a process that has imported what a rank imports
+    (torch, the engine) and loaded nothing: the fixed cost below any checkpoint."""
+    code = (
+        "import json, psutil, tidal.engine_core.entry\n"
+        "m = psutil.Process().memory_full_info()\n"
+        "print(json.dumps({'rss': m.rss, 'uss': m.uss}))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 # ------------------------------------------------------------------ main
@@ -837,8 +927,11 @@ def main(argv: list[str] | None = None) -> None:
             doc["moe_block"] = {tag: moe_block(paths[tag], opts, results) for tag in tags}
             doc["gemm"] = gemm(opts)
         big = doc["e2e"].get("big", {}).get("engines", {}).get("tidal_auto", {}).get("batch")
-        doc["roofline"] = roofline(paths["big"], opts, big)
         doc["step_overhead"] = step_overhead(paths["big"], opts, kernel_cache / "big")
+        steps = dict(doc["step_overhead"])
+        if "gemm" in doc:  # the best rate any path reached at 256 rows
+            steps["best_gemm_gflop_s"] = max(doc["gemm"][256].values())
+        doc["roofline"] = roofline(paths["big"], opts, big, steps)
     finally:
         shutil.rmtree(kernel_cache, ignore_errors=True)
     doc["machine"]["load_avg_end"] = os.getloadavg()

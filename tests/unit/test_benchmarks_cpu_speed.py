@@ -69,3 +69,30 @@ def test_peer_runs_in_a_private_temp_dir_removed_after(bench, tmp_path):
     got = bench._run_json([sys.executable, "-c", script, str(out)], out)
     tmp = pathlib.Path(got["tmp"])
     assert tmp.name.startswith("cpu-speed-") and not tmp.exists()
+
+
+def test_layer_flops_match_transformers_flop_count(bench):
+    """The roofline's FLOPs per token equal what torch's FlopCounterMode counts in
+    transformers' own Qwen3-MoE (eager attention and experts: every product is an mm or
+    bmm it counts), the lm_head on every position added, context = the whole sequence."""
+    import json
+
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    cfg = Qwen3MoeConfig(
+        vocab_size=256, hidden_size=64, moe_intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8,
+        num_experts_per_tok=2, max_position_embeddings=128,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = Qwen3MoeForCausalLM._from_config(
+        cfg, attn_implementation="eager", experts_implementation="eager"
+    ).eval()
+    tokens = 12
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        model(torch.randint(0, 256, (1, tokens)))
+    c = json.loads(cfg.to_json_string())  # the checkpoint's config.json keys
+    lm_head = 2 * c["vocab_size"] * c["hidden_size"]
+    assert counter.get_total_flops() == tokens * (bench.layer_flops_per_token(c, tokens) + lm_head)
