@@ -596,6 +596,29 @@ def test_llm_refuses_table_and_chat_errors_then_serves(offline):
     assert [len(c.token_ids) for c in out.outputs] == [3, 3]
 
 
+def test_llm_interrupted_between_two_children_leaves_nothing(offline, monkeypatch):
+    """Ctrl-C while ``generate`` sends an n=2 request's children (after the first): the
+    request is aborted, the engine holds nothing, and the next ``generate`` serves."""
+    add_request = offline.client.add_request
+    sent: list[str] = []
+
+    def interrupted(req: Any) -> None:
+        if req.request_id.startswith("1_"):
+            raise KeyboardInterrupt
+        sent.append(req.request_id)
+        add_request(req)
+
+    monkeypatch.setattr(offline.client, "add_request", interrupted)
+    params = SamplingParams(temperature=0.0, max_tokens=3, n=2)
+    with pytest.raises(KeyboardInterrupt):
+        offline.generate(["The tide", "comes in"], params, use_tqdm=False)
+    monkeypatch.undo()
+    assert len(sent) == 1 and offline.output_processor.num_unfinished() == 0
+    assert not offline.client.engine.has_unfinished_requests()
+    (out,) = offline.generate("The tide", params, use_tqdm=False)
+    assert [len(c.token_ids) for c in out.outputs] == [3, 3]
+
+
 def test_llm_raises_when_the_engine_fails_a_request(offline, monkeypatch):
     """An engine error output (here: child 1 of an n=2 request, failed while running)
     raises RequestFailedError with the engine's message; the sibling is aborted and the
