@@ -89,6 +89,20 @@ def test_stop_string_included_when_asked(tokenizer):
     assert detok.output_text == TEXT[: TEXT.index("goes") + len("goes")]
 
 
+def test_stop_strings_wait_for_min_tokens(tokenizer):
+    """As EOS and stop token ids: a stop string ends nothing before min_tokens, and one
+    that appeared before then is not matched afterwards (vLLM's rule)."""
+    ids = tokenizer.encode(TEXT)
+    first = len(tokenizer.encode("The tide comes"))  # the first "tide" is inside these
+    op = OutputProcessor(tokenizer)
+    for rid, min_tokens, want in [("a", 0, "The "), ("b", first, "The tide comes in, the ")]:
+        params = SamplingParams(max_tokens=len(ids), min_tokens=min_tokens, stop=["tide"])
+        op.add_request(rid, None, [1], params)
+        r = op.process_outputs([_out(rid, ids)])
+        (ro,) = r.request_outputs
+        assert ro.outputs[0].text == want and ro.outputs[0].stop_reason == "tide"
+
+
 def _out(rid, ids, finish=None, lps=None):
     return EngineCoreOutput(rid, ids, new_logprobs=lps, finish_reason=finish)
 
@@ -218,3 +232,17 @@ def test_an_output_that_cannot_be_processed_fails_its_request_alone(tokenizer):
     r = op.process_outputs([_out("q", [hello], FinishReason.LENGTH)])
     (ro,) = r.request_outputs
     assert ro.finished and not r.failed and op.num_unfinished() == 0
+
+
+def test_request_ids_whose_engine_ids_collide_are_refused(tokenizer):
+    """Child ids are "{i}_{parent}" (the parent's own id at n=1): a request whose engine
+    ids are another's would have its outputs crossed with it, so it is refused and
+    nothing of it is registered."""
+    op = OutputProcessor(tokenizer)
+    assert op.add_request("x", None, [1], SamplingParams(n=2)) == ["0_x", "1_x"]
+    with pytest.raises(ValueError, match="'1_x' is in use by request 'x'"):
+        op.add_request("1_x", None, [1], SamplingParams())
+    assert op.add_request("0_w", None, [1], SamplingParams()) == ["0_w"]
+    with pytest.raises(ValueError, match="'0_w' is in use by request '0_w'"):
+        op.add_request("w", None, [1], SamplingParams(n=2))
+    assert op.num_unfinished() == 2 and op.parent_of("1_w") is None

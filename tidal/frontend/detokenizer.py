@@ -26,6 +26,7 @@ class IncrementalDetokenizer:
         skip_special_tokens: bool = True,
         stop: list[str] | None = None,
         include_stop_str_in_output: bool = False,
+        min_tokens: int = 0,
     ) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
@@ -37,14 +38,21 @@ class IncrementalDetokenizer:
         self.stop = stop or []
         self.include_stop = include_stop_str_in_output
         self._max_stop_len = max((len(s) for s in self.stop), default=0)
+        # Stop strings end nothing before min_tokens (as EOS and stop ids do not, in the
+        # sampler): a stop string in the text before then is not matched later either.
+        self.min_tokens = min_tokens
+        self.num_output_tokens = 0
 
     def update(self, new_token_ids: list[int]) -> str | None:
         """Append tokens to ``output_text``; return the stop string that matched, if any.
         On a match the text is truncated there and no further updates may be made."""
         for tok in new_token_ids:
             self.ids.append(tok)
+            self.num_output_tokens += 1
             start = len(self.output_text)
             self.output_text += self._decode_step()
+            if self.num_output_tokens < self.min_tokens:
+                continue
             matched = self._match_stop(start)
             if matched is not None:
                 return matched

@@ -92,6 +92,13 @@ class OutputProcessor:
         """Register a request; returns the child engine request ids to submit."""
         if request_id in self._parents:
             raise ValueError(f"request id {request_id!r} is already in use")
+        ids = [child_request_id(request_id, i, params.n) for i in range(params.n)]
+        taken = next((c for c in ids if c in self._child_to_parent), None)
+        if taken is not None:  # e.g. "0_x" beside "x" with n > 1: outputs would cross
+            raise ValueError(
+                f"request id {request_id!r}: its engine request id {taken!r} is in use "
+                f"by request {self._child_to_parent[taken]!r}"
+            )
         children = {}
         for i in range(params.n):
             cid = child_request_id(request_id, i, params.n)
@@ -101,6 +108,7 @@ class OutputProcessor:
                 params.skip_special_tokens,
                 params.stop,
                 params.include_stop_str_in_output,
+                params.min_tokens,
             )
             child = _Child(index=i, detok=detok)
             if params.logprobs is not None:
