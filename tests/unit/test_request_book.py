@@ -333,6 +333,28 @@ def test_an_unreachable_engine_is_skipped_never_raised_to_the_caller():
     asyncio.run(main())
 
 
+def test_an_abort_to_an_engine_gone_unseen_is_dropped_and_the_rest_go_out():
+    """An abort for requests of an engine whose route has just vanished (the frontend
+    processes its last outputs before its death is seen) raises nothing (the output
+    handler would fail every stream), and the aborts for the other engines go out."""
+    async def main() -> None:
+        c = fake_client(Topology.initial(2))
+        for i in range(4):
+            c.add_request(req(f"r{i}"))
+        owners = {r.request_id: e for e, r in adds(c.input_socket)}
+        assert set(owners.values()) == {0, 1}
+        c.input_socket.unreachable = {0}
+        c.input_socket.sent.clear()
+        c.abort_requests(list(owners))
+        (frames,) = c.input_socket.sent
+        assert engine_id_of(frames[0]) == 1 and frames[1] == EngineCoreRequestType.ABORT.value
+        sent = msgspec.msgpack.decode(frames[2])
+        assert sorted(sent) == sorted(r for r, e in owners.items() if e == 1)
+        assert not any(r in c._book for r in owners)  # none is migrated later
+
+    asyncio.run(main())
+
+
 def test_send_scale_does_not_wait_for_an_engine_known_gone():
     """A rollback's ABORT to an engine declared dead must not hold the scale driver (and
     the recovery behind it) for the retry time."""

@@ -361,10 +361,21 @@ class MPClient(EngineCoreClient):
                 for rid in request_ids:
                     self._book.finish(rid)
         if self.dp is None:
-            self._send(self.engine_ids[0], EngineCoreRequestType.ABORT, request_ids)
+            self._send_abort(self.engine_ids[0], request_ids)
             return
         for rank, ids in self.dp.on_abort(request_ids).items():
-            self._send(rank, EngineCoreRequestType.ABORT, ids)
+            self._send_abort(rank, ids)
+
+    def _send_abort(self, engine: int, request_ids: list[str]) -> None:
+        try:
+            self._send(engine, EngineCoreRequestType.ABORT, request_ids)
+        except zmq.ZMQError as e:
+            if e.errno != zmq.EHOSTUNREACH:
+                raise
+            # The engine is gone (its death is on its way to the liveness check): nothing
+            # runs there to abort, and the book above already keeps these requests out of
+            # its migration. Raising would fail every stream from the output handler.
+            logger.info("abort of %d request(s): engine %d is gone", len(request_ids), engine)
 
     def _on_outputs(self, outs: EngineCoreOutputs) -> bool:
         """Bookkeeping of one batch from an engine; False when nothing in it is for the
