@@ -11,11 +11,12 @@ import msgspec
 import pytest
 import zmq
 
+from tests.waiting import wait_until
 from tidal.elastic.migration import AlreadyFinished, ResumedRequest
 from tidal.frontend.async_client import AsyncMPClient
 from tidal.frontend.dp_state import DPFrontendState
 from tidal.frontend.migrations import RequestBook
-from tidal.frontend.mp_client import ScaleHooks
+from tidal.frontend.mp_client import ScaleHooks, engine_input_router
 from tidal.protocol.elastic import ScaleCommit, ScaleEvent, ScaleReport
 from tidal.protocol.errors import RankUnavailableError
 from tidal.protocol.messages import (
@@ -27,6 +28,7 @@ from tidal.protocol.messages import (
     FinishReason,
     Logprobs,
     engine_id_of,
+    engine_identity,
 )
 from tidal.protocol.topology import Topology
 from tidal.sampling_params import SamplingParams
@@ -370,3 +372,41 @@ def test_send_scale_does_not_wait_for_an_engine_known_gone():
         assert [engine_id_of(f[0]) for f in c.input_socket.sent] == [0, 1]
 
     asyncio.run(main())
+
+
+def test_sends_to_a_frozen_engine_never_block_the_frontend():
+    """An engine that reads nothing (SIGSTOPped): 20,000 requests to it are queued, not
+    a send that blocks the event loop (the default high-water marks block after about
+    2,000, the liveness check that would kill that engine included)."""
+    ctx = zmq.Context()
+    router = engine_input_router(ctx)
+    frozen = ctx.socket(zmq.DEALER)
+    try:
+        router.bind("tcp://127.0.0.1:0")
+        frozen.setsockopt(zmq.IDENTITY, engine_identity(3))
+        frozen.connect(router.getsockopt_string(zmq.LAST_ENDPOINT))
+
+        # Connected: a send stops raising EHOSTUNREACH (the peer's route exists).
+        def routed() -> bool:
+            try:
+                router.send_multipart([engine_identity(3), b"ping"])
+            except zmq.ZMQError:
+                return False
+            return True
+
+        assert wait_until(routed, timeout_s=60)
+        sent: list[int] = []
+
+        def flood() -> None:
+            for i in range(20_000):
+                router.send_multipart([engine_identity(3), b"x" * 1024])
+                sent.append(i)
+
+        t = threading.Thread(target=flood, daemon=True)
+        t.start()
+        t.join(120)
+        assert not t.is_alive() and len(sent) == 20_000
+    finally:
+        router.close(linger=0)
+        frozen.close(linger=0)
+        ctx.term()

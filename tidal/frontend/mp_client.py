@@ -71,6 +71,21 @@ OUTPUT_DECODER = msgspec.msgpack.Decoder(EngineCoreOutputs)
 COORDINATOR_HEARTBEAT_S = 1.0
 
 
+def engine_input_router(ctx: zmq.Context) -> zmq.Socket:
+    """The ROUTER the frontend sends every engine its requests on (from the event loop).
+
+    ``ROUTER_MANDATORY``: a send to an engine with no route raises EHOSTUNREACH (it is
+    gone) instead of vanishing. With it, a send to a peer at its high-water mark blocks,
+    and a frozen engine reads nothing: about 2,000 messages would then block the event
+    loop, the liveness check that kills that engine included. No send limit (SNDHWM 0):
+    what a frozen engine is sent waits in memory until it is found and killed, seconds.
+    """
+    sock = ctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    sock.setsockopt(zmq.SNDHWM, 0)
+    return sock
+
+
 @dataclass(frozen=True)
 class ScaleHooks:
     """How the client hands elastic EP events to the scale driver (all called on the
@@ -163,8 +178,7 @@ class MPClient(EngineCoreClient):
         self._authenticator = start_authenticator(sync_ctx, self._curve)
         self.output_address = self.addresses.output
         try:
-            self.input_socket = sync_ctx.socket(zmq.ROUTER)
-            self.input_socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
+            self.input_socket = engine_input_router(sync_ctx)
             secure_server(self.input_socket, self._curve, self.addresses.input)
             self.input_socket.bind(self.addresses.input)
             coord_addrs = self._start_coordinator(sync_ctx)
