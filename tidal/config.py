@@ -26,6 +26,10 @@ class ModelConfig:
     hf_config: Any = field(compare=False, hash=False, repr=False)
     # EOS ids from generation_config.json; all of them end generation (like transformers).
     generation_eos_token_ids: tuple[int, ...] = ()
+    # The sampling values generation_config.json recommends (temperature, top_p, top_k,
+    # min_p, repetition_penalty; max_tokens from max_new_tokens), as vLLM's
+    # ``--generation-config auto``: what a request's unset fields default to.
+    sampling_defaults: tuple[tuple[str, float | int], ...] = ()
 
     @property
     def torch_dtype(self) -> Any:

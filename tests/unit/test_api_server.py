@@ -90,9 +90,12 @@ def token_id(child: int, k: int) -> int:
 
 
 class FakeAsyncLLM:
-    def __init__(self, max_model_len: int = MAX_MODEL_LEN) -> None:
+    def __init__(self, max_model_len: int = MAX_MODEL_LEN, sampling_defaults: tuple = ()) -> None:
         hf = SimpleNamespace(vocab_size=VOCAB, eos_token_id=0)
-        model = ModelConfig(MODEL_PATH, MODEL_PATH, "float32", max_model_len, 0, "FakeMoe", hf)
+        model = ModelConfig(
+            MODEL_PATH, MODEL_PATH, "float32", max_model_len, 0, "FakeMoe", hf,
+            sampling_defaults=sampling_defaults,
+        )  # fmt: skip
         self.config = EngineConfig(model, CacheConfig(), SchedulerConfig(), ParallelConfig())
         self.tokenizer = FakeTokenizer()
         self.input_processor = InputProcessor(model, self.tokenizer)
@@ -449,6 +452,31 @@ async def test_completion_stream_chunks_done_and_usage():
 
 
 @run
+async def test_unset_sampling_fields_take_the_checkpoints_recommendation():
+    """As vLLM's --generation-config auto: what generation_config.json recommends fills
+    the fields a request leaves unset (its max_new_tokens caps an unset max_tokens); a
+    field the request sets, even to the usual default, wins."""
+    defaults = (("max_tokens", 5), ("temperature", 0.6), ("top_k", 20), ("top_p", 0.95))
+    async with client_for(FakeAsyncLLM(sampling_defaults=defaults)) as c:
+        r = await c.post("/v1/chat/completions", json={"messages": CHAT})
+        assert r.status_code == 200, r.text
+        p = c.engine.calls[-1]["params"]
+        assert (p.temperature, p.top_k, p.top_p, p.max_tokens) == (0.6, 20, 0.95, 5)
+        assert (p.min_p, p.repetition_penalty) == (0.0, 1.0)  # not recommended: as before
+        body = {"messages": CHAT, "temperature": 1.0, "top_k": -1, "max_tokens": 7}
+        r = await c.post("/v1/chat/completions", json=body)
+        p = c.engine.calls[-1]["params"]
+        assert (p.temperature, p.top_k, p.top_p, p.max_tokens) == (1.0, 0, 0.95, 7)
+        r = await c.post("/v1/completions", json={"prompt": "a"})  # OpenAI's 16 stays
+        assert c.engine.calls[-1]["params"].max_tokens == 16
+    async with client_for() as c:  # no recommendation: the usual defaults
+        r = await c.post("/v1/chat/completions", json={"messages": CHAT})
+        p = c.engine.calls[-1]["params"]
+        assert (p.temperature, p.top_k, p.top_p) == (1.0, 0, 1.0)
+        assert p.max_tokens == MAX_MODEL_LEN - len(c.engine.calls[-1]["prompt"].prompt_token_ids)
+
+
+@run
 async def test_completion_logprobs_shape():
     async with client_for() as c:
         r = await c.post("/v1/completions", json={"prompt": "p q", "max_tokens": 3, "logprobs": 2})
@@ -531,7 +559,7 @@ async def test_chat_basic_and_template():
         assert prompt.prompt == "<system> be brief <user> hello <assistant>"
         assert out["usage"] == {"prompt_tokens": 6, "completion_tokens": 3, "total_tokens": 9}
         assert c.engine.calls[-1]["params"].seed == 1
-        # max_completion_tokens wins over max_tokens; content parts are joined.
+        # max_completion_tokens wins over max_tokens; content parts are joined by newlines.
         parts = [
             {
                 "role": "user",
@@ -546,7 +574,7 @@ async def test_chat_basic_and_template():
         }
         r = await c.post("/v1/chat/completions", json=body)
         assert r.json()["usage"]["completion_tokens"] == 2
-        assert c.engine.calls[-1]["prompt"].prompt == "<user> a b"
+        assert c.engine.calls[-1]["prompt"].prompt == "<user> a \nb"
 
 
 @run

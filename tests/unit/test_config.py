@@ -229,3 +229,73 @@ def test_cpu_affinity_flag(qwen3_ckpt, capsys):
     assert f"--cpu-affinity: cpu_affinity: cores [{outside}] are not usable" in (
         capsys.readouterr().err
     )
+
+
+def _with_generation_config(src: str, dst, config: dict) -> str:
+    """A copy of checkpoint ``src`` (links to its files) with this generation_config.json."""
+    import json
+    import os
+
+    dst.mkdir()
+    for name in os.listdir(src):
+        if name != "generation_config.json":
+            os.symlink(os.path.join(src, name), dst / name)
+    (dst / "generation_config.json").write_text(json.dumps(config))
+    return str(dst)
+
+
+QWEN3_STYLE = {
+    "do_sample": True,
+    "temperature": 0.6,
+    "top_k": 20,
+    "top_p": 0.95,
+    "eos_token_id": [2, 7],
+}
+
+
+def test_sampling_defaults_come_from_generation_config(qwen3_ckpt, tmp_path):
+    """--generation-config auto (the default) reads the checkpoint's recommended sampling
+    values, as vLLM does; values equal to transformers' own defaults recommend nothing;
+    none ignores them; a folder holding a generation_config.json replaces them."""
+    from tidal.launch.engine_args import sampling_defaults
+
+    model = _with_generation_config(
+        qwen3_ckpt, tmp_path / "m", {**QWEN3_STYLE, "max_new_tokens": 9}
+    )
+    cfg = _cfg(model)
+    assert cfg.model.sampling_defaults == (
+        ("max_tokens", 9), ("temperature", 0.6), ("top_k", 20), ("top_p", 0.95),
+    )  # fmt: skip
+    assert cfg.model.generation_eos_token_ids == (2, 7)  # still read, whatever the flag
+    assert _cfg(model, generation_config="none").model.sampling_defaults == ()
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "generation_config.json").write_text('{"min_p": 0.1, "repetition_penalty": 1.1}')
+    got = _cfg(model, generation_config=str(other)).model.sampling_defaults
+    assert got == (("min_p", 0.1), ("repetition_penalty", 1.1))
+    assert sampling_defaults({"temperature": 1.0, "top_k": 50, "top_p": 1.0}, "x") == ()
+    with pytest.raises(ValueError, match=r"^generation_config: .*not a directory"):
+        _cfg(model, generation_config=str(tmp_path / "missing"))
+    bad = _with_generation_config(qwen3_ckpt, tmp_path / "bad", {"temperature": -1})
+    with pytest.raises(ValueError, match=r"^generation_config: .*bad/generation_config.json: "):
+        _cfg(bad)
+
+
+def test_llm_without_sampling_params_uses_the_recommendation(qwen3_ckpt, tmp_path):
+    from tidal import LLM
+
+    model = _with_generation_config(
+        qwen3_ckpt, tmp_path / "m", {**QWEN3_STYLE, "max_new_tokens": 3}
+    )
+    with LLM(model, multiprocess=False, dtype="float32") as llm:
+        default = llm.get_default_sampling_params()
+        assert (default.temperature, default.top_k, default.top_p) == (0.6, 20, 0.95)
+        seen = []
+        check = llm.input_processor.check
+        llm.input_processor.check = lambda prompt, params: (
+            seen.append(params),
+            check(prompt, params),
+        )
+        (out,) = llm.generate("The tide", use_tqdm=False)
+        assert seen[0].temperature == 0.6 and seen[0].max_tokens == 3
+        assert 1 <= len(out.outputs[0].token_ids) <= 3

@@ -26,6 +26,10 @@ _ALIASES = {
 _HELP = {
     "model": "Hugging Face checkpoint folder (default: the embedded tiny Qwen3-MoE model)",
     "tokenizer": "tokenizer folder (default: --model)",
+    "generation_config": "where the default sampling values come from (temperature, top_p, "
+    "top_k, min_p, repetition_penalty; max_new_tokens caps an unset max_tokens): auto (the "
+    "model's generation_config.json, as vLLM) | none (temperature 1, no top-k/top-p) | a "
+    "folder holding a generation_config.json",
     "dtype": "auto | float32 | float16 | bfloat16 (auto: the checkpoint's dtype)",
     "seed": "random seed of each engine process",
     "max_model_len": "longest prompt + output in tokens (default: the model's limit)",

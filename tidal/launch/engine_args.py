@@ -42,6 +42,7 @@ from tidal.models.common import check_tensor_parallel
 from tidal.models.registry import get_model_class, resolve_architecture
 from tidal.models.tiny import default_model_path
 from tidal.protocol.messages import ENGINE_STALL_TIMEOUT_S
+from tidal.sampling_params import SamplingParams
 
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
 # The DP control plane's shared secret (tidal/distributed/zmq_auth.py): where the CLI reads it,
@@ -56,12 +57,39 @@ ALL2ALL_BACKENDS = (
 )
 
 
-def _read_generation_eos(model: str) -> tuple[int, ...]:
-    path = os.path.join(model, "generation_config.json")
+def _read_generation_config(folder: str) -> dict[str, Any]:
+    path = os.path.join(folder, "generation_config.json")
     if not os.path.exists(path):
-        return ()
+        return {}
     with open(path) as f:
-        return tuple(as_id_list(json.load(f).get("eos_token_id")))
+        data = json.load(f)
+    return data if isinstance(data, dict) else {}
+
+
+# transformers' GenerationConfig defaults: a value equal to one of these recommends nothing
+# (vLLM reads the file's difference from them).
+_HF_SAMPLING_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 50, "repetition_penalty": 1.0}
+_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def sampling_defaults(generation_config: dict[str, Any], source: str) -> tuple:
+    """The sampling values a generation_config.json recommends, checked as a request's
+    would be: ValueError naming the file for one that no request could use."""
+    out: dict[str, Any] = {}
+    for name in _SAMPLING_FIELDS:
+        value = generation_config.get(name)
+        if value is not None and value != _HF_SAMPLING_DEFAULTS.get(name):
+            out[name] = value
+    if generation_config.get("max_new_tokens") is not None:
+        out["max_tokens"] = generation_config["max_new_tokens"]
+    try:
+        SamplingParams(**out)
+    except (TypeError, ValueError) as e:
+        raise ValueError(
+            f"generation_config: {source}/generation_config.json: {e} "
+            "(--generation-config none ignores its sampling values)"
+        ) from None
+    return tuple(sorted(out.items()))
 
 
 @dataclass
@@ -71,6 +99,8 @@ class EngineArgs:
 
     model: str | None = None
     tokenizer: str | None = None
+    # auto: the model folder's generation_config.json | none | a folder holding one.
+    generation_config: str = "auto"
     dtype: str = "auto"
     seed: int = 0
     max_model_len: int | None = None
@@ -124,6 +154,18 @@ class EngineArgs:
     max_request_body_bytes: int = 8 * 1024 * 1024
     trust_request_chat_template: bool = False
 
+    def _sampling_defaults(self, model: str) -> tuple:
+        choice = self.generation_config
+        if choice == "none":
+            return ()
+        folder = model if choice == "auto" else choice
+        if not os.path.isdir(folder):
+            raise ValueError(
+                f"generation_config: auto, none or a folder holding generation_config.json; "
+                f"{choice!r} is not a directory"
+            )
+        return sampling_defaults(_read_generation_config(folder), folder)
+
     def create_engine_config(self) -> EngineConfig:
         model = self.model or default_model_path()
         if not os.path.isdir(model):
@@ -144,7 +186,10 @@ class EngineArgs:
             seed=self.seed,
             architecture=arch,
             hf_config=hf_config,
-            generation_eos_token_ids=_read_generation_eos(model),
+            generation_eos_token_ids=tuple(
+                as_id_list(_read_generation_config(model).get("eos_token_id"))
+            ),
+            sampling_defaults=self._sampling_defaults(model),
         )
         parallel = self._parallel_config(hf_config, arch)
         device = _resolve_device(self.device)

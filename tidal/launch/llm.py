@@ -70,6 +70,11 @@ class LLM:
     def get_tokenizer(self) -> Any:
         return self.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What ``generate`` uses without ``sampling_params``: the checkpoint's recommended
+        values (``generation_config``, as vLLM), else SamplingParams' own defaults."""
+        return SamplingParams(**dict(self.config.model.sampling_defaults))
+
     def generate(
         self,
         prompts: PromptType | Sequence[PromptType],
@@ -85,6 +90,8 @@ class LLM:
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
         ):
             prompts = [prompts]
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
         params = _broadcast_params(sampling_params, len(prompts))
         processed = [self.input_processor.tokenize(p) for p in prompts]
         for prompt, sp in zip(processed, params):
@@ -174,10 +181,8 @@ def runs_in_process(config: EngineConfig) -> bool:
 
 
 def _broadcast_params(
-    params: SamplingParams | Sequence[SamplingParams] | None, n: int
+    params: SamplingParams | Sequence[SamplingParams], n: int
 ) -> list[SamplingParams]:
-    if params is None:
-        return [SamplingParams() for _ in range(n)]
     if isinstance(params, SamplingParams):
         return [params] * n
     if len(params) != n:

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
@@ -24,6 +26,7 @@ from tidal.sampling_params import SamplingParams
 
 # Logprobs of -inf (masked tokens) are not valid JSON; clamp them like OpenAI does.
 _MIN_LOGPROB = -9999.0
+_NO_DEFAULTS: Mapping[str, Any] = MappingProxyType({})
 
 
 def random_id(prefix: str) -> str:
@@ -71,18 +74,25 @@ class _SamplingRequest(BaseModel):
     data_parallel_rank: StrictInt | None = Field(default=None, ge=0)
 
     def _params(
-        self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None
+        self,
+        max_tokens: int,
+        logprobs: int | None,
+        prompt_logprobs: int | None,
+        defaults: Mapping[str, Any],
     ) -> SamplingParams:
-        """Raises ValueError naming the field for invalid values."""
+        """Raises ValueError naming the field for invalid values. ``defaults``: what the
+        checkpoint recommends for the sampling fields the request leaves unset."""
         if self.logit_bias:
             raise ValueError("logit_bias is not supported")
         return SamplingParams(
             n=_or(self.n, 1),
-            temperature=_or(self.temperature, 1.0),
-            top_p=_or(self.top_p, 1.0),
-            top_k=_or(self.top_k, 0),
-            min_p=_or(self.min_p, 0.0),
-            repetition_penalty=_or(self.repetition_penalty, 1.0),
+            temperature=_or(self.temperature, defaults.get("temperature", 1.0)),
+            top_p=_or(self.top_p, defaults.get("top_p", 1.0)),
+            top_k=_or(self.top_k, defaults.get("top_k", 0)),
+            min_p=_or(self.min_p, defaults.get("min_p", 0.0)),
+            repetition_penalty=_or(
+                self.repetition_penalty, defaults.get("repetition_penalty", 1.0)
+            ),
             frequency_penalty=_or(self.frequency_penalty, 0.0),
             presence_penalty=_or(self.presence_penalty, 0.0),
             seed=self.seed,
@@ -115,7 +125,9 @@ class CompletionRequest(_SamplingRequest):
     suffix: str | None = None
     best_of: StrictInt | None = None
 
-    def sampling_params(self, default_max_tokens: int) -> SamplingParams:
+    def sampling_params(
+        self, default_max_tokens: int, defaults: Mapping[str, Any] = _NO_DEFAULTS
+    ) -> SamplingParams:
         if self.suffix:
             raise ValueError("suffix is not supported")
         if self.best_of is not None and self.best_of != _or(self.n, 1):
@@ -123,7 +135,7 @@ class CompletionRequest(_SamplingRequest):
         lp = _check_top(self.logprobs, "logprobs")
         # Echo with logprobs needs the prompt's logprobs too.
         prompt_lp = lp if self.echo and lp is not None else None
-        return self._params(_or(self.max_tokens, default_max_tokens), lp, prompt_lp)
+        return self._params(_or(self.max_tokens, default_max_tokens), lp, prompt_lp, defaults)
 
 
 class ContentPart(BaseModel):
@@ -139,13 +151,14 @@ class ChatMessage(BaseModel):
     name: str | None = None
 
     def to_template_dict(self) -> dict[str, Any]:
-        """The dict a chat template sees; text parts are joined, other parts rejected."""
+        """The dict a chat template sees; text parts are joined by newlines (as vLLM
+        joins them for templates that take a string), other parts rejected."""
         content = self.content
         if isinstance(content, list):
             bad = [p.type for p in content if p.type != "text"]
             if bad:
                 raise ValueError(f"messages: content part type {bad[0]!r} is not supported")
-            content = "".join(p.text or "" for p in content)
+            content = "\n".join(p.text or "" for p in content)
         d = self.model_dump(exclude_none=True)
         d["content"] = content if content is not None else ""
         return d
@@ -163,8 +176,11 @@ class ChatCompletionRequest(_SamplingRequest):
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 
-    def sampling_params(self, default_max_tokens: int) -> SamplingParams:
-        return self._params(_or(self.requested_max_tokens, default_max_tokens), self.num_logprobs)
+    def sampling_params(
+        self, default_max_tokens: int, defaults: Mapping[str, Any] = _NO_DEFAULTS
+    ) -> SamplingParams:
+        max_tokens = _or(self.requested_max_tokens, default_max_tokens)
+        return self._params(max_tokens, self.num_logprobs, None, defaults)
 
     @property
     def requested_max_tokens(self) -> int | None:

@@ -93,6 +93,8 @@ class OpenAIServing:
         self.model_name = served_model_name
         self.model_path = engine.config.model.model
         self.max_model_len = engine.config.model.max_model_len
+        # The checkpoint's recommended sampling values: the defaults of unset fields.
+        self.sampling_defaults = dict(engine.config.model.sampling_defaults)
         self.tokenizer = engine.tokenizer
         self.limits: FrontendConfig = engine.config.frontend
         # Request-supplied chat templates: refused unless the flag allows them, and then
@@ -137,7 +139,8 @@ class OpenAIServing:
 
     def _job(self, req: Any, prompt: ProcessedPrompt, request_id: str, first_choice: int) -> _Job:
         default_max = max(1, self.max_model_len - len(prompt.prompt_token_ids))
-        params = req.sampling_params(default_max)
+        default_max = min(default_max, self.sampling_defaults.get("max_tokens", default_max))
+        params = req.sampling_params(default_max, self.sampling_defaults)
         # Checked here too (generate checks again) so a streaming request gets a 400 (or
         # a 503 for a rank that is dead) before the SSE response starts.
         self.engine.input_processor.check(prompt, params)
