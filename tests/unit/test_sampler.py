@@ -167,6 +167,14 @@ def test_min_p():
     assert set(draws(logits, SamplingParams(min_p=0.7), 200).tolist()) == {0}
 
 
+def test_min_p_applies_before_top_p():
+    """vLLM's order: min_p (0.25 x 0.5 drops the two 0.1s) renormalises what top_p then
+    sees (0.625, 0.375): top_p=0.6 keeps one token. The other order would keep two."""
+    logits = probs_logits([0.5, 0.3, 0.1, 0.1])
+    meta = SamplingMetadata.build(rows_of([SamplingParams(min_p=0.25, top_p=0.6)]), "cpu")
+    assert torch.isfinite(process_logits(logits, meta))[0].tolist() == [True, False, False, False]
+
+
 def test_temperature_sharpens_and_flattens():
     logits = probs_logits([0.4, 0.3, 0.2, 0.1])
     n = 6000
@@ -184,12 +192,12 @@ def _reference_warp(row: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     """One row through transformers' warpers, in the order the sampler documents."""
     scores = row[None, :].clone()
     warpers = [TemperatureLogitsWarper(p.temperature)]
+    if p.min_p > 0.0:
+        warpers.append(MinPLogitsWarper(p.min_p))
     if p.top_k > 0:
         warpers.append(TopKLogitsWarper(p.top_k))
     if p.top_p < 1.0:
         warpers.append(TopPLogitsWarper(p.top_p))
-    if p.min_p > 0.0:
-        warpers.append(MinPLogitsWarper(p.min_p))
     ids = torch.zeros(1, 1, dtype=torch.int64)
     for w in warpers:
         scores = w(ids, scores)

@@ -8,9 +8,11 @@ API (the model runner calls these once per step)::
     compute_logprobs(logits [M, V], token_ids [M] int64, num_top: list[int]) -> list[Logprobs]
     process_logits(logits, meta) -> [N, V] float32    # everything before the draw
 
-Order of processing (as in vLLM / transformers):
+Order of processing (as in vLLM):
 min_tokens masking -> repetition / frequency / presence penalties -> (greedy rows take
-their argmax here) -> temperature -> top_k -> top_p -> min_p -> draw.
+their argmax here) -> temperature -> min_p -> top_k -> top_p -> draw. (transformers
+applies min_p last; the two orders keep different tokens only with min_p and top_p both
+set, and an OpenAI-style server answers as vLLM does.)
 
 The draw is an exponential race (Gumbel-max in log space): ``argmax(logits - log(E))``
 with ``E ~ Exp(1)`` per token picks token ``i`` with probability ``softmax(logits)[i]``.
@@ -288,13 +290,13 @@ def _token_counts(ids: Tensor, vocab: int) -> Tensor:
 
 
 def apply_warpers(x: Tensor, meta: SamplingMetadata) -> Tensor:
-    """Temperature -> top_k -> top_p -> min_p; may work in place on ``x``."""
+    """Temperature -> min_p -> top_k -> top_p (vLLM's order); may work in place on ``x``."""
     if meta.temperature is not None:
         x = x.div_(meta.temperature[:, None])
-    if meta.top_k is not None or meta.top_p is not None:
-        apply_top_k_top_p(x, meta.top_k, meta.top_p, meta.max_top_k)
     if meta.min_p is not None:
         apply_min_p(x, meta.min_p)
+    if meta.top_k is not None or meta.top_p is not None:
+        apply_top_k_top_p(x, meta.top_k, meta.top_p, meta.max_top_k)
     return x
 
 
