@@ -94,13 +94,33 @@ def test_stop_strings_wait_for_min_tokens(tokenizer):
     that appeared before then is not matched afterwards (vLLM's rule)."""
     ids = tokenizer.encode(TEXT)
     first = len(tokenizer.encode("The tide comes"))  # the first "tide" is inside these
+    never = "Z" * 20  # a long stop string must not widen the window of a short one
     op = OutputProcessor(tokenizer)
-    for rid, min_tokens, want in [("a", 0, "The "), ("b", first, "The tide comes in, the ")]:
-        params = SamplingParams(max_tokens=len(ids), min_tokens=min_tokens, stop=["tide"])
+    for rid, min_tokens, stop, want in [
+        ("a", 0, "tide", "The "),
+        ("b", first, "tide", "The tide comes in, the "),
+        ("c", first, "h", "The tide comes in, t"),  # not the "h" of "The"
+    ]:
+        params = SamplingParams(max_tokens=len(ids), min_tokens=min_tokens, stop=[stop, never])
         op.add_request(rid, None, [1], params)
         r = op.process_outputs([_out(rid, ids)])
         (ro,) = r.request_outputs
-        assert ro.outputs[0].text == want and ro.outputs[0].stop_reason == "tide"
+        assert ro.outputs[0].text == want and ro.outputs[0].stop_reason == stop
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_the_stop_token_text_is_left_out_unless_asked_for(tokenizer, include):
+    """A request the engine ended on a stop token id (or EOS): the id is in the output's
+    token ids, its text only with include_stop_str_in_output (vLLM's rule)."""
+    ids = tokenizer.encode("The tide comes in")
+    op = OutputProcessor(tokenizer)
+    params = SamplingParams(stop_token_ids=[ids[-1]], include_stop_str_in_output=include)
+    op.add_request("s", None, [1], params)
+    done = EngineCoreOutput("s", ids, finish_reason=FinishReason.STOP, stop_reason=ids[-1])
+    (ro,) = op.process_outputs([done]).request_outputs
+    want = tokenizer.decode(ids if include else ids[:-1])
+    assert ro.outputs[0].text == want and ro.outputs[0].token_ids == ids
+    assert ro.outputs[0].finish_reason == "stop" and ro.outputs[0].stop_reason == ids[-1]
 
 
 def _out(rid, ids, finish=None, lps=None):

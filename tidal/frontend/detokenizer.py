@@ -38,20 +38,26 @@ class IncrementalDetokenizer:
         self.stop = stop or []
         self.include_stop = include_stop_str_in_output
         self._max_stop_len = max((len(s) for s in self.stop), default=0)
-        # Stop strings end nothing before min_tokens (as EOS and stop ids do not, in the
-        # sampler): a stop string in the text before then is not matched later either.
+        # Stop strings end nothing within the first min_tokens tokens (as EOS and stop ids
+        # do not, in the sampler); one that lies wholly in their text is not matched later
+        # either (vLLM's rule).
         self.min_tokens = min_tokens
         self.num_output_tokens = 0
 
-    def update(self, new_token_ids: list[int]) -> str | None:
+    def update(self, new_token_ids: list[int], stop_terminated: bool = False) -> str | None:
         """Append tokens to ``output_text``; return the stop string that matched, if any.
-        On a match the text is truncated there and no further updates may be made."""
+        On a match the text is truncated there and no further updates may be made.
+        ``stop_terminated``: the engine ended the request on the last of these tokens
+        (EOS or a stop token id); its text is left out unless include_stop_str_in_output,
+        as vLLM does (the id stays in the output's token ids)."""
+        if stop_terminated and not self.include_stop:
+            new_token_ids = new_token_ids[:-1]
         for tok in new_token_ids:
             self.ids.append(tok)
             self.num_output_tokens += 1
             start = len(self.output_text)
             self.output_text += self._decode_step()
-            if self.num_output_tokens < self.min_tokens:
+            if self.num_output_tokens <= self.min_tokens:
                 continue
             matched = self._match_stop(start)
             if matched is not None:
@@ -86,11 +92,11 @@ class IncrementalDetokenizer:
     def _match_stop(self, delta_start: int) -> str | None:
         if not self.stop:
             return None
-        # Only the new text (plus an overlap for stops spanning the boundary) can match.
-        lo = max(0, delta_start - self._max_stop_len + 1)
+        # Only the new text (plus, per stop string, an overlap for one spanning the
+        # boundary) can match.
         best: tuple[int, str] | None = None
         for s in self.stop:
-            i = self.output_text.find(s, lo)
+            i = self.output_text.find(s, max(0, delta_start - len(s) + 1))
             if i != -1 and (best is None or i < best[0]):
                 best = (i, s)
         if best is None:

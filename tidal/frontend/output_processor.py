@@ -190,7 +190,11 @@ class OutputProcessor:
         if out.new_logprobs and child.logprobs is not None:
             child.logprobs.extend(self._to_dicts(out.new_logprobs, parent.params.detokenize))
             child.cumulative_logprob += sum(lp.logprobs[0] for lp in out.new_logprobs)
-        stop = child.detok.update(out.new_token_ids) if parent.params.detokenize else None
+        stop = (
+            child.detok.update(out.new_token_ids, out.finish_reason is FinishReason.STOP)
+            if parent.params.detokenize
+            else None
+        )
         if stop is not None:
             child.finish_reason, child.stop_reason = "stop", stop
             return out.finish_reason is None  # still running in the engine: abort it
