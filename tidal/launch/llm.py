@@ -99,7 +99,7 @@ class LLM:
         order: list[str] = []
         try:
             for prompt, sp in zip(processed, params):
-                self._add(prompt, sp, order)
+                order.append(self._add(prompt, sp))
         except BaseException:  # e.g. Ctrl-C: what was sent must not keep the engines busy
             self._abort(order)
             raise
@@ -120,17 +120,21 @@ class LLM:
             prompts.append({"prompt": p.prompt, "prompt_token_ids": p.prompt_token_ids})
         return self.generate(prompts, sampling_params, use_tqdm)
 
-    def _add(self, prompt: Any, params: SamplingParams, order: list[str]) -> None:
+    def _add(self, prompt: Any, params: SamplingParams) -> str:
         request_id = str(next(self._ids))
         children = self.output_processor.add_request(
             request_id, prompt.prompt, prompt.prompt_token_ids, params, OutputKind.FINAL_ONLY
         )
-        # In ``order`` before its children are sent: interrupted between two of them, it
-        # is aborted with the rest (else it would stay unfinished in the output processor,
-        # and the next generate() would wait for it forever).
-        order.append(request_id)
-        for req in self.input_processor.make_requests(children, prompt, params):
-            self.client.add_request(req)
+        try:
+            for req in self.input_processor.make_requests(children, prompt, params):
+                self.client.add_request(req)
+        except BaseException:
+            # Interrupted between two children (Ctrl-C): the ones sent must not run on,
+            # and the request must not stay unfinished here, or the next generate()
+            # would wait for it forever. The caller aborts the requests added before.
+            self._abort([request_id])
+            raise
+        return request_id
 
     def _run(self, order: list[str], use_tqdm: bool) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}
