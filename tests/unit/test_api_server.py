@@ -477,6 +477,19 @@ async def test_unset_sampling_fields_take_the_checkpoints_recommendation():
 
 
 @run
+async def test_values_of_unsupported_fields_that_ask_for_nothing_are_served():
+    """What OpenAI clients send by default for features this server lacks (no tools, a
+    tool_choice of "none", a text response format) is served as if absent."""
+    async with client_for() as c:
+        body = {
+            "messages": CHAT, "max_tokens": 2, "tools": [], "tool_choice": "none",
+            "response_format": {"type": "text"}, "prompt_logprobs": None,
+        }  # fmt: skip
+        r = await c.post("/v1/chat/completions", json=body)
+        assert r.status_code == 200, r.text
+
+
+@run
 async def test_completion_logprobs_shape():
     async with client_for() as c:
         r = await c.post("/v1/completions", json={"prompt": "p q", "max_tokens": 3, "logprobs": 2})

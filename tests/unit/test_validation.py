@@ -302,6 +302,13 @@ HOSTILE = [
     ("/v1/completions", {"prompt": ["a"] * 9, "n": 128}, 400, "n", "--max-choices-per-request"),
     ("/v1/completions", {"prompt": [[5, 6]] * 256, "n": 128}, 400, "n", "--max-choices-per-request"),
     ("/v1/completions", {"prompt": ["a"] * 256, "n": 5}, 400, "n", "--max-choices-per-request"),
+    # Known to OpenAI or vLLM, not implemented: refused by name, never silently ignored.
+    ("/v1/chat/completions", {"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools", "not supported"),
+    ("/v1/chat/completions", {"messages": CHAT, "tool_choice": "auto"}, 400, "tool_choice", "not supported"),
+    ("/v1/chat/completions", {"messages": CHAT, "response_format": {"type": "json_object"}}, 400, "response_format", "not supported"),
+    ("/v1/completions", {"prompt": "a", "guided_json": {}}, 400, "guided_json", "not supported"),
+    ("/v1/completions", {"prompt": "a", "prompt_logprobs": 1}, 400, "prompt_logprobs", "not supported"),
+    ("/v1/completions", {"prompt": "a", "allowed_token_ids": [5]}, 400, "allowed_token_ids", "not supported"),
 ]  # fmt: skip
 
 

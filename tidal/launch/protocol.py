@@ -45,6 +45,27 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool | None = False
 
 
+# Fields OpenAI or vLLM give a meaning this server does not implement, with the values
+# that ask for nothing. A request setting one otherwise is refused (a 400 naming it), not
+# answered as if it had not (``extra="ignore"`` drops only fields nobody defines).
+_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    "response_format": (None, {"type": "text"}),
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "functions": (None, []),
+    "function_call": (None, "none"),
+    "prompt_logprobs": (None,),
+    "allowed_token_ids": (None,),
+    "bad_words": (None, []),
+    "truncate_prompt_tokens": (None,),
+    "guided_json": (None,),
+    "guided_regex": (None,),
+    "guided_choice": (None,),
+    "guided_grammar": (None,),
+    "structured_outputs": (None,),
+}
+
+
 class _SamplingRequest(BaseModel):
     """Fields shared by completions and chat completions."""
 
@@ -72,6 +93,21 @@ class _SamplingRequest(BaseModel):
     skip_special_tokens: bool | None = True
     include_stop_str_in_output: bool | None = False
     data_parallel_rank: StrictInt | None = Field(default=None, ge=0)
+    # Known, not implemented: see _UNSUPPORTED.
+    response_format: Any = None
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    prompt_logprobs: Any = None
+    allowed_token_ids: Any = None
+    bad_words: Any = None
+    truncate_prompt_tokens: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    structured_outputs: Any = None
 
     def _params(
         self,
@@ -84,6 +120,9 @@ class _SamplingRequest(BaseModel):
         checkpoint recommends for the sampling fields the request leaves unset."""
         if self.logit_bias:
             raise ValueError("logit_bias is not supported")
+        for name, asks_nothing in _UNSUPPORTED.items():
+            if getattr(self, name) not in asks_nothing:
+                raise ValueError(f"{name} is not supported by this server")
         return SamplingParams(
             n=_or(self.n, 1),
             temperature=_or(self.temperature, defaults.get("temperature", 1.0)),
