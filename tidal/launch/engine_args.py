@@ -154,17 +154,19 @@ class EngineArgs:
     max_request_body_bytes: int = 8 * 1024 * 1024
     trust_request_chat_template: bool = False
 
-    def _sampling_defaults(self, model: str) -> tuple:
+    def _sampling_defaults(self, model: str, model_generation: dict[str, Any]) -> tuple:
+        """``model_generation``: the model folder's generation_config.json, already read."""
         choice = self.generation_config
         if choice == "none":
             return ()
-        folder = model if choice == "auto" else choice
-        if not os.path.isdir(folder):
+        if choice == "auto":
+            return sampling_defaults(model_generation, model)
+        if not os.path.isdir(choice):
             raise ValueError(
                 f"generation_config: auto, none or a folder holding generation_config.json; "
                 f"{choice!r} is not a directory"
             )
-        return sampling_defaults(_read_generation_config(folder), folder)
+        return sampling_defaults(_read_generation_config(choice), choice)
 
     def create_engine_config(self) -> EngineConfig:
         model = self.model or default_model_path()
@@ -178,6 +180,7 @@ class EngineArgs:
             raise ValueError(f"model: cannot read config.json in {model!r}: {e}") from e
         arch = resolve_architecture(hf_config)  # raises ValueError naming the architecture
         dtype = _resolve_dtype(self.dtype, hf_config)
+        generation = _read_generation_config(model)
         model_cfg = ModelConfig(
             model=model,
             tokenizer=self.tokenizer or model,
@@ -186,10 +189,8 @@ class EngineArgs:
             seed=self.seed,
             architecture=arch,
             hf_config=hf_config,
-            generation_eos_token_ids=tuple(
-                as_id_list(_read_generation_config(model).get("eos_token_id"))
-            ),
-            sampling_defaults=self._sampling_defaults(model),
+            generation_eos_token_ids=tuple(as_id_list(generation.get("eos_token_id"))),
+            sampling_defaults=self._sampling_defaults(model, generation),
         )
         parallel = self._parallel_config(hf_config, arch)
         device = _resolve_device(self.device)
