@@ -100,8 +100,7 @@ class OutputProcessor:
                 f"by request {self._child_to_parent[taken]!r}"
             )
         children = {}
-        for i in range(params.n):
-            cid = child_request_id(request_id, i, params.n)
+        for i, cid in enumerate(ids):
             detok = IncrementalDetokenizer(
                 self.tokenizer,
                 prompt_token_ids,
