@@ -300,7 +300,10 @@ class AsyncMPClient(MPClient):
             self._drain_registrations()
             gone = [e for e in pending if e in self._gone_engines]
             pending = [
-                e for e in pending if e not in gone and not self._try_send_scale(e, payload)
+                e
+                for e in pending
+                if e not in gone
+                and not self._try_send_frame(e, EngineCoreRequestType.SCALE, payload)
             ]
             if not pending or time.monotonic() >= deadline:
                 return gone + pending

@@ -381,11 +381,7 @@ class MPClient(EngineCoreClient):
             self._send_abort(rank, ids)
 
     def _send_abort(self, engine: int, request_ids: list[str]) -> None:
-        try:
-            self._send(engine, EngineCoreRequestType.ABORT, request_ids)
-        except zmq.ZMQError as e:
-            if e.errno != zmq.EHOSTUNREACH:
-                raise
+        if not self._try_send_frame(engine, EngineCoreRequestType.ABORT, encode(request_ids)):
             # The engine is gone (its death is on its way to the liveness check): nothing
             # runs there to abort, and the book above already keeps these requests out of
             # its migration. Raising would fail every stream from the output handler.
@@ -459,14 +455,11 @@ class MPClient(EngineCoreClient):
             except zmq.Again:
                 return
 
-    def _try_send_scale(self, engine_id: int, payload: bytes) -> bool:
-        """One SCALE frame; False while the engine's input route does not exist yet (a
-        joiner right after READY) or no longer does (it exited)."""
-        if self.dead_reason is not None:
-            raise EngineDeadError(self.dead_reason)
-        frames = [engine_identity(engine_id), EngineCoreRequestType.SCALE.value, payload]
+    def _try_send_frame(self, engine: int, req_type: EngineCoreRequestType, payload: bytes) -> bool:
+        """One frame; False while the engine's input route does not exist yet (a joiner
+        right after READY) or no longer does (it exited)."""
         try:
-            self.input_socket.send_multipart(frames)
+            self._send_frame(engine, req_type, payload)
         except zmq.ZMQError as e:
             if e.errno == zmq.EHOSTUNREACH:
                 return False
