@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, create_model
 
 from tidal.frontend.outputs import Logprob
 from tidal.sampling_params import SamplingParams
@@ -64,9 +64,13 @@ _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "guided_grammar": (None,),
     "structured_outputs": (None,),
 }
+# One field for each, so that a request's value is kept and an error can name it.
+_UnsupportedFields = create_model(
+    "_UnsupportedFields", **{name: (Any, None) for name in _UNSUPPORTED}
+)
 
 
-class _SamplingRequest(BaseModel):
+class _SamplingRequest(_UnsupportedFields):
     """Fields shared by completions and chat completions."""
 
     model_config = ConfigDict(extra="ignore")
@@ -93,21 +97,6 @@ class _SamplingRequest(BaseModel):
     skip_special_tokens: bool | None = True
     include_stop_str_in_output: bool | None = False
     data_parallel_rank: StrictInt | None = Field(default=None, ge=0)
-    # Known, not implemented: see _UNSUPPORTED.
-    response_format: Any = None
-    tools: Any = None
-    tool_choice: Any = None
-    functions: Any = None
-    function_call: Any = None
-    prompt_logprobs: Any = None
-    allowed_token_ids: Any = None
-    bad_words: Any = None
-    truncate_prompt_tokens: Any = None
-    guided_json: Any = None
-    guided_regex: Any = None
-    guided_choice: Any = None
-    guided_grammar: Any = None
-    structured_outputs: Any = None
 
     def _params(
         self,
