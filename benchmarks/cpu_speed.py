@@ -569,16 +569,23 @@ def kernel_bandwidth(opts: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def layer_weights(c: dict[str, Any]) -> tuple[int, int, int]:
+    """Parameters of one decoder layer: the attention projections (q, k, v, o), the
+    router, and one expert (gate, up, down)."""
+    h = c["hidden_size"]
+    heads, kv, hd = c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]
+    proj = h * (heads + 2 * kv) * hd + heads * hd * h
+    return proj, c["num_local_experts"] * h, 3 * h * c["moe_intermediate_size"]
+
+
 def layer_flops_per_token(c: dict[str, Any], context: int) -> float:
     """FLOPs (2 x multiply-adds) of one token through the decoder layers: projections,
     router, top-k experts, and attention over ``context`` earlier tokens (no lm_head: a
     prefill computes logits for each prompt's last token only)."""
-    h, layers = c["hidden_size"], c["num_hidden_layers"]
-    heads, kv, hd = c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]
-    proj = h * (heads + 2 * kv) * hd + heads * hd * h
-    experts = c["num_experts_per_tok"] * 3 * h * c["moe_intermediate_size"]
-    attend = 2 * heads * hd * context
-    return 2.0 * layers * (proj + c["num_local_experts"] * h + experts + attend)
+    proj, router, expert = layer_weights(c)
+    attend = 2 * c["num_attention_heads"] * c["head_dim"] * context
+    experts = c["num_experts_per_tok"] * expert
+    return 2.0 * c["num_hidden_layers"] * (proj + router + experts + attend)
 
 
 def roofline(
@@ -594,11 +601,10 @@ def roofline(
     sec = _timeit(buf.sum, 0.5) / 1e3
     bandwidth = buf.numel() * 4 / sec
     c = json.loads((model / "config.json").read_text())
-    h, layers = c["hidden_size"], c["num_hidden_layers"]
-    heads, kv, hd = c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]
-    experts = c["num_local_experts"] * 3 * h * c["moe_intermediate_size"]
-    attention = h * (heads + 2 * kv) * hd + heads * hd * h + c["num_local_experts"] * h
-    step_bytes = 4 * (layers * (experts + attention) + c["vocab_size"] * h)
+    h = c["hidden_size"]
+    proj, router, expert = layer_weights(c)
+    layer = proj + router + c["num_local_experts"] * expert  # every expert: 32 rows use all
+    step_bytes = 4 * (c["num_hidden_layers"] * layer + c["vocab_size"] * h)
     roof = 32 * bandwidth / step_bytes  # tok/s of a batch-32 decode step at full bandwidth
     out = {
         "read_bandwidth_gb_s": _r(bandwidth / 1e9, 1),
@@ -616,11 +622,10 @@ def roofline(
         tokens, prompt_len = steps["prefill_tokens"], steps["prefill_prompt_len"]
         flops = tokens * layer_flops_per_token(c, prompt_len // 2)  # causal: half on average
         flops += tokens // prompt_len * 2.0 * c["vocab_size"] * h  # one row of logits a prompt
-        out["prefill_gflop_s"] = _r(flops / steps["prefill_s"] / 1e9, 1)
+        gflop_s = flops / steps["prefill_s"] / 1e9
+        out["prefill_gflop_s"] = _r(gflop_s, 1)
         if steps.get("best_gemm_gflop_s"):
-            out["prefill_fraction_of_best_gemm"] = _r(
-                flops / steps["prefill_s"] / 1e9 / steps["best_gemm_gflop_s"]
-            )
+            out["prefill_fraction_of_best_gemm"] = _r(gflop_s / steps["best_gemm_gflop_s"])
     return out
 
 
