@@ -394,8 +394,10 @@ def make_llm(
     *,
     restore: bool = False,
     ray: dict[str, Any] | None = None,
+    tp: int = 1,
 ) -> Any:
-    """``ray``: run the ranks on Ray (``EngineArgs`` fields: ``ray_address``, ...)."""
+    """``ray``: run the ranks on Ray (``EngineArgs`` fields: ``ray_address``, ...); ``tp``:
+    each rank's tensor-parallel workers."""
     from tidal.frontend.async_llm import AsyncLLM
     from tidal.launch.engine_args import EngineArgs
 
@@ -407,6 +409,7 @@ def make_llm(
         enable_expert_parallel=True,
         enable_elastic_ep=elastic,
         elastic_restore=restore,
+        tensor_parallel_size=tp,
         **backend,
     )
     return AsyncLLM(args.create_engine_config())
@@ -652,7 +655,14 @@ def machine_info() -> dict[str, Any]:
     """Where a benchmark ran (every benchmark JSON carries it)."""
     import torch
 
+    cpu = ""
+    with contextlib.suppress(OSError):  # lscpu's "Model name"
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
     return {
+        "cpu": cpu,
         "cpu_count": os.cpu_count(),
         "cpus_usable": len(os.sched_getaffinity(0)),
         "torch": torch.__version__,

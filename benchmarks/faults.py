@@ -4,7 +4,7 @@ fault matrix: every process kind killed or frozen.
     python benchmarks/faults.py                  # kill -9 one rank of DP=3 under 32 streams
     python benchmarks/faults.py --restore        # ... then scale back to 3 (--elastic-restore)
     python benchmarks/faults.py --quick          # a short smoke run (8 streams)
-    python benchmarks/faults.py --matrix         # 5 process kinds x 3 faults, a line each
+    python benchmarks/faults.py --matrix         # 7 process kinds x 3 faults, a line each
     python benchmarks/faults.py --host-loss      # a whole headless host killed or frozen
 
 The default model (the embedded tiny Qwen3-MoE, float32) is served by an in-process
@@ -55,6 +55,14 @@ elastic EP per cell, under ``--streams`` streams; the fault hits one process of 
 - ``joiner``: the new engine of a scale-up to ``--size`` + 1, once its PREPARE is out;
 - ``leaver``: the leaving engine of a scale-down to ``--size`` - 1 with a 30 s drain, once
   its PREPARE is out (it drains its streams);
+
+- ``tp-worker``: the TP rank 1 worker of the engine at rank 1, in a deployment whose
+  ranks each run ``-tp 2`` (a worker's death or freeze is its rank's);
+- ``ray-node``: the Ray node of the engine at rank 1, the ranks run by the Ray launcher on
+  a loopback ``ray.cluster_utils.Cluster`` started for the cell (a head node with no CPU,
+  one node of one CPU per rank): ``kill`` removes the node (its raylet and everything it
+  runs, as a host lost), ``stop`` freezes the raylet and every process under it for good
+  (no ``stop5``: Ray itself declares a node silent for a second dead);
 
 with each fault: ``kill`` (SIGKILL), ``stop`` (SIGSTOP for good: the frontend must find
 it and kill it), ``stop5`` (SIGSTOP, SIGCONT 5 s later). Nothing else is done by hand.
@@ -316,34 +324,41 @@ async def run_all(opts: argparse.Namespace) -> dict[str, Any]:
 
 # ------------------------------------------------------------------ the fault matrix
 
-TARGETS = ("engine", "zygote", "coordinator", "joiner", "leaver")
+TARGETS = ("engine", "zygote", "coordinator", "joiner", "leaver", "tp-worker", "ray-node")
 FAULTS = ("kill", "stop", "stop5")
+# A Ray node frozen for a few seconds is declared dead by Ray itself: that cell is ``stop``.
+SKIPPED_CELLS = {("ray-node", "stop5")}
 RESUME_AFTER_S = 5.0  # stop5: SIGCONT this long after SIGSTOP
 LEAVER_DRAIN_S = 30.0
 
 
 class Fault:
-    """One fault on one process: SIGKILL, or SIGSTOP (SIGCONT after ``RESUME_AFTER_S``
-    for ``stop5``). ``release()`` resumes a process still stopped (cleanup)."""
+    """One fault on one process (or a Ray node's processes): SIGKILL, or SIGSTOP (SIGCONT
+    after ``RESUME_AFTER_S`` for ``stop5``). ``release()`` resumes what is still stopped
+    (cleanup). ``must_be_killed``: a process stopped for good is the frontend's to find and
+    kill (a frozen Ray node is Ray's to declare dead: nothing here can kill it)."""
 
-    def __init__(self, kind: str) -> None:
+    def __init__(self, kind: str, must_be_killed: bool = True) -> None:
         self.kind = kind
-        self.pid: int | None = None
+        self.must_be_killed = must_be_killed
+        self.pids: list[int] = []
         self.at: float | None = None
         self._resume: asyncio.TimerHandle | None = None
 
-    def hit(self, pid: int) -> float:
-        self.pid, self.at = pid, time.monotonic()
-        os.kill(pid, signal.SIGKILL if self.kind == "kill" else signal.SIGSTOP)
+    def hit(self, *pids: int) -> float:
+        self.pids, self.at = list(pids), time.monotonic()
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL if self.kind == "kill" else signal.SIGSTOP)
         if self.kind == "stop5":
             loop = asyncio.get_running_loop()
             self._resume = loop.call_later(RESUME_AFTER_S, self._cont)
         return self.at
 
     def _cont(self) -> None:
-        if self.pid is not None:
+        for pid in self.pids:
             with contextlib.suppress(ProcessLookupError):
-                os.kill(self.pid, signal.SIGCONT)
+                os.kill(pid, signal.SIGCONT)
 
     @property
     def resumed_by(self) -> float:
@@ -353,20 +368,104 @@ class Fault:
 
     def handled(self) -> bool:
         """A process stopped for good must have been found and killed by the frontend."""
-        if self.kind != "stop" or self.pid is None:
+        if self.kind != "stop" or not self.must_be_killed:
             return True
         import psutil
 
-        try:
-            return psutil.Process(self.pid).status() == psutil.STATUS_ZOMBIE
-        except psutil.NoSuchProcess:
-            return True
+        for pid in self.pids:
+            try:
+                if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                    return False
+            except psutil.NoSuchProcess:
+                pass
+        return True
 
     def release(self) -> None:
         if self._resume is not None:
             self._resume.cancel()
         if self.kind != "kill":
             self._cont()
+
+
+class LoopbackRayCluster:
+    """A Ray cluster of this machine for one cell: a head node with no CPU (the frontend's
+    driver connects there), ``nodes`` nodes of one CPU each (one rank each), everything on
+    loopback, node deaths seen in about a second. ``close()`` stops it and removes its
+    session files."""
+
+    def __init__(self, nodes: int) -> None:
+        import tempfile
+
+        # Read when Ray is first imported, in this process and the ones it starts.
+        os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+        os.environ["RAY_AUTH_MODE"] = "disabled"
+        from ray.cluster_utils import Cluster
+
+        self.temp_dir = tempfile.mkdtemp(prefix="tidal-faults-ray-")
+        self._tmpdir_before = os.environ.get("RAY_TMPDIR")
+        os.environ["RAY_TMPDIR"] = self.temp_dir
+        os.makedirs(os.path.join(self.temp_dir, "ray"))  # Ray writes, but does not make, it
+        try:
+            self._start(Cluster, nodes)
+        except BaseException:
+            self.close()
+            raise
+
+    def _start(self, cluster_class: Any, nodes: int) -> None:
+        store = 80 * 1024 * 1024  # per node: Ray's least is 75 MiB
+        self.cluster = cluster_class(
+            initialize_head=True,
+            head_node_args={
+                "temp_dir": self.temp_dir,
+                "num_cpus": 0,
+                "node_ip_address": "127.0.0.1",
+                "include_dashboard": False,
+                "object_store_memory": store,
+                "_system_config": {
+                    "health_check_period_ms": 500,
+                    "health_check_failure_threshold": 2,
+                },
+            },
+        )
+        for _ in range(nodes):
+            self.cluster.add_node(
+                num_cpus=1, node_ip_address="127.0.0.1", object_store_memory=store,
+                temp_dir=self.temp_dir,
+            )  # fmt: skip
+        self.cluster.wait_for_nodes()
+        self.address = self.cluster.address
+
+    def _node(self, node_id: str) -> Any:
+        (node,) = [n for n in self.cluster.worker_nodes if n.node_id == node_id]
+        return node
+
+    def node_pids(self, node_id: str) -> list[int]:
+        """The node's raylet and every process under it (its actors, their engines)."""
+        import psutil
+
+        raylet = self._node(node_id).all_processes["raylet"][0].process.pid
+        kids = psutil.Process(raylet).children(recursive=True)
+        return [raylet, *(k.pid for k in kids)]
+
+    def remove(self, node_id: str) -> float:
+        """Kill the node's processes at once, as a host lost; when it was hit."""
+        t = time.monotonic()
+        self.cluster.remove_node(self._node(node_id), allow_graceful=False)
+        return t
+
+    def close(self) -> None:
+        import shutil
+
+        import ray
+
+        ray.shutdown()
+        if getattr(self, "cluster", None) is not None:
+            self.cluster.shutdown()
+        if self._tmpdir_before is None:
+            os.environ.pop("RAY_TMPDIR", None)
+        else:
+            os.environ["RAY_TMPDIR"] = self._tmpdir_before
+        shutil.rmtree(self.temp_dir, ignore_errors=True)
 
 
 def _on_prepare(llm: Any, pick: Callable[[Any], list[int]], fault: Fault) -> asyncio.Future:
@@ -401,19 +500,45 @@ async def _until(pred: Callable[[], bool], timeout_s: float) -> bool:
 
 async def run_cell(opts: argparse.Namespace, target: str, kind: str) -> dict[str, Any]:
     """One cell of the matrix (see the module docstring)."""
-    llm = await asyncio.to_thread(make_llm, opts.model, opts.dtype, opts.size, True)
+    on_ray = target == "ray-node"
+    # Ray sets signal handlers as it starts and stops: on the main thread, not a worker.
+    cluster = LoopbackRayCluster(opts.size) if on_ray else None
+    ray = {"ray_address": cluster.address} if cluster is not None else None
+    tp = 2 if target == "tp-worker" else 1
+    try:
+        llm = await asyncio.to_thread(
+            make_llm, opts.model, opts.dtype, opts.size, True, ray=ray, tp=tp
+        )
+    except BaseException:
+        if cluster is not None:
+            cluster.close()
+        raise
     llm.start()
     load: Load | None = None
-    fault = Fault(kind)
+    fault = Fault(kind, must_be_killed=not on_ray)
     scale: asyncio.Task | None = None
+
+    def warm_launcher_ready() -> bool:  # the Ray launcher keeps no zygote
+        return on_ray or (manager.zygote is not None and manager.zygote.ready)
+
     try:
         manager, size = llm.client.manager, opts.size
         load = Load(llm, opts.streams, opts.max_tokens, seed=opts.seed)
         await _warm(load, opts)
-        await _until(lambda: manager.zygote is not None and manager.zygote.ready, 120)
+        await _until(warm_launcher_ready, 120)
         history0 = len(llm.scaling_history())
+        rank1 = llm.client.topology.engine_ids[1]
         if target == "engine":
-            t_fault = fault.hit(manager.procs[llm.client.topology.engine_ids[1]].pid)
+            t_fault = fault.hit(manager.procs[rank1].pid)
+        elif target == "tp-worker":
+            t_fault = fault.hit(llm.processes()[rank1]["worker_pids"][-1])
+        elif target == "ray-node":
+            assert cluster is not None
+            node = llm.processes()[rank1]["node"]
+            if kind == "kill":
+                fault.at = t_fault = cluster.remove(node)
+            else:
+                t_fault = fault.hit(*cluster.node_pids(node))
         elif target == "coordinator":
             t_fault = fault.hit(llm.client.coordinator.proc.pid)
         elif target == "zygote":
@@ -442,8 +567,7 @@ async def run_cell(opts: argparse.Namespace, target: str, kind: str) -> dict[str
                 and faults["degraded"] is None
                 and not llm.is_scaling_elastic_ep()
                 and (coord is None or coord.is_alive())
-                and manager.zygote is not None
-                and manager.zygote.ready
+                and warm_launcher_ready()
             )
 
         if not await _until(settled, 300):
@@ -460,9 +584,13 @@ async def run_cell(opts: argparse.Namespace, target: str, kind: str) -> dict[str
         if load is not None:
             await load.cancel()
         await llm.shutdown()
+        if cluster is not None:
+            cluster.close()
     reqs = load.reqs
     return {
         "target": target,
+        "tensor_parallel_size": tp,
+        "backend": "ray" if on_ray else "mp",
         "fault": kind,
         **_outcome(reqs, opts, t_fault, t_new, final_size),
         "operations": [
@@ -632,6 +760,8 @@ async def run_matrix(opts: argparse.Namespace) -> dict[str, Any]:
     cells = []
     for target in opts.targets:
         for kind in opts.faults:
+            if (target, kind) in SKIPPED_CELLS:
+                continue
             cell = await run_cell(opts, target, kind)
             cells.append(cell)
             print(json.dumps({"benchmark": "faults-matrix", **cell}), flush=True)
