@@ -428,6 +428,54 @@ def test_engine_death_during_commit_waits_for_the_outcome():
     assert resp.record.phase is ScalePhase.ROLLED_BACK and c.dead == {0}
 
 
+def _down_to_one(c: ScaleController) -> None:
+    """2 -> 1: engine 1 leaves (excluded from routing), engine 0 stays."""
+    resp, out = c.request_scale(ScaleRequest(1, drain_timeout_s=5.0, operation_id="a"), 0.0)
+    assert one(out, ExcludeFromRouting).engine_ids == (1,) and resp.record.leaving == [1]
+
+
+def _restored_before_moved(out, restored: int, moved: int) -> None:
+    kinds = [(type(a), getattr(a, "engine_ids", getattr(a, "engine_id", None))) for a in out]
+    assert (RestoreRouting, (restored,)) in kinds and (MigrateRequests, moved) in kinds
+    assert kinds.index((RestoreRouting, (restored,))) < kinds.index((MigrateRequests, moved))
+
+
+def test_staying_engine_dies_during_a_scale_down_prepare():
+    """Engine 0's requests move only once the rollback made engine 1 routable again:
+    moved first, every one would fail (the only other engine was draining)."""
+    c = ctl(2)
+    _down_to_one(c)
+    out = c.handle(EngineExited(0, "killed"), 0.5)
+    assert c.history["a"].phase is ScalePhase.ROLLED_BACK and c.dead == {0}
+    _restored_before_moved(out, 1, 0)
+    assert one(out, MigrateRequests) == MigrateRequests(0, None, "a")
+
+
+def test_staying_engine_dies_during_a_scale_down_commit():
+    c = ctl(2)
+    _down_to_one(c)
+    all_report(c, [0, 1], ScaleEvent.PREPARED, 0.1)
+    out = c.handle(EngineExited(0, "killed"), 0.5)
+    assert of(out, MigrateRequests) == []  # engine 1 is draining, the outcome open
+    out = c.handle(rep(c, 1, ScaleEvent.ROLLED_BACK, cause="DP group failed"), 0.6)
+    assert c.history["a"].phase is ScalePhase.ROLLED_BACK
+    _restored_before_moved(out, 1, 0)
+    assert one(out, MigrateRequests) == MigrateRequests(0, None, "a")
+
+
+def test_staying_engine_dies_while_a_scale_down_outcome_is_unknown():
+    c = ctl(2)
+    _down_to_one(c)
+    all_report(c, [0, 1], ScaleEvent.PREPARED, 0.1)
+    c.tick(0.1 + T.commit_s)
+    rec = c.history["a"]
+    assert rec.phase is ScalePhase.FAILED
+    assert of(c.handle(EngineExited(0, "killed"), 11.0), MigrateRequests) == []
+    out = c.handle(rep_for(rec, 1, ScaleEvent.ROLLED_BACK, cause="x"), 12.0)
+    assert rec.resolution == "rolled_back"
+    _restored_before_moved(out, 1, 0)
+
+
 def test_commit_outcome_unknown_then_resolved_late():
     c = ctl(2)
     resp, _ = c.request_scale(ScaleRequest(1, operation_id="a"), 0.0)

@@ -45,6 +45,7 @@ class FakeClient:
         self.excluded: set[int] = set()
         self.dead_reason = None
         self.migrate_counts: dict[int, int] = {}
+        self.failed_moves: list[int] = []  # engines whose requests found no target
 
     def set_topology(self, topology: Topology) -> None:
         self.calls.append(("set_topology", topology))
@@ -65,6 +66,10 @@ class FakeClient:
     def migrate(self, engine_id: int, request_ids: Iterable[str] | None = None) -> int:
         ids = None if request_ids is None else tuple(request_ids)
         self.calls.append(("migrate", engine_id, ids))
+        if not set(self.topology.engine_ids) - self.excluded - {engine_id}:
+            # The real client fails each request: "every DP rank is draining".
+            self.failed_moves.append(engine_id)
+            return 0
         return len(ids) if ids is not None else self.migrate_counts.get(engine_id, 0)
 
     def sent(self, kind: type) -> list[tuple]:
@@ -320,6 +325,36 @@ def test_dead_member_found_while_serving_is_excluded_and_its_requests_migrate():
         await until(lambda: ("exclude", (1,)) in client.calls)
         assert ("migrate", 1, None) in client.calls
         assert driver.controller.dead == {1}
+        driver.close()
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("phase", ["prepare", "commit"])
+def test_staying_engine_death_in_a_scale_down_moves_its_requests_after_the_rollback(phase):
+    """2 -> 1, engine 1 draining, engine 0 (the one staying) killed: the rollback makes
+    engine 1 routable again before engine 0's requests move, so none of them fails."""
+
+    async def main() -> None:
+        driver, client, procs, _, _ = make(2)
+        client.migrate_counts[0] = 3
+        call = asyncio.create_task(driver.scale(1, drain_timeout_s=5.0, operation_id="down"))
+        await until(lambda: client.sent(ScalePrepare))
+        assert client.excluded == {1}
+        if phase == "commit":
+            for e in (0, 1):
+                report(driver, e, ScaleEvent.PREPARED)
+            await until(lambda: client.sent(ScaleCommit))
+        driver.on_exit(0, -9)
+        if phase == "commit":
+            await until(lambda: ("exclude", (0,)) in client.calls)
+            report(driver, 1, ScaleEvent.ROLLED_BACK, cause="DP group failed")
+        resp = await asyncio.wait_for(call, 5)
+        assert resp.record.result == "rolled_back" and "engine" in resp.record.cause
+        await until(lambda: ("migrate", 0, None) in client.calls)
+        assert client.failed_moves == [] and client.excluded == {0}
+        calls = client.calls
+        assert calls.index(("restore", (1,))) < calls.index(("migrate", 0, None))
         driver.close()
 
     asyncio.run(main())

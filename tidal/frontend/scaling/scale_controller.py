@@ -35,7 +35,10 @@ never touched. The caller gets the cause; the controller is idle again at the ol
 topology, so the next operation starts from a clean state.
 
 A member found dead (``EngineExited`` of a current engine) is recorded and its requests
-migrate at once (``MigrateRequests(engine, None)``); the next operation removes it
+migrate at once (``MigrateRequests(engine, None)``) -- unless every other live member is
+leaving (excluded from routing: the one staying in a scale-down died), then once the
+operation's outcome makes one routable again (after the rollback's ``RestoreRouting``,
+or the commit's ``PublishTopology``); the next operation removes it
 (``dead`` in its plan: no copy is taken from it, the consensus runs on the standby
 group), so "scale to the same size" replaces it.
 
@@ -183,6 +186,9 @@ class _Operation:
         self.rolled: set[int] = set()  # participants that reported FAILED / ROLLED_BACK
         self.prepare_sent = False
         self.outcome: str | None = None  # "committed" | "rolled_back", once known
+        # Members that died while no engine could take their requests (the others were
+        # leaving, so excluded from routing): migrated once the outcome restores routing.
+        self.deferred: list[int] = []
 
     @property
     def old_mode(self) -> bool:
@@ -709,7 +715,7 @@ class ScaleController:
         # Members that died or rolled back during the operation (a joiner with no say,
         # state race 4) are dead members of the new epoch: stopped, replaced next time.
         self.dead = (self.dead | op.exited | op.rolled) & set(new.engine_ids)
-        out: list[Action] = [PublishTopology(new)]
+        out: list[Action] = [PublishTopology(new), *self._release_deferred(op)]
         still_running = tuple(e for e in new.engine_ids if e in op.rolled - op.exited)
         if still_running:
             op.exited |= set(still_running)
@@ -728,9 +734,16 @@ class ScaleController:
         # Whatever the ownership table still gives it resumes elsewhere: nothing is lost,
         # whichever phase it died in (a leaving engine normally has nothing left).
         running = self._op or self._unresolved
-        out: list[Action] = [
-            MigrateRequests(e, None, None if running is None else running.record.operation_id)
-        ]
+        out: list[Action] = []
+        if running is not None and not self._routable_besides(running, e):
+            # Only leaving engines are left to route to, so a move now would fail every
+            # request; the rollback (or the commit) that ends this operation makes a
+            # target routable again, and moves them then.
+            running.deferred.append(e)
+        else:
+            out.append(
+                MigrateRequests(e, None, None if running is None else running.record.operation_id)
+            )
         if e in self.topology and e not in self.dead:
             self.dead.add(e)  # a member of what is served: the next operation removes it
             self.deaths.append(DeathRecord(e, self.topology.epoch, now, ev.cause))
@@ -775,9 +788,22 @@ class ScaleController:
         leaving = op.alive(op.plan.leaving)
         if leaving and op.prepare_sent:
             out.append(RestoreRouting(leaving))
+        out += self._release_deferred(op)  # after RestoreRouting: they are targets again
         # The joiners' ids were handed out: never again (their late messages stay former).
         self.topology = self.topology.retire_ids(op.plan.joining)
         return out + self._finish(op, now, ScalePhase.ROLLED_BACK, cause)
+
+    def _routable_besides(self, op: _Operation, engine_id: int) -> bool:
+        """Whether a live member other than ``engine_id`` takes requests while ``op``
+        runs (its leaving engines are excluded from routing once the PREPARE is out)."""
+        excluded = set(op.plan.leaving) if op.prepare_sent else set()
+        return any(m != engine_id and m not in excluded for m in self.live_members)
+
+    def _release_deferred(self, op: _Operation) -> list[Action]:
+        """The deferred moves, once routing follows the operation's outcome."""
+        out: list[Action] = [MigrateRequests(e, None, op.record.operation_id) for e in op.deferred]
+        op.deferred.clear()
+        return out
 
     def _settle(self, op: _Operation, now: float) -> list[Action]:
         """Outcome open, and nobody left who could commit: it is a rollback."""
@@ -821,6 +847,7 @@ class ScaleController:
             leaving = op.alive(op.plan.leaving)
             if leaving:
                 out.append(RestoreRouting(leaving))
+            out += self._release_deferred(op)
             self.topology = self.topology.retire_ids(op.plan.joining)
         op.record.warnings.append(f"outcome learnt at {now:.3f}: {op.outcome}")
         self._unresolved = None
