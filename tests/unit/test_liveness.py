@@ -65,16 +65,72 @@ def test_after_a_group_failure_silence_is_judged_sooner_for_a_while():
 
 def test_ranks_silent_together_are_declared_together():
     """A lost host: its ranks' last frames are up to a heartbeat interval apart, so one
-    crosses the limit a round before the other; both are declared in that round."""
+    crosses the limit a round before the other; its verdict waits for the other's, and
+    both come in one list (one recovery)."""
     lv = Liveness(silence_s=3.0, sweep_margin_s=1.0, min_sweep_s=1.25)
     lv.expect([0, 1, 2, 3], 0.0)
-    lv.heard(0, 10.0)  # the survivor: spoke just now
-    lv.heard(1, 10.0)
     lv.heard(2, 6.9)  # host lost at ~7: rank 2 spoke last at 6.9, rank 3 at 7.4
     lv.heard(3, 7.4)
-    out = lv.check(10.0, [0, 1, 2, 3])
+    for t in (10.0, 10.4):  # rank 2 past 3 s, rank 3 not yet: wait for it
+        lv.heard(0, t)  # the survivors speak
+        lv.heard(1, t)
+        assert lv.check(t, [0, 1, 2, 3]) == []
+    lv.heard(0, 10.5)
+    lv.heard(1, 10.5)
+    out = lv.check(10.5, [0, 1, 2, 3])
     assert ids(out) == [(2, Finding.SILENT), (3, Finding.SILENT)]
-    assert "silent past" in out[1].cause  # declared with the other, below its own limit
+    assert "3.6s" in out[0].cause and "3.1s" in out[1].cause  # each past its own limit
+
+
+def test_a_starved_rank_is_asked_not_swept_with_a_dead_one_after_a_group_failure():
+    """A GROUP_FAILED: engine 0 is dead; engine 1 lives but was starved of CPU for 1.5 s
+    (in the sweep band below the 2 s limit). Its next heartbeat answers for it: only
+    engine 0 is declared."""
+    lv = Liveness(
+        silence_s=3.0,
+        suspect_silence_s=2.0,
+        suspect_for_s=3.0,
+        sweep_margin_s=1.0,
+        min_sweep_s=1.25,
+    )
+    lv.expect([0, 1, 2], 0.0)
+    lv.heard(0, 8.0)  # engine 0 died just after
+    lv.heard(1, 8.6)  # engine 1 starved from here
+    lv.heard(2, 10.0)
+    lv.suspect(9.0)
+    assert lv.check(10.1, [0, 1, 2]) == []  # 0 past 2 s; 1 silent 1.5 s: wait for it
+    lv.heard(1, 10.3)  # it speaks
+    lv.heard(2, 10.3)
+    assert ids(lv.check(10.6, [0, 1, 2])) == [(0, Finding.SILENT)]
+    assert lv.check(11.0, [1, 2]) == []
+
+
+def test_the_last_rank_is_judged_by_the_full_limit_after_a_group_failure():
+    """--dp 2: engine 0 died (its exit is handled, so it is forgotten); engine 1 is starved
+    for 2.5 s, past the shorter limit a group failure sets. Declaring it would leave
+    nothing: only the full silence limit does."""
+    lv = Liveness(silence_s=3.0, suspect_silence_s=2.0, suspect_for_s=3.0)
+    lv.expect([0, 1], 0.0)
+    lv.heard(1, 8.0)
+    lv.suspect(8.2)
+    lv.forget(0)
+    assert lv.check(10.5, [1]) == []  # 2.5 s: past 2, not 3
+    assert ids(lv.check(11.1, [1])) == [(1, Finding.SILENT)]
+
+
+def test_a_dead_rank_waits_for_the_band_at_most_the_sweep_margin():
+    """Engines entering the band one after the other do not hold a verdict for longer
+    than ``sweep_margin_s``."""
+    lv = Liveness(silence_s=3.0, sweep_margin_s=1.0, min_sweep_s=1.25)
+    lv.expect([0, 1, 2], 0.0)
+    lv.heard(0, 6.9)
+    lv.heard(1, 7.9)  # in the band at 10.0 (2.1 s) ...
+    lv.heard(2, 8.3)  # ... engine 2 at 10.4
+    assert lv.check(10.0, [0, 1, 2]) == []
+    lv.heard(1, 10.4)  # engine 1 speaks
+    assert lv.check(10.5, [0, 1, 2]) == []  # engine 2 in the band now
+    out = lv.check(11.0, [0, 1, 2])  # held for 1 s: the dead one goes alone
+    assert ids(out) == [(0, Finding.SILENT)]
 
 
 def test_a_live_rank_is_not_swept_with_a_dead_one():

@@ -21,14 +21,19 @@ Rules (``check``):
    nothing yet and is not silent.
 2. A round in which the caller's own loop stalled (``loop_stalled``) judges nothing: the
    frames may be waiting unread, so the silences measured are not the engines'.
-3. Deaths found together are declared together: when one watched engine crosses its
-   silence limit, every other watched engine silent for longer than that limit less
-   ``sweep_margin_s`` (at least ``min_sweep_s``) is declared with it -- the ranks of a
-   lost host stop at one instant, but their last frames, and so the rounds in which they
-   would cross the limit, differ by up to a heartbeat interval. One verdict list, one
-   recovery. (A live engine is that silent only when it is starved for seconds; it would
-   then be killed and recovered from like a dead one: nothing is lost.)
+3. Deaths found together are declared together, and only engines past their own limit
+   are: the ranks of a lost host stop at one instant, but their last frames, and so the
+   rounds in which they cross the limit, differ by up to a heartbeat interval. So when
+   one watched engine crosses its limit while others have been silent for longer than
+   that limit less ``sweep_margin_s`` (at least ``min_sweep_s``), its verdict waits
+   until each of those either speaks (it lives: not declared) or crosses the limit too
+   -- at most ``sweep_margin_s``. One verdict list, one recovery, and a live engine
+   merely starved for a second or two is never killed with the dead: its next
+   heartbeat answers for it.
 4. An engine is declared once; ``forget`` stops watching it (gone, or no longer ours).
+5. The shorter limit after a GROUP_FAILED never declares every engine still watched
+   (at ``--dp 2``, the survivor of its peer's death): a starved survivor is told from a
+   lost deployment by the full ``silence_s`` only.
 
 Races:
 - A frame that arrives just after a verdict is too late: the engine is being killed.
@@ -85,6 +90,7 @@ class Liveness:
         self._busy: dict[int, tuple[int, float]] = {}  # engine -> (iteration, busy since)
         self._declared: set[int] = set()
         self._suspect_until = float("-inf")
+        self._holding_since: float | None = None  # a verdict waits for others (rule 3)
 
     # ------------------------------------------------------------------ inputs
 
@@ -130,17 +136,27 @@ class Liveness:
         if loop_stalled:
             return []
         candidates = sorted(e for e in set(watched) if e in self._last and e not in self._declared)
-        limit = self.silence_limit(now)
         silences = {e: now - self._last[e] for e in candidates}
+        limit = self.silence_limit(now)
+        past = [e for e in candidates if silences[e] > limit]
+        if past and len(past) == len(candidates) and limit < self.silence_s:
+            limit = self.silence_s  # rule 5: it would leave no engine at all
+            past = [e for e in candidates if silences[e] > limit]
         out: list[Verdict] = []
-        if any(s > limit for s in silences.values()):
+        if not past:
+            self._holding_since = None
+        else:
             sweep = max(limit - self.sweep_margin_s, self.min_sweep_s)
-            for e, s in silences.items():
-                if s > sweep:
-                    why = "" if s > limit else f", with engines silent past {limit:g}s"
-                    out.append(Verdict(e, Finding.SILENT, f"no heartbeat for {s:.1f}s{why}"))
+            closing = any(sweep < s <= limit for s in silences.values())
+            if self._holding_since is None:
+                self._holding_since = now
+            if not closing or now - self._holding_since >= self.sweep_margin_s:
+                self._holding_since = None
+                out = [
+                    Verdict(e, Finding.SILENT, f"no heartbeat for {silences[e]:.1f}s") for e in past
+                ]
         if self.stall_s > 0:
-            silent = {v.engine_id for v in out}
+            silent = set(past)  # held ones included: silence, not a stall, is their finding
             for e in candidates:
                 busy = self._busy.get(e)
                 if e in silent or busy is None or now - busy[1] <= self.stall_s:
