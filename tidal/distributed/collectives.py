@@ -11,7 +11,15 @@ input thread aborts every epoch below a recovery's when that recovery's PREPARE 
 It also tells whether a given thread (the busy loop's) is *waiting on its peers* right
 now: the step-progress watchdog (``--engine-stall-timeout``) must not take a rank that
 waits for a stuck peer for the stuck one. (Helper threads wait in standby barriers for a
-long time; that says nothing about the busy loop.)
+long time; that says nothing about the busy loop.) Two kinds of wait, one answer:
+
+- a host wait (gloo): the thread is inside the collective's ``wait`` (``waiting``);
+- a device wait (NCCL): the call returns at once and the *device* waits; the thread
+  blocks later, in whatever reads a result back. Each such collective is recorded
+  (``enqueued``) with a probe that says whether the device has reached it (everything
+  ordered before it on the stream is done). The oldest collective of the thread not yet
+  completed is where the device is: reached, it waits on the peers; not reached, the
+  rank's own work runs (or hangs) before it, which is no wait on the peers.
 
 Thread-safety: ``abort`` and the queries run on any thread (input, output, busy loop);
 ``waiting`` is entered and left by the thread that runs the collective.
@@ -30,7 +38,13 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator
+from collections import deque
+from collections.abc import Callable, Iterator
+from typing import Any
+
+# A device collective the control tracks: (its group's key, whether the device reached
+# it, its ``Work``).
+_DeviceWait = tuple[int, Callable[[], bool], Any]
 
 
 class CollectiveControl:
@@ -41,6 +55,7 @@ class CollectiveControl:
         self._aborted_below = -1  # epochs < this are aborted
         self._cause: str | None = None
         self._waiting: dict[int, int] = {}  # thread ident -> collectives waiting there
+        self._device: dict[int, deque[_DeviceWait]] = {}  # thread ident -> oldest first
 
     def abort(self, below_epoch: int, cause: str) -> None:
         """Every collective of a group of an epoch below ``below_epoch`` fails now (and any
@@ -72,7 +87,48 @@ class CollectiveControl:
                 if n:
                     self._waiting[me] = n
 
-    def is_waiting(self, thread_id: int) -> bool:
-        """Whether thread ``thread_id`` waits in a collective now."""
+    def enqueued(self, group_key: int, reached: Callable[[], bool], work: Any) -> None:
+        """A device collective this thread enqueued on group ``group_key``: ``reached()``
+        whether the device got to it, ``work.is_completed()`` whether it ended."""
+        me = threading.get_ident()
         with self._lock:
-            return thread_id in self._waiting
+            self._device.setdefault(me, deque()).append((group_key, reached, work))
+            self._prune(me)
+
+    def drop(self, group_key: int) -> None:
+        """Group ``group_key`` is destroyed: its collectives, abandoned, say nothing any
+        more (one a dead peer held would never complete)."""
+        with self._lock:
+            for thread_id, waits in list(self._device.items()):
+                kept = deque(w for w in waits if w[0] != group_key)
+                if kept:
+                    self._device[thread_id] = kept
+                else:
+                    del self._device[thread_id]
+
+    def is_waiting(self, thread_id: int) -> bool:
+        """Whether thread ``thread_id`` waits on its peers now: in a collective's wait, or
+        behind a device collective the device reached and its peers have not."""
+        with self._lock:
+            if thread_id in self._waiting:
+                return True
+            self._prune(thread_id)
+            waits = self._device.get(thread_id)
+            return bool(waits) and _probe(waits[0][1])
+
+    def _prune(self, thread_id: int) -> None:
+        """Forget the thread's oldest device collectives that completed (lock held)."""
+        waits = self._device.get(thread_id)
+        while waits and _probe(waits[0][2].is_completed, failed=True):
+            waits.popleft()
+        if waits is not None and not waits:
+            del self._device[thread_id]
+
+
+def _probe(query: Callable[[], bool], failed: bool = False) -> bool:
+    """``query()``; ``failed`` if it raises (a device error: the collective is over, and
+    the busy loop's own failure will tell the rest)."""
+    try:
+        return bool(query())
+    except Exception:  # noqa: BLE001 - called from the heartbeat thread: never raise
+        return failed

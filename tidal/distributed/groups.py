@@ -38,6 +38,15 @@ On torch 2.13 gloo natively supports all-gather, reduce-scatter (``_reduce_scatt
 and uneven all-to-all (``alltoall_base``) on CPU; where a build lacks reduce-scatter we fall
 back to all-reduce + slice (costs ``world_size`` times the reduce-scatter traffic).
 
+Waiting on peers (``CollectiveControl``): a group made with a control tells it when the
+calling thread waits on its peers, whatever the backend -- a gloo wait while it runs, an
+NCCL collective as one the device may wait in (``CollectiveControl.enqueued``, with a
+CUDA event recorded on the current stream before its wait: it completes when the
+collective can start) -- so the stall watchdog never takes a rank that waits for a
+stuck peer for the stuck one. On either backend a collective of an aborted epoch fails
+before it starts; only gloo waits are abortable once started (an NCCL wait returns at
+once).
+
 A group is not thread-safe: use it from one thread (the engine busy loop).
 """
 
@@ -46,7 +55,7 @@ from __future__ import annotations
 import datetime
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import msgspec
@@ -173,8 +182,9 @@ class StatelessGroup:
         self._native_reduce_scatter = True
         self._destroyed = False
         self._failure = failure
+        self._control = control
         # Abortable waits: gloo only (an NCCL wait returns at once; the device waits).
-        self._control = control if backend_name == "gloo" else None
+        self._abortable = control is not None and backend_name == "gloo"
         self._abandoned: Any = None  # the work of an aborted wait, still running in gloo
 
     # ------------------------------------------------------------------ construction
@@ -264,6 +274,8 @@ class StatelessGroup:
         if self._destroyed:
             return
         self._destroyed = True
+        if self._control is not None:
+            self._control.drop(id(self))
         try:
             self._backend.shutdown()
         except Exception as e:  # noqa: BLE001 - best effort: peers may already be gone
@@ -288,13 +300,13 @@ class StatelessGroup:
 
     @property
     def abortable(self) -> bool:
-        return self._control is not None
+        return self._abortable
 
     def _private(self, t: torch.Tensor) -> torch.Tensor:
         """The buffer an in-place collective writes: ``t`` itself, or a copy when the
         wait may be aborted (an abandoned operation may still write it later) or ``t``
         is not contiguous. The caller copies it back on success."""
-        if self._control is not None or not t.is_contiguous():
+        if self._abortable or not t.is_contiguous():
             return t.clone(memory_format=torch.contiguous_format)
         return t
 
@@ -304,6 +316,13 @@ class StatelessGroup:
         control = self._control
         if control is None:
             _wait(work, self.prefix, self._failure)
+            return
+        if not self._abortable:
+            # A device backend: ``wait`` orders the current stream after the collective
+            # and returns; how long the device waits on the peers, the control learns.
+            reached = _device_mark()
+            _wait(work, self.prefix, self._failure)
+            control.enqueued(id(self), reached, work)
             return
         with control.waiting():
             while True:
@@ -373,7 +392,7 @@ class StatelessGroup:
         if inp.numel() == 0:
             return out
         inp = inp.contiguous()
-        if self._control is not None and op in _LOCAL_REDUCE:
+        if self._abortable and op in _LOCAL_REDUCE:
             return self._reduce_scatter_via_all_to_all(out, inp, op)
         if self._native_reduce_scatter:
             opts = dist.ReduceScatterOptions()
@@ -537,6 +556,14 @@ class StatelessGroup:
             f"StatelessGroup(prefix={self.prefix!r}, rank={self.rank}, "
             f"world_size={self.world_size}, backend={self.backend_name}, {state})"
         )
+
+
+def _device_mark() -> Callable[[], bool]:
+    """Whether the device reached this point of the current stream (a CUDA event recorded
+    now): before a collective is waited for, whether it can run (all it follows is done)."""
+    event = torch.cuda.Event()
+    event.record()
+    return event.query
 
 
 def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
