@@ -165,6 +165,48 @@ def test_rank_dying_during_a_scale_up_rolls_it_back_then_recovers(qwen3_ckpt, re
     asyncio.run(main())
 
 
+def test_staying_rank_dying_during_a_scale_down_moves_its_streams_to_the_draining_one(
+    qwen3_ckpt,
+    reference,  # noqa: F811
+):
+    """2 -> 1: engine 1 leaves (drains, excluded from routing), engine 0 stays and is
+    killed with streams in flight, as the PREPARE goes out. The scale-down rolls back, so
+    engine 1 serves again; engine 0's streams move there only once it does, and complete
+    unchanged (moved before, each failed: "every DP rank is draining"). Then the
+    recovery removes engine 0. (The same death during COMMITTING: the unit tests.)"""
+
+    async def main() -> None:
+        llm = _llm(qwen3_ckpt, 2)
+        try:
+            pinned = await _pinned(llm, 0)  # streaming on the rank that stays
+
+            def kill_staying(message, engine_ids) -> None:
+                if isinstance(message, ScalePrepare) and message.operation_id == "down":
+                    _kill(llm, 0)  # the scale-down's message only, not the recovery's
+
+            with _on_send(llm, kill_staying):
+                code, rec = await llm.scale_elastic_ep(1, 30.0, "down")
+            assert (code, rec["result"]) == (200, "rolled_back"), rec
+            assert rec["leaving"] == [1] and "engine" in rec["cause"], rec
+            assert await pinned[0] == reference[LONG]
+            assert await pinned[1] == reference[RICH]
+            assert await wait_until_async(
+                lambda: any(r["result"] for r in _records(llm, "recovery"))
+            )
+            (recovery,) = _records(llm, "recovery")
+            assert recovery["result"] == "succeeded" and recovery["dead"] == [0], recovery
+            assert _live(llm) == ([1], [1])
+            (death,) = llm.fault_status()["deaths"]
+            assert death["engine_id"] == 0 and death["requests_migrated"] >= 2  # they moved
+            assert await _run(llm, "after", 0) == reference[0]  # engine 1 serves
+            assert len(llm.client.request_book) == 0
+        finally:
+            await llm.shutdown()
+        assert wait_until(_no_children_left)
+
+    asyncio.run(main())
+
+
 def test_joiner_dying_after_prepared_is_a_death_of_the_new_epoch(qwen3_ckpt, reference):  # noqa: F811
     """The survivors decide the commit alone (their all-reduce); a joiner killed once it
     reported PREPARED fails their first collective on the new group. The commit stands,
