@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from collections.abc import Iterable
 from typing import Any
@@ -200,9 +201,25 @@ class AsyncMPClient(MPClient):
     def _declare_dead(self, engine_id: int, cause: str) -> None:
         """An engine that stopped without dying (frozen, stuck): SIGKILL it if it runs
         here (its sockets close, so peers blocked on it fail at once), then handle it as
-        an exit (DESIGN.md 6.5)."""
-        self.manager.kill(engine_id)
+        an exit (DESIGN.md 6.5).
+
+        The kill runs on a thread of its own: a launcher's kill may wait (a Ray rank's
+        actor on a lost node), and the loop must keep reading the survivors' heartbeats
+        and sending them ours meanwhile, or they would take the frontend for dead too. Not
+        the default executor: the scale driver's long waits may fill it."""
+        threading.Thread(
+            target=self._kill_engine,
+            args=(engine_id,),
+            name=f"kill-engine-{engine_id}",
+            daemon=True,
+        ).start()
         self._handle_engine_exit(engine_id, None, cause)
+
+    def _kill_engine(self, engine_id: int) -> None:
+        try:
+            self.manager.kill(engine_id)
+        except Exception:  # noqa: BLE001 - its exit is handled already; the reap kills it
+            logger.exception("engine %d: kill failed", engine_id)
 
     def _watch_coordinator(self, now: float, loop_stalled: bool) -> None:
         """A dead coordinator is restarted; one silent past ``COORDINATOR_TIMEOUT_S``

@@ -83,6 +83,8 @@ ACTOR_START_TIMEOUT_S = 120.0
 # Actor threads: wait_exit blocks one; info, start and signal need the others.
 ACTOR_THREADS = 4
 REACH_TIMEOUT_S = 5.0  # a TCP connect to the cluster's address
+# A live actor answers a kill in milliseconds; past this it is killed itself.
+KILL_ANSWER_TIMEOUT_S = 2.0
 
 
 class LauncherError(LauncherUnavailable):
@@ -144,14 +146,26 @@ class RayEngine:
     def kill(self) -> None:
         """SIGKILL to the engine through its actor (works on a frozen engine: the actor
         is another process); when the actor cannot be reached, the actor is killed, and
-        its engine, which watches it, leaves."""
+        its engine, which watches it, leaves. Returns at once: the actor's answer is
+        waited for on a thread of its own, since callers (the liveness check on the event
+        loop, a stop of several ranks) must not wait seconds per rank of a lost node."""
         if self._done.is_set():
             return
         ref = self._slot.actor.signal.remote(True)
+        threading.Thread(
+            target=self._confirm_kill, args=(ref,), name=f"ray-kill-{self.name}", daemon=True
+        ).start()
+
+    def _confirm_kill(self, ref: ray.ObjectRef) -> None:
         try:
-            ray.get(ref, timeout=2.0)
+            ray.get(ref, timeout=KILL_ANSWER_TIMEOUT_S)
         except (GetTimeoutError, RayError):
-            ray.kill(self._slot.actor, no_restart=True)
+            try:
+                ray.kill(self._slot.actor, no_restart=True)
+            except (RayError, ValueError):
+                pass  # gone already (closed meanwhile)
+        except Exception:  # noqa: BLE001 - Ray shut down under us: nothing is left to kill
+            logger.debug("%s: kill not confirmed", self.name, exc_info=True)
 
     def join(self, timeout: float | None = None) -> None:
         self._done.wait(timeout)
