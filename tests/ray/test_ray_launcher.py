@@ -1,10 +1,13 @@
 """The Ray launcher alone (``tidal/frontend/launchers/ray.py``) on a two-node cluster of one
 CPU per node, with a stand-in engine (``idle_engine``): ranks numbered node by node, a
 placement that cannot happen in time rolls back naming the missing CPU, a rank's exit and
-its actor's death turn its sentinel readable, and closing frees every group and actor."""
+its actor's death turn its sentinel readable, and closing frees every group and actor; a
+rank started ahead (warm spare) that fails to start leaves nothing behind and is replaced."""
 
 from __future__ import annotations
 
+import logging
+import threading
 from multiprocessing.connection import wait as wait_sentinels
 
 import psutil
@@ -30,6 +33,12 @@ def config(qwen3_ckpt):
         ray_placement_timeout_s=3.0,
         device="cpu",
     ).create_engine_config()
+
+
+@pytest.fixture(scope="module")
+def spare_config(config):
+    """``config`` keeping one rank started ahead."""
+    return config.with_parallel(ray_warm_ranks=1)
 
 
 def _free_cpus() -> float:
@@ -86,3 +95,60 @@ def test_launcher_places_numbers_and_frees(ray_cluster, config):
         launcher.close()
     assert wait_until(lambda: _free_cpus() == 2.0, 30)
     assert wait_until(lambda: not _live_actors(), 30)
+
+
+def _live_groups(launcher) -> list:
+    """The launcher's placement groups not removed, from the GCS."""
+    from ray.util.placement_group import placement_group_table
+
+    prefix = f"tidal-{launcher._tag}-"
+    return [
+        g
+        for g in placement_group_table().values()
+        if g["name"].startswith(prefix) and g["state"] != "REMOVED"
+    ]
+
+
+def test_a_spare_that_fails_to_start_is_removed_and_replaced(
+    ray_cluster, spare_config, monkeypatch, caplog
+):
+    from ray.exceptions import GetTimeoutError
+
+    from tidal.frontend.launchers import ray as ray_launcher
+
+    monkeypatch.setattr(ray_launcher, "SPARE_RETRY_S", 0.1, raising=False)
+    launcher = ray_launcher.RayLauncher(spare_config, entry_module=ENTRY)
+    # The first two spares fail once their actors are up: one as Ray reports a lost
+    # actor, one with an error Ray does not raise (the keeper must outlive both).
+    failures = [GetTimeoutError("the warm launcher answered nothing"), RuntimeError("a bug")]
+    locate = launcher._locate
+
+    def failing_locate(slots):
+        locate(slots)
+        if threading.current_thread().name == "ray-spares" and failures:
+            raise failures.pop(0)
+
+    launcher._locate = failing_locate
+    ranks = {}
+    try:
+        with caplog.at_level(logging.ERROR, logger=ray_launcher.__name__):
+            ranks = launcher.start([0], "tcp://127.0.0.1:1", warm=False)
+            # The spare can only go to the other node: a failed one that kept its group
+            # would hold that node's CPU, and no replacement could be placed.
+            assert wait_until(lambda: not failures and len(launcher._spares) == 1, 120)
+        failed = [r for r in caplog.records if "failed to start" in r.getMessage()]
+        assert len(failed) == 2
+        assert "the warm launcher answered nothing" in failed[0].getMessage()
+        assert "a bug" in failed[1].getMessage()
+        # The rank's group and actor, and the spare's: nothing of the failed ones.
+        assert len(_live_groups(launcher)) == 2
+        assert wait_until(lambda: len(_live_actors()) == 2, 30)
+    finally:
+        for h in ranks.values():
+            h.kill()
+            h.join(10)
+            h.close()
+        launcher.close()
+    assert wait_until(lambda: not _live_groups(launcher), 30)
+    assert wait_until(lambda: not _live_actors(), 30)
+    assert wait_until(lambda: _free_cpus() == 2.0, 30)

@@ -85,6 +85,9 @@ ACTOR_THREADS = 4
 REACH_TIMEOUT_S = 5.0  # a TCP connect to the cluster's address
 # A live actor answers a kill in milliseconds; past this it is killed itself.
 KILL_ANSWER_TIMEOUT_S = 2.0
+# After a rank started ahead failed to start, the next one is tried this much later (a
+# cause that persists would otherwise make and remove an actor five times a second).
+SPARE_RETRY_S = 2.0
 
 
 class LauncherError(LauncherUnavailable):
@@ -186,10 +189,14 @@ def _free_slot(slot: _Slot) -> None:
         ray.kill(slot.actor, no_restart=True)
     except (RayError, ValueError):
         pass  # already gone
+    _remove_group(slot.pg)
+
+
+def _remove_group(pg: PlacementGroup) -> None:
     try:
-        remove_placement_group(slot.pg)
+        remove_placement_group(pg)
     except (RayError, ValueError):
-        pass
+        pass  # already removed
 
 
 class RayLauncher(Launcher):
@@ -215,6 +222,7 @@ class RayLauncher(Launcher):
         self._promoting = 0  # spares placed, their actors starting
         self._spare_ready = threading.Condition(self._lock)
         self._wake = threading.Event()
+        self._keeper_stop = threading.Event()  # set at close
         self._watcher = threading.Thread(target=self._watch, name="ray-rank-watch", daemon=True)
         self._watcher.start()
         self._keeper: threading.Thread | None = None  # started after the launch ranks
@@ -408,49 +416,77 @@ class RayLauncher(Launcher):
 
     def _keep_spares(self) -> None:
         """Keep ``ray_warm_ranks`` ranks started ahead: a group (waits for resources as
-        long as it takes), an actor, a warm engine launcher."""
+        long as it takes), an actor, a warm engine launcher. A failed turn is logged and
+        retried after ``SPARE_RETRY_S``: this thread is the only one that keeps spares."""
         while True:
             with self._lock:
                 if self._closed:
                     return
-                have = len(self._spares) + len(self._pending_spares) + self._promoting
-                short = self._want_spares - have
-            for _ in range(short):
-                pg = self._new_group()
-                with self._lock:
-                    self._pending_spares.append(pg)
-            with self._lock:
-                pending = list(self._pending_spares)
-            for pg in pending:
-                if _is_placed(pg):
-                    self._promote(pg)
-            self._wake.wait(0.2)
+            try:
+                ok = self._keep_spares_once()
+            except Exception:  # noqa: BLE001 - Ray raises several kinds; the keeper goes on
+                logger.exception("keeping ranks started ahead failed: retried")
+                ok = False
+            # Its own event: ``_wake`` stays set while ranks run, so it would not wait.
+            self._keeper_stop.wait(0.2 if ok else SPARE_RETRY_S)
 
-    def _promote(self, pg: PlacementGroup) -> None:
-        """A spare's group is placed: start its actor (with a warm launcher)."""
+    def _keep_spares_once(self) -> bool:
+        """One turn: ask for the missing groups, promote the placed ones. False when a
+        spare failed to start (the next is asked for after a pause, not at once)."""
+        with self._lock:
+            have = len(self._spares) + len(self._pending_spares) + self._promoting
+            short = self._want_spares - have
+        for _ in range(short):
+            pg = self._new_group()
+            with self._lock:
+                keep = not self._closed
+                if keep:
+                    self._pending_spares.append(pg)
+            if not keep:  # close took its list already
+                _remove_group(pg)
+                return True
+        with self._lock:
+            pending = list(self._pending_spares)
+        ok = True
+        for pg in pending:
+            if _is_placed(pg):
+                ok = self._promote(pg) and ok
+        return ok
+
+    def _promote(self, pg: PlacementGroup) -> bool:
+        """A spare's group is placed: start its actor (with a warm launcher). False when
+        it failed to start: its actor and group are removed (a scale-up would otherwise
+        find the node's resources held by nothing)."""
         with self._lock:
             if self._closed or pg not in self._pending_spares:
-                return  # taken by a scale-up meanwhile
+                return True  # taken by a scale-up meanwhile
             self._pending_spares.remove(pg)
             self._promoting += 1
-        slot = self._new_slot(pg, warm=True)
+        slot: _Slot | None = None
+        started = False
         try:
+            slot = self._new_slot(pg, warm=True)
             self._locate([slot])
             # Ready once its warm launcher has done the imports a scale-up would wait for.
             if not ray.get(slot.actor.warm_up.remote(ACTOR_START_TIMEOUT_S)):
                 logger.warning("a rank started ahead has no warm launcher: starts cold")
             logger.info("a rank started ahead is ready on Ray node %s", slot.node_id)
-        except RayError as e:
-            logger.warning("a rank started ahead failed to start (%s): replaced", e)
-            slot = None
-        with self._spare_ready:
-            self._promoting -= 1
-            keep = slot is not None and not self._closed
-            if keep:
-                self._spares.append(slot)
-            self._spare_ready.notify_all()
-        if slot is not None and not keep:
-            _free_slot(slot)
+            started = True
+        except Exception as e:  # noqa: BLE001 - whatever failed, nothing of it may stay
+            logger.error("a rank started ahead failed to start (%r): removed, replaced", e)
+        finally:
+            with self._spare_ready:
+                self._promoting -= 1
+                keep = started and not self._closed
+                if keep:
+                    self._spares.append(slot)
+                self._spare_ready.notify_all()
+            if not keep:
+                if slot is not None:
+                    _free_slot(slot)
+                else:
+                    _remove_group(pg)
+        return started
 
     def _take_spares(self, count: int) -> tuple[list[_Slot], list[PlacementGroup]]:
         """Up to ``count`` ranks started ahead, waiting for those whose actors and warm
@@ -488,6 +524,7 @@ class RayLauncher(Launcher):
             self._spares, self._pending_spares = [], []
             ranks = list(self._ranks.values())
         self._wake.set()
+        self._keeper_stop.set()
         for slot in spares:
             _free_slot(slot)
         for pg in pending:
