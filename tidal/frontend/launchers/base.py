@@ -106,6 +106,12 @@ class Launcher(ABC):
         """The address ranks reach the frontend at, given ``--data-parallel-address``."""
         return configured
 
+    def cancel(self, engine_ids: Sequence[int]) -> None:  # noqa: B027 - optional hook
+        """A ``start`` of these ranks running on another thread is no longer wanted (its
+        scale-up rolled back): it may give up early, raising ``LaunchError`` and leaving
+        nothing behind. Its caller stops whatever it returns anyway, so a launcher whose
+        ``start`` is quick ignores this."""
+
     def begin_close(self) -> None:  # noqa: B027 - optional hook
         """The deployment is shutting down: start nothing more on its behalf (the warm
         launcher's keeper stops). The ranks are stopped after this, then ``close``."""

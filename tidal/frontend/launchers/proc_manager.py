@@ -124,6 +124,10 @@ class EngineProcManager:
         self._changed = threading.Condition(self._lock)
         self._generation = 0  # monitor wait-list rebuilds
         self._expected: set[int] = set()  # being stopped: their exit is no death
+        # A launcher's start in flight (its handles not in procs yet), and those of them
+        # that stop() cancelled: ``_start`` stops them as soon as the launcher returns.
+        self._starting: set[int] = set()
+        self._cancelled: set[int] = set()
         self._reported: set[int] = set()  # exit reported once; not watched any more
         # Joining engines (elastic EP): engine id -> the handshake answer they get.
         self._joiners: dict[int, EngineAddresses] = {}
@@ -160,23 +164,38 @@ class EngineProcManager:
 
     def _start(self, engine_ids: Iterable[int], *, warm: bool = False) -> None:
         """Start these ranks through the launcher (``warm``: a scale-up). Raises what the
-        launcher raises (``LaunchError``), having started nothing."""
+        launcher raises (``LaunchError``), having started nothing; ``EngineStartError``
+        when ``stop`` cancelled the start meanwhile (what it started is stopped here)."""
         ids = list(engine_ids)
-        if self._shutting_down:
-            raise EngineDeadError("the engine manager is shut down")
-        handles = self.launcher.start(ids, self._handshake_address, warm=warm)
         with self._lock:
-            stray = self._shutting_down  # shutdown took its list already: stop them here
-            if not stray:
+            if self._shutting_down:
+                raise EngineDeadError("the engine manager is shut down")
+            self._starting.update(ids)
+        try:
+            handles = self.launcher.start(ids, self._handshake_address, warm=warm)
+            with self._lock:
+                stray = self._shutting_down  # shutdown took its list already: stop them here
+                cancelled = sorted(self._cancelled.intersection(ids))
+                if not stray and not cancelled:
+                    for e, proc in handles.items():
+                        self.procs[e] = proc
+                        self._pids[e] = proc.pid
+            if stray or cancelled:
+                # Nobody else knows these processes: stopped here, or they would hold
+                # their cores and devices (a Ray rank its actor and group) for good.
+                _end_processes(handles, force=True, timeout_s=5.0)
                 for e, proc in handles.items():
-                    self.procs[e] = proc
-                    self._pids[e] = proc.pid
-        if stray:
-            _end_processes(handles, force=True, timeout_s=5.0)
-            for e, proc in handles.items():
-                proc.close()
-                self.launcher.release(e)
-            raise EngineDeadError(f"engines {ids} started while the deployment shut down")
+                    proc.close()
+                    self.launcher.release(e)
+                if cancelled:
+                    e = cancelled[0]
+                    raise EngineStartError(e, f"engine {e} was stopped during its startup")
+                raise EngineDeadError(f"engines {ids} started while the deployment shut down")
+        finally:
+            with self._changed:  # a stop waiting for this start may return now
+                self._starting.difference_update(ids)
+                self._cancelled.difference_update(ids)
+                self._changed.notify_all()
         self._wake()
 
     @property
@@ -233,11 +252,13 @@ class EngineProcManager:
                 self._joiners[e] = reply
         try:
             self._start(ids, warm=True)
-        except LaunchError as err:
-            e = err.engine_id
-            raise EngineStartError(e, f"engine {e} could not be started: {err}") from err
         except BaseException as err:
-            e = ids[0]
+            with self._lock:
+                for e in ids:  # never started: nothing will handshake as them
+                    self._joiners.pop(e, None)
+            if isinstance(err, EngineStartError):
+                raise
+            e = err.engine_id if isinstance(err, LaunchError) else ids[0]
             raise EngineStartError(e, f"engine {e} could not be started: {err}") from err
 
     def wait_for_joiners(
@@ -292,13 +313,31 @@ class EngineProcManager:
         """Blocking: stop these engines (SIGTERM: each drains, then exits; ``force``:
         SIGKILL), SIGKILL what is left at the deadline, reap, close and forget them.
         Their exits are expected (never reported to ``on_exit``). Ids not running here
-        (already stopped, or remote) are skipped. Returns the exit codes."""
+        (already stopped, or remote) are skipped. Returns the exit codes.
+
+        An engine still being started (a scale-up rolled back while the launcher places
+        or starts it) is cancelled: the launcher is told to give up, and whatever it
+        started is stopped as soon as it returns (``_start``); this waits for that up to
+        ``timeout_s``, so its cores and devices are free when it returns."""
+        ids = list(engine_ids)
         with self._lock:
-            procs = {e: self.procs[e] for e in engine_ids if e in self.procs}
+            starting = [e for e in ids if e in self._starting]
+            self._cancelled.update(starting)
+            procs = {e: self.procs[e] for e in ids if e in self.procs}
             self._expected.update(procs)
+        if starting:
+            logger.warning("engines %s are stopped during their start: cancelled", starting)
+            self.launcher.cancel(starting)
         _end_processes(procs, force=force, timeout_s=timeout_s)
         codes = {e: p.exitcode for e, p in procs.items()}
         self._forget(procs)
+        if starting:
+            with self._changed:
+                done = self._changed.wait_for(
+                    lambda: not self._starting.intersection(starting), timeout=timeout_s
+                )
+            if not done:
+                logger.warning("engines %s: still starting; stopped once started", starting)
         return codes
 
     def _forget(self, procs: dict[int, EngineProcess]) -> None:
