@@ -2,7 +2,8 @@
 CPU per node, with a stand-in engine (``idle_engine``): ranks numbered node by node, a
 placement that cannot happen in time rolls back naming the missing CPU, a rank's exit and
 its actor's death turn its sentinel readable, and closing frees every group and actor; a
-rank started ahead (warm spare) that fails to start leaves nothing behind and is replaced."""
+rank started ahead (warm spare) that fails to start leaves nothing behind and is replaced;
+a scale-up's start cancelled while it waits for placement gives up and leaves nothing."""
 
 from __future__ import annotations
 
@@ -144,6 +145,48 @@ def test_a_spare_that_fails_to_start_is_removed_and_replaced(
         assert len(_live_groups(launcher)) == 2
         assert wait_until(lambda: len(_live_actors()) == 2, 30)
     finally:
+        for h in ranks.values():
+            h.kill()
+            h.join(10)
+            h.close()
+        launcher.close()
+    assert wait_until(lambda: not _live_groups(launcher), 30)
+    assert wait_until(lambda: not _live_actors(), 30)
+    assert wait_until(lambda: _free_cpus() == 2.0, 30)
+
+
+def test_a_start_cancelled_while_waiting_for_placement_leaves_nothing(ray_cluster, config):
+    from tidal.frontend.launchers.base import LaunchError, PlacementError
+    from tidal.frontend.launchers.ray import RayLauncher
+
+    # Placement waits long: only the cancel can end the scale-up's start in this test.
+    launcher = RayLauncher(config.with_parallel(ray_placement_timeout_s=600.0), ENTRY)
+    ranks = {}
+    outcome: dict[str, object] = {}
+
+    def scale_up() -> None:
+        try:
+            outcome["started"] = launcher.start([2], "tcp://127.0.0.1:1", warm=True)
+        except LaunchError as e:
+            outcome["error"] = e
+
+    starter = threading.Thread(target=scale_up)
+    try:
+        ranks = launcher.start([0, 1], "tcp://127.0.0.1:1", warm=False)  # every node taken
+        starter.start()
+        assert wait_until(lambda: len(_live_groups(launcher)) == 3, 60)  # 2's group waits
+        launcher.cancel([2])  # its scale-up rolled back
+        starter.join(120)
+        assert not starter.is_alive()
+        err = outcome.get("error")
+        assert isinstance(err, LaunchError) and not isinstance(err, PlacementError), outcome
+        assert err.engine_id == 2 and "cancelled" in str(err)
+        assert wait_until(lambda: len(_live_groups(launcher)) == 2, 30)  # its group removed
+        assert len(_live_actors()) == 2
+    finally:
+        launcher.cancel([2])
+        if starter.ident is not None:
+            starter.join(120)
         for h in ranks.values():
             h.kill()
             h.join(10)

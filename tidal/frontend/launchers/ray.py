@@ -18,7 +18,8 @@ to the frontend over TCP with CURVE, as a ``--headless`` rank does.
   for those still starting), spare groups still waiting for resources are adopted, and
   fresh groups are created for the rest, with the same deadline. A group not placed in time
   fails the operation with ``PlacementError`` naming what the cluster lacks, and every
-  group and actor this call made is removed (the scale controller then rolls back).
+  group and actor this call made is removed (the scale controller then rolls back). A
+  scale-up rolled back meanwhile (``cancel``) stops waiting and removes them the same way.
 - Scale-down and stop: the engine drains on SIGTERM (sent through its actor) and exits;
   ``close`` then kills the actor and removes its group, in that order.
 - Threads: ``start`` on the caller's (one at a time); ``_watch`` (rank exits);
@@ -46,7 +47,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import ray
@@ -223,6 +224,7 @@ class RayLauncher(Launcher):
         self._spare_ready = threading.Condition(self._lock)
         self._wake = threading.Event()
         self._keeper_stop = threading.Event()  # set at close
+        self._cancelled: set[int] = set()  # ids whose start a rolled-back scale-up cancelled
         self._watcher = threading.Thread(target=self._watch, name="ray-rank-watch", daemon=True)
         self._watcher.start()
         self._keeper: threading.Thread | None = None  # started after the launch ranks
@@ -261,15 +263,18 @@ class RayLauncher(Launcher):
         self, engine_ids: Sequence[int], handshake_address: str, *, warm: bool
     ) -> dict[int, EngineHandle]:
         ids = sorted(engine_ids)
-        slots, adopted = self._take_spares(len(ids)) if warm else ([], [])
+        slots, adopted = self._take_spares(ids) if warm else ([], [])
         fresh: list[_Slot] = []
         try:
             fresh = self._place(ids, len(ids) - len(slots), adopted)
             slots = _node_order(slots + fresh, self._driver_node)
+            self._check_cancelled(ids)
             started = self._start_engines(ids, slots, handshake_address)
         except BaseException as err:
             for slot in slots + [s for s in fresh if s not in slots]:
                 _free_slot(slot)
+            with self._lock:
+                self._cancelled.difference_update(ids)  # ids are never started again
             if isinstance(err, (LaunchError, KeyboardInterrupt)):
                 raise
             raise LaunchError(ids[0], f"Ray could not start engines {ids}: {err}") from err
@@ -281,21 +286,36 @@ class RayLauncher(Launcher):
             self._keeper.start()
         return started
 
+    def cancel(self, engine_ids: Sequence[int]) -> None:
+        """A scale-up rolled back: its ``start`` stops waiting for placement or for
+        spares, removes what it made and raises ``LaunchError``."""
+        with self._spare_ready:
+            self._cancelled.update(engine_ids)
+            self._spare_ready.notify_all()  # a start waiting for spares
+
+    def _is_cancelled(self, ids: Sequence[int]) -> bool:
+        with self._lock:
+            return not self._cancelled.isdisjoint(ids)
+
+    def _check_cancelled(self, ids: list[int]) -> None:
+        if self._is_cancelled(ids):
+            raise LaunchError(ids[0], f"the start of engines {ids} was cancelled")
+
     def _place(
         self, ids: list[int], count: int, adopted: list[PlacementGroup] | None = None
     ) -> list[_Slot]:
         """``count`` groups (``adopted`` ones, already asked of Ray, then new ones), each
         with an actor, all placed within the deadline, or none (``PlacementError`` naming
-        the missing resources)."""
+        the missing resources; ``LaunchError`` when cancelled meanwhile)."""
         if count == 0:
             return []
         pgs = list(adopted or []) + [self._new_group() for _ in range(count - len(adopted or []))]
-        pending = _wait_placed(pgs, self._timeout_s)
-        if pending:
-            message = self._missing(count, pending, f"engine(s) {ids}")
+        pending = _wait_placed(pgs, self._timeout_s, lambda: self._is_cancelled(ids))
+        if pending or self._is_cancelled(ids):
             for pg in pgs:
                 remove_placement_group(pg)
-            raise PlacementError(ids[0], message)
+            self._check_cancelled(ids)
+            raise PlacementError(ids[0], self._missing(count, pending, f"engine(s) {ids}"))
         slots = [self._new_slot(pg) for pg in pgs]
         try:
             self._locate(slots)
@@ -383,6 +403,7 @@ class RayLauncher(Launcher):
         """Its actor and group go with the handle's ``close``; here it is only forgotten."""
         with self._lock:
             self._ranks.pop(engine_id, None)
+            self._cancelled.discard(engine_id)
 
     def frontend_host(self, configured: str) -> str:
         """The frontend's node IP as Ray knows it, unless ``--data-parallel-address`` names
@@ -488,11 +509,13 @@ class RayLauncher(Launcher):
                     _remove_group(pg)
         return started
 
-    def _take_spares(self, count: int) -> tuple[list[_Slot], list[PlacementGroup]]:
-        """Up to ``count`` ranks started ahead, waiting for those whose actors and warm
+    def _take_spares(self, ids: list[int]) -> tuple[list[_Slot], list[PlacementGroup]]:
+        """Up to ``len(ids)`` ranks started ahead, waiting for those whose actors and warm
         launchers are starting (already placed: waiting for them beats a fresh group that
-        would find their node taken); for the rest, the spare groups still waiting for
-        resources (the scale-up adopts them: they are first in Ray's queue)."""
+        would find their node taken; not once ``ids`` are cancelled); for the rest, the
+        spare groups still waiting for resources (the scale-up adopts them: they are first
+        in Ray's queue)."""
+        count = len(ids)
         deadline = time.monotonic() + ACTOR_START_TIMEOUT_S
         with self._spare_ready:
             if not self._want_spares:
@@ -504,6 +527,8 @@ class RayLauncher(Launcher):
                 self._spares = self._spares[n:]
                 left = deadline - time.monotonic()
                 if len(taken) == count or not self._promoting or left <= 0:
+                    break
+                if not self._cancelled.isdisjoint(ids):
                     break
                 self._spare_ready.wait(left)
             n = count - len(taken)
@@ -578,14 +603,17 @@ def _is_placed(pg: PlacementGroup) -> bool:
     return placement_group_table(pg).get("state") == "CREATED"
 
 
-def _wait_placed(pgs: list[PlacementGroup], timeout_s: float) -> int:
-    """Poll the GCS until every group is placed or ``timeout_s`` passed; how many are not.
-    (Polled, not ``pg.ready()``: that runs a task in the group, a worker process each.)"""
+def _wait_placed(
+    pgs: list[PlacementGroup], timeout_s: float, give_up: Callable[[], bool] = lambda: False
+) -> int:
+    """Poll the GCS until every group is placed, ``timeout_s`` passed or ``give_up()``;
+    how many are not. (Polled, not ``pg.ready()``: that runs a task in the group, a
+    worker process each.)"""
     deadline = time.monotonic() + timeout_s
     waiting = list(pgs)
     while True:
         waiting = [pg for pg in waiting if not _is_placed(pg)]
-        if not waiting or time.monotonic() >= deadline:
+        if not waiting or time.monotonic() >= deadline or give_up():
             return len(waiting)
         time.sleep(0.1)
 
