@@ -169,6 +169,18 @@ def test_draining_ranks_get_nothing_automatic():
         bal.choose()
 
 
+def test_a_draining_rank_takes_requests_when_every_staying_rank_is_excluded():
+    # A scale-down of 3 -> 2 drains engine 2; engines 0 and 1 stay. With both of them
+    # excluded (dead, or their routes gone) the operation must roll back: engine 2 takes
+    # the request rather than refusing it.
+    bal = Balancer(3, "tidal")
+    bal.set_draining([2])
+    assert bal.choose(exclude=[0]) == 1  # a staying rank left: never the draining one
+    assert bal.choose(exclude=[0, 1]) == 2
+    with pytest.raises(RuntimeError, match="draining"):
+        bal.choose(exclude=[0, 1, 2])
+
+
 def test_p2c_is_deterministic_and_picks_the_better_of_two():
     picks = []
     for _ in range(2):

@@ -352,6 +352,11 @@ class Balancer:
         if data_parallel_rank is not None:
             return ids[check_rank(data_parallel_rank, len(ids))]
         candidates = [r for r, e in enumerate(ids) if e not in self._draining and e not in exclude]
+        if not candidates and any(e in exclude for e in ids if e not in self._draining):
+            # Every rank staying in a scale-down is excluded (dead, or gone from the
+            # routes): that operation cannot commit, its rollback will route to the
+            # draining ranks again, so one of them takes the request instead of a refusal.
+            candidates = [r for r, e in enumerate(ids) if e not in exclude]
         if not candidates:
             raise RuntimeError("every DP rank is draining; no rank accepts new requests")
         k = self.policy.sample
