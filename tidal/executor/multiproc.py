@@ -42,7 +42,6 @@ bounded in time: a worker stuck in a collective with a dead peer must not hang t
 from __future__ import annotations
 
 import contextlib
-import datetime
 import itertools
 import logging
 import os
@@ -62,12 +61,13 @@ from torch.distributed import TCPStore
 
 from tidal.config import EngineConfig
 from tidal.distributed.device_slots import visible_devices
-from tidal.distributed.groups import GroupFailure
+from tidal.distributed.groups import GroupFailure, serve_store
 from tidal.distributed.ports import IPC_DIR_PREFIX
 from tidal.distributed.shm_queue import QueueClosed, ReaderGone, ShmQueueWriter
 from tidal.executor.base import Executor
 from tidal.executor.batch import ModelRunnerOutput, SchedulerOutput
 from tidal.executor.step_wire import StepEncoder
+from tidal.executor.worker import TP_STORE_HOST
 from tidal.executor.worker_proc import (
     WORKER_ENTRY_MODULE,
     WorkerLaunch,
@@ -183,10 +183,10 @@ class MultiprocExecutor(Executor):
             self.queue = ShmQueueWriter(
                 self.tp_size, ctx=self._ctx, overflow_address=f"ipc://{self._dir}/broadcast"
             )
-            self._tp_store = TCPStore(
-                "127.0.0.1", 0, self.tp_size + 1, is_master=True, wait_for_workers=False,
-                timeout=datetime.timedelta(seconds=startup_timeout_s),
-            )  # fmt: skip
+            # Loopback only: torch's own server would listen on every interface.
+            self._tp_store = serve_store(
+                TP_STORE_HOST, world_size=self.tp_size + 1, timeout_s=startup_timeout_s
+            )
             for t in range(self.tp_size):
                 self._spawn(t)
             self.queue.unlink()  # every worker inherited the descriptor
