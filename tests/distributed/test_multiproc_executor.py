@@ -7,8 +7,11 @@ choices, measured on the shard's shapes (issue #25 with #21)."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import subprocess
+import sys
 import tempfile
 import threading
 
@@ -126,3 +129,23 @@ def test_dev_shm_too_small_fails_the_start_naming_the_bytes(qwen3_ckpt, monkeypa
         MultiprocExecutor(_config(qwen3_ckpt))
     assert _socket_dirs() == dirs
     assert set(psutil.Process().children()) == children  # no worker was started
+
+
+def test_heartbeats_asking_during_shutdown_neither_fail_nor_crash(qwen3_ckpt):
+    """The engine's output thread asks ``waiting_on_peers`` for every heartbeat, also while
+    the busy loop shuts the executor down and after: each answer is False, never an error
+    (which would end the output thread and report the engine dead) nor a crash (a send
+    into the unmapped ring)."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])),
+    }
+    done = subprocess.run(
+        [sys.executable, "-m", "tests.distributed.heartbeat_shutdown_child", qwen3_ckpt],
+        capture_output=True, text=True, env=env, cwd=root, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-4000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["started"] and report["asked_after"], report
+    assert report["errors"] == [] and not report["waiting"], report

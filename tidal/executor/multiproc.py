@@ -32,6 +32,9 @@ elastic shell's helper threads call the blocking ones meanwhile. A call from ano
 thread than the one that built the executor runs on a thread of its own in each worker
 (``WorkerCall.background``). Sends are serialised by a lock; whichever thread waits reads
 the reply socket for everyone (one reader at a time, a condition hands results over).
+Shutdown refuses new calls (``waiting_on_peers``, asked for every heartbeat, answers
+False), waits for other threads' calls in flight to leave, and only then unmaps the ring
+and closes the sockets they use.
 
 Failures: a worker answers every failure whatever the reply mode. ``GroupFailure`` (a peer
 rank died) is raised as such, so the DP busy loop recovers; any other error is
@@ -49,6 +52,7 @@ import shutil
 import tempfile
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing import Pipe
@@ -106,6 +110,9 @@ _LOCAL_CALLS = frozenset(
     {"start", "init_joiner", "determine_num_blocks", "set_num_threads", "get_expert_load",
      "get_eplb_info"}
 )  # fmt: skip
+# A call in flight notices a shutdown within one poll of the reply socket (0.1 s); this
+# bounds the wait for them on a starved machine.
+_CALLS_LEAVE_S = 30.0
 _REPLY_DECODER = msgspec.msgpack.Decoder(WorkerReply)
 _HELLO_DECODER = msgspec.msgpack.Decoder(WorkerHello)
 
@@ -163,6 +170,10 @@ class MultiprocExecutor(Executor):
         self._reading = False
         self._failure: str | None = None
         self._stopping = False
+        # Calls in flight, by calling thread: shutdown releases the ring and the sockets
+        # only once every other thread's call has left them (the engine's output thread
+        # asks ``waiting_on_peers`` for its heartbeats whenever it likes).
+        self._busy: Counter[int] = Counter()
         self._callbacks: list[Callable[[str], None]] = []
         self._send_lock = threading.Lock()
         self._procs: list[ModuleProcess] = []
@@ -288,11 +299,32 @@ class MultiprocExecutor(Executor):
         """Broadcast one call; the results of the workers ``reply`` names, by TP rank."""
         _, result_type = rpc_signature(rpc_owner(method), method)
         expect = frozenset({0} if reply is ReplyMode.DRIVER else range(self.tp_size))
+        me = threading.get_ident()
         with self._cond:
             if self._failure is not None:
                 raise WorkerDied(self._failure)
+            if self._stopping:
+                raise WorkerDied(self._shut_down())
             call_id = next(self._ids)
             self._calls[call_id] = _Call(expect, result_type)
+            self._busy[me] += 1
+        try:
+            return self._send_and_wait(call_id, method, args, reply, driver_only)
+        finally:
+            with self._cond:
+                self._busy[me] -= 1
+                if not self._busy[me]:
+                    del self._busy[me]
+                self._cond.notify_all()
+
+    def _send_and_wait(
+        self,
+        call_id: int,
+        method: str,
+        args: tuple | list,
+        reply: ReplyMode,
+        driver_only: bool,
+    ) -> list[Any]:
         call = WorkerCall(
             call_id,
             method,
@@ -305,13 +337,22 @@ class MultiprocExecutor(Executor):
         assert self.queue is not None
         try:
             with self._send_lock:
-                self.queue.put(frame, abort=lambda: self._failure)
+                self.queue.put(frame, abort=self._abort_reason)
         except (ReaderGone, QueueClosed) as e:
             self._forget(call_id)
             self._fail(f"engine {self.engine_id}: {e}")
             raise WorkerDied(str(e)) from e
         done = self._wait(call_id, method, _BOUNDED.get(method))
         return [done.results[t] for t in sorted(done.results)]
+
+    def _shut_down(self) -> str:
+        return f"engine {self.engine_id}: its TP workers are shut down"
+
+    def _abort_reason(self) -> str | None:
+        """Why a send blocked on a full ring must stop waiting (None: it may wait on)."""
+        if self._failure is not None:
+            return self._failure
+        return self._shut_down() if self._stopping else None
 
     def _forget(self, call_id: int) -> None:
         with self._cond:
@@ -323,6 +364,8 @@ class MultiprocExecutor(Executor):
             with self._cond:
                 call = self._calls[call_id]
                 failure = self._failure
+                if failure is None and self._stopping and not call.done:
+                    failure = self._shut_down()
                 late = deadline is not None and time.monotonic() > deadline
                 if call.done or failure is not None or late:
                     del self._calls[call_id]
@@ -410,8 +453,16 @@ class MultiprocExecutor(Executor):
 
     def waiting_on_peers(self, thread_id: int) -> bool:
         """Whether the workers' step threads wait in a DP/EP collective for a peer rank
-        (``thread_id``, the busy loop's, waits for the workers meanwhile)."""
-        return any(self._call("home_waiting_on_peers"))
+        (``thread_id``, the busy loop's, waits for the workers meanwhile). False once
+        shutdown began: nothing waits on peers then, and the engine's heartbeats go on
+        until it exits."""
+        try:
+            return any(self._call("home_waiting_on_peers"))
+        except WorkerDied:
+            with self._cond:
+                if self._stopping:
+                    return False
+            raise
 
     def abandon_groups(self) -> None:
         """Also a fresh TP group: the step the failure cut short may have left a worker
@@ -505,6 +556,14 @@ class MultiprocExecutor(Executor):
         with self._cond:
             self._stopping = True
             self._cond.notify_all()
+            # Calls of other threads see ``_stopping`` within a poll and leave; only then
+            # may the ring be unmapped and the sockets closed under them.
+            me = threading.get_ident()
+            if not self._cond.wait_for(lambda: self._busy.keys() <= {me}, _CALLS_LEAVE_S):
+                logger.warning(
+                    "engine %d: calls of threads %s still in flight at shutdown",
+                    self.engine_id, sorted(self._busy.keys() - {me}),
+                )  # fmt: skip
         if not orderly:  # a worker watching its death pipe leaves at once
             self._close_death_pipes()
         if self.queue is not None:
