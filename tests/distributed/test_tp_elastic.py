@@ -132,13 +132,13 @@ def test_tp2_ranks_scale_2_3_2_twice_under_streaming_load(qwen3_ckpt, reference)
             for item, tokens in results:
                 assert tokens == reference[item], f"workload item {item} changed"
             assert migrated >= 2
-            assert _segments() == before  # each rank's ring was unlinked once attached
+            assert _segments() <= before  # each rank's ring was unlinked once attached
         finally:
             await llm.shutdown()
 
     asyncio.run(main())
     assert wait_until(_no_children_left)
-    assert _segments() == before
+    assert _segments() <= before  # none new (a start removes dead engines' leftovers)
 
 
 def test_kill_one_worker_of_a_tp_rank_is_that_ranks_death(qwen3_ckpt, reference):  # noqa: F811
@@ -205,7 +205,7 @@ def test_kill_the_frontend_and_nothing_is_left(qwen3_ckpt):
         proc.kill()
         proc.wait(30)
     assert wait_until(lambda: not any(_alive(p) for p in pids), 120), [p for p in pids if _alive(p)]
-    assert _segments() == before
+    assert _segments() <= before  # none new (a start removes dead engines' leftovers)
 
 
 def _alive(pid: int) -> bool:

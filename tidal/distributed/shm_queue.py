@@ -49,7 +49,9 @@ ring still orders them: a reader takes the overflow message when it reaches its 
 
 Lifetime: the creator (the writer) alone unlinks the segment -- as soon as every reader
 has mapped it (``unlink``), so a process killed later leaves nothing in /dev/shm; the
-mappings live on until each side closes. Readers may also inherit the descriptor
+mappings live on until each side closes. A creator killed before that leaves the name
+(``tidal-shmq-<its pid>-...``); ``remove_orphaned_segments`` (the next TP start) removes
+what creators that are gone left. Readers may also inherit the descriptor
 (``ShmQueueReader(fd=...)``) so the name can go even before they start. ``close``
 marks the queue closed and wakes every reader (``QueueClosed``). A reader whose writer
 died gets ``QueueClosed`` too; a writer blocked on a full ring whose reader died gets
@@ -247,6 +249,32 @@ def _pid_alive(pid: int) -> bool:
     except OSError:
         return True  # no /proc: trust kill
     return stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3] not in (b"Z", b"X")
+
+
+def owner_gone(name: str, prefix: str) -> bool:
+    """Whether ``name`` is ``prefix``, the pid of a process that is gone, ``-`` and more:
+    what an owner that died left behind. A live owner's (or another naming) is not."""
+    if not name.startswith(prefix):
+        return False
+    pid, sep, _ = name[len(prefix) :].partition("-")
+    return bool(sep) and pid.isdigit() and int(pid) > 0 and not _pid_alive(int(pid))
+
+
+def remove_orphaned_segments(shm_dir: str = SHM_DIR) -> list[str]:
+    """Unlink the queue segments whose creator died before it unlinked them (killed in
+    the moment between creating a ring and its workers attaching); a live creator's are
+    kept. The names removed."""
+    removed = []
+    try:
+        names = os.listdir(shm_dir)
+    except OSError:
+        return removed
+    for name in names:
+        if owner_gone(name, NAME_PREFIX):
+            with contextlib.suppress(OSError):  # e.g. another sweep was first
+                os.unlink(os.path.join(shm_dir, name))
+                removed.append(name)
+    return removed
 
 
 class ShmQueueWriter:

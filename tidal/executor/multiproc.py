@@ -15,7 +15,9 @@ tidal.executor.worker_proc``: the user's script is never re-imported; the ring's
 descriptor and its death pipe's read end are inherited; on CUDA ``CUDA_VISIBLE_DEVICES``
 is its device slot alone, on CPU its OpenMP threads wait as an engine process's do and
 number its share of the cores, ``tidal/utils/cpu_threads.py``); the segment's name is
-unlinked at once (the creator's job: nothing is left in /dev/shm whoever dies later); then
+unlinked at once (the creator's job: nothing is left in /dev/shm whoever dies later; an
+engine killed before that leaves it, and its socket directory, named with its pid: the
+next start on the host removes those of owners that are gone); then
 every HELLO, then every reader attached, then ``start`` on all of them (TP group, DP/EP
 groups, model: TP rank 0 chooses the CPU paths for all, ``tidal/kernels/select.py``).
 A worker that exits or fails meanwhile fails the startup, naming it.
@@ -67,7 +69,13 @@ from tidal.config import EngineConfig
 from tidal.distributed.device_slots import visible_devices
 from tidal.distributed.groups import GroupFailure, serve_store
 from tidal.distributed.ports import IPC_DIR_PREFIX
-from tidal.distributed.shm_queue import QueueClosed, ReaderGone, ShmQueueWriter
+from tidal.distributed.shm_queue import (
+    QueueClosed,
+    ReaderGone,
+    ShmQueueWriter,
+    owner_gone,
+    remove_orphaned_segments,
+)
 from tidal.executor.base import Executor
 from tidal.executor.batch import ModelRunnerOutput, SchedulerOutput
 from tidal.executor.step_wire import StepEncoder
@@ -113,8 +121,25 @@ _LOCAL_CALLS = frozenset(
 # A call in flight notices a shutdown within one poll of the reply socket (0.1 s); this
 # bounds the wait for them on a starved machine.
 _CALLS_LEAVE_S = 30.0
+# An engine's private socket directory: this, its pid, "-", random (``mkdtemp``).
+SOCKET_DIR_PREFIX = f"{IPC_DIR_PREFIX}tp-"
 _REPLY_DECODER = msgspec.msgpack.Decoder(WorkerReply)
 _HELLO_DECODER = msgspec.msgpack.Decoder(WorkerHello)
+
+
+def _remove_leftovers() -> None:
+    """Remove what engines killed during their TP startup left (their ring's name in
+    /dev/shm, their socket directory): only where the owner named is gone, never a live
+    engine's."""
+    removed = remove_orphaned_segments()
+    tmp = tempfile.gettempdir()
+    with contextlib.suppress(OSError):
+        for name in os.listdir(tmp):
+            if owner_gone(name, SOCKET_DIR_PREFIX):
+                shutil.rmtree(os.path.join(tmp, name), ignore_errors=True)
+                removed.append(name)
+    if removed:
+        logger.info("removed what dead engines left: %s", ", ".join(sorted(removed)))
 
 
 def _stopped(pid: int) -> bool:
@@ -184,7 +209,9 @@ class MultiprocExecutor(Executor):
         self._tp_generation = 0
         self.queue: ShmQueueWriter | None = None
         self._tp_store: TCPStore | None = None
-        self._dir = tempfile.mkdtemp(prefix=f"{IPC_DIR_PREFIX}tp-")
+        _remove_leftovers()
+        # The owner's pid in the name: a later start removes it if this process dies first.
+        self._dir = tempfile.mkdtemp(prefix=f"{SOCKET_DIR_PREFIX}{os.getpid()}-")
         self._ctx = zmq.Context()
         try:
             self._replies = self._ctx.socket(zmq.PULL)
