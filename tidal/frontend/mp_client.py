@@ -175,6 +175,7 @@ class MPClient(EngineCoreClient):
         self._curve = curve_keys(par.data_parallel_auth_key) if tcp else None
         # Sockets used during startup are synchronous even in asyncio mode.
         sync_ctx = zmq.Context.shadow(self.ctx.underlying) if asyncio_mode else self.ctx
+        self._sync_ctx = sync_ctx
         self._authenticator = start_authenticator(sync_ctx, self._curve)
         self.output_address = self.addresses.output
         try:
@@ -226,8 +227,12 @@ class MPClient(EngineCoreClient):
 
     def _bind_output(self, sync_ctx: zmq.Context) -> zmq.Socket:
         sock = sync_ctx.socket(zmq.PULL)
-        secure_server(sock, self._curve, self.output_address)
-        sock.bind(self.output_address)
+        try:
+            secure_server(sock, self._curve, self.output_address)
+            sock.bind(self.output_address)
+        except BaseException:
+            sock.close(linger=0)
+            raise
         return sock
 
     def _start_coordinator(self, sync_ctx: zmq.Context) -> tuple[str | None, str | None]:
@@ -574,8 +579,12 @@ class _MPResources:
         coordinator: DPCoordinator | None,
         sockets: list[zmq.Socket],
         authenticator: ThreadAuthenticator | None = None,
+        sync_ctx: zmq.Context | None = None,
     ) -> None:
         self.ctx = ctx
+        # The context objects sockets were made through (the startup sockets' sync shadow
+        # of an asyncio context, and the context itself): each tracks its own.
+        self.contexts = [c for c in (sync_ctx, ctx) if c is not None]
         self.ipc_dir = ipc_dir
         self.manager = manager
         self.coordinator = coordinator
@@ -598,6 +607,7 @@ class _MPResources:
             client.coordinator,
             sockets,
             getattr(client, "_authenticator", None),
+            getattr(client, "_sync_ctx", None),
         )
 
     def close(self) -> None:
@@ -617,8 +627,20 @@ class _MPResources:
             sock.close(linger=0)
         if self.authenticator is not None:
             self.authenticator.stop()
+        for ctx in self.contexts:
+            close_every_socket(ctx)
         self.ctx.term()
         shutil.rmtree(self.ipc_dir, ignore_errors=True)
+
+
+def close_every_socket(ctx: zmq.Context) -> None:
+    """Close, linger 0, every socket made through ``ctx`` that is still open, also one
+    that only a failed call's traceback still holds: ``term()`` waits for every socket of
+    its context, for good. ``Context.destroy``'s walk without its ``term`` (a shadow must
+    not end the context it shares)."""
+    for sock in list(getattr(ctx, "_sockets", None) or ()):
+        if sock is not None and not sock.closed:
+            sock.close(linger=0)
 
 
 def _weak_callback(method: Callable[..., None]) -> Callable[..., None]:
