@@ -176,6 +176,9 @@ class MPClient(EngineCoreClient):
         # Sockets used during startup are synchronous even in asyncio mode.
         sync_ctx = zmq.Context.shadow(self.ctx.underlying) if asyncio_mode else self.ctx
         self._sync_ctx = sync_ctx
+        # Linger 0 by default, the ZAP handler's own sockets included: nothing the
+        # frontend still has queued when it closes them is worth a term() that waits.
+        sync_ctx.setsockopt(zmq.LINGER, 0)
         self._authenticator = start_authenticator(sync_ctx, self._curve)
         self.output_address = self.addresses.output
         try:
@@ -584,7 +587,7 @@ class _MPResources:
         self.ctx = ctx
         # The context objects sockets were made through (the startup sockets' sync shadow
         # of an asyncio context, and the context itself): each tracks its own.
-        self.contexts = [c for c in (sync_ctx, ctx) if c is not None]
+        self.contexts = [ctx] if sync_ctx in (None, ctx) else [sync_ctx, ctx]
         self.ipc_dir = ipc_dir
         self.manager = manager
         self.coordinator = coordinator
