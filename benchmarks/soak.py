@@ -145,6 +145,11 @@ def summarize_procs(
                 "rss_mib_first": _r(after_rss[0][1] / 2**20, 1),
                 "rss_mib_last": _r(after_rss[-1][1] / 2**20, 1),
                 "rss_mib_per_min": _r(None if rss_slope is None else rss_slope / 2**20),
+                # Growth that slows down (a cache filling) or does not (a leak).
+                "rss_mib_quarters": [
+                    _r(after_rss[min(len(after_rss) - 1, len(after_rss) * q // 4)][1] / 2**20, 1)
+                    for q in (1, 2, 3, 4)
+                ],
                 "fds_first": int(after_fds[0][1]),
                 "fds_last": int(after_fds[-1][1]),
                 "fds_max": int(max(v for _, v in after_fds)),

@@ -378,9 +378,19 @@ class Worker:
 
     def discard_staged(self, epoch: int) -> None:
         self.elastic.discard_staged(epoch)
+        self._release_heap()
 
     def destroy_retired_groups(self) -> None:
         self.elastic.destroy_retired_groups()
+        self._release_heap()
+
+    def _release_heap(self) -> None:
+        """The end of a scale operation (committed: old groups gone; rolled back: staged
+        experts dropped). What it freed (transfer buffers, old packs) stays resident in
+        glibc's arenas: on a DP=2 rank of the default model each 2 -> 3 -> 2 cycle left
+        ~40 MB there (833 -> 792 MB once trimmed)."""
+        if self.device.type == "cpu":
+            release_free_heap()
 
     def leave_groups(self) -> None:
         self.elastic.leave_groups()
