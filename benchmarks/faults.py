@@ -754,17 +754,21 @@ async def run_host_loss(opts: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def matrix_cells(opts: argparse.Namespace) -> list[tuple[str, str]]:
+    """(target, fault) of every cell asked for, in order, less ``SKIPPED_CELLS``."""
+    return [
+        (t, f) for t in opts.targets for f in opts.faults if (t, f) not in SKIPPED_CELLS
+    ]
+
+
 async def run_matrix(opts: argparse.Namespace) -> dict[str, Any]:
     """Every cell, a JSON line each as it ends; the summary is the returned document."""
     t0 = time.monotonic()
     cells = []
-    for target in opts.targets:
-        for kind in opts.faults:
-            if (target, kind) in SKIPPED_CELLS:
-                continue
-            cell = await run_cell(opts, target, kind)
-            cells.append(cell)
-            print(json.dumps({"benchmark": "faults-matrix", **cell}), flush=True)
+    for target, kind in matrix_cells(opts):
+        cell = await run_cell(opts, target, kind)
+        cells.append(cell)
+        print(json.dumps({"benchmark": "faults-matrix", **cell}), flush=True)
     return {
         "benchmark": "faults-matrix-summary",
         "machine": machine_info(),

@@ -92,8 +92,11 @@ def test_fault_row_counts_lost_and_targets(bench):
 def test_matrix_options(bench):
     opts = bench.parse_args(["--matrix"])
     assert opts.matrix and opts.targets == list(bench.TARGETS) and opts.faults == list(bench.FAULTS)
-    assert len(opts.targets) * len(opts.faults) == 15
-    assert (opts.streams, opts.warmup_s, opts.baseline_s) == (16, 1.0, 1.0)  # 15 deployments
+    cells = bench.matrix_cells(opts)
+    # 7 process kinds x 3 faults, less a Ray node frozen for 5 s (Ray declares it dead).
+    assert len(cells) == 20 and ("ray-node", "stop5") not in cells
+    assert ("tp-worker", "stop5") in cells and ("ray-node", "stop") in cells
+    assert (opts.streams, opts.warmup_s, opts.baseline_s) == (16, 1.0, 1.0)  # 20 deployments
     argv = ["--matrix", "--targets", "zygote", "--faults", "stop5", "--streams", "4"]
     opts = bench.parse_args(argv)
     assert (opts.targets, opts.faults, opts.streams) == (["zygote"], ["stop5"], 4)
