@@ -32,6 +32,7 @@ from fastapi import APIRouter, FastAPI
 import tidal
 from tidal.launch.admin import add_admin_routes
 from tidal.launch.auth import BearerAuthMiddleware
+from tidal.launch.connections import ServerLimits, guarded_protocol
 from tidal.launch.errors import add_error_handlers
 from tidal.launch.hosts import add_browser_guards
 from tidal.launch.http_limits import BodyLimitMiddleware
@@ -57,6 +58,7 @@ def build_app(
     bind_host: str | None = None,
     allowed_hosts: Sequence[str] = (),
     allowed_origins: Sequence[str] = (),
+    limits: ServerLimits | None = None,
 ) -> FastAPI:
     """The FastAPI app. ``metrics`` is registered as the engine's stat logger and scale
     listener; on lifespan shutdown (SIGTERM/SIGINT under uvicorn) ``engine.shutdown()``
@@ -64,13 +66,19 @@ def build_app(
     included as they are; the API key protects them too. Handlers find the engine and
     metrics on ``request.app.state``. ``bind_host`` (the address the server listens on),
     ``allowed_hosts`` and ``allowed_origins`` set the Host check and CORS (``hosts``);
-    an empty ``api_key`` is an error, not "no authentication"."""
+    an empty ``api_key`` is an error, not "no authentication". ``limits``: the body
+    timeout and the stream backlog (the connection limits are ``make_server``'s)."""
     if api_key is not None and not api_key:
         raise ValueError("api_key must not be empty (None: no API key)")
     metrics = metrics if metrics is not None else ServerMetrics()
     engine.add_stat_logger(metrics)
     engine.add_scale_listener(metrics.record_scale_operation)
-    serving = OpenAIServing(engine, served_model_name or engine.served_model_name)
+    limits = limits if limits is not None else ServerLimits()
+    serving = OpenAIServing(
+        engine,
+        served_model_name or engine.served_model_name,
+        max_stream_backlog=limits.max_stream_backlog,
+    )
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -90,7 +98,11 @@ def build_app(
     app.state.engine, app.state.metrics, app.state.serving = engine, metrics, serving
     if api_key:
         app.add_middleware(BearerAuthMiddleware, api_key=api_key)
-    app.add_middleware(BodyLimitMiddleware, max_bytes=serving.limits.max_request_body_bytes)
+    app.add_middleware(
+        BodyLimitMiddleware,
+        max_bytes=serving.limits.max_request_body_bytes,
+        timeout_s=limits.body_timeout_s,
+    )
     # Outermost: a foreign Host is refused before anything else runs, an oversized body
     # right after (before the API key is even looked at).
     add_browser_guards(
@@ -129,12 +141,15 @@ def make_server(
     log_level: str = "info",
     timeout_keep_alive: int = 5,
     timeout_graceful_shutdown: float | None = 10.0,
+    limits: ServerLimits | None = None,
 ) -> uvicorn.Server:
     """A uvicorn server for ``app``; ``await server.serve(sockets=[sock])`` to run it on a
     pre-bound socket, set ``server.should_exit = True`` to stop it (uvicorn does on
-    SIGTERM/SIGINT). Open streams get ``timeout_graceful_shutdown`` seconds to finish."""
+    SIGTERM/SIGINT). Open streams get ``timeout_graceful_shutdown`` seconds to finish.
+    ``limits``: the connection cap and the header timeout (``connections``)."""
     config = uvicorn.Config(
         app,
+        http=guarded_protocol(limits if limits is not None else ServerLimits()),
         host=host,
         port=port,
         log_level=log_level,
@@ -158,6 +173,7 @@ async def serve(
     routers: Sequence[APIRouter] = (),
     allowed_hosts: Sequence[str] = (),
     allowed_origins: Sequence[str] = (),
+    limits: ServerLimits | None = None,
 ) -> None:
     """Serve until SIGTERM/SIGINT; the engine is shut down on the way out. The Host check
     follows the address served: ``sock``'s when given, else ``host``.
@@ -172,6 +188,7 @@ async def serve(
         bind_host=sock.getsockname()[0] if sock is not None else host,
         allowed_hosts=allowed_hosts,
         allowed_origins=allowed_origins,
+        limits=limits,
     )
     server = make_server(
         app,
@@ -179,6 +196,7 @@ async def serve(
         port=port,
         log_level=log_level,
         timeout_graceful_shutdown=timeout_graceful_shutdown,
+        limits=limits,
     )
     await server.serve(sockets=[sock] if sock is not None else None)
 

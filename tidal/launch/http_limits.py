@@ -19,6 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 from fastapi import Request
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
 
 from tidal.launch.errors import APIError, validation_message
@@ -34,18 +35,37 @@ class BodyTooLarge(APIError):
         )
 
 
+class BodyTimeout(APIError):
+    def __init__(self, timeout_s: float) -> None:
+        super().__init__(
+            408,
+            f"request body not received within {timeout_s:g} s (the server's --http-body-timeout)",
+            code="request_timeout",
+        )
+
+    def response(self) -> JSONResponse:
+        resp = super().response()
+        # The rest of the body may still trickle in: drop the connection rather than
+        # read it to the end.
+        resp.headers["connection"] = "close"
+        return resp
+
+
 class BodyLimitMiddleware:
-    """Pure ASGI middleware: a body over ``max_bytes`` gets 413 without being read.
+    """Pure ASGI middleware: a body over ``max_bytes`` gets 413 without being read, one
+    that does not arrive within ``timeout_s`` (None: no limit) gets 408.
 
     A Content-Length over the limit is refused before the app runs; a chunked body is
     counted as it streams and refused at the first chunk past the limit, so nothing over
     the limit is ever buffered. uvicorn discards the rest of a refused body itself (the
     response carries a Content-Length and keeps the connection), so the client reads the
-    413 instead of a reset."""
+    413 instead of a reset. The time counts from the request's headers to its body's last
+    byte, so a body sent a byte at a time cannot hold a connection for long."""
 
-    def __init__(self, app: Any, max_bytes: int) -> None:
+    def __init__(self, app: Any, max_bytes: int, timeout_s: float | None = None) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.timeout_s = timeout_s
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         if scope["type"] != "http":
@@ -56,14 +76,26 @@ class BodyLimitMiddleware:
             await BodyTooLarge(self.max_bytes).response()(scope, receive, send)
             return
         seen = 0
+        body_done = False
+        loop = asyncio.get_running_loop()
+        deadline = None if self.timeout_s is None else loop.time() + self.timeout_s
 
         async def limited_receive() -> dict:
-            nonlocal seen
-            message = await receive()
+            nonlocal seen, body_done
+            if body_done or deadline is None:
+                message = await receive()  # after the body: a disconnect, whenever it comes
+            else:
+                try:
+                    message = await asyncio.wait_for(receive(), max(0.0, deadline - loop.time()))
+                except TimeoutError:
+                    raise BodyTimeout(self.timeout_s) from None
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
                 if seen > self.max_bytes:
                     raise BodyTooLarge(self.max_bytes)  # an APIError: handlers answer it as is
+                body_done = not message.get("more_body", False)
+            else:
+                body_done = True
             return message
 
         await self.app(scope, limited_receive, send)

@@ -3,13 +3,15 @@ streaming or not) and ``/v1/models``, turned into ``engine.generate`` calls.
 
 Tokenization, chat templates and body parsing run off the event loop, so one huge request
 does not stall the other streams. A client that hangs up cancels its work, which aborts
-its engine requests.
+its engine requests; so does one that stops reading its stream (``max_stream_backlog``
+outputs queued for it), whose connection is then dropped.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -23,6 +25,7 @@ from tidal.frontend.outputs import CompletionOutput, OutputKind, PromptLogprobs,
 from tidal.frontend.processor import ProcessedPrompt
 from tidal.frontend.template_sandbox import SandboxUnavailable, TemplateSandbox
 from tidal.launch import protocol as P
+from tidal.launch.connections import ABORT_CONNECTION, ServerLimits
 from tidal.launch.errors import APIError, classify_error
 from tidal.launch.http_limits import read_json
 from tidal.sampling_params import SamplingParams
@@ -30,6 +33,8 @@ from tidal.sampling_params import SamplingParams
 if TYPE_CHECKING:  # annotations only: the server takes any engine with AsyncLLM's
     # interface and imports no torch (AsyncLLM does), so tests run it on a fake engine.
     from tidal.frontend.async_llm import AsyncLLM
+
+logger = logging.getLogger(__name__)
 
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 _DONE = "data: [DONE]\n\n"
@@ -57,6 +62,32 @@ async def _until_disconnect(request: Request, work: Any) -> Any:
     if task not in done:
         raise _ClientGone()
     return task.result()
+
+
+class StreamBacklogExceeded(APIError):
+    """A streaming client stopped reading: its outputs piled up on the server."""
+
+    def __init__(self, request_id: str, limit: int) -> None:
+        super().__init__(
+            408,
+            f"request {request_id} aborted: the client did not read its stream and "
+            f"{limit} outputs were queued for it (the server's --max-stream-backlog)",
+            code="stream_backlog_exceeded",
+        )
+
+
+class _ConnectionDropped(Exception):
+    """The stream's connection was dropped: nothing more can be sent on it."""
+
+
+Dropper = Callable[[], None] | None
+
+
+def _connection_dropper(request: Request) -> Dropper:
+    """Drops the request's connection at once, where the server offers that (see
+    ``connections``; None where not); a plain close would wait for the client to read
+    what is queued, which it does not."""
+    return request.scope.get("extensions", {}).get(ABORT_CONNECTION)
 
 
 def _sse(payload: BaseModel) -> str:
@@ -88,8 +119,12 @@ _END = object()
 class OpenAIServing:
     """Turns OpenAI requests into ``engine.generate`` calls and outputs into responses."""
 
-    def __init__(self, engine: AsyncLLM, served_model_name: str) -> None:
+    def __init__(
+        self, engine: AsyncLLM, served_model_name: str, max_stream_backlog: int | None = None
+    ) -> None:
         self.engine = engine
+        # Outputs a stream may have waiting for its client before its requests are aborted.
+        self.max_stream_backlog = max_stream_backlog or ServerLimits.max_stream_backlog
         self.model_name = served_model_name
         self.model_path = engine.config.model.model
         self.max_model_len = engine.config.model.max_model_len
@@ -182,19 +217,35 @@ class OpenAIServing:
             for t in tasks:
                 t.cancel()
 
-    async def _merged(self, jobs: list[_Job]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    async def _merged(
+        self, jobs: list[_Job], drop_connection: Dropper = None
+    ) -> AsyncIterator[tuple[int, RequestOutput]]:
         """DELTA outputs of all jobs as they come, as (job index, output).
 
         One producer task per job; closing this iterator cancels them, and a cancelled
-        producer closes its ``generate`` iterator, which aborts the engine request."""
+        producer closes its ``generate`` iterator, which aborts the engine request.
+
+        The consumer writes to the client, so it stops while the client does not read;
+        the producers do not. A producer that finds ``max_stream_backlog`` outputs
+        waiting stops (aborting its engine request) and calls ``drop_connection``, which
+        ends the stream (and so the other producers) without waiting for the client; this
+        then raises _ConnectionDropped. Without ``drop_connection`` the consumer gets the
+        StreamBacklogExceeded, for an error event."""
         queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
 
         async def produce(i: int, job: _Job) -> None:
             try:
                 async with contextlib.aclosing(self._generate(job, OutputKind.DELTA)) as gen:
                     async for out in gen:
+                        if queue.qsize() >= self.max_stream_backlog:
+                            raise StreamBacklogExceeded(job.request_id, self.max_stream_backlog)
                         queue.put_nowait((i, out))
                 queue.put_nowait((i, _END))
+            except StreamBacklogExceeded as e:
+                logger.warning("%s", e)  # the client may never read the error event
+                queue.put_nowait((i, e))
+                if drop_connection is not None:
+                    drop_connection()
             except Exception as e:  # noqa: BLE001 - handed to the consumer
                 queue.put_nowait((i, e))
 
@@ -205,6 +256,8 @@ class OpenAIServing:
                 i, item = await queue.get()
                 if item is _END:
                     remaining -= 1
+                elif isinstance(item, StreamBacklogExceeded) and drop_connection is not None:
+                    raise _ConnectionDropped()
                 elif isinstance(item, BaseException):
                     raise item
                 else:
@@ -240,7 +293,7 @@ class OpenAIServing:
         rid, created = P.random_id("cmpl"), P.now_s()
         jobs = await self.completion_jobs(req, rid)
         if req.stream:
-            stream = self._completion_stream(req, jobs, rid, created)
+            stream = self._completion_stream(req, jobs, rid, created, _connection_dropper(request))
             return StreamingResponse(stream, media_type="text/event-stream", headers=_SSE_HEADERS)
         finals = await _until_disconnect(request, self._collect(jobs))
         choices = [
@@ -293,7 +346,12 @@ class OpenAIServing:
         return self.tokenizer.decode(prompt.prompt_token_ids)
 
     async def _completion_stream(
-        self, req: P.CompletionRequest, jobs: list[_Job], rid: str, created: int
+        self,
+        req: P.CompletionRequest,
+        jobs: list[_Job],
+        rid: str,
+        created: int,
+        drop_connection: Dropper,
     ) -> AsyncIterator[str]:
         offsets: dict[int, int] = {}  # choice index -> characters already sent
         tokens: dict[int, int] = {}  # choice index -> tokens already sent
@@ -322,7 +380,7 @@ class OpenAIServing:
             return choice
 
         try:
-            async with contextlib.aclosing(self._merged(jobs)) as outputs:
+            async with contextlib.aclosing(self._merged(jobs, drop_connection)) as outputs:
                 async for i, out in outputs:
                     if out.prompt_logprobs is not None:
                         prompt_lps[i] = out.prompt_logprobs
@@ -330,6 +388,8 @@ class OpenAIServing:
                         yield chunk([delta(i, c)], req.continuous_usage)
             if req.include_usage:
                 yield chunk([], True)
+        except _ConnectionDropped:
+            return
         except Exception as e:  # noqa: BLE001 - the status line is sent: report in-stream
             yield _sse(classify_error(e, self.engine).body())
         yield _DONE
@@ -377,7 +437,7 @@ class OpenAIServing:
         rid, created = P.random_id("chatcmpl"), P.now_s()
         job = await self.chat_job(req, rid)
         if req.stream:
-            stream = self._chat_stream(req, job, rid, created)
+            stream = self._chat_stream(req, job, rid, created, _connection_dropper(request))
             return StreamingResponse(stream, media_type="text/event-stream", headers=_SSE_HEADERS)
         (final,) = await _until_disconnect(request, self._collect([job]))
         outs = sorted(final.outputs.values(), key=lambda c: c.index)
@@ -403,7 +463,12 @@ class OpenAIServing:
         return P.chat_logprobs(c.token_ids, c.logprobs or [], job.params.logprobs, self.tokenizer)
 
     async def _chat_stream(
-        self, req: P.ChatCompletionRequest, job: _Job, rid: str, created: int
+        self,
+        req: P.ChatCompletionRequest,
+        job: _Job,
+        rid: str,
+        created: int,
+        drop_connection: Dropper,
     ) -> AsyncIterator[str]:
         tokens: dict[int, int] = {}
 
@@ -429,12 +494,14 @@ class OpenAIServing:
             for i in range(job.params.n):
                 role = P.DeltaMessage(role="assistant", content="")
                 yield chunk([P.ChatStreamChoice(index=i, delta=role)], req.continuous_usage)
-            async with contextlib.aclosing(self._merged([job])) as outputs:
+            async with contextlib.aclosing(self._merged([job], drop_connection)) as outputs:
                 async for _, out in outputs:
                     for c in out.outputs:
                         yield chunk([delta(c)], req.continuous_usage)
             if req.include_usage:
                 yield chunk([], True)
+        except _ConnectionDropped:
+            return
         except Exception as e:  # noqa: BLE001 - the status line is sent: report in-stream
             yield _sse(classify_error(e, self.engine).body())
         yield _DONE

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import resource
 import signal
 import sys
 import threading
@@ -21,6 +22,7 @@ from tidal.frontend.launchers.mp import spawn_headless_engines
 from tidal.launch.api_key import add_api_key_arg, resolve_api_key
 from tidal.launch.api_server import bind_socket, run_server
 from tidal.launch.args import add_engine_args, build_engine_config
+from tidal.launch.connections import ServerLimits
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -51,6 +53,7 @@ def make_parser() -> argparse.ArgumentParser:
         "--served-model-name", default=None, help="model name clients use (default: the path)"
     )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    _add_http_limit_args(p)
     p.add_argument(
         "--headless",
         action="store_true",
@@ -59,6 +62,88 @@ def make_parser() -> argparse.ArgumentParser:
     )
     add_engine_args(p)
     return p
+
+
+def _open_file_limit() -> int | None:
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return None if soft == resource.RLIM_INFINITY else soft
+
+
+def _default_max_connections() -> int:
+    # Half the descriptors: the other half stays for engines, their sockets and pipes,
+    # and the processes recovery starts, however many clients connect.
+    limit = _open_file_limit()
+    return 4096 if limit is None else max(1, min(4096, limit // 2))
+
+
+def _add_http_limit_args(p: argparse.ArgumentParser) -> None:
+    d = ServerLimits()
+    p.add_argument(
+        "--max-connections",
+        type=int,
+        default=None,
+        metavar="N",
+        help="most open HTTP connections; one past it is answered 503 and closed before "
+        "its request is read (default: half the open-file limit, at most 4096, so "
+        "clients can never take the descriptors engines and recovery need)",
+    )
+    p.add_argument(
+        "--http-header-timeout",
+        type=float,
+        default=d.header_timeout_s,
+        metavar="SECONDS",
+        help="a connection's request line and headers must arrive within this; else 408 "
+        f"and the connection is closed (default {d.header_timeout_s:g})",
+    )
+    p.add_argument(
+        "--http-body-timeout",
+        type=float,
+        default=d.body_timeout_s,
+        metavar="SECONDS",
+        help="a request body must arrive within this after its headers; else 408 and the "
+        f"connection is closed (default {d.body_timeout_s:g})",
+    )
+    p.add_argument(
+        "--max-stream-backlog",
+        type=int,
+        default=d.max_stream_backlog,
+        metavar="N",
+        help="outputs a streaming response may have queued for a client that does not "
+        "read them; past it the request is aborted in the engine and the connection "
+        f"dropped (default {d.max_stream_backlog})",
+    )
+
+
+def _server_limits(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> ServerLimits:
+    """The HTTP limits, or a usage error naming the flag."""
+    max_connections = (
+        _default_max_connections() if ns.max_connections is None else ns.max_connections
+    )
+    for flag, value, ok, want in (
+        ("--max-connections", max_connections, max_connections >= 1, "an integer >= 1"),
+        (
+            "--max-stream-backlog",
+            ns.max_stream_backlog,
+            ns.max_stream_backlog >= 1,
+            "an integer >= 1",
+        ),
+        ("--http-header-timeout", ns.http_header_timeout, ns.http_header_timeout > 0, "> 0"),
+        ("--http-body-timeout", ns.http_body_timeout, ns.http_body_timeout > 0, "> 0"),
+    ):
+        if not ok or value != value or value == float("inf"):  # NaN, inf: no limit at all
+            parser.error(f"{flag}: must be {want}, got {value}")
+    limit = _open_file_limit()
+    if limit is not None and max_connections >= limit:
+        parser.error(
+            f"--max-connections: {max_connections} would leave no file descriptors for the "
+            f"engines and recovery (the open-file limit is {limit}; ulimit -n)"
+        )
+    return ServerLimits(
+        max_connections=max_connections,
+        header_timeout_s=ns.http_header_timeout,
+        body_timeout_s=ns.http_body_timeout,
+        max_stream_backlog=ns.max_stream_backlog,
+    )
 
 
 def _check_multi_node(
@@ -118,6 +203,7 @@ def serve_main(argv: list[str]) -> int:
     if not 0 <= ns.port <= 65535:
         parser.error(f"--port: must be in [0, 65535], got {ns.port}")
     api_key = resolve_api_key(parser, ns)
+    limits = _server_limits(parser, ns)
     config: EngineConfig = build_engine_config(parser, ns)
     _check_multi_node(parser, ns, config)
     if ns.headless:
@@ -150,6 +236,7 @@ def serve_main(argv: list[str]) -> int:
             log_level=ns.log_level,
             allowed_hosts=_split(ns.allowed_hosts),
             allowed_origins=_split(ns.allowed_origins),
+            limits=limits,
         )
     except KeyboardInterrupt:
         pass

@@ -1,0 +1,133 @@
+"""Slow and hostile clients against the real server (``launch`` in a subprocess, one
+engine): a stream its client never reads is aborted in the engine at
+``--max-stream-backlog`` and its connection dropped while other requests are served;
+past ``--max-connections`` a connection is answered 503 and closed, and ``/health`` and
+requests work again once a slot frees. (tests/unit/test_slow_clients.py covers the
+header and body timeouts on a real socket with a fake engine.)"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import socket
+
+import httpx
+import psutil
+import pytest
+
+from tests.e2e.server_utils import RemoteServer
+from tests.waiting import wait_until
+
+_ABORTED = "did not read its stream"
+
+
+@pytest.fixture(scope="module")
+def server(qwen3_ckpt):
+    srv = RemoteServer(
+        ["--model", qwen3_ckpt, "--log-level", "warning"]
+        + ["--max-connections", "3", "--max-stream-backlog", "4"]
+        # Long enough that the connections held idle below are not closed meanwhile.
+        + ["--http-header-timeout", "120"],
+        env={"TIDAL_API_KEY": None},
+    )
+    yield srv
+    srv.stop()
+    assert srv.leftover_processes() == []
+
+
+def _connect(port: int, rcvbuf: int | None = None) -> socket.socket:
+    s = socket.socket()
+    if rcvbuf is not None:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)  # before connect: the window
+    s.settimeout(120)
+    s.connect(("127.0.0.1", port))
+    return s
+
+
+def _read_to_eof(s: socket.socket) -> bytes:
+    data = b""
+    with contextlib.suppress(ConnectionResetError):
+        while chunk := s.recv(65536):
+            data += chunk
+    return data
+
+
+def _finished(server: RemoteServer) -> float:
+    text = httpx.get(f"{server.url}/metrics", timeout=60).text
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("tidal:request_success_total")
+    )
+
+
+def _served(server: RemoteServer) -> None:
+    with httpx.Client(base_url=server.url, timeout=120) as c:
+        assert c.get("/health").status_code == 200
+        r = c.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 4, "temperature": 0})
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 4
+
+
+def test_stream_nobody_reads_is_aborted_and_the_server_keeps_serving(server):
+    finished = _finished(server)
+    # The echoed prompt with its top logprobs makes a first chunk far larger than the
+    # socket buffers, so the server blocks writing it and the outputs after it pile up.
+    body = {
+        "prompt": [100 + i % 300 for i in range(300)],
+        "max_tokens": 200,
+        "echo": True,
+        "logprobs": 20,
+        "ignore_eos": True,
+        "temperature": 0,
+        "stream": True,
+    }
+    raw = json.dumps(body).encode()
+    s = _connect(server.port, rcvbuf=4096)
+    try:
+        s.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+            b"Content-Type: application/json\r\n"
+            + f"Content-Length: {len(raw)}\r\n\r\n".encode()
+            + raw
+        )
+        # Aborted, or (without the bound) buffered on the server until it finishes.
+        assert wait_until(lambda: _ABORTED in server.output or _finished(server) > finished)
+        assert _ABORTED in server.output, server.output
+        data = _read_to_eof(s)  # what the kernel held, then the end: no more is sent
+    finally:
+        s.close()
+    assert data.startswith(b"HTTP/1.1 200"), data[:200]
+    assert b"[DONE]" not in data
+    assert _finished(server) == finished  # aborted, not run to its 200 tokens
+    _served(server)
+
+
+def _accepted(server: RemoteServer) -> int:
+    """Connections the server process holds on its port (accepted, not yet closed)."""
+    conns = psutil.Process(server.proc.pid).net_connections(kind="tcp")
+    return sum(
+        1 for c in conns if c.laddr and c.laddr.port == server.port and c.status == "ESTABLISHED"
+    )
+
+
+def test_connections_past_the_cap_get_503_and_slots_free_again(server):
+    held: list[socket.socket] = []
+    try:
+        for _ in range(3):  # idle connections, up to the cap
+            held.append(_connect(server.port))
+            assert wait_until(lambda: _accepted(server) == len(held))
+        for _ in range(2):  # each one past it is refused before it sends a byte
+            extra = _connect(server.port)
+            try:
+                refused = _read_to_eof(extra)
+            finally:
+                extra.close()
+            assert refused.startswith(b"HTTP/1.1 503"), refused
+            assert b"--max-connections" in refused
+        held.pop().close()
+        assert wait_until(lambda: _accepted(server) == len(held))
+        _served(server)
+    finally:
+        for s in held:
+            s.close()
