@@ -32,6 +32,8 @@ from typing import Any, BinaryIO
 
 import msgspec
 
+from tidal.utils.secret_env import without_secrets
+
 # Generous for any real template (they render in milliseconds); a template still running
 # after this is treated as hostile.
 RENDER_TIMEOUT_S = 10.0
@@ -191,10 +193,11 @@ def worker_command(tokenizer: str) -> list[str]:
 
 
 def worker_env(environ: Mapping[str, str]) -> dict[str, str]:
-    """The worker's environment: the server's, with ``PYTHONPATH`` cleaned of what
-    names the working directory without saying so (empty and relative entries, which
-    ``-P`` does not drop: Python reads them against the working directory)."""
-    env = dict(environ)
+    """The worker's environment: the server's less its secrets (it runs templates that
+    clients wrote), with ``PYTHONPATH`` cleaned of what names the working directory
+    without saying so (empty and relative entries, which ``-P`` does not drop: Python
+    reads them against the working directory)."""
+    env = without_secrets(environ)
     entries = [p for p in env.pop("PYTHONPATH", "").split(os.pathsep) if os.path.isabs(p)]
     if entries:
         env["PYTHONPATH"] = os.pathsep.join(entries)

@@ -14,6 +14,7 @@ import typing
 from typing import Any
 
 from tidal.config import EngineConfig
+from tidal.launch.api_key import read_secret_file
 from tidal.launch.engine_args import ALL2ALL_BACKENDS, AUTH_KEY_ENV, EngineArgs
 from tidal.protocol.messages import ENGINE_STALL_TIMEOUT_S
 
@@ -69,8 +70,8 @@ _HELP = {
     "eplb_interval": "steps between EPLB rebalances",
     "dp_lb_policy": "request routing across ranks: tidal | tidal-p2c | vllm",
     "data_parallel_auth_key": "shared secret that authenticates the DP control plane over "
-    f"TCP; the same on every host, required with --headless ranks (default: ${AUTH_KEY_ENV}, "
-    "which keeps it out of the process list)",
+    f"TCP; the same on every host, required with --headless ranks (default: ${AUTH_KEY_ENV}); "
+    "visible in ps, prefer --data-parallel-auth-key-file or the variable",
     "data_parallel_backend": "where engine ranks run: mp (local processes; other hosts "
     "with --headless) | ray (one Ray actor per rank in its own placement group, on the "
     "cluster of --ray-address; pip install 'tidal[ray]')",
@@ -106,6 +107,8 @@ _HELP = {
 }
 
 _ENV_DEFAULTS = {"data_parallel_auth_key": AUTH_KEY_ENV}
+# Secrets that may come from a file instead (``--<flag>-file``), out of the process list.
+_FILE_FLAGS = ("data_parallel_auth_key",)
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -133,6 +136,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             parser.add_argument(
                 *names, dest=f.name, type=_scalar(hint), default=default, help=help_
             )
+        if f.name in _FILE_FLAGS:
+            parser.add_argument(
+                f"{flag}-file",
+                dest=f"{f.name}_file",
+                default=None,
+                metavar="PATH",
+                help=f"read {flag} from this file (its first line), out of the process list",
+            )
 
 
 def _scalar(hint: Any) -> Any:
@@ -141,12 +152,28 @@ def _scalar(hint: Any) -> Any:
     return base if base in (int, float, str) else str
 
 
+def _read_secret_files(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> None:
+    """Fills each ``_FILE_FLAGS`` field from its file when one is given; the file wins
+    over the environment variable, like a flag does, but not over the flag itself."""
+    for name in _FILE_FLAGS:
+        path = getattr(ns, f"{name}_file", None)
+        if path is None:
+            continue
+        flag = "--" + name.replace("_", "-")
+        given = getattr(ns, name)
+        if given != parser.get_default(name):  # the flag itself (its default: the variable)
+            parser.error(f"{flag}-file: give either {flag} or {flag}-file, not both")
+        setattr(ns, name, read_secret_file(parser, f"{flag}-file", path))
+
+
 def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
     return EngineArgs(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(EngineArgs)})
 
 
 def build_engine_config(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> EngineConfig:
-    """EngineArgs -> EngineConfig, turning validation errors into CLI errors naming the flag."""
+    """EngineArgs -> EngineConfig, turning validation errors into CLI errors naming the flag.
+    Secrets given as files are read here, into ``ns``."""
+    _read_secret_files(parser, ns)
     try:
         return engine_args_from(ns).create_engine_config()
     except ValueError as e:

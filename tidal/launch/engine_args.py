@@ -43,11 +43,11 @@ from tidal.models.registry import get_model_class, resolve_architecture
 from tidal.models.tiny import default_model_path
 from tidal.protocol.messages import ENGINE_STALL_TIMEOUT_S
 from tidal.sampling_params import SamplingParams
+from tidal.utils.secret_env import AUTH_KEY_ENV
 
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
-# The DP control plane's shared secret (tidal/distributed/zmq_auth.py): where the CLI reads it,
-# and the least length worth calling a secret.
-AUTH_KEY_ENV = "TIDAL_DP_AUTH_KEY"
+# The DP control plane's shared secret (tidal/distributed/zmq_auth.py): the least length
+# worth calling a secret (AUTH_KEY_ENV: where the CLI reads it).
 MIN_AUTH_KEY_LEN = 16
 ALL2ALL_BACKENDS = (
     "allgather_reducescatter",
@@ -297,7 +297,8 @@ class EngineArgs:
             raise ValueError(
                 "data_parallel_auth_key is required when ranks run on other hosts (the DP "
                 "control plane then listens on TCP): give every host the same secret, "
-                f"preferably in the {AUTH_KEY_ENV} environment variable"
+                f"preferably in the {AUTH_KEY_ENV} environment variable or a "
+                "--data-parallel-auth-key-file"
             )
         if key is not None and len(key) < MIN_AUTH_KEY_LEN:
             raise ValueError(

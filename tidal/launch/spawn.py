@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import resource
 import signal
 import sys
@@ -23,6 +24,7 @@ from tidal.launch.api_key import add_api_key_arg, resolve_api_key
 from tidal.launch.api_server import bind_socket, run_server
 from tidal.launch.args import add_engine_args, build_engine_config
 from tidal.launch.connections import ServerLimits
+from tidal.utils.secret_env import SECRET_ENV_VARS
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -206,6 +208,10 @@ def serve_main(argv: list[str]) -> int:
     limits = _server_limits(parser, ns)
     config: EngineConfig = build_engine_config(parser, ns)
     _check_multi_node(parser, ns, config)
+    # Read; from here on the keys travel in the config and the app, and no process this
+    # one starts (Ray's local cluster included) inherits them.
+    for name in SECRET_ENV_VARS:
+        os.environ.pop(name, None)
     if ns.headless:
         return run_headless(config)
     logging.basicConfig(

@@ -31,6 +31,7 @@ import sys
 from collections.abc import Mapping, Sequence
 
 from tidal.utils.proctitle import set_process_name
+from tidal.utils.secret_env import without_secrets
 
 
 @functools.cache
@@ -95,13 +96,13 @@ class ProcessWatch:
 
 
 def _child_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
-    """The parent's environment plus ``extra``, with its ``sys.path`` as the child's
-    ``PYTHONPATH``.
+    """The parent's environment (less its secrets: ``secret_env``) plus ``extra``, with its
+    ``sys.path`` as the child's ``PYTHONPATH``.
 
     The child then imports exactly what the parent would (a source checkout, a path added
     by a test runner) — what multiprocessing's spawn gets by copying ``sys.path`` — while
     ``-P`` keeps the child's working directory off its path."""
-    env = {**os.environ, **(extra or {})}
+    env = {**without_secrets(os.environ), **(extra or {})}
     paths = [os.path.abspath(p) if p else os.getcwd() for p in sys.path]
     env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(p for p in paths if os.path.exists(p)))
     return env
