@@ -18,6 +18,7 @@ import pytest
 
 from tests.unit.test_api_server import FakeAsyncLLM, expected_text, run, wait_for
 from tidal.frontend.outputs import CompletionOutput, RequestOutput
+from tidal.launch import spawn
 from tidal.launch.api_server import bind_socket, build_app, make_server
 from tidal.launch.cli import main
 from tidal.launch.connections import ServerLimits
@@ -241,3 +242,11 @@ def test_limit_flags_are_documented(capsys):
         "--max-stream-backlog",
     ):
         assert flag in out
+
+
+def test_default_connection_cap_leaves_descriptors_for_engines_and_recovery(monkeypatch):
+    monkeypatch.setattr(spawn.resource, "getrlimit", lambda _: (256, 4096))
+    parser = spawn.make_parser()
+    assert spawn._server_limits(parser, parser.parse_args([])).max_connections == 128
+    with pytest.raises(SystemExit):  # a cap that could take every descriptor
+        spawn._server_limits(parser, parser.parse_args(["--max-connections", "256"]))
