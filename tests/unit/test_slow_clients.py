@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator
 import httpx
 import pytest
 
-from tests.unit.test_api_server import FakeAsyncLLM, expected_text, run, wait_for
+from tests.unit.test_api_server import FakeAsyncLLM, expected_text, run, sse_events, wait_for
 from tidal.frontend.outputs import CompletionOutput, RequestOutput
 from tidal.launch import spawn
 from tidal.launch.api_server import bind_socket, build_app, make_server
@@ -134,6 +134,26 @@ async def test_stream_nobody_reads_is_aborted_at_the_backlog_and_others_are_serv
             s.close()
         await ok_request(url)
         assert engine.aborted == [rid]
+
+
+@run
+async def test_a_read_batch_stream_is_not_taken_for_a_client_that_does_not_read():
+    # Each step of a batch of prompts brings one output per prompt at once: the bound
+    # counts per engine request, not per stream.
+    engine = FakeAsyncLLM()
+    limits = ServerLimits(max_stream_backlog=2)
+    async with guarded_server(engine, limits) as (url, _, _):
+        body = {"prompt": ["a"] * 8, "max_tokens": 6, "stream": True}
+        async with httpx.AsyncClient(base_url=url, timeout=60) as c:
+            r = await c.post("/v1/completions", json=body)
+        events = sse_events(r.text)
+        assert all("error" not in e for e in events), events
+        texts = {}
+        for e in events:
+            for ch in e["choices"]:
+                texts[ch["index"]] = texts.get(ch["index"], "") + ch["text"]
+        assert texts == {i: expected_text(6) for i in range(8)}
+        assert engine.aborted == []
 
 
 async def _idle_connections(port: int, n: int, server) -> list[socket.socket]:

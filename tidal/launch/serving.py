@@ -226,19 +226,22 @@ class OpenAIServing:
         producer closes its ``generate`` iterator, which aborts the engine request.
 
         The consumer writes to the client, so it stops while the client does not read;
-        the producers do not. A producer that finds ``max_stream_backlog`` outputs
-        waiting stops (aborting its engine request) and calls ``drop_connection``, which
+        the producers do not. A producer that finds ``max_stream_backlog`` of its outputs
+        waiting (counted per job: one step of a batch of prompts brings an output for
+        each) stops, aborting its engine request, and calls ``drop_connection``, which
         ends the stream (and so the other producers) without waiting for the client; this
         then raises _ConnectionDropped. Without ``drop_connection`` the consumer gets the
         StreamBacklogExceeded, for an error event."""
         queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+        waiting = [0] * len(jobs)  # outputs of each job in the queue
 
         async def produce(i: int, job: _Job) -> None:
             try:
                 async with contextlib.aclosing(self._generate(job, OutputKind.DELTA)) as gen:
                     async for out in gen:
-                        if queue.qsize() >= self.max_stream_backlog:
+                        if waiting[i] >= self.max_stream_backlog:
                             raise StreamBacklogExceeded(job.request_id, self.max_stream_backlog)
+                        waiting[i] += 1
                         queue.put_nowait((i, out))
                 queue.put_nowait((i, _END))
             except StreamBacklogExceeded as e:
@@ -261,6 +264,7 @@ class OpenAIServing:
                 elif isinstance(item, BaseException):
                     raise item
                 else:
+                    waiting[i] -= 1
                     yield i, item
         finally:
             for t in tasks:

@@ -110,9 +110,9 @@ def _add_http_limit_args(p: argparse.ArgumentParser) -> None:
         type=int,
         default=d.max_stream_backlog,
         metavar="N",
-        help="outputs a streaming response may have queued for a client that does not "
-        "read them; past it the request is aborted in the engine and the connection "
-        f"dropped (default {d.max_stream_backlog})",
+        help="outputs a streaming response may have queued, per engine request, for a "
+        "client that does not read them; past it the request is aborted in the engine and "
+        f"the connection dropped (default {d.max_stream_backlog})",
     )
 
 
