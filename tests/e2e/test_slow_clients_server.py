@@ -52,8 +52,12 @@ def _read_to_eof(s: socket.socket) -> bytes:
     return data
 
 
+def _metrics(server: RemoteServer) -> str:
+    return httpx.get(f"{server.url}/metrics", timeout=60).text
+
+
 def _finished(server: RemoteServer) -> float:
-    text = httpx.get(f"{server.url}/metrics", timeout=60).text
+    text = _metrics(server)
     return sum(
         float(line.rsplit(" ", 1)[1])
         for line in text.splitlines()
@@ -100,6 +104,7 @@ def test_stream_nobody_reads_is_aborted_and_the_server_keeps_serving(server):
     assert data.startswith(b"HTTP/1.1 200"), data[:200]
     assert b"[DONE]" not in data
     assert _finished(server) == finished  # aborted, not run to its 200 tokens
+    assert "tidal:stream_backlog_aborts_total 1.0" in _metrics(server)
     _served(server)
 
 

@@ -134,6 +134,9 @@ async def test_stream_nobody_reads_is_aborted_at_the_backlog_and_others_are_serv
             s.close()
         await ok_request(url)
         assert engine.aborted == [rid]
+        async with httpx.AsyncClient(base_url=url, timeout=60) as c:
+            metrics = (await c.get("/metrics")).text
+        assert "tidal:stream_backlog_aborts_total 1.0" in metrics
 
 
 @run

@@ -78,6 +78,7 @@ def build_app(
         engine,
         served_model_name or engine.served_model_name,
         max_stream_backlog=limits.max_stream_backlog,
+        on_backlog_abort=metrics.stream_backlog_aborts.inc,
     )
 
     @asynccontextmanager

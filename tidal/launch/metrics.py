@@ -68,6 +68,12 @@ class ServerMetrics:
             ["finished_reason"],
             registry=r,
         )
+        self.stream_backlog_aborts = Counter(
+            _PREFIX + "stream_backlog_aborts",
+            "Engine requests aborted because their client did not read its stream "
+            "(--max-stream-backlog).",
+            registry=r,
+        )
         self.prompt_tokens = Counter(_PREFIX + "prompt_tokens", "Prefill tokens.", registry=r)
         self.generation_tokens = Counter(
             _PREFIX + "generation_tokens", "Generated tokens.", registry=r

@@ -120,11 +120,16 @@ class OpenAIServing:
     """Turns OpenAI requests into ``engine.generate`` calls and outputs into responses."""
 
     def __init__(
-        self, engine: AsyncLLM, served_model_name: str, max_stream_backlog: int | None = None
+        self,
+        engine: AsyncLLM,
+        served_model_name: str,
+        max_stream_backlog: int | None = None,
+        on_backlog_abort: Callable[[], None] = lambda: None,
     ) -> None:
         self.engine = engine
         # Outputs a stream may have waiting for its client before its requests are aborted.
         self.max_stream_backlog = max_stream_backlog or ServerLimits.max_stream_backlog
+        self.on_backlog_abort = on_backlog_abort  # counts them (metrics)
         self.model_name = served_model_name
         self.model_path = engine.config.model.model
         self.max_model_len = engine.config.model.max_model_len
@@ -246,6 +251,7 @@ class OpenAIServing:
                 queue.put_nowait((i, _END))
             except StreamBacklogExceeded as e:
                 logger.warning("%s", e)  # the client may never read the error event
+                self.on_backlog_abort()
                 queue.put_nowait((i, e))
                 if drop_connection is not None:
                     drop_connection()
