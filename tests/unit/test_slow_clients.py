@@ -195,7 +195,7 @@ async def test_connections_past_the_cap_get_503_until_a_slot_frees():
 
 @run
 async def test_idle_and_trickling_headers_are_closed_after_the_header_timeout():
-    limits = ServerLimits(header_timeout_s=0.5)
+    limits = ServerLimits(header_timeout_s=2.0)
     async with guarded_server(FakeAsyncLLM(), limits) as (url, port, server):
         idle = raw_connection(port)
         trickle = raw_connection(port)
@@ -218,7 +218,7 @@ async def test_idle_and_trickling_headers_are_closed_after_the_header_timeout():
 @run
 async def test_a_trickling_body_gets_408_and_its_connection_is_closed():
     engine = FakeAsyncLLM()
-    limits = ServerLimits(body_timeout_s=0.5)
+    limits = ServerLimits(body_timeout_s=2.0)
     async with guarded_server(engine, limits) as (url, port, _):
         s = raw_connection(port)
         try:
