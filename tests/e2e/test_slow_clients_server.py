@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import contextlib
 import json
+import resource
 import socket
 
 import httpx
 import psutil
 import pytest
 
-from tests.e2e.server_utils import RemoteServer
+from tests.e2e.server_utils import RemoteServer, is_alive
 from tests.waiting import wait_until
 
 _ABORTED = "did not read its stream"
@@ -136,3 +137,64 @@ def test_connections_past_the_cap_get_503_and_slots_free_again(server):
     finally:
         for s in held:
             s.close()
+
+
+def _health_ok(server: RemoteServer) -> bool:
+    try:
+        return httpx.get(f"{server.url}/health", timeout=60).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def _dp_size(server: RemoteServer) -> int:
+    return httpx.get(f"{server.url}/stats", timeout=60).json()["data_parallel_size"]
+
+
+# The launcher's open-file limit in the flood test: small, so a flood can reach it.
+_FD_LIMIT = 512
+
+
+def test_recovery_spawns_an_engine_while_a_flood_holds_every_connection(qwen3_ckpt):
+    # The launcher inherits this process's limit; lowered only while it starts.
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (_FD_LIMIT, hard))
+    try:
+        srv = RemoteServer(
+            ["--model", qwen3_ckpt, "--dp", "2", "--enable-elastic-ep", "--elastic-restore"]
+            # The held connections must stay open while the rank is replaced.
+            + ["--http-header-timeout", "600", "--log-level", "warning"],
+            env={"TIDAL_API_KEY": None},
+        )
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    flood: list[socket.socket] = []
+    family = [psutil.Process(srv.proc.pid), *srv.children]
+    try:
+        # More idle connections than the launcher has descriptors: the default cap
+        # (half of them) refuses the rest, so the launcher keeps descriptors to spare.
+        for _ in range(_FD_LIMIT + 100):
+            flood.append(_connect(srv.port))
+        assert wait_until(lambda: _accepted(srv) == _FD_LIMIT // 2)
+        (victim,) = [p for p in srv.engine_processes() if p.name().endswith("DP1")]
+        victim.kill()
+
+        def replaced() -> bool:
+            engines = [p for p in srv.engine_processes() if p.pid != victim.pid]
+            return len(engines) == 2
+
+        assert wait_until(replaced, 180), srv.output
+        family += srv.descendants()
+        assert "Too many open files" not in srv.output, srv.output
+        for s in flood:
+            s.close()
+        flood.clear()
+        assert wait_until(lambda: _health_ok(srv))
+        # Its restore (the scale-up back to two ranks) may still be finishing.
+        assert wait_until(lambda: _dp_size(srv) == 2), srv.output
+        _served(srv)
+    finally:
+        for s in flood:
+            s.close()
+        srv.stop()
+    _, alive = psutil.wait_procs([p for p in family if is_alive(p)], timeout=30)
+    assert alive == []

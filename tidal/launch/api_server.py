@@ -148,9 +148,11 @@ def make_server(
     pre-bound socket, set ``server.should_exit = True`` to stop it (uvicorn does on
     SIGTERM/SIGINT). Open streams get ``timeout_graceful_shutdown`` seconds to finish.
     ``limits``: the connection cap and the header timeout (``connections``)."""
+    limits = limits if limits is not None else ServerLimits()
     config = uvicorn.Config(
         app,
-        http=guarded_protocol(limits if limits is not None else ServerLimits()),
+        http=guarded_protocol(limits),
+        backlog=limits.accept_backlog,
         host=host,
         port=port,
         log_level=log_level,

@@ -45,6 +45,13 @@ class ServerLimits:
     body_timeout_s: float = 60.0
     max_stream_backlog: int = 256
 
+    @property
+    def accept_backlog(self) -> int:
+        """The listen backlog, which is also how many connections asyncio accepts in one
+        go: each holds a descriptor until it is refused and closed, so a flood may hold
+        about twice this many past ``max_connections``; kept to a quarter of it."""
+        return max(16, min(2048, self.max_connections // 4))
+
     def __post_init__(self) -> None:
         for name in ("max_connections", "max_stream_backlog"):
             if getattr(self, name) < 1:

@@ -72,8 +72,9 @@ def _open_file_limit() -> int | None:
 
 
 def _default_max_connections() -> int:
-    # Half the descriptors: the other half stays for engines, their sockets and pipes,
-    # and the processes recovery starts, however many clients connect.
+    # Half the descriptors: the rest stays for engines, their sockets and pipes, the
+    # processes recovery starts, and the connections a flood holds while being refused
+    # (ServerLimits.accept_backlog), however many clients connect.
     limit = _open_file_limit()
     return 4096 if limit is None else max(1, min(4096, limit // 2))
 
