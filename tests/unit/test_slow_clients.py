@@ -232,6 +232,7 @@ async def test_a_trickling_body_gets_408_and_its_connection_is_closed():
         assert b"connection: close" in head.lower()
         error = json.loads(body)["error"]
         assert "--http-body-timeout" in error["message"]
+        assert error["type"] == "invalid_request_error" and error["code"] == "request_timeout"
         assert engine.calls == []
         await ok_request(url)
 

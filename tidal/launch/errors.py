@@ -1,7 +1,8 @@
 """HTTP errors: every failure becomes OpenAI's ``{"error": {message, type, param, code}}``.
 
 400 bad input (or a Host header this server does not answer to), 401 bad API key, 404
-unknown model or route, 409 another scaling operation runs, 413 body too large, 415 a
+unknown model or route, 408 a body not received in time or a stream not read (the client's
+fault, as a 400's), 409 another scaling operation runs, 413 body too large, 415 a
 JSON route's body not sent as ``application/json``, 503 dead engine, 500 bug (or a failed scaling operation); ``classify_error`` picks one for any exception a request raised. A request
 the engine refused as invalid is a 400, one that failed while running a 500, both with the
 engine's message.
@@ -29,6 +30,7 @@ _ERROR_TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
     404: "not_found_error",
+    408: "invalid_request_error",
     409: "conflict_error",
     413: "invalid_request_error",
     415: "invalid_request_error",
