@@ -157,13 +157,15 @@ class DPCoordinator:
                 raise RuntimeError("the DP coordinator was shut down")
             self._finalizer.detach()
             _cleanup(self.proc, self.addresses, None, 5.0)  # reap it; keep the ipc dir
-            self.restarts += 1
             try:
                 self._start(self.addresses, topology, wave)
             except BaseException:
                 if self._tmpdir is not None:  # _start's shutdown found no finalizer
                     shutil.rmtree(self._tmpdir, ignore_errors=True)
                 raise
+            # Counted once the new process answers: whoever reads the count (another
+            # thread) then finds it alive, never the reaped one still in ``proc``.
+            self.restarts += 1
 
     def shutdown(self, timeout_s: float = 5.0) -> None:
         """SIGTERM, join (kill after ``timeout_s``), unlink ipc files. Idempotent; waits
