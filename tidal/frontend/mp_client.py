@@ -23,7 +23,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import msgspec
@@ -43,7 +43,12 @@ from tidal.dp_coordinator.handle import DPCoordinator
 from tidal.elastic.migration import AlreadyFinished
 from tidal.frontend.core_client import EngineCoreClient
 from tidal.frontend.dp_state import DPFrontendState
-from tidal.frontend.launchers.proc_manager import EngineProcManager, frontend_addresses, ipc_dir
+from tidal.frontend.launchers.proc_manager import (
+    EngineProcManager,
+    bound_endpoint,
+    frontend_addresses,
+    ipc_dir,
+)
 from tidal.frontend.launchers.registry import make_launcher
 from tidal.frontend.migrations import RequestBook
 from tidal.protocol.elastic import ScaleReport
@@ -185,6 +190,12 @@ class MPClient(EngineCoreClient):
             self.input_socket = engine_input_router(sync_ctx)
             secure_server(self.input_socket, self._curve, self.addresses.input)
             self.input_socket.bind(self.addresses.input)
+            self.addresses = replace(
+                self.addresses, input=bound_endpoint(self.input_socket, self.addresses.input)
+            )
+            # Bound before the engines start: they are told where it is.
+            self._output_socket = self._bind_output(sync_ctx)
+            self.addresses = replace(self.addresses, output=self.output_address)
             coord_addrs = self._start_coordinator(sync_ctx)
             self.manager = EngineProcManager(
                 config,
@@ -198,7 +209,6 @@ class MPClient(EngineCoreClient):
                 curve=self._curve,
                 launcher=launcher,
             )
-            self._output_socket = self._bind_output(sync_ctx)
             self.manager.wait_for_ready(self.input_socket)
         except BaseException:
             if getattr(self, "manager", None) is None:
@@ -233,6 +243,7 @@ class MPClient(EngineCoreClient):
         try:
             secure_server(sock, self._curve, self.output_address)
             sock.bind(self.output_address)
+            self.output_address = bound_endpoint(sock, self.output_address)
         except BaseException:
             sock.close(linger=0)
             raise

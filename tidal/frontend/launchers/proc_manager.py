@@ -609,9 +609,18 @@ def frontend_addresses(config: EngineConfig, ipc_dir: str) -> FrontendAddresses:
     host = par.data_parallel_address
     rpc = par.data_parallel_rpc_port or get_open_port(host)
     ports = tuple(get_open_port(host) for _ in range(4))
+    # Input and output: a port the bind itself picks (``*``; the frontend reads back the
+    # bound one, ``bound_endpoint``), as engines learn them in the handshake. A port
+    # picked ahead could be taken by another process before the bind.
     return FrontendAddresses(
-        f"tcp://{host}:{get_open_port(host)}",
-        f"tcp://{host}:{get_open_port(host)}",
-        f"tcp://{host}:{rpc}",
+        f"tcp://{host}:*", f"tcp://{host}:*", f"tcp://{host}:{rpc}",
         CoordinatorAddresses.tcp(host, ports),
-    )
+    )  # fmt: skip
+
+
+def bound_endpoint(sock: zmq.Socket, address: str) -> str:
+    """The address ``sock`` was bound at: ``address`` itself, or with the port the bind
+    chose for a ``tcp://host:*`` one."""
+    if not address.endswith(":*"):
+        return address
+    return sock.getsockopt_string(zmq.LAST_ENDPOINT)
