@@ -1,5 +1,5 @@
-"""CPU speed of Tidal vs transformers and vLLM-CPU, in one run, on the peer checkpoints of
-issues #13 and #25 (same prompts, greedy, float32; outputs checked against transformers),
+"""CPU speed of Tidal vs transformers and vLLM-CPU, in one run, on the peer checkpoints
+(same prompts, greedy, float32; outputs checked against transformers),
 with every CPU path of Tidal's and the machine's memory bandwidth measured in the same run.
 
     python benchmarks/cpu_speed.py --vllm-python ~/.cache/tidal-peers/vllm/bin/python
@@ -9,7 +9,7 @@ with every CPU path of Tidal's and the machine's memory bandwidth measured in th
 Checkpoints (built once under ``--peers-dir``): tiny Qwen3-MoE (H256, 4 layers, 16 experts
 top-4) and big (H1024, 8 layers, 32 experts top-4, I512) by ``benchmarks/peers/
 make_models.py``, and ``moe64`` (H512, 8 layers, 64 experts top-8, I256), made here with
-the same recipe (issue #25's held-back shape class). Each engine runs in its own process
+the same recipe (a shape class held back from tuning). Each engine runs in its own process
 with the peer harness of ``benchmarks/peers/``: 1 stream x 128 new tokens, and 32
 requests x 64 new tokens, ``--rounds`` rounds, medians reported. vLLM runs only with
 ``--vllm-python`` (its own venv), with the settings of ``env_vllm.sh``. Both return token
@@ -18,7 +18,7 @@ ids only (vLLM: ``detokenize=False``; Tidal the same flag, unless ``--tidal-deto
 Tidal runs once per ``--paths`` entry: ``auto`` (the default: each op's path measured at
 load, ``tidal/kernels/select.py``, into a kernel-choice cache private to this run, so the
 first start's trial is in its ready time) and each forced path (``--cpu-kernels native |
-onednn | torch``). The goals of issue #25 are checked from the same run: the default
+onednn | torch``). The goals are checked from the same run: the default
 within 5% of Tidal's fastest path, single and batch; >= 1.2x vLLM batch and >= 1.0x vLLM
 single (big, moe64); never slower than transformers; >= 75% of the measured bandwidth at
 batch 1 for the MoE and linear kernels.
@@ -75,7 +75,7 @@ from kmp_registrations import registrations, remove_dead  # noqa: E402 - a sibli
 
 PEERS_SCRIPTS = HERE / "peers"
 MODELS = {"tiny": "tiny-qwen3-moe", "big": "big-qwen3-moe", "moe64": "moe64-qwen3-moe"}
-# The 64-expert top-8 checkpoint (issue #25): the recipe of make_models.py, another shape.
+# The 64-expert top-8 checkpoint: the recipe of make_models.py, another shape.
 MOE64 = {
     "hidden_size": 512, "intermediate_size": 1024, "moe_intermediate_size": 256,
     "num_hidden_layers": 8, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 64,
@@ -299,7 +299,7 @@ def _ratio_pair(a: dict[str, Any], b: dict[str, Any]) -> dict[str, float | None]
 
 
 def _goals(tag: str, ratios: dict[str, Any]) -> dict[str, bool | None]:
-    """Issue #25's end-to-end goals, as this run measured them."""
+    """The end-to-end goals, as this run measured them."""
 
     def at_least(key: str, part: str, bound: float) -> bool | None:
         v = ratios.get(key, {}).get(part)
@@ -741,7 +741,7 @@ def _prefill_s(llm: Any, vocab: int, batch: int = 32, prompt_len: int = 32) -> d
 def memory(model: Path, kernel_cache: Path) -> dict[str, Any]:
     """The default engine in a fresh process (``--memory-probe``): its resident memory
     after loading and serving a few requests, and its peak, against the checkpoint's bytes
-    plus the KV cache (issue #25: <= 1.15x), in the caller's process and as a rank's own
+    plus the KV cache (<= 1.15x), in the caller's process and as a rank's own
     process."""
     cmd = [
         sys.executable,

@@ -47,7 +47,7 @@ fastest; a real server restart takes longer.
 
 ``--backend ray`` (``pip install 'tidal[ray]'``) runs the same load and sequence twice in
 one run: with the default ``mp`` launcher (rows ``system: tidal``), then with the Ray
-launcher (``system: tidal-ray``; DESIGN.md 10): a Ray cluster started here (one node, one
+launcher (``system: tidal-ray``; docs/architecture.md#launchers): a Ray cluster started here (one node, one
 logical CPU per rank it may hold) unless ``--ray-address`` names one, and
 ``--ray-warm-ranks`` ranks started ahead (default 1). The ``table`` then has ``ray_*``
 columns beside the mp ones for each operation.

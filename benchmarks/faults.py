@@ -44,7 +44,7 @@ Prints one JSON document (machine, model, load, one row per system, ``targets``:
 requests served < 5 s after the kill, 0 lost). Every engine process is stopped at the
 end, also on Ctrl-C, SIGTERM or an error; ``leftover_processes`` counts what was alive.
 
-``--matrix`` (DESIGN.md 6.5: a helper is never a single point of failure, and a process
+``--matrix`` (docs/architecture.md#faults: a helper is never a single point of failure, and a process
 that freezes is handled like one that dies). A fresh DP=EP=``--size`` deployment with
 elastic EP per cell, under ``--streams`` streams; the fault hits one process of a kind:
 

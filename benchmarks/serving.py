@@ -26,7 +26,7 @@ Prints one JSON line: the case, ``tidal``, ``peer`` (null with ``--url``) and th
 ``--dp 1,2`` measures each data-parallel size in turn (Tidal's ``--dp N``, vLLM's
 ``--data-parallel-size N`` with its OpenMP threads bound one core group per rank), one
 JSON line per size. ``--client aiperf`` sends the load with NVIDIA's aiperf instead of the
-built-in client (a third-party client; issue #25's measurements): completions, streaming,
+built-in client (a third-party client, as users measure): completions, streaming,
 the same counts and lengths, its TTFT and inter-token latency (``tpot_ms``) reported in
 the same fields, plus their means. aiperf runs from a venv of its own (``--aiperf-venv``,
 default ``$PEERS/aiperf``), made with ``pip install aiperf`` when missing, so its

@@ -1,4 +1,4 @@
-"""Tensor parallelism inside a rank (DESIGN.md 9): what the step broadcast costs, what TP
+"""Tensor parallelism inside a rank (docs/architecture.md#tensor-parallel): what the step broadcast costs, what TP
 does to throughput, and whether scale cycles of TP ranks leak.
 
 1. ``broadcast`` (default): the shared-memory queue (``tidal/distributed/shm_queue.py``)

@@ -17,7 +17,7 @@ def __getattr__(name: str) -> Any:
     light processes must not pay for it: the DP coordinator (``tidal.dp_coordinator.entry``,
     0.2 s -> 2.2 s and 28 -> 247 MiB if this import were eager), the chat-template sandbox
     worker (restarted after every timed-out template: 0.1 s -> 2.1 s), and the bottom
-    layer (``tidal.config``, ``tidal.protocol``: no torch, DESIGN.md 1)."""
+    layer (``tidal.config``, ``tidal.protocol``: no torch, docs/architecture.md#layers)."""
     if name == "LLM":
         from tidal.launch.llm import LLM
 

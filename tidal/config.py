@@ -1,6 +1,6 @@
 """Engine configuration: frozen dataclasses built once from ``EngineArgs`` and passed whole.
 
-Bottom layer (DESIGN.md 1): every process imports this, so it imports nothing of tidal and
+Bottom layer (docs/architecture.md#layers): every process imports this, so it imports nothing of tidal and
 no torch at import time. The user's arguments, their validation and their resolution
 against the checkpoint (which needs ``tidal.models``) are ``tidal.launch.engine_args``.
 """
@@ -79,7 +79,7 @@ class ParallelConfig:
     # TCPStore port (on data_parallel_address, hosted by rank 0) for the DP/EP groups;
     # chosen by the launcher when 0.
     data_parallel_master_port: int = 0
-    # Workers per DP rank (DESIGN.md 9): the rank's engine core drives this many worker
+    # Workers per DP rank (docs/architecture.md#tensor-parallel): the rank's engine core drives this many worker
     # processes, each holding a shard of the model.
     tensor_parallel_size: int = 1
     # This rank's device slots on its host (CUDA; one per TP worker), handed out by the
@@ -91,19 +91,19 @@ class ParallelConfig:
     cpu_affinity: str = "auto"
     cpu_cores: tuple[int, ...] = ()
     enable_expert_parallel: bool = False
-    # vLLM's flag: the deployment may grow and shrink while serving (DESIGN.md 6). It runs
+    # vLLM's flag: the deployment may grow and shrink while serving (docs/architecture.md#elastic). It runs
     # the DP machinery (coordinator, wave loop, process groups) even at size 1, since its
     # live size is the topology's and may not stay 1.
     enable_elastic_ep: bool = False
-    # Elastic EP, after a rank death (DESIGN.md 6.5): the recovery removes the dead rank;
+    # Elastic EP, after a rank death (docs/architecture.md#faults): the recovery removes the dead rank;
     # with this, a scale-up then brings the deployment back to the size it had.
     elastic_restore: bool = False
-    # A data-parallel deployment survives the loss of ranks (DESIGN.md 6.5), with or
+    # A data-parallel deployment survives the loss of ranks (docs/architecture.md#faults), with or
     # without elastic EP: the dead ranks are removed by a recovery operation and their
     # requests migrate. False: a rank death ends the deployment (every request fails),
     # for those who restart it from outside.
     rank_recovery: bool = True
-    # The step-progress watchdog (DESIGN.md 6.5): a busy loop inside one iteration this
+    # The step-progress watchdog (docs/architecture.md#faults): a busy loop inside one iteration this
     # long, not waiting on its peers, is stuck, and its rank is killed and recovered from.
     # Seconds; 0 disables it. The default is ``protocol.messages.ENGINE_STALL_TIMEOUT_S``
     # (why there; this layer imports nothing of tidal).
@@ -117,7 +117,7 @@ class ParallelConfig:
     # Shared secret that authenticates the DP control plane when it runs over TCP
     # (tidal/distributed/zmq_auth.py). Never printed; not in the config hash, which peers see.
     data_parallel_auth_key: str | None = field(default=None, repr=False)
-    # Where engine ranks run (DESIGN.md 10): "mp" (local processes, headless hosts) or
+    # Where engine ranks run (docs/architecture.md#launchers): "mp" (local processes, headless hosts) or
     # "ray" (Ray actors in placement groups). The frontend's choice, not the ranks'.
     data_parallel_backend: str = "mp"
     # Ray: the cluster to join ("auto", "host:port", "ray://..."); None: $RAY_ADDRESS, else
@@ -149,7 +149,7 @@ class ParallelConfig:
 
     @property
     def recovers_ranks(self) -> bool:
-        """Whether a rank death is recovered from (DESIGN.md 6.5) rather than fatal."""
+        """Whether a rank death is recovered from (docs/architecture.md#faults) rather than fatal."""
         return self.is_data_parallel and self.rank_recovery
 
     @property
@@ -162,7 +162,7 @@ class ParallelConfig:
     def config_hash(self) -> str:
         """Hash of the parallel settings every rank must agree on (EP on/off, backends,
         EPLB). Excluded: what differs per rank or host, and ``data_parallel_size``: that
-        is the launch size, the live size is the topology's (DESIGN.md 6.1), so an engine
+        is the launch size, the live size is the topology's (docs/architecture.md#elastic-identity), so an engine
         joining a grown or shrunk deployment still matches."""
         d = dataclasses.asdict(self)
         for k in (

@@ -1,4 +1,4 @@
-"""The DP coordinator killed with SIGKILL under streaming load (DESIGN.md 6.5): the
+"""The DP coordinator killed with SIGKILL under streaming load (docs/architecture.md#faults): the
 frontend sees it gone and starts a new one on the same addresses; meanwhile requests keep
 being served (wake-ups go straight to the engines), the new one rebuilds its table from
 the engines' next stats, and every stream completes with the tokens of an undisturbed run.

@@ -1,4 +1,4 @@
-"""The live size is the topology's (DESIGN.md 6.1).
+"""The live size is the topology's (docs/architecture.md#elastic-identity).
 
 - ``enable_elastic_ep`` at DP=1: the DP machinery (coordinator process, wave loop, DP
   client, a one-rank process group) runs with a single engine, and it serves exactly what

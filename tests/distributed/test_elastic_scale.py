@@ -1,5 +1,5 @@
 """Elastic EP end to end through ``AsyncLLM.scale_elastic_ep`` (real engine processes on
-gloo, DESIGN.md 6):
+gloo, docs/architecture.md#elastic):
 
 - 2 -> 3 -> 2 -> 4 -> 1 -> 2 under continuous streaming load, with both CPU dispatchers
   (and with EPLB + redundant experts): every stream completes, greedy *and seeded* outputs
@@ -38,7 +38,7 @@ pytestmark = pytest.mark.timeout(600)
 
 MAX_TOKENS = 32
 PROMPTS = [[1, 2, 3, 4], [7, 9, 11], [100, 3, 5, 8, 13], [42], [250, 251, 17, 3, 3, 90]]
-# Greedy and seeded sampling (a pure function of seed and output position, DESIGN.md 6.3).
+# Greedy and seeded sampling (a pure function of seed and output position, docs/architecture.md#elastic-migration).
 WORKLOAD = [
     (p, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)) for p in PROMPTS
 ] + [

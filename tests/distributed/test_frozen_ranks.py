@@ -1,4 +1,4 @@
-"""Ranks that stop without dying (DESIGN.md 6.5), with real processes, under streaming load,
+"""Ranks that stop without dying (docs/architecture.md#faults), with real processes, under streaming load,
 on a data-parallel deployment *without* ``--enable-elastic-ep`` (rank recovery is the
 default):
 

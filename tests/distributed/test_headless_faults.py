@@ -1,4 +1,4 @@
-"""Liveness of headless ranks (DESIGN.md 6.5), with real processes over loopback TCP:
+"""Liveness of headless ranks (docs/architecture.md#faults), with real processes over loopback TCP:
 
 - a headless rank killed with SIGKILL under streaming load: the frontend sees its
   heartbeats stop (no process sentinel across hosts), the recovery operation removes it,

@@ -1,4 +1,4 @@
-"""No silent thread death (issue #12): malformed frames on every ZMQ socket of a real DP=2
+"""No silent thread death: malformed frames on every ZMQ socket of a real DP=2
 deployment, and an unencodable utility result, while requests are in flight.
 
 Each bad frame costs that frame alone: it is dropped and counted (the engines'

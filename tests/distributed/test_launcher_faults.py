@@ -1,4 +1,4 @@
-"""The processes around the engines, killed (DESIGN.md 6.5), with real processes:
+"""The processes around the engines, killed (docs/architecture.md#faults), with real processes:
 
 - the warm launcher (``EngineZygote``) killed after a scale-up: the engine it forked keeps
   serving (it watches the frontend, not its parent), the deployment's private ipc

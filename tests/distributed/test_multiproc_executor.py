@@ -3,7 +3,7 @@ name themselves, a frozen worker (SIGSTOP) is the rank's death like a dead one, 
 /dev/shm too small fails the start with the bytes it needs -- nothing left behind either
 way (processes, segment, socket directory). On CPU the workers start with the engine
 processes' OpenMP policy and their share of the cores, and serve by TP rank 0's CPU path
-choices, measured on the shard's shapes (issue #25 with #21). A start removes what
+choices, measured on the shard's shapes. A start removes what
 engines killed during theirs left (ring names, socket directories), never a live
 engine's; heartbeats asking the executor during its shutdown neither fail nor crash it."""
 

@@ -1,5 +1,5 @@
 """A rank killed with SIGKILL under streaming load is an emergency scale-down
-(DESIGN.md 6.5): the survivors abandon the step whose collective failed, the frontend's
+(docs/architecture.md#faults): the survivors abandon the step whose collective failed, the frontend's
 recovery operation rebuilds the groups without the dead rank, its requests migrate as
 resumed requests, and every stream completes with the tokens of an undisturbed run.
 With ``elastic_restore`` a scale-up then brings the deployment back to its size. A rank

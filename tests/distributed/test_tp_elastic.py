@@ -98,7 +98,7 @@ def test_tp2_ranks_scale_2_3_2_twice_under_streaming_load(qwen3_ckpt, reference)
     async def main() -> None:
         # EPLB re-places the layers over the workers every 48 steps meanwhile, with two
         # redundant copies (a worker holds at most one copy of an expert).
-        # A packed CPU path holds the experts' only copy (issue #25): every send, EPLB
+        # A packed CPU path holds the experts' only copy: every send, EPLB
         # move and install below goes through rebuilds of the worker's shard and re-packs.
         llm = _llm(
             qwen3_ckpt, 2, tensor_parallel_size=TP, enable_eplb=True, num_redundant_experts=2,

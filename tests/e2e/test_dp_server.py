@@ -40,10 +40,10 @@ def _serve_and_check(url: str, dp: int, ranks_per_host: int | None = None) -> No
     stats = httpx.get(url + "/stats", timeout=60).json()
     assert stats["data_parallel_size"] == dp
     assert [r["rank"] for r in stats["ranks"]] == list(range(dp))
-    # The launch topology: epoch 0, engine ids 0..dp-1 in rank order (DESIGN.md 6.1).
+    # The launch topology: epoch 0, engine ids 0..dp-1 in rank order (docs/architecture.md#elastic-identity).
     assert stats["epoch"] == 0
     assert [r["engine_id"] for r in stats["ranks"]] == list(range(dp))
-    # Where each rank runs (DESIGN.md 10): with the mp launcher, its host's name (the
+    # Where each rank runs (docs/architecture.md#launchers): with the mp launcher, its host's name (the
     # headless host here is this machine too) and its engine process.
     assert [r["node"] for r in stats["ranks"]] == [socket.gethostname()] * dp
     assert all(psutil.pid_exists(r["pid"]) for r in stats["ranks"])
@@ -67,7 +67,7 @@ def _serve_and_check(url: str, dp: int, ranks_per_host: int | None = None) -> No
     if ranks_per_host is None:  # one host: its ranks' groups are disjoint
         assert sum(map(len, pinned)) == len(set().union(*pinned))
     metrics = httpx.get(url + "/metrics", timeout=60).text
-    assert 'engine="1"' in metrics  # labelled by engine id (DESIGN.md 6.1)
+    assert 'engine="1"' in metrics  # labelled by engine id (docs/architecture.md#elastic-identity)
 
 
 def test_launch_dp2(qwen3_ckpt):

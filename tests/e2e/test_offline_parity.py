@@ -197,8 +197,8 @@ def test_greedy_matches_transformers_at_dp2_tp2_ep(ckpt_and_expected, backend):
 
 @pytest.mark.parametrize("cpu_path", ["native", "onednn", "torch"])
 def test_greedy_matches_transformers_on_every_cpu_path(ckpt_and_expected, cpu_path):
-    """Whichever path the measurement picks on a machine, the tokens are transformers'
-    (issue #25): each forced in turn, and each op served by it."""
+    """Whichever path the measurement picks on a machine, the tokens are transformers':
+    each forced in turn, and each op served by it."""
     _skip_unavailable(cpu_path)
     path, prompts, expected = ckpt_and_expected
     got, _, kernels = _run(path, prompts, cpu_kernels=cpu_path)

@@ -1,4 +1,4 @@
-"""A multi-node Ray cluster on this machine (DESIGN.md 10), shared by a test module.
+"""A multi-node Ray cluster on this machine (docs/architecture.md#launchers), shared by a test module.
 
 ``ray.cluster_utils.Cluster``: a head node with no CPU (nothing is placed on it; the
 frontend's driver connects there) and worker nodes of one logical CPU each, so every

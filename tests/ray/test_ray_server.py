@@ -1,6 +1,6 @@
 """``launch --dp 2 --ep --enable-elastic-ep --data-parallel-backend ray`` on a multi-node Ray
 cluster on this machine (``conftest.RayCluster``: one CPU per node, so each rank takes a
-node of its own; DESIGN.md 10).
+node of its own; docs/architecture.md#launchers).
 
 One server, one cluster, in order:
 
@@ -12,7 +12,7 @@ One server, one cluster, in order:
 3. A node is added; under streaming load 2 -> 3 puts the new rank on it (through the
    rank started ahead there: ``--ray-warm-ranks 1``); no stream is lost or changed.
 4. That node is removed under load: its rank dies, the deployment recovers without it
-   (DESIGN.md 6.5), no stream is lost or changed, and new requests are served.
+   (docs/architecture.md#faults), no stream is lost or changed, and new requests are served.
 5. After shutdown every Ray resource is free, no actor or placement group is left, and no
    engine process runs.
 """

@@ -70,7 +70,7 @@ def test_unknown_architecture(qwen3_ckpt, tmp_path):
 
 
 def test_config_hash_ignores_the_live_dp_size(qwen3_ckpt, qwen3_long_ckpt, tmp_path):
-    """DESIGN.md 6.1: the hash a joining engine checks covers what must match (model,
+    """docs/architecture.md#elastic-identity: the hash a joining engine checks covers what must match (model,
     dtype, EP, backends, block size), never the live DP size, a rank or the model's path."""
     base = _cfg(qwen3_ckpt, data_parallel_size=2, enable_expert_parallel=True)
     grown = _cfg(

@@ -445,7 +445,7 @@ class ProtocolModel:
     a fresh id) commits at the next wave end, as the elastic commit does at a step
     boundary: removed engines stop, a new engine takes the group's wave, and the
     coordinator and each frontend learn the topology later, each at a random moment. A
-    request reaching a removed engine is migrated by its frontend (DESIGN.md 6.3)."""
+    request reaching a removed engine is migrated by its frontend (docs/architecture.md#elastic-migration)."""
 
     def __init__(
         self,

@@ -1,4 +1,4 @@
-"""No silent thread death (issue #12), piece by piece and without processes: the engine's
+"""No silent thread death, piece by piece and without processes: the engine's
 input and output threads, the coordinator's loop and the clients' readers on in-process
 (``inproc://``) or temporary ``ipc://`` sockets. A bad frame is dropped and counted; a
 failure that is not one bad frame turns into a clean death path. (With real processes:

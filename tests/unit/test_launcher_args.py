@@ -1,6 +1,6 @@
 """``--data-parallel-backend mp|ray`` and the ``--ray-*`` flags: checked where they enter
 (a bad value names its flag at the CLI), Ray looked for but not imported, and a Ray
-cluster that cannot be reached is a clear error in seconds (DESIGN.md 10)."""
+cluster that cannot be reached is a clear error in seconds (docs/architecture.md#launchers)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The live DP size is the topology's (DESIGN.md 6.1): which engines run the DP machinery,
+"""The live DP size is the topology's (docs/architecture.md#elastic-identity): which engines run the DP machinery,
 what the frontend hands each engine, and how an engine reads its rank (no processes)."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """A request pinned (``data_parallel_rank``) to a rank whose engine is dead gets a clear
 503 (code ``rank_unavailable``) -- streaming or not, before any response starts -- never
-a 500 with a socket error; the server keeps serving the others (DESIGN.md 6.5)."""
+a 500 with a socket error; the server keeps serving the others (docs/architecture.md#faults)."""
 
 from __future__ import annotations
 

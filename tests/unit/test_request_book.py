@@ -1,4 +1,4 @@
-"""The client's request book (elastic EP migration bookkeeping, DESIGN.md 6.3) and the
+"""The client's request book (elastic EP migration bookkeeping, docs/architecture.md#elastic-migration) and the
 client's migration path over it (``MPClient.migrate`` / ``_on_outputs``) with fake
 sockets: no processes."""
 

@@ -1,5 +1,5 @@
 """Resumed requests (``EngineCoreRequest.num_output_tokens``) and seeded sampling as a pure
-function of (seed, output position), DESIGN.md 6.3: a request resumed after ``j`` outputs,
+function of (seed, output position), docs/architecture.md#elastic-migration: a request resumed after ``j`` outputs,
 or preempted and recomputed, or batched with any others, samples exactly what it would
 have. Scheduler rules on a fake runner, then the real ``EngineCore`` on the tiny model."""
 

@@ -557,7 +557,7 @@ def test_metrics_scale_listener():
     assert metric(text, ops_sample("failed")) == 2
 
 
-# ---- rank deaths (DESIGN.md 6.5) ------------------------------------------------------------
+# ---- rank deaths (docs/architecture.md#faults) ------------------------------------------------------------
 
 DEGRADED = "engines [1] dead; recovering"
 

@@ -1,4 +1,4 @@
-"""ScaleDriver, rank death (DESIGN.md 6.5): which exits it claims, how it admits the
+"""ScaleDriver, rank death (docs/architecture.md#faults): which exits it claims, how it admits the
 controller's own recovery (``AdmitScale``) and fails the deployment (``FailDeployment``).
 The fake client and process manager of test_scale_driver; the test plays the engines."""
 

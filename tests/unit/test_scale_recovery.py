@@ -1,4 +1,4 @@
-"""ScaleController, rank death (DESIGN.md 6.5): a member's exit is an emergency scale-down
+"""ScaleController, rank death (docs/architecture.md#faults): a member's exit is an emergency scale-down
 the controller asks for itself (``AdmitScale``, trigger "recovery"), retried after
 ``recovery_retry_s``, followed by a restore (trigger "restore") when enabled, and
 ``FailDeployment`` when nothing is left to serve. Driven exactly as the driver does: each

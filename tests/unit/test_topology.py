@@ -112,7 +112,7 @@ def test_wire_round_trip_and_validation_on_decode():
 
 
 def test_protocol_module_imports_nothing_of_tidal():
-    """Bottom layer (DESIGN.md 1): msgspec and the standard library only."""
+    """Bottom layer (docs/architecture.md#layers): msgspec and the standard library only."""
     tree = ast.parse(pathlib.Path(topology_module.__file__).read_text())
     imported = set()
     for node in ast.walk(tree):

@@ -1,4 +1,4 @@
-"""Collectives an operation can abort (DESIGN.md 6.5), and whether a rank waits on its peers.
+"""Collectives an operation can abort (docs/architecture.md#faults), and whether a rank waits on its peers.
 
 A rank blocked in a collective with a peer that froze (SIGSTOP, a paused VM) waits until
 gloo's own timeout -- minutes -- unless something ends the wait. A ``CollectiveControl``

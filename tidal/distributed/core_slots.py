@@ -1,4 +1,4 @@
-"""Which CPU cores each engine rank's threads run on (issue #25, DESIGN.md 9): core groups
+"""Which CPU cores each engine rank's threads run on (docs/architecture.md#tensor-parallel): core groups
 are handed out and returned like device slots (``device_slots.py``), never derived from
 the engine id.
 

@@ -1,4 +1,4 @@
-"""Which accelerators of a host each engine rank uses (DESIGN.md 9): device slots are handed
+"""Which accelerators of a host each engine rank uses (docs/architecture.md#tensor-parallel): device slots are handed
 out and returned, never derived from the engine id.
 
 ``engine_id % device_count`` put new ranks on busy devices after a few elastic cycles

@@ -19,7 +19,7 @@ Collectives call the backend object directly (``backend.allreduce([t], opts).wai
 every one is synchronous and blocks at most ``timeout_s`` before raising ``GroupFailure``
 (a ``RuntimeError``): a peer that died, a timeout, or a group destroyed under the caller.
 The engine tells that apart from its own bugs by the type: a ``GroupFailure`` is a rank
-death to recover from (DESIGN.md 6.5), anything else is fatal. A group created with
+death to recover from (docs/architecture.md#faults), anything else is fatal. A group created with
 ``failure=LocalGroupFailure`` (the tensor-parallel group inside one rank) raises that
 instead: its peers are this rank's own workers, so its failure is this rank's death.
 
@@ -76,7 +76,7 @@ class GroupFailure(RuntimeError):
 
 class LocalGroupFailure(RuntimeError):
     """A collective among this rank's own workers (its TP group) failed: a worker of this
-    rank is gone, so the rank is (DESIGN.md 6.5). Not a ``GroupFailure``: nothing to
+    rank is gone, so the rank is (docs/architecture.md#faults). Not a ``GroupFailure``: nothing to
     recover inside the rank."""
 
 

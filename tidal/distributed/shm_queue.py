@@ -1,4 +1,4 @@
-"""A one-writer, many-reader broadcast queue in shared memory (DESIGN.md 9): the engine
+"""A one-writer, many-reader broadcast queue in shared memory (docs/architecture.md#tensor-parallel): the engine
 core hands each step's input to its tensor-parallel workers through it.
 
 Why not ZMQ PUB/SUB alone: a message then costs a syscall and a copy per reader on each

@@ -1,4 +1,4 @@
-"""Tensor parallelism inside one rank (DESIGN.md 9): a worker's place in its rank's TP group
+"""Tensor parallelism inside one rank (docs/architecture.md#tensor-parallel): a worker's place in its rank's TP group
 and the collectives the sharded layers use.
 
 Sharding (Megatron's scheme, the same as vLLM's):

@@ -31,7 +31,7 @@ Policies (``policy_names()``, ``register_policy``):
 ``benchmarks/balance_sim.py`` compares them. An explicit ``data_parallel_rank`` on a
 request overrides the choice (range-checked); it is a rank, i.e. a position in the current
 ``Topology``, and is mapped to that engine's id. Everything else here is keyed by engine
-id, which is stable across reconfigurations (DESIGN.md 6.1).
+id, which is stable across reconfigurations (docs/architecture.md#elastic-identity).
 """
 
 from __future__ import annotations
@@ -219,8 +219,7 @@ class _EngineLoad:
 
 
 class Balancer:
-    """Frontend-side balancing state for one DP client, keyed by engine id (DESIGN.md
-    6.1). All times are this process's monotonic clock (never compared with another
+    """Frontend-side balancing state for one DP client, keyed by engine id (docs/architecture.md#elastic-identity). All times are this process's monotonic clock (never compared with another
     process's).
 
     Call ``choose()`` for a request (an engine id), then ``on_send(engine_id, now)`` once

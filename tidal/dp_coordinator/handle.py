@@ -142,13 +142,13 @@ class DPCoordinator:
         return self._finalizer.alive and self.proc.is_alive()
 
     def kill(self) -> None:
-        """SIGKILL the process (it froze: DESIGN.md 6.5); ``restart`` reaps it."""
+        """SIGKILL the process (it froze: docs/architecture.md#faults); ``restart`` reaps it."""
         with self._lock:
             if self._finalizer.alive:
                 self.proc.kill()
 
     def restart(self, topology: Topology, wave: int) -> None:
-        """The process died (DESIGN.md 6.5): start a new one on the *same* addresses (the
+        """The process died (docs/architecture.md#faults): start a new one on the *same* addresses (the
         bound ones: engines and frontends reconnect by themselves), serving ``topology``
         from ``wave``, paused. Its load table fills from the engines' next stats.
         Blocking (a new interpreter): call it off the event loop."""

@@ -202,7 +202,7 @@ class _CoordinatorLoop:
         self.engine_pub.send_multipart([COORDINATOR_READY, encode(self.state.ready_message())])
         if self.state.running:
             # A START broadcast before this engine's subscription reached it would be lost
-            # (slow joiner): after a coordinator restart (DESIGN.md 6.5) the engines
+            # (slow joiner): after a coordinator restart (docs/architecture.md#faults) the engines
             # resubscribe while a rank may already wait in a collective. Repeat it for the
             # running wave, excluding nobody: a duplicate START is harmless (wave rules).
             start = BroadcastStartWave(self.state.wave, None)

@@ -1,7 +1,7 @@
 """DP coordinator state and the wave protocol (pure: no sockets, no clocks).
 
 Every table is keyed by engine id, the engine's stable identity; its DP rank is its
-position in the current ``Topology`` (DESIGN.md 6.1, ``tidal.protocol.topology``).
+position in the current ``Topology`` (docs/architecture.md#elastic-identity, ``tidal.protocol.topology``).
 
 Waves
 =====
@@ -238,8 +238,7 @@ class CoordinatorState:
         heartbeat_interval_s: float = 3.0,
         wave: int = 0,
     ) -> None:
-        """``wave``: where to start -- 0 at launch; a restarted coordinator (DESIGN.md
-        6.5) starts at the frontend's last known wave, paused (when in doubt, R = False);
+        """``wave``: where to start -- 0 at launch; a restarted coordinator (docs/architecture.md#faults) starts at the frontend's last known wave, paused (when in doubt, R = False);
         the engines' next ``start_wave`` / ``wave_complete`` correct it (races 1, 3)."""
         if isinstance(topology, int):  # launch size: engine ids 0..n-1
             topology = Topology.initial(topology)

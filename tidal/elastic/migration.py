@@ -1,4 +1,4 @@
-"""Request migration (DESIGN.md 6.3), pure: the resumed request, and who owns a request.
+"""Request migration (docs/architecture.md#elastic-migration), pure: the resumed request, and who owns a request.
 
 A request moves when its engine leaves (handed back by a draining engine, or found on a
 dead one). The frontend holds its prompt ids, the output ids it has streamed and its
@@ -21,7 +21,7 @@ Wire form. ``ResumedRequest.to_engine_request()`` sends the original parameters 
 ``EngineCoreRequest.num_output_tokens = k``: the engine takes the last ``k`` prompt
 tokens as outputs already produced, for the token budgets, the frequency / presence /
 repetition penalties and the seeded sampler's output position (its noise is a function
-of (seed, output position), DESIGN.md 6.3). So greedy, seeded and penalised requests
+of (seed, output position), docs/architecture.md#elastic-migration). So greedy, seeded and penalised requests
 alike continue exactly as an unmoved request would.
 
 Ownership. ``OwnershipTable`` is the frontend's rule "outputs from an engine that no

@@ -1,4 +1,4 @@
-"""Plan one elastic EP reconfiguration (DESIGN.md 6.2 step 1). Pure: no torch, no I/O.
+"""Plan one elastic EP reconfiguration (docs/architecture.md#elastic-protocol). Pure: no torch, no I/O.
 
 ``plan_scale(topology, new_size, num_experts, ...)`` answers, before anything moves:
 
@@ -6,7 +6,7 @@
   rank is their new position), fresh engines are appended with ids from the allocator
   (``topology.new_engine_ids``; ids are never reused);
 - which engines leave: dead ones (always), explicitly named ones (e.g. a middle rank),
-  then the highest ranks until the size fits -- their unfinished requests migrate (6.3);
+  then the highest ranks until the size fits -- their unfinished requests migrate (docs/architecture.md#elastic-migration);
 - the new expert placement with the fewest copies to move (``min_move_placement``,
   provably optimal, below; ``moe.placement.resize`` is a greedy that can move more when
   the current placement holds replicas);
@@ -88,7 +88,7 @@ def min_size(num_experts: int, num_redundant: int = 0, tp_size: int = 1) -> int:
 
 def max_size(num_experts: int, tp_size: int = 1) -> int:
     """The largest DP size: every EP rank (worker) must own at least one expert
-    (DESIGN.md 6.6)."""
+    (docs/architecture.md#elastic-api)."""
     _check_expert_counts(num_experts, 0)
     return num_experts // tp_size
 
@@ -135,7 +135,7 @@ def expert_nbytes(
 
 
 def threads_per_rank(cpu_cores: int, local_ranks: int) -> int:
-    """Torch threads of each of ``local_ranks`` engines sharing ``cpu_cores`` (DESIGN.md 2)."""
+    """Torch threads of each of ``local_ranks`` engines sharing ``cpu_cores`` (docs/architecture.md#processes)."""
     return max(1, cpu_cores // max(1, local_ranks))
 
 
@@ -280,7 +280,7 @@ def plan_scale(
     """Plan the change from ``topology`` to ``new_size`` engines.
 
     ``rebuild``: the same engines may stay (a new epoch with fresh groups: a collective
-    failed with nobody dead, DESIGN.md 6.5); otherwise that is "nothing to change".
+    failed with nobody dead, docs/architecture.md#faults); otherwise that is "nothing to change".
 
     ``remove``: engine ids that must leave (any rank, e.g. a middle one); ``dead``:
     engines that are gone (they leave, and no expert is copied from them). If the size

@@ -1,6 +1,6 @@
 """Inputs and outputs of ``ElasticEPScalingState`` (``tidal.elastic.state``), and its enums.
 
-The phases and roles an engine goes through in one elastic EP operation (DESIGN.md 6.2);
+The phases and roles an engine goes through in one elastic EP operation (docs/architecture.md#elastic-protocol);
 the inputs the busy loop and the helper thread feed to ``progress`` (``Input``), and the
 actions it returns for the busy loop to carry out in order (``Action``). Plain frozen
 data: the transitions are all in ``tidal.elastic.state``.
@@ -257,7 +257,7 @@ class DestroyOldGroups:
 class NewGroupBarrier:
     """Survivors, right after the swap: the first collective of the new group -- the
     barrier the joiners posted -- contributing this rank's wave (the busy loop's) and
-    ``step``. Its failure is a rank death in the new epoch (6.5), not a commit failure."""
+    ``step``. Its failure is a rank death in the new epoch (docs/architecture.md#faults), not a commit failure."""
 
     epoch: int
     step: int

@@ -1,4 +1,4 @@
-"""``ScalingSlot``: what the engine's busy loop holds for elastic EP (DESIGN.md 6.2).
+"""``ScalingSlot``: what the engine's busy loop holds for elastic EP (docs/architecture.md#elastic-protocol).
 
 It owns at most one active ``ElasticEPScalingState`` (``tidal.elastic.state``, whose
 docstring has the commit consensus and its races), queues the inputs for it, and keeps a

@@ -1,4 +1,4 @@
-"""``ElasticEPScalingState``: one engine's part in one elastic EP operation (DESIGN.md 6.2).
+"""``ElasticEPScalingState``: one engine's part in one elastic EP operation (docs/architecture.md#elastic-protocol).
 
 Pure: no sockets, threads, clocks or torch. The busy loop holds a ``ScalingSlot``
 (``tidal.elastic.scaling_slot``, which also states the busy-loop contract): it hands it
@@ -26,7 +26,7 @@ Roles and phases (each engine derives its role from the ``ScalePrepare``)::
   arrives anyway is handed back at once) and finishes its own for up to ``drain_timeout``;
   then MIGRATING: ``HandBackRequests`` -- the busy loop takes every unfinished request
   out of the scheduler and feeds ``HandedBack(ids)``, reported as HANDED_BACK so the
-  frontend resumes them on a survivor (DESIGN.md 6.3).
+  frontend resumes them on a survivor (docs/architecture.md#elastic-migration).
 - READY_TO_COMMIT: reported PREPARED; waits for the frontend's ``ScaleCommit`` (as long
   as the others may still prepare), then raises its commit flag (below) and waits
   ``commit_timeout_s`` for the consensus.
@@ -60,7 +60,7 @@ So *whether* to commit is decided in one place -- the all-reduce -- whose result
 same on every rank. The one assumption: a rank dying *inside* that all-reduce makes it
 fail on every survivor rather than succeed on some; that holds for gloo's and NCCL's
 algorithms except for a death in the last exchange, and that residual case ends as a
-rank death in whichever epoch each survivor holds, which DESIGN.md 6.5 handles.
+rank death in whichever epoch each survivor holds, which docs/architecture.md#faults handles.
 
 When the current group cannot all-reduce (a member is dead: an emergency scale-down,
 ``ScalePrepare.dead``) the consensus is the standby barrier itself: every new member
@@ -90,7 +90,7 @@ Races (and why each is harmless)
    frontend's ABORT is a second way out; the frontend stops the joiner anyway.
 4. A joiner dies after PREPARED, or its barrier times out: with the current group's
    consensus the joiner has no say in the outcome -- the survivors may still commit,
-   and their ``NewGroupBarrier`` then fails: a rank death in the new epoch (6.5), never
+   and their ``NewGroupBarrier`` then fails: a rank death in the new epoch (docs/architecture.md#faults), never
    a split commit. So the frontend does not roll back on a joiner's failure once it
    sent COMMIT (it stops that joiner; if the others commit it is a dead member), and the
    joiner's barrier timeout is long (the whole prepare of the others plus the commit).

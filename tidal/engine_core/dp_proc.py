@@ -1,5 +1,5 @@
 """DPEngineCoreProc: one data-parallel rank, the wave-synchronised busy loop of
-DESIGN.md section 3 around an ``EngineCoreProc`` (``proc.py``: sockets, handshake,
+docs/architecture.md#engine-core around an ``EngineCoreProc`` (``proc.py``: sockets, handshake,
 shutdown). The wave protocol itself is written down in ``tidal.dp_coordinator.state``.
 """
 
@@ -36,7 +36,7 @@ COORDINATOR_READY_TIMEOUT_S = 30.0
 
 
 class DPEngineCoreProc(EngineCoreProc):
-    """A data-parallel rank: the wave-synchronised busy loop of DESIGN.md section 3.
+    """A data-parallel rank: the wave-synchronised busy loop of docs/architecture.md#engine-core.
 
     While a wave runs every rank steps, idle ones with dummy batches, so expert-parallel
     collectives stay matched; every ``DP_ALLREDUCE_INTERVAL`` steps the ranks all-reduce
@@ -158,7 +158,7 @@ class DPEngineCoreProc(EngineCoreProc):
 
     def _on_group_failure(self, cause: str) -> None:
         """A collective of the current groups failed, or the running operation says a
-        member is dead (DESIGN.md 6.5). The step in flight is abandoned (its tokens never
+        member is dead (docs/architecture.md#faults). The step in flight is abandoned (its tokens never
         reached the scheduler); every running request is preempted by recompute (its
         outputs so far stay; it re-prefills on the new groups); the groups are destroyed
         so a peer blocked on this rank fails now rather than at its timeout; the rank

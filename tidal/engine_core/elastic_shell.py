@@ -1,4 +1,4 @@
-"""The engine's I/O shell around elastic EP (DESIGN.md 6.2): carries out what the pure
+"""The engine's I/O shell around elastic EP (docs/architecture.md#elastic-protocol): carries out what the pure
 ``ScalingSlot`` / ``ElasticEPScalingState`` (``tidal.elastic``) decide.
 
 The busy loop (``dp_proc.DPEngineCoreProc``) owns one ``ElasticShell`` and follows the
@@ -144,7 +144,7 @@ class ElasticShell:
     @property
     def old_group_dead(self) -> bool:
         """The running operation removes a dead member or rebuilds failed groups
-        (DESIGN.md 6.5): the current groups cannot run a collective any more, so this
+        (docs/architecture.md#faults): the current groups cannot run a collective any more, so this
         rank must not step on them."""
         s = self.slot.state
         return s is not None and s.active and not s.old_mode and s.role is not Role.JOINING

@@ -26,7 +26,7 @@ bug) is fatal for the engine: the thread records it (the output thread also trie
 ENGINE_CORE_DEAD itself), the busy loop raises at its next turn, and the process exits
 non-zero after ENGINE_CORE_DEAD, instead of living on deaf or mute.
 
-Liveness (DESIGN.md 6.5): the output thread's heartbeats carry the busy loop's progress
+Liveness (docs/architecture.md#faults): the output thread's heartbeats carry the busy loop's progress
 (``EngineProgress``: iterations begun, inside one or idle, waiting on peers there), which
 the frontend's stall watchdog reads. The engine watches its *launcher* -- the process that
 asked for it (``launcher_pid``), not its parent, which is a warm launcher for a forked
@@ -182,7 +182,7 @@ class EngineCoreProc:
         except Exception as e:
             self._send_ready(0, error=f"{type(e).__name__}: {e}")
             raise
-        # A TP worker that dies is this rank's death (DESIGN.md 6.5): the busy loop
+        # A TP worker that dies is this rank's death (docs/architecture.md#faults): the busy loop
         # raises at its next turn, even when idle.
         self.engine_core.executor.register_failure_callback(self._on_executor_failure)
         self._send_ready(self.engine_core.num_blocks, self.engine_core.executor.worker_pids())
@@ -596,7 +596,7 @@ class EngineCoreProc:
         # timeout is zeroed before the request so the busy loop never sets a later deadline.
         # Nor are the requests reported aborted: a frontend that still lives (the launcher
         # that died was a Ray actor or a headless host's launcher) takes this exit for a
-        # rank death and resumes them elsewhere (DESIGN.md 6.5), where an ABORT would have
+        # rank death and resumes them elsewhere (docs/architecture.md#faults), where an ABORT would have
         # ended its clients' streams.
         self._abort_silently = True
         self.drain_timeout_s = 0.0

@@ -31,7 +31,7 @@ class Request:
     """One sequence. ``all_token_ids`` is prompt + output; ``num_computed_tokens`` of them
     have KV in ``block_ids`` (the block table, written by the KV cache manager).
 
-    A *resumed* request (``num_output_tokens=k``, DESIGN.md 6.3) arrives with the last
+    A *resumed* request (``num_output_tokens=k``, docs/architecture.md#elastic-migration) arrives with the last
     ``k`` of ``prompt_token_ids`` already generated elsewhere: they become its first
     ``output_token_ids``, so every rule that counts outputs (max/min_tokens, penalties,
     the seeded sampler's output position) continues as if it had never moved. Only

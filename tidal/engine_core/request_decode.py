@@ -1,6 +1,6 @@
 """Frames from the frontend's ROUTER, decoded for the engine's input queue.
 
-A request the engine cannot decode must fail alone (DESIGN.md 7: no input can take an
+A request the engine cannot decode must fail alone (docs/architecture.md#frontend-api: no input can take an
 engine down), and under data parallelism it must still count for the wave, so an ADD that
 does not decode becomes an ``UndecodableRequest`` instead of an exception.
 """
@@ -26,7 +26,7 @@ REQUEST_DECODERS = {
     EngineCoreRequestType.ABORT: msgspec.msgpack.Decoder(list[str]),
     EngineCoreRequestType.UTILITY: msgspec.msgpack.Decoder(UtilityRequest),
     EngineCoreRequestType.SCALE: msgspec.msgpack.Decoder(ScaleMessage),
-    # From the frontend only while the DP coordinator is being restarted (DESIGN.md 6.5).
+    # From the frontend only while the DP coordinator is being restarted (docs/architecture.md#faults).
     EngineCoreRequestType.START_DP_WAVE: msgspec.msgpack.Decoder(StartDPWave),
 }
 _ADD_FIELDS = EngineCoreRequest.__struct_fields__

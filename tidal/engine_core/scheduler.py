@@ -246,7 +246,7 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     def abandon_step(self, sched: SchedulerOutput | None = None) -> int:
-        """A step that will never complete (its collective failed: DESIGN.md 6.5): every
+        """A step that will never complete (its collective failed: docs/architecture.md#faults): every
         running request is preempted by recompute -- its KV may be half-written, and the
         tokens it was computing never reached anyone -- in its order, ahead of the
         waiting ones; the abandoned step's finish notices go to the next step; the prefix

@@ -4,7 +4,7 @@ Imports the engine (torch, transformers, tidal) once, then forks one engine proc
 request of the launcher's ``ForkServer`` (``tidal.utils.forkserver``), each running an
 ``EngineLaunch`` payload exactly as a cold ``python -m tidal.engine_core.entry`` would. A
 joining engine of an elastic scale-up then starts in a fraction of a second instead of
-spending seconds importing (DESIGN.md 6.2 step 2).
+spending seconds importing (docs/architecture.md#elastic-protocol).
 """
 
 from __future__ import annotations

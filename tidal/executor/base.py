@@ -1,6 +1,6 @@
 """Executor ABC: how an engine core reaches its worker(s).
 
-The engine core calls only these methods, never a worker directly (DESIGN.md 1), so an
+The engine core calls only these methods, never a worker directly (docs/architecture.md#layers), so an
 executor whose workers live in other processes (``MultiprocExecutor``, TP > 1) is a
 drop-in replacement for the in-process one (``UniProcExecutor``); ``create_executor``
 (``tidal.executor.select``) picks by the config.
@@ -31,7 +31,7 @@ class Executor(ABC):
     @abstractmethod
     def register_failure_callback(self, callback: Callable[[str], None]) -> None:
         """``callback(reason)`` (from any thread) when a worker dies on its own: the
-        rank is dead (DESIGN.md 6.5)."""
+        rank is dead (docs/architecture.md#faults)."""
 
     @abstractmethod
     def collective_rpc(
@@ -57,7 +57,7 @@ class Executor(ABC):
         DP group): ``values``."""
         return self.collective_rpc("all_reduce_dp", (values, op))[0]
 
-    # ---- liveness (DESIGN.md 6.5): called from the engine's I/O threads ----------------
+    # ---- liveness (docs/architecture.md#faults): called from the engine's I/O threads ----------------
 
     def abort_collectives(self, below_epoch: int, cause: str) -> None:
         """Thread-safe, from any thread while the busy loop may be blocked in a
@@ -72,7 +72,7 @@ class Executor(ABC):
         stuck peer for the stuck one)."""
         return any(self.collective_rpc("waiting_on_peers", (thread_id,)))
 
-    # ---- elastic EP (DESIGN.md 6.2; the engine's ``ElasticShell`` calls these) ----------
+    # ---- elastic EP (docs/architecture.md#elastic-protocol; the engine's ``ElasticShell`` calls these) ----------
     # Helper-thread calls touch only the standby groups and staged experts of ``epoch``;
     # the others run on the busy loop's thread.
 

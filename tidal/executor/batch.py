@@ -2,7 +2,7 @@
 
 These stay in-process (the executor runs in the engine's process), so they are plain
 dataclasses that reference the scheduler's request objects rather than serialisable
-messages. They live with the executor, below the engine core (DESIGN.md 1), because the
+messages. They live with the executor, below the engine core (docs/architecture.md#layers), because the
 Executor interface is written in them; the runner sees a request only through
 ``RunnerRequest``, which ``tidal.engine_core.request.Request`` satisfies.
 

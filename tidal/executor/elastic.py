@@ -1,4 +1,4 @@
-"""The worker side of elastic expert parallelism (DESIGN.md 6.2): standby groups, expert
+"""The worker side of elastic expert parallelism (docs/architecture.md#elastic-protocol): standby groups, expert
 transfers, the swap and the expert install. ``Worker`` forwards the Executor's elastic
 methods here.
 
@@ -547,7 +547,7 @@ class ElasticWorkerState:
         self.epoch = None
 
     def abandon_groups(self) -> None:
-        """A collective of the current groups failed (a member died, DESIGN.md 6.5):
+        """A collective of the current groups failed (a member died, docs/architecture.md#faults):
         destroy them now, so a peer blocked on this rank fails at once instead of at its
         timeout. The epoch stays (the recovery's PREPARE is for epoch + 1), and so do the
         experts and any standby groups: the recovery builds on them."""

@@ -18,7 +18,7 @@ layer by layer, as a busy rank's real one. After every forward ``EplbState.end_s
 counts the expert load and, every ``eplb_interval`` forwards with ``enable_eplb``,
 rebalances; forward counts are equal on all EP ranks, so they rebalance together.
 
-Tensor parallelism (``tp``, DESIGN.md 9): every worker of a rank runs this same runner
+Tensor parallelism (``tp``, docs/architecture.md#tensor-parallel): every worker of a rank runs this same runner
 on the same batch, each with its shard of the model (``tidal/distributed/tensor_parallel.py``); they
 meet in the model's TP collectives, the logits gather included, so each also calls
 ``compute_logits`` wherever the driver does. Only the driver (TP rank 0) samples and
@@ -360,7 +360,7 @@ class ModelRunner:
             return
         reqs = inputs.sample_reqs
         # Seeded rows draw from fresh per-position generators, so the row-by-row retry
-        # draws what an untroubled step would have (DESIGN 6.3: seeded = reproducible).
+        # draws what an untroubled step would have (seeded = reproducible: docs/architecture.md#elastic-migration).
         try:
             self._sample_rows(logits, reqs, out)
             return

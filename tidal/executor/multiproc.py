@@ -1,5 +1,5 @@
 """``MultiprocExecutor``: one DP rank's ``tensor_parallel_size`` workers in processes of
-their own (DESIGN.md 9), driven through the ``Executor`` interface like the in-process one.
+their own (docs/architecture.md#tensor-parallel), driven through the ``Executor`` interface like the in-process one.
 
 Wire: every call is broadcast to all workers through a shared-memory ring
 (``tidal/distributed/shm_queue.py``: one copy into shared memory per step, however many
@@ -22,7 +22,7 @@ every HELLO, then every reader attached, then ``start`` on all of them (TP group
 groups, model: TP rank 0 chooses the CPU paths for all, ``tidal/kernels/select.py``).
 A worker that exits or fails meanwhile fails the startup, naming it.
 
-Worker death (DESIGN.md 6.5): a monitor thread watches the workers' sentinels. A worker
+Worker death (docs/architecture.md#faults): a monitor thread watches the workers' sentinels. A worker
 that exits while the rank serves is the death of the whole rank: the others are killed
 (their peers in other ranks then fail their collectives at once), every pending and later
 call raises ``WorkerDied``, and the engine is told through its failure callback -- it
@@ -526,7 +526,7 @@ class MultiprocExecutor(Executor):
     def _watch(self) -> None:
         """Until shutdown: a worker's exit, or a worker stopped (SIGSTOP, a debugger) for
         ``FREEZE_TIMEOUT_S``, is the rank's death: a frozen worker is handled like a
-        dead one (DESIGN.md 6.5), not waited for."""
+        dead one (docs/architecture.md#faults), not waited for."""
         sentinels = {p.sentinel: t for t, p in enumerate(self._procs)}
         stopped_since: dict[int, float] = {}
         while True:

@@ -1,5 +1,5 @@
 """The process groups one worker serves with, and how a worker's place maps to its ranks in
-them (DESIGN.md 9). Shared by the worker (launch groups) and its elastic state (standby
+them (docs/architecture.md#tensor-parallel). Shared by the worker (launch groups) and its elastic state (standby
 groups, swapped in at a commit), so neither needs the other.
 
 A DP rank of TP size N is N workers (TP ranks 0..N-1). With DP position ``d``:

@@ -1,5 +1,5 @@
 """Which ``Executor`` a rank runs: its workers in the engine's process (TP size 1) or in
-processes of their own (``MultiprocExecutor``, DESIGN.md 9). The engine core names neither:
+processes of their own (``MultiprocExecutor``, docs/architecture.md#tensor-parallel). The engine core names neither:
 it asks ``create_executor`` and talks to the ``Executor`` interface."""
 
 from __future__ import annotations

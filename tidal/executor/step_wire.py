@@ -2,7 +2,7 @@
 
 The scheduler's output references its ``Request`` objects; workers in other processes get
 the wire form instead, and keep their own copy of each request so a step carries only what
-changed (DESIGN.md 9: the step's input is broadcast every step, so its size is the
+changed (docs/architecture.md#tensor-parallel: the step's input is broadcast every step, so its size is the
 queue's latency at 256 requests):
 
 - ``StepEncoder`` (engine side) mirrors what the workers hold per request: the object it

@@ -58,7 +58,7 @@ logger = logging.getLogger(__name__)
 # Group rendezvous and collective timeout. Generous: a peer may still be loading weights,
 # or running a long CPU prefill, while this rank waits in a collective. A peer that froze
 # does not cost this long: the serving groups' waits are abortable (``collectives``), and
-# the recovery that removes the peer aborts them (DESIGN.md 6.5).
+# the recovery that removes the peer aborts them (docs/architecture.md#faults).
 DIST_TIMEOUT_S = 300.0
 TP_STORE_HOST = "127.0.0.1"  # a rank's workers share a host
 

@@ -1,4 +1,4 @@
-"""Frontend side (layer 8, DESIGN.md 1): the engine clients (``core_client``: interface and
+"""Frontend side (layer 8, docs/architecture.md#layers): the engine clients (``core_client``: interface and
 in-process; ``mp_client`` + ``sync_client`` / ``async_client``: engines in processes), the
 DP routing and wave state (``dp_state``), the request book (``migrations``), liveness
 verdicts (``liveness``), tokenization (``processor``), detokenization and stop strings,

@@ -8,7 +8,7 @@ The reader tasks never die silently: a frame that does not decode is dropped, co
 (``_fail``: every pending request and utility call gets ``EngineDeadError``) instead of
 leaving them waiting for outputs nobody reads.
 
-Liveness (DESIGN.md 6.5) runs on the loop too (``_heartbeats``): a HEARTBEAT to every
+Liveness (docs/architecture.md#faults) runs on the loop too (``_heartbeats``): a HEARTBEAT to every
 member each interval; every engine, local or remote, judged by ``Liveness`` (silence,
 and the stall watchdog); what it declares is SIGKILLed when it is local and handled as an
 exit. The coordinator is watched by its snapshots: one that falls silent is killed and
@@ -52,7 +52,7 @@ logger = logging.getLogger(__name__)
 # exists long before its READY; this only covers a slow connect.
 SCALE_SEND_RETRY_S = 5.0
 # A coordinator that published nothing (not even its heartbeat) this long is frozen: it
-# is killed and restarted (DESIGN.md 6.5). Meanwhile, past two of its heartbeats, wake-ups
+# is killed and restarted (docs/architecture.md#faults). Meanwhile, past two of its heartbeats, wake-ups
 # also go straight to the engines (``_send_wakeup``).
 COORDINATOR_TIMEOUT_S = 4 * COORDINATOR_HEARTBEAT_S
 
@@ -169,7 +169,7 @@ class AsyncMPClient(MPClient):
             pass
 
     async def _heartbeats(self) -> None:
-        """Liveness (DESIGN.md 6.5), every HEARTBEAT_INTERVAL_S: a HEARTBEAT to every
+        """Liveness (docs/architecture.md#faults), every HEARTBEAT_INTERVAL_S: a HEARTBEAT to every
         member (so headless ranks notice a dead frontend); every engine judged by
         ``self.liveness`` (members and local processes once heard from); the coordinator
         judged by its snapshots."""
@@ -201,7 +201,7 @@ class AsyncMPClient(MPClient):
     def _declare_dead(self, engine_id: int, cause: str) -> None:
         """An engine that stopped without dying (frozen, stuck): SIGKILL it if it runs
         here (its sockets close, so peers blocked on it fail at once), then handle it as
-        an exit (DESIGN.md 6.5).
+        an exit (docs/architecture.md#faults).
 
         The kill runs on a thread of its own: a launcher's kill may wait (a Ray rank's
         actor on a lost node), and the loop must keep reading the survivors' heartbeats
@@ -241,7 +241,7 @@ class AsyncMPClient(MPClient):
         return time.monotonic() - self._coordinator_heard > 2 * COORDINATOR_HEARTBEAT_S
 
     async def _restart_coordinator(self) -> None:
-        """The DP coordinator died (DESIGN.md 6.5): start a new one on the same addresses
+        """The DP coordinator died (docs/architecture.md#faults): start a new one on the same addresses
         with the current topology, at the last wave this frontend saw. Requests keep
         flowing meanwhile: routing uses the last snapshot, wake-ups go straight to the
         engines (``_send_wakeup``), and the engines' own messages to the coordinator wait

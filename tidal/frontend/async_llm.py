@@ -5,13 +5,13 @@ One output-handler task reads engine outputs, runs them through the ``OutputProc
 the request's ``generate()`` iterator. Closing that iterator (client disconnect) aborts the
 request in the engine, which frees its KV blocks.
 
-Elastic EP (``--enable-elastic-ep``, DESIGN.md 6): ``scale_elastic_ep`` runs one scale
+Elastic EP (``--enable-elastic-ep``, docs/architecture.md#elastic): ``scale_elastic_ep`` runs one scale
 operation through the ``ScaleDriver`` (``tidal.frontend.scaling.scale_driver``) and answers
 ``(status_code, record)``; ``is_scaling_elastic_ep``, ``scaling_history`` and
 ``add_scale_listener`` (every finished operation's record, for the metrics) report on
 them. Requests are never refused because of scaling.
 
-Rank recovery (DESIGN.md 6.5) needs no flag: a data-parallel deployment runs the same
+Rank recovery (docs/architecture.md#faults) needs no flag: a data-parallel deployment runs the same
 driver, whose recovery operations remove dead ranks while the others serve
 (``--no-rank-recovery`` turns that off; ``--enable-elastic-ep`` adds the scale API and the
 warm launcher on top).
@@ -231,7 +231,7 @@ class AsyncLLM:
             "ranks": ranks,
         }
 
-    # ---- elastic EP (DESIGN.md 6.6) --------------------------------------------------------
+    # ---- elastic EP (docs/architecture.md#elastic-api) --------------------------------------------------------
 
     @property
     def elastic_ep_enabled(self) -> bool:
@@ -275,7 +275,7 @@ class AsyncLLM:
         return [] if self._scale_driver is None else self._scale_driver.history()
 
     def fault_status(self) -> dict[str, Any]:
-        """Rank deaths and their recoveries (DESIGN.md 6.5), for ``/health``, ``/stats``
+        """Rank deaths and their recoveries (docs/architecture.md#faults), for ``/health``, ``/stats``
         and the metrics: ``degraded`` (why it serves below full health, or None),
         ``rank_deaths``, ``recovered``, ``recovery_s_last``, ``dead``, ``failed_groups``
         and ``deaths`` (one record each: engine, epoch, when, cause, requests migrated,
@@ -357,7 +357,7 @@ class AsyncLLM:
             self._handler = asyncio.get_running_loop().create_task(self._output_handler())
             if self.drives_reconfiguration and not self.is_dead:
                 # From the first request on, a rank death is the driver's to recover
-                # from (DESIGN.md 6.5), not the end of the client.
+                # from (docs/architecture.md#faults), not the end of the client.
                 self.scale_driver.start()
 
     async def _output_handler(self) -> None:

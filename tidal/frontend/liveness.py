@@ -1,4 +1,4 @@
-"""Which engines are dead without having exited (DESIGN.md 6.5), pure: fed with what the
+"""Which engines are dead without having exited (docs/architecture.md#faults), pure: fed with what the
 client hears and the time, it returns verdicts; the client kills what it declares and
 recovers as for a death.
 

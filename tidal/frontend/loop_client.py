@@ -1,5 +1,5 @@
 """The blocking client of a deployment that reconfigures itself, for the offline ``LLM``:
-rank recovery (any data-parallel deployment, DESIGN.md 6.5) and elastic EP.
+rank recovery (any data-parallel deployment, docs/architecture.md#faults) and elastic EP.
 
 It runs the server's machinery unchanged -- an ``AsyncMPClient`` and its ``ScaleDriver``
 -- on an event loop of its own, on a daemon thread, so an offline deployment survives a

@@ -1,4 +1,4 @@
-"""The frontend's request book for elastic EP (DESIGN.md 6.3), pure: no sockets, no clock.
+"""The frontend's request book for elastic EP (docs/architecture.md#elastic-migration), pure: no sockets, no clock.
 
 With ``--enable-elastic-ep`` the multiprocess client records every engine request it
 sends (each child of an ``n > 1`` request separately, ``n = 1`` each): the original

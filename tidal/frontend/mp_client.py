@@ -2,7 +2,7 @@
 read (threads for ``SyncMPClient``, asyncio for ``AsyncMPClient``): the frontend's
 sockets, the engine processes, the DP coordinator, routing, and releasing all of it.
 
-Elastic EP (``--enable-elastic-ep``, DESIGN.md 6.2-6.3), and rank recovery (any
+Elastic EP (``--enable-elastic-ep``, docs/architecture.md#elastic), and rank recovery (any
 data-parallel deployment unless ``--no-rank-recovery``: ``ParallelConfig.reconfigurable``)
 add what the scale driver (``tidal.frontend.scaling.scale_driver``) executes through the client:
 ``set_topology`` (the coordinator, the balancer, the wave state, the process manager, the
@@ -135,7 +135,7 @@ class MPClient(EngineCoreClient):
     ) -> None:
         """``migrates``: a scale driver may move requests (keep the request book), when
         the deployment is reconfigurable."""
-        # Where the engine ranks run (DESIGN.md 10); the manager below owns it once made.
+        # Where the engine ranks run (docs/architecture.md#launchers); the manager below owns it once made.
         launcher = make_launcher(config, entry_module)
         host = launcher.frontend_host(config.parallel.data_parallel_address)
         config = config.with_parallel(data_parallel_address=host)
@@ -363,7 +363,7 @@ class MPClient(EngineCoreClient):
 
     def _send_wakeup(self, wake: DPWakeUp) -> None:
         """To the coordinator, which starts the other ranks. While it is down or just
-        restarted (DESIGN.md 6.5: its sockets may not have reconnected yet) the frontend
+        restarted (docs/architecture.md#faults: its sockets may not have reconnected yet) the frontend
         also plays its part: START_DP_WAVE straight to every other member, what the
         coordinator broadcasts for a wake-up. A duplicate START is harmless (engines
         ignore it for a wave they run or ended), a lost one strands a rank alone."""
@@ -427,7 +427,7 @@ class MPClient(EngineCoreClient):
             self.dp.on_outputs(outs)
         return report is None or bool(outs.outputs) or outs.scheduler_stats is not None
 
-    # ---- elastic EP (DESIGN.md 6.2-6.3): executed for the scale driver -----------------
+    # ---- elastic EP (docs/architecture.md#elastic): executed for the scale driver -----------------
 
     @property
     def request_book(self) -> RequestBook | None:
@@ -486,7 +486,7 @@ class MPClient(EngineCoreClient):
         return True
 
     def migrate(self, engine_id: int, request_ids: Iterable[str] | None = None) -> int:
-        """Resume requests of ``engine_id`` on other engines (DESIGN.md 6.3): those named
+        """Resume requests of ``engine_id`` on other engines (docs/architecture.md#elastic-migration): those named
         (it handed them back) or, with None, every one it still owns (it is gone). Each is
         sent as a resumed request (prompt + outputs so far) to an engine the balancer
         picks, never a draining one nor a former owner; one whose outputs already end it

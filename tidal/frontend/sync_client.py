@@ -6,7 +6,7 @@ The reader thread never dies silently: a frame that does not decode is dropped, 
 once (every waiter gets ``EngineDeadError``) instead of leaving it waiting for outputs
 nobody reads.
 
-Liveness (DESIGN.md 6.5): the reader also judges the engines' heartbeats (``Liveness``:
+Liveness (docs/architecture.md#faults): the reader also judges the engines' heartbeats (``Liveness``:
 silence, and the stall watchdog); an engine that froze or got stuck is killed and fails
 the client, as a dead one does, instead of leaving ``generate`` waiting forever. (This
 client runs deployments that do not recover from rank deaths; those that do run on

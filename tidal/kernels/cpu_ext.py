@@ -16,7 +16,7 @@ import torch
 
 _MODULE = "tidal.kernels._cpu_ops"
 # The software prefetch hint of the C++ GEMM kernels (``csrc/gemm.h`` ``Prefetch``): which
-# one streams the weights at full bandwidth depends on the CPU (issue #25: prefetchnta held
+# one streams the weights at full bandwidth depends on the CPU (prefetchnta held
 # an Intel Xeon to ~10 GB/s where prefetcht0 reached 26-29; an AMD EPYC measured both the
 # same), so it is one of the choices ``tidal/kernels/select.py`` measures.
 PREFETCH_HINTS = {"nta": 0, "t0": 1, "none": 2}

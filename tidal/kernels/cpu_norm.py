@@ -2,7 +2,7 @@
 
 Why: torch's ``F.rms_norm`` on CPU is a chain of 5-6 ops: ~7 us for one 1024-wide row and
 ~26-50 us for 32, where this takes ~2 and ~5. A model calls it 2-3 times a layer, so at
-decode sizes it was a visible share of the step (issue #13). ``F.rms_norm`` stays the
+decode sizes it was a visible share of the step. ``F.rms_norm`` stays the
 reference and the fallback; the two differ by the order of the sum of squares (an ulp).
 """
 

@@ -2,7 +2,7 @@
 experts -- each holding its weight in the one layout it reads, and able to give the
 checkpoint layout back.
 
-Why (issue #25): the packed copies beside the checkpoint-shaped weights doubled the
+Why: the packed copies beside the checkpoint-shaped weights doubled the
 weights held (+1.6 GB on the 1024-wide model). Now the path chosen for an op
 (``tidal/kernels/select.py``) keeps the only copy: ``native`` the C++ kernels' blocked
 pack, ``onednn`` oneDNN's opaque prepacked one, ``torch`` the checkpoint-shaped tensor

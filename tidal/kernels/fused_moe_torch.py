@@ -141,7 +141,7 @@ class PackedExperts:
     which reaches 125-180 GFLOP/s on 2 cores at decode shapes; oneDNN with prepacked
     weights reaches 410-480 (``benchmarks/cpu_speed.py`` prints both), and the MoE block of
     the 1024-wide model runs 2.2x faster (see ``tidal/kernels/onednn.py``). When the layer's
-    measured path is oneDNN it is the experts' only copy (``sole``, issue #25): ``unpack``
+    measured path is oneDNN it is the experts' only copy (``sole``: one copy of each weight): ``unpack``
     rebuilds the checkpoint layout (exactly, through the packed GEMM), and a write through
     it is packed again (``FusedMoE.weights_updated``). ``batch_hint``: the row count
     oneDNN tunes the layout for."""
@@ -152,7 +152,7 @@ class PackedExperts:
         self.w13 = [pack_weight(w13[e], batch_hint) for e in range(w13.shape[0])]
         self.w2 = [pack_weight(w2[e], batch_hint) for e in range(w2.shape[0])]
         self.shapes = (tuple(w13.shape), tuple(w2.shape))
-        # The only copy (issue #25: one copy per weight): every GEMM reads the pack, never
+        # The only copy (one copy per weight): every GEMM reads the pack, never
         # ``w13``/``w2`` (then shape stand-ins), even where MKL would be cheaper.
         self.sole = sole
 

@@ -2,7 +2,7 @@
 packed layout (``tidal/kernels/cpu_paths.py``), yet still read and write as the
 checkpoint-shaped parameters they were.
 
-Why (issue #25): keeping a checkpoint-shaped parameter beside each packed copy doubled the
+Why: keeping a checkpoint-shaped parameter beside each packed copy doubled the
 weights held. So once a path packs a parameter, the module releases it
 (``release_param``): the pack is the only copy. Code that needs the checkpoint layout
 reads the parameter by its old name as always (``moe.w13``, ``linear.weight``) and gets a

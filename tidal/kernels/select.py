@@ -1,7 +1,7 @@
 """Which path serves each CPU op: measured on this machine at load, cached on disk
-(DESIGN.md 5).
+(docs/architecture.md#moe-ep).
 
-Why (issue #25): the fastest path on one CPU is the slowest on another. The C++ kernels
+Why: the fastest path on one CPU is the slowest on another. The C++ kernels
 tuned on an AMD EPYC ran 1.5-1.7x slower than plain torch on an Intel Xeon (their
 software prefetch hint), and Tidal's default was slower than transformers there. So for
 each op a model runs -- MoE experts, router, linear, decode attention, norm -- every
@@ -15,7 +15,7 @@ The parts:
 
 * ``decide``: pure -- candidates, their timings and the mode (``auto`` or a forced
   path) in, a ``Choice`` out. A path that holds weights keeps one layout per op (one copy
-  of each weight, issue #25), so such an op gets one path for both shape classes (the
+  of each weight), so such an op gets one path for both shape classes (the
   one with the least summed slowdown against each class's best) and, within it, each
   class's fastest variant; ops without weights (norm, attention) choose per class freely.
 * ``measure``: the trial harness, candidates interleaved round by round (the machine's
@@ -28,7 +28,7 @@ The parts:
   (a rank's tensor-parallel workers) only the leader measures and all serve by its
   choices.
 
-Imports nothing of tidal (DESIGN.md 1): modules are found by duck typing.
+Imports nothing of tidal (docs/architecture.md#layers): modules are found by duck typing.
 """
 
 from __future__ import annotations
@@ -134,7 +134,7 @@ class Choice:
 
 def default_choice(candidates: Iterable[Candidate], holds_weights: bool) -> Choice:
     """What serves before (or without) a measurement: the first candidate in ``PATHS``
-    order (the C++ kernels where built), as before issue #25."""
+    order (the C++ kernels where built), as before the measured choice existed."""
     best = min(candidates, key=_path_rank)
     return Choice(best, best, best.path if holds_weights else None, source="default")
 

@@ -3,7 +3,7 @@
 
 ``/health`` is 200 ``{"status": "ok"}``; 200 ``{"status": "degraded", "detail": why,
 "serving_engines": n}`` while the deployment serves below full health (a rank died and
-its recovery runs, DESIGN.md 6.5): it still answers, so a load balancer keeps it; 503
+its recovery runs, docs/architecture.md#faults): it still answers, so a load balancer keeps it; 503
 when nothing can serve (the engine client is dead, or no live member is left).
 
 ``/stats`` is the engine's (per-rank load keyed by rank and ``engine_id``, waves, expert
@@ -101,7 +101,7 @@ def add_admin_routes(app: FastAPI, serving: OpenAIServing, metrics: ServerMetric
 
 
 def fault_status(engine: Any) -> dict[str, Any] | None:
-    """``AsyncLLM.fault_status()`` (rank deaths, DESIGN.md 6.5), or None for an engine
+    """``AsyncLLM.fault_status()`` (rank deaths, docs/architecture.md#faults), or None for an engine
     that does not report them (a test double, a non-elastic stand-in)."""
     status = getattr(engine, "fault_status", None)
     return status() if callable(status) else None

@@ -5,7 +5,7 @@ Why here, in ``tidal.launch``, and not beside the config dataclasses in ``tidal.
 resolving arguments reads the checkpoint (transformers' AutoConfig), asks the model registry
 whether the architecture is served (``tidal.models``, layer 4) and builds the embedded tiny
 checkpoint when no model is given. ``tidal.config`` sits in the bottom layer that every
-engine process imports, so it may not depend on models (DESIGN.md 1). The engine processes
+engine process imports, so it may not depend on models (docs/architecture.md#layers). The engine processes
 never see ``EngineArgs``: they receive the resolved ``EngineConfig``. Its only callers are
 the user entry points, which are this layer (cli, spawn, llm), plus tests and benchmarks.
 

@@ -178,7 +178,7 @@ def runs_in_process(config: EngineConfig) -> bool:
     is one CPU rank. Such a rank gives its OpenMP threads every core (``Worker``), so a
     frontend process beside it can only run by preempting one of them, and the step's whole
     parallel region waits for that thread: on the 2-core CI machine the separate process cost
-    7-15% of decode throughput (issue #13). In-process, output processing runs between steps
+    7-15% of decode throughput. In-process, output processing runs between steps
     instead of against them. A GPU rank keeps its process: there the frontend's work overlaps
     the device's. ``multiprocess=True`` asks for the process anyway (crash isolation)."""
     return config.device == "cpu" and not config.parallel.is_data_parallel

@@ -2,7 +2,7 @@
 
 Each ``ServerMetrics`` owns its own ``CollectorRegistry`` (not the process-global one),
 so several apps in one process (tests, multiple servers) never collide on names. Per-engine
-gauges are labelled ``engine`` with the engine id (DESIGN.md 6.1: stable across scaling,
+gauges are labelled ``engine`` with the engine id (docs/architecture.md#elastic-identity: stable across scaling,
 never reused), not with a DP rank, which changes when the topology does.
 
 Elastic EP operations (``record_scale_operation``, a scale listener of ``AsyncLLM``) count
@@ -11,7 +11,7 @@ operation removed (or found dead) loses its per-engine series, and a late stats 
 from it cannot bring them back. Operations count by ``trigger`` too: "api" (a caller),
 "recovery" (automatic, after a rank death) or "restore" (back to the size before it).
 
-Rank deaths (DESIGN.md 6.5) are read from ``AsyncLLM.fault_status()`` when ``/metrics``
+Rank deaths (docs/architecture.md#faults) are read from ``AsyncLLM.fault_status()`` when ``/metrics``
 is scraped (``record_faults``): each death, recovery and migrated request is counted
 once however often it is scraped.
 """
@@ -111,7 +111,7 @@ class ServerMetrics:
             registry=r,
         )
 
-        # Elastic EP (DESIGN.md 6): one sample per finished operation.
+        # Elastic EP (docs/architecture.md#elastic): one sample per finished operation.
         self.scale_operations = Counter(
             _PREFIX + "scale_operations",
             "Finished elastic EP operations by result (succeeded, rolled_back, failed) and "
@@ -153,7 +153,7 @@ class ServerMetrics:
             "1 while an elastic EP operation runs (or its outcome is unknown).",
             registry=r,
         )
-        # Rank deaths (DESIGN.md 6.5), from AsyncLLM.fault_status() at each scrape.
+        # Rank deaths (docs/architecture.md#faults), from AsyncLLM.fault_status() at each scrape.
         self.rank_deaths = Counter(
             _PREFIX + "rank_deaths", "Members of the served topology found dead.", registry=r
         )
@@ -188,7 +188,7 @@ class ServerMetrics:
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self._lock = threading.Lock()
-        self._retired: set[str] = set()  # engine ids removed; never reused (DESIGN.md 6.1)
+        self._retired: set[str] = set()  # engine ids removed; never reused (docs/architecture.md#elastic-identity)
         self._seen: OrderedDict[str, None] = OrderedDict()
         # Death records counted so far, by identity, the most recently listed last.
         self._deaths: OrderedDict[tuple[Any, ...], _DeathCount] = OrderedDict()
@@ -328,7 +328,7 @@ def _gone(record: dict[str, Any], result: str) -> list[int]:
 
 
 def _death_key(death: dict[str, Any]) -> tuple[Any, ...]:
-    # Engine ids are never reused (DESIGN.md 6.1), so an engine dies once; its epoch and
+    # Engine ids are never reused (docs/architecture.md#elastic-identity), so an engine dies once; its epoch and
     # time make the key safe against a test double that reuses ids.
     return (death.get("engine_id"), death.get("epoch"), death.get("at"))
 

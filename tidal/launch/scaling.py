@@ -1,4 +1,4 @@
-"""Elastic EP routes (DESIGN.md 6.6), vLLM's paths and fields:
+"""Elastic EP routes (docs/architecture.md#elastic-api), vLLM's paths and fields:
 
 - ``POST /scale_elastic_ep {"new_data_parallel_size": N, "drain_timeout": s,
   "operation_id": str}`` runs one operation and answers when it has ended: 200 with its

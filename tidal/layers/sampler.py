@@ -16,7 +16,7 @@ set, and an OpenAI-style server answers as vLLM does.)
 
 The draw is an exponential race (Gumbel-max in log space): ``argmax(logits - log(E))``
 with ``E ~ Exp(1)`` per token picks token ``i`` with probability ``softmax(logits)[i]``.
-A seeded row's noise is a pure function of (seed, output position) (DESIGN.md 6.3): the
+A seeded row's noise is a pure function of (seed, output position) (docs/architecture.md#elastic-migration): the
 token at output position ``p`` (``len(output_token_ids)``, counting the outputs a resumed
 request carried over) draws its ``[V]`` noise from a fresh generator seeded with
 ``position_seed(seed, p)``. So its tokens depend neither on which other rows share the

@@ -9,7 +9,7 @@ attributes. Used by every process that starts from a config: engines
 Why not rebuild the transformers class: the engine reads plain fields of it
 (``spec_from_config``, the vocab and EOS ids, the config hash), and importing
 transformers to rebuild it cost each engine and TP worker process ~1.1 s of its cold
-start and ~30 MB of resident memory (issue #25), for no field the dict lacks. The
+start and ~30 MB of resident memory, for no field the dict lacks. The
 frontend, which reads the checkpoint, keeps transformers' own class.
 """
 

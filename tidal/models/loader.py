@@ -3,7 +3,7 @@
 Files are read with plain file I/O (``SafetensorsFile``; a sharded checkpoint is found
 through ``model.safetensors.index.json``), not memory-mapped: a mapped file's pages count
 toward the process's resident memory until it is closed, and the 1024-wide model's load
-peaked at 3.5 GB for 1.7 GB of weights (issue #25). Only tensors this rank holds are read:
+peaked at 3.5 GB for 1.7 GB of weights. Only tensors this rank holds are read:
 with ``local_expert_ids`` the other experts' tensors are recognised and skipped.
 
 Checkpoint layouts: the per-expert names written by ``save_pretrained``

@@ -1,5 +1,5 @@
 """Messages of elastic EP scaling between the frontend's scale controller and the engines
-(DESIGN.md 6.2-6.4). msgspec Structs only; the state machines that send and receive them
+(docs/architecture.md#elastic). msgspec Structs only; the state machines that send and receive them
 are ``tidal.elastic.state`` (engine) and ``tidal.frontend.scaling.scale_controller`` (frontend).
 
 Flow of one operation (the frontend sends the same message to every participant; each
@@ -64,18 +64,18 @@ class ScalePrepare(msgspec.Struct, frozen=True, array_like=True, omit_defaults=T
     joining: list[int]  # engine ids of the new topology that are not in the current one
     transfers: list[ExpertTransferSpec]  # network and disk copies (slot-local ones excluded)
     # Leaving engines finish their own requests for up to this long, then hand the rest
-    # back for migration (DESIGN.md 6.3).
+    # back for migration (docs/architecture.md#elastic-migration).
     drain_timeout_s: float = 0.0
     rendezvous_timeout_s: float = 60.0  # join the standby groups
     transfer_timeout_s: float = 300.0  # send / receive experts
     commit_timeout_s: float = 30.0  # READY_TO_COMMIT -> consensus
-    # Leaving engines that are dead (an emergency scale-down, DESIGN.md 6.5): nothing is
+    # Leaving engines that are dead (an emergency scale-down, docs/architecture.md#faults): nothing is
     # copied from them, and since the current DP group cannot all-reduce any more, the
     # commit consensus runs on the standby group instead (a barrier every new member posts).
     dead: list[int] = []
     # CPU: torch threads per rank after the commit (cores // local ranks); None = GPU.
     threads_per_rank: int | None = None
-    # The current groups failed with nobody found dead (DESIGN.md 6.5): the same engines
+    # The current groups failed with nobody found dead (docs/architecture.md#faults): the same engines
     # build fresh groups of the next epoch, and the consensus is the standby barrier.
     rebuild: bool = False
 
@@ -112,7 +112,7 @@ class ScaleEvent(enum.IntEnum):
     ROLLED_BACK = 4  # rolled back because told (abort, consensus abort, group failure)
     LEFT = 5  # leaving engine: left the group, about to exit
     # Not of an operation (empty id; epoch = the one it serves): a collective of this
-    # engine's groups failed (a member died, DESIGN.md 6.5); it preempted its running
+    # engine's groups failed (a member died, docs/architecture.md#faults); it preempted its running
     # requests and steps no more until a recovery operation commits new groups.
     GROUP_FAILED = 6
 

@@ -26,12 +26,12 @@ class EngineCoreRequestType(enum.Enum):
     EXECUTOR_FAILED = b"\x04"
     # Elastic EP: a ``ScaleMessage`` (ScalePrepare | ScaleCommit | ScaleAbort).
     SCALE = b"\x05"
-    # Frontend liveness, no payload, every HEARTBEAT_INTERVAL_S (DESIGN.md 6.5): an
+    # Frontend liveness, no payload, every HEARTBEAT_INTERVAL_S (docs/architecture.md#faults): an
     # engine that got one and then hears nothing for FRONTEND_TIMEOUT_S exits.
     HEARTBEAT = b"\x06"
 
 
-# Liveness both ways (DESIGN.md 6.5): the frontend sends HEARTBEAT to every member, an
+# Liveness both ways (docs/architecture.md#faults): the frontend sends HEARTBEAT to every member, an
 # engine's output thread sends ``EngineCoreOutputs(heartbeat=True)`` when it sent nothing
 # else for an interval. Silence is a death: of any engine (local or headless: a frozen
 # process keeps its sentinel) for the frontend after HEARTBEAT_TIMEOUT_S; of the frontend
@@ -41,7 +41,7 @@ HEARTBEAT_INTERVAL_S = 0.5
 HEARTBEAT_TIMEOUT_S = 3.0
 FRONTEND_TIMEOUT_S = 10.0
 # The step-progress watchdog's default (``--engine-stall-timeout``): a busy loop inside one
-# iteration this long, not waiting on its peers, is stuck (DESIGN.md 6.5). A step is at
+# iteration this long, not waiting on its peers, is stuck (docs/architecture.md#faults). A step is at
 # most ``max_num_batched_tokens`` (2048) tokens: a few seconds on CPU; a GPU's first steps
 # also compile Triton kernels (tens of seconds on a slow host). Two minutes clears both
 # with room, and still turns a hang that would last forever into a recovery.
@@ -71,7 +71,7 @@ class EngineCoreRequest(msgspec.Struct, omit_defaults=True, array_like=True):
     client_index: int = 0
     current_wave: int = 0
     data_parallel_rank: int | None = None
-    # A resumed request (DESIGN.md 6.3): the last this many prompt tokens are outputs
+    # A resumed request (docs/architecture.md#elastic-migration): the last this many prompt tokens are outputs
     # already produced elsewhere. They count as outputs for max/min_tokens, penalties and
     # the seeded sampler's output position; 0 <= k < len(prompt_token_ids).
     num_output_tokens: int = 0
@@ -144,7 +144,7 @@ class EngineCoreOutputs(msgspec.Struct, omit_defaults=True, array_like=True):
     # Set on the last message of an engine that hit a fatal error.
     engine_dead: bool = False
     dead_reason: str | None = None
-    # Elastic EP: this engine's progress in a scale operation (DESIGN.md 6.2).
+    # Elastic EP: this engine's progress in a scale operation (docs/architecture.md#elastic-protocol).
     scale_report: ScaleReport | None = None
     # Liveness only (nothing else set but ``progress``): see HEARTBEAT_INTERVAL_S.
     heartbeat: bool = False
@@ -279,7 +279,7 @@ class DPLoadSnapshot(msgspec.Struct, array_like=True):
     seq: int  # increases by one per publication
     timestamp: float  # coordinator's monotonic clock
     # The topology the load describes: entry i is engine ``engine_ids[i]`` (rank i) in
-    # ``epoch``. A frontend on a newer epoch drops the snapshot (DESIGN.md 6.1).
+    # ``epoch``. A frontend on a newer epoch drops the snapshot (docs/architecture.md#elastic-identity).
     epoch: int
     engine_ids: list[int]
     wave: int

@@ -1,4 +1,4 @@
-"""Stable engine identity and the live topology of a deployment (DESIGN.md 6.1).
+"""Stable engine identity and the live topology of a deployment (docs/architecture.md#elastic-identity).
 
 Two numbers used to be one:
 

@@ -1,5 +1,5 @@
 """What crosses between an engine core and its worker processes (tensor parallelism,
-DESIGN.md 9): the shared-memory queue's handle, the worker's launch, the calls broadcast
+docs/architecture.md#tensor-parallel): the shared-memory queue's handle, the worker's launch, the calls broadcast
 to every worker and their replies, and the step's input in its wire form.
 
 Wire (``tidal/executor/multiproc.py`` and ``tidal/executor/worker_proc.py``; the launch
@@ -69,7 +69,7 @@ class WorkerCall(msgspec.Struct, array_like=True, omit_defaults=True):
 class WorkerErrorKind(enum.IntEnum):
     NONE = 0
     # A collective of the DP/EP groups failed (a peer rank died): the engine recovers
-    # (``tidal.distributed.groups.GroupFailure``, DESIGN.md 6.5).
+    # (``tidal.distributed.groups.GroupFailure``, docs/architecture.md#faults).
     GROUP_FAILURE = 1
     # Anything else: the call failed on this worker. A failure inside the forward leaves
     # the rank's workers out of step, so the engine treats it as the rank's death.

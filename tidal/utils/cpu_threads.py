@@ -1,5 +1,5 @@
 """How an engine process's OpenMP threads wait between parallel regions, and how many
-there are, by where the engine runs (issue #25).
+there are, by where the engine runs.
 
 Why: OpenMP's threads spin after each parallel region before they sleep (libgomp: 300,000
 spins by default, Intel's runtime: 200 ms). An engine rank beside its API server on 2
@@ -37,7 +37,7 @@ from collections.abc import Mapping
 # cores, the same minutes): spin 300,000 (the default) 73-123 out tok/s at 123-194 ms per
 # token; 100,000: 127-133 tok/s, 112-122 ms; 10,000: 278-302, 49-53 ms; 1,000: 650-695,
 # 19-21 ms; passive (0): 637-832, 15-23 ms. 1,000 spins keep the quick wake-up between a
-# forward's regions that passive waiting loses offline (issue #25: single stream -28%).
+# forward's regions that passive waiting loses offline (single stream -28%).
 SPIN_COUNT = 1_000
 # Intel's OpenMP (a torch built against it, or preloaded): milliseconds of spin.
 BLOCK_TIME_MS = 0

@@ -26,7 +26,7 @@ Wire (an ``AF_UNIX`` ``SOCK_SEQPACKET`` pair, msgpack, never pickle):
   requests in order, so the spawn was handled before: a child it forked for it is
   SIGKILLed. Answer ``["cancelled", request_id, pid or 0]``;
 - ``["ping", n]`` -> ``["pong", n]``: a zygote that stops answering is frozen
-  (``unresponsive``), and its keeper kills and replaces it (DESIGN.md 6.5).
+  (``unresponsive``), and its keeper kills and replaces it (docs/architecture.md#faults).
 
 Lifetime: the zygote exits when the launcher's end of the pair closes (the launcher
 closed it or died). Its children are the *launcher's* processes: they watch the launcher,

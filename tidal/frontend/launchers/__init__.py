@@ -1,4 +1,4 @@
-"""Where engine processes run (DESIGN.md 10): the ``Launcher`` ABC (``base``), ``mp`` (local
+"""Where engine processes run (docs/architecture.md#launchers): the ``Launcher`` ABC (``base``), ``mp`` (local
 processes, the warm zygote; other hosts run ``launch --headless``) and ``ray`` (actors in
 placement groups; the only Ray import), chosen by ``--data-parallel-backend``
 (``make_launcher``); the engine process manager (``proc_manager``: the startup handshake,

@@ -1,4 +1,4 @@
-"""Where engine processes run (DESIGN.md 10): one ABC, one implementation per backend.
+"""Where engine processes run (docs/architecture.md#launchers): one ABC, one implementation per backend.
 
 A launcher places, starts, watches and stops engine ranks; nothing else. The handshake,
 the sockets, the stores and the process groups are the same whichever launcher started a

@@ -1,4 +1,4 @@
-"""``--data-parallel-backend mp`` (the default, DESIGN.md 10): engine ranks as local
+"""``--data-parallel-backend mp`` (the default, docs/architecture.md#launchers): engine ranks as local
 processes of the frontend, other hosts' ranks started there by ``launch --headless``
 (``spawn_headless_engines``), which reach the frontend over TCP.
 
@@ -164,7 +164,7 @@ class MPLauncher(Launcher):
         return self._zygote
 
     def _keep_zygote(self) -> None:
-        """Restart the zygote when it died or froze (DESIGN.md 6.5); ping it meanwhile."""
+        """Restart the zygote when it died or froze (docs/architecture.md#faults); ping it meanwhile."""
         stop = self._keeper_stop_r
         while not self._closed:
             zygote = self._zygote

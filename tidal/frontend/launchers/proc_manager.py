@@ -3,7 +3,7 @@ starting them through a launcher (``launchers/``: local processes, or Ray actors
 startup handshake with every rank (started here or by a headless host elsewhere), watching
 for exits, stopping them (``EngineProcManager``).
 
-Elastic EP (DESIGN.md 6.2) adds engines while the deployment serves: ``spawn`` starts
+Elastic EP (docs/architecture.md#elastic-protocol) adds engines while the deployment serves: ``spawn`` starts
 fresh engine ids whose handshake answer carries the *new* topology and ``joining=True``,
 ``wait_for_joiners`` runs their handshake (READY), and ``stop`` ends chosen engines
 (leaving ones, or the joiners of a rolled-back operation). The monitor thread watches a
@@ -21,7 +21,7 @@ Threads: the handshake socket is used by one thread at a time (the caller of
 operation at a time). ``procs`` is guarded by a lock; a process's sentinel is closed
 only once the monitor has dropped it from its wait list.
 
-Faults (DESIGN.md 6.5):
+Faults (docs/architecture.md#faults):
 - The warm launcher is no single point of failure (``launchers/mp.py``).
 - An engine id never runs twice: the handshake answers a local engine id only from the
   pid this manager started for it; any other process (a stray fork of a cancelled warm
@@ -216,7 +216,7 @@ class EngineProcManager:
         return {e: self.launcher.node_of(e) or hosts.get(e) for e in sorted(ids)}
 
     def kill(self, engine_id: int) -> None:
-        """SIGKILL a local engine (frozen or stuck, DESIGN.md 6.5) without reaping it: its
+        """SIGKILL a local engine (frozen or stuck, docs/architecture.md#faults) without reaping it: its
         exit is then seen like any other. Remote engines: nothing to do here."""
         with self._lock:
             proc = self.procs.get(engine_id)
@@ -564,7 +564,7 @@ class EngineProcManager:
 def _kill_orphaned_workers(engine_id: int, pids: list[int]) -> None:
     """An engine that exits stops its TP workers, and they leave on their own when it
     dies; one that cannot run (frozen: SIGSTOP, a VM pause) is killed here, so no worker
-    outlives its rank (DESIGN.md 6.5)."""
+    outlives its rank (docs/architecture.md#faults)."""
     for pid in pids:
         if pid != os.getpid() and kill_if_named(pid, worker_process_name(engine_id, 0)[:-1]):
             logger.warning("engine %d's worker %d outlived it: killed", engine_id, pid)

@@ -1,5 +1,5 @@
 """``--data-parallel-backend ray``: engine ranks as Ray actors in placement groups
-(DESIGN.md 10). The only module of Tidal, with ``ray_actor``, that imports Ray.
+(docs/architecture.md#launchers). The only module of Tidal, with ``ray_actor``, that imports Ray.
 
 Per rank: one placement group of its own, one ``EngineActor`` in it, and the engine
 process the actor starts beside itself on that node. The group is one bundle:
@@ -30,7 +30,7 @@ to the frontend over TCP with CURVE, as a ``--headless`` rank does.
 - Deaths: each rank's ``wait_exit`` call is watched by one thread (``ray.wait``); when it
   returns (the engine exited) or fails (Ray reports the actor or its node dead) the
   handle's sentinel turns readable and the process manager sees a rank death like a local
-  one (DESIGN.md 6.5). Tidal's own heartbeats usually see a frozen or lost rank first.
+  one (docs/architecture.md#faults). Tidal's own heartbeats usually see a frozen or lost rank first.
   Nothing is restarted by Ray (``max_restarts=0``): Tidal never gang-restarts, its
   recovery removes the dead rank.
 - The cluster: ``ray_address`` or ``$RAY_ADDRESS``, else a local one started here and

@@ -10,7 +10,7 @@ a ``--headless`` host does; Ray only places, starts, watches and stops.
 Why a child process and not the engine inside the actor: the engine is the same program
 whichever launcher runs it (its signals, its TP worker processes, its exit codes), and the
 actor stays answerable while the engine is frozen or stuck, so ``kill`` works on it
-(DESIGN.md 6.5). Fate: the engine watches its launcher, which is this actor (its pid is
+(docs/architecture.md#faults). Fate: the engine watches its launcher, which is this actor (its pid is
 in the launch payload); the actor dies with its owner (the frontend's Ray driver) or its
 node, so no engine outlives its deployment.
 

@@ -1,4 +1,4 @@
-"""``--data-parallel-backend`` -> its launcher (DESIGN.md 10)."""
+"""``--data-parallel-backend`` -> its launcher (docs/architecture.md#launchers)."""
 
 from __future__ import annotations
 

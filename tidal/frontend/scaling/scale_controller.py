@@ -1,4 +1,4 @@
-"""The frontend's scale controller: one elastic EP operation at a time (DESIGN.md 6.2-6.4).
+"""The frontend's scale controller: one elastic EP operation at a time (docs/architecture.md#elastic).
 
 Pure: no sockets, processes or clocks. ``request_scale(request, now)`` admits an operation
 (or answers it is a duplicate or a conflict), ``handle(event, now)`` applies what the
@@ -28,7 +28,7 @@ Phases of one operation (each with a deadline; timings are kept in its record)::
   publishes the new topology (coordinator, balancer, wave state, ownership table).
 - FINISHING: leaving engines are stopped and reaped.
 
-Rollback (6.4) -- any failure before the outcome is known: ``SendAbort`` (engines destroy
+Rollback (docs/architecture.md#elastic-rollback) -- any failure before the outcome is known: ``SendAbort`` (engines destroy
 their standby groups and staged experts), ``StopEngines`` for the new engines (their ids
 are retired, never reused), ``RestoreRouting`` for the leaving ones; the survivors were
 never touched. The caller gets the cause; the controller is idle again at the old
@@ -42,7 +42,7 @@ or the commit's ``PublishTopology``); the next operation removes it
 (``dead`` in its plan: no copy is taken from it, the consensus runs on the standby
 group), so "scale to the same size" replaces it.
 
-Rank death (DESIGN.md 6.5), with ``recover=True``: a member's ``EngineExited`` is
+Rank death (docs/architecture.md#faults), with ``recover=True``: a member's ``EngineExited`` is
 recorded (``deaths``), its requests migrate at once, and as soon as no operation runs
 the controller asks for a *recovery* (``AdmitScale``, trigger "recovery"), after
 ``death_settle_s`` (deaths found together -- a lost host, ranks killed at once -- arrive

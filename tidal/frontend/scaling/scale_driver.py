@@ -1,5 +1,5 @@
 """The scale driver: the asyncio I/O shell that carries out what the pure
-``ScaleController`` (``tidal.frontend.scaling.scale_controller``) decides (DESIGN.md 6.2-6.4).
+``ScaleController`` (``tidal.frontend.scaling.scale_controller``) decides (docs/architecture.md#elastic).
 
 One task on the event loop owns the controller. Everything that reaches it goes through
 one queue, so the controller sees one event at a time, in arrival order:

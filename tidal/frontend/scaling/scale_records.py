@@ -66,7 +66,7 @@ class ScaleRequest:
     operation_id: str | None = None
     remove: tuple[int, ...] = ()
     # Who asked: "api" (a caller), "recovery" (a rank died: the controller removes it,
-    # DESIGN.md 6.5), "restore" (back to the size before the death, --elastic-restore) or
+    # docs/architecture.md#faults), "restore" (back to the size before the death, --elastic-restore) or
     # "rebuild" (groups failed with nobody dead: the same engines, fresh groups).
     trigger: str = "api"
 
@@ -188,7 +188,7 @@ class ScaleResponse:
 
 @dataclass
 class DeathRecord:
-    """One member of the served topology found dead (DESIGN.md 6.5), and its recovery."""
+    """One member of the served topology found dead (docs/architecture.md#faults), and its recovery."""
 
     engine_id: int
     epoch: int  # the epoch it served
