@@ -26,6 +26,23 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     shutil.rmtree(_CACHE_HOME, ignore_errors=True)
 
 
+# Folder -> the markers its tests carry (pyproject.toml lists them); tests/unit and
+# tests/kernels are the fast tier (``-m "not slow"``).
+_FOLDER_MARKS = {
+    "distributed": ("slow", "distributed"),
+    "e2e": ("slow",),
+    "ray": ("slow", "ray"),
+}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    tests_dir = os.path.dirname(os.path.abspath(__file__))
+    for item in items:
+        rel = os.path.relpath(str(item.path), tests_dir)
+        for mark in _FOLDER_MARKS.get(rel.split(os.sep)[0], ()):
+            item.add_marker(mark)
+
+
 # Small enough that a model builds in well under a second and a forward is milliseconds.
 TINY_KWARGS = {
     "hidden_size": 64,

@@ -34,9 +34,12 @@ CHROMIUM = next(
     ),
     None,
 )
-pytestmark = pytest.mark.skipif(
-    CHROMIUM is None, reason="no chromium binary (apt-get install chromium, or TIDAL_CHROMIUM)"
-)
+pytestmark = [
+    pytest.mark.browser,
+    pytest.mark.skipif(
+        CHROMIUM is None, reason="no chromium binary (apt-get install chromium, or TIDAL_CHROMIUM)"
+    ),
+]
 
 # Rank i of the fake serves (i + 1) * 10 more requests (and 7x as many tokens) per poll.
 ENGINE_IDS = [0, 2, 5]

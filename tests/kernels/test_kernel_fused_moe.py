@@ -183,6 +183,7 @@ def test_fused_experts_rejects_bad_arguments(case):
         fused_experts(*args)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("tokens", [1, 7, 64, 300])
 def test_fused_experts_bfloat16_native_gpu(tokens):
