@@ -62,7 +62,8 @@ elastic EP per cell, under ``--streams`` streams; the fault hits one process of 
   a loopback ``ray.cluster_utils.Cluster`` started for the cell (a head node with no CPU,
   one node of one CPU per rank): ``kill`` removes the node (its raylet and everything it
   runs, as a host lost), ``stop`` freezes the raylet and every process under it for good
-  (no ``stop5``: Ray itself declares a node silent for a second dead);
+  (no ``stop5``: Ray itself declares a node silent for a second dead). Ray's driver prints
+  its own report of the lost node to stdout: the JSON lines are those starting with ``{``;
 
 with each fault: ``kill`` (SIGKILL), ``stop`` (SIGSTOP for good: the frontend must find
 it and kill it), ``stop5`` (SIGSTOP, SIGCONT 5 s later). Nothing else is done by hand.
