@@ -7,7 +7,6 @@ header and body timeouts on a real socket with a fake engine.)"""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import resource
 import socket
@@ -17,6 +16,7 @@ import psutil
 import pytest
 
 from tests.e2e.server_utils import RemoteServer, is_alive
+from tests.sockets import raw_connection, read_to_eof
 from tests.waiting import wait_until
 
 _ABORTED = "did not read its stream"
@@ -34,23 +34,6 @@ def server(qwen3_ckpt):
     yield srv
     srv.stop()
     assert srv.leftover_processes() == []
-
-
-def _connect(port: int, rcvbuf: int | None = None) -> socket.socket:
-    s = socket.socket()
-    if rcvbuf is not None:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)  # before connect: the window
-    s.settimeout(120)
-    s.connect(("127.0.0.1", port))
-    return s
-
-
-def _read_to_eof(s: socket.socket) -> bytes:
-    data = b""
-    with contextlib.suppress(ConnectionResetError):
-        while chunk := s.recv(65536):
-            data += chunk
-    return data
 
 
 def _metrics(server: RemoteServer) -> str:
@@ -88,7 +71,7 @@ def test_stream_nobody_reads_is_aborted_and_the_server_keeps_serving(server):
         "stream": True,
     }
     raw = json.dumps(body).encode()
-    s = _connect(server.port, rcvbuf=4096)
+    s = raw_connection(server.port, rcvbuf=4096, timeout_s=120)
     try:
         s.sendall(
             b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
@@ -99,7 +82,7 @@ def test_stream_nobody_reads_is_aborted_and_the_server_keeps_serving(server):
         # Aborted, or (without the bound) buffered on the server until it finishes.
         assert wait_until(lambda: _ABORTED in server.output or _finished(server) > finished)
         assert _ABORTED in server.output, server.output
-        data = _read_to_eof(s)  # what the kernel held, then the end: no more is sent
+        data = read_to_eof(s)  # what the kernel held, then the end: no more is sent
     finally:
         s.close()
     assert data.startswith(b"HTTP/1.1 200"), data[:200]
@@ -121,12 +104,12 @@ def test_connections_past_the_cap_get_503_and_slots_free_again(server):
     held: list[socket.socket] = []
     try:
         for _ in range(3):  # idle connections, up to the cap
-            held.append(_connect(server.port))
+            held.append(raw_connection(server.port, timeout_s=120))
             assert wait_until(lambda: _accepted(server) == len(held))
         for _ in range(2):  # each one past it is refused before it sends a byte
-            extra = _connect(server.port)
+            extra = raw_connection(server.port, timeout_s=120)
             try:
-                refused = _read_to_eof(extra)
+                refused = read_to_eof(extra)
             finally:
                 extra.close()
             assert refused.startswith(b"HTTP/1.1 503"), refused
@@ -173,7 +156,7 @@ def test_recovery_spawns_an_engine_while_a_flood_holds_every_connection(qwen3_ck
         # More idle connections than the launcher has descriptors: the default cap
         # (half of them) refuses the rest, so the launcher keeps descriptors to spare.
         for _ in range(_FD_LIMIT + 100):
-            flood.append(_connect(srv.port))
+            flood.append(raw_connection(srv.port, timeout_s=120))
         assert wait_until(lambda: _accepted(srv) == _FD_LIMIT // 2)
         (victim,) = [p for p in srv.engine_processes() if p.name().endswith("DP1")]
         victim.kill()

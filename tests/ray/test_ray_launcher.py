@@ -89,13 +89,25 @@ def test_launcher_places_numbers_and_frees(ray_cluster, config):
         assert ranks[0].exitcode == -9
         assert wait_until(lambda: not psutil.pid_exists(pid0), 30)
     finally:
-        for h in ranks.values():
-            h.kill()
-            h.join(10)
-            h.close()
-        launcher.close()
+        _close(launcher, ranks)
     assert wait_until(lambda: _free_cpus() == 2.0, 30)
     assert wait_until(lambda: not _live_actors(), 30)
+
+
+def _close(launcher, ranks: dict) -> None:
+    """Stop every rank this test started, then the launcher."""
+    for h in ranks.values():
+        h.kill()
+        h.join(10)
+        h.close()
+    launcher.close()
+
+
+def _assert_nothing_left(launcher) -> None:
+    """No placement group, actor or CPU of this launcher's is held any more."""
+    assert wait_until(lambda: not _live_groups(launcher), 30)
+    assert wait_until(lambda: not _live_actors(), 30)
+    assert wait_until(lambda: _free_cpus() == 2.0, 30)
 
 
 def _live_groups(launcher) -> list:
@@ -145,14 +157,8 @@ def test_a_spare_that_fails_to_start_is_removed_and_replaced(
         assert len(_live_groups(launcher)) == 2
         assert wait_until(lambda: len(_live_actors()) == 2, 30)
     finally:
-        for h in ranks.values():
-            h.kill()
-            h.join(10)
-            h.close()
-        launcher.close()
-    assert wait_until(lambda: not _live_groups(launcher), 30)
-    assert wait_until(lambda: not _live_actors(), 30)
-    assert wait_until(lambda: _free_cpus() == 2.0, 30)
+        _close(launcher, ranks)
+    _assert_nothing_left(launcher)
 
 
 def test_a_start_cancelled_while_waiting_for_placement_leaves_nothing(ray_cluster, config):
@@ -187,11 +193,5 @@ def test_a_start_cancelled_while_waiting_for_placement_leaves_nothing(ray_cluste
         launcher.cancel([2])
         if starter.ident is not None:
             starter.join(120)
-        for h in ranks.values():
-            h.kill()
-            h.join(10)
-            h.close()
-        launcher.close()
-    assert wait_until(lambda: not _live_groups(launcher), 30)
-    assert wait_until(lambda: not _live_actors(), 30)
-    assert wait_until(lambda: _free_cpus() == 2.0, 30)
+        _close(launcher, ranks)
+    _assert_nothing_left(launcher)

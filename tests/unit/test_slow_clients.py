@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator
 import httpx
 import pytest
 
+from tests.sockets import raw_connection, read_to_eof
 from tests.unit.test_api_server import FakeAsyncLLM, expected_text, run, sse_events, wait_for
 from tidal.frontend.outputs import CompletionOutput, RequestOutput
 from tidal.launch import spawn
@@ -69,24 +70,6 @@ async def guarded_server(
         server.should_exit = True
         await asyncio.wait_for(task, 60)
         sock.close()
-
-
-def raw_connection(port: int, rcvbuf: int | None = None) -> socket.socket:
-    s = socket.socket()
-    if rcvbuf is not None:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)  # before connect: the window
-    s.settimeout(60)
-    s.connect(("127.0.0.1", port))
-    return s
-
-
-def read_to_eof(s: socket.socket) -> bytes:
-    """Everything the server sends until it closes the connection (a reset ends it too)."""
-    data = b""
-    with contextlib.suppress(ConnectionResetError):
-        while chunk := s.recv(65536):
-            data += chunk
-    return data
 
 
 def post(path: str, body: dict, content_length: int | None = None) -> bytes:
