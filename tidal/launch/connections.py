@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -53,12 +54,14 @@ class ServerLimits:
         return max(16, min(2048, self.max_connections // 4))
 
     def __post_init__(self) -> None:
+        # Each message starts with the field's name: the CLI names the flag from it.
         for name in ("max_connections", "max_stream_backlog"):
             if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+                raise ValueError(f"{name} must be an integer >= 1, got {getattr(self, name)}")
         for name in ("header_timeout_s", "body_timeout_s"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+            value = getattr(self, name)
+            if not (value > 0 and math.isfinite(value)):  # NaN, inf: no limit at all
+                raise ValueError(f"{name} must be > 0 and finite, got {value}")
 
 
 def _raw_response(status: int, reason: str, message: str) -> bytes:

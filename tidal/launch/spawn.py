@@ -117,36 +117,36 @@ def _add_http_limit_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+# ServerLimits field -> its flag (the ranges are ServerLimits' own checks).
+_LIMIT_FLAGS = {
+    "max_connections": "--max-connections",
+    "header_timeout_s": "--http-header-timeout",
+    "body_timeout_s": "--http-body-timeout",
+    "max_stream_backlog": "--max-stream-backlog",
+}
+
+
 def _server_limits(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> ServerLimits:
     """The HTTP limits, or a usage error naming the flag."""
     max_connections = (
         _default_max_connections() if ns.max_connections is None else ns.max_connections
     )
-    for flag, value, ok, want in (
-        ("--max-connections", max_connections, max_connections >= 1, "an integer >= 1"),
-        (
-            "--max-stream-backlog",
-            ns.max_stream_backlog,
-            ns.max_stream_backlog >= 1,
-            "an integer >= 1",
-        ),
-        ("--http-header-timeout", ns.http_header_timeout, ns.http_header_timeout > 0, "> 0"),
-        ("--http-body-timeout", ns.http_body_timeout, ns.http_body_timeout > 0, "> 0"),
-    ):
-        if not ok or value != value or value == float("inf"):  # NaN, inf: no limit at all
-            parser.error(f"{flag}: must be {want}, got {value}")
+    try:
+        limits = ServerLimits(
+            max_connections=max_connections,
+            header_timeout_s=ns.http_header_timeout,
+            body_timeout_s=ns.http_body_timeout,
+            max_stream_backlog=ns.max_stream_backlog,
+        )
+    except ValueError as e:
+        parser.error(f"{_LIMIT_FLAGS[str(e).split(' ', 1)[0]]}: {e}")
     limit = _open_file_limit()
     if limit is not None and max_connections >= limit:
         parser.error(
             f"--max-connections: {max_connections} would leave no file descriptors for the "
             f"engines and recovery (the open-file limit is {limit}; ulimit -n)"
         )
-    return ServerLimits(
-        max_connections=max_connections,
-        header_timeout_s=ns.http_header_timeout,
-        body_timeout_s=ns.http_body_timeout,
-        max_stream_backlog=ns.max_stream_backlog,
-    )
+    return limits
 
 
 def _check_multi_node(
