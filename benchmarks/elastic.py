@@ -655,14 +655,10 @@ def machine_info() -> dict[str, Any]:
     """Where a benchmark ran (every benchmark JSON carries it)."""
     import torch
 
-    cpu = ""
-    with contextlib.suppress(OSError):  # lscpu's "Model name"
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
+    from tidal.kernels.select import cpu_description
+
     return {
-        "cpu": cpu,
+        "cpu": cpu_description()["model"],
         "cpu_count": os.cpu_count(),
         "cpus_usable": len(os.sched_getaffinity(0)),
         "torch": torch.__version__,

@@ -442,9 +442,9 @@ def _per(a: float | None, b: float | None) -> float | None:
 
 
 def _machine() -> dict:
-    model = ""
-    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
-        model = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "")
+    from tidal.kernels.select import cpu_description
+
+    model = cpu_description()["model"]
     load = os.getloadavg() if hasattr(os, "getloadavg") else None
     return {"cpu": model, "cores": len(os.sched_getaffinity(0)), "load_avg": load}
 

@@ -561,13 +561,13 @@ async def _run(opts: argparse.Namespace, tmp: str, shm_before: set[str]) -> dict
 
 
 def machine() -> dict[str, Any]:
-    model = ""
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    return {"cpu": model, "cpu_count": os.cpu_count(), "python": platform.python_version()}
+    from tidal.kernels.select import cpu_description
+
+    return {
+        "cpu": cpu_description()["model"],
+        "cpu_count": os.cpu_count(),
+        "python": platform.python_version(),
+    }
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
