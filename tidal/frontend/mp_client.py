@@ -185,17 +185,15 @@ class MPClient(EngineCoreClient):
         # frontend still has queued when it closes them is worth a term() that waits.
         sync_ctx.setsockopt(zmq.LINGER, 0)
         self._authenticator = start_authenticator(sync_ctx, self._curve)
-        self.output_address = self.addresses.output
         try:
             self.input_socket = engine_input_router(sync_ctx)
-            secure_server(self.input_socket, self._curve, self.addresses.input)
-            self.input_socket.bind(self.addresses.input)
+            self._output_socket = sync_ctx.socket(zmq.PULL)
+            # Bound before the engines start: they are told where.
             self.addresses = replace(
-                self.addresses, input=bound_endpoint(self.input_socket, self.addresses.input)
+                self.addresses,
+                input=self._bind(self.input_socket, self.addresses.input),
+                output=self._bind(self._output_socket, self.addresses.output),
             )
-            # Bound before the engines start: they are told where it is.
-            self._output_socket = self._bind_output(sync_ctx)
-            self.addresses = replace(self.addresses, output=self.output_address)
             coord_addrs = self._start_coordinator(sync_ctx)
             self.manager = EngineProcManager(
                 config,
@@ -238,16 +236,17 @@ class MPClient(EngineCoreClient):
         """The engines requests can go to, in rank order."""
         return self.topology.engine_ids
 
-    def _bind_output(self, sync_ctx: zmq.Context) -> zmq.Socket:
-        sock = sync_ctx.socket(zmq.PULL)
-        try:
-            secure_server(sock, self._curve, self.output_address)
-            sock.bind(self.output_address)
-            self.output_address = bound_endpoint(sock, self.output_address)
-        except BaseException:
-            sock.close(linger=0)
-            raise
-        return sock
+    def _bind(self, sock: zmq.Socket, address: str) -> str:
+        """Bind ``sock`` at ``address`` (a CURVE server over TCP); the address bound: a
+        ``tcp://host:*`` one gets the port the bind chose."""
+        secure_server(sock, self._curve, address)
+        sock.bind(address)
+        return bound_endpoint(sock, address)
+
+    @property
+    def output_address(self) -> str:
+        """Where engines send their outputs (this client's PULL socket)."""
+        return self.addresses.output
 
     def _start_coordinator(self, sync_ctx: zmq.Context) -> tuple[str | None, str | None]:
         par = self.config.parallel
