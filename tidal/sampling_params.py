@@ -111,8 +111,10 @@ def wrap_int64(value: int) -> int:
 
 # ---- the table, read back from the annotations -------------------------------------------
 
+_SAMPLING_INFO = mi.type_info(SamplingParams)
+assert isinstance(_SAMPLING_INFO, mi.StructType)  # a Struct's info lists its fields
 _FIELD_TYPES: tuple[tuple[str, mi.Type], ...] = tuple(
-    (f.name, f.type) for f in mi.type_info(SamplingParams).fields
+    (f.name, f.type) for f in _SAMPLING_INFO.fields
 )
 
 

@@ -106,6 +106,8 @@ def _release_later(holder: list[Any]) -> None:
 
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
 # The reductions an abortable reduce-scatter does locally (``_reduce_scatter_via_all_to_all``).
+# ``ReduceOp.SUM`` and friends are ``RedOpType`` members; the options take a ``ReduceOp``.
+RedOp = ReduceOp.RedOpType
 _LOCAL_REDUCE = {ReduceOp.SUM: torch.sum, ReduceOp.MAX: torch.amax}
 _BACKENDS = ("gloo", "nccl")
 
@@ -175,8 +177,8 @@ class StatelessGroup:
         self.backend_name = backend_name
         self.prefix = prefix
         self.epoch = epoch
-        self._backend = backend
-        self._pg = process_group
+        self._backend: Any = backend  # None once destroyed (``_check_alive`` guards)
+        self._pg: Any = process_group
         self._store: TCPStore | None = store
         self._owns_store = owns_store
         self._native_reduce_scatter = True
@@ -343,12 +345,12 @@ class StatelessGroup:
                     raise self._failure(f"collective on group {self.prefix!r} aborted: {cause}")
 
     # ------------------------------------------------------------------ collectives
-    def all_reduce(self, t: torch.Tensor, op: ReduceOp = ReduceOp.SUM) -> torch.Tensor:
+    def all_reduce(self, t: torch.Tensor, op: RedOp = ReduceOp.SUM) -> torch.Tensor:
         """In place over all ranks; returns ``t``."""
         self._check_alive()
         buf = self._private(t)
         opts = dist.AllreduceOptions()
-        opts.reduceOp = op
+        opts.reduceOp = ReduceOp(op)
         self._wait(self._backend.allreduce([buf], opts))
         if buf is not t:
             t.copy_(buf)
@@ -381,7 +383,7 @@ class StatelessGroup:
         return torch.cat([full[r, : sizes[r]] for r in range(self.world_size)])
 
     def reduce_scatter_into(
-        self, out: torch.Tensor, inp: torch.Tensor, op: ReduceOp = ReduceOp.SUM
+        self, out: torch.Tensor, inp: torch.Tensor, op: RedOp = ReduceOp.SUM
     ) -> torch.Tensor:
         """``out [n, ...]`` <- reduction over ranks of rows ``[rank*n, (rank+1)*n)`` of ``inp [W*n, ...]``."""
         self._check_alive()
@@ -396,7 +398,7 @@ class StatelessGroup:
             return self._reduce_scatter_via_all_to_all(out, inp, op)
         if self._native_reduce_scatter:
             opts = dist.ReduceScatterOptions()
-            opts.reduceOp = op
+            opts.reduceOp = ReduceOp(op)
             try:
                 self._wait(self._backend._reduce_scatter_base(out, inp, opts))
                 return out
@@ -408,7 +410,7 @@ class StatelessGroup:
         return self._reduce_scatter_via_all_reduce(out, inp, op)
 
     def _reduce_scatter_via_all_to_all(
-        self, out: torch.Tensor, inp: torch.Tensor, op: ReduceOp
+        self, out: torch.Tensor, inp: torch.Tensor, op: RedOp
     ) -> torch.Tensor:
         """Abortable groups: gloo's native reduce-scatter runs inside ``Work.wait()``,
         which ignores its timeout, so no slice could end it. An all-to-all moves the same
@@ -421,7 +423,7 @@ class StatelessGroup:
         return out
 
     def _reduce_scatter_via_all_reduce(
-        self, out: torch.Tensor, inp: torch.Tensor, op: ReduceOp = ReduceOp.SUM
+        self, out: torch.Tensor, inp: torch.Tensor, op: RedOp = ReduceOp.SUM
     ) -> torch.Tensor:
         """Slow reference: all-reduce the whole input, keep this rank's slice.
         Moves ``W`` times the bytes of a real reduce-scatter."""
@@ -430,7 +432,7 @@ class StatelessGroup:
         out.copy_(full[self.rank * n : (self.rank + 1) * n])
         return out
 
-    def reduce_scatter(self, inp: torch.Tensor, op: ReduceOp = ReduceOp.SUM) -> torch.Tensor:
+    def reduce_scatter(self, inp: torch.Tensor, op: RedOp = ReduceOp.SUM) -> torch.Tensor:
         if inp.shape[0] % self.world_size:
             raise ValueError(
                 f"reduce_scatter: {inp.shape[0]} rows not divisible by {self.world_size}"
@@ -582,7 +584,7 @@ def _make_gloo(
     host: str,
     local_addr: str | None,
 ) -> tuple[Any, Any, torch.device]:
-    gloo = dist.ProcessGroupGloo
+    gloo: Any = dist.ProcessGroupGloo  # its ``_Options`` is missing from torch's stubs
     opts = gloo._Options()
     opts._timeout = timeout
     if local_addr is None and host in _LOOPBACK:

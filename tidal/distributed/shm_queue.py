@@ -70,13 +70,15 @@ import struct
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 import zmq
 
 from tidal.protocol.worker import ShmQueueHandle
 
-try:  # C atomics and futex (setup.py builds it; optional)
-    from tidal.distributed import _shm_sync as _native
+_native: Any  # the C module, or None
+try:  # C atomics and futex (setup.py builds it; optional; no stubs for a type checker)
+    from tidal.distributed import _shm_sync as _native  # pyright: ignore[reportAttributeAccessIssue]
 except ImportError:  # pragma: no cover - exercised by forcing native=False in the tests
     _native = None
 
@@ -317,7 +319,7 @@ class ShmQueueWriter:
             self.pub.setsockopt(zmq.SNDHWM, 0)  # the ring bounds what is in flight
             self.pub.setsockopt(zmq.LINGER, 0)
             self.pub.bind(overflow_address or "tcp://127.0.0.1:0")
-            address = self.pub.getsockopt(zmq.LAST_ENDPOINT).decode()
+            address = self.pub.getsockopt_string(zmq.LAST_ENDPOINT)
         except BaseException:
             self._release()
             raise

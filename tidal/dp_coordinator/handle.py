@@ -172,9 +172,10 @@ class DPCoordinator:
         for a restart in progress, whose new process it then stops."""
         with self._lock:
             self._closing = True
-            if self._finalizer.alive:
-                args = self._finalizer.detach()[2]
-                _cleanup(*args[:3], timeout_s)
+            detached = self._finalizer.detach()  # None once it ran or was detached
+            if detached is not None:
+                proc, addresses, tmpdir, _ = detached[2]
+                _cleanup(proc, addresses, tmpdir, timeout_s)
 
     def __enter__(self) -> DPCoordinator:
         return self

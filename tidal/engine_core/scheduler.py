@@ -281,13 +281,14 @@ class Scheduler:
         per_client: dict[int, list[EngineCoreOutput]] = defaultdict(list)
         any_finished = False
         for sched in scheduler_output.scheduled:
-            req = sched.request
-            if self.requests.get(req.request_id) is not req:
+            req = self.requests.get(sched.request.request_id)
+            if req is None or req is not sched.request:
                 continue  # finished from outside since it was scheduled
             error = runner_output.failed.get(req.request_id)
+            output: EngineCoreOutput | None = None
             try:
                 if error is None:
-                    output = self._update_request(sched, runner_output)
+                    output = self._update_request(req, sched, runner_output)
             except Exception as e:  # noqa: BLE001 - one request's failure is its own
                 logger.exception("updating request %r failed", req.request_id)
                 error = f"internal error while updating the request: {type(e).__name__}: {e}"
@@ -301,9 +302,9 @@ class Scheduler:
         return self._group_outputs(per_client)
 
     def _update_request(
-        self, sched: ScheduledRequest, runner_output: ModelRunnerOutput
+        self, req: Request, sched: ScheduledRequest, runner_output: ModelRunnerOutput
     ) -> EngineCoreOutput | None:
-        req = sched.request
+        """``req`` is ``sched.request``, as the scheduler's own ``Request``."""
         rid = req.request_id
         self.kv_cache_manager.cache_computed_blocks(req)  # before a finish frees them
         new_tokens: list[int] = []

@@ -135,7 +135,7 @@ class TemplateSandbox:
         proc, self._proc = self._proc, None
         if proc is not None and proc.returncode is None:
             with contextlib.suppress(Exception):
-                proc.stdin.close()
+                _stdio(proc)[0].close()
             try:
                 await asyncio.wait_for(proc.wait(), 5.0)
             except TimeoutError:
@@ -169,8 +169,9 @@ class TemplateSandbox:
         return self._proc
 
     async def _exchange(self, proc: asyncio.subprocess.Process, frame: bytes) -> RenderReply:
-        proc.stdin.write(_LEN.pack(len(frame)) + frame)
-        await proc.stdin.drain()
+        stdin = _stdio(proc)[0]
+        stdin.write(_LEN.pack(len(frame)) + frame)
+        await stdin.drain()
         return await _read_reply(proc)
 
     def _kill(self) -> None:
@@ -204,9 +205,17 @@ def worker_env(environ: Mapping[str, str]) -> dict[str, str]:
     return env
 
 
+def _stdio(proc: asyncio.subprocess.Process) -> tuple[asyncio.StreamWriter, asyncio.StreamReader]:
+    """The worker's stdin and stdout (it is always started with both piped)."""
+    if proc.stdin is None or proc.stdout is None:
+        raise SandboxUnavailable("the chat template renderer was started without pipes")
+    return proc.stdin, proc.stdout
+
+
 async def _read_reply(proc: asyncio.subprocess.Process) -> RenderReply:
-    (n,) = _LEN.unpack(await proc.stdout.readexactly(_LEN.size))
-    return msgspec.msgpack.decode(await proc.stdout.readexactly(n), type=RenderReply)
+    stdout = _stdio(proc)[1]
+    (n,) = _LEN.unpack(await stdout.readexactly(_LEN.size))
+    return msgspec.msgpack.decode(await stdout.readexactly(n), type=RenderReply)
 
 
 # ---- the worker ------------------------------------------------------------------------

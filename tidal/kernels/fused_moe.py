@@ -1,3 +1,5 @@
+# pyright: reportArgumentType=false, reportCallIssue=false
+# (triton.jit signatures type launch constants as tl.constexpr and omit num_warps/num_stages)
 """Triton fused MoE: grouped GEMMs over expert-sorted tokens.
 
 ``fused_experts`` computes, for every token t,

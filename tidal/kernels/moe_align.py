@@ -1,3 +1,5 @@
+# pyright: reportArgumentType=false, reportCallIssue=false
+# (triton.jit signatures type launch constants as tl.constexpr and omit num_warps/num_stages)
 """Sort (token, k) slots by expert and pad every expert's run to the GEMM block size.
 
 Slot ``s = t * top_k + k`` is routed to bucket ``local_id(s)`` in ``[0, E)``, or to the

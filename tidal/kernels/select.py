@@ -205,20 +205,21 @@ def decide(
 
     if mode != "auto":
         source = "forced"
-    if not holds_weights:
-        picks = [best(cands, cls) for cls in CLASSES]
-        if any(p is None for p in picks):
-            return default_choice(cands, holds_weights)
-        return Choice(picks[0], picks[1], None, source, shown)
-    # One layout per op: the path whose best variant loses least, summed over the classes.
-    overall = {cls: best(cands, cls) for cls in CLASSES}
-    if any(b is None for b in overall.values()):
+    def best_per_class(pool: list[Candidate]) -> dict[str, Candidate] | None:
+        picks = {cls: best(pool, cls) for cls in CLASSES}
+        complete = {cls: p for cls, p in picks.items() if p is not None}
+        return complete if len(complete) == len(picks) else None
+
+    overall = best_per_class(cands)
+    if overall is None:
         return default_choice(cands, holds_weights)
+    if not holds_weights:
+        return Choice(overall[CLASSES[0]], overall[CLASSES[1]], None, source, shown)
+    # One layout per op: the path whose best variant loses least, summed over the classes.
     scores: dict[str, float] = {}
     for path in dict.fromkeys(c.path for c in cands):
-        pool = [c for c in cands if c.path == path]
-        picks = {cls: best(pool, cls) for cls in CLASSES}
-        if any(p is None for p in picks.values()):
+        picks = best_per_class([c for c in cands if c.path == path])
+        if picks is None:
             continue
         scores[path] = sum(
             timings_ms[cls][picks[cls].name] / timings_ms[cls][overall[cls].name] for cls in CLASSES
@@ -356,10 +357,12 @@ def _kernel_build() -> str:
     # The extension module's own file (``torch.ops.tidal_cpu.__file__`` is the string
     # "torch.ops", which named no file: every build hashed alike, as "unknown").
     path = _extension_path()
+    if path is None:
+        return "unknown"
     try:
         with open(path, "rb") as f:
             return hashlib.sha256(f.read()).hexdigest()[:16]
-    except (OSError, TypeError):
+    except OSError:
         return "unknown"
 
 
@@ -418,6 +421,7 @@ class ChoiceCache:
     def save(self) -> None:
         if self.path is None:
             return
+        tmp: str | None = None
         try:
             os.makedirs(os.path.dirname(self.path), exist_ok=True)
             fd, tmp = tempfile.mkstemp(dir=os.path.dirname(self.path), suffix=".tmp")
@@ -426,7 +430,7 @@ class ChoiceCache:
             os.replace(tmp, self.path)
         except OSError as e:  # a read-only home: measured again next start, still correct
             logger.warning("cannot write the CPU kernel choices to %s: %s", self.path, e)
-            if "tmp" in locals() and os.path.exists(tmp):
+            if tmp is not None and os.path.exists(tmp):
                 os.unlink(tmp)
 
 
@@ -584,11 +588,11 @@ def _choose(
             if timings is None and clock() - start > deadline_s:
                 choice = default_choice(cands, spec.holds_weights)
                 logger.warning("cpu kernels: trial deadline passed; %s takes the default", key.name)
-            elif timings is None:
-                timings = _trial(module, op, spec, cands, rows, len(members), clock)
-                cache.put(key, timings)
-                measured, source = True, "measured"
-            if timings is not None:
+            else:
+                if timings is None:
+                    timings = _trial(module, op, spec, cands, rows, len(members), clock)
+                    cache.put(key, timings)
+                    measured, source = True, "measured"
                 choice = decide(
                     cands, timings, mode, holds_weights=spec.holds_weights, source=source
                 )

@@ -65,9 +65,8 @@ _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "structured_outputs": (None,),
 }
 # One field for each, so that a request's value is kept and an error can name it.
-_UnsupportedFields = create_model(
-    "_UnsupportedFields", **{name: (Any, None) for name in _UNSUPPORTED}
-)
+_UNSUPPORTED_FIELDS: dict[str, Any] = {name: (Any, None) for name in _UNSUPPORTED}
+_UnsupportedFields = create_model("_UnsupportedFields", **_UNSUPPORTED_FIELDS)
 
 
 class _SamplingRequest(_UnsupportedFields):

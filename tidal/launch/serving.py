@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -224,7 +224,7 @@ class OpenAIServing:
 
     async def _merged(
         self, jobs: list[_Job], drop_connection: Dropper = None
-    ) -> AsyncIterator[tuple[int, RequestOutput]]:
+    ) -> AsyncGenerator[tuple[int, RequestOutput]]:
         """DELTA outputs of all jobs as they come, as (job index, output).
 
         One producer task per job; closing this iterator cancels them, and a cancelled
@@ -333,7 +333,8 @@ class OpenAIServing:
     ) -> P.CompletionChoice:
         """One choice (or one streamed delta of it); ``echo`` prepends the prompt;
         ``offset`` is the number of characters of this choice already sent."""
-        text, ids, steps = c.text, list(c.token_ids), list(c.logprobs or [])
+        text, ids = c.text, list(c.token_ids)
+        steps: PromptLogprobs = list(c.logprobs or [])
         if echo:
             n = len(job.prompt.prompt_token_ids)
             text = self._prompt_text(job.prompt) + text
@@ -430,7 +431,10 @@ class OpenAIServing:
                     processor.apply_chat_template, messages, add_gen, None, **kwargs
                 )
             else:
-                text, ids = await self.template_sandbox.render(
+                sandbox = self.template_sandbox
+                if sandbox is None:  # refused above, before any work
+                    raise SandboxUnavailable("chat_template: per-request templates are off")
+                text, ids = await sandbox.render(
                     messages,
                     chat_template=req.chat_template,
                     add_generation_prompt=add_gen,

@@ -408,7 +408,7 @@ def plan_moves(
         for slot, e in enumerate(new.local_expert_ids(n)):
             o = old_of_new.get(n)
             here = old.local_physical(o, e) if o is not None else -1
-            if here >= 0:
+            if o is not None and here >= 0:
                 old_slot = here - o * old.slots_per_rank
                 if old_slot != slot:
                     moves.append(ExpertMove(e, o, n, slot, old_slot, local=True))

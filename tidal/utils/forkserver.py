@@ -331,7 +331,7 @@ class ForkServer:
                     late = False
                     req.proc = ForkedProcess(req.name, pid, req.sentinel, pidfd, self.gone)
                     self._children[pid] = req.proc
-            if late:  # race 2: nobody takes it
+            if late or req is None:  # race 2: nobody takes it
                 if pidfd is not None:
                     with contextlib.suppress(OSError):
                         signal.pidfd_send_signal(pidfd, signal.SIGKILL)

@@ -30,7 +30,7 @@ def _require_deep_ep(name: str, group: Any) -> Any:
         raise ValueError(f"all2all backend {name!r} needs a StatelessGroup (a ProcessGroup view)")
     # Optional dependency (not in any extra): imported here, once the checks above passed,
     # so the other backends and CPU-only installs never need it.
-    import deep_ep
+    import deep_ep  # pyright: ignore[reportMissingImports]
 
     return deep_ep
 
