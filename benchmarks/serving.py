@@ -304,13 +304,16 @@ def previous_commit(ref: str) -> Iterator[Path]:
             ["git", "archive", "--format=tar", ref], cwd=REPO, check=True, capture_output=True
         ).stdout
         subprocess.run(["tar", "-x", "-C", str(tree)], input=archive, check=True)
-        built = sorted(REPO.glob("tidal/kernels/*.so"))
+        # Both extensions: the kernels' and the shm queue's (without it the peer's queue
+        # would fall back to its slower pure-Python atomics).
+        built = sorted(REPO.glob("tidal/kernels/*.so")) + sorted(REPO.glob("tidal/distributed/*.so"))
         same_kernels = subprocess.run(
-            ["git", "diff", "--quiet", ref, "--", "tidal/kernels/csrc", "setup.py"], cwd=REPO
+            ["git", "diff", "--quiet", ref, "--", "tidal/kernels/csrc", "tidal/distributed/csrc", "setup.py"],
+            cwd=REPO,
         )
         if built and same_kernels.returncode == 0:
             for so in built:
-                shutil.copy2(so, tree / "tidal" / "kernels" / so.name)
+                shutil.copy2(so, tree / so.relative_to(REPO))
         else:  # the kernels differ (or none is built here): build the peer's own
             subprocess.run(
                 [sys.executable, "setup.py", "build_ext", "--inplace", "-q"], cwd=tree, check=True
