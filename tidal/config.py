@@ -1,27 +1,227 @@
-"""Engine configuration: frozen dataclasses built once from ``EngineArgs`` and passed whole.
+"""Engine configuration: frozen dataclasses built once from ``EngineArgs`` and passed whole,
+and the one declaration of every engine option (docs/contributing.md#options).
+
+Each user option is a field here declared with ``option``: its type (``Literal`` for a
+choice), its range (``Annotated[int, Meta(ge=1)]``, the ``msgspec.Meta`` of
+``SamplingParams``' range table), its default and its help. ``EngineArgs``, the ``--flags``,
+their ``--help`` and the range checks (``check_options``) are generated from these.
 
 Bottom layer (docs/architecture.md#layers): every process imports this, so it imports nothing of tidal and
-no torch at import time. The user's arguments, their validation and their resolution
+no torch at import time. The user's arguments, their cross-field rules and their resolution
 against the checkpoint (which needs ``tidal.models``) are ``tidal.launch.engine_args``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
+import math
+import typing
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import MISSING, dataclass, field
+from typing import Annotated, Any, Literal
+
+from msgspec import Meta
+
+
+class _Same:
+    """``Option.arg_default``: the same as the field's default."""
+
+    def __repr__(self) -> str:
+        return "SAME"
+
+
+SAME: Any = _Same()
+
+
+@dataclass(frozen=True)
+class Option:
+    """What makes a config field a user option (``option``'s metadata)."""
+
+    help: str
+    # The user-facing name (``EngineArgs`` field, ``--flag``) where it differs.
+    arg: str | None = None
+    aliases: tuple[str, ...] = ()  # more spellings of the flag (``--dp``)
+    # The user-facing default where it differs from the field's: None or "auto" mean
+    # "resolved at launch" (from the checkpoint, the host); the help says how.
+    arg_default: Any = SAME
+
+
+def option(
+    default: Any = MISSING,
+    *,
+    help: str,  # noqa: A002 - argparse's word for it
+    arg: str | None = None,
+    aliases: tuple[str, ...] = (),
+    arg_default: Any = SAME,
+    repr: bool = True,  # noqa: A002 - dataclasses' word for it
+) -> Any:
+    """A config field that is a user option (a flag and an ``EngineArgs`` field)."""
+    return field(
+        default=default, repr=repr, metadata={"option": Option(help, arg, aliases, arg_default)}
+    )
+
+
+@dataclass(frozen=True)
+class OptionSpec:
+    """One declared option, as the generators read it."""
+
+    field: dataclasses.Field
+    option: Option
+    hint: Any  # the field's type, ``Annotated`` extras kept
+
+    @property
+    def name(self) -> str:
+        return self.option.arg or self.field.name
+
+    @property
+    def default(self) -> Any:
+        if self.option.arg_default is not SAME:
+            return self.option.arg_default
+        if self.field.default is MISSING:
+            raise TypeError(f"option {self.name} has no default")
+        return self.field.default
+
+    @property
+    def arg_hint(self) -> Any:
+        """The user-facing type: the field's, plus its unresolved default ("auto", None)."""
+        unresolved = self.option.arg_default
+        if unresolved is None and not _allows_none(self.hint):
+            return self.hint | None
+        if isinstance(unresolved, str):
+            choices = _choices(self.hint)
+            if choices is not None and unresolved not in choices:
+                return Literal[(unresolved, *choices)]
+        return self.hint
+
+
+def option_specs(cls: type) -> list[OptionSpec]:
+    """The options ``cls`` declares, in field order."""
+    return list(_option_specs(cls))
+
+
+@functools.cache
+def _option_specs(cls: type) -> tuple[OptionSpec, ...]:
+    hints = typing.get_type_hints(cls, include_extras=True)
+    return tuple(
+        OptionSpec(f, f.metadata["option"], hints[f.name])
+        for f in dataclasses.fields(cls)
+        if "option" in f.metadata
+    )
+
+
+def check_options(obj: Any, specs: Sequence[OptionSpec] | None = None) -> None:
+    """Every declared option of ``obj`` against its choices and range: ValueError starting
+    with the option's user-facing name (the CLI turns it into the flag's)."""
+    for spec in option_specs(type(obj)) if specs is None else specs:
+        check_value(spec.name, spec.hint, getattr(obj, spec.field.name))
+
+
+def check_value(name: str, hint: Any, value: Any) -> None:
+    """``value`` against ``hint``'s ``Literal`` choices or ``Meta`` range (None passes
+    where the type allows it). Types are checked only where a range or choice is."""
+    if value is None and _allows_none(hint):
+        return
+    choices = _choices(hint)
+    if choices is not None:
+        if value not in choices or isinstance(value, bool) != isinstance(choices[0], bool):
+            raise ValueError(f"{name} must be one of {', '.join(map(str, choices))}; got {value!r}")
+        return
+    base, meta = _range(hint)
+    if meta is None:
+        return
+    bound = describe_range(meta)
+    if base is int:
+        if not isinstance(value, int) or isinstance(value, bool) or not _in_range(value, meta):
+            raise ValueError(f"{name} must be an integer {bound}, got {value!r}")
+    elif (
+        not isinstance(value, int | float)
+        or isinstance(value, bool)
+        or not math.isfinite(value)
+        or not _in_range(value, meta)
+    ):
+        raise ValueError(f"{name} must be a finite number {bound}, got {value!r}")
+
+
+def describe_range(meta: Meta) -> str:
+    """``>= 1``, ``> 0``, ``in [0, 8]``: what a ``Meta`` allows."""
+    low = f">= {meta.ge}" if meta.ge is not None else f"> {meta.gt}" if meta.gt is not None else ""
+    high = f"<= {meta.le}" if meta.le is not None else f"< {meta.lt}" if meta.lt is not None else ""
+    if meta.ge is not None and meta.le is not None:
+        return f"in [{meta.ge}, {meta.le}]"
+    return " and ".join(p for p in (low, high) if p)
+
+
+def choices_of(hint: Any) -> tuple[Any, ...] | None:
+    """A ``Literal`` option's choices (through ``Annotated`` and ``| None``); None otherwise."""
+    return _choices(hint)
+
+
+def range_of(hint: Any) -> tuple[type | None, Meta | None]:
+    """A numeric option's type and ``Meta`` range (through ``| None``); (type, None) unbounded."""
+    return _range(hint)
+
+
+def _in_range(v: float, m: Meta) -> bool:
+    return (
+        (m.ge is None or v >= m.ge)
+        and (m.gt is None or v > m.gt)
+        and (m.le is None or v <= m.le)
+        and (m.lt is None or v < m.lt)
+    )
+
+
+def _members(hint: Any) -> list[Any]:
+    """``X | None`` -> [X, None]; anything else -> [it]."""
+    if typing.get_origin(hint) in (typing.Union, _UnionType):
+        return list(typing.get_args(hint))
+    return [hint]
+
+
+_UnionType = type(int | None)
+
+
+def _allows_none(hint: Any) -> bool:
+    return type(None) in _members(hint)
+
+
+def _choices(hint: Any) -> tuple[Any, ...] | None:
+    for member in _members(hint):
+        if typing.get_origin(member) is Annotated:
+            member = typing.get_args(member)[0]
+        if typing.get_origin(member) is Literal:
+            return typing.get_args(member)
+    return None
+
+
+def _range(hint: Any) -> tuple[type | None, Meta | None]:
+    for member in _members(hint):
+        if member is type(None):
+            continue
+        if typing.get_origin(member) is Annotated:
+            base, *extras = typing.get_args(member)
+            metas = [e for e in extras if isinstance(e, Meta)]
+            return base, (metas[0] if metas else None)
+        return member, None
+    return None, None
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    model: str  # a Hugging Face folder
-    tokenizer: str
-    dtype: str  # resolved: float32 | float16 | bfloat16
-    max_model_len: int
-    seed: int
+    model: str = option(
+        arg_default=None,
+        help="Hugging Face checkpoint folder (default: the embedded tiny Qwen3-MoE model)",
+    )
+    tokenizer: str = option(arg_default=None, help="tokenizer folder (default: --model)")
+    dtype: Literal["float32", "float16", "bfloat16"] = option(
+        arg_default="auto", help="weights and activations (auto: the checkpoint's dtype)"
+    )
+    max_model_len: Annotated[int, Meta(ge=1)] = option(
+        arg_default=None, help="longest prompt + output in tokens (default: the model's limit)"
+    )
+    seed: int = option(arg_default=0, help="random seed of each engine process")
     architecture: str
     hf_config: Any = field(compare=False, hash=False, repr=False)
     # EOS ids from generation_config.json; all of them end generation (like transformers).
@@ -30,6 +230,17 @@ class ModelConfig:
     # min_p, repetition_penalty; max_tokens from max_new_tokens), as vLLM's
     # ``--generation-config auto``: what a request's unset fields default to.
     sampling_defaults: tuple[tuple[str, float | int], ...] = ()
+    # Where ``sampling_defaults`` came from (``tidal.launch.engine_args`` reads it).
+    generation_config: str = option(
+        "auto",
+        help="where the default sampling values come from (temperature, top_p, top_k, "
+        "min_p, repetition_penalty; max_new_tokens caps an unset max_tokens): auto (the "
+        "model's generation_config.json, as vLLM) | none (temperature 1, no top-k/top-p) "
+        "| a folder holding a generation_config.json",
+    )
+
+    def __post_init__(self) -> None:
+        check_options(self)
 
     @property
     def torch_dtype(self) -> Any:
@@ -53,85 +264,188 @@ def as_id_list(value: Any) -> list[int]:
 
 @dataclass(frozen=True)
 class CacheConfig:
-    block_size: int = 16
-    # Bytes of KV cache per rank; ignored when num_blocks is set.
-    kv_cache_memory_bytes: int = 512 * 1024 * 1024
-    num_blocks: int | None = None
-    enable_prefix_caching: bool = True
+    block_size: Literal[1, 2, 4, 8, 16, 32, 64, 128] = option(16, help="tokens per KV cache block")
+    # Ignored when num_blocks is set.
+    kv_cache_memory_bytes: Annotated[int, Meta(gt=0)] = option(
+        512 * 1024 * 1024, help="KV cache bytes per rank"
+    )
+    num_blocks: Annotated[int, Meta(ge=1)] | None = option(
+        None,
+        arg="num_gpu_blocks_override",
+        aliases=("--num-kv-blocks",),
+        help="KV cache blocks per rank (overrides --kv-cache-memory-bytes)",
+    )
+    enable_prefix_caching: bool = option(True, help="reuse KV blocks of shared prompt prefixes")
+
+    def __post_init__(self) -> None:
+        check_options(self)
 
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    max_num_batched_tokens: int = 2048
-    max_num_seqs: int = 128
-    max_model_len: int = 2048
-    enable_chunked_prefill: bool = True
+    max_num_batched_tokens: Annotated[int, Meta(ge=1)] = option(
+        2048,
+        arg_default=None,
+        help="token budget of one step (default: 2048; without chunked prefill at least "
+        "--max-model-len)",
+    )
+    max_num_seqs: Annotated[int, Meta(ge=1)] = option(
+        128, help="most requests running at once per rank"
+    )
+    max_model_len: int = 2048  # ModelConfig's, resolved
+    enable_chunked_prefill: bool = option(True, help="split long prompts across steps")
+
+    def __post_init__(self) -> None:
+        check_options(self)
 
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    data_parallel_size: int = 1
-    data_parallel_rank: int = 0
-    data_parallel_size_local: int = 1
-    data_parallel_start_rank: int = 0
-    data_parallel_address: str = "127.0.0.1"
-    data_parallel_rpc_port: int = 0
+    data_parallel_size: Annotated[int, Meta(ge=1)] = option(
+        1, aliases=("--dp",), help="number of data-parallel engine ranks"
+    )
+    data_parallel_rank: Annotated[int, Meta(ge=0)] = option(
+        0, help="this process's rank (set per spawned engine; rarely by hand)"
+    )
+    # 0 where the launcher places every rank itself (Ray).
+    data_parallel_size_local: Annotated[int, Meta(ge=0)] = option(
+        1, arg_default=None, help="ranks started on this host (default: all of them)"
+    )
+    data_parallel_start_rank: Annotated[int, Meta(ge=0)] = option(
+        0, help="first rank started on this host (with --headless)"
+    )
+    data_parallel_address: str = option(
+        "127.0.0.1", help="host the frontend and rank 0's groups listen on"
+    )
+    data_parallel_rpc_port: Annotated[int, Meta(ge=0, le=65535)] = option(
+        0, help="frontend handshake port headless ranks connect to (0: pick)"
+    )
     # TCPStore port (on data_parallel_address, hosted by rank 0) for the DP/EP groups;
     # chosen by the launcher when 0.
-    data_parallel_master_port: int = 0
+    data_parallel_master_port: Annotated[int, Meta(ge=0, le=65535)] = option(
+        0, help="TCPStore port of the DP/EP process groups (0: pick)"
+    )
     # Workers per DP rank (docs/architecture.md#tensor-parallel): the rank's engine core drives this many worker
     # processes, each holding a shard of the model.
-    tensor_parallel_size: int = 1
+    tensor_parallel_size: Annotated[int, Meta(ge=1)] = option(
+        1,
+        aliases=("-tp",),
+        help="worker processes (devices) per data-parallel rank, each with a shard of the "
+        "model (attention heads, dense MLP, vocabulary; MoE experts' intermediate "
+        "dimension, or with --ep the experts, over every rank's workers)",
+    )
     # This rank's device slots on its host (CUDA; one per TP worker), handed out by the
     # launcher (tidal/distributed/device_slots.py); () on CPU or when nothing assigned.
     device_ids: tuple[int, ...] = ()
-    # CPU: whether ranks are pinned to core groups (auto | off | explicit groups,
-    # ``tidal/distributed/core_slots.py``), and this rank's group, the launcher's to assign
-    # per rank like ``device_ids`` (empty: not pinned).
-    cpu_affinity: str = "auto"
+    # CPU: whether ranks are pinned to core groups (``tidal/distributed/core_slots.py``
+    # parses it), and this rank's group, the launcher's to assign per rank like
+    # ``device_ids`` (empty: not pinned).
+    cpu_affinity: str = option(
+        "auto",
+        help="auto | off | explicit groups, one per local rank (0-7|8-15): pin each CPU "
+        "rank's threads to its own group of cores, shared by its TP workers (auto: where "
+        "the host runs several ranks, with at least a core for each of their workers)",
+    )
     cpu_cores: tuple[int, ...] = ()
-    enable_expert_parallel: bool = False
+    enable_expert_parallel: bool = option(
+        False,
+        aliases=("--ep",),
+        help="shard MoE experts across the data-parallel ranks (and their tensor-parallel workers)",
+    )
     # vLLM's flag: the deployment may grow and shrink while serving (docs/architecture.md#elastic). It runs
     # the DP machinery (coordinator, wave loop, process groups) even at size 1, since its
     # live size is the topology's and may not stay 1.
-    enable_elastic_ep: bool = False
+    enable_elastic_ep: bool = option(
+        False,
+        help="elastic expert parallelism: the deployment can grow and shrink while serving; "
+        "runs the DP coordinator and wave loop even with one rank",
+    )
     # Elastic EP, after a rank death (docs/architecture.md#faults): the recovery removes the dead rank;
     # with this, a scale-up then brings the deployment back to the size it had.
-    elastic_restore: bool = False
+    elastic_restore: bool = option(
+        False,
+        help="elastic EP: after a rank died and the deployment recovered without it, scale "
+        "back up to the size it had (a new rank, by the normal scale-up path)",
+    )
     # A data-parallel deployment survives the loss of ranks (docs/architecture.md#faults), with or
     # without elastic EP: the dead ranks are removed by a recovery operation and their
     # requests migrate. False: a rank death ends the deployment (every request fails),
     # for those who restart it from outside.
-    rank_recovery: bool = True
+    rank_recovery: bool = option(
+        True,
+        help="data parallel: survive the loss of ranks or hosts -- the dead ranks are "
+        "removed while the others serve and their requests move (--no-rank-recovery: a "
+        "rank death fails every request, for an outside restart)",
+    )
     # The step-progress watchdog (docs/architecture.md#faults): a busy loop inside one iteration this
     # long, not waiting on its peers, is stuck, and its rank is killed and recovered from.
-    # Seconds; 0 disables it. The default is ``protocol.messages.ENGINE_STALL_TIMEOUT_S``
-    # (why there; this layer imports nothing of tidal).
-    engine_stall_timeout: float = 120.0
-    all2all_backend: str = "allgather_reducescatter"
-    enable_eplb: bool = False
-    num_redundant_experts: int = 0
-    eplb_window: int = 1000
-    eplb_interval: int = 3000
-    dp_lb_policy: str = "tidal"  # frontend engine choice: tidal | vllm | tidal-p2c
-    # Shared secret that authenticates the DP control plane when it runs over TCP
-    # (tidal/distributed/zmq_auth.py). Never printed; not in the config hash, which peers see.
-    data_parallel_auth_key: str | None = field(default=None, repr=False)
-    # Where engine ranks run (docs/architecture.md#launchers): "mp" (local processes, headless hosts) or
-    # "ray" (Ray actors in placement groups). The frontend's choice, not the ranks'.
-    data_parallel_backend: str = "mp"
-    # Ray: the cluster to join ("auto", "host:port", "ray://..."); None: $RAY_ADDRESS, else
-    # a local cluster started for this deployment.
-    ray_address: str | None = None
-    # Ray: how long a rank's placement group may take to be placed before the launch or
-    # scale-up fails naming the missing resources.
-    ray_placement_timeout_s: float = 30.0
-    # Ray, elastic EP: ranks kept started ahead (placement group + actor + warm engine
-    # launcher, their resources held) so a scale-up does not wait for them.
-    ray_warm_ranks: int = 0
-    # Ray: logical CPUs each rank reserves (its placement group's CPU bundle); on CPU its
-    # engine runs that many threads.
-    ray_cpus_per_rank: int = 1
+    # A step is at most ``max_num_batched_tokens`` (2048) tokens: a few seconds on CPU; a
+    # GPU's first steps also compile Triton kernels (tens of seconds on a slow host). Two
+    # minutes clears both with room, and still turns a hang into a recovery.
+    engine_stall_timeout: Annotated[float, Meta(ge=0)] = option(
+        120.0,
+        help="seconds a rank's busy loop may stay inside one step (not waiting on its "
+        "peers) before it counts as stuck, is killed and recovered from (0: no watchdog)",
+    )
+    all2all_backend: Literal[
+        "allgather_reducescatter", "all2all", "deepep_high_throughput", "deepep_low_latency"
+    ] = option("allgather_reducescatter", help="expert-parallel token exchange")
+    enable_eplb: bool = option(
+        False, help="rebalance experts across ranks from their measured load"
+    )
+    num_redundant_experts: Annotated[int, Meta(ge=0)] = option(
+        0, help="extra physical expert copies for EPLB to place"
+    )
+    eplb_window: Annotated[int, Meta(ge=1)] = option(
+        1000, help="steps of expert load EPLB plans from"
+    )
+    eplb_interval: Annotated[int, Meta(ge=1)] = option(3000, help="steps between EPLB rebalances")
+    dp_lb_policy: Literal["tidal", "vllm", "tidal-p2c"] = option(
+        "tidal", help="request routing across ranks"
+    )
+    # Authenticates the DP control plane when it runs over TCP (tidal/distributed/zmq_auth.py).
+    # Never printed; not in the config hash, which peers see.
+    data_parallel_auth_key: str | None = option(
+        None,
+        repr=False,
+        help="shared secret that authenticates the DP control plane over TCP; the same on "
+        "every host, required with --headless ranks (default: $TIDAL_DP_AUTH_KEY); "
+        "visible in ps, prefer --data-parallel-auth-key-file or the variable",
+    )
+    # Where engine ranks run (docs/architecture.md#launchers): what each can do is its
+    # ``LauncherKind`` (tidal/frontend/launchers/registry.py). The frontend's choice, not
+    # the ranks'.
+    data_parallel_backend: Literal["mp", "ray"] = option(
+        "mp",
+        help="where engine ranks run: mp (local processes; other hosts with --headless) | "
+        "ray (one Ray actor per rank in its own placement group, on the cluster of "
+        "--ray-address; pip install 'tidal[ray]')",
+    )
+    ray_address: str | None = option(
+        None,
+        help="Ray cluster to run the ranks on (auto | host:port | ray://host:port; "
+        "default: $RAY_ADDRESS, else a local cluster started for this deployment)",
+    )
+    ray_placement_timeout_s: Annotated[float, Meta(gt=0)] = option(
+        30.0,
+        help="Ray: seconds a rank's placement group may wait for resources before the "
+        "launch or scale-up fails naming what is missing",
+    )
+    # Ray, elastic EP: placement group + actor + warm engine launcher, their resources held.
+    ray_warm_ranks: Annotated[int, Meta(ge=0)] = option(
+        0,
+        help="Ray, elastic EP: ranks kept started ahead (their resources held) so a "
+        "scale-up takes them at once",
+    )
+    # The rank's placement group's CPU bundle.
+    ray_cpus_per_rank: Annotated[int, Meta(ge=1)] = option(
+        1,
+        help="Ray: logical CPUs each rank reserves on its node; on CPU the rank's engine "
+        "runs that many threads",
+    )
+
+    def __post_init__(self) -> None:
+        check_options(self)
 
     @property
     def is_data_parallel(self) -> bool:
@@ -195,28 +509,47 @@ class FrontendConfig:
     Each is a flag of the same name because a deployment may need to raise it."""
 
     # OpenAI's own cap on ``n``; every choice is a sequence in the scheduler.
-    max_n: int = 128
-    # Prompts in one /v1/completions request (a batch is one HTTP call, but each prompt
-    # is ``n`` engine requests).
-    max_prompts_per_request: int = 256
-    # vLLM's flag and default: top logprobs per position (completion and prompt).
-    max_logprobs: int = 20
-    # Prompts x n of one call: each is an engine request, however the call spells it
-    # (256 prompts x n=128 would be 32,768 of them).
-    max_choices_per_request: int = 1024
+    max_n: Annotated[int, Meta(ge=1)] = option(128, help="most choices (n) one request may ask for")
+    # A batch is one HTTP call, but each prompt is ``n`` engine requests.
+    max_prompts_per_request: Annotated[int, Meta(ge=1)] = option(
+        256, help="most prompts in one /v1/completions request"
+    )
+    # vLLM's flag and default (completion and prompt logprobs).
+    max_logprobs: Annotated[int, Meta(ge=1)] = option(
+        20, help="most top logprobs per position a request may ask for"
+    )
+    # Each is an engine request, however the call spells it (256 prompts x n=128 would be
+    # 32,768 of them).
+    max_choices_per_request: Annotated[int, Meta(ge=1)] = option(
+        1024, help="most choices one request may ask for: prompts x n"
+    )
     # Stop strings are matched against every new piece of text of every choice, on the
     # server's event loop: their number and length bound that work per token.
-    max_stop_strings: int = 64
-    max_stop_string_length: int = 1024  # characters of one stop string
-    # Stop token ids (deduplicated once accepted); every choice carries them to the
-    # engine, which keeps them as a set.
-    max_stop_token_ids: int = 1024
+    max_stop_strings: Annotated[int, Meta(ge=1)] = option(
+        64, help="most stop strings one request may give"
+    )
+    max_stop_string_length: Annotated[int, Meta(ge=1)] = option(
+        1024, help="longest stop string, in characters"
+    )
+    # Deduplicated once accepted; every choice carries them to the engine, which keeps
+    # them as a set.
+    max_stop_token_ids: Annotated[int, Meta(ge=1)] = option(
+        1024, help="most stop_token_ids one request may give"
+    )
     # A prompt of a 128k-token context is under 1 MiB of JSON, as text or as token ids;
     # 8 MiB leaves room for batches and long chats and refuses a flood before it is read.
-    max_request_body_bytes: int = 8 * 1024 * 1024
-    # vLLM's flag: accept a ``chat_template`` in chat requests (rendered in a sandboxed,
-    # time-bounded worker). Off: a template is code, run by anyone who can send a request.
-    trust_request_chat_template: bool = False
+    max_request_body_bytes: Annotated[int, Meta(ge=1)] = option(
+        8 * 1024 * 1024, help="largest HTTP request body; a larger one gets 413 unread"
+    )
+    # vLLM's flag. Off: a template is code, run by anyone who can send a request.
+    trust_request_chat_template: bool = option(
+        False,
+        help="accept a chat_template in chat requests (rendered in a sandboxed, "
+        "time-bounded worker process)",
+    )
+
+    def __post_init__(self) -> None:
+        check_options(self)
 
     def check_sizes(
         self,
@@ -272,15 +605,31 @@ class EngineConfig:
     cache: CacheConfig
     scheduler: SchedulerConfig
     parallel: ParallelConfig
-    device: str = "cpu"
-    moe_backend: str = "auto"  # auto | torch | triton | reference
+    device: Literal["cpu", "cuda"] = option(
+        "cpu", arg_default="auto", help="where the engines run (auto: cuda when available)"
+    )
+    moe_backend: Literal["auto", "torch", "triton", "reference"] = option(
+        "auto", help="the MoE experts' kernels (auto: triton on CUDA, else torch)"
+    )
     frontend: FrontendConfig = field(default_factory=FrontendConfig)
-    # CPU: which path serves each op (tidal/kernels/select.py): "auto" measures them at
-    # load; native | onednn | torch forces one. Not in the config hash: every path gives
-    # the same tokens, and ranks may differ (their CPUs may).
-    cpu_kernels: str = "auto"
-    # Where the measured choices are cached (one file per CPU and setup); None: not cached.
-    kernel_cache_dir: str | None = None
+    # CPU: which path serves each op (tidal/kernels/select.py, whose ``MODES`` these are).
+    # Not in the config hash: every path gives the same tokens, and ranks may differ
+    # (their CPUs may).
+    cpu_kernels: Literal["auto", "native", "onednn", "torch"] = option(
+        "auto",
+        help="the CPU path of every op (auto: each op's paths are timed at load on the "
+        "model's shapes, the fastest kept, the timings cached); the others force one: "
+        "native = the C++ kernels, onednn = oneDNN prepacked, torch = plain torch",
+    )
+    # Resolved: None is no cache (the user's None is the default folder, "" none).
+    kernel_cache_dir: str | None = option(
+        None,
+        help="where the measured CPU kernel choices are cached (default: "
+        "$XDG_CACHE_HOME/tidal/kernels; '' for none)",
+    )
+
+    def __post_init__(self) -> None:
+        check_options(self)
 
     def with_parallel(self, **changes: Any) -> EngineConfig:
         return dataclasses.replace(self, parallel=dataclasses.replace(self.parallel, **changes))
@@ -302,6 +651,13 @@ class EngineConfig:
                 "moe_backend": self.moe_backend,
             }
         )
+
+
+def engine_options() -> list[OptionSpec]:
+    """Every engine option (``EngineArgs``' fields, the engine ``--flags``), in the order
+    ``--help`` lists them."""
+    classes = (ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig, EngineConfig)
+    return [s for cls in (*classes, FrontendConfig) for s in option_specs(cls)]
 
 
 def _digest(d: dict[str, Any]) -> str:

@@ -687,7 +687,7 @@ def test_frontend_limits_are_flags(qwen3_ckpt, capsys):
     assert EngineArgs(model=qwen3_ckpt).create_engine_config().frontend == FrontendConfig()
     with pytest.raises(SystemExit):
         build_engine_config(parser, parser.parse_args(["--model", qwen3_ckpt, "--max-n", "0"]))
-    assert "--max-n: max_n must be >= 1, got 0" in capsys.readouterr().err
+    assert "--max-n: max_n must be an integer >= 1, got 0" in capsys.readouterr().err
 
 
 def test_default_frontend_config_is_what_a_bare_engine_config_gets():

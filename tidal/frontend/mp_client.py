@@ -31,7 +31,7 @@ import zmq
 import zmq.asyncio
 from zmq.auth.thread import ThreadAuthenticator
 
-from tidal.config import EngineConfig, ParallelConfig
+from tidal.config import EngineConfig
 from tidal.distributed.ports import get_open_port
 from tidal.distributed.zmq_auth import (
     curve_keys,
@@ -203,7 +203,7 @@ class MPClient(EngineCoreClient):
                 output_address=self.output_address,
                 handshake_address=self.addresses.handshake,
                 coordinator_addresses=coord_addrs,
-                local_engines=self._launcher_engines(par),
+                local_engines=launcher.launch_ranks(self._launch_topology.engine_ids),
                 curve=self._curve,
                 launcher=launcher,
             )
@@ -218,12 +218,6 @@ class MPClient(EngineCoreClient):
         self._resources = _MPResources.of(self)
         self._finalizer = weakref.finalize(self, self._resources.close)
         self.manager.start_monitor(_weak_callback(self._on_engine_exit))
-
-    def _launcher_engines(self, par: ParallelConfig) -> list[int]:
-        """The launch ranks this frontend starts: all of them on Ray, else the first
-        ``--data-parallel-size-local`` (the others: headless hosts)."""
-        ids = self._launch_topology.engine_ids
-        return ids if par.data_parallel_backend == "ray" else ids[: par.data_parallel_size_local]
 
     @property
     def topology(self) -> Topology:

@@ -17,16 +17,31 @@ import sys
 from tidal.launch.scale_cli import scale_main
 
 
-def _generate_cmd(argv: list[str]) -> int:
-    from tidal.launch.args import add_engine_args, build_engine_config, engine_args_from
-    from tidal.launch.llm import LLM
-    from tidal.sampling_params import SamplingParams
+def make_generate_parser() -> argparse.ArgumentParser:
+    from tidal.launch.args import add_engine_args
 
     p = argparse.ArgumentParser(prog="tidal generate", description="offline generation")
     p.add_argument("--prompt", action="append", help="prompt text (repeatable)")
-    p.add_argument("--max-tokens", dest="gen_max_tokens", type=int, default=32)
-    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument(
+        "--max-tokens",
+        dest="gen_max_tokens",
+        type=int,
+        default=32,
+        help="tokens to generate per prompt (default: %(default)s)",
+    )
+    p.add_argument(
+        "--temperature", type=float, default=0.0, help="sampling temperature (default: greedy)"
+    )
     add_engine_args(p)
+    return p
+
+
+def _generate_cmd(argv: list[str]) -> int:
+    from tidal.launch.args import build_engine_config, engine_args_from
+    from tidal.launch.llm import LLM
+    from tidal.sampling_params import SamplingParams
+
+    p = make_generate_parser()
     ns = p.parse_args(argv)
     build_engine_config(p, ns)  # validate flags before loading anything
     prompts = ns.prompt or ["The tide comes in", "Mixture of experts", "Hello"]

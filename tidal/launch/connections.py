@@ -21,13 +21,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
 
 import h11
+from msgspec import Meta
 from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from tidal.config import check_options, option
 
 logger = logging.getLogger(__name__)
 
@@ -39,12 +41,35 @@ ABORT_CONNECTION = "tidal.abort_connection"
 
 @dataclass(frozen=True)
 class ServerLimits:
-    """What one HTTP client may hold (the ``launch`` flags of the same names)."""
+    """What one HTTP client may hold: ``launch`` flags generated from these declarations
+    (tidal/config.py's ``option``), each range checked when it is made."""
 
-    max_connections: int = 1024
-    header_timeout_s: float = 30.0
-    body_timeout_s: float = 60.0
-    max_stream_backlog: int = 256
+    # ``launch``'s default (None) is half the open-file limit (``spawn._server_limits``).
+    max_connections: Annotated[int, Meta(ge=1)] = option(
+        1024,
+        arg_default=None,
+        help="most open HTTP connections; one past it is answered 503 and closed before "
+        "its request is read (default: half the open-file limit, at most 4096, so "
+        "clients can never take the descriptors engines and recovery need)",
+    )
+    header_timeout_s: Annotated[float, Meta(gt=0)] = option(
+        30.0,
+        arg="http_header_timeout",
+        help="seconds a connection's request line and headers may take; else 408 and the "
+        "connection is closed",
+    )
+    body_timeout_s: Annotated[float, Meta(gt=0)] = option(
+        60.0,
+        arg="http_body_timeout",
+        help="seconds a request body may take after its headers; else 408 and the "
+        "connection is closed",
+    )
+    max_stream_backlog: Annotated[int, Meta(ge=1)] = option(
+        256,
+        help="outputs a streaming response may have queued, per engine request, for a "
+        "client that does not read them; past it the request is aborted in the engine "
+        "and the connection dropped",
+    )
 
     @property
     def accept_backlog(self) -> int:
@@ -54,14 +79,8 @@ class ServerLimits:
         return max(16, min(2048, self.max_connections // 4))
 
     def __post_init__(self) -> None:
-        # Each message starts with the field's name: the CLI names the flag from it.
-        for name in ("max_connections", "max_stream_backlog"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {getattr(self, name)}")
-        for name in ("header_timeout_s", "body_timeout_s"):
-            value = getattr(self, name)
-            if not (value > 0 and math.isfinite(value)):  # NaN, inf: no limit at all
-                raise ValueError(f"{name} must be > 0 and finite, got {value}")
+        # Each message starts with the option's name (NaN and inf are no limit at all).
+        check_options(self)
 
 
 def _raw_response(status: int, reason: str, message: str) -> bytes:

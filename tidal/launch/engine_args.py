@@ -1,5 +1,7 @@
-"""``EngineArgs``: the user's arguments (``launch``/``tidal`` flags, ``LLM(**kwargs)``) and
-the one place that validates them and resolves them into the frozen ``EngineConfig``.
+"""``EngineArgs``: the user's arguments (``launch``/``tidal`` flags, ``LLM(**kwargs)``),
+generated from the option declarations of ``tidal.config`` (docs/contributing.md#options),
+and the one place that validates them (the declared ranges and choices, then the rules
+across fields and against the checkpoint) and resolves them into the frozen ``EngineConfig``.
 
 Why here, in ``tidal.launch``, and not beside the config dataclasses in ``tidal.config``:
 resolving arguments reads the checkpoint (transformers' AutoConfig), asks the model registry
@@ -16,11 +18,10 @@ turn them into ``--flag: ...`` CLI errors and the HTTP server can show them unch
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
-import math
 import os
 import secrets
+import typing
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,26 +36,23 @@ from tidal.config import (
     ParallelConfig,
     SchedulerConfig,
     as_id_list,
+    check_options,
+    engine_options,
+    option_specs,
 )
 from tidal.distributed.core_slots import host_cores, parse_affinity, plan_groups
-from tidal.kernels.select import MODES as CPU_KERNEL_MODES
+from tidal.frontend.launchers.registry import check_launcher_args
 from tidal.models.common import check_tensor_parallel
 from tidal.models.registry import get_model_class, resolve_architecture
 from tidal.models.tiny import default_model_path
-from tidal.protocol.messages import ENGINE_STALL_TIMEOUT_S
 from tidal.sampling_params import SamplingParams
 from tidal.utils.secret_env import AUTH_KEY_ENV
 
-_DTYPES = ("auto", "float32", "float16", "bfloat16")
+# What "auto" resolves to (the checkpoint's dtype when it is one of these).
+_DTYPES = typing.get_args(typing.get_type_hints(ModelConfig)["dtype"])
 # The DP control plane's shared secret (tidal/distributed/zmq_auth.py): the least length
 # worth calling a secret (AUTH_KEY_ENV: where the CLI reads it).
 MIN_AUTH_KEY_LEN = 16
-ALL2ALL_BACKENDS = (
-    "allgather_reducescatter",
-    "all2all",
-    "deepep_high_throughput",
-    "deepep_low_latency",
-)
 
 
 def _read_generation_config(folder: str) -> dict[str, Any]:
@@ -92,67 +90,31 @@ def sampling_defaults(generation_config: dict[str, Any], source: str) -> tuple:
     return tuple(sorted(out.items()))
 
 
-@dataclass
-class EngineArgs:
-    """User-facing arguments (CLI flags and ``LLM(**kwargs)``); ``create_engine_config``
-    turns them into the frozen config and is the one place that validates them."""
+# One field per option the config dataclasses declare (tidal/config.py), under its
+# user-facing name, type and default; the declaration (help, range) rides along.
+_EngineArgsFields = dataclasses.make_dataclass(
+    "_EngineArgsFields",
+    [
+        (
+            spec.name,
+            spec.arg_hint,
+            field(default=spec.default, repr=spec.field.repr, metadata=spec.field.metadata),
+        )
+        for spec in engine_options()
+    ],
+)
 
-    model: str | None = None
-    tokenizer: str | None = None
-    # auto: the model folder's generation_config.json | none | a folder holding one.
-    generation_config: str = "auto"
-    dtype: str = "auto"
-    seed: int = 0
-    max_model_len: int | None = None
-    block_size: int = 16
-    kv_cache_memory_bytes: int = 512 * 1024 * 1024
-    num_gpu_blocks_override: int | None = None
-    enable_prefix_caching: bool = True
-    max_num_batched_tokens: int | None = None
-    max_num_seqs: int = 128
-    enable_chunked_prefill: bool = True
-    data_parallel_size: int = 1
-    data_parallel_rank: int = 0
-    data_parallel_size_local: int | None = None
-    data_parallel_start_rank: int = 0
-    data_parallel_address: str = "127.0.0.1"
-    data_parallel_rpc_port: int = 0
-    data_parallel_master_port: int = 0
-    tensor_parallel_size: int = 1
-    enable_expert_parallel: bool = False
-    enable_elastic_ep: bool = False
-    elastic_restore: bool = False
-    rank_recovery: bool = True
-    engine_stall_timeout: float = ENGINE_STALL_TIMEOUT_S
-    all2all_backend: str = "allgather_reducescatter"
-    enable_eplb: bool = False
-    num_redundant_experts: int = 0
-    eplb_window: int = 1000
-    eplb_interval: int = 3000
-    dp_lb_policy: str = "tidal"
-    # The CLI fills it from TIDAL_DP_AUTH_KEY when the flag is not given.
-    data_parallel_auth_key: str | None = field(default=None, repr=False)
-    data_parallel_backend: str = "mp"
-    ray_address: str | None = None
-    ray_placement_timeout_s: float = 30.0
-    ray_warm_ranks: int = 0
-    ray_cpus_per_rank: int = 1
-    device: str = "auto"
-    moe_backend: str = "auto"
-    cpu_kernels: str = "auto"
-    cpu_affinity: str = "auto"
-    # None: $XDG_CACHE_HOME/tidal/kernels (~/.cache/tidal/kernels); "": no cache.
-    kernel_cache_dir: str | None = None
-    # FrontendConfig (request limits)
-    max_n: int = 128
-    max_prompts_per_request: int = 256
-    max_logprobs: int = 20
-    max_choices_per_request: int = 1024
-    max_stop_strings: int = 64
-    max_stop_string_length: int = 1024
-    max_stop_token_ids: int = 1024
-    max_request_body_bytes: int = 8 * 1024 * 1024
-    trust_request_chat_template: bool = False
+
+@dataclass
+class EngineArgs(_EngineArgsFields):
+    """User-facing arguments (CLI flags and ``LLM(**kwargs)``): every option of the config
+    dataclasses, flat. ``create_engine_config`` turns them into the frozen config and is
+    the one place that validates them (the declared ranges, then the rules across
+    fields and against the checkpoint)."""
+
+    def _same(self, cls: type) -> dict[str, Any]:
+        """``cls``'s options, from the same-named arguments."""
+        return {spec.field.name: getattr(self, spec.name) for spec in option_specs(cls)}
 
     def _sampling_defaults(self, model: str, model_generation: dict[str, Any]) -> tuple:
         """``model_generation``: the model folder's generation_config.json, already read."""
@@ -169,6 +131,7 @@ class EngineArgs:
         return sampling_defaults(_read_generation_config(choice), choice)
 
     def create_engine_config(self) -> EngineConfig:
+        check_options(self)  # every declared range and choice, before anything is read
         model = self.model or default_model_path()
         if not os.path.isdir(model):
             raise ValueError(
@@ -179,18 +142,18 @@ class EngineArgs:
         except Exception as e:  # noqa: BLE001 - reported with the flag name
             raise ValueError(f"model: cannot read config.json in {model!r}: {e}") from e
         arch = resolve_architecture(hf_config)  # raises ValueError naming the architecture
-        dtype = _resolve_dtype(self.dtype, hf_config)
         generation = _read_generation_config(model)
         model_cfg = ModelConfig(
             model=model,
             tokenizer=self.tokenizer or model,
-            dtype=dtype,
+            dtype=_resolve_dtype(self.dtype, hf_config),
             max_model_len=_resolve_max_model_len(self.max_model_len, hf_config),
             seed=self.seed,
             architecture=arch,
             hf_config=hf_config,
             generation_eos_token_ids=tuple(as_id_list(generation.get("eos_token_id"))),
             sampling_defaults=self._sampling_defaults(model, generation),
+            generation_config=self.generation_config,
         )
         parallel = self._parallel_config(hf_config, arch)
         device = _resolve_device(self.device)
@@ -202,95 +165,51 @@ class EngineArgs:
                 parallel.tensor_parallel_size,
             )
         return EngineConfig(
+            **{
+                **self._same(EngineConfig),
+                "device": device,
+                "kernel_cache_dir": _resolve_kernel_cache_dir(self.kernel_cache_dir),
+            },
             model=model_cfg,
-            cache=self._cache_config(),
+            cache=CacheConfig(**self._same(CacheConfig)),
             scheduler=self._scheduler_config(model_cfg.max_model_len),
             parallel=parallel,
-            device=device,
-            moe_backend=_check_choice(
-                "moe_backend", self.moe_backend, ("auto", "torch", "triton", "reference")
-            ),
-            frontend=self._frontend_config(),
-            cpu_kernels=_check_choice("cpu_kernels", self.cpu_kernels, CPU_KERNEL_MODES),
-            kernel_cache_dir=_resolve_kernel_cache_dir(self.kernel_cache_dir),
-        )
-
-    def _frontend_config(self) -> FrontendConfig:
-        # Same-named fields copy over; every limit is a count or a size, so at least 1.
-        same = {f.name: getattr(self, f.name) for f in dataclasses.fields(FrontendConfig)}
-        for name, value in same.items():
-            if isinstance(value, int) and not isinstance(value, bool) and value < 1:
-                raise ValueError(f"{name} must be >= 1, got {value}")
-        return FrontendConfig(**same)
-
-    def _cache_config(self) -> CacheConfig:
-        if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
-            raise ValueError(
-                f"block_size must be a power of two in [1, 128], got {self.block_size}"
-            )
-        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
-            raise ValueError(
-                f"num_gpu_blocks_override must be >= 1, got {self.num_gpu_blocks_override}"
-            )
-        if self.kv_cache_memory_bytes <= 0:
-            raise ValueError(f"kv_cache_memory_bytes must be > 0, got {self.kv_cache_memory_bytes}")
-        return CacheConfig(
-            block_size=self.block_size,
-            kv_cache_memory_bytes=self.kv_cache_memory_bytes,
-            num_blocks=self.num_gpu_blocks_override,
-            enable_prefix_caching=self.enable_prefix_caching,
+            frontend=FrontendConfig(**self._same(FrontendConfig)),
         )
 
     def _scheduler_config(self, max_model_len: int) -> SchedulerConfig:
-        if self.max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         budget = self.max_num_batched_tokens
         if budget is None:
             budget = 2048 if self.enable_chunked_prefill else max(2048, max_model_len)
-        if budget < 1:
-            raise ValueError(f"max_num_batched_tokens must be >= 1, got {budget}")
         if not self.enable_chunked_prefill and budget < max_model_len:
             raise ValueError(
                 f"max_num_batched_tokens ({budget}) must be >= max_model_len ({max_model_len}) "
                 "when chunked prefill is disabled"
             )
         return SchedulerConfig(
-            max_num_batched_tokens=budget,
-            max_num_seqs=self.max_num_seqs,
-            max_model_len=max_model_len,
-            enable_chunked_prefill=self.enable_chunked_prefill,
+            **{
+                **self._same(SchedulerConfig),
+                "max_num_batched_tokens": budget,
+                "max_model_len": max_model_len,
+            }
         )
 
     def _parallel_config(self, hf_config: Any, arch: str) -> ParallelConfig:
         dp = self.data_parallel_size
-        if dp < 1:
-            raise ValueError(f"data_parallel_size must be >= 1, got {dp}")
         self._check_tensor_parallel(hf_config, arch)
         if not 0 <= self.data_parallel_rank < dp:
             raise ValueError(
                 f"data_parallel_rank must be in [0, {dp}), got {self.data_parallel_rank}"
             )
-        _check_choice("all2all_backend", self.all2all_backend, ALL2ALL_BACKENDS)
-        if self.num_redundant_experts < 0:
-            raise ValueError(
-                f"num_redundant_experts must be >= 0, got {self.num_redundant_experts}"
-            )
         if self.elastic_restore and not self.enable_elastic_ep:
             raise ValueError("elastic_restore requires enable_elastic_ep")
-        stall = self.engine_stall_timeout
-        if not isinstance(stall, int | float) or not math.isfinite(stall) or stall < 0:
-            raise ValueError(
-                f"engine_stall_timeout must be a finite number of seconds >= 0 (0: off), "
-                f"got {stall!r}"
-            )
         if self.enable_eplb and not self.enable_expert_parallel:
             raise ValueError("enable_eplb requires enable_expert_parallel")
         local = self.data_parallel_size_local if self.data_parallel_size_local is not None else dp
-        _check_choice("dp_lb_policy", self.dp_lb_policy, ("tidal", "vllm", "tidal-p2c"))
         key = self.data_parallel_auth_key
-        if self._check_backend():
-            # Ray places every rank, none beside the frontend: the control plane is TCP,
-            # and the frontend, which starts every rank, may make the shared secret itself.
+        if check_launcher_args(self).starts_all_ranks:
+            # None beside the frontend: the control plane is TCP, and the frontend, which
+            # starts every rank, may make the shared secret itself.
             local = 0
             key = key if key is not None else secrets.token_urlsafe(32)
         elif local < dp and key is None:
@@ -305,58 +224,15 @@ class EngineArgs:
                 f"data_parallel_auth_key must be at least {MIN_AUTH_KEY_LEN} characters (use "
                 "a random one: python -c 'import secrets; print(secrets.token_urlsafe(32))')"
             )
-        # Same-named fields copy over; only the local size needs resolving (device_ids
-        # and cpu_cores are the launcher's to assign, per rank).
-        same = {
-            f.name: getattr(self, f.name)
-            for f in dataclasses.fields(ParallelConfig)
-            if f.name not in ("device_ids", "cpu_cores")
-        }
         parse_affinity(self.cpu_affinity)  # ValueError naming the flag
+        # device_ids and cpu_cores are the launcher's to assign, per rank.
         return ParallelConfig(
-            **{**same, "data_parallel_size_local": local, "data_parallel_auth_key": key}
-        )
-
-    def _check_backend(self) -> bool:
-        """Whether ranks run on Ray (``data_parallel_backend``), with its flags checked.
-        Ray is looked for, never imported: only the Ray launcher imports it."""
-        _check_choice("data_parallel_backend", self.data_parallel_backend, ("mp", "ray"))
-        if self.data_parallel_backend == "mp":
-            for name, value, default in (
-                ("ray_address", self.ray_address, None),
-                ("ray_warm_ranks", self.ray_warm_ranks, 0),
-                ("ray_cpus_per_rank", self.ray_cpus_per_rank, 1),
-            ):
-                if value != default:
-                    raise ValueError(f"{name} needs data_parallel_backend ray")
-            return False
-        if importlib.util.find_spec("ray") is None:
-            raise ValueError(
-                "data_parallel_backend ray needs Ray, which is not installed: "
-                "pip install 'tidal[ray]'"
-            )
-        if self.data_parallel_size_local is not None or self.data_parallel_start_rank:
-            raise ValueError(
-                "data_parallel_backend ray places every rank itself: drop "
-                "--data-parallel-size-local / --data-parallel-start-rank (those are for "
-                "--headless hosts of the mp backend)"
-            )
-        if not self.ray_placement_timeout_s > 0:
-            raise ValueError(
-                f"ray_placement_timeout_s must be > 0, got {self.ray_placement_timeout_s}"
-            )
-        if self.ray_cpus_per_rank < 1:
-            raise ValueError(f"ray_cpus_per_rank must be >= 1, got {self.ray_cpus_per_rank}")
-        if self.ray_warm_ranks < 0:
-            raise ValueError(f"ray_warm_ranks must be >= 0, got {self.ray_warm_ranks}")
-        if self.ray_warm_ranks and not self.enable_elastic_ep:
-            raise ValueError("ray_warm_ranks needs enable_elastic_ep (they serve scale-ups)")
-        return True
+            **{**self._same(ParallelConfig), "data_parallel_size_local": local,
+               "data_parallel_auth_key": key}
+        )  # fmt: skip
 
     def _check_tensor_parallel(self, hf_config: Any, arch: str) -> None:
         tp = self.tensor_parallel_size
-        if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
-            raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {tp!r}")
         spec = get_model_class(arch).spec_from_config(hf_config)
         try:
             check_tensor_parallel(spec, tp, self.enable_expert_parallel)
@@ -371,14 +247,7 @@ class EngineArgs:
             )
 
 
-def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> str:
-    if value not in choices:
-        raise ValueError(f"{name} must be one of {', '.join(choices)}; got {value!r}")
-    return value
-
-
 def _resolve_dtype(dtype: str, hf_config: Any) -> str:
-    _check_choice("dtype", dtype, _DTYPES)
     if dtype != "auto":
         return dtype
     ckpt = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
@@ -390,8 +259,6 @@ def _resolve_max_model_len(requested: int | None, hf_config: Any) -> int:
     limit = int(getattr(hf_config, "max_position_embeddings", 2048))
     if requested is None:
         return limit
-    if requested < 1:
-        raise ValueError(f"max_model_len must be >= 1, got {requested}")
     if requested > limit:
         raise ValueError(
             f"max_model_len ({requested}) exceeds the model's max_position_embeddings ({limit})"
@@ -409,7 +276,6 @@ def _resolve_kernel_cache_dir(path: str | None) -> str | None:
 
 
 def _resolve_device(device: str) -> str:
-    _check_choice("device", device, ("auto", "cpu", "cuda"))
     if device != "auto":
         return device
     return "cuda" if torch.cuda.is_available() else "cpu"

@@ -16,13 +16,14 @@ import signal
 import sys
 import threading
 
-from tidal.config import EngineConfig
+from tidal.config import EngineConfig, option_specs
 from tidal.frontend.async_llm import AsyncLLM
 from tidal.frontend.launchers.base import LauncherUnavailable
 from tidal.frontend.launchers.mp import spawn_headless_engines
+from tidal.frontend.launchers.registry import launcher_kind
 from tidal.launch.api_key import add_api_key_arg, resolve_api_key
 from tidal.launch.api_server import bind_socket, run_server
-from tidal.launch.args import add_engine_args, build_engine_config
+from tidal.launch.args import add_engine_args, add_option_args, build_engine_config, flag_of
 from tidal.launch.connections import ServerLimits
 from tidal.utils.secret_env import SECRET_ENV_VARS
 
@@ -54,8 +55,13 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--served-model-name", default=None, help="model name clients use (default: the path)"
     )
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    _add_http_limit_args(p)
+    p.add_argument(
+        "--log-level",
+        default="info",
+        choices=["debug", "info", "warning", "error"],
+        help="server log level (default: %(default)s)",
+    )
+    add_option_args(p, option_specs(ServerLimits))
     p.add_argument(
         "--headless",
         action="store_true",
@@ -79,67 +85,16 @@ def _default_max_connections() -> int:
     return 4096 if limit is None else max(1, min(4096, limit // 2))
 
 
-def _add_http_limit_args(p: argparse.ArgumentParser) -> None:
-    d = ServerLimits()
-    p.add_argument(
-        "--max-connections",
-        type=int,
-        default=None,
-        metavar="N",
-        help="most open HTTP connections; one past it is answered 503 and closed before "
-        "its request is read (default: half the open-file limit, at most 4096, so "
-        "clients can never take the descriptors engines and recovery need)",
-    )
-    p.add_argument(
-        "--http-header-timeout",
-        type=float,
-        default=d.header_timeout_s,
-        metavar="SECONDS",
-        help="a connection's request line and headers must arrive within this; else 408 "
-        f"and the connection is closed (default {d.header_timeout_s:g})",
-    )
-    p.add_argument(
-        "--http-body-timeout",
-        type=float,
-        default=d.body_timeout_s,
-        metavar="SECONDS",
-        help="a request body must arrive within this after its headers; else 408 and the "
-        f"connection is closed (default {d.body_timeout_s:g})",
-    )
-    p.add_argument(
-        "--max-stream-backlog",
-        type=int,
-        default=d.max_stream_backlog,
-        metavar="N",
-        help="outputs a streaming response may have queued, per engine request, for a "
-        "client that does not read them; past it the request is aborted in the engine and "
-        f"the connection dropped (default {d.max_stream_backlog})",
-    )
-
-
-# ServerLimits field -> its flag (the ranges are ServerLimits' own checks).
-_LIMIT_FLAGS = {
-    "max_connections": "--max-connections",
-    "header_timeout_s": "--http-header-timeout",
-    "body_timeout_s": "--http-body-timeout",
-    "max_stream_backlog": "--max-stream-backlog",
-}
-
-
 def _server_limits(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> ServerLimits:
     """The HTTP limits, or a usage error naming the flag."""
     max_connections = (
         _default_max_connections() if ns.max_connections is None else ns.max_connections
     )
+    values = {spec.field.name: getattr(ns, spec.name) for spec in option_specs(ServerLimits)}
     try:
-        limits = ServerLimits(
-            max_connections=max_connections,
-            header_timeout_s=ns.http_header_timeout,
-            body_timeout_s=ns.http_body_timeout,
-            max_stream_backlog=ns.max_stream_backlog,
-        )
-    except ValueError as e:
-        parser.error(f"{_LIMIT_FLAGS[str(e).split(' ', 1)[0]]}: {e}")
+        limits = ServerLimits(**{**values, "max_connections": max_connections})
+    except ValueError as e:  # it starts with the option's name
+        parser.error(f"{flag_of(str(e).split(' ', 1)[0])}: {e}")
     limit = _open_file_limit()
     if limit is not None and max_connections >= limit:
         parser.error(
@@ -153,13 +108,11 @@ def _check_multi_node(
     parser: argparse.ArgumentParser, ns: argparse.Namespace, config: EngineConfig
 ) -> None:
     par = config.parallel
-    if par.data_parallel_backend == "ray":
-        if ns.headless:
-            parser.error(
-                "--headless: not with --data-parallel-backend ray (Ray starts the ranks on "
-                "its nodes; run `ray start --address ...` on the other hosts instead)"
-            )
-        return  # Ray places the ranks; the frontend picks its own ports
+    kind = launcher_kind(par.data_parallel_backend)
+    if ns.headless and kind.headless_error is not None:
+        parser.error(f"--headless: {kind.headless_error}")
+    if kind.starts_all_ranks:
+        return  # the launcher places the ranks; the frontend picks its own ports
     remote = ns.headless or par.data_parallel_size_local < par.data_parallel_size
     if remote and not ns.data_parallel_rpc_port:
         parser.error(

@@ -40,12 +40,6 @@ class EngineCoreRequestType(enum.Enum):
 HEARTBEAT_INTERVAL_S = 0.5
 HEARTBEAT_TIMEOUT_S = 3.0
 FRONTEND_TIMEOUT_S = 10.0
-# The step-progress watchdog's default (``--engine-stall-timeout``): a busy loop inside one
-# iteration this long, not waiting on its peers, is stuck (docs/architecture.md#faults). A step is at
-# most ``max_num_batched_tokens`` (2048) tokens: a few seconds on CPU; a GPU's first steps
-# also compile Triton kernels (tens of seconds on a slow host). Two minutes clears both
-# with room, and still turns a hang that would last forever into a recovery.
-ENGINE_STALL_TIMEOUT_S = 120.0
 
 
 @enum.unique

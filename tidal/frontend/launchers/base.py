@@ -16,9 +16,12 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING, ClassVar, Protocol
 
 from tidal.config import EngineConfig
+
+if TYPE_CHECKING:
+    from tidal.frontend.launchers.registry import LauncherKind
 
 
 class EngineHandle(Protocol):
@@ -72,8 +75,8 @@ class Launcher(ABC):
     at a time); ``node_of`` from any thread; ``close`` once, after every handle it returned
     was stopped and closed."""
 
-    #: ``--data-parallel-backend`` value of this launcher.
-    backend: str
+    #: Its ``--data-parallel-backend`` value and what that can do.
+    kind: ClassVar[LauncherKind]
     #: What ranks are started with (``with_config``).
     config: EngineConfig
 
@@ -82,6 +85,14 @@ class Launcher(ABC):
         addresses and ports the frontend chose after making the launcher."""
         self.config = config
         return self
+
+    def launch_ranks(self, engine_ids: Sequence[int]) -> list[int]:
+        """Which of the launch ranks ``engine_ids`` this frontend starts: all of them where
+        the launcher places every rank, else this host's share, the first
+        ``--data-parallel-size-local`` (``--headless`` hosts start the others)."""
+        if self.kind.starts_all_ranks:
+            return list(engine_ids)
+        return list(engine_ids[: self.config.parallel.data_parallel_size_local])
 
     @abstractmethod
     def start(

@@ -43,6 +43,7 @@ from tidal.engine_core.entry import (
     start_engine_zygote,
 )
 from tidal.frontend.launchers.base import EngineHandle, Launcher, LaunchError
+from tidal.frontend.launchers.registry import KINDS
 from tidal.utils.forkserver import ForkedProcess, ForkServer
 from tidal.utils.procs import ModuleProcess
 
@@ -61,7 +62,7 @@ WARM_SPAWN_TIMEOUT_S = 10.0
 
 
 class MPLauncher(Launcher):
-    backend = "mp"
+    kind = KINDS["mp"]
 
     def __init__(self, config: EngineConfig, entry_module: str | None = None) -> None:
         self.config = config

@@ -75,6 +75,7 @@ from tidal.frontend.launchers.base import (
     PlacementError,
 )
 from tidal.frontend.launchers.ray_actor import EngineActor
+from tidal.frontend.launchers.registry import KINDS
 
 logger = logging.getLogger(__name__)
 
@@ -201,7 +202,7 @@ def _remove_group(pg: PlacementGroup) -> None:
 
 
 class RayLauncher(Launcher):
-    backend = "ray"
+    kind = KINDS["ray"]
 
     def __init__(self, config: EngineConfig, entry_module: str | None = None) -> None:
         self.config = config
