@@ -57,11 +57,20 @@ def option(
     aliases: tuple[str, ...] = (),
     arg_default: Any = SAME,
     repr: bool = True,  # noqa: A002 - dataclasses' word for it
+    in_hash: bool = True,
 ) -> Any:
-    """A config field that is a user option (a flag and an ``EngineArgs`` field)."""
-    return field(
-        default=default, repr=repr, metadata={"option": Option(help, arg, aliases, arg_default)}
-    )
+    """A config field that is a user option (a flag and an ``EngineArgs`` field).
+    ``in_hash=False``: left out of ``config_hash`` (see ``NOT_HASHED``)."""
+    metadata: dict[str, Any] = {"option": Option(help, arg, aliases, arg_default)}
+    if not in_hash:
+        metadata.update(NOT_HASHED)
+    return field(default=default, repr=repr, metadata=metadata)
+
+
+# Field metadata: the ranks need not agree on this field (it differs per rank or host, or
+# is the frontend's alone), so ``config_hash``, which the startup handshake compares,
+# leaves it out.
+NOT_HASHED = {"in_hash": False}
 
 
 @dataclass(frozen=True)
@@ -302,17 +311,27 @@ class SchedulerConfig:
 @dataclass(frozen=True)
 class ParallelConfig:
     data_parallel_size: Annotated[int, Meta(ge=1)] = option(
-        1, aliases=("--dp",), help="number of data-parallel engine ranks"
+        1,
+        aliases=("--dp",),
+        help="number of data-parallel engine ranks",
+        in_hash=False,
     )
     data_parallel_rank: Annotated[int, Meta(ge=0)] = option(
-        0, help="this process's rank (set per spawned engine; rarely by hand)"
+        0,
+        help="this process's rank (set per spawned engine; rarely by hand)",
+        in_hash=False,
     )
     # 0 where the launcher places every rank itself (Ray).
     data_parallel_size_local: Annotated[int, Meta(ge=0)] = option(
-        1, arg_default=None, help="ranks started on this host (default: all of them)"
+        1,
+        arg_default=None,
+        help="ranks started on this host (default: all of them)",
+        in_hash=False,
     )
     data_parallel_start_rank: Annotated[int, Meta(ge=0)] = option(
-        0, help="first rank started on this host (with --headless)"
+        0,
+        help="first rank started on this host (with --headless)",
+        in_hash=False,
     )
     data_parallel_address: str = option(
         "127.0.0.1", help="host the frontend and rank 0's groups listen on"
@@ -323,7 +342,9 @@ class ParallelConfig:
     # TCPStore port (on data_parallel_address, hosted by rank 0) for the DP/EP groups;
     # chosen by the launcher when 0.
     data_parallel_master_port: Annotated[int, Meta(ge=0, le=65535)] = option(
-        0, help="TCPStore port of the DP/EP process groups (0: pick)"
+        0,
+        help="TCPStore port of the DP/EP process groups (0: pick)",
+        in_hash=False,
     )
     # Workers per DP rank (docs/architecture.md#tensor-parallel): the rank's engine core drives this many worker
     # processes, each holding a shard of the model.
@@ -336,17 +357,18 @@ class ParallelConfig:
     )
     # This rank's device slots on its host (CUDA; one per TP worker), handed out by the
     # launcher (tidal/distributed/device_slots.py); () on CPU or when nothing assigned.
-    device_ids: tuple[int, ...] = ()
+    device_ids: tuple[int, ...] = field(default=(), metadata=NOT_HASHED)
     # CPU: whether ranks are pinned to core groups (``tidal/distributed/core_slots.py``
-    # parses it), and this rank's group, the launcher's to assign per rank like
-    # ``device_ids`` (empty: not pinned).
+    # parses it; per host: how its cores are shared), and this rank's group, the
+    # launcher's to assign per rank like ``device_ids`` (empty: not pinned).
     cpu_affinity: str = option(
         "auto",
         help="auto | off | explicit groups, one per local rank (0-7|8-15): pin each CPU "
         "rank's threads to its own group of cores, shared by its TP workers (auto: where "
         "the host runs several ranks, with at least a core for each of their workers)",
+        in_hash=False,
     )
-    cpu_cores: tuple[int, ...] = ()
+    cpu_cores: tuple[int, ...] = field(default=(), metadata=NOT_HASHED)
     enable_expert_parallel: bool = option(
         False,
         aliases=("--ep",),
@@ -361,11 +383,13 @@ class ParallelConfig:
         "runs the DP coordinator and wave loop even with one rank",
     )
     # Elastic EP, after a rank death (docs/architecture.md#faults): the recovery removes the dead rank;
-    # with this, a scale-up then brings the deployment back to the size it had.
+    # with this, a scale-up then brings the deployment back to the size it had. The
+    # frontend's policy, not the ranks'.
     elastic_restore: bool = option(
         False,
         help="elastic EP: after a rank died and the deployment recovered without it, scale "
         "back up to the size it had (a new rank, by the normal scale-up path)",
+        in_hash=False,
     )
     # A data-parallel deployment survives the loss of ranks (docs/architecture.md#faults), with or
     # without elastic EP: the dead ranks are removed by a recovery operation and their
@@ -381,11 +405,13 @@ class ParallelConfig:
     # long, not waiting on its peers, is stuck, and its rank is killed and recovered from.
     # A step is at most ``max_num_batched_tokens`` (2048) tokens: a few seconds on CPU; a
     # GPU's first steps also compile Triton kernels (tens of seconds on a slow host). Two
-    # minutes clears both with room, and still turns a hang into a recovery.
+    # minutes clears both with room, and still turns a hang into a recovery. The
+    # frontend's watchdog, not the ranks'.
     engine_stall_timeout: Annotated[float, Meta(ge=0)] = option(
         120.0,
         help="seconds a rank's busy loop may stay inside one step (not waiting on its "
         "peers) before it counts as stuck, is killed and recovered from (0: no watchdog)",
+        in_hash=False,
     )
     all2all_backend: Literal[
         "allgather_reducescatter", "all2all", "deepep_high_throughput", "deepep_low_latency"
@@ -401,7 +427,9 @@ class ParallelConfig:
     )
     eplb_interval: Annotated[int, Meta(ge=1)] = option(3000, help="steps between EPLB rebalances")
     dp_lb_policy: Literal["tidal", "vllm", "tidal-p2c"] = option(
-        "tidal", help="request routing across ranks"
+        "tidal",
+        help="request routing across ranks",
+        in_hash=False,
     )
     # Authenticates the DP control plane when it runs over TCP (tidal/distributed/zmq_auth.py).
     # Never printed; not in the config hash, which peers see.
@@ -411,6 +439,7 @@ class ParallelConfig:
         help="shared secret that authenticates the DP control plane over TCP; the same on "
         "every host, required with --headless ranks (default: $TIDAL_DP_AUTH_KEY); "
         "visible in ps, prefer --data-parallel-auth-key-file or the variable",
+        in_hash=False,
     )
     # Where engine ranks run (docs/architecture.md#launchers): what each can do is its
     # ``LauncherKind`` (tidal/frontend/launchers/registry.py). The frontend's choice, not
@@ -420,28 +449,33 @@ class ParallelConfig:
         help="where engine ranks run: mp (local processes; other hosts with --headless) | "
         "ray (one Ray actor per rank in its own placement group, on the cluster of "
         "--ray-address; pip install 'tidal[ray]')",
+        in_hash=False,
     )
     ray_address: str | None = option(
         None,
         help="Ray cluster to run the ranks on (auto | host:port | ray://host:port; "
         "default: $RAY_ADDRESS, else a local cluster started for this deployment)",
+        in_hash=False,
     )
     ray_placement_timeout_s: Annotated[float, Meta(gt=0)] = option(
         30.0,
         help="Ray: seconds a rank's placement group may wait for resources before the "
         "launch or scale-up fails naming what is missing",
+        in_hash=False,
     )
     # Ray, elastic EP: placement group + actor + warm engine launcher, their resources held.
     ray_warm_ranks: Annotated[int, Meta(ge=0)] = option(
         0,
         help="Ray, elastic EP: ranks kept started ahead (their resources held) so a "
         "scale-up takes them at once",
+        in_hash=False,
     )
     # The rank's placement group's CPU bundle.
     ray_cpus_per_rank: Annotated[int, Meta(ge=1)] = option(
         1,
         help="Ray: logical CPUs each rank reserves on its node; on CPU the rank's engine "
         "runs that many threads",
+        in_hash=False,
     )
 
     def __post_init__(self) -> None:
@@ -475,30 +509,14 @@ class ParallelConfig:
 
     def config_hash(self) -> str:
         """Hash of the parallel settings every rank must agree on (EP on/off, backends,
-        EPLB). Excluded: what differs per rank or host, and ``data_parallel_size``: that
-        is the launch size, the live size is the topology's (docs/architecture.md#elastic-identity), so an engine
+        EPLB). Excluded (``in_hash=False``): what differs per rank or host, what is the
+        frontend's alone, and ``data_parallel_size``: that is the launch size, the live
+        size is the topology's (docs/architecture.md#elastic-identity), so an engine
         joining a grown or shrunk deployment still matches."""
         d = dataclasses.asdict(self)
-        for k in (
-            "data_parallel_size",
-            "data_parallel_rank",
-            "data_parallel_size_local",
-            "data_parallel_start_rank",
-            "data_parallel_master_port",
-            "device_ids",
-            "cpu_affinity",  # per host: how its cores are shared
-            "cpu_cores",
-            "dp_lb_policy",
-            "data_parallel_auth_key",
-            "elastic_restore",  # the frontend's policy, not the ranks'
-            "data_parallel_backend",  # where ranks run: the frontend's choice
-            "ray_address",
-            "ray_placement_timeout_s",
-            "ray_warm_ranks",
-            "ray_cpus_per_rank",
-            "engine_stall_timeout",  # the frontend's watchdog
-        ):
-            d.pop(k)
+        for f in dataclasses.fields(self):
+            if not f.metadata.get("in_hash", True):
+                del d[f.name]
         return _digest(d)
 
 
