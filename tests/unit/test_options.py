@@ -9,7 +9,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import re
 import typing
+from pathlib import Path
 
 import pytest
 
@@ -87,6 +89,15 @@ def test_every_option_is_a_flag_with_its_declared_help():
     for spec in _SPECS:
         assert flag_of(spec.name) in flags, spec.name
         assert set(spec.option.aliases) <= flags, spec.name
+
+
+def test_every_option_is_in_the_operations_guide():
+    """docs/operations.md#serving-flags and #http-client-limits list every flag (by its
+    name or an alias), so a new option is documented where operators look."""
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "operations.md").read_text()
+    for spec in _SPECS:
+        spellings = (flag_of(spec.name), *spec.option.aliases)
+        assert any(re.search(rf"[`/]{re.escape(s)}\b", doc) for s in spellings), spec.name
 
 
 def test_engine_args_are_the_declared_options_once():
