@@ -197,3 +197,12 @@ def test_headless_is_refused_where_the_launcher_starts_every_rank(qwen3_ckpt, ca
     with pytest.raises(SystemExit):
         spawn._check_multi_node(parser, ns, config)
     assert "--headless: not with --data-parallel-backend ray" in capsys.readouterr().err
+
+
+def test_help_never_shows_a_secrets_default(monkeypatch):
+    """The generated help appends defaults, except a ``repr=False`` option's: the auth
+    key's default is the environment's secret."""
+    secret = "env-secret-0123456789abcdef"
+    monkeypatch.setenv("TIDAL_DP_AUTH_KEY", secret)
+    text = spawn.make_parser().format_help()
+    assert "--data-parallel-auth-key" in text and secret not in text
