@@ -272,8 +272,12 @@ def test_fused_expert_names_and_sharded_index(models, tmp_path):
         weight_map.update(dict.fromkeys(shard, file))
     (dst / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
     reloaded = _our_model(str(dst))
-    for a, b in zip(reloaded.state_dict().values(), ours.state_dict().values()):
-        assert torch.equal(a, b)
+    # By name: a parameter a CPU path packed at load comes last in state_dict(), and which
+    # path wins the load-time measurement may differ between the two loads.
+    got, want = reloaded.state_dict(), ours.state_dict()
+    assert got.keys() == want.keys()
+    for name, value in want.items():
+        assert torch.equal(got[name], value), name
 
 
 def test_tiny_factory_is_deterministic(tmp_path):
