@@ -221,9 +221,13 @@ def _range(hint: Any) -> tuple[type | None, Meta | None]:
 class ModelConfig:
     model: str = option(
         arg_default=None,
-        help="Hugging Face checkpoint folder (default: the embedded tiny Qwen3-MoE model)",
+        help="Hugging Face checkpoint folder, or a repo id ORG/NAME looked up in the local "
+        "Hugging Face cache (downloaded when missing, unless HF_HUB_OFFLINE=1) (default: the "
+        "embedded tiny Qwen3-MoE model)",
     )
-    tokenizer: str = option(arg_default=None, help="tokenizer folder (default: --model)")
+    tokenizer: str = option(
+        arg_default=None, help="tokenizer folder or repo id (default: --model)"
+    )
     dtype: Literal["float32", "float16", "bfloat16"] = option(
         arg_default="auto", help="weights and activations (auto: the checkpoint's dtype)"
     )
@@ -246,6 +250,14 @@ class ModelConfig:
         "min_p, repetition_penalty; max_new_tokens caps an unset max_tokens): auto (the "
         "model's generation_config.json, as vLLM) | none (temperature 1, no top-k/top-p) "
         "| a folder holding a generation_config.json",
+    )
+    revision: str | None = option(
+        None, help="branch, tag or commit of a --model repo id (default: main)"
+    )
+    trust_remote_code: bool = option(
+        False,
+        help="let transformers run Python code shipped in the checkpoint (config.json or "
+        "tokenizer_config.json auto_map); off: such code is never run",
     )
 
     def __post_init__(self) -> None:

@@ -3,6 +3,7 @@ offline; a clear error naming the cache folder when it is not there."""
 
 from __future__ import annotations
 
+import os
 import socket
 from pathlib import Path
 
@@ -73,3 +74,36 @@ def test_neither_folder_nor_repo_id_is_refused(model: str, tmp_path: Path) -> No
     assert not looks_like_repo_id(model)
     with pytest.raises(ModelNotFound, match="neither a directory nor a Hugging Face repo id"):
         resolve_model_path(model, cache_dir=str(tmp_path))
+
+
+def test_engine_args_serve_a_cached_repo_id(qwen3_ckpt: str, tmp_path: Path, monkeypatch) -> None:
+    """``--model ORG/NAME --revision R``: the engine config points at the cached snapshot,
+    and so does the tokenizer."""
+    import shutil
+
+    from tidal.launch.engine_args import EngineArgs
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path))
+    snap = _cached_repo(tmp_path, "acme/tiny-qwen3", {}, ref="v1")
+    for name in os.listdir(qwen3_ckpt):
+        shutil.copy2(os.path.join(qwen3_ckpt, name), snap / name)
+    config = EngineArgs(model="acme/tiny-qwen3", revision="v1").create_engine_config()
+    assert config.model.model == str(snap) and config.model.tokenizer == str(snap)
+    assert config.model.architecture == "Qwen3MoeForCausalLM"
+    with pytest.raises(ValueError, match=r"model: 'acme/tiny-qwen3' \(revision 'main'\)"):
+        EngineArgs(model="acme/tiny-qwen3").create_engine_config()
+
+
+def test_cli_names_the_flag_and_the_cache_folder(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HUB_CACHE=str(tmp_path))
+    proc = subprocess.run(
+        [sys.executable, "-m", "tidal.launch.cli", "serve", "--model", "acme/absent"],
+        env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr
+    assert "--model" in proc.stderr and str(tmp_path) in proc.stderr

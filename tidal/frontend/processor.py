@@ -35,10 +35,20 @@ CHAT_ROLES = ("system", "user", "assistant", "tool", "developer", "function")
 _TEMPLATE_INPUTS = frozenset({"tools", "documents"})
 
 
-def load_tokenizer(path: str) -> Any:
+def load_tokenizer(path: str, trust_remote_code: bool = False) -> Any:
+    """The tokenizer in ``path``. Code the folder ships (``auto_map``) runs only with
+    ``trust_remote_code`` (``--trust-remote-code``); without it such a tokenizer is an error."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(path)
+    try:
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except ValueError as e:
+        if not trust_remote_code and "trust_remote_code" in str(e):
+            raise ValueError(
+                f"tokenizer: {path!r} needs Python code shipped with it (auto_map); "
+                "start with --trust-remote-code to run it"
+            ) from e
+        raise
 
 
 def eos_token_id_for(model_config: ModelConfig, tokenizer: Any) -> int | None:

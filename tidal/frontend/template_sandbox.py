@@ -227,7 +227,7 @@ def _serve(tokenizer_path: str) -> int:
     try:
         from transformers import AutoTokenizer  # only the worker renders
 
-        tok = AutoTokenizer.from_pretrained(tokenizer_path)
+        tok = AutoTokenizer.from_pretrained(tokenizer_path, trust_remote_code=False)
     except Exception as e:  # noqa: BLE001 - reported to the parent, which refuses the request
         _send(out, RenderReply(error=f"cannot load the tokenizer: {e}"[:_MAX_ERROR_CHARS]))
         return 1

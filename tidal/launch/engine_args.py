@@ -43,6 +43,7 @@ from tidal.config import (
 from tidal.distributed.core_slots import host_cores, parse_affinity, plan_groups
 from tidal.frontend.launchers.registry import check_launcher_args
 from tidal.models.common import check_tensor_parallel
+from tidal.models.hub import ModelNotFound, resolve_model_path
 from tidal.models.registry import get_model_class, resolve_architecture
 from tidal.models.tiny import default_model_path
 from tidal.sampling_params import SamplingParams
@@ -132,20 +133,26 @@ class EngineArgs(_EngineArgsFields):
 
     def create_engine_config(self) -> EngineConfig:
         check_options(self)  # every declared range and choice, before anything is read
-        model = self.model or default_model_path()
-        if not os.path.isdir(model):
-            raise ValueError(
-                f"model: {model!r} is not a directory (a Hugging Face checkpoint folder)"
-            )
+        model = resolve_model_path(self.model or default_model_path(), self.revision)
+        tokenizer = model
+        if self.tokenizer and self.tokenizer != self.model:
+            try:
+                tokenizer = resolve_model_path(self.tokenizer)
+            except ModelNotFound as e:
+                raise ValueError("tokenizer" + str(e).removeprefix("model")) from e
         try:
-            hf_config = AutoConfig.from_pretrained(model)
+            hf_config = AutoConfig.from_pretrained(
+                model, trust_remote_code=self.trust_remote_code
+            )
         except Exception as e:  # noqa: BLE001 - reported with the flag name
             raise ValueError(f"model: cannot read config.json in {model!r}: {e}") from e
         arch = resolve_architecture(hf_config)  # raises ValueError naming the architecture
         generation = _read_generation_config(model)
         model_cfg = ModelConfig(
             model=model,
-            tokenizer=self.tokenizer or model,
+            revision=self.revision,
+            tokenizer=tokenizer,
+            trust_remote_code=self.trust_remote_code,
             dtype=_resolve_dtype(self.dtype, hf_config),
             max_model_len=_resolve_max_model_len(self.max_model_len, hf_config),
             seed=self.seed,
