@@ -217,6 +217,9 @@ def _range(hint: Any) -> tuple[type | None, Meta | None]:
     return None, None
 
 
+ModelDType = Literal["float32", "float16", "bfloat16"]
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     model: str = option(
@@ -228,15 +231,17 @@ class ModelConfig:
     tokenizer: str = option(
         arg_default=None, help="tokenizer folder or repo id (default: --model)"
     )
-    dtype: Literal["float32", "float16", "bfloat16"] = option(
+    dtype: ModelDType = option(
         arg_default="auto", help="weights and activations (auto: the checkpoint's dtype)"
     )
     max_model_len: Annotated[int, Meta(ge=1)] = option(
         arg_default=None, help="longest prompt + output in tokens (default: the model's limit)"
     )
     seed: int = option(arg_default=0, help="random seed of each engine process")
-    architecture: str
-    hf_config: Any = field(compare=False, hash=False, repr=False)
+    # Required: the options above have no field default either (``option()`` without one),
+    # which a type checker cannot see through.
+    architecture: str  # pyright: ignore[reportGeneralTypeIssues]
+    hf_config: Any = field(compare=False, hash=False, repr=False)  # pyright: ignore[reportGeneralTypeIssues]
     # EOS ids from generation_config.json; all of them end generation (like transformers).
     generation_eos_token_ids: tuple[int, ...] = ()
     # The sampling values generation_config.json recommends (temperature, top_p, top_k,

@@ -33,6 +33,7 @@ from tidal.config import (
     EngineConfig,
     FrontendConfig,
     ModelConfig,
+    ModelDType,
     ParallelConfig,
     SchedulerConfig,
     as_id_list,
@@ -50,7 +51,7 @@ from tidal.sampling_params import SamplingParams
 from tidal.utils.secret_env import AUTH_KEY_ENV
 
 # What "auto" resolves to (the checkpoint's dtype when it is one of these).
-_DTYPES = typing.get_args(typing.get_type_hints(ModelConfig)["dtype"])
+_DTYPES = typing.get_args(ModelDType)
 # The DP control plane's shared secret (tidal/distributed/zmq_auth.py): the least length
 # worth calling a secret (AUTH_KEY_ENV: where the CLI reads it).
 MIN_AUTH_KEY_LEN = 16
@@ -254,12 +255,12 @@ class EngineArgs(_EngineArgsFields):
             )
 
 
-def _resolve_dtype(dtype: str, hf_config: Any) -> str:
-    if dtype != "auto":
-        return dtype
+def _resolve_dtype(dtype: str, hf_config: Any) -> ModelDType:
+    if dtype != "auto":  # one of ``_DTYPES``: ``check_options`` ran first
+        return typing.cast(ModelDType, dtype)
     ckpt = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
     name = str(ckpt).replace("torch.", "") if ckpt is not None else "float32"
-    return name if name in _DTYPES else "float32"
+    return typing.cast(ModelDType, name) if name in _DTYPES else "float32"
 
 
 def _resolve_max_model_len(requested: int | None, hf_config: Any) -> int:
