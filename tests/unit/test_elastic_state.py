@@ -470,7 +470,7 @@ def test_construction_errors():
 
 def test_unknown_input():
     e = Engine(0, UP)
-    with pytest.raises(TypeError):
+    with pytest.raises(AssertionError, match="unreachable"):  # assert_never: not an Input
         e.step(object())
 
 

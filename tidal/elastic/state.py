@@ -116,6 +116,7 @@ Races (and why each is harmless)
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import assert_never
 
 from tidal.elastic.scaling_events import (
     PRE_COMMIT,
@@ -356,40 +357,46 @@ class ElasticEPScalingState:
         return False
 
     def _on_input(self, inp: Input, now: float, out: list[Action]) -> None:
-        if isinstance(inp, Consensus):
-            self._on_consensus(inp, now, out)
-        elif isinstance(inp, ScaleCommit):
-            if self._mine(inp.operation_id, inp.epoch):
-                self.commit_allowed = True
-                if self.phase is ScalingPhase.READY_TO_COMMIT:
-                    self.deadline = now + self.prepare.commit_timeout_s
-                if self._posts_barrier_on_commit() and self.phase is ScalingPhase.READY_TO_COMMIT:
-                    self._start_barrier(now, out)
-        elif isinstance(inp, ScaleAbort):
-            if self._mine(inp.operation_id, inp.epoch) and self.phase in PRE_COMMIT:
-                self._rollback(now, out, f"aborted by the frontend: {inp.cause}", failed=False)
-        elif isinstance(inp, JobDone):
-            self._on_job_done(inp, now, out)
-        elif isinstance(inp, JobFailed):
-            if self._jobs.pop(inp.job_id, None) is None:
-                self.ignored_inputs += 1  # cancelled or unknown (race 7)
-            elif self.phase in PRE_COMMIT:
-                self._rollback(now, out, inp.cause, failed=True)
-        elif isinstance(inp, OldGroupFailed):
-            if self.old_mode and self.role is not Role.JOINING and self.phase in PRE_COMMIT:
-                self._rollback(now, out, f"DP group failed: {inp.cause}", failed=False)
-        elif isinstance(inp, HandedBack):
-            self._handback_pending = False
-            if inp.request_ids:
-                self.requests_handed_back += len(inp.request_ids)
-                self._report(ScaleEvent.HANDED_BACK, out, request_ids=list(inp.request_ids))
-        elif isinstance(inp, CommitApplied):
-            if self.phase is ScalingPhase.COMMITTING:
-                self._committed(now, out)
-            else:
-                self.ignored_inputs += 1
-        else:
-            raise TypeError(f"ElasticEPScalingState cannot handle {type(inp).__name__}")
+        match inp:
+            case Consensus():
+                self._on_consensus(inp, now, out)
+            case ScaleCommit():
+                if self._mine(inp.operation_id, inp.epoch):
+                    self.commit_allowed = True
+                    if self.phase is ScalingPhase.READY_TO_COMMIT:
+                        self.deadline = now + self.prepare.commit_timeout_s
+                    if (
+                        self._posts_barrier_on_commit()
+                        and self.phase is ScalingPhase.READY_TO_COMMIT
+                    ):
+                        self._start_barrier(now, out)
+            case ScaleAbort():
+                if self._mine(inp.operation_id, inp.epoch) and self.phase in PRE_COMMIT:
+                    cause = f"aborted by the frontend: {inp.cause}"
+                    self._rollback(now, out, cause, failed=False)
+            case JobDone():
+                self._on_job_done(inp, now, out)
+            case JobFailed():
+                if self._jobs.pop(inp.job_id, None) is None:
+                    self.ignored_inputs += 1  # cancelled or unknown (race 7)
+                elif self.phase in PRE_COMMIT:
+                    self._rollback(now, out, inp.cause, failed=True)
+            case OldGroupFailed():
+                if self.old_mode and self.role is not Role.JOINING and self.phase in PRE_COMMIT:
+                    self._rollback(now, out, f"DP group failed: {inp.cause}", failed=False)
+            case HandedBack():
+                self._handback_pending = False
+                if inp.request_ids:
+                    self.requests_handed_back += len(inp.request_ids)
+                    ids = list(inp.request_ids)
+                    self._report(ScaleEvent.HANDED_BACK, out, request_ids=ids)
+            case CommitApplied():
+                if self.phase is ScalingPhase.COMMITTING:
+                    self._committed(now, out)
+                else:
+                    self.ignored_inputs += 1
+            case _:
+                assert_never(inp)
 
     def _on_consensus(self, c: Consensus, now: float, out: list[Action]) -> None:
         if not self.old_mode or self.role is Role.JOINING:

@@ -30,7 +30,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import Protocol
+from typing import Protocol, assert_never
 
 from tidal.distributed.groups import GroupFailure
 from tidal.elastic.scaling_events import (
@@ -64,8 +64,9 @@ from tidal.elastic.scaling_events import (
     TakeRank,
 )
 from tidal.elastic.scaling_slot import ScalingSlot
+from tidal.elastic.state import ElasticEPScalingState
 from tidal.executor.base import Executor
-from tidal.protocol.elastic import ScaleMessage, ScalePrepare, ScaleReport
+from tidal.protocol.elastic import ScaleMessage, ScaleReport
 from tidal.protocol.topology import Topology
 
 logger = logging.getLogger(__name__)
@@ -192,11 +193,21 @@ class ElasticShell:
             for item in feedback:
                 self.slot.deliver(item)
 
-    def _run(self, actions: list[Action], state: object) -> list[Input]:
+    def _run(self, actions: list[Action], state: ElasticEPScalingState | None) -> list[Input]:
         feedback: list[Input] = []
-        prepare: ScalePrepare | None = getattr(state, "prepare", None)
         for a in actions:
-            if isinstance(a, StartRendezvous):
+            self._carry_out(a, state, feedback)
+        committed = any(isinstance(a, _COMMIT_ACTIONS) for a in actions)
+        if committed and state is not None and state.phase is ScalingPhase.COMMITTING:
+            feedback.append(CommitApplied())
+        return feedback
+
+    def _carry_out(
+        self, a: Action, state: ElasticEPScalingState | None, feedback: list[Input]
+    ) -> None:
+        prepare = None if state is None else state.prepare
+        match a:
+            case StartRendezvous():
                 self._start_job(
                     a.job_id,
                     a.epoch,
@@ -209,7 +220,7 @@ class ElasticShell:
                         a.timeout_s,
                     ),
                 )
-            elif isinstance(a, StartTransfer):
+            case StartTransfer():
                 # Snapshot what we send here, on the thread that owns the weights.
                 self.executor.pack_expert_sends(a.epoch, list(a.sends))
                 self._start_job(
@@ -219,7 +230,7 @@ class ElasticShell:
                         a.epoch, list(a.sends), list(a.receives), self.engine_id, a.timeout_s
                     ),
                 )
-            elif isinstance(a, StartCommitBarrier):
+            case StartCommitBarrier():
                 # MAX over the new members: a joiner's 0 never wins over a survivor's wave.
                 wave = self.hooks.current_wave()
                 self._start_job(
@@ -229,43 +240,43 @@ class ElasticShell:
                         *self.executor.standby_barrier(a.epoch, w, 0)
                     ),
                 )
-            elif isinstance(a, CancelJob):
+            case CancelJob():
                 entry = self._threads.get(a.job_id)
                 if entry is not None:
                     self._cancelled_epochs[a.job_id] = entry[1]
-            elif isinstance(a, EnsureWaveRunning):
+            case EnsureWaveRunning():
                 self.hooks.ensure_wave_running()
-            elif isinstance(a, HandBackRequests):
+            case HandBackRequests():
                 ids = self.hooks.unfinished_request_ids()
                 self.hooks.remove_requests(ids)
                 feedback.append(HandedBack(tuple(ids)))
-            elif isinstance(a, SendReport):
+            case SendReport():
                 self.hooks.send_report(a.report)
-            elif isinstance(a, DestroyStandbyGroups):
+            case DestroyStandbyGroups():
                 self.executor.destroy_standby(a.epoch)
-            elif isinstance(a, DiscardStagedExperts):
+            case DiscardStagedExperts():
                 self.executor.discard_staged(a.epoch)
-            elif isinstance(a, SwapGroups):
+            case SwapGroups():
                 self.executor.swap_groups(a.epoch)
-            elif isinstance(a, InstallExperts):
+            case InstallExperts():
                 topo = prepare.topology if prepare is not None else None
                 if self.expert_parallel and topo is not None and topo.placement is not None:
                     rank = topo.rank_of(self.engine_id)
                     self.executor.install_experts(a.epoch, topo.placement, rank)
-            elif isinstance(a, TakeRank):
+            case TakeRank():
                 if prepare is None:
                     raise RuntimeError("TakeRank without the operation's topology")
                 self.hooks.take_rank(prepare.topology, a.wave)
                 self._committed_epochs.add(a.epoch)
-            elif isinstance(a, SetNumThreads):
+            case SetNumThreads():
                 self.executor.set_num_threads(a.num_threads)
-            elif isinstance(a, DestroyOldGroups):
-                role = getattr(state, "role", None)
+            case DestroyOldGroups():
+                role = None if state is None else state.role
                 if role is Role.LEAVING:
                     self.executor.leave_groups()
                 else:
                     self.executor.destroy_retired_groups()
-            elif isinstance(a, NewGroupBarrier):
+            case NewGroupBarrier():
                 # The first collective of the new group: matches the joiners' barrier. A
                 # joiner that died after PREPARED fails it (state race 4): the commit
                 # stands -- it is a rank death of the new epoch -- and the busy loop
@@ -274,16 +285,12 @@ class ElasticShell:
                     self.executor.standby_barrier(a.epoch, self.hooks.current_wave(), a.step)
                 except GroupFailure as e:
                     self.group_failure = str(e)
-            elif isinstance(a, Leave):
+            case Leave():
                 self.hooks.leave()
-            elif isinstance(a, Fatal):
+            case Fatal():
                 raise RuntimeError(a.cause)
-            else:  # pragma: no cover - a new action without a handler is a bug
-                raise TypeError(f"ElasticShell cannot carry out {type(a).__name__}")
-        committed = any(isinstance(a, _COMMIT_ACTIONS) for a in actions)
-        if committed and getattr(state, "phase", None) is ScalingPhase.COMMITTING:
-            feedback.append(CommitApplied())
-        return feedback
+            case _:
+                assert_never(a)
 
     # ---- helper threads -----------------------------------------------------------------
 
