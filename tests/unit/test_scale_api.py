@@ -40,6 +40,7 @@ from tidal.frontend.scaling.scale_records import (
     OperationRecord,
     PhaseTiming,
     ScalePhase,
+    ScaleTrigger,
     fault_summary,
 )
 from tidal.launch.admin import SCALING_HISTORY
@@ -70,7 +71,7 @@ def make_record(
     cause: str | None = None,
     requests_migrated: int = 0,
     dead: tuple[int, ...] = (),
-    trigger: str = "api",
+    trigger: ScaleTrigger = ScaleTrigger.API,
 ) -> dict[str, Any]:
     """An ``OperationRecord.to_dict()`` of a from -> to operation (unfinished if ``result``
     is None): engines ``from_size..`` join, the last ones leave."""
@@ -534,7 +535,7 @@ def test_metrics_scale_listener():
     m.record_scale_operation(down)  # reported twice: counted once
     failed = make_record("f", 2, 2, 3, result="failed", cause="outcome unknown")
     m.record_scale_operation(failed)
-    dead = make_record("x", 3, 2, 2, dead=(1,), trigger="recovery")  # after a rank death
+    dead = make_record("x", 3, 2, 2, dead=(1,), trigger=ScaleTrigger.RECOVERY)  # after a rank death
     m.record_scale_operation(dead)
     text = m.render().decode()
     assert metric(text, ops_sample("succeeded")) == 1
@@ -685,8 +686,8 @@ async def test_metrics_route_reads_faults_and_labels_operations_by_trigger():
             assert metric(text, "tidal:serving_engines") == 2
         # The automatic recovery removes engine 2 (reported to the scale listeners, as the
         # driver does), then "restore" brings the size back.
-        recovery = make_record("recovery-1", 1, 3, 2, dead=(2,), trigger="recovery")
-        restore = make_record("restore-2", 2, 2, 3, engine_ids=[0, 1], trigger="restore")
+        recovery = make_record("recovery-1", 1, 3, 2, dead=(2,), trigger=ScaleTrigger.RECOVERY)
+        restore = make_record("restore-2", 2, 2, 3, engine_ids=[0, 1], trigger=ScaleTrigger.RESTORE)
         for rec in (recovery, restore):
             for listener in engine.scale_listeners:
                 listener(rec)

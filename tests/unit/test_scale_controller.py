@@ -354,7 +354,7 @@ def test_prepare_deadline_names_the_slow_engines():
     assert resp.record.cause == "engines [0] not prepared after 42s"
     assert of(out, SendAbort) and of(out, RestoreRouting)
     assert c.handle(rep_for(resp.record, 0, ScaleEvent.PREPARED), 43.0) == []
-    assert c.ignored_reports == 1  # the late success of a finished operation
+    assert c.runner.ignored_reports == 1  # the late success of a finished operation
 
 
 def test_survivor_death_during_prepare_then_emergency_replacement():
@@ -370,7 +370,7 @@ def test_survivor_death_during_prepare_then_emergency_replacement():
     rec = resp.record
     assert rec.dead == [1] and rec.leaving == [1] and rec.joining == [4]
     c.handle(EngineReady(4), 1.1)
-    prep = c._op.prepare  # type: ignore[union-attr]
+    prep = c.runner.running.prepare  # type: ignore[union-attr]
     assert not prep.old_group_usable and prep.dead == [1]
     assert all(t.src_engine_id != 1 for t in prep.transfers)
     _finish_ok(c, 2.0)
@@ -525,8 +525,8 @@ def test_reports_of_other_operations_are_ignored():
     assert c.handle(ScaleReport("zzz", 0, 1, ScaleEvent.PREPARED), 0.1) == []
     assert c.handle(ScaleReport("a", 0, 7, ScaleEvent.PREPARED), 0.1) == []
     assert c.handle(ScaleReport("a", 9, 1, ScaleEvent.PREPARED), 0.1) == []
-    assert c.ignored_reports == 3
-    with pytest.raises(TypeError):
+    assert c.runner.ignored_reports == 3
+    with pytest.raises(AssertionError, match="unreachable"):  # assert_never: not an Event
         c.handle(object(), 0.2)  # type: ignore[arg-type]
 
 
@@ -943,7 +943,7 @@ class World:
                 self.kill(rng.choice(alive).id, "injected fault")
 
     def scale_request(self, rng: random.Random) -> None:
-        size = rng.randint(1, 4) if self.c.num_redundant == 0 else rng.randint(2, 4)
+        size = rng.randint(1, 4) if self.c.runner.num_redundant == 0 else rng.randint(2, 4)
         members = self.c.topology.engine_ids
         remove = (rng.choice(members),) if len(members) > 1 and rng.random() < 0.3 else ()
         op = rng.choice([None, f"op{rng.randint(0, 6)}"])
@@ -957,8 +957,8 @@ class World:
         self.apply(actions)
 
     def track(self, resp) -> None:
-        if resp.admission is Admission.STARTED and self.c._op is not None:
-            self.plans[resp.record.operation_id] = self.c._op.plan
+        if resp.admission is Admission.STARTED and self.c.runner.running is not None:
+            self.plans[resp.record.operation_id] = self.c.runner.running.plan
 
     def quiesce(self, rounds: int = 400) -> None:
         """Deliver everything, finish every job, step every group, let time pass."""

@@ -184,16 +184,16 @@ def test_on_exit_cause_names_the_death():
     async def main() -> None:
         driver, client, _, _, _ = make(3)
         driver.on_exit(2, -9, "no heartbeat for 3.1s")
-        await until(lambda: driver.controller.deaths)
-        (death,) = driver.controller.deaths
+        await until(lambda: driver.controller.policy.deaths)
+        (death,) = driver.controller.policy.deaths
         assert death.engine_id == 2 and death.cause == "no heartbeat for 3.1s"
         assert driver.controller.faults()["deaths"][0]["cause"] == "no heartbeat for 3.1s"
         driver.close()
 
         other, _, _, _, _ = make(3)
         other.on_exit(1, -9)
-        await until(lambda: other.controller.deaths)
-        assert other.controller.deaths[0].cause == "exited with code -9"
+        await until(lambda: other.controller.policy.deaths)
+        assert other.controller.policy.deaths[0].cause == "exited with code -9"
         other.close()
 
     asyncio.run(main())

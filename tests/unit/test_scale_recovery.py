@@ -138,7 +138,7 @@ def test_member_death_is_recovered_without_it():
     assert death["recovered_by"] == rec.operation_id and death["recovered_at"] == 13.0
     assert death["recovery_s"] == 3.0
     assert c.handle(RequestsMigrated(1, 5), 14.0) == []  # recovered: no longer counted
-    assert c.deaths[0].requests_migrated == 3
+    assert c.policy.deaths[0].requests_migrated == 3
     assert c.tick(100.0) == []
 
 
@@ -180,7 +180,7 @@ def test_restore_follows_a_committed_recovery():
     all_report(c, [0, 2, 3], ScaleEvent.PREPARED, 4.0)
     out = all_report(c, [0, 2, 3], ScaleEvent.COMMITTED, 5.0, step=1)
     assert rrec.phase is ScalePhase.SUCCEEDED and c.topology.engine_ids == [0, 2, 3]
-    assert not of(out, AdmitScale) and c.restore_size == 3
+    assert not of(out, AdmitScale) and c.policy.restore_size == 3
     assert c.tick(50.0) == [] and c.degraded is None
 
 
@@ -215,7 +215,7 @@ def test_an_api_scale_that_succeeds_sets_the_size_to_restore():
     out = all_report(c, [2, 3], ScaleEvent.COMMITTED, 2.5, step=1)
     out += c.handle(EngineExited(0), 2.6)  # it left
     assert api.record.phase is ScalePhase.SUCCEEDED and c.topology.engine_ids == [2, 3]
-    assert c.restore_size == 2 and not of(out, AdmitScale)
+    assert c.policy.restore_size == 2 and not of(out, AdmitScale)
     assert c.tick(100.0) == [] and c.dead == set()
 
 
@@ -225,7 +225,7 @@ def test_an_api_scale_down_after_restore_is_kept():
     all_report(c, [0, 1, 2], ScaleEvent.PREPARED, 1.0)
     all_report(c, [0, 1], ScaleEvent.COMMITTED, 2.0, step=1)
     out = c.handle(EngineExited(2), 3.0)
-    assert resp.record.phase is ScalePhase.SUCCEEDED and c.restore_size == 2
+    assert resp.record.phase is ScalePhase.SUCCEEDED and c.policy.restore_size == 2
     assert not of(out, AdmitScale) and c.tick(100.0) == []
     # A death now recovers to 1, then restores to the caller's 2, not the launch's 3.
     _, _, out = recover_ok(c, 200.0, c.handle(EngineExited(1), 200.0))
@@ -252,7 +252,7 @@ def test_a_recovery_that_rolls_back_is_asked_again_after_the_retry_delay():
     assert c.topology.engine_ids == [0, 2] and c.dead == set()
     f = c.faults()
     assert f["rank_deaths"] == 1 and f["recovered"] == 1 and f["recovery_s_last"] == 6.0
-    assert c.deaths[0].recovered_by == rec2.operation_id
+    assert c.policy.deaths[0].recovered_by == rec2.operation_id
 
 
 def test_a_recovery_past_its_prepare_deadline_is_asked_again():
@@ -361,36 +361,36 @@ def test_every_member_dead_with_no_operation_fails_the_deployment():
 def test_group_failed_is_kept_until_the_next_commit():
     c = ctl(3, recover=True)
     assert c.handle(group_failed(c, 1, cause="NCCL timeout"), 1.0) == []
-    assert c.failed_groups == {1: "NCCL timeout"}
+    assert c.policy.failed_groups == {1: "NCCL timeout"}
     assert "[1]" in (c.degraded or "") and "failed" in (c.degraded or "")
     assert c.faults()["failed_groups"] == {1: "NCCL timeout"}
     assert c.handle(group_failed(c, 2, cause=None), 1.1) == []
-    assert c.failed_groups == {1: "NCCL timeout", 2: "collective failed"}
+    assert c.policy.failed_groups == {1: "NCCL timeout", 2: "collective failed"}
     # Another epoch, or an engine that is no member: ignored.
     assert c.handle(group_failed(c, 0, epoch=5), 1.2) == []
     assert c.handle(group_failed(c, 9), 1.3) == []
-    assert set(c.failed_groups) == {1, 2}
-    assert c.next_deadline() == 1.0 + c.rebuild_grace_s  # a death may still explain it
+    assert set(c.policy.failed_groups) == {1, 2}
+    assert c.next_deadline() == 1.0 + c.policy.rebuild_grace_s  # a death may still explain it
     # A later operation that commits gives every member new groups (admitted before the
     # rebuild would be asked).
     resp, _ = c.request_scale(ScaleRequest(2, operation_id="down"), 1.5)
     all_report(c, [0, 1, 2], ScaleEvent.PREPARED, 2.0)
-    assert c.failed_groups  # not before the commit
+    assert c.policy.failed_groups  # not before the commit
     c.handle(rep(c, 0, ScaleEvent.COMMITTED, step=1), 3.0)
-    assert c.failed_groups == {} and c.faults()["failed_groups"] == {}
+    assert c.policy.failed_groups == {} and c.faults()["failed_groups"] == {}
     c.handle(rep(c, 1, ScaleEvent.COMMITTED, step=1), 3.1)
     c.handle(EngineExited(2), 3.2)
     assert resp.record.phase is ScalePhase.SUCCEEDED and c.degraded is None
     assert c.next_deadline() is None and c.tick(100.0) == []  # no rebuild left to ask
     # The old epoch's reports are ignored now.
-    assert c.handle(group_failed(c, 0, epoch=0), 104.0) == [] and c.failed_groups == {}
+    assert c.handle(group_failed(c, 0, epoch=0), 104.0) == [] and c.policy.failed_groups == {}
 
 
 def test_group_failed_with_nobody_dead_is_rebuilt_by_the_same_engines():
     c = ctl(3, recover=True)
     assert c.handle(group_failed(c, 1), 1.0) == []
-    assert c.tick(1.0 + c.rebuild_grace_s - 0.1) == []  # a death may still explain it
-    ask = one(c.tick(1.0 + c.rebuild_grace_s), AdmitScale)
+    assert c.tick(1.0 + c.policy.rebuild_grace_s - 0.1) == []  # a death may still explain it
+    ask = one(c.tick(1.0 + c.policy.rebuild_grace_s), AdmitScale)
     assert ask.request.trigger == "rebuild" and ask.request.new_size == 3
     resp, out = c.request_scale(ask.request, 7.0, store_address=STORE)
     prep = one(out, SendPrepare)
@@ -402,18 +402,18 @@ def test_group_failed_with_nobody_dead_is_rebuilt_by_the_same_engines():
     all_report(c, [0, 1, 2], ScaleEvent.PREPARED, 8.0)
     all_report(c, [0, 1, 2], ScaleEvent.COMMITTED, 9.0, step=0)
     assert resp.record.phase is ScalePhase.SUCCEEDED and resp.record.trigger == "rebuild"
-    assert c.failed_groups == {} and c.degraded is None and c.next_deadline() is None
+    assert c.policy.failed_groups == {} and c.degraded is None and c.next_deadline() is None
 
 
 def test_a_rebuild_that_rolls_back_is_asked_again():
     c = ctl(2, recover=True)
     c.handle(group_failed(c, 0), 0.0)
-    ask = one(c.tick(c.rebuild_grace_s), AdmitScale)
+    ask = one(c.tick(c.policy.rebuild_grace_s), AdmitScale)
     resp, _ = c.request_scale(ask.request, 6.0, store_address=STORE)
     c.handle(rep(c, 1, ScaleEvent.FAILED, cause="rendezvous timed out"), 7.0)
     assert resp.record.phase is ScalePhase.ROLLED_BACK
-    assert c.next_deadline() == 7.0 + c.recovery_retry_s
-    again = one(c.tick(7.0 + c.recovery_retry_s), AdmitScale)
+    assert c.next_deadline() == 7.0 + c.policy.recovery_retry_s
+    again = one(c.tick(7.0 + c.policy.recovery_retry_s), AdmitScale)
     assert (
         again.request.trigger == "rebuild"
         and again.request.operation_id != ask.request.operation_id
@@ -431,9 +431,9 @@ def test_group_failed_after_a_death_is_cleared_by_the_recovery():
     c = ctl(3, recover=True)
     out = c.handle(EngineExited(1), 0.0)
     assert c.handle(group_failed(c, 0), 0.1) == []  # a survivor's collective failed
-    assert c.failed_groups == {0: "x"}
+    assert c.policy.failed_groups == {0: "x"}
     recover_ok(c, 1.0, out)
-    assert c.failed_groups == {} and c.degraded is None
+    assert c.policy.failed_groups == {} and c.degraded is None
 
 
 def test_a_rolled_back_operation_keeps_the_failed_groups():
@@ -442,7 +442,7 @@ def test_a_rolled_back_operation_keeps_the_failed_groups():
     resp, _ = c.request_scale(ScaleRequest(1, operation_id="a"), 1.0)
     c.handle(rep(c, 1, ScaleEvent.FAILED, cause="no"), 2.0)
     assert resp.record.phase is ScalePhase.ROLLED_BACK
-    assert c.failed_groups == {0: "x"} and c.degraded is not None
+    assert c.policy.failed_groups == {0: "x"} and c.degraded is not None
 
 
 # ----------------------------------------------------------------------------- off, sizes
@@ -452,7 +452,7 @@ def test_without_recover_nothing_is_asked():
     c = ctl(3)
     assert c.recover is False
     assert c.handle(EngineExited(1, "oom"), 0.0) == [MigrateRequests(1, None)]
-    assert c.dead == {1} and c.deaths[0].cause == "oom"
+    assert c.dead == {1} and c.policy.deaths[0].cause == "oom"
     assert c.tick(10.0) == [] and c.tick(1000.0) == []
     # An operation that rolls back does not ask either.
     resp, _ = c.request_scale(ScaleRequest(3, operation_id="a"), 1001.0)

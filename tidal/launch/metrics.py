@@ -8,8 +8,9 @@ never reused), not with a DP rank, which changes when the topology does.
 Elastic EP operations (``record_scale_operation``, a scale listener of ``AsyncLLM``) count
 by result, time each phase, and add up the bytes moved and requests migrated; an engine an
 operation removed (or found dead) loses its per-engine series, and a late stats message
-from it cannot bring them back. Operations count by ``trigger`` too: "api" (a caller),
-"recovery" (automatic, after a rank death) or "restore" (back to the size before it).
+from it cannot bring them back. Operations count by ``trigger`` too (``ScaleTrigger``): "api"
+(a caller), "recovery" (automatic, after a rank death), "restore" (back to the size before
+it) or "rebuild" (fresh groups for the same engines).
 
 Rank deaths (docs/architecture.md#faults) are read from ``AsyncLLM.fault_status()`` when ``/metrics``
 is scraped (``record_faults``): each death, recovery and migrated request is counted
@@ -25,6 +26,8 @@ from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CONTENT_TYPE_LATEST as CONTENT_TYPE  # noqa: F401 - re-exported
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from tidal.frontend.scaling.scale_records import ScaleOutcome, ScalePhase, ScaleTrigger
 
 if TYPE_CHECKING:
     from tidal.protocol.messages import SchedulerStats
@@ -264,14 +267,14 @@ class ServerMetrics:
             while len(self._seen) > _SEEN_OPERATIONS:
                 self._seen.popitem(last=False)
         if first:
-            trigger = str(record.get("trigger") or "api")
+            trigger = str(record.get("trigger") or ScaleTrigger.API)
             self.scale_operations.labels(result=result, trigger=trigger).inc()
             if record.get("duration_s") is not None:
                 self.scale_duration.labels(result=result).observe(record["duration_s"])
             for phase, seconds in (record.get("phase_durations_s") or {}).items():
                 if seconds is not None:
                     self.scale_phase.labels(phase=phase).observe(seconds)
-            if result == "succeeded":
+            if result == ScalePhase.SUCCEEDED:
                 self.scale_bytes_moved.inc(record.get("bytes_moved") or 0)
                 self.scale_experts_moved.inc(record.get("experts_moved") or 0)
             self.scale_requests_migrated.inc(record.get("requests_migrated") or 0)
@@ -320,9 +323,9 @@ def _gone(record: dict[str, Any], result: str) -> list[int]:
     """The engines an operation took out of the deployment: the leaving and dead ones if
     it committed, the joining ones (stopped) if it rolled back."""
     outcome = record.get("resolution") or result
-    if outcome in ("succeeded", "committed"):
+    if outcome in (ScalePhase.SUCCEEDED, ScaleOutcome.COMMITTED):
         return [*record.get("leaving", ()), *record.get("dead", ())]
-    if outcome == "rolled_back":
+    if outcome == ScaleOutcome.ROLLED_BACK:
         return list(record.get("joining", ()))
     return []
 

@@ -23,6 +23,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
 
+from tidal.frontend.scaling.scale_records import ScalePhase
 from tidal.launch.errors import APIError, classify_error
 from tidal.launch.http_limits import read_json
 
@@ -53,7 +54,7 @@ class ScaleElasticEPRequest(BaseModel):
 
 
 _FIELDS = frozenset(ScaleElasticEPRequest.model_fields)
-_FAILED = frozenset({"rolled_back", "failed"})  # OperationRecord results
+_FAILED = frozenset({ScalePhase.ROLLED_BACK, ScalePhase.FAILED})  # OperationRecord results
 _HEAD = re.compile(r"[A-Za-z_]+")
 
 
@@ -79,7 +80,7 @@ def _failed_response(status: int, record: dict[str, Any]) -> JSONResponse:
             code="scaling_in_progress",
         )
     else:
-        result = record.get("result") or "failed"
+        result = str(record.get("result") or ScalePhase.FAILED)
         cause = record.get("cause") or "no cause reported"
         err = APIError(
             status,

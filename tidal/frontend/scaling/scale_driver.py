@@ -36,7 +36,7 @@ import os
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, assert_never
 
 from tidal.config import EngineConfig
 from tidal.distributed.groups import serve_store
@@ -48,6 +48,7 @@ from tidal.frontend.scaling.scale_events import (
     AdmitScale,
     EngineExited,
     EngineReady,
+    Event,
     ExcludeFromRouting,
     FailDeployment,
     MigrateRequests,
@@ -191,6 +192,9 @@ def _log_own_admission(reply: asyncio.Future) -> None:
 
 _TICK = _Tick()
 
+# What the driver's queue carries: admissions, the deadline tick, the controller's events.
+_Item = _Admit | _Tick | Event
+
 Listener = Callable[[dict[str, Any]], None]
 
 
@@ -218,7 +222,7 @@ class ScaleDriver:
         self._make_store = make_store
         self._clock = clock
         self._stop_timeout_s = stop_timeout_s
-        self._queue: asyncio.Queue[Any] | None = None
+        self._queue: asyncio.Queue[_Item] | None = None
         self._task: asyncio.Task | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._background: set[asyncio.Task] = set()
@@ -366,7 +370,7 @@ class ScaleDriver:
                 start()  # reports arrive on the client's output reader
             self._task = asyncio.get_running_loop().create_task(self._run())
 
-    def _post(self, item: Any) -> None:
+    def _post(self, item: _Item) -> None:
         if self._closed:
             return
         self._ensure_running()
@@ -385,20 +389,21 @@ class ScaleDriver:
                 logger.exception("scale driver: handling %r failed", item)
             self._arm_tick()
 
-    async def _process(self, item: Any) -> None:
+    async def _process(self, item: _Item) -> None:
         c = self.controller
-        if isinstance(item, _Admit):
-            await self._admit(item)
-            return
-        if isinstance(item, EngineExited) and item.engine_id in c.topology:
-            # A member gone (dead, or leaving): no new request goes there from now on --
-            # before its requests migrate, so none is routed to it after the move.
-            self.client.exclude_from_routing((item.engine_id,))
-        if item is _TICK:
-            actions = c.tick(self._clock())
-        else:
-            actions = c.handle(item, self._clock())
-        await self._execute(actions)
+        match item:
+            case _Admit():
+                await self._admit(item)
+            case _Tick():
+                await self._execute(c.tick(self._clock()))
+            case EngineReady() | EngineExited() | RequestsMigrated() | ScaleReport():
+                if isinstance(item, EngineExited) and item.engine_id in c.topology:
+                    # A member gone (dead, or leaving): no new request goes there from now
+                    # on -- before its requests migrate, so none is routed to it after.
+                    self.client.exclude_from_routing((item.engine_id,))
+                await self._execute(c.handle(item, self._clock()))
+            case _:
+                assert_never(item)
 
     def _arm_tick(self) -> None:
         if self._timer is not None:
@@ -447,43 +452,44 @@ class ScaleDriver:
                 logger.exception("scale driver: %s failed", type(a).__name__)
 
     async def _do(self, a: Action) -> None:
-        if isinstance(a, AdmitScale):
-            # The controller's own operation (a recovery, a restore): admitted in turn,
-            # through the same path as a caller's; nobody awaits its reply.
-            reply = asyncio.get_running_loop().create_future()
-            reply.add_done_callback(_log_own_admission)
-            self._post(_Admit(a.request, reply))
-        elif isinstance(a, FailDeployment):
-            logger.error("scale driver: %s", a.reason)
-            self.client.fail_deployment(a.reason)
-        elif isinstance(a, SpawnEngines):
-            await self._spawn(a)
-        elif isinstance(a, ExcludeFromRouting):
-            self.client.exclude_from_routing(a.engine_ids)
-        elif isinstance(a, RestoreRouting):
-            self.client.restore_routing(a.engine_ids)
-        elif isinstance(a, SendPrepare | SendCommit | SendAbort):
-            unreachable = await self.client.send_scale(a.engine_ids, a.message)
-            if unreachable:
-                logger.warning(
-                    "scale %s: engines %s unreachable for %s",
-                    a.message.operation_id,
-                    unreachable,
-                    type(a.message).__name__,
-                )
-        elif isinstance(a, PublishTopology):
-            self.client.set_topology(a.topology)
-            self._adopt_store(a.topology)
-        elif isinstance(a, StopEngines):
-            self._stopping.update(a.engine_ids)
-            self._background_task(self._stop(a))
-        elif isinstance(a, MigrateRequests):
-            n = self.client.migrate(a.engine_id, a.request_ids)
-            self._post(RequestsMigrated(a.engine_id, n, a.operation_id))
-        elif isinstance(a, RecordResult):
-            self._record(a.record)
-        else:
-            raise TypeError(f"unknown scale action {a!r}")
+        match a:
+            case AdmitScale():
+                # The controller's own operation (a recovery, a restore): admitted in turn,
+                # through the same path as a caller's; nobody awaits its reply.
+                reply = asyncio.get_running_loop().create_future()
+                reply.add_done_callback(_log_own_admission)
+                self._post(_Admit(a.request, reply))
+            case FailDeployment():
+                logger.error("scale driver: %s", a.reason)
+                self.client.fail_deployment(a.reason)
+            case SpawnEngines():
+                await self._spawn(a)
+            case ExcludeFromRouting():
+                self.client.exclude_from_routing(a.engine_ids)
+            case RestoreRouting():
+                self.client.restore_routing(a.engine_ids)
+            case SendPrepare() | SendCommit() | SendAbort():
+                unreachable = await self.client.send_scale(a.engine_ids, a.message)
+                if unreachable:
+                    logger.warning(
+                        "scale %s: engines %s unreachable for %s",
+                        a.message.operation_id,
+                        unreachable,
+                        type(a.message).__name__,
+                    )
+            case PublishTopology():
+                self.client.set_topology(a.topology)
+                self._adopt_store(a.topology)
+            case StopEngines():
+                self._stopping.update(a.engine_ids)
+                self._background_task(self._stop(a))
+            case MigrateRequests():
+                n = self.client.migrate(a.engine_id, a.request_ids)
+                self._post(RequestsMigrated(a.engine_id, n, a.operation_id))
+            case RecordResult():
+                self._record(a.record)
+            case _:
+                assert_never(a)
 
     def _background_task(self, coro: Any) -> None:
         task = asyncio.get_running_loop().create_task(coro)

@@ -1,9 +1,11 @@
 """What the scale controller (``tidal.frontend.scaling.scale_controller``) admits and records.
 
-The request (``ScaleRequest``) and the deadlines (``ScaleTimeouts``) it runs under; the
-phases of one operation (``ScalePhase``); the record the API answers and ``/stats`` lists
-(``OperationRecord``, with its ``PhaseTiming``s); and the admission answer
-(``Admission``, ``ScaleResponse``).
+The request (``ScaleRequest``, who asked: ``ScaleTrigger``) and the deadlines
+(``ScaleTimeouts``) it runs under; the phases of one operation (``ScalePhase``) and its
+outcome once the engines decided (``ScaleOutcome``); the record the API answers and
+``/stats`` lists (``OperationRecord``, with its ``PhaseTiming``s); and the admission
+answer (``Admission``, ``ScaleResponse``). The ``StrEnum`` values are the wire strings of
+the JSON, ``/stats`` and the metrics' labels.
 """
 
 from __future__ import annotations
@@ -16,7 +18,9 @@ from typing import Any
 
 
 @enum.unique
-class ScalePhase(enum.Enum):
+class ScalePhase(enum.StrEnum):
+    """One operation's phase; its value is what ``phase`` / ``result`` say in the JSON."""
+
     PLANNED = enum.auto()
     STARTING_ENGINES = enum.auto()
     PREPARING = enum.auto()
@@ -26,11 +30,27 @@ class ScalePhase(enum.Enum):
     ROLLED_BACK = enum.auto()
     FAILED = enum.auto()
 
-    def __str__(self) -> str:
-        return self.name.lower()
-
 
 FINAL_PHASES = frozenset({ScalePhase.SUCCEEDED, ScalePhase.ROLLED_BACK, ScalePhase.FAILED})
+
+
+@enum.unique
+class ScaleTrigger(enum.StrEnum):
+    """Who asked for an operation (``trigger`` in its record; docs/protocols/scale-phases.md#scale-triggers)."""
+
+    API = enum.auto()  # a caller (POST /scale_elastic_ep)
+    RECOVERY = enum.auto()  # a member died: the controller removes it (docs/architecture.md#faults)
+    RESTORE = enum.auto()  # back to the size before the death (--elastic-restore)
+    REBUILD = enum.auto()  # groups failed with nobody dead: the same engines, fresh groups
+
+
+@enum.unique
+class ScaleOutcome(enum.StrEnum):
+    """What the engines decided once COMMIT was out: learnt from their first report
+    (``resolution`` of a FAILED record whose outcome was learnt late)."""
+
+    COMMITTED = enum.auto()
+    ROLLED_BACK = enum.auto()
 
 
 @dataclass(frozen=True)
@@ -65,10 +85,7 @@ class ScaleRequest:
     drain_timeout_s: float = 0.0
     operation_id: str | None = None
     remove: tuple[int, ...] = ()
-    # Who asked: "api" (a caller), "recovery" (a rank died: the controller removes it,
-    # docs/architecture.md#faults), "restore" (back to the size before the death, --elastic-restore) or
-    # "rebuild" (groups failed with nobody dead: the same engines, fresh groups).
-    trigger: str = "api"
+    trigger: ScaleTrigger = ScaleTrigger.API
 
 
 # ------------------------------------------------------------------------------ record
@@ -101,7 +118,7 @@ class OperationRecord:
     leaving: list[int] = field(default_factory=list)
     dead: list[int] = field(default_factory=list)
     drain_timeout_s: float = 0.0
-    trigger: str = "api"  # ScaleRequest.trigger
+    trigger: ScaleTrigger = ScaleTrigger.API  # ScaleRequest.trigger
     finished_at: float | None = None
     phases: list[PhaseTiming] = field(default_factory=list)
     experts_moved: int = 0
@@ -115,9 +132,8 @@ class OperationRecord:
     requests_migrated: int = 0
     cause: str | None = None
     warnings: list[str] = field(default_factory=list)
-    # FAILED with the outcome unknown, then learnt from a late report: "committed" or
-    # "rolled_back".
-    resolution: str | None = None
+    # FAILED with the outcome unknown, then learnt from a late report.
+    resolution: ScaleOutcome | None = None
 
     @property
     def done(self) -> bool:
@@ -125,14 +141,14 @@ class OperationRecord:
 
     @property
     def result(self) -> str | None:
-        return str(self.phase) if self.done else None
+        return self.phase.value if self.done else None
 
     @property
     def duration(self) -> float | None:
         return None if self.finished_at is None else self.finished_at - self.started_at
 
     def phase_durations(self) -> dict[str, float]:
-        return {str(t.phase): t.duration for t in self.phases if t.duration is not None}
+        return {t.phase.value: t.duration for t in self.phases if t.duration is not None}
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -141,7 +157,7 @@ class OperationRecord:
             "to_size": self.to_size,
             "from_epoch": self.from_epoch,
             "to_epoch": self.to_epoch,
-            "phase": str(self.phase),
+            "phase": self.phase.value,
             "result": self.result,
             "cause": self.cause,
             "started_at": self.started_at,
@@ -152,7 +168,7 @@ class OperationRecord:
             "leaving": list(self.leaving),
             "dead": list(self.dead),
             "drain_timeout_s": self.drain_timeout_s,
-            "trigger": self.trigger,
+            "trigger": self.trigger.value,
             "experts_moved": self.experts_moved,
             "bytes_moved": self.bytes_moved,
             "min_bytes": self.min_bytes,
@@ -161,7 +177,7 @@ class OperationRecord:
             "bytes_received": self.bytes_received,
             "requests_migrated": self.requests_migrated,
             "warnings": list(self.warnings),
-            "resolution": self.resolution,
+            "resolution": None if self.resolution is None else self.resolution.value,
         }
 
 
