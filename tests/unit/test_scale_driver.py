@@ -43,9 +43,13 @@ class FakeClient:
         self.topology = topology
         self.calls: list[tuple] = []
         self.excluded: set[int] = set()
-        self.dead_reason = None
+        self.dead_reason: str | None = None
+        self.started = 0
         self.migrate_counts: dict[int, int] = {}
         self.failed_moves: list[int] = []  # engines whose requests found no target
+
+    def start(self) -> None:
+        self.started += 1
 
     def set_topology(self, topology: Topology) -> None:
         self.calls.append(("set_topology", topology))
@@ -143,6 +147,7 @@ def test_scale_up_two_to_three():
         driver, client, procs, stores, records = make(2)
         call = asyncio.create_task(driver.scale(3, operation_id="up"))
         await until(lambda: procs.spawned)
+        assert client.started == 1  # the driver started the reader its reports arrive on
         ((ids, topo),) = procs.spawned
         assert ids == (2,) and topo.engine_ids == [0, 1, 2] and topo.epoch == 1
         assert topo.store_address == stores.made[0]  # a fresh store for this operation

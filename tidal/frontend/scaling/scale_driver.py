@@ -87,6 +87,15 @@ class ScaleClient(Protocol):
     @property
     def topology(self) -> Topology: ...
 
+    @property
+    def dead_reason(self) -> str | None:
+        """Why the deployment is dead (no scaling then), or None."""
+        ...
+
+    def start(self) -> None:
+        """Start reading the engines' outputs (the scale reports arrive there)."""
+        ...
+
     def set_topology(self, topology: Topology) -> None: ...
 
     def exclude_from_routing(self, engine_ids: Iterable[int]) -> None: ...
@@ -274,7 +283,7 @@ class ScaleDriver:
         ``ValueError``: HTTP 400) for a request that cannot be served."""
         if self._closed:
             raise EngineDeadError("the scale driver is shut down")
-        dead = getattr(self.client, "dead_reason", None)
+        dead = self.client.dead_reason
         if dead is not None:
             raise EngineDeadError(dead)
         self._ensure_running()
@@ -365,9 +374,7 @@ class ScaleDriver:
         if self._queue is None:
             self._queue = asyncio.Queue()
         if (self._task is None or self._task.done()) and not self._closed:
-            start = getattr(self.client, "start", None)
-            if start is not None:
-                start()  # reports arrive on the client's output reader
+            self.client.start()  # reports arrive on the client's output reader
             self._task = asyncio.get_running_loop().create_task(self._run())
 
     def _post(self, item: _Item) -> None:
