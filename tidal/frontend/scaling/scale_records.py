@@ -36,7 +36,8 @@ FINAL_PHASES = frozenset({ScalePhase.SUCCEEDED, ScalePhase.ROLLED_BACK, ScalePha
 
 @enum.unique
 class ScaleTrigger(enum.StrEnum):
-    """Who asked for an operation (``trigger`` in its record; docs/protocols/scale-phases.md#scale-triggers)."""
+    """Who asked for an operation: ``trigger`` in its record
+    (docs/protocols/scale-phases.md#scale-triggers)."""
 
     API = enum.auto()  # a caller (POST /scale_elastic_ep)
     RECOVERY = enum.auto()  # a member died: the controller removes it (docs/architecture.md#faults)

@@ -555,38 +555,42 @@ class ScaleRunner:
             return self._late_report(r)
         assert op is not None
         ev, ph = r.event, op.record.phase
-        if ev is ScaleEvent.PREPARED:
-            if ph is not ScalePhase.PREPARING:
+        match ev:
+            case ScaleEvent.PREPARED:
+                if ph is not ScalePhase.PREPARING:
+                    return []
+                if r.engine_id not in op.prepared:
+                    op.record.bytes_received += r.bytes_received  # measured by the engine
+                op.prepared.add(r.engine_id)
+                if op.prepared >= set(op.alive(op.plan.participants)):
+                    self._enter(op, ScalePhase.COMMITTING, now, self.timeouts.commit_s)
+                    msg = ScaleCommit(op.record.operation_id, op.plan.epoch)
+                    return [SendCommit(op.alive(op.plan.participants), msg)]
                 return []
-            if r.engine_id not in op.prepared:
-                op.record.bytes_received += r.bytes_received  # measured by the engine
-            op.prepared.add(r.engine_id)
-            if op.prepared >= set(op.alive(op.plan.participants)):
-                self._enter(op, ScalePhase.COMMITTING, now, self.timeouts.commit_s)
-                msg = ScaleCommit(op.record.operation_id, op.plan.epoch)
-                return [SendCommit(op.alive(op.plan.participants), msg)]
-            return []
-        if ev is ScaleEvent.COMMITTED:
-            return self._on_committed(op, r, now)
-        if ev in (ScaleEvent.FAILED, ScaleEvent.ROLLED_BACK):
-            op.rolled.add(r.engine_id)
-            if r.engine_id not in op.deciders():
-                # No say in the outcome (a joiner with the current group's consensus, a
-                # leaving engine with the standby barrier's) and useless either way: if
-                # the others commit it is a dead member of the new epoch.
-                op.record.warnings.append(f"engine {r.engine_id}: {ev} ({r.cause})")
-                out: list[Action] = []
-                if r.engine_id not in op.exited:
-                    op.exited.add(r.engine_id)
-                    out.append(StopEngines((r.engine_id,), f"{ev} after COMMIT", force=True))
-                return out + self._settle(op, now)
-            if op.outcome is ScaleOutcome.COMMITTED:
-                op.record.warnings.append(
-                    f"inconsistent: engine {r.engine_id} reported {ev} after a commit"
-                )
-                return []
-            return self._rollback(op, now, f"engine {r.engine_id}: {r.cause or ev}")
-        return []  # LEFT: the exit itself is what FINISHING waits for
+            case ScaleEvent.COMMITTED:
+                return self._on_committed(op, r, now)
+            case ScaleEvent.FAILED | ScaleEvent.ROLLED_BACK:
+                op.rolled.add(r.engine_id)
+                if r.engine_id not in op.deciders():
+                    # No say in the outcome (a joiner with the current group's consensus, a
+                    # leaving engine with the standby barrier's) and useless either way: if
+                    # the others commit it is a dead member of the new epoch.
+                    op.record.warnings.append(f"engine {r.engine_id}: {ev} ({r.cause})")
+                    out: list[Action] = []
+                    if r.engine_id not in op.exited:
+                        op.exited.add(r.engine_id)
+                        out.append(StopEngines((r.engine_id,), f"{ev} after COMMIT", force=True))
+                    return out + self._settle(op, now)
+                if op.outcome is ScaleOutcome.COMMITTED:
+                    op.record.warnings.append(
+                        f"inconsistent: engine {r.engine_id} reported {ev} after a commit"
+                    )
+                    return []
+                return self._rollback(op, now, f"engine {r.engine_id}: {r.cause or ev}")
+            case ScaleEvent.LEFT | ScaleEvent.HANDED_BACK | ScaleEvent.GROUP_FAILED:
+                return []  # LEFT: the exit itself is what FINISHING waits for; others: above
+            case _:
+                assert_never(ev)
 
     def _late_report(self, r: ScaleReport) -> list[Action]:
         """A report of a finished operation: ignored (race 3 / 4) -- unless a member of the
