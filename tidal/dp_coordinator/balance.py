@@ -196,6 +196,7 @@ class _EngineLoad:
     """What one frontend tracks about one engine (mutable; the Balancer's table row)."""
 
     __slots__ = ("counts", "kv", "inflight", "sends", "finished", "capacity")
+    counts: tuple[int, int]
 
     def __init__(self) -> None:
         self.counts = (0, 0)  # [waiting, running] from the latest snapshot covering it

@@ -42,7 +42,7 @@ import logging
 import os
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import astuple, dataclass
 from multiprocessing.connection import Connection
 from typing import Any
@@ -92,8 +92,10 @@ class CoordinatorAddresses:
         return cls(*(f"ipc://{os.path.join(directory, n)}" for n in names))
 
     @classmethod
-    def tcp(cls, host: str, ports: tuple[int, int, int, int] | None = None) -> CoordinatorAddresses:
-        """``ports=None`` binds free ports (read the real ones from ``DPCoordinator``)."""
+    def tcp(cls, host: str, ports: Sequence[int] | None = None) -> CoordinatorAddresses:
+        """``ports`` (four) or None: bind free ports (read the real ones from ``DPCoordinator``)."""
+        if ports is not None and len(ports) != 4:
+            raise ValueError(f"the coordinator binds 4 ports; got {len(ports)}")
         port_strs = [str(p) for p in ports] if ports else ["*"] * 4
         return cls(*(f"tcp://{host}:{p}" for p in port_strs))
 

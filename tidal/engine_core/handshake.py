@@ -116,7 +116,7 @@ class EngineHandshake:
             poller.register(self._monitor, zmq.POLLIN)
         deadline = time.monotonic() + HANDSHAKE_TIMEOUT_S
         while (left := deadline - time.monotonic()) > 0:
-            ready = dict(poller.poll(left * 1000))
+            ready = dict(poller.poll(int(left * 1000) + 1))
             if self._monitor is not None and self._monitor in ready:
                 try:
                     raise_if_refused(self._monitor, "the frontend")

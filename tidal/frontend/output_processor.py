@@ -188,7 +188,8 @@ class OutputProcessor:
         child.token_ids.extend(out.new_token_ids)
         if out.new_logprobs and child.logprobs is not None:
             child.logprobs.extend(self._to_dicts(out.new_logprobs, parent.params.detokenize))
-            child.cumulative_logprob += sum(lp.logprobs[0] for lp in out.new_logprobs)
+            step = sum(lp.logprobs[0] for lp in out.new_logprobs)
+            child.cumulative_logprob = (child.cumulative_logprob or 0.0) + step
         stop = (
             child.detok.update(out.new_token_ids, out.finish_reason is FinishReason.STOP)
             if parent.params.detokenize

@@ -1,3 +1,5 @@
+# pyright: reportArgumentType=false, reportCallIssue=false
+# (triton.jit signatures type launch constants as tl.constexpr and omit num_warps/num_stages)
 """SiLU-and-mul: ``out = silu(x[:, :I]) * x[:, I:]`` for the gate/up halves of a GEMM."""
 
 from __future__ import annotations

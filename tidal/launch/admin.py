@@ -17,6 +17,7 @@ together).
 from __future__ import annotations
 
 import logging
+import typing
 from typing import Any
 
 from fastapi import FastAPI
@@ -65,7 +66,8 @@ def add_admin_routes(app: FastAPI, serving: OpenAIServing, metrics: ServerMetric
         metrics.set_scaling(engine.is_scaling_elastic_ep())
         processes = getattr(engine, "processes", None)
         if callable(processes):
-            metrics.record_processes(engine.config.parallel.tensor_parallel_size, processes())
+            info = typing.cast(dict[int, dict[str, Any]], processes())
+            metrics.record_processes(engine.config.parallel.tensor_parallel_size, info)
         faults = fault_status(engine)
         if faults is not None:
             metrics.record_faults(faults)
@@ -104,4 +106,6 @@ def fault_status(engine: Any) -> dict[str, Any] | None:
     """``AsyncLLM.fault_status()`` (rank deaths, docs/architecture.md#faults), or None for an engine
     that does not report them (a test double, a non-elastic stand-in)."""
     status = getattr(engine, "fault_status", None)
-    return status() if callable(status) else None
+    if not callable(status):
+        return None
+    return typing.cast(dict[str, Any], status())

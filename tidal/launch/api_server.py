@@ -158,7 +158,8 @@ def make_server(
         log_level=log_level,
         lifespan="on",
         timeout_keep_alive=timeout_keep_alive,
-        timeout_graceful_shutdown=timeout_graceful_shutdown,
+        # uvicorn waits with asyncio (a float is fine); its annotation says int.
+        timeout_graceful_shutdown=timeout_graceful_shutdown,  # pyright: ignore[reportArgumentType]
     )
     return uvicorn.Server(config)
 

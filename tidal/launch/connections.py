@@ -137,9 +137,8 @@ def guarded_protocol(limits: ServerLimits) -> type[H11Protocol]:
             super().handle_events()
             if self.cycle is not None and self.cycle is not cycle:
                 # A new request: its task starts after this returns, so it sees the key.
-                self.cycle.scope.setdefault("extensions", {})[ABORT_CONNECTION] = (
-                    self.transport.abort
-                )
+                extensions: Any = self.cycle.scope.setdefault("extensions", {})
+                extensions[ABORT_CONNECTION] = self.transport.abort
 
         def _refuse(self) -> None:
             cls = type(self)

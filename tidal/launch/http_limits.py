@@ -78,7 +78,8 @@ class BodyLimitMiddleware:
         seen = 0
         body_done = False
         loop = asyncio.get_running_loop()
-        deadline = None if self.timeout_s is None else loop.time() + self.timeout_s
+        timeout_s = self.timeout_s
+        deadline = None if timeout_s is None else loop.time() + timeout_s
 
         async def limited_receive() -> dict:
             nonlocal seen, body_done
@@ -88,7 +89,7 @@ class BodyLimitMiddleware:
                 try:
                     message = await asyncio.wait_for(receive(), max(0.0, deadline - loop.time()))
                 except TimeoutError:
-                    raise BodyTimeout(self.timeout_s) from None
+                    raise BodyTimeout(timeout_s or 0.0) from None
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
                 if seen > self.max_bytes:

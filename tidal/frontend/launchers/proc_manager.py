@@ -37,6 +37,7 @@ import os
 import tempfile
 import threading
 import time
+import typing
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from multiprocessing import Pipe
@@ -154,7 +155,7 @@ class EngineProcManager:
         )
         local = topology.engine_ids if local_engines is None else local_engines
         # Local engines: the pid each was started as (the handshake answers only it).
-        self._pids: dict[int, int] = {}
+        self._pids: dict[int, int | None] = {}
         self._hello: dict[int, bytes] = {}  # engine id -> handshake identity answered
         try:
             self._start(local)
@@ -284,7 +285,7 @@ class EngineProcManager:
                 with self._lock:
                     p = self.procs.get(e)
                     stopped = p is None or e in self._expected
-                if stopped:
+                if stopped or p is None:
                     raise EngineStartError(e, f"engine {e} was stopped during its startup")
                 code = p.exitcode
                 if code is not None:
@@ -358,11 +359,12 @@ class EngineProcManager:
             watching = self._monitor is not None and self._monitor.is_alive()
         for e, pids in workers.items():
             _kill_orphaned_workers(e, pids)
-        if watching and self._monitor is not threading.current_thread():
+        monitor = self._monitor
+        if watching and monitor is not None and monitor is not threading.current_thread():
             self._wake()
             with self._changed:
                 self._changed.wait_for(
-                    lambda: self._generation > gen or not self._monitor.is_alive(), timeout=5
+                    lambda: self._generation > gen or not monitor.is_alive(), timeout=5
                 )
         for p in procs.values():
             p.close()
@@ -386,7 +388,8 @@ class EngineProcManager:
                     ident, _ = input_sock.recv_multipart()
                     pending_reg.discard(engine_id_of(ident))
                 else:
-                    self._on_handshake(*self._handshake.recv_multipart(), pending_ready)
+                    ident, payload = self._handshake.recv_multipart()
+                    self._on_handshake(ident, payload, pending_ready)
 
     def _on_handshake(
         self, ident: bytes, payload: bytes, pending: set[int], *, joining: bool = False
@@ -513,7 +516,7 @@ class EngineProcManager:
                 for s in ready:
                     if s is self._wake_r:
                         continue
-                    e, p = watched[s]
+                    e, p = watched[typing.cast(int, s)]
                     if self.procs.get(e) is not p or e in self._expected or e in self._reported:
                         continue
                     self._reported.add(e)

@@ -49,6 +49,7 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import ray
 from ray.exceptions import GetTimeoutError, RayError
@@ -101,7 +102,7 @@ class _Slot:
     """A rank's home on the cluster: its placement group and the actor in it."""
 
     pg: PlacementGroup
-    actor: ray.actor.ActorHandle
+    actor: Any  # the EngineActor's handle (Ray types each actor's proxy by its class)
     node_id: str = ""
     node_ip: str = ""
     actor_pid: int = 0
@@ -236,7 +237,7 @@ class RayLauncher(Launcher):
         if ray.is_initialized():
             return  # the embedding program joined a cluster already (a Ray job)
         address = address or os.environ.get("RAY_ADDRESS") or None
-        kwargs = {} if address else {"include_dashboard": False}
+        kwargs: dict[str, Any] = {} if address else {"include_dashboard": False}
         # ray.init makes SIGTERM exit the process at once (``sys.exit``): the server's
         # own handler (drain, stop the ranks) is put back.
         on_sigterm = signal.getsignal(signal.SIGTERM)
@@ -500,7 +501,7 @@ class RayLauncher(Launcher):
             with self._spare_ready:
                 self._promoting -= 1
                 keep = started and not self._closed
-                if keep:
+                if keep and slot is not None:
                     self._spares.append(slot)
                 self._spare_ready.notify_all()
             if not keep:

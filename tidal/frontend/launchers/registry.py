@@ -27,7 +27,7 @@ class LauncherKind:
 
     name: str
     # The launcher class (imported on call: an optional dependency only when chosen).
-    load: Callable[[], type[Launcher]]
+    load: Callable[[], Callable[[EngineConfig, str | None], Launcher]]
     # It places every rank itself, none beside the frontend: no ``--headless`` hosts and no
     # local share, so the control plane is TCP (``data_parallel_size_local`` resolves to 0).
     starts_all_ranks: bool = False

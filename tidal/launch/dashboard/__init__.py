@@ -6,4 +6,4 @@ from importlib import resources
 
 
 def dashboard_html() -> str:
-    return resources.files(__package__).joinpath("index.html").read_text(encoding="utf-8")
+    return resources.files(__name__).joinpath("index.html").read_text(encoding="utf-8")
