@@ -19,6 +19,7 @@ def test_several_ranks_share_the_cores():
     assert threads_per_rank(2, 4) == 1  # never zero
     # A pinned rank's TP workers: each runs its share of the rank's group of cores.
     assert threads_per_rank(4, 2) == 2 and threads_per_rank(1, 2) == 1
+    assert threads_per_rank(16, 3) == 5 and threads_per_rank(8, 0) == 8  # no ranks: all
 
 
 def test_an_operators_settings_win():

@@ -16,7 +16,6 @@ from tidal.elastic.plan import (
     max_size,
     min_size,
     plan_scale,
-    threads_per_rank,
     validate_size,
 )
 from tidal.moe.placement import ExpertPlacement, num_transfers, plan_moves, resize
@@ -380,10 +379,8 @@ def test_bad_current_placement():
         plan_scale(t, 3, 8)
 
 
-def test_sizes_and_threads():
+def test_expert_sizes():
     assert expert_nbytes(64, 32, 2, 4) == 3 * 64 * 32 * 2 * 4
-    assert threads_per_rank(16, 3) == 5 and threads_per_rank(2, 4) == 1
-    assert threads_per_rank(8, 0) == 8
 
 
 # ----------------------------------------------------------------------------- wire

@@ -134,11 +134,6 @@ def expert_nbytes(
     return 3 * hidden_size * moe_intermediate_size * num_moe_layers * dtype_bytes
 
 
-def threads_per_rank(cpu_cores: int, local_ranks: int) -> int:
-    """Torch threads of each of ``local_ranks`` engines sharing ``cpu_cores`` (docs/architecture.md#processes)."""
-    return max(1, cpu_cores // max(1, local_ranks))
-
-
 def _check_expert_counts(num_experts: int, num_redundant: int) -> None:
     if num_experts < 1:
         raise ScalePlanError(f"num_experts must be >= 1, got {num_experts}")

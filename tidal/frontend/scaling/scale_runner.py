@@ -110,7 +110,6 @@ from tidal.elastic.plan import (
     ScalePlan,
     ScalePlanError,
     plan_scale,
-    threads_per_rank,
     validate_size,
 )
 from tidal.frontend.scaling.scale_events import (
@@ -149,6 +148,7 @@ from tidal.protocol.elastic import (
     ScaleReport,
 )
 from tidal.protocol.topology import Topology
+from tidal.utils.cpu_threads import threads_per_rank
 
 # What the runner handles; ``RequestsMigrated`` is counted by ``count_migrated``.
 RunnerEvent = EngineReady | EngineExited | ScaleReport
