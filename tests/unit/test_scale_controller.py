@@ -37,7 +37,7 @@ from tidal.elastic.scaling_slot import ScalingSlot
 from tidal.frontend.scaling.scale_controller import ScaleController
 from tidal.frontend.scaling.scale_events import (
     EngineExited,
-    EngineReady,
+    EngineStarted,
     ExcludeFromRouting,
     MigrateRequests,
     PublishTopology,
@@ -115,8 +115,8 @@ def test_scale_up_end_to_end():
     assert c.is_scaling and rec.phase is ScalePhase.STARTING_ENGINES
     spawn = one(out, SpawnEngines)
     assert spawn.engine_ids == (2,) and spawn.topology.engine_ids == [0, 1, 2]
-    assert c.handle(EngineReady(7), 1.5) == []  # not ours
-    out = c.handle(EngineReady(2), 2.0)
+    assert c.handle(EngineStarted(7), 1.5) == []  # not ours
+    out = c.handle(EngineStarted(2), 2.0)
     prep = one(out, SendPrepare)
     assert prep.engine_ids == (0, 1, 2) and rec.phase is ScalePhase.PREPARING
     msg = prep.message
@@ -183,7 +183,7 @@ def test_one_to_n_and_back(frm, to):
     resp, out = c.request_scale(ScaleRequest(to), 0.0)
     rec = resp.record
     for e in rec.joining:
-        out += c.handle(EngineReady(e), 0.5)
+        out += c.handle(EngineStarted(e), 0.5)
     prep = one(out, SendPrepare).message
     out = all_report(c, [*range(frm), *rec.joining], ScaleEvent.PREPARED, 1.0)
     out += all_report(c, prep.topology.engine_ids, ScaleEvent.COMMITTED, 2.0, step=32)
@@ -285,7 +285,7 @@ def _finish_ok(c: ScaleController, now: float) -> None:
     rec = c.current
     assert rec is not None
     for e in rec.joining:
-        c.handle(EngineReady(e), now)
+        c.handle(EngineStarted(e), now)
     members = [*c.topology.engine_ids, *rec.joining]
     all_report(c, [e for e in members if e not in rec.dead], ScaleEvent.PREPARED, now)
     new = [e for e in members if e not in rec.leaving]
@@ -317,8 +317,8 @@ def test_new_engine_never_ready():
 def test_new_engine_dies_during_prepare():
     c = ctl(2)
     resp, _ = c.request_scale(ScaleRequest(4, operation_id="a"), 0.0)
-    c.handle(EngineReady(2), 0.1)
-    c.handle(EngineReady(3), 0.2)
+    c.handle(EngineStarted(2), 0.1)
+    c.handle(EngineStarted(3), 0.2)
     c.handle(rep(c, 0, ScaleEvent.PREPARED), 0.3)
     out = c.handle(EngineExited(3, "killed"), 0.4)
     abort = one(out, SendAbort)
@@ -360,7 +360,7 @@ def test_prepare_deadline_names_the_slow_engines():
 def test_survivor_death_during_prepare_then_emergency_replacement():
     c = ctl(3)
     resp, _ = c.request_scale(ScaleRequest(4, operation_id="a"), 0.0)
-    c.handle(EngineReady(3), 0.1)
+    c.handle(EngineStarted(3), 0.1)
     out = c.handle(EngineExited(1, "segfault"), 0.5)
     assert out[0] == MigrateRequests(1, None, "a")
     assert resp.record.phase is ScalePhase.ROLLED_BACK and c.dead == {1}
@@ -369,7 +369,7 @@ def test_survivor_death_during_prepare_then_emergency_replacement():
     resp, out = c.request_scale(ScaleRequest(3, operation_id="b"), 1.0)
     rec = resp.record
     assert rec.dead == [1] and rec.leaving == [1] and rec.joining == [4]
-    c.handle(EngineReady(4), 1.1)
+    c.handle(EngineStarted(4), 1.1)
     prep = c.runner.running.prepare  # type: ignore[union-attr]
     assert not prep.old_group_usable and prep.dead == [1]
     assert all(t.src_engine_id != 1 for t in prep.transfers)
@@ -392,7 +392,7 @@ def test_dead_member_outside_an_operation():
 def test_rollback_reported_during_commit():
     c = ctl(2)
     resp, _ = c.request_scale(ScaleRequest(3, operation_id="a"), 0.0)
-    c.handle(EngineReady(2), 0.1)
+    c.handle(EngineStarted(2), 0.1)
     all_report(c, [0, 1, 2], ScaleEvent.PREPARED, 0.2)
     out = c.handle(rep(c, 0, ScaleEvent.FAILED, cause="no commit consensus"), 1.0)
     # Safe after COMMIT: engine 0's flag is down for good, so nobody can commit.
@@ -405,7 +405,7 @@ def test_rollback_reported_during_commit():
 def test_joiner_failing_after_commit_has_no_say():
     c = ctl(2)
     resp, _ = c.request_scale(ScaleRequest(3, operation_id="a"), 0.0)
-    c.handle(EngineReady(2), 0.1)
+    c.handle(EngineStarted(2), 0.1)
     all_report(c, [0, 1, 2], ScaleEvent.PREPARED, 0.2)
     out = c.handle(rep(c, 2, ScaleEvent.FAILED, cause="barrier timed out"), 1.0)
     assert out == [StopEngines((2,), "failed after COMMIT", force=True)]
@@ -497,7 +497,7 @@ def test_commit_outcome_unknown_then_resolved_late():
 def test_commit_outcome_unknown_then_rolled_back_late():
     c = ctl(2)
     resp, _ = c.request_scale(ScaleRequest(3, operation_id="a"), 0.0)
-    c.handle(EngineReady(2), 0.0)
+    c.handle(EngineStarted(2), 0.0)
     all_report(c, [0, 1, 2], ScaleEvent.PREPARED, 0.1)
     c.tick(20.0)
     out = c.handle(rep_for(resp.record, 2, ScaleEvent.FAILED, cause="x"), 21.0)
@@ -542,7 +542,7 @@ def test_inconsistent_report_after_commit_is_only_a_warning():
 def test_a_member_failing_after_the_operation_succeeded_is_stopped():
     c = ctl(2)
     resp, _ = c.request_scale(ScaleRequest(3, operation_id="a"), 0.0)
-    c.handle(EngineReady(2), 0.0)
+    c.handle(EngineStarted(2), 0.0)
     all_report(c, [0, 1, 2], ScaleEvent.PREPARED, 0.1)
     all_report(c, [0, 1], ScaleEvent.COMMITTED, 0.2, step=32)
     c.tick(0.1 + T.commit_s)  # engine 2's COMMITTED never came: finished with a warning
@@ -556,7 +556,7 @@ def test_nobody_left_who_could_commit_is_a_rollback():
     c = ctl(1)
     resp, _ = c.request_scale(ScaleRequest(3, operation_id="a"), 0.0)
     for e in (1, 2):
-        c.handle(EngineReady(e), 0.0)
+        c.handle(EngineStarted(e), 0.0)
     all_report(c, [0, 1, 2], ScaleEvent.PREPARED, 0.1)
     c.handle(EngineExited(0, "killed"), 0.2)  # the only survivor, mid-commit
     assert resp.record.phase is ScalePhase.COMMITTING
@@ -924,7 +924,7 @@ class World:
             if faults and rng.random() < 0.05:
                 return  # never starts: the start deadline handles it
             if self.engines[e].alive:
-                self.apply(self.c.handle(EngineReady(e), self.now))
+                self.apply(self.c.handle(EngineStarted(e), self.now))
         elif x < 0.83:
             # Mostly short (messages are fast next to deadlines); now and then long
             # enough for a deadline to fire.
@@ -983,7 +983,7 @@ class World:
             for e in list(self.pending_ready):
                 self.pending_ready.remove(e)
                 if self.engines[e].alive:
-                    self.apply(self.c.handle(EngineReady(e), self.now))
+                    self.apply(self.c.handle(EngineStarted(e), self.now))
             for eng in list(self.engines.values()):
                 self.progress(eng)
             for g in self.serving_groups():

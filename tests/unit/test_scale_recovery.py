@@ -14,7 +14,7 @@ from tidal.frontend.scaling.scale_controller import ScaleController
 from tidal.frontend.scaling.scale_events import (
     AdmitScale,
     EngineExited,
-    EngineReady,
+    EngineStarted,
     FailDeployment,
     MigrateRequests,
     PublishTopology,
@@ -175,7 +175,7 @@ def test_restore_follows_a_committed_recovery():
     resp, out = c.request_scale(restore, 3.0, store_address=STORE)
     rrec = resp.record
     assert rrec.trigger == "restore" and one(out, SpawnEngines).engine_ids == (3,)
-    out = c.handle(EngineReady(3), 3.5)
+    out = c.handle(EngineStarted(3), 3.5)
     assert one(out, SendPrepare).engine_ids == (0, 2, 3)
     all_report(c, [0, 2, 3], ScaleEvent.PREPARED, 4.0)
     out = all_report(c, [0, 2, 3], ScaleEvent.COMMITTED, 5.0, step=1)
@@ -210,7 +210,7 @@ def test_an_api_scale_that_succeeds_sets_the_size_to_restore():
     assert api.admission is Admission.STARTED  # it came first
     busy, out = c.request_scale(restore, 2.2, store_address=STORE)
     assert busy.admission is Admission.CONFLICT and out == []
-    out = c.handle(EngineReady(3), 2.3)
+    out = c.handle(EngineStarted(3), 2.3)
     all_report(c, [0, 2, 3], ScaleEvent.PREPARED, 2.4)
     out = all_report(c, [2, 3], ScaleEvent.COMMITTED, 2.5, step=1)
     out += c.handle(EngineExited(0), 2.6)  # it left
@@ -291,7 +291,7 @@ def test_admission_failed_of_an_api_request_does_nothing():
 def test_death_during_an_api_scale_up_rolls_back_then_recovers():
     c = ctl(2, recover=True)
     resp, _ = c.request_scale(ScaleRequest(3, operation_id="up"), 0.0)
-    c.handle(EngineReady(2), 0.5)
+    c.handle(EngineStarted(2), 0.5)
     c.handle(rep(c, 0, ScaleEvent.PREPARED), 0.6)
     out = c.handle(EngineExited(1, "killed"), 1.0)
     assert out[0] == MigrateRequests(1, None, "up")
@@ -320,7 +320,7 @@ def test_death_during_a_running_operation_waits_for_it():
     """A member dying while an operation commits: the recovery is asked only after."""
     c = ctl(3, recover=True)
     resp, _ = c.request_scale(ScaleRequest(4, operation_id="up"), 0.0)
-    c.handle(EngineReady(3), 0.1)
+    c.handle(EngineStarted(3), 0.1)
     all_report(c, [0, 1, 2, 3], ScaleEvent.PREPARED, 0.2)
     out = c.handle(EngineExited(2, "killed"), 0.5)  # mid-commit: the reports decide
     assert not of(out, AdmitScale) and resp.record.phase is ScalePhase.COMMITTING

@@ -19,7 +19,7 @@ from typing import Any, assert_never
 from tidal.frontend.scaling.scale_events import (
     Action,
     EngineExited,
-    EngineReady,
+    EngineStarted,
     Event,
     RequestsMigrated,
 )
@@ -156,7 +156,7 @@ class ScaleController:
 
     def handle(self, event: Event, now: float) -> list[Action]:
         match event:
-            case ScaleReport() | EngineExited() | EngineReady():
+            case ScaleReport() | EngineExited() | EngineStarted():
                 out = self.runner.handle(event, now)
             case RequestsMigrated():
                 self.runner.count_migrated(event)

@@ -9,7 +9,7 @@ one queue, so the controller sees one event at a time, in arrival order:
 - ``ScaleReport``s, read by the client from the engines' output socket (``on_report``);
 - engine exits: the process monitor's (``on_exit``, for the engines ``owns_engine``
   claims: joiners, leavers, engines no longer serving) and those of ``StopEngines``;
-- ``EngineReady`` / ``EngineExited`` from the joiners' startup handshake;
+- ``EngineStarted`` / ``EngineExited`` from the joiners' startup handshake;
 - ``RequestsMigrated`` after a ``MigrateRequests``;
 - a tick at ``controller.next_deadline()``.
 
@@ -17,7 +17,7 @@ Actions run in the order the controller returned them. Quick ones run inline (ro
 topology, SCALE frames -- retried briefly while a joiner's input route appears --,
 migration); the blocking ones run on a worker thread in the background and report back
 as events: ``SpawnEngines`` (start the processes, then ``wait_for_joiners`` ->
-``EngineReady`` each, or ``EngineExited`` naming the one that failed) and
+``EngineStarted`` each, or ``EngineExited`` naming the one that failed) and
 ``StopEngines`` (stop, reap -> ``EngineExited`` each).
 
 Each operation gets a fresh ``TCPStore`` for its standby groups (``store_address`` of the
@@ -47,7 +47,7 @@ from tidal.frontend.scaling.scale_events import (
     Action,
     AdmitScale,
     EngineExited,
-    EngineReady,
+    EngineStarted,
     Event,
     ExcludeFromRouting,
     FailDeployment,
@@ -403,7 +403,7 @@ class ScaleDriver:
                 await self._admit(item)
             case _Tick():
                 await self._execute(c.tick(self._clock()))
-            case EngineReady() | EngineExited() | RequestsMigrated() | ScaleReport():
+            case EngineStarted() | EngineExited() | RequestsMigrated() | ScaleReport():
                 if isinstance(item, EngineExited) and item.engine_id in c.topology:
                     # A member gone (dead, or leaving): no new request goes there from now
                     # on -- before its requests migrate, so none is routed to it after.
@@ -530,7 +530,7 @@ class ScaleDriver:
             await self._reap(failed)
             return
         for e in engine_ids:
-            self._post(EngineReady(e))
+            self._post(EngineStarted(e))
 
     async def _stop(self, a: StopEngines) -> None:
         timeout = 5.0 if a.force else self._stop_timeout_s

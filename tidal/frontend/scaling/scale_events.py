@@ -17,8 +17,9 @@ from tidal.protocol.topology import Topology
 
 
 @dataclass(frozen=True)
-class EngineReady:
-    """A new engine finished its startup handshake (READY, config hash matched)."""
+class EngineStarted:
+    """A new engine finished its startup handshake (the READY message, its config hash
+    matched): the scale controller's event, not the handshake message itself."""
 
     engine_id: int
 
@@ -41,7 +42,7 @@ class RequestsMigrated:
     operation_id: str | None = None
 
 
-Event = EngineReady | EngineExited | RequestsMigrated | ScaleReport
+Event = EngineStarted | EngineExited | RequestsMigrated | ScaleReport
 
 
 # ------------------------------------------------------------------------------ actions
@@ -49,7 +50,7 @@ Event = EngineReady | EngineExited | RequestsMigrated | ScaleReport
 
 @dataclass(frozen=True)
 class SpawnEngines:
-    """Start engine processes with these fresh ids (they handshake -> ``EngineReady``)."""
+    """Start engine processes with these fresh ids (they handshake -> ``EngineStarted``)."""
 
     operation_id: str
     engine_ids: tuple[int, ...]

@@ -22,7 +22,7 @@ Phases of one operation (each with a deadline; timings are kept in its record)::
 
 - PLANNED: ``plan_scale`` validated and planned it (``ScalePlanError`` -> HTTP 400, the
   operation is not admitted and occupies nothing).
-- STARTING_ENGINES: ``SpawnEngines``; each new engine's startup handshake -> ``EngineReady``.
+- STARTING_ENGINES: ``SpawnEngines``; each new engine's startup handshake -> ``EngineStarted``.
 - PREPARING: ``ExcludeFromRouting`` (leaving engines) *then* ``SendPrepare`` to every
   participant; leaving engines hand back what they could not finish (``MigrateRequests``).
 - COMMITTING: ``ScaleCommit`` sent; the engines decide by consensus (the all-reduced flag,
@@ -115,7 +115,7 @@ from tidal.elastic.plan import (
 from tidal.frontend.scaling.scale_events import (
     Action,
     EngineExited,
-    EngineReady,
+    EngineStarted,
     ExcludeFromRouting,
     MigrateRequests,
     PublishTopology,
@@ -151,7 +151,7 @@ from tidal.protocol.topology import Topology
 from tidal.utils.cpu_threads import threads_per_rank
 
 # What the runner handles; ``RequestsMigrated`` is counted by ``count_migrated``.
-RunnerEvent = EngineReady | EngineExited | ScaleReport
+RunnerEvent = EngineStarted | EngineExited | ScaleReport
 
 
 class ServedState(Protocol):
@@ -436,7 +436,7 @@ class ScaleRunner:
                 return self._on_report(event, now)
             case EngineExited():
                 return self._on_exit(event, now)
-            case EngineReady():
+            case EngineStarted():
                 return self._on_ready(event.engine_id, now)
             case _:
                 assert_never(event)
