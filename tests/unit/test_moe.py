@@ -8,8 +8,8 @@ import torch
 
 from tidal.kernels.fused_moe_torch import fused_experts_torch
 from tidal.moe.layer import EXPERT_BACKENDS, FusedMoE, build_expert_map, resolve_moe_backend
-from tidal.moe.reference import fused_experts_reference
-from tidal.moe.router import grouped_topk, softmax_topk
+from tidal.moe.reference import fused_experts_reference, route_reference
+from tidal.moe.router import Routing, Scoring, grouped_topk, route, softmax_topk
 
 ATOL = 1e-5
 
@@ -234,35 +234,109 @@ def test_backend_resolution():
         build_expert_map(4, [1, 1])
 
 
-def _grouped_topk_naive(logits, top_k, groups, topk_group, bias, scoring):
-    """Per-token loops over the DeepSeek-V3 definition."""
-    scores = logits.float().softmax(-1) if scoring == "softmax" else logits.float().sigmoid()
-    choice = scores + (bias if bias is not None else 0)
-    size = logits.shape[1] // groups
-    ids = []
-    for t in range(logits.shape[0]):
-        g_scores = []
-        for g in range(groups):
-            vals = sorted(choice[t, g * size : (g + 1) * size].tolist(), reverse=True)
-            g_scores.append(sum(vals[:2]) if bias is not None else vals[0])
-        keep = sorted(range(groups), key=lambda g: -g_scores[g])[:topk_group]
-        cands = [e for e in range(logits.shape[1]) if e // size in keep]
-        ids.append(sorted(cands, key=lambda e: -choice[t, e].item())[:top_k])
-    return torch.tensor(ids), scores
+# Each rule the architectures use: plain softmax (Qwen/Mixtral/OLMoE), and the rest through
+# grouped_topk: GLM-4.5's (sigmoid, bias, groups, scaling), sigmoid without a bias,
+# softmax with groups (DeepSeek-V2).
+RULES = [
+    pytest.param(Routing(4, False), id="softmax"),
+    pytest.param(Routing(4, True), id="softmax-renorm"),
+    pytest.param(
+        Routing(4, True, Scoring.SIGMOID, num_groups=4, topk_group=2, correction_bias=True,
+                scaling_factor=2.5),
+        id="sigmoid-bias-groups-scaled",
+    ),  # fmt: skip
+    pytest.param(Routing(4, True, Scoring.SIGMOID, correction_bias=True), id="sigmoid-bias"),
+    pytest.param(Routing(3, False, Scoring.SIGMOID, num_groups=2, topk_group=1), id="sigmoid"),
+    pytest.param(Routing(4, True, num_groups=4, topk_group=2), id="softmax-groups"),
+]
 
 
-@pytest.mark.parametrize(
-    "scoring,with_bias", [("softmax", False), ("sigmoid", True), ("sigmoid", False)]
-)
-def test_grouped_topk_matches_definition(scoring, with_bias):
+@pytest.mark.parametrize("routing", RULES)
+def test_route_matches_reference(routing):
     logits = torch.randn(12, 16)
-    bias = torch.randn(16) * 0.1 if with_bias else None
-    w, ids = grouped_topk(logits, 4, True, num_expert_group=4, topk_group=2,
-                          scoring_func=scoring, e_score_correction_bias=bias)  # fmt: skip
-    want_ids, scores = _grouped_topk_naive(logits, 4, 4, 2, bias, scoring)
-    assert torch.equal(ids, want_ids)
-    want_w = scores.gather(1, want_ids)
-    torch.testing.assert_close(w, want_w / want_w.sum(-1, keepdim=True), atol=1e-6, rtol=0)
+    bias = torch.randn(16) * 0.1 if routing.correction_bias else None
+    got_w, got_ids = route(logits, routing, bias)
+    want_w, want_ids = route_reference(logits, routing, bias)
+    # The same experts; the order inside a token's k may differ (topk of a masked row).
+    order = got_ids.argsort(-1)
+    want_order = want_ids.argsort(-1)
+    assert torch.equal(got_ids.gather(1, order), want_ids.gather(1, want_order))
+    torch.testing.assert_close(
+        got_w.gather(1, order), want_w.gather(1, want_order), atol=1e-6, rtol=1e-6
+    )
+    assert got_w.dtype == torch.float32 and got_ids.dtype == torch.int64
+
+
+@pytest.mark.parametrize("routing", RULES)
+def test_route_takes_no_tokens(routing):
+    """An EP worker's share of a batch may be empty (a dummy step, few rows over TP)."""
+    bias = torch.zeros(16) if routing.correction_bias else None
+    w, ids = route(torch.randn(0, 16), routing, bias)
+    assert w.shape == ids.shape == (0, routing.top_k)
+
+
+def test_route_checks_its_bias():
+    with pytest.raises(ValueError, match="correction bias"):
+        route(torch.randn(2, 8), Routing(2, True, Scoring.SIGMOID, correction_bias=True))
+    with pytest.raises(ValueError, match="correction bias"):
+        route(torch.randn(2, 8), Routing(2, True), torch.zeros(8))
+
+
+def test_bias_steers_the_choice_but_not_the_weights():
+    logits = torch.zeros(1, 8)
+    logits[0, 0] = 1.0  # the best score
+    bias = torch.zeros(8)
+    bias[5] = bias[6] = 1.0  # ... but 5 and 6 are chosen
+    w, ids = route(logits, Routing(2, False, Scoring.SIGMOID, correction_bias=True), bias)
+    assert sorted(ids[0].tolist()) == [5, 6]
+    torch.testing.assert_close(w, torch.full((1, 2), 0.5))  # sigmoid(0), unbiased
+
+
+def test_glm_router_matches_transformers():
+    from transformers import Glm4MoeConfig
+    from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeTopkRouter
+
+    cfg = Glm4MoeConfig(
+        hidden_size=32, n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2,
+        routed_scaling_factor=2.5, norm_topk_prob=True,
+    )  # fmt: skip
+    router = Glm4MoeTopkRouter(cfg).eval()
+    with torch.no_grad():
+        router.weight.normal_(0.0, 0.3)
+        router.e_score_correction_bias.normal_(0.0, 0.1)
+    x = torch.randn(40, 32)
+    with torch.no_grad():
+        logits, want_w, want_ids = router(x)
+    routing = Routing(4, True, Scoring.SIGMOID, 4, 2, True, 2.5)
+    got_w, got_ids = route(logits, routing, router.e_score_correction_bias)
+    order, want_order = got_ids.argsort(-1), want_ids.argsort(-1)
+    assert torch.equal(got_ids.gather(1, order), want_ids.gather(1, want_order))
+    torch.testing.assert_close(got_w.gather(1, order), want_w.gather(1, want_order))
+
+
+@pytest.mark.parametrize("mode", ["native", "onednn", "torch", "auto"])
+def test_layer_routes_another_rule_on_every_cpu_path(mode):
+    """The C++ router computes softmax top-k only: a layer with another rule never takes
+    it (its router op is another key, without the native candidate); the paths it does
+    take (oneDNN's logits, torch) route as ``route`` on the layer's logits."""
+    from tidal.kernels.select import choose_paths
+
+    routing = Routing(4, True, Scoring.SIGMOID, 4, 2, True, 2.5)
+    moe = FusedMoE(16, 4, 32, 8, True, routing=routing)
+    moe.gate.data.copy_(torch.randn(16, 32) * 0.3)
+    moe.score_bias.copy_(torch.randn(16) * 0.1)
+    moe.w13.data.normal_()
+    moe.w2.data.normal_()
+    ops = moe.cpu_ops()
+    assert ops["router"].key.op == "router_logits"
+    assert all(c.path != "native" for c in ops["router"].candidates)
+    choose_paths([moe], mode=mode, cache_dir=None, batch_rows=4)
+    assert moe.cpu_choice["router"].layout != "native"
+    x = torch.randn(20, 32)
+    got_w, got_ids = moe.route(x)
+    want_w, want_ids = route(torch.nn.functional.linear(x, moe.gate), routing, moe.score_bias)
+    assert torch.equal(got_ids.sort(-1).values, want_ids.sort(-1).values)
+    torch.testing.assert_close(got_w.sort(-1).values, want_w.sort(-1).values)
 
 
 def test_grouped_topk_with_all_groups_is_plain_topk():

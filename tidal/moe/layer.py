@@ -3,7 +3,7 @@
 Forward::
 
     router_logits = hidden @ gate.T                       # [T, E_global]
-    topk_weights, topk_ids = softmax_topk(...)            # [T, K] f32, [T, K] int64
+    topk_weights, topk_ids = route(router_logits, routing) # [T, K] f32, [T, K] int64
     if dispatcher: hidden, topk_weights, topk_ids, handle = dispatcher.dispatch(...)
     out = experts(hidden, w13, w2, topk_weights, topk_ids, expert_map)
     if dispatcher: out = dispatcher.combine(out, handle)
@@ -18,6 +18,12 @@ On CPU (torch backend) the router and the experts each run on the path measured 
 holds the only copy of its weights, and ``gate``/``w13``/``w2`` then read as rebuilt
 copies (``HeldParamsModule``): write through them and call ``weights_updated()``, as the
 loader, EPLB and expert installs do; ``expert_weights(slots)`` rebuilds just some slots.
+
+The routing rule (``tidal/moe/router.py``'s ``Routing``) defaults to softmax top-k; any
+other rule is computed by the torch router on the gate's logits, so the C++ router, which
+computes only softmax top-k, is not among the router op's candidates then (its op key
+says so: ``router_logits``). ``score_bias [E_global] float32`` is the correction bias of a
+rule that has one (every rank holds all of it: it is per logical expert, never moved).
 
 Expert parallelism: the EP setup (``tidal/executor/model_runner.py``) sets ``dispatcher``
 and points every layer's ``forward_context`` at one shared ``MoEForwardContext``, whose
@@ -50,7 +56,7 @@ from tidal.kernels.fused_moe_torch import empty_k_major_experts, fused_experts_t
 from tidal.kernels.held_params import HeldParamsModule
 from tidal.kernels.select import Candidate, Choice, OpKey, OpSpec, default_choice, weight_candidates
 from tidal.moe.reference import fused_experts_reference
-from tidal.moe.router import softmax_topk
+from tidal.moe.router import Routing, route
 
 ExpertsFn = Callable[..., Tensor]
 
@@ -148,11 +154,15 @@ class FusedMoE(HeldParamsModule):
         dtype: torch.dtype | None = None,
         device: Any = None,
         tp: TensorParallel | None = None,
+        routing: Routing | None = None,  # None: softmax top-k (``top_k``, ``renormalize``)
     ) -> None:
         super().__init__()
         self.tp = tp or TensorParallel()
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"top_k must be in [1, {num_experts}], got {top_k}")
+        self.routing = routing or Routing(top_k, renormalize)
+        if (self.routing.top_k, self.routing.renormalize) != (top_k, renormalize):
+            raise ValueError(f"routing {self.routing} disagrees with top_k/renormalize")
         self.num_experts = num_experts
         self.top_k = top_k
         self.renormalize = renormalize
@@ -174,6 +184,9 @@ class FusedMoE(HeldParamsModule):
         self.register_buffer(
             "expert_map", build_expert_map(num_experts, self.local_expert_ids, device)
         )
+        self.score_bias: Tensor | None  # [E_global] float32, filled by the loader
+        bias = torch.zeros(num_experts, dtype=torch.float32, device=device)
+        self.register_buffer("score_bias", bias if self.routing.correction_bias else None)
         # None when the map is the identity (all experts, in order): skip the lookup.
         identity = self.local_expert_ids == list(range(num_experts))
         self._map_arg: Tensor | None = None if identity else self.expert_map
@@ -216,12 +229,13 @@ class FusedMoE(HeldParamsModule):
         routed = None
         if isinstance(gate, HeldGate):  # the C++ router: one call; oneDNN: its logits
             variant = self._choice("router").for_rows(hidden.shape[0]).variant
-            routed = gate(hidden, self.top_k, self.renormalize, variant)
+            if self.routing.plain_softmax:
+                routed = gate(hidden, self.top_k, self.renormalize, variant)
             logits = gate.logits(hidden) if routed is None else None
         else:
             logits = torch.nn.functional.linear(hidden, self.gate)  # [T, E_global]
         if routed is None:
-            routed = softmax_topk(logits, self.top_k, self.renormalize)
+            routed = route(logits, self.routing, self.score_bias)
         return routed
 
     def forward_experts(
@@ -262,10 +276,14 @@ class FusedMoE(HeldParamsModule):
     def _choice(self, op: str) -> Choice:
         choice = self.cpu_choice.get(op)
         if choice is None:
-            choice = self.cpu_choice[op] = default_choice(
-                weight_candidates(self.params_dtype), True
-            )
+            choice = self.cpu_choice[op] = default_choice(self._candidates(op), True)
         return choice
+
+    def _candidates(self, op: str) -> list[Candidate]:
+        cands = weight_candidates(self.params_dtype)
+        if op == "router" and not self.routing.plain_softmax:  # the C++ router cannot
+            cands = [c for c in cands if c.path != "native"]
+        return cands
 
     def _held(self, op: str) -> HeldExperts | HeldGate | None:
         held = self._held_experts if op == "experts" else self._held_gate
@@ -334,14 +352,20 @@ class FusedMoE(HeldParamsModule):
             len(self.local_expert_ids),
             self.expert_shape,
         )
-        cands = tuple(weight_candidates(dtype))
         size = dtype.itemsize
         key = OpKey("moe", (e_local, hidden, two_i // 2, self.top_k, self.num_experts))
-        router = OpKey("router", (self.num_experts, hidden, self.top_k))
+        # Another rule's router is a different op (a cached softmax choice must not serve it).
+        kind = "router" if self.routing.plain_softmax else "router_logits"
+        router = OpKey(kind, (self.num_experts, hidden, self.top_k))
         return {
-            "experts": OpSpec(key, cands, True, e_local * 3 * hidden * (two_i // 2) * size),
-            "router": OpSpec(router, cands, True, self.num_experts * hidden * size),
-        }
+            "experts": OpSpec(
+                key, tuple(self._candidates("experts")), True,
+                e_local * 3 * hidden * (two_i // 2) * size,
+            ),
+            "router": OpSpec(
+                router, tuple(self._candidates("router")), True, self.num_experts * hidden * size
+            ),
+        }  # fmt: skip
 
     def cpu_trial(self, op: str, candidate: Candidate, instances: int) -> Any:
         """Stand-ins with this layer's shape on synthetic weights; the experts' trial routes
@@ -353,7 +377,7 @@ class FusedMoE(HeldParamsModule):
             # virtual memory): the router's trial must not pay for the experts'.
             moe = FusedMoE(
                 self.num_experts, self.top_k, hidden, two_i // 2, self.renormalize,
-                self.local_expert_ids,
+                self.local_expert_ids, routing=self.routing,
             )  # fmt: skip
             moe.set_cpu_path(op, Choice(candidate, candidate, candidate.path))
             if op == "router":
@@ -427,5 +451,5 @@ class FusedMoE(HeldParamsModule):
     def extra_repr(self) -> str:
         return (
             f"experts={self.num_experts}, local={len(self.local_expert_ids)}, top_k={self.top_k}, "
-            f"renormalize={self.renormalize}, backend={self.backend}"
+            f"routing={self.routing}, backend={self.backend}"
         )

@@ -1,4 +1,7 @@
-"""The MoE oracle: a plain loop over local experts that every fast path is tested against.
+"""The MoE oracles: a plain loop over local experts that every fast expert path is tested
+against, and ``route_reference``, a per-token loop over a routing rule's definition that
+every router path (``tidal/moe/router.py``'s ``route`` and the fast ones) is tested
+against.
 
 Shared signature of every expert backend (``tidal.moe.layer.EXPERT_BACKENDS``)::
 
@@ -14,9 +17,52 @@ zero, so summing the outputs of all ranks gives the full MoE output.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from tidal.moe.router import Routing, Scoring
+
+
+def route_reference(
+    router_logits: Tensor,  # [T, E]
+    routing: Routing,
+    correction_bias: Tensor | None = None,  # [E]
+) -> tuple[Tensor, Tensor]:  # ([T, K] float32, [T, K] int64), ids in choice order
+    """Token by token: score every expert (softmax over all, or each one's sigmoid); score
+    each group of ``E / num_groups`` experts by its best (biased) score, or with a bias the
+    sum of its two best; keep the best ``topk_group`` groups; take the ``top_k`` best
+    (biased) experts in them; weigh each by its unbiased score, renormalise, scale."""
+    logits = router_logits.double()
+    num_tokens, num_experts = logits.shape
+    size = num_experts // routing.num_groups
+    bias = [0.0] * num_experts if correction_bias is None else correction_bias.tolist()
+    all_w, all_ids = [], []
+    for t in range(num_tokens):
+        row = logits[t].tolist()
+        if routing.scoring is Scoring.SOFTMAX:
+            top = max(row)
+            exp = [math.exp(x - top) for x in row]
+            scores = [e / sum(exp) for e in exp]
+        else:
+            scores = [1.0 / (1.0 + math.exp(-x)) for x in row]
+        choice = [s + b for s, b in zip(scores, bias)]
+        group_score = []
+        for g in range(routing.num_groups):
+            best = sorted(choice[g * size : (g + 1) * size], reverse=True)
+            group_score.append(sum(best[:2]) if correction_bias is not None else best[0])
+        groups = sorted(range(routing.num_groups), key=lambda g: -group_score[g])
+        kept = [e for e in range(num_experts) if e // size in groups[: routing.topk_group]]
+        ids = sorted(kept, key=lambda e: -choice[e])[: routing.top_k]
+        w = [scores[e] for e in ids]
+        if routing.renormalize:
+            w = [x / sum(w) for x in w]
+        all_w.append([x * routing.scaling_factor for x in w])
+        all_ids.append(ids)
+    weights = torch.tensor(all_w, dtype=torch.float32).reshape(num_tokens, routing.top_k)
+    return weights, torch.tensor(all_ids, dtype=torch.int64).reshape(num_tokens, routing.top_k)
 
 
 def local_slots(

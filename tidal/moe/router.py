@@ -1,14 +1,68 @@
 """Expert routing: router logits -> (top-k weights, top-k expert ids).
 
-Both functions return ``topk_weights [T, K] float32`` and ``topk_ids [T, K] int64``
+Every function returns ``topk_weights [T, K] float32`` and ``topk_ids [T, K] int64``
 (global expert ids). Scores are computed in float32 whatever the logits' dtype, as
 transformers does, so a bf16 model routes the same tokens to the same experts.
+
+``Routing`` is a model's routing rule; ``route`` applies it: plain softmax top-k
+(Mixtral, Qwen-MoE, OLMoE) or, for anything else (sigmoid scores, a score-correction bias,
+group-limited choice, a scaling factor: GLM-4.5, DeepSeek-V3), ``grouped_topk``. The fast
+router paths (the C++ router, ``tidal/kernels/topk_softmax.py``) compute only the plain
+rule; ``Routing.plain_softmax`` is what keeps them off the others.
 """
 
 from __future__ import annotations
 
+import enum
+from dataclasses import dataclass
+from typing import assert_never
+
 import torch
 from torch import Tensor
+
+
+class Scoring(enum.Enum):
+    SOFTMAX = "softmax"  # over all experts
+    SIGMOID = "sigmoid"  # each expert on its own
+
+
+@dataclass(frozen=True)
+class Routing:
+    """A model's routing rule (see ``grouped_topk`` for the group-limited fields)."""
+
+    top_k: int
+    renormalize: bool  # divide the k weights by their sum
+    scoring: Scoring = Scoring.SOFTMAX
+    num_groups: int = 1  # experts split into this many equal groups ...
+    topk_group: int = 1  # ... of which each token keeps its best this many
+    correction_bias: bool = False  # an [E] bias added to the scores for choosing only
+    scaling_factor: float = 1.0  # multiplies the final weights
+
+    @property
+    def plain_softmax(self) -> bool:
+        """Softmax top-k, optionally renormalised: what every fast router path computes."""
+        return (
+            self.scoring is Scoring.SOFTMAX
+            and self.topk_group >= self.num_groups
+            and not self.correction_bias
+            and self.scaling_factor == 1.0
+        )
+
+
+def route(
+    router_logits: Tensor,  # [T, E] any float dtype
+    routing: Routing,
+    correction_bias: Tensor | None = None,  # [E] float32, when routing.correction_bias
+) -> tuple[Tensor, Tensor]:  # ([T, K] float32, [T, K] int64)
+    """Apply ``routing`` to the logits: the torch implementation of every rule."""
+    if routing.correction_bias != (correction_bias is not None):
+        raise ValueError("a correction bias must be given exactly when the routing has one")
+    if routing.plain_softmax:
+        return softmax_topk(router_logits, routing.top_k, routing.renormalize)
+    return grouped_topk(
+        router_logits, routing.top_k, routing.renormalize, routing.num_groups,
+        routing.topk_group, routing.scoring, correction_bias, routing.scaling_factor,
+    )  # fmt: skip
 
 
 def softmax_topk(
@@ -35,7 +89,7 @@ def grouped_topk(
     renormalize: bool,
     num_expert_group: int,
     topk_group: int,
-    scoring_func: str = "softmax",  # softmax | sigmoid
+    scoring: Scoring = Scoring.SOFTMAX,
     e_score_correction_bias: Tensor | None = None,  # [E] float: used for choosing only
     routed_scaling_factor: float = 1.0,
 ) -> tuple[Tensor, Tensor]:  # ([T, K] float32, [T, K] int64)
@@ -45,7 +99,8 @@ def grouped_topk(
     ``topk_group`` groups and picks its ``top_k`` experts inside them. A group's score is
     its best expert score, or (with a correction bias, as in DeepSeek-V3) the sum of its
     two best biased scores. The bias only steers the choice: the returned weights are the
-    unbiased scores of the chosen experts.
+    unbiased scores of the chosen experts (renormalised, then scaled by
+    ``routed_scaling_factor``), as transformers' Glm4Moe and DeepSeek-V3 routers compute.
     """
     _check_top_k(router_logits, top_k)
     num_tokens, num_experts = router_logits.shape
@@ -55,9 +110,10 @@ def grouped_topk(
         )
     if not 1 <= topk_group <= num_expert_group:
         raise ValueError(f"topk_group must be in [1, {num_expert_group}], got {topk_group}")
-    scores = _scores(router_logits, scoring_func)
+    scores = _scores(router_logits, scoring)
     choice = scores if e_score_correction_bias is None else scores + e_score_correction_bias.float()
-    grouped = choice.view(num_tokens, num_expert_group, -1)  # [T, G, E/G]
+    # [T, G, E/G] (sized explicitly: T may be 0)
+    grouped = choice.view(num_tokens, num_expert_group, num_experts // num_expert_group)
     if e_score_correction_bias is None:
         group_scores = grouped.max(dim=-1).values
     else:
@@ -71,18 +127,21 @@ def grouped_topk(
     topk_ids = torch.topk(masked, top_k, dim=-1).indices
     topk_weights = scores.gather(1, topk_ids)
     if renormalize:
-        topk_weights = topk_weights / topk_weights.sum(dim=-1, keepdim=True)
+        # The epsilon is transformers': sigmoid weights could all underflow to 0.
+        topk_weights = topk_weights / (topk_weights.sum(dim=-1, keepdim=True) + 1e-20)
     if routed_scaling_factor != 1.0:
         topk_weights = topk_weights * routed_scaling_factor
     return topk_weights, topk_ids
 
 
-def _scores(router_logits: Tensor, scoring_func: str) -> Tensor:  # [T, E] float32
-    if scoring_func == "softmax":
-        return torch.softmax(router_logits, dim=-1, dtype=torch.float32)
-    if scoring_func == "sigmoid":
-        return torch.sigmoid(router_logits.float())
-    raise ValueError(f"scoring_func must be 'softmax' or 'sigmoid', got {scoring_func!r}")
+def _scores(router_logits: Tensor, scoring: Scoring) -> Tensor:  # [T, E] float32
+    match scoring:
+        case Scoring.SOFTMAX:
+            return torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+        case Scoring.SIGMOID:
+            return torch.sigmoid(router_logits.float())
+        case _:
+            assert_never(scoring)
 
 
 def _check_top_k(router_logits: Tensor, top_k: int) -> None:
