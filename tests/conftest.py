@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 
@@ -64,13 +64,31 @@ def tiny_ckpt_root() -> Iterator[str]:
 
 
 @pytest.fixture(scope="session")
-def qwen3_ckpt(tiny_ckpt_root: str) -> str:
-    """Qwen3-MoE: hidden 64, 2 layers, 8 experts top-2, norm_topk_prob, vocab 512."""
-    from tidal.models.tiny import make_tiny_checkpoint
+def tiny_ckpt(tiny_ckpt_root: str) -> Callable[[str], str]:
+    """``model_type`` (a registry entry, tidal/models/registry.py) -> its tiny checkpoint,
+    built on first use: ``TINY_KWARGS`` (hidden 64, 2 layers, 8 experts top-2, vocab 512)
+    plus the entry's ``test_config``, which turns on the architecture's switches."""
+    built: dict[str, str] = {}
 
-    return make_tiny_checkpoint(
-        os.path.join(tiny_ckpt_root, "qwen3_moe"), "qwen3_moe", **TINY_KWARGS
-    )
+    def get(model_type: str) -> str:
+        if model_type not in built:
+            from tidal.models.registry import entry_for_model_type
+            from tidal.models.tiny import make_tiny_checkpoint
+
+            entry = entry_for_model_type(model_type)
+            built[model_type] = make_tiny_checkpoint(
+                os.path.join(tiny_ckpt_root, model_type), model_type,
+                **TINY_KWARGS, **entry.test_config,
+            )  # fmt: skip
+        return built[model_type]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def qwen3_ckpt(tiny_ckpt: Callable[[str], str]) -> str:
+    """Qwen3-MoE: hidden 64, 2 layers, 8 experts top-2, norm_topk_prob, vocab 512."""
+    return tiny_ckpt("qwen3_moe")
 
 
 @pytest.fixture(scope="session")
@@ -87,8 +105,6 @@ def qwen3_long_ckpt(tiny_ckpt_root: str) -> str:
 
 
 @pytest.fixture(scope="session")
-def mixtral_ckpt(tiny_ckpt_root: str) -> str:
+def mixtral_ckpt(tiny_ckpt: Callable[[str], str]) -> str:
     """Mixtral: hidden 64, 2 layers, 8 experts top-2, vocab 512."""
-    from tidal.models.tiny import make_tiny_checkpoint
-
-    return make_tiny_checkpoint(os.path.join(tiny_ckpt_root, "mixtral"), "mixtral", **TINY_KWARGS)
+    return tiny_ckpt("mixtral")

@@ -152,15 +152,21 @@ def _ep_forward_rank(rank: int, world: int, port: int, path: str, backend: str) 
 
 
 @pytest.mark.parametrize(
-    ("world", "backend", "ckpt"),
+    ("world", "backend", "model_type"),
     [
-        pytest.param(2, "allgather_reducescatter", "qwen3_ckpt", id="ep2-allgather-qwen3"),
-        pytest.param(2, "all2all", "mixtral_ckpt", id="ep2-all2all-mixtral"),
-        pytest.param(3, "all2all", "qwen3_ckpt", id="ep3-all2all-qwen3"),
+        pytest.param(2, "allgather_reducescatter", "qwen3_moe", id="ep2-allgather-qwen3"),
+        pytest.param(2, "all2all", "mixtral", id="ep2-all2all-mixtral"),
+        pytest.param(3, "all2all", "qwen3_moe", id="ep3-all2all-qwen3"),
+        # Shared experts (replicated on every rank), with and without a gate; GLM's
+        # sigmoid group-limited routing and its dense first layer.
+        pytest.param(2, "allgather_reducescatter", "glm4_moe", id="ep2-allgather-glm4"),
+        pytest.param(3, "all2all", "qwen2_moe", id="ep3-all2all-qwen2"),
     ],
 )
-def test_ep_forward_matches_single_process(run_ranks_on_ports, request, world, backend, ckpt):
-    path = request.getfixturevalue(ckpt)
+def test_ep_forward_matches_single_process(
+    run_ranks_on_ports, tiny_ckpt, world, backend, model_type
+):
+    path = tiny_ckpt(model_type)
     results = run_ranks_on_ports(_ep_forward_rank, world, path, backend, timeout_s=240)
     from tidal.moe.placement import ExpertPlacement
 

@@ -6,7 +6,8 @@ must give the driver the logits and greedy tokens of the unsharded model, step b
 
 The checkpoints cover the odd cases: a vocabulary that does not divide over the workers
 (padded block), tied embeddings, attention bias (the row-parallel bias added once), a
-dense MLP layer among MoE ones, and Mixtral's names.
+dense MLP layer among MoE ones, Mixtral's names, shared experts (GLM-4.5, Qwen2-MoE with
+EP) and OLMoE's q/k norm over the whole (split) width.
 """
 
 from __future__ import annotations
@@ -129,6 +130,11 @@ def _tp_rank(rank: int, world: int, port: int, path: str, ep: bool) -> dict:
         "kv_heads_cached": runner.kv_caches[0].shape[2],
         "vocab_rows": model.embed_tokens.weight.shape[0],
         "experts": [m.w13.shape[:2] for m in model.moe_layers()],
+        "shared": [  # (this worker's intermediate, the whole one)
+            (layer.shared_experts.mlp.inter, model.spec.shared_expert_intermediate_size)
+            for layer in model.layers
+            if layer.shared_experts is not None
+        ],
         "outputs": outputs,
     }
     worker.shutdown()
@@ -160,12 +166,18 @@ def odd_qwen3(tiny_ckpt_root) -> str:
     ("ckpt", "ep"),
     [
         pytest.param("odd_qwen3", False, id="qwen3-odd-vocab-tied-bias-dense"),
-        pytest.param("mixtral_ckpt", False, id="mixtral"),
-        pytest.param("qwen3_ckpt", True, id="qwen3-ep-over-tp"),
+        pytest.param("mixtral", False, id="mixtral"),
+        pytest.param("qwen3_moe", True, id="qwen3-ep-over-tp"),
+        # Shared experts split like a dense MLP (GLM: beside partial rotary, per-head q/k
+        # norm, QKV bias without O bias, sigmoid group-limited routing, a dense layer)
+        pytest.param("glm4_moe", False, id="glm4-shared-experts"),
+        pytest.param("qwen2_moe", True, id="qwen2-shared-expert-ep-over-tp"),
+        # q/k norms over the whole width: the squares summed over the workers
+        pytest.param("olmoe", False, id="olmoe-full-width-qk-norm"),
     ],
 )
-def test_tp_forward_matches_the_unsharded_model(run_ranks, request, ckpt, ep):
-    path = request.getfixturevalue(ckpt)
+def test_tp_forward_matches_the_unsharded_model(run_ranks, request, tiny_ckpt, ckpt, ep):
+    path = request.getfixturevalue(ckpt) if ckpt == "odd_qwen3" else tiny_ckpt(ckpt)
     store = _store()
     results = run_ranks(_tp_rank, TP, store.port, path, ep, timeout_s=240)
     from transformers import AutoConfig
@@ -181,5 +193,7 @@ def test_tp_forward_matches_the_unsharded_model(run_ranks, request, ckpt, ep):
                 assert (slots, inter2) == (8 // TP, 2 * 32)
             else:  # every expert, half of its intermediate dimension
                 assert (slots, inter2) == (8, 2 * 32 // TP)
+        assert all(inter * TP == whole for inter, whole in res["shared"])  # split, not moved
+    assert bool(results[0]["shared"]) == (ckpt in ("glm4_moe", "qwen2_moe"))
     assert results[0]["outputs"] == results[1]["outputs"]
     assert any(results[0]["outputs"][-1].values())

@@ -101,3 +101,26 @@ def test_write_kv_refuses_rows_outside_the_cache():
     with pytest.raises(RuntimeError, match="int64"):
         write_kv_cpu(cache, torch.tensor([0, 1]), k, torch.tensor([2]), k)
     assert torch.count_nonzero(cache) == 0  # nothing written by a refused call
+
+
+def test_partial_rotary_matches_transformers():
+    """GLM-4.5's partial rotary: the first rotary_dim dims of each head turn (transformers'
+    formula on them), the rest pass through."""
+    from transformers.models.glm4_moe.modeling_glm4_moe import apply_rotary_pos_emb
+
+    from tidal.layers.rotary import apply_partial_rotary
+
+    head_dim, rotary_dim = 16, 8
+    rope = RotaryEmbedding(rotary_dim, 64, 10000.0)
+    pos = torch.tensor([0, 5, 17, 63])
+    q = torch.randn(4, 3, head_dim)
+    cos, sin = rope.cos_sin(pos)
+    got = apply_partial_rotary(q, cos, sin)
+    half = rotary_dim // 2
+    signed = rope.signed_sin_table[pos]
+    hf_cos = rope.cos_table[pos][None]  # [1, T, rd]
+    hf_sin = torch.cat([-signed[:, :half], signed[:, half:]], -1)[None]
+    hf_q = q.transpose(0, 1)[None]  # [1, H, T, Dh]
+    want, _ = apply_rotary_pos_emb(hf_q, hf_q, hf_cos, hf_sin)
+    torch.testing.assert_close(got, want[0].transpose(0, 1), atol=1e-6, rtol=0)
+    assert torch.equal(got[..., rotary_dim:], q[..., rotary_dim:])

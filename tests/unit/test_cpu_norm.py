@@ -68,3 +68,19 @@ def test_norm_layers_on_both_paths(kernel, monkeypatch):
     want = torch.cat([_hf(qk[:, :4], wq, 1e-6), _hf(qk[:, 4:], wk, 1e-6)], 1)
     got = rms_norm_heads(qk, (wq, wk), (4, 2), 1e-6)
     torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("workers", [1, 2, 4])
+def test_sharded_norm_over_blocks_equals_the_whole_row(workers):
+    """OLMoE's q/k norm under TP: each worker normalises its block of the row by the whole
+    row's RMS (the sums of squares summed over the workers, here by hand)."""
+    from tidal.layers.norm import rms_norm_sharded
+
+    x, weight = torch.randn(5, 64), torch.randn(64)
+    blocks, wblocks = x.chunk(workers, dim=1), weight.chunk(workers)
+    total = sum(b.pow(2).sum(-1, keepdim=True) for b in blocks)
+    got = torch.cat(
+        [rms_norm_sharded(b, w, 1e-5, 64, lambda _: total) for b, w in zip(blocks, wblocks)],
+        dim=1,
+    )
+    torch.testing.assert_close(got, _hf(x, weight, 1e-5), atol=1e-6, rtol=1e-5)

@@ -20,7 +20,13 @@ import torch
 from tidal.launch.engine_args import EngineArgs
 from tidal.layers.attention import AttentionMetadata, kv_cache_shape
 from tidal.models.loader import CheckpointError, load_model
-from tidal.models.registry import resolve_architecture
+from tidal.models.registry import (
+    entry_for_model_type,
+    get_model_class,
+    model_types,
+    resolve_architecture,
+    supported_architectures,
+)
 from tidal.models.tiny import make_tiny_checkpoint
 
 ATOL = 1e-4
@@ -45,9 +51,11 @@ def _our_model(path: str, **kwargs):
     return load_model(EngineArgs(model=path, device="cpu").create_engine_config(), **kwargs)
 
 
-@pytest.fixture(scope="module", params=["qwen3", "mixtral"])
-def models(request):
-    path = request.getfixturevalue(f"{request.param}_ckpt")
+@pytest.fixture(scope="module", params=model_types())
+def models(request, tiny_ckpt):
+    """Every registered architecture's tiny checkpoint (its switches on): ours and
+    transformers' model of it."""
+    path = tiny_ckpt(request.param)
     return _our_model(path), _hf_model(path)
 
 
@@ -243,14 +251,36 @@ def test_loader_names_unexpected_tensor(mixtral_ckpt, tmp_path):
 def test_unsupported_architecture_is_named():
     from transformers import AutoConfig, LlamaConfig
 
-    cfg = LlamaConfig(architectures=["LlamaForCausalLM"])
-    with pytest.raises(
-        ValueError, match="LlamaForCausalLM.*supported: MixtralForCausalLM, Qwen3MoeForCausalLM"
-    ):
-        resolve_architecture(cfg)
-    assert resolve_architecture(
-        AutoConfig.for_model("mixtral", architectures=["MixtralForCausalLM"])
+    every = (
+        "Glm4MoeForCausalLM, MixtralForCausalLM, OlmoeForCausalLM, Qwen2MoeForCausalLM, "
+        "Qwen3MoeForCausalLM"
     )
+    assert ", ".join(supported_architectures()) == every
+    cfg = LlamaConfig(architectures=["LlamaForCausalLM"])
+    with pytest.raises(ValueError, match=f"LlamaForCausalLM.*supported: {every}$"):
+        resolve_architecture(cfg)
+    with pytest.raises(ValueError, match=f"DeepseekV3ForCausalLM; supported: {every}$"):
+        get_model_class("DeepseekV3ForCausalLM")
+    with pytest.raises(ValueError, match="model_type 'llama'"):
+        resolve_architecture(LlamaConfig())  # no architectures at all
+    with pytest.raises(ValueError, match="arch must be one of"):
+        make_tiny_checkpoint("/nonexistent", "llama")
+    assert resolve_architecture(
+        AutoConfig.for_model("mixtral", architectures=["LlamaForCausalLM", "MixtralForCausalLM"])
+    ) == "MixtralForCausalLM"
+
+
+@pytest.mark.parametrize("model_type", model_types())
+def test_registry_entry_builds_its_architecture(tiny_ckpt, model_type):
+    """The tiny factory builds each entry with transformers' classes the entry names: the
+    checkpoint's config names the entry's architecture, which resolves to its class."""
+    from transformers import AutoConfig
+
+    entry = entry_for_model_type(model_type)
+    cfg = AutoConfig.from_pretrained(tiny_ckpt(model_type))
+    assert type(cfg).__name__ == entry.hf_config_class and cfg.model_type == model_type
+    assert cfg.architectures == [entry.architecture] == [entry.hf_model_class]
+    assert get_model_class(resolve_architecture(cfg)) is entry.model
 
 
 def test_fused_expert_names_and_sharded_index(models, tmp_path):
@@ -365,3 +395,64 @@ def test_bfloat16_model_runs_close_to_float32(qwen3_ckpt):
     assert (got - want).abs().max().item() < 0.15
     got, want = (r.step([("a", 9, [5])]) for r in runners)
     assert (got - want).abs().max().item() < 0.15
+
+
+def test_qwen2_moe_dense_layers_and_shared_expert(tmp_path):
+    """decoder_sparse_step and mlp_only_layers give dense layers (no shared expert there);
+    a MoE layer's shared expert and its gate load whole on a rank with a subset of the
+    routed experts (EP: replicated, never placed)."""
+    path = make_tiny_checkpoint(
+        str(tmp_path / "q2"), "qwen2_moe", hidden_size=32, num_layers=4, num_experts=4,
+        top_k=2, vocab_size=300, max_position_embeddings=64, decoder_sparse_step=2,
+        mlp_only_layers=[3], shared_expert_intermediate_size=24, norm_topk_prob=False,
+    )  # fmt: skip
+    ours, hf = _our_model(path), _hf_model(path)
+    assert [layer.is_moe for layer in ours.layers] == [False, True, False, False]
+    assert [layer.shared_experts is not None for layer in ours.layers] == [False, True] + [False] * 2
+    (prompt,) = _prompts(300, [9], seed=8)
+    _close(PagedRunner(ours).step([("a", 0, prompt)]), _hf_logits(hf, prompt))
+    part = _our_model(path, local_expert_ids=[3])
+    assert part.moe_layers()[0].w13.shape[0] == 1
+    for name, value in ours.layers[1].shared_experts.state_dict().items():
+        assert torch.equal(part.layers[1].shared_experts.state_dict()[name], value), name
+
+
+def test_glm4_moe_switches_and_mtp_layers(tiny_ckpt, tmp_path):
+    """The tiny GLM-4.5 runs every switch (a dense first layer, half-rotary heads, sigmoid
+    routing over 2 groups with a non-zero bias and scaling, shared experts, q/k norm, QKV
+    bias): its parity is the ``models`` tests'. A checkpoint's MTP layers (after the last
+    decoder layer) are skipped; an unknown tensor of a served layer is still named."""
+    path = tiny_ckpt("glm4_moe")
+    ours = _our_model(path)
+    spec = ours.spec
+    assert spec.moe_layer_mask == (False, True) and spec.rotary_dim == spec.head_dim // 2
+    r = spec.routing
+    assert (r.num_groups, r.topk_group, r.correction_bias, r.scaling_factor) == (2, 1, True, 2.5)
+    assert not r.plain_softmax and spec.shared_expert_intermediate_size == 32
+    assert spec.qkv_bias and not spec.o_bias and spec.qk_norm.name == "PER_HEAD"
+    assert ours.moe_layers()[0].score_bias.abs().min() > 0
+    extra = {"model.layers.2.mlp.gate.weight": torch.ones(8, 64)}  # an MTP layer's
+    mtp = _rewrite(path, tmp_path / "mtp", lambda t: {**t, **extra})
+    loaded = _our_model(mtp)
+    for a, b in zip(loaded.state_dict().values(), ours.state_dict().values()):
+        assert torch.equal(a, b)
+    bad = _rewrite(path, tmp_path / "bad", lambda t: {**t, "model.layers.1.x.weight": torch.ones(2)})
+    with pytest.raises(CheckpointError, match=r"unexpected 1 tensor\(s\): model\.layers\.1\.x"):
+        _our_model(bad)
+
+
+def test_olmoe_norms_over_the_whole_width_and_clips(tiny_ckpt):
+    """OLMoE's q/k norms hold one weight over all heads; its clip_qkv is live in the tiny
+    checkpoint (without the clamp the logits leave transformers')."""
+    path = tiny_ckpt("olmoe")
+    ours, hf = _our_model(path), _hf_model(path)
+    attn = ours.layers[0].self_attn
+    assert attn.q_norm.weight.shape == (64,) and attn.k_norm.weight.shape == (32,)
+    assert attn.qkv_clip == 2.0
+    (prompt,) = _prompts(512, [12], seed=9)
+    want = _hf_logits(hf, prompt)
+    _close(PagedRunner(ours).step([("a", 0, prompt)]), want)
+    for layer in ours.layers:
+        layer.self_attn.qkv_clip = None
+    unclipped = PagedRunner(ours, seed=1).step([("a", 0, prompt)])
+    assert (unclipped - want).abs().max().item() > 100 * ATOL

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -80,6 +81,24 @@ def rms_norm_heads(
         out[:, start : start + size].mul_(w)
         start += size
     return out
+
+
+def rms_norm_sharded(
+    x: Tensor,  # [T, D_local]: this worker's block of the normalised width
+    weight: Tensor,  # [D_local], the same block of the weight
+    eps: float,
+    width: int,  # D, the whole width (all workers' blocks)
+    all_reduce: Callable[[Tensor], Tensor],  # sums over the workers holding the blocks
+) -> Tensor:  # [T, D_local], new tensor
+    """RMSNorm over a width split between tensor-parallel workers (OLMoE's q/k norm over
+    all heads): the sums of squares are summed over the workers, so each block is
+    normalised by the whole row's RMS, with transformers' numerics. One worker (the whole
+    width here): the plain norm."""
+    xf = x.float()
+    sq = xf.pow(2).sum(-1, keepdim=True)  # [T, 1]
+    if x.shape[-1] != width:
+        sq = all_reduce(sq)
+    return weight * (xf * torch.rsqrt(sq / width + eps)).to(x.dtype)
 
 
 def _rms_norm_hf(x: Tensor, weight: Tensor, eps: float) -> Tensor:

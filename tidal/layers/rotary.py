@@ -3,7 +3,9 @@
 The table holds, for every position p < max_position, ``cos(p * inv_freq)`` and
 ``sin(...)`` duplicated over both halves of the head (the "rotate half" convention of
 Llama/Qwen/Mixtral checkpoints), computed in float32 exactly as transformers does and
-then cast to the model dtype. Only the default rope type is supported.
+then cast to the model dtype. Only the default rope type is supported. With a partial
+rotary factor (GLM-4.5) the table covers the first ``rotary_dim`` dims of each head and
+the rest pass through (``apply_partial_rotary``), as transformers rotates them.
 
 transformers computes ``x * cos + rotate_half(x) * sin`` with
 ``rotate_half(x) = cat(-x2, x1)``. Here the sign lives in the table instead:
@@ -26,6 +28,24 @@ SUPPORTED_ROPE_TYPES = ("default",)
 def rope_theta_from_config(hf_config: Any) -> float:
     """The rope base from a transformers config: v5 ``rope_parameters`` or v4
     ``rope_theta``/``rope_scaling``. Raises for rope types other than ``default``."""
+    theta, _ = _rope_parameters(hf_config)
+    return theta
+
+
+def rotary_dim_from_config(hf_config: Any, head_dim: int) -> int:
+    """The rotated dims of each head: ``head_dim`` times ``partial_rotary_factor`` (v5
+    ``rope_parameters`` or the config's own attribute; 1.0 when absent)."""
+    _, partial = _rope_parameters(hf_config)
+    dim = int(head_dim * partial)
+    if not 0 < dim <= head_dim or dim % 2:
+        raise NotImplementedError(
+            f"partial_rotary_factor {partial} gives {dim} rotary dims of {head_dim}: "
+            "must be even and positive"
+        )
+    return dim
+
+
+def _rope_parameters(hf_config: Any) -> tuple[float, float]:  # (theta, partial factor)
     params = getattr(hf_config, "rope_parameters", None)
     if params:
         params = dict(params)
@@ -43,12 +63,10 @@ def rope_theta_from_config(hf_config: Any) -> float:
         raise NotImplementedError(
             f"rope_type {rope_type!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
         )
-    partial = (params or {}).get(
-        "partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", 1.0)
-    )
-    if partial not in (None, 1.0):
-        raise NotImplementedError(f"partial_rotary_factor {partial} is not supported")
-    return float(theta)
+    partial = (params or {}).get("partial_rotary_factor")
+    if partial is None:
+        partial = getattr(hf_config, "partial_rotary_factor", None)
+    return float(theta), float(1.0 if partial is None else partial)
 
 
 class RotaryEmbedding(nn.Module):
@@ -89,6 +107,18 @@ def apply_rotary(x: Tensor, cos: Tensor, signed_sin: Tensor) -> Tensor:
     if rope_cpu_ok(x):
         return rope_cpu(x, cos, signed_sin)
     return apply_rotary_torch(x, cos, signed_sin)
+
+
+def apply_partial_rotary(x: Tensor, cos: Tensor, signed_sin: Tensor) -> Tensor:
+    """``apply_rotary`` on the first ``cos.shape[-1]`` dims of each head of x [T, heads,
+    Dh]; the other dims are copied unchanged (a new tensor either way)."""
+    rotary_dim = cos.shape[-1]
+    if rotary_dim == x.shape[-1]:
+        return apply_rotary(x, cos, signed_sin)
+    out = torch.empty_like(x)
+    out[..., :rotary_dim] = apply_rotary(x[..., :rotary_dim], cos, signed_sin)
+    out[..., rotary_dim:] = x[..., rotary_dim:]
+    return out
 
 
 def apply_rotary_torch(x: Tensor, cos: Tensor, signed_sin: Tensor) -> Tensor:

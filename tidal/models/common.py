@@ -1,8 +1,11 @@
-"""The decoder shared by the supported MoE architectures (Qwen3-MoE, Mixtral).
+"""The decoder shared by the supported MoE architectures (Qwen3-MoE, Mixtral, Qwen2-MoE,
+OLMoE, GLM-4.5).
 
-Both are pre-norm decoders with GQA attention, RoPE, RMSNorm and a softmax top-k MoE
-block; they differ only in the numbers and switches of ``DecoderSpec`` (q/k norms,
-renormalised top-k, dense layers) and in checkpoint names (``CheckpointNames``).
+All are pre-norm decoders with GQA attention, RoPE, RMSNorm and a top-k MoE block; they
+differ only in the numbers and switches of ``DecoderSpec`` (biases, q/k norms per head or
+over the whole width, partial rotary, the routing rule, shared experts, dense layers) and
+in checkpoint names (``CheckpointNames``). An architecture is one module declaring these
+and a ``ModelEntry`` (docs/architecture.md#models).
 
 Runner-facing API (every architecture class)::
 
@@ -16,20 +19,25 @@ Runner-facing API (every architecture class)::
 Loader-facing API: ``model.weight_targets()`` maps each checkpoint tensor name to the
 parameter view it fills (or None: a known tensor this rank does not hold; or a ``Shard``:
 the view takes a block of the checkpoint tensor, tensor parallelism);
-``model.optional_weight_names()`` lists the names that may be absent.
+``model.optional_weight_names()`` lists the names that may be absent,
+``model.ignores_weight(name)`` those the loader skips.
 
 Tensor parallelism (``tp``, ``tidal/distributed/tensor_parallel.py``): QKV and gate/up are
 column-parallel, O and down row-parallel, the embedding and lm_head vocab-parallel; each
-worker attends with its own heads (and caches their KV); MoE experts split their
-intermediate dimension over the workers unless ``expert_parallel`` (then they are whole
-and the workers split the tokens). ``check_tensor_parallel`` names what does not divide.
+worker attends with its own heads (and caches their KV; a q/k norm over the whole width
+sums its squares over the workers); MoE experts split their intermediate dimension over
+the workers unless ``expert_parallel`` (then they are whole and the workers split the
+tokens). Shared experts are a dense MLP beside the routed ones: every rank computes them
+(split like a dense MLP under TP), and EPLB and expert transfers never see them.
+``check_tensor_parallel`` names what does not divide.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any, ClassVar
+import enum
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, assert_never
 
 import torch
 from torch import Tensor, nn
@@ -38,9 +46,21 @@ from tidal.distributed.tensor_parallel import TensorParallel
 from tidal.kernels.fused_moe_torch import empty_k_major_experts
 from tidal.layers.attention import AttentionMetadata, PagedAttention
 from tidal.layers.linear import Embedding, Linear, RowParallelLinear
-from tidal.layers.norm import RMSNorm, rms_norm_heads
-from tidal.layers.rotary import RotaryEmbedding, apply_rotary, rope_theta_from_config
+from tidal.layers.norm import RMSNorm, rms_norm_heads, rms_norm_sharded
+from tidal.layers.rotary import (
+    RotaryEmbedding,
+    apply_partial_rotary,
+    rope_theta_from_config,
+    rotary_dim_from_config,
+)
 from tidal.moe.layer import FusedMoE
+from tidal.moe.router import Routing
+
+
+class QKNorm(enum.Enum):
+    NONE = "none"
+    PER_HEAD = "per_head"  # one [Dh] weight for every q head, one for every k head (Qwen3)
+    FULL_WIDTH = "full_width"  # over all of q [Hq*Dh], all of k [Hkv*Dh] (OLMoE)
 
 
 @dataclass(frozen=True)
@@ -54,15 +74,23 @@ class DecoderSpec:
     rms_norm_eps: float
     rope_theta: float
     max_position: int
-    attention_bias: bool
-    qk_norm: bool
+    qkv_bias: bool
+    o_bias: bool
+    qk_norm: QKNorm
     num_experts: int
-    top_k: int
     moe_intermediate_size: int
-    renormalize: bool
+    routing: Routing
     dense_intermediate_size: int
     moe_layer_mask: tuple[bool, ...]  # per layer: MoE block (True) or dense MLP
     tie_word_embeddings: bool
+    rotary_dim: int  # the rotated dims of each head (< head_dim: partial rotary)
+    qkv_clip: float | None = None  # clamp q, k, v to [-clip, clip] after the q/k norm
+    shared_expert_intermediate_size: int = 0  # 0: no shared experts
+    shared_expert_gate: bool = False  # sigmoid(x @ gate.T) scales the shared output
+
+    @property
+    def top_k(self) -> int:
+        return self.routing.top_k
 
 
 @dataclass(frozen=True)
@@ -73,6 +101,33 @@ class CheckpointNames:
     expert_gate: str  # per-expert projection names: gate, up, down
     expert_up: str
     expert_down: str
+    # The shared experts' MLP under the MoE module ("shared_expert" Qwen2-MoE,
+    # "shared_experts" GLM-4.5; its gate_proj/up_proj/down_proj) and their gate's linear.
+    shared_expert: str = ""
+    shared_expert_gate: str = ""
+
+
+@dataclass(frozen=True)
+class ModelEntry:
+    """What the registry (``tidal/models/registry.py``) knows of an architecture: its model
+    class, transformers' config and model classes by name (imported lazily; the tiny
+    checkpoints and the parity tests' reference), and how the tiny-checkpoint factory
+    (``tidal/models/tiny.py``) fills that config."""
+
+    architecture: str  # config.json ``architectures``
+    model_type: str  # config.json ``model_type``: the tiny factory's ``arch``
+    model: type[MoECausalLM]
+    hf_config_class: str  # a class of ``transformers``
+    hf_model_class: str
+    # (num_experts, moe_intermediate_size, intermediate_size, norm_topk_prob) -> the
+    # architecture's config kwargs for them
+    tiny_config: Callable[[int, int, int, bool], dict[str, Any]]
+    # Config kwargs the tests' tiny checkpoints add, so each switch of the architecture
+    # runs (e.g. shared experts, group-limited routing); the factory leaves them out.
+    test_config: dict[str, Any] = field(default_factory=dict)
+    # Called on the seeded transformers model before saving, to give random values to
+    # what transformers initialises to constants (e.g. a correction bias).
+    tiny_init: Callable[[Any, torch.Generator], None] | None = None
 
 
 @dataclass(frozen=True)
@@ -94,6 +149,8 @@ def check_tensor_parallel(spec: DecoderSpec, tp_size: int, expert_parallel: bool
         tp.split(spec.dense_intermediate_size, "intermediate_size")
     if any(spec.moe_layer_mask) and not expert_parallel:
         tp.split(spec.moe_intermediate_size, "moe_intermediate_size")
+    if any(spec.moe_layer_mask) and spec.shared_expert_intermediate_size:
+        tp.split(spec.shared_expert_intermediate_size, "shared_expert_intermediate_size")
 
 
 def check_common_config(hf_config: Any) -> None:
@@ -102,6 +159,8 @@ def check_common_config(hf_config: Any) -> None:
     if act != "silu":
         raise NotImplementedError(f"hidden_act {act!r} is not supported (only 'silu')")
     window = getattr(hf_config, "sliding_window", None)
+    if getattr(hf_config, "use_sliding_window", None) is False:
+        window = None  # Qwen2-MoE: the window is off (transformers v5 then writes 0)
     if window is not None and window < hf_config.max_position_embeddings:
         raise NotImplementedError(f"sliding_window attention ({window}) is not supported")
 
@@ -110,18 +169,30 @@ def base_spec_kwargs(hf_config: Any) -> dict[str, Any]:
     """The DecoderSpec fields every supported architecture reads the same way."""
     check_common_config(hf_config)
     heads = hf_config.num_attention_heads
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
     return {
         "vocab_size": hf_config.vocab_size,
         "hidden_size": hf_config.hidden_size,
         "num_layers": hf_config.num_hidden_layers,
         "num_heads": heads,
         "num_kv_heads": getattr(hf_config, "num_key_value_heads", None) or heads,
-        "head_dim": getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads,
+        "head_dim": head_dim,
         "rms_norm_eps": hf_config.rms_norm_eps,
         "rope_theta": rope_theta_from_config(hf_config),
+        "rotary_dim": rotary_dim_from_config(hf_config, head_dim),
         "max_position": hf_config.max_position_embeddings,
         "tie_word_embeddings": bool(getattr(hf_config, "tie_word_embeddings", False)),
     }
+
+
+def sparse_step_layer_mask(hf_config: Any, num_experts: int) -> tuple[bool, ...]:
+    """Qwen-MoE's MoE layers: every ``decoder_sparse_step``-th one, less ``mlp_only_layers``."""
+    mlp_only = set(getattr(hf_config, "mlp_only_layers", None) or [])
+    step = getattr(hf_config, "decoder_sparse_step", 1) or 1
+    return tuple(
+        i not in mlp_only and num_experts > 0 and (i + 1) % step == 0
+        for i in range(hf_config.num_hidden_layers)
+    )
 
 
 class Attention(nn.Module):
@@ -134,35 +205,71 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = hq, hkv, dh
         self.tp = tp
         self.split = (hq * dh, hkv * dh, hkv * dh)  # q | k | v rows of qkv_proj
-        self.qkv_proj = Linear(spec.hidden_size, sum(self.split), spec.attention_bias, **kw)
+        self.qkv_proj = Linear(spec.hidden_size, sum(self.split), spec.qkv_bias, **kw)
         self.o_proj = RowParallelLinear(
-            spec.num_heads * dh, spec.hidden_size, spec.attention_bias, tp=tp, **kw
+            spec.num_heads * dh, spec.hidden_size, spec.o_bias, tp=tp, **kw
         )
-        self.q_norm = RMSNorm(dh, spec.rms_norm_eps, **kw) if spec.qk_norm else None
-        self.k_norm = RMSNorm(dh, spec.rms_norm_eps, **kw) if spec.qk_norm else None
+        self.qk_norm = spec.qk_norm
+        self.q_norm: RMSNorm | None = None
+        self.k_norm: RMSNorm | None = None
+        match spec.qk_norm:
+            case QKNorm.NONE:
+                pass
+            case QKNorm.PER_HEAD:
+                self.q_norm = RMSNorm(dh, spec.rms_norm_eps, **kw)
+                self.k_norm = RMSNorm(dh, spec.rms_norm_eps, **kw)
+            case QKNorm.FULL_WIDTH:  # this worker's block of the width
+                self.q_norm = RMSNorm(hq * dh, spec.rms_norm_eps, **kw)
+                self.k_norm = RMSNorm(hkv * dh, spec.rms_norm_eps, **kw)
+            case _:
+                assert_never(spec.qk_norm)
+        self.width = (spec.num_heads * dh, spec.num_kv_heads * dh)  # q, k of all workers
+        self.qkv_clip = spec.qkv_clip
         self.attn = PagedAttention(hq, hkv, dh, **kw)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, meta: AttentionMetadata) -> Tensor:
         num_tokens = x.shape[0]
         hq, hkv = self.num_heads, self.num_kv_heads
-        qkv = self.qkv_proj(x).view(num_tokens, hq + 2 * hkv, self.head_dim)
+        qkv = self.qkv_proj(x)  # [T, (Hq + 2 Hkv) Dh]
+        if self.qk_norm is QKNorm.FULL_WIDTH:
+            qkv = self._full_width_norm(qkv)
+        if self.qkv_clip is not None:
+            qkv = qkv.clamp(-self.qkv_clip, self.qkv_clip)
+        qkv = qkv.view(num_tokens, hq + 2 * hkv, self.head_dim)
         # q and k heads are adjacent: norm and rotate them together, one op each.
         qk, v = qkv[:, : hq + hkv], qkv[:, hq + hkv :]
-        if self.q_norm is not None:
+        if self.qk_norm is QKNorm.PER_HEAD:
+            assert self.q_norm is not None and self.k_norm is not None
             weights = (self.q_norm.weight, self.k_norm.weight)
             native = self.q_norm.native(num_tokens * (hq + hkv))
             qk = rms_norm_heads(qk, weights, (hq, hkv), self.q_norm.eps, native)
-        qk = apply_rotary(qk, cos, sin)
+        qk = apply_partial_rotary(qk, cos, sin)
         out = self.attn(qk[:, :hq], qk[:, hq:], v, meta)  # [T, Hq, Dh]
         return self.o_proj(out.reshape(num_tokens, -1))
+
+    def _full_width_norm(self, qkv: Tensor) -> Tensor:  # [T, (Hq + 2 Hkv) Dh], new
+        assert self.q_norm is not None and self.k_norm is not None
+        q, k, v = qkv.split(self.split, dim=1)
+        if self.tp.size == 1:
+            q, k = self.q_norm(q), self.k_norm(k)
+        else:  # the RMS of the whole q (k) row: squares summed over the workers
+            eps = self.q_norm.eps
+            q = rms_norm_sharded(q, self.q_norm.weight, eps, self.width[0], self.tp.all_reduce)
+            k = rms_norm_sharded(k, self.k_norm.weight, eps, self.width[1], self.tp.all_reduce)
+        return torch.cat((q, k, v), dim=1)
 
 
 class DenseMLP(nn.Module):
     def __init__(
-        self, hidden_size: int, intermediate_size: int, tp: TensorParallel, **kw: Any
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        tp: TensorParallel,
+        what: str = "intermediate_size",  # the config field, named when TP does not divide
+        **kw: Any,
     ) -> None:
         super().__init__()
-        self.inter = tp.split(intermediate_size, "intermediate_size")  # this worker's
+        self.inter = tp.split(intermediate_size, what)  # this worker's
         self.gate_up = Linear(hidden_size, 2 * self.inter, **kw)
         self.down = RowParallelLinear(intermediate_size, hidden_size, tp=tp, **kw)
 
@@ -171,6 +278,28 @@ class DenseMLP(nn.Module):
         return self.down(
             torch.nn.functional.silu(gate_up[:, : self.inter]) * gate_up[:, self.inter :]
         )
+
+
+class SharedExperts(nn.Module):
+    """The experts every token goes through beside its routed ones: a dense MLP (TP-split
+    like one), optionally scaled by ``sigmoid(x @ gate.T)`` (Qwen2-MoE). Replicated on
+    every rank; not a ``FusedMoE``, so EP placement, EPLB and expert transfers never move
+    it."""
+
+    def __init__(self, spec: DecoderSpec, tp: TensorParallel, **kw: Any) -> None:
+        super().__init__()
+        self.mlp = DenseMLP(
+            spec.hidden_size, spec.shared_expert_intermediate_size, tp,
+            "shared_expert_intermediate_size", **kw,
+        )  # fmt: skip
+        # [1, H], whole on every worker: its output scales whole rows.
+        self.gate = Linear(spec.hidden_size, 1, **kw) if spec.shared_expert_gate else None
+
+    def forward(self, x: Tensor) -> Tensor:  # [T, H] -> [T, H]
+        out = self.mlp(x)
+        if self.gate is not None:
+            out = torch.sigmoid(self.gate(x)) * out
+        return out
 
 
 class DecoderLayer(nn.Module):
@@ -193,18 +322,28 @@ class DecoderLayer(nn.Module):
             inter = spec.moe_intermediate_size
             if not expert_parallel:  # else whole experts, and the workers split the tokens
                 inter = tp.split(inter, "moe_intermediate_size")
+            routing = spec.routing
             self.mlp: nn.Module = FusedMoE(
-                spec.num_experts, spec.top_k, spec.hidden_size, inter,
-                spec.renormalize, local_expert_ids, moe_backend, tp=tp, **kw,
+                spec.num_experts, routing.top_k, spec.hidden_size, inter,
+                routing.renormalize, local_expert_ids, moe_backend, tp=tp, routing=routing,
+                **kw,
             )  # fmt: skip
             if self.mlp.backend == "torch":
                 set_k_major_moe_weights(self.mlp)
         else:
             self.mlp = DenseMLP(spec.hidden_size, spec.dense_intermediate_size, tp, **kw)
+        self.shared_experts = (
+            SharedExperts(spec, tp, **kw)
+            if self.is_moe and spec.shared_expert_intermediate_size
+            else None
+        )
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, meta: AttentionMetadata) -> Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h = self.post_attention_layernorm(x)
+        if self.shared_experts is None:
+            return x + self.mlp(h)
+        return x + (self.mlp(h) + self.shared_experts(h))
 
 
 def set_k_major_moe_weights(moe: FusedMoE) -> None:
@@ -249,7 +388,7 @@ class MoECausalLM(nn.Module):
         self.cpu_paths: Any = None
         kw = {"dtype": dtype, "device": device}
         self.embed_tokens = Embedding(spec.vocab_size, spec.hidden_size, tp=tp, **kw)
-        self.rotary = RotaryEmbedding(spec.head_dim, spec.max_position, spec.rope_theta, **kw)
+        self.rotary = RotaryEmbedding(spec.rotary_dim, spec.max_position, spec.rope_theta, **kw)
         self.layers = nn.ModuleList(
             DecoderLayer(spec, i, moe_backend, local_expert_ids, tp, expert_parallel, **kw)
             for i in range(spec.num_layers)
@@ -333,6 +472,11 @@ class MoECausalLM(nn.Module):
         """Known checkpoint names that may be absent."""
         return {"lm_head.weight"} if self.spec.tie_word_embeddings else set()
 
+    def ignores_weight(self, name: str) -> bool:
+        """Whether the loader skips ``name`` (a tensor of the checkpoint that this runtime
+        does not serve) rather than calling it unexpected."""
+        return False
+
     def _layer_targets(self, prefix: str, layer: DecoderLayer) -> dict[str, Tensor | Shard | None]:
         rank = self.tp.rank
         t: dict[str, Tensor | Shard | None] = {
@@ -342,30 +486,50 @@ class MoECausalLM(nn.Module):
         attn = layer.self_attn
         for kind in ("weight", "bias"):
             fused = getattr(attn.qkv_proj, kind)
-            if fused is None:
-                continue
-            for name, part in zip(
-                ("q_proj", "k_proj", "v_proj"), fused.data.split(attn.split, dim=0)
-            ):
-                t[f"{prefix}.self_attn.{name}.{kind}"] = self._shard(part, 0, rank)
-            o = getattr(attn.o_proj, kind).data  # the bias is whole: added after the sum
-            t[f"{prefix}.self_attn.o_proj.{kind}"] = self._shard(o, 1, rank) if o.dim() == 2 else o
-        if attn.q_norm is not None:
-            t[f"{prefix}.self_attn.q_norm.weight"] = attn.q_norm.weight.data
-            t[f"{prefix}.self_attn.k_norm.weight"] = attn.k_norm.weight.data
+            if fused is not None:
+                for name, part in zip(
+                    ("q_proj", "k_proj", "v_proj"), fused.data.split(attn.split, dim=0)
+                ):
+                    t[f"{prefix}.self_attn.{name}.{kind}"] = self._shard(part, 0, rank)
+            o_param = getattr(attn.o_proj, kind)
+            if o_param is not None:  # the bias is whole: added after the sum
+                o = o_param.data
+                t[f"{prefix}.self_attn.o_proj.{kind}"] = (
+                    self._shard(o, 1, rank) if o.dim() == 2 else o
+                )
+        if attn.q_norm is not None and attn.k_norm is not None:
+            # Per head: one whole [Dh] weight; over the width: this worker's block of it.
+            whole = attn.qk_norm is QKNorm.PER_HEAD
+            for name, norm in (("q_norm", attn.q_norm), ("k_norm", attn.k_norm)):
+                w = norm.weight.data
+                t[f"{prefix}.self_attn.{name}.weight"] = w if whole else self._shard(w, 0, rank)
         if layer.is_moe:
-            t.update(self._moe_targets(f"{prefix}.{self.names.moe_module}", layer.mlp))
+            moe_prefix = f"{prefix}.{self.names.moe_module}"
+            t.update(self._moe_targets(moe_prefix, layer.mlp))
+            shared = layer.shared_experts
+            if shared is not None:
+                n = self.names
+                t.update(self._mlp_targets(f"{moe_prefix}.{n.shared_expert}", shared.mlp))
+                if shared.gate is not None:
+                    t[f"{moe_prefix}.{n.shared_expert_gate}.weight"] = shared.gate.weight.data
         else:
-            mlp = layer.mlp
-            gate, up = mlp.gate_up.weight.data.split(mlp.inter, dim=0)
-            t[f"{prefix}.mlp.gate_proj.weight"] = self._shard(gate, 0, rank)
-            t[f"{prefix}.mlp.up_proj.weight"] = self._shard(up, 0, rank)
-            t[f"{prefix}.mlp.down_proj.weight"] = self._shard(mlp.down.weight.data, 1, rank)
+            t.update(self._mlp_targets(f"{prefix}.mlp", layer.mlp))
         return t
+
+    def _mlp_targets(self, prefix: str, mlp: DenseMLP) -> dict[str, Tensor | Shard | None]:
+        rank = self.tp.rank
+        gate, up = mlp.gate_up.weight.data.split(mlp.inter, dim=0)
+        return {
+            f"{prefix}.gate_proj.weight": self._shard(gate, 0, rank),
+            f"{prefix}.up_proj.weight": self._shard(up, 0, rank),
+            f"{prefix}.down_proj.weight": self._shard(mlp.down.weight.data, 1, rank),
+        }
 
     def _moe_targets(self, prefix: str, moe: FusedMoE) -> dict[str, Tensor | Shard | None]:
         n = self.names
         t: dict[str, Tensor | Shard | None] = {f"{prefix}.gate.weight": moe.gate.data}
+        if moe.score_bias is not None:
+            t[f"{prefix}.gate.e_score_correction_bias"] = moe.score_bias
         slot_of = {e: s for s, e in enumerate(moe.local_expert_ids)}
         inter = moe.w2.shape[2]
         # Whole experts (EP, or TP size 1): block 0 of a tensor that is one block.

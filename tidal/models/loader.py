@@ -141,7 +141,8 @@ def load_weights(model: MoECausalLM, folder: str, *, load_experts: bool = True) 
             for name in f.keys():
                 for vname, get in _expand(name, f, model):
                     if vname not in targets:
-                        if not vname.endswith(_IGNORED_SUFFIXES):
+                        ignored = vname.endswith(_IGNORED_SUFFIXES) or model.ignores_weight(vname)
+                        if not ignored:
                             unexpected.append(vname)
                         continue
                     seen.add(vname)

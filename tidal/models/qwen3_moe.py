@@ -6,7 +6,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from tidal.models.common import CheckpointNames, DecoderSpec, MoECausalLM, base_spec_kwargs
+from tidal.models.common import (
+    CheckpointNames,
+    DecoderSpec,
+    ModelEntry,
+    MoECausalLM,
+    QKNorm,
+    base_spec_kwargs,
+    sparse_step_layer_mask,
+)
+from tidal.moe.router import Routing
 
 
 class Qwen3MoeForCausalLM(MoECausalLM):
@@ -16,21 +25,37 @@ class Qwen3MoeForCausalLM(MoECausalLM):
 
     @classmethod
     def spec_from_config(cls, hf_config: Any) -> DecoderSpec:
-        num_layers = hf_config.num_hidden_layers
         num_experts = getattr(hf_config, "num_experts", None) or hf_config.num_local_experts
-        mlp_only = set(getattr(hf_config, "mlp_only_layers", None) or [])
-        step = getattr(hf_config, "decoder_sparse_step", 1) or 1
-        mask = tuple(
-            i not in mlp_only and num_experts > 0 and (i + 1) % step == 0 for i in range(num_layers)
-        )
+        bias = bool(getattr(hf_config, "attention_bias", False))
         return DecoderSpec(
             **base_spec_kwargs(hf_config),
-            attention_bias=bool(getattr(hf_config, "attention_bias", False)),
-            qk_norm=True,
+            qkv_bias=bias,
+            o_bias=bias,
+            qk_norm=QKNorm.PER_HEAD,
             num_experts=num_experts,
-            top_k=hf_config.num_experts_per_tok,
             moe_intermediate_size=hf_config.moe_intermediate_size,
-            renormalize=bool(getattr(hf_config, "norm_topk_prob", False)),
+            routing=Routing(
+                hf_config.num_experts_per_tok, bool(getattr(hf_config, "norm_topk_prob", False))
+            ),
             dense_intermediate_size=hf_config.intermediate_size,
-            moe_layer_mask=mask,
+            moe_layer_mask=sparse_step_layer_mask(hf_config, num_experts),
         )
+
+
+def _tiny_config(experts: int, moe_inter: int, inter: int, norm_topk: bool) -> dict[str, Any]:
+    return {
+        "num_experts": experts,
+        "moe_intermediate_size": moe_inter,
+        "intermediate_size": inter,
+        "norm_topk_prob": norm_topk,
+    }
+
+
+ENTRY = ModelEntry(
+    architecture="Qwen3MoeForCausalLM",
+    model_type="qwen3_moe",
+    model=Qwen3MoeForCausalLM,
+    hf_config_class="Qwen3MoeConfig",
+    hf_model_class="Qwen3MoeForCausalLM",
+    tiny_config=_tiny_config,
+)

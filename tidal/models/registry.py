@@ -1,44 +1,74 @@
-"""Architecture name (``config.json`` ``architectures``) -> model class."""
+"""The supported architectures: each module's ``ModelEntry``, by the ``architectures``
+name of ``config.json`` (the model class) and by ``model_type`` (the tiny-checkpoint
+factory's ``arch``). Adding an architecture is its module plus one line in ``_ENTRIES``
+(docs/contributing.md#adding-a-model)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from tidal.models.common import MoECausalLM
-from tidal.models.mixtral import MixtralForCausalLM
-from tidal.models.qwen3_moe import Qwen3MoeForCausalLM
+from tidal.models import glm4_moe, mixtral, olmoe, qwen2_moe, qwen3_moe
+from tidal.models.common import ModelEntry, MoECausalLM
 
-# config.json ``architectures`` entry -> model class. Its only callers (EngineArgs, the
-# loader, the model runner) run where torch is loaded anyway, so the classes are eager.
-_MODELS: dict[str, type[MoECausalLM]] = {
-    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
-    "MixtralForCausalLM": MixtralForCausalLM,
-}
+# Its only callers (EngineArgs, the loader, the model runner, the tiny factory) run where
+# torch is loaded anyway, so the model classes are imported eagerly; transformers'
+# classes, which only the tiny factory and the tests need, are named, not imported.
+_ENTRIES: tuple[ModelEntry, ...] = (
+    qwen3_moe.ENTRY,
+    mixtral.ENTRY,
+    qwen2_moe.ENTRY,
+    olmoe.ENTRY,
+    glm4_moe.ENTRY,
+)
+_BY_ARCH = {e.architecture: e for e in _ENTRIES}
+_BY_TYPE = {e.model_type: e for e in _ENTRIES}
+assert len(_BY_ARCH) == len(_BY_TYPE) == len(_ENTRIES), "an architecture listed twice"
 
 
 def supported_architectures() -> list[str]:
-    return sorted(_MODELS)
+    return sorted(_BY_ARCH)
+
+
+def model_types() -> list[str]:
+    """The ``model_type`` of every supported architecture, in registry order."""
+    return [e.model_type for e in _ENTRIES]
+
+
+def _unsupported(found: str) -> ValueError:
+    return ValueError(
+        f"unsupported model architecture: {found}; supported: {', '.join(supported_architectures())}"
+    )
 
 
 def resolve_architecture(hf_config: Any) -> str:
     """The first supported entry of ``hf_config.architectures``; ValueError otherwise."""
     archs = list(getattr(hf_config, "architectures", None) or [])
     for arch in archs:
-        if arch in _MODELS:
+        if arch in _BY_ARCH:
             return arch
-    found = (
+    raise _unsupported(
         ", ".join(archs)
         if archs
         else f"none (model_type {getattr(hf_config, 'model_type', None)!r})"
     )
-    raise ValueError(
-        f"unsupported model architecture: {found}; supported: {', '.join(supported_architectures())}"
-    )
+
+
+def get_entry(arch: str) -> ModelEntry:
+    """The entry of an ``architectures`` name; ValueError listing the supported ones."""
+    entry = _BY_ARCH.get(arch)
+    if entry is None:
+        raise _unsupported(arch)
+    return entry
+
+
+def entry_for_model_type(model_type: str) -> ModelEntry:
+    entry = _BY_TYPE.get(model_type)
+    if entry is None:
+        raise ValueError(
+            f"unsupported model_type {model_type!r}; supported: {', '.join(model_types())}"
+        )
+    return entry
 
 
 def get_model_class(arch: str) -> type[MoECausalLM]:
-    if arch not in _MODELS:
-        raise ValueError(
-            f"unsupported model architecture: {arch}; supported: {', '.join(supported_architectures())}"
-        )
-    return _MODELS[arch]
+    return get_entry(arch).model

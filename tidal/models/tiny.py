@@ -1,7 +1,8 @@
 """Tiny random checkpoints in Hugging Face format, for tests and the embedded default model.
 
 ``make_tiny_checkpoint`` builds a seeded model with transformers' own config and model
-class (``save_pretrained``), plus a byte-level BPE tokenizer trained with the
+class (``save_pretrained``), both named by the architecture's registry entry
+(``tidal/models/registry.py``), plus a byte-level BPE tokenizer trained with the
 ``tokenizers`` library on a small built-in corpus, saved as a fast tokenizer with a
 ChatML chat template. Same arguments -> byte-identical files.
 
@@ -22,7 +23,10 @@ from typing import Any
 
 import torch
 
-ARCHS = ("qwen3_moe", "mixtral")
+from tidal.models.common import ModelEntry
+from tidal.models.registry import entry_for_model_type, model_types
+
+ARCHS = tuple(model_types())
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
@@ -91,12 +95,15 @@ def make_tiny_checkpoint(
 ) -> str:
     """Write a random ``arch`` checkpoint and tokenizer into ``path``; returns ``path``.
 
-    ``config_overrides`` go straight to the transformers config (e.g. ``mlp_only_layers``).
+    ``arch`` is a registry ``model_type`` (``ARCHS``); the entry maps the expert counts
+    and sizes to its config's fields. ``config_overrides`` go straight to the
+    transformers config (e.g. ``mlp_only_layers``).
     ``init_device="cuda"`` draws the random weights on the GPU (seconds instead of minutes
     for billions of parameters; a different, equally seeded draw than on the CPU).
     """
     if arch not in ARCHS:
         raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}")
+    entry = entry_for_model_type(arch)
     os.makedirs(path, exist_ok=True)
     tokenizer = build_tokenizer(vocab_size, max_position_embeddings)
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
@@ -116,17 +123,13 @@ def make_tiny_checkpoint(
         "bos_token_id": None,
     }
     moe_inter = moe_intermediate_size or max(hidden_size // 2, 4)
-    if arch == "qwen3_moe":
-        common.update(
-            num_experts=num_experts,
-            moe_intermediate_size=moe_inter,
-            intermediate_size=intermediate_size or 2 * hidden_size,
-            norm_topk_prob=norm_topk_prob,
+    common.update(
+        entry.tiny_config(
+            num_experts, moe_inter, intermediate_size or 2 * hidden_size, norm_topk_prob
         )
-    else:
-        common.update(num_local_experts=num_experts, intermediate_size=moe_inter)
-    config = _make_config(arch, {**common, **config_overrides})
-    model = _make_model(arch, config, seed, getattr(torch, dtype), init_device)
+    )
+    config = _transformers_class(entry.hf_config_class)(**{**common, **config_overrides})
+    model = _make_model(entry, config, seed, getattr(torch, dtype), init_device)
     model.generation_config.eos_token_id = [ids["<|im_end|>"], ids["<|endoftext|>"]]
     model.generation_config.pad_token_id = ids["<|endoftext|>"]
     model.generation_config.bos_token_id = None
@@ -135,28 +138,27 @@ def make_tiny_checkpoint(
     return path
 
 
-def _make_config(arch: str, kwargs: dict[str, Any]) -> Any:
+def _transformers_class(name: str) -> Any:
     # transformers' model modules and tokenizers' trainers are imported here and below, not
     # at the top: only building a checkpoint needs them, and ``launch`` imports this module
     # for ``default_model_path``, which usually finds the checkpoint already built.
-    if arch == "qwen3_moe":
-        from transformers import Qwen3MoeConfig
+    import transformers
 
-        return Qwen3MoeConfig(**kwargs)
-    from transformers import MixtralConfig
-
-    return MixtralConfig(**kwargs)
+    return getattr(transformers, name)
 
 
-def _make_model(arch: str, config: Any, seed: int, dtype: Any, init_device: str = "cpu") -> Any:
-    from transformers import MixtralForCausalLM, Qwen3MoeForCausalLM
-
-    cls = Qwen3MoeForCausalLM if arch == "qwen3_moe" else MixtralForCausalLM
+def _make_model(
+    entry: ModelEntry, config: Any, seed: int, dtype: Any, init_device: str = "cpu"
+) -> Any:
+    cls = _transformers_class(entry.hf_model_class)
     device = torch.device(init_device)
     forked = [device.index or 0] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=forked), device:
         torch.manual_seed(seed)
         model = cls(config)
+    if entry.tiny_init is not None:
+        with torch.no_grad():
+            entry.tiny_init(model, torch.Generator().manual_seed(seed))
     return model.to(dtype).eval()
 
 
