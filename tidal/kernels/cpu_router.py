@@ -6,6 +6,9 @@ is a GEMM call and four small ops, ~35 us a layer at decode sizes on 2 cores for
 arithmetic. ``softmax_topk`` stays the reference and the fallback; the two differ by the
 summation order of the logits (an ulp), so a near-tie between two experts could resolve
 either way, as it already could between MKL and oneDNN.
+
+Softmax top-k only: ``FusedMoE`` does not offer this path for another routing rule
+(sigmoid scores, a correction bias, group-limited choice; ``Routing.plain_softmax``).
 """
 
 from __future__ import annotations

@@ -4,6 +4,10 @@
 row (ties -> the lower expert id); with ``renormalize`` the k weights are divided by
 their sum (Qwen3 ``norm_topk_prob``; Mixtral's "top-k, then softmax over the k" is the
 same thing). Math in fp32 whatever the logits dtype.
+
+Only this rule (``Routing.plain_softmax`` in ``tidal/moe/router.py``): sigmoid scores,
+correction biases and group-limited choice are computed by ``tidal/moe/router.py``'s
+``route`` in torch.
 """
 
 from __future__ import annotations

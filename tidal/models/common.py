@@ -84,7 +84,7 @@ class DecoderSpec:
     moe_layer_mask: tuple[bool, ...]  # per layer: MoE block (True) or dense MLP
     tie_word_embeddings: bool
     rotary_dim: int  # the rotated dims of each head (< head_dim: partial rotary)
-    qkv_clip: float | None = None  # clamp q, k, v to [-clip, clip] after the q/k norm
+    qkv_clip: float | None = None  # clamp q, k, v to [-clip, clip] (after a full-width q/k norm)
     shared_expert_intermediate_size: int = 0  # 0: no shared experts
     shared_expert_gate: bool = False  # sigmoid(x @ gate.T) scales the shared output
 
