@@ -88,7 +88,7 @@ class Candidate:
 class OpKey:
     """An op family and the shape it runs at: ops of equal keys share one choice."""
 
-    op: str  # moe | router | linear | attention | norm
+    op: str  # moe | router | router_logits | linear | attention | norm
     shape: tuple[int, ...]
 
     @property

@@ -112,19 +112,10 @@ def grouped_topk(
         raise ValueError(f"topk_group must be in [1, {num_expert_group}], got {topk_group}")
     scores = _scores(router_logits, scoring)
     choice = scores if e_score_correction_bias is None else scores + e_score_correction_bias.float()
-    # [T, G, E/G] (sized explicitly: T may be 0)
-    grouped = choice.view(num_tokens, num_expert_group, num_experts // num_expert_group)
-    if e_score_correction_bias is None:
-        group_scores = grouped.max(dim=-1).values
-    else:
-        group_scores = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(dim=-1)
-    group_idx = torch.topk(
-        group_scores, topk_group, dim=-1, sorted=False
-    ).indices  # [T, topk_group]
-    group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1.0)  # [T, G]
-    expert_mask = group_mask.unsqueeze(-1).expand_as(grouped).reshape(num_tokens, num_experts)
-    masked = choice.masked_fill(expert_mask == 0, float("-inf"))
-    topk_ids = torch.topk(masked, top_k, dim=-1).indices
+    if topk_group < num_expert_group:
+        choice = _keep_best_groups(choice, num_expert_group, topk_group, e_score_correction_bias)
+    # else every group is kept (GLM-4.5 has one): no group mask to build
+    topk_ids = torch.topk(choice, top_k, dim=-1).indices
     topk_weights = scores.gather(1, topk_ids)
     if renormalize:
         # The epsilon is transformers': sigmoid weights could all underflow to 0.
@@ -132,6 +123,25 @@ def grouped_topk(
     if routed_scaling_factor != 1.0:
         topk_weights = topk_weights * routed_scaling_factor
     return topk_weights, topk_ids
+
+
+def _keep_best_groups(
+    choice: Tensor,  # [T, E] float32
+    num_groups: int,
+    topk_group: int,
+    bias: Tensor | None,
+) -> Tensor:  # [T, E]: choice, -inf outside each token's best topk_group groups
+    num_tokens, num_experts = choice.shape
+    # [T, G, E/G] (sized explicitly: T may be 0)
+    grouped = choice.view(num_tokens, num_groups, num_experts // num_groups)
+    if bias is None:
+        group_scores = grouped.max(dim=-1).values
+    else:
+        group_scores = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(dim=-1)
+    group_idx = torch.topk(group_scores, topk_group, dim=-1, sorted=False).indices  # [T, G']
+    group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1.0)  # [T, G]
+    expert_mask = group_mask.unsqueeze(-1).expand_as(grouped).reshape(num_tokens, num_experts)
+    return choice.masked_fill(expert_mask == 0, float("-inf"))
 
 
 def _scores(router_logits: Tensor, scoring: Scoring) -> Tensor:  # [T, E] float32
