@@ -400,7 +400,8 @@ def test_bfloat16_model_runs_close_to_float32(qwen3_ckpt):
 def test_qwen2_moe_dense_layers_and_shared_expert(tmp_path):
     """decoder_sparse_step and mlp_only_layers give dense layers (no shared expert there);
     a MoE layer's shared expert and its gate load whole on a rank with a subset of the
-    routed experts (EP: replicated, never placed)."""
+    routed experts (EP: replicated, never placed) and on a joining elastic rank, which
+    reads no routed expert."""
     path = make_tiny_checkpoint(
         str(tmp_path / "q2"), "qwen2_moe", hidden_size=32, num_layers=4, num_experts=4,
         top_k=2, vocab_size=300, max_position_embeddings=64, decoder_sparse_step=2,
@@ -412,9 +413,12 @@ def test_qwen2_moe_dense_layers_and_shared_expert(tmp_path):
     (prompt,) = _prompts(300, [9], seed=8)
     _close(PagedRunner(ours).step([("a", 0, prompt)]), _hf_logits(hf, prompt))
     part = _our_model(path, local_expert_ids=[3])
+    joining = _our_model(path, load_experts=False)  # elastic EP: routed experts from peers
     assert part.moe_layers()[0].w13.shape[0] == 1
+    assert torch.count_nonzero(joining.moe_layers()[0].w13) == 0
     for name, value in ours.layers[1].shared_experts.state_dict().items():
         assert torch.equal(part.layers[1].shared_experts.state_dict()[name], value), name
+        assert torch.equal(joining.layers[1].shared_experts.state_dict()[name], value), name
 
 
 def test_glm4_moe_switches_and_mtp_layers(tiny_ckpt, tmp_path):
