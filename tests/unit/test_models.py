@@ -437,9 +437,9 @@ def test_glm4_moe_switches_and_mtp_layers(tiny_ckpt, tmp_path):
     assert ours.moe_layers()[0].score_bias.abs().min() > 0
     extra = {"model.layers.2.mlp.gate.weight": torch.ones(8, 64)}  # an MTP layer's
     mtp = _rewrite(path, tmp_path / "mtp", lambda t: {**t, **extra})
-    loaded = _our_model(mtp)
-    for a, b in zip(loaded.state_dict().values(), ours.state_dict().values()):
-        assert torch.equal(a, b)
+    got, want = _our_model(mtp).state_dict(), ours.state_dict()
+    assert got.keys() == want.keys()
+    assert all(torch.equal(got[name], value) for name, value in want.items())
     bad = _rewrite(path, tmp_path / "bad", lambda t: {**t, "model.layers.1.x.weight": torch.ones(2)})
     with pytest.raises(CheckpointError, match=r"unexpected 1 tensor\(s\): model\.layers\.1\.x"):
         _our_model(bad)
