@@ -1,3 +1,5 @@
+# pyright: reportArgumentType=false, reportCallIssue=false
+# (triton.jit signatures type launch constants as tl.constexpr; tl tensors index as x[:, None])
 """Fused router: softmax over expert logits, top-k, optional renormalisation.
 
 ``weights = softmax(logits)[ids]`` with ``ids`` the ``top_k`` largest probabilities of a
