@@ -27,7 +27,7 @@ from tidal.distributed.zmq_auth import (
 from tidal.dp_coordinator.handle import fetch_stats
 from tidal.engine_core.proc import EngineCoreProc
 from tidal.frontend.launchers.mp import spawn_headless_engines
-from tidal.frontend.sync_client import SyncMPClient
+from tidal.frontend.loop_client import LoopThreadClient
 from tidal.launch.engine_args import EngineArgs
 from tidal.protocol.errors import EngineStartupError
 from tidal.protocol.messages import (
@@ -185,21 +185,21 @@ def _generate(client: Any, rank: int, rid: str) -> list[int]:
                     return tokens
 
 
-def _deployment(path: str) -> tuple[SyncMPClient, list[Any]]:
+def _deployment(path: str) -> tuple[LoopThreadClient, list[Any]]:
     """A frontend (rank 0 local) and rank 1 started headless, joined over TCP."""
-    return start_with_headless(lambda rpc: _tcp_config(path, rpc, SECRET), SyncMPClient, 1)
+    return start_with_headless(lambda rpc: _tcp_config(path, rpc, SECRET), LoopThreadClient, 1)
 
 
 def test_headless_rank_with_the_secret_serves_and_strangers_are_refused(qwen3_ckpt):
     client, headless = _deployment(qwen3_ckpt)
     ctx = zmq.Context()
     try:
-        assert client.addresses.input.startswith("tcp://")
+        assert client.client.addresses.input.startswith("tcp://")
         want = _generate(client, 0, "r0")
         assert _generate(client, 1, "r1") == want and len(want) == 4
 
         # Strangers at every TCP port of the frontend and the coordinator.
-        front, coord = client.addresses, client.coordinator.addresses
+        front, coord = client.client.addresses, client.coordinator.addresses
         forged_death = encode(EngineCoreOutputs(engine_dead=True, dead_reason="forged"))
         hello = encode(EngineHello(1, 1))
         targets = [

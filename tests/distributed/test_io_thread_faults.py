@@ -31,8 +31,8 @@ from tidal.config import EngineConfig
 from tidal.dp_coordinator.handle import fetch_stats_async
 from tidal.frontend.async_client import AsyncMPClient
 from tidal.frontend.async_llm import AsyncLLM
+from tidal.frontend.loop_client import LoopThreadClient
 from tidal.frontend.processor import ProcessedPrompt
-from tidal.frontend.sync_client import SyncMPClient
 from tidal.launch.engine_args import EngineArgs
 from tidal.protocol.errors import EngineDeadError, RequestFailedError
 from tidal.protocol.messages import SNAPSHOT_DECODER, EngineCoreRequestType, engine_identity
@@ -102,8 +102,13 @@ def expected(qwen3_ckpt) -> list[list[int]]:
 
 
 class _FaultLLM(LLM):
-    def _make_client(self) -> SyncMPClient:
-        return SyncMPClient(self.config, entry_module=FAULT_ENGINE)
+    def _make_client(self) -> LoopThreadClient:
+        return LoopThreadClient(self.config, entry_module=FAULT_ENGINE)
+
+
+def _on_loop(client: LoopThreadClient, fn: Callable[[AsyncMPClient], None]) -> None:
+    """``fn(the engine client)`` on its loop thread, where its sockets live."""
+    client.call_on_loop(lambda: fn(client.client))
 
 
 def _procs(client: Any) -> list[Any]:
@@ -274,20 +279,20 @@ async def _recv_multipart(sock: zmq.Socket) -> list[bytes]:
     return sock.recv_multipart()
 
 
-# ---------------------------------------------------------------- the sync client
+# ---------------------------------------------------- the same client behind LLM's facade
 
 
-def test_sync_garbage_while_serving(qwen3_ckpt, expected):
+def test_offline_garbage_while_serving(qwen3_ckpt, expected):
     llm = _FaultLLM(qwen3_ckpt, dtype="float32", data_parallel_size=2)
-    client: SyncMPClient = llm.client
+    client: LoopThreadClient = llm.client
     procs = _procs(client)
     ctx = zmq.Context()
     try:
         prompts = [llm.input_processor.tokenize({"prompt_token_ids": p}) for p in _prompts()]
         ids = [llm._add(p, _params(i)) for i, p in enumerate(prompts)]
         for engine_id in client.engine_ids:
-            _send_engine_garbage(client, engine_id)
-        _push_garbage(ctx, client.output_address, OUTPUT_GARBAGE)
+            _on_loop(client, lambda c, e=engine_id: _send_engine_garbage(c, e))
+        _push_garbage(ctx, client.client.output_address, OUTPUT_GARBAGE)
         for engine_id in client.engine_ids:
             with pytest.raises(RuntimeError, match="unencodable failed: its result cannot"):
                 client.call_utility_on(engine_id, "unencodable", timeout_s=DEADLINE_S)
@@ -313,15 +318,16 @@ def _long_requests(llm: LLM, n: int) -> list[str]:
     return [llm._add(p, _params(NUM_SHORT)) for p in prompts]
 
 
-def _wait_exit(client: SyncMPClient, engine_id: int) -> int | None:
+def _wait_exit(client: LoopThreadClient, engine_id: int) -> int | None:
     proc = client.manager.procs[engine_id]
     assert wait_until(lambda: proc.exitcode is not None, 30), "the engine lives on"
     return proc.exitcode
 
 
 def test_output_thread_failure_fails_everything_at_once(qwen3_ckpt):
-    llm = _FaultLLM(qwen3_ckpt, dtype="float32", data_parallel_size=2)
-    client: SyncMPClient = llm.client
+    # Without rank recovery (with it, the survivor takes the requests over: test_rank_death).
+    llm = _FaultLLM(qwen3_ckpt, dtype="float32", data_parallel_size=2, rank_recovery=False)
+    client: LoopThreadClient = llm.client
     procs = _procs(client)
     try:
         ids = _long_requests(llm, 4)
@@ -337,11 +343,14 @@ def test_output_thread_failure_fails_everything_at_once(qwen3_ckpt):
 
 def test_input_thread_failure_fails_everything_at_once(qwen3_ckpt):
     llm = _FaultLLM(qwen3_ckpt, dtype="float32", multiprocess=True)
-    client: SyncMPClient = llm.client
+    client: LoopThreadClient = llm.client
     procs = _procs(client)
     try:
         ids = _long_requests(llm, 2)
-        client.input_socket.send_multipart([engine_identity(0), BREAK_INPUT, b""])
+        _on_loop(
+            client,
+            lambda c: c.input_socket.send_multipart([engine_identity(0), BREAK_INPUT, b""]),
+        )
         with pytest.raises(EngineDeadError, match="engine 0: its input thread failed"):
             _within(lambda: llm._run(ids, use_tqdm=False), DEADLINE_S)
         assert _wait_exit(client, 0) == 1

@@ -22,7 +22,7 @@ from tidal.config import EngineConfig
 from tidal.distributed.ports import get_open_port
 from tidal.engine_core.core import EngineCore
 from tidal.engine_core.request import Request
-from tidal.frontend.sync_client import SyncMPClient
+from tidal.frontend.loop_client import LoopThreadClient
 from tidal.launch.engine_args import EngineArgs
 from tidal.protocol.messages import (
     EngineCoreOutput,
@@ -252,7 +252,12 @@ def _collect(client: Any, until: set[str]) -> dict[str, EngineCoreOutput]:
 
 
 def test_dp_ep_engine_answers_bad_requests_and_keeps_serving(qwen3_ckpt, core):
-    client = SyncMPClient(_config(qwen3_ckpt, data_parallel_size=2, enable_expert_parallel=True))
+    # No rank recovery, so no request book: the raw ADD below bypasses the client, and a
+    # book would drop the answer to a request the client never sent (as it should).
+    config = _config(
+        qwen3_ckpt, data_parallel_size=2, enable_expert_parallel=True, rank_recovery=False
+    )
+    client = LoopThreadClient(config)
     try:
         # A request the wire cannot carry fails in the caller, before any wake-up: the
         # other ranks must not start a wave and wait for a rank that never got it.
@@ -277,7 +282,9 @@ def test_dp_ep_engine_answers_bad_requests_and_keeps_serving(qwen3_ckpt, core):
             # An ADD that does not even decode (a list where the prompt should be).
             raw = msgspec.msgpack.encode([f"garbled@{rank}", "not a prompt", []])
             ident = engine_identity(rank)
-            client.input_socket.send_multipart([ident, EngineCoreRequestType.ADD.value, raw])
+            frames = [ident, EngineCoreRequestType.ADD.value, raw]
+            # On the client's loop thread, where its sockets live.
+            client.call_on_loop(lambda f=frames: client.client.input_socket.send_multipart(f))
             bad.add(f"garbled@{rank}")
         got = _collect(client, bad | set(good))
         for rid in bad:

@@ -374,21 +374,21 @@ def test_killed_script_leaves_no_engine(run_script) -> None:
         psutil.wait_procs(left, timeout=1)
 
 
-def test_sync_client_dropped_or_never_shut_down(run_script) -> None:
+def test_engine_client_dropped_or_never_shut_down(run_script) -> None:
     """The engine client benchmarks and tests use directly: dropping it stops its engines,
     and one never shut down does not keep the script from exiting."""
     script = run_script(
         """
         import psutil
         from tidal.launch.engine_args import EngineArgs
-        from tidal.frontend.sync_client import SyncMPClient
+        from tidal.frontend.loop_client import LoopThreadClient
 
         config = EngineArgs().create_engine_config()
-        client = SyncMPClient(config)
+        client = LoopThreadClient(config)
         print("CHILDREN:", [c.name() for c in psutil.Process().children()])
         del client
         print("AFTER DEL:", psutil.Process().children())
-        kept = SyncMPClient(config)
+        kept = LoopThreadClient(config)
         print("KEPT:", [c.name() for c in psutil.Process().children()])
         """
     )

@@ -11,11 +11,9 @@ import logging
 import queue
 import threading
 import time
-import weakref
 from types import SimpleNamespace
 from typing import Any
 
-import msgspec
 import pytest
 import zmq
 import zmq.asyncio
@@ -24,7 +22,6 @@ from tests.waiting import wait_until
 from tidal.dp_coordinator.proc import CoordinatorAddresses, _CoordinatorLoop, _StopFlag
 from tidal.dp_coordinator.state import CoordinatorState
 from tidal.engine_core.proc import TO_CLIENT, EngineCoreProc, EngineIOThreadError, LoopProgress
-from tidal.frontend import sync_client
 from tidal.frontend.async_client import AsyncMPClient
 from tidal.frontend.liveness import Liveness
 from tidal.protocol.errors import EngineDeadError
@@ -269,63 +266,6 @@ def test_coordinator_loop_drops_bad_messages_on_every_socket(tmp_path):
 
 
 # ---------------------------------------------------------------- the clients' readers
-
-
-class _SyncStub:
-    """What SyncMPClient's reader thread uses of its client."""
-
-    def __init__(self) -> None:
-        self.dropped = DropCounter("client", logging.getLogger("test"))
-        self.dispatched: list[EngineCoreOutputs] = []
-        self.deaths: list[str] = []
-
-    def _dispatch(self, outs: EngineCoreOutputs) -> None:
-        if outs.engine_index == 66:
-            raise RuntimeError("a bug")
-        self.dispatched.append(outs)
-
-    def _on_snapshot(self, frame: bytes) -> None:
-        msgspec.msgpack.decode(frame, type=int)
-
-    def _on_engine_death(self, reason: str) -> None:
-        self.deaths.append(reason)
-
-    def _check_liveness(self) -> None:
-        """Between frames (nothing to judge here)."""
-
-
-def test_sync_reader_drops_bad_frames_and_fails_the_client_on_a_bug():
-    ctx = zmq.Context()
-    pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
-    snap, snap_pub = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
-    pull.bind("inproc://out")
-    push.connect("inproc://out")
-    snap.bind("inproc://snap")
-    snap_pub.connect("inproc://snap")
-    client = _SyncStub()
-    stop = threading.Event()
-    reader = threading.Thread(
-        target=sync_client._read_outputs, args=(weakref.ref(client), pull, snap, stop), daemon=True
-    )
-    reader.start()
-    try:
-        for frame in [b"\xc1", b"", encode("x")]:
-            push.send(frame)
-        snap_pub.send(encode("not an int"))
-        push.send(encode(EngineCoreOutputs(engine_index=1)))
-        assert wait_until(lambda: client.dispatched, 10)
-        assert client.dropped.counts() == {"engine output frame": 3, "load snapshot frame": 1}
-        assert reader.is_alive() and not client.deaths
-        push.send(encode(EngineCoreOutputs(engine_index=66)))
-        reader.join(5)
-        assert not reader.is_alive()
-        assert client.deaths == ["the client's output reader failed: RuntimeError: a bug"]
-    finally:
-        stop.set()
-        reader.join(5)
-        for s in (pull, push, snap, snap_pub):
-            s.close(0)
-        ctx.term()
 
 
 def _async_client(ctx: zmq.asyncio.Context) -> AsyncMPClient:

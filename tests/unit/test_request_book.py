@@ -180,7 +180,6 @@ def fake_client(topology: Topology) -> AsyncMPClient:
     c.dead_reason = None
     c._gone_engines = set()
     c._book = RequestBook(topology.epoch)
-    c._book_lock = threading.Lock()
     c._scale_hooks = None
     c.dp = DPFrontendState(topology)
     c.input_socket = FakeSocket()

@@ -1,5 +1,6 @@
-"""Frontend side (layer 8, docs/architecture.md#layers): the engine clients (``core_client``: interface and
-in-process; ``mp_client`` + ``sync_client`` / ``async_client``: engines in processes), the
+"""Frontend side (layer 8, docs/architecture.md#layers): the engine client (``mp_client`` +
+``async_client``: engines in processes, on an event loop; ``loop_client``: the same client
+behind a blocking facade for ``LLM``; ``core_client``: that interface, and in-process), the
 DP routing and wave state (``dp_state``), the request book (``migrations``), liveness
 verdicts (``liveness``), tokenization (``processor``), detokenization and stop strings,
 request outputs and ``AsyncLLM``. Subpackages: ``launchers`` (where engine processes run,

@@ -1,7 +1,9 @@
-"""The asyncio multiprocess client, for the API server: outputs arrive on an asyncio
-queue, read by tasks on the caller's event loop. With elastic EP it also runs what the
-scale driver asks of it on that loop (``send_scale``, ``migrate``, ``set_topology``; see
-``mp_client``).
+"""The engine client: one asyncio client for every multiprocess deployment. The API
+server's ``AsyncLLM`` runs it on its event loop; the offline ``LLM`` runs the same client
+on a loop thread (``loop_client.LoopThreadClient``), so both see rank deaths, frozen
+engines and reader failures alike. Outputs arrive on an asyncio queue, read by tasks on
+that loop. With rank recovery or elastic EP it also runs what the scale driver asks of it
+on that loop (``send_scale``, ``migrate``, ``set_topology``; see ``mp_client``).
 
 The reader tasks never die silently: a frame that does not decode is dropped, counted
 (``dropped``) and logged; any other failure of a reader fails the client at once
@@ -55,10 +57,13 @@ SCALE_SEND_RETRY_S = 5.0
 # is killed and restarted (docs/architecture.md#faults). Meanwhile, past two of its heartbeats, wake-ups
 # also go straight to the engines (``_send_wakeup``).
 COORDINATOR_TIMEOUT_S = 4 * COORDINATOR_HEARTBEAT_S
+# A utility call's answer; the engines answer within milliseconds unless they are busy.
+UTILITY_TIMEOUT_S = 60.0
 
 
 class AsyncMPClient(MPClient):
-    """asyncio client for the API server. Outputs arrive on an asyncio queue."""
+    """The engine client (readers, liveness, failure) over ``MPClient`` (transport,
+    routing, migration). Outputs arrive on an asyncio queue."""
 
     def __init__(self, config: EngineConfig, entry_module: str | None = None) -> None:
         self._pending_calls: dict[int, asyncio.Future] = {}
@@ -71,7 +76,7 @@ class AsyncMPClient(MPClient):
         self._loop: asyncio.AbstractEventLoop | None = None
         self._reader_task: asyncio.Task | None = None
         self.dropped = DropCounter("frontend client", logger)  # undecodable frames
-        super().__init__(config, asyncio_mode=True, entry_module=entry_module)
+        super().__init__(config, entry_module)
 
     def _ensure_reader(self) -> None:
         if self._reader_task is None:
@@ -149,12 +154,6 @@ class AsyncMPClient(MPClient):
     async def get_dp_stats_async(self, timeout_s: float = 2.0) -> DPCoordinatorStats:
         """The coordinator's full stats (DP only)."""
         return await fetch_stats_async(self.coordinator.addresses.stats, timeout_s, self._curve)
-
-    def _on_engine_death(self, reason: str) -> None:
-        if self._loop is not None:
-            self._loop.call_soon_threadsafe(self._fail, reason)
-        elif self.dead_reason is None:
-            self.dead_reason = reason
 
     def _on_engine_exit(self, engine_id: int, exitcode: int | None) -> None:
         # The monitor's thread: decide on the loop, where the scale driver's state lives.
@@ -348,18 +347,20 @@ class AsyncMPClient(MPClient):
             raise EngineDeadError(outs.dead_reason or "engine died")
         return outs
 
-    def get_output(self) -> EngineCoreOutputs:
-        raise RuntimeError("AsyncMPClient: use get_output_async()")
-
-    def call_utility(self, method: str, *args: Any) -> Any:
-        raise RuntimeError("AsyncMPClient: use call_utility_async()")
-
     async def call_utility_all_async(self, method: str, *args: Any) -> list[Any]:
         live = [e for e in self.engine_ids if e not in self._gone_engines]  # dead: no answer
         calls = [self.call_utility_async(method, *args, engine=e) for e in live]
         return list(await asyncio.gather(*calls))
 
-    async def call_utility_async(self, method: str, *args: Any, engine: int | None = None) -> Any:
+    async def call_utility_async(
+        self,
+        method: str,
+        *args: Any,
+        engine: int | None = None,
+        timeout_s: float = UTILITY_TIMEOUT_S,
+    ) -> Any:
+        """``method(*args)`` on ``engine`` (default: the first); ``EngineDeadError`` when it
+        is gone or dies first, ``TimeoutError`` past ``timeout_s``."""
         self._ensure_reader()
         target = self.engine_ids[0] if engine is None else engine
         if target in self._gone_engines:
@@ -370,7 +371,7 @@ class AsyncMPClient(MPClient):
         self._call_targets[call.call_id] = target
         try:
             self._send(target, EngineCoreRequestType.UTILITY, call)
-            out = await asyncio.wait_for(fut, 60)
+            out = await asyncio.wait_for(fut, timeout_s)
         finally:
             self._pending_calls.pop(call.call_id, None)
             self._call_targets.pop(call.call_id, None)

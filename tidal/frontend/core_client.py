@@ -1,11 +1,10 @@
-"""The engine client interface, and the client that runs the engine in this process.
+"""The blocking engine interface of the offline ``LLM``, and its in-process fast path.
 
-Clients, one per file:
-- ``InprocClient`` (here): the EngineCore lives in the caller's process (tests, debugging).
-- ``SyncMPClient`` (``sync_client``): engines in background processes; blocking API for
-  the offline ``LLM``.
-- ``AsyncMPClient`` (``async_client``): the same for asyncio frontends (the API server).
-Both multiprocess clients share ``mp_client.MPClient``.
+- ``InprocClient`` (here): the EngineCore lives in the caller's process (one CPU rank:
+  ``tidal.launch.llm.runs_in_process``; tests, debugging).
+- ``LoopThreadClient`` (``loop_client``): engines in processes; the one engine client,
+  ``AsyncMPClient`` (``async_client`` over ``mp_client``), run on a loop thread -- the
+  same client the API server's ``AsyncLLM`` runs on its own loop.
 """
 
 from __future__ import annotations

@@ -1,6 +1,10 @@
-"""The part of the multiprocess engine clients that does not depend on how outputs are
-read (threads for ``SyncMPClient``, asyncio for ``AsyncMPClient``): the frontend's
-sockets, the engine processes, the DP coordinator, routing, and releasing all of it.
+"""The engine client's transport, routing and migration (``MPClient``; its asyncio half,
+``AsyncMPClient``, reads outputs and judges liveness): the frontend's sockets, the engine
+processes, the DP coordinator, routing, and releasing all of it. ``__init__`` only
+orders the concerns, each a function of its own: where the ranks run
+(``_place_frontend``), the DP rendezvous (``_dp_rendezvous``), CURVE (``_curve_for``),
+the sockets (``_open_sockets``), the coordinator (``_start_coordinator``) and the
+process manager (``_start_engines``).
 
 Elastic EP (``--enable-elastic-ep``, docs/architecture.md#elastic), and rank recovery (any
 data-parallel deployment unless ``--no-rank-recovery``: ``ParallelConfig.reconfigurable``)
@@ -31,9 +35,10 @@ import zmq
 import zmq.asyncio
 from zmq.auth.thread import ThreadAuthenticator
 
-from tidal.config import EngineConfig
+from tidal.config import EngineConfig, ParallelConfig
 from tidal.distributed.ports import get_open_port
 from tidal.distributed.zmq_auth import (
+    CurveKeys,
     curve_keys,
     secure_client,
     secure_server,
@@ -41,8 +46,8 @@ from tidal.distributed.zmq_auth import (
 )
 from tidal.dp_coordinator.handle import DPCoordinator
 from tidal.elastic.migration import AlreadyFinished
-from tidal.frontend.core_client import EngineCoreClient
 from tidal.frontend.dp_state import DPFrontendState
+from tidal.frontend.launchers.base import Launcher
 from tidal.frontend.launchers.proc_manager import (
     EngineProcManager,
     bound_endpoint,
@@ -94,7 +99,7 @@ def engine_input_router(ctx: zmq.Context) -> zmq.Socket:
 @dataclass(frozen=True)
 class ScaleHooks:
     """How the client hands elastic EP events to the scale driver (all called on the
-    thread that reads outputs: the event loop's for ``AsyncMPClient``).
+    event loop's thread).
 
     ``owns_engine(engine_id)``: whether an exit (or ENGINE_CORE_DEAD) of this engine is
     the driver's (an engine joining or leaving in a scale operation, or one no longer
@@ -116,50 +121,77 @@ def encode_request(request: EngineCoreRequest) -> bytes:
         raise ValueError(f"request {request.request_id!r} cannot be sent to the engine: {e}") from e
 
 
-class MPClient(EngineCoreClient):
-    """Shared part of the sync and async multiprocess clients: sockets, processes, routing.
+def _place_frontend(
+    config: EngineConfig, entry_module: str | None
+) -> tuple[Launcher, EngineConfig]:
+    """Where the engine ranks run (docs/architecture.md#launchers) and the address this
+    frontend is reached at there; the process manager owns the launcher once made."""
+    launcher = make_launcher(config, entry_module)
+    host = launcher.frontend_host(config.parallel.data_parallel_address)
+    return launcher, config.with_parallel(data_parallel_address=host)
+
+
+def _dp_rendezvous(config: EngineConfig) -> tuple[EngineConfig, str | None]:
+    """With DP, the master port (the configured one, else a free one) and the store
+    address ``host:port`` the launch topology names; without, ``config`` and None."""
+    par = config.parallel
+    if not par.is_data_parallel:
+        return config, None
+    port = par.data_parallel_master_port or get_open_port(par.data_parallel_address)
+    return (
+        config.with_parallel(data_parallel_master_port=port),
+        f"{par.data_parallel_address}:{port}",
+    )
+
+
+def _curve_for(input_address: str, ipc: str, par: ParallelConfig) -> CurveKeys | None:
+    """Over TCP (ranks on other hosts) every control-plane socket is a CURVE peer and a
+    ZAP handler admits only holders of the shared secret (tidal/distributed/zmq_auth.py);
+    over IPC, None. Over TCP nothing lives in the ipc directory, so it goes now: were it
+    kept, a SIGKILLed frontend would leave it behind (only ipc engines remove it)."""
+    if not input_address.startswith("tcp://"):
+        return None
+    shutil.rmtree(ipc, ignore_errors=True)
+    return curve_keys(par.data_parallel_auth_key)
+
+
+def _sync_context(ctx: zmq.asyncio.Context) -> zmq.Context:
+    """A sync shadow of ``ctx`` with linger 0 by default, the ZAP handler's own sockets
+    included: nothing the frontend still has queued when it closes them is worth a
+    ``term()`` that waits."""
+    sync_ctx = zmq.Context.shadow(ctx.underlying)
+    sync_ctx.setsockopt(zmq.LINGER, 0)
+    return sync_ctx
+
+
+class MPClient:
+    """The engine client's transport, routing and migration (``AsyncMPClient`` adds its
+    readers, liveness and failure handling on the event loop): the frontend's sockets,
+    the engine processes, the DP coordinator, routing, and releasing all of it.
 
     With the DP machinery (DP > 1 at launch, or elastic EP at any size) it also starts the
     DP coordinator, balances requests across ranks from the coordinator's published load,
     and runs the frontend's half of the wave protocol (stamp each request with the wave;
     wake the ranks when they are paused). Engines, coordinator and balancer all work from
-    one ``Topology``: its engine ids are who gets requests, its size the live DP size."""
+    one ``Topology``: its engine ids are who gets requests, its size the live DP size.
 
-    def __init__(
-        self,
-        config: EngineConfig,
-        *,
-        asyncio_mode: bool,
-        entry_module: str | None = None,
-        migrates: bool = True,
-    ) -> None:
-        """``migrates``: a scale driver may move requests (keep the request book), when
-        the deployment is reconfigurable."""
-        # Where the engine ranks run (docs/architecture.md#launchers); the manager below owns it once made.
-        launcher = make_launcher(config, entry_module)
-        host = launcher.frontend_host(config.parallel.data_parallel_address)
-        config = config.with_parallel(data_parallel_address=host)
-        par = config.parallel
-        store = None
-        if par.is_data_parallel:
-            port = par.data_parallel_master_port or get_open_port(par.data_parallel_address)
-            config = config.with_parallel(data_parallel_master_port=port)
-            store = f"{par.data_parallel_address}:{port}"
+    Every method runs on the event loop's thread (the caller's, or the loop thread of
+    ``LoopThreadClient``): the sockets and the request book are not shared."""
+
+    def __init__(self, config: EngineConfig, entry_module: str | None = None) -> None:
+        # Each concern in a function of its own; this only orders them.
+        launcher, config = _place_frontend(config, entry_module)
+        config, store = _dp_rendezvous(config)
         self.config = config
+        par = config.parallel
         # The launch topology: engine ids 0..N-1 in rank order. Every engine gets it in the
         # handshake and takes its DP/EP rank and group size from it, not from the config.
         self._launch_topology = Topology.initial(
             par.data_parallel_size, store_address=store, tp_size=par.tensor_parallel_size
         )
-        # Elastic EP: every engine request sent, its owner and outputs (migration), guarded
-        # by a lock (the sync client reads outputs on its own thread).
-        self._book = (
-            RequestBook(0, config.model.max_model_len) if par.reconfigurable and migrates else None
-        )
-        self._book_lock = threading.Lock()
+        # Rank recovery / elastic EP: every engine request sent, its owner and outputs.
+        self._book = RequestBook(0, config.model.max_model_len) if par.reconfigurable else None
         self._scale_hooks: ScaleHooks | None = None
-        self.ipc_dir = ipc_dir()
-        self.ctx: zmq.Context = zmq.asyncio.Context() if asyncio_mode else zmq.Context()
         self.dead_reason: str | None = None
         # Engines that exited (or were declared dead) and that a recovery removes: no
         # request goes there any more (the scale driver took them over).
@@ -169,45 +201,17 @@ class MPClient(EngineCoreClient):
         self.coordinator: DPCoordinator | None = None
         self._direct_wakeups_until = 0.0  # after a coordinator restart (see _send_wakeup)
         self.dp: DPFrontendState | None = None
+        self.ipc_dir = ipc_dir()
         self.addresses = frontend_addresses(config, self.ipc_dir)
-        # Over TCP (ranks on other hosts) every control-plane socket is a CURVE peer and a
-        # ZAP handler admits only holders of the shared secret (tidal/distributed/zmq_auth.py).
-        tcp = self.addresses.input.startswith("tcp://")
-        if tcp:
-            # Nothing lives in the ipc directory then; were it kept, a SIGKILLed frontend
-            # would leave it behind (only ipc engines know to remove it).
-            shutil.rmtree(self.ipc_dir, ignore_errors=True)
-        self._curve = curve_keys(par.data_parallel_auth_key) if tcp else None
-        # Sockets used during startup are synchronous even in asyncio mode.
-        sync_ctx = zmq.Context.shadow(self.ctx.underlying) if asyncio_mode else self.ctx
-        self._sync_ctx = sync_ctx
-        # Linger 0 by default, the ZAP handler's own sockets included: nothing the
-        # frontend still has queued when it closes them is worth a term() that waits.
-        sync_ctx.setsockopt(zmq.LINGER, 0)
-        self._authenticator = start_authenticator(sync_ctx, self._curve)
+        self._curve = _curve_for(self.addresses.input, self.ipc_dir, par)
+        self.ctx = zmq.asyncio.Context()
+        # Sockets are made through a sync shadow of the asyncio context: startup is
+        # synchronous, and the readers wrap theirs in asyncio views once the loop runs.
+        self._sync_ctx = _sync_context(self.ctx)
         try:
-            self.input_socket = engine_input_router(sync_ctx)
-            self._output_socket = sync_ctx.socket(zmq.PULL)
-            # Bound before the engines start: they are told where.
-            self.addresses = replace(
-                self.addresses,
-                input=self._bind(self.input_socket, self.addresses.input),
-                output=self._bind(self._output_socket, self.addresses.output),
-            )
-            coord_addrs = self._start_coordinator(sync_ctx)
-            self.manager = EngineProcManager(
-                config,
-                self._launch_topology,
-                sync_ctx,
-                input_address=self.addresses.input,
-                output_address=self.output_address,
-                handshake_address=self.addresses.handshake,
-                coordinator_addresses=coord_addrs,
-                local_engines=launcher.launch_ranks(self._launch_topology.engine_ids),
-                curve=self._curve,
-                launcher=launcher,
-            )
-            self.manager.wait_for_ready(self.input_socket)
+            self._open_sockets()
+            coord_addrs = self._start_coordinator(self._sync_ctx)
+            self.manager = self._start_engines(launcher, coord_addrs)
         except BaseException:
             if getattr(self, "manager", None) is None:
                 launcher.close()  # the manager closes it once it has it
@@ -218,6 +222,38 @@ class MPClient(EngineCoreClient):
         self._resources = _MPResources.of(self)
         self._finalizer = weakref.finalize(self, self._resources.close)
         self.manager.start_monitor(_weak_callback(self._on_engine_exit))
+
+    def _open_sockets(self) -> None:
+        """The ZAP handler (over TCP), and the input ROUTER and output PULL, bound before
+        the engines start: they are told where."""
+        self._authenticator = start_authenticator(self._sync_ctx, self._curve)
+        self.input_socket = engine_input_router(self._sync_ctx)
+        self._output_socket = self._sync_ctx.socket(zmq.PULL)
+        self.addresses = replace(
+            self.addresses,
+            input=self._bind(self.input_socket, self.addresses.input),
+            output=self._bind(self._output_socket, self.addresses.output),
+        )
+
+    def _start_engines(
+        self, launcher: Launcher, coordinator_addresses: tuple[str | None, str | None]
+    ) -> EngineProcManager:
+        """The process manager, its ranks started and every one READY."""
+        manager = EngineProcManager(
+            self.config,
+            self._launch_topology,
+            self._sync_ctx,
+            input_address=self.addresses.input,
+            output_address=self.output_address,
+            handshake_address=self.addresses.handshake,
+            coordinator_addresses=coordinator_addresses,
+            local_engines=launcher.launch_ranks(self._launch_topology.engine_ids),
+            curve=self._curve,
+            launcher=launcher,
+        )
+        self.manager = manager  # a failed wait below is then the manager's to close
+        manager.wait_for_ready(self.input_socket)
+        return manager
 
     @property
     def topology(self) -> Topology:
@@ -318,14 +354,12 @@ class MPClient(EngineCoreClient):
         """Record (request book) and send one routed ADD; nothing stays recorded if the
         send fails."""
         if self._book is not None:
-            with self._book_lock:
-                self._book.add(request, engine_id)
+            self._book.add(request, engine_id)
         try:
             self._send_frame(engine_id, EngineCoreRequestType.ADD, encode_request(request))
         except BaseException:
             if self._book is not None:
-                with self._book_lock:
-                    self._book.finish(request.request_id)
+                self._book.finish(request.request_id)
             raise
 
     def check_pinned_rank(self, rank: int | None) -> bool:
@@ -383,9 +417,8 @@ class MPClient(EngineCoreClient):
         if not request_ids or self.dead_reason is not None or getattr(self, "_closed", False):
             return  # nothing runs any more (a generator cancelled at shutdown lands here)
         if self._book is not None:
-            with self._book_lock:
-                for rid in request_ids:
-                    self._book.finish(rid)
+            for rid in request_ids:
+                self._book.finish(rid)
         if self.dp is None:
             self._send_abort(self.engine_ids[0], request_ids)
             return
@@ -414,8 +447,7 @@ class MPClient(EngineCoreClient):
             else:
                 logger.warning("scale report with no scale driver: %s", report)
         if self._book is not None and outs.outputs:
-            with self._book_lock:
-                outs.outputs = self._book.accept(outs.engine_index, outs.outputs)
+            outs.outputs = self._book.accept(outs.engine_index, outs.outputs)
         if self.dp is not None:
             self.dp.on_outputs(outs)
         return report is None or bool(outs.outputs) or outs.scheduler_stats is not None
@@ -444,8 +476,7 @@ class MPClient(EngineCoreClient):
         self.dp.set_topology(topology)  # keeps the draining engines that are still members
         self.manager.set_topology(self.dp.topology)
         if self._book is not None:
-            with self._book_lock:
-                self._book.set_epoch(self.dp.topology.epoch)
+            self._book.set_epoch(self.dp.topology.epoch)
 
     def exclude_from_routing(self, engine_ids: Iterable[int]) -> None:
         """These engines get no automatically routed request (leaving in a scale-down):
@@ -487,34 +518,27 @@ class MPClient(EngineCoreClient):
         request that cannot be moved gets an ERROR finish and is not counted)."""
         if self._book is None or self.dp is None:
             return 0
-        with self._book_lock:
-            items = self._book.take(engine_id, request_ids)
+        items = self._book.take(engine_id, request_ids)
         moved = 0
         finishes: list[EngineCoreOutput] = []
         for item in items:
             rid = item.request_id
             if isinstance(item, AlreadyFinished):
-                with self._book_lock:
-                    finishes.append(self._book.finished_output(item))
+                finishes.append(self._book.finished_output(item))
                 self.dp.finished(rid)
                 moved += 1
                 continue
             request = item.to_engine_request(current_wave=0)  # route stamps the wave
             try:
-                with self._book_lock:
-                    exclude = self._book.blocked_targets(rid, self.dp.topology.engine_ids)
+                exclude = self._book.blocked_targets(rid, self.dp.topology.engine_ids)
                 exclude.add(engine_id)
                 target, wake = self.dp.reroute(request, exclude=exclude)
             except (RuntimeError, ValueError) as e:
                 self.dp.finished(rid)
-                with self._book_lock:
-                    finishes.append(
-                        self._book.failed_output(rid, f"request could not be moved: {e}")
-                    )
+                finishes.append(self._book.failed_output(rid, f"request could not be moved: {e}"))
                 continue
             try:
-                with self._book_lock:
-                    self._book.moved(item, target, old_owner_stopped=True)
+                self._book.moved(item, target, old_owner_stopped=True)
                 self._send_frame(target, EngineCoreRequestType.ADD, encode_request(request))
             except EngineDeadError:
                 raise
@@ -528,10 +552,7 @@ class MPClient(EngineCoreClient):
                     continue
                 logger.warning("request %s could not be moved to engine %d: %s", rid, target, e)
                 self.dp.unroute(rid, target, wake)
-                with self._book_lock:
-                    finishes.append(
-                        self._book.failed_output(rid, f"request could not be moved: {e}")
-                    )
+                finishes.append(self._book.failed_output(rid, f"request could not be moved: {e}"))
                 continue
             if wake is not None:
                 self._send_wakeup(wake)
@@ -549,9 +570,6 @@ class MPClient(EngineCoreClient):
 
     def _utility_request(self, method: str, args: tuple) -> UtilityRequest:
         return UtilityRequest(0, next(self._call_ids), method, list(args))
-
-    def _on_engine_death(self, reason: str) -> None:
-        raise NotImplementedError
 
     def _on_engine_exit(self, engine_id: int, exitcode: int | None) -> None:
         """The process monitor (its thread): a local engine exited unasked."""
@@ -597,10 +615,6 @@ class _MPResources:
         self.coordinator = coordinator
         self.sockets = sockets
         self.authenticator = authenticator  # ZAP thread: stopped before the context ends
-        # Threads that use the sockets: told to stop (stop) and joined before the sockets
-        # are closed, since a zmq socket must not be closed under a thread polling it.
-        self.stop = threading.Event()
-        self.threads: list[threading.Thread] = []
         self._lock = threading.Lock()
         self._closed = False
 
@@ -622,10 +636,6 @@ class _MPResources:
             if self._closed:
                 return
             self._closed = True
-        self.stop.set()
-        for t in self.threads:
-            if t is not threading.current_thread():
-                t.join(5)
         if self.manager is not None:
             self.manager.shutdown()
         if self.coordinator is not None:

@@ -15,7 +15,6 @@ from tidal.frontend.loop_client import LoopThreadClient
 from tidal.frontend.output_processor import OutputProcessor
 from tidal.frontend.outputs import OutputKind, RequestOutput
 from tidal.frontend.processor import InputProcessor, PromptType, load_tokenizer
-from tidal.frontend.sync_client import SyncMPClient
 from tidal.launch.engine_args import EngineArgs
 from tidal.sampling_params import SamplingParams
 
@@ -26,10 +25,12 @@ class LLM:
     Keyword arguments are ``EngineArgs`` fields (``max_num_seqs``, ``data_parallel_size``,
     ``enable_expert_parallel``, ...). ``multiprocess`` says where the engine core runs:
     ``True`` in its own process (data-parallel and elastic deployments always do), ``False``
-    in this process, ``None`` (the default) chooses -- see ``runs_in_process``. A
-    data-parallel deployment survives the death of ranks (``rank_recovery``, on by
-    default) exactly as the server does: the dead ranks are removed while the others
-    serve, and their requests finish elsewhere.
+    in this process, ``None`` (the default) chooses -- see ``runs_in_process``. Engine
+    processes are driven by the server's engine client (``LoopThreadClient``), so
+    failures are handled exactly as the server handles them: a data-parallel deployment
+    survives the death of ranks (``rank_recovery``, on by default) -- the dead ranks are
+    removed while the others serve, and their requests finish elsewhere -- and where
+    nothing can serve, ``generate`` raises ``EngineDeadError``.
 
     The engines stop at ``shutdown()``, at the end of a ``with LLM(...) as llm:`` block,
     when the ``LLM`` is garbage-collected (``del llm``), or at interpreter exit, whichever
@@ -61,11 +62,9 @@ class LLM:
             )
         if not self.multiprocess:
             return InprocClient(self.config)
-        if self.config.parallel.reconfigurable:
-            # Rank recovery / elastic EP: the server's machinery on a loop of its own, so
-            # a rank death is survived here exactly as the server survives it.
-            return LoopThreadClient(self.config)
-        return SyncMPClient(self.config)
+        # The server's engine client on a loop of its own, so a rank death is survived
+        # (or fails the deployment) here exactly as in the server.
+        return LoopThreadClient(self.config)
 
     def get_tokenizer(self) -> Any:
         return self.tokenizer
