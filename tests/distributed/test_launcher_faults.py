@@ -30,7 +30,7 @@ from tests.distributed.test_elastic_scale import (  # noqa: F401 - fixture
     _tokens,
     reference,
 )
-from tests.distributed.test_rank_death import _no_children_left
+from tests.distributed.test_rank_death import _no_children_left, _streaming
 from tests.waiting import wait_until, wait_until_async
 from tidal import LLM
 from tidal.frontend.launchers import mp as mp_launcher
@@ -119,15 +119,6 @@ def _running(pid: int) -> bool:
     try:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
-        return False
-
-
-def _streaming(client) -> bool:
-    """Some outputs are in (read from another thread: a changing book is retried)."""
-    book = client.request_book
-    try:
-        return any(book.outputs(r) for r in list(book.ownership.requests()))
-    except (RuntimeError, KeyError):
         return False
 
 

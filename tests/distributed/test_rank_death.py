@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import os
 import signal
+import threading
 
 import psutil
 import pytest
@@ -20,13 +21,16 @@ import pytest
 from tests.distributed.test_elastic_scale import (  # noqa: F401 - fixture
     LONG,
     RICH,
+    WORKLOAD,
     Load,
     _live,
     _llm,
     _run,
+    _tokens,
     reference,
 )
 from tests.waiting import wait_until, wait_until_async
+from tidal import LLM
 from tidal.protocol.elastic import ScaleCommit, ScalePrepare
 from tidal.protocol.errors import EngineDeadError
 
@@ -68,6 +72,15 @@ def _on_send(llm, hook):
         yield
     finally:
         client.send_scale = send
+
+
+def _streaming(client) -> bool:
+    """Some outputs are in (read from another thread: a changing book is retried)."""
+    book = client.request_book
+    try:
+        return any(book.outputs(r) for r in list(book.ownership.requests()))
+    except (RuntimeError, KeyError):
+        return False
 
 
 def _no_children_left() -> bool:
@@ -267,3 +280,57 @@ def test_every_rank_dead_fails_every_request_with_a_clear_error(qwen3_ckpt):
         assert wait_until(_no_children_left)
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("recovery", [True, False], ids=["recovers", "no-rank-recovery"])
+def test_offline_llm_fails_over_as_the_server_does(qwen3_ckpt, reference, recovery):  # noqa: F811
+    """The offline ``LLM`` (DP=2, real processes) runs the server's engine client: a rank
+    SIGKILLed mid-``generate`` is recovered from as in
+    ``test_kill_one_rank_of_three_under_streaming_load`` -- every output equals the
+    undisturbed run's -- and, with ``rank_recovery=False``, fails ``generate`` with
+    ``EngineDeadError`` as it fails the server's streams."""
+    llm = LLM(
+        qwen3_ckpt,
+        dtype="float32",
+        data_parallel_size=2,
+        enable_expert_parallel=True,
+        rank_recovery=recovery,
+    )
+    try:
+        client = llm.client
+        victim = client.topology.engine_ids[1]
+        pid = client.manager.procs[victim].pid
+
+        def kill_once_streaming() -> None:  # mid-generate: some outputs are in
+            if recovery:  # only then is there a request book to watch
+                assert wait_until(lambda: _streaming(client), 120)
+            else:
+                assert wait_until(lambda: client.dp.wave.running, 120)
+            os.kill(pid, signal.SIGKILL)
+
+        killer = threading.Thread(target=kill_once_streaming)
+        killer.start()
+        prompts = [{"prompt_token_ids": p} for p, _ in WORKLOAD]
+        params = [sp for _, sp in WORKLOAD]
+        if not recovery:
+            with pytest.raises(EngineDeadError, match="engine"):
+                llm.generate(prompts, params, use_tqdm=False)
+            killer.join(60)
+            assert client.dead_reason is not None
+            with pytest.raises(EngineDeadError):
+                llm.generate(prompts[:1], params[:1], use_tqdm=False)
+            return
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        killer.join(60)
+        for i, out in enumerate(outs):
+            assert _tokens(out.outputs) == reference[i], f"workload item {i} changed"
+        faults = client.fault_status()
+        assert faults["rank_deaths"] == 1 and faults["recovered"] == 1, faults
+        (death,) = faults["deaths"]
+        assert death["engine_id"] == victim and death["requests_migrated"] >= 1
+        assert client.topology.engine_ids == [0] and len(client.request_book) == 0
+        again = llm.generate(prompts[:1], params[:1], use_tqdm=False)
+        assert again[0].outputs[0].token_ids == reference[0]
+    finally:
+        llm.shutdown()
+    assert wait_until(_no_children_left)
