@@ -211,7 +211,7 @@ class MPClient:
         try:
             self._open_sockets()
             coord_addrs = self._start_coordinator(self._sync_ctx)
-            self.manager = self._start_engines(launcher, coord_addrs)
+            self._start_engines(launcher, coord_addrs)
         except BaseException:
             if getattr(self, "manager", None) is None:
                 launcher.close()  # the manager closes it once it has it
@@ -237,8 +237,8 @@ class MPClient:
 
     def _start_engines(
         self, launcher: Launcher, coordinator_addresses: tuple[str | None, str | None]
-    ) -> EngineProcManager:
-        """The process manager, its ranks started and every one READY."""
+    ) -> None:
+        """``self.manager``, its ranks started and every one READY."""
         manager = EngineProcManager(
             self.config,
             self._launch_topology,
@@ -253,7 +253,6 @@ class MPClient:
         )
         self.manager = manager  # a failed wait below is then the manager's to close
         manager.wait_for_ready(self.input_socket)
-        return manager
 
     @property
     def topology(self) -> Topology:
