@@ -175,8 +175,9 @@ class MPClient:
     wake the ranks when they are paused). Engines, coordinator and balancer all work from
     one ``Topology``: its engine ids are who gets requests, its size the live DP size.
 
-    Every method runs on the event loop's thread (the caller's, or the loop thread of
-    ``LoopThreadClient``): the sockets and the request book are not shared."""
+    Everything that sends or changes state runs on the event loop's thread (the
+    server's, or the loop thread of ``LoopThreadClient``), so the sockets and the request
+    book need no lock."""
 
     def __init__(self, config: EngineConfig, entry_module: str | None = None) -> None:
         # Each concern in a function of its own; this only orders them.
