@@ -664,7 +664,8 @@ def step_overhead(model: Path, opts: argparse.Namespace, kernel_cache: Path) -> 
         engine = llm.client.engine
         timing = {"forward": 0.0, "steps": 0}
         step_ms: list[tuple[int, float]] = []  # (tokens scheduled, ms) per execute_model
-        run = engine.executor.execute_model
+        runner = engine.executor.worker.model_runner
+        run = runner.execute_model
 
         def timed(sched: Any) -> Any:
             t = time.perf_counter()
@@ -676,7 +677,7 @@ def step_overhead(model: Path, opts: argparse.Namespace, kernel_cache: Path) -> 
                 timing["steps"] += 1
                 step_ms.append((sched.total_num_scheduled_tokens, dt * 1e3))
 
-        engine.executor.execute_model = timed
+        runner.execute_model = timed
         prompts = [{"prompt_token_ids": [5 + i, 6, 7, 8]} for i in range(32)]
         params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
         llm.generate(prompts, params, use_tqdm=False)  # warm-up

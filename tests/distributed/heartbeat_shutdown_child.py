@@ -1,6 +1,6 @@
 """The child of ``test_multiproc_executor.py``'s shutdown test (``python -m
 tests.distributed.heartbeat_shutdown_child CKPT``): a TP=2 ``MultiprocExecutor`` asked
-``waiting_on_peers`` over and over from a thread of its own, as the engine's output
+``worker.waiting_on_peers`` over and over from a thread of its own, as the engine's output
 thread does for its heartbeats, while the main thread shuts it down; the thread asks on
 after the shutdown returned. Prints a JSON report; a crash (the ring unmapped under a
 send) is its exit code. Its own process: such a crash must not take pytest down."""
@@ -32,7 +32,7 @@ if __name__ == "__main__":
         while not done.is_set():
             finished = shut_down.is_set()
             try:
-                answers.append(ex.waiting_on_peers(0))
+                answers.append(ex.call("worker.waiting_on_peers"))
             except BaseException as e:  # noqa: BLE001 - reported, the test judges
                 errors.append(f"{type(e).__name__}: {e}")
             if finished:

@@ -79,10 +79,10 @@ def _forward_matches_reference(worker, ref, rank: int, world: int) -> list[list[
     reqs = _requests(rank, cfg.model.hf_config.vocab_size)
     for step in _script(rank, world):
         if step is DUMMY:
-            worker.execute_dummy_batch()
+            worker.model_runner.execute_dummy_batch()
             continue
         sched = _sched(step, reqs)
-        got, want = worker.execute_model(sched), ref.execute_model(sched)
+        got, want = worker.model_runner.execute_model(sched), ref.execute_model(sched)
         assert got.sampled_token_ids == want.sampled_token_ids, (got, want)
         for sr in sched.scheduled:
             sr.request.num_computed_tokens += sr.num_new_tokens
@@ -124,7 +124,7 @@ def _serve_while(worker, helper: _Helper, min_steps: int = 2) -> int:
     count, so they agree on it over the current DP group each step)."""
     steps = 0
     while True:
-        worker.execute_dummy_batch()
+        worker.model_runner.execute_dummy_batch()
         steps += 1
         busy = int(helper.is_alive() or steps < min_steps)
         if not worker.all_reduce_dp([busy], op="max")[0]:
@@ -143,9 +143,9 @@ def _scale_up_rank(rank: int, world: int, port: int, path: str, store_addr: str,
     if joiner:
         cfg = _config(path, 2, 3, port, all2all_backend="all2all")
         worker = Worker(cfg, dist_timeout_s=TIMEOUT_S)
-        worker.init_joiner(new_topology, engine_id)
+        worker.elastic.init_joiner(new_topology, engine_id)
         # A joiner allocates its KV cache before it has any group.
-        worker.initialize_kv_cache(min(NUM_BLOCKS, worker.determine_num_blocks()))
+        worker.initialize_kv_cache(min(NUM_BLOCKS, worker.model_runner.determine_num_blocks()))
         moe = worker.model_runner.model.moe_layers()[0]
         assert moe.local_expert_ids == layout[2] and not moe.w13.any()
     else:
@@ -160,26 +160,28 @@ def _scale_up_rank(rank: int, world: int, port: int, path: str, store_addr: str,
     receives = [s for s in specs if s.dst_engine_id == engine_id]
 
     join = _Helper(
-        worker.join_standby, EPOCH, store_addr, [0, 1, 2], [0, 1, 2], engine_id, TIMEOUT_S
+        worker.elastic.join_standby, EPOCH, store_addr, [0, 1, 2], [0, 1, 2], engine_id, TIMEOUT_S
     )
     join.start()
     served = 0 if joiner else _serve_while(worker, join)
     join.result()
-    worker.pack_expert_sends(EPOCH, sends)  # busy-loop thread
-    transfer = _Helper(worker.transfer_experts, EPOCH, sends, receives, engine_id, TIMEOUT_S)
+    worker.elastic.pack_expert_sends(EPOCH, sends)  # busy-loop thread
+    transfer = _Helper(
+        worker.elastic.transfer_experts, EPOCH, sends, receives, engine_id, TIMEOUT_S
+    )
     transfer.start()
     served += 0 if joiner else _serve_while(worker, transfer)
     nbytes = transfer.result()
 
     # Commit at one step: new members post the barrier, survivors swap then post it.
     if joiner:
-        wave_step = worker.standby_barrier(EPOCH, 0, 0)
-        worker.swap_groups(EPOCH)
+        wave_step = worker.elastic.standby_barrier(EPOCH, 0, 0)
+        worker.elastic.swap_groups(EPOCH)
     else:
-        worker.swap_groups(EPOCH)
-        wave_step = worker.standby_barrier(EPOCH, 3 + rank, 10 * (rank + 1))
-    worker.install_experts(EPOCH, layout, rank)
-    worker.destroy_retired_groups()
+        worker.elastic.swap_groups(EPOCH)
+        wave_step = worker.elastic.standby_barrier(EPOCH, 3 + rank, 10 * (rank + 1))
+    worker.elastic.install_experts(EPOCH, layout, rank)
+    worker.elastic.destroy_retired_groups()
     if not joiner:
         assert all(g.is_destroyed for g in old)
     assert worker.dp_group.world_size == worker.ep_group.world_size == 3
@@ -238,31 +240,35 @@ def _scale_down_rank(rank: int, world: int, port: int, path: str, store_addr: st
     receives = [s for s in specs if s.dst_engine_id == engine_id]
     members = [0]  # engine 1 leaves: a participant only (the transfer group)
 
-    join = _Helper(worker.join_standby, EPOCH, store_addr, members, [0, 1], engine_id, TIMEOUT_S)
+    join = _Helper(
+        worker.elastic.join_standby, EPOCH, store_addr, members, [0, 1], engine_id, TIMEOUT_S
+    )
     join.start()
     _serve_while(worker, join)
     join.result()
-    worker.pack_expert_sends(EPOCH, sends)
-    transfer = _Helper(worker.transfer_experts, EPOCH, sends, receives, engine_id, TIMEOUT_S)
+    worker.elastic.pack_expert_sends(EPOCH, sends)
+    transfer = _Helper(
+        worker.elastic.transfer_experts, EPOCH, sends, receives, engine_id, TIMEOUT_S
+    )
     transfer.start()
     _serve_while(worker, transfer)
     nbytes = transfer.result()
     # The commit step: both still agree on it over the old DP group.
     worker.all_reduce_dp([1])
     if rank == 1:
-        worker.leave_groups()  # the transfer group goes with the current ones
+        worker.elastic.leave_groups()  # the transfer group goes with the current ones
         assert worker.elastic.standby_epochs() == []
-        worker.destroy_standby(EPOCH)
-        worker.discard_staged(EPOCH)
+        worker.elastic.destroy_standby(EPOCH)
+        worker.elastic.discard_staged(EPOCH)
         assert all(g.is_destroyed for g in old)
         assert worker.dp_group is None and worker.model_runner.ep_group is None
         assert worker.elastic.standby_epochs() == []
         worker.shutdown()
         return {"bytes": nbytes}
-    worker.swap_groups(EPOCH)
-    assert worker.standby_barrier(EPOCH, 7, 9) == (7, 9)
-    worker.install_experts(EPOCH, layout, 0)
-    worker.destroy_retired_groups()
+    worker.elastic.swap_groups(EPOCH)
+    assert worker.elastic.standby_barrier(EPOCH, 7, 9) == (7, 9)
+    worker.elastic.install_experts(EPOCH, layout, 0)
+    worker.elastic.destroy_retired_groups()
     assert all(g.is_destroyed for g in old)
     ref = _reference(cfg)
     _check_weights(worker, ref, layout, 0)
@@ -305,14 +311,14 @@ def test_join_standby_without_a_member_times_out_and_leaves_nothing(qwen3_ckpt):
     addr = f"127.0.0.1:{store.port}"
     # Our deadline, naming the engine that never came (not gloo's, minutes later).
     with pytest.raises(TimeoutError, match=r"standby rendezvous of epoch \d+ timed out .*\[1\]"):
-        worker.join_standby(EPOCH, addr, [0, 1], [0, 1], 0, 3.0)
+        worker.elastic.join_standby(EPOCH, addr, [0, 1], [0, 1], 0, 3.0)
     assert worker.elastic.standby_epochs() == []
     with pytest.raises(RuntimeError, match="no standby DP group"):
-        worker.swap_groups(EPOCH)
+        worker.elastic.swap_groups(EPOCH)
     with pytest.raises(RuntimeError, match="no DP group"):
-        worker.standby_barrier(EPOCH, 0, 0)
+        worker.elastic.standby_barrier(EPOCH, 0, 0)
     # Cleanup calls are idempotent and need no peer.
-    worker.destroy_standby(EPOCH)
-    worker.discard_staged(EPOCH)
-    worker.destroy_retired_groups()
+    worker.elastic.destroy_standby(EPOCH)
+    worker.elastic.discard_staged(EPOCH)
+    worker.elastic.destroy_retired_groups()
     worker.shutdown()

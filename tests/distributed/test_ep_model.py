@@ -120,11 +120,11 @@ def _ep_forward_rank(rank: int, world: int, port: int, path: str, backend: str) 
     sizes = []
     for step in _script(rank, world):
         if step is DUMMY:
-            worker.execute_dummy_batch()
+            worker.model_runner.execute_dummy_batch()
             sizes.append(runner.moe_context.num_tokens_across_dp)
             continue
         sched = _sched(step, reqs)
-        got = worker.execute_model(sched)
+        got = worker.model_runner.execute_model(sched)
         want = ref.execute_model(sched)
         sizes.append(runner.moe_context.num_tokens_across_dp)
         assert got.sampled_token_ids == want.sampled_token_ids, (got, want)

@@ -77,11 +77,11 @@ class _Pair:
         out = []
         for step in steps:
             if step is DUMMY:
-                self.worker.execute_dummy_batch()
+                self.worker.model_runner.execute_dummy_batch()
                 continue
             n = len(self.ep_logits)
             sched = _sched(step, self.reqs)
-            got = self.worker.execute_model(sched)
+            got = self.worker.model_runner.execute_model(sched)
             want = self.ref.execute_model(sched)
             assert got.sampled_token_ids == want.sampled_token_ids, (got, want)
             for sr in sched.scheduled:
@@ -100,7 +100,7 @@ class _Pair:
 
 def _global_load(worker, layer_ids: list[int], num_experts: int) -> list[list[int]]:
     """Sum of every rank's get_expert_load(), gathered by the test (not by EPLB)."""
-    loads = worker.dp_group.all_gather_object(worker.get_expert_load())
+    loads = worker.dp_group.all_gather_object(worker.model_runner.get_expert_load())
     return [[sum(ld[i][e] for ld in loads) for e in range(num_experts)] for i in layer_ids]
 
 
@@ -153,7 +153,7 @@ def _eplb_rank(rank: int, world: int, port: int, path: str, backend: str) -> dic
 
     first = list(eplb.placements)
     expected2 = plan_rebalance(_global_load(worker, layer_ids, E), first, REDUNDANT)
-    worker.rebalance_experts()  # forced, on every rank at the same step boundary
+    worker.model_runner.rebalance_experts()  # forced, on every rank at the same step boundary
     assert eplb.num_rebalances == 2 and eplb.placements == expected2
     _check_weights(runner, ref, rank)
     pair.run(after)

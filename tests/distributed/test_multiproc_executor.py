@@ -53,7 +53,7 @@ def test_a_stopped_worker_is_the_ranks_death(qwen3_ckpt):
         pids = ex.worker_pids()
         names = [psutil.Process(p).name() for p in pids]
         assert names == ["Worker_DP0_TP0", "Worker_DP0_TP1"]
-        assert ex.determine_num_blocks() == 32
+        assert ex.call("runner.determine_num_blocks") == 32
         assert _segments() == segs  # unlinked by its creator as soon as the workers had it
         failed = threading.Event()
         reasons: list[str] = []
@@ -68,7 +68,7 @@ def test_a_stopped_worker_is_the_ranks_death(qwen3_ckpt):
         assert "worker 1" in reasons[0] and "stopped" in reasons[0]
         assert wait_until(lambda: not any(psutil.pid_exists(p) and _running(p) for p in pids))
         with pytest.raises(WorkerDied, match="stopped"):
-            ex.determine_num_blocks()
+            ex.call("runner.determine_num_blocks")
     finally:
         ex.shutdown()
     # None new (a start also removes what dead engines left, not ours to count).
@@ -81,6 +81,7 @@ def test_workers_yield_their_cores_and_serve_by_rank_zeros_choice(
     from transformers import AutoConfig
 
     from tidal.executor.multiproc import MultiprocExecutor
+    from tidal.executor.rpc import Reduce
     from tidal.utils.cpu_threads import SPIN_COUNT, threads_per_rank, usable_cores
 
     for var in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME", "OMP_NUM_THREADS"):
@@ -88,7 +89,7 @@ def test_workers_yield_their_cores_and_serve_by_rank_zeros_choice(
     ex = MultiprocExecutor(_config(qwen3_ckpt, kernel_cache_dir=str(tmp_path)))
     try:
         envs = [psutil.Process(p).environ() for p in ex.worker_pids()]
-        reports = ex.collective_rpc("get_cpu_kernels")
+        reports = ex.call("worker.get_cpu_kernels", reduce=Reduce.EACH)
     finally:
         ex.shutdown()
     share = str(threads_per_rank(usable_cores(), 2))
@@ -137,7 +138,7 @@ def test_dev_shm_too_small_fails_the_start_naming_the_bytes(qwen3_ckpt, monkeypa
 
 
 def test_heartbeats_asking_during_shutdown_neither_fail_nor_crash(qwen3_ckpt):
-    """The engine's output thread asks ``waiting_on_peers`` for every heartbeat, also while
+    """The engine's output thread asks ``worker.waiting_on_peers`` for every heartbeat, also while
     the busy loop shuts the executor down and after: each answer is False, never an error
     (which would end the output thread and report the engine dead) nor a crash (a send
     into the unmapped ring)."""

@@ -106,7 +106,7 @@ def _tp_rank(rank: int, world: int, port: int, path: str, ep: bool) -> dict:
     outputs = []
     for step in SCRIPT:
         sched = _sched(step, reqs)
-        got = worker.execute_model(sched)
+        got = worker.model_runner.execute_model(sched)
         want = ref.execute_model(sched)
         if rank == 0:
             assert got.sampled_token_ids == want.sampled_token_ids, (got, want)

@@ -12,6 +12,7 @@ import pytest
 
 from tests.waiting import wait_until
 from tidal.engine_core.elastic_shell import ElasticShell
+from tidal.executor.worker import WORKER_RPCS
 from tidal.protocol.elastic import (
     ExpertTransferSpec,
     ScaleAbort,
@@ -24,38 +25,27 @@ from tidal.protocol.topology import Topology
 
 
 class FakeExecutor:
+    """Records each call; a name the workers do not export fails the test."""
+
     def __init__(self) -> None:
         self.calls: list[tuple] = []
         self.fail: dict[str, Exception] = {}
         self.gate: dict[str, threading.Event] = {}
         self.barrier_result = (7, 64)
 
-    def _call(self, name: str, *args: object) -> None:
-        self.calls.append((name, *args))
-        gate = self.gate.get(name)
+    def call(self, method: str, *args: object) -> object:
+        WORKER_RPCS.resolve(method)
+        self.calls.append((method, *args))
+        gate = self.gate.get(method)
         if gate is not None:
             gate.wait(10)
-        if name in self.fail:
-            raise self.fail[name]
-
-    def join_standby(self, *args: object) -> None:
-        self._call("join_standby", *args)
-
-    def pack_expert_sends(self, *args: object) -> None:
-        self._call("pack_expert_sends", *args)
-
-    def transfer_experts(self, *args: object) -> int:
-        self._call("transfer_experts", *args)
-        return 0
-
-    def standby_barrier(self, epoch: int, wave: int, step: int) -> tuple[int, int]:
-        self._call("standby_barrier", epoch, wave, step)
-        return self.barrier_result
-
-    def __getattr__(self, name: str):  # the rest only record
-        if name.startswith("_"):
-            raise AttributeError(name)
-        return lambda *args: self._call(name, *args)
+        if method in self.fail:
+            raise self.fail[method]
+        if method == "elastic.transfer_experts":
+            return 0
+        if method == "elastic.standby_barrier":
+            return self.barrier_result
+        return None
 
     def names(self) -> list[str]:
         return [c[0] for c in self.calls]
@@ -162,7 +152,11 @@ def test_survivor_commits_at_the_consensus_step_and_runs_the_commit_in_order():
     shell = make(0, 0, loop, ex)
     shell.deliver(prepare_up())
     pump(shell, loop, lambda: ScaleEvent.PREPARED in loop.events())
-    assert ex.names()[:3] == ["join_standby", "pack_expert_sends", "transfer_experts"]
+    assert ex.names()[:3] == [
+        "elastic.join_standby",
+        "elastic.pack_expert_sends",
+        "elastic.transfer_experts",
+    ]
     join = ex.calls[0]
     assert join[1:] == (1, "127.0.0.1:2", [0, 1, 2], [0, 1, 2], 0, 60.0)
     assert loop.wave_started == 1  # the consensus needs the wave running
@@ -176,14 +170,14 @@ def test_survivor_commits_at_the_consensus_step_and_runs_the_commit_in_order():
     shell.on_consensus(64, 1, 1)
     assert loop.events()[-1] is ScaleEvent.COMMITTED and loop.reports[-1].step == 64
     assert ex.names()[n:] == [
-        "swap_groups",
-        "install_experts",
-        "set_num_threads",
-        "destroy_retired_groups",
-        "standby_barrier",
+        "elastic.swap_groups",
+        "elastic.install_experts",
+        "worker.set_num_threads",
+        "elastic.destroy_retired_groups",
+        "elastic.standby_barrier",
     ]
-    assert ex.calls[n + 1] == ("install_experts", 1, [[0, 1], [2, 3], [0, 2]], 0)
-    assert ex.calls[-1] == ("standby_barrier", 1, loop.wave, 64)
+    assert ex.calls[n + 1] == ("elastic.install_experts", 1, [[0, 1], [2, 3], [0, 2]], 0)
+    assert ex.calls[-1] == ("elastic.standby_barrier", 1, loop.wave, 64)
     assert loop.topology is not None and loop.topology.epoch == 1 and loop.adopted_wave is None
     assert shell.serving and not shell.active
 
@@ -195,7 +189,8 @@ def test_joiner_commits_on_the_barrier_and_adopts_the_wave():
     shell.deliver(prepare_up())
     pump(shell, loop, lambda: ScaleEvent.COMMITTED in loop.events())
     assert loop.events() == [ScaleEvent.PREPARED, ScaleEvent.COMMITTED]
-    assert "standby_barrier" in ex.names() and "destroy_retired_groups" not in ex.names()
+    assert "elastic.standby_barrier" in ex.names()
+    assert "elastic.destroy_retired_groups" not in ex.names()
     assert loop.adopted_wave == 7 and loop.reports[-1].step == 64
     assert shell.serving
 
@@ -216,34 +211,34 @@ def test_leaving_engine_hands_back_its_requests_then_leaves_at_the_commit():
     assert loop.reports[-1].request_ids == ["late"]
     shell.on_consensus(32, 1, 1)
     assert loop.events()[-2:] == [ScaleEvent.COMMITTED, ScaleEvent.LEFT]
-    assert loop.left and "leave_groups" in ex.names()
-    assert "swap_groups" not in ex.names()
+    assert loop.left and "elastic.leave_groups" in ex.names()
+    assert "elastic.swap_groups" not in ex.names()
 
 
 def test_failed_rendezvous_rolls_back_and_reports_the_cause():
     ex, loop = FakeExecutor(), FakeLoop()
-    ex.fail["join_standby"] = RuntimeError("peer 2 never came")
+    ex.fail["elastic.join_standby"] = RuntimeError("peer 2 never came")
     shell = make(0, 0, loop, ex)
     shell.deliver(prepare_up())
     pump(shell, loop, lambda: ScaleEvent.FAILED in loop.events())
     assert "peer 2 never came" in (loop.reports[-1].cause or "")
-    assert {"destroy_standby", "discard_staged"} <= set(ex.names())
-    assert "swap_groups" not in ex.names() and shell.serving and not shell.active
+    assert {"elastic.destroy_standby", "elastic.discard_staged"} <= set(ex.names())
+    assert "elastic.swap_groups" not in ex.names() and shell.serving and not shell.active
 
 
 def test_abort_while_a_job_runs_destroys_its_groups_again_once_it_ends():
     ex, loop = FakeExecutor(), FakeLoop()
-    gate = ex.gate["join_standby"] = threading.Event()
+    gate = ex.gate["elastic.join_standby"] = threading.Event()
     shell = make(0, 0, loop, ex)
     shell.deliver(prepare_up())
     shell.progress()
-    assert wait_until(lambda: "join_standby" in ex.names(), 10)
+    assert wait_until(lambda: "elastic.join_standby" in ex.names(), 10)
     shell.deliver(ScaleAbort("op", 1, "a joiner died"))
     shell.progress()
     assert loop.events() == [ScaleEvent.ROLLED_BACK]
-    destroyed = ex.names().count("destroy_standby")
+    destroyed = ex.names().count("elastic.destroy_standby")
     gate.set()  # the rendezvous completes after the rollback (it built groups)
-    pump(shell, loop, lambda: ex.names().count("destroy_standby") > destroyed)
+    pump(shell, loop, lambda: ex.names().count("elastic.destroy_standby") > destroyed)
     assert shell.num_threads == 0
 
 
@@ -254,6 +249,6 @@ def test_a_fatal_commit_raises():
     pump(shell, loop, lambda: ScaleEvent.PREPARED in loop.events())
     shell.deliver(ScaleCommit("op", 1))
     shell.progress()
-    ex.fail["swap_groups"] = RuntimeError("boom")
+    ex.fail["elastic.swap_groups"] = RuntimeError("boom")
     with pytest.raises(RuntimeError, match="boom"):
         shell.on_consensus(32, 1, 1)

@@ -157,7 +157,7 @@ def test_joiner_loads_without_experts_and_sizes_its_kv_cache(qwen3_ckpt):
                   enable_expert_parallel=True)  # fmt: skip
     worker = Worker(cfg)
     layout = [[0, 1, 2], [3, 4, 5], [6, 7, 0]]
-    worker.init_joiner(Topology(1, [0, 1, 5], placement=layout), 5)
+    worker.elastic.init_joiner(Topology(1, [0, 1, 5], placement=layout), 5)
     assert worker.dp_group is None and worker.ep_group is None
     runner = worker.model_runner
     for moe in runner.model.moe_layers():
@@ -166,13 +166,13 @@ def test_joiner_loads_without_experts_and_sizes_its_kv_cache(qwen3_ckpt):
     assert runner.placement.local_expert_ids(2) == [6, 7, 0]
     full = _full(qwen3_ckpt)
     assert torch.equal(runner.model.embed_tokens.weight, full.embed_tokens.weight)
-    n = worker.determine_num_blocks()
+    n = worker.model_runner.determine_num_blocks()
     worker.initialize_kv_cache(n)
     assert len(runner.kv_caches) == runner.model.spec.num_layers
     with pytest.raises(KeyError):
-        Worker(cfg).init_joiner(Topology(1, [0, 1, 5], placement=layout), 9)
+        Worker(cfg).elastic.init_joiner(Topology(1, [0, 1, 5], placement=layout), 9)
     with pytest.raises(ValueError, match="placement"):
-        Worker(cfg).init_joiner(Topology(1, [0, 1, 5]), 5)
+        Worker(cfg).elastic.init_joiner(Topology(1, [0, 1, 5]), 5)
     worker.shutdown()
 
 
@@ -207,10 +207,10 @@ def test_all_reduce_dp_and_threads_without_groups(qwen3_ckpt):
         worker.set_num_threads(0)
     # Every cleanup is idempotent and needs no peer.
     for _ in range(2):
-        worker.destroy_standby(EPOCH)
-        worker.discard_staged(EPOCH)
-        worker.destroy_retired_groups()
-        worker.leave_groups()
+        worker.elastic.destroy_standby(EPOCH)
+        worker.elastic.discard_staged(EPOCH)
+        worker.elastic.destroy_retired_groups()
+        worker.elastic.leave_groups()
     worker.shutdown()
 
 
@@ -239,7 +239,7 @@ def test_transfer_partial_layers_disk_fallback_swap_and_install(qwen3_ckpt, capl
     moved.w13.data[0], moved.w2.data[0] = full.layers[1].mlp.w13[4], full.layers[1].mlp.w2[4]
     layout = [[1, 2, 3, 4], [0, 5, 6, 7]]
     joiner = Worker(_config(qwen3_ckpt), dist_timeout_s=TIMEOUT_S)
-    joiner.init_joiner(Topology(EPOCH, [0, 1], placement=layout), 1)
+    joiner.elastic.init_joiner(Topology(EPOCH, [0, 1], placement=layout), 1)
     specs = [
         ExpertTransferSpec(5, 1, 1),  # from disk
         ExpertTransferSpec(0, 1, 0, src_engine_id=0, src_slot=0),
@@ -247,19 +247,19 @@ def test_transfer_partial_layers_disk_fallback_swap_and_install(qwen3_ckpt, capl
     store = _store()
     addr = f"127.0.0.1:{store.port}"
     _in_threads(
-        (sender.join_standby, EPOCH, addr, [0, 1], [0, 1], 0, TIMEOUT_S),
-        (joiner.join_standby, EPOCH, addr, [0, 1], [0, 1], 1, TIMEOUT_S),
+        (sender.elastic.join_standby, EPOCH, addr, [0, 1], [0, 1], 0, TIMEOUT_S),
+        (joiner.elastic.join_standby, EPOCH, addr, [0, 1], [0, 1], 1, TIMEOUT_S),
     )
     assert sender.elastic.standby_epochs() == joiner.elastic.standby_epochs() == [EPOCH]
     sends, receives = specs[1:], specs
-    sender.pack_expert_sends(EPOCH, sends)
+    sender.elastic.pack_expert_sends(EPOCH, sends)
     # The snapshot is a copy: a later write to the slot does not change what is sent.
     layer0 = sender.model_runner.model.moe_layers()[0]
     saved = layer0.w13.data[0].clone()
     layer0.w13.data[0] = 0
     sent, got = _in_threads(
-        (sender.transfer_experts, EPOCH, sends, [], 0, TIMEOUT_S),
-        (joiner.transfer_experts, EPOCH, [], receives, 1, TIMEOUT_S),
+        (sender.elastic.transfer_experts, EPOCH, sends, [], 0, TIMEOUT_S),
+        (joiner.elastic.transfer_experts, EPOCH, [], receives, 1, TIMEOUT_S),
     )
     layer0.w13.data[0] = saved
     expert = full.layers[0].mlp.w13[0].numel() + full.layers[0].mlp.w2[0].numel()
@@ -272,24 +272,24 @@ def test_transfer_partial_layers_disk_fallback_swap_and_install(qwen3_ckpt, capl
 
     # Barrier on the standby group (both members), then swap, then on the current one.
     assert _in_threads(
-        (sender.standby_barrier, EPOCH, 2, 5), (joiner.standby_barrier, EPOCH, 3, 1)
+        (sender.elastic.standby_barrier, EPOCH, 2, 5), (joiner.elastic.standby_barrier, EPOCH, 3, 1)
     ) == [(3, 5), (3, 5)]
     for w in (sender, joiner):
-        w.swap_groups(EPOCH)
+        w.elastic.swap_groups(EPOCH)
         assert w.elastic.standby_epochs() == [] and w.dp_group.world_size == 2
     assert _in_threads(
-        (sender.standby_barrier, EPOCH, 1, 1), (joiner.standby_barrier, EPOCH, 0, 4)
+        (sender.elastic.standby_barrier, EPOCH, 1, 1), (joiner.elastic.standby_barrier, EPOCH, 0, 4)
     ) == [(1, 4), (1, 4)]
     with caplog.at_level(logging.WARNING, logger="tidal.executor.elastic"):
-        joiner.install_experts(EPOCH, layout, 1)
-        sender.install_experts(EPOCH, layout, 0)
+        joiner.elastic.install_experts(EPOCH, layout, 1)
+        sender.elastic.install_experts(EPOCH, layout, 0)
     assert "read from disk" in caplog.text
     _check_experts(joiner, full, layout[1])
     _check_experts(sender, full, layout[0])
     assert joiner.elastic._staged == {} and sender.elastic._packed == {}
     for w in (sender, joiner):
         groups = (w.dp_group,)
-        w.destroy_retired_groups()
+        w.elastic.destroy_retired_groups()
         w.shutdown()
         assert all(g.is_destroyed for g in groups)
 
@@ -309,7 +309,9 @@ def test_destroy_standby_cancels_a_pending_rendezvous(qwen3_ckpt):
 
     def join() -> None:
         try:
-            worker.join_standby(EPOCH, f"127.0.0.1:{store.port}", [0, 1], [0, 1], 0, NEVER_S)
+            worker.elastic.join_standby(
+                EPOCH, f"127.0.0.1:{store.port}", [0, 1], [0, 1], 0, NEVER_S
+            )
         except Exception as e:  # noqa: BLE001 - checked below
             errors.append(e)
 
@@ -318,7 +320,7 @@ def test_destroy_standby_cancels_a_pending_rendezvous(qwen3_ckpt):
     t.start()
     # It wrote to the store: connected, announced, and now waiting for engine 1.
     assert wait_until(lambda: store.num_keys() > keys, TIMEOUT_S)
-    worker.destroy_standby(EPOCH)
+    worker.elastic.destroy_standby(EPOCH)
     t.join(TIMEOUT_S)
     assert not t.is_alive(), "the helper still waits for its peer: cancellation did not work"
     assert len(errors) == 1 and "were destroyed" in str(errors[0]), errors

@@ -66,7 +66,7 @@ def test_drop_counter_counts_every_drop_and_rate_limits_the_log(caplog):
 
 
 class _Core:
-    executor = SimpleNamespace(waiting_on_peers=lambda thread_id: False)
+    executor = SimpleNamespace(call=lambda method: False)  # worker.waiting_on_peers
 
     def weird(self) -> Any:
         return {"x": object()}
@@ -77,7 +77,6 @@ def _engine(ctx: zmq.Context | None = None, **addresses: Any) -> EngineCoreProc:
     proc = EngineCoreProc.__new__(EngineCoreProc)
     proc.engine_index = 3
     proc.progress = LoopProgress()
-    proc._loop_thread = threading.get_ident()
     proc.input_queue = queue.Queue()
     proc.output_queue = queue.Queue()
     proc.dropped = DropCounter("engine 3", logging.getLogger("test"))

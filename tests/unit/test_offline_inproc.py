@@ -57,7 +57,8 @@ def test_ctrl_c_mid_step_leaves_the_in_process_engine_usable(qwen3_ckpt) -> None
 
     llm = LLM(qwen3_ckpt, dtype="float32", multiprocess=False)
     engine = llm.client.engine
-    run = engine.executor.execute_model
+    runner = engine.executor.worker.model_runner
+    run = runner.execute_model
     calls = {"n": 0}
 
     def interrupted_once(sched):
@@ -66,7 +67,7 @@ def test_ctrl_c_mid_step_leaves_the_in_process_engine_usable(qwen3_ckpt) -> None
             raise KeyboardInterrupt
         return run(sched)
 
-    engine.executor.execute_model = interrupted_once
+    runner.execute_model = interrupted_once
     try:
         with pytest.raises(KeyboardInterrupt):
             llm.generate(prompts, PARAMS, use_tqdm=False)

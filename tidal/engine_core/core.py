@@ -32,8 +32,8 @@ class EngineCore:
         t0 = time.monotonic()
         self.config = config
         self.executor = executor or create_executor(config)
-        self.num_blocks = self.executor.determine_num_blocks()
-        self.executor.initialize_kv_cache(self.num_blocks)
+        self.num_blocks = self.executor.call("runner.determine_num_blocks")
+        self.executor.call("worker.initialize_kv_cache", self.num_blocks)
         self.scheduler = Scheduler(config.scheduler, config.cache, self.num_blocks)
         self.vocab_size = int(config.model.hf_config.vocab_size)
         logger.info(
@@ -85,7 +85,7 @@ class EngineCore:
             return {}, False
         sched = self.scheduler.schedule()
         try:
-            runner_out = self.executor.execute_model(sched)
+            runner_out = self.executor.call("runner.execute_model", sched)
         except GroupFailure:
             self.scheduler.abandon_step(sched)  # its tokens never reach the scheduler
             raise
@@ -93,7 +93,7 @@ class EngineCore:
         return outputs, sched.total_num_scheduled_tokens > 0
 
     def execute_dummy_batch(self) -> None:
-        self.executor.execute_dummy_batch()
+        self.executor.call("runner.execute_dummy_batch")
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -109,15 +109,15 @@ class EngineCore:
 
     def get_expert_load(self) -> dict[int, list[int]]:
         """Per layer, tokens routed to each logical expert over the EPLB window (this rank)."""
-        return self.executor.get_expert_load()
+        return self.executor.call("runner.get_expert_load")
 
     def get_eplb_info(self) -> dict[str, Any]:
         """Rebalances so far and the current physical -> logical expert layout per layer."""
-        return self.executor.get_eplb_info()
+        return self.executor.call("runner.get_eplb_info")
 
     def get_cpu_kernels(self) -> dict[str, Any] | None:
         """The CPU path serving each op, with the trial's timings (``/stats``)."""
-        return self.executor.get_cpu_kernels()
+        return self.executor.call("worker.get_cpu_kernels")
 
     def get_num_blocks(self) -> int:
         return self.num_blocks

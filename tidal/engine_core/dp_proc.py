@@ -173,7 +173,7 @@ class DPEngineCoreProc(EngineCoreProc):
             self.shell.on_group_failed(cause)  # an operation on the old group rolls back
         self.engine_core.scheduler.abandon_step()
         preempted = self.engine_core.scheduler.take_abandoned()  # also those of step()
-        self.engine_core.executor.abandon_groups()
+        self.engine_core.executor.call("worker.abandon_groups")
         self.wave.running = False
         self.step_counter = 0
         self._last_published = None
@@ -223,7 +223,7 @@ class DPEngineCoreProc(EngineCoreProc):
                 cause = f"operation {payload.operation_id} replaces these groups"
                 if payload.dead:
                     cause += f" (engines {list(payload.dead)} dead)"
-                core.executor.abort_collectives(payload.epoch, cause)
+                core.executor.call("worker.abort_collectives", payload.epoch, cause)
 
     def _on_scale(self, msg: ScaleMessage | Input) -> None:
         if self.shell is None:
@@ -280,8 +280,10 @@ class DPEngineCoreProc(EngineCoreProc):
         # and (negated) MIN, so "every rank raised this operation's flag" is
         # ready_min == ready_max == its sequence. A failure raises GroupFailure: the
         # busy loop's ``_on_group_failure`` rolls an operation back and says so.
-        any_work, pause, ready_max, neg_min = self.engine_core.executor.all_reduce_dp(
-            [int(has_work), int(self.pending_pause), ready, -ready], op="max"
+        any_work, pause, ready_max, neg_min = self.engine_core.executor.call(
+            "worker.all_reduce_dp",
+            [int(has_work), int(self.pending_pause), ready, -ready],
+            "max",
         )
         if shell is not None:
             shell.on_consensus(self.step_counter, -neg_min, ready_max)

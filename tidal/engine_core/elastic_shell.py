@@ -211,7 +211,8 @@ class ElasticShell:
                 self._start_job(
                     a.job_id,
                     a.epoch,
-                    lambda a=a: self.executor.join_standby(
+                    lambda a=a: self.executor.call(
+                        "elastic.join_standby",
                         a.epoch,
                         a.store_address or "",
                         list(a.members),
@@ -222,12 +223,17 @@ class ElasticShell:
                 )
             case StartTransfer():
                 # Snapshot what we send here, on the thread that owns the weights.
-                self.executor.pack_expert_sends(a.epoch, list(a.sends))
+                self.executor.call("elastic.pack_expert_sends", a.epoch, list(a.sends))
                 self._start_job(
                     a.job_id,
                     a.epoch,
-                    lambda a=a: self.executor.transfer_experts(
-                        a.epoch, list(a.sends), list(a.receives), self.engine_id, a.timeout_s
+                    lambda a=a: self.executor.call(
+                        "elastic.transfer_experts",
+                        a.epoch,
+                        list(a.sends),
+                        list(a.receives),
+                        self.engine_id,
+                        a.timeout_s,
                     ),
                 )
             case StartCommitBarrier():
@@ -237,7 +243,7 @@ class ElasticShell:
                     a.job_id,
                     a.epoch,
                     lambda a=a, w=wave: BarrierResult(
-                        *self.executor.standby_barrier(a.epoch, w, 0)
+                        *self.executor.call("elastic.standby_barrier", a.epoch, w, 0)
                     ),
                 )
             case CancelJob():
@@ -253,36 +259,38 @@ class ElasticShell:
             case SendReport():
                 self.hooks.send_report(a.report)
             case DestroyStandbyGroups():
-                self.executor.destroy_standby(a.epoch)
+                self.executor.call("elastic.destroy_standby", a.epoch)
             case DiscardStagedExperts():
-                self.executor.discard_staged(a.epoch)
+                self.executor.call("elastic.discard_staged", a.epoch)
             case SwapGroups():
-                self.executor.swap_groups(a.epoch)
+                self.executor.call("elastic.swap_groups", a.epoch)
             case InstallExperts():
                 topo = prepare.topology if prepare is not None else None
                 if self.expert_parallel and topo is not None and topo.placement is not None:
                     rank = topo.rank_of(self.engine_id)
-                    self.executor.install_experts(a.epoch, topo.placement, rank)
+                    self.executor.call("elastic.install_experts", a.epoch, topo.placement, rank)
             case TakeRank():
                 if prepare is None:
                     raise RuntimeError("TakeRank without the operation's topology")
                 self.hooks.take_rank(prepare.topology, a.wave)
                 self._committed_epochs.add(a.epoch)
             case SetNumThreads():
-                self.executor.set_num_threads(a.num_threads)
+                self.executor.call("worker.set_num_threads", a.num_threads)
             case DestroyOldGroups():
                 role = None if state is None else state.role
                 if role is Role.LEAVING:
-                    self.executor.leave_groups()
+                    self.executor.call("elastic.leave_groups")
                 else:
-                    self.executor.destroy_retired_groups()
+                    self.executor.call("elastic.destroy_retired_groups")
             case NewGroupBarrier():
                 # The first collective of the new group: matches the joiners' barrier. A
                 # joiner that died after PREPARED fails it (state race 4): the commit
                 # stands -- it is a rank death of the new epoch -- and the busy loop
                 # treats the group as failed once the commit is applied.
                 try:
-                    self.executor.standby_barrier(a.epoch, self.hooks.current_wave(), a.step)
+                    self.executor.call(
+                        "elastic.standby_barrier", a.epoch, self.hooks.current_wave(), a.step
+                    )
                 except GroupFailure as e:
                     self.group_failure = str(e)
             case Leave():
@@ -321,14 +329,14 @@ class ElasticShell:
             ):
                 # It may have built groups or staged experts after the rollback destroyed
                 # them: destroy again now that nothing else can create them.
-                self.executor.destroy_standby(epoch)
-                self.executor.discard_staged(epoch)
+                self.executor.call("elastic.destroy_standby", epoch)
+                self.executor.call("elastic.discard_staged", epoch)
 
     def close(self, timeout_s: float = 2.0) -> None:
         """At engine exit: standby groups of an unfinished operation go with it."""
         s = self.slot.state
         if s is not None and s.active:
-            self.executor.destroy_standby(s.epoch)
+            self.executor.call("elastic.destroy_standby", s.epoch)
         for t, _ in self._threads.values():
             t.join(timeout_s)
 

@@ -151,7 +151,6 @@ class EngineCoreProc:
         self.drain_timeout_s = drain_timeout_s
         self._launcher = ProcessWatch(launcher_pid)
         self.progress = LoopProgress()
-        self._loop_thread = threading.get_ident()  # the busy loop runs on this thread
         self.shutdown_state = ShutdownState.RUNNING
         self._drain_deadline = 0.0
         self._abort_silently = False  # leaving without a frontend to report to (_leave_now)
@@ -178,6 +177,8 @@ class EngineCoreProc:
             raise
         self._start_io_threads()
         try:
+            # On the busy loop's thread: its workers take this thread for the one that
+            # runs their steps (``worker.waiting_on_peers``).
             self.engine_core = self._build_engine_core()
         except Exception as e:
             self._send_ready(0, error=f"{type(e).__name__}: {e}")
@@ -351,7 +352,7 @@ class EngineCoreProc:
     def _heartbeat(self) -> bytes:
         """Alive, and where the busy loop is (the frontend's stall watchdog)."""
         core = getattr(self, "engine_core", None)  # None while the engine starts
-        waiting = core is not None and core.executor.waiting_on_peers(self._loop_thread)
+        waiting = core is not None and core.executor.call("worker.waiting_on_peers")
         p = self.progress
         progress = EngineProgress(p.iterations, not p.idle, waiting)
         return encode(

@@ -47,6 +47,7 @@ import torch
 from tidal.config import EngineConfig
 from tidal.distributed.tensor_parallel import TensorParallel
 from tidal.executor.batch import NULL_BLOCK_ID, ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from tidal.executor.rpc import Reduce, rpc
 from tidal.kernels.host_memory import empty_huge
 from tidal.layers.attention import AttentionMetadata, kv_cache_shape
 from tidal.layers.sampler import RowInfo, Sampler, SamplingMetadata, compute_logprobs
@@ -57,6 +58,7 @@ from tidal.moe.eplb import EplbState
 from tidal.moe.layer import MoEForwardContext
 from tidal.moe.placement import ExpertPlacement
 from tidal.protocol.messages import Logprobs
+from tidal.protocol.worker import ReplyMode
 
 logger = logging.getLogger(__name__)
 
@@ -176,6 +178,7 @@ class ModelRunner:
         elem = torch.tensor([], dtype=self.config.model.torch_dtype).element_size()
         return num_layers * elem * _prod(shape)
 
+    @rpc(Reduce.MIN, local=True)  # what every worker's device holds
     def determine_num_blocks(self) -> int:
         """Blocks that fit the configured KV budget, capped at what max_num_seqs full-length
         sequences could ever use (no point allocating more)."""
@@ -218,6 +221,9 @@ class ModelRunner:
 
     # ---- step --------------------------------------------------------------------------
 
+    # Only the driver (TP rank 0) samples; a SchedulerOutput crosses to worker processes
+    # in its delta form (tidal/executor/step_wire.py).
+    @rpc(Reduce.FIRST, reply=ReplyMode.DRIVER)
     @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         out = ModelRunnerOutput()
@@ -238,6 +244,7 @@ class ModelRunner:
         self._end_step(is_dummy=False)
         return out
 
+    @rpc(reply=ReplyMode.DRIVER)
     @torch.inference_mode()
     def execute_dummy_batch(self, num_tokens: int = 1) -> None:
         """A forward over dummy tokens that writes no KV: keeps collectives of idle ranks
@@ -274,6 +281,7 @@ class ModelRunner:
 
     # ---- expert load balancing -------------------------------------------------------------
 
+    @rpc(Reduce.SUM_COUNTS, local=True)  # each worker counted its own share of the tokens
     def get_expert_load(self) -> dict[int, list[int]]:
         """Decoder-layer index -> tokens per logical expert over the EPLB window, counted
         on THIS rank (its own tokens' routing; sum over ranks for the global load). Not a
@@ -287,6 +295,7 @@ class ModelRunner:
             return False
         return any(self.eplb.rebalance())
 
+    @rpc(Reduce.FIRST, reply=ReplyMode.DRIVER, local=True)
     def get_eplb_info(self) -> dict[str, Any]:
         """Rebalances so far and the current physical -> logical expert layout per layer."""
         eplb = self.eplb

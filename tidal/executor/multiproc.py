@@ -7,7 +7,9 @@ workers; payloads over a chunk overflow to ZMQ); replies come back on a PULL soc
 only the driver (TP rank 0) answers a step (``ReplyMode.DRIVER``). A step's input crosses
 in its delta form (``tidal/executor/step_wire.py``). Messages are msgspec Structs of
 ``tidal.protocol.worker``; arguments and results are decoded into the called method's
-annotated types (``worker_proc.rpc_signature``): no pickle anywhere.
+annotated types (``tidal.executor.rpc.rpc_signature``): no pickle anywhere. What a call
+needs beyond that -- which workers answer, a time bound, whether its failure is the
+rank's death -- its ``@rpc`` declares (docs/architecture.md#worker-rpc).
 
 Startup is strict: the ring, the reply socket, the rank's TCPStore (the TP group's) and a
 death pipe per worker exist first; then every worker is spawned (``python -m
@@ -18,8 +20,8 @@ number its share of the cores, ``tidal/utils/cpu_threads.py``); the segment's na
 unlinked at once (the creator's job: nothing is left in /dev/shm whoever dies later; an
 engine killed before that leaves it, and its socket directory, named with its pid: the
 next start on the host removes those of owners that are gone); then
-every HELLO, then every reader attached, then ``start`` on all of them (TP group, DP/EP
-groups, model: TP rank 0 chooses the CPU paths for all, ``tidal/kernels/select.py``).
+every HELLO, then every reader attached, then ``worker.start`` on all of them (TP group,
+DP/EP groups, model: TP rank 0 chooses the CPU paths for all, ``tidal/kernels/select.py``).
 A worker that exits or fails meanwhile fails the startup, naming it.
 
 Worker death (docs/architecture.md#faults): a monitor thread watches the workers' sentinels. A worker
@@ -34,14 +36,14 @@ elastic shell's helper threads call the blocking ones meanwhile. A call from ano
 thread than the one that built the executor runs on a thread of its own in each worker
 (``WorkerCall.background``). Sends are serialised by a lock; whichever thread waits reads
 the reply socket for everyone (one reader at a time, a condition hands results over).
-Shutdown refuses new calls (``waiting_on_peers``, asked for every heartbeat, answers
-False), waits for other threads' calls in flight to leave, and only then unmaps the ring
-and closes the sockets they use.
+Shutdown refuses new calls (``worker.waiting_on_peers``, asked for every heartbeat,
+answers False: ``empty_after_shutdown``), waits for other threads' calls in flight to
+leave, and only then unmaps the ring and closes the sockets they use.
 
 Failures: a worker answers every failure whatever the reply mode. ``GroupFailure`` (a peer
 rank died) is raised as such, so the DP busy loop recovers; any other error is
-``WorkerError``, which the engine treats as fatal. Calls that clean up after a failure are
-bounded in time: a worker stuck in a collective with a dead peer must not hang the rank.
+``WorkerError``, which the engine treats as fatal (the rank too, unless the call is
+``local``). Calls that clean up after a failure are bounded in time (``timeout_s``).
 """
 
 from __future__ import annotations
@@ -77,18 +79,12 @@ from tidal.distributed.shm_queue import (
     remove_orphaned_segments,
 )
 from tidal.executor.base import Executor
-from tidal.executor.batch import ModelRunnerOutput, SchedulerOutput
+from tidal.executor.batch import SchedulerOutput
+from tidal.executor.rpc import Rpc
 from tidal.executor.step_wire import StepEncoder
 from tidal.executor.worker import TP_STORE_HOST
-from tidal.executor.worker_proc import (
-    WORKER_ENTRY_MODULE,
-    WorkerLaunch,
-    rpc_owner,
-    rpc_signature,
-    worker_process_name,
-)
+from tidal.executor.worker_proc import WORKER_ENTRY_MODULE, WorkerLaunch, worker_process_name
 from tidal.models.config_wire import split_hf_config
-from tidal.protocol.elastic import ExpertTransferSpec
 from tidal.protocol.topology import Topology
 from tidal.protocol.worker import ReplyMode, WorkerCall, WorkerErrorKind, WorkerHello, WorkerReply
 from tidal.utils.cpu_threads import engine_process_env, usable_cores
@@ -99,25 +95,6 @@ logger = logging.getLogger(__name__)
 STARTUP_TIMEOUT_S = 300.0  # workers import torch and load their shard meanwhile
 FREEZE_POLL_S = 1.0
 FREEZE_TIMEOUT_S = 5.0  # a worker stopped this long is dead
-# Calls that clean up after a failure are bounded (see the module docstring): seconds.
-_BOUNDED = {
-    # Liveness calls from the engine's I/O threads: a worker's queue reader serves them
-    # while its home thread is blocked in a collective (``worker_proc``).
-    "abort_collectives": 10.0,
-    "home_waiting_on_peers": 10.0,
-    "abandon_groups": 60.0,
-    "destroy_standby": 60.0,
-    "discard_staged": 60.0,
-    "destroy_retired_groups": 60.0,
-    "rebuild_tensor_parallel": 60.0,
-    "shutdown": 10.0,
-}
-# Calls that run no collective: a failure there fails the call, not the rank (startup
-# failures fail the startup).
-_LOCAL_CALLS = frozenset(
-    {"start", "init_joiner", "determine_num_blocks", "set_num_threads", "get_expert_load",
-     "get_eplb_info"}
-)  # fmt: skip
 # A call in flight notices a shutdown within one poll of the reply socket (0.1 s); this
 # bounds the wait for them on a starved machine.
 _CALLS_LEAVE_S = 30.0
@@ -206,7 +183,6 @@ class MultiprocExecutor(Executor):
         self._monitor: threading.Thread | None = None
         self._wake_r, self._wake_w = Pipe(duplex=False)
         self.encoder = StepEncoder()
-        self._tp_generation = 0
         self.queue: ShmQueueWriter | None = None
         self._tp_store: TCPStore | None = None
         _remove_leftovers()
@@ -235,7 +211,7 @@ class MultiprocExecutor(Executor):
                 target=self._watch, name=f"tp-monitor-{self.engine_id}", daemon=True
             )
             self._monitor.start()
-            self._call("start", (topology, engine_id, joining))
+            self.call("worker.start", topology, engine_id, joining, None, self._tp_store.port)
         except BaseException:
             self.shutdown()
             raise
@@ -259,7 +235,6 @@ class MultiprocExecutor(Executor):
             tp_rank=t,
             queue=self.queue.handle,
             reply_address=self._reply_address,
-            tp_store_port=self._tp_store.port,
             socket_dir=self._dir,
             queue_fd=self.queue.fd,
             death_fd=death_r,
@@ -308,35 +283,30 @@ class MultiprocExecutor(Executor):
 
     # ---- calls ---------------------------------------------------------------------------
 
-    def collective_rpc(
-        self, method: str, args: tuple = (), kwargs: dict | None = None
-    ) -> list[Any]:
-        if kwargs:
-            raise TypeError("worker calls take positional arguments only")
-        return self._call(method, args)
-
-    def _call(
-        self,
-        method: str,
-        args: tuple | list = (),
-        *,
-        reply: ReplyMode = ReplyMode.ALL,
-        driver_only: bool = False,
-    ) -> list[Any]:
-        """Broadcast one call; the results of the workers ``reply`` names, by TP rank."""
-        _, result_type = rpc_signature(rpc_owner(method), method)
-        expect = frozenset({0} if reply is ReplyMode.DRIVER else range(self.tp_size))
+    def _run(self, rpc: Rpc, args: tuple[Any, ...]) -> list[Any]:
+        """Broadcast one call; the results of the workers its reply mode names, by TP
+        rank. A ``SchedulerOutput`` crosses as the step's deltas (``StepEncoder``)."""
+        spec = rpc.spec
+        expect = frozenset({0} if spec.reply is ReplyMode.DRIVER else range(self.tp_size))
         me = threading.get_ident()
         with self._cond:
+            if self._stopping and spec.empty_after_shutdown:
+                return []  # e.g. nothing waits on peers once shutdown began
             if self._failure is not None:
                 raise WorkerDied(self._failure)
             if self._stopping:
                 raise WorkerDied(self._shut_down())
             call_id = next(self._ids)
-            self._calls[call_id] = _Call(expect, result_type)
+            self._calls[call_id] = _Call(expect, rpc.result)
             self._busy[me] += 1
         try:
-            return self._send_and_wait(call_id, method, args, reply, driver_only)
+            wire = [self.encoder.encode(a) if isinstance(a, SchedulerOutput) else a for a in args]
+            return self._send_and_wait(call_id, rpc, wire)
+        except WorkerDied:
+            with self._cond:
+                if spec.empty_after_shutdown and self._stopping:
+                    return []  # shutdown began while it waited
+            raise
         finally:
             with self._cond:
                 self._busy[me] -= 1
@@ -344,21 +314,14 @@ class MultiprocExecutor(Executor):
                     del self._busy[me]
                 self._cond.notify_all()
 
-    def _send_and_wait(
-        self,
-        call_id: int,
-        method: str,
-        args: tuple | list,
-        reply: ReplyMode,
-        driver_only: bool,
-    ) -> list[Any]:
+    def _send_and_wait(self, call_id: int, rpc: Rpc, args: list[Any]) -> list[Any]:
         call = WorkerCall(
             call_id,
-            method,
-            msgspec.Raw(msgspec.msgpack.encode(list(args))),
-            reply,
+            rpc.method,
+            msgspec.Raw(msgspec.msgpack.encode(args)),
+            rpc.spec.reply,
             background=threading.get_ident() != self._home_thread,
-            driver_only=driver_only,
+            driver_only=rpc.spec.driver_only,
         )
         frame = msgspec.msgpack.encode(call)
         assert self.queue is not None
@@ -369,7 +332,7 @@ class MultiprocExecutor(Executor):
             self._forget(call_id)
             self._fail(f"engine {self.engine_id}: {e}")
             raise WorkerDied(str(e)) from e
-        done = self._wait(call_id, method, _BOUNDED.get(method))
+        done = self._wait(call_id, rpc)
         return [done.results[t] for t in sorted(done.results)]
 
     def _shut_down(self) -> str:
@@ -385,7 +348,8 @@ class MultiprocExecutor(Executor):
         with self._cond:
             self._calls.pop(call_id, None)
 
-    def _wait(self, call_id: int, method: str, timeout_s: float | None) -> _Call:
+    def _wait(self, call_id: int, rpc: Rpc) -> _Call:
+        method, timeout_s = rpc.method, rpc.spec.timeout_s
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while True:
             with self._cond:
@@ -423,7 +387,7 @@ class MultiprocExecutor(Executor):
             if err.error_kind is WorkerErrorKind.GROUP_FAILURE:
                 raise GroupFailure(err.error or "a collective failed")
             why = f"worker {err.tp_rank} of engine {self.engine_id}: {method}: {err.error}"
-            if method not in _LOCAL_CALLS:
+            if not rpc.spec.local:
                 self._fail(why)  # the rank's workers may be out of step: it is dead
             raise WorkerError(why)
         return call
@@ -453,63 +417,6 @@ class MultiprocExecutor(Executor):
         return True
 
     # ---- the Executor interface --------------------------------------------------------
-
-    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
-        step = self.encoder.encode(sched)
-        return self._call("execute_model", (step,), reply=ReplyMode.DRIVER)[0]
-
-    def execute_dummy_batch(self, num_tokens: int = 1) -> None:
-        self._call("execute_dummy_batch", (num_tokens,), reply=ReplyMode.DRIVER)
-
-    def all_reduce_dp(self, values: list[int], op: str = "sum") -> list[int]:
-        # The DP group of the TP-rank-0 workers carries the ranks' consensus.
-        return self._call("all_reduce_dp", (values, op), reply=ReplyMode.DRIVER, driver_only=True)[
-            0
-        ]
-
-    def transfer_experts(
-        self,
-        epoch: int,
-        sends: list[ExpertTransferSpec],
-        receives: list[ExpertTransferSpec],
-        engine_id: int,
-        timeout_s: float,
-    ) -> int:
-        # Each worker moves its own experts: the rank received the sum.
-        return sum(self._call("transfer_experts", (epoch, sends, receives, engine_id, timeout_s)))
-
-    def waiting_on_peers(self, thread_id: int) -> bool:
-        """Whether the workers' step threads wait in a DP/EP collective for a peer rank
-        (``thread_id``, the busy loop's, waits for the workers meanwhile). False once
-        shutdown began: nothing waits on peers then, and the engine's heartbeats go on
-        until it exits."""
-        try:
-            return any(self._call("home_waiting_on_peers"))
-        except WorkerDied:
-            with self._cond:
-                if self._stopping:
-                    return False
-            raise
-
-    def abandon_groups(self) -> None:
-        """Also a fresh TP group: the step the failure cut short may have left a worker
-        in a TP collective (its peer broke that group to free it, ``WorkerProc``)."""
-        self._call("abandon_groups")
-        self._tp_generation += 1
-        self._call("rebuild_tensor_parallel", (self._tp_generation,))
-
-    def get_expert_load(self) -> dict[int, list[int]]:
-        """Summed over the workers: each counted the tokens of its own share."""
-        total: dict[int, list[int]] = {}
-        for load in self._call("get_expert_load"):
-            for layer, counts in load.items():
-                acc = total.setdefault(layer, [0] * len(counts))
-                for e, n in enumerate(counts):
-                    acc[e] += n
-        return total
-
-    def get_eplb_info(self) -> dict[str, Any]:
-        return self._call("get_eplb_info", reply=ReplyMode.DRIVER)[0]
 
     def worker_pids(self) -> list[int]:
         return [p.pid for p in self._procs]
@@ -577,7 +484,7 @@ class MultiprocExecutor(Executor):
             orderly = self._failure is None and self._monitor is not None
         if orderly:
             try:
-                self._call("shutdown")
+                self.call("worker.shutdown")
             except Exception as e:  # noqa: BLE001 - stopping anyway
                 logger.warning("engine %d: TP workers' shutdown failed: %s", self.engine_id, e)
         with self._cond:

@@ -8,6 +8,7 @@ from typing import Any
 
 from tidal.config import EngineConfig
 from tidal.executor.base import Executor
+from tidal.executor.rpc import Rpc
 from tidal.executor.worker import Worker
 from tidal.protocol.topology import Topology
 
@@ -35,14 +36,16 @@ class UniProcExecutor(Executor):
             device_index=p.device_ids[0] if p.device_ids else 0,
         )
         self.worker.start(topology, engine_id, joining, local_expert_ids)
+        self._targets = self.worker.rpc_targets()
 
-    def collective_rpc(
-        self, method: str, args: tuple = (), kwargs: dict | None = None
-    ) -> list[Any]:
-        return [getattr(self.worker, method)(*args, **(kwargs or {}))]
+    def _run(self, rpc: Rpc, args: tuple[Any, ...]) -> list[Any]:
+        return [getattr(self._targets[rpc.namespace], rpc.name)(*args)]
 
     def worker_pids(self) -> list[int]:
         return [os.getpid()]
 
     def register_failure_callback(self, callback: Callable[[str], None]) -> None:
         """The worker is this process: it cannot die on its own."""
+
+    def shutdown(self) -> None:
+        self.worker.shutdown()

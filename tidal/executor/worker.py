@@ -17,7 +17,11 @@ Process groups (``tidal/executor/process_groups.py`` names them):
 
 DP and EP groups are ``StatelessGroup``s (nothing in torch's global state), so elastic
 scaling can build new ones beside them and swap: the elastic methods (standby groups,
-expert transfers, swap, install) live in ``tidal/executor/elastic.py``; this class forwards them.
+expert transfers, swap, install) live in ``tidal/executor/elastic.py``.
+
+RPC (docs/architecture.md#worker-rpc): the engine calls a worker's parts by name,
+``WORKER_RPCS``: this class's ``@rpc`` methods as ``worker.*``, the model runner's as
+``runner.*``, ``ElasticWorkerState``'s as ``elastic.*``; nothing forwards between them.
 
 Devices: on CUDA the launcher hands each rank device slots (``tidal/distributed/device_slots``):
 a worker process sees only its own (``CUDA_VISIBLE_DEVICES``) and uses ``cuda:0``; an
@@ -34,6 +38,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from typing import Any
 
 import torch
@@ -44,13 +49,13 @@ from tidal.distributed.collectives import CollectiveControl
 from tidal.distributed.core_slots import pin_process
 from tidal.distributed.groups import LocalGroupFailure, StatelessGroup, create_store
 from tidal.distributed.tensor_parallel import TensorParallel
-from tidal.executor.batch import ModelRunnerOutput, SchedulerOutput
 from tidal.executor.elastic import ElasticWorkerState, parse_address
 from tidal.executor.model_runner import ModelRunner
 from tidal.executor.process_groups import WorkerGroups, dp_prefix, worker_rank
+from tidal.executor.rpc import Reduce, RpcTable, rpc
 from tidal.kernels.host_memory import release_free_heap
-from tidal.protocol.elastic import ExpertTransferSpec
 from tidal.protocol.topology import Topology
+from tidal.protocol.worker import ReplyMode
 from tidal.utils.cpu_threads import threads_per_rank, usable_cores
 
 logger = logging.getLogger(__name__)
@@ -106,10 +111,19 @@ class Worker:
         # Shared by the serving DP/EP groups (current and standby): abort flags, and
         # whether the busy loop waits on its peers now.
         self.collectives = CollectiveControl()
+        # The thread that runs this worker's steps: the one that built it (an engine builds
+        # its executor on its busy loop's thread; a worker process serves its steps on its
+        # main thread). ``waiting_on_peers`` asks about it.
+        self.home_thread = threading.get_ident()
+        self._tp_generation = 0  # TP groups rebuilt so far (``abandon_groups``)
         self.elastic = ElasticWorkerState(
             config, self.device, self.model_runner, self.groups, self.collectives, tp_rank,
             self.tp_size,
         )  # fmt: skip
+
+    def rpc_targets(self) -> dict[str, object]:
+        """The object behind each namespace of ``WORKER_RPCS``."""
+        return {"worker": self, "runner": self.model_runner, "elastic": self.elastic}
 
     @property
     def dp_group(self) -> StatelessGroup | None:
@@ -132,13 +146,14 @@ class Worker:
             torch.set_num_threads(cpu_threads_for_rank(p.data_parallel_size_local * self.tp_size))
         return torch.device("cpu")
 
+    # Startup failures fail the startup (the executor's), not a serving rank.
+    @rpc(local=True)
     def start(
         self,
         topology: Topology | None = None,
         engine_id: int | None = None,
         joining: bool = False,
         local_expert_ids: list[int] | None = None,
-        *,
         tp_store_port: int | None = None,
     ) -> None:
         """Everything between construction and the KV cache, in order: the rank's TP group
@@ -151,7 +166,7 @@ class Worker:
             if joining:
                 if topology is None or engine_id is None:
                     raise ValueError("a joining engine needs its topology and engine id")
-                self.init_joiner(topology, engine_id)
+                self.elastic.init_joiner(topology, engine_id)
                 return
             self.init_distributed(topology, engine_id)
             self.load_model(local_expert_ids)
@@ -198,17 +213,18 @@ class Worker:
         """Destroy the TP group now: a TP peer waiting in one of its collectives fails at
         once (``LocalGroupFailure``) instead of at the timeout. After a step that a peer
         rank's death cut short, a worker may be in a TP collective its peers will never
-        enter; the engine then rebuilds the group (``rebuild_tensor_parallel``)."""
+        enter; the engine then rebuilds the group (``abandon_groups``)."""
         if self.tp_group is not None:
             self.tp_group.destroy()
 
-    def rebuild_tensor_parallel(self, generation: int) -> None:
-        """A fresh TP group (every worker of the rank calls it, with the same
-        ``generation``), on the same store."""
+    def _rebuild_tensor_parallel(self) -> None:
+        """A fresh TP group on the same store (every worker of the rank calls it: each
+        gets the same calls, so their generations agree)."""
         if self.tp_size == 1:
             return
         self.break_tensor_parallel()
-        self._join_tp_group(f"tp.{generation}")
+        self._tp_generation += 1
+        self._join_tp_group(f"tp.{self._tp_generation}")
 
     def init_distributed(
         self, topology: Topology | None = None, engine_id: int | None = None
@@ -284,6 +300,7 @@ class Worker:
     def _backend(self) -> str:
         return "nccl" if self.device.type == "cuda" else "gloo"
 
+    @rpc(timeout_s=10.0)
     def shutdown(self) -> None:
         """Destroy the groups, standby and retired ones included (idempotent, does not
         wait for peers) and drop the stores."""
@@ -301,20 +318,15 @@ class Worker:
         """With EP the topology's placement (``init_distributed``) picks the experts."""
         self.model_runner.load_model(local_expert_ids, layout=self._layout)
 
-    def determine_num_blocks(self) -> int:
-        return self.model_runner.determine_num_blocks()
-
+    @rpc()
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.model_runner.initialize_kv_cache(num_blocks)
         if self.device.type == "cpu":  # the end of startup: what loading freed goes back
             release_free_heap()
 
-    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
-        return self.model_runner.execute_model(sched)
-
-    def execute_dummy_batch(self, num_tokens: int = 1) -> None:
-        self.model_runner.execute_dummy_batch(num_tokens)
-
+    # With TP only the driver calls it: the DP group of the rank-0 workers carries the
+    # ranks' consensus.
+    @rpc(Reduce.FIRST, reply=ReplyMode.DRIVER, driver_only=True)
     def all_reduce_dp(self, values: list[int], op: str = "sum") -> list[int]:
         """Reduce ``values`` (``op``: "sum" or "max") over the DP group (gloo, CPU); as they
         are without one (DP=1). With TP only the driver calls it (its group is the ranks'
@@ -326,96 +338,43 @@ class Worker:
         t = torch.tensor(values, dtype=torch.int64)
         return self.groups.dp.all_reduce(t, _REDUCE_OPS[op]).tolist()
 
+    # ---- liveness (docs/architecture.md#faults): the engine's I/O threads ask, any time ----
+    # A worker process serves them on a thread of their own while its home thread is
+    # blocked in a collective (``worker_proc``).
+
+    @rpc(timeout_s=10.0)
     def abort_collectives(self, below_epoch: int, cause: str) -> None:
-        """Any thread: collectives of serving groups older than ``below_epoch`` end now."""
+        """Collectives of serving groups older than ``below_epoch`` end now with
+        ``GroupFailure``: a recovery replaces those groups, and a frozen peer must not hold
+        the survivors until the collective timeout."""
         self.collectives.abort(below_epoch, cause)
 
-    def waiting_on_peers(self, thread_id: int) -> bool:
-        """Any thread: whether thread ``thread_id`` waits in a collective of the serving
-        groups for its peers."""
-        return self.collectives.is_waiting(thread_id)
+    @rpc(Reduce.ANY, timeout_s=10.0, empty_after_shutdown=True)
+    def waiting_on_peers(self) -> bool:
+        """Whether the home thread (the one running steps) waits in a collective of the
+        serving groups for its peers: the stall watchdog must not take a rank waiting for
+        a stuck peer for the stuck one."""
+        return self.collectives.is_waiting(self.home_thread)
 
-    # ---- elastic EP (tidal/executor/elastic.py; see Executor for the contract) ----------
+    # ---- elastic EP: the rest is ``elastic.*`` (tidal/executor/elastic.py) --------------
 
-    def init_joiner(self, topology: Topology, engine_id: int) -> None:
-        self.elastic.init_joiner(topology, engine_id)
-
-    def join_standby(
-        self,
-        epoch: int,
-        store_address: str,
-        members: list[int],
-        participants: list[int],
-        engine_id: int,
-        timeout_s: float,
-    ) -> None:
-        self.elastic.join_standby(epoch, store_address, members, participants, engine_id, timeout_s)
-
-    def pack_expert_sends(self, epoch: int, sends: list[ExpertTransferSpec]) -> None:
-        self.elastic.pack_expert_sends(epoch, sends)
-
-    def transfer_experts(
-        self,
-        epoch: int,
-        sends: list[ExpertTransferSpec],
-        receives: list[ExpertTransferSpec],
-        engine_id: int,
-        timeout_s: float,
-    ) -> int:
-        return self.elastic.transfer_experts(epoch, sends, receives, engine_id, timeout_s)
-
-    def standby_barrier(self, epoch: int, wave: int, step: int) -> tuple[int, int]:
-        return self.elastic.standby_barrier(epoch, wave, step)
-
-    def swap_groups(self, epoch: int) -> None:
-        self.elastic.swap_groups(epoch)
-
-    def install_experts(self, epoch: int, layout: list[list[int]], rank: int) -> None:
-        self.elastic.install_experts(epoch, layout, rank)
-
-    def destroy_standby(self, epoch: int) -> None:
-        self.elastic.destroy_standby(epoch)
-
-    def discard_staged(self, epoch: int) -> None:
-        self.elastic.discard_staged(epoch)
-        self._release_heap()
-
-    def destroy_retired_groups(self) -> None:
-        self.elastic.destroy_retired_groups()
-        self._release_heap()
-
-    def _release_heap(self) -> None:
-        """The end of a scale operation (committed: old groups gone; rolled back: staged
-        experts dropped). What it freed (transfer buffers, old packs) stays resident in
-        glibc's arenas: on a DP=2 rank of the default model each 2 -> 3 -> 2 cycle left
-        ~40 MB there (833 -> 792 MB once trimmed)."""
-        if self.device.type == "cpu":
-            release_free_heap()
-
-    def leave_groups(self) -> None:
-        self.elastic.leave_groups()
-
+    # Cleans up after a failure: bounded (the TP group's rendezvous included).
+    @rpc(timeout_s=120.0)
     def abandon_groups(self) -> None:
+        """A collective of the current DP/EP groups failed (a peer rank died): destroy
+        them now (``ElasticWorkerState.abandon_groups``), and start a fresh TP group: the
+        step the failure cut short may have left a TP peer in a TP collective, whose group
+        that peer's worker process broke to free it (``WorkerProc``)."""
         self.elastic.abandon_groups()
+        self._rebuild_tensor_parallel()
 
+    @rpc(local=True)
     def set_num_threads(self, num_threads: int) -> None:
         if num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {num_threads}")
         torch.set_num_threads(num_threads)
 
-    # ---- expert load balancing ---------------------------------------------------------
-
-    def get_expert_load(self) -> dict[int, list[int]]:
-        """This rank's per-layer expert load over the EPLB window (see ModelRunner)."""
-        return self.model_runner.get_expert_load()
-
-    def rebalance_experts(self) -> bool:
-        """Collective over the EP group: every rank at the same step boundary."""
-        return self.model_runner.rebalance_experts()
-
-    def get_eplb_info(self) -> dict[str, Any]:
-        return self.model_runner.get_eplb_info()
-
+    @rpc(Reduce.FIRST)
     def get_cpu_kernels(self) -> dict[str, Any] | None:
         """The measured kernel choices (``/stats``), with the cores this worker runs on and
         its thread count: pinned (``--cpu-affinity``) or the process's whole mask."""
@@ -428,3 +387,7 @@ class Worker:
             "pinned": bool(self.config.parallel.cpu_cores),
             "threads": torch.get_num_threads(),
         }
+
+
+# The engine's view of a worker's parts (``Worker.rpc_targets`` on the worker's side).
+WORKER_RPCS = RpcTable({"worker": Worker, "runner": ModelRunner, "elastic": ElasticWorkerState})

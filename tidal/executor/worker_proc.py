@@ -6,10 +6,12 @@ multiprocessing's spawn, which would re-import the user's ``__main__``), it read
 
 1. attaches to the engine's broadcast queue (the segment's descriptor is inherited) and
    connects its reply socket; builds its ``Worker`` (device, threads); says HELLO;
-2. serves ``WorkerCall``s in queue order until the queue closes: each names a method of
-   this class (``execute_model`` over the step's wire form, ``start``) or of ``Worker``;
-   its arguments are decoded into that method's annotated types and its result encoded
-   back (``WorkerReply``) when the call's reply mode asks this worker for it. A call the
+2. serves ``WorkerCall``s in queue order until the queue closes: each names an exported
+   method of the worker's parts (``WORKER_RPCS``, docs/architecture.md#worker-rpc; any
+   other name is refused, naming it); its arguments are decoded into that method's
+   annotated types (a ``SchedulerOutput`` from the step's deltas, ``StepDecoder``) and
+   its result encoded back (``WorkerReply``) when the call's reply mode asks this worker
+   for it. A call the
    engine made from a helper thread (``background``: elastic rendezvous, transfers) runs
    on a thread of its own here too, so the worker keeps stepping meanwhile -- exactly
    the concurrency of an in-process worker. Failures always answer: a ``GroupFailure``
@@ -25,7 +27,6 @@ engine (``LLM``), and Ctrl-C is the engine's to handle; the engine stops its wor
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import os
 import queue
@@ -33,7 +34,6 @@ import shutil
 import signal
 import threading
 import traceback
-import typing
 from collections.abc import Callable
 from typing import Any
 
@@ -44,11 +44,10 @@ from tidal.config import EngineConfig
 from tidal.distributed.groups import GroupFailure, LocalGroupFailure
 from tidal.distributed.ports import IPC_DIR_PREFIX
 from tidal.distributed.shm_queue import QueueCancelled, QueueClosed, ShmQueueReader
-from tidal.executor.batch import ModelRunnerOutput
+from tidal.executor.batch import SchedulerOutput
 from tidal.executor.step_wire import StepDecoder
-from tidal.executor.worker import Worker
+from tidal.executor.worker import WORKER_RPCS, Worker
 from tidal.models.config_wire import join_hf_config
-from tidal.protocol.topology import Topology
 from tidal.protocol.worker import (
     ReplyMode,
     ShmQueueHandle,
@@ -65,8 +64,9 @@ logger = logging.getLogger(__name__)
 WORKER_ENTRY_MODULE = "tidal.executor.worker_proc"
 _CALL_DECODER = msgspec.msgpack.Decoder(WorkerCall)
 _ARGS_DECODER = msgspec.msgpack.Decoder(list[msgspec.Raw])
+_STEP_DECODER = msgspec.msgpack.Decoder(StepInput)
 # The calls that run the model: TP collectives interleaved with the DP/EP ones.
-_STEP_CALLS = frozenset({"execute_model", "execute_dummy_batch"})
+_STEP_CALLS = frozenset({"runner.execute_model", "runner.execute_dummy_batch"})
 
 
 class WorkerLaunch(msgspec.Struct, frozen=True):
@@ -78,7 +78,6 @@ class WorkerLaunch(msgspec.Struct, frozen=True):
     tp_rank: int
     queue: ShmQueueHandle
     reply_address: str
-    tp_store_port: int  # the engine's TCPStore (127.0.0.1) for the rank's TP group
     socket_dir: str  # the engine's private ipc:// directory
     queue_fd: int = -1  # the ring's descriptor, inherited (-1: attach by name)
     death_fd: int = -1  # read end of the engine's death pipe: EOF = the engine is gone
@@ -88,42 +87,13 @@ def worker_process_name(engine_id: int, tp_rank: int) -> str:
     return f"Worker_DP{engine_id}_TP{tp_rank}"
 
 
-@functools.cache
-def rpc_signature(owner: type, method: str) -> tuple[list[Any], Any]:
-    """``(parameter types, return type)`` of ``owner.method``, from its annotations: what
-    the worker decodes a call's arguments into and the engine decodes its result into."""
-    fn = getattr(owner, method)
-    hints = typing.get_type_hints(fn)
-    ret = hints.pop("return", Any)
-    params = [
-        hints.get(name, Any) for name in list(fn.__code__.co_varnames[1 : fn.__code__.co_argcount])
-    ]
-    return params, ret
-
-
-def rpc_owner(method: str) -> type:
-    """The class whose method a ``WorkerCall`` runs: ``WorkerProc``'s own RPCs first, else
-    ``Worker``'s public methods. ``AttributeError`` for anything else."""
-    if method.startswith("_"):
-        raise AttributeError(f"{method!r} is not a worker call")
-    if method in WorkerProc.RPCS:
-        return WorkerProc
-    if callable(getattr(Worker, method, None)):
-        return Worker
-    raise AttributeError(f"{method!r} is not a worker call")
-
-
 class WorkerProc:
     """One worker process: the call loop around a ``Worker``."""
-
-    # Calls served by this class (the rest go to ``Worker``).
-    RPCS = frozenset({"start", "execute_model", "home_waiting_on_peers"})
 
     def __init__(self, launch: WorkerLaunch) -> None:
         self.config = join_hf_config(launch.config, launch.hf_config)
         self.engine_id = launch.engine_id
         self.tp_rank = launch.tp_rank
-        self.tp_store_port = launch.tp_store_port
         self.socket_dir = launch.socket_dir
         self.ctx = zmq.Context()
         self.reply = self.ctx.socket(zmq.PUSH)
@@ -143,29 +113,19 @@ class WorkerProc:
             tp_rank=launch.tp_rank,
             device_index=0,  # CUDA_VISIBLE_DEVICES holds this worker's slot only
         )
+        self.targets = self.worker.rpc_targets()
         self.steps = StepDecoder()
         self._background: list[threading.Thread] = []
-        self._home = threading.get_ident()  # the thread that runs steps (``run``)
         self._send(msgspec.msgpack.encode(WorkerHello(self.tp_rank, os.getpid())))
-
-    # ---- RPCs of this class -------------------------------------------------------------
-
-    def start(self, topology: Topology | None, engine_id: int | None, joining: bool) -> None:
-        """Join the groups and load the model (see ``Worker.start``)."""
-        self.worker.start(topology, engine_id, joining, tp_store_port=self.tp_store_port)
-
-    def execute_model(self, step: StepInput) -> ModelRunnerOutput | None:
-        out = self.worker.execute_model(self.steps.decode(step))
-        return out if self.tp_rank == 0 else None
 
     # ---- the loop -----------------------------------------------------------------------
 
     def run(self) -> None:
         """Serve the engine's calls in queue order on this (the home) thread. A reader
-        thread takes them off the queue, so a background call (``abort_collectives`` from
+        thread takes them off the queue, so a background call (``worker.abort_collectives`` from
         the engine's input thread) still runs while this thread is blocked in a step's
         collective: a frozen peer rank must not hold it there until the timeout."""
-        self._home = threading.get_ident()
+        self.worker.home_thread = threading.get_ident()
         calls: queue.SimpleQueue[WorkerCall | None] = queue.SimpleQueue()
         reader = threading.Thread(
             target=self._read, args=(calls,), name="queue-reader", daemon=True
@@ -196,17 +156,11 @@ class WorkerProc:
         finally:
             calls.put(None)  # whatever ended the reader ends the worker
 
-    def home_waiting_on_peers(self) -> bool:
-        """Whether the home thread (the one running steps) waits in a collective of the
-        serving groups for a peer rank (the engine's stall watchdog asks)."""
-        return self.worker.waiting_on_peers(self._home)
-
     def _serve(self, call: WorkerCall) -> None:
         answer = call.reply is ReplyMode.ALL or self.tp_rank == 0
         try:
-            owner = rpc_owner(call.method)
-            fn = getattr(self if owner is WorkerProc else self.worker, call.method)
-            result = fn(*self._decode_args(owner, call))
+            rpc, fn = WORKER_RPCS.bind(self.targets, call.method)
+            result = fn(*self._decode_args(rpc.params, call))
             if answer:
                 self._reply(WorkerReply(call.call_id, self.tp_rank, msgspec.Raw(_encode(result))))
             return
@@ -236,13 +190,16 @@ class WorkerProc:
             )
         )  # fmt: skip
 
-    @staticmethod
-    def _decode_args(owner: type, call: WorkerCall) -> list[Any]:
-        params, _ = rpc_signature(owner, call.method)
+    def _decode_args(self, params: tuple[Any, ...], call: WorkerCall) -> list[Any]:
         raws = _ARGS_DECODER.decode(call.args)
         if len(raws) > len(params):
             raise TypeError(f"{call.method} takes {len(params)} arguments, got {len(raws)}")
-        return [msgspec.msgpack.decode(r, type=t) for r, t in zip(raws, params)]
+        return [
+            self.steps.decode(_STEP_DECODER.decode(r))
+            if t is SchedulerOutput
+            else msgspec.msgpack.decode(r, type=t)
+            for r, t in zip(raws, params)
+        ]
 
     def _reply(self, reply: WorkerReply) -> None:
         self._send(msgspec.msgpack.encode(reply))

@@ -55,7 +55,7 @@ class ReplyMode(enum.IntEnum):
 
 class WorkerCall(msgspec.Struct, array_like=True, omit_defaults=True):
     call_id: int
-    method: str
+    method: str  # "<namespace>.<method>", an exported worker method (tidal/executor/rpc.py)
     args: msgspec.Raw  # msgpack of the positional arguments (a list)
     reply: ReplyMode = ReplyMode.ALL
     # Run on a thread of its own in the worker (the engine called it from a helper thread:
