@@ -174,7 +174,7 @@ class _Sim:
             if load != eng.reported:
                 eng.reported = load
                 stats = SchedulerStats(num_waiting_reqs=load[0], num_running_reqs=load[1])
-                self.later("stats", EngineCoreOutputs(engine_index=e, scheduler_stats=stats), now)
+                self.later("stats", EngineCoreOutputs(engine_id=e, scheduler_stats=stats), now)
 
     def sample(self, now: int) -> None:
         if now < self.cfg.warmup_ms or now % self.cfg.sample_ms:

@@ -20,7 +20,7 @@ from tidal.utils.procs import read_child_launch
 if __name__ == "__main__":
     _, payload = read_child_launch()
     launch = msgspec.msgpack.decode(payload)
-    engine_id, address = launch["engine_index"], launch["handshake_address"]
+    engine_id, address = launch["engine_id"], launch["handshake_address"]
     modes = dict(
         item.split(":") for item in os.environ.get("FAKE_JOINER_MODES", "").split(",") if item
     )

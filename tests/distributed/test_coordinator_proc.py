@@ -44,7 +44,7 @@ class FakeEngine:
             s.setsockopt(zmq.LINGER, 0)
 
     def send(self, **fields) -> None:
-        self.push.send(encode(EngineCoreOutputs(engine_index=self.index, **fields)))
+        self.push.send(encode(EngineCoreOutputs(engine_id=self.index, **fields)))
 
     def recv(self, kind=None):
         """Next coordinator message (of ``kind`` if given, skipping others)."""

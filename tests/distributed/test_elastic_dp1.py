@@ -120,7 +120,7 @@ def test_engine_outside_the_topology_fails_fast(qwen3_ckpt, tmp_path):
         assert front.poll(30_000), "no HELLO"
         ident, payload = front.recv_multipart()
         hello = msgspec.msgpack.decode(payload, type=EngineHello)
-        assert hello.engine_index == 5 and hello.pid == os.getpid()
+        assert hello.engine_id == 5 and hello.pid == os.getpid()
         topology = Topology.initial(2)
         front.send_multipart(
             [
@@ -140,7 +140,7 @@ def test_engine_outside_the_topology_fails_fast(qwen3_ckpt, tmp_path):
     finally:
         front.close(0)
         ctx.destroy(linger=0)
-    assert ready.engine_index == 5 and ready.num_blocks == 0
+    assert ready.engine_id == 5 and ready.num_blocks == 0
     assert "engine 5 is not in the deployment" in ready.error
     assert "engines [0, 1]" in ready.error and "--data-parallel-start-rank" in ready.error
     assert len(errors) == 1 and isinstance(errors[0], EngineStartupError)

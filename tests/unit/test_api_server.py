@@ -884,7 +884,7 @@ def test_stats_rows_carry_per_rank_generation_tokens(qwen3_ckpt, dp):
     async def body() -> None:
         engine = AsyncLLM(config, client=StatsEngineClient(len(reports), coordinator))
         for e, s in enumerate(reports):
-            out = EngineCoreOutputs(engine_index=e, scheduler_stats=s)
+            out = EngineCoreOutputs(engine_id=e, scheduler_stats=s)
             if coordinator is not None:
                 coordinator.handle(out, 1.0)
             else:

@@ -39,7 +39,7 @@ def stats(
         num_waiting_reqs=waiting, num_running_reqs=running, kv_cache_usage=kv,
         num_requests_total=total, num_generation_tokens_total=tokens,
     )  # fmt: skip
-    return EngineCoreOutputs(engine_index=engine, scheduler_stats=s)
+    return EngineCoreOutputs(engine_id=engine, scheduler_stats=s)
 
 
 def publishes(actions) -> list:
@@ -156,14 +156,14 @@ def test_duplicate_wake_ups_broadcast_once():
     st = settled(3)
     assert starts(st.handle(DPWakeUp(0, 1), 1.0)) == [(0, 1)]
     assert starts(st.handle(DPWakeUp(0, 2), 1.001)) == []
-    assert starts(st.handle(EngineCoreOutputs(engine_index=1, start_wave=0), 1.002)) == []
+    assert starts(st.handle(EngineCoreOutputs(engine_id=1, start_wave=0), 1.002)) == []
     assert st.start_wave_broadcasts == 1
 
 
 def test_wave_complete_pauses_and_advances():
     st = settled(2)
     st.handle(DPWakeUp(0, 0), 1.0)
-    (snap,) = publishes(st.handle(EngineCoreOutputs(engine_index=0, wave_complete=0), 1.01))
+    (snap,) = publishes(st.handle(EngineCoreOutputs(engine_id=0, wave_complete=0), 1.01))
     assert (snap.wave, snap.running) == (1, False)
     assert st.waves_completed == 1
     # The next wake-up, for the new wave, starts it.
@@ -174,15 +174,15 @@ def test_stale_wake_up_starts_the_current_wave_for_everyone():
     """Race 1: a frontend saw (0, paused) but wave 0 ran and completed meanwhile."""
     st = settled(2)
     st.handle(DPWakeUp(0, 0), 1.0)
-    st.handle(EngineCoreOutputs(engine_index=0, wave_complete=0), 1.1)
+    st.handle(EngineCoreOutputs(engine_id=0, wave_complete=0), 1.1)
     assert starts(st.handle(DPWakeUp(0, 1), 1.2)) == [(1, None)]
     # The stale-request rank's own start_wave for wave 1 is then a duplicate.
-    assert starts(st.handle(EngineCoreOutputs(engine_index=1, start_wave=1), 1.21)) == []
+    assert starts(st.handle(EngineCoreOutputs(engine_id=1, start_wave=1), 1.21)) == []
 
 
 def test_start_wave_from_engine():
     st = settled(3)
-    acts = st.handle(EngineCoreOutputs(engine_index=2, start_wave=0), 1.0)
+    acts = st.handle(EngineCoreOutputs(engine_id=2, start_wave=0), 1.0)
     assert starts(acts) == [(0, 2)] and st.running
 
 
@@ -190,8 +190,8 @@ def test_stale_start_wave_ignored():
     """Race 1: start_wave for a wave the coordinator has seen complete."""
     st = settled(2)
     st.handle(DPWakeUp(0, 0), 1.0)
-    st.handle(EngineCoreOutputs(engine_index=0, wave_complete=0), 1.1)
-    assert starts(st.handle(EngineCoreOutputs(engine_index=1, start_wave=0), 1.2)) == []
+    st.handle(EngineCoreOutputs(engine_id=0, wave_complete=0), 1.1)
+    assert starts(st.handle(EngineCoreOutputs(engine_id=1, start_wave=0), 1.2)) == []
     assert (st.wave, st.running) == (1, False)
 
 
@@ -200,8 +200,8 @@ def test_wave_complete_and_next_start_in_either_order(complete_first):
     """Race 3: rank 0's wave_complete=0 and rank 1's start_wave=1 cross."""
     st = settled(2)
     st.handle(DPWakeUp(0, 0), 1.0)
-    complete = EngineCoreOutputs(engine_index=0, wave_complete=0)
-    start = EngineCoreOutputs(engine_index=1, start_wave=1)
+    complete = EngineCoreOutputs(engine_id=0, wave_complete=0)
+    start = EngineCoreOutputs(engine_id=1, start_wave=1)
     first, second = (complete, start) if complete_first else (start, complete)
     acts = st.handle(first, 1.1) + st.handle(second, 1.2)
     assert starts(acts) == [(1, 1)]
@@ -211,21 +211,21 @@ def test_wave_complete_and_next_start_in_either_order(complete_first):
 
 def test_stale_wave_complete_does_not_clear_running():
     st = settled(2)
-    st.handle(EngineCoreOutputs(engine_index=1, start_wave=4), 1.0)
+    st.handle(EngineCoreOutputs(engine_id=1, start_wave=4), 1.0)
     assert (st.wave, st.running) == (4, True)
-    st.handle(EngineCoreOutputs(engine_index=0, wave_complete=2), 1.1)
+    st.handle(EngineCoreOutputs(engine_id=0, wave_complete=2), 1.1)
     assert (st.wave, st.running) == (4, True)
 
 
 def test_messages_from_removed_ranks_ignored():
     st = settled(Topology.initial(6).without([2, 3, 4, 5]))
-    assert st.handle(EngineCoreOutputs(engine_index=5, start_wave=0), 1.0) == []
+    assert st.handle(EngineCoreOutputs(engine_id=5, start_wave=0), 1.0) == []
     assert not st.running and st.ignored_messages == 1
 
 
 def test_engine_dead_is_recorded_and_published():
     st = settled(2)
-    acts = st.handle(EngineCoreOutputs(engine_index=1, engine_dead=True, dead_reason="x"), 0.01)
+    acts = st.handle(EngineCoreOutputs(engine_id=1, engine_dead=True, dead_reason="x"), 0.01)
     assert publishes(acts) and st.full_stats(0.01).ranks[1].dead
 
 
@@ -266,19 +266,19 @@ def test_remove_an_engine_from_the_middle():
     assert full.epoch == 1 and full.ranks[1].requests_total == 2
     assert full.ranks[1].history[-1] == (4.0, 2, 12)  # the survivor keeps its history
     # Engine 2 is rank 1 now, but it is still addressed (and excluded) by its id.
-    assert starts(st.handle(EngineCoreOutputs(engine_index=2, start_wave=0), 4.1)) == [(0, 2)]
+    assert starts(st.handle(EngineCoreOutputs(engine_id=2, start_wave=0), 4.1)) == [(0, 2)]
 
 
 def test_remove_a_dead_engine():
     st = settled(3)
     st.handle(stats(1, 4, 4), 1.0)
-    st.handle(EngineCoreOutputs(engine_index=1, engine_dead=True, dead_reason="oom"), 1.1)
+    st.handle(EngineCoreOutputs(engine_id=1, engine_dead=True, dead_reason="oom"), 1.1)
     assert st.full_stats(1.1).ranks[1].dead
     st.handle(DPSetTopology(st.topology.without([1])), 1.2)
     full = st.full_stats(1.2)
     assert [r.engine_id for r in full.ranks] == [0, 2] and not any(r.dead for r in full.ranks)
     # Its last words, still in flight, do not bring it back.
-    st.handle(EngineCoreOutputs(engine_index=1, engine_dead=True, dead_reason="oom"), 1.3)
+    st.handle(EngineCoreOutputs(engine_id=1, engine_dead=True, dead_reason="oom"), 1.3)
     (snap,) = publishes(st.tick(5.0))
     assert snap.engine_ids == [0, 2] and snap.counts == [[0, 0], [0, 0]]
     assert st.ignored_messages == 1
@@ -289,8 +289,8 @@ def test_messages_from_a_removed_engine_are_ignored():
     st = settled(3)
     st.handle(DPSetTopology(st.topology.without([2])), 1.0)
     assert st.handle(stats(2, 9, 9), 1.1) == []
-    assert starts(st.handle(EngineCoreOutputs(engine_index=2, start_wave=0), 1.2)) == []
-    assert starts(st.handle(EngineCoreOutputs(engine_index=2, start_wave=3), 1.3)) == []
+    assert starts(st.handle(EngineCoreOutputs(engine_id=2, start_wave=0), 1.2)) == []
+    assert starts(st.handle(EngineCoreOutputs(engine_id=2, start_wave=3), 1.3)) == []
     assert (st.wave, st.running) == (0, False)
     assert st.snapshot(1.3).engine_ids == [0, 1]
     assert st.ignored_messages == 3
@@ -303,10 +303,10 @@ def test_removed_engines_wave_complete_still_ends_the_wave():
     st = settled(3)
     st.handle(DPWakeUp(0, 1), 1.0)
     st.handle(DPSetTopology(st.topology.without([0])), 1.1)
-    (snap,) = publishes(st.handle(EngineCoreOutputs(engine_index=0, wave_complete=0), 1.2))
+    (snap,) = publishes(st.handle(EngineCoreOutputs(engine_id=0, wave_complete=0), 1.2))
     assert (snap.wave, snap.running) == (1, False) and snap.engine_ids == [1, 2]
     # ... but an id that cannot be an engine's does not end a wave.
-    st.handle(EngineCoreOutputs(engine_index=2**16, wave_complete=1), 1.3)
+    st.handle(EngineCoreOutputs(engine_id=2**16, wave_complete=1), 1.3)
     assert st.wave == 1 and st.ignored_messages == 2
 
 
@@ -333,12 +333,12 @@ def test_a_new_engine_ahead_of_its_topology_is_heard():
     """Race 11: engine 2 committed and serves before the coordinator learns of it."""
     st = settled(2)
     st.handle(DPWakeUp(0, 0), 0.5)
-    st.handle(EngineCoreOutputs(engine_index=0, wave_complete=0), 0.6)
+    st.handle(EngineCoreOutputs(engine_id=0, wave_complete=0), 0.6)
     topo = st.topology.grown(1)
     assert st.handle(stats(2, 1, 2), 1.0) == []  # kept aside, not published yet
     assert st.snapshot(1.0).engine_ids == [0, 1]
     # Its start_wave (a stale request reached it) is the only thing that wakes the others.
-    assert starts(st.handle(EngineCoreOutputs(engine_index=2, start_wave=1), 1.1)) == [(1, 2)]
+    assert starts(st.handle(EngineCoreOutputs(engine_id=2, start_wave=1), 1.1)) == [(1, 2)]
     st.handle(DPSetTopology(topo), 1.2)
     assert st.snapshot(1.2).counts == [[0, 0], [0, 0], [1, 2]] and st.ignored_messages == 0
 
@@ -380,7 +380,7 @@ def test_stale_topology_does_not_clear_running():
 
 def test_ready_message_carries_wave():
     st = settled(2)
-    st.handle(EngineCoreOutputs(engine_index=0, wave_complete=3), 1.0)
+    st.handle(EngineCoreOutputs(engine_id=0, wave_complete=3), 1.0)
     ready = st.ready_message()
     assert (ready.num_engines, ready.wave, ready.running) == (2, 4, False)
 
@@ -393,7 +393,7 @@ def test_frontend_sends_one_wake_up_per_paused_wave():
     assert fe.on_send(1) == (0, DPWakeUp(0, 1))
     assert fe.on_send(0) == (0, None)
     st = settled(2)
-    st.handle(EngineCoreOutputs(engine_index=0, wave_complete=0), 1.0)
+    st.handle(EngineCoreOutputs(engine_id=0, wave_complete=0), 1.0)
     fe.on_snapshot(st.snapshot(1.0))
     assert fe.on_send(0) == (1, DPWakeUp(1, 0))
 
@@ -522,7 +522,7 @@ class ProtocolModel:
             self.work[e] += 1
             sw = self.engines[e].on_request(msg)
             if sw is not None:
-                self.chan["eng", e].append(EngineCoreOutputs(engine_index=e, start_wave=sw))
+                self.chan["eng", e].append(EngineCoreOutputs(engine_id=e, start_wave=sw))
         elif kind == "start":
             if key[1] in self.engines:
                 self.engines[key[1]].on_start_wave(msg)
@@ -542,7 +542,7 @@ class ProtocolModel:
         self.work = dict.fromkeys(self.engines, 0)
         done = [self.engines[e].on_wave_end() for e in self.topology.engine_ids]
         rank0 = self.topology.engine_ids[0]
-        self.chan["eng", rank0].append(EngineCoreOutputs(engine_index=rank0, wave_complete=done[0]))
+        self.chan["eng", rank0].append(EngineCoreOutputs(engine_id=rank0, wave_complete=done[0]))
         if self.planned is not None:
             self._commit(done[0] + 1)
 

@@ -7,7 +7,7 @@ import msgspec
 import pytest
 
 from tidal.elastic.plan import plan_scale
-from tidal.elastic.scaling_events import (
+from tidal.elastic.scale_events import (
     BarrierResult,
     CancelJob,
     CommitApplied,
@@ -35,7 +35,7 @@ from tidal.elastic.scaling_events import (
     SwapGroups,
     TakeRank,
 )
-from tidal.elastic.scaling_slot import ScalingSlot
+from tidal.elastic.scale_slot import ScaleSlot
 from tidal.elastic.state import ElasticEPScalingState
 from tidal.protocol.elastic import ScaleAbort, ScaleCommit, ScaleEvent, ScalePrepare
 from tidal.protocol.topology import Topology
@@ -617,7 +617,7 @@ def test_a_rank_timing_out_means_nobody_commits():
 
 
 def test_slot_starts_a_prepare_and_tracks_the_epoch():
-    slot = ScalingSlot(1, current_epoch=0)
+    slot = ScaleSlot(1, current_epoch=0)
     assert not slot.active and slot.accepts_new_requests and slot.consensus_value == 0
     assert slot.next_deadline() is None and not slot.holds_wave
     slot.deliver(UP)
@@ -643,7 +643,7 @@ def test_slot_starts_a_prepare_and_tracks_the_epoch():
 
 def test_slot_next_prepare_waits_for_the_previous_state_and_keeps_its_abort():
     p2 = make_prepare(Topology.initial(2), 3, seq=2, op="second")
-    slot = ScalingSlot(0, current_epoch=0)
+    slot = ScaleSlot(0, current_epoch=0)
     slot.deliver(UP)
     slot.progress(0.0)
     # One input drain: the first operation's ABORT, then the second's PREPARE and ABORT.
@@ -661,7 +661,7 @@ def test_slot_next_prepare_waits_for_the_previous_state_and_keeps_its_abort():
 
 def test_slot_prepare_waits_while_a_hand_back_is_owed():
     down = make_prepare(Topology.initial(3), 2)
-    slot = ScalingSlot(2, current_epoch=0)
+    slot = ScaleSlot(2, current_epoch=0)
     slot.deliver(down)
     assert of(slot.progress(0.0, num_unfinished=2), HandBackRequests)
     slot.deliver(_abort(down))
@@ -675,11 +675,11 @@ def test_slot_prepare_waits_while_a_hand_back_is_owed():
 
 
 def test_slot_newer_prepare_supersedes_a_waiting_one_and_strays_are_dropped():
-    slot = ScalingSlot(0, current_epoch=0)
+    slot = ScaleSlot(0, current_epoch=0)
     slot.deliver(make_prepare(Topology.initial(2), 3, seq=3, op="c"))
     slot.deliver(make_prepare(Topology.initial(2), 3, seq=2, op="b"))  # older: ignored
     slot.progress(0.0)
     assert slot.state.operation_id == "c"
-    other = ScalingSlot(9, current_epoch=0)  # engine 9 has no part in UP
+    other = ScaleSlot(9, current_epoch=0)  # engine 9 has no part in UP
     other.deliver(UP)
     assert other.progress(0.0) == [] and other.dropped_inputs == 1 and other.state is None

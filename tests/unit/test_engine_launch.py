@@ -36,7 +36,7 @@ def test_launch_round_trip(ckpt: str, request: pytest.FixtureRequest) -> None:
     msgspec.msgpack.decode(data)  # plain msgpack: nothing a peer must unpickle
 
     launch = decode_engine_launch(data)
-    back, index, address = launch.config, launch.engine_index, launch.handshake_address
+    back, index, address = launch.config, launch.engine_id, launch.handshake_address
     assert (index, address) == (1, "ipc:///tmp/x/handshake")
     assert launch.launcher_pid == os.getpid()  # the engine watches who asked for it
     assert back == config  # every field but hf_config (compare=False)

@@ -75,7 +75,7 @@ class _Core:
 def _engine(ctx: zmq.Context | None = None, **addresses: Any) -> EngineCoreProc:
     """An EngineCoreProc with only what its I/O threads use (no handshake, no model)."""
     proc = EngineCoreProc.__new__(EngineCoreProc)
-    proc.engine_index = 3
+    proc.engine_id = 3
     proc.progress = LoopProgress()
     proc.input_queue = queue.Queue()
     proc.output_queue = queue.Queue()
@@ -223,7 +223,7 @@ def test_coordinator_loop_drops_bad_messages_on_every_socket(tmp_path):
     real_handle = loop.state.handle
 
     def handle(msg: Any, now: float) -> Any:
-        if isinstance(msg, EngineCoreOutputs) and msg.engine_index == 66:
+        if isinstance(msg, EngineCoreOutputs) and msg.engine_id == 66:
             raise RuntimeError("a bug")
         return real_handle(msg, now)
 
@@ -239,7 +239,7 @@ def test_coordinator_loop_drops_bad_messages_on_every_socket(tmp_path):
         push.connect(addrs.engine_input)
         xsub.connect(addrs.frontend_publish)
         dealer.connect(addrs.stats)
-        for frame in [b"\xc1", b"", encode("x"), encode(EngineCoreOutputs(engine_index=66))]:
+        for frame in [b"\xc1", b"", encode("x"), encode(EngineCoreOutputs(engine_id=66))]:
             push.send(frame)
         for frame in [b"\x02junk", encode([1, 2]), b"\xc1"]:
             xsub.send(frame)
@@ -249,7 +249,7 @@ def test_coordinator_loop_drops_bad_messages_on_every_socket(tmp_path):
         assert wait_until(lambda: loop.dropped.total == 7, 10)
         assert loop.dropped.counts() == {"engine message": 4, "frontend message": 3}
         # Still serving.
-        push.send(encode(EngineCoreOutputs(engine_index=1, scheduler_stats=SchedulerStats(2, 1))))
+        push.send(encode(EngineCoreOutputs(engine_id=1, scheduler_stats=SchedulerStats(2, 1))))
         dealer.send(encode(DPStatsRequest()))
         assert wait_until(lambda: loop.state.full_stats(time.monotonic()).ranks[1].waiting == 1, 10)
         assert dealer.poll(5000)
@@ -297,9 +297,9 @@ def test_async_reader_drops_bad_frames_and_fails_the_client_on_a_bug():
         try:
             for frame in [b"\xc1", b"", encode("x")]:
                 await push.send(frame)
-            await push.send(encode(EngineCoreOutputs(engine_index=1, timestamp=1.0)))
+            await push.send(encode(EngineCoreOutputs(engine_id=1, timestamp=1.0)))
             outs = await asyncio.wait_for(client._queue.get(), 5)
-            assert outs.engine_index == 1
+            assert outs.engine_id == 1
             assert client.dropped.counts() == {"engine output frame": 3}
             assert not reader.done()
 
@@ -307,7 +307,7 @@ def test_async_reader_drops_bad_frames_and_fails_the_client_on_a_bug():
                 raise RuntimeError("a bug")
 
             client._on_outputs = bug
-            await push.send(encode(EngineCoreOutputs(engine_index=1)))
+            await push.send(encode(EngineCoreOutputs(engine_id=1)))
             await asyncio.wait_for(reader, 5)  # ended, and not silently:
             assert client.dead_reason == "the client's output reader failed: RuntimeError: a bug"
             with pytest.raises(EngineDeadError, match="reader failed"):

@@ -15,8 +15,8 @@ from tests.waiting import wait_until
 from tidal.elastic.migration import AlreadyFinished, ResumedRequest
 from tidal.frontend.async_client import AsyncMPClient
 from tidal.frontend.dp_state import DPFrontendState
-from tidal.frontend.migrations import RequestBook
 from tidal.frontend.mp_client import ScaleHooks, engine_input_router
+from tidal.frontend.request_book import RequestBook
 from tidal.protocol.elastic import ScaleCommit, ScaleEvent, ScaleReport
 from tidal.protocol.errors import RankUnavailableError
 from tidal.protocol.messages import (
@@ -220,7 +220,7 @@ def test_client_migrates_handed_back_requests_and_filters_outputs():
         c.exclude_from_routing([1])
         done = on1[0]
         outs = EngineCoreOutputs(
-            engine_index=1, outputs=[out(r, 9) for r in on1] + [out(done, EOS)]
+            engine_id=1, outputs=[out(r, 9) for r in on1] + [out(done, EOS)]
         )
         assert c._on_outputs(outs)
         c.input_socket.sent.clear()
@@ -238,10 +238,10 @@ def test_client_migrates_handed_back_requests_and_filters_outputs():
         ]
         # Late outputs of engine 1 are dropped; the new owner's pass.
         e, r = moved[0]
-        late = EngineCoreOutputs(engine_index=1, outputs=[out(r.request_id, 7)])
+        late = EngineCoreOutputs(engine_id=1, outputs=[out(r.request_id, 7)])
         c._on_outputs(late)
         assert late.outputs == []
-        fresh = EngineCoreOutputs(engine_index=e, outputs=[out(r.request_id, 7)])
+        fresh = EngineCoreOutputs(engine_id=e, outputs=[out(r.request_id, 7)])
         c._on_outputs(fresh)
         assert len(fresh.outputs) == 1
         # Aborts leave the book; new requests avoid the excluded engine.
@@ -282,7 +282,7 @@ def test_scale_reports_go_to_the_hooks_not_to_the_caller():
     reports = []
     c.set_scale_hooks(ScaleHooks(reports.append, lambda e: False, lambda e, code: None))
     rep = ScaleReport("op", 0, 1, ScaleEvent.PREPARED)
-    assert not c._on_outputs(EngineCoreOutputs(engine_index=0, scale_report=rep))
+    assert not c._on_outputs(EngineCoreOutputs(engine_id=0, scale_report=rep))
     assert reports == [rep]
 
 

@@ -46,7 +46,7 @@ from tidal.frontend.scaling.scale_records import (
 from tidal.launch.admin import SCALING_HISTORY
 from tidal.launch.api_server import bind_socket
 from tidal.launch.metrics import ServerMetrics
-from tidal.launch.scaling import MAX_DRAIN_TIMEOUT_S
+from tidal.launch.scale_routes import MAX_DRAIN_TIMEOUT_S
 from tidal.protocol.messages import SchedulerStats
 
 NUM_EXPERTS = 8

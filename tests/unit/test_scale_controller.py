@@ -13,7 +13,7 @@ import pytest
 
 from tidal.elastic.migration import OwnershipTable
 from tidal.elastic.plan import ScalePlan, ScalePlanError
-from tidal.elastic.scaling_events import (
+from tidal.elastic.scale_events import (
     BarrierResult,
     CommitApplied,
     Consensus,
@@ -33,7 +33,7 @@ from tidal.elastic.scaling_events import (
     StartTransfer,
     TakeRank,
 )
-from tidal.elastic.scaling_slot import ScalingSlot
+from tidal.elastic.scale_slot import ScaleSlot
 from tidal.frontend.scaling.scale_controller import ScaleController
 from tidal.frontend.scaling.scale_events import (
     EngineExited,
@@ -611,12 +611,12 @@ class SimEngine:
     id: int
     epoch: int | None  # what it serves (a joiner: None until it commits)
     alive: bool = True
-    slot: ScalingSlot = None  # type: ignore[assignment]
+    slot: ScaleSlot = None  # type: ignore[assignment]
     requests: dict[str, int] = field(default_factory=dict)  # id -> next position
     reported_group_failure: int | None = None
 
     def __post_init__(self) -> None:
-        self.slot = ScalingSlot(self.id, self.epoch)
+        self.slot = ScaleSlot(self.id, self.epoch)
 
 
 class World:

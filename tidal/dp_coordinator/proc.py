@@ -223,7 +223,7 @@ class _CoordinatorLoop:
     def _on_engine(self, msg: bytes, now: float) -> list[Action]:
         out = ENGINE_OUTPUTS_DECODER.decode(msg)
         if out.engine_dead:
-            logger.error("DP coordinator: engine %d died: %s", out.engine_index, out.dead_reason)
+            logger.error("DP coordinator: engine %d died: %s", out.engine_id, out.dead_reason)
         return self.state.handle(out, now)
 
     def _on_stats(self, frames: list[bytes], now: float) -> None:

@@ -389,7 +389,7 @@ class CoordinatorState:
         return PublishSnapshot(self.snapshot(now))
 
     def _on_engine(self, out: EngineCoreOutputs) -> list[Action]:
-        e = out.engine_index  # the sender's engine id
+        e = out.engine_id  # the sender's engine id
         rank = self._ranks.get(e)
         member = rank is not None
         if not member:

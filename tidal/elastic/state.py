@@ -1,14 +1,14 @@
 """``ElasticEPScalingState``: one engine's part in one elastic EP operation (docs/architecture.md#elastic-protocol).
 
-Pure: no sockets, threads, clocks or torch. The busy loop holds a ``ScalingSlot``
-(``tidal.elastic.scaling_slot``, which also states the busy-loop contract): it hands it
+Pure: no sockets, threads, clocks or torch. The busy loop holds a ``ScaleSlot``
+(``tidal.elastic.scale_slot``, which also states the busy-loop contract): it hands it
 every elastic message, calls ``slot.progress(now, num_unfinished=...)`` once per
 iteration at step 2 and carries out the returned actions in order; the slot creates one
 ``ElasticEPScalingState`` per ``ScalePrepare`` (a joining engine is started with its
 PREPARE) and starts the next one only once the previous one is done. Nothing here
 blocks: rendezvous, expert transfers and the standby barrier run on a helper thread,
 started by ``Start*`` actions and reported back as ``JobDone`` / ``JobFailed`` inputs.
-The inputs, actions and enums are in ``tidal.elastic.scaling_events``.
+The inputs, actions and enums are in ``tidal.elastic.scale_events``.
 
 Roles and phases (each engine derives its role from the ``ScalePrepare``)::
 
@@ -104,7 +104,7 @@ Races (and why each is harmless)
    ``JobDone`` of a cancelled job) are ignored and counted.
 8. The next PREPARE arrives before the previous state is done: the frontend starts the
    next operation once the previous one ended for *it*, so the previous ABORT and the
-   next PREPARE (and even its ABORT) can come in one input drain. ``ScalingSlot`` gives
+   next PREPARE (and even its ABORT) can come in one input drain. ``ScaleSlot`` gives
    the queued inputs to the previous state first and keeps the next operation's COMMIT /
    ABORT with its PREPARE; it never drops a PREPARE (the frontend would wait for a
    PREPARED that cannot come) nor lets one operation's message reach another's state.
@@ -118,7 +118,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import assert_never
 
-from tidal.elastic.scaling_events import (
+from tidal.elastic.scale_events import (
     PRE_COMMIT,
     TERMINAL,
     Action,

@@ -10,7 +10,7 @@ import time
 from typing import Any
 
 from tidal.distributed.groups import GroupFailure
-from tidal.elastic.scaling_events import Input
+from tidal.elastic.scale_events import Input
 from tidal.engine_core.core import EngineCore
 from tidal.engine_core.elastic_shell import ElasticShell
 from tidal.engine_core.proc import TO_COORDINATOR, EngineCoreProc
@@ -63,7 +63,7 @@ class DPEngineCoreProc(EngineCoreProc):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.wave = EngineWaveState(self.engine_index, self.coordinator_wave)
+        self.wave = EngineWaveState(self.engine_id, self.coordinator_wave)
         self.step_counter = 0
         self.pending_pause = False
         self.paused = False
@@ -77,7 +77,7 @@ class DPEngineCoreProc(EngineCoreProc):
         if self.config.parallel.reconfigurable:
             top = self.topology
             self.shell = ElasticShell(
-                self.engine_index,
+                self.engine_id,
                 None if self.addresses.joining or top is None else top.epoch,
                 self.engine_core.executor,
                 _ShellHooks(self),
@@ -89,7 +89,7 @@ class DPEngineCoreProc(EngineCoreProc):
             COORDINATOR_READY_TIMEOUT_S
         ):
             raise EngineStartupError(
-                f"engine {self.engine_index}: no READY from the DP coordinator within "
+                f"engine {self.engine_id}: no READY from the DP coordinator within "
                 f"{COORDINATOR_READY_TIMEOUT_S}s"
             )
         return super()._build_engine_core()
@@ -101,7 +101,7 @@ class DPEngineCoreProc(EngineCoreProc):
         return create_executor(
             self.config,
             topology=self.topology,
-            engine_id=self.engine_index,
+            engine_id=self.engine_id,
             joining=self.addresses.joining,
         )
 
@@ -166,7 +166,7 @@ class DPEngineCoreProc(EngineCoreProc):
         arrive meanwhile queue. The frontend is told (GROUP_FAILED), and its recovery
         operation removes the dead member."""
         assert self.shell is not None
-        logger.warning("engine %d: DP/EP group failed: %s", self.engine_index, cause)
+        logger.warning("engine %d: DP/EP group failed: %s", self.engine_id, cause)
         self.group_failed = cause
         self.num_group_failures += 1
         if self.shell.active:
@@ -182,7 +182,7 @@ class DPEngineCoreProc(EngineCoreProc):
             EngineCoreOutputs(
                 scale_report=ScaleReport(
                     operation_id="",
-                    engine_id=self.engine_index,
+                    engine_id=self.engine_id,
                     epoch=top.epoch if top is not None else 0,
                     event=ScaleEvent.GROUP_FAILED,
                     cause=cause,
@@ -255,7 +255,7 @@ class DPEngineCoreProc(EngineCoreProc):
         top = self.topology
         return {
             "rank": self.dp_rank,
-            "engine_id": self.engine_index,
+            "engine_id": self.engine_id,
             "epoch": top.epoch if top is not None else 0,
             "dp_size": top.size if top is not None else 1,
             "wave": self.wave.wave,

@@ -1,8 +1,8 @@
 """The engine's I/O shell around elastic EP (docs/architecture.md#elastic-protocol): carries out what the pure
-``ScalingSlot`` / ``ElasticEPScalingState`` (``tidal.elastic``) decide.
+``ScaleSlot`` / ``ElasticEPScalingState`` (``tidal.elastic``) decide.
 
 The busy loop (``dp_proc.DPEngineCoreProc``) owns one ``ElasticShell`` and follows the
-contract in ``tidal.elastic.scaling_slot``:
+contract in ``tidal.elastic.scale_slot``:
 
 - step 1: SCALE frames and helper-thread results go to ``deliver`` (both arrive on the
   engine's one input queue, so a finished job wakes an idle loop at once);
@@ -33,7 +33,7 @@ from collections.abc import Callable
 from typing import Protocol, assert_never
 
 from tidal.distributed.groups import GroupFailure
-from tidal.elastic.scaling_events import (
+from tidal.elastic.scale_events import (
     Action,
     BarrierResult,
     CancelJob,
@@ -63,7 +63,7 @@ from tidal.elastic.scaling_events import (
     SwapGroups,
     TakeRank,
 )
-from tidal.elastic.scaling_slot import ScalingSlot
+from tidal.elastic.scale_slot import ScaleSlot
 from tidal.elastic.state import ElasticEPScalingState
 from tidal.executor.base import Executor
 from tidal.protocol.elastic import ScaleMessage, ScaleReport
@@ -112,7 +112,7 @@ class ElasticShell:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.engine_id = engine_id
-        self.slot = ScalingSlot(engine_id, current_epoch)
+        self.slot = ScaleSlot(engine_id, current_epoch)
         self.executor = executor
         self.hooks = hooks
         self.expert_parallel = expert_parallel

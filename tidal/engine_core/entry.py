@@ -30,7 +30,7 @@ ENGINE_ZYGOTE_MODULE = "tidal.engine_core.zygote"
 class EngineLaunch(msgspec.Struct, frozen=True):
     config: EngineConfig  # with model.hf_config = None; see hf_config
     hf_config: dict[str, Any] | None
-    engine_index: int
+    engine_id: int
     handshake_address: str
     # The process that asked for this engine (the frontend, a headless host's launcher):
     # the engine leaves when it is gone. Not necessarily the parent (a warm launcher's
@@ -40,7 +40,7 @@ class EngineLaunch(msgspec.Struct, frozen=True):
 
 def encode_engine_launch(
     config: EngineConfig,
-    engine_index: int,
+    engine_id: int,
     handshake_address: str,
     launcher_pid: int | None = None,
 ) -> bytes:
@@ -48,7 +48,7 @@ def encode_engine_launch(
     ``launcher_pid`` on the engine's host (a Ray actor that starts it for the frontend)."""
     wire, hf = split_hf_config(config)
     pid = os.getpid() if launcher_pid is None else launcher_pid
-    return msgspec.msgpack.encode(EngineLaunch(wire, hf, engine_index, handshake_address, pid))
+    return msgspec.msgpack.encode(EngineLaunch(wire, hf, engine_id, handshake_address, pid))
 
 
 def decode_engine_launch(data: bytes) -> EngineLaunch:
@@ -57,22 +57,22 @@ def decode_engine_launch(data: bytes) -> EngineLaunch:
     return msgspec.structs.replace(launch, config=join_hf_config(launch.config, launch.hf_config))
 
 
-def engine_process_name(engine_index: int) -> str:
-    return f"EngineCore_DP{engine_index}"
+def engine_process_name(engine_id: int) -> str:
+    return f"EngineCore_DP{engine_id}"
 
 
 def start_engine_process(
     config: EngineConfig,
-    engine_index: int,
+    engine_id: int,
     handshake_address: str,
     entry_module: str = ENGINE_ENTRY_MODULE,
 ) -> ModuleProcess:
-    """Start rank ``engine_index``. ``entry_module`` is any module that reads an
+    """Start rank ``engine_id``. ``entry_module`` is any module that reads an
     ``EngineLaunch`` from stdin like ``main`` below (tests may substitute one)."""
     return ModuleProcess(
         entry_module,
-        engine_process_name(engine_index),
-        encode_engine_launch(config, engine_index, handshake_address),
+        engine_process_name(engine_id),
+        encode_engine_launch(config, engine_id, handshake_address),
         env=engine_env(config),
     )
 
@@ -99,11 +99,11 @@ def engine_proc_class(config: EngineConfig) -> type[EngineCoreProc]:
 def run_launch(payload: bytes) -> None:
     """Run the engine an ``EngineLaunch`` payload describes (does not return)."""
     launch = decode_engine_launch(payload)
-    config, engine_index = launch.config, launch.engine_index
-    multiprocessing.current_process().name = engine_process_name(engine_index)
+    config, engine_id = launch.config, launch.engine_id
+    multiprocessing.current_process().name = engine_process_name(engine_id)
     run_engine_core(
         config,
-        engine_index,
+        engine_id,
         launch.handshake_address,
         engine_proc_class(config),
         launcher_pid=launch.launcher_pid or None,
@@ -120,13 +120,13 @@ def start_engine_zygote(config: EngineConfig) -> ForkServer:
 def spawn_engine(
     zygote: ForkServer,
     config: EngineConfig,
-    engine_index: int,
+    engine_id: int,
     handshake_address: str,
     timeout_s: float = 10.0,
 ) -> ForkedProcess:
     return zygote.spawn(
-        engine_process_name(engine_index),
-        encode_engine_launch(config, engine_index, handshake_address),
+        engine_process_name(engine_id),
+        encode_engine_launch(config, engine_id, handshake_address),
         timeout_s,
     )
 

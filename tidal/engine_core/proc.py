@@ -139,7 +139,7 @@ class EngineCoreProc:
     def __init__(
         self,
         config: EngineConfig,
-        engine_index: int,
+        engine_id: int,
         handshake_address: str,
         drain_timeout_s: float = 30.0,
         launcher_pid: int | None = None,
@@ -147,7 +147,7 @@ class EngineCoreProc:
         """``launcher_pid``: the process that asked for this engine (the frontend, or a
         headless host's launcher), watched for its death; None: the parent."""
         self.config = config
-        self.engine_index = engine_index
+        self.engine_id = engine_id
         self.drain_timeout_s = drain_timeout_s
         self._launcher = ProcessWatch(launcher_pid)
         self.progress = LoopProgress()
@@ -158,7 +158,7 @@ class EngineCoreProc:
         # (destination, outputs or their msgpack): TO_CLIENT or TO_COORDINATOR; None stops
         # the thread.
         self.output_queue: queue.Queue[tuple[int, EngineCoreOutputs | bytes] | None] = queue.Queue()
-        self.dropped = DropCounter(f"engine {engine_index}", logger)
+        self.dropped = DropCounter(f"engine {engine_id}", logger)
         # Set by an I/O thread that failed for good; the busy loop then raises.
         self._io_failure: str | None = None
         self.ctx = zmq.Context()
@@ -168,7 +168,7 @@ class EngineCoreProc:
         self._handshake_address = handshake_address
         tcp = handshake_address.startswith("tcp://")
         self._curve = curve_keys(config.parallel.data_parallel_auth_key) if tcp else None
-        self._handshake = EngineHandshake(self.ctx, engine_index, handshake_address, self._curve)
+        self._handshake = EngineHandshake(self.ctx, engine_id, handshake_address, self._curve)
         try:
             self.addresses = self._handshake.hello(config)
         except BaseException:
@@ -199,7 +199,7 @@ class EngineCoreProc:
     @property
     def dp_rank(self) -> int:
         top = self.topology
-        return 0 if top is None else top.rank_of(self.engine_index)
+        return 0 if top is None else top.rank_of(self.engine_id)
 
     def _build_engine_core(self) -> EngineCore:
         return EngineCore(self.config, self._make_executor())
@@ -235,7 +235,7 @@ class EngineCoreProc:
         sock = coord = None
         try:
             sock = self.ctx.socket(zmq.DEALER)
-            sock.setsockopt(zmq.IDENTITY, engine_identity(self.engine_index))
+            sock.setsockopt(zmq.IDENTITY, engine_identity(self.engine_id))
             sock.setsockopt(zmq.LINGER, 0)
             secure_client(sock, self._curve, self.addresses.input_address)
             sock.connect(self.addresses.input_address)
@@ -257,7 +257,7 @@ class EngineCoreProc:
                     # A remote frontend died: release the device and ports.
                     logger.error(
                         "engine %d: no heartbeat from the frontend for %.1fs, exiting",
-                        self.engine_index,
+                        self.engine_id,
                         FRONTEND_TIMEOUT_S,
                     )
                     frontend.enabled = False  # once
@@ -356,7 +356,7 @@ class EngineCoreProc:
         p = self.progress
         progress = EngineProgress(p.iterations, not p.idle, waiting)
         return encode(
-            EngineCoreOutputs(engine_index=self.engine_index, heartbeat=True, progress=progress)
+            EngineCoreOutputs(engine_id=self.engine_id, heartbeat=True, progress=progress)
         )
 
     def _encode_outputs(self, outputs: EngineCoreOutputs) -> bytes | None:
@@ -391,7 +391,7 @@ class EngineCoreProc:
         self.dropped.drop("output message", error, exc_info=True)
         if replacement is None:
             return None
-        replacement.engine_index = outputs.engine_index
+        replacement.engine_id = outputs.engine_id
         replacement.timestamp = outputs.timestamp
         try:
             return encode(replacement)
@@ -401,7 +401,7 @@ class EngineCoreProc:
 
     def _io_thread_failed(self, name: str, error: BaseException) -> None:
         reason = (
-            f"engine {self.engine_index}: its {name} thread failed: {type(error).__name__}: {error}"
+            f"engine {self.engine_id}: its {name} thread failed: {type(error).__name__}: {error}"
         )
         logger.error("%s\n%s", reason, "".join(traceback.format_exception(error)))
         if self._io_failure is None:
@@ -411,7 +411,7 @@ class EngineCoreProc:
         """From a failed output thread: ENGINE_CORE_DEAD on its own sockets, without
         blocking (the queue has no reader any more)."""
         dead = EngineCoreOutputs(
-            engine_index=self.engine_index,
+            engine_id=self.engine_id,
             timestamp=time.monotonic(),
             engine_dead=True,
             dead_reason=self._io_failure,
@@ -427,9 +427,9 @@ class EngineCoreProc:
         failure = self._io_failure
         if failure is None:
             if not self._output_thread.is_alive():
-                failure = f"engine {self.engine_index}: its output thread is gone"
+                failure = f"engine {self.engine_id}: its output thread is gone"
             elif not self._input_thread.is_alive() and not self._stop_io.is_set():
-                failure = f"engine {self.engine_index}: its input thread is gone"
+                failure = f"engine {self.engine_id}: its input thread is gone"
             else:
                 return
         raise EngineIOThreadError(failure)
@@ -489,7 +489,7 @@ class EngineCoreProc:
         self.output_queue.put_nowait((dest, self._stamp(outputs)))
 
     def _stamp(self, outputs: EngineCoreOutputs) -> EngineCoreOutputs:
-        outputs.engine_index = self.engine_index
+        outputs.engine_id = self.engine_id
         outputs.timestamp = time.monotonic()
         return outputs
 
@@ -505,11 +505,11 @@ class EngineCoreProc:
         elif req_type is EngineCoreRequestType.SCALE:
             self._on_scale(payload)
         elif req_type is EngineCoreRequestType.EXECUTOR_FAILED:
-            raise ExecutorFailed(f"engine {self.engine_index}: {payload}")
+            raise ExecutorFailed(f"engine {self.engine_id}: {payload}")
 
     def _add_request(self, req: EngineCoreRequest | UndecodableRequest) -> None:
         if isinstance(req, UndecodableRequest):
-            logger.error("engine %d: %s", self.engine_index, req.reason)
+            logger.error("engine %d: %s", self.engine_id, req.reason)
             if req.request_id is not None:
                 self._reject(req.request_id, req.reason, invalid=True)
             return
@@ -572,7 +572,7 @@ class EngineCoreProc:
         """Elastic EP only (see DPEngineCoreProc)."""
         logger.warning(
             "engine %d: ignored %s: elastic EP is not enabled",
-            self.engine_index,
+            self.engine_id,
             type(msg).__name__,
         )
 
@@ -591,7 +591,7 @@ class EngineCoreProc:
         if not hasattr(self, "engine_core"):
             # Still starting: the main thread may wait minutes in the group rendezvous for
             # ranks that will never come, and there is nothing to drain. Leave now.
-            logger.error("engine %d: launcher gone during startup, exiting", self.engine_index)
+            logger.error("engine %d: launcher gone during startup, exiting", self.engine_id)
             os._exit(1)
         # Nobody is left to read what a drain would produce: leave without one. The
         # timeout is zeroed before the request so the busy loop never sets a later deadline.
@@ -653,7 +653,7 @@ class EngineCoreProc:
             try:
                 core.shutdown()
             except Exception:  # noqa: BLE001 - exiting anyway
-                logger.exception("engine %d: shutting the executor down failed", self.engine_index)
+                logger.exception("engine %d: shutting the executor down failed", self.engine_id)
         self.output_queue.put(None)
         self._output_thread.join(5)
         self._stop_io.set()
@@ -665,7 +665,7 @@ class EngineCoreProc:
 
 def run_engine_core(
     config: EngineConfig,
-    engine_index: int,
+    engine_id: int,
     handshake_address: str,
     proc_class: type[EngineCoreProc] = EngineCoreProc,
     **kwargs: Any,
@@ -675,7 +675,7 @@ def run_engine_core(
     ``proc_class``: ``EngineCoreProc`` or ``dp_proc.DPEngineCoreProc`` (the entry module
     picks it: this module is below the DP one and cannot name it)."""
     logging.basicConfig(level=os.environ.get("TIDAL_LOG_LEVEL", "WARNING"))
-    set_process_name(f"EngineCore_DP{engine_index}")
+    set_process_name(f"EngineCore_DP{engine_id}")
     proc: EngineCoreProc | None = None
     pending_signal: list[int] = []
     # Until the busy loop exists, remember a signal and act on it once we're up.
@@ -683,7 +683,7 @@ def run_engine_core(
     signal.signal(signal.SIGINT, lambda s, f: pending_signal.append(s))
     exit_code = 0
     try:
-        proc = proc_class(config, engine_index, handshake_address, **kwargs)
+        proc = proc_class(config, engine_id, handshake_address, **kwargs)
         signal.signal(signal.SIGTERM, proc.request_shutdown)
         signal.signal(signal.SIGINT, proc.request_shutdown)
         if pending_signal:
@@ -693,9 +693,9 @@ def run_engine_core(
         logger.error("%s", e)
         exit_code = 1
     except Exception as e:  # noqa: BLE001 - fatal: tell the clients, then exit non-zero
-        logger.error("engine %d died: %s", engine_index, traceback.format_exc())
+        logger.error("engine %d died: %s", engine_id, traceback.format_exc())
         if proc is not None:
-            proc.send_engine_dead(f"engine {engine_index} died: {type(e).__name__}: {e}")
+            proc.send_engine_dead(f"engine {engine_id} died: {type(e).__name__}: {e}")
         exit_code = 1
     finally:
         if proc is not None:

@@ -106,7 +106,7 @@ class AsyncMPClient(MPClient):
 
     def _dispatch(self, outs: EngineCoreOutputs) -> None:
         now = time.monotonic()
-        self.liveness.heard(outs.engine_index, now, outs.progress if outs.heartbeat else None)
+        self.liveness.heard(outs.engine_id, now, outs.progress if outs.heartbeat else None)
         if outs.heartbeat:
             return
         report = outs.scale_report
@@ -121,10 +121,10 @@ class AsyncMPClient(MPClient):
                 fut.set_result(outs.utility_output)
         elif outs.engine_dead:
             reason = outs.dead_reason or "engine reported a fatal error"
-            if self._scale_owns(outs.engine_index):
+            if self._scale_owns(outs.engine_id):
                 # A joining or leaving engine: its exit (which follows) is the scale
                 # driver's event, not a rank death.
-                logger.warning("engine %d (scaling) died: %s", outs.engine_index, reason)
+                logger.warning("engine %d (scaling) died: %s", outs.engine_id, reason)
             else:
                 self._fail(reason)
         elif self._on_outputs(outs):

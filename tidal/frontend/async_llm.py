@@ -79,7 +79,7 @@ class AsyncLLM:
         self._streams: dict[str, _Stream] = {}
         self._handler: asyncio.Task | None = None
         self._stat_loggers: list[Any] = []
-        # Per engine id (the ``engine_index`` of its outputs): its latest SchedulerStats.
+        # Per engine id (the ``engine_id`` of its outputs): its latest SchedulerStats.
         self.latest_stats: dict[int, Any] = {}
         self._scale_driver: ScaleDriver | None = None
         self._scale_listeners: list[Callable[[dict[str, Any]], None]] = []
@@ -375,9 +375,9 @@ class AsyncLLM:
 
     def _handle(self, outs: EngineCoreOutputs) -> None:
         if outs.scheduler_stats is not None:
-            self.latest_stats[outs.engine_index] = outs.scheduler_stats
+            self.latest_stats[outs.engine_id] = outs.scheduler_stats
             for sl in self._stat_loggers:
-                sl.record_scheduler_stats(outs.engine_index, outs.scheduler_stats)
+                sl.record_scheduler_stats(outs.engine_id, outs.scheduler_stats)
         if not outs.outputs:
             return
         processed = self.output_processor.process_outputs(outs.outputs)

@@ -13,7 +13,7 @@ add what the scale driver (``tidal.frontend.scaling.scale_driver``) executes thr
 ownership epoch), ``exclude_from_routing`` / ``restore_routing`` (leaving engines get no
 new request), ``send_scale`` (SCALE frames) and ``migrate`` (resume an engine's requests
 elsewhere). Then every engine request sent is recorded in a ``RequestBook``
-(``tidal.frontend.migrations``): outputs of an engine that does not own the request are
+(``tidal.frontend.request_book``): outputs of an engine that does not own the request are
 dropped before they reach the caller. ``ScaleHooks`` route the engines' scale reports,
 and the exits of engines in a scale operation, to the driver instead of failing the
 client.
@@ -55,7 +55,7 @@ from tidal.frontend.launchers.proc_manager import (
     ipc_dir,
 )
 from tidal.frontend.launchers.registry import make_launcher
-from tidal.frontend.migrations import RequestBook
+from tidal.frontend.request_book import RequestBook
 from tidal.protocol.elastic import ScaleReport
 from tidal.protocol.errors import EngineDeadError, RankUnavailableError
 from tidal.protocol.messages import (
@@ -447,7 +447,7 @@ class MPClient:
             else:
                 logger.warning("scale report with no scale driver: %s", report)
         if self._book is not None and outs.outputs:
-            outs.outputs = self._book.accept(outs.engine_index, outs.outputs)
+            outs.outputs = self._book.accept(outs.engine_id, outs.outputs)
         if self.dp is not None:
             self.dp.on_outputs(outs)
         return report is None or bool(outs.outputs) or outs.scheduler_stats is not None
@@ -558,7 +558,7 @@ class MPClient:
                 self._send_wakeup(wake)
             moved += 1
         if finishes:
-            self._deliver_injected(EngineCoreOutputs(engine_index=engine_id, outputs=finishes))
+            self._deliver_injected(EngineCoreOutputs(engine_id=engine_id, outputs=finishes))
         return moved
 
     def _deliver_injected(self, outs: EngineCoreOutputs) -> None:

@@ -4,7 +4,7 @@ it under uvicorn.
 Routes: ``/v1/completions``, ``/v1/chat/completions`` (SSE streaming or not), ``/v1/models``
 (``serving``); ``/health``, ``/ping``, ``/version``, ``/metrics`` (prometheus text),
 ``/stats`` (JSON), ``/dashboard`` (``admin``); ``/scale_elastic_ep`` and
-``/is_scaling_elastic_ep`` (``scaling``). Every error is OpenAI's error JSON
+``/is_scaling_elastic_ep`` (``scale_routes``). Every error is OpenAI's error JSON
 (``errors``); the server keeps serving after any of them.
 
 Input is checked where it enters, in layers, each stopping what the next cannot handle:
@@ -37,7 +37,7 @@ from tidal.launch.errors import add_error_handlers
 from tidal.launch.hosts import add_browser_guards
 from tidal.launch.http_limits import BodyLimitMiddleware
 from tidal.launch.metrics import ServerMetrics
-from tidal.launch.scaling import add_scaling_routes
+from tidal.launch.scale_routes import add_scale_routes
 from tidal.launch.serving import OpenAIServing, add_openai_routes
 
 if TYPE_CHECKING:  # annotations only: the server takes any engine with AsyncLLM's
@@ -115,7 +115,7 @@ def build_app(
     add_error_handlers(app)
     add_openai_routes(app, serving)
     add_admin_routes(app, serving, metrics)
-    add_scaling_routes(app, serving)
+    add_scale_routes(app, serving)
     for router in routers:
         app.include_router(router)
     return app

@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from tidal.launch import protocol as P
+from tidal.launch import openai_models as P
 from tidal.protocol.errors import EngineDeadError, RankUnavailableError, RequestFailedError
 from tidal.sampling_params import SamplingParams
 

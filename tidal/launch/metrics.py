@@ -210,8 +210,8 @@ class ServerMetrics:
 
     # ---- stat-logger interface (called by AsyncLLM) ----------------------------------------
 
-    def record_scheduler_stats(self, engine_index: int, stats: SchedulerStats) -> None:
-        engine = str(engine_index)  # the sender's engine id
+    def record_scheduler_stats(self, engine_id: int, stats: SchedulerStats) -> None:
+        engine = str(engine_id)  # the sender's engine id
         if engine in self._retired:  # a late message from a removed engine
             return
         self.running.labels(engine=engine).set(stats.num_running_reqs)
@@ -243,13 +243,13 @@ class ServerMetrics:
         if tpot_s is not None:
             self.tpot.observe(tpot_s)
 
-    def forget_engine(self, engine_index: int) -> None:
+    def forget_engine(self, engine_id: int) -> None:
         """Drop a removed engine's series (elastic scale-down, rank death) so dashboards
         don't show it stale; later stats from it are ignored (ids are never reused)."""
-        self._retired.add(str(engine_index))
+        self._retired.add(str(engine_id))
         for gauge in (self.running, self.waiting, self.kv_usage, self.engine_workers):
             try:
-                gauge.remove(str(engine_index))
+                gauge.remove(str(engine_id))
             except KeyError:
                 pass
 

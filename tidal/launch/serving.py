@@ -24,7 +24,7 @@ from tidal.config import FrontendConfig
 from tidal.frontend.outputs import CompletionOutput, OutputKind, PromptLogprobs, RequestOutput
 from tidal.frontend.processor import ProcessedPrompt
 from tidal.frontend.template_sandbox import SandboxUnavailable, TemplateSandbox
-from tidal.launch import protocol as P
+from tidal.launch import openai_models as P
 from tidal.launch.connections import ABORT_CONNECTION, ServerLimits
 from tidal.launch.errors import APIError, classify_error
 from tidal.launch.http_limits import read_json

@@ -126,7 +126,7 @@ class EngineProgress(msgspec.Struct, array_like=True):
 
 
 class EngineCoreOutputs(msgspec.Struct, omit_defaults=True, array_like=True):
-    engine_index: int = 0  # the sender's engine id (== its DP rank only at launch)
+    engine_id: int = 0  # the sender's engine id (== its DP rank only at launch)
     outputs: list[EngineCoreOutput] = []
     scheduler_stats: SchedulerStats | None = None
     timestamp: float = 0.0
@@ -176,7 +176,7 @@ def engine_id_of(identity: bytes) -> int:
 class EngineHello(msgspec.Struct, array_like=True):
     """Engine -> frontend, first message on the handshake socket."""
 
-    engine_index: int
+    engine_id: int
     pid: int
     host: str = ""  # the engine's host name (``/stats`` ``ranks[].node`` on mp)
 
@@ -206,7 +206,7 @@ class EngineAddresses(msgspec.Struct, array_like=True):
 class EngineReady(msgspec.Struct, array_like=True):
     """Engine -> frontend once the model is loaded and the KV cache allocated."""
 
-    engine_index: int
+    engine_id: int
     parallel_config_hash: str
     num_blocks: int
     error: str | None = None

@@ -405,7 +405,7 @@ class EngineProcManager:
             # Answered even when the id is not in the topology: the engine then refuses to
             # start with a message naming the flags and reports it in READY(error), which
             # fails the startup here with the same message.
-            e = hello.engine_index
+            e = hello.engine_id
             with self._lock:
                 reply = self._joiners.get(e, self._addresses)
                 self.engine_pids[e] = hello.pid
@@ -427,7 +427,7 @@ class EngineProcManager:
                 logger.warning("dropped an undecodable handshake message")
                 return
             raise
-        e = ready.engine_index
+        e = ready.engine_id
         with self._lock:
             answered = self._hello.get(e)
         if answered is not None and answered != ident:

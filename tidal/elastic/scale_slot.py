@@ -1,4 +1,4 @@
-"""``ScalingSlot``: what the engine's busy loop holds for elastic EP (docs/architecture.md#elastic-protocol).
+"""``ScaleSlot``: what the engine's busy loop holds for elastic EP (docs/architecture.md#elastic-protocol).
 
 It owns at most one active ``ElasticEPScalingState`` (``tidal.elastic.state``, whose
 docstring has the commit consensus and its races), queues the inputs for it, and keeps a
@@ -22,12 +22,12 @@ Busy-loop contract (what the wiring must do)
 
 from __future__ import annotations
 
-from tidal.elastic.scaling_events import Action, Input, ScalingPhase
+from tidal.elastic.scale_events import Action, Input, ScalingPhase
 from tidal.elastic.state import ElasticEPScalingState
 from tidal.protocol.elastic import ScaleAbort, ScaleCommit, ScalePrepare
 
 
-class ScalingSlot:
+class ScaleSlot:
     """What the busy loop holds: at most one active ``ElasticEPScalingState``, the inputs
     queued for it, and a PREPARE that waits for the previous operation to end.
 

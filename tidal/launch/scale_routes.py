@@ -92,7 +92,7 @@ def _failed_response(status: int, record: dict[str, Any]) -> JSONResponse:
     return JSONResponse(body, status_code=status)
 
 
-def add_scaling_routes(app: FastAPI, serving: OpenAIServing) -> None:
+def add_scale_routes(app: FastAPI, serving: OpenAIServing) -> None:
     engine = serving.engine
     # Operations whose request went away: kept referenced until they end (see below).
     running: set[asyncio.Task] = set()
