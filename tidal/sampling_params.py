@@ -21,6 +21,7 @@ depend on the model or the deployment (top_k and token ids against the vocabular
 
 from __future__ import annotations
 
+import json
 import math
 import numbers
 import sys
@@ -37,6 +38,66 @@ INT64_MAX = (1 << 63) - 1
 FLOAT_MAX = sys.float_info.max
 
 _GREEDY_EPS = 1e-5
+# OpenAI's range for logit_bias values.
+LOGIT_BIAS_MAX = 100.0
+
+
+class StructuredOutputs(msgspec.Struct, omit_defaults=True, array_like=True, frozen=True):
+    """A constraint on the output (docs/architecture.md#structured-outputs): exactly one of
+
+    - ``json``: a JSON schema, kept as its JSON text (a dict is serialised with sorted keys,
+      so equal schemas are equal specs and share one compiled grammar);
+    - ``json_object``: any JSON object;
+    - ``regex``: the output matches this regular expression;
+    - ``choice``: the output is one of these strings;
+    - ``grammar``: an EBNF (GBNF) grammar with a ``root`` rule.
+
+    The struct is its own wire form and cache key. Whether a schema, regex or grammar
+    compiles is checked where xgrammar is available (``tidal.engine_core.structured``)."""
+
+    json: str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.json is not None and not isinstance(self.json, str):
+            # A dict (or pydantic's schema) from the Python API: its canonical text.
+            try:
+                text = json.dumps(self.json, sort_keys=True, allow_nan=False)
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"structured_outputs.json: not a JSON schema: {e}") from None
+            msgspec.structs.force_setattr(self, "json", text)
+        if self.choice is not None:
+            if isinstance(self.choice, (str, bytes)) or not isinstance(self.choice, (list, tuple)):
+                raise ValueError("structured_outputs.choice must be a list of strings")
+            if not self.choice or not all(isinstance(c, str) for c in self.choice):
+                raise ValueError("structured_outputs.choice must be a non-empty list of strings")
+            msgspec.structs.force_setattr(self, "choice", list(self.choice))
+        for name in ("regex", "grammar"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, str) or not v):
+                raise ValueError(f"structured_outputs.{name} must be a non-empty string")
+        if not isinstance(self.json_object, bool):
+            raise ValueError("structured_outputs.json_object must be a boolean")
+        set_ = [n for n in ("json", "regex", "choice", "grammar") if getattr(self, n) is not None]
+        if self.json_object:
+            set_.append("json_object")
+        if len(set_) != 1:
+            raise ValueError(
+                "structured_outputs must set exactly one of json, json_object, regex, choice, "
+                f"grammar; got {', '.join(set_) or 'none'}"
+            )
+
+    @property
+    def kind(self) -> str:
+        """The one constraint set (its field name)."""
+        if self.json_object:
+            return "json_object"
+        return next(
+            n for n in ("json", "regex", "choice", "grammar") if getattr(self, n) is not None
+        )
 
 
 class SamplingParams(msgspec.Struct, omit_defaults=True, array_like=True):
@@ -66,6 +127,25 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, array_like=True):
     # False: outputs carry token ids only (empty text, logprobs without decoded tokens),
     # as vLLM's flag; the frontend then spends nothing on the tokenizer per step.
     detokenize: bool = True
+    # Token id -> added to its logit before any other processing but the masks below.
+    logit_bias: (
+        dict[
+            Annotated[int, Meta(ge=0, le=INT64_MAX)],
+            Annotated[float, Meta(ge=-LOGIT_BIAS_MAX, le=LOGIT_BIAS_MAX)],
+        ]
+        | None
+    ) = None
+    # Only these tokens may be sampled (None: every token).
+    allowed_token_ids: (
+        Annotated[list[Annotated[int, Meta(ge=0, le=INT64_MAX)]], Meta(min_length=1)] | None
+    ) = None
+    # Words never to complete: the frontend tokenizes them into ``bad_words_token_ids``
+    # (InputProcessor.make_requests), which is what the engine reads.
+    bad_words: list[Annotated[str, Meta(min_length=1)]] = []
+    bad_words_token_ids: list[
+        Annotated[list[Annotated[int, Meta(ge=0, le=INT64_MAX)]], Meta(min_length=1)]
+    ] = []
+    structured_outputs: StructuredOutputs | None = None
 
     def __post_init__(self) -> None:
         # Conveniences of the Python API, normalised before the table is applied.
@@ -75,6 +155,10 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, array_like=True):
             self.stop = []
         if self.stop_token_ids is None:
             self.stop_token_ids = []
+        if self.bad_words is None:
+            self.bad_words = []
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputs(**self.structured_outputs)
         for name, ftype in _FIELD_TYPES:
             setattr(self, name, _checked(name, ftype, getattr(self, name)))
         # A repeated stop id stops nothing more: kept once (in order), before every child
@@ -93,6 +177,16 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, array_like=True):
     @property
     def greedy(self) -> bool:
         return self.temperature < _GREEDY_EPS
+
+    @property
+    def needs_logits_masks(self) -> bool:
+        """Whether any of logit_bias, allowed_token_ids, bad words or a grammar applies."""
+        return bool(
+            self.logit_bias
+            or self.allowed_token_ids is not None
+            or self.bad_words_token_ids
+            or self.structured_outputs is not None
+        )
 
     @property
     def needs_penalties(self) -> bool:
@@ -135,9 +229,24 @@ def _checked(name: str, t: mi.Type, v: Any) -> Any:
         if t.min_length is not None and len(v) < t.min_length:
             raise ValueError(f"{name} must not be empty")
         return v
+    if isinstance(t, mi.StructType):  # StructuredOutputs: its own __post_init__ checks it
+        if isinstance(v, dict):
+            v = t.cls(**v)
+        if not isinstance(v, t.cls):
+            raise ValueError(f"{name} must be a {t.cls.__name__}, got {type(v).__name__}")
+        return v
+    if isinstance(t, mi.DictType):
+        if not isinstance(v, dict):
+            raise ValueError(f"{name} must be a mapping, got {type(v).__name__}")
+        return {
+            _checked(f"{name} key", t.key_type, k): _checked(f"{name}[{k!r}]", t.value_type, x)
+            for k, x in v.items()
+        }
     if isinstance(t, mi.ListType):
         if isinstance(v, (str, bytes)) or not isinstance(v, (list, tuple)):
             raise ValueError(f"{name} must be a list, got {type(v).__name__}")
+        if t.min_length is not None and len(v) < t.min_length:
+            raise ValueError(f"{name} must not be empty")
         if _plain_ints_in_bounds(t.item_type, v):
             return list(v)
         return [_checked(f"{name}[{i}]", t.item_type, x) for i, x in enumerate(v)]

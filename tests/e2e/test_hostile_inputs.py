@@ -76,7 +76,7 @@ HOSTILE: list[tuple[str, Any, int, str | None, str]] = [
     (C, {"prompt": "a", "logprobs": 21}, 400, "logprobs", "--max-logprobs"),
     (C, {"prompt": [5, VOCAB]}, 400, "prompt", "vocab size"),
     (C, {"prompt": [5, -1]}, 400, "prompt", "vocab size"),
-    (C, {"prompt": "a", "logit_bias": {str(VOCAB + 7): 1.0}}, 400, "logit_bias", "not supported"),
+    (C, {"prompt": "a", "logit_bias": {str(VOCAB + 7): 1.0}}, 400, "logit_bias", "vocab size"),
     (C, {"prompt": "a", "stop_token_ids": [VOCAB]}, 400, "stop_token_ids", "vocab"),
     (C, {"prompt": "a", "stop_token_ids": [-1]}, 400, "stop_token_ids", ">= 0"),
     (C, {"prompt": "a", "frequency_penalty": 2.5}, 400, "frequency_penalty", "2.0"),

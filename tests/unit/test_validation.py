@@ -60,7 +60,13 @@ from tidal.launch.spawn import make_parser
 from tidal.models.tiny import CHAT_TEMPLATE
 from tidal.protocol.errors import RequestFailedError
 from tidal.protocol.messages import EngineCoreOutput, EngineCoreRequest, FinishReason
-from tidal.sampling_params import INT64_MAX, INT64_MIN, SamplingParams, wrap_int64
+from tidal.sampling_params import (
+    INT64_MAX,
+    INT64_MIN,
+    SamplingParams,
+    StructuredOutputs,
+    wrap_int64,
+)
 
 BIG = [2**63, 2**64 + 1, -(2**63) - 1]  # just past int64, past uint64, just below int64
 NOT_FINITE = [math.nan, math.inf, -math.inf, 10**400]
@@ -87,6 +93,17 @@ FIELD_CASES: dict[str, tuple[list[Any], list[Any]]] = {
     "include_stop_str_in_output": ([True, False], [0, None]),
     "skip_special_tokens": ([True, False], [1, "true"]),
     "detokenize": ([True, False], [0, "no", None]),
+    "logit_bias": (
+        [None, {}, {0: 100}, {5: -100.0, 7: 0.5}],
+        [{-1: 1.0}, {5: 100.5}, {5: -101}, {5: math.nan}, {"5": 1.0}, {5: "x"}, [1], {2**63: 1.0}],
+    ),
+    "allowed_token_ids": ([None, [0], (3, 7)], [[], [-1], ["1"], 5, [True], [2**63]]),
+    "bad_words": ([[], ["x"], ("a", "b"), None], [[""], [5], 5, [None]]),
+    "bad_words_token_ids": ([[], [[1]], [[1, 2], [3]]], [[[]], [[-1]], [5], [["1"]], [[2**63]]]),
+    "structured_outputs": (
+        [None, StructuredOutputs(regex="a+"), {"choice": ["a", "b"]}, {"json": {"type": "object"}}],
+        ["x", 5, {}, {"regex": "a", "choice": ["b"]}, {"regex": ""}, {"choice": []}],
+    ),
 }
 
 
@@ -279,7 +296,23 @@ HOSTILE = [
     ("/v1/completions", {"prompt": "a", "repetition_penalty": 0}, 400, "repetition_penalty", "> 0"),
     ("/v1/completions", {"prompt": "a", "stop_token_ids": [VOCAB]}, 400, "stop_token_ids", "vocab"),
     ("/v1/completions", {"prompt": "a", "stop_token_ids": [-3]}, 400, "stop_token_ids", ">= 0"),
-    ("/v1/completions", {"prompt": "a", "logit_bias": {"99999": 5}}, 400, "logit_bias", "not supported"),
+    ("/v1/completions", {"prompt": "a", "logit_bias": {"99999": 5}}, 400, "logit_bias", "vocab size"),
+    ("/v1/completions", {"prompt": "a", "logit_bias": {"5": 100.5}}, 400, "logit_bias", "<= 100"),
+    ("/v1/completions", {"prompt": "a", "logit_bias": {"x": 1}}, 400, "logit_bias", "not a token id"),
+    ("/v1/completions", {"prompt": "a", "allowed_token_ids": [VOCAB]}, 400, "allowed_token_ids", "vocab size"),
+    ("/v1/completions", {"prompt": "a", "allowed_token_ids": []}, 400, "allowed_token_ids", "empty"),
+    ("/v1/completions", {"prompt": "a", "bad_words": [""]}, 400, "bad_words", "empty"),
+    ("/v1/completions", {"prompt": "a", "guided_json": {"type": "nope"}}, 400, "guided_json", "does not compile"),
+    ("/v1/completions", {"prompt": "a", "guided_json": "{not json"}, 400, "guided_json", "not valid JSON"),
+    ("/v1/completions", {"prompt": "a", "guided_regex": "a("}, 400, "guided_regex", "does not compile"),
+    ("/v1/completions", {"prompt": "a", "guided_grammar": 'rot ::= "a"'}, 400, "guided_grammar", "root"),
+    ("/v1/completions", {"prompt": "a", "guided_choice": []}, 400, "guided_choice", "non-empty"),
+    ("/v1/completions", {"prompt": "a", "structured_outputs": {"regex": "(", "choice": None}}, 400, "structured_outputs", "does not compile"),
+    ("/v1/completions", {"prompt": "a", "structured_outputs": {"regex": "a", "choice": ["b"]}}, 400, "structured_outputs", "exactly one"),
+    ("/v1/completions", {"prompt": "a", "guided_regex": "a", "guided_choice": ["b"]}, 400, "guided_choice", "only one of"),
+    ("/v1/chat/completions", {"messages": CHAT, "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, 400, "response_format", "schema is required"),
+    ("/v1/chat/completions", {"messages": CHAT, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "properties": {"a": {"type": "strin"}}}}}}, 400, "response_format", "does not compile"),
+    ("/v1/chat/completions", {"messages": CHAT, "response_format": {"type": "xml"}}, 400, "response_format", "json_schema"),
     ("/v1/completions", {"prompt": [5, VOCAB]}, 400, "prompt", "vocab size"),
     ("/v1/completions", {"prompt": ["a"] * 257}, 400, "prompt", "--max-prompts-per-request"),
     ("/v1/completions", {"prompt": "a", "data_parallel_rank": 2**64}, 400, "data_parallel_rank", "64 bits"),
@@ -305,10 +338,7 @@ HOSTILE = [
     # Known to OpenAI or vLLM, not implemented: refused by name, never silently ignored.
     ("/v1/chat/completions", {"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools", "not supported"),
     ("/v1/chat/completions", {"messages": CHAT, "tool_choice": "auto"}, 400, "tool_choice", "not supported"),
-    ("/v1/chat/completions", {"messages": CHAT, "response_format": {"type": "json_object"}}, 400, "response_format", "not supported"),
-    ("/v1/completions", {"prompt": "a", "guided_json": {}}, 400, "guided_json", "not supported"),
     ("/v1/completions", {"prompt": "a", "prompt_logprobs": 1}, 400, "prompt_logprobs", "not supported"),
-    ("/v1/completions", {"prompt": "a", "allowed_token_ids": [5]}, 400, "allowed_token_ids", "not supported"),
 ]  # fmt: skip
 
 

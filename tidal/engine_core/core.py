@@ -15,6 +15,7 @@ from tidal.config import EngineConfig
 from tidal.distributed.groups import GroupFailure
 from tidal.engine_core.request import Request
 from tidal.engine_core.scheduler import Scheduler
+from tidal.engine_core.structured import GrammarBackend
 from tidal.executor.base import Executor
 from tidal.executor.select import create_executor
 from tidal.protocol.messages import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
@@ -34,8 +35,11 @@ class EngineCore:
         self.executor = executor or create_executor(config)
         self.num_blocks = self.executor.call("runner.determine_num_blocks")
         self.executor.call("worker.initialize_kv_cache", self.num_blocks)
-        self.scheduler = Scheduler(config.scheduler, config.cache, self.num_blocks)
         self.vocab_size = int(config.model.hf_config.vocab_size)
+        self.grammars = GrammarBackend(
+            config.model.tokenizer, self.vocab_size, config.model.eos_token_ids
+        )
+        self.scheduler = Scheduler(config.scheduler, config.cache, self.num_blocks, self.grammars)
         logger.info(
             "engine core ready in %.2fs: %d KV blocks of %d tokens",
             time.monotonic() - t0,
@@ -59,6 +63,8 @@ class EngineCore:
         )
         validate_request(req, self.config.model.max_model_len, self.vocab_size)
         # Rebuilding the params re-runs their own range checks on what came off the wire.
+        # A structured_outputs spec is checked again by its compile, off this thread (a
+        # spec that does not compile fails this request alone: docs/architecture.md#structured-outputs).
         params = SamplingParams(**_struct_fields(req.sampling_params))
         return Request(
             request_id=req.request_id,
@@ -126,6 +132,7 @@ class EngineCore:
         return value
 
     def shutdown(self) -> None:
+        self.grammars.shutdown()
         self.executor.shutdown()
 
 
@@ -162,6 +169,16 @@ def validate_request(req: EngineCoreRequest, max_model_len: int, vocab_size: int
         raise ValueError(
             f"num_output_tokens ({k}) must be below max_tokens ({max_tokens}): "
             "the request has nothing left to generate"
+        )
+    for name in ("allowed_token_ids", "logit_bias"):
+        bad = next((t for t in getattr(params, name, None) or () if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"{name}: token id {bad} is out of range for vocab size {vocab_size}")
+    words = getattr(params, "bad_words_token_ids", ())
+    bad = next((t for w in words for t in w if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise ValueError(
+            f"bad_words_token_ids: token id {bad} is out of range for vocab size {vocab_size}"
         )
     top_k = getattr(params, "top_k", 0)
     if top_k is not None and not -1 <= top_k <= vocab_size:

@@ -7,8 +7,12 @@ from __future__ import annotations
 
 import enum
 import time
+from typing import TYPE_CHECKING
 
 from tidal.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from tidal.engine_core.structured import RequestGrammar
 
 
 @enum.unique
@@ -74,6 +78,8 @@ class Request:
         self.block_hashes: list[int] = []  # chained hashes of full blocks of all_token_ids
         self.num_preemptions = 0
         self.stop_reason: int | str | None = None
+        # The scheduler's matcher for a structured-output request (docs/architecture.md#structured-outputs).
+        self.grammar: RequestGrammar | None = None
         # Resolved output cap: the request's max_tokens, bounded by the model length.
         limit = (max_model_len - len(self.prompt_token_ids)) if max_model_len else None
         mt = sampling_params.max_tokens

@@ -19,6 +19,13 @@ Order in a step (decode first, then first come first served):
 the old value); ``update_from_output()`` appends sampled tokens, applies stop rules,
 frees finished requests and builds the per-client ``EngineCoreOutputs``.
 
+Structured outputs (docs/architecture.md#structured-outputs): a request with a grammar
+waits in WAITING, passed over by the others, until its grammar has compiled on the
+backend's threads (a step never waits for a compile; one that fails fails the request
+alone). Its matcher is synced with its output tokens when it is admitted (a resumed
+request replays the ones it carried over), advanced with every token appended here, and
+``schedule()`` puts the next-token bitmask of each of them that samples in the step.
+
 Livelock freedom: ``add_request`` rejects a request that could need more blocks than
 the pool has (or, without chunked prefill, more tokens than one step's budget), so a
 request running alone can always grow and a preempted one can always be re-admitted.
@@ -33,6 +40,7 @@ from collections.abc import Iterable
 from tidal.config import CacheConfig, SchedulerConfig
 from tidal.engine_core.kv_cache import KVCacheManager
 from tidal.engine_core.request import Request, RequestStatus
+from tidal.engine_core.structured import GrammarBackend
 from tidal.executor.batch import (
     ModelRunnerOutput,
     ScheduledRequest,
@@ -58,9 +66,16 @@ logger = logging.getLogger(__name__)
 
 class Scheduler:
     def __init__(
-        self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int
+        self,
+        scheduler_config: SchedulerConfig,
+        cache_config: CacheConfig,
+        num_blocks: int,
+        grammars: GrammarBackend | None = None,
     ) -> None:
+        """``grammars``: compiles structured-output requests' grammars (None: such a
+        request is refused)."""
         self.config = scheduler_config
+        self.grammars = grammars
         self.max_model_len = scheduler_config.max_model_len
         self.kv_cache_manager = KVCacheManager(
             num_blocks, cache_config.block_size, cache_config.enable_prefix_caching
@@ -78,12 +93,30 @@ class Scheduler:
         self._prompt_logprobs_sent: dict[str, int] = {}
         self.num_preemptions = 0  # cumulative
         self._abandoned = 0  # preempted by abandon_step, not yet taken
+        # Requests failed outside a step's update (their grammar did not compile, or their
+        # outputs did not replay): reported with the next update_from_output.
+        self._failed_outputs: dict[int, list[EngineCoreOutput]] = defaultdict(list)
+        # request id -> why its bitmask could not be made in the step just scheduled
+        # (the request fails in that step's update).
+        self._grammar_errors: dict[str, str] = {}
 
     # ---- request lifecycle ---------------------------------------------------------
 
     def add_request(self, request: Request) -> None:
         """Queue a new request; ``ValueError`` if it is invalid or could never be served."""
         self._validate(request)
+        spec = request.sampling_params.structured_outputs
+        if spec is not None:
+            if self.grammars is None:
+                raise ValueError("structured_outputs: this engine has no grammar backend")
+            # What ends this request is what its grammar may end with.
+            ends = (
+                []
+                if request.eos_token_id is None or request.sampling_params.ignore_eos
+                else [request.eos_token_id]
+            )
+            ends += sorted(request.stop_token_ids)
+            request.grammar = self.grammars.request_grammar(spec, ends)
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
         self.waiting.append(request)
@@ -160,6 +193,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput(finished_req_ids=self._finished_req_ids)
         self._finished_req_ids = set()
+        self._grammar_errors = {}  # this step's only (an abandoned step's are void)
         budget = self.config.max_num_batched_tokens
         budget = self._schedule_running(out, budget)
         # Admitting new work right after preempting for lack of blocks would only
@@ -167,7 +201,35 @@ class Scheduler:
         if not out.preempted_req_ids:
             budget = self._schedule_waiting(out, budget)
         out.total_num_scheduled_tokens = self.config.max_num_batched_tokens - budget
+        self._fill_bitmasks(out)
         return out
+
+    def _fill_bitmasks(self, out: SchedulerOutput) -> None:
+        """The next-token bitmask of every structured request that samples in ``out``."""
+        if self.grammars is None:
+            return
+        todo: list[Request] = []
+        for sr in out.scheduled:
+            req = sr.request
+            assert isinstance(req, Request)  # the scheduler's own
+            if req.grammar is None or not sr.samples:
+                continue
+            # Kept in step by admission and update; a mismatch would be a bug, and the
+            # request (not the engine) pays for it.
+            if req.grammar.sync(req.output_token_ids):
+                todo.append(req)
+            else:
+                self._grammar_errors[req.request_id] = (
+                    "structured_outputs: its output tokens do not match its grammar"
+                )
+        if not todo:
+            return
+        masks = self.grammars.bitmasks([r.grammar for r in todo if r.grammar is not None])
+        for r, m in zip(todo, masks):
+            if isinstance(m, str):
+                self._grammar_errors[r.request_id] = f"structured_outputs: {m}"
+            else:
+                out.grammar_bitmask[r.request_id] = m
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         i = 0
@@ -197,8 +259,14 @@ class Scheduler:
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> int:
         kv = self.kv_cache_manager
+        passed_over: list[Request] = []  # grammars still compiling, in queue order
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
+            if req.grammar is not None and not self._grammar_ready(req):
+                self.waiting.popleft()
+                if not req.is_finished:
+                    passed_over.append(req)
+                continue
             hit_blocks, num_hit = self._lookup_prefix(req)
             num_new = req.num_tokens - num_hit
             if num_new > budget:
@@ -217,7 +285,25 @@ class Scheduler:
             self.running.append(req)
             self._add_scheduled(out, req, num_new)
             budget -= num_new
+        self.waiting.extendleft(reversed(passed_over))
         return budget
+
+    def _grammar_ready(self, req: Request) -> bool:
+        """Whether ``req`` may be admitted now: its grammar compiled and its outputs so far
+        (a resumed request's) replayed. A grammar that cannot be used fails the request
+        (it is then finished, and already out of the queue)."""
+        g = req.grammar
+        assert g is not None
+        if not g.ready:
+            return False
+        error = g.error
+        if error is None and not g.sync(req.output_token_ids):
+            error = "its output tokens so far do not match its grammar"
+        if error is None:
+            return True
+        output = self._fail_request(req, f"structured_outputs: {error}")
+        self._failed_outputs[req.client_index].append(output)
+        return False
 
     def _uses_prefix_cache(self, req: Request) -> bool:
         # Prompt logprobs need logits at every prompt position, so no skipping.
@@ -285,6 +371,9 @@ class Scheduler:
             if req is None or req is not sched.request:
                 continue  # finished from outside since it was scheduled
             error = runner_output.failed.get(req.request_id)
+            error = error or self._grammar_errors.pop(req.request_id, None)
+            if error is None and req.grammar is not None:
+                error = _advance_grammar(req, runner_output.sampled_token_ids.get(req.request_id))
             output: EngineCoreOutput | None = None
             try:
                 if error is None:
@@ -299,6 +388,10 @@ class Scheduler:
             any_finished |= req.is_finished
         if any_finished:
             self.running = [r for r in self.running if not r.is_finished]
+        self._grammar_errors.clear()
+        for client, outputs in self._failed_outputs.items():
+            per_client[client].extend(outputs)
+        self._failed_outputs.clear()
         return self._group_outputs(per_client)
 
     def _update_request(
@@ -439,3 +532,13 @@ class Scheduler:
                 f"max_num_batched_tokens ({self.config.max_num_batched_tokens}) without "
                 "chunked prefill"
             )
+
+
+def _advance_grammar(req: Request, tokens: list[int] | None) -> str | None:
+    """Advance ``req``'s matcher by this step's sampled tokens (the mask allowed them: a
+    refusal is a fault of this request alone). Returns the error, if any."""
+    assert req.grammar is not None
+    for token in tokens or ():
+        if not req.grammar.accept(token):
+            return f"structured_outputs: token {token} is not allowed by its grammar"
+    return None

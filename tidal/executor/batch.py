@@ -73,6 +73,10 @@ class SchedulerOutput:
     preempted_req_ids: set[str] = field(default_factory=set)
     # Requests finished or aborted since the previous schedule(): runners drop their state.
     finished_req_ids: set[str] = field(default_factory=set)
+    # req_id -> the tokens its grammar allows next, for the structured-output requests
+    # that sample in this step: [ceil(V / 32)] int32 as little-endian bytes, bit t % 32 of
+    # word t // 32 set = token t allowed (docs/architecture.md#structured-outputs).
+    grammar_bitmask: dict[str, bytes] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:

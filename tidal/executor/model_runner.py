@@ -238,7 +238,7 @@ class ModelRunner:
             return out
         hidden = self._forward(inputs.input_ids, inputs.positions, inputs.attn)  # [T, H]
         if inputs.sample_reqs:
-            self._sample(hidden, inputs, out)
+            self._sample(hidden, inputs, out, sched.grammar_bitmask)
         if inputs.prompt_lp:
             self._prompt_logprobs(hidden, inputs, out)
         self._end_step(is_dummy=False)
@@ -362,7 +362,13 @@ class ModelRunner:
             prompt_lp=prompt_lp,
         )
 
-    def _sample(self, hidden: torch.Tensor, inputs: _Inputs, out: ModelRunnerOutput) -> None:
+    def _sample(
+        self,
+        hidden: torch.Tensor,
+        inputs: _Inputs,
+        out: ModelRunnerOutput,
+        bitmasks: dict[str, bytes],
+    ) -> None:
         rows = torch.tensor(inputs.sample_rows, dtype=torch.long, device=hidden.device)
         logits = self.model.compute_logits(hidden.index_select(0, rows))  # [N, V] float32
         if logits is None:  # a TP worker other than the driver: only the driver samples
@@ -371,22 +377,26 @@ class ModelRunner:
         # Seeded rows draw from fresh per-position generators, so the row-by-row retry
         # draws what an untroubled step would have (seeded = reproducible: docs/architecture.md#elastic-migration).
         try:
-            self._sample_rows(logits, reqs, out)
+            self._sample_rows(logits, reqs, out, bitmasks)
             return
         except Exception as e:  # noqa: BLE001 - find the culprit(s) below
             logger.warning("sampling a batch failed (%s); sampling its rows one by one", e)
         for i, sr in enumerate(reqs):
             try:
-                self._sample_rows(logits[i : i + 1], [sr], out)
+                self._sample_rows(logits[i : i + 1], [sr], out, bitmasks)
             except Exception as e:  # noqa: BLE001 - this request fails, the others go on
                 out.failed[sr.request.request_id] = _error("sampling", e)
 
     def _sample_rows(
-        self, logits: torch.Tensor, reqs: list[ScheduledRequest], out: ModelRunnerOutput
+        self,
+        logits: torch.Tensor,
+        reqs: list[ScheduledRequest],
+        out: ModelRunnerOutput,
+        bitmasks: dict[str, bytes],
     ) -> None:
         """Sample one token for each of ``reqs`` (logits [len(reqs), V]); writes ``out``
-        only once every row succeeded."""
-        infos = [self._row_info(sr) for sr in reqs]
+        only once every row succeeded. ``bitmasks``: the grammar-constrained rows'."""
+        infos = [self._row_info(sr, bitmasks.get(sr.request.request_id)) for sr in reqs]
         result = self.sampler(logits, SamplingMetadata.build(infos, logits.device))
         tokens = result.token_ids.tolist()
         for sr, tok, lp in zip(reqs, tokens, result.logprobs):
@@ -396,13 +406,14 @@ class ModelRunner:
                 out.logprobs[rid] = [lp]
 
     @staticmethod
-    def _row_info(sr: ScheduledRequest) -> RowInfo:
+    def _row_info(sr: ScheduledRequest, bitmask: bytes | None) -> RowInfo:
         req = sr.request
         return RowInfo(
             params=req.sampling_params,
             prompt_token_ids=req.prompt_token_ids,
             output_token_ids=req.output_token_ids,
             eos_token_id=req.eos_token_id,
+            grammar_bitmask=bitmask,
         )
 
     def _prompt_logprobs(

@@ -50,7 +50,7 @@ class StepEncoder:
         return len(self._sent)
 
     def encode(self, sched: SchedulerOutput) -> StepInput:
-        step = StepInput()
+        step = StepInput(grammar_bitmask=sched.grammar_bitmask)
         for rid in sched.finished_req_ids:
             if self._sent.pop(rid, None) is not None:
                 step.forget.append(rid)
@@ -144,4 +144,8 @@ class StepDecoder:
                 req.block_ids.extend(chunk.new_block_ids)
             scheduled.append(ScheduledRequest(req, chunk.start, chunk.num_new_tokens))
             total += chunk.num_new_tokens
-        return SchedulerOutput(scheduled=scheduled, total_num_scheduled_tokens=total)
+        return SchedulerOutput(
+            scheduled=scheduled,
+            total_num_scheduled_tokens=total,
+            grammar_bitmask=step.grammar_bitmask,
+        )

@@ -20,6 +20,7 @@ from typing import Any
 import msgspec
 
 from tidal.config import FrontendConfig, ModelConfig
+from tidal.engine_core.structured import check_spec
 from tidal.protocol.messages import EngineCoreRequest
 from tidal.sampling_params import SamplingParams, wrap_int64
 
@@ -153,6 +154,12 @@ class InputProcessor:
         bad = next((t for t in params.stop_token_ids if t >= vocab), None)
         if bad is not None:
             raise ValueError(f"stop_token_ids: {bad} is out of range for vocab size {vocab}")
+        for name in ("allowed_token_ids", "logit_bias"):
+            bad = next((t for t in getattr(params, name) or () if t >= vocab), None)
+            if bad is not None:
+                raise ValueError(f"{name}: token id {bad} is out of range for vocab size {vocab}")
+        if params.structured_outputs is not None:
+            check_spec(params.structured_outputs)  # memoised: free after the HTTP layer's
         self._check_prompt(prompt.prompt_token_ids, params)
 
     def _check_prompt(self, ids: list[int], params: SamplingParams) -> None:
@@ -194,11 +201,18 @@ class InputProcessor:
         stop_ids = list(params.stop_token_ids)
         if not params.ignore_eos:
             stop_ids += [i for i in self.extra_eos_ids if i not in stop_ids]
+        bad_words_ids = params.bad_words_token_ids or self.bad_words_token_ids(params.bad_words)
         reqs = []
         for i, cid in enumerate(child_ids):
             seed = None if params.seed is None else wrap_int64(params.seed + i)
             child = msgspec.structs.replace(
-                params, n=1, seed=seed, stop=[], stop_token_ids=stop_ids
+                params,
+                n=1,
+                seed=seed,
+                stop=[],
+                stop_token_ids=stop_ids,
+                bad_words=[],
+                bad_words_token_ids=bad_words_ids,
             )
             reqs.append(
                 EngineCoreRequest(
@@ -211,6 +225,25 @@ class InputProcessor:
                 )
             )
         return reqs
+
+    def bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
+        """vLLM's tokenization of bad words: each word as written (leading spaces
+        stripped), and also with one leading space when that spells it with different
+        tokens of the same count (as the word appears after a space in a BPE text)."""
+        out: list[list[int]] = []
+        for word in words:
+            plain = self.tokenizer.encode(word.lstrip(), add_special_tokens=False)
+            if not plain:
+                continue
+            out.append(plain)
+            spaced = self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+            if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
+                out.append(spaced)
+        vocab = self.vocab_size
+        bad = next((t for w in out for t in w if t >= vocab), None)
+        if bad is not None:
+            raise ValueError(f"bad_words: token id {bad} is out of range for vocab size {vocab}")
+        return out
 
 
 def _token_ids(ids: Any) -> list[int]:

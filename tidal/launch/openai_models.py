@@ -21,8 +21,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, create_model
 
+from tidal.engine_core.structured import check_spec
 from tidal.frontend.outputs import Logprob
-from tidal.sampling_params import SamplingParams
+from tidal.sampling_params import SamplingParams, StructuredOutputs
 
 # Logprobs of -inf (masked tokens) are not valid JSON; clamp them like OpenAI does.
 _MIN_LOGPROB = -9999.0
@@ -49,24 +50,54 @@ class StreamOptions(BaseModel):
 # that ask for nothing. A request setting one otherwise is refused (a 400 naming it), not
 # answered as if it had not (``extra="ignore"`` drops only fields nobody defines).
 _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "response_format": (None, {"type": "text"}),
     "tools": (None, []),
     "tool_choice": (None, "none"),
     "functions": (None, []),
     "function_call": (None, "none"),
     "prompt_logprobs": (None,),
-    "allowed_token_ids": (None,),
-    "bad_words": (None, []),
     "truncate_prompt_tokens": (None,),
-    "guided_json": (None,),
-    "guided_regex": (None,),
-    "guided_choice": (None,),
-    "guided_grammar": (None,),
-    "structured_outputs": (None,),
 }
 # One field for each, so that a request's value is kept and an error can name it.
 _UNSUPPORTED_FIELDS: dict[str, Any] = {name: (Any, None) for name in _UNSUPPORTED}
 _UnsupportedFields = create_model("_UnsupportedFields", **_UNSUPPORTED_FIELDS)
+
+
+class JsonSchemaFormat(BaseModel):
+    """OpenAI's ``response_format.json_schema``."""
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsRequest(BaseModel):
+    """vLLM's ``structured_outputs`` object: one of its constraints."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+
+# Every way a request can ask for structured outputs; at most one may be used.
+_STRUCTURED_FIELDS = (
+    "response_format",
+    "structured_outputs",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+)
 
 
 class _SamplingRequest(_UnsupportedFields):
@@ -86,7 +117,15 @@ class _SamplingRequest(_UnsupportedFields):
     stream_options: StreamOptions | None = None
     user: str | None = None
     logit_bias: dict[str, float] | None = None
+    response_format: ResponseFormat | None = None
     # vLLM extras
+    structured_outputs: StructuredOutputsRequest | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    allowed_token_ids: list[StrictInt] | None = None
+    bad_words: list[str] | None = None
     top_k: StrictInt | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
@@ -106,8 +145,6 @@ class _SamplingRequest(_UnsupportedFields):
     ) -> SamplingParams:
         """Raises ValueError naming the field for invalid values. ``defaults``: what the
         checkpoint recommends for the sampling fields the request leaves unset."""
-        if self.logit_bias:
-            raise ValueError("logit_bias is not supported")
         for name, asks_nothing in _UNSUPPORTED.items():
             if getattr(self, name) not in asks_nothing:
                 raise ValueError(f"{name} is not supported by this server")
@@ -132,7 +169,63 @@ class _SamplingRequest(_UnsupportedFields):
             prompt_logprobs=prompt_logprobs,
             include_stop_str_in_output=bool(self.include_stop_str_in_output),
             skip_special_tokens=_or(self.skip_special_tokens, True),
+            logit_bias=_logit_bias(self.logit_bias),
+            allowed_token_ids=self.allowed_token_ids,
+            bad_words=list(self.bad_words or []),
+            structured_outputs=self._structured_outputs(),
         )
+
+    def _structured_outputs(self) -> StructuredOutputs | None:
+        """The one structured-output constraint the request asks for, checked to compile
+        (a 400 naming the field it came from)."""
+        used = [n for n in _STRUCTURED_FIELDS if getattr(self, n) is not None]
+        rf = self.response_format
+        if rf is not None and rf.type == "text":
+            used.remove("response_format")
+        if len(used) > 1:
+            raise ValueError(f"{used[1]}: only one of {', '.join(used)} may be set")
+        if not used:
+            return None
+        field = used[0]
+        try:
+            spec = self._spec(field)
+        except ValueError as e:
+            msg = str(e)
+            raise ValueError(msg if msg.startswith(field) else f"{field}: {msg}") from None
+        check_spec(spec, field)
+        return spec
+
+    def _spec(self, field: str) -> StructuredOutputs:
+        match field:
+            case "response_format":
+                rf = self.response_format
+                assert rf is not None
+                if rf.type == "json_object":
+                    return StructuredOutputs(json_object=True)
+                if rf.json_schema is None or rf.json_schema.schema_ is None:
+                    raise ValueError(
+                        "response_format.json_schema.schema is required for type json_schema"
+                    )
+                return StructuredOutputs(json=rf.json_schema.schema_)
+            case "structured_outputs":
+                so = self.structured_outputs
+                assert so is not None
+                return StructuredOutputs(
+                    json=so.json_,
+                    json_object=bool(so.json_object),
+                    regex=so.regex,
+                    choice=so.choice,
+                    grammar=so.grammar,
+                )
+            case "guided_json":
+                return StructuredOutputs(json=self.guided_json)
+            case "guided_regex":
+                return StructuredOutputs(regex=self.guided_regex)
+            case "guided_choice":
+                return StructuredOutputs(choice=self.guided_choice)
+            case "guided_grammar":
+                return StructuredOutputs(grammar=self.guided_grammar)
+        raise AssertionError(field)
 
     @property
     def include_usage(self) -> bool:
@@ -227,6 +320,19 @@ class ChatCompletionRequest(_SamplingRequest):
 
 def _or(value: Any, default: Any) -> Any:
     return default if value is None else value
+
+
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI's JSON object of token id (a string) -> bias, keyed by int."""
+    if not bias:
+        return None
+    out = {}
+    for key, value in bias.items():
+        try:
+            out[int(key)] = value
+        except ValueError:
+            raise ValueError(f"logit_bias: key {key!r} is not a token id") from None
+    return out
 
 
 def _stop_list(stop: str | list[str] | None) -> list[str]:

@@ -9,7 +9,8 @@ API (the model runner calls these once per step)::
     process_logits(logits, meta) -> [N, V] float32    # everything before the draw
 
 Order of processing (as in vLLM):
-min_tokens masking -> repetition / frequency / presence penalties -> (greedy rows take
+grammar bitmask (structured outputs) -> allowed_token_ids -> bad words -> min_tokens
+masking -> logit_bias -> repetition / frequency / presence penalties -> (greedy rows take
 their argmax here) -> temperature -> min_p -> top_k -> top_p -> draw. (transformers
 applies min_p last; the two orders keep different tokens only with min_p and top_p both
 set, and an OpenAI-style server answers as vLLM does.)
@@ -53,6 +54,9 @@ class RowInfo:
     # Generated so far; its length is the output position of the token sampled now.
     output_token_ids: list[int] = field(default_factory=list)
     eos_token_id: int | None = None
+    # The tokens its grammar allows now (structured outputs): [ceil(V / 32)] int32 as
+    # little-endian bytes, bit t % 32 of word t // 32 = token t (the scheduler's).
+    grammar_bitmask: bytes | None = None
 
 
 @dataclass
@@ -90,11 +94,17 @@ class SamplingMetadata:
     min_tokens_rows: list[int]
     min_tokens_ids: list[int]
     num_logprobs: list[int | None]  # per row: params.logprobs
+    masks: MaskMetadata | None = None  # None when no row has a mask or a bias
 
     @property
     def fast_greedy(self) -> bool:
         """Plain argmax of the raw logits is the whole answer."""
-        return self.all_greedy and self.penalties is None and not self.min_tokens_rows
+        return (
+            self.all_greedy
+            and self.penalties is None
+            and not self.min_tokens_rows
+            and self.masks is None
+        )
 
     @classmethod
     def build(cls, rows: list[RowInfo], device: torch.device | str) -> SamplingMetadata:
@@ -141,7 +151,80 @@ class SamplingMetadata:
             min_tokens_rows=mt_rows,
             min_tokens_ids=mt_ids,
             num_logprobs=[p.logprobs for p in params],
+            masks=MaskMetadata.build(rows, device),
         )
+
+
+@dataclass
+class MaskMetadata:
+    """The rows' token masks and biases; each part is None (or empty) when no row has it."""
+
+    bitmask_rows: Tensor | None  # [G] int64, rows with a grammar
+    bitmask: Tensor | None  # [G, ceil(V / 32)] int32, their allowed tokens, packed
+    allowed_rows: Tensor | None  # [A] int64, rows with allowed_token_ids
+    allowed_pairs: Tensor | None  # [P, 2] int64 (index into allowed_rows, token id)
+    banned_rows: list[int]  # (row, token) pairs a bad word bans now
+    banned_ids: list[int]
+    bias_rows: list[int]  # (row, token, bias) triples of logit_bias
+    bias_ids: list[int]
+    bias_values: list[float]
+
+    @classmethod
+    def build(cls, rows: list[RowInfo], device: torch.device | str) -> MaskMetadata | None:
+        if not any(r.params.needs_logits_masks or r.grammar_bitmask is not None for r in rows):
+            return None
+        grammar = [i for i, r in enumerate(rows) if r.grammar_bitmask is not None]
+        bitmask_rows = bitmask = None
+        if grammar:
+            words = [torch.frombuffer(bytearray(rows[i].grammar_bitmask), dtype=torch.int32)
+                     for i in grammar]  # fmt: skip
+            bitmask = torch.stack(words).to(device, non_blocking=True)
+            bitmask_rows = torch.tensor(grammar, dtype=torch.int64).to(device, non_blocking=True)
+        allowed = [i for i, r in enumerate(rows) if r.params.allowed_token_ids is not None]
+        allowed_rows = allowed_pairs = None
+        if allowed:
+            pairs = [(j, t) for j, i in enumerate(allowed)
+                     for t in rows[i].params.allowed_token_ids or ()]  # fmt: skip
+            allowed_rows = torch.tensor(allowed, dtype=torch.int64).to(device, non_blocking=True)
+            allowed_pairs = torch.tensor(pairs, dtype=torch.int64).reshape(-1, 2).to(device)
+        banned_rows: list[int] = []
+        banned_ids: list[int] = []
+        for i, r in enumerate(rows):
+            for t in banned_by_bad_words(r.params.bad_words_token_ids, r.output_token_ids):
+                banned_rows.append(i)
+                banned_ids.append(t)
+        bias_rows: list[int] = []
+        bias_ids: list[int] = []
+        bias_values: list[float] = []
+        for i, r in enumerate(rows):
+            for t, b in (r.params.logit_bias or {}).items():
+                bias_rows.append(i)
+                bias_ids.append(t)
+                bias_values.append(b)
+        return cls(
+            bitmask_rows=bitmask_rows,
+            bitmask=bitmask,
+            allowed_rows=allowed_rows,
+            allowed_pairs=allowed_pairs,
+            banned_rows=banned_rows,
+            banned_ids=banned_ids,
+            bias_rows=bias_rows,
+            bias_ids=bias_ids,
+            bias_values=bias_values,
+        )
+
+
+def banned_by_bad_words(words: list[list[int]], output_token_ids: list[int]) -> list[int]:
+    """vLLM's rule: a word's last token is banned when the output so far ends with the
+    word's other tokens (a one-token word is always banned)."""
+    out: list[int] = []
+    for w in words:
+        prefix = w[:-1]
+        if not prefix or (
+            len(output_token_ids) >= len(prefix) and output_token_ids[-len(prefix) :] == prefix
+        ):
+            out.append(w[-1])
+    return out
 
 
 _MASK64 = (1 << 64) - 1
@@ -229,7 +312,9 @@ class Sampler:
 
 def _sample(logits: Tensor, meta: SamplingMetadata) -> Tensor:
     x = logits.clone()
+    apply_masks(x, meta.masks)
     apply_min_tokens(x, meta)
+    apply_logit_bias(x, meta.masks)
     apply_penalties(x, meta)
     if meta.all_greedy:
         return x.argmax(dim=-1)
@@ -243,9 +328,66 @@ def process_logits(logits: Tensor, meta: SamplingMetadata) -> Tensor:
     """All processing before the draw, on a copy: [N, V] float32 whose softmax is the
     distribution sampled rows draw from (greedy rows: argmax of this)."""
     x = logits.clone()
+    apply_masks(x, meta.masks)
     apply_min_tokens(x, meta)
+    apply_logit_bias(x, meta.masks)
     apply_penalties(x, meta)
     return apply_warpers(x, meta)
+
+
+def apply_masks(x: Tensor, masks: MaskMetadata | None) -> None:
+    """In place: -inf for the tokens a row's grammar, allowed_token_ids or bad words rule out."""
+    if masks is None:
+        return
+    if masks.bitmask is not None and masks.bitmask_rows is not None:
+        apply_token_bitmask(x, masks.bitmask_rows, masks.bitmask)
+    vocab = x.shape[1]
+    if masks.allowed_rows is not None and masks.allowed_pairs is not None:
+        pairs = masks.allowed_pairs
+        pairs = pairs[pairs[:, 1] < vocab]  # ids beyond the logits allow nothing
+        keep = torch.zeros(masks.allowed_rows.shape[0], vocab, dtype=torch.bool, device=x.device)
+        keep[pairs[:, 0], pairs[:, 1]] = True
+        sub = x.index_select(0, masks.allowed_rows).masked_fill_(~keep, _NEG_INF)
+        x.index_copy_(0, masks.allowed_rows, sub)
+    _set_pairs(x, masks.banned_rows, masks.banned_ids, _NEG_INF)
+
+
+def apply_token_bitmask(x: Tensor, rows: Tensor, bitmask: Tensor) -> None:
+    """In place: rows ``rows`` ([G] int64) of ``x`` ([N, V]) keep only the tokens whose
+    bit is set in ``bitmask`` ([G, ceil(V / 32)] int32). Plain torch, any device."""
+    vocab = x.shape[1]
+    shifts = torch.arange(32, dtype=torch.int32, device=x.device)  # [32]
+    # An arithmetic shift of a negative word still leaves its bit b in bit 0.
+    bits = (bitmask[:, :, None] >> shifts) & 1  # [G, W, 32]
+    allowed = bits.flatten(1)[:, :vocab].bool()  # [G, V]
+    sub = x.index_select(0, rows).masked_fill_(~allowed, _NEG_INF)
+    x.index_copy_(0, rows, sub)
+
+
+def apply_logit_bias(x: Tensor, masks: MaskMetadata | None) -> None:
+    """In place: add each row's logit_bias (ids beyond the logits are ignored)."""
+    if masks is None or not masks.bias_rows:
+        return
+    vocab = x.shape[1]
+    triples = [
+        (r, t, b)
+        for r, t, b in zip(masks.bias_rows, masks.bias_ids, masks.bias_values)
+        if t < vocab
+    ]
+    if not triples:
+        return
+    idx = torch.tensor([(r, t) for r, t, _ in triples], dtype=torch.int64).to(x.device)  # [P, 2]
+    bias = torch.tensor([b for _, _, b in triples], dtype=x.dtype).to(x.device)  # [P]
+    x.index_put_((idx[:, 0], idx[:, 1]), bias, accumulate=True)
+
+
+def _set_pairs(x: Tensor, rows: list[int], ids: list[int], value: float) -> None:
+    vocab = x.shape[1]
+    pairs = [(r, t) for r, t in zip(rows, ids) if t < vocab]
+    if not pairs:
+        return
+    idx = torch.tensor(pairs, dtype=torch.int64).to(x.device, non_blocking=True)  # [P, 2]
+    x[idx[:, 0], idx[:, 1]] = value
 
 
 def apply_min_tokens(x: Tensor, meta: SamplingMetadata) -> None:

@@ -117,3 +117,5 @@ class StepInput(msgspec.Struct, array_like=True, omit_defaults=True):
     new_requests: list[WorkerRequest] = []
     chunks: list[WorkerChunk] = []
     forget: list[str] = []  # requests the workers drop (finished, aborted, replaced)
+    # The scheduler's grammar bitmasks of this step (``SchedulerOutput.grammar_bitmask``).
+    grammar_bitmask: dict[str, bytes] = {}

@@ -1,0 +1,302 @@
+"""Structured outputs with xgrammar (docs/architecture.md#structured-outputs).
+
+- ``check_spec(spec, field)``: parses a ``StructuredOutputs`` into a grammar without the
+  tokenizer (cheap, memoised): the frontend's 400 naming ``field``, and the engine's re-check.
+- ``GrammarBackend``: compiles grammars against the model's vocabulary on a thread pool,
+  one ``Future`` per spec in an LRU cache (equal specs share one compile). Nothing here
+  blocks the busy loop: the first request also loads the tokenizer on that pool.
+- ``RequestGrammar``: one request's matcher. It is kept equal to the request's output
+  tokens (``sync``): advanced with each accepted token, rolled back or replayed when they
+  differ (a resumed request's carried-over outputs, a preempted one's).
+
+Bitmasks are ``[ceil(V / 32)] int32`` rows (bit ``t % 32`` of word ``t // 32`` set: token
+``t`` allowed), as xgrammar fills them; the scheduler ships them to the sampler as bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import msgspec
+
+from tidal.sampling_params import StructuredOutputs
+
+logger = logging.getLogger(__name__)
+
+# Compiled grammars kept (their matchers' tables are shared); a spec past this is compiled
+# again when it comes back.
+_CACHE_SIZE = 256
+# JSON without free whitespace: a model cannot pad it forever, and the text is the same
+# as json.dumps' (", " and ": " separators).
+_ANY_WHITESPACE = False
+
+
+def bitmask_words(vocab_size: int) -> int:
+    """int32 words of one bitmask row."""
+    return (vocab_size + 31) // 32
+
+
+def spec_key(spec: StructuredOutputs) -> bytes:
+    """The cache key of a spec: its wire form (equal specs, equal bytes)."""
+    return msgspec.msgpack.encode(spec)
+
+
+# Keys of specs known to parse; a failing spec is not remembered (its error is re-raised).
+_checked_keys: OrderedDict[bytes, None] = OrderedDict()
+_checked_lock = threading.Lock()
+
+
+def check_spec(spec: StructuredOutputs, field: str = "structured_outputs") -> None:
+    """ValueError naming ``field`` when the schema, regex or grammar does not parse."""
+    key = spec_key(spec)
+    with _checked_lock:
+        if key in _checked_keys:
+            _checked_keys.move_to_end(key)
+            return
+    try:
+        _grammar(spec)
+    except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError for each kind
+        raise ValueError(f"{field}: {_describe(spec)} does not compile: {_first_line(e)}") from None
+    with _checked_lock:
+        _checked_keys[key] = None
+        while len(_checked_keys) > _CACHE_SIZE:
+            _checked_keys.popitem(last=False)
+
+
+def _grammar(spec: StructuredOutputs) -> Any:
+    """The tokenizer-free xgrammar ``Grammar`` of ``spec``."""
+    import xgrammar as xgr
+
+    match spec.kind:
+        case "json":
+            assert spec.json is not None
+            try:
+                json.loads(spec.json)
+            except ValueError as e:
+                raise ValueError(f"not valid JSON: {e}") from None
+            grammar = xgr.Grammar.from_json_schema(spec.json, any_whitespace=_ANY_WHITESPACE)
+            return _json_strings_without_control_chars(grammar)
+        case "json_object":
+            return xgr.Grammar.from_json_schema(
+                '{"type": "object"}', any_whitespace=_ANY_WHITESPACE
+            )
+        case "regex":
+            return xgr.Grammar.from_regex(spec.regex)
+        case "choice":
+            assert spec.choice is not None
+            # One alternative per choice, each a literal (JSON escapes are EBNF's too).
+            return xgr.Grammar.from_ebnf(
+                "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in spec.choice)
+            )
+        case "grammar":
+            return xgr.Grammar.from_ebnf(spec.grammar)
+        case other:
+            raise AssertionError(f"unknown structured output kind {other!r}")
+
+
+# xgrammar (0.2.9) writes a length-bounded string's characters as this class, which
+# admits the control characters JSON forbids in strings (its unbounded strings exclude
+# them): a model could write a raw U+0002 into a "valid" output no JSON parser takes.
+_LOOSE_STRING_CHAR = r"[^\"\\\r\n]"
+_JSON_STRING_CHAR = r"[^\0-\x1f\"\\]"
+
+
+def _json_strings_without_control_chars(grammar: Any) -> Any:
+    import xgrammar as xgr
+
+    text = str(grammar)
+    if _LOOSE_STRING_CHAR not in text:
+        return grammar
+    return xgr.Grammar.from_ebnf(text.replace(_LOOSE_STRING_CHAR, _JSON_STRING_CHAR))
+
+
+def _describe(spec: StructuredOutputs) -> str:
+    return {
+        "json": "the JSON schema",
+        "json_object": "the JSON object grammar",
+        "regex": "the regex",
+        "choice": "the choice list",
+        "grammar": "the EBNF grammar",
+    }[spec.kind]
+
+
+def _first_line(e: BaseException) -> str:
+    # xgrammar prefixes its messages with a timestamp and a C++ source location.
+    text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return text.split(": ", 1)[1] if text.startswith("[") and ": " in text else text
+
+
+class GrammarBackend:
+    """Compiles specs for one model's vocabulary, off the caller's thread."""
+
+    def __init__(
+        self,
+        tokenizer: str | Any,
+        vocab_size: int,
+        stop_token_ids: Sequence[int],
+        max_workers: int = 1,
+    ) -> None:
+        """``tokenizer``: a Hugging Face tokenizer or its path (loaded on the pool);
+        ``vocab_size``: the model's logits width (may exceed the tokenizer's);
+        ``stop_token_ids``: what ends a complete output (the model's EOS ids)."""
+        self.vocab_size = vocab_size
+        self.words = bitmask_words(vocab_size)
+        self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grammar")
+        self._lock = threading.Lock()
+        self._cache: OrderedDict[bytes, Future[Any]] = OrderedDict()
+        self._tokenizer = tokenizer
+        self._stop_ids = list(stop_token_ids)
+        # Made by the first compile (loading the tokenizer costs an engine that never
+        # sees a structured request nothing).
+        self._compiler: Future[Any] | None = None
+        self.num_compiles = 0  # specs compiled (cache misses), for tests and stats
+
+    def compile(self, spec: StructuredOutputs) -> Future[Any]:
+        """The compiled grammar of ``spec``, shared by equal specs (a done or pending
+        future; a spec that fails to compile is a future raising ValueError)."""
+        key = spec_key(spec)
+        with self._lock:
+            fut = self._cache.get(key)
+            if fut is not None:
+                self._cache.move_to_end(key)
+                return fut
+            if self._compiler is None:
+                self._compiler = self._pool.submit(
+                    _make_compiler, self._tokenizer, self.vocab_size, self._stop_ids
+                )
+            fut = self._pool.submit(self._compile, self._compiler, spec)
+            self._cache[key] = fut
+            self.num_compiles += 1
+            while len(self._cache) > _CACHE_SIZE:
+                self._cache.popitem(last=False)
+            return fut
+
+    @staticmethod
+    def _compile(compiler_future: Future[Any], spec: StructuredOutputs) -> Any:
+        compiler = compiler_future.result()
+        try:
+            return compiler.compile_grammar(_grammar(spec))
+        except Exception as e:  # noqa: BLE001 - any failure is this spec's
+            raise ValueError(f"{_describe(spec)} does not compile: {_first_line(e)}") from None
+
+    def request_grammar(
+        self, spec: StructuredOutputs, stop_token_ids: Sequence[int] = ()
+    ) -> RequestGrammar:
+        """A matcher for one request; ``stop_token_ids``: the tokens that end that request
+        (its EOS and stop ids), the only ones its grammar allows once complete. Empty: the
+        backend's (the model's EOS ids)."""
+        return RequestGrammar(self.compile(spec), self.words, stop_token_ids)
+
+    def bitmasks(self, grammars: Sequence[RequestGrammar]) -> list[bytes | str]:
+        """Each grammar's next-token bitmask row as bytes (``[words]`` int32), or the
+        error (a str) of a grammar that cannot say what comes next."""
+        import xgrammar as xgr
+
+        buf = xgr.allocate_token_bitmask(len(grammars), self.vocab_size)  # [B, words] int32
+        errors: dict[int, str] = {}
+        for i, g in enumerate(grammars):
+            try:
+                g.fill_bitmask(buf, i)
+            except Exception as e:  # noqa: BLE001 - this request's grammar, not the step's
+                errors[i] = _first_line(e)
+        raw = buf.numpy().tobytes()
+        width = self.words * 4
+        return [errors.get(i, raw[i * width : (i + 1) * width]) for i in range(len(grammars))]
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _make_compiler(tokenizer: str | Any, vocab_size: int, stop_ids: list[int]) -> Any:
+    import xgrammar as xgr
+
+    if isinstance(tokenizer, str):
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer)
+    info = xgr.TokenizerInfo.from_huggingface(
+        tokenizer, vocab_size=vocab_size, stop_token_ids=stop_ids or None
+    )
+    return xgr.GrammarCompiler(info, max_threads=1)
+
+
+class RequestGrammar:
+    """One request's grammar state: the compile future, then a matcher that has accepted
+    exactly ``accepted`` (the request's output tokens, once ``sync``ed)."""
+
+    def __init__(
+        self, compiled: Future[Any], words: int, stop_token_ids: Sequence[int] = ()
+    ) -> None:
+        self._compiled = compiled
+        self._words = words
+        self._stop_ids = list(stop_token_ids) or None
+        self._matcher: Any = None
+        self.accepted: list[int] = []
+
+    @property
+    def ready(self) -> bool:
+        """The compile finished (successfully or not): the request may be scheduled."""
+        return self._compiled.done()
+
+    @property
+    def error(self) -> str | None:
+        """Why the grammar cannot be used (only once ``ready``)."""
+        e = self._compiled.exception() if self._compiled.done() else None
+        return None if e is None else str(e)
+
+    def _matcher_now(self) -> Any:
+        if self._matcher is None:
+            import xgrammar as xgr
+
+            self._matcher = xgr.GrammarMatcher(
+                self._compiled.result(), override_stop_tokens=self._stop_ids
+            )
+        return self._matcher
+
+    def accept(self, token: int) -> bool:
+        """Advance by one sampled token; False (state unchanged) if the grammar refuses it."""
+        if not self._matcher_now().accept_token(token):
+            return False
+        self.accepted.append(token)
+        return True
+
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last ``num_tokens`` accepted tokens."""
+        if num_tokens <= 0:
+            return
+        if num_tokens > len(self.accepted):
+            raise ValueError(f"cannot roll back {num_tokens} of {len(self.accepted)} tokens")
+        self._matcher_now().rollback(num_tokens)
+        del self.accepted[-num_tokens:]
+
+    def sync(self, output_token_ids: Sequence[int]) -> bool:
+        """Make the matcher's history ``output_token_ids``: roll back to the common
+        prefix, then replay the rest. False if the grammar refuses one of them (the
+        matcher then holds the longest accepted prefix)."""
+        acc = self.accepted
+        if len(acc) == len(output_token_ids) and acc == list(output_token_ids):
+            return True
+        common = 0
+        for a, b in zip(acc, output_token_ids):
+            if a != b:
+                break
+            common += 1
+        self.rollback(len(acc) - common)
+        return all(self.accept(t) for t in output_token_ids[common:])
+
+    def fill_bitmask(self, out: Any, row: int) -> None:
+        """Write the allowed next tokens into row ``row`` of ``out`` ([B, words] int32).
+        ValueError once the grammar has accepted its end (nothing may follow it)."""
+        if self.is_terminated:
+            raise ValueError("the output is complete but the request did not end")
+        self._matcher_now().fill_next_token_bitmask(out, row)
+
+    @property
+    def is_terminated(self) -> bool:
+        return self._matcher is not None and self._matcher.is_terminated()
