@@ -63,12 +63,8 @@ class StructuredOutputs(msgspec.Struct, omit_defaults=True, array_like=True, fro
 
     def __post_init__(self) -> None:
         if self.json is not None and not isinstance(self.json, str):
-            # A dict (or pydantic's schema) from the Python API: its canonical text.
-            try:
-                text = json.dumps(self.json, sort_keys=True, allow_nan=False)
-            except (TypeError, ValueError) as e:
-                raise ValueError(f"structured_outputs.json: not a JSON schema: {e}") from None
-            msgspec.structs.force_setattr(self, "json", text)
+            # A dict from the Python API (documented as text, accepted as a schema object).
+            msgspec.structs.force_setattr(self, "json", json_schema_text(self.json))
         if self.choice is not None:
             if isinstance(self.choice, (str, bytes)) or not isinstance(self.choice, (list, tuple)):
                 raise ValueError("structured_outputs.choice must be a list of strings")
@@ -98,6 +94,17 @@ class StructuredOutputs(msgspec.Struct, omit_defaults=True, array_like=True, fro
         return next(
             n for n in ("json", "regex", "choice", "grammar") if getattr(self, n) is not None
         )
+
+
+def json_schema_text(schema: str | dict[str, Any]) -> str:
+    """A JSON schema as ``StructuredOutputs.json`` holds it: text as given, an object
+    serialised with sorted keys (equal schemas, one cache entry)."""
+    if isinstance(schema, str):
+        return schema
+    try:
+        return json.dumps(schema, sort_keys=True, allow_nan=False)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"structured_outputs.json: not a JSON schema: {e}") from None
 
 
 class SamplingParams(msgspec.Struct, omit_defaults=True, array_like=True):

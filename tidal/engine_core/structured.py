@@ -87,6 +87,7 @@ def _grammar(spec: StructuredOutputs) -> Any:
                 '{"type": "object"}', any_whitespace=_ANY_WHITESPACE
             )
         case "regex":
+            assert spec.regex is not None
             return xgr.Grammar.from_regex(spec.regex)
         case "choice":
             assert spec.choice is not None
@@ -95,6 +96,7 @@ def _grammar(spec: StructuredOutputs) -> Any:
                 "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in spec.choice)
             )
         case "grammar":
+            assert spec.grammar is not None
             return xgr.Grammar.from_ebnf(spec.grammar)
         case other:
             raise AssertionError(f"unknown structured output kind {other!r}")
@@ -213,7 +215,8 @@ class GrammarBackend:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
-def _make_compiler(tokenizer: str | Any, vocab_size: int, stop_ids: list[int]) -> Any:
+def _make_compiler(tokenizer: Any, vocab_size: int, stop_ids: list[int]) -> Any:
+    """``tokenizer``: a Hugging Face tokenizer, or the path to load one from."""
     import xgrammar as xgr
 
     if isinstance(tokenizer, str):

@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, create_model
 
 from tidal.engine_core.structured import check_spec
 from tidal.frontend.outputs import Logprob
-from tidal.sampling_params import SamplingParams, StructuredOutputs
+from tidal.sampling_params import SamplingParams, StructuredOutputs, json_schema_text
 
 # Logprobs of -inf (masked tokens) are not valid JSON; clamp them like OpenAI does.
 _MIN_LOGPROB = -9999.0
@@ -206,19 +206,20 @@ class _SamplingRequest(_UnsupportedFields):
                     raise ValueError(
                         "response_format.json_schema.schema is required for type json_schema"
                     )
-                return StructuredOutputs(json=rf.json_schema.schema_)
+                return StructuredOutputs(json=json_schema_text(rf.json_schema.schema_))
             case "structured_outputs":
                 so = self.structured_outputs
                 assert so is not None
                 return StructuredOutputs(
-                    json=so.json_,
+                    json=None if so.json_ is None else json_schema_text(so.json_),
                     json_object=bool(so.json_object),
                     regex=so.regex,
                     choice=so.choice,
                     grammar=so.grammar,
                 )
             case "guided_json":
-                return StructuredOutputs(json=self.guided_json)
+                assert self.guided_json is not None
+                return StructuredOutputs(json=json_schema_text(self.guided_json))
             case "guided_regex":
                 return StructuredOutputs(regex=self.guided_regex)
             case "guided_choice":

@@ -173,11 +173,12 @@ class MaskMetadata:
     def build(cls, rows: list[RowInfo], device: torch.device | str) -> MaskMetadata | None:
         if not any(r.params.needs_logits_masks or r.grammar_bitmask is not None for r in rows):
             return None
-        grammar = [i for i, r in enumerate(rows) if r.grammar_bitmask is not None]
+        masked = [(i, r.grammar_bitmask) for i, r in enumerate(rows) if r.grammar_bitmask]
+        grammar = [i for i, _ in masked]
         bitmask_rows = bitmask = None
-        if grammar:
-            words = [torch.frombuffer(bytearray(rows[i].grammar_bitmask), dtype=torch.int32)
-                     for i in grammar]  # fmt: skip
+        if masked:
+            # [G, words] int32 (bytearray: frombuffer wants a writable buffer)
+            words = [torch.frombuffer(bytearray(m), dtype=torch.int32) for _, m in masked]
             bitmask = torch.stack(words).to(device, non_blocking=True)
             bitmask_rows = torch.tensor(grammar, dtype=torch.int64).to(device, non_blocking=True)
         allowed = [i for i, r in enumerate(rows) if r.params.allowed_token_ids is not None]
