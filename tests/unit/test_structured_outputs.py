@@ -80,18 +80,20 @@ def _pack(allowed: set[int], vocab: int) -> bytes:
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_token_bitmask_matches_a_python_reference(device):
+@pytest.mark.parametrize("rows", [[0, 2, 4], None], ids=["some-rows", "every-row"])
+def test_token_bitmask_matches_a_python_reference(device, rows):
     gen = torch.Generator().manual_seed(0)
     vocab, n = 100, 5  # not a multiple of 32: the last word's high bits are beyond the vocab
     logits = torch.randn(n, vocab, generator=gen)
     words = bitmask_words(vocab)
-    bitmask = torch.randint(-(2**31), 2**31, (3, words), generator=gen, dtype=torch.int64)
+    g = n if rows is None else len(rows)
+    bitmask = torch.randint(-(2**31), 2**31, (g, words), generator=gen, dtype=torch.int64)
     bitmask = bitmask.to(torch.int32)  # bit 31 (the sign) set in about half the words
-    rows = [0, 2, 4]
     x = logits.clone().to(device)
-    apply_token_bitmask(x, torch.tensor(rows, device=device), bitmask.to(device))
+    index = None if rows is None else torch.tensor(rows, device=device)
+    apply_token_bitmask(x, index, bitmask.to(device))
     expected = logits.clone()
-    for j, r in enumerate(rows):
+    for j, r in enumerate(range(n) if rows is None else rows):
         for t in range(vocab):
             word = int(bitmask[j, t // 32]) & 0xFFFFFFFF
             if not word >> (t % 32) & 1:

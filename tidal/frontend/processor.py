@@ -154,8 +154,13 @@ class InputProcessor:
         bad = next((t for t in params.stop_token_ids if t >= vocab), None)
         if bad is not None:
             raise ValueError(f"stop_token_ids: {bad} is out of range for vocab size {vocab}")
-        for name in ("allowed_token_ids", "logit_bias"):
-            bad = next((t for t in getattr(params, name) or () if t >= vocab), None)
+        id_fields = {
+            "allowed_token_ids": params.allowed_token_ids or (),
+            "logit_bias": params.logit_bias or (),
+            "bad_words_token_ids": [t for w in params.bad_words_token_ids for t in w],
+        }
+        for name, ids in id_fields.items():
+            bad = next((t for t in ids if t >= vocab), None)
             if bad is not None:
                 raise ValueError(f"{name}: token id {bad} is out of range for vocab size {vocab}")
         if params.structured_outputs is not None:

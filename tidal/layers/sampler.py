@@ -159,7 +159,7 @@ class SamplingMetadata:
 class MaskMetadata:
     """The rows' token masks and biases; each part is None (or empty) when no row has it."""
 
-    bitmask_rows: Tensor | None  # [G] int64, rows with a grammar
+    bitmask_rows: Tensor | None  # [G] int64, rows with a grammar; None: every row has one
     bitmask: Tensor | None  # [G, ceil(V / 32)] int32, their allowed tokens, packed
     allowed_rows: Tensor | None  # [A] int64, rows with allowed_token_ids
     allowed_pairs: Tensor | None  # [P, 2] int64 (index into allowed_rows, token id)
@@ -180,7 +180,8 @@ class MaskMetadata:
             # [G, words] int32 (bytearray: frombuffer wants a writable buffer)
             words = [torch.frombuffer(bytearray(m), dtype=torch.int32) for _, m in masked]
             bitmask = torch.stack(words).to(device, non_blocking=True)
-            bitmask_rows = torch.tensor(grammar, dtype=torch.int64).to(device, non_blocking=True)
+            if len(grammar) < len(rows):
+                bitmask_rows = torch.tensor(grammar, dtype=torch.int64).to(device)
         allowed = [i for i, r in enumerate(rows) if r.params.allowed_token_ids is not None]
         allowed_rows = allowed_pairs = None
         if allowed:
@@ -340,7 +341,7 @@ def apply_masks(x: Tensor, masks: MaskMetadata | None) -> None:
     """In place: -inf for the tokens a row's grammar, allowed_token_ids or bad words rule out."""
     if masks is None:
         return
-    if masks.bitmask is not None and masks.bitmask_rows is not None:
+    if masks.bitmask is not None:
         apply_token_bitmask(x, masks.bitmask_rows, masks.bitmask)
     vocab = x.shape[1]
     if masks.allowed_rows is not None and masks.allowed_pairs is not None:
@@ -353,15 +354,20 @@ def apply_masks(x: Tensor, masks: MaskMetadata | None) -> None:
     _set_pairs(x, masks.banned_rows, masks.banned_ids, _NEG_INF)
 
 
-def apply_token_bitmask(x: Tensor, rows: Tensor, bitmask: Tensor) -> None:
-    """In place: rows ``rows`` ([G] int64) of ``x`` ([N, V]) keep only the tokens whose
-    bit is set in ``bitmask`` ([G, ceil(V / 32)] int32). Plain torch, any device."""
+def apply_token_bitmask(x: Tensor, rows: Tensor | None, bitmask: Tensor) -> None:
+    """In place: rows ``rows`` ([G] int64; None = every row, G = N) of ``x`` ([N, V]) keep
+    only the tokens whose bit is set in ``bitmask`` ([G, ceil(V / 32)] int32). Plain
+    torch, any device."""
     vocab = x.shape[1]
-    shifts = torch.arange(32, dtype=torch.int32, device=x.device)  # [32]
-    # An arithmetic shift of a negative word still leaves its bit b in bit 0.
-    bits = (bitmask[:, :, None] >> shifts) & 1  # [G, W, 32]
-    allowed = bits.flatten(1)[:, :vocab].bool()  # [G, V]
-    sub = x.index_select(0, rows).masked_fill_(~allowed, _NEG_INF)
+    # Little-endian words (CPUs and GPUs alike): token t is bit t % 8 of byte t // 8, so
+    # the unpacked mask is one byte per token, not one int32.
+    packed = bitmask.contiguous().view(torch.uint8)  # [G, 4 * words]
+    bit = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8).to(x.device)
+    blocked = ((packed[:, :, None] & bit) == 0).flatten(1)[:, :vocab]  # [G, V] bool
+    if rows is None:
+        x.masked_fill_(blocked, _NEG_INF)
+        return
+    sub = x.index_select(0, rows).masked_fill_(blocked, _NEG_INF)
     x.index_copy_(0, rows, sub)
 
 
