@@ -189,6 +189,21 @@ def test_compile_cache_shares_equal_specs(tokenizer):
         b.shutdown()
 
 
+def test_compile_cache_evicts_the_least_recently_used(tokenizer):
+    b = GrammarBackend(tokenizer, VOCAB, [EOS], cache_size=2)
+    try:
+        a, c, d = (StructuredOutputs(regex=r) for r in ("a+", "c+", "d+"))
+        fa = b.compile(a)
+        b.compile(c)
+        assert b.compile(a) is fa  # a is now the most recent
+        b.compile(d)  # evicts c
+        assert b.compile(a) is fa and b.num_compiles == 3
+        b.compile(c)
+        assert b.num_compiles == 4  # compiled again
+    finally:
+        b.shutdown()
+
+
 def test_a_spec_that_does_not_compile_is_an_error_naming_it(backend):
     with pytest.raises(ValueError, match=r"^guided_regex: the regex does not compile"):
         check_spec(StructuredOutputs(regex="a("), "guided_regex")

@@ -29,9 +29,9 @@ from tidal.sampling_params import StructuredOutputs
 
 logger = logging.getLogger(__name__)
 
-# Compiled grammars kept (their matchers' tables are shared); a spec past this is compiled
-# again when it comes back.
-_CACHE_SIZE = 256
+# Compiled grammars kept (their matchers share them; a large vocabulary's token-mask
+# tables can take megabytes each); a spec past this is compiled again when it comes back.
+_CACHE_SIZE = 64
 # JSON without free whitespace: a model cannot pad it forever, and the text is the same
 # as json.dumps' (", " and ": " separators).
 _ANY_WHITESPACE = False
@@ -143,12 +143,14 @@ class GrammarBackend:
         vocab_size: int,
         stop_token_ids: Sequence[int],
         max_workers: int = 1,
+        cache_size: int = _CACHE_SIZE,
     ) -> None:
         """``tokenizer``: a Hugging Face tokenizer or its path (loaded on the pool);
         ``vocab_size``: the model's logits width (may exceed the tokenizer's);
         ``stop_token_ids``: what ends a complete output (the model's EOS ids)."""
         self.vocab_size = vocab_size
         self.words = bitmask_words(vocab_size)
+        self.cache_size = cache_size
         self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grammar")
         self._lock = threading.Lock()
         self._cache: OrderedDict[bytes, Future[Any]] = OrderedDict()
@@ -175,7 +177,7 @@ class GrammarBackend:
             fut = self._pool.submit(self._compile, self._compiler, spec)
             self._cache[key] = fut
             self.num_compiles += 1
-            while len(self._cache) > _CACHE_SIZE:
+            while len(self._cache) > self.cache_size:
                 self._cache.popitem(last=False)
             return fut
 
@@ -226,7 +228,9 @@ def _make_compiler(tokenizer: Any, vocab_size: int, stop_ids: list[int]) -> Any:
     info = xgr.TokenizerInfo.from_huggingface(
         tokenizer, vocab_size=vocab_size, stop_token_ids=stop_ids or None
     )
-    return xgr.GrammarCompiler(info, max_threads=1)
+    # The backend's LRU of futures is the one cache: xgrammar's own would keep a second
+    # copy of every compiled grammar, unbounded.
+    return xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
 
 
 class RequestGrammar:
