@@ -382,6 +382,27 @@ def test_a_resumed_request_replays_its_outputs_and_continues_the_same(backend, t
         assert rest.new_token_ids == tokens[k:] and rest.finish_reason == FinishReason.STOP
 
 
+@pytest.mark.parametrize(
+    ("extra", "end"), [({}, EOS), ({"stop_token_ids": [7]}, None), ({"ignore_eos": True}, EOS)]
+)
+def test_the_grammar_ends_on_the_requests_own_end_tokens(backend, tokenizer, extra, end):
+    """Complete, the grammar allows exactly what ends the request (its EOS and stop ids;
+    with ignore_eos and no stop ids, the model's EOS) and the request stops there."""
+    sched = _sched(backend)
+    sched.add_request(_req("r", StructuredOutputs(choice=["ok"]), **extra))
+    ends: list[list[int]] = []
+
+    def pick(allowed: list[int]) -> int:
+        ends.append(allowed)
+        return max(allowed)
+
+    out = _drive(sched, pick)["r"]
+    assert out.finish_reason == FinishReason.STOP
+    assert ends[-1] == ([EOS, 7] if "stop_token_ids" in extra else [EOS])
+    assert out.new_token_ids[-1] == (end if end is not None else 7)
+    assert tokenizer.decode(out.new_token_ids[:-1]) == "ok"
+
+
 def test_resumed_outputs_the_grammar_refuses_fail_the_request(backend):
     sched = _sched(backend)
     sched.add_request(_req("r", StructuredOutputs(choice=["yes"]), prompt=(5, 6, 7, 300), k=1))

@@ -445,6 +445,13 @@ class Scheduler:
         """Stop rules after appending one token (vLLM order); sets status/stop_reason."""
         sp = req.sampling_params
         last = req.output_token_ids[-1]
+        if req.grammar is not None and req.grammar.is_terminated:
+            # The grammar took its end token (the request's EOS or a stop id; with
+            # ignore_eos and no stop ids, the model's EOS): nothing may follow it.
+            req.status = RequestStatus.FINISHED_STOPPED
+            if last in req.stop_token_ids:
+                req.stop_reason = last
+            return True
         if req.num_output_tokens >= sp.min_tokens:
             if not sp.ignore_eos and req.eos_token_id is not None and last == req.eos_token_id:
                 req.status = RequestStatus.FINISHED_STOPPED
