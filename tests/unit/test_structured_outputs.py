@@ -305,6 +305,7 @@ def _drive(sched: Scheduler, pick=min, limit: int = 400) -> dict[str, EngineCore
                 o.new_token_ids = prev.new_token_ids + o.new_token_ids
             merged[o.request_id] = o
     assert not sched.has_requests()
+    assert sched._num_structured == 0  # counted out, whichever way each left
     return merged
 
 
@@ -334,6 +335,7 @@ def test_a_request_waits_for_its_grammar_and_the_others_pass_it(tokenizer):
         held.shutdown()
     text = tokenizer.decode(merged["s"].new_token_ids, skip_special_tokens=True)
     assert re.fullmatch("ab[0-9]", text) and merged["s"].finish_reason == FinishReason.STOP
+    assert sched._num_structured == 0  # every structured request left
 
 
 def test_a_grammar_that_does_not_compile_fails_its_request_alone(backend):

@@ -99,6 +99,7 @@ class Scheduler:
         # request id -> why its bitmask could not be made in the step just scheduled
         # (the request fails in that step's update).
         self._grammar_errors: dict[str, str] = {}
+        self._num_structured = 0  # unfinished requests with a grammar: 0 skips the bitmasks
 
     # ---- request lifecycle ---------------------------------------------------------
 
@@ -117,6 +118,7 @@ class Scheduler:
             )
             ends += sorted(request.stop_token_ids)
             request.grammar = self.grammars.request_grammar(spec, ends)
+            self._num_structured += 1
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
         self.waiting.append(request)
@@ -206,7 +208,7 @@ class Scheduler:
 
     def _fill_bitmasks(self, out: SchedulerOutput) -> None:
         """The next-token bitmask of every structured request that samples in ``out``."""
-        if self.grammars is None:
+        if self.grammars is None or not self._num_structured:
             return
         todo: list[Request] = []
         for sr in out.scheduled:
@@ -505,6 +507,8 @@ class Scheduler:
         rid = req.request_id
         del self.requests[rid]
         self._prompt_logprobs_sent.pop(rid, None)
+        if req.grammar is not None:
+            self._num_structured -= 1
         self._finished_req_ids.add(rid)
         self._finished_by_client[req.client_index].add(rid)
 
