@@ -37,21 +37,30 @@ PROMPT = [5, 6, 7, 8]
 PARAMS = SamplingParams(
     temperature=0.0, max_tokens=500, structured_outputs=StructuredOutputs(json=SCHEMA)
 )
+# Seeded: the noise is a function of (seed, output position), the mask of the outputs.
+SEEDED = msgspec.structs.replace(PARAMS, temperature=1.0, seed=7)
 
 
 @pytest.fixture(scope="module")
-def reference(qwen3_ckpt) -> list[int]:
+def reference(qwen3_ckpt) -> dict[str, list[int]]:
     llm = LLM(qwen3_ckpt, dtype="float32")
     try:
-        (out,) = llm.generate([{"prompt_token_ids": PROMPT}], PARAMS, use_tqdm=False)
+        outs = llm.generate([{"prompt_token_ids": PROMPT}] * 2, [PARAMS, SEEDED], use_tqdm=False)
     finally:
         llm.shutdown()
-    assert out.outputs[0].finish_reason == "stop"
-    return list(out.outputs[0].token_ids)
+    assert all(o.outputs[0].finish_reason == "stop" for o in outs)
+    return {
+        "greedy": list(outs[0].outputs[0].token_ids),
+        "seeded": list(outs[1].outputs[0].token_ids),
+    }
 
 
-@pytest.mark.parametrize("how", ["scale_down", "kill"])
-def test_structured_request_moves_and_still_validates(qwen3_ckpt, reference, how):
+@pytest.mark.parametrize(
+    ("how", "sampling"), [("scale_down", "greedy"), ("kill", "greedy"), ("scale_down", "seeded")]
+)
+def test_structured_request_moves_and_still_validates(qwen3_ckpt, reference, how, sampling):
+    params = PARAMS if sampling == "greedy" else SEEDED
+
     async def main() -> None:
         llm = _llm(qwen3_ckpt, 2)
         try:
@@ -60,7 +69,7 @@ def test_structured_request_moves_and_still_validates(qwen3_ckpt, reference, how
             streamed = asyncio.Event()
 
             async def run() -> None:
-                gen = llm.generate(ProcessedPrompt(None, PROMPT), PARAMS, "s", data_parallel_rank=1)
+                gen = llm.generate(ProcessedPrompt(None, PROMPT), params, "s", data_parallel_rank=1)
                 async for out in gen:
                     tokens.extend(out.outputs[0].token_ids)
                     text.append(out.outputs[0].text)
@@ -83,7 +92,7 @@ def test_structured_request_moves_and_still_validates(qwen3_ckpt, reference, how
                 assert death["engine_id"] == leaving and death["requests_migrated"] >= 1
             await asyncio.wait_for(task, 300)
             assert len(tokens) > 8 + 1  # it moved mid-generation, then went on
-            assert tokens == reference
+            assert tokens == reference[sampling]
             jsonschema.validate(json.loads("".join(text)), SCHEMA)
             assert leaving not in llm.client.topology.engine_ids
         finally:
@@ -120,4 +129,4 @@ def test_tp_driver_samples_with_the_bitmask(qwen3_ckpt, reference):
         assert finished
     finally:
         core.shutdown()
-    assert tokens == reference
+    assert tokens == reference["greedy"]
