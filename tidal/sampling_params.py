@@ -172,6 +172,9 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, array_like=True):
         # of ``n`` carries them to the engine.
         if len(self.stop_token_ids) > 1:
             self.stop_token_ids = list(dict.fromkeys(self.stop_token_ids))
+        # Likewise an allowed id: the sampler's work per step is the list's length.
+        if self.allowed_token_ids is not None and len(self.allowed_token_ids) > 1:
+            self.allowed_token_ids = list(dict.fromkeys(self.allowed_token_ids))
         if self.top_k == -1:
             self.top_k = 0
         if self.stop and not self.detokenize:

@@ -104,7 +104,7 @@ def test_token_bitmask_matches_a_python_reference(device, rows):
 def test_masks_and_bias_match_a_plain_torch_reference():
     gen = torch.Generator().manual_seed(1)
     vocab = 70
-    logits = torch.randn(4, vocab, generator=gen)
+    logits = torch.randn(5, vocab, generator=gen)
     grammar = {3, 5, 8, 40, 69}
     rows = [
         RowInfo(SamplingParams(temperature=0.0), grammar_bitmask=_pack(grammar, vocab)),
@@ -114,6 +114,7 @@ def test_masks_and_bias_match_a_plain_torch_reference():
             output_token_ids=[4, 10],
         ),
         RowInfo(SamplingParams(temperature=0.0, logit_bias={6: 100.0, 2: -50.5, 900: 3.0})),
+        RowInfo(SamplingParams(temperature=0.0, allowed_token_ids=[69, 0], logit_bias={0: 1.0})),
     ]
     out = process_logits(logits, SamplingMetadata.build(rows, "cpu"))
 
@@ -125,6 +126,8 @@ def test_masks_and_bias_match_a_plain_torch_reference():
     ref[2, 11] = inf  # the output ends with 10
     ref[3, 6] += 100.0
     ref[3, 2] += -50.5
+    ref[4, [t for t in range(vocab) if t not in (0, 69)]] = inf
+    ref[4, 0] += 1.0
     assert torch.equal(out, ref)
     tokens = Sampler()(logits, SamplingMetadata.build(rows, "cpu")).token_ids
     assert tokens.tolist() == ref.argmax(dim=-1).tolist()

@@ -185,10 +185,15 @@ class MaskMetadata:
         allowed = [i for i, r in enumerate(rows) if r.params.allowed_token_ids is not None]
         allowed_rows = allowed_pairs = None
         if allowed:
-            pairs = [(j, t) for j, i in enumerate(allowed)
-                     for t in rows[i].params.allowed_token_ids or ()]  # fmt: skip
+            # Built by torch from each row's id list: a list as long as the vocabulary
+            # costs no per-id Python work each step.
+            ids = [torch.tensor(rows[i].params.allowed_token_ids or (), dtype=torch.int64)
+                   for i in allowed]  # fmt: skip
+            owner = torch.repeat_interleave(
+                torch.arange(len(allowed)), torch.tensor([len(t) for t in ids])
+            )
             allowed_rows = torch.tensor(allowed, dtype=torch.int64).to(device, non_blocking=True)
-            allowed_pairs = torch.tensor(pairs, dtype=torch.int64).reshape(-1, 2).to(device)
+            allowed_pairs = torch.stack([owner, torch.cat(ids)], dim=1).to(device)  # [P, 2]
         banned_rows: list[int] = []
         banned_ids: list[int] = []
         for i, r in enumerate(rows):
