@@ -66,3 +66,7 @@ def test_valid_edges_accepted():
 def test_invalid_field_raises_naming_it(field, value, extra):
     with pytest.raises(ValueError, match=rf"^{field}\b"):
         SamplingParams(**{field: value}, **extra)
+
+
+def test_allowed_token_ids_kept_once_in_order():
+    assert SamplingParams(allowed_token_ids=(3, 3, 1, 3)).allowed_token_ids == [3, 1]
