@@ -33,8 +33,8 @@ from tidal.frontend.async_client import AsyncMPClient
 from tidal.frontend.output_processor import OutputProcessor
 from tidal.frontend.outputs import OutputKind, RequestOutput
 from tidal.frontend.processor import InputProcessor, ProcessedPrompt, load_tokenizer
-from tidal.frontend.scaling.scale_driver import ScaleDriver
-from tidal.frontend.scaling.scale_records import ScaleTimeouts, fault_summary
+from tidal.frontend.scaling.scale_driver import ScaleDriver, fault_status
+from tidal.frontend.scaling.scale_records import ScaleTimeouts
 from tidal.protocol.errors import EngineDeadError
 from tidal.protocol.messages import DPCoordinatorStats, EngineCoreOutputs
 from tidal.sampling_params import SamplingParams
@@ -275,22 +275,8 @@ class AsyncLLM:
         return [] if self._scale_driver is None else self._scale_driver.history()
 
     def fault_status(self) -> dict[str, Any]:
-        """Rank deaths and their recoveries (docs/architecture.md#faults), for ``/health``, ``/stats``
-        and the metrics: ``degraded`` (why it serves below full health, or None),
-        ``rank_deaths``, ``recovered``, ``recovery_s_last``, ``dead``, ``failed_groups``
-        and ``deaths`` (one record each: engine, epoch, when, cause, requests migrated,
-        the recovery operation and how long it took). ``serving``: live members."""
-        driver = self._scale_driver
-        if driver is None:
-            status = fault_summary()
-            serving = 0 if self.is_dead else self.client.topology.size
-        else:
-            status = driver.controller.faults()
-            serving = 0 if self.is_dead else len(driver.controller.live_members)
-        status["serving_engines"] = serving
-        coordinator = getattr(self.client, "coordinator", None)
-        status["coordinator_restarts"] = getattr(coordinator, "restarts", 0)
-        return status
+        """Rank deaths and their recoveries (``scale_driver.fault_status`` lists the keys)."""
+        return fault_status(self.client, self._scale_driver)
 
     def add_scale_listener(self, listener: Callable[[dict[str, Any]], None]) -> None:
         """``listener(record)`` on the event loop each time an operation ends (and again if

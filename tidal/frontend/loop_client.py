@@ -26,8 +26,8 @@ from typing import Any, TypeVar
 from tidal.config import EngineConfig
 from tidal.frontend.async_client import UTILITY_TIMEOUT_S, AsyncMPClient
 from tidal.frontend.core_client import EngineCoreClient
-from tidal.frontend.scaling.scale_driver import ScaleDriver
-from tidal.frontend.scaling.scale_records import ScaleTimeouts, fault_summary
+from tidal.frontend.scaling.scale_driver import ScaleDriver, fault_status
+from tidal.frontend.scaling.scale_records import ScaleTimeouts
 from tidal.protocol.errors import EngineDeadError
 from tidal.protocol.messages import EngineCoreOutputs, EngineCoreRequest
 
@@ -138,10 +138,8 @@ class LoopThreadClient(EngineCoreClient):
         return self.client.dropped
 
     def fault_status(self) -> dict[str, Any]:
-        """Rank deaths and their recoveries (as ``AsyncLLM.fault_status``: none recorded
-        where no scale driver runs)."""
-        driver = self.driver
-        return fault_summary() if driver is None else self.call_on_loop(driver.controller.faults)
+        """Rank deaths and their recoveries, as ``AsyncLLM.fault_status`` reports them."""
+        return self.call_on_loop(lambda: fault_status(self.client, self.driver))
 
     def scaling_history(self) -> list[dict[str, Any]]:
         driver = self.driver

@@ -69,6 +69,7 @@ from tidal.frontend.scaling.scale_records import (
     ScaleRequest,
     ScaleResponse,
     ScaleTimeouts,
+    fault_summary,
 )
 from tidal.models.registry import get_model_class
 from tidal.protocol.elastic import ScaleMessage, ScaleReport
@@ -566,3 +567,22 @@ class ScaleDriver:
                 del self._stores[op_id]
                 self._current_store = store
                 return
+
+
+def fault_status(client: ScaleClient, driver: ScaleDriver | None) -> dict[str, Any]:
+    """Rank deaths and their recoveries (docs/architecture.md#faults), for ``/health``,
+    ``/stats``, the metrics and ``LLM``: ``degraded`` (why it serves below full health, or
+    None), ``rank_deaths``, ``recovered``, ``recovery_s_last``, ``dead``, ``failed_groups``
+    and ``deaths`` (one record each), ``serving_engines`` (live members; none once the
+    deployment is dead) and ``coordinator_restarts``. None recorded where no driver runs.
+    On the client's loop."""
+    if driver is None:
+        status = fault_summary()
+        serving = client.topology.size
+    else:
+        status = driver.controller.faults()
+        serving = len(driver.controller.live_members)
+    status["serving_engines"] = 0 if client.dead_reason is not None else serving
+    coordinator = getattr(client, "coordinator", None)  # None (or absent) below DP 2
+    status["coordinator_restarts"] = getattr(coordinator, "restarts", 0)
+    return status
