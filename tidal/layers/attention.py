@@ -37,6 +37,13 @@ Each layer first writes the new K/V into the cache through ``slot_mapping``, the
   else on its gathered cached blocks with an explicit mask (query i at position
   ``start + i`` sees keys ``<= start + i``).
 
+Two switches per layer (GPT-OSS): ``sliding_window`` W (a query at position p sees keys
+``> p - W``, as transformers' sliding mask) and ``sinks`` (one learned logit per query
+head in the softmax denominator, no value: the weights over the keys sum to less than
+1). A layer with either runs the torch paths (the C++ decode kernel has neither); the
+cache keeps every block of the sequence (the blocks before the window are masked, not
+freed: the full-attention layers share the block table).
+
 All index tensors are built once per step, not per layer: in ``build``, or (those that
 depend on the cache's shape) by the first layer, memoised on the metadata for the rest.
 """
@@ -308,9 +315,13 @@ class PagedAttention(nn.Module):
 
     def __init__(
         self, num_heads: int, num_kv_heads: int, head_dim: int, *, dtype: Any = None,
-        device: Any = None,
+        device: Any = None, sliding_window: int | None = None, sinks: Tensor | None = None,
     ) -> None:  # fmt: skip
         super().__init__()
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
+        self.sliding_window = sliding_window
+        self.sinks = sinks  # [Hq] the owning module's parameter (not registered here)
         if num_heads % num_kv_heads:
             raise ValueError(
                 f"num_heads {num_heads} must be a multiple of num_kv_heads {num_kv_heads}"
@@ -328,12 +339,14 @@ class PagedAttention(nn.Module):
     def native(self, rows: int) -> bool:
         """Whether a step with ``rows`` decode rows (or new tokens, for the cache writes)
         takes the C++ kernels (where they take its tensors)."""
+        if self.sliding_window is not None or self.sinks is not None:
+            return False  # the C++ kernels compute neither
         choice = self.cpu_choice
         return choice is None or choice.for_rows(rows).path == "native"
 
     def cpu_ops(self) -> dict[str, OpSpec]:
-        if not self.on_cpu:
-            return {}
+        if not self.on_cpu or self.sliding_window is not None or self.sinks is not None:
+            return {}  # only the torch path serves it: nothing to choose
         key = OpKey("attention", (self.num_heads, self.num_kv_heads, self.head_dim))
         return {"decode": OpSpec(key, tuple(kernel_candidates(self.cache_dtype)), False)}
 
@@ -411,19 +424,37 @@ class PagedAttention(nn.Module):
             rows.decode = _decode_rows(
                 meta, heads, self.num_heads // self.num_kv_heads, cache.dtype
             )
-        return self._decode_torch(q, cache, rows.decode)
+        return self._decode_torch(q, cache, rows.decode, meta.decode_seq_lens)
 
-    def _decode_torch(self, q: Tensor, cache: Tensor, rows: DecodeRows) -> Tensor:
+    def _decode_torch(
+        self, q: Tensor, cache: Tensor, rows: DecodeRows, seq_lens: Tensor | None = None
+    ) -> Tensor:
         num, hkv, dh = q.shape[0], self.num_kv_heads, self.head_dim
         by_block = cache.view(-1, cache.shape[3] * dh)  # [2 * NB * Hkv, bs * Dh], K rows first
         k = by_block.index_select(0, rows.k_blocks).view(num * hkv, -1, dh)  # [D * Hkv, keys, Dh]
         # The query heads of one KV head are adjacent: one [G, Dh] matrix per (seq, KV head).
         qg = q.reshape(num * hkv, -1, dh)  # [D * Hkv, G, Dh]
-        scores = torch.baddbmm(rows.bias, qg, k.transpose(1, 2), alpha=self.scale)
-        probs = torch.softmax(scores, dim=-1)  # [D * Hkv, G, keys]; padding keys get exactly 0
+        bias = rows.bias
+        if self.sliding_window is not None:
+            assert seq_lens is not None
+            keys = bias.shape[-1]
+            first = (seq_lens - self.sliding_window).repeat_interleave(hkv)  # [D * Hkv]
+            early = torch.arange(keys, device=q.device)[None, :] < first[:, None]
+            bias = bias.masked_fill(early[:, None, :], float("-inf"))
+        scores = torch.baddbmm(bias, qg, k.transpose(1, 2), alpha=self.scale)
+        if self.sinks is not None:  # one more logit per query head, dropped after
+            sink = self.sinks.to(scores.dtype).view(1, hkv, -1, 1).expand(num, -1, -1, -1)
+            scores = torch.cat((scores, sink.reshape(num * hkv, -1, 1)), dim=-1)
+            probs = torch.softmax(scores, dim=-1)[..., :-1]
+        else:
+            probs = torch.softmax(scores, dim=-1)  # [D * Hkv, G, keys]; padding keys get 0
         v_by_token = cache[1].view(-1, dh)  # [NB * Hkv * bs, Dh]
         out = F.embedding_bag(
-            rows.v_tokens, v_by_token, rows.bags, mode="sum", per_sample_weights=probs.reshape(-1)
+            rows.v_tokens,
+            v_by_token,
+            rows.bags,
+            mode="sum",
+            per_sample_weights=probs.reshape(-1),
         )  # [D * Hkv * G, Dh]: each bag sums its V rows weighted by its probabilities
         return out.view(num, self.num_heads, dh)
 
@@ -438,6 +469,8 @@ class PagedAttention(nn.Module):
     ) -> Tensor:  # [n, Hq, Dh]
         qt = q.transpose(0, 1).unsqueeze(0)  # [1, Hq, n, Dh]
         gqa = self.num_heads != self.num_kv_heads
+        if self.sliding_window is not None or self.sinks is not None:
+            return self._prefill_masked(qt, k, v, cache, chunk, gather, gqa)
         if gather is None:  # nothing cached before: attend to the fresh K/V
             out = F.scaled_dot_product_attention(
                 qt, k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0),
@@ -448,4 +481,43 @@ class PagedAttention(nn.Module):
             out = F.scaled_dot_product_attention(
                 qt, kv[0], kv[1], attn_mask=chunk.mask, enable_gqa=gqa
             )
+        return out.squeeze(0).transpose(0, 1)
+
+    def _prefill_masked(
+        self,
+        qt: Tensor,  # [1, Hq, n, Dh]
+        k: Tensor,  # [n, Hkv, Dh] this chunk's
+        v: Tensor,
+        cache: Tensor,
+        chunk: PrefillChunk,
+        gather: Tensor | None,
+        gqa: bool,
+    ) -> Tensor:  # [n, Hq, Dh]
+        """A prefill chunk under a sliding window and/or sinks: an explicit mask over the
+        keys; a sink is one more key, zero K and V, whose logit the mask carries."""
+        n = qt.shape[2]
+        q_pos = torch.arange(chunk.start, chunk.start + n, device=qt.device)[:, None]
+        if gather is None:  # the chunk's own K/V, keys at positions 0 .. n - 1
+            keys, vals = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
+        else:
+            kv = self._gather(cache, gather, 1)  # [2, 1, Hkv, keys, Dh]
+            keys, vals = kv[0], kv[1]
+        k_pos = torch.arange(keys.shape[2], device=qt.device)[None, :]
+        allowed = k_pos <= q_pos  # [n, keys]
+        if self.sliding_window is not None:
+            allowed &= k_pos > q_pos - self.sliding_window
+        if self.sinks is None:
+            out = F.scaled_dot_product_attention(qt, keys, vals, attn_mask=allowed, enable_gqa=gqa)
+            return out.squeeze(0).transpose(0, 1)
+        bias = torch.zeros(allowed.shape, dtype=qt.dtype, device=qt.device)
+        bias = bias.masked_fill(~allowed, float("-inf"))[None, None].expand(
+            1, self.num_heads, -1, -1
+        )
+        sink = self.sinks.to(qt.dtype).view(1, -1, 1, 1).expand(1, -1, n, 1)
+        mask = torch.cat((bias, sink), dim=-1)  # [1, Hq, n, keys + 1]
+        zero = keys.new_zeros((1, self.num_kv_heads, 1, self.head_dim))
+        out = F.scaled_dot_product_attention(
+            qt, torch.cat((keys, zero), dim=2), torch.cat((vals, zero), dim=2),
+            attn_mask=mask, enable_gqa=gqa,
+        )  # fmt: skip
         return out.squeeze(0).transpose(0, 1)

@@ -3,7 +3,9 @@
 The table holds, for every position p < max_position, ``cos(p * inv_freq)`` and
 ``sin(...)`` duplicated over both halves of the head (the "rotate half" convention of
 Llama/Qwen/Mixtral checkpoints), computed in float32 exactly as transformers does and
-then cast to the model dtype. Only the default rope type is supported. With a partial
+then cast to the model dtype. The default rope type and YaRN (``Yarn``: interpolated
+low frequencies and an attention factor on cos/sin, as transformers' ``yarn`` computes
+them; GPT-OSS) are supported. With a partial
 rotary factor (GLM-4.5) the table covers the first ``rotary_dim`` dims of each head and
 the rest pass through (``apply_partial_rotary``), as transformers rotates them.
 
@@ -15,6 +17,8 @@ which saves the negation and the concatenation per call.
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -22,14 +26,82 @@ from torch import Tensor, nn
 
 from tidal.kernels.cpu_attention import rope_cpu, rope_cpu_ok
 
-SUPPORTED_ROPE_TYPES = ("default",)
+SUPPORTED_ROPE_TYPES = ("default", "yarn")
+
+
+@dataclass(frozen=True)
+class Yarn:
+    """YaRN's parameters (transformers' ``rope_parameters`` of type ``yarn``)."""
+
+    factor: float
+    original_max_position: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    attention_factor: float | None = None  # None: 0.1 ln(factor) + 1
+
+    def scale(self) -> float:
+        """What cos and sin are multiplied by."""
+        if self.attention_factor is not None:
+            return self.attention_factor
+        return 1.0 if self.factor <= 1 else 0.1 * math.log(self.factor) + 1.0
+
+    def inv_freq(self, theta: float, dim: int) -> Tensor:  # [dim / 2] float32
+        """Extrapolated (original) frequencies above the ``beta_fast`` rotations, divided
+        by ``factor`` below ``beta_slow``, a linear ramp between, in float32 as
+        transformers computes them."""
+
+        def dim_at(rotations: float) -> float:  # the dim that turns this often
+            turns = self.original_max_position / (rotations * 2 * math.pi)
+            return dim * math.log(turns) / (2 * math.log(theta))
+
+        low, high = dim_at(self.beta_fast), dim_at(self.beta_slow)
+        if self.truncate:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, dim - 1)
+        if low == high:
+            high += 0.001  # no zero-width ramp
+        ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+        keep = 1 - ramp  # the share of the original frequency
+        pos_freqs = theta ** (torch.arange(0, dim, 2).float() / dim)
+        return (1.0 / (self.factor * pos_freqs)) * (1 - keep) + (1.0 / pos_freqs) * keep
 
 
 def rope_theta_from_config(hf_config: Any) -> float:
     """The rope base from a transformers config: v5 ``rope_parameters`` or v4
-    ``rope_theta``/``rope_scaling``. Raises for rope types other than ``default``."""
+    ``rope_theta``/``rope_scaling``. Raises for rope types other than ``default`` and
+    ``yarn``."""
     theta, _ = _rope_parameters(hf_config)
     return theta
+
+
+def yarn_from_config(hf_config: Any) -> Yarn | None:
+    """The config's YaRN parameters; None for the default rope."""
+    params = _rope_dict(hf_config)
+    if params.get("rope_type", params.get("type")) != "yarn":
+        return None
+    factor = params.get("factor")
+    original = params["original_max_position_embeddings"]
+    if factor is None:  # transformers: the ratio of the context lengths
+        factor = hf_config.max_position_embeddings / original
+    mscale, mscale_all = params.get("mscale"), params.get("mscale_all_dim")
+    if params.get("attention_factor") is None and mscale and mscale_all:
+        raise NotImplementedError("yarn with mscale / mscale_all_dim is not supported")
+    return Yarn(
+        factor=float(factor),
+        original_max_position=int(original),
+        beta_fast=float(params.get("beta_fast") or 32),
+        beta_slow=float(params.get("beta_slow") or 1),
+        truncate=bool(params.get("truncate", True)),
+        attention_factor=params.get("attention_factor"),
+    )
+
+
+def _rope_dict(hf_config: Any) -> dict[str, Any]:
+    params = getattr(hf_config, "rope_parameters", None)
+    if params:
+        return dict(params)
+    return dict(getattr(hf_config, "rope_scaling", None) or {})
 
 
 def rotary_dim_from_config(hf_config: Any, head_dim: int) -> int:
@@ -76,22 +148,30 @@ class RotaryEmbedding(nn.Module):
         max_position: int,
         theta: float,
         *,
+        yarn: Yarn | None = None,
         dtype: Any = None,
         device: Any = None,
     ) -> None:
         super().__init__()
         if head_dim % 2:
             raise ValueError(f"rotary head_dim must be even, got {head_dim}")
-        # Same float32 expressions as transformers' default rope, on CPU, then moved.
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+        # Same float32 expressions as transformers' rope, on CPU, then moved.
+        if yarn is None:
+            inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+        else:
+            inv_freq = yarn.inv_freq(theta, head_dim)
         pos = torch.arange(max_position, dtype=torch.int64)
         freqs = pos[:, None].float() * inv_freq  # [P, Dh/2]
         emb = torch.cat((freqs, freqs), dim=-1)  # [P, Dh]
         dtype = dtype or torch.get_default_dtype()
         half = head_dim // 2
-        sin = emb.sin().to(dtype)
+        scale = 1.0 if yarn is None else yarn.scale()
+        cos, sin = emb.cos(), emb.sin()
+        if scale != 1.0:  # transformers scales both (so the scores by its square)
+            cos, sin = cos * scale, sin * scale
+        sin = sin.to(dtype)
         signed_sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
-        self.register_buffer("cos_table", emb.cos().to(dtype).to(device), persistent=False)
+        self.register_buffer("cos_table", cos.to(dtype).to(device), persistent=False)
         self.register_buffer("signed_sin_table", signed_sin.to(device), persistent=False)
 
     def cos_sin(self, positions: Tensor) -> tuple[Tensor, Tensor]:  # [T] -> 2 x [T, 1, Dh]

@@ -1,9 +1,10 @@
 """The decoder shared by the supported MoE architectures (Qwen3-MoE, Mixtral, Qwen2-MoE,
-OLMoE, GLM-4.5).
+OLMoE, GLM-4.5, GPT-OSS).
 
 All are pre-norm decoders with GQA attention, RoPE, RMSNorm and a top-k MoE block; they
 differ only in the numbers and switches of ``DecoderSpec`` (biases, q/k norms per head or
-over the whole width, partial rotary, the routing rule, shared experts, dense layers) and
+over the whole width, partial rotary or YaRN, the routing rule, shared experts, dense
+layers, sliding-window layers, attention sinks, expert biases and activation) and
 in checkpoint names (``CheckpointNames``). An architecture is one module declaring these
 and a ``ModelEntry`` (docs/architecture.md#models).
 
@@ -49,11 +50,14 @@ from tidal.layers.linear import Embedding, Linear, RowParallelLinear
 from tidal.layers.norm import RMSNorm, rms_norm_heads, rms_norm_sharded
 from tidal.layers.rotary import (
     RotaryEmbedding,
+    Yarn,
     apply_partial_rotary,
     rope_theta_from_config,
     rotary_dim_from_config,
+    yarn_from_config,
 )
 from tidal.moe.layer import FusedMoE
+from tidal.moe.reference import ClampedSwiGLU
 from tidal.moe.router import Routing
 
 
@@ -87,6 +91,15 @@ class DecoderSpec:
     qkv_clip: float | None = None  # clamp q, k, v to [-clip, clip] (after a full-width q/k norm)
     shared_expert_intermediate_size: int = 0  # 0: no shared experts
     shared_expert_gate: bool = False  # sigmoid(x @ gate.T) scales the shared output
+    rope_yarn: Yarn | None = None  # YaRN frequencies and cos/sin scale (GPT-OSS)
+    # Per layer: its sliding window (keys > p - W), None for full attention; () = none.
+    layer_windows: tuple[int | None, ...] = ()
+    attention_sinks: bool = False  # a learned softmax-denominator logit per head
+    expert_bias: bool = False  # biases on the routed experts' projections
+    expert_activation: ClampedSwiGLU | None = None  # None: silu(gate) * up
+
+    def window(self, layer: int) -> int | None:
+        return self.layer_windows[layer] if self.layer_windows else None
 
     @property
     def top_k(self) -> int:
@@ -105,6 +118,7 @@ class CheckpointNames:
     # "shared_experts" GLM-4.5; its gate_proj/up_proj/down_proj) and their gate's linear.
     shared_expert: str = ""
     shared_expert_gate: str = ""
+    router: str = "gate"  # the router's linear under the MoE module ("router" GPT-OSS)
 
 
 @dataclass(frozen=True)
@@ -153,21 +167,22 @@ def check_tensor_parallel(spec: DecoderSpec, tp_size: int, expert_parallel: bool
         tp.split(spec.shared_expert_intermediate_size, "shared_expert_intermediate_size")
 
 
-def check_common_config(hf_config: Any) -> None:
-    """Reject config features this runtime does not implement, naming them."""
+def check_common_config(hf_config: Any, sliding_windows: bool = False) -> None:
+    """Reject config features this runtime does not implement, naming them
+    (``sliding_windows``: the architecture reads its windows itself)."""
     act = getattr(hf_config, "hidden_act", "silu")
     if act != "silu":
         raise NotImplementedError(f"hidden_act {act!r} is not supported (only 'silu')")
     window = getattr(hf_config, "sliding_window", None)
     if getattr(hf_config, "use_sliding_window", None) is False:
         window = None  # Qwen2-MoE: the window is off (transformers v5 then writes 0)
-    if window is not None and window < hf_config.max_position_embeddings:
+    if not sliding_windows and window is not None and window < hf_config.max_position_embeddings:
         raise NotImplementedError(f"sliding_window attention ({window}) is not supported")
 
 
-def base_spec_kwargs(hf_config: Any) -> dict[str, Any]:
+def base_spec_kwargs(hf_config: Any, sliding_windows: bool = False) -> dict[str, Any]:
     """The DecoderSpec fields every supported architecture reads the same way."""
-    check_common_config(hf_config)
+    check_common_config(hf_config, sliding_windows)
     heads = hf_config.num_attention_heads
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
     return {
@@ -180,6 +195,7 @@ def base_spec_kwargs(hf_config: Any) -> dict[str, Any]:
         "rms_norm_eps": hf_config.rms_norm_eps,
         "rope_theta": rope_theta_from_config(hf_config),
         "rotary_dim": rotary_dim_from_config(hf_config, head_dim),
+        "rope_yarn": yarn_from_config(hf_config),
         "max_position": hf_config.max_position_embeddings,
         "tie_word_embeddings": bool(getattr(hf_config, "tie_word_embeddings", False)),
     }
@@ -196,7 +212,9 @@ def sparse_step_layer_mask(hf_config: Any, num_experts: int) -> tuple[bool, ...]
 
 
 class Attention(nn.Module):
-    def __init__(self, spec: DecoderSpec, tp: TensorParallel, **kw: Any) -> None:
+    def __init__(
+        self, spec: DecoderSpec, tp: TensorParallel, window: int | None = None, **kw: Any
+    ) -> None:
         super().__init__()
         dh = spec.head_dim
         # This worker's heads (all of them at TP size 1).
@@ -225,7 +243,13 @@ class Attention(nn.Module):
                 assert_never(spec.qk_norm)
         self.width = (spec.num_heads * dh, spec.num_kv_heads * dh)  # q, k of all workers
         self.qkv_clip = spec.qkv_clip
-        self.attn = PagedAttention(hq, hkv, dh, **kw)
+        # [Hq] this worker's heads' sink logits (GPT-OSS), else None
+        self.sinks = (
+            nn.Parameter(torch.zeros(hq, **kw), requires_grad=False)
+            if spec.attention_sinks
+            else None
+        )
+        self.attn = PagedAttention(hq, hkv, dh, sliding_window=window, sinks=self.sinks, **kw)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, meta: AttentionMetadata) -> Tensor:
         num_tokens = x.shape[0]
@@ -314,7 +338,7 @@ class DecoderLayer(nn.Module):
         **kw: Any,
     ) -> None:
         super().__init__()
-        self.self_attn = Attention(spec, tp, **kw)
+        self.self_attn = Attention(spec, tp, spec.window(layer_idx), **kw)
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, **kw)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, **kw)
         self.is_moe = spec.moe_layer_mask[layer_idx]
@@ -326,7 +350,7 @@ class DecoderLayer(nn.Module):
             self.mlp: nn.Module = FusedMoE(
                 spec.num_experts, routing.top_k, spec.hidden_size, inter,
                 routing.renormalize, local_expert_ids, moe_backend, tp=tp, routing=routing,
-                **kw,
+                expert_bias=spec.expert_bias, activation=spec.expert_activation, **kw,
             )  # fmt: skip
             if self.mlp.backend == "torch":
                 set_k_major_moe_weights(self.mlp)
@@ -388,7 +412,9 @@ class MoECausalLM(nn.Module):
         self.cpu_paths: Any = None
         kw = {"dtype": dtype, "device": device}
         self.embed_tokens = Embedding(spec.vocab_size, spec.hidden_size, tp=tp, **kw)
-        self.rotary = RotaryEmbedding(spec.rotary_dim, spec.max_position, spec.rope_theta, **kw)
+        self.rotary = RotaryEmbedding(
+            spec.rotary_dim, spec.max_position, spec.rope_theta, yarn=spec.rope_yarn, **kw
+        )
         self.layers = nn.ModuleList(
             DecoderLayer(spec, i, moe_backend, local_expert_ids, tp, expert_parallel, **kw)
             for i in range(spec.num_layers)
@@ -472,6 +498,13 @@ class MoECausalLM(nn.Module):
         """Known checkpoint names that may be absent."""
         return {"lm_head.weight"} if self.spec.tie_word_embeddings else set()
 
+    def expand_tensor(
+        self, name: str, get: Callable[[], Tensor], shape: tuple[int, ...]
+    ) -> list[tuple[str, Callable[[], Tensor]]] | None:
+        """A stored tensor in a layout of this architecture's own, as (name in
+        ``weight_targets``, lazy tensor) pairs; None: the loader's generic layouts."""
+        return None
+
     def ignores_weight(self, name: str) -> bool:
         """Whether the loader skips ``name`` (a tensor of the checkpoint that this runtime
         does not serve) rather than calling it unexpected."""
@@ -497,6 +530,8 @@ class MoECausalLM(nn.Module):
                 t[f"{prefix}.self_attn.o_proj.{kind}"] = (
                     self._shard(o, 1, rank) if o.dim() == 2 else o
                 )
+        if attn.sinks is not None:  # this worker's heads
+            t[f"{prefix}.self_attn.sinks"] = self._shard(attn.sinks.data, 0, rank)
         if attn.q_norm is not None and attn.k_norm is not None:
             # Per head: one whole [Dh] weight; over the width: this worker's block of it.
             whole = attn.qk_norm is QKNorm.PER_HEAD
@@ -527,9 +562,11 @@ class MoECausalLM(nn.Module):
 
     def _moe_targets(self, prefix: str, moe: FusedMoE) -> dict[str, Tensor | Shard | None]:
         n = self.names
-        t: dict[str, Tensor | Shard | None] = {f"{prefix}.gate.weight": moe.gate.data}
+        t: dict[str, Tensor | Shard | None] = {f"{prefix}.{n.router}.weight": moe.gate.data}
         if moe.score_bias is not None:
-            t[f"{prefix}.gate.e_score_correction_bias"] = moe.score_bias
+            t[f"{prefix}.{n.router}.e_score_correction_bias"] = moe.score_bias
+        if moe.gate_bias is not None:
+            t[f"{prefix}.{n.router}.bias"] = moe.gate_bias
         slot_of = {e: s for s, e in enumerate(moe.local_expert_ids)}
         inter = moe.w2.shape[2]
         # Whole experts (EP, or TP size 1): block 0 of a tensor that is one block.
@@ -537,11 +574,19 @@ class MoECausalLM(nn.Module):
         for e in range(moe.num_experts):
             s = slot_of.get(e)
             base = f"{prefix}.experts.{e}"
+            kinds = ("weight", "bias") if moe.expert_bias else ("weight",)
             if s is None:
                 for name in (n.expert_gate, n.expert_up, n.expert_down):
-                    t[f"{base}.{name}.weight"] = None
+                    for kind in kinds:
+                        t[f"{base}.{name}.{kind}"] = None
                 continue
             t[f"{base}.{n.expert_gate}.weight"] = self._shard(moe.w13.data[s, :inter], 0, block)
             t[f"{base}.{n.expert_up}.weight"] = self._shard(moe.w13.data[s, inter:], 0, block)
             t[f"{base}.{n.expert_down}.weight"] = self._shard(moe.w2.data[s], 1, block)
+            if moe.w13_bias is not None and moe.w2_bias is not None:
+                b13 = moe.w13_bias[s]
+                t[f"{base}.{n.expert_gate}.bias"] = self._shard(b13[:inter], 0, block)
+                t[f"{base}.{n.expert_up}.bias"] = self._shard(b13[inter:], 0, block)
+                # Split experts' outputs are summed over the workers: one adds the bias.
+                t[f"{base}.{n.expert_down}.bias"] = moe.w2_bias[s] if block == 0 else None
         return t

@@ -323,6 +323,12 @@ def _copy(name: str, file: str, src: Tensor, dest: Tensor | Shard) -> None:
 def _expand(name: str, f: Any, model: MoECausalLM) -> Iterator[tuple[str, Getter]]:
     """Yield (checkpoint-layout name, lazy tensor) pairs for one stored tensor; fused 3-D
     expert tensors become one pair per expert (read once, only if a local expert asks)."""
+    custom = model.expand_tensor(
+        name, lambda: f.get_tensor(name), tuple(f.get_slice(name).get_shape())
+    )
+    if custom is not None:  # an architecture's own layout (GPT-OSS)
+        yield from custom
+        return
     names = model.names
     m = _FUSED_EXPERTS.match(name)
     if m is None:

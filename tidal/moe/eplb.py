@@ -155,31 +155,35 @@ def transfer_plan(moves: Sequence[ExpertMove], rank: int, ep_size: int) -> Trans
 
 @torch.no_grad()
 def move_expert_weights(moe: FusedMoE, plan: TransferPlan, group: Any) -> None:
-    """Apply ``plan`` to ``moe.w13``/``moe.w2`` in place (their storage is kept, so
+    """Apply ``plan`` to ``moe.w13``/``moe.w2`` (and the expert biases) in place (their storage is kept, so
     anything holding a pointer to them stays valid). Collective over ``group`` when it
     has more than one rank: every rank calls it for the same layers in the same order."""
-    w13, w2 = moe.w13.data, moe.w2.data  # [S, 2I, H], [S, H, I]
-    n13 = w13[0].numel()
+    # [S, 2I, H], [S, H, I], and the expert biases [S, 2I], [S, H] where the model has them
+    parts = [moe.w13.data, moe.w2.data]
+    if moe.w13_bias is not None and moe.w2_bias is not None:
+        parts += [moe.w13_bias, moe.w2_bias]
+    sizes = [p[0].numel() for p in parts]
     send_slots = [s for slots in plan.send for s in slots]
     recv_slots = [s for slots in plan.recv for s in slots]
-    idx = torch.tensor(send_slots, dtype=torch.int64, device=w13.device)
-    rows = torch.cat([w13[idx].flatten(1), w2[idx].flatten(1)], dim=1)  # [N_send, 3IH]
-    got = rows.new_empty((len(recv_slots), rows.shape[1]))  # [N_recv, 3IH]
+    device = parts[0].device
+    idx = torch.tensor(send_slots, dtype=torch.int64, device=device)
+    rows = torch.cat([p[idx].flatten(1) for p in parts], dim=1)  # [N_send, sum(sizes)]
+    got = rows.new_empty((len(recv_slots), rows.shape[1]))  # [N_recv, sum(sizes)]
     if group is not None and group.world_size > 1:
         group.all_to_all_single(got, rows, [len(r) for r in plan.recv], [len(s) for s in plan.send])
     elif rows.shape[0] or got.shape[0]:
         raise ValueError("a one-rank group cannot send or receive experts")
     # Read every source before writing any destination: slots may swap.
-    new13, new2 = w13.clone(), w2.clone()
+    news = [p.clone() for p in parts]
     for old_slot, new_slot in plan.local:
-        new13[new_slot] = w13[old_slot]
-        new2[new_slot] = w2[old_slot]
+        for new, p in zip(news, parts):
+            new[new_slot] = p[old_slot]
     if recv_slots:
-        ridx = torch.tensor(recv_slots, dtype=torch.int64, device=w13.device)
-        new13[ridx] = got[:, :n13].reshape(-1, *w13.shape[1:])
-        new2[ridx] = got[:, n13:].reshape(-1, *w2.shape[1:])
-    w13.copy_(new13)
-    w2.copy_(new2)
+        ridx = torch.tensor(recv_slots, dtype=torch.int64, device=device)
+        for new, p, piece in zip(news, parts, got.split(sizes, dim=1)):
+            new[ridx] = piece.reshape(-1, *p.shape[1:])
+    for new, p in zip(news, parts):
+        p.copy_(new)
     moe.weights_updated()
 
 

@@ -25,6 +25,14 @@ computes only softmax top-k, is not among the router op's candidates then (its o
 says so: ``router_logits``). ``score_bias [E_global] float32`` is the correction bias of a
 rule that has one (every rank holds all of it: it is per logical expert, never moved).
 
+Experts with biases (``expert_bias``, GPT-OSS: ``w13_bias [E_local, 2I]``, ``w2_bias
+[E_local, H]``, optionally a ``ClampedSwiGLU`` activation) run only on
+``tidal/moe/reference.py``'s ``biased_experts``: no fused path adds biases or clamps, so
+the experts op has no CPU choice then and the triton backend is refused. The biases are
+per slot like ``w13``/``w2`` and move with them (EPLB's ``move_expert_weights``,
+``set_local_experts``). A router bias (``Routing.router_bias``) is ``gate_bias [E_global]``,
+added to the logits; like ``score_bias`` every rank holds all of it.
+
 Expert parallelism: the EP setup (``tidal/executor/model_runner.py``) sets ``dispatcher``
 and points every layer's ``forward_context`` at one shared ``MoEForwardContext``, whose
 ``num_tokens_across_dp`` the runner fills before each forward (the token counts all ranks
@@ -55,7 +63,7 @@ from tidal.kernels.cpu_paths import PACKED_PATHS, HeldExperts, HeldGate
 from tidal.kernels.fused_moe_torch import empty_k_major_experts, fused_experts_torch, is_k_major
 from tidal.kernels.held_params import HeldParamsModule
 from tidal.kernels.select import Candidate, Choice, OpKey, OpSpec, default_choice, weight_candidates
-from tidal.moe.reference import fused_experts_reference
+from tidal.moe.reference import ClampedSwiGLU, biased_experts, fused_experts_reference
 from tidal.moe.router import Routing, route
 
 ExpertsFn = Callable[..., Tensor]
@@ -155,6 +163,8 @@ class FusedMoE(HeldParamsModule):
         device: Any = None,
         tp: TensorParallel | None = None,
         routing: Routing | None = None,  # None: softmax top-k (``top_k``, ``renormalize``)
+        expert_bias: bool = False,  # biases on both expert projections
+        activation: ClampedSwiGLU | None = None,  # None: silu(gate) * up
     ) -> None:
         super().__init__()
         self.tp = tp or TensorParallel()
@@ -170,6 +180,12 @@ class FusedMoE(HeldParamsModule):
             list(range(num_experts)) if local_expert_ids is None else list(local_expert_ids)
         )
         self.backend = resolve_moe_backend(backend, device or "cpu")
+        self.expert_bias = expert_bias
+        self.activation = activation
+        if (expert_bias or activation is not None) and self.backend == "triton":
+            raise ValueError(
+                "moe backend 'triton' has no expert biases or clamped SwiGLU: use 'torch'"
+            )
         self.experts_fn: ExpertsFn = EXPERT_BACKENDS[self.backend]
         n_local = len(self.local_expert_ids)
         kw = {"dtype": dtype, "device": device}
@@ -187,6 +203,19 @@ class FusedMoE(HeldParamsModule):
         self.score_bias: Tensor | None  # [E_global] float32, filled by the loader
         bias = torch.zeros(num_experts, dtype=torch.float32, device=device)
         self.register_buffer("score_bias", bias if self.routing.correction_bias else None)
+        self.gate_bias: Tensor | None  # [E_global], filled by the loader
+        gate_bias = torch.zeros(num_experts, **kw) if self.routing.router_bias else None
+        self.register_buffer("gate_bias", gate_bias)
+        # [E_local, 2I], [E_local, H]; zeros until loaded (a TP worker but the first keeps
+        # w2_bias at zero: the partial outputs are summed).
+        self.w13_bias: Tensor | None
+        self.w2_bias: Tensor | None
+        self.register_buffer(
+            "w13_bias", torch.zeros(n_local, 2 * intermediate_size, **kw) if expert_bias else None
+        )
+        self.register_buffer(
+            "w2_bias", torch.zeros(n_local, hidden_size, **kw) if expert_bias else None
+        )
         # None when the map is the identity (all experts, in order): skip the lookup.
         identity = self.local_expert_ids == list(range(num_experts))
         self._map_arg: Tensor | None = None if identity else self.expert_map
@@ -234,6 +263,8 @@ class FusedMoE(HeldParamsModule):
             logits = gate.logits(hidden) if routed is None else None
         else:
             logits = torch.nn.functional.linear(hidden, self.gate)  # [T, E_global]
+        if logits is not None and self.gate_bias is not None:
+            logits = logits + self.gate_bias
         if routed is None:
             routed = route(logits, self.routing, self.score_bias)
         return routed
@@ -262,6 +293,13 @@ class FusedMoE(HeldParamsModule):
     def _experts(
         self, x: Tensor, weights: Tensor, ids: Tensor, expert_map: Tensor | None
     ) -> Tensor:  # [T', H]: this rank's experts on the tokens it got
+        if self.custom_experts:
+            b13, b2 = self.w13_bias, self.w2_bias
+            if b13 is None or b2 is None:  # a clamped activation alone
+                b13, b2 = x.new_zeros(self.w13.shape[:2]), x.new_zeros(self.w2.shape[:2])
+            return biased_experts(
+                x, self.w13, self.w2, b13, b2, weights, ids, expert_map, self.activation
+            )
         held = self._held("experts") if self._cpu_float32(x) else None
         if isinstance(held, HeldExperts):
             variant = self._choice("experts").for_rows(x.shape[0]).variant
@@ -283,7 +321,14 @@ class FusedMoE(HeldParamsModule):
         cands = weight_candidates(self.params_dtype)
         if op == "router" and not self.routing.plain_softmax:  # the C++ router cannot
             cands = [c for c in cands if c.path != "native"]
+        if op == "experts" and self.custom_experts:  # only biased_experts computes them
+            cands = [c for c in cands if c.path == "torch"]
         return cands
+
+    @property
+    def custom_experts(self) -> bool:
+        """Biases or a clamped activation: ``biased_experts`` is the only path."""
+        return self.expert_bias or self.activation is not None
 
     def _held(self, op: str) -> HeldExperts | HeldGate | None:
         held = self._held_experts if op == "experts" else self._held_gate
@@ -338,6 +383,10 @@ class FusedMoE(HeldParamsModule):
     def expert_weights(self, slots: Sequence[int]) -> tuple[Tensor, Tensor]:
         """Copies of local ``slots``' weights, ``(w13 [n, 2I, H], w2 [n, H, I])``, from the
         layout that holds them, rebuilding only those slots (expert transfers)."""
+        if self.expert_bias:
+            raise NotImplementedError(
+                "expert transfers (elastic EP) do not carry expert biases (GPT-OSS)"
+            )
         held = self._held_experts
         if held is not None and "w13" not in self.materialized_params():
             return held.unpack(list(slots))
@@ -357,7 +406,7 @@ class FusedMoE(HeldParamsModule):
         # Another rule's router is a different op (a cached softmax choice must not serve it).
         kind = "router" if self.routing.plain_softmax else "router_logits"
         router = OpKey(kind, (self.num_experts, hidden, self.top_k))
-        return {
+        ops = {
             "experts": OpSpec(
                 key, tuple(self._candidates("experts")), True,
                 e_local * 3 * hidden * (two_i // 2) * size,
@@ -366,6 +415,9 @@ class FusedMoE(HeldParamsModule):
                 router, tuple(self._candidates("router")), True, self.num_experts * hidden * size
             ),
         }  # fmt: skip
+        if self.custom_experts:
+            del ops["experts"]  # one path: nothing to measure
+        return ops
 
     def cpu_trial(self, op: str, candidate: Candidate, instances: int) -> Any:
         """Stand-ins with this layer's shape on synthetic weights; the experts' trial routes
@@ -377,11 +429,14 @@ class FusedMoE(HeldParamsModule):
             # virtual memory): the router's trial must not pay for the experts'.
             moe = FusedMoE(
                 self.num_experts, self.top_k, hidden, two_i // 2, self.renormalize,
-                self.local_expert_ids, routing=self.routing,
+                self.local_expert_ids, routing=self.routing, expert_bias=self.expert_bias,
+                activation=self.activation,
             )  # fmt: skip
             moe.set_cpu_path(op, Choice(candidate, candidate, candidate.path))
             if op == "router":
                 moe.gate.data.fill_(0.01)
+                if moe.gate_bias is not None:
+                    moe.gate_bias.fill_(0.01)
             else:
                 moe.w13.data, moe.w2.data = empty_k_major_experts(moe.w13, moe.w2)
                 moe.w13.data.fill_(0.01)
@@ -429,6 +484,9 @@ class FusedMoE(HeldParamsModule):
             self._held_experts = None
             self.restore_param("w13", w13)
             self.restore_param("w2", w2)
+            if self.w13_bias is not None and self.w2_bias is not None:
+                self.w13_bias = self.w13_bias.new_zeros((len(ids), two_i))
+                self.w2_bias = self.w2_bias.new_zeros((len(ids), hidden))
         self.local_expert_ids = ids
         self._map_arg = None if ids == list(range(self.num_experts)) else self.expert_map
 

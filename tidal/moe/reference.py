@@ -18,6 +18,7 @@ zero, so summing the outputs of all ranks gives the full MoE output.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -104,3 +105,44 @@ def fused_experts_reference(
             y = y * topk_weights[token_idx, k_idx].unsqueeze(-1)
         out.index_add_(0, token_idx, y)
     return out.to(hidden.dtype)
+
+
+@dataclass(frozen=True)
+class ClampedSwiGLU:
+    """GPT-OSS's expert activation: ``gate`` clamped above at ``limit``, ``up`` to
+    ``[-limit, limit]``, then ``(up + 1) * gate * sigmoid(alpha * gate)``."""
+
+    alpha: float
+    limit: float
+
+    def __call__(self, gate: Tensor, up: Tensor) -> Tensor:
+        gate = gate.clamp(max=self.limit)
+        up = up.clamp(-self.limit, self.limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+
+
+def biased_experts(
+    hidden: Tensor,  # [T, H]
+    w13: Tensor,  # [E_local, 2I, H] gate rows, then up rows
+    w2: Tensor,  # [E_local, H, I]
+    b13: Tensor,  # [E_local, 2I]
+    b2: Tensor,  # [E_local, H]
+    topk_weights: Tensor,  # [T, K] float32
+    topk_ids: Tensor,  # [T, K] int64 global ids
+    expert_map: Tensor | None,  # [E_global] int32
+    activation: ClampedSwiGLU | None,  # None: silu(gate) * up
+) -> Tensor:  # [T, H]
+    """Experts with biases on both projections (GPT-OSS): one expert at a time over the
+    tokens routed to it, weighted by the router. The only path for such experts (no
+    fused kernel adds the biases or clamps), tested against transformers' experts."""
+    inter = w2.shape[2]
+    slots = local_slots(topk_ids, expert_map, w13.shape[0])
+    out = torch.zeros_like(hidden)
+    for s in torch.unique(slots[slots >= 0]).tolist():
+        tok, pos = torch.where(slots == s)
+        gate_up = F.linear(hidden[tok], w13[s], b13[s])  # [n, 2I]
+        gate, up = gate_up[:, :inter], gate_up[:, inter:]
+        act = F.silu(gate) * up if activation is None else activation(gate, up)
+        y = F.linear(act, w2[s], b2[s]) * topk_weights[tok, pos, None].to(hidden.dtype)
+        out.index_add_(0, tok, y)
+    return out

@@ -8,7 +8,9 @@ transformers does, so a bf16 model routes the same tokens to the same experts.
 (Mixtral, Qwen-MoE, OLMoE) or, for anything else (sigmoid scores, a score-correction bias,
 group-limited choice, a scaling factor: GLM-4.5, DeepSeek-V3), ``grouped_topk``. The fast
 router paths (the C++ router, ``tidal/kernels/topk_softmax.py``) compute only the plain
-rule; ``Routing.plain_softmax`` is what keeps them off the others.
+rule on bias-free logits; ``Routing.plain_softmax`` is what keeps them off the others.
+A router bias (GPT-OSS) is added to the logits before ``route`` (``FusedMoE.route``); its
+softmax over the top-k logits is softmax top-k renormalised, the same weights.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ class Routing:
     topk_group: int = 1  # ... of which each token keeps its best this many
     correction_bias: bool = False  # an [E] bias added to the scores for choosing only
     scaling_factor: float = 1.0  # multiplies the final weights
+    router_bias: bool = False  # the gate has an [E] bias on its logits (GPT-OSS)
 
     @property
     def plain_softmax(self) -> bool:
@@ -46,6 +49,7 @@ class Routing:
             and self.topk_group >= self.num_groups
             and not self.correction_bias
             and self.scaling_factor == 1.0
+            and not self.router_bias  # the fast paths compute logits without one
         )
 
 
