@@ -161,6 +161,8 @@ def _ep_forward_rank(rank: int, world: int, port: int, path: str, backend: str) 
         # sigmoid group-limited routing and its dense first layer.
         pytest.param(2, "allgather_reducescatter", "glm4_moe", id="ep2-allgather-glm4"),
         pytest.param(3, "all2all", "qwen2_moe", id="ep3-all2all-qwen2"),
+        # Expert biases on 3 slots each (one a replica), router bias, sliding windows.
+        pytest.param(3, "allgather_reducescatter", "gpt_oss", id="ep3-allgather-gpt-oss"),
     ],
 )
 def test_ep_forward_matches_single_process(

@@ -184,6 +184,7 @@ _DP_TP_EP_BACKEND = {
     "qwen2_moe": "all2all",
     "olmoe": "allgather_reducescatter",
     "glm4_moe": "allgather_reducescatter",
+    "gpt_oss": "all2all",
 }
 
 

@@ -252,8 +252,8 @@ def test_unsupported_architecture_is_named():
     from transformers import AutoConfig, LlamaConfig
 
     every = (
-        "Glm4MoeForCausalLM, MixtralForCausalLM, OlmoeForCausalLM, Qwen2MoeForCausalLM, "
-        "Qwen3MoeForCausalLM"
+        "Glm4MoeForCausalLM, GptOssForCausalLM, MixtralForCausalLM, OlmoeForCausalLM, "
+        "Qwen2MoeForCausalLM, Qwen3MoeForCausalLM"
     )
     assert ", ".join(supported_architectures()) == every
     cfg = LlamaConfig(architectures=["LlamaForCausalLM"])
@@ -460,3 +460,38 @@ def test_olmoe_norms_over_the_whole_width_and_clips(tiny_ckpt):
         layer.self_attn.qkv_clip = None
     unclipped = PagedRunner(ours, seed=1).step([("a", 0, prompt)])
     assert (unclipped - want).abs().max().item() > 100 * ATOL
+
+
+def test_gpt_oss_refuses_mxfp4_and_elastic_ep(tiny_ckpt):
+    """The upstream MXFP4 checkpoint is refused by name (only the dequantised layout is
+    served); elastic EP is refused at start, not at the first transfer (expert transfers
+    do not carry expert biases)."""
+    from transformers import AutoConfig
+
+    path = tiny_ckpt("gpt_oss")
+    cfg = AutoConfig.from_pretrained(path)
+    cfg.quantization_config = {"quant_method": "mxfp4"}
+    with pytest.raises(NotImplementedError, match="mxfp4"):
+        get_model_class("GptOssForCausalLM").spec_from_config(cfg)
+    args = EngineArgs(
+        model=path, device="cpu", enable_expert_parallel=True, enable_elastic_ep=True
+    )
+    with pytest.raises(ValueError, match="expert biases"):
+        args.create_engine_config()
+
+
+def test_gpt_oss_layers_alternate_windows_and_read_interleaved_experts(tiny_ckpt):
+    """``layer_types`` gives the windows; ``gate_up_proj``'s even columns are the gate."""
+    from safetensors.torch import load_file
+
+    path = tiny_ckpt("gpt_oss")
+    ours = _our_model(path)
+    assert [layer.self_attn.attn.sliding_window for layer in ours.layers] == [8, None]
+    stored = load_file(os.path.join(path, "model.safetensors"))
+    gate_up = stored["model.layers.1.mlp.experts.gate_up_proj"][3]  # [H, 2I]
+    moe = ours.layers[1].mlp
+    inter = moe.w2.shape[2]
+    assert torch.equal(moe.w13[3, :inter], gate_up[:, 0::2].t())
+    assert torch.equal(moe.w13[3, inter:], gate_up[:, 1::2].t())
+    bias = stored["model.layers.1.mlp.experts.gate_up_proj_bias"][3]
+    assert torch.equal(moe.w13_bias[3], torch.cat((bias[0::2], bias[1::2])))

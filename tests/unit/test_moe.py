@@ -344,3 +344,91 @@ def test_grouped_topk_with_all_groups_is_plain_topk():
     w, ids = grouped_topk(logits, 2, False, num_expert_group=2, topk_group=2)
     want_w, want_ids = softmax_topk(logits, 2, False)
     assert torch.equal(ids, want_ids) and torch.equal(w, want_w)
+
+
+def _gpt_oss_block(experts: int = 8, top_k: int = 2, hidden: int = 32, inter: int = 16):
+    """transformers' GPT-OSS MLP (router + experts) with every weight and bias random,
+    and the limit low enough that the clamps act."""
+    from transformers import GptOssConfig
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP
+
+    cfg = GptOssConfig(
+        hidden_size=hidden, intermediate_size=inter, num_local_experts=experts,
+        num_experts_per_tok=top_k, swiglu_limit=0.5,
+    )  # fmt: skip
+    block = GptOssMLP(cfg).eval()
+    with torch.no_grad():
+        for p in block.parameters():
+            p.normal_(0.0, 0.3)
+    return cfg, block
+
+
+def _gpt_oss_layer(block, cfg, local: list[int] | None = None, mode: str | None = None) -> FusedMoE:
+    """Our layer with the block's weights: gate/up de-interleaved, transposed to [2I, H]."""
+    from tidal.kernels.select import choose_paths
+    from tidal.moe.reference import ClampedSwiGLU
+
+    e, k = cfg.num_local_experts, cfg.num_experts_per_tok
+    routing = Routing(k, True, router_bias=True)
+    moe = FusedMoE(
+        e, k, cfg.hidden_size, cfg.intermediate_size, True, local, routing=routing,
+        expert_bias=True, activation=ClampedSwiGLU(cfg.swiglu_alpha, cfg.swiglu_limit),
+    )  # fmt: skip
+    if mode is not None:
+        choose_paths([moe], mode=mode, cache_dir=None, batch_rows=4)
+    ex = block.experts
+    ids = moe.local_expert_ids
+    gu, gub = ex.gate_up_proj.data[ids], ex.gate_up_proj_bias.data[ids]  # [n, H, 2I], [n, 2I]
+    with torch.no_grad():
+        moe.gate.data.copy_(block.router.weight)
+        moe.gate_bias.copy_(block.router.bias)
+        moe.w13.data.copy_(torch.cat((gu[..., 0::2], gu[..., 1::2]), dim=2).transpose(1, 2))
+        moe.w2.data.copy_(ex.down_proj.data[ids].transpose(1, 2))
+        moe.w13_bias.copy_(torch.cat((gub[:, 0::2], gub[:, 1::2]), dim=1))
+        moe.w2_bias.copy_(ex.down_proj_bias.data[ids])
+    moe.weights_updated()
+    return moe
+
+
+@pytest.mark.parametrize("mode", ["native", "onednn", "torch", "auto"])
+def test_gpt_oss_layer_matches_transformers_block(mode):
+    """Router bias, softmax over the top-k logits, expert biases and the clamped SwiGLU:
+    the layer equals transformers' GPT-OSS MLP on every CPU path, none of which computes
+    the experts but ``biased_experts`` (no choice is offered) nor routes on the C++
+    router (it has no bias)."""
+    cfg, block = _gpt_oss_block()
+    moe = _gpt_oss_layer(block, cfg, mode=mode)
+    assert "experts" not in moe.cpu_ops()
+    assert moe.cpu_choice["router"].layout != "native"
+    x = torch.randn(24, cfg.hidden_size)
+    with torch.no_grad():
+        want, _ = block(x[None])
+    torch.testing.assert_close(moe(x), want[0], atol=ATOL, rtol=1e-5)
+
+
+def test_gpt_oss_expert_subsets_sum_to_full_layer():
+    """EP: each rank's slots carry their own experts' biases (an expert on no rank would
+    drop its bias; one on two would add it twice)."""
+    cfg, block = _gpt_oss_block()
+    full = _gpt_oss_layer(block, cfg)
+    parts = [_gpt_oss_layer(block, cfg, local) for local in ([5, 0, 3], [1, 7, 2, 6, 4])]
+    x = torch.randn(16, cfg.hidden_size)
+    torch.testing.assert_close(sum(p(x) for p in parts), full(x), atol=ATOL, rtol=1e-5)
+
+
+def test_biased_experts_never_reach_a_backend_kernel(monkeypatch):
+    """The triton backend's kernel (or any) has no biases: a biased layer never calls it,
+    and computes what the torch backend's layer does."""
+    cfg, block = _gpt_oss_block()
+    want = _gpt_oss_layer(block, cfg)
+    monkeypatch.setitem(EXPERT_BACKENDS, "triton", lambda *a, **k: pytest.fail("kernel called"))
+    got = _gpt_oss_layer(block, cfg)
+    got.backend, got.experts_fn = "triton", EXPERT_BACKENDS["triton"]
+    x = torch.randn(10, cfg.hidden_size)
+    torch.testing.assert_close(got(x), want(x))
+
+
+def test_expert_transfers_refuse_expert_biases():
+    moe = FusedMoE(4, 2, 8, 4, True, expert_bias=True)
+    with pytest.raises(NotImplementedError, match="expert biases"):
+        moe.expert_weights([0])

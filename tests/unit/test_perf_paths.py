@@ -5,6 +5,7 @@ per-sequence oracle, and the cache rows it writes)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import random
 
 import pytest
@@ -339,6 +340,45 @@ def test_decode_rows_inside_a_mixed_batch_match_oracle(decode_path):
     # The prefill continuation's last query sees all 9 tokens: the oracle agrees there too.
     last = decode_attention_reference(q[3:4], attn.kv_cache, [(9, blocks[1])])
     torch.testing.assert_close(out[3:4], last, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize(
+    ("window", "with_sinks"), [(5, False), (None, True), (5, True)], ids=["window", "sinks", "both"]
+)
+def test_windowed_and_sink_attention_match_oracle(window, with_sinks, decode_path):
+    """GPT-OSS's layers: decode rows and a prefill continuation (its queries across the
+    window's edge) against the oracle, whatever decode path the kernel choice would take
+    (these layers always take the torch one: the C++ kernel has neither switch)."""
+    attn, blocks = _attention_case([12, 11, 3], 4, 2, path=decode_path)
+    attn.sliding_window = window
+    attn.sinks = torch.randn(4) if with_sinks else None
+    assert not attn.native(1) and attn.cpu_ops() == {}
+    seqs = [(11, 1, blocks[0]), (6, 5, blocks[1]), (2, 1, blocks[2])]
+    meta = AttentionMetadata.build(seqs, BS, "cpu")
+    q, k, v = torch.randn(7, 4, 16), torch.randn(7, 2, 16), torch.randn(7, 2, 16)
+    out = attn(q, k, v, meta)
+    ref = functools.partial(
+        decode_attention_reference, cache=attn.kv_cache, sliding_window=window, sinks=attn.sinks
+    )
+    torch.testing.assert_close(out[[0, 6]], ref(q[[0, 6]], seqs=[(12, blocks[0]), (3, blocks[2])]))
+    for row in range(1, 6):  # the chunk's query at position 5 + row sees keys <= it
+        want = ref(q[row : row + 1], seqs=[(6 + row, blocks[1])])
+        torch.testing.assert_close(out[row : row + 1], want, atol=ATOL, rtol=0)
+
+
+def test_windowed_and_sink_prefill_from_scratch_matches_oracle():
+    """A fresh prefill (no cached keys) past the window, with sinks: each query against
+    the oracle reading the keys the layer wrote."""
+    attn, blocks = _attention_case([11], 4, 2)
+    attn.sliding_window, attn.sinks = 4, torch.randn(4)
+    meta = AttentionMetadata.build([(0, 11, blocks[0])], BS, "cpu")
+    q, k, v = torch.randn(11, 4, 16), torch.randn(11, 2, 16), torch.randn(11, 2, 16)
+    out = attn(q, k, v, meta)
+    for row in range(11):
+        want = decode_attention_reference(
+            q[row : row + 1], attn.kv_cache, [(row + 1, blocks[0])], 4, attn.sinks
+        )
+        torch.testing.assert_close(out[row : row + 1], want, atol=ATOL, rtol=0)
 
 
 # ---- model-level layout ------------------------------------------------------------------

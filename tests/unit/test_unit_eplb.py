@@ -17,7 +17,8 @@ from tidal.moe.eplb import (
 )
 from tidal.moe.layer import FusedMoE
 from tidal.moe.placement import ExpertPlacement, plan_moves, rebalance
-from tidal.moe.router import softmax_topk
+from tidal.moe.reference import ClampedSwiGLU
+from tidal.moe.router import Routing, softmax_topk
 
 # ---------------------------------------------------------------------- window
 
@@ -42,13 +43,27 @@ def test_window_rejects_empty():
         ExpertLoadWindow(1, 4, 0)
 
 
-def _moe(num_experts=6, top_k=2, hidden=8, inter=4, seed=0, local=None):
+def _moe(num_experts=6, top_k=2, hidden=8, inter=4, seed=0, local=None, biased=False):
+    """``biased``: GPT-OSS's experts (biases, clamped SwiGLU) and router bias."""
     g = torch.Generator().manual_seed(seed)
-    moe = FusedMoE(num_experts, top_k, hidden, inter, True, local_expert_ids=local)
+    extra = {}
+    if biased:
+        extra = {
+            "routing": Routing(top_k, True, router_bias=True),
+            "expert_bias": True,
+            "activation": ClampedSwiGLU(1.702, 0.5),
+        }
+    moe = FusedMoE(num_experts, top_k, hidden, inter, True, local_expert_ids=local, **extra)
     n = len(moe.local_expert_ids)
     moe.gate.data = torch.randn(num_experts, hidden, generator=g)
     moe.w13.data = torch.randn(n, 2 * inter, hidden, generator=g)
     moe.w2.data = torch.randn(n, hidden, inter, generator=g)
+    if biased:
+        assert moe.gate_bias is not None and moe.w13_bias is not None
+        assert moe.w2_bias is not None
+        moe.gate_bias.copy_(torch.randn(num_experts, generator=g))
+        moe.w13_bias.copy_(torch.randn(n, 2 * inter, generator=g))
+        moe.w2_bias.copy_(torch.randn(n, hidden, generator=g))
     return moe
 
 
@@ -149,9 +164,11 @@ def test_move_on_one_rank_permutes_slots_in_place():
     assert moe.w13.data.data_ptr() == ptr  # same storage: updated in place
 
 
-def test_installed_placement_keeps_layer_output():
-    """Permuting a one-rank layer's slots (weights + map together) changes nothing."""
-    moe = _moe(num_experts=6, local=[0, 1, 2, 3, 4, 5])
+@pytest.mark.parametrize("biased", [False, True], ids=["plain", "expert-biases"])
+def test_installed_placement_keeps_layer_output(biased):
+    """Permuting a one-rank layer's slots (weights + map together) changes nothing; the
+    expert biases move with their experts."""
+    moe = _moe(num_experts=6, local=[0, 1, 2, 3, 4, 5], biased=biased)
     x = torch.randn(7, 8)
     want = moe(x)
     old = ExpertPlacement.from_layout(6, [[0, 1, 2, 3, 4, 5]])

@@ -50,6 +50,7 @@ depend on the cache's shape) by the first layer, memoised on the metadata for th
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -294,19 +295,27 @@ def decode_attention_reference(
     q: Tensor,  # [D, Hq, Dh] one query token per sequence
     cache: Tensor,  # [2, NB, Hkv, bs, Dh] one layer's cache
     seqs: Sequence[tuple[int, Sequence[int]]],  # (tokens in the cache, block ids) per row
+    sliding_window: int | None = None,
+    sinks: Tensor | None = None,  # [Hq]
 ) -> Tensor:  # [D, Hq, Dh]
     """Oracle for the decode path: one sequence at a time, keys read token by token in
-    float64, plain softmax; query head h uses KV head h // (Hq // Hkv)."""
+    float64, plain softmax; query head h uses KV head h // (Hq // Hkv). A window keeps
+    the last ``sliding_window`` keys; a sink adds ``exp(sinks[h])`` to the denominator."""
     _, _, hkv, bs, dh = cache.shape
     group = q.shape[1] // hkv
     out = torch.empty_like(q)
     for i, (length, blocks) in enumerate(seqs):
-        pos = range(length)
+        first = 0 if sliding_window is None else max(0, length - sliding_window)
+        pos = range(first, length)
         k = torch.stack([cache[0, blocks[p // bs], :, p % bs] for p in pos]).double()
         v = torch.stack([cache[1, blocks[p // bs], :, p % bs] for p in pos]).double()
         for h in range(q.shape[1]):
-            scores = k[:, h // group] @ q[i, h].double() / dh**0.5  # [length]
-            out[i, h] = (torch.softmax(scores, 0) @ v[:, h // group]).to(q.dtype)
+            scores = k[:, h // group] @ q[i, h].double() / dh**0.5  # [keys]
+            sink = None if sinks is None else float(sinks[h])
+            top = scores.max().item() if sink is None else max(scores.max().item(), sink)
+            weights = (scores - top).exp()
+            denom = weights.sum() + (0.0 if sink is None else math.exp(sink - top))
+            out[i, h] = ((weights / denom) @ v[:, h // group]).to(q.dtype)
     return out
 
 

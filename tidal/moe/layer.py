@@ -27,8 +27,9 @@ rule that has one (every rank holds all of it: it is per logical expert, never m
 
 Experts with biases (``expert_bias``, GPT-OSS: ``w13_bias [E_local, 2I]``, ``w2_bias
 [E_local, H]``, optionally a ``ClampedSwiGLU`` activation) run only on
-``tidal/moe/reference.py``'s ``biased_experts``: no fused path adds biases or clamps, so
-the experts op has no CPU choice then and the triton backend is refused. The biases are
+``tidal/moe/reference.py``'s ``biased_experts``, whatever the backend: no fused path adds
+biases or clamps, so the experts op has no CPU choice then and the backend's kernel
+(triton's too) is not called. The biases are
 per slot like ``w13``/``w2`` and move with them (EPLB's ``move_expert_weights``,
 ``set_local_experts``). A router bias (``Routing.router_bias``) is ``gate_bias [E_global]``,
 added to the logits; like ``score_bias`` every rank holds all of it.
@@ -182,10 +183,6 @@ class FusedMoE(HeldParamsModule):
         self.backend = resolve_moe_backend(backend, device or "cpu")
         self.expert_bias = expert_bias
         self.activation = activation
-        if (expert_bias or activation is not None) and self.backend == "triton":
-            raise ValueError(
-                "moe backend 'triton' has no expert biases or clamped SwiGLU: use 'torch'"
-            )
         self.experts_fn: ExpertsFn = EXPERT_BACKENDS[self.backend]
         n_local = len(self.local_expert_ids)
         kw = {"dtype": dtype, "device": device}
