@@ -495,3 +495,35 @@ def test_gpt_oss_layers_alternate_windows_and_read_interleaved_experts(tiny_ckpt
     assert torch.equal(moe.w13[3, inter:], gate_up[:, 1::2].t())
     bias = stored["model.layers.1.mlp.experts.gate_up_proj_bias"][3]
     assert torch.equal(moe.w13_bias[3], torch.cat((bias[0::2], bias[1::2])))
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+         "original_max_position_embeddings": 4096},  # GPT-OSS's
+        {"factor": 4.0, "original_max_position_embeddings": 256},  # truncated, defaults
+        {"factor": 8.0, "original_max_position_embeddings": 512, "attention_factor": 1.3},
+    ],  # fmt: skip
+    ids=["gpt-oss", "truncated", "attention-factor"],
+)
+def test_yarn_table_matches_transformers(params):
+    """YaRN's frequencies and cos/sin scale as transformers computes them (GPT-OSS's
+    rotary: halves, not interleaved, so the table is the rotate-half one)."""
+    from transformers import GptOssConfig
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssRotaryEmbedding
+
+    from tidal.layers.rotary import RotaryEmbedding, rope_theta_from_config, yarn_from_config
+
+    cfg = GptOssConfig(
+        head_dim=64, max_position_embeddings=8192,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, **params},
+    )  # fmt: skip
+    yarn = yarn_from_config(cfg)
+    assert yarn is not None
+    ours = RotaryEmbedding(64, 8192, rope_theta_from_config(cfg), yarn=yarn)
+    pos = torch.tensor([0, 1, 7, 300, 4095, 8191])
+    cos, sin = GptOssRotaryEmbedding(cfg)(torch.zeros(1, dtype=torch.float32), pos[None])
+    got_cos, got_sin = ours.cos_sin(pos)
+    torch.testing.assert_close(got_cos[:, 0], torch.cat((cos[0], cos[0]), -1), atol=1e-6, rtol=0)
+    torch.testing.assert_close(got_sin[:, 0], torch.cat((-sin[0], sin[0]), -1), atol=1e-6, rtol=0)

@@ -324,13 +324,18 @@ class PagedAttention(nn.Module):
 
     def __init__(
         self, num_heads: int, num_kv_heads: int, head_dim: int, *, dtype: Any = None,
-        device: Any = None, sliding_window: int | None = None, sinks: Tensor | None = None,
+        device: Any = None, sliding_window: int | None = None, sinks: bool = False,
     ) -> None:  # fmt: skip
         super().__init__()
         if sliding_window is not None and sliding_window < 1:
             raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
         self.sliding_window = sliding_window
-        self.sinks = sinks  # [Hq] the owning module's parameter (not registered here)
+        # [Hq] one logit per query head (filled by the loader), or None
+        self.sinks: Tensor | None = (
+            nn.Parameter(torch.zeros(num_heads, dtype=dtype, device=device), requires_grad=False)
+            if sinks
+            else None
+        )
         if num_heads % num_kv_heads:
             raise ValueError(
                 f"num_heads {num_heads} must be a multiple of num_kv_heads {num_kv_heads}"

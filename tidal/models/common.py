@@ -243,13 +243,9 @@ class Attention(nn.Module):
                 assert_never(spec.qk_norm)
         self.width = (spec.num_heads * dh, spec.num_kv_heads * dh)  # q, k of all workers
         self.qkv_clip = spec.qkv_clip
-        # [Hq] this worker's heads' sink logits (GPT-OSS), else None
-        self.sinks = (
-            nn.Parameter(torch.zeros(hq, **kw), requires_grad=False)
-            if spec.attention_sinks
-            else None
+        self.attn = PagedAttention(
+            hq, hkv, dh, sliding_window=window, sinks=spec.attention_sinks, **kw
         )
-        self.attn = PagedAttention(hq, hkv, dh, sliding_window=window, sinks=self.sinks, **kw)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, meta: AttentionMetadata) -> Tensor:
         num_tokens = x.shape[0]
@@ -530,8 +526,9 @@ class MoECausalLM(nn.Module):
                 t[f"{prefix}.self_attn.o_proj.{kind}"] = (
                     self._shard(o, 1, rank) if o.dim() == 2 else o
                 )
-        if attn.sinks is not None:  # this worker's heads
-            t[f"{prefix}.self_attn.sinks"] = self._shard(attn.sinks.data, 0, rank)
+        sinks = attn.attn.sinks
+        if sinks is not None:  # this worker's heads
+            t[f"{prefix}.self_attn.sinks"] = self._shard(sinks.data, 0, rank)
         if attn.q_norm is not None and attn.k_norm is not None:
             # Per head: one whole [Dh] weight; over the width: this worker's block of it.
             whole = attn.qk_norm is QKNorm.PER_HEAD

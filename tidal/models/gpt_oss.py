@@ -31,9 +31,21 @@ from tidal.models.common import (
 from tidal.moe.reference import ClampedSwiGLU
 from tidal.moe.router import Routing
 
-_FUSED = re.compile(
-    r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|gate_up_proj_bias|down_proj|down_proj_bias)$"
-)
+# A stored fused tensor -> per expert: (projection, as ``names`` below calls it, "weight"
+# or "bias", view of its row e).
+_PER_EXPERT: dict[str, tuple[tuple[str, str, Callable[[Tensor], Tensor]], ...]] = {
+    "gate_up_proj": (  # [H, 2I] -> [I, H] each: gate at even columns, up at odd
+        ("gate_proj", "weight", lambda t: t[:, 0::2].t()),
+        ("up_proj", "weight", lambda t: t[:, 1::2].t()),
+    ),
+    "gate_up_proj_bias": (
+        ("gate_proj", "bias", lambda t: t[0::2]),
+        ("up_proj", "bias", lambda t: t[1::2]),
+    ),
+    "down_proj": (("down_proj", "weight", lambda t: t.t()),),  # [I, H] -> [H, I]
+    "down_proj_bias": (("down_proj", "bias", lambda t: t),),
+}
+_FUSED = re.compile(rf"^(model\.layers\.\d+\.mlp\.experts)\.({'|'.join(_PER_EXPERT)})$")
 _LAYER_TYPES = {"sliding_attention": True, "full_attention": False}  # windowed?
 
 
@@ -86,7 +98,7 @@ class GptOssForCausalLM(MoECausalLM):
         m = _FUSED.match(name)
         if m is None:
             return None
-        base, kind = m.group(1), m.group(2)
+        base, stored = m.group(1), m.group(2)
         cache: dict[str, Tensor] = {}
 
         def whole() -> Tensor:
@@ -94,25 +106,11 @@ class GptOssForCausalLM(MoECausalLM):
                 cache["t"] = get()
             return cache["t"]
 
-        n = self.names
-        out: list[tuple[str, Callable[[], Tensor]]] = []
-        for e in range(shape[0]):
-            match kind:
-                case "gate_up_proj":  # [H, 2I] -> [I, H] each
-                    out.append(
-                        (f"{base}.{e}.{n.expert_gate}.weight", lambda e=e: whole()[e, :, 0::2].t())
-                    )
-                    out.append(
-                        (f"{base}.{e}.{n.expert_up}.weight", lambda e=e: whole()[e, :, 1::2].t())
-                    )
-                case "gate_up_proj_bias":
-                    out.append((f"{base}.{e}.{n.expert_gate}.bias", lambda e=e: whole()[e, 0::2]))
-                    out.append((f"{base}.{e}.{n.expert_up}.bias", lambda e=e: whole()[e, 1::2]))
-                case "down_proj":  # [I, H] -> [H, I]
-                    out.append((f"{base}.{e}.{n.expert_down}.weight", lambda e=e: whole()[e].t()))
-                case "down_proj_bias":
-                    out.append((f"{base}.{e}.{n.expert_down}.bias", lambda e=e: whole()[e]))
-        return out
+        return [
+            (f"{base}.{e}.{proj}.{kind}", lambda e=e, view=view: view(whole()[e]))
+            for e in range(shape[0])
+            for proj, kind, view in _PER_EXPERT[stored]
+        ]
 
 
 def _tiny_config(experts: int, moe_inter: int, inter: int, norm_topk: bool) -> dict[str, Any]:
