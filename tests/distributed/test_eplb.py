@@ -116,6 +116,9 @@ def _check_weights(runner, ref, rank: int) -> None:
         for slot, e in enumerate(ids):  # the reference holds expert e in slot e
             assert torch.equal(moe.w13[slot], full.w13[e]), (slot, e)
             assert torch.equal(moe.w2[slot], full.w2[e]), (slot, e)
+            if moe.expert_bias:  # GPT-OSS: the biases moved with their experts
+                assert torch.equal(moe.w13_bias[slot], full.w13_bias[e]), (slot, e)
+                assert torch.equal(moe.w2_bias[slot], full.w2_bias[e]), (slot, e)
 
 
 def _eplb_rank(rank: int, world: int, port: int, path: str, backend: str) -> dict:
@@ -170,9 +173,19 @@ def _eplb_rank(rank: int, world: int, port: int, path: str, backend: str) -> dic
     }
 
 
-@pytest.mark.parametrize("backend", ["allgather_reducescatter", "all2all"])
-def test_eplb_rebalance_moves_experts_and_keeps_outputs(run_ranks_on_ports, qwen3_ckpt, backend):
-    results = run_ranks_on_ports(_eplb_rank, 2, qwen3_ckpt, backend, timeout_s=240)
+@pytest.mark.parametrize(
+    ("backend", "model_type"),
+    [
+        ("allgather_reducescatter", "qwen3_moe"),
+        ("all2all", "qwen3_moe"),
+        ("all2all", "gpt_oss"),  # expert biases cross the ranks with their experts
+    ],
+)
+def test_eplb_rebalance_moves_experts_and_keeps_outputs(
+    run_ranks_on_ports, tiny_ckpt, backend, model_type
+):
+    path = tiny_ckpt(model_type)
+    results = run_ranks_on_ports(_eplb_rank, 2, path, backend, timeout_s=240)
     # Every rank computed the same placements (plan determinism across ranks).
     assert results[0]["first"] == results[1]["first"]
     assert results[0]["final"] == results[1]["final"]
