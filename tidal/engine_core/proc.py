@@ -265,7 +265,7 @@ class EngineCoreProc:
                 for ready, _ in poller.poll(100):
                     if ready is sock:
                         frontend.heard(self._read_client_request(sock), time.monotonic())
-                    else:
+                    elif coord is not None:
                         self._read_coordinator_message(coord)
         except BaseException as e:  # noqa: BLE001 - fatal for the engine, never silent
             if not self._stop_io.is_set():

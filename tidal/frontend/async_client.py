@@ -78,7 +78,9 @@ class AsyncMPClient(MPClient):
         self.dropped = DropCounter("frontend client", logger)  # undecodable frames
         super().__init__(config, entry_module)
 
-    def _ensure_reader(self) -> None:
+    def _ensure_reader(self) -> asyncio.Queue[EngineCoreOutputs]:
+        """Start the reader (and the heartbeats) on the running loop once; the output
+        queue it fills."""
         if self._reader_task is None:
             self._loop = asyncio.get_running_loop()
             self._queue = asyncio.Queue()
@@ -88,6 +90,8 @@ class AsyncMPClient(MPClient):
             if self.dp is not None:
                 self._async_snap = zmq.asyncio.Socket.from_socket(self._snapshot_socket)
                 self._snapshot_task = self._loop.create_task(self._read_snapshots())
+        assert self._queue is not None  # made with the reader
+        return self._queue
 
     async def _read_outputs(self) -> None:
         try:
@@ -128,7 +132,7 @@ class AsyncMPClient(MPClient):
             else:
                 self._fail(reason)
         elif self._on_outputs(outs):
-            self._queue.put_nowait(outs)
+            self._ensure_reader().put_nowait(outs)
 
     async def _read_snapshots(self) -> None:
         try:
@@ -153,6 +157,8 @@ class AsyncMPClient(MPClient):
 
     async def get_dp_stats_async(self, timeout_s: float = 2.0) -> DPCoordinatorStats:
         """The coordinator's full stats (DP only)."""
+        if self.coordinator is None:
+            raise RuntimeError("no DP coordinator: the deployment has one rank")
         return await fetch_stats_async(self.coordinator.addresses.stats, timeout_s, self._curve)
 
     def _on_engine_exit(self, engine_id: int, exitcode: int | None) -> None:
@@ -326,8 +332,7 @@ class AsyncMPClient(MPClient):
             await asyncio.sleep(0.02)
 
     def _deliver_injected(self, outs: EngineCoreOutputs) -> None:
-        self._ensure_reader()
-        self._queue.put_nowait(outs)
+        self._ensure_reader().put_nowait(outs)
 
     def _fail(self, reason: str) -> None:
         if self.dead_reason is None:
@@ -339,10 +344,10 @@ class AsyncMPClient(MPClient):
                 fut.set_exception(EngineDeadError(reason))
 
     async def get_output_async(self) -> EngineCoreOutputs:
-        self._ensure_reader()
-        if self.dead_reason is not None and self._queue.empty():
+        queue = self._ensure_reader()
+        if self.dead_reason is not None and queue.empty():
             raise EngineDeadError(self.dead_reason)
-        outs = await self._queue.get()
+        outs = await queue.get()
         if outs.engine_dead:
             raise EngineDeadError(outs.dead_reason or "engine died")
         return outs

@@ -566,6 +566,7 @@ class MPClient:
         raise NotImplementedError
 
     def _on_snapshot(self, frame: bytes) -> None:
+        assert self.dp is not None  # snapshots are subscribed to only with DP state
         self.dp.on_snapshot(SNAPSHOT_DECODER.decode(frame))
 
     def _utility_request(self, method: str, args: tuple) -> UtilityRequest:

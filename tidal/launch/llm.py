@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import typing
 import weakref
 from collections.abc import Sequence
 from typing import Any
@@ -72,7 +73,8 @@ class LLM:
     def get_default_sampling_params(self) -> SamplingParams:
         """What ``generate`` uses without ``sampling_params``: the checkpoint's recommended
         values (``generation_config``, as vLLM), else SamplingParams' own defaults."""
-        return SamplingParams(**dict(self.config.model.sampling_defaults))
+        defaults: dict[str, Any] = dict(self.config.model.sampling_defaults)
+        return SamplingParams(**defaults)
 
     def generate(
         self,
@@ -85,14 +87,17 @@ class LLM:
         engine refuses or fails a request; the other requests are then aborted."""
         if not self._finalizer.alive:
             raise RuntimeError("this LLM was shut down; create a new one")
+        batch: Sequence[PromptType]
         if isinstance(prompts, (str, dict)) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
         ):
-            prompts = [prompts]
+            batch = [typing.cast(PromptType, prompts)]  # one prompt (text, dict or token ids)
+        else:
+            batch = typing.cast(Sequence[PromptType], prompts)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
-        params = _broadcast_params(sampling_params, len(prompts))
-        processed = [self.input_processor.tokenize(p) for p in prompts]
+        params = _broadcast_params(sampling_params, len(batch))
+        processed = [self.input_processor.tokenize(p) for p in batch]
         for prompt, sp in zip(processed, params):
             self.input_processor.check(prompt, sp)
         order: list[str] = []
@@ -112,7 +117,10 @@ class LLM:
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
     ) -> list[RequestOutput]:
-        conversations = messages if messages and isinstance(messages[0], list) else [messages]
+        conversations = typing.cast(
+            list[list[dict[str, Any]]],
+            messages if messages and isinstance(messages[0], list) else [messages],
+        )
         prompts: list[PromptType] = []
         for conv in conversations:
             p = self.input_processor.apply_chat_template(conv, add_generation_prompt, chat_template)

@@ -328,7 +328,10 @@ def _sample(logits: Tensor, meta: SamplingMetadata) -> Tensor:
     greedy = None if meta.all_random else x.argmax(dim=-1)
     x = apply_warpers(x, meta)
     sampled = exponential_race(x, meta.generators)
-    return sampled if greedy is None else torch.where(meta.greedy_mask, greedy, sampled)
+    if greedy is None:
+        return sampled
+    assert meta.greedy_mask is not None  # mixed rows (all-greedy batches returned above)
+    return torch.where(meta.greedy_mask, greedy, sampled)
 
 
 def process_logits(logits: Tensor, meta: SamplingMetadata) -> Tensor:
@@ -479,6 +482,7 @@ def apply_top_k_top_p(
         vals = vals.masked_fill(vals < kth, _NEG_INF)
     else:
         vals, _ = x.sort(dim=-1, descending=True)  # [N, V]
+    assert top_p is not None  # top-k alone returned above
     # Token i (descending) is kept iff the mass before it is < top_p: the first token
     # always stays. Counting "cumsum < p" avoids subtracting, so the count is monotone.
     cum = vals.softmax(dim=-1).cumsum(dim=-1)  # [N, V]
@@ -511,7 +515,8 @@ def exponential_race(x: Tensor, generators: dict[int, torch.Generator]) -> Tenso
 def _row_logprobs(
     logits: Tensor, token_ids: Tensor, meta: SamplingMetadata
 ) -> list[Logprobs | None]:
-    rows = [i for i, k in enumerate(meta.num_logprobs) if k is not None]
+    wanted = {i: k for i, k in enumerate(meta.num_logprobs) if k is not None}
+    rows = list(wanted)
     out: list[Logprobs | None] = [None] * meta.num_rows
     if not rows:
         return out
@@ -519,7 +524,7 @@ def _row_logprobs(
     computed = compute_logprobs(
         logits.index_select(0, idx),
         token_ids.index_select(0, idx),
-        [meta.num_logprobs[i] for i in rows],
+        [wanted[i] for i in rows],
     )
     for i, lp in zip(rows, computed):
         out[i] = lp

@@ -64,6 +64,7 @@ from tidal.kernels.cpu_paths import PACKED_PATHS, HeldExperts, HeldGate
 from tidal.kernels.fused_moe_torch import empty_k_major_experts, fused_experts_torch, is_k_major
 from tidal.kernels.held_params import HeldParamsModule
 from tidal.kernels.select import Candidate, Choice, OpKey, OpSpec, default_choice, weight_candidates
+from tidal.moe.placement import ExpertPlacement
 from tidal.moe.reference import ClampedSwiGLU, biased_experts, fused_experts_reference
 from tidal.moe.router import Routing, route
 
@@ -88,6 +89,10 @@ class MoEDispatcher(Protocol):
     ) -> tuple[Tensor, Tensor, Tensor, Any]: ...
 
     def combine(self, expert_out: Tensor, handle: Any) -> Tensor: ...
+
+    def set_placement(self, placement: ExpertPlacement) -> None:
+        """Route by ``placement`` from the next forward (an EPLB step, an elastic commit)."""
+        ...
 
 
 @dataclass
@@ -252,19 +257,18 @@ class FusedMoE(HeldParamsModule):
 
     def route(self, hidden: Tensor) -> tuple[Tensor, Tensor]:  # [T, H] -> [T, K] f32, int64
         gate = self._held("router") if self._cpu_float32(hidden) else None
-        routed = None
         if isinstance(gate, HeldGate):  # the C++ router: one call; oneDNN: its logits
-            variant = self._choice("router").for_rows(hidden.shape[0]).variant
             if self.routing.plain_softmax:
+                variant = self._choice("router").for_rows(hidden.shape[0]).variant
                 routed = gate(hidden, self.top_k, self.renormalize, variant)
-            logits = gate.logits(hidden) if routed is None else None
+                if routed is not None:  # None: this path computes only the logits
+                    return routed
+            logits = gate.logits(hidden)
         else:
             logits = torch.nn.functional.linear(hidden, self.gate)  # [T, E_global]
-        if logits is not None and self.gate_bias is not None:
+        if self.gate_bias is not None:
             logits = logits + self.gate_bias
-        if routed is None:
-            routed = route(logits, self.routing, self.score_bias)
-        return routed
+        return route(logits, self.routing, self.score_bias)
 
     def forward_experts(
         self,
