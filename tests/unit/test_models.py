@@ -9,6 +9,7 @@ checkpoint layouts, and the tiny-checkpoint factory itself.
 
 from __future__ import annotations
 
+import dataclasses
 import filecmp
 import json
 import os
@@ -18,7 +19,7 @@ import pytest
 import torch
 
 from tidal.launch.engine_args import EngineArgs
-from tidal.layers.attention import AttentionMetadata, kv_cache_shape
+from tidal.layers.attention import AttentionMetadata
 from tidal.models.loader import CheckpointError, load_model
 from tidal.models.registry import (
     entry_for_model_type,
@@ -63,10 +64,10 @@ class PagedRunner:
     """Drives our model as the model runner does: a paged cache, shuffled block ids."""
 
     def __init__(self, model, num_blocks: int = 96, seed: int = 0) -> None:
-        layers, kv_heads, head_dim = model.kv_cache_spec()
-        shape = kv_cache_shape(num_blocks, BLOCK_SIZE, kv_heads, head_dim)
+        spec = model.kv_cache_spec()
+        shape = spec.layer_shape(num_blocks, BLOCK_SIZE)
         dtype = model.embed_tokens.weight.dtype
-        model.bind_kv_cache([torch.zeros(shape, dtype=dtype) for _ in range(layers)])
+        model.bind_kv_cache([torch.zeros(shape, dtype=dtype) for _ in range(spec.num_layers)])
         self.model = model
         self.free = torch.randperm(
             num_blocks, generator=torch.Generator().manual_seed(seed)
@@ -527,3 +528,125 @@ def test_yarn_table_matches_transformers(params):
     got_cos, got_sin = ours.cos_sin(pos)
     torch.testing.assert_close(got_cos[:, 0], torch.cat((cos[0], cos[0]), -1), atol=1e-6, rtol=0)
     torch.testing.assert_close(got_sin[:, 0], torch.cat((-sin[0], sin[0]), -1), atol=1e-6, rtol=0)
+
+
+def test_deepseek_v3_switches_latent_cache_and_mtp_layers(tiny_ckpt, tmp_path):
+    """The tiny DeepSeek-V3 runs every switch (q LoRA, a dense first layer, sigmoid routing
+    over 2 groups with a non-zero bias, renormalised and scaled, a shared expert): its
+    parity is the ``models`` tests'. Its cache is the latent, one vector per token shared
+    by the heads; the MTP layers of a checkpoint are skipped."""
+    path = tiny_ckpt("deepseek_v3")
+    ours = _our_model(path)
+    spec = ours.spec
+    assert spec.moe_layer_mask == (False, True) and spec.shared_expert_intermediate_size == 32
+    r = spec.routing
+    assert (r.scoring.name, r.num_groups, r.topk_group, r.correction_bias) == ("SIGMOID", 2, 1, True)
+    assert r.renormalize and r.scaling_factor == 2.5
+    attn = ours.layers[0].self_attn
+    assert attn.q_a_proj is not None and spec.mla.q_lora_rank == 24
+    cache = ours.kv_cache_spec()
+    assert (cache.layout.name, cache.num_layers, cache.head_dim) == ("LATENT", 2, 32 + 8)
+    assert cache.layer_shape(5, 4) == (5, 4, 40)
+    extra = {"model.layers.2.mlp.gate.weight": torch.ones(8, 64)}  # an MTP layer's
+    mtp = _rewrite(path, tmp_path / "mtp", lambda t: {**t, **extra})
+    got, want = _our_model(mtp).state_dict(), ours.state_dict()
+    assert got.keys() == want.keys()
+    assert all(torch.equal(got[name], value) for name, value in want.items())
+
+
+def test_deepseek_v2_without_q_lora_routes_by_softmax_groups(tiny_ckpt):
+    """V2-Lite's shape: queries straight from q_proj; softmax group-limited greedy routing,
+    scaled and not renormalised (as transformers' V2 router); every layer MoE."""
+    ours = _our_model(tiny_ckpt("deepseek_v2"))
+    spec = ours.spec
+    assert spec.moe_layer_mask == (True, True) and spec.mla.q_lora_rank == 0
+    assert ours.layers[0].self_attn.q_a_proj is None
+    r = spec.routing
+    assert (r.scoring.name, r.num_groups, r.topk_group, r.correction_bias) == ("SOFTMAX", 2, 1, False)
+    assert not r.renormalize and r.scaling_factor == 1.5 and not r.plain_softmax
+
+
+def test_deepseek_layer_freq_and_greedy_routing():
+    """``moe_layer_freq`` (DeepSeek's own rule: MoE from ``first_k_dense_replace`` on, every
+    freq-th layer; transformers' classes ignore it, so no checkpoint parity) and V2's plain
+    ``greedy`` top-k."""
+    from transformers import DeepseekV2Config
+
+    from tidal.models.deepseek_v2 import DeepseekV2ForCausalLM
+
+    cfg = DeepseekV2Config(
+        num_hidden_layers=6, first_k_dense_replace=1, moe_layer_freq=2, n_routed_experts=8,
+        num_experts_per_tok=2, topk_method="greedy", routed_scaling_factor=1.0, q_lora_rank=None,
+    )  # fmt: skip
+    spec = DeepseekV2ForCausalLM.spec_from_config(cfg)
+    assert spec.moe_layer_mask == (False, False, True, False, True, False)
+    assert spec.routing.plain_softmax and spec.routing.num_groups == 1
+
+
+@pytest.fixture(scope="module")
+def deepseek_yarn(tiny_ckpt_root):
+    """DeepSeek-V3 with YaRN rope (factor 4 over 16 original positions) whose mscale and
+    mscale_all_dim differ: cos/sin scaled by their ratio, the softmax by mscale_all_dim's."""
+    entry = entry_for_model_type("deepseek_v3")
+    rope = {
+        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+        "original_max_position_embeddings": 16, "mscale": 1.0, "mscale_all_dim": 0.8,
+        "beta_fast": 8, "beta_slow": 1,
+    }  # fmt: skip
+    return make_tiny_checkpoint(
+        os.path.join(tiny_ckpt_root, "deepseek_v3_yarn"), "deepseek_v3", hidden_size=64,
+        num_layers=2, num_experts=8, top_k=2, vocab_size=512, max_position_embeddings=64,
+        rope_parameters=rope, **entry.test_config,
+    )  # fmt: skip
+
+
+def test_deepseek_yarn_beyond_the_original_context(deepseek_yarn):
+    """A 40-token prompt (past original_max_position_embeddings 16) prefilled whole, in
+    chunks, and decoded: logits equal transformers'. Without the YaRN attention factor or
+    the softmax mscale they would not (the check that both are live)."""
+    from tidal.layers.mla import yarn_mscale
+
+    ours, hf = _our_model(deepseek_yarn), _hf_model(deepseek_yarn)
+    mla = ours.spec.mla
+    assert mla.softmax_scale == pytest.approx(24**-0.5 * yarn_mscale(4.0, 0.8) ** 2)
+    assert ours.rotary.cos_table[0, 0].item() == pytest.approx(
+        yarn_mscale(4.0, 1.0) / yarn_mscale(4.0, 0.8)
+    )
+    (prompt,) = _prompts(512, [40], seed=11)
+    want = _hf_logits(hf, prompt)
+    _close(PagedRunner(ours).step([("a", 0, prompt)]), want)
+    runner = PagedRunner(ours, seed=5)
+    start = 0
+    for size in (13, 10, 17):  # chunk edges inside blocks, the last past position 16
+        _close(runner.step([("a", start, prompt[start : start + size])]), want[start : start + size])
+        start += size
+    nxt = want[-1].argmax().item()
+    _close(runner.step([("a", 40, [nxt])])[0], _hf_logits(hf, prompt + [nxt])[-1])
+    # The scale is live: the plain one gives other logits.
+    ours.layers[0].self_attn.spec = dataclasses.replace(mla, softmax_scale=24**-0.5)
+    assert (PagedRunner(ours).step([("a", 0, prompt)]) - want).abs().max().item() > 100 * ATOL
+
+
+@pytest.mark.parametrize(
+    ("model_type", "per_token"),
+    [
+        # latent: (kv_lora_rank 32 + qk_rope_head_dim 8) x float32 x 2 layers
+        pytest.param("deepseek_v3", (32 + 8) * 4 * 2, id="mla-latent"),
+        # K and V: 2 x 2 KV heads x head_dim 16 x float32 x 2 layers
+        pytest.param("qwen3_moe", 2 * 2 * 16 * 4 * 2, id="gqa-kv"),
+    ],
+)
+def test_kv_bytes_follow_the_models_cache_spec(tiny_ckpt, model_type, per_token):
+    """The runner sizes blocks and allocates layers from the model's cache spec: MLA's
+    latent is (kv_lora_rank + qk_rope_head_dim) values per token and layer."""
+    from tidal.executor.model_runner import ModelRunner
+
+    config = EngineArgs(model=tiny_ckpt(model_type), device="cpu").create_engine_config()
+    runner = ModelRunner(config, torch.device("cpu"))
+    runner.model = load_model(config)
+    spec = runner.model.kv_cache_spec()
+    assert spec.bytes_per_token(torch.float32) == per_token
+    assert runner.kv_bytes_per_block() == per_token * runner.block_size
+    runner.initialize_kv_cache(6)
+    assert len(runner.kv_caches) == 2
+    assert sum(c.numel() * c.element_size() for c in runner.kv_caches) == 6 * runner.block_size * per_token

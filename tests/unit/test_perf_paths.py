@@ -402,10 +402,8 @@ def test_model_uses_k_major_layouts_and_matches_row_major_copy(qwen3_ckpt):
     assert fast.layers[0].self_attn.qkv_proj.weight.t().is_contiguous()
     caches = []
     for model in (fast, slow):
-        layers, kv_heads, head_dim = model.kv_cache_spec()
-        caches.append(
-            [torch.zeros(kv_cache_shape(16, BS, kv_heads, head_dim)) for _ in range(layers)]
-        )
+        spec = model.kv_cache_spec()
+        caches.append([torch.zeros(spec.layer_shape(16, BS)) for _ in range(spec.num_layers)])
         model.bind_kv_cache(caches[-1])
     ids = torch.randint(3, fast.spec.vocab_size, (9,), generator=torch.Generator().manual_seed(0))
     seqs = [(0, 5, [1, 2]), (0, 4, [3, 4])]

@@ -49,7 +49,7 @@ from tidal.distributed.tensor_parallel import TensorParallel
 from tidal.executor.batch import NULL_BLOCK_ID, ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from tidal.executor.rpc import Reduce, rpc
 from tidal.kernels.host_memory import empty_huge
-from tidal.layers.attention import AttentionMetadata, kv_cache_shape
+from tidal.layers.attention import AttentionMetadata
 from tidal.layers.sampler import RowInfo, Sampler, SamplingMetadata, compute_logprobs
 from tidal.models.loader import load_model
 from tidal.models.registry import get_model_class
@@ -173,10 +173,10 @@ class ModelRunner:
         )
 
     def kv_bytes_per_block(self) -> int:
-        num_layers, num_kv_heads, head_dim = self.model.kv_cache_spec()
-        shape = kv_cache_shape(1, self.block_size, num_kv_heads, head_dim)
-        elem = torch.tensor([], dtype=self.config.model.torch_dtype).element_size()
-        return num_layers * elem * _prod(shape)
+        """Cache bytes of one block over every layer, as the model's cache spec declares
+        (K and V per head, or MLA's latent: docs/architecture.md#kv-cache-layouts)."""
+        spec = self.model.kv_cache_spec()
+        return spec.bytes_per_token(self.config.model.torch_dtype) * self.block_size
 
     @rpc(Reduce.MIN, local=True)  # what every worker's device holds
     def determine_num_blocks(self) -> int:
@@ -205,10 +205,15 @@ class ModelRunner:
         return num_blocks
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        num_layers, num_kv_heads, head_dim = self.model.kv_cache_spec()
-        shape = kv_cache_shape(num_blocks, self.block_size, num_kv_heads, head_dim)
+        spec = self.model.kv_cache_spec()
         dtype = self.config.model.torch_dtype
-        self.kv_caches = [self._zeros_cache(shape, dtype) for _ in range(num_layers)]
+        shape = spec.layer_shape(num_blocks, self.block_size)
+        logger.info(
+            "KV cache: %d blocks of %d tokens, %s layout, %d bytes per token (%d layers)",
+            num_blocks, self.block_size, spec.layout.value, spec.bytes_per_token(dtype),
+            spec.num_layers,
+        )  # fmt: skip
+        self.kv_caches = [self._zeros_cache(shape, dtype) for _ in range(spec.num_layers)]
         self.model.bind_kv_cache(self.kv_caches)
 
     def _zeros_cache(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -451,10 +456,3 @@ def initial_placement(config: EngineConfig, ep_size: int) -> ExpertPlacement:
 
 def _error(stage: str, e: Exception) -> str:
     return f"the engine failed {stage} for this request: {type(e).__name__}: {e}"
-
-
-def _prod(shape: tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n

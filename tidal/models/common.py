@@ -1,7 +1,8 @@
 """The decoder shared by the supported MoE architectures (Qwen3-MoE, Mixtral, Qwen2-MoE,
-OLMoE, GLM-4.5, GPT-OSS).
+OLMoE, GLM-4.5, GPT-OSS, DeepSeek-V2/V3).
 
-All are pre-norm decoders with GQA attention, RoPE, RMSNorm and a top-k MoE block; they
+All are pre-norm decoders with GQA attention (or, DeepSeek, multi-head latent attention:
+``tidal/layers/mla.py``), RoPE, RMSNorm and a top-k MoE block; they
 differ only in the numbers and switches of ``DecoderSpec`` (biases, q/k norms per head or
 over the whole width, partial rotary or YaRN, the routing rule, shared experts, dense
 layers, sliding-window layers, attention sinks, expert biases and activation) and
@@ -13,8 +14,8 @@ Runner-facing API (every architecture class)::
     model.forward(input_ids [T] int64, positions [T] int64, attn: AttentionMetadata)
         -> [T, H] hidden states, final norm applied
     model.compute_logits(hidden [N, H]) -> [N, V] float32
-    model.kv_cache_spec() -> (num_layers, num_kv_heads, head_dim)
-    model.bind_kv_cache(caches)   # one tensor per layer, shape kv_cache_shape(...)
+    model.kv_cache_spec() -> KVCacheSpec  # per-token layout (tidal/layers/cache_spec.py)
+    model.bind_kv_cache(caches)   # one tensor per layer, shape spec.layer_shape(...)
     model.moe_layers() -> list[FusedMoE]  # for EP / EPLB setup
 
 Loader-facing API: ``model.weight_targets()`` maps each checkpoint tensor name to the
@@ -46,7 +47,9 @@ from torch import Tensor, nn
 from tidal.distributed.tensor_parallel import TensorParallel
 from tidal.kernels.fused_moe_torch import empty_k_major_experts
 from tidal.layers.attention import AttentionMetadata, PagedAttention
+from tidal.layers.cache_spec import KVCacheSpec
 from tidal.layers.linear import Embedding, Linear, RowParallelLinear
+from tidal.layers.mla import MLASpec, MLAttention
 from tidal.layers.norm import RMSNorm, rms_norm_heads, rms_norm_sharded
 from tidal.layers.rotary import (
     RotaryEmbedding,
@@ -97,6 +100,8 @@ class DecoderSpec:
     attention_sinks: bool = False  # a learned softmax-denominator logit per head
     expert_bias: bool = False  # biases on the routed experts' projections
     expert_activation: ClampedSwiGLU | None = None  # None: silu(gate) * up
+    # Multi-head latent attention (DeepSeek) instead of GQA: its dims; the latent cache.
+    mla: MLASpec | None = None
 
     def window(self, layer: int) -> int | None:
         return self.layer_windows[layer] if self.layer_windows else None
@@ -247,6 +252,9 @@ class Attention(nn.Module):
             hq, hkv, dh, sliding_window=window, sinks=spec.attention_sinks, **kw
         )
 
+    def bind_cache(self, cache: Tensor) -> None:
+        self.attn.kv_cache = cache
+
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, meta: AttentionMetadata) -> Tensor:
         num_tokens = x.shape[0]
         hq, hkv = self.num_heads, self.num_kv_heads
@@ -334,7 +342,11 @@ class DecoderLayer(nn.Module):
         **kw: Any,
     ) -> None:
         super().__init__()
-        self.self_attn = Attention(spec, tp, spec.window(layer_idx), **kw)
+        self.self_attn: Attention | MLAttention = (
+            Attention(spec, tp, spec.window(layer_idx), **kw)
+            if spec.mla is None
+            else MLAttention(spec.hidden_size, spec.num_heads, spec.mla, tp, **kw)
+        )
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, **kw)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, **kw)
         self.is_moe = spec.moe_layer_mask[layer_idx]
@@ -408,9 +420,7 @@ class MoECausalLM(nn.Module):
         self.cpu_paths: Any = None
         kw = {"dtype": dtype, "device": device}
         self.embed_tokens = Embedding(spec.vocab_size, spec.hidden_size, tp=tp, **kw)
-        self.rotary = RotaryEmbedding(
-            spec.rotary_dim, spec.max_position, spec.rope_theta, yarn=spec.rope_yarn, **kw
-        )
+        self.rotary = self.make_rotary(kw)
         self.layers = nn.ModuleList(
             DecoderLayer(spec, i, moe_backend, local_expert_ids, tp, expert_parallel, **kw)
             for i in range(spec.num_layers)
@@ -421,6 +431,13 @@ class MoECausalLM(nn.Module):
         else:  # vocab-parallel like the embedding: the same padded block of rows
             self.lm_head = Linear(spec.hidden_size, self.embed_tokens.weight.shape[0], **kw)
             self.lm_head.weight.data[self.embed_tokens.valid :].zero_()
+
+    def make_rotary(self, kw: dict[str, Any]) -> nn.Module:
+        """The module whose ``cos_sin(positions)`` every layer rotates with."""
+        spec = self.spec
+        return RotaryEmbedding(
+            spec.rotary_dim, spec.max_position, spec.rope_theta, yarn=spec.rope_yarn, **kw
+        )
 
     @torch.no_grad()
     def forward(self, input_ids: Tensor, positions: Tensor, attn: AttentionMetadata) -> Tensor:
@@ -446,16 +463,18 @@ class MoECausalLM(nn.Module):
             logits = logits[:, : self.spec.vocab_size]
         return logits if logits.dtype == torch.float32 else logits.float()
 
-    def kv_cache_spec(self) -> tuple[int, int, int]:
-        """(layers, KV heads of this worker, head dim)."""
+    def kv_cache_spec(self) -> KVCacheSpec:
+        """What this worker caches per token and layer (docs/architecture.md#kv-cache-layouts)."""
         attn = self.layers[0].self_attn
-        return self.spec.num_layers, attn.num_kv_heads, self.spec.head_dim
+        if isinstance(attn, MLAttention):
+            return KVCacheSpec.latent(self.spec.num_layers, attn.spec.latent_dim)
+        return KVCacheSpec.kv(self.spec.num_layers, attn.num_kv_heads, self.spec.head_dim)
 
     def bind_kv_cache(self, caches: Sequence[Tensor]) -> None:
         if len(caches) != self.spec.num_layers:
             raise ValueError(f"expected {self.spec.num_layers} KV caches, got {len(caches)}")
         for layer, cache in zip(self.layers, caches):
-            layer.self_attn.attn.kv_cache = cache
+            layer.self_attn.bind_cache(cache)
 
     def moe_layers(self) -> list[FusedMoE]:
         return [layer.mlp for layer in self.layers if layer.is_moe]
@@ -507,34 +526,15 @@ class MoECausalLM(nn.Module):
         return False
 
     def _layer_targets(self, prefix: str, layer: DecoderLayer) -> dict[str, Tensor | Shard | None]:
-        rank = self.tp.rank
         t: dict[str, Tensor | Shard | None] = {
             f"{prefix}.input_layernorm.weight": layer.input_layernorm.weight.data,
             f"{prefix}.post_attention_layernorm.weight": layer.post_attention_layernorm.weight.data,
         }
         attn = layer.self_attn
-        for kind in ("weight", "bias"):
-            fused = getattr(attn.qkv_proj, kind)
-            if fused is not None:
-                for name, part in zip(
-                    ("q_proj", "k_proj", "v_proj"), fused.data.split(attn.split, dim=0)
-                ):
-                    t[f"{prefix}.self_attn.{name}.{kind}"] = self._shard(part, 0, rank)
-            o_param = getattr(attn.o_proj, kind)
-            if o_param is not None:  # the bias is whole: added after the sum
-                o = o_param.data
-                t[f"{prefix}.self_attn.o_proj.{kind}"] = (
-                    self._shard(o, 1, rank) if o.dim() == 2 else o
-                )
-        sinks = attn.attn.sinks
-        if sinks is not None:  # this worker's heads
-            t[f"{prefix}.self_attn.sinks"] = self._shard(sinks.data, 0, rank)
-        if attn.q_norm is not None and attn.k_norm is not None:
-            # Per head: one whole [Dh] weight; over the width: this worker's block of it.
-            whole = attn.qk_norm is QKNorm.PER_HEAD
-            for name, norm in (("q_norm", attn.q_norm), ("k_norm", attn.k_norm)):
-                w = norm.weight.data
-                t[f"{prefix}.self_attn.{name}.weight"] = w if whole else self._shard(w, 0, rank)
+        if isinstance(attn, MLAttention):
+            t.update(self._mla_targets(f"{prefix}.self_attn", attn))
+        else:
+            t.update(self._attention_targets(f"{prefix}.self_attn", attn))
         if layer.is_moe:
             moe_prefix = f"{prefix}.{self.names.moe_module}"
             t.update(self._moe_targets(moe_prefix, layer.mlp))
@@ -546,6 +546,55 @@ class MoECausalLM(nn.Module):
                     t[f"{moe_prefix}.{n.shared_expert_gate}.weight"] = shared.gate.weight.data
         else:
             t.update(self._mlp_targets(f"{prefix}.mlp", layer.mlp))
+        return t
+
+    def _attention_targets(self, prefix: str, attn: Attention) -> dict[str, Tensor | Shard | None]:
+        rank = self.tp.rank
+        t: dict[str, Tensor | Shard | None] = {}
+        for kind in ("weight", "bias"):
+            fused = getattr(attn.qkv_proj, kind)
+            if fused is not None:
+                for name, part in zip(
+                    ("q_proj", "k_proj", "v_proj"), fused.data.split(attn.split, dim=0)
+                ):
+                    t[f"{prefix}.{name}.{kind}"] = self._shard(part, 0, rank)
+            o_param = getattr(attn.o_proj, kind)
+            if o_param is not None:  # the bias is whole: added after the sum
+                o = o_param.data
+                t[f"{prefix}.o_proj.{kind}"] = self._shard(o, 1, rank) if o.dim() == 2 else o
+        sinks = attn.attn.sinks
+        if sinks is not None:  # this worker's heads
+            t[f"{prefix}.sinks"] = self._shard(sinks.data, 0, rank)
+        if attn.q_norm is not None and attn.k_norm is not None:
+            # Per head: one whole [Dh] weight; over the width: this worker's block of it.
+            whole = attn.qk_norm is QKNorm.PER_HEAD
+            for name, norm in (("q_norm", attn.q_norm), ("k_norm", attn.k_norm)):
+                w = norm.weight.data
+                t[f"{prefix}.{name}.weight"] = w if whole else self._shard(w, 0, rank)
+        return t
+
+    def _mla_targets(self, prefix: str, attn: MLAttention) -> dict[str, Tensor | Shard | None]:
+        """The latent projections and norms whole (replicated); the per-head rows of the
+        query and ``kv_b_proj``, and the per-head columns of ``o_proj``, this worker's."""
+        rank = self.tp.rank
+        q_name = "q_b_proj" if attn.q_a_proj is not None else "q_proj"
+        t: dict[str, Tensor | Shard | None] = {
+            f"{prefix}.{q_name}.weight": self._shard(attn.q_proj.weight.data, 0, rank),
+            f"{prefix}.kv_b_proj.weight": self._shard(attn.kv_b_proj.weight.data, 0, rank),
+            f"{prefix}.o_proj.weight": self._shard(attn.o_proj.weight.data, 1, rank),
+            f"{prefix}.kv_a_layernorm.weight": attn.kv_a_layernorm.weight.data,
+        }
+        whole: list[tuple[str, Linear]] = [("kv_a_proj_with_mqa", attn.kv_a_proj)]
+        if attn.q_a_proj is not None:
+            assert attn.q_a_layernorm is not None
+            whole.append(("q_a_proj", attn.q_a_proj))
+            t[f"{prefix}.q_a_layernorm.weight"] = attn.q_a_layernorm.weight.data
+        for name, lin in whole:
+            t[f"{prefix}.{name}.weight"] = lin.weight.data
+            if lin.bias is not None:
+                t[f"{prefix}.{name}.bias"] = lin.bias.data
+        if attn.o_proj.bias is not None:  # whole: added after the sum
+            t[f"{prefix}.o_proj.bias"] = attn.o_proj.bias.data
         return t
 
     def _mlp_targets(self, prefix: str, mlp: DenseMLP) -> dict[str, Tensor | Shard | None]:

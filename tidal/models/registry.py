@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tidal.models import glm4_moe, gpt_oss, mixtral, olmoe, qwen2_moe, qwen3_moe
+from tidal.models import deepseek_v2, glm4_moe, gpt_oss, mixtral, olmoe, qwen2_moe, qwen3_moe
 from tidal.models.common import ModelEntry, MoECausalLM
 
 # Its only callers (EngineArgs, the loader, the model runner, the tiny factory) run where
@@ -20,6 +20,8 @@ _ENTRIES: tuple[ModelEntry, ...] = (
     olmoe.ENTRY,
     glm4_moe.ENTRY,
     gpt_oss.ENTRY,
+    deepseek_v2.V2_ENTRY,
+    deepseek_v2.V3_ENTRY,
 )
 _BY_ARCH = {e.architecture: e for e in _ENTRIES}
 _BY_TYPE = {e.model_type: e for e in _ENTRIES}
