@@ -253,15 +253,15 @@ def test_unsupported_architecture_is_named():
     from transformers import AutoConfig, LlamaConfig
 
     every = (
-        "Glm4MoeForCausalLM, GptOssForCausalLM, MixtralForCausalLM, OlmoeForCausalLM, "
-        "Qwen2MoeForCausalLM, Qwen3MoeForCausalLM"
+        "DeepseekV2ForCausalLM, DeepseekV3ForCausalLM, Glm4MoeForCausalLM, GptOssForCausalLM, "
+        "MixtralForCausalLM, OlmoeForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM"
     )
     assert ", ".join(supported_architectures()) == every
     cfg = LlamaConfig(architectures=["LlamaForCausalLM"])
     with pytest.raises(ValueError, match=f"LlamaForCausalLM.*supported: {every}$"):
         resolve_architecture(cfg)
-    with pytest.raises(ValueError, match=f"DeepseekV3ForCausalLM; supported: {every}$"):
-        get_model_class("DeepseekV3ForCausalLM")
+    with pytest.raises(ValueError, match=f"LlamaForCausalLM; supported: {every}$"):
+        get_model_class("LlamaForCausalLM")
     with pytest.raises(ValueError, match="model_type 'llama'"):
         resolve_architecture(LlamaConfig())  # no architectures at all
     with pytest.raises(ValueError, match="arch must be one of"):
