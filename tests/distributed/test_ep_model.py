@@ -163,6 +163,9 @@ def _ep_forward_rank(rank: int, world: int, port: int, path: str, backend: str) 
         pytest.param(3, "all2all", "qwen2_moe", id="ep3-all2all-qwen2"),
         # Expert biases on 3 slots each (one a replica), router bias, sliding windows.
         pytest.param(3, "allgather_reducescatter", "gpt_oss", id="ep3-allgather-gpt-oss"),
+        # MLA's latent cache on each rank; V3's sigmoid groups, V2's softmax groups
+        pytest.param(2, "allgather_reducescatter", "deepseek_v3", id="ep2-allgather-deepseek-v3"),
+        pytest.param(2, "all2all", "deepseek_v2", id="ep2-all2all-deepseek-v2"),
     ],
 )
 def test_ep_forward_matches_single_process(

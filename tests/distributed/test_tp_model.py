@@ -126,8 +126,9 @@ def _tp_rank(rank: int, world: int, port: int, path: str, ep: bool) -> dict:
     model = runner.model
     attn = model.layers[0].self_attn
     result = {
-        "heads": (attn.num_heads, attn.num_kv_heads),
-        "kv_heads_cached": runner.kv_caches[0].shape[2],
+        "heads": attn.num_heads,
+        "kv_heads": getattr(attn, "num_kv_heads", None),  # None: MLA
+        "cache_shape": tuple(runner.kv_caches[0].shape),
         "vocab_rows": model.embed_tokens.weight.shape[0],
         "experts": [m.w13.shape[:2] for m in model.moe_layers()],
         "shared": [  # (this worker's intermediate, the whole one)
@@ -174,6 +175,9 @@ def odd_qwen3(tiny_ckpt_root) -> str:
         pytest.param("qwen2_moe", True, id="qwen2-shared-expert-ep-over-tp"),
         # q/k norms over the whole width: the squares summed over the workers
         pytest.param("olmoe", False, id="olmoe-full-width-qk-norm"),
+        # MLA: heads split, the latent cached whole by each worker; q LoRA, sigmoid groups
+        pytest.param("deepseek_v3", False, id="deepseek-v3-mla"),
+        pytest.param("deepseek_v2", True, id="deepseek-v2-mla-ep-over-tp"),
     ],
 )
 def test_tp_forward_matches_the_unsharded_model(run_ranks, request, tiny_ckpt, ckpt, ep):
@@ -185,8 +189,12 @@ def test_tp_forward_matches_the_unsharded_model(run_ranks, request, tiny_ckpt, c
     hf = AutoConfig.from_pretrained(path)
     vocab = hf.vocab_size
     for res in results:
-        assert res["heads"] == (4 // TP, 2 // TP)
-        assert res["kv_heads_cached"] == 2 // TP  # each worker caches its own KV heads
+        assert res["heads"] == 4 // TP
+        if ckpt.startswith("deepseek"):  # one latent per token, not split: every head reads it
+            assert res["kv_heads"] is None and res["cache_shape"][2] == 32 + 8
+        else:
+            assert res["kv_heads"] == 2 // TP
+            assert res["cache_shape"][2] == 2 // TP  # each worker caches its own KV heads
         assert res["vocab_rows"] == -(-vocab // TP)
         for slots, inter2 in res["experts"]:
             if ep:  # whole experts, half of them each
@@ -194,6 +202,8 @@ def test_tp_forward_matches_the_unsharded_model(run_ranks, request, tiny_ckpt, c
             else:  # every expert, half of its intermediate dimension
                 assert (slots, inter2) == (8, 2 * 32 // TP)
         assert all(inter * TP == whole for inter, whole in res["shared"])  # split, not moved
-    assert bool(results[0]["shared"]) == (ckpt in ("glm4_moe", "qwen2_moe"))
+    assert bool(results[0]["shared"]) == (
+        ckpt in ("glm4_moe", "qwen2_moe", "deepseek_v3", "deepseek_v2")
+    )
     assert results[0]["outputs"] == results[1]["outputs"]
     assert any(results[0]["outputs"][-1].values())

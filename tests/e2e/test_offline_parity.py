@@ -185,6 +185,8 @@ _DP_TP_EP_BACKEND = {
     "olmoe": "allgather_reducescatter",
     "glm4_moe": "allgather_reducescatter",
     "gpt_oss": "all2all",
+    "deepseek_v2": "all2all",
+    "deepseek_v3": "allgather_reducescatter",
 }
 
 
