@@ -215,6 +215,27 @@ def test_greedy_matches_transformers_at_dp2_tp2_ep(ckpt_and_expected, backend):
         assert g == e, f"prompt {i} (len {len(prompts[i])}): {g} != {e}"
 
 
+# Architectures whose attention or cache differ from the others' (MLA's latent cache): also
+# ``--dp 2 --ep`` without TP, each rank caching its own requests' latents.
+_DP_EP = ("deepseek_v2", "deepseek_v3")
+
+
+def test_greedy_matches_transformers_at_dp2_ep(ckpt_and_expected):
+    """``--dp 2 --ep``: two single-worker ranks, experts split over them."""
+    path, prompts, expected = ckpt_and_expected
+    if os.path.basename(path) not in _DP_EP:
+        pytest.skip("the DP x TP x EP case covers this architecture")
+    llm = LLM(path, dtype="float32", data_parallel_size=2, enable_expert_parallel=True)
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, min_tokens=MAX_TOKENS)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        got = [o.outputs[0].token_ids for o in outs]
+    finally:
+        llm.shutdown()
+    for i, (g, e) in enumerate(zip(got, expected)):
+        assert g == e, f"prompt {i} (len {len(prompts[i])}): {g} != {e}"
+
+
 @pytest.mark.parametrize("cpu_path", ["native", "onednn", "torch"])
 def test_greedy_matches_transformers_on_every_cpu_path(ckpt_and_expected, cpu_path):
     """Whichever path the measurement picks on a machine, the tokens are transformers':
