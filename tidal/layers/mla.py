@@ -4,17 +4,21 @@
 Each token is compressed to ``c = RMSNorm(x @ W_kva[:r])`` (``kv_lora_rank`` r values)
 plus one rotary key ``k_pe`` (``qk_rope_head_dim`` values) shared by every head; only
 their concatenation is cached, ``[num_blocks, block_size, r + rope]`` per layer, instead
-of K and V per head. Attention decompresses the cached latents of the keys it reads with
-``kv_b_proj`` into per-head ``k_nope`` and ``v`` (the non-absorbed form: the one
-transformers computes, so float32 parity is exact up to summation order), then runs
-SDPA with ``k = [k_nope, k_pe]``, ``q = [q_nope, q_pe]``. Queries come from
-``q_proj`` or, with ``q_lora_rank``, ``q_b_proj(RMSNorm(q_a_proj(x)))``.
+of K and V per head. ``kv_b_proj`` ``[H, nope + v, r]`` maps a latent to a head's
+``k_nope`` (``W_uk``) and ``v`` (``W_uv``). Queries come from ``q_proj`` or, with
+``q_lora_rank``, ``q_b_proj(RMSNorm(q_a_proj(x)))``.
 
 Batches follow ``AttentionMetadata`` (``tidal/layers/attention.py``): the new latents are
-written through ``slot_mapping`` first; decode rows read their sequences' blocks through
-``decode_block_table`` (one padded, masked SDPA); a prefill chunk starting at 0 attends
-causally to its own latents, a later chunk (chunked prefill, prefix-cache hit) to its
-gathered blocks with ``chunk.mask``.
+written through ``slot_mapping`` first. A prefill chunk decompresses the latents it
+reads (its own, causally, when it starts at 0; else its gathered blocks, with
+``chunk.mask``: chunked prefill, prefix-cache hits) into per-head K/V, the form
+transformers computes, and runs SDPA with ``k = [k_nope, k_pe]``, ``q = [q_nope, q_pe]``.
+Decode rows (``decode_block_table``) use the absorbed form instead, which never
+decompresses a key: ``q_nope @ W_uk`` is a query in latent space, so scores are
+``[q_nope W_uk, q_pe] . [c, k_pe]`` and the output ``(probs @ c) @ W_uv.T``: two
+batched GEMMs per step over the padded, masked latents every head shares -- per key
+``r + rope`` values read instead of ``H x (nope + v)`` computed. ``decode_reference`` is the decompressing
+form, the tests' oracle for it.
 
 Tensor parallelism: each worker owns ``num_heads / tp`` heads (its rows of
 ``q_b_proj``/``q_proj`` and ``kv_b_proj``, its columns of ``o_proj``); the latent
@@ -165,7 +169,12 @@ class MLAttention(nn.Module):
             self.q_proj = Linear(hidden_size, hq * s.qk_head_dim, **kw)
         self.kv_a_proj = Linear(hidden_size, s.latent_dim, s.bias, **kw)  # replicated
         self.kv_a_layernorm = RMSNorm(s.kv_lora_rank, LATENT_NORM_EPS, **kw)
-        self.kv_b_proj = Linear(s.kv_lora_rank, hq * (s.qk_nope_head_dim + s.v_head_dim), **kw)
+        # [Hq * (nope + v), r], the checkpoint's layout. A plain parameter, not a Linear:
+        # the decode path reads it per head (W_uk, W_uv), so no CPU path may pack it.
+        self.kv_b_proj = nn.Parameter(
+            torch.empty(hq * (s.qk_nope_head_dim + s.v_head_dim), s.kv_lora_rank, **kw),
+            requires_grad=False,
+        )
         self.o_proj = RowParallelLinear(num_heads * s.v_head_dim, hidden_size, s.bias, tp=tp, **kw)
         self.kv_cache: Tensor | None = None  # [NB, bs, latent_dim], set by bind_cache
 
@@ -216,7 +225,7 @@ class MLAttention(nn.Module):
     def _expand(self, latents: Tensor) -> tuple[Tensor, Tensor]:
         """[..., K, latent_dim] -> k [..., Hq, K, qk], v [..., Hq, K, v]."""
         s, hq = self.spec, self.num_heads
-        kv = self.kv_b_proj(latents[..., : s.kv_lora_rank])
+        kv = F.linear(latents[..., : s.kv_lora_rank], self.kv_b_proj)
         kv = kv.view(*latents.shape[:-1], hq, s.qk_nope_head_dim + s.v_head_dim)
         k_nope, v = kv.split((s.qk_nope_head_dim, s.v_head_dim), dim=-1)
         k_pe = latents[..., None, s.kv_lora_rank :].expand(*k_nope.shape[:-1], s.qk_rope_head_dim)
@@ -234,17 +243,43 @@ class MLAttention(nn.Module):
         return out.transpose(0, 1)
 
     def _decode(self, q: Tensor, by_token: Tensor, meta: AttentionMetadata) -> Tensor:
-        """[D, Hq, qk] one query per sequence -> [D, Hq, v], every sequence's blocks
-        gathered into one padded batch (masked where shorter)."""
-        table = meta.decode_block_table
-        assert table is not None
-        bs = meta.block_size
-        slots = table[:, :, None] * bs + torch.arange(bs, device=q.device)  # [D, B, bs]
-        width = by_token.shape[1]
-        latents = by_token.index_select(0, slots.reshape(-1)).view(q.shape[0], -1, width)
+        """[D, Hq, qk] one query per sequence -> [D, Hq, v], absorbed: every sequence's
+        latents gathered into one padded batch (masked where shorter), attended in
+        latent space."""
+        s, hq = self.spec, self.num_heads
+        latents = _gather_decode_latents(by_token, meta)  # [D, K, r + rope]
+        w = self.kv_b_proj.view(hq, s.qk_nope_head_dim + s.v_head_dim, s.kv_lora_rank)
+        w_uk, w_uv = w[:, : s.qk_nope_head_dim], w[:, s.qk_nope_head_dim :]  # [Hq, nope|v, r]
+        # [Hq, D, nope] @ [Hq, nope, r]: each head's query in latent space
+        q_lat = torch.bmm(q[..., : s.qk_nope_head_dim].transpose(0, 1), w_uk)
+        q_full = torch.cat((q_lat.transpose(0, 1), q[..., s.qk_nope_head_dim :]), dim=-1)
+        # Every head reads the same latents: one [Hq, K] score matrix per sequence, with no
+        # copy of the keys per head (SDPA's GQA would expand them).
+        scores = torch.bmm(q_full, latents.transpose(1, 2)) * s.softmax_scale  # [D, Hq, K]
+        if meta.decode_mask is not None:  # [D, 1, 1, K]: padding keys
+            scores.masked_fill_(~meta.decode_mask[:, 0], float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        out_lat = torch.bmm(probs, latents[..., : s.kv_lora_rank])  # [D, Hq, r]
+        # [Hq, D, r] @ [Hq, r, v]
+        return torch.bmm(out_lat.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
+
+    def decode_reference(self, q: Tensor, by_token: Tensor, meta: AttentionMetadata) -> Tensor:
+        """The decode rows as prefill computes them: every key decompressed to per-head
+        K/V, then SDPA; [D, Hq, qk] -> [D, Hq, v]. The oracle of ``_decode``."""
+        latents = _gather_decode_latents(by_token, meta)
         k, v = self._expand(latents)  # [D, Hq, K, *]
         mask = meta.decode_mask  # [D, 1, 1, K] or None
         out = F.scaled_dot_product_attention(
             q[:, :, None], k, v, attn_mask=mask, scale=self.spec.softmax_scale
         )  # [D, Hq, 1, v]
         return out[:, :, 0]
+
+
+def _gather_decode_latents(by_token: Tensor, meta: AttentionMetadata) -> Tensor:
+    """[NB * bs, r + rope] cache rows -> [D, max_blocks * bs, r + rope]: each decode
+    sequence's blocks in order (padding blocks are masked by ``meta.decode_mask``)."""
+    table = meta.decode_block_table
+    assert table is not None
+    bs = meta.block_size
+    slots = table[:, :, None] * bs + torch.arange(bs, device=table.device)  # [D, B, bs]
+    return by_token.index_select(0, slots.reshape(-1)).view(table.shape[0], -1, by_token.shape[1])

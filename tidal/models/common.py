@@ -580,7 +580,7 @@ class MoECausalLM(nn.Module):
         q_name = "q_b_proj" if attn.q_a_proj is not None else "q_proj"
         t: dict[str, Tensor | Shard | None] = {
             f"{prefix}.{q_name}.weight": self._shard(attn.q_proj.weight.data, 0, rank),
-            f"{prefix}.kv_b_proj.weight": self._shard(attn.kv_b_proj.weight.data, 0, rank),
+            f"{prefix}.kv_b_proj.weight": self._shard(attn.kv_b_proj.data, 0, rank),
             f"{prefix}.o_proj.weight": self._shard(attn.o_proj.weight.data, 1, rank),
             f"{prefix}.kv_a_layernorm.weight": attn.kv_a_layernorm.weight.data,
         }
