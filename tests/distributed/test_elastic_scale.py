@@ -372,3 +372,36 @@ def test_a_client_started_after_another_on_the_same_event_loop_serves(qwen3_ckpt
                 await llm.shutdown()
 
     asyncio.run(main())
+
+
+def test_latent_cache_model_migrates_on_scale_down(tiny_ckpt):
+    """DeepSeek-V3 (MLA: a latent KV cache; shared experts, which never move): 2 -> 1 with
+    a long greedy stream pinned on the leaving rank, then 1 -> 2. The migrated stream
+    recomputes its prompt and output into the survivor's latent cache and ends as an
+    unscaled engine's does."""
+    ckpt = tiny_ckpt("deepseek_v3")
+    prompt, params = WORKLOAD[LONG]
+    ref = LLM(ckpt, dtype="float32")
+    try:
+        (out,) = ref.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+        want = out.outputs[0].token_ids
+    finally:
+        ref.shutdown()
+
+    async def main() -> None:
+        llm = _llm(ckpt, 2)
+        try:
+            started = asyncio.Event()
+            pinned = asyncio.create_task(_run(llm, "long", LONG, started.set, rank=1))
+            await asyncio.wait_for(started.wait(), 120)
+            code, rec = await llm.scale_elastic_ep(1)
+            assert (code, rec["result"]) == (200, "succeeded"), rec
+            assert rec["requests_migrated"] >= 1
+            assert await pinned == want
+            code, rec = await llm.scale_elastic_ep(2)
+            assert (code, rec["result"]) == (200, "succeeded"), rec
+            assert await _run(llm, "after", LONG, rank=1) == want  # the joiner serves it
+        finally:
+            await llm.shutdown()
+
+    asyncio.run(main())
