@@ -50,6 +50,12 @@ def _serve_and_check(url: str, dp: int, ranks_per_host: int | None = None) -> No
     totals = [r["requests_total"] for r in stats["ranks"]]
     assert sum(totals) >= dp + 7 and all(t >= 1 for t in totals), totals
     assert stats["wave"] >= 0 and isinstance(stats["engines_running"], bool)
+    # Each rank's KV cache: K and V per head (docs/architecture.md#kv-cache-layouts).
+    assert len(stats["kv_cache"]) == dp
+    for kv in stats["kv_cache"]:
+        assert kv["layout"] == "kv" and kv["num_blocks"] > 1
+        elem = kv["bytes_per_token"] // (kv["num_layers"] * kv["values_per_token_per_layer"])
+        assert elem in (2, 4)  # bytes of the model dtype
     # Each rank's measured CPU path per op, with the timings it was chosen by.
     assert len(stats["cpu_kernels"]) == dp
     for rank in stats["cpu_kernels"]:

@@ -866,7 +866,8 @@ class StatsEngineClient:
         return STATS_DECODER.decode(encode(self.coordinator.full_stats(2.0)))
 
     async def call_utility_all_async(self, method: str, *args: object) -> list:
-        assert method == "get_cpu_kernels"  # /stats on CPU: no engine measured anything here
+        # /stats on CPU: no engine measured anything here, nor allocated a cache
+        assert method in ("get_cpu_kernels", "get_kv_cache_info")
         return [None] * len(self.topology.engine_ids)
 
 

@@ -647,6 +647,7 @@ def test_kv_bytes_follow_the_models_cache_spec(tiny_ckpt, model_type, per_token)
     spec = runner.model.kv_cache_spec()
     assert spec.bytes_per_token(torch.float32) == per_token
     assert runner.kv_bytes_per_block() == per_token * runner.block_size
+    assert runner.kv_cache_info()["bytes_per_token"] == per_token  # what /stats shows
     runner.initialize_kv_cache(6)
     assert len(runner.kv_caches) == 2
     assert sum(c.numel() * c.element_size() for c in runner.kv_caches) == 6 * runner.block_size * per_token

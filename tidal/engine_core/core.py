@@ -128,6 +128,14 @@ class EngineCore:
     def get_num_blocks(self) -> int:
         return self.num_blocks
 
+    def get_kv_cache_info(self) -> dict[str, Any]:
+        """The KV cache's size and per-token cost (``/stats``; docs/architecture.md#kv-cache-layouts)."""
+        return {
+            **self.executor.call("runner.kv_cache_info"),
+            "num_blocks": self.num_blocks,
+            "block_size": self.config.cache.block_size,
+        }
+
     def echo(self, value: Any) -> Any:
         return value
 

@@ -178,6 +178,17 @@ class ModelRunner:
         spec = self.model.kv_cache_spec()
         return spec.bytes_per_token(self.config.model.torch_dtype) * self.block_size
 
+    @rpc(Reduce.FIRST)  # every TP worker caches the same amount per token
+    def kv_cache_info(self) -> dict[str, Any]:
+        """This worker's cache per token (``/stats``): its layout and bytes over every layer."""
+        spec = self.model.kv_cache_spec()
+        return {
+            "layout": spec.layout.value,
+            "num_layers": spec.num_layers,
+            "values_per_token_per_layer": spec.values_per_token(),
+            "bytes_per_token": spec.bytes_per_token(self.config.model.torch_dtype),
+        }
+
     @rpc(Reduce.MIN, local=True)  # what every worker's device holds
     def determine_num_blocks(self) -> int:
         """Blocks that fit the configured KV budget, capped at what max_num_seqs full-length

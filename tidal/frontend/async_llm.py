@@ -173,6 +173,8 @@ class AsyncLLM:
             stats["scaling_history"] = self.scaling_history()
         if self.has_expert_load:
             stats["expert_load"] = {str(k): v for k, v in (await self.get_expert_load()).items()}
+        # Per rank: blocks, block size, cache layout and bytes per token (MLA's latent).
+        stats["kv_cache"] = await self.client.call_utility_all_async("get_kv_cache_info")
         if self.config.device == "cpu":
             # Each rank's path per op and the trial's timings (tidal/kernels/select.py).
             stats["cpu_kernels"] = await self.client.call_utility_all_async("get_cpu_kernels")
