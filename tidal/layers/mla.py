@@ -144,6 +144,9 @@ class ScaledRotary(nn.Module):
 
 
 class MLAttention(nn.Module):
+    """One layer's MLA over its latent cache (see the module docstring). ``q_proj`` is
+    the checkpoint's ``q_b_proj`` when queries are compressed (``q_lora_rank``)."""
+
     def __init__(
         self,
         hidden_size: int,
