@@ -132,7 +132,8 @@ class AsyncMPClient(MPClient):
             else:
                 self._fail(reason)
         elif self._on_outputs(outs):
-            self._ensure_reader().put_nowait(outs)
+            assert self._queue is not None  # made with this reader
+            self._queue.put_nowait(outs)
 
     async def _read_snapshots(self) -> None:
         try:
