@@ -68,6 +68,10 @@ class Request:
         self.eos_token_id = eos_token_id
         self.client_index = client_index
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        # This engine's clock (arrival_time may be the frontend's): the request's timings.
+        self.queued_time = time.monotonic()
+        self.scheduled_time: float | None = None  # first scheduled here
+        self.first_token_time: float | None = None  # first token generated here
         self.current_wave = current_wave
         self.status = RequestStatus.WAITING
         self.output_token_ids: list[int] = list(prompt_token_ids[split:])

@@ -34,6 +34,7 @@ request running alone can always grow and a preempted one can always be re-admit
 from __future__ import annotations
 
 import logging
+import time
 from collections import defaultdict, deque
 from collections.abc import Iterable
 
@@ -51,6 +52,7 @@ from tidal.protocol.messages import (
     EngineCoreOutputs,
     FinishReason,
     Logprobs,
+    RequestTimings,
     SchedulerStats,
 )
 
@@ -62,6 +64,10 @@ _FINISH_REASONS = {
 }
 
 logger = logging.getLogger(__name__)
+
+# Step sizes kept for the next stats message: an engine that runs many steps without an
+# output (a long chunked prefill) sends the newest.
+ITERATION_TOKENS_KEPT = 256
 
 
 class Scheduler:
@@ -100,6 +106,7 @@ class Scheduler:
         # (the request fails in that step's update).
         self._grammar_errors: dict[str, str] = {}
         self._num_structured = 0  # unfinished requests with a grammar: 0 skips the bitmasks
+        self._iteration_tokens: deque[int] = deque(maxlen=ITERATION_TOKENS_KEPT)
 
     # ---- request lifecycle ---------------------------------------------------------
 
@@ -171,11 +178,16 @@ class Scheduler:
     def num_running(self) -> int:
         return len(self.running)
 
-    def make_stats(self) -> SchedulerStats:
+    def make_stats(self, take_steps: bool = False) -> SchedulerStats:
         """Counts now; prefix-cache, preemption, request and generated-token counters are
-        cumulative since start. ``step_counter`` and ``current_wave`` are the engine
-        core's to fill."""
+        cumulative since start. With ``take_steps`` (the outputs to the clients, alone),
+        ``iteration_tokens`` are the steps' sizes since the last such call. ``step_counter``
+        and ``current_wave`` are the engine core's to fill."""
         kv = self.kv_cache_manager
+        steps: list[int] = []
+        if take_steps:
+            steps = list(self._iteration_tokens)
+            self._iteration_tokens.clear()
         return SchedulerStats(
             num_running_reqs=len(self.running),
             num_waiting_reqs=len(self.waiting),
@@ -185,6 +197,7 @@ class Scheduler:
             num_preempted=self.num_preemptions,
             num_requests_total=self.num_requests_total,
             num_generation_tokens_total=self.num_generation_tokens_total,
+            iteration_tokens=steps,
         )
 
     def reset_prefix_cache(self) -> bool:
@@ -203,6 +216,8 @@ class Scheduler:
         if not out.preempted_req_ids:
             budget = self._schedule_waiting(out, budget)
         out.total_num_scheduled_tokens = self.config.max_num_batched_tokens - budget
+        if out.total_num_scheduled_tokens:
+            self._iteration_tokens.append(out.total_num_scheduled_tokens)
         self._fill_bitmasks(out)
         return out
 
@@ -280,6 +295,8 @@ class Scheduler:
             self.waiting.popleft()
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_hit
+            if req.scheduled_time is None:
+                req.scheduled_time = time.monotonic()
             if self._uses_prefix_cache(req):
                 kv.record_prefix_cache_query(req.num_tokens, num_hit)
             req.status = RequestStatus.RUNNING
@@ -410,6 +427,8 @@ class Scheduler:
             if self._check_stop(req):
                 break
         prompt_lps = self._new_prompt_logprobs(sched, runner_output)
+        if new_tokens and req.first_token_time is None:
+            req.first_token_time = time.monotonic()
         if not (new_tokens or prompt_lps or req.is_finished):
             return None
         logprobs = runner_output.logprobs.get(rid)
@@ -426,6 +445,7 @@ class Scheduler:
             finish_reason=finish_reason,
             stop_reason=req.stop_reason,
             num_cached_tokens=max(req.num_cached_tokens, 0),
+            timings=_timings(req) if req.is_finished else None,
         )
 
     def _fail_request(self, req: Request, message: str) -> EngineCoreOutput:
@@ -441,6 +461,7 @@ class Scheduler:
             finish_reason=FinishReason.ERROR,
             stop_reason=message,
             num_cached_tokens=max(req.num_cached_tokens, 0),
+            timings=_timings(req),
         )
 
     def _check_stop(self, req: Request) -> bool:
@@ -487,7 +508,7 @@ class Scheduler:
     ) -> dict[int, EngineCoreOutputs]:
         if not per_client and not self._finished_by_client:
             return {}
-        stats = self.make_stats()
+        stats = self.make_stats(take_steps=True)
         result = {}
         for client in per_client.keys() | self._finished_by_client.keys():
             finished = self._finished_by_client.get(client)
@@ -553,3 +574,16 @@ def _advance_grammar(req: Request, tokens: list[int] | None) -> str | None:
         if not req.grammar.accept(token):
             return f"structured_outputs: token {token} is not allowed by its grammar"
     return None
+
+
+def _timings(req: Request) -> RequestTimings:
+    """A finished request's phases (docs/operations.md#metrics); a phase it never reached
+    is 0 and the time goes to the one it was in."""
+    now = time.monotonic()
+    scheduled = req.scheduled_time if req.scheduled_time is not None else now
+    first = req.first_token_time if req.first_token_time is not None else now
+    return RequestTimings(
+        queued_s=scheduled - req.queued_time,
+        prefill_s=max(first - scheduled, 0.0),
+        decode_s=max(now - first, 0.0),
+    )

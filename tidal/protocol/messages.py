@@ -79,6 +79,17 @@ class Logprobs(msgspec.Struct, array_like=True):
     rank: int  # 1-based rank of the chosen token in the full distribution
 
 
+class RequestTimings(msgspec.Struct, array_like=True):
+    """Seconds a request spent on the engine that finished it, each phase measured on that
+    engine's own clock (docs/operations.md#metrics): queued (added, not yet scheduled),
+    prefill (first scheduled until its first token) and decode (first token to finish).
+    A migrated request counts from its arrival on this engine."""
+
+    queued_s: float
+    prefill_s: float
+    decode_s: float
+
+
 class EngineCoreOutput(msgspec.Struct, omit_defaults=True, array_like=True):
     request_id: str
     new_token_ids: list[int]
@@ -90,6 +101,8 @@ class EngineCoreOutput(msgspec.Struct, omit_defaults=True, array_like=True):
     # With ERROR: the engine refused the request as invalid input when admitting it (it
     # never ran); False: it failed while running. The frontend answers 400 or 500.
     invalid_request: bool = False
+    # On the output that finishes it: where its time on this engine went.
+    timings: RequestTimings | None = None
 
     @property
     def finished(self) -> bool:
@@ -113,6 +126,8 @@ class SchedulerStats(msgspec.Struct, omit_defaults=True, array_like=True):
     current_wave: int = 0
     num_requests_total: int = 0  # cumulative requests added to this rank (DP coordinator)
     num_generation_tokens_total: int = 0  # cumulative output tokens this engine generated
+    # Tokens scheduled in each step since the previous stats message (the newest, bounded).
+    iteration_tokens: list[int] = []
 
 
 class EngineProgress(msgspec.Struct, array_like=True):
