@@ -583,6 +583,13 @@ class FrontendConfig:
         "time-bounded worker process)",
     )
 
+    # Off by default: OpenTelemetry is an optional extra (docs/operations.md#tracing).
+    otlp_traces_endpoint: str | None = option(
+        None,
+        help="send one OpenTelemetry span per request to this OTLP/HTTP traces URL "
+        "(e.g. http://collector:4318/v1/traces; needs pip install 'tidal[otel]')",
+    )
+
     def __post_init__(self) -> None:
         check_options(self)
 

@@ -927,10 +927,30 @@ async def test_metrics_after_requests():
             "e2e_request_latency_seconds",
         ):
             assert f"tidal:{name}_count 2.0" in text
-        # A removed engine's gauges disappear (elastic scale-down).
+        assert 'vllm:num_requests_running{engine="0",model_name="fake-moe"} 1.0' in text
+        # A removed engine's gauges disappear (elastic scale-down); its counters stay, as
+        # a gone source's do for rate().
         c.app.state.metrics.forget_engine(0)
         text = (await c.get("/metrics")).text
-        assert 'engine="0"' not in text and "tidal:request_success_total" in text
+        assert engine_gauges(text, "0") == [] and "tidal:request_success_total" in text
+        assert 'vllm:request_success_total{engine="0",finished_reason="stop"' in text
+
+
+_ENGINE_GAUGES = tuple(
+    f"{prefix}:{name}{{"
+    for prefix in ("tidal", "vllm")
+    for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc")
+)
+
+
+def engine_gauges(text: str, engine: str) -> list[str]:
+    """The per-engine gauge samples of ``engine`` in a /metrics text (a removed engine has
+    none; its counters stay)."""
+    return [
+        line
+        for line in text.splitlines()
+        if line.startswith(_ENGINE_GAUGES) and f'engine="{engine}"' in line
+    ]
 
 
 # ---- real uvicorn: disconnects, lifespan, benchmark ------------------------------------------

@@ -26,7 +26,7 @@ import time
 import uuid
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tidal.config import EngineConfig
 from tidal.frontend.async_client import AsyncMPClient
@@ -38,6 +38,9 @@ from tidal.frontend.scaling.scale_records import ScaleTimeouts
 from tidal.protocol.errors import EngineDeadError
 from tidal.protocol.messages import DPCoordinatorStats, EngineCoreOutputs
 from tidal.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from tidal.frontend.tracing import RequestTracer
 
 logger = logging.getLogger(__name__)
 
@@ -51,11 +54,14 @@ _ELASTIC_OFF = (
 
 @dataclass
 class _Stream:
+    request_id: str
     queue: asyncio.Queue[RequestOutput | BaseException] = field(default_factory=asyncio.Queue)
     arrival: float = field(default_factory=time.monotonic)
     first_token: float | None = None
+    last_output: float | None = None  # when its latest tokens came (inter-token latency)
     prompt_tokens: int = 0
     generated: int = 0
+    engine: int | None = None  # the engine its latest output came from
 
 
 class AsyncLLM:
@@ -83,6 +89,16 @@ class AsyncLLM:
         self.latest_stats: dict[int, Any] = {}
         self._scale_driver: ScaleDriver | None = None
         self._scale_listeners: list[Callable[[dict[str, Any]], None]] = []
+        # --otlp-traces-endpoint (docs/operations.md#tracing): OpenTelemetry is imported
+        # only when it is set.
+        self._tracer: RequestTracer | None = None
+        if config.frontend.otlp_traces_endpoint:
+            from tidal.frontend.tracing import RequestTracer
+
+            self._tracer = RequestTracer(
+                config.frontend.otlp_traces_endpoint, self.served_model_name
+            )
+            self.add_scale_listener(self._tracer.scale_operation)
 
     # ---- public API --------------------------------------------------------------------
 
@@ -118,14 +134,19 @@ class AsyncLLM:
         children = self.output_processor.add_request(
             request_id, prompt.prompt, prompt.prompt_token_ids, params, output_kind
         )
-        stream = _Stream(prompt_tokens=len(prompt.prompt_token_ids))
+        stream = _Stream(request_id, prompt_tokens=len(prompt.prompt_token_ids))
         self._streams[request_id] = stream
+        tracer = self._tracer
+        if tracer is not None:
+            tracer.start(request_id, stream.prompt_tokens)
         finished = False
         try:
             for req in self.input_processor.make_requests(
                 children, prompt, params, data_parallel_rank
             ):
                 self.client.add_request(req)
+            if tracer is not None:
+                tracer.event(request_id, "queued")
             while True:
                 item = await stream.queue.get()
                 if isinstance(item, BaseException):
@@ -138,6 +159,8 @@ class AsyncLLM:
             self._streams.pop(request_id, None)
             if not finished:
                 self._abort_children(request_id)
+            if tracer is not None:  # ends the span unless its finish did
+                tracer.finish(request_id, stream.generated, "abort")
 
     async def abort(self, request_id: str) -> None:
         self._abort_children(request_id)
@@ -177,8 +200,12 @@ class AsyncLLM:
         stats["kv_cache"] = await self.client.call_utility_all_async("get_kv_cache_info")
         if self.config.device == "cpu":
             # Each rank's path per op and the trial's timings (tidal/kernels/select.py).
-            stats["cpu_kernels"] = await self.client.call_utility_all_async("get_cpu_kernels")
+            stats["cpu_kernels"] = await self.get_cpu_kernels()
         return stats
+
+    async def get_cpu_kernels(self) -> list[dict[str, Any] | None]:
+        """Each rank's CPU path per op and the trial's timings (tidal/kernels/select.py)."""
+        return await self.client.call_utility_all_async("get_cpu_kernels")
 
     def processes(self) -> dict[int, dict[str, Any]]:
         """Engine id -> its process (``pid``, None when not known here), the node it runs
@@ -315,6 +342,9 @@ class AsyncLLM:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._handler
         self.client.shutdown()
+        if self._tracer is not None:
+            # Sends what is left; off the loop: it may wait on the collector.
+            await asyncio.to_thread(self._tracer.shutdown)
 
     # ---- internals ---------------------------------------------------------------------
 
@@ -368,6 +398,10 @@ class AsyncLLM:
                 sl.record_scheduler_stats(outs.engine_id, outs.scheduler_stats)
         if not outs.outputs:
             return
+        for out in outs.outputs:
+            if out.timings is not None:  # an engine request finished: its phases there
+                for sl in self._stat_loggers:
+                    sl.record_request_timings(outs.engine_id, out.timings)
         processed = self.output_processor.process_outputs(outs.outputs)
         if processed.reqs_to_abort:
             self.client.abort_requests(processed.reqs_to_abort)
@@ -376,34 +410,57 @@ class AsyncLLM:
             stream = self._streams.get(ro.request_id)
             if stream is None:
                 continue
-            self._record(stream, ro, now)
+            self._record(stream, ro, now, outs.engine_id)
             stream.queue.put_nowait(ro)
         for err in processed.failed:
             stream = self._streams.get(err.request_id)
             if stream is None:
                 continue
-            self._record_finished(stream, now, "error")
+            self._record_finished(stream, now, "error", outs.engine_id, str(err))
             stream.queue.put_nowait(err)
 
-    def _record(self, stream: _Stream, ro: RequestOutput, now: float) -> None:
+    def _record(self, stream: _Stream, ro: RequestOutput, now: float, engine: int) -> None:
+        """``engine``: the id of the engine whose output this is."""
         new_tokens = sum(len(c.token_ids) for c in ro.outputs)
-        if new_tokens and stream.first_token is None:
-            stream.first_token = now
+        tracer = self._tracer
+        if tracer is not None and stream.engine not in (None, engine):
+            # Its outputs come from another engine now: elastic EP moved it.
+            tracer.event(stream.request_id, "migrated", {"from": stream.engine, "to": engine})
+        stream.engine = engine
+        if new_tokens:
+            if stream.first_token is None:
+                stream.first_token = now
+                if tracer is not None:
+                    tracer.event(stream.request_id, "first_token", {"engine": engine})
+            elif stream.last_output is not None:
+                for sl in self._stat_loggers:
+                    sl.record_inter_token(engine, (now - stream.last_output) / new_tokens, new_tokens)
+            stream.last_output = now
         stream.generated += new_tokens
         for sl in self._stat_loggers:
-            sl.record_tokens(0, new_tokens)
+            sl.record_tokens(0, new_tokens, engine)
         if ro.finished:
             reason = ro.outputs[0].finish_reason if ro.outputs else "abort"
-            self._record_finished(stream, now, reason or "stop")
+            self._record_finished(stream, now, reason or "stop", engine)
 
-    def _record_finished(self, stream: _Stream, now: float, reason: str) -> None:
+    def _record_finished(
+        self, stream: _Stream, now: float, reason: str, engine: int, error: str | None = None
+    ) -> None:
+        if self._tracer is not None:
+            self._tracer.finish(stream.request_id, stream.generated, reason, error)
         ttft = (stream.first_token or now) - stream.arrival
         decode = stream.generated - 1
         tpot = (now - stream.first_token) / decode if decode > 0 and stream.first_token else None
         for sl in self._stat_loggers:
-            sl.record_tokens(stream.prompt_tokens, 0)
+            sl.record_tokens(stream.prompt_tokens, 0, engine)
             sl.record_request_finished(
-                stream.prompt_tokens, stream.generated, ttft, now - stream.arrival, tpot, reason
+                stream.prompt_tokens,
+                stream.generated,
+                ttft,
+                now - stream.arrival,
+                tpot,
+                reason,
+                engine,
             )
 
     def _fail_all(self, err: BaseException) -> None:

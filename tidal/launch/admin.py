@@ -63,6 +63,13 @@ def add_admin_routes(app: FastAPI, serving: OpenAIServing, metrics: ServerMetric
                 metrics.record_expert_load(await engine.get_expert_load())
             except Exception:  # noqa: BLE001 - metrics must render even if a rank is busy
                 logger.warning("expert load unavailable for /metrics", exc_info=True)
+        config = getattr(engine, "config", None)
+        has_kernels = callable(getattr(engine, "get_cpu_kernels", None))
+        if has_kernels and getattr(config, "device", None) == "cpu" and not engine.is_dead:
+            try:
+                metrics.record_cpu_kernels(await engine.get_cpu_kernels())
+            except Exception:  # noqa: BLE001 - as above
+                logger.warning("kernel choices unavailable for /metrics", exc_info=True)
         metrics.set_scaling(engine.is_scaling_elastic_ep())
         processes = getattr(engine, "processes", None)
         if callable(processes):

@@ -70,7 +70,12 @@ def build_app(
     timeout and the stream backlog (the connection limits are ``make_server``'s)."""
     if api_key is not None and not api_key:
         raise ValueError("api_key must not be empty (None: no API key)")
-    metrics = metrics if metrics is not None else ServerMetrics()
+    if metrics is None:
+        model = getattr(getattr(engine, "config", None), "model", None)
+        metrics = ServerMetrics(
+            model_name=served_model_name or engine.served_model_name,
+            max_model_len=getattr(model, "max_model_len", 2048),
+        )
     engine.add_stat_logger(metrics)
     engine.add_scale_listener(metrics.record_scale_operation)
     limits = limits if limits is not None else ServerLimits()

@@ -1,4 +1,6 @@
-"""Prometheus collectors for the API server, fed by ``AsyncLLM`` as a stat logger.
+"""Prometheus collectors for the API server, fed by ``AsyncLLM`` as a stat logger. What
+is exported, with vLLM's names where Tidal has the same concept, is the table in
+``tidal/launch/metric_table.py`` (docs/operations.md#metrics).
 
 Each ``ServerMetrics`` owns its own ``CollectorRegistry`` (not the process-global one),
 so several apps in one process (tests, multiple servers) never collide on names. Per-engine
@@ -22,33 +24,46 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, assert_never
 
 from prometheus_client import CONTENT_TYPE_LATEST as CONTENT_TYPE  # noqa: F401 - re-exported
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
 
 from tidal.frontend.scaling.scale_records import ScaleOutcome, ScalePhase, ScaleTrigger
+from tidal.launch.metric_table import BY_NAME, ENGINE_LABELS, METRICS, MetricKind, MetricSpec
+from tidal.protocol.messages import FinishReason
 
 if TYPE_CHECKING:
-    from tidal.protocol.messages import SchedulerStats
+    from tidal.protocol.messages import RequestTimings, SchedulerStats
 
-_PREFIX = "tidal:"
-# fmt: off
-_TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
-                 10.0, 20.0, 40.0, 80.0)
-_TPOT_BUCKETS = (0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3,
-                 0.4, 0.5, 0.75, 1.0, 2.5)
-_E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
-                120.0, 240.0)
-_LEN_BUCKETS = tuple(float(4**i) for i in range(11))  # 1 .. ~1M tokens
-_SCALE_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0,
-                  300.0, 600.0, 1200.0)
-# fmt: on
+# No "<name>_created" series beside each counter and histogram (as vLLM): tools read
+# rates, and each would be a gauge family that is in no table. Process-wide.
+disable_created_metrics()
+
 # Operation ids remembered so a record reported twice is counted once.
 _SEEN_OPERATIONS = 1024
 # Death records remembered likewise: more than fault_status() lists (the controller keeps
 # the last 256), so every death it can list again is one already counted.
 _SEEN_DEATHS = 1024
+# Per-engine gauges an engine that leaves takes with it (counters and histograms stay:
+# a series that stops growing is what rate() expects of a gone source).
+_ENGINE_GAUGES = (
+    "vllm:num_requests_running",
+    "vllm:num_requests_waiting",
+    "vllm:kv_cache_usage_perc",
+    "tidal:num_requests_running",
+    "tidal:num_requests_waiting",
+    "tidal:kv_cache_usage_perc",
+    "tidal:engine_current_wave",
+    "tidal:engine_workers",
+)
 
 
 @dataclass
@@ -60,141 +75,92 @@ class _DeathCount:
     recovered: bool = False
 
 
+@dataclass
+class _EngineCounts:
+    """An engine's cumulative counters as last reported, so each report adds its growth."""
+
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_preempted: int = 0
+
+
+def _collector(spec: MetricSpec, registry: CollectorRegistry, max_model_len: int) -> Any:
+    # Counters are declared without "_total": prometheus-client appends it.
+    name = spec.name.removesuffix("_total") if spec.kind is MetricKind.COUNTER else spec.name
+    labels = list(spec.labels)
+    match spec.kind:
+        case MetricKind.COUNTER:
+            return Counter(name, spec.meaning, labels, registry=registry)
+        case MetricKind.GAUGE:
+            return Gauge(name, spec.meaning, labels, registry=registry)
+        case MetricKind.HISTOGRAM:
+            buckets = spec.bucket_bounds(max_model_len)
+            return Histogram(name, spec.meaning, labels, buckets=buckets, registry=registry)
+        case _:
+            assert_never(spec.kind)
+
+
 class ServerMetrics:
-    """The stat-logger interface ``AsyncLLM`` calls, backed by prometheus collectors."""
+    """The stat-logger interface ``AsyncLLM`` calls, backed by prometheus collectors built
+    from ``tidal.launch.metric_table.METRICS``. ``vllm:`` series are labelled with
+    ``model_name`` and the engine id; ``max_model_len`` bounds their token buckets."""
 
-    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+    def __init__(
+        self,
+        registry: CollectorRegistry | None = None,
+        *,
+        model_name: str = "",
+        max_model_len: int = 2048,
+    ) -> None:
         self.registry = r = registry if registry is not None else CollectorRegistry()
-        self.request_success = Counter(
-            _PREFIX + "request_success",
-            "Finished requests by finish reason.",
-            ["finished_reason"],
-            registry=r,
-        )
-        self.stream_backlog_aborts = Counter(
-            _PREFIX + "stream_backlog_aborts",
-            "Engine requests aborted because their client did not read its stream "
-            "(--max-stream-backlog).",
-            registry=r,
-        )
-        self.prompt_tokens = Counter(_PREFIX + "prompt_tokens", "Prefill tokens.", registry=r)
-        self.generation_tokens = Counter(
-            _PREFIX + "generation_tokens", "Generated tokens.", registry=r
-        )
-        self.running = _per_engine("num_requests_running", "Requests running on an engine.", r)
-        self.waiting = _per_engine("num_requests_waiting", "Requests waiting on an engine.", r)
-        self.kv_usage = _per_engine("kv_cache_usage_perc", "KV cache usage (0-1) per engine.", r)
-        self.ttft = _hist("time_to_first_token_seconds", "Time to first token.", _TTFT_BUCKETS, r)
-        self.tpot = _hist(
-            "time_per_output_token_seconds",
-            "Time per output token after the first.",
-            _TPOT_BUCKETS,
-            r,
-        )
-        self.e2e = _hist(
-            "e2e_request_latency_seconds", "End-to-end request latency.", _E2E_BUCKETS, r
-        )
-        self.prompt_len = _hist(
-            "request_prompt_tokens", "Prompt tokens per request.", _LEN_BUCKETS, r
-        )
-        self.generation_len = _hist(
-            "request_generation_tokens", "Generated tokens per request.", _LEN_BUCKETS, r
-        )
-
-        self.tensor_parallel_size = Gauge(
-            _PREFIX + "tensor_parallel_size", "Worker processes per DP rank.", registry=r
-        )
-        self.engine_workers = _per_engine(
-            "engine_workers", "Live worker processes of an engine (its TP workers).", r
-        )
-        self.expert_load = Gauge(
-            _PREFIX + "expert_load_tokens",
-            "Tokens routed to each logical expert over the EPLB window (all ranks).",
-            ["layer", "expert"],
-            registry=r,
-        )
-
+        self.model_name = model_name
+        self.series: dict[str, Any] = {m.name: _collector(m, r, max_model_len) for m in METRICS}
+        c = self.series
+        self.request_success = c["tidal:request_success"]
+        self.stream_backlog_aborts = c["tidal:stream_backlog_aborts"]
+        self.prompt_tokens = c["tidal:prompt_tokens"]
+        self.generation_tokens = c["tidal:generation_tokens"]
+        self.running = c["tidal:num_requests_running"]
+        self.waiting = c["tidal:num_requests_waiting"]
+        self.kv_usage = c["tidal:kv_cache_usage_perc"]
+        self.ttft = c["tidal:time_to_first_token_seconds"]
+        self.tpot = c["tidal:time_per_output_token_seconds"]
+        self.e2e = c["tidal:e2e_request_latency_seconds"]
+        self.prompt_len = c["tidal:request_prompt_tokens"]
+        self.generation_len = c["tidal:request_generation_tokens"]
+        self.tensor_parallel_size = c["tidal:tensor_parallel_size"]
+        self.engine_workers = c["tidal:engine_workers"]
+        self.expert_load = c["tidal:expert_load_tokens"]
         # Elastic EP (docs/architecture.md#elastic): one sample per finished operation.
-        self.scale_operations = Counter(
-            _PREFIX + "scale_operations",
-            "Finished elastic EP operations by result (succeeded, rolled_back, failed) and "
-            "trigger (api, recovery after a rank death, restore).",
-            ["result", "trigger"],
-            registry=r,
-        )
-        self.scale_duration = Histogram(
-            _PREFIX + "scale_duration_seconds",
-            "Elastic EP operation duration, request to result, by result.",
-            ["result"],
-            buckets=_SCALE_BUCKETS,
-            registry=r,
-        )
-        self.scale_phase = Histogram(
-            _PREFIX + "scale_phase_seconds",
-            "Time elastic EP operations spent in each phase.",
-            ["phase"],
-            buckets=_SCALE_BUCKETS,
-            registry=r,
-        )
-        self.scale_bytes_moved = Counter(
-            _PREFIX + "scale_bytes_moved",
-            "Expert weight bytes moved by successful elastic EP operations.",
-            registry=r,
-        )
-        self.scale_experts_moved = Counter(
-            _PREFIX + "scale_experts_moved",
-            "Expert copies moved by successful elastic EP operations.",
-            registry=r,
-        )
-        self.scale_requests_migrated = Counter(
-            _PREFIX + "scale_requests_migrated",
-            "Requests moved to another engine by elastic EP operations (any result).",
-            registry=r,
-        )
-        self.scaling = Gauge(
-            _PREFIX + "scale_in_progress",
-            "1 while an elastic EP operation runs (or its outcome is unknown).",
-            registry=r,
-        )
+        self.scale_operations = c["tidal:scale_operations"]
+        self.scale_duration = c["tidal:scale_duration_seconds"]
+        self.scale_phase = c["tidal:scale_phase_seconds"]
+        self.scale_bytes_moved = c["tidal:scale_bytes_moved"]
+        self.scale_experts_moved = c["tidal:scale_experts_moved"]
+        self.scale_requests_migrated = c["tidal:scale_requests_migrated"]
+        self.scaling = c["tidal:scale_in_progress"]
         # Rank deaths (docs/architecture.md#faults), from AsyncLLM.fault_status() at each scrape.
-        self.rank_deaths = Counter(
-            _PREFIX + "rank_deaths", "Members of the served topology found dead.", registry=r
-        )
-        self.rank_recoveries = Counter(
-            _PREFIX + "rank_recoveries",
-            "Rank deaths recovered: an operation committed without the dead engine.",
-            registry=r,
-        )
-        self.rank_recovery_seconds = Histogram(
-            _PREFIX + "rank_recovery_seconds",
-            "Time from a rank death to the commit of the operation that removed it.",
-            buckets=_SCALE_BUCKETS,
-            registry=r,
-        )
-        self.rank_death_requests_migrated = Counter(
-            _PREFIX + "rank_death_requests_migrated",
-            "Requests of dead engines resumed on another engine.",
-            registry=r,
-        )
-        self.degraded = Gauge(
-            _PREFIX + "deployment_degraded",
-            "1 while the deployment serves below full health (a dead member, a failed "
-            "group, a recovery running).",
-            registry=r,
-        )
-        self.serving_engines = Gauge(
-            _PREFIX + "serving_engines",
-            "Live members of the served topology (0 when the engine client is dead).",
-            registry=r,
-        )
+        self.rank_deaths = c["tidal:rank_deaths"]
+        self.rank_recoveries = c["tidal:rank_recoveries"]
+        self.rank_recovery_seconds = c["tidal:rank_recovery_seconds"]
+        self.rank_death_requests_migrated = c["tidal:rank_death_requests_migrated"]
+        self.degraded = c["tidal:deployment_degraded"]
+        self.serving_engines = c["tidal:serving_engines"]
         # Totals /stats reports (the counters above are for prometheus).
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self._lock = threading.Lock()
-        self._retired: set[str] = set()  # engine ids removed; never reused (docs/architecture.md#elastic-identity)
+        self._retired: set[str] = (
+            set()
+        )  # engine ids removed; never reused (docs/architecture.md#elastic-identity)
         self._seen: OrderedDict[str, None] = OrderedDict()
         # Death records counted so far, by identity, the most recently listed last.
         self._deaths: OrderedDict[tuple[Any, ...], _DeathCount] = OrderedDict()
+        self._engine_counts: dict[str, _EngineCounts] = {}
+
+    def _v(self, name: str, engine: str) -> Any:
+        """The ``vllm:`` series ``name`` of one engine."""
+        return self.series[name].labels(model_name=self.model_name, engine=engine)
 
     def record_processes(self, tp_size: int, processes: dict[int, dict[str, Any]]) -> None:
         """TP size and each engine's worker count (``AsyncLLM.processes``), at a scrape."""
@@ -204,9 +170,28 @@ class ServerMetrics:
                 self.engine_workers.labels(engine=str(engine)).set(len(info["worker_pids"]))
 
     def record_expert_load(self, load: dict[int, list[int]]) -> None:
+        imbalance = self.series["tidal:expert_imbalance"]
         for layer, counts in load.items():
             for expert, n in enumerate(counts):
                 self.expert_load.labels(layer=str(layer), expert=str(expert)).set(n)
+            total = sum(counts)
+            if counts and total:
+                imbalance.labels(layer=str(layer)).set(max(counts) * len(counts) / total)
+
+    def record_cpu_kernels(self, reports: list[dict[str, Any] | None]) -> None:
+        """Each rank's CPU kernel choices (``get_cpu_kernels``); a path any rank serves
+        an op with is 1, one no rank serves it with any more is 0."""
+        paths = self.series["tidal:cpu_kernel_path"]
+        serving: set[tuple[str, str, str]] = set()
+        for report in reports:
+            for op, choice in ((report or {}).get("ops") or {}).items():
+                for phase in ("decode", "batch"):
+                    if choice.get(phase):
+                        serving.add((str(op), phase, str(choice[phase])))
+        names = BY_NAME["tidal:cpu_kernel_path"].labels
+        known = {tuple(labels[n] for n in names) for labels in _label_sets(paths)}
+        for labels in known | serving:
+            paths.labels(*labels).set(1 if labels in serving else 0)
 
     # ---- stat-logger interface (called by AsyncLLM) ----------------------------------------
 
@@ -217,13 +202,46 @@ class ServerMetrics:
         self.running.labels(engine=engine).set(stats.num_running_reqs)
         self.waiting.labels(engine=engine).set(stats.num_waiting_reqs)
         self.kv_usage.labels(engine=engine).set(stats.kv_cache_usage)
+        self.series["tidal:engine_current_wave"].labels(engine=engine).set(stats.current_wave)
+        self._v("vllm:num_requests_running", engine).set(stats.num_running_reqs)
+        self._v("vllm:num_requests_waiting", engine).set(stats.num_waiting_reqs)
+        self._v("vllm:kv_cache_usage_perc", engine).set(stats.kv_cache_usage)
+        last = self._engine_counts.get(engine)
+        if last is None:  # a new engine: its series start at 0, as vLLM's do
+            last = self._engine_counts[engine] = _EngineCounts()
+            self._create_engine_series(engine)
+        # The engine's counters are cumulative: add what grew since its last report.
+        for name, field in (
+            ("vllm:prefix_cache_queries", "prefix_cache_queries"),
+            ("vllm:prefix_cache_hits", "prefix_cache_hits"),
+            ("vllm:num_preemptions", "num_preempted"),
+        ):
+            now, before = getattr(stats, field), getattr(last, field)
+            if now > before:
+                self._v(name, engine).inc(now - before)
+                setattr(last, field, now)
+        if stats.iteration_tokens:
+            steps = self._v("vllm:iteration_tokens_total", engine)
+            for n in stats.iteration_tokens:
+                steps.observe(n)
 
-    def record_tokens(self, prompt_tokens: int, generation_tokens: int) -> None:
+    def _create_engine_series(self, engine: str) -> None:
+        for spec in METRICS:
+            if spec.labels == ENGINE_LABELS and spec.kind is not MetricKind.GAUGE:
+                self._v(spec.name, engine)
+        for reason in FinishReason:
+            self.series["vllm:request_success"].labels(
+                model_name=self.model_name, engine=engine, finished_reason=str(reason)
+            )
+
+    def record_tokens(self, prompt_tokens: int, generation_tokens: int, engine: int = 0) -> None:
         if prompt_tokens:
             self.prompt_tokens.inc(prompt_tokens)
+            self._v("vllm:prompt_tokens", str(engine)).inc(prompt_tokens)
             self.prompt_tokens_total += prompt_tokens
         if generation_tokens:
             self.generation_tokens.inc(generation_tokens)
+            self._v("vllm:generation_tokens", str(engine)).inc(generation_tokens)
             self.generation_tokens_total += generation_tokens
 
     def record_request_finished(
@@ -234,7 +252,9 @@ class ServerMetrics:
         e2e_s: float,
         tpot_s: float | None,
         finish_reason: str,
+        engine: int = 0,
     ) -> None:
+        """One finished request, seen by the frontend; ``engine``: the one that finished it."""
         self.request_success.labels(finished_reason=finish_reason).inc()
         self.prompt_len.observe(prompt_tokens)
         self.generation_len.observe(generation_tokens)
@@ -242,16 +262,42 @@ class ServerMetrics:
         self.e2e.observe(e2e_s)
         if tpot_s is not None:
             self.tpot.observe(tpot_s)
+        e = str(engine)
+        self.series["vllm:request_success"].labels(
+            model_name=self.model_name, engine=e, finished_reason=finish_reason
+        ).inc()
+        self._v("vllm:request_prompt_tokens", e).observe(prompt_tokens)
+        self._v("vllm:request_generation_tokens", e).observe(generation_tokens)
+        self._v("vllm:time_to_first_token_seconds", e).observe(ttft_s)
+        self._v("vllm:e2e_request_latency_seconds", e).observe(e2e_s)
+
+    def record_inter_token(self, engine: int, seconds_per_token: float, tokens: int) -> None:
+        """A request's output after its first: the time since its previous output over
+        the ``tokens`` it brought, once per token (as vLLM counts a step's tokens)."""
+        hist = self._v("vllm:inter_token_latency_seconds", str(engine))
+        for _ in range(tokens):
+            hist.observe(seconds_per_token)
+
+    def record_request_timings(self, engine: int, timings: RequestTimings) -> None:
+        """An engine request's phases (``EngineCoreOutput.timings``), on that engine."""
+        e = str(engine)
+        self._v("vllm:request_queue_time_seconds", e).observe(timings.queued_s)
+        self._v("vllm:request_prefill_time_seconds", e).observe(timings.prefill_s)
+        self._v("vllm:request_decode_time_seconds", e).observe(timings.decode_s)
+        self._v("vllm:request_inference_time_seconds", e).observe(
+            timings.prefill_s + timings.decode_s
+        )
 
     def forget_engine(self, engine_id: int) -> None:
-        """Drop a removed engine's series (elastic scale-down, rank death) so dashboards
+        """Drop a removed engine's gauges (elastic scale-down, rank death) so dashboards
         don't show it stale; later stats from it are ignored (ids are never reused)."""
-        self._retired.add(str(engine_id))
-        for gauge in (self.running, self.waiting, self.kv_usage, self.engine_workers):
-            try:
-                gauge.remove(str(engine_id))
-            except KeyError:
-                pass
+        engine = str(engine_id)
+        self._retired.add(engine)
+        for name in _ENGINE_GAUGES:
+            gauge, names = self.series[name], BY_NAME[name].labels
+            for labels in _label_sets(gauge):
+                if labels.get("engine") == engine:
+                    gauge.remove(*(labels[n] for n in names))
 
     # ---- scale listener (called by AsyncLLM with each finished operation's record) ---------
 
@@ -336,11 +382,6 @@ def _death_key(death: dict[str, Any]) -> tuple[Any, ...]:
     return (death.get("engine_id"), death.get("epoch"), death.get("at"))
 
 
-def _per_engine(name: str, doc: str, registry: CollectorRegistry) -> Gauge:
-    return Gauge(_PREFIX + name, doc, ["engine"], registry=registry)
-
-
-def _hist(
-    name: str, doc: str, buckets: tuple[float, ...], registry: CollectorRegistry
-) -> Histogram:
-    return Histogram(_PREFIX + name, doc, buckets=buckets, registry=registry)
+def _label_sets(collector: Any) -> list[dict[str, str]]:
+    """The labels of each series ``collector`` (a gauge) holds now."""
+    return [sample.labels for family in collector.collect() for sample in family.samples]
