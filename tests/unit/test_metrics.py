@@ -165,3 +165,44 @@ def test_the_server_imports_no_opentelemetry_without_the_flag():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_request_spans_and_the_operations_they_live_through():
+    pytest.importorskip("opentelemetry.sdk", reason="pip install 'tidal[otel]'")
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from tidal.frontend.tracing import RequestTracer
+
+    exporter = InMemorySpanExporter()
+    tracer = RequestTracer("http://unused", "moe", exporter=exporter)
+    tracer.start("done", 4)
+    tracer.event("done", "queued")
+    tracer.finish("done", 2, "stop")
+    tracer.start("moved", 7)
+    tracer.event("moved", "migrated", {"from": 1, "to": 0})
+    tracer.scale_operation(
+        {"operation_id": "op-1", "result": "succeeded", "trigger": "api", "from_size": 2,
+         "to_size": 1, "requests_migrated": 1}
+    )  # fmt: skip
+    tracer.finish("moved", 5, "error", error="engine failed it")
+    tracer.event("moved", "late")  # after its end: nowhere
+    tracer.start("open", 3)
+    tracer.shutdown()  # ends what is open, as aborted, and sends everything
+    spans = {s.attributes["gen_ai.request.id"]: s for s in exporter.get_finished_spans()}
+    assert set(spans) == {"done", "moved", "open"}
+    done, moved, still_open = spans["done"], spans["moved"], spans["open"]
+    assert [e.name for e in done.events] == ["queued"]
+    assert dict(done.attributes) == {
+        "gen_ai.request.id": "done",
+        "gen_ai.request.model": "moe",
+        "gen_ai.usage.input_tokens": 4,
+        "gen_ai.usage.output_tokens": 2,
+        "gen_ai.response.finish_reasons": ("stop",),
+    }
+    assert [e.name for e in moved.events] == ["migrated", "scale_operation"]
+    assert dict(moved.events[1].attributes) == {
+        "operation_id": "op-1", "result": "succeeded", "trigger": "api",
+        "requests_migrated": 1, "from_size": 2, "to_size": 1,
+    }  # fmt: skip
+    assert moved.status.description == "engine failed it"
+    assert still_open.attributes["gen_ai.response.finish_reasons"] == ("abort",)

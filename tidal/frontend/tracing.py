@@ -16,7 +16,7 @@ from typing import Any
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import BatchSpanProcessor
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
 # Attribute names of OpenTelemetry's GenAI semantic conventions where one fits.
@@ -32,13 +32,13 @@ _EXPORT_DELAY_MS = 1000
 class RequestTracer:
     """Open spans by request id; every method is called on the event loop."""
 
-    def __init__(self, endpoint: str, model: str) -> None:
+    def __init__(self, endpoint: str, model: str, exporter: SpanExporter | None = None) -> None:
+        """``exporter``: where spans go instead of OTLP/HTTP to ``endpoint`` (tests)."""
         self.model = model
         self._provider = TracerProvider(resource=Resource.create({"service.name": "tidal"}))
+        exporter = exporter if exporter is not None else OTLPSpanExporter(endpoint=endpoint)
         self._provider.add_span_processor(
-            BatchSpanProcessor(
-                OTLPSpanExporter(endpoint=endpoint), schedule_delay_millis=_EXPORT_DELAY_MS
-            )
+            BatchSpanProcessor(exporter, schedule_delay_millis=_EXPORT_DELAY_MS)
         )
         self._tracer = self._provider.get_tracer("tidal")
         self._spans: dict[str, Span] = {}
