@@ -96,6 +96,7 @@ def test_request_series_are_labelled_by_the_engine_that_finished_it():
     assert _value(m, "vllm:generation_tokens_total", **e) == 3
     assert _value(m, "vllm:request_success_total", **e, finished_reason="length") == 1
     assert _value(m, "vllm:inter_token_latency_seconds_count", **e) == 2
+    assert _value(m, "vllm:request_time_per_output_token_seconds_sum", **e) == 0.35
     assert _value(m, "vllm:request_queue_time_seconds_sum", **e) == pytest.approx(0.1)
     assert _value(m, "vllm:request_inference_time_seconds_sum", **e) == pytest.approx(0.8)
     assert _value(m, "vllm:request_prompt_tokens_bucket", **e, le="5.0") == 1

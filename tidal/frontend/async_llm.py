@@ -62,6 +62,7 @@ class _Stream:
     prompt_tokens: int = 0
     generated: int = 0
     engine: int | None = None  # the engine its latest output came from
+    children: int = 1  # engine requests (n); each may run on its own engine
 
 
 class AsyncLLM:
@@ -134,7 +135,9 @@ class AsyncLLM:
         children = self.output_processor.add_request(
             request_id, prompt.prompt, prompt.prompt_token_ids, params, output_kind
         )
-        stream = _Stream(request_id, prompt_tokens=len(prompt.prompt_token_ids))
+        stream = _Stream(
+            request_id, prompt_tokens=len(prompt.prompt_token_ids), children=len(children)
+        )
         self._streams[request_id] = stream
         tracer = self._tracer
         if tracer is not None:
@@ -423,7 +426,7 @@ class AsyncLLM:
         """``engine``: the id of the engine whose output this is."""
         new_tokens = sum(len(c.token_ids) for c in ro.outputs)
         tracer = self._tracer
-        if tracer is not None and stream.engine not in (None, engine):
+        if tracer is not None and stream.children == 1 and stream.engine not in (None, engine):
             # Its outputs come from another engine now: elastic EP moved it.
             tracer.event(stream.request_id, "migrated", {"from": stream.engine, "to": engine})
         stream.engine = engine

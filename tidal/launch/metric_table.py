@@ -135,6 +135,12 @@ METRICS: tuple[MetricSpec, ...] = (
         buckets=ITL_BUCKETS,
     ),
     _v(
+        "vllm:request_time_per_output_token_seconds",
+        H,
+        "A request's mean time per output token after its first.",
+        buckets=ITL_BUCKETS,
+    ),
+    _v(
         "vllm:e2e_request_latency_seconds",
         H,
         "Arrival at the server to the last token.",
@@ -222,7 +228,7 @@ METRICS: tuple[MetricSpec, ...] = (
         H,
         (),
         "Mean time per output token after the first, per request.",
-        None,
+        "vllm:request_time_per_output_token_seconds",
         _TIDAL_TPOT,
     ),
     MetricSpec(

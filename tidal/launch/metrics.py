@@ -270,6 +270,8 @@ class ServerMetrics:
         self._v("vllm:request_generation_tokens", e).observe(generation_tokens)
         self._v("vllm:time_to_first_token_seconds", e).observe(ttft_s)
         self._v("vllm:e2e_request_latency_seconds", e).observe(e2e_s)
+        if tpot_s is not None:
+            self._v("vllm:request_time_per_output_token_seconds", e).observe(tpot_s)
 
     def record_inter_token(self, engine: int, seconds_per_token: float, tokens: int) -> None:
         """A request's output after its first: the time since its previous output over
