@@ -20,6 +20,7 @@ import pytest
 
 from tests.unit.test_api_server import live_server, run
 from tests.unit.test_scale_api import ScalingFakeLLM, make_death, make_faults, make_record
+from tidal.frontend.scaling.scale_records import ScaleTrigger
 
 CHROMIUM = next(
     (
@@ -70,7 +71,7 @@ class DashboardFakeLLM(ScalingFakeLLM):
                 started_at=1030.0,
                 engine_ids=[0, 1, 2, 3],
                 dead=(1,),
-                trigger="recovery",
+                trigger=ScaleTrigger.RECOVERY,
             ),
             make_record("grow-3", 3, 3, 4, result="rolled_back", started_at=1060.0, cause=CAUSE),
         ]
