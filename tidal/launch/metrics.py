@@ -157,10 +157,16 @@ class ServerMetrics:
         # Death records counted so far, by identity, the most recently listed last.
         self._deaths: OrderedDict[tuple[Any, ...], _DeathCount] = OrderedDict()
         self._engine_counts: dict[str, _EngineCounts] = {}
+        self._children: dict[tuple[str, str], Any] = {}  # (vllm: name, engine) -> series
 
     def _v(self, name: str, engine: str) -> Any:
-        """The ``vllm:`` series ``name`` of one engine."""
-        return self.series[name].labels(model_name=self.model_name, engine=engine)
+        """The ``vllm:`` series ``name`` of one engine. Kept: ``labels()`` costs several
+        microseconds, and this runs for every output of every request."""
+        child = self._children.get((name, engine))
+        if child is None:
+            child = self.series[name].labels(model_name=self.model_name, engine=engine)
+            self._children[(name, engine)] = child
+        return child
 
     def record_processes(self, tp_size: int, processes: dict[int, dict[str, Any]]) -> None:
         """TP size and each engine's worker count (``AsyncLLM.processes``), at a scrape."""
@@ -296,6 +302,7 @@ class ServerMetrics:
         engine = str(engine_id)
         self._retired.add(engine)
         for name in _ENGINE_GAUGES:
+            self._children.pop((name, engine), None)
             gauge, names = self.series[name], BY_NAME[name].labels
             for labels in _label_sets(gauge):
                 if labels.get("engine") == engine:
