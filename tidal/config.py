@@ -228,9 +228,7 @@ class ModelConfig:
         "Hugging Face cache (downloaded when missing, unless HF_HUB_OFFLINE=1) (default: the "
         "embedded tiny Qwen3-MoE model)",
     )
-    tokenizer: str = option(
-        arg_default=None, help="tokenizer folder or repo id (default: --model)"
-    )
+    tokenizer: str = option(arg_default=None, help="tokenizer folder or repo id (default: --model)")
     dtype: ModelDType = option(
         arg_default="auto", help="weights and activations (auto: the checkpoint's dtype)"
     )
@@ -291,9 +289,20 @@ def as_id_list(value: Any) -> list[int]:
 @dataclass(frozen=True)
 class CacheConfig:
     block_size: Literal[1, 2, 4, 8, 16, 32, 64, 128] = option(16, help="tokens per KV cache block")
-    # Ignored when num_blocks is set.
-    kv_cache_memory_bytes: Annotated[int, Meta(gt=0)] = option(
-        512 * 1024 * 1024, help="KV cache bytes per rank"
+    # Ignored when num_blocks is set; precedence: tidal/executor/kv_budget.py.
+    kv_cache_memory_bytes: Annotated[int, Meta(gt=0)] | None = option(
+        None,
+        help="KV cache bytes per rank (per TP worker); overrides the fraction, the GPU "
+        "utilization and VLLM_CPU_KVCACHE_SPACE (default: those, else 512 MiB on CPU)",
+    )
+    kv_cache_memory_fraction: Annotated[float, Meta(gt=0, le=1)] | None = option(
+        None,
+        help="CPU: this fraction of the host's available memory at start, shared by its "
+        "ranks' workers, for their KV caches (VLLM_CPU_KVCACHE_SPACE, in GiB per rank, "
+        "wins over it)",
+    )
+    gpu_memory_utilization: Annotated[float, Meta(gt=0, le=1)] = option(
+        0.9, help="GPU: fraction of each device's memory for weights, activations and KV cache"
     )
     num_blocks: Annotated[int, Meta(ge=1)] | None = option(
         None,

@@ -40,11 +40,16 @@ class EngineCore:
             config.model.tokenizer, self.vocab_size, config.model.eos_token_ids
         )
         self.scheduler = Scheduler(config.scheduler, config.cache, self.num_blocks, self.grammars)
+        self.kv_cache_bytes: int = self.executor.call("runner.kv_cache_bytes", self.num_blocks)
+        # Block 0 is the null block: the others hold tokens.
         logger.info(
-            "engine core ready in %.2fs: %d KV blocks of %d tokens",
+            "engine core ready in %.2fs: KV cache per rank: %d blocks, %d tokens, %d bytes "
+            "(%.1f MiB)",
             time.monotonic() - t0,
             self.num_blocks,
-            config.cache.block_size,
+            (self.num_blocks - 1) * config.cache.block_size,
+            self.kv_cache_bytes,
+            self.kv_cache_bytes / 2**20,
         )
 
     # ---- requests ----------------------------------------------------------------------

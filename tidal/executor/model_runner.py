@@ -39,14 +39,17 @@ and the step count every EP rank agrees on is unchanged.
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from typing import Any
 
+import psutil
 import torch
 
 from tidal.config import EngineConfig
 from tidal.distributed.tensor_parallel import TensorParallel
 from tidal.executor.batch import NULL_BLOCK_ID, ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from tidal.executor.kv_budget import DeviceMemory, HostMemory, kv_cache_budget
 from tidal.executor.rpc import Reduce, rpc
 from tidal.kernels.host_memory import empty_huge
 from tidal.layers.attention import AttentionMetadata
@@ -197,10 +200,18 @@ class ModelRunner:
         if cache.num_blocks is not None:
             num_blocks = cache.num_blocks
         else:
+            budget = kv_cache_budget(
+                cache, host=self._host_memory(), device=self._device_memory(), env=os.environ
+            )
             per_seq = -(-sched.max_model_len // self.block_size)
             num_blocks = min(
-                cache.kv_cache_memory_bytes // self.kv_bytes_per_block(),
-                sched.max_num_seqs * per_seq + 1,
+                budget.bytes // self.kv_bytes_per_block(), sched.max_num_seqs * per_seq + 1
+            )
+            logger.info(
+                "KV budget %d MiB per worker (from %s): %d blocks",
+                budget.bytes >> 20,
+                budget.source,
+                num_blocks,
             )
         # What the scheduler admits against (Scheduler._validate): the blocks it hands out
         # (all but the null block 0) must hold the KV of a full-length sequence, which is
@@ -214,6 +225,22 @@ class ModelRunner:
                 "lower max_model_len or raise kv_cache_memory_bytes / num_gpu_blocks_override"
             )
         return num_blocks
+
+    def _host_memory(self) -> HostMemory:
+        par = self.config.parallel
+        workers = max(1, par.data_parallel_size_local) * par.tensor_parallel_size
+        return HostMemory(available=psutil.virtual_memory().available, workers=workers)
+
+    def _device_memory(self) -> DeviceMemory | None:
+        if self.device.type != "cuda":
+            return None
+        free, total = torch.cuda.mem_get_info(self.device)
+        return DeviceMemory(total=total, used=total - free)
+
+    @rpc(Reduce.SUM, local=True)  # a rank's cache is its workers' together
+    def kv_cache_bytes(self, num_blocks: int) -> int:
+        """Bytes ``num_blocks`` take in this worker's cache."""
+        return num_blocks * self.kv_bytes_per_block()
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         spec = self.model.kv_cache_spec()
