@@ -134,11 +134,16 @@ class EngineCore:
         return self.num_blocks
 
     def get_kv_cache_info(self) -> dict[str, Any]:
-        """The KV cache's size and per-token cost (``/stats``; docs/architecture.md#kv-cache-layouts)."""
+        """This rank's KV cache (``/stats``, the start log; docs/architecture.md#kv-cache-layouts):
+        the driver worker's layout and bytes per token, ``num_blocks`` (with the null block),
+        the ``tokens`` they hold, ``bytes`` over its workers and the ``block_size``."""
+        block_size = self.config.cache.block_size
         return {
             **self.executor.call("runner.kv_cache_info"),
             "num_blocks": self.num_blocks,
-            "block_size": self.config.cache.block_size,
+            "tokens": (self.num_blocks - 1) * block_size,
+            "bytes": self.kv_cache_bytes,
+            "block_size": block_size,
         }
 
     def echo(self, value: Any) -> Any:

@@ -63,6 +63,7 @@ class _Stream:
     generated: int = 0
     engine: int | None = None  # the engine its latest output came from
     children: int = 1  # engine requests (n); each may run on its own engine
+    counted: bool = True  # False: a warm-up request, not in the stats
 
 
 class AsyncLLM:
@@ -122,10 +123,12 @@ class AsyncLLM:
         *,
         output_kind: OutputKind = OutputKind.DELTA,
         data_parallel_rank: int | None = None,
+        counted: bool = True,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Validate, submit, and stream outputs. Raises ValueError for bad input before the
         first yield, RequestFailedError if the engine refuses or fails the request (any
-        of its ``n`` children), and EngineDeadError if the engine dies mid-request."""
+        of its ``n`` children), and EngineDeadError if the engine dies mid-request.
+        ``counted=False``: the stat loggers do not see it (``warm_up``'s)."""
         if self.is_dead:
             raise EngineDeadError(self.dead_reason)
         self.input_processor.check(prompt, params)
@@ -136,7 +139,10 @@ class AsyncLLM:
             request_id, prompt.prompt, prompt.prompt_token_ids, params, output_kind
         )
         stream = _Stream(
-            request_id, prompt_tokens=len(prompt.prompt_token_ids), children=len(children)
+            request_id,
+            prompt_tokens=len(prompt.prompt_token_ids),
+            children=len(children),
+            counted=counted,
         )
         self._streams[request_id] = stream
         tracer = self._tracer
@@ -170,6 +176,50 @@ class AsyncLLM:
         stream = self._streams.pop(request_id, None)
         if stream is not None:
             stream.queue.put_nowait(asyncio.CancelledError())
+
+    def abort_all(self, message: str) -> int:
+        """End every request in flight now, each stream with a last output whose finish
+        reason is ``abort`` and stop reason ``message`` (the drain timed out); returns
+        how many."""
+        outputs, running = self.output_processor.finish_all(message)
+        if running and not self.is_dead:
+            self.client.abort_requests(running)
+        now = time.monotonic()
+        for ro in outputs:
+            stream = self._streams.get(ro.request_id)
+            if stream is not None:
+                self._record(stream, ro, now)
+                stream.queue.put_nowait(ro)
+        return len(outputs)
+
+    async def warm_up(self) -> None:
+        """One greedy token on every rank (pinned to each), not counted in the stats:
+        returns once each has served a step (``/ready``, docs/operations.md#lifecycle)."""
+        prompt = ProcessedPrompt(None, [self.input_processor.eos_token_id or 0])
+        params = SamplingParams(max_tokens=1, temperature=0.0)
+
+        async def one(rank: int) -> None:
+            async for _ in self.generate(
+                prompt,
+                params,
+                f"warm-up-{rank}-{uuid.uuid4().hex}",
+                data_parallel_rank=rank,
+                counted=False,
+            ):
+                pass
+
+        await asyncio.gather(*(one(r) for r in range(self.client.topology.size)))
+        # The sizing each rank resolved (docs/operations.md#kv-sizing), in the server's log.
+        for engine_id in self.client.topology.engine_ids:
+            kv = await self.client.call_utility_async("get_kv_cache_info", engine=engine_id)
+            logger.info(
+                "engine %d: KV cache per rank: %d blocks, %d tokens, %d bytes (%.1f MiB)",
+                engine_id,
+                kv["num_blocks"],
+                kv["tokens"],
+                kv["bytes"],
+                kv["bytes"] / 2**20,
+            )
 
     @property
     def has_expert_load(self) -> bool:
@@ -419,12 +469,15 @@ class AsyncLLM:
             stream = self._streams.get(err.request_id)
             if stream is None:
                 continue
-            self._record_finished(stream, now, "error", outs.engine_id, str(err))
+            if stream.counted:
+                self._record_finished(stream, now, "error", outs.engine_id, str(err))
             stream.queue.put_nowait(err)
 
     def _record(self, stream: _Stream, ro: RequestOutput, now: float, engine: int) -> None:
         """``engine``: the id of the engine whose output this is."""
         new_tokens = sum(len(c.token_ids) for c in ro.outputs)
+        if not stream.counted:  # a warm-up request
+            return
         tracer = self._tracer
         if tracer is not None and stream.children == 1 and stream.engine not in (None, engine):
             # Its outputs come from another engine now: elastic EP moved it.

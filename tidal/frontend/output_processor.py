@@ -136,6 +136,23 @@ class OutputProcessor:
             self._child_to_parent.pop(cid, None)
         return list(parent.children)
 
+    def finish_all(self, message: str) -> tuple[list[RequestOutput], list[str]]:
+        """End every request here with finish reason ``abort`` and ``message`` as its
+        stop reason (the server's drain timed out); returns their last outputs and the
+        child ids still running in the engine. Everything is forgotten."""
+        outputs: list[RequestOutput] = []
+        running: list[str] = []
+        for pid, parent in list(self._parents.items()):
+            for cid, child in parent.children.items():
+                if child.finish_reason is None:
+                    child.finish_reason, child.stop_reason = "abort", message
+                    running.append(cid)
+            ro = self._make_output(parent)
+            if ro is not None:
+                outputs.append(ro)
+            self.abort(pid)
+        return outputs, running
+
     def parent_of(self, child_id: str) -> str | None:
         return self._child_to_parent.get(child_id)
 

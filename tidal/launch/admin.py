@@ -1,10 +1,13 @@
 """Operator routes: ``/health``, ``/ping``, ``/version``, ``/metrics`` (prometheus text),
 ``/stats`` (JSON) and ``/dashboard`` (the static load-balance page).
 
-``/health`` is 200 ``{"status": "ok"}``; 200 ``{"status": "degraded", "detail": why,
+``/health`` (liveness) is 200 ``{"status": "ok"}``, 200 ``{"status": "draining"}`` after
+SIGTERM (docs/operations.md#lifecycle: the process is alive and finishing its requests); 200 ``{"status": "degraded", "detail": why,
 "serving_engines": n}`` while the deployment serves below full health (a rank died and
 its recovery runs, docs/architecture.md#faults): it still answers, so a load balancer keeps it; 503
 when nothing can serve (the engine client is dead, or no live member is left).
+``/ready`` (readiness) is 200 ``{"status": "ready"}`` once every rank served its first
+step, else 503 with why not: ``starting``, ``draining``, ``sleeping`` or ``dead``.
 
 ``/stats`` is the engine's (per-rank load keyed by rank and ``engine_id``, waves, expert
 load) plus what the API server knows: ``scaling`` (whether an elastic EP operation runs,
@@ -26,6 +29,7 @@ from fastapi.responses import JSONResponse, Response
 import tidal
 from tidal.launch.dashboard import dashboard_html
 from tidal.launch.errors import APIError, classify_error
+from tidal.launch.lifecycle import Lifecycle, Phase
 from tidal.launch.metrics import CONTENT_TYPE, ServerMetrics
 from tidal.launch.serving import OpenAIServing
 
@@ -36,10 +40,13 @@ SCALING_HISTORY = 50  # operation records in /stats
 
 def add_admin_routes(app: FastAPI, serving: OpenAIServing, metrics: ServerMetrics) -> None:
     engine = serving.engine
+    lifecycle: Lifecycle = app.state.lifecycle
 
     @app.get("/health")
     async def health() -> JSONResponse:
         serving.check_alive()
+        if lifecycle.phase is Phase.DRAINING:
+            return JSONResponse({"status": "draining"})
         faults = fault_status(engine)
         if faults is None or faults.get("degraded") is None:
             return JSONResponse({"status": "ok"})
@@ -47,6 +54,13 @@ def add_admin_routes(app: FastAPI, serving: OpenAIServing, metrics: ServerMetric
         if live == 0:  # every member dead: the client fails next; nothing serves meanwhile
             raise APIError(503, f"no engine can serve: {detail}", code="engine_dead")
         return JSONResponse({"status": "degraded", "detail": detail, "serving_engines": live})
+
+    @app.get("/ready")
+    async def ready() -> JSONResponse:
+        why = lifecycle.readiness(engine.is_dead)
+        if why is None:
+            return JSONResponse({"status": "ready"})
+        return JSONResponse({"status": why}, status_code=503)
 
     @app.api_route("/ping", methods=["GET", "POST"])
     async def ping() -> JSONResponse:

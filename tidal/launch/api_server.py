@@ -3,7 +3,8 @@ it under uvicorn.
 
 Routes: ``/v1/completions``, ``/v1/chat/completions`` (SSE streaming or not), ``/v1/models``
 (``serving``); ``/health``, ``/ping``, ``/version``, ``/metrics`` (prometheus text),
-``/stats`` (JSON), ``/dashboard`` (``admin``); ``/scale_elastic_ep`` and
+``/stats`` (JSON), ``/dashboard``, ``/ready`` (``admin``); ``/sleep``, ``/wake_up``,
+``/is_sleeping`` (``sleep``); ``/scale_elastic_ep`` and
 ``/is_scaling_elastic_ep`` (``scale_routes``). Every error is OpenAI's error JSON
 (``errors``); the server keeps serving after any of them.
 
@@ -36,6 +37,7 @@ from tidal.launch.connections import ServerLimits, guarded_protocol
 from tidal.launch.errors import add_error_handlers
 from tidal.launch.hosts import add_browser_guards
 from tidal.launch.http_limits import BodyLimitMiddleware
+from tidal.launch.lifecycle import AdmissionMiddleware, DrainingServer, Lifecycle
 from tidal.launch.metrics import ServerMetrics
 from tidal.launch.scale_routes import add_scale_routes
 from tidal.launch.serving import OpenAIServing, add_openai_routes
@@ -59,6 +61,7 @@ def build_app(
     allowed_hosts: Sequence[str] = (),
     allowed_origins: Sequence[str] = (),
     limits: ServerLimits | None = None,
+    lifecycle: Lifecycle | None = None,
 ) -> FastAPI:
     """The FastAPI app. ``metrics`` is registered as the engine's stat logger and scale
     listener; on lifespan shutdown (SIGTERM/SIGINT under uvicorn) ``engine.shutdown()``
@@ -67,7 +70,8 @@ def build_app(
     metrics on ``request.app.state``. ``bind_host`` (the address the server listens on),
     ``allowed_hosts`` and ``allowed_origins`` set the Host check and CORS (``hosts``);
     an empty ``api_key`` is an error, not "no authentication". ``limits``: the body
-    timeout and the stream backlog (the connection limits are ``make_server``'s)."""
+    timeout and the stream backlog (the connection limits are ``make_server``'s).
+    ``lifecycle``: readiness, admission and drain (``lifecycle``; default: a fresh one)."""
     if api_key is not None and not api_key:
         raise ValueError("api_key must not be empty (None: no API key)")
     if metrics is None:
@@ -79,6 +83,7 @@ def build_app(
     engine.add_stat_logger(metrics)
     engine.add_scale_listener(metrics.record_scale_operation)
     limits = limits if limits is not None else ServerLimits()
+    lifecycle = lifecycle if lifecycle is not None else Lifecycle()
     serving = OpenAIServing(
         engine,
         served_model_name or engine.served_model_name,
@@ -91,9 +96,13 @@ def build_app(
         start = getattr(engine, "start", None)
         if start is not None:
             start()  # heartbeats and rank-death recovery run from startup, not first use
+        ready = asyncio.get_running_loop().create_task(
+            lifecycle.become_ready(getattr(engine, "warm_up", None))
+        )
         try:
             yield
         finally:
+            ready.cancel()
             if serving.template_sandbox is not None:
                 await serving.template_sandbox.close()
             if shutdown_engine:
@@ -102,6 +111,9 @@ def build_app(
 
     app = FastAPI(title="Tidal", version=tidal.__version__, lifespan=lifespan)
     app.state.engine, app.state.metrics, app.state.serving = engine, metrics, serving
+    app.state.lifecycle = lifecycle
+    # Innermost: only authenticated, well-formed traffic is admitted and counted.
+    app.add_middleware(AdmissionMiddleware, lifecycle=lifecycle)
     if api_key:
         app.add_middleware(BearerAuthMiddleware, api_key=api_key)
     app.add_middleware(
@@ -150,9 +162,10 @@ def make_server(
     limits: ServerLimits | None = None,
 ) -> uvicorn.Server:
     """A uvicorn server for ``app``; ``await server.serve(sockets=[sock])`` to run it on a
-    pre-bound socket, set ``server.should_exit = True`` to stop it (uvicorn does on
-    SIGTERM/SIGINT). Open streams get ``timeout_graceful_shutdown`` seconds to finish.
-    ``limits``: the connection cap and the header timeout (``connections``)."""
+    pre-bound socket, set ``server.should_exit = True`` to stop it. SIGTERM/SIGINT drain
+    first (``lifecycle.DrainingServer``, with the app's ``Lifecycle``); once stopping,
+    open connections get ``timeout_graceful_shutdown`` seconds more. ``limits``: the
+    connection cap and the header timeout (``connections``)."""
     limits = limits if limits is not None else ServerLimits()
     config = uvicorn.Config(
         app,
@@ -166,7 +179,9 @@ def make_server(
         # uvicorn waits with asyncio (a float is fine); its annotation says int.
         timeout_graceful_shutdown=timeout_graceful_shutdown,  # pyright: ignore[reportArgumentType]
     )
-    return uvicorn.Server(config)
+    abort_all = getattr(app.state.engine, "abort_all", None) or (lambda _message: 0)
+    lifecycle = getattr(app.state, "lifecycle", None) or Lifecycle()
+    return DrainingServer(config, lifecycle, abort_all)
 
 
 async def serve(
@@ -183,12 +198,14 @@ async def serve(
     allowed_hosts: Sequence[str] = (),
     allowed_origins: Sequence[str] = (),
     limits: ServerLimits | None = None,
+    shutdown_timeout: float = 30.0,
 ) -> None:
-    """Serve until SIGTERM/SIGINT; the engine is shut down on the way out. The Host check
+    """Serve until SIGTERM/SIGINT, then drain for up to ``shutdown_timeout`` seconds
+    (``lifecycle``); the engine is shut down on the way out. The Host check
     follows the address served: ``sock``'s when given, else ``host``.
 
-    uvicorn restores the previous signal handlers and re-raises the signal after a
-    graceful shutdown, so a caller's own SIGTERM handler still runs afterwards."""
+    A drained shutdown returns normally (the process can exit 0); a second signal is
+    uvicorn's own stop, which re-raises it once the previous handlers are restored."""
     app = build_app(
         engine,
         api_key=api_key,
@@ -198,6 +215,7 @@ async def serve(
         allowed_hosts=allowed_hosts,
         allowed_origins=allowed_origins,
         limits=limits,
+        lifecycle=Lifecycle(shutdown_timeout),
     )
     server = make_server(
         app,

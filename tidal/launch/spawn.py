@@ -2,8 +2,10 @@
 
 Order matters for a clean failure: the HTTP port is bound first (a taken port fails before
 any engine loads), then the engines start and handshake, then uvicorn serves. SIGTERM or
-Ctrl-C makes uvicorn drain, the app's lifespan shuts the engines down (SIGTERM to each
-engine process, join, kill if stuck) and removes the private IPC directory.
+Ctrl-C drains (``lifecycle``: new requests 503, those in flight get ``--shutdown-timeout``
+seconds, then are aborted), then the app's lifespan shuts the engines down (SIGTERM to
+each engine process, join, kill if stuck) and removes the private IPC directory; the
+process exits 0.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from tidal.launch.api_key import add_api_key_arg, resolve_api_key
 from tidal.launch.api_server import bind_socket, run_server
 from tidal.launch.args import add_engine_args, add_option_args, build_engine_config, flag_of
 from tidal.launch.connections import ServerLimits
+from tidal.launch.lifecycle import ShutdownOptions
 from tidal.utils.secret_env import SECRET_ENV_VARS
 
 
@@ -62,6 +65,7 @@ def make_parser() -> argparse.ArgumentParser:
         help="server log level (default: %(default)s)",
     )
     add_option_args(p, option_specs(ServerLimits))
+    add_option_args(p, option_specs(ShutdownOptions))
     p.add_argument(
         "--headless",
         action="store_true",
@@ -160,6 +164,10 @@ def serve_main(argv: list[str]) -> int:
         parser.error(f"--port: must be in [0, 65535], got {ns.port}")
     api_key = resolve_api_key(parser, ns)
     limits = _server_limits(parser, ns)
+    try:
+        shutdown = ShutdownOptions(shutdown_timeout=ns.shutdown_timeout)
+    except ValueError as e:
+        parser.error(f"--shutdown-timeout: {e}")
     config: EngineConfig = build_engine_config(parser, ns)
     _check_multi_node(parser, ns, config)
     # Read; from here on the keys travel in the config and the app, and no process this
@@ -197,6 +205,7 @@ def serve_main(argv: list[str]) -> int:
             allowed_hosts=_split(ns.allowed_hosts),
             allowed_origins=_split(ns.allowed_origins),
             limits=limits,
+            shutdown_timeout=shutdown.shutdown_timeout,
         )
     except KeyboardInterrupt:
         pass

@@ -1,0 +1,181 @@
+"""A real ``launch`` process drained by SIGTERM (docs/operations.md#lifecycle): readiness,
+admission during the drain (503 + Retry-After, liveness still 200), every started stream
+finishing (or ending with finish reason ``abort`` at ``--shutdown-timeout``), exit code 0
+and nothing left behind (processes, /dev/shm, temporary files)."""
+
+from __future__ import annotations
+
+import glob
+import json
+import re
+import signal
+import threading
+from dataclasses import dataclass, field
+
+import httpx
+import pytest
+
+from tests.e2e.server_utils import RemoteServer
+from tests.waiting import wait_until
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+STREAMS = 16
+
+
+@dataclass
+class _Stream:
+    started: threading.Event = field(default_factory=threading.Event)
+    tokens: int = 0
+    finish_reason: str | None = None
+    stop_reason: str | None = None
+    done: bool = False  # [DONE] received
+    error: str | None = None
+
+
+def _stream(url: str, prompt: str, max_tokens: int, out: _Stream) -> None:
+    body = {
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    try:
+        with (
+            httpx.Client(base_url=url, timeout=600) as client,
+            client.stream("POST", "/v1/completions", json=body) as r,
+        ):
+            if r.status_code != 200:
+                out.error = f"HTTP {r.status_code}: {r.read().decode()}"
+                return
+            for line in r.iter_lines():
+                if not line:
+                    continue
+                data = line.removeprefix("data: ")
+                if data == "[DONE]":
+                    out.done = True
+                    return
+                event = json.loads(data)
+                if "error" in event:
+                    out.error = str(event)
+                    return
+                for choice in event["choices"]:
+                    out.started.set()
+                    out.finish_reason = choice.get("finish_reason") or out.finish_reason
+                    out.stop_reason = choice.get("stop_reason") or out.stop_reason
+                if event.get("usage"):
+                    out.tokens = event["usage"]["completion_tokens"]
+    except Exception as e:  # noqa: BLE001 - reported by the test
+        out.error = f"{type(e).__name__}: {e}"
+
+
+def _start_streams(url: str, max_tokens: int) -> tuple[list[_Stream], list[threading.Thread]]:
+    streams = [_Stream() for _ in range(STREAMS)]
+    threads = [
+        threading.Thread(target=_stream, args=(url, f"stream {i} says", max_tokens, s))
+        for i, s in enumerate(streams)
+    ]
+    for t in threads:
+        t.start()
+    return streams, threads
+
+
+def _ready(srv: RemoteServer) -> bool:
+    try:
+        return httpx.get(f"{srv.url}/ready", timeout=10).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def _health(srv: RemoteServer) -> httpx.Response | None:
+    try:
+        return httpx.get(f"{srv.url}/health", timeout=10)
+    except httpx.HTTPError:
+        return None
+
+
+def _kv_line(output: str) -> tuple[int, int, int]:
+    m = re.search(r"KV cache per rank: (\d+) blocks, (\d+) tokens, (\d+) bytes", output)
+    assert m is not None, output
+    blocks, tokens, size = map(int, m.groups())
+    return blocks, tokens, size
+
+
+def _own_shm(pids: set[int]) -> list[str]:
+    # The TP ring names carry their engine's pid (docs/protocols/shm-ring.md#shm-lifetime).
+    return [p for p in glob.glob("/dev/shm/tidal-*") if any(f"-{pid}-" in p for pid in pids)]
+
+
+def _drain(srv: RemoteServer, max_tokens: int, tmp: str) -> list[_Stream]:
+    """SIGTERM under STREAMS streams; checks admission while draining and what is left."""
+    assert wait_until(lambda: _ready(srv), 300), srv.output
+    pids = {p.pid for p in srv.descendants()} | {srv.proc.pid}
+    streams, threads = _start_streams(srv.url, max_tokens)
+    assert wait_until(lambda: all(s.started.is_set() or s.error for s in streams), 300)
+    assert [s.error for s in streams if s.error] == []
+    srv.proc.send_signal(signal.SIGTERM)
+
+    def draining() -> bool:
+        h = _health(srv)
+        return h is not None and h.status_code == 200 and h.json()["status"] == "draining"
+
+    assert wait_until(draining, 60), srv.output
+    # The drain runs: liveness holds, readiness is off, new requests are refused.
+    assert not all(s.done for s in streams), "the streams ended before the drain was seen"
+    refused = httpx.post(
+        f"{srv.url}/v1/completions", json={"prompt": "late", "max_tokens": 4}, timeout=30
+    )
+    assert refused.status_code == 503, refused.text
+    assert int(refused.headers["Retry-After"]) > 0
+    assert refused.json()["error"]["code"] == "server_draining"
+    ready = httpx.get(f"{srv.url}/ready", timeout=10)
+    assert (ready.status_code, ready.json()["status"]) == (503, "draining")
+    for t in threads:
+        t.join(600)
+        assert not t.is_alive(), "a stream hangs"
+    code = srv.proc.wait(300)
+    srv.stop()
+    assert code == 0, srv.output
+    assert srv.leftover_processes() == []
+    assert glob.glob(f"{tmp}/tidal-*") == []
+    assert _own_shm(pids) == []
+    assert [s.error for s in streams if s.error] == []
+    assert all(s.done for s in streams)
+    return streams
+
+
+def test_sigterm_lets_every_started_stream_finish(qwen3_long_ckpt, tmp_path):
+    tmp = str(tmp_path)
+    srv = RemoteServer(
+        ["--model", qwen3_long_ckpt, "--shutdown-timeout", "600", "--log-level", "info"],
+        env={"TMPDIR": tmp},
+    )
+    try:
+        streams = _drain(srv, max_tokens=1000, tmp=tmp)
+    finally:
+        srv.stop()
+    assert [(s.finish_reason, s.tokens) for s in streams] == [("length", 1000)] * STREAMS
+    # The sizing line (docs/operations.md#kv-sizing): the default budget, 512 MiB.
+    blocks, tokens, size = _kv_line(srv.output)
+    assert tokens == (blocks - 1) * 16 and 2**29 - size < size // blocks, (blocks, size)
+
+
+def test_shutdown_timeout_aborts_what_still_runs(qwen3_long_ckpt, tmp_path):
+    tmp = str(tmp_path)
+    srv = RemoteServer(
+        ["--model", qwen3_long_ckpt, "--shutdown-timeout", "3", "--log-level", "info"],
+        # vLLM's variable, in GiB: a quarter of the default budget.
+        env={"TMPDIR": tmp, "VLLM_CPU_KVCACHE_SPACE": "0.25"},
+    )
+    try:
+        # Far more tokens than 3 s allow: every stream is cut by the timeout.
+        streams = _drain(srv, max_tokens=100_000, tmp=tmp)
+    finally:
+        srv.stop()
+    blocks, _, size = _kv_line(srv.output)
+    assert 2**28 - size < size // blocks, (blocks, size)
+    for s in streams:
+        assert s.finish_reason == "abort" and 0 < s.tokens < 100_000, s
+        assert "--shutdown-timeout=3s" in (s.stop_reason or ""), s
