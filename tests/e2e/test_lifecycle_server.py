@@ -179,3 +179,72 @@ def test_shutdown_timeout_aborts_what_still_runs(qwen3_long_ckpt, tmp_path):
     for s in streams:
         assert s.finish_reason == "abort" and 0 < s.tokens < 100_000, s
         assert "--shutdown-timeout=3s" in (s.stop_reason or ""), s
+
+
+def _complete(url: str, prompt: str) -> str:
+    body = {"prompt": prompt, "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+    r = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["text"]
+
+
+# Level 2 over two TP workers: each frees its own share of the rank's cache.
+@pytest.mark.parametrize(("level", "tp"), [(1, 1), (2, 2)])
+def test_sleep_frees_the_kv_cache_and_wake_up_serves_the_same_tokens(qwen3_ckpt, level, tp):
+    kv_bytes = 256 * 2**20
+    srv = RemoteServer(
+        # Enough sequences that the block cap (max_num_seqs full-length sequences) is not
+        # what sizes the tiny model's cache: the budget is.
+        [
+            "--model",
+            qwen3_ckpt,
+            "--kv-cache-memory-bytes",
+            str(kv_bytes),
+            "--max-num-seqs",
+            "4096",
+            "--tensor-parallel-size",
+            str(tp),
+            "--log-level",
+            "info",
+        ]
+    )
+    try:
+        assert wait_until(lambda: _ready(srv), 300), srv.output
+        prompts = [f"sleepy prompt {i}" for i in range(3)]
+        before = [_complete(srv.url, p) for p in prompts]
+        engines = srv.descendants()  # the engine and its TP workers
+        assert len(srv.engine_processes()) == 1 and len(engines) >= tp
+
+        def rss() -> int:
+            return sum(p.memory_info().rss for p in engines)
+
+        awake_rss = rss()
+        r = httpx.post(f"{srv.url}/sleep", params={"level": level}, timeout=120)
+        assert r.status_code == 200, r.text
+        freed = r.json()["freed_bytes"]
+        # The whole cache the start line reported (about the budget) is freed.
+        blocks, _, size = _kv_line(srv.output)
+        # --kv-cache-memory-bytes is per worker.
+        assert freed == size and tp * kv_bytes - size < size // blocks, (freed, size)
+        # The engine's resident memory drops by about the cache (other pages may move).
+        assert wait_until(lambda: awake_rss - rss() >= 0.8 * freed, 60), (awake_rss, rss())
+        assert httpx.get(f"{srv.url}/is_sleeping", timeout=30).json() == {"is_sleeping": True}
+        refused = httpx.post(
+            f"{srv.url}/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=30
+        )
+        assert refused.status_code == 503 and refused.headers["Retry-After"], refused.text
+        assert refused.json()["error"]["code"] == "engine_sleeping"
+        ready = httpx.get(f"{srv.url}/ready", timeout=30)
+        assert (ready.status_code, ready.json()["status"]) == (503, "sleeping")
+        assert httpx.get(f"{srv.url}/health", timeout=30).status_code == 200
+
+        r = httpx.post(f"{srv.url}/wake_up", timeout=120)
+        assert r.status_code == 200, r.text
+        assert httpx.get(f"{srv.url}/is_sleeping", timeout=30).json() == {"is_sleeping": False}
+        assert rss() - (awake_rss - freed) >= 0.8 * freed  # the cache is back
+        assert _ready(srv)
+        assert [_complete(srv.url, p) for p in prompts] == before
+    finally:
+        code = srv.stop()
+    assert code == 0
+    assert srv.leftover_processes() == []

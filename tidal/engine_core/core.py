@@ -41,6 +41,7 @@ class EngineCore:
         )
         self.scheduler = Scheduler(config.scheduler, config.cache, self.num_blocks, self.grammars)
         self.kv_cache_bytes: int = self.executor.call("runner.kv_cache_bytes", self.num_blocks)
+        self.sleeping = False  # the KV cache is freed (sleep mode)
         # Block 0 is the null block: the others hold tokens.
         logger.info(
             "engine core ready in %.2fs: KV cache per rank: %d blocks, %d tokens, %d bytes "
@@ -56,6 +57,8 @@ class EngineCore:
 
     def add_request(self, req: EngineCoreRequest) -> None:
         """Validate and queue. Raises ValueError with a user-facing message."""
+        if self.sleeping:  # the server refuses them first; a direct caller learns why here
+            raise RuntimeError("the engine is asleep: wake_up first")
         self.scheduler.add_request(self.make_request(req))
 
     def make_request(self, req: EngineCoreRequest) -> Request:
@@ -129,6 +132,34 @@ class EngineCore:
     def get_cpu_kernels(self) -> dict[str, Any] | None:
         """The CPU path serving each op, with the trial's timings (``/stats``)."""
         return self.executor.call("worker.get_cpu_kernels")
+
+    def sleep(self, level: int) -> int:
+        """Sleep mode (docs/operations.md#sleep-mode): free the KV cache on every worker
+        (both levels; weights stay loaded). Only when no request is here: raises
+        otherwise. Returns the bytes freed (0 if already asleep)."""
+        if level not in (1, 2):
+            raise ValueError(f"level must be 1 or 2, got {level}")
+        if self.sleeping:
+            return 0
+        if self.scheduler.has_unfinished_requests():
+            raise RuntimeError("requests are running; sleep when the engine is idle")
+        self.scheduler.reset_prefix_cache()  # the blocks' contents are gone
+        freed: int = self.executor.call("worker.free_kv_cache")
+        self.sleeping = True
+        logger.info("asleep (level %d): freed %d bytes of KV cache", level, freed)
+        return freed
+
+    def wake_up(self) -> bool:
+        """Make the KV cache again (zeroed, as at start); False if it was awake."""
+        if not self.sleeping:
+            return False
+        self.executor.call("worker.initialize_kv_cache", self.num_blocks)
+        self.sleeping = False
+        logger.info("awake: %d KV blocks", self.num_blocks)
+        return True
+
+    def is_sleeping(self) -> bool:
+        return self.sleeping
 
     def get_num_blocks(self) -> int:
         return self.num_blocks

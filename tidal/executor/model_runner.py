@@ -254,6 +254,15 @@ class ModelRunner:
         self.kv_caches = [self._zeros_cache(shape, dtype) for _ in range(spec.num_layers)]
         self.model.bind_kv_cache(self.kv_caches)
 
+    def free_kv_cache(self) -> int:
+        """Unbind and drop the cache tensors (the last references: on CPU each is its own
+        mapping, unmapped with it); the bytes they held."""
+        freed = sum(t.numel() * t.element_size() for t in self.kv_caches)
+        num_layers = self.model.kv_cache_spec()[0]
+        self.model.bind_kv_cache([torch.empty(0)] * num_layers)  # nothing steps while asleep
+        self.kv_caches = []
+        return freed
+
     def _zeros_cache(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         if self.device.type != "cpu":
             return torch.zeros(shape, dtype=dtype, device=self.device)

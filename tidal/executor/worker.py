@@ -324,6 +324,17 @@ class Worker:
         if self.device.type == "cpu":  # the end of startup: what loading freed goes back
             release_free_heap()
 
+    @rpc(Reduce.SUM, local=True)  # a rank's bytes are its workers' together
+    def free_kv_cache(self) -> int:
+        """Sleep mode (docs/operations.md#sleep-mode): drop the KV cache, returning its
+        bytes to the OS; ``initialize_kv_cache`` makes it again. Returns the bytes freed."""
+        freed = self.model_runner.free_kv_cache()
+        if self.device.type == "cpu":
+            release_free_heap()
+        elif self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        return freed
+
     # With TP only the driver calls it: the DP group of the rank-0 workers carries the
     # ranks' consensus.
     @rpc(Reduce.FIRST, reply=ReplyMode.DRIVER, driver_only=True)

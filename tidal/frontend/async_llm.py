@@ -192,6 +192,18 @@ class AsyncLLM:
                 stream.queue.put_nowait(ro)
         return len(outputs)
 
+    async def sleep(self, level: int = 1) -> int:
+        """Free the KV cache on every rank (docs/operations.md#sleep-mode); only while no
+        request runs. Returns the bytes freed, all ranks together."""
+        return sum(await self.client.call_utility_all_async("sleep", level))
+
+    async def wake_up(self) -> None:
+        """Make every rank's KV cache again; serving continues as before the sleep."""
+        await self.client.call_utility_all_async("wake_up")
+
+    async def is_sleeping(self) -> bool:
+        return any(await self.client.call_utility_all_async("is_sleeping"))
+
     async def warm_up(self) -> None:
         """One greedy token on every rank (pinned to each), not counted in the stats:
         returns once each has served a step (``/ready``, docs/operations.md#lifecycle)."""

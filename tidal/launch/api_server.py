@@ -41,6 +41,7 @@ from tidal.launch.lifecycle import AdmissionMiddleware, DrainingServer, Lifecycl
 from tidal.launch.metrics import ServerMetrics
 from tidal.launch.scale_routes import add_scale_routes
 from tidal.launch.serving import OpenAIServing, add_openai_routes
+from tidal.launch.sleep import add_sleep_routes
 
 if TYPE_CHECKING:  # annotations only: the server takes any engine with AsyncLLM's
     # interface and imports no torch (AsyncLLM does), so tests run it on a fake engine.
@@ -133,6 +134,7 @@ def build_app(
     add_openai_routes(app, serving)
     add_admin_routes(app, serving, metrics)
     add_scale_routes(app, serving)
+    add_sleep_routes(app, serving)
     for router in routers:
         app.include_router(router)
     return app
