@@ -266,3 +266,24 @@ def test_request_ids_whose_engine_ids_collide_are_refused(tokenizer):
     with pytest.raises(ValueError, match="'0_w' is in use by request '0_w'"):
         op.add_request("w", None, [1], SamplingParams(n=2))
     assert op.num_unfinished() == 2 and op.parent_of("1_w") is None
+
+
+def test_finish_all_ends_every_request_with_abort_and_the_message(tokenizer):
+    """The drain's timeout (docs/operations.md#lifecycle): each request gets a last output,
+    finish reason ``abort`` and the message as stop reason, with the text it had; only
+    children still running in the engine are returned to abort there."""
+    op = OutputProcessor(tokenizer)
+    a, b = tokenizer.encode("hello there"), tokenizer.encode("good bye")
+    op.add_request("d", None, [1], SamplingParams(max_tokens=9), OutputKind.DELTA)
+    op.add_request("p", None, [1], SamplingParams(n=2, max_tokens=9))  # FINAL_ONLY
+    op.process_outputs([_out("d", a), _out("0_p", b), _out("1_p", a, FinishReason.LENGTH)])
+    outputs, running = op.finish_all("shutting down")
+    assert sorted(running) == ["0_p", "d"]  # 1_p had already finished
+    by_id = {ro.request_id: ro for ro in outputs}
+    assert by_id.keys() == {"d", "p"} and all(ro.finished for ro in outputs)
+    (d,) = by_id["d"].outputs
+    assert (d.text, d.finish_reason, d.stop_reason) == ("", "abort", "shutting down")
+    p0, p1 = by_id["p"].outputs
+    assert (p0.text, p0.finish_reason, p0.stop_reason) == ("good bye", "abort", "shutting down")
+    assert (p1.text, p1.finish_reason) == ("hello there", "length")
+    assert not op.has_unfinished()
