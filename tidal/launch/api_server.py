@@ -37,7 +37,12 @@ from tidal.launch.connections import ServerLimits, guarded_protocol
 from tidal.launch.errors import add_error_handlers
 from tidal.launch.hosts import add_browser_guards
 from tidal.launch.http_limits import BodyLimitMiddleware
-from tidal.launch.lifecycle import AdmissionMiddleware, DrainingServer, Lifecycle
+from tidal.launch.lifecycle import (
+    AdmissionMiddleware,
+    DrainingServer,
+    Lifecycle,
+    ShutdownOptions,
+)
 from tidal.launch.metrics import ServerMetrics
 from tidal.launch.scale_routes import add_scale_routes
 from tidal.launch.serving import OpenAIServing, add_openai_routes
@@ -200,7 +205,7 @@ async def serve(
     allowed_hosts: Sequence[str] = (),
     allowed_origins: Sequence[str] = (),
     limits: ServerLimits | None = None,
-    shutdown_timeout: float = 30.0,
+    shutdown_timeout: float = ShutdownOptions.shutdown_timeout,
 ) -> None:
     """Serve until SIGTERM/SIGINT, then drain for up to ``shutdown_timeout`` seconds
     (``lifecycle``); the engine is shut down on the way out. The Host check
