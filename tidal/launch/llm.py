@@ -165,6 +165,20 @@ class LLM:
             bar.close()
         return [finished[rid] for rid in order]
 
+    def sleep(self, level: int = 1) -> int:
+        """vLLM's ``LLM.sleep``: free every rank's KV cache between ``generate`` calls
+        (both levels; weights stay, docs/operations.md#sleep-mode). Returns the bytes
+        freed; ``generate`` fails until ``wake_up()``."""
+        return sum(self._call_all("sleep", level))
+
+    def wake_up(self) -> None:
+        """Make the KV caches again; outputs are as before the sleep."""
+        self._call_all("wake_up")
+
+    def _call_all(self, method: str, *args: Any) -> list[Any]:
+        every = getattr(self.client, "call_utility_all", None)  # one call per rank
+        return every(method, *args) if every else [self.client.call_utility(method, *args)]
+
     def _abort(self, request_ids: list[str]) -> None:
         for rid in request_ids:
             self.client.abort_requests(self.output_processor.abort(rid))

@@ -1,0 +1,27 @@
+"""Sleep mode on the offline ``LLM`` (docs/operations.md#sleep-mode), in process and with
+the engine in its own process: the KV cache is freed, ``generate`` fails while asleep,
+and after ``wake_up`` greedy outputs equal those before the sleep."""
+
+from __future__ import annotations
+
+import pytest
+
+from tidal import LLM, SamplingParams
+
+PARAMS = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+PROMPTS = ["The tide comes in", "Mixture of experts", "Hello"]
+
+
+@pytest.mark.parametrize("multiprocess", [False, True])
+def test_sleep_wake_up_keeps_greedy_outputs(qwen3_ckpt, multiprocess) -> None:
+    with LLM(qwen3_ckpt, dtype="float32", multiprocess=multiprocess) as llm:
+        before = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS)]
+        kv = llm._call_all("get_kv_cache_info")[0]
+        assert llm.sleep(level=1) == kv["bytes"] > 0
+        assert llm.sleep(level=1) == 0  # already asleep
+        assert llm._call_all("is_sleeping") == [True]
+        with pytest.raises(Exception, match="asleep"):
+            llm.generate(PROMPTS[:1], PARAMS)
+        llm.wake_up()
+        assert llm._call_all("is_sleeping") == [False]
+        assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS)] == before
