@@ -1,11 +1,12 @@
 """Operator routes: ``/health``, ``/ping``, ``/version``, ``/metrics`` (prometheus text),
-``/stats`` (JSON) and ``/dashboard`` (the static load-balance page).
+``/stats`` (JSON), ``/dashboard`` (the static load-balance page) and ``/ready``.
 
-``/health`` (liveness) is 200 ``{"status": "ok"}``, 200 ``{"status": "draining"}`` after
-SIGTERM (docs/operations.md#lifecycle: the process is alive and finishing its requests); 200 ``{"status": "degraded", "detail": why,
-"serving_engines": n}`` while the deployment serves below full health (a rank died and
-its recovery runs, docs/architecture.md#faults): it still answers, so a load balancer keeps it; 503
-when nothing can serve (the engine client is dead, or no live member is left).
+``/health`` (liveness) is 200 ``{"status": "ok"}``; 200 ``{"status": "draining"}`` after
+SIGTERM (docs/operations.md#lifecycle: alive, finishing its requests); 200
+``{"status": "degraded", "detail": why, "serving_engines": n}`` while the deployment
+serves below full health (a rank died and its recovery runs,
+docs/architecture.md#faults): it still answers, so a load balancer keeps it; 503 when
+nothing can serve (the engine client is dead, or no live member is left).
 ``/ready`` (readiness) is 200 ``{"status": "ready"}`` once every rank served its first
 step, else 503 with why not: ``starting``, ``draining``, ``sleeping`` or ``dead``.
 
