@@ -168,7 +168,8 @@ def test_sigterm_lets_every_started_stream_finish(qwen3_long_ckpt, tmp_path):
 def test_shutdown_timeout_aborts_what_still_runs(qwen3_long_ckpt, tmp_path):
     tmp = str(tmp_path)
     srv = RemoteServer(
-        ["--model", qwen3_long_ckpt, "--shutdown-timeout", "3", *_LOADED_CLIENTS],
+        # Two TP workers: their step ring in /dev/shm must go too.
+        ["--model", qwen3_long_ckpt, "--shutdown-timeout", "3", "-tp", "2", *_LOADED_CLIENTS],
         # vLLM's variable, in GiB: a quarter of the default budget.
         env={"TMPDIR": tmp, "VLLM_CPU_KVCACHE_SPACE": "0.25"},
     )
