@@ -408,7 +408,7 @@ class ElasticWorkerState:
                     flags, payload = torch.zeros(len(layers), dtype=torch.int64), None
                 to = peer(*dst_w)
                 wait(group.process_group.send([flags], to, _TAG_FLAGS), f"send to {dst}")
-                if int(flags.sum()):
+                if int(flags.sum()) and payload is not None:  # None: nothing packed (all zero)
                     data = payload.contiguous().view(torch.uint8)
                     wait(group.process_group.send([data], to, _TAG_PAYLOAD), f"send to {dst}")
                 continue
@@ -420,7 +420,7 @@ class ElasticWorkerState:
             elif src_w == me:  # a copy to itself (plans make these slot moves)
                 flags, payload = packed[key]
             else:
-                frm = peer(*src_w)
+                frm = peer(src, spec.src_tp_rank)  # src is not None here
                 flags = torch.empty(len(layers), dtype=torch.int64)
                 wait(group.process_group.recv([flags], frm, _TAG_FLAGS), f"recv from {src}")
                 held = int(flags.sum())

@@ -54,6 +54,7 @@ from tidal.executor.rpc import Reduce, rpc
 from tidal.kernels.host_memory import empty_huge
 from tidal.layers.attention import AttentionMetadata
 from tidal.layers.sampler import RowInfo, Sampler, SamplingMetadata, compute_logprobs
+from tidal.models.common import MoECausalLM
 from tidal.models.loader import load_model
 from tidal.models.registry import get_model_class
 from tidal.moe.dispatch import get_dispatcher
@@ -87,7 +88,7 @@ class ModelRunner:
         self.tp = tp or TensorParallel()
         self.block_size = config.cache.block_size
         self.vocab_size = int(config.model.hf_config.vocab_size)
-        self.model: torch.nn.Module | None = None
+        self._model: MoECausalLM | None = None  # set by load_model
         self.kv_caches: list[torch.Tensor] = []
         self.sampler = Sampler()
         # Expert parallelism (None without EP): set by set_process_groups / load_model.
@@ -114,6 +115,17 @@ class ModelRunner:
                 f"EP group has {ep_group.world_size} ranks, DP group {dp_size} x TP {tp}"
             )
         self.dp_group, self.ep_group = dp_group, ep_group
+
+    @property
+    def model(self) -> MoECausalLM:
+        """The loaded model (``load_model`` first)."""
+        if self._model is None:
+            raise RuntimeError("the model runner has no model yet: load_model first")
+        return self._model
+
+    @model.setter
+    def model(self, model: MoECausalLM) -> None:
+        self._model = model
 
     def load_model(
         self,
@@ -258,7 +270,7 @@ class ModelRunner:
         """Unbind and drop the cache tensors (the last references: on CPU each is its own
         mapping, unmapped with it); the bytes they held."""
         freed = sum(t.numel() * t.element_size() for t in self.kv_caches)
-        num_layers = self.model.kv_cache_spec()[0]
+        num_layers = self.model.kv_cache_spec().num_layers
         self.model.bind_kv_cache([torch.empty(0)] * num_layers)  # nothing steps while asleep
         self.kv_caches = []
         return freed
@@ -480,6 +492,7 @@ class ModelRunner:
                 nxt = req.prompt_token_ids[sr.start + 1 : sr.start + 1 + count]
                 targets = torch.tensor(nxt, dtype=torch.long, device=logits.device)
                 k = req.sampling_params.prompt_logprobs
+                assert k is not None  # only requests that asked for them get here
                 lps: list[Logprobs] = compute_logprobs(logits, targets, [k] * count)
             except Exception as e:  # noqa: BLE001 - this request fails, the others go on
                 out.failed[req.request_id] = _error("computing prompt logprobs", e)

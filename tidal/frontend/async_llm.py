@@ -188,7 +188,15 @@ class AsyncLLM:
         for ro in outputs:
             stream = self._streams.get(ro.request_id)
             if stream is not None:
-                self._record(stream, ro, now)
+                # The engine of its latest output; one that never had any is counted on
+                # the first live engine (the metrics label every request with one).
+                engine = stream.engine
+                self._record(
+                    stream,
+                    ro,
+                    now,
+                    self.client.topology.engine_ids[0] if engine is None else engine,
+                )
                 stream.queue.put_nowait(ro)
         return len(outputs)
 
@@ -502,7 +510,9 @@ class AsyncLLM:
                     tracer.event(stream.request_id, "first_token", {"engine": engine})
             elif stream.last_output is not None:
                 for sl in self._stat_loggers:
-                    sl.record_inter_token(engine, (now - stream.last_output) / new_tokens, new_tokens)
+                    sl.record_inter_token(
+                        engine, (now - stream.last_output) / new_tokens, new_tokens
+                    )
             stream.last_output = now
         stream.generated += new_tokens
         for sl in self._stat_loggers:

@@ -276,6 +276,7 @@ def _decode_rows(
     meta: AttentionMetadata, heads: Tensor, group: int, dtype: torch.dtype
 ) -> DecodeRows:
     table = meta.decode_block_table  # [D, B]
+    assert table is not None  # a decode step
     (num, num_blocks), bs, hkv = table.shape, meta.block_size, heads.numel()
     keys = num_blocks * bs
     k_blocks = (table[:, None, :] * hkv + heads[None, :, None]).reshape(-1)

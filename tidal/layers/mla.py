@@ -123,6 +123,9 @@ class ScaledRotary(nn.Module):
     """``RotaryEmbedding``'s tables (``tidal/layers/rotary.py``, same ``cos_sin``) for given
     inverse frequencies, cos and sin multiplied by ``attention_factor`` (YaRN)."""
 
+    cos_table: Tensor  # buffers (register_buffer), typed for the checker
+    signed_sin_table: Tensor
+
     def __init__(
         self, inv_freq: Tensor, max_position: int, attention_factor: float = 1.0, *,
         dtype: Any = None, device: Any = None,

@@ -142,6 +142,9 @@ def _rope_parameters(hf_config: Any) -> tuple[float, float]:  # (theta, partial 
 
 
 class RotaryEmbedding(nn.Module):
+    cos_table: Tensor  # buffers (register_buffer), typed for the checker
+    signed_sin_table: Tensor
+
     def __init__(
         self,
         head_dim: int,

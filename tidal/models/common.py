@@ -37,6 +37,7 @@ tokens). Shared experts are a dense MLP beside the routed ones: every rank compu
 from __future__ import annotations
 
 import enum
+import typing
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, assert_never
@@ -355,13 +356,14 @@ class DecoderLayer(nn.Module):
             if not expert_parallel:  # else whole experts, and the workers split the tokens
                 inter = tp.split(inter, "moe_intermediate_size")
             routing = spec.routing
-            self.mlp: nn.Module = FusedMoE(
+            moe = FusedMoE(
                 spec.num_experts, routing.top_k, spec.hidden_size, inter,
                 routing.renormalize, local_expert_ids, moe_backend, tp=tp, routing=routing,
                 expert_bias=spec.expert_bias, activation=spec.expert_activation, **kw,
             )  # fmt: skip
-            if self.mlp.backend == "torch":
-                set_k_major_moe_weights(self.mlp)
+            if moe.backend == "torch":
+                set_k_major_moe_weights(moe)
+            self.mlp: FusedMoE | DenseMLP = moe
         else:
             self.mlp = DenseMLP(spec.hidden_size, spec.dense_intermediate_size, tp, **kw)
         self.shared_experts = (
@@ -420,7 +422,7 @@ class MoECausalLM(nn.Module):
         self.cpu_paths: Any = None
         kw = {"dtype": dtype, "device": device}
         self.embed_tokens = Embedding(spec.vocab_size, spec.hidden_size, tp=tp, **kw)
-        self.rotary = self.make_rotary(kw)
+        self.rotary: Any = self.make_rotary(kw)  # a module with ``cos_sin(positions)``
         self.layers = nn.ModuleList(
             DecoderLayer(spec, i, moe_backend, local_expert_ids, tp, expert_parallel, **kw)
             for i in range(spec.num_layers)
@@ -465,7 +467,7 @@ class MoECausalLM(nn.Module):
 
     def kv_cache_spec(self) -> KVCacheSpec:
         """What this worker caches per token and layer (docs/architecture.md#kv-cache-layouts)."""
-        attn = self.layers[0].self_attn
+        attn = self.decoder_layers[0].self_attn
         if isinstance(attn, MLAttention):
             return KVCacheSpec.latent(self.spec.num_layers, attn.spec.latent_dim)
         return KVCacheSpec.kv(self.spec.num_layers, attn.num_kv_heads, self.spec.head_dim)
@@ -473,11 +475,16 @@ class MoECausalLM(nn.Module):
     def bind_kv_cache(self, caches: Sequence[Tensor]) -> None:
         if len(caches) != self.spec.num_layers:
             raise ValueError(f"expected {self.spec.num_layers} KV caches, got {len(caches)}")
-        for layer, cache in zip(self.layers, caches):
+        for layer, cache in zip(self.decoder_layers, caches):
             layer.self_attn.bind_cache(cache)
 
+    @property
+    def decoder_layers(self) -> list[DecoderLayer]:
+        """``layers``, typed (an ``nn.ModuleList`` yields plain modules)."""
+        return typing.cast(list[DecoderLayer], list(self.layers))
+
     def moe_layers(self) -> list[FusedMoE]:
-        return [layer.mlp for layer in self.layers if layer.is_moe]
+        return [layer.mlp for layer in self.decoder_layers if isinstance(layer.mlp, FusedMoE)]
 
     def moe_layer_ids(self) -> list[int]:
         """Decoder-layer indices of ``moe_layers()`` (the keys of per-layer expert data)."""
@@ -505,7 +512,7 @@ class MoECausalLM(nn.Module):
         else:
             head = self.lm_head.weight.data[: emb.valid]
             targets["lm_head.weight"] = head if self.tp.size == 1 else Shard(head, 0, emb.start)
-        for i, layer in enumerate(self.layers):
+        for i, layer in enumerate(self.decoder_layers):
             targets.update(self._layer_targets(f"model.layers.{i}", layer))
         return targets
 
@@ -535,7 +542,7 @@ class MoECausalLM(nn.Module):
             t.update(self._mla_targets(f"{prefix}.self_attn", attn))
         else:
             t.update(self._attention_targets(f"{prefix}.self_attn", attn))
-        if layer.is_moe:
+        if isinstance(layer.mlp, FusedMoE):
             moe_prefix = f"{prefix}.{self.names.moe_module}"
             t.update(self._moe_targets(moe_prefix, layer.mlp))
             shared = layer.shared_experts
@@ -544,7 +551,7 @@ class MoECausalLM(nn.Module):
                 t.update(self._mlp_targets(f"{moe_prefix}.{n.shared_expert}", shared.mlp))
                 if shared.gate is not None:
                     t[f"{moe_prefix}.{n.shared_expert_gate}.weight"] = shared.gate.weight.data
-        else:
+        elif isinstance(layer.mlp, DenseMLP):
             t.update(self._mlp_targets(f"{prefix}.mlp", layer.mlp))
         return t
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -61,7 +61,7 @@ def load_model(
     load_experts: bool = True,
     tp: TensorParallel | None = None,
     device: Any = None,
-) -> torch.nn.Module:
+) -> MoECausalLM:
     """Model of ``engine_config.model`` in its dtype on ``device`` (default
     ``engine_config.device``), weights loaded. ``local_expert_ids``: the global experts
     this rank holds, in local slot order (None = all). ``load_experts=False``: the
@@ -135,7 +135,7 @@ def load_weights(model: MoECausalLM, folder: str, *, load_experts: bool = True) 
             moe.w2.data.zero_()
     seen: set[str] = set()
     unexpected: list[str] = []
-    dest: Tensor | None = None
+    dest: Tensor | Shard | None = None
     for path in safetensors_files(folder):
         with SafetensorsFile(path) as f:
             for name in f.keys():
@@ -179,10 +179,11 @@ def _expert_targets(
     layer indices; None: every MoE layer)."""
     n = model.names
     out: dict[str, tuple[int, int, str]] = {}
-    for i, layer in enumerate(model.layers):
-        if not layer.is_moe or (layers is not None and i not in layers):
+    for i, layer in enumerate(model.decoder_layers):
+        moe = layer.mlp
+        if not isinstance(moe, FusedMoE) or (layers is not None and i not in layers):
             continue
-        ids = range(layer.mlp.num_experts) if experts is None else experts
+        ids = range(moe.num_experts) if experts is None else experts
         for e in ids:
             base = f"model.layers.{i}.{n.moe_module}.experts.{e}"
             out[f"{base}.{n.expert_gate}.weight"] = (i, e, "gate")
@@ -193,7 +194,7 @@ def _expert_targets(
 
 @torch.no_grad()
 def load_expert_weights(
-    model: MoECausalLM, folder: str, wanted: dict[int, Sequence[int]]
+    model: MoECausalLM, folder: str, wanted: Mapping[int, Sequence[int]]
 ) -> dict[tuple[int, int], tuple[Tensor, Tensor]]:
     """Read from the checkpoint only the experts ``wanted`` (decoder layer index -> logical
     expert ids) of ``model``'s architecture: ``{(layer, expert): (w13 [2I, H], w2 [H, I])}``,
@@ -281,7 +282,7 @@ class SafetensorsFile:
         if raw.nbytes != end - start:
             raise CheckpointError(f"tensor {name!r} in {self.path}: size does not match shape")
         self._file.seek(self._base + start)
-        if self._file.readinto(memoryview(raw)) != raw.nbytes:
+        if self._file.readinto(memoryview(raw)) != raw.nbytes:  # pyright: ignore[reportArgumentType]
             raise CheckpointError(f"tensor {name!r} in {self.path}: file truncated")
         return out
 
