@@ -464,6 +464,12 @@ class AsyncLLM:
             logger.exception("output handler failed")
             self._fail_all(EngineDeadError(f"frontend output handler failed: {e}"))
 
+    def _counted(self, engine_request_id: str) -> bool:
+        """False for a warm-up request's (``warm_up``): the stats never see those."""
+        parent = self.output_processor.parent_of(engine_request_id) or engine_request_id
+        stream = self._streams.get(parent)
+        return stream is None or stream.counted
+
     def _handle(self, outs: EngineCoreOutputs) -> None:
         if outs.scheduler_stats is not None:
             self.latest_stats[outs.engine_id] = outs.scheduler_stats
@@ -472,8 +478,8 @@ class AsyncLLM:
         if not outs.outputs:
             return
         for out in outs.outputs:
-            if out.timings is not None:  # an engine request finished: its phases there
-                for sl in self._stat_loggers:
+            if out.timings is not None and self._counted(out.request_id):
+                for sl in self._stat_loggers:  # an engine request finished: its phases there
                     sl.record_request_timings(outs.engine_id, out.timings)
         processed = self.output_processor.process_outputs(outs.outputs)
         if processed.reqs_to_abort:
