@@ -11,7 +11,8 @@ import torch
 from tidal.distributed.tensor_parallel import TensorParallel
 from tidal.layers.attention import AttentionMetadata
 from tidal.layers.cache_spec import CacheLayout, KVCacheSpec
-from tidal.layers.mla import MLASpec, MLAttention, YarnParams, yarn_rope
+from tidal.layers.mla import MLASpec, MLAttention
+from tidal.layers.rotary import Yarn
 
 BS = 4
 
@@ -57,8 +58,8 @@ def test_yarn_matches_transformers():
     }  # fmt: skip
     cfg = DeepseekV3Config(rope_parameters=rope, max_position_embeddings=163840)
     want_freq, want_factor = ROPE_INIT_FUNCTIONS["yarn"](cfg, "cpu")
-    params = YarnParams(40.0, 4096, 32, 1, 1.0, 0.707)
-    got_freq, got_factor = yarn_rope(cfg.qk_rope_head_dim, 10000.0, params)
+    params = Yarn(40.0, 4096, 32, 1, mscale=1.0, mscale_all_dim=0.707)
+    got_freq, got_factor = params.inv_freq(10000.0, cfg.qk_rope_head_dim), params.scale()
     assert torch.equal(got_freq, want_freq.float())
     assert got_factor == pytest.approx(want_factor) and got_factor != 1.0
 

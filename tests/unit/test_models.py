@@ -604,7 +604,7 @@ def test_deepseek_yarn_beyond_the_original_context(deepseek_yarn):
     """A 40-token prompt (past original_max_position_embeddings 16) prefilled whole, in
     chunks, and decoded: logits equal transformers'. Without the YaRN attention factor or
     the softmax mscale they would not (the check that both are live)."""
-    from tidal.layers.mla import yarn_mscale
+    from tidal.layers.rotary import yarn_mscale
 
     ours, hf = _our_model(deepseek_yarn), _hf_model(deepseek_yarn)
     mla = ours.spec.mla

@@ -27,14 +27,13 @@ same for every head, there is nothing to split).
 
 Rotary: DeepSeek's checkpoints rotate interleaved pairs ``(x0, x1), (x2, x3), ...``
 (``rope_interleave``); de-interleaving q_pe and k_pe alike before the usual rotate-half
-rotation gives the same dot products. YaRN (``yarn_rope``) as transformers computes it:
+rotation gives the same dot products. YaRN (``tidal/layers/rotary.py``'s ``Yarn``) as transformers computes it:
 scaled frequencies, cos/sin times the attention factor, and the softmax scale times
 ``mscale(factor, mscale_all_dim)**2``.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -72,78 +71,6 @@ class MLASpec:
     def latent_dim(self) -> int:
         """Cached values per token and layer."""
         return self.kv_lora_rank + self.qk_rope_head_dim
-
-
-def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
-    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
-
-
-@dataclass(frozen=True)
-class YarnParams:
-    factor: float
-    original_max_position: int
-    beta_fast: float = 32.0
-    beta_slow: float = 1.0
-    mscale: float = 0.0
-    mscale_all_dim: float = 0.0
-    attention_factor: float | None = None  # None: from factor, mscale, mscale_all_dim
-    truncate: bool = True
-
-
-def yarn_rope(dim: int, theta: float, p: YarnParams) -> tuple[Tensor, float]:
-    """(inv_freq [dim / 2] float32, cos/sin factor), transformers' YaRN formulas."""
-    factor = p.factor
-    attention_factor = p.attention_factor
-    if attention_factor is None:
-        if p.mscale and p.mscale_all_dim:
-            attention_factor = yarn_mscale(factor, p.mscale) / yarn_mscale(factor, p.mscale_all_dim)
-        else:
-            attention_factor = yarn_mscale(factor)
-
-    def correction_dim(rotations: float) -> float:
-        return (dim * math.log(p.original_max_position / (rotations * 2 * math.pi))) / (
-            2 * math.log(theta)
-        )
-
-    low, high = correction_dim(p.beta_fast), correction_dim(p.beta_slow)
-    if p.truncate:
-        low, high = math.floor(low), math.ceil(high)
-    low, high = max(low, 0), min(high, dim - 1)
-    if low == high:
-        high += 0.001  # no zero-width ramp
-    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
-    pos_freqs = theta ** (torch.arange(0, dim, 2).float() / dim)
-    extrapolation = 1 - ramp  # per frequency: 1 keeps it, 0 divides it by the factor
-    interpolated, kept = 1.0 / (factor * pos_freqs), 1.0 / pos_freqs
-    inv_freq = interpolated * (1 - extrapolation) + kept * extrapolation
-    return inv_freq, float(attention_factor)
-
-
-class ScaledRotary(nn.Module):
-    """``RotaryEmbedding``'s tables (``tidal/layers/rotary.py``, same ``cos_sin``) for given
-    inverse frequencies, cos and sin multiplied by ``attention_factor`` (YaRN)."""
-
-    cos_table: Tensor  # buffers (register_buffer), typed for the checker
-    signed_sin_table: Tensor
-
-    def __init__(
-        self, inv_freq: Tensor, max_position: int, attention_factor: float = 1.0, *,
-        dtype: Any = None, device: Any = None,
-    ) -> None:  # fmt: skip
-        super().__init__()
-        pos = torch.arange(max_position, dtype=torch.int64)
-        freqs = pos[:, None].float() * inv_freq.float()  # [P, D/2]
-        emb = torch.cat((freqs, freqs), dim=-1)  # [P, D]
-        dtype = dtype or torch.get_default_dtype()
-        half = inv_freq.numel()
-        cos = (emb.cos() * attention_factor).to(dtype)
-        sin = (emb.sin() * attention_factor).to(dtype)
-        signed_sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
-        self.register_buffer("cos_table", cos.to(device), persistent=False)
-        self.register_buffer("signed_sin_table", signed_sin.to(device), persistent=False)
-
-    def cos_sin(self, positions: Tensor) -> tuple[Tensor, Tensor]:  # [T] -> 2 x [T, 1, D]
-        return self.cos_table[positions].unsqueeze(1), self.signed_sin_table[positions].unsqueeze(1)
 
 
 class MLAttention(nn.Module):

@@ -29,6 +29,11 @@ from tidal.kernels.cpu_attention import rope_cpu, rope_cpu_ok
 SUPPORTED_ROPE_TYPES = ("default", "yarn")
 
 
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction for a context stretched by ``factor``."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
 @dataclass(frozen=True)
 class Yarn:
     """YaRN's parameters (transformers' ``rope_parameters`` of type ``yarn``)."""
@@ -38,13 +43,19 @@ class Yarn:
     beta_fast: float = 32.0
     beta_slow: float = 1.0
     truncate: bool = True
-    attention_factor: float | None = None  # None: 0.1 ln(factor) + 1
+    attention_factor: float | None = None  # None: from factor, mscale, mscale_all_dim
+    mscale: float = 0.0  # DeepSeek's: with mscale_all_dim, cos/sin take their ratio
+    mscale_all_dim: float = 0.0
 
     def scale(self) -> float:
         """What cos and sin are multiplied by."""
         if self.attention_factor is not None:
             return self.attention_factor
-        return 1.0 if self.factor <= 1 else 0.1 * math.log(self.factor) + 1.0
+        if self.mscale and self.mscale_all_dim:
+            return yarn_mscale(self.factor, self.mscale) / yarn_mscale(
+                self.factor, self.mscale_all_dim
+            )
+        return yarn_mscale(self.factor)
 
     def inv_freq(self, theta: float, dim: int) -> Tensor:  # [dim / 2] float32
         """Extrapolated (original) frequencies above the ``beta_fast`` rotations, divided
@@ -84,9 +95,6 @@ def yarn_from_config(hf_config: Any) -> Yarn | None:
     original = params["original_max_position_embeddings"]
     if factor is None:  # transformers: the ratio of the context lengths
         factor = hf_config.max_position_embeddings / original
-    mscale, mscale_all = params.get("mscale"), params.get("mscale_all_dim")
-    if params.get("attention_factor") is None and mscale and mscale_all:
-        raise NotImplementedError("yarn with mscale / mscale_all_dim is not supported")
     return Yarn(
         factor=float(factor),
         original_max_position=int(original),
@@ -94,6 +102,8 @@ def yarn_from_config(hf_config: Any) -> Yarn | None:
         beta_slow=float(params.get("beta_slow") or 1),
         truncate=bool(params.get("truncate", True)),
         attention_factor=params.get("attention_factor"),
+        mscale=float(params.get("mscale") or 0),
+        mscale_all_dim=float(params.get("mscale_all_dim") or 0),
     )
 
 

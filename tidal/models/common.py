@@ -95,7 +95,7 @@ class DecoderSpec:
     qkv_clip: float | None = None  # clamp q, k, v to [-clip, clip] (after a full-width q/k norm)
     shared_expert_intermediate_size: int = 0  # 0: no shared experts
     shared_expert_gate: bool = False  # sigmoid(x @ gate.T) scales the shared output
-    rope_yarn: Yarn | None = None  # YaRN frequencies and cos/sin scale (GPT-OSS)
+    rope_yarn: Yarn | None = None  # YaRN frequencies and cos/sin scale (GPT-OSS, DeepSeek)
     # Per layer: its sliding window (keys > p - W), None for full attention; () = none.
     layer_windows: tuple[int | None, ...] = ()
     attention_sinks: bool = False  # a learned softmax-denominator logit per head
@@ -201,10 +201,19 @@ def base_spec_kwargs(hf_config: Any, sliding_windows: bool = False) -> dict[str,
         "rms_norm_eps": hf_config.rms_norm_eps,
         "rope_theta": rope_theta_from_config(hf_config),
         "rotary_dim": rotary_dim_from_config(hf_config, head_dim),
-        "rope_yarn": yarn_from_config(hf_config),
+        "rope_yarn": _plain_yarn(hf_config),
         "max_position": hf_config.max_position_embeddings,
         "tie_word_embeddings": bool(getattr(hf_config, "tie_word_embeddings", False)),
     }
+
+
+def _plain_yarn(hf_config: Any) -> Yarn | None:
+    """The config's YaRN for a GQA decoder: mscale with mscale_all_dim also scales the
+    softmax, which only MLA (``deepseek_v2.py``) applies."""
+    yarn = yarn_from_config(hf_config)
+    if yarn is not None and yarn.attention_factor is None and yarn.mscale and yarn.mscale_all_dim:
+        raise NotImplementedError("yarn with mscale / mscale_all_dim is not supported")
+    return yarn
 
 
 def sparse_step_layer_mask(hf_config: Any, num_experts: int) -> tuple[bool, ...]:
@@ -422,7 +431,9 @@ class MoECausalLM(nn.Module):
         self.cpu_paths: Any = None
         kw = {"dtype": dtype, "device": device}
         self.embed_tokens = Embedding(spec.vocab_size, spec.hidden_size, tp=tp, **kw)
-        self.rotary: Any = self.make_rotary(kw)  # a module with ``cos_sin(positions)``
+        self.rotary = RotaryEmbedding(
+            spec.rotary_dim, spec.max_position, spec.rope_theta, yarn=spec.rope_yarn, **kw
+        )
         self.layers = nn.ModuleList(
             DecoderLayer(spec, i, moe_backend, local_expert_ids, tp, expert_parallel, **kw)
             for i in range(spec.num_layers)
@@ -433,13 +444,6 @@ class MoECausalLM(nn.Module):
         else:  # vocab-parallel like the embedding: the same padded block of rows
             self.lm_head = Linear(spec.hidden_size, self.embed_tokens.weight.shape[0], **kw)
             self.lm_head.weight.data[self.embed_tokens.valid :].zero_()
-
-    def make_rotary(self, kw: dict[str, Any]) -> nn.Module:
-        """The module whose ``cos_sin(positions)`` every layer rotates with."""
-        spec = self.spec
-        return RotaryEmbedding(
-            spec.rotary_dim, spec.max_position, spec.rope_theta, yarn=spec.rope_yarn, **kw
-        )
 
     @torch.no_grad()
     def forward(self, input_ids: Tensor, positions: Tensor, attn: AttentionMetadata) -> Tensor:

@@ -16,9 +16,9 @@ import re
 from typing import Any
 
 import torch
-from torch import nn
 
-from tidal.layers.mla import MLASpec, ScaledRotary, YarnParams, yarn_mscale, yarn_rope
+from tidal.layers.mla import MLASpec
+from tidal.layers.rotary import rope_theta_from_config, yarn_from_config, yarn_mscale
 from tidal.models.common import (
     CheckpointNames,
     DecoderSpec,
@@ -30,33 +30,6 @@ from tidal.models.common import (
 from tidal.moe.router import Routing, Scoring
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
-
-
-def _rope_config(hf_config: Any) -> tuple[float, YarnParams | None]:
-    """(theta, YaRN parameters or None) from v5 ``rope_parameters`` or v4
-    ``rope_theta``/``rope_scaling``; other rope types are refused."""
-    params = dict(getattr(hf_config, "rope_parameters", None) or {})
-    if not params:
-        params = dict(getattr(hf_config, "rope_scaling", None) or {})
-        params.setdefault("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
-    rope_type = params.get("rope_type", params.get("type")) or "default"
-    theta = float(params["rope_theta"])
-    if rope_type == "default":
-        return theta, None
-    if rope_type != "yarn":
-        raise NotImplementedError(f"rope_type {rope_type!r} is not supported (default, yarn)")
-    original = params["original_max_position_embeddings"]
-    factor = params.get("factor") or hf_config.max_position_embeddings / original
-    return theta, YarnParams(
-        factor=float(factor),
-        original_max_position=int(original),
-        beta_fast=float(params.get("beta_fast") or 32),
-        beta_slow=float(params.get("beta_slow") or 1),
-        mscale=float(params.get("mscale") or 0),
-        mscale_all_dim=float(params.get("mscale_all_dim") or 0),
-        attention_factor=params.get("attention_factor"),
-        truncate=bool(params.get("truncate", True)),
-    )
 
 
 def _routing(hf_config: Any, v3: bool) -> Routing:
@@ -101,7 +74,7 @@ class DeepseekV2ForCausalLM(MoECausalLM):
         check_common_config(hf_config)
         layers = hf_config.num_hidden_layers
         heads = hf_config.num_attention_heads
-        theta, yarn = _rope_config(hf_config)
+        theta, yarn = rope_theta_from_config(hf_config), yarn_from_config(hf_config)
         qk_head_dim = hf_config.qk_nope_head_dim + hf_config.qk_rope_head_dim
         scale = qk_head_dim**-0.5
         if yarn is not None and yarn.mscale_all_dim:
@@ -142,21 +115,12 @@ class DeepseekV2ForCausalLM(MoECausalLM):
             ),
             tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
             rotary_dim=hf_config.qk_rope_head_dim,
+            rope_yarn=yarn,  # cos/sin; the softmax's mscale_all_dim part is in ``mla``
             shared_expert_intermediate_size=(
                 hf_config.moe_intermediate_size * (hf_config.n_shared_experts or 0)
             ),
             mla=mla,
         )
-
-    def make_rotary(self, kw: dict[str, Any]) -> nn.Module:
-        spec = self.spec
-        theta, yarn = _rope_config(self.config)
-        dim = spec.rotary_dim
-        if yarn is None:
-            inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
-            return ScaledRotary(inv_freq, spec.max_position, **kw)
-        inv_freq, factor = yarn_rope(dim, theta, yarn)
-        return ScaledRotary(inv_freq, spec.max_position, factor, **kw)
 
     def ignores_weight(self, name: str) -> bool:
         m = _LAYER.match(name)  # V3's MTP layers: numbered from num_hidden_layers on
