@@ -379,7 +379,7 @@ async def test_completion_basic_usage_and_params():
         (choice,) = out["choices"]
         assert choice["index"] == 0 and choice["text"] == expected_text(5)
         assert choice["finish_reason"] == "length" and choice["logprobs"] is None
-        assert out["usage"] == {"prompt_tokens": 3, "completion_tokens": 5, "total_tokens": 8}
+        assert out["usage"] == {"prompt_tokens": 3, "completion_tokens": 5, "total_tokens": 8, "prompt_tokens_details": {"cached_tokens": 0}}
         (call,) = c.engine.calls
         p = call["params"]
         assert (p.temperature, p.top_p, p.seed, p.top_k, p.min_p) == (0.5, 0.9, 7, 3, 0.1)
@@ -408,7 +408,7 @@ async def test_completion_n_and_batches_of_prompts():
         out = r.json()
         assert [ch["index"] for ch in out["choices"]] == [0, 1, 2, 3]
         assert [ch["text"] for ch in out["choices"]] == [expected_text(3, i % 2) for i in range(4)]
-        assert out["usage"] == {"prompt_tokens": 3, "completion_tokens": 12, "total_tokens": 15}
+        assert out["usage"] == {"prompt_tokens": 3, "completion_tokens": 12, "total_tokens": 15, "prompt_tokens_details": {"cached_tokens": 0}}
         ids = [call["request_id"] for call in c.engine.calls]
         assert ids == [f"{out['id']}-0", f"{out['id']}-1"]
         # Token-id prompt, and a batch of token-id prompts.
@@ -443,6 +443,7 @@ async def test_completion_stream_chunks_done_and_usage():
             "prompt_tokens": 2,
             "completion_tokens": 4,
             "total_tokens": 6,
+            "prompt_tokens_details": {"cached_tokens": 0},
         }
         assert all(e["usage"] is None for e in events[:-1])
 
@@ -570,7 +571,7 @@ async def test_chat_basic_and_template():
         assert choice["finish_reason"] == "length"
         prompt = c.engine.calls[-1]["prompt"]
         assert prompt.prompt == "<system> be brief <user> hello <assistant>"
-        assert out["usage"] == {"prompt_tokens": 6, "completion_tokens": 3, "total_tokens": 9}
+        assert out["usage"] == {"prompt_tokens": 6, "completion_tokens": 3, "total_tokens": 9, "prompt_tokens_details": {"cached_tokens": 0}}
         assert c.engine.calls[-1]["params"].seed == 1
         # max_completion_tokens wins over max_tokens; content parts are joined by newlines.
         parts = [

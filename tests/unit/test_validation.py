@@ -342,7 +342,11 @@ HOSTILE = [
     # Known to OpenAI or vLLM, not implemented: refused by name, never silently ignored.
     ("/v1/chat/completions", {"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools", "not supported"),
     ("/v1/chat/completions", {"messages": CHAT, "tool_choice": "auto"}, 400, "tool_choice", "not supported"),
-    ("/v1/completions", {"prompt": "a", "prompt_logprobs": 1}, 400, "prompt_logprobs", "not supported"),
+    ("/v1/completions", {"prompt": "a", "use_beam_search": True}, 400, "use_beam_search", "not supported"),
+    ("/v1/completions", {"prompt": "a", "prompt_logprobs": -1}, 400, "prompt_logprobs", ">= 0"),
+    ("/v1/completions", {"prompt": "a", "truncate_prompt_tokens": 0}, 400, "truncate_prompt_tokens", "-1 or in [1, "),
+    ("/v1/completions", {"prompt": "a", "truncate_prompt_tokens": 10**6}, 400, "truncate_prompt_tokens", "context"),
+    ("/v1/completions", {"prompt": "a", "stream_options": {"include_usage": True}}, 400, "stream_options", "stream is true"),
 ]  # fmt: skip
 
 

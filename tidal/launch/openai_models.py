@@ -21,7 +21,6 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, create_model
 
-from tidal.engine_core.structured import check_spec
 from tidal.frontend.outputs import Logprob
 from tidal.sampling_params import SamplingParams, StructuredOutputs, json_schema_text
 
@@ -54,8 +53,7 @@ _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "tool_choice": (None, "none"),
     "functions": (None, []),
     "function_call": (None, "none"),
-    "prompt_logprobs": (None,),
-    "truncate_prompt_tokens": (None,),
+    "use_beam_search": (None, False),
 }
 # One field for each, so that a request's value is kept and an error can name it.
 _UNSUPPORTED_FIELDS: dict[str, Any] = {name: (Any, None) for name in _UNSUPPORTED}
@@ -135,6 +133,12 @@ class _SamplingRequest(_UnsupportedFields):
     skip_special_tokens: bool | None = True
     include_stop_str_in_output: bool | None = False
     data_parallel_rank: StrictInt | None = Field(default=None, ge=0)
+    prompt_logprobs: StrictInt | None = None
+    # Keep this many prompt tokens (-1: the context length), cut on ``truncation_side``.
+    truncate_prompt_tokens: StrictInt | None = None
+    truncation_side: Literal["left", "right"] | None = None
+    # Logprob tokens as "token_id:<id>": unique, where two tokens' texts may be equal.
+    return_tokens_as_token_ids: bool | None = None
 
     def _params(
         self,
@@ -144,10 +148,18 @@ class _SamplingRequest(_UnsupportedFields):
         defaults: Mapping[str, Any],
     ) -> SamplingParams:
         """Raises ValueError naming the field for invalid values. ``defaults``: what the
-        checkpoint recommends for the sampling fields the request leaves unset."""
+        checkpoint recommends for the sampling fields the request leaves unset.
+        ``prompt_logprobs``: what the request needs besides its own ``prompt_logprobs``
+        (completions' echo)."""
         for name, asks_nothing in _UNSUPPORTED.items():
             if getattr(self, name) not in asks_nothing:
                 raise ValueError(f"{name} is not supported by this server")
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed when stream is true")
+        asked = _check_top(self.prompt_logprobs, "prompt_logprobs")
+        if asked is not None or prompt_logprobs is not None:
+            prompt_logprobs = max(asked or 0, prompt_logprobs or 0)
+        structured = self.structured_spec()
         return SamplingParams(
             n=_or(self.n, 1),
             temperature=_or(self.temperature, defaults.get("temperature", 1.0)),
@@ -172,12 +184,13 @@ class _SamplingRequest(_UnsupportedFields):
             logit_bias=_logit_bias(self.logit_bias),
             allowed_token_ids=self.allowed_token_ids,
             bad_words=list(self.bad_words or []),
-            structured_outputs=self._structured_outputs(),
+            structured_outputs=None if structured is None else structured[1],
         )
 
-    def _structured_outputs(self) -> StructuredOutputs | None:
-        """The one structured-output constraint the request asks for, checked to compile
-        (a 400 naming the field it came from)."""
+    def structured_spec(self) -> tuple[str, StructuredOutputs] | None:
+        """The one structured-output constraint the request asks for and the field it came
+        from. Not compiled here: the server runs ``check_spec`` on a thread, as a heavy
+        schema takes a tenth of a second to compile."""
         used = [n for n in _STRUCTURED_FIELDS if getattr(self, n) is not None]
         rf = self.response_format
         if rf is not None and rf.type == "text":
@@ -188,12 +201,10 @@ class _SamplingRequest(_UnsupportedFields):
             return None
         field = used[0]
         try:
-            spec = self._spec(field)
+            return field, self._spec(field)
         except ValueError as e:
             msg = str(e)
             raise ValueError(msg if msg.startswith(field) else f"{field}: {msg}") from None
-        check_spec(spec, field)
-        return spec
 
     def _spec(self, field: str) -> StructuredOutputs:
         match field:
@@ -234,7 +245,10 @@ class _SamplingRequest(_UnsupportedFields):
 
     @property
     def continuous_usage(self) -> bool:
-        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
+        """Usage in every chunk: ``continuous_usage_stats`` counts only with
+        ``include_usage`` (as in vLLM)."""
+        so = self.stream_options
+        return bool(so and so.include_usage and so.continuous_usage_stats)
 
 
 class CompletionRequest(_SamplingRequest):
@@ -353,17 +367,23 @@ def _check_top(k: int | None, name: str) -> int | None:
 # ---- responses ---------------------------------------------------------------------------
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = None
 
     @classmethod
-    def of(cls, prompt_tokens: int, completion_tokens: int) -> UsageInfo:
+    def of(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> UsageInfo:
         return cls(
             prompt_tokens=prompt_tokens,
             completion_tokens=completion_tokens,
             total_tokens=prompt_tokens + completion_tokens,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens),
         )
 
 
@@ -374,12 +394,26 @@ class CompletionLogProbs(BaseModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
+class PromptLogprob(BaseModel):
+    """vLLM's entry of ``prompt_logprobs``: one token of one prompt position."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# vLLM's ``prompt_logprobs``: one entry per prompt token, the first null (nothing precedes
+# it), the others token id -> PromptLogprob (the prompt's token plus the top-k).
+PromptLogprobsOut = list[dict[str, PromptLogprob] | None]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobsOut | None = None  # null unless asked (vLLM's shape)
 
 
 class CompletionResponse(BaseModel):
@@ -427,6 +461,7 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatChoice]
     usage: UsageInfo | None = None
     system_fingerprint: str | None = None
+    prompt_logprobs: PromptLogprobsOut | None = None  # null unless asked (vLLM's shape)
 
 
 class DeltaMessage(BaseModel):
@@ -490,10 +525,29 @@ def _top(step: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]]:
     return sorted(step.items(), key=lambda kv: -kv[1].logprob)[:k]
 
 
-def _text(tok: int, lp: Logprob | None, tokenizer: Any) -> str:
+def _text(tok: int, lp: Logprob | None, tokenizer: Any, as_ids: bool = False) -> str:
+    """A logprob entry's token: its text, or "token_id:<id>" under
+    ``return_tokens_as_token_ids`` (two tokens may decode to the same text)."""
+    if as_ids:
+        return f"token_id:{tok}"
     if lp is not None and lp.decoded_token is not None:
         return lp.decoded_token
     return tokenizer.decode([tok])
+
+
+def prompt_logprobs_out(steps: list[dict[int, Logprob] | None]) -> PromptLogprobsOut:
+    """The engine's prompt logprobs (decoded) in vLLM's JSON shape, -inf clamped."""
+    return [
+        None
+        if step is None
+        else {
+            str(t): PromptLogprob(
+                logprob=_clamp(lp.logprob), rank=lp.rank, decoded_token=lp.decoded_token
+            )
+            for t, lp in step.items()
+        }
+        for step in steps
+    ]
 
 
 def completion_logprobs(
@@ -502,25 +556,30 @@ def completion_logprobs(
     k: int,
     tokenizer: Any,
     text_offset: int = 0,
+    as_ids: bool = False,
 ) -> CompletionLogProbs:
     """OpenAI completions logprobs: per token its text, logprob, top-k dict and offset.
 
     ``steps[i]`` maps token id -> Logprob for position i (the chosen token and the
     top-k); None for a position without logprobs (the first prompt token under echo).
-    The sampled token is always reported, so a top dict may hold k + 1 entries.
+    The sampled token is always reported, so a top dict may hold k + 1 entries. The
+    dicts are keyed by text, so tokens of equal text share an entry unless ``as_ids``.
+    Offsets count the text, not the "token_id:" names.
     """
     out = CompletionLogProbs()
     for tok, step in zip(token_ids, steps):
         chosen = step.get(tok) if step else None
-        text = _text(tok, chosen, tokenizer)
+        text = _text(tok, chosen, tokenizer, as_ids)
         out.tokens.append(text)
         out.text_offset.append(text_offset)
-        text_offset += len(text)
+        text_offset += len(_text(tok, chosen, tokenizer) if as_ids else text)
         out.token_logprobs.append(None if chosen is None else _clamp(chosen.logprob))
         if step is None:
             out.top_logprobs.append(None)
             continue
-        top = {_text(t, lp, tokenizer): _clamp(lp.logprob) for t, lp in _top(step, k)}
+        top: dict[str, float] = {}
+        for t, lp in _top(step, k):  # most likely first: a repeated text keeps its best
+            top.setdefault(_text(t, lp, tokenizer, as_ids), _clamp(lp.logprob))
         if chosen is not None:
             top.setdefault(text, _clamp(chosen.logprob))
         out.top_logprobs.append(top)
@@ -528,20 +587,25 @@ def completion_logprobs(
 
 
 def chat_logprobs(
-    token_ids: list[int], steps: list[dict[int, Logprob]], k: int, tokenizer: Any
+    token_ids: list[int],
+    steps: list[dict[int, Logprob]],
+    k: int,
+    tokenizer: Any,
+    as_ids: bool = False,
 ) -> ChatLogProbs:
-    """OpenAI chat logprobs: ``content`` entries with token, logprob, bytes, top_logprobs."""
+    """OpenAI chat logprobs: ``content`` entries with token, logprob, bytes, top_logprobs
+    (tokens as "token_id:<id>" under ``as_ids``)."""
     content = []
     for tok, step in zip(token_ids, steps):
         chosen = step.get(tok)
-        text = _text(tok, chosen, tokenizer)
+        text = _text(tok, chosen, tokenizer, as_ids)
         entry = ChatLogprobEntry(
             token=text,
             logprob=_clamp(chosen.logprob) if chosen is not None else _MIN_LOGPROB,
             bytes=list(text.encode("utf-8")),
         )
         for t, lp in _top(step, k):
-            s = _text(t, lp, tokenizer)
+            s = _text(t, lp, tokenizer, as_ids)
             entry.top_logprobs.append(
                 ChatTokenLogprob(token=s, logprob=_clamp(lp.logprob), bytes=list(s.encode("utf-8")))
             )

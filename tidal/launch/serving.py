@@ -21,6 +21,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 
 from tidal.config import FrontendConfig
+from tidal.engine_core.structured import check_spec
 from tidal.frontend.outputs import CompletionOutput, OutputKind, PromptLogprobs, RequestOutput
 from tidal.frontend.processor import ProcessedPrompt
 from tidal.frontend.template_sandbox import SandboxUnavailable, TemplateSandbox
@@ -107,10 +108,12 @@ class _Job:
 
 @dataclass
 class _Final:
-    """A finished job: its choices by index within the job, and the prompt's logprobs."""
+    """A finished job: its choices by index within the job, the prompt's logprobs, and
+    how many prompt tokens the prefix cache held."""
 
     outputs: dict[int, CompletionOutput] = field(default_factory=dict)
     prompt_logprobs: PromptLogprobs | None = None
+    num_cached_tokens: int = 0
 
 
 _END = object()
@@ -177,7 +180,20 @@ class OpenAIServing:
             id=self.model_name, root=self.model_path, max_model_len=self.max_model_len
         )
 
+    async def check_grammar(self, req: Any) -> None:
+        """The request's structured-output spec, compiled on a thread (a 400 naming its
+        field when it does not compile): a heavy schema takes a tenth of a second, which
+        on the event loop would stall every other stream. ``check_spec`` remembers specs
+        that compiled, so the checks that follow on the loop (``_job``) are lookups."""
+        structured = req.structured_spec()
+        if structured is not None:
+            name, spec = structured
+            await asyncio.to_thread(check_spec, spec, name)
+
     def _job(self, req: Any, prompt: ProcessedPrompt, request_id: str, first_choice: int) -> _Job:
+        prompt = truncate_prompt(
+            prompt, req.truncate_prompt_tokens, req.truncation_side, self.max_model_len
+        )
         default_max = max(1, self.max_model_len - len(prompt.prompt_token_ids))
         default_max = min(default_max, self.sampling_defaults.get("max_tokens", default_max))
         params = req.sampling_params(default_max, self.sampling_defaults)
@@ -209,6 +225,7 @@ class OpenAIServing:
                     final.outputs[c.index] = c
                 if out.prompt_logprobs is not None:
                     final.prompt_logprobs = out.prompt_logprobs
+                final.num_cached_tokens = max(final.num_cached_tokens, out.num_cached_tokens)
         return final
 
     async def _collect(self, jobs: list[_Job]) -> list[_Final]:
@@ -312,12 +329,13 @@ class OpenAIServing:
             for c in sorted(f.outputs.values(), key=lambda c: c.index)
         ]
         completion_tokens = sum(len(c.token_ids) for f in finals for c in f.outputs.values())
+        cached = sum(f.num_cached_tokens for f in finals)
         resp = P.CompletionResponse(
             id=rid,
             created=created,
             model=self.model_name,
             choices=choices,
-            usage=P.UsageInfo.of(_prompt_tokens(jobs), completion_tokens),
+            usage=P.UsageInfo.of(_prompt_tokens(jobs), completion_tokens, cached),
         )
         return JSONResponse(resp.model_dump())
 
@@ -332,7 +350,9 @@ class OpenAIServing:
         offset: int = 0,
     ) -> P.CompletionChoice:
         """One choice (or one streamed delta of it); ``echo`` prepends the prompt;
-        ``offset`` is the number of characters of this choice already sent."""
+        ``offset`` is the number of characters of this choice already sent;
+        ``prompt_lps`` are reported (vLLM's ``prompt_logprobs``) where the request
+        asked for them."""
         text, ids = c.text, list(c.token_ids)
         steps: PromptLogprobs = list(c.logprobs or [])
         if echo:
@@ -341,14 +361,18 @@ class OpenAIServing:
             ids = job.prompt.prompt_token_ids + ids
             steps = (list(prompt_lps or []) + [None] * n)[:n] + steps
         lps = None
+        as_ids = bool(req.return_tokens_as_token_ids)
         if job.params.logprobs is not None:
-            lps = P.completion_logprobs(ids, steps, job.params.logprobs, self.tokenizer, offset)
+            lps = P.completion_logprobs(
+                ids, steps, job.params.logprobs, self.tokenizer, offset, as_ids
+            )
         return P.CompletionChoice(
             index=job.first_choice + c.index,
             text=text,
             logprobs=lps,
             finish_reason=c.finish_reason,
             stop_reason=c.stop_reason,
+            prompt_logprobs=_prompt_logprobs(req, prompt_lps),
         )
 
     def _prompt_text(self, prompt: ProcessedPrompt) -> str:
@@ -367,9 +391,14 @@ class OpenAIServing:
         offsets: dict[int, int] = {}  # choice index -> characters already sent
         tokens: dict[int, int] = {}  # choice index -> tokens already sent
         prompt_lps: dict[int, PromptLogprobs] = {}  # job -> prompt logprobs (first output)
+        cached: dict[int, int] = {}  # job -> prompt tokens found in the prefix cache
 
         def chunk(choices: list[P.CompletionChoice], usage: bool) -> str:
-            u = P.UsageInfo.of(_prompt_tokens(jobs), sum(tokens.values())) if usage else None
+            u = None
+            if usage:
+                u = P.UsageInfo.of(
+                    _prompt_tokens(jobs), sum(tokens.values()), sum(cached.values())
+                )
             resp = P.CompletionResponse(
                 id=rid, created=created, model=self.model_name, choices=choices, usage=u
             )
@@ -383,7 +412,7 @@ class OpenAIServing:
                 jobs[i],
                 c,
                 echo=bool(req.echo) and first,
-                prompt_lps=prompt_lps.get(i),
+                prompt_lps=prompt_lps.get(i) if first else None,
                 offset=offsets.get(idx, 0),
             )
             offsets[idx] = offsets.get(idx, 0) + len(choice.text)
@@ -395,6 +424,7 @@ class OpenAIServing:
                 async for i, out in outputs:
                     if out.prompt_logprobs is not None:
                         prompt_lps[i] = out.prompt_logprobs
+                    cached[i] = max(cached.get(i, 0), out.num_cached_tokens)
                     for c in out.outputs:
                         yield chunk([delta(i, c)], req.continuous_usage)
             if req.include_usage:
@@ -459,22 +489,34 @@ class OpenAIServing:
             P.ChatChoice(
                 index=c.index,
                 message=P.ChatMessageOut(content=c.text),
-                logprobs=self._chat_logprobs(job, c),
+                logprobs=self._chat_logprobs(req, job, c),
                 finish_reason=c.finish_reason,
                 stop_reason=c.stop_reason,
             )
             for c in outs
         ]
-        usage = P.UsageInfo.of(_prompt_tokens([job]), sum(len(c.token_ids) for c in outs))
+        usage = P.UsageInfo.of(
+            _prompt_tokens([job]), sum(len(c.token_ids) for c in outs), final.num_cached_tokens
+        )
         resp = P.ChatCompletionResponse(
-            id=rid, created=created, model=self.model_name, choices=choices, usage=usage
+            id=rid,
+            created=created,
+            model=self.model_name,
+            choices=choices,
+            usage=usage,
+            prompt_logprobs=_prompt_logprobs(req, final.prompt_logprobs),
         )
         return JSONResponse(resp.model_dump())
 
-    def _chat_logprobs(self, job: _Job, c: CompletionOutput) -> P.ChatLogProbs | None:
+    def _chat_logprobs(
+        self, req: P.ChatCompletionRequest, job: _Job, c: CompletionOutput
+    ) -> P.ChatLogProbs | None:
         if job.params.logprobs is None:
             return None
-        return P.chat_logprobs(c.token_ids, c.logprobs or [], job.params.logprobs, self.tokenizer)
+        as_ids = bool(req.return_tokens_as_token_ids)
+        return P.chat_logprobs(
+            c.token_ids, c.logprobs or [], job.params.logprobs, self.tokenizer, as_ids
+        )
 
     async def _chat_stream(
         self,
@@ -485,9 +527,12 @@ class OpenAIServing:
         drop_connection: Dropper,
     ) -> AsyncIterator[str]:
         tokens: dict[int, int] = {}
+        cached = [0]  # prompt tokens found in the prefix cache
 
         def chunk(choices: list[P.ChatStreamChoice], usage: bool) -> str:
-            u = P.UsageInfo.of(_prompt_tokens([job]), sum(tokens.values())) if usage else None
+            u = None
+            if usage:
+                u = P.UsageInfo.of(_prompt_tokens([job]), sum(tokens.values()), cached[0])
             resp = P.ChatCompletionChunk(
                 id=rid, created=created, model=self.model_name, choices=choices, usage=u
             )
@@ -498,7 +543,7 @@ class OpenAIServing:
             return P.ChatStreamChoice(
                 index=c.index,
                 delta=P.DeltaMessage(content=c.text),
-                logprobs=self._chat_logprobs(job, c),
+                logprobs=self._chat_logprobs(req, job, c),
                 finish_reason=c.finish_reason,
                 stop_reason=c.stop_reason,
             )
@@ -510,6 +555,7 @@ class OpenAIServing:
                 yield chunk([P.ChatStreamChoice(index=i, delta=role)], req.continuous_usage)
             async with contextlib.aclosing(self._merged([job], drop_connection)) as outputs:
                 async for _, out in outputs:
+                    cached[0] = max(cached[0], out.num_cached_tokens)
                     for c in out.outputs:
                         yield chunk([delta(c)], req.continuous_usage)
             if req.include_usage:
@@ -519,6 +565,33 @@ class OpenAIServing:
         except Exception as e:  # noqa: BLE001 - the status line is sent: report in-stream
             yield _sse(classify_error(e, self.engine).body())
         yield _DONE
+
+
+def truncate_prompt(
+    prompt: ProcessedPrompt, keep: int | None, side: str | None, max_model_len: int
+) -> ProcessedPrompt:
+    """vLLM's ``truncate_prompt_tokens``: keep ``keep`` tokens (-1: the context length),
+    the last ones unless ``side`` is "right". A cut prompt's text is dropped (echo
+    decodes the kept tokens)."""
+    if keep is None:
+        return prompt
+    limit = max_model_len if keep == -1 else keep
+    if not 1 <= limit <= max_model_len:
+        raise ValueError(
+            f"truncate_prompt_tokens must be -1 or in [1, {max_model_len}] (the context "
+            f"length), got {keep}"
+        )
+    ids = prompt.prompt_token_ids
+    if len(ids) <= limit:
+        return prompt
+    return ProcessedPrompt(None, ids[:limit] if side == "right" else ids[-limit:])
+
+
+def _prompt_logprobs(req: Any, lps: PromptLogprobs | None) -> P.PromptLogprobsOut | None:
+    """What a response reports as ``prompt_logprobs``: null unless the request asked."""
+    if req.prompt_logprobs is None or lps is None:
+        return None
+    return P.prompt_logprobs_out(lps)
 
 
 def _num_prompts(prompt: Any) -> int:
@@ -541,6 +614,7 @@ def add_openai_routes(app: FastAPI, serving: OpenAIServing) -> None:
             req = await read_json(request, model, serving.check_sizes)
             serving.check_model(req.model)
             serving.check_alive()
+            await serving.check_grammar(req)
             return await run(req, request)
         except _ClientGone:
             return Response(status_code=499)  # nobody reads it; the requests were aborted

@@ -1,0 +1,238 @@
+"""vLLM's request surface beyond sampling, against the fake engine of ``test_api_server``:
+``prompt_logprobs``, ``truncate_prompt_tokens``, ``return_tokens_as_token_ids``, usage
+details and streaming usage, grammar compiles off the event loop, ``/tokenize`` and
+``/detokenize``, and ``/v1/responses`` (docs/operations.md#api-surface)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+from tests.unit.test_api_server import (
+    CHAT,
+    MAX_MODEL_LEN,
+    FakeAsyncLLM,
+    assert_error,
+    client_for,
+    expected_text,
+    ok_completion,
+    run,
+    sse_events,
+)
+from tests.waiting import wait_until_async
+from tidal.frontend.outputs import Logprob
+from tidal.launch import openai_models as P
+from tidal.launch import serving
+
+# ---- prompt_logprobs -----------------------------------------------------------------------
+
+
+@run
+async def test_prompt_logprobs_are_vllms_shape_and_null_when_not_asked():
+    async with client_for() as c:
+        body = {"prompt": "tok5 tok6 tok7", "max_tokens": 2}
+        r = await c.post("/v1/completions", json=body)
+        (choice,) = r.json()["choices"]
+        assert "prompt_logprobs" in choice and choice["prompt_logprobs"] is None
+        assert c.engine.calls[-1]["params"].prompt_logprobs is None
+
+        r = await c.post("/v1/completions", json={**body, "prompt_logprobs": 0})
+        (choice,) = r.json()["choices"]
+        assert c.engine.calls[-1]["params"].prompt_logprobs == 0
+        # One entry per prompt token, the first null, each keyed by token id.
+        assert choice["prompt_logprobs"] == [None] + [
+            {str(t): {"logprob": -1.0, "rank": 1, "decoded_token": f" tok{t}"}} for t in (6, 7)
+        ]
+        assert choice["text"] == expected_text(2)
+
+        chat = {"messages": CHAT, "max_tokens": 2}
+        out = (await c.post("/v1/chat/completions", json=chat)).json()
+        assert "prompt_logprobs" in out and out["prompt_logprobs"] is None
+        out = (await c.post("/v1/chat/completions", json={**chat, "prompt_logprobs": 1})).json()
+        ids = c.engine.calls[-1]["prompt"].prompt_token_ids
+        assert len(out["prompt_logprobs"]) == len(ids) and out["prompt_logprobs"][0] is None
+        assert [list(e) for e in out["prompt_logprobs"][1:]] == [[str(t)] for t in ids[1:]]
+
+
+@run
+async def test_prompt_logprobs_stream_with_the_first_chunk_of_each_choice():
+    async with client_for() as c:
+        body = {"prompt": "tok5 tok6", "max_tokens": 3, "n": 2, "stream": True}
+        events = sse_events((await c.post("/v1/completions", json={**body, "prompt_logprobs": 0})).text)
+        for i in range(2):
+            mine = [e["choices"][0] for e in events if e["choices"][0]["index"] == i]
+            assert mine[0]["prompt_logprobs"] == [
+                None,
+                {"6": {"logprob": -1.0, "rank": 1, "decoded_token": " tok6"}},
+            ]
+            assert all(ch["prompt_logprobs"] is None for ch in mine[1:])
+
+
+@run
+async def test_echo_with_prompt_logprobs_asks_the_engine_for_the_larger_top_k():
+    async with client_for() as c:
+        body = {"prompt": [1, 2], "max_tokens": 1, "echo": True, "logprobs": 1}
+        r = await c.post("/v1/completions", json={**body, "prompt_logprobs": 3})
+        assert r.status_code == 200, r.text
+        assert c.engine.calls[-1]["params"].prompt_logprobs == 3
+        (choice,) = r.json()["choices"]
+        assert choice["logprobs"]["top_logprobs"][0] is None
+        assert len(choice["prompt_logprobs"]) == 2
+
+
+# ---- truncate_prompt_tokens ----------------------------------------------------------------
+
+
+@run
+async def test_truncate_prompt_tokens_keeps_the_last_tokens():
+    async with client_for() as c:
+        ids = list(range(1, 9))
+        r = await c.post(
+            "/v1/completions",
+            json={"prompt": ids, "max_tokens": 1, "truncate_prompt_tokens": 3, "echo": True},
+        )
+        assert r.status_code == 200, r.text
+        assert c.engine.calls[-1]["prompt"].prompt_token_ids == [6, 7, 8]
+        assert r.json()["choices"][0]["text"].startswith(" tok6 tok7 tok8")
+        assert r.json()["usage"]["prompt_tokens"] == 3
+        body = {"prompt": ids, "max_tokens": 1, "truncate_prompt_tokens": 3}
+        await c.post("/v1/completions", json={**body, "truncation_side": "right"})
+        assert c.engine.calls[-1]["prompt"].prompt_token_ids == [1, 2, 3]
+        # Shorter than the limit: untouched; -1 is the context length.
+        await c.post("/v1/completions", json={**body, "truncate_prompt_tokens": 10})
+        assert c.engine.calls[-1]["prompt"].prompt_token_ids == ids
+        long = " ".join(["w"] * (MAX_MODEL_LEN + 10))
+        r = await c.post(
+            "/v1/completions",
+            json={"prompt": long, "max_tokens": 1, "truncate_prompt_tokens": MAX_MODEL_LEN - 1},
+        )
+        assert r.status_code == 200, r.text
+        assert len(c.engine.calls[-1]["prompt"].prompt_token_ids) == MAX_MODEL_LEN - 1
+        chat = {"messages": CHAT, "max_tokens": 1, "truncate_prompt_tokens": 2}
+        assert (await c.post("/v1/chat/completions", json=chat)).status_code == 200
+        assert len(c.engine.calls[-1]["prompt"].prompt_token_ids) == 2
+
+
+@run
+async def test_truncate_prompt_tokens_out_of_bounds_is_a_400_naming_it():
+    async with client_for() as c:
+        for bad in (0, -2, MAX_MODEL_LEN + 1):
+            body = {"prompt": "a b", "truncate_prompt_tokens": bad}
+            r = await c.post("/v1/completions", json=body)
+            assert "truncate_prompt_tokens" in assert_error(r, 400, "truncate_prompt_tokens")["message"]
+        r = await c.post("/v1/completions", json={"prompt": "a", "truncation_side": "middle"})
+        assert_error(r, 400, "truncation_side")
+        assert c.engine.calls == []
+        await ok_completion(c)
+
+
+# ---- logprob tokens as ids -----------------------------------------------------------------
+
+
+def test_top_logprobs_of_tokens_with_equal_text_keep_every_entry_as_token_ids():
+    step = {5: Logprob(-0.5, 1, "a"), 6: Logprob(-1.5, 2, "a"), 7: Logprob(-2.5, 3, "b")}
+    by_text = P.completion_logprobs([5], [step], 3, tokenizer=None)
+    assert by_text.top_logprobs == [{"a": -0.5, "b": -2.5}]  # OpenAI's text keys collide
+    by_id = P.completion_logprobs([5], [step], 3, tokenizer=None, as_ids=True)
+    assert by_id.tokens == ["token_id:5"] and by_id.text_offset == [0]
+    assert by_id.top_logprobs == [{"token_id:5": -0.5, "token_id:6": -1.5, "token_id:7": -2.5}]
+    chat = P.chat_logprobs([5], [step], 3, tokenizer=None, as_ids=True)
+    (entry,) = chat.content or []
+    assert entry.token == "token_id:5"
+    assert [t.token for t in entry.top_logprobs] == ["token_id:5", "token_id:6", "token_id:7"]
+
+
+@run
+async def test_return_tokens_as_token_ids_over_http():
+    async with client_for() as c:
+        body = {"prompt": "p", "max_tokens": 2, "logprobs": 2, "return_tokens_as_token_ids": True}
+        lp = (await c.post("/v1/completions", json=body)).json()["choices"][0]["logprobs"]
+        assert lp["tokens"] == ["token_id:10", "token_id:11"]
+        assert lp["text_offset"] == [0, len(" tok10")]  # offsets still count the text
+        chat = {
+            "messages": CHAT, "max_tokens": 1, "logprobs": True, "top_logprobs": 2,
+            "return_tokens_as_token_ids": True,
+        }  # fmt: skip
+        content = (await c.post("/v1/chat/completions", json=chat)).json()["choices"][0]
+        assert content["logprobs"]["content"][0]["token"] == "token_id:10"
+
+
+# ---- usage ---------------------------------------------------------------------------------
+
+
+class CachingEngine(FakeAsyncLLM):
+    """Reports the first two prompt tokens as found in the prefix cache."""
+
+    def _ro(self, rid, prompt, outs, done, params):
+        out = super()._ro(rid, prompt, outs, done, params)
+        out.num_cached_tokens = 2
+        return out
+
+
+@run
+async def test_usage_reports_cached_prompt_tokens():
+    async with client_for(CachingEngine()) as c:
+        r = await c.post("/v1/completions", json={"prompt": ["a b c", "d e"], "max_tokens": 1})
+        assert r.json()["usage"]["prompt_tokens_details"] == {"cached_tokens": 4}
+        r = await c.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 1})
+        assert r.json()["usage"]["prompt_tokens_details"] == {"cached_tokens": 2}
+        body = {"messages": CHAT, "max_tokens": 2, "stream": True}
+        body["stream_options"] = {"include_usage": True}
+        events = sse_events((await c.post("/v1/chat/completions", json=body)).text)
+        assert events[-1]["usage"]["prompt_tokens_details"] == {"cached_tokens": 2}
+
+
+@run
+async def test_continuous_usage_only_with_include_usage():
+    async with client_for() as c:
+        for path, base in (
+            ("/v1/completions", {"prompt": "x"}),
+            ("/v1/chat/completions", {"messages": CHAT}),
+        ):
+            body = {**base, "max_tokens": 3, "stream": True}
+            body["stream_options"] = {"include_usage": False, "continuous_usage_stats": True}
+            events = sse_events((await c.post(path, json=body)).text)
+            assert events and all(e["usage"] is None for e in events)
+            body["stream_options"]["include_usage"] = True
+            events = sse_events((await c.post(path, json=body)).text)
+            assert all(e["usage"] is not None for e in events)
+            assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 3
+
+
+# ---- grammar compiles ----------------------------------------------------------------------
+
+
+@run
+async def test_a_grammar_compile_does_not_hold_up_other_requests(monkeypatch):
+    """The compile runs on a thread: a plain request is served while one is held."""
+    entered, release = threading.Event(), threading.Event()
+    real = serving.check_spec
+
+    def held_check(spec, field):
+        entered.set()
+        release.wait(120)
+        real(spec, field)
+
+    monkeypatch.setattr(serving, "check_spec", held_check)
+    try:
+        async with client_for() as c:
+            body = {"prompt": "a", "max_tokens": 2, "guided_regex": "tok[0-9]+"}
+            structured = asyncio.ensure_future(c.post("/v1/completions", json=body))
+            assert await wait_until_async(entered.is_set)
+            await ok_completion(c)  # served while the compile is held
+            assert not structured.done() and len(c.engine.calls) == 1
+            release.set()
+            r = await structured
+            assert r.status_code == 200, r.text
+            assert c.engine.calls[-1]["params"].structured_outputs.regex == "tok[0-9]+"
+    finally:
+        release.set()
+
+
+@run
+async def test_a_grammar_that_does_not_compile_is_still_a_400_naming_its_field():
+    async with client_for() as c:
+        r = await c.post("/v1/completions", json={"prompt": "a", "guided_regex": "a("})
+        assert "guided_regex" in assert_error(r, 400, "guided_regex")["message"]
+        assert c.engine.calls == []
+        await ok_completion(c)
