@@ -8,10 +8,15 @@ from __future__ import annotations
 import asyncio
 import threading
 
+import pytest
+
 from tests.unit.test_api_server import (
     CHAT,
     MAX_MODEL_LEN,
+    SERVED,
+    VOCAB,
     FakeAsyncLLM,
+    FakeTokenizer,
     assert_error,
     client_for,
     expected_text,
@@ -236,3 +241,71 @@ async def test_a_grammar_that_does_not_compile_is_still_a_400_naming_its_field()
         assert "guided_regex" in assert_error(r, 400, "guided_regex")["message"]
         assert c.engine.calls == []
         await ok_completion(c)
+
+
+# ---- /tokenize and /detokenize -------------------------------------------------------------
+
+
+class BosTokenizer(FakeTokenizer):
+    """The fake's words, with BOS (id 1) first where special tokens are added."""
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return [1] * add_special_tokens + super().encode(text)
+
+    def convert_ids_to_tokens(self, ids: list[int]) -> list[str]:
+        return [f"<{i}>" for i in ids]
+
+
+def _bos_engine() -> FakeAsyncLLM:
+    engine = FakeAsyncLLM()
+    engine.tokenizer = BosTokenizer()
+    engine.input_processor.tokenizer = engine.tokenizer
+    return engine
+
+
+@run
+async def test_tokenize_prompt_and_messages_then_detokenize():
+    async with client_for(_bos_engine()) as c:
+        r = await c.post("/tokenize", json={"prompt": "tok5 tok6", "model": SERVED})
+        assert r.json() == {
+            "count": 3, "max_model_len": MAX_MODEL_LEN, "tokens": [1, 5, 6], "token_strs": None,
+        }  # fmt: skip
+        body = {"prompt": "tok5 tok6", "add_special_tokens": False, "return_token_strs": True}
+        r = await c.post("/tokenize", json=body)
+        assert r.json()["tokens"] == [5, 6] and r.json()["token_strs"] == ["<5>", "<6>"]
+
+        # Messages: the prompt /v1/chat/completions would run, without special tokens.
+        await c.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 1})
+        chat_ids = c.engine.calls[-1]["prompt"].prompt_token_ids
+        r = await c.post("/tokenize", json={"messages": CHAT})
+        assert r.json()["tokens"] == chat_ids and chat_ids[0] != 1
+        r = await c.post("/tokenize", json={"messages": CHAT, "add_special_tokens": True})
+        assert r.json()["tokens"] == [1, *chat_ids]
+        r = await c.post("/tokenize", json={"messages": CHAT, "add_generation_prompt": False})
+        assert r.json()["count"] == len(chat_ids) - 1  # no "<assistant>"
+
+        r = await c.post("/detokenize", json={"tokens": [5, 6]})
+        assert r.json() == {"prompt": " tok5 tok6"}
+        assert c.engine.calls and len(c.engine.calls) == 1  # neither route generates
+
+
+@pytest.mark.parametrize(
+    "path,body,param",
+    [
+        ("/detokenize", {"tokens": [5, VOCAB]}, "tokens"),
+        ("/detokenize", {"tokens": [-1]}, "tokens"),
+        ("/detokenize", {"tokens": ["a"]}, "tokens"),
+        ("/detokenize", {}, "tokens"),
+        ("/tokenize", {}, None),
+        ("/tokenize", {"prompt": "a", "messages": CHAT}, None),
+        ("/tokenize", {"messages": []}, "messages"),
+        ("/tokenize", {"messages": [{"role": "robot", "content": "x"}]}, "messages"),
+        ("/tokenize", {"prompt": "a", "model": "other"}, "model"),
+    ],
+)
+@run
+async def test_tokenize_routes_refuse_bad_input_and_keep_serving(path, body, param):
+    async with client_for() as c:
+        r = await c.post(path, json=body)
+        assert_error(r, 404 if param == "model" else 400, param)
+        assert (await c.post("/detokenize", json={"tokens": [7]})).json() == {"prompt": " tok7"}

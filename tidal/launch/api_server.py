@@ -2,7 +2,8 @@
 it under uvicorn.
 
 Routes: ``/v1/completions``, ``/v1/chat/completions`` (SSE streaming or not), ``/v1/models``
-(``serving``); ``/health``, ``/ping``, ``/version``, ``/metrics`` (prometheus text),
+(``serving``); ``/v1/responses`` (``responses``); ``/tokenize``, ``/detokenize``
+(``tokenize_routes``); ``/health``, ``/ping``, ``/version``, ``/metrics`` (prometheus text),
 ``/stats`` (JSON), ``/dashboard``, ``/ready`` (``admin``); ``/sleep``, ``/wake_up``,
 ``/is_sleeping`` (``sleep``); ``/scale_elastic_ep`` and
 ``/is_scaling_elastic_ep`` (``scale_routes``). Every error is OpenAI's error JSON
@@ -47,6 +48,7 @@ from tidal.launch.metrics import ServerMetrics
 from tidal.launch.scale_routes import add_scale_routes
 from tidal.launch.serving import OpenAIServing, add_openai_routes
 from tidal.launch.sleep import add_sleep_routes
+from tidal.launch.tokenize_routes import add_tokenize_routes
 
 if TYPE_CHECKING:  # annotations only: the server takes any engine with AsyncLLM's
     # interface and imports no torch (AsyncLLM does), so tests run it on a fake engine.
@@ -137,6 +139,7 @@ def build_app(
     )
     add_error_handlers(app)
     add_openai_routes(app, serving)
+    add_tokenize_routes(app, serving)
     add_admin_routes(app, serving, metrics)
     add_scale_routes(app, serving)
     add_sleep_routes(app, serving)

@@ -438,6 +438,11 @@ class OpenAIServing:
     # -- /v1/chat/completions --
 
     async def chat_job(self, req: P.ChatCompletionRequest, request_id: str) -> _Job:
+        return self._job(req, await self.render_chat(req), request_id, 0)
+
+    async def render_chat(self, req: Any) -> ProcessedPrompt:
+        """The prompt of a chat request (``ChatCompletionRequest``, or anything with its
+        ``messages``, template and generation-prompt fields: ``/tokenize``'s)."""
         if req.chat_template is not None and self.template_sandbox is None:
             raise APIError(
                 400,
@@ -475,7 +480,7 @@ class OpenAIServing:
             raise  # a 400 with its own message; a broken sandbox is the server's fault (500)
         except Exception as e:  # noqa: BLE001 - a template that rejects these messages
             raise APIError(400, f"cannot apply the chat template: {e}", param="messages") from None
-        return self._job(req, prompt, request_id, 0)
+        return prompt
 
     async def chat(self, req: P.ChatCompletionRequest, request: Request) -> Response:
         rid, created = P.random_id("chatcmpl"), P.now_s()
