@@ -6,6 +6,7 @@ details and streaming usage, grammar compiles off the event loop, ``/tokenize`` 
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 
 import pytest
@@ -63,7 +64,9 @@ async def test_prompt_logprobs_are_vllms_shape_and_null_when_not_asked():
 async def test_prompt_logprobs_stream_with_the_first_chunk_of_each_choice():
     async with client_for() as c:
         body = {"prompt": "tok5 tok6", "max_tokens": 3, "n": 2, "stream": True}
-        events = sse_events((await c.post("/v1/completions", json={**body, "prompt_logprobs": 0})).text)
+        events = sse_events(
+            (await c.post("/v1/completions", json={**body, "prompt_logprobs": 0})).text
+        )
         for i in range(2):
             mine = [e["choices"][0] for e in events if e["choices"][0]["index"] == i]
             assert mine[0]["prompt_logprobs"] == [
@@ -124,7 +127,10 @@ async def test_truncate_prompt_tokens_out_of_bounds_is_a_400_naming_it():
         for bad in (0, -2, MAX_MODEL_LEN + 1):
             body = {"prompt": "a b", "truncate_prompt_tokens": bad}
             r = await c.post("/v1/completions", json=body)
-            assert "truncate_prompt_tokens" in assert_error(r, 400, "truncate_prompt_tokens")["message"]
+            assert (
+                "truncate_prompt_tokens"
+                in assert_error(r, 400, "truncate_prompt_tokens")["message"]
+            )
         r = await c.post("/v1/completions", json={"prompt": "a", "truncation_side": "middle"})
         assert_error(r, 400, "truncation_side")
         assert c.engine.calls == []
@@ -309,3 +315,145 @@ async def test_tokenize_routes_refuse_bad_input_and_keep_serving(path, body, par
         r = await c.post(path, json=body)
         assert_error(r, 404 if param == "model" else 400, param)
         assert (await c.post("/detokenize", json={"tokens": [7]})).json() == {"prompt": " tok7"}
+
+
+# ---- /v1/responses -------------------------------------------------------------------------
+
+
+def _sse_typed(body: str) -> list[dict]:
+    """Responses events: ``event: <type>`` then ``data: <json>`` whose type matches."""
+    events = []
+    for block in body.split("\n\n")[:-1]:
+        head, data = block.split("\n")
+        event = json.loads(data.removeprefix("data: "))
+        assert head == f"event: {event['type']}"
+        events.append(event)
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    return events
+
+
+@run
+async def test_responses_text_in_and_out():
+    async with client_for() as c:
+        body = {
+            "model": SERVED,
+            "input": "hello",
+            "instructions": "be brief",
+            "max_output_tokens": 3,
+        }
+        r = await c.post("/v1/responses", json=body)
+        assert r.status_code == 200, r.text
+        out = r.json()
+        # The prompt is the chat template's, instructions first as the system message.
+        call = c.engine.calls[-1]
+        assert call["prompt"].prompt == "<system> be brief <user> hello <assistant>"
+        assert call["params"].max_tokens == 3
+        assert out["object"] == "response" and out["id"].startswith("resp")
+        assert out["status"] == "incomplete"  # the token limit cut it
+        assert out["incomplete_details"] == {"reason": "max_output_tokens"}
+        (msg,) = out["output"]
+        assert msg["type"] == "message" and msg["role"] == "assistant"
+        assert msg["status"] == "incomplete"
+        assert msg["content"] == [
+            {"type": "output_text", "text": expected_text(3), "annotations": [], "logprobs": []}
+        ]
+        n_prompt = len(call["prompt"].prompt_token_ids)
+        assert out["usage"] == {
+            "input_tokens": n_prompt, "input_tokens_details": {"cached_tokens": 0},
+            "output_tokens": 3, "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": n_prompt + 3,
+        }  # fmt: skip
+        assert out["instructions"] == "be brief" and out["max_output_tokens"] == 3
+
+        # A message list with text parts; a stop string ends it: completed.
+        body = {
+            "input": [
+                {"role": "user", "content": "one"},
+                {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "two"}]},
+                {"role": "user", "content": [{"type": "input_text", "text": "three"}]},
+            ],
+            "max_output_tokens": 5, "stop": "tok11", "temperature": 0.5, "top_p": 0.9,
+        }  # fmt: skip
+        out = (await c.post("/v1/responses", json=body)).json()
+        call = c.engine.calls[-1]
+        assert call["prompt"].prompt == "<user> one <assistant> two <user> three <assistant>"
+        assert call["params"].temperature == 0.5 and call["params"].top_p == 0.9
+        assert out["status"] == "completed" and out["incomplete_details"] is None
+        assert out["output"][0]["content"][0]["text"] == " tok10 "
+
+
+@run
+async def test_responses_stream_event_sequence():
+    async with client_for() as c:
+        body = {"input": "hi", "max_output_tokens": 3, "stream": True}
+        r = await c.post("/v1/responses", json=body)
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        events = _sse_typed(r.text)
+        kinds = [e["type"] for e in events]
+        assert kinds == [
+            "response.created", "response.in_progress", "response.output_item.added",
+            "response.content_part.added", *["response.output_text.delta"] * 3,
+            "response.output_text.done", "response.content_part.done",
+            "response.output_item.done", "response.incomplete",
+        ]  # fmt: skip
+        created, final = events[0]["response"], events[-1]["response"]
+        assert created["status"] == "in_progress" and created["output"] == []
+        assert created["id"] == final["id"]
+        deltas = [e["delta"] for e in events if e["type"] == "response.output_text.delta"]
+        assert "".join(deltas) == expected_text(3)
+        item_id = events[2]["item"]["id"]
+        assert all(e["item_id"] == item_id for e in events[3:-2])
+        assert events[-4]["text"] == expected_text(3)
+        assert final["output"][0]["content"][0]["text"] == expected_text(3)
+        assert final["usage"]["output_tokens"] == 3
+
+        body["stop"] = "tok11"
+        events = _sse_typed((await c.post("/v1/responses", json=body)).text)
+        assert events[-1]["type"] == "response.completed"
+        assert events[-1]["response"]["status"] == "completed"
+
+
+@run
+async def test_responses_text_format_is_a_structured_output():
+    async with client_for() as c:
+        schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+        fmt = {"type": "json_schema", "name": "x", "schema": schema, "strict": True}
+        r = await c.post("/v1/responses", json={"input": "hi", "text": {"format": fmt}})
+        assert r.status_code == 200, r.text
+        spec = c.engine.calls[-1]["params"].structured_outputs
+        assert json.loads(spec.json) == schema
+        assert r.json()["text"]["format"]["schema"] == schema
+        fmt = {"type": "json_schema", "name": "x", "schema": {"type": "nope"}}
+        r = await c.post("/v1/responses", json={"input": "hi", "text": {"format": fmt}})
+        assert assert_error(r, 400, "text")["message"].startswith("text.format:")
+        r = await c.post(
+            "/v1/responses", json={"input": "hi", "text": {"format": {"type": "json_object"}}}
+        )
+        assert c.engine.calls[-1]["params"].structured_outputs.json_object
+
+
+@pytest.mark.parametrize(
+    "body,param",
+    [
+        ({"input": "a", "tools": [{"type": "function", "name": "f"}]}, "tools"),
+        ({"input": "a", "previous_response_id": "resp_1"}, "previous_response_id"),
+        ({"input": "a", "background": True}, "background"),
+        ({"input": "a", "reasoning": {"effort": "high"}}, "reasoning"),
+        ({"input": "a", "max_output_tokens": 0}, "max_output_tokens"),
+        ({"input": [{"type": "function_call_output", "output": "x"}]}, "input"),
+        ({"input": [{"role": "user", "content": [{"type": "input_image"}]}]}, "input"),
+        ({"input": [{"role": "robot", "content": "x"}]}, "messages"),
+        ({"input": 5}, "input"),
+        ({}, "input"),
+        ({"input": "a", "model": "other"}, "model"),
+    ],
+)
+@run
+async def test_responses_refuse_what_they_cannot_serve(body, param):
+    async with client_for() as c:
+        r = await c.post("/v1/responses", json=body)
+        assert_error(r, 404 if param == "model" else 400, param)
+        assert c.engine.calls == []
+        assert (
+            await c.post("/v1/responses", json={"input": "a", "max_output_tokens": 1})
+        ).status_code == 200

@@ -45,6 +45,7 @@ from tidal.launch.lifecycle import (
     ShutdownOptions,
 )
 from tidal.launch.metrics import ServerMetrics
+from tidal.launch.responses import add_responses_routes
 from tidal.launch.scale_routes import add_scale_routes
 from tidal.launch.serving import OpenAIServing, add_openai_routes
 from tidal.launch.sleep import add_sleep_routes
@@ -140,6 +141,7 @@ def build_app(
     add_error_handlers(app)
     add_openai_routes(app, serving)
     add_tokenize_routes(app, serving)
+    add_responses_routes(app, serving)
     add_admin_routes(app, serving, metrics)
     add_scale_routes(app, serving)
     add_sleep_routes(app, serving)

@@ -37,7 +37,7 @@ if TYPE_CHECKING:  # annotations only: the server takes any engine with AsyncLLM
 
 logger = logging.getLogger(__name__)
 
-_SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 _DONE = "data: [DONE]\n\n"
 
 
@@ -46,13 +46,13 @@ async def _wait_disconnect(request: Request) -> None:
         pass
 
 
-class _ClientGone(Exception):
+class ClientGone(Exception):
     pass
 
 
-async def _until_disconnect(request: Request, work: Any) -> Any:
+async def until_disconnect(request: Request, work: Any) -> Any:
     """Await ``work`` unless the client hangs up first; then cancel it (which aborts the
-    engine requests it iterates) and raise _ClientGone. The request body must be read."""
+    engine requests it iterates) and raise ClientGone. The request body must be read."""
     task = asyncio.ensure_future(work)
     watch = asyncio.ensure_future(_wait_disconnect(request))
     try:
@@ -61,7 +61,7 @@ async def _until_disconnect(request: Request, work: Any) -> Any:
         watch.cancel()
         task.cancel()  # no-op once done; cancelling unwinds its generate() iterators
     if task not in done:
-        raise _ClientGone()
+        raise ClientGone()
     return task.result()
 
 
@@ -77,14 +77,14 @@ class StreamBacklogExceeded(APIError):
         )
 
 
-class _ConnectionDropped(Exception):
+class ConnectionDropped(Exception):
     """The stream's connection was dropped: nothing more can be sent on it."""
 
 
 Dropper = Callable[[], None] | None
 
 
-def _connection_dropper(request: Request) -> Dropper:
+def connection_dropper(request: Request) -> Dropper:
     """Drops the request's connection at once, where the server offers that (see
     ``connections``; None where not); a plain close would wait for the client to read
     what is queued, which it does not."""
@@ -228,7 +228,7 @@ class OpenAIServing:
                 final.num_cached_tokens = max(final.num_cached_tokens, out.num_cached_tokens)
         return final
 
-    async def _collect(self, jobs: list[_Job]) -> list[_Final]:
+    async def collect(self, jobs: list[_Job]) -> list[_Final]:
         tasks = [asyncio.ensure_future(self._final(j)) for j in jobs]
         try:
             return list(await asyncio.gather(*tasks))
@@ -239,7 +239,7 @@ class OpenAIServing:
             for t in tasks:
                 t.cancel()
 
-    async def _merged(
+    async def merged(
         self, jobs: list[_Job], drop_connection: Dropper = None
     ) -> AsyncGenerator[tuple[int, RequestOutput]]:
         """DELTA outputs of all jobs as they come, as (job index, output).
@@ -252,7 +252,7 @@ class OpenAIServing:
         waiting (counted per job: one step of a batch of prompts brings an output for
         each) stops, aborting its engine request, and calls ``drop_connection``, which
         ends the stream (and so the other producers) without waiting for the client; this
-        then raises _ConnectionDropped. Without ``drop_connection`` the consumer gets the
+        then raises ConnectionDropped. Without ``drop_connection`` the consumer gets the
         StreamBacklogExceeded, for an error event."""
         queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
         waiting = [0] * len(jobs)  # outputs of each job in the queue
@@ -283,7 +283,7 @@ class OpenAIServing:
                 if item is _END:
                     remaining -= 1
                 elif isinstance(item, StreamBacklogExceeded) and drop_connection is not None:
-                    raise _ConnectionDropped()
+                    raise ConnectionDropped()
                 elif isinstance(item, BaseException):
                     raise item
                 else:
@@ -320,9 +320,9 @@ class OpenAIServing:
         rid, created = P.random_id("cmpl"), P.now_s()
         jobs = await self.completion_jobs(req, rid)
         if req.stream:
-            stream = self._completion_stream(req, jobs, rid, created, _connection_dropper(request))
-            return StreamingResponse(stream, media_type="text/event-stream", headers=_SSE_HEADERS)
-        finals = await _until_disconnect(request, self._collect(jobs))
+            stream = self._completion_stream(req, jobs, rid, created, connection_dropper(request))
+            return StreamingResponse(stream, media_type="text/event-stream", headers=SSE_HEADERS)
+        finals = await until_disconnect(request, self.collect(jobs))
         choices = [
             self._completion_choice(req, job, c, echo=bool(req.echo), prompt_lps=f.prompt_logprobs)
             for job, f in zip(jobs, finals)
@@ -420,7 +420,7 @@ class OpenAIServing:
             return choice
 
         try:
-            async with contextlib.aclosing(self._merged(jobs, drop_connection)) as outputs:
+            async with contextlib.aclosing(self.merged(jobs, drop_connection)) as outputs:
                 async for i, out in outputs:
                     if out.prompt_logprobs is not None:
                         prompt_lps[i] = out.prompt_logprobs
@@ -429,7 +429,7 @@ class OpenAIServing:
                         yield chunk([delta(i, c)], req.continuous_usage)
             if req.include_usage:
                 yield chunk([], True)
-        except _ConnectionDropped:
+        except ConnectionDropped:
             return
         except Exception as e:  # noqa: BLE001 - the status line is sent: report in-stream
             yield _sse(classify_error(e, self.engine).body())
@@ -486,9 +486,9 @@ class OpenAIServing:
         rid, created = P.random_id("chatcmpl"), P.now_s()
         job = await self.chat_job(req, rid)
         if req.stream:
-            stream = self._chat_stream(req, job, rid, created, _connection_dropper(request))
-            return StreamingResponse(stream, media_type="text/event-stream", headers=_SSE_HEADERS)
-        (final,) = await _until_disconnect(request, self._collect([job]))
+            stream = self._chat_stream(req, job, rid, created, connection_dropper(request))
+            return StreamingResponse(stream, media_type="text/event-stream", headers=SSE_HEADERS)
+        (final,) = await until_disconnect(request, self.collect([job]))
         outs = sorted(final.outputs.values(), key=lambda c: c.index)
         choices = [
             P.ChatChoice(
@@ -558,14 +558,14 @@ class OpenAIServing:
             for i in range(job.params.n):
                 role = P.DeltaMessage(role="assistant", content="")
                 yield chunk([P.ChatStreamChoice(index=i, delta=role)], req.continuous_usage)
-            async with contextlib.aclosing(self._merged([job], drop_connection)) as outputs:
+            async with contextlib.aclosing(self.merged([job], drop_connection)) as outputs:
                 async for _, out in outputs:
                     cached[0] = max(cached[0], out.num_cached_tokens)
                     for c in out.outputs:
                         yield chunk([delta(c)], req.continuous_usage)
             if req.include_usage:
                 yield chunk([], True)
-        except _ConnectionDropped:
+        except ConnectionDropped:
             return
         except Exception as e:  # noqa: BLE001 - the status line is sent: report in-stream
             yield _sse(classify_error(e, self.engine).body())
@@ -621,7 +621,7 @@ def add_openai_routes(app: FastAPI, serving: OpenAIServing) -> None:
             serving.check_alive()
             await serving.check_grammar(req)
             return await run(req, request)
-        except _ClientGone:
+        except ClientGone:
             return Response(status_code=499)  # nobody reads it; the requests were aborted
         except Exception as e:  # noqa: BLE001 - every failure becomes OpenAI's error JSON
             return classify_error(e, engine).response()
