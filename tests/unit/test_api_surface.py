@@ -457,3 +457,16 @@ async def test_responses_refuse_what_they_cannot_serve(body, param):
         assert (
             await c.post("/v1/responses", json={"input": "a", "max_output_tokens": 1})
         ).status_code == 200
+
+
+@run
+async def test_return_token_ids_on_completions():
+    async with client_for() as c:
+        body = {"prompt": [5, 6, 7], "max_tokens": 2, "return_token_ids": True}
+        (choice,) = (await c.post("/v1/completions", json=body)).json()["choices"]
+        assert choice["prompt_token_ids"] == [5, 6, 7] and choice["token_ids"] == [10, 11]
+        events = sse_events((await c.post("/v1/completions", json={**body, "stream": True})).text)
+        assert [e["choices"][0]["prompt_token_ids"] for e in events] == [[5, 6, 7], None]
+        assert [e["choices"][0]["token_ids"] for e in events] == [[10], [11]]
+        (choice,) = (await c.post("/v1/completions", json={"prompt": "a"})).json()["choices"]
+        assert choice["prompt_token_ids"] is None and choice["token_ids"] is None

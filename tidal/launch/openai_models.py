@@ -139,6 +139,8 @@ class _SamplingRequest(_UnsupportedFields):
     truncation_side: Literal["left", "right"] | None = None
     # Logprob tokens as "token_id:<id>": unique, where two tokens' texts may be equal.
     return_tokens_as_token_ids: bool | None = None
+    # Completions: each choice also carries its prompt's and its own token ids.
+    return_token_ids: bool | None = None
 
     def _params(
         self,
@@ -414,6 +416,9 @@ class CompletionChoice(BaseModel):
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     prompt_logprobs: PromptLogprobsOut | None = None  # null unless asked (vLLM's shape)
+    # With ``return_token_ids`` (the prompt's in a stream's first chunk of the choice).
+    prompt_token_ids: list[int] | None = None
+    token_ids: list[int] | None = None
 
 
 class CompletionResponse(BaseModel):

@@ -348,11 +348,13 @@ class OpenAIServing:
         echo: bool,
         prompt_lps: PromptLogprobs | None = None,
         offset: int = 0,
+        first: bool = True,
     ) -> P.CompletionChoice:
         """One choice (or one streamed delta of it); ``echo`` prepends the prompt;
         ``offset`` is the number of characters of this choice already sent;
         ``prompt_lps`` are reported (vLLM's ``prompt_logprobs``) where the request
-        asked for them."""
+        asked for them; ``first``: the choice's first chunk, which carries the prompt's
+        ids under ``return_token_ids``."""
         text, ids = c.text, list(c.token_ids)
         steps: PromptLogprobs = list(c.logprobs or [])
         if echo:
@@ -361,7 +363,7 @@ class OpenAIServing:
             ids = job.prompt.prompt_token_ids + ids
             steps = (list(prompt_lps or []) + [None] * n)[:n] + steps
         lps = None
-        as_ids = bool(req.return_tokens_as_token_ids)
+        as_ids, with_ids = bool(req.return_tokens_as_token_ids), bool(req.return_token_ids)
         if job.params.logprobs is not None:
             lps = P.completion_logprobs(
                 ids, steps, job.params.logprobs, self.tokenizer, offset, as_ids
@@ -373,6 +375,8 @@ class OpenAIServing:
             finish_reason=c.finish_reason,
             stop_reason=c.stop_reason,
             prompt_logprobs=_prompt_logprobs(req, prompt_lps),
+            prompt_token_ids=job.prompt.prompt_token_ids if with_ids and first else None,
+            token_ids=list(c.token_ids) if with_ids else None,
         )
 
     def _prompt_text(self, prompt: ProcessedPrompt) -> str:
@@ -414,6 +418,7 @@ class OpenAIServing:
                 echo=bool(req.echo) and first,
                 prompt_lps=prompt_lps.get(i) if first else None,
                 offset=offsets.get(idx, 0),
+                first=first,
             )
             offsets[idx] = offsets.get(idx, 0) + len(choice.text)
             tokens[idx] = tokens.get(idx, 0) + len(c.token_ids)
