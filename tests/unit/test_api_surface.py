@@ -29,6 +29,8 @@ from tests.waiting import wait_until_async
 from tidal.frontend.outputs import Logprob
 from tidal.launch import openai_models as P
 from tidal.launch import serving
+from tidal.launch.responses import ResponsesRequest
+from tidal.sampling_params import StructuredOutputs
 
 # ---- prompt_logprobs -----------------------------------------------------------------------
 
@@ -307,6 +309,7 @@ async def test_tokenize_prompt_and_messages_then_detokenize():
         ("/tokenize", {"messages": []}, "messages"),
         ("/tokenize", {"messages": [{"role": "robot", "content": "x"}]}, "messages"),
         ("/tokenize", {"prompt": "a", "model": "other"}, "model"),
+        ("/tokenize", {"messages": CHAT, "tools": [{"type": "function"}]}, "tools"),
     ],
 )
 @run
@@ -470,3 +473,27 @@ async def test_return_token_ids_on_completions():
         assert [e["choices"][0]["token_ids"] for e in events] == [[10], [11]]
         (choice,) = (await c.post("/v1/completions", json={"prompt": "a"})).json()["choices"]
         assert choice["prompt_token_ids"] is None and choice["token_ids"] is None
+
+
+def test_responses_request_becomes_a_chat_completion():
+    req = ResponsesRequest.model_validate(
+        {"input": [{"role": "developer", "content": "d"}, {"role": "user", "content": "u"}],
+         "instructions": "i", "max_output_tokens": 7, "seed": 3, "tool_choice": "auto",
+         "tools": [], "store": True, "text": {"format": {"type": "text"}}}
+    )  # fmt: skip
+    chat = req.to_chat()
+    assert [(m.role, m.content) for m in chat.messages] == [
+        ("system", "i"), ("developer", "d"), ("user", "u"),
+    ]  # fmt: skip
+    assert chat.requested_max_tokens == 7 and chat.seed == 3
+    assert chat.response_format is None and chat.structured_spec() is None
+    fmt = {"type": "json_schema", "name": "n", "schema": {"type": "object"}}
+    chat = ResponsesRequest.model_validate({"input": "x", "text": {"format": fmt}}).to_chat()
+    assert chat.structured_spec() == (
+        "response_format",
+        StructuredOutputs(json='{"type": "object"}'),
+    )
+    with pytest.raises(ValueError, match="^text: format.schema is required"):
+        ResponsesRequest.model_validate(
+            {"input": "x", "text": {"format": {"type": "json_schema"}}}
+        ).to_chat()

@@ -373,7 +373,7 @@ def add_responses_routes(app: FastAPI, serving: OpenAIServing) -> None:
     @app.post("/v1/responses")
     async def responses(request: Request) -> Response:
         try:
-            req = await read_json(request, ResponsesRequest)
+            req = await read_json(request, ResponsesRequest, serving.check_sizes)
             serving.check_model(req.model)
             serving.check_alive()
             return await create(serving, req, request)

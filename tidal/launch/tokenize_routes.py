@@ -46,6 +46,8 @@ class TokenizeRequest(BaseModel):
     continue_final_message: bool | None = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    # Refused unless empty, as on /v1/chat/completions: a count without them would be wrong.
+    tools: list[Any] | None = None
 
     @model_validator(mode="after")
     def _one_input(self) -> TokenizeRequest:
@@ -73,6 +75,8 @@ class DetokenizeResponse(BaseModel):
 
 
 async def tokenize(serving: OpenAIServing, req: TokenizeRequest) -> TokenizeResponse:
+    if req.tools:
+        raise APIError(400, "tools is not supported by this server", param="tools")
     tokenizer = serving.tokenizer
     if req.messages is not None:
         if not req.messages:
