@@ -1,9 +1,10 @@
-"""vLLM's own completion API tests as a conformance bar, and the rest of vLLM's request
+"""vLLM's own completion and chat API tests as a conformance bar, and the rest of vLLM's request
 surface (``/v1/responses``, ``/tokenize``, ``prompt_logprobs``...) through the real
 ``openai`` SDK and httpx; one real ``launch`` server for the whole module.
 
-The first part restates, test by test, what vLLM's
-``tests/entrypoints/openai/completion/test_completion.py`` asks of a server. The shim is
+The first parts restate, test by test, what vLLM's
+``tests/entrypoints/openai/completion/test_completion.py`` and (its LoRA, structured-output
+and trained-model parts left out) ``chat_completion/test_chat.py`` ask of a server. The shim is
 small: vLLM's ``RemoteOpenAIServer`` is ``RemoteServer`` serving the tiny random checkpoint
 under the test's model name. Assertions tied to OPT's tokenizer or to a trained model are
 adapted, each saying how: token counts come from ``/tokenize``, decoded prompts from
@@ -116,7 +117,10 @@ def test_too_many_logprobs_then_still_serving(client):
 
 @pytest.mark.parametrize("prompt_logprobs", [-1, 0, 1, None])
 def test_prompt_logprobs_completion(client, prompt_logprobs):
-    params: dict = {"model": MODEL_NAME, "prompt": ["A robot may not injure another robot", "My name is"]}
+    params: dict = {
+        "model": MODEL_NAME,
+        "prompt": ["A robot may not injure another robot", "My name is"],
+    }
     if prompt_logprobs is not None:
         params["extra_body"] = {"prompt_logprobs": prompt_logprobs}
     if prompt_logprobs is not None and prompt_logprobs < 0:
@@ -170,7 +174,9 @@ def test_stream_options(client):
     got = chunks(include_usage=True, continuous_usage_stats=False)
     assert all(c.usage is None for c in got[:-1])
     assert got[-1].choices == [] and got[-1].usage is not None
-    assert got[-1].usage.total_tokens == got[-1].usage.prompt_tokens + got[-1].usage.completion_tokens
+    assert (
+        got[-1].usage.total_tokens == got[-1].usage.prompt_tokens + got[-1].usage.completion_tokens
+    )
     got = chunks(include_usage=True, continuous_usage_stats=True)
     assert all(c.usage is not None and c.usage.completion_tokens > 0 for c in got)
     assert got[-1].choices == []
@@ -218,8 +224,12 @@ def test_echo_logprobs(client, http, logprobs):
 @pytest.mark.parametrize(
     "structured",
     [
-        {"json": {"properties": {"car_type": {"$ref": "#/$defs/Missing"}, "foo": "bar"},
-                  "type": "object"}},  # fmt: skip
+        {
+            "json": {
+                "properties": {"car_type": {"$ref": "#/$defs/Missing"}, "foo": "bar"},
+                "type": "object",
+            }
+        },  # fmt: skip
         {"regex": r"[.*"},
         {"grammar": 'root ::= select_statementinvalidsyntax\nselect_statement ::= "SELECT "'},
     ],
@@ -229,6 +239,86 @@ def test_invalid_structured_outputs(client, structured):
         client.completions.create(
             model=MODEL_NAME, prompt="Generate", extra_body={"structured_outputs": structured}
         )
+
+
+# ---- vLLM's test_chat.py (the parts without LoRA or a trained model), restated -----------------
+
+CHAT = [
+    {"role": "system", "content": "you are a helpful assistant"},
+    {"role": "user", "content": "what is 1+1?"},
+]
+
+
+def test_chat_logprobs_none_zero_some_too_many(client):
+    base = {"model": MODEL_NAME, "messages": CHAT, "max_completion_tokens": 5, "temperature": 0.0}
+    assert client.chat.completions.create(**base, logprobs=False).choices[0].logprobs is None
+    for k in (0, 5):
+        lp = (
+            client.chat.completions.create(**base, logprobs=True, top_logprobs=k)
+            .choices[0]
+            .logprobs
+        )
+        assert lp is not None and lp.content and len(lp.content[0].top_logprobs) == k
+    with pytest.raises((openai.BadRequestError, openai.APIError)):
+        for _ in client.chat.completions.create(
+            **base, logprobs=True, top_logprobs=21, stream=True
+        ):
+            pass
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(**base, logprobs=True, top_logprobs=30)
+    assert client.chat.completions.create(**base).choices[0].message.content is not None
+
+
+def test_chat_prompt_logprobs(client):
+    base = {"model": MODEL_NAME, "messages": CHAT}
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(**base, extra_body={"prompt_logprobs": -1})
+    assert client.chat.completions.create(**base).model_extra["prompt_logprobs"] is None
+    for k in (1, 2):
+        chat = client.chat.completions.create(**base, extra_body={"prompt_logprobs": k})
+        entry = chat.model_extra["prompt_logprobs"][3]
+        # Adapted: vLLM's trained model has the prompt's token in its top k (k entries);
+        # a random one may not, which adds it (k + 1).
+        assert k <= len(entry) <= k + 1
+
+
+def test_chat_streaming_and_stream_options(client):
+    base = {"model": MODEL_NAME, "messages": CHAT, "max_completion_tokens": 10, "temperature": 0.0}
+    whole = client.chat.completions.create(**base).choices[0]
+    chunks, finishes = [], 0
+    for chunk in client.chat.completions.create(**base, stream=True):
+        delta = chunk.choices[0].delta
+        assert delta.role in (None, "assistant")
+        chunks.append(delta.content or "")
+        finishes += chunk.choices[0].finish_reason is not None
+    assert finishes == 1 and chunk.choices[0].finish_reason == whole.finish_reason
+    assert "".join(chunks) == whole.message.content
+    stream = client.chat.completions.create(
+        **base, stream=True, stream_options={"include_usage": False}
+    )
+    assert all(c.usage is None for c in stream)
+    got = list(client.chat.completions.create(
+        **base, stream=True, stream_options={"include_usage": True, "continuous_usage_stats": False}
+    ))  # fmt: skip
+    assert all(c.usage is None for c in got[:-1]) and got[-1].choices == []
+    for options in ({"include_usage": None}, {"include_usage": True}):
+        with pytest.raises(openai.BadRequestError):
+            client.chat.completions.create(**base, stream_options=options)
+    last = 0
+    for chunk in client.chat.completions.create(
+        **base, stream=True, extra_body={"min_tokens": 10},
+        stream_options={"include_usage": True, "continuous_usage_stats": True},
+    ):  # fmt: skip
+        usage = chunk.usage
+        assert usage is not None
+        assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+        assert (
+            last == 0
+            or usage.completion_tokens > last
+            or (not chunk.choices and usage.completion_tokens == last)
+        )
+        last = usage.completion_tokens
+    assert last == 10
 
 
 # ---- the rest of the surface -----------------------------------------------------------------
