@@ -22,6 +22,7 @@ need stored state or tools are refused with a 400 naming them, as are non-text i
 from __future__ import annotations
 
 import contextlib
+import enum
 import json
 import re
 from collections.abc import AsyncIterator
@@ -173,6 +174,15 @@ def _message(i: int, item: Any) -> dict[str, Any]:
 # ---- the response object -------------------------------------------------------------------
 
 
+@enum.unique
+class Status(enum.StrEnum):
+    """A response's (and its message's) ``status``."""
+
+    IN_PROGRESS = "in_progress"
+    COMPLETED = "completed"
+    INCOMPLETE = "incomplete"  # the token limit cut it
+
+
 class OutputText(BaseModel):
     type: Literal["output_text"] = "output_text"
     text: str
@@ -183,7 +193,7 @@ class OutputText(BaseModel):
 class OutputMessage(BaseModel):
     type: Literal["message"] = "message"
     id: str
-    status: Literal["in_progress", "completed", "incomplete"]
+    status: Status
     role: Literal["assistant"] = "assistant"
     content: list[OutputText]
 
@@ -213,7 +223,7 @@ class ResponseObject(BaseModel):
     object: Literal["response"] = "response"
     created_at: int
     model: str
-    status: Literal["in_progress", "completed", "incomplete"]
+    status: Status
     output: list[OutputMessage]
     usage: ResponseUsage | None = None
     incomplete_details: IncompleteDetails | None = None
@@ -245,7 +255,7 @@ class _Build:
 
     def response(
         self,
-        status: Literal["in_progress", "completed", "incomplete"],
+        status: Status,
         output: list[OutputMessage],
         usage: ResponseUsage | None = None,
     ) -> ResponseObject:
@@ -259,7 +269,9 @@ class _Build:
             output=output,
             usage=usage,
             incomplete_details=(
-                IncompleteDetails(reason="max_output_tokens") if status == "incomplete" else None
+                IncompleteDetails(reason="max_output_tokens")
+                if status is Status.INCOMPLETE
+                else None
             ),
             instructions=req.instructions,
             max_output_tokens=req.max_output_tokens,
@@ -271,8 +283,8 @@ class _Build:
             user=req.user,
         )
 
-    def message(self, text: str, status: Literal["in_progress", "completed", "incomplete"]):
-        content = [] if status == "in_progress" else [OutputText(text=text)]
+    def message(self, text: str, status: Status) -> OutputMessage:
+        content = [] if status is Status.IN_PROGRESS else [OutputText(text=text)]
         return OutputMessage(id=self.msg_id, status=status, content=content)
 
     def event(self, kind: str, **fields: Any) -> str:
@@ -284,14 +296,14 @@ class _Build:
 
 def _json(data: dict[str, Any]) -> str:
     return json.dumps(
-        {k: v.model_dump() if isinstance(v, BaseModel) else v for k, v in data.items()},
+        {k: v.model_dump(mode="json") if isinstance(v, BaseModel) else v for k, v in data.items()},
         ensure_ascii=False,
         separators=(",", ":"),
     )
 
 
-def _status(c: CompletionOutput) -> Literal["completed", "incomplete"]:
-    return "incomplete" if c.finish_reason == "length" else "completed"
+def _status(c: CompletionOutput) -> Status:
+    return Status.INCOMPLETE if c.finish_reason == "length" else Status.COMPLETED
 
 
 def _usage(prompt_tokens: int, output_tokens: int, cached: int) -> ResponseUsage:
@@ -327,18 +339,18 @@ async def create(serving: OpenAIServing, req: ResponsesRequest, request: Request
     status = _status(c)
     usage = _usage(prompt_tokens, len(c.token_ids), final.num_cached_tokens)
     resp = build.response(status, [build.message(c.text, status)], usage)
-    return JSONResponse(resp.model_dump())
+    return JSONResponse(resp.model_dump(mode="json"))
 
 
 async def _stream(
     serving: OpenAIServing, build: _Build, job: Any, request: Request, prompt_tokens: int
 ) -> AsyncIterator[str]:
-    ids = {"item_id": build.msg_id, "output_index": 0}
-    part = {**ids, "content_index": 0}
-    yield build.event("response.created", response=build.response("in_progress", []))
-    yield build.event("response.in_progress", response=build.response("in_progress", []))
+    part = {"item_id": build.msg_id, "output_index": 0, "content_index": 0}
+    started = build.response(Status.IN_PROGRESS, [])
+    yield build.event("response.created", response=started)
+    yield build.event("response.in_progress", response=started)
     yield build.event(
-        "response.output_item.added", output_index=0, item=build.message("", "in_progress")
+        "response.output_item.added", output_index=0, item=build.message("", Status.IN_PROGRESS)
     )
     yield build.event("response.content_part.added", **part, part=OutputText(text=""))
     text, tokens, cached, last = "", 0, 0, None
@@ -359,7 +371,7 @@ async def _stream(
         err = classify_error(e, serving.engine)
         yield build.event("error", code=err.code, message=err.message, param=err.param)
         return
-    status = "incomplete" if last is None else _status(last)
+    status = Status.COMPLETED if last is None else _status(last)
     yield build.event("response.output_text.done", **part, text=text, logprobs=[])
     yield build.event("response.content_part.done", **part, part=OutputText(text=text))
     yield build.event("response.output_item.done", output_index=0, item=build.message(text, status))

@@ -537,12 +537,12 @@ class OpenAIServing:
         drop_connection: Dropper,
     ) -> AsyncIterator[str]:
         tokens: dict[int, int] = {}
-        cached = [0]  # prompt tokens found in the prefix cache
+        cached = 0  # prompt tokens found in the prefix cache
 
         def chunk(choices: list[P.ChatStreamChoice], usage: bool) -> str:
             u = None
             if usage:
-                u = P.UsageInfo.of(_prompt_tokens([job]), sum(tokens.values()), cached[0])
+                u = P.UsageInfo.of(_prompt_tokens([job]), sum(tokens.values()), cached)
             resp = P.ChatCompletionChunk(
                 id=rid, created=created, model=self.model_name, choices=choices, usage=u
             )
@@ -565,7 +565,7 @@ class OpenAIServing:
                 yield chunk([P.ChatStreamChoice(index=i, delta=role)], req.continuous_usage)
             async with contextlib.aclosing(self.merged([job], drop_connection)) as outputs:
                 async for _, out in outputs:
-                    cached[0] = max(cached[0], out.num_cached_tokens)
+                    cached = max(cached, out.num_cached_tokens)
                     for c in out.outputs:
                         yield chunk([delta(c)], req.continuous_usage)
             if req.include_usage:
