@@ -243,6 +243,46 @@ async def test_a_grammar_compile_does_not_hold_up_other_requests(monkeypatch):
 
 
 @run
+async def test_requests_with_the_same_spec_at_once_share_one_compile(monkeypatch):
+    entered, release = threading.Event(), threading.Event()
+    checks: list[str] = []
+    real = serving.check_spec
+
+    def held_check(spec, field):
+        checks.append(field)
+        entered.set()
+        release.wait(120)
+        real(spec, field)
+
+    # Every request has reached check_grammar once it asked for its spec (no await between).
+    asked = []
+    spec_of = P.CompletionRequest.structured_spec
+
+    def counted(self):
+        asked.append(1)
+        return spec_of(self)
+
+    monkeypatch.setattr(serving, "check_spec", held_check)
+    monkeypatch.setattr(P.CompletionRequest, "structured_spec", counted)
+    try:
+        async with client_for() as c:
+            bodies = [{"prompt": "a", "max_tokens": 1, "guided_regex": "x+"}] * 3
+            bodies.append({"prompt": "a", "max_tokens": 1, "guided_regex": "("})  # fails
+            bodies.append({"prompt": "a", "max_tokens": 1, "guided_regex": "("})
+            sent = [asyncio.ensure_future(c.post("/v1/completions", json=b)) for b in bodies]
+            assert await wait_until_async(lambda: len(asked) == 5 and len(checks) == 2)
+            release.set()
+            codes = [(await r).status_code for r in sent]
+            assert codes == [200, 200, 200, 400, 400]
+            assert checks == ["guided_regex", "guided_regex"]  # one per distinct spec
+            # Done: the next one checks again (a lookup in check_spec's memo).
+            await c.post("/v1/completions", json=bodies[0])
+            assert len(checks) == 3 and c.engine.calls[-1]["params"].structured_outputs
+    finally:
+        release.set()
+
+
+@run
 async def test_a_grammar_that_does_not_compile_is_still_a_400_naming_its_field():
     async with client_for() as c:
         r = await c.post("/v1/completions", json={"prompt": "a", "guided_regex": "a("})

@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 
 from tidal.config import FrontendConfig
-from tidal.engine_core.structured import check_spec
+from tidal.engine_core.structured import check_spec, spec_key
 from tidal.frontend.outputs import CompletionOutput, OutputKind, PromptLogprobs, RequestOutput
 from tidal.frontend.processor import ProcessedPrompt
 from tidal.frontend.template_sandbox import SandboxUnavailable, TemplateSandbox
@@ -140,6 +140,8 @@ class OpenAIServing:
         self.sampling_defaults = dict(engine.config.model.sampling_defaults)
         self.tokenizer = engine.tokenizer
         self.limits: FrontendConfig = engine.config.frontend
+        # Structured-output compile checks running, by spec and field (check_grammar).
+        self._grammar_checks: dict[tuple[bytes, str], asyncio.Future[None]] = {}
         # Request-supplied chat templates: refused unless the flag allows them, and then
         # rendered in a killable worker (started by the first such request).
         self.template_sandbox: TemplateSandbox | None = None
@@ -183,12 +185,26 @@ class OpenAIServing:
     async def check_grammar(self, req: Any) -> None:
         """The request's structured-output spec, compiled on a thread (a 400 naming its
         field when it does not compile): a heavy schema takes a tenth of a second, which
-        on the event loop would stall every other stream. ``check_spec`` remembers specs
-        that compiled, so the checks that follow on the loop (``_job``) are lookups."""
+        on the event loop would stall every other stream. Requests that bring the same
+        spec at once share one compile; ``check_spec`` remembers specs that compiled, so
+        later ones, and the checks that follow on the loop (``_job``), are lookups."""
         structured = req.structured_spec()
-        if structured is not None:
-            name, spec = structured
-            await asyncio.to_thread(check_spec, spec, name)
+        if structured is None:
+            return
+        name, spec = structured
+        key = (spec_key(spec), name)  # the error names the field
+        pending = self._grammar_checks.get(key)
+        if pending is None:
+            pending = asyncio.ensure_future(asyncio.to_thread(check_spec, spec, name))
+            self._grammar_checks[key] = pending
+            pending.add_done_callback(lambda f: self._check_done(key, f))
+        # Shielded: a client that hangs up does not cancel the others' compile.
+        await asyncio.shield(pending)
+
+    def _check_done(self, key: tuple[bytes, str], check: asyncio.Future[None]) -> None:
+        self._grammar_checks.pop(key, None)
+        if not check.cancelled():
+            check.exception()  # retrieved: every waiter may have gone
 
     def _job(self, req: Any, prompt: ProcessedPrompt, request_id: str, first_choice: int) -> _Job:
         prompt = truncate_prompt(
