@@ -537,3 +537,15 @@ def test_responses_request_becomes_a_chat_completion():
         ResponsesRequest.model_validate(
             {"input": "x", "text": {"format": {"type": "json_schema"}}}
         ).to_chat()
+
+
+@run
+async def test_the_api_key_protects_the_new_routes():
+    async with client_for(api_key="sekret") as c:
+        bodies = {"/tokenize": {"prompt": "a"}, "/detokenize": {"tokens": [5]},
+                  "/v1/responses": {"input": "a", "max_output_tokens": 1}}  # fmt: skip
+        for path, body in bodies.items():
+            assert_error(await c.post(path, json=body), 401)
+            ok = await c.post(path, json=body, headers={"Authorization": "Bearer sekret"})
+            assert ok.status_code == 200, (path, ok.text)
+        assert len(c.engine.calls) == 1
