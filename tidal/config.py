@@ -591,6 +591,22 @@ class FrontendConfig:
         help="accept a chat_template in chat requests (rendered in a sandboxed, "
         "time-bounded worker process)",
     )
+    # vLLM's flags and parser names (docs/operations.md#tool-calling-and-reasoning); the
+    # parsers are the registries of tidal/launch/tool_parsers.py and reasoning.py.
+    chat_template: str | None = option(
+        None,
+        help="chat template replacing the tokenizer's: a file, or the Jinja text itself",
+    )
+    tool_call_parser: Literal["hermes", "deepseek_v3"] | None = option(
+        None,
+        help="parse the model's own tool calls (tool_choice auto) in this format: hermes "
+        "(Qwen's <tool_call> JSON) or deepseek_v3",
+    )
+    reasoning_parser: Literal["qwen3", "deepseek_r1"] | None = option(
+        None,
+        help="put the <think> text of chat outputs in reasoning_content (qwen3: when the "
+        "output or the prompt opens <think>; deepseek_r1: always until </think>)",
+    )
 
     # Off by default: OpenTelemetry is an optional extra (docs/operations.md#tracing).
     otlp_traces_endpoint: str | None = option(

@@ -340,13 +340,22 @@ HOSTILE = [
     ("/v1/completions", {"prompt": [[5, 6]] * 256, "n": 128}, 400, "n", "--max-choices-per-request"),
     ("/v1/completions", {"prompt": ["a"] * 256, "n": 5}, 400, "n", "--max-choices-per-request"),
     # Known to OpenAI or vLLM, not implemented: refused by name, never silently ignored.
-    ("/v1/chat/completions", {"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools", "not supported"),
-    ("/v1/chat/completions", {"messages": CHAT, "tool_choice": "auto"}, 400, "tool_choice", "not supported"),
     ("/v1/completions", {"prompt": "a", "use_beam_search": True}, 400, "use_beam_search", "not supported"),
     ("/v1/completions", {"prompt": "a", "prompt_logprobs": -1}, 400, "prompt_logprobs", ">= 0"),
     ("/v1/completions", {"prompt": "a", "truncate_prompt_tokens": 0}, 400, "truncate_prompt_tokens", "-1 or in [1, "),
     ("/v1/completions", {"prompt": "a", "truncate_prompt_tokens": 10**6}, 400, "truncate_prompt_tokens", "context"),
     ("/v1/completions", {"prompt": "a", "stream_options": {"include_usage": True}}, 400, "stream_options", "stream is true"),
+    ("/v1/chat/completions", {"messages": CHAT, "functions": [{"name": "f"}]}, 400, "functions", "not supported"),
+    ("/v1/completions", {"prompt": "a", "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools", "not supported"),
+    # Tool calling (docs/operations.md#tool-calling-and-reasoning).
+    ("/v1/chat/completions", {"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tool_choice", "--tool-call-parser"),
+    ("/v1/chat/completions", {"messages": CHAT, "tool_choice": "required"}, 400, "tool_choice", "needs a non-empty tools"),
+    ("/v1/chat/completions", {"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": {"type": "function", "function": {"name": "g"}}}, 400, "tool_choice", "'g' is not one of"),
+    ("/v1/chat/completions", {"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nope"}}}], "tool_choice": "required"}, 400, "tools", "tools[0].function.parameters"),
+    ("/v1/chat/completions", {"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required", "response_format": {"type": "json_object"}}, 400, "tool_choice", "response_format"),
+    ("/v1/chat/completions", {"messages": CHAT, "tools": [{"type": "retrieval"}]}, 400, "tools", "tools.0.type"),
+    ("/v1/chat/completions", {"messages": CHAT, "tools": {"type": "function"}}, 400, "tools", "list"),
+    ("/v1/chat/completions", {"messages": CHAT, "tool_choice": "sometimes"}, 400, "tool_choice", "tool_choice"),
 ]  # fmt: skip
 
 

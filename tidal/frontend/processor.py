@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import inspect
 import operator
+import os
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -52,6 +53,25 @@ def load_tokenizer(path: str, trust_remote_code: bool = False) -> Any:
         raise
 
 
+def load_chat_template(value: str | None) -> str | None:
+    """``--chat-template``: a file's text, or the value itself where it is a Jinja
+    template (it has a ``{{`` or ``{%``); anything else is an error naming the flag."""
+    if value is None:
+        return None
+    if os.path.isfile(value):
+        try:
+            with open(value, encoding="utf-8") as f:
+                return f.read()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"chat_template: cannot read {value!r}: {e}") from None
+    if "{{" in value or "{%" in value:
+        return value
+    raise ValueError(
+        f"chat_template: {value!r} is neither a file nor a Jinja template "
+        "(no {{ or {% in it)"
+    )
+
+
 def eos_token_id_for(model_config: ModelConfig, tokenizer: Any) -> int | None:
     ids = model_config.eos_token_ids
     if ids:
@@ -77,6 +97,8 @@ class InputProcessor:
         self.extra_eos_ids = [i for i in model_config.eos_token_ids if i != self.eos_token_id]
         self.vocab_size = int(model_config.hf_config.vocab_size)
         self.reserved_template_kwargs = _call_parameters(tokenizer) - _TEMPLATE_INPUTS
+        # --chat-template: the operator's, used wherever a call brings none of its own.
+        self.chat_template = load_chat_template(self.limits.chat_template)
 
     def tokenize(self, prompt: PromptType) -> ProcessedPrompt:
         if isinstance(prompt, str):
@@ -127,7 +149,7 @@ class InputProcessor:
             messages,
             tokenize=False,
             add_generation_prompt=add_generation_prompt,
-            chat_template=chat_template,
+            chat_template=chat_template if chat_template is not None else self.chat_template,
             **kwargs,
         )
         return ProcessedPrompt(text, self.tokenizer.encode(text, add_special_tokens=False))

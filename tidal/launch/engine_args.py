@@ -43,6 +43,7 @@ from tidal.config import (
 )
 from tidal.distributed.core_slots import host_cores, parse_affinity, plan_groups
 from tidal.frontend.launchers.registry import check_launcher_args
+from tidal.frontend.processor import load_chat_template
 from tidal.models.common import check_tensor_parallel
 from tidal.models.hub import ModelNotFound, resolve_model_path
 from tidal.models.registry import get_model_class, resolve_architecture
@@ -134,6 +135,7 @@ class EngineArgs(_EngineArgsFields):
 
     def create_engine_config(self) -> EngineConfig:
         check_options(self)  # every declared range and choice, before anything is read
+        load_chat_template(self.chat_template)  # a missing file fails the start, not a request
         model = resolve_model_path(self.model or default_model_path(), self.revision)
         tokenizer = model
         if self.tokenizer and self.tokenizer != self.model:

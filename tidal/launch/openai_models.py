@@ -13,15 +13,17 @@ a whole (size, depth, int64, finite floats) from the server's ``decode_json_body
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from collections.abc import Mapping
 from types import MappingProxyType
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, create_model
 
 from tidal.frontend.outputs import Logprob
+from tidal.launch.tool_parsers import ToolMode, forced_tool_schema
 from tidal.sampling_params import SamplingParams, StructuredOutputs, json_schema_text
 
 # Logprobs of -inf (masked tokens) are not valid JSON; clamp them like OpenAI does.
@@ -102,6 +104,8 @@ class _SamplingRequest(_UnsupportedFields):
     """Fields shared by completions and chat completions."""
 
     model_config = ConfigDict(extra="ignore")
+    # Fields of ``_UNSUPPORTED`` this request kind implements (and redeclares).
+    _implemented: ClassVar[frozenset[str]] = frozenset()
 
     model: str | None = None
     n: StrictInt | None = 1
@@ -154,7 +158,7 @@ class _SamplingRequest(_UnsupportedFields):
         ``prompt_logprobs``: what the request needs besides its own ``prompt_logprobs``
         (completions' echo)."""
         for name, asks_nothing in _UNSUPPORTED.items():
-            if getattr(self, name) not in asks_nothing:
+            if name not in self._implemented and getattr(self, name) not in asks_nothing:
                 raise ValueError(f"{name} is not supported by this server")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
@@ -281,15 +285,33 @@ class ContentPart(BaseModel):
     text: str | None = None
 
 
+class FunctionCallIn(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: str
+    arguments: str | dict[str, Any]
+
+
+class ToolCallIn(BaseModel):
+    """An assistant message's earlier call, in the history."""
+
+    model_config = ConfigDict(extra="ignore")
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCallIn
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: str | None = None
 
     def to_template_dict(self) -> dict[str, Any]:
         """The dict a chat template sees; text parts are joined by newlines (as vLLM
-        joins them for templates that take a string), other parts rejected."""
+        joins them for templates that take a string), other parts rejected. A call's
+        arguments are a JSON object there (templates write them with ``tojson``)."""
         content = self.content
         if isinstance(content, list):
             bad = [p.type for p in content if p.type != "text"]
@@ -298,7 +320,39 @@ class ChatMessage(BaseModel):
             content = "\n".join(p.text or "" for p in content)
         d = self.model_dump(exclude_none=True)
         d["content"] = content if content is not None else ""
+        for call in d.get("tool_calls", ()):
+            fn = call["function"]
+            if isinstance(fn["arguments"], str):
+                try:
+                    fn["arguments"] = json.loads(fn["arguments"])
+                except ValueError:
+                    pass  # not JSON: the template gets the text
         return d
+
+
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema (None: any object)
+    strict: bool | None = None
+
+
+class ToolDefinition(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class ToolChoiceFunction(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["function"]
+    function: ToolChoiceFunction
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -312,12 +366,76 @@ class ChatCompletionRequest(_SamplingRequest):
     continue_final_message: bool | None = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ToolDefinition] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = True
+
+    _implemented: ClassVar[frozenset[str]] = frozenset({"tools", "tool_choice"})
 
     def sampling_params(
         self, default_max_tokens: int, defaults: Mapping[str, Any] = _NO_DEFAULTS
     ) -> SamplingParams:
         max_tokens = _or(self.requested_max_tokens, default_max_tokens)
         return self._params(max_tokens, self.num_logprobs, None, defaults)
+
+    @property
+    def tool_mode(self) -> ToolMode:
+        """How the tools are called (ValueError naming tool_choice when it cannot be)."""
+        choice, tools = self.tool_choice, self.tools or []
+        if choice is None:  # OpenAI's default
+            choice = "auto" if tools else "none"
+        if isinstance(choice, NamedToolChoice):
+            names = [t.function.name for t in tools]
+            if choice.function.name not in names:
+                raise ValueError(
+                    f"tool_choice: function {choice.function.name!r} is not one of the "
+                    f"request's tools ({', '.join(map(repr, names)) or 'none given'})"
+                )
+            return ToolMode.NAMED
+        match choice:
+            case "none":
+                return ToolMode.NONE
+            case "auto":
+                return ToolMode.AUTO if tools else ToolMode.NONE
+            case "required":
+                if not tools:
+                    raise ValueError("tool_choice: 'required' needs a non-empty tools list")
+                return ToolMode.REQUIRED
+        raise AssertionError(choice)
+
+    @property
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """The tools as a chat template takes them (OpenAI's shape)."""
+        if not self.tools:
+            return None
+        return [t.model_dump(exclude_none=True) for t in self.tools]
+
+    def _structured_outputs(self) -> StructuredOutputs | None:
+        """A forced tool call's grammar (tool_choice required or named), else the
+        request's structured-output field."""
+        mode = self.tool_mode
+        if mode not in (ToolMode.REQUIRED, ToolMode.NAMED):
+            return super()._structured_outputs()
+        used = [n for n in _STRUCTURED_FIELDS if getattr(self, n) is not None]
+        if self.response_format is not None and self.response_format.type == "text":
+            used.remove("response_format")
+        if used:
+            raise ValueError(f"tool_choice: a forced tool call cannot be combined with {used[0]}")
+        tools = self.tools or []
+        for i, t in enumerate(tools):  # each schema on its own: the error names its tool
+            if t.function.parameters is not None:
+                spec = StructuredOutputs(json=json_schema_text(t.function.parameters))
+                check_spec(spec, f"tools[{i}].function.parameters")
+        choice = self.tool_choice
+        named = choice.function.name if isinstance(choice, NamedToolChoice) else None
+        schema = forced_tool_schema(
+            [(t.function.name, t.function.parameters) for t in tools],
+            named,
+            parallel=_or(self.parallel_tool_calls, True),
+        )
+        spec = StructuredOutputs(json=json_schema_text(schema))
+        check_spec(spec, "tools")
+        return spec
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -445,9 +563,22 @@ class ChatLogProbs(BaseModel):
     content: list[ChatLogprobEntry] | None = None
 
 
+class FunctionCallOut(BaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallOut
+
+
 class ChatMessageOut(BaseModel):
     role: str = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCallOut] = Field(default_factory=list)
 
 
 class ChatChoice(BaseModel):
@@ -469,9 +600,26 @@ class ChatCompletionResponse(BaseModel):
     prompt_logprobs: PromptLogprobsOut | None = None  # null unless asked (vLLM's shape)
 
 
+class DeltaFunctionCall(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(BaseModel):
+    """A piece of a streamed call: the first has its id, type and name; the others
+    continue ``function.arguments`` (the openai SDK joins them by ``index``)."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+
 class DeltaMessage(BaseModel):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatStreamChoice(BaseModel):

@@ -14,7 +14,7 @@ import contextlib
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, assert_never
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -29,6 +29,18 @@ from tidal.launch import openai_models as P
 from tidal.launch.connections import ABORT_CONNECTION, ServerLimits
 from tidal.launch.errors import APIError, classify_error
 from tidal.launch.http_limits import read_json
+from tidal.launch.reasoning import ReasoningParser, ReasoningStream, reasoning_parser
+from tidal.launch.tool_parsers import (
+    ChatOutputStream,
+    ForcedToolStream,
+    MarkupToolStream,
+    ToolCallDelta,
+    ToolMode,
+    ToolParser,
+    ToolStream,
+    assemble,
+    tool_parser,
+)
 from tidal.sampling_params import SamplingParams
 
 if TYPE_CHECKING:  # annotations only: the server takes any engine with AsyncLLM's
@@ -104,6 +116,9 @@ class _Job:
     request_id: str
     first_choice: int
     data_parallel_rank: int | None
+    # Chat: splits each choice's text into reasoning, content and tool calls (None: the
+    # text is the content).
+    parse_output: Callable[[], ChatOutputStream] | None = None
 
 
 @dataclass
@@ -149,6 +164,10 @@ class OpenAIServing:
             self.template_sandbox = TemplateSandbox(
                 engine.config.model.tokenizer, max_chars=self.limits.max_request_body_bytes
             )
+        name = self.limits.tool_call_parser
+        self.tool_parser: ToolParser | None = tool_parser(name) if name else None
+        name = self.limits.reasoning_parser
+        self.reasoning_parser: ReasoningParser | None = reasoning_parser(name) if name else None
 
     # -- checks --
 
@@ -459,7 +478,9 @@ class OpenAIServing:
     # -- /v1/chat/completions --
 
     async def chat_job(self, req: P.ChatCompletionRequest, request_id: str) -> _Job:
-        return self._job(req, await self.render_chat(req), request_id, 0)
+        job = self._job(req, await self.render_chat(req), request_id, 0)
+        job.parse_output = self._output_parsing(req, req.tool_mode, job)
+        return job
 
     async def render_chat(self, req: Any) -> ProcessedPrompt:
         """The prompt of a chat request (``ChatCompletionRequest``, or anything with its
@@ -475,6 +496,21 @@ class OpenAIServing:
             raise APIError(400, "messages must not be empty", param="messages")
         messages = [m.to_template_dict() for m in req.messages]
         kwargs = dict(req.chat_template_kwargs or {})
+        if isinstance(req, P.ChatCompletionRequest):  # /tokenize's request has no tools
+            mode = req.tool_mode
+            if mode is ToolMode.AUTO:
+                if self.tool_parser is None:
+                    raise APIError(
+                        400,
+                        "tool_choice: 'auto' (the default when tools are given) needs the server "
+                        "started with --tool-call-parser; send 'required', a named function or "
+                        "'none' instead",
+                        param="tool_choice",
+                    )
+                # Formats whose markers are special tokens must see them in the text.
+                req.skip_special_tokens = False
+            if req.tools:
+                kwargs["tools"] = req.template_tools
         processor = self.engine.input_processor
         processor.check_chat(messages, kwargs)  # roles, reserved kwargs: before any rendering
         if req.continue_final_message:
@@ -503,6 +539,39 @@ class OpenAIServing:
             raise APIError(400, f"cannot apply the chat template: {e}", param="messages") from None
         return prompt
 
+    def _output_parsing(
+        self, req: P.ChatCompletionRequest, mode: ToolMode, job: _Job
+    ) -> Callable[[], ChatOutputStream] | None:
+        """What splits the request's outputs, if anything does. Reasoning is parsed only
+        where no grammar constrains the output (the grammar covers all of it)."""
+        rp = self.reasoning_parser
+        if job.params.structured_outputs is not None:
+            rp = None
+        parser, prompt = self.tool_parser, job.prompt.prompt
+        choice = req.tool_choice
+        max_calls = None if _or_true(req.parallel_tool_calls) else 1
+
+        def tools() -> ToolStream | None:
+            match mode:
+                case ToolMode.NONE:
+                    return None
+                case ToolMode.AUTO:
+                    assert parser is not None  # refused in chat_job otherwise
+                    return MarkupToolStream(parser, max_calls)
+                case ToolMode.REQUIRED:
+                    return ForcedToolStream(None)
+                case ToolMode.NAMED:
+                    assert isinstance(choice, P.NamedToolChoice)
+                    return ForcedToolStream(choice.function.name)
+                case _:
+                    assert_never(mode)
+
+        if rp is None and mode is ToolMode.NONE:
+            return None
+        return lambda: ChatOutputStream(
+            None if rp is None else ReasoningStream(rp, prompt), tools()
+        )
+
     async def chat(self, req: P.ChatCompletionRequest, request: Request) -> Response:
         rid, created = P.random_id("chatcmpl"), P.now_s()
         job = await self.chat_job(req, rid)
@@ -514,12 +583,13 @@ class OpenAIServing:
         choices = [
             P.ChatChoice(
                 index=c.index,
-                message=P.ChatMessageOut(content=c.text),
+                message=message,
                 logprobs=self._chat_logprobs(req, job, c),
-                finish_reason=c.finish_reason,
+                finish_reason=finish,
                 stop_reason=c.stop_reason,
             )
             for c in outs
+            for message, finish in [_chat_message(job, c)]
         ]
         usage = P.UsageInfo.of(
             _prompt_tokens([job]), sum(len(c.token_ids) for c in outs), final.num_cached_tokens
@@ -554,6 +624,7 @@ class OpenAIServing:
     ) -> AsyncIterator[str]:
         tokens: dict[int, int] = {}
         cached = 0  # prompt tokens found in the prefix cache
+        parsers: dict[int, ChatOutputStream] = {}  # choice index -> its output's split
 
         def chunk(choices: list[P.ChatStreamChoice], usage: bool) -> str:
             u = None
@@ -566,11 +637,21 @@ class OpenAIServing:
 
         def delta(c: CompletionOutput) -> P.ChatStreamChoice:
             tokens[c.index] = tokens.get(c.index, 0) + len(c.token_ids)
+            message, finish = P.DeltaMessage(content=c.text), c.finish_reason
+            if job.parse_output is not None:
+                parser = parsers.get(c.index) or parsers.setdefault(c.index, job.parse_output())
+                d = parser.feed(c.text, final=c.finish_reason is not None)
+                message = P.DeltaMessage(
+                    content=d.content or None,
+                    reasoning_content=d.reasoning or None,
+                    tool_calls=[_delta_call(t) for t in d.tool_calls] or None,
+                )
+                finish = _finish_reason(c, parser.called)
             return P.ChatStreamChoice(
                 index=c.index,
-                delta=P.DeltaMessage(content=c.text),
+                delta=message,
                 logprobs=self._chat_logprobs(req, job, c),
-                finish_reason=c.finish_reason,
+                finish_reason=finish,
                 stop_reason=c.stop_reason,
             )
 
@@ -618,6 +699,43 @@ def _prompt_logprobs(req: Any, lps: PromptLogprobs | None) -> P.PromptLogprobsOu
     if req.prompt_logprobs is None or lps is None:
         return None
     return P.prompt_logprobs_out(lps)
+
+
+def _or_true(value: bool | None) -> bool:
+    return True if value is None else value
+
+
+def _finish_reason(c: CompletionOutput, called: bool) -> str | None:
+    # OpenAI's: an output that ended by calling tools (not one cut by length) says so.
+    return "tool_calls" if called and c.finish_reason == "stop" else c.finish_reason
+
+
+def _chat_message(job: _Job, c: CompletionOutput) -> tuple[P.ChatMessageOut, str | None]:
+    """A finished choice's message and finish reason (its text parsed, where the request
+    parses it, as its stream would be)."""
+    if job.parse_output is None:
+        return P.ChatMessageOut(content=c.text), c.finish_reason
+    parser = job.parse_output()
+    d = parser.feed(c.text, final=True)
+    calls = assemble(d.tool_calls)
+    message = P.ChatMessageOut(
+        content=d.content or None if (calls or d.reasoning) else d.content,
+        reasoning_content=d.reasoning or None,
+        tool_calls=[
+            P.ToolCallOut(id=t.id, function=P.FunctionCallOut(name=t.name, arguments=t.arguments))
+            for t in calls
+        ],
+    )
+    return message, _finish_reason(c, parser.called)
+
+
+def _delta_call(t: ToolCallDelta) -> P.DeltaToolCall:
+    return P.DeltaToolCall(
+        index=t.index,
+        id=t.id,
+        type="function" if t.id is not None else None,
+        function=P.DeltaFunctionCall(name=t.name, arguments=t.arguments),
+    )
 
 
 def _num_prompts(prompt: Any) -> int:

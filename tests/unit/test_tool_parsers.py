@@ -1,0 +1,253 @@
+"""Tool-call and reasoning parsers (tidal/launch/tool_parsers.py, tidal/launch/reasoning.py):
+each fed an output whole, character by character and in random pieces must give the same
+split, and output that is not a call stays content as written."""
+
+from __future__ import annotations
+
+import json
+import random
+import typing
+
+import jsonschema
+import pytest
+
+from tidal.config import FrontendConfig
+from tidal.frontend.processor import load_chat_template
+from tidal.launch.reasoning import (
+    REASONING_PARSERS,
+    DeepSeekR1ReasoningParser,
+    Qwen3ReasoningParser,
+    ReasoningStream,
+)
+from tidal.launch.tool_parsers import (
+    TOOL_PARSERS,
+    ChatOutputStream,
+    DeepSeekV3ToolParser,
+    ForcedToolStream,
+    HermesToolParser,
+    MarkupToolStream,
+    ToolStream,
+    assemble,
+    forced_tool_schema,
+)
+
+
+def _pieces(text: str, how: str, rng: random.Random) -> list[str]:
+    match how:
+        case "whole":
+            return [text]
+        case "chars":
+            return list(text)
+        case _:
+            out, i = [], 0
+            while i < len(text):
+                n = rng.randint(1, 7)
+                out.append(text[i : i + n])
+                i += n
+            return out
+
+
+FEEDS = ["whole", "chars", "random"]
+
+
+def _run_tools(make: typing.Callable[[], ToolStream], text: str, how: str):
+    stream, content, deltas = make(), [], []
+    for piece in _pieces(text, how, random.Random(0)):
+        c, d = stream.feed(piece)
+        content.append(c)
+        deltas += d
+    c, d = stream.feed("", final=True)
+    content.append(c)
+    deltas += d
+    calls = assemble(deltas)
+    assert len({call.id for call in calls}) == len(calls)  # ids are unique
+    return "".join(content), [(call.name, json.loads(call.arguments)) for call in calls]
+
+
+HERMES = (
+    'Let me check. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
+    '</tool_call>\n<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": [2, "}{"]}}\n'
+    "</tool_call>"
+)
+
+
+@pytest.mark.parametrize("how", FEEDS)
+def test_hermes_calls_and_content(how):
+    content, calls = _run_tools(lambda: MarkupToolStream(HermesToolParser()), HERMES, how)
+    assert content == "Let me check. "
+    assert calls == [("get_weather", {"city": "Paris"}), ("add", {"a": 1, "b": [2, "}{"]})]
+
+
+@pytest.mark.parametrize("how", FEEDS)
+@pytest.mark.parametrize(
+    "text",
+    [
+        "no calls here, just < and <tool and </tool_call>",
+        'x <tool_call>{"name": "f", "arguments": {</tool_call> y',  # bad JSON
+        'x <tool_call>{"arguments": {}}</tool_call>',  # no name
+        'cut off <tool_call>{"name": "f", "argu',  # the output ended inside the call
+        "ends with a marker's start <tool_ca",
+    ],
+)
+def test_hermes_malformed_output_stays_content(how, text):
+    content, calls = _run_tools(lambda: MarkupToolStream(HermesToolParser()), text, how)
+    assert (content, calls) == (text, [])
+
+
+@pytest.mark.parametrize("how", FEEDS)
+def test_hermes_text_after_calls_and_one_call_only(how):
+    text = HERMES + "\nDone."
+    content, calls = _run_tools(lambda: MarkupToolStream(HermesToolParser()), text, how)
+    assert content == "Let me check. \nDone." and len(calls) == 2
+    # parallel_tool_calls false: the first call only.
+    _, calls = _run_tools(lambda: MarkupToolStream(HermesToolParser(), max_calls=1), text, how)
+    assert calls == [("get_weather", {"city": "Paris"})]
+
+
+DS = DeepSeekV3ToolParser
+DEEPSEEK = (
+    f"Sure.{DS.start}{DS.call_begin}function{DS.sep}get_weather\n```json\n"
+    f'{{"city": "Tokyo"}}\n```{DS.call_end}\n{DS.call_begin}function{DS.sep}now\n```json\n'
+    f"{{}}\n```{DS.call_end}{DS.end}"
+)
+
+
+@pytest.mark.parametrize("how", FEEDS)
+def test_deepseek_v3_calls(how):
+    content, calls = _run_tools(lambda: MarkupToolStream(DS()), DEEPSEEK, how)
+    assert content == "Sure."
+    assert calls == [("get_weather", {"city": "Tokyo"}), ("now", {})]
+    content, calls = _run_tools(lambda: MarkupToolStream(DS()), DEEPSEEK + " after", how)
+    assert content == "Sure. after" and len(calls) == 2
+
+
+@pytest.mark.parametrize("how", FEEDS)
+def test_deepseek_v3_malformed_stays_content(how):
+    bad = f"a{DS.start}{DS.call_begin}function{DS.sep}f\n```json\n{{oops\n```{DS.call_end}"
+    content, calls = _run_tools(lambda: MarkupToolStream(DS()), bad, how)
+    assert (content, calls) == (bad, [])
+    cut = DEEPSEEK[: DEEPSEEK.index("Tokyo")]
+    content, calls = _run_tools(lambda: MarkupToolStream(DS()), cut, how)
+    assert (content, calls) == (cut, [])
+
+
+TOOLS = [
+    ("get_weather", {"type": "object", "properties": {"city": {"type": "string"}}}),
+    ("add", {"type": "object", "properties": {"a": {"type": "integer"}}}),
+    ("anything", None),
+]
+
+
+@pytest.mark.parametrize("how", FEEDS)
+def test_forced_required_array_is_read_back_exactly(how):
+    rng = random.Random(1)
+    schema = forced_tool_schema(TOOLS, None, parallel=True)
+    for _ in range(20):
+        calls = []
+        for _ in range(rng.randint(1, 3)):
+            name = rng.choice(["get_weather", "add", "anything"])
+            params: dict = {
+                "get_weather": {"city": "".join(rng.choice('ab}{][",:\\é ') for _ in range(6))},
+                "add": {"a": rng.randint(-5, 5)},
+                "anything": {"x": [{"y": None}, True, 1.5]},
+            }[name]
+            calls.append({"name": name, "parameters": params})
+        jsonschema.validate(calls, schema)
+        # As xgrammar writes JSON (", " and ": "), and as any other spacing would come.
+        for text in (json.dumps(calls, ensure_ascii=False), json.dumps(calls, indent=1)):
+            content, got = _run_tools(lambda: ForcedToolStream(None), text, how)
+            assert content == ""
+            assert got == [(c["name"], c["parameters"]) for c in calls]
+
+
+def test_forced_required_arguments_are_the_written_text():
+    text = '[{"name": "add", "parameters": {"a": 1}}, {"name": "f", "parameters": 7}]'
+    stream = ForcedToolStream(None)
+    deltas = [d for ch in text for d in stream.feed(ch)[1]] + stream.feed("", True)[1]
+    assert [(c.name, c.arguments) for c in assemble(deltas)] == [("add", '{"a": 1}'), ("f", "7")]
+    # The name comes first, the arguments in pieces after it.
+    assert deltas[0].name == "add" and deltas[0].id and deltas[0].arguments == ""
+    assert all(d.name is None and d.id is None for d in deltas[1:] if d.index == 0)
+    assert len([d for d in deltas if d.index == 0]) > 2
+
+
+def test_forced_schemas():
+    required = forced_tool_schema(TOOLS, None, parallel=False)
+    jsonschema.validate([{"name": "add", "parameters": {"a": 1}}], required)
+    for bad in ([], [{"name": "nope", "parameters": {}}], [{"name": "add", "parameters": {}}] * 2):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(bad, required)
+    assert forced_tool_schema(TOOLS, "add", parallel=True) == TOOLS[1][1]
+    assert forced_tool_schema(TOOLS, "anything", parallel=True) == {"type": "object"}
+
+
+@pytest.mark.parametrize("how", FEEDS)
+def test_forced_named_and_cut_off_outputs(how):
+    content, calls = _run_tools(lambda: ForcedToolStream("add"), '{"a": 3}', how)
+    assert (content, calls) == ("", [("add", {"a": 3})])
+    # A required output cut before any call was named is content.
+    content, calls = _run_tools(lambda: ForcedToolStream(None), '[{"na', how)
+    assert (content, calls) == ('[{"na', [])
+
+
+def _run_reasoning(parser, prompt, text, how):
+    stream, r, c = ReasoningStream(parser, prompt), [], []
+    for piece in [*_pieces(text, how, random.Random(2)), None]:
+        a, b = stream.feed("", True) if piece is None else stream.feed(piece)
+        r.append(a)
+        c.append(b)
+    return "".join(r), "".join(c)
+
+
+@pytest.mark.parametrize("how", FEEDS)
+@pytest.mark.parametrize(
+    ("parser", "prompt", "text", "expected"),
+    [
+        (Qwen3ReasoningParser(), "", "<think>plan</think>\n\nanswer", ("plan", "\n\nanswer")),
+        (Qwen3ReasoningParser(), "<think>\n", "plan</think>answer", ("plan", "answer")),
+        (Qwen3ReasoningParser(), "<think>\n\n</think>\n\n", "plan</think>x", ("", "plan</think>x")),
+        (Qwen3ReasoningParser(), "", "no thinking", ("", "no thinking")),
+        (Qwen3ReasoningParser(), "", "<thin", ("", "<thin")),
+        (Qwen3ReasoningParser(), "", "<think>never closed </thi", ("never closed </thi", "")),
+        (DeepSeekR1ReasoningParser(), "", "plan</think>answer", ("plan", "answer")),
+        (DeepSeekR1ReasoningParser(), "", "<think>plan</think>answer", ("plan", "answer")),
+        (DeepSeekR1ReasoningParser(), "", "all thinking", ("all thinking", "")),
+    ],
+)
+def test_reasoning_split(how, parser, prompt, text, expected):
+    assert _run_reasoning(parser, prompt, text, how) == expected
+
+
+@pytest.mark.parametrize("how", FEEDS)
+def test_reasoning_then_tool_calls(how):
+    text = "<think>call it</think>" + HERMES
+    make = lambda: ChatOutputStream(  # noqa: E731
+        ReasoningStream(Qwen3ReasoningParser(), ""), MarkupToolStream(HermesToolParser())
+    )
+    stream, parts = make(), []
+    for piece in [*_pieces(text, how, random.Random(3)), None]:
+        parts.append(stream.feed("", True) if piece is None else stream.feed(piece))
+    assert "".join(p.reasoning for p in parts) == "call it"
+    assert "".join(p.content for p in parts) == "Let me check. "
+    assert [c.name for c in assemble([d for p in parts for d in p.tool_calls])] == [
+        "get_weather",
+        "add",
+    ]
+    assert stream.called
+
+
+def test_flag_choices_are_the_registries():
+    hints = typing.get_type_hints(FrontendConfig)
+    literal = lambda h: {a for m in typing.get_args(h) for a in typing.get_args(m)}  # noqa: E731
+    assert literal(hints["tool_call_parser"]) == set(TOOL_PARSERS)
+    assert literal(hints["reasoning_parser"]) == set(REASONING_PARSERS)
+
+
+def test_chat_template_flag(tmp_path):
+    path = tmp_path / "t.jinja"
+    path.write_text("{{ messages[0]['content'] }}")
+    assert load_chat_template(str(path)) == "{{ messages[0]['content'] }}"
+    assert load_chat_template("{% for m in messages %}x{% endfor %}").startswith("{% for")
+    assert load_chat_template(None) is None
+    with pytest.raises(ValueError, match="^chat_template: .*neither a file nor a Jinja"):
+        load_chat_template(str(tmp_path / "missing.jinja"))
