@@ -20,7 +20,16 @@ from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, create_model
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    StrictInt,
+    create_model,
+    field_serializer,
+    model_serializer,
+)
 
 from tidal.frontend.outputs import Logprob
 from tidal.launch.tool_parsers import ToolMode, forced_tool_schema
@@ -574,11 +583,22 @@ class ToolCallOut(BaseModel):
     function: FunctionCallOut
 
 
-class ChatMessageOut(BaseModel):
+class _WithoutUnusedParts(BaseModel):
+    @model_serializer(mode="wrap")
+    def _without_unused(self, dump: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # A reply without thinking or calls has no such keys (OpenAI sends none).
+        d = dump(self)
+        for key in ("reasoning_content", "tool_calls"):
+            if d.get(key) is None:
+                d.pop(key, None)
+        return d
+
+
+class ChatMessageOut(_WithoutUnusedParts):
     role: str = "assistant"
     content: str | None = None
     reasoning_content: str | None = None
-    tool_calls: list[ToolCallOut] = Field(default_factory=list)
+    tool_calls: list[ToolCallOut] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -615,11 +635,17 @@ class DeltaToolCall(BaseModel):
     function: DeltaFunctionCall
 
 
-class DeltaMessage(BaseModel):
+class DeltaMessage(_WithoutUnusedParts):
     role: str | None = None
     content: str | None = None
     reasoning_content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
+
+    @field_serializer("tool_calls")
+    def _pieces(self, calls: list[DeltaToolCall] | None) -> list[dict[str, Any]] | None:
+        # Unset parts are left out, not null: the openai SDK's stream assembly takes a
+        # later piece's null "type" as the call's type.
+        return None if calls is None else [c.model_dump(exclude_none=True) for c in calls]
 
 
 class ChatStreamChoice(BaseModel):

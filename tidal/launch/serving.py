@@ -657,8 +657,10 @@ class OpenAIServing:
 
         try:
             # OpenAI opens every choice with a role-only delta.
+            # (content null where the reply may be tool calls or thinking only, as OpenAI)
+            first = "" if job.parse_output is None else None
             for i in range(job.params.n):
-                role = P.DeltaMessage(role="assistant", content="")
+                role = P.DeltaMessage(role="assistant", content=first)
                 yield chunk([P.ChatStreamChoice(index=i, delta=role)], req.continuous_usage)
             async with contextlib.aclosing(self.merged([job], drop_connection)) as outputs:
                 async for _, out in outputs:
@@ -724,7 +726,8 @@ def _chat_message(job: _Job, c: CompletionOutput) -> tuple[P.ChatMessageOut, str
         tool_calls=[
             P.ToolCallOut(id=t.id, function=P.FunctionCallOut(name=t.name, arguments=t.arguments))
             for t in calls
-        ],
+        ]
+        or None,
     )
     return message, _finish_reason(c, parser.called)
 
