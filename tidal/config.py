@@ -599,8 +599,8 @@ class FrontendConfig:
     )
     tool_call_parser: Literal["hermes", "deepseek_v3"] | None = option(
         None,
-        help="parse the model's own tool calls (tool_choice auto) in this format: hermes "
-        "(Qwen's <tool_call> JSON) or deepseek_v3",
+        help="parse the model's own tool calls (tool_choice auto) in this format "
+        "(hermes: Qwen's <tool_call> JSON)",
     )
     reasoning_parser: Literal["qwen3", "deepseek_r1"] | None = option(
         None,

@@ -13,6 +13,7 @@ import pytest
 
 from tidal.config import FrontendConfig
 from tidal.frontend.processor import load_chat_template
+from tidal.launch.engine_args import EngineArgs
 from tidal.launch.reasoning import (
     REASONING_PARSERS,
     DeepSeekR1ReasoningParser,
@@ -249,5 +250,8 @@ def test_chat_template_flag(tmp_path):
     assert load_chat_template(str(path)) == "{{ messages[0]['content'] }}"
     assert load_chat_template("{% for m in messages %}x{% endfor %}").startswith("{% for")
     assert load_chat_template(None) is None
-    with pytest.raises(ValueError, match="^chat_template: .*neither a file nor a Jinja"):
+    with pytest.raises(ValueError, match="^chat_template must be a file or a Jinja"):
         load_chat_template(str(tmp_path / "missing.jinja"))
+    # At start, before the model is read: the CLI names the flag.
+    with pytest.raises(ValueError, match="^chat_template must be"):
+        EngineArgs(model="/no/such/model", chat_template="missing.jinja").create_engine_config()

@@ -63,12 +63,12 @@ def load_chat_template(value: str | None) -> str | None:
             with open(value, encoding="utf-8") as f:
                 return f.read()
         except (OSError, UnicodeDecodeError) as e:
-            raise ValueError(f"chat_template: cannot read {value!r}: {e}") from None
+            raise ValueError(f"chat_template cannot be read from {value!r}: {e}") from None
     if "{{" in value or "{%" in value:
         return value
     raise ValueError(
-        f"chat_template: {value!r} is neither a file nor a Jinja template "
-        "(no {{ or {% in it)"
+        f"chat_template must be a file or a Jinja template; {value!r} is neither "
+        "(no such file, and no {{ or {% in it)"
     )
 
 
