@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import enum
 import json
+import re
 import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
@@ -32,6 +33,9 @@ class ToolMode(enum.Enum):
     AUTO = "auto"  # parsed by the server's --tool-call-parser
     REQUIRED = "required"  # one or more calls, forced by a grammar
     NAMED = "named"  # one call of the named function, forced by a grammar
+
+
+_NON_SPACE = re.compile(r"\S")
 
 
 def tool_call_id() -> str:
@@ -180,6 +184,7 @@ class MarkupToolStream(ToolStream):
         self._in_section = False
         self._opened = ""  # the section's start marker, when consumed (content if it fails)
         self._calls = 0
+        self._searched = 0  # where the search for the open call's end resumes
 
     @property
     def num_calls(self) -> int:
@@ -205,20 +210,26 @@ class MarkupToolStream(ToolStream):
                 self._buf = self._buf[i + skip :]
                 self._in_section = True
                 continue
-            rest = self._buf.lstrip()
-            if p.end is not None and rest.startswith(p.end):
-                self._buf, self._in_section, self._opened = rest[len(p.end) :], False, ""
+            m = _NON_SPACE.search(self._buf)
+            k = len(self._buf) if m is None else m.start()
+            if p.end is not None and self._buf.startswith(p.end, k):
+                self._buf, self._in_section = self._buf[k + len(p.end) :], False
+                self._opened = ""
                 continue
-            if rest.startswith(p.call_begin):
-                j = rest.find(p.call_end, len(p.call_begin))
+            if self._buf.startswith(p.call_begin, k):
+                body = k + len(p.call_begin)
+                # Searched from where the last feed's search stopped: a long call's
+                # text is scanned once, not once per delta.
+                j = self._buf.find(p.call_end, max(body, self._searched))
                 if j < 0:
+                    self._searched = max(body, len(self._buf) - len(p.call_end) + 1)
                     if final:  # cut off inside a call: what was written is content
                         content.append(self._opened + self._buf)
                         self._buf = ""
                     break
-                raw = rest[: j + len(p.call_end)]
-                self._buf = rest[len(raw) :]
-                parsed = p.parse_call(rest[len(p.call_begin) : j])
+                raw = self._buf[k : j + len(p.call_end)]
+                parsed = p.parse_call(self._buf[body:j])
+                self._buf, self._searched = self._buf[j + len(p.call_end) :], 0
                 if parsed is None:
                     content.append(self._opened + raw)
                 elif self.max_calls is None or self._calls < self.max_calls:
@@ -226,6 +237,7 @@ class MarkupToolStream(ToolStream):
                     self._calls += 1
                 self._opened = ""
                 continue
+            rest = self._buf[k:]
             may_continue = p.call_begin.startswith(rest) or (
                 p.end is not None and p.end.startswith(rest)
             )
