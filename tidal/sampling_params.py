@@ -52,6 +52,10 @@ class StructuredOutputs(msgspec.Struct, omit_defaults=True, array_like=True, fro
     - ``choice``: the output is one of these strings;
     - ``grammar``: an EBNF (GBNF) grammar with a ``root`` rule.
 
+    ``starts_after``: token ids (a reasoning model's end-of-thinking marker) the output
+    writes freely up to and including their first occurrence; the constraint applies to
+    what follows them (none: from the first token).
+
     The struct is its own wire form and cache key. Whether a schema, regex or grammar
     compiles is checked where xgrammar is available (``tidal.engine_core.structured``)."""
 
@@ -60,8 +64,20 @@ class StructuredOutputs(msgspec.Struct, omit_defaults=True, array_like=True, fro
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
+    starts_after: list[int] | None = None
 
     def __post_init__(self) -> None:
+        if self.starts_after is not None:
+            ids = self.starts_after
+            if (
+                not isinstance(ids, (list, tuple))
+                or not ids
+                or not all(type(t) is int and t >= 0 for t in ids)
+            ):
+                raise ValueError(
+                    "structured_outputs.starts_after must be a non-empty list of token ids"
+                )
+            msgspec.structs.force_setattr(self, "starts_after", list(ids))
         if self.json is not None and not isinstance(self.json, str):
             # A dict from the Python API (documented as text, accepted as a schema object).
             msgspec.structs.force_setattr(self, "json", json_schema_text(self.json))

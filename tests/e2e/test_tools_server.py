@@ -4,7 +4,8 @@
 The tiny model is random: forced calls (``required``, a named function) are what their
 grammar makes of noise, so what is checked is that their arguments validate; the ``auto``
 parser is fed a call forced by a regex; the template leaves ``<think>`` open, so the
-random output is all thinking unless ``enable_thinking`` is false.
+random output is all thinking (and a grammar waits for its end) unless
+``enable_thinking`` is false.
 """
 
 from __future__ import annotations
@@ -97,9 +98,14 @@ def _calls(message) -> list[tuple[str, dict]]:
     return out
 
 
+# The template's thinking block closed: a grammar would otherwise wait for </think>.
+NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
+
+
 def _both(client, **kw):
     """The reply unstreamed, and streamed as the SDK assembles it (same seed)."""
     args = {"model": MODEL_NAME, "messages": CHAT, "max_tokens": 120, "seed": 7, **kw}
+    args["extra_body"] = {**NO_THINKING, **args.get("extra_body", {})}
     plain = client.chat.completions.create(**args).choices[0]
     with client.chat.completions.stream(**args) as stream:
         streamed = stream.get_final_completion().choices[0]
@@ -140,7 +146,7 @@ def test_auto_calls_are_parsed_streamed_and_not(client):
     # Not a call (the JSON is bad): the text stays content, as written.
     bad = client.chat.completions.create(
         model=MODEL_NAME, messages=CHAT, tools=TOOLS, max_tokens=60,
-        extra_body={"guided_regex": r"<tool_call>\{oops[a-z]{2}\}</tool_call>"},
+        extra_body={"guided_regex": r"<tool_call>\{oops[a-z]{2}\}</tool_call>", **NO_THINKING},
     ).choices[0]  # fmt: skip
     assert bad.finish_reason == "stop" and not bad.message.tool_calls
     assert bad.message.content.startswith("<tool_call>{oops")
@@ -160,6 +166,20 @@ def test_reasoning_content_from_the_open_think_block(client):
         **args, extra_body={"chat_template_kwargs": {"enable_thinking": False}}
     ).choices[0].message
     assert answer.content and getattr(answer, "reasoning_content", None) is None
+
+
+def test_a_grammar_applies_after_the_thinking(client):
+    """As vLLM: the thinking is free, the constraint starts at </think>. The random
+    model never closes the block, so the constrained reply is all (unconstrained)
+    thinking, cut by max_tokens; without the thinking it is a choice at once."""
+    args = {"model": MODEL_NAME, "messages": CHAT, "max_tokens": 12, "temperature": 0}
+    choice = {"guided_choice": ["yes", "no"]}
+    thinking = client.chat.completions.create(**args, extra_body=choice).choices[0]
+    assert thinking.finish_reason == "length" and thinking.message.content is None
+    assert getattr(thinking.message, "reasoning_content", None)
+    answer = client.chat.completions.create(**args, extra_body={**choice, **NO_THINKING})
+    assert answer.choices[0].message.content in ("yes", "no")
+    assert answer.choices[0].finish_reason == "stop"
 
 
 def test_tools_and_history_reach_the_template(client):

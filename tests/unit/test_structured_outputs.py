@@ -237,6 +237,32 @@ def test_matcher_advances_rolls_back_and_replays(backend, tokenizer):
     assert g.accepted == [no[0]]
 
 
+def test_a_grammar_after_a_marker_is_the_grammar_of_what_follows_it(backend, tokenizer):
+    """``starts_after``: free up to the marker, then each mask is a fresh grammar's on
+    the tokens after the marker (the reference); a rollback across the marker makes it
+    dormant again, and a replay brings it back."""
+    marker = tokenizer.encode("</think>", add_special_tokens=False)
+    spec = StructuredOutputs(regex="[a-z]{2,4}")
+    g = backend.request_grammar(msgspec.structs.replace(spec, starts_after=marker))
+    _wait(g._compiled)
+    free = [40, 300, 17, *marker[:-1], 99]  # the marker's start alone does not end it
+    assert g.sync(free) and not g.active and not g.accepted
+    assert set(_allowed(backend.bitmasks([g])[0])) == set(range(VOCAB))
+    thought = [*free, *marker]
+    answer = tokenizer.encode("ab", add_special_tokens=False)
+    assert g.sync(thought + answer) and g.active and g.accepted == answer
+    ref = backend.request_grammar(spec)
+    _wait(ref._compiled)
+    assert ref.sync(answer)
+    assert backend.bitmasks([g]) == backend.bitmasks([ref])
+    assert not g.accept(tokenizer.convert_tokens_to_ids("7"))  # a digit: refused
+    assert g.sync(thought[:-1]) and not g.active  # the marker undone
+    assert g.sync(thought) and g.active and g.accepted == []
+    assert backend.bitmasks([g]) == backend.bitmasks([backend.request_grammar(spec)])
+    with pytest.raises(ValueError, match="starts_after"):
+        StructuredOutputs(regex="a", starts_after=[])
+
+
 # ---- the scheduler -------------------------------------------------------------------------
 
 
@@ -428,6 +454,22 @@ def test_preempted_request_keeps_its_matcher_in_step(backend, tokenizer):
     rest = _drive(sched)["r"]
     text = tokenizer.decode(req.output_token_ids, skip_special_tokens=True)
     assert re.fullmatch("[a-z]{20}", text) and rest.finish_reason == FinishReason.STOP
+
+
+def test_a_request_is_masked_only_after_its_marker(backend, tokenizer):
+    marker = tokenizer.encode("</think>", add_special_tokens=False)
+    spec = StructuredOutputs(choice=["yes", "no"], starts_after=marker)
+    sched = _sched(backend)
+    sched.add_request(_req("r", spec))
+    _await_grammars(sched)
+    for token in [40, 41, *marker]:  # thinking: no mask, the runner writes what it likes
+        so = sched.schedule()
+        assert "r" not in so.grammar_bitmask
+        ro = ModelRunnerOutput(sampled_token_ids={"r": [token]})
+        sched.update_from_output(so, ro)
+    out = _drive(sched)["r"]  # then only what the choice allows, to its end
+    text = tokenizer.decode(out.new_token_ids[:-1], skip_special_tokens=True)
+    assert text in ("yes", "no") and out.finish_reason == FinishReason.STOP
 
 
 def test_the_bitmask_crosses_the_tp_wire(backend):

@@ -234,7 +234,8 @@ class Scheduler:
             # Kept in step by admission and update; a mismatch would be a bug, and the
             # request (not the engine) pays for it.
             if req.grammar.sync(req.output_token_ids):
-                todo.append(req)
+                if req.grammar.active:  # a dormant one (before starts_after) masks nothing
+                    todo.append(req)
             else:
                 self._grammar_errors[req.request_id] = (
                     "structured_outputs: its output tokens do not match its grammar"

@@ -195,7 +195,9 @@ class GrammarBackend:
         """A matcher for one request; ``stop_token_ids``: the tokens that end that request
         (its EOS and stop ids), the only ones its grammar allows once complete. Empty: the
         backend's (the model's EOS ids)."""
-        return RequestGrammar(self.compile(spec), self.words, stop_token_ids)
+        # Compiled without starts_after: specs differing only there share one grammar.
+        compiled = self.compile(msgspec.structs.replace(spec, starts_after=None))
+        return RequestGrammar(compiled, self.words, stop_token_ids, spec.starts_after or ())
 
     def bitmasks(self, grammars: Sequence[RequestGrammar]) -> list[bytes | str]:
         """Each grammar's next-token bitmask row as bytes (``[words]`` int32), or the
@@ -234,17 +236,36 @@ def _make_compiler(tokenizer: Any, vocab_size: int, stop_ids: list[int]) -> Any:
 
 
 class RequestGrammar:
-    """One request's grammar state: the compile future, then a matcher that has accepted
-    exactly ``accepted`` (the request's output tokens, once ``sync``ed)."""
+    """One request's grammar state: the compile future, then a matcher kept equal to the
+    request's output tokens (once ``sync``ed): ``outputs``. With ``starts_after`` the
+    grammar is dormant (allows everything, ``active`` false) until the outputs contain
+    those tokens; the matcher holds what follows their first occurrence."""
 
     def __init__(
-        self, compiled: Future[Any], words: int, stop_token_ids: Sequence[int] = ()
+        self,
+        compiled: Future[Any],
+        words: int,
+        stop_token_ids: Sequence[int] = (),
+        starts_after: Sequence[int] = (),
     ) -> None:
         self._compiled = compiled
         self._words = words
         self._stop_ids = list(stop_token_ids) or None
+        self._after = list(starts_after)
         self._matcher: Any = None
-        self.accepted: list[int] = []
+        self.outputs: list[int] = []
+        # Index in ``outputs`` where the grammar's tokens begin; None while dormant.
+        self._start: int | None = None if self._after else 0
+
+    @property
+    def accepted(self) -> list[int]:
+        """The tokens the matcher took (the outputs after ``starts_after``)."""
+        return [] if self._start is None else self.outputs[self._start :]
+
+    @property
+    def active(self) -> bool:
+        """The grammar constrains the next token (it is not waiting for ``starts_after``)."""
+        return self._start is not None
 
     @property
     def ready(self) -> bool:
@@ -268,25 +289,34 @@ class RequestGrammar:
 
     def accept(self, token: int) -> bool:
         """Advance by one sampled token; False (state unchanged) if the grammar refuses it."""
+        if self._start is None:
+            self.outputs.append(token)
+            if self.outputs[-len(self._after) :] == self._after:
+                self._start = len(self.outputs)
+            return True
         if not self._matcher_now().accept_token(token):
             return False
-        self.accepted.append(token)
+        self.outputs.append(token)
         return True
 
     def rollback(self, num_tokens: int) -> None:
-        """Undo the last ``num_tokens`` accepted tokens."""
+        """Undo the last ``num_tokens`` outputs (into the dormant part too)."""
         if num_tokens <= 0:
             return
-        if num_tokens > len(self.accepted):
-            raise ValueError(f"cannot roll back {num_tokens} of {len(self.accepted)} tokens")
-        self._matcher_now().rollback(num_tokens)
-        del self.accepted[-num_tokens:]
+        if num_tokens > len(self.outputs):
+            raise ValueError(f"cannot roll back {num_tokens} of {len(self.outputs)} tokens")
+        grammar_tokens = len(self.accepted)
+        if grammar_tokens:
+            self._matcher_now().rollback(min(num_tokens, grammar_tokens))
+        del self.outputs[-num_tokens:]
+        if self._start is not None and len(self.outputs) < self._start:
+            self._start = None  # the marker was undone: dormant again
 
     def sync(self, output_token_ids: Sequence[int]) -> bool:
         """Make the matcher's history ``output_token_ids``: roll back to the common
         prefix, then replay the rest. False if the grammar refuses one of them (the
         matcher then holds the longest accepted prefix)."""
-        acc = self.accepted
+        acc = self.outputs
         if len(acc) == len(output_token_ids) and acc == list(output_token_ids):
             return True
         common = 0
@@ -302,6 +332,9 @@ class RequestGrammar:
         ValueError once the grammar has accepted its end (nothing may follow it)."""
         if self.is_terminated:
             raise ValueError("the output is complete but the request did not end")
+        if self._start is None:
+            out[row].fill_(-1)  # dormant: every token allowed
+            return
         self._matcher_now().fill_next_token_bitmask(out, row)
 
     @property

@@ -16,6 +16,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, assert_never
 
+import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
@@ -479,6 +480,7 @@ class OpenAIServing:
 
     async def chat_job(self, req: P.ChatCompletionRequest, request_id: str) -> _Job:
         job = self._job(req, await self.render_chat(req), request_id, 0)
+        self._grammar_after_thinking(job)
         job.parse_output = self._output_parsing(req, req.tool_mode, job)
         return job
 
@@ -539,15 +541,20 @@ class OpenAIServing:
             raise APIError(400, f"cannot apply the chat template: {e}", param="messages") from None
         return prompt
 
+    def _grammar_after_thinking(self, job: _Job) -> None:
+        """A constrained reply that starts inside the thinking is constrained once the
+        thinking ends (as vLLM does): the grammar starts after the end marker's tokens."""
+        rp, spec = self.reasoning_parser, job.params.structured_outputs
+        if rp is None or spec is None or not rp.starts_in_reasoning(job.prompt.prompt):
+            return
+        ids = self.tokenizer.encode(rp.end, add_special_tokens=False)
+        job.params.structured_outputs = msgspec.structs.replace(spec, starts_after=ids)
+
     def _output_parsing(
         self, req: P.ChatCompletionRequest, mode: ToolMode, job: _Job
     ) -> Callable[[], ChatOutputStream] | None:
-        """What splits the request's outputs, if anything does. Reasoning is parsed only
-        where no grammar constrains the output (the grammar covers all of it)."""
-        rp = self.reasoning_parser
-        if job.params.structured_outputs is not None:
-            rp = None
-        parser, prompt = self.tool_parser, job.prompt.prompt
+        """What splits the request's outputs, if anything does."""
+        rp, parser, prompt = self.reasoning_parser, self.tool_parser, job.prompt.prompt
         choice = req.tool_choice
         max_calls = None if _or_true(req.parallel_tool_calls) else 1
 
