@@ -186,6 +186,9 @@ def test_forced_schemas():
 def test_forced_named_and_cut_off_outputs(how):
     content, calls = _run_tools(lambda: ForcedToolStream("add"), '{"a": 3}', how)
     assert (content, calls) == ("", [("add", {"a": 3})])
+    # Nothing written yet (a reply still thinking): no call; none at all if it never is.
+    assert ForcedToolStream("add").feed("") == ("", [])
+    assert ForcedToolStream("add").feed("", final=True) == ("", [])
     # A required output cut before any call was named is content.
     content, calls = _run_tools(lambda: ForcedToolStream(None), '[{"na', how)
     assert (content, calls) == ('[{"na', [])
@@ -255,3 +258,17 @@ def test_chat_template_flag(tmp_path):
     # At start, before the model is read: the CLI names the flag.
     with pytest.raises(ValueError, match="^chat_template must be"):
         EngineArgs(model="/no/such/model", chat_template="missing.jinja").create_engine_config()
+
+
+@pytest.mark.parametrize("how", FEEDS)
+def test_thinking_then_a_forced_call(how):
+    """A forced call's grammar starts after the thinking: its stream sees only the rest."""
+    stream, parts = ChatOutputStream(
+        ReasoningStream(DeepSeekR1ReasoningParser(), ""), ForcedToolStream("add")
+    ), []
+    for piece in [*_pieces('plan</think>{"a": 1}', how, random.Random(4)), None]:
+        parts.append(stream.feed("", True) if piece is None else stream.feed(piece))
+    assert "".join(p.reasoning for p in parts) == "plan"
+    assert "".join(p.content for p in parts) == ""
+    calls = assemble([d for p in parts for d in p.tool_calls])
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("add", {"a": 1})]

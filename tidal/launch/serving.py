@@ -646,7 +646,9 @@ class OpenAIServing:
             tokens[c.index] = tokens.get(c.index, 0) + len(c.token_ids)
             message, finish = P.DeltaMessage(content=c.text), c.finish_reason
             if job.parse_output is not None:
-                parser = parsers.get(c.index) or parsers.setdefault(c.index, job.parse_output())
+                parser = parsers.get(c.index)
+                if parser is None:
+                    parser = parsers[c.index] = job.parse_output()
                 d = parser.feed(c.text, final=c.finish_reason is not None)
                 message = P.DeltaMessage(
                     content=d.content or None,
@@ -663,8 +665,8 @@ class OpenAIServing:
             )
 
         try:
-            # OpenAI opens every choice with a role-only delta.
-            # (content null where the reply may be tool calls or thinking only, as OpenAI)
+            # OpenAI opens every choice with a role-only delta (content null where the
+            # reply may be only tool calls or thinking).
             first = "" if job.parse_output is None else None
             for i in range(job.params.n):
                 role = P.DeltaMessage(role="assistant", content=first)

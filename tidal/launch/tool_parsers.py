@@ -323,6 +323,8 @@ class ForcedToolStream(ToolStream):
     def feed(self, text: str, final: bool = False) -> tuple[str, list[ToolCallDelta]]:
         if self.named is not None:
             if not self._calls:
+                if not text:  # e.g. still thinking: the call has not begun
+                    return "", []
                 self._calls.append(_Call(self.named))
                 return "", [ToolCallDelta(0, text, self._calls[0].id, self.named)]
             return "", [ToolCallDelta(0, text)] if text else []
