@@ -221,6 +221,12 @@ class _SamplingRequest(_UnsupportedFields):
             msg = str(e)
             raise ValueError(msg if msg.startswith(field) else f"{field}: {msg}") from None
 
+    def grammar_checks(self) -> list[tuple[str, StructuredOutputs]]:
+        """Each spec the server compiles (on a thread) before accepting the request, with
+        the field its error names."""
+        spec = self.structured_spec()
+        return [] if spec is None else [spec]
+
     def _spec(self, field: str) -> StructuredOutputs:
         match field:
             case "response_format":
@@ -419,32 +425,39 @@ class ChatCompletionRequest(_SamplingRequest):
             return None
         return [t.model_dump(exclude_none=True) for t in self.tools]
 
-    def _structured_outputs(self) -> StructuredOutputs | None:
+    def structured_spec(self) -> tuple[str, StructuredOutputs] | None:
         """A forced tool call's grammar (tool_choice required or named), else the
         request's structured-output field."""
         mode = self.tool_mode
         if mode not in (ToolMode.REQUIRED, ToolMode.NAMED):
-            return super()._structured_outputs()
+            return super().structured_spec()
         used = [n for n in _STRUCTURED_FIELDS if getattr(self, n) is not None]
         if self.response_format is not None and self.response_format.type == "text":
             used.remove("response_format")
         if used:
             raise ValueError(f"tool_choice: a forced tool call cannot be combined with {used[0]}")
-        tools = self.tools or []
-        for i, t in enumerate(tools):  # each schema on its own: the error names its tool
-            if t.function.parameters is not None:
-                spec = StructuredOutputs(json=json_schema_text(t.function.parameters))
-                check_spec(spec, f"tools[{i}].function.parameters")
         choice = self.tool_choice
         named = choice.function.name if isinstance(choice, NamedToolChoice) else None
         schema = forced_tool_schema(
-            [(t.function.name, t.function.parameters) for t in tools],
+            [(t.function.name, t.function.parameters) for t in self.tools or []],
             named,
             parallel=_or(self.parallel_tool_calls, True),
         )
-        spec = StructuredOutputs(json=json_schema_text(schema))
-        check_spec(spec, "tools")
-        return spec
+        return "tools", StructuredOutputs(json=json_schema_text(schema))
+
+    def grammar_checks(self) -> list[tuple[str, StructuredOutputs]]:
+        """With a forced tool call, each tool's parameters on its own first (the error
+        names its tool), then the grammar of the call."""
+        checks = super().grammar_checks()
+        if self.tool_mode not in (ToolMode.REQUIRED, ToolMode.NAMED):
+            return checks
+        params = [
+            (f"tools[{i}].function.parameters", t.function.parameters)
+            for i, t in enumerate(self.tools or [])
+            if t.function.parameters is not None
+        ]
+        own = [(f, StructuredOutputs(json=json_schema_text(p))) for f, p in params]
+        return own + checks
 
     @property
     def requested_max_tokens(self) -> int | None:

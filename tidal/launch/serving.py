@@ -208,18 +208,15 @@ class OpenAIServing:
         on the event loop would stall every other stream. Requests that bring the same
         spec at once share one compile; ``check_spec`` remembers specs that compiled, so
         later ones, and the checks that follow on the loop (``_job``), are lookups."""
-        structured = req.structured_spec()
-        if structured is None:
-            return
-        name, spec = structured
-        key = (spec_key(spec), name)  # the error names the field
-        pending = self._grammar_checks.get(key)
-        if pending is None:
-            pending = asyncio.ensure_future(asyncio.to_thread(check_spec, spec, name))
-            self._grammar_checks[key] = pending
-            pending.add_done_callback(lambda f: self._check_done(key, f))
-        # Shielded: a client that hangs up does not cancel the others' compile.
-        await asyncio.shield(pending)
+        for name, spec in req.grammar_checks():
+            key = (spec_key(spec), name)  # the error names the field
+            pending = self._grammar_checks.get(key)
+            if pending is None:
+                pending = asyncio.ensure_future(asyncio.to_thread(check_spec, spec, name))
+                self._grammar_checks[key] = pending
+                pending.add_done_callback(lambda f, key=key: self._check_done(key, f))
+            # Shielded: a client that hangs up does not cancel the others' compile.
+            await asyncio.shield(pending)
 
     def _check_done(self, key: tuple[bytes, str], check: asyncio.Future[None]) -> None:
         self._grammar_checks.pop(key, None)
