@@ -4,7 +4,8 @@ surface (``/v1/responses``, ``/tokenize``, ``prompt_logprobs``...) through the r
 
 The first parts restate, test by test, what vLLM's
 ``tests/entrypoints/openai/completion/test_completion.py`` and (its LoRA, structured-output
-and trained-model parts left out) ``chat_completion/test_chat.py`` ask of a server. The shim is
+and trained-model parts left out) ``chat_completion/test_chat.py`` ask of a server, and ``test_return_tokens_as_ids.py``
+(the request field; this server has no such flag). The shim is
 small: vLLM's ``RemoteOpenAIServer`` is ``RemoteServer`` serving the tiny random checkpoint
 under the test's model name. Assertions tied to OPT's tokenizer or to a trained model are
 adapted, each saying how: token counts come from ``/tokenize``, decoded prompts from
@@ -319,6 +320,44 @@ def test_chat_streaming_and_stream_options(client):
         )
         last = usage.completion_tokens
     assert last == 10
+
+
+# ---- vLLM's test_return_tokens_as_ids.py (the per-request field), restated ---------------------
+
+
+def test_return_tokens_as_token_ids(client, qwen3_ckpt):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(qwen3_ckpt)
+    completion = client.completions.create(
+        model=MODEL_NAME, prompt="Say 'Hello, world! 🎉'", echo=True, temperature=0,
+        max_tokens=10, logprobs=1, extra_body={"return_tokens_as_token_ids": True},
+    )  # fmt: skip
+    lp = completion.choices[0].logprobs
+    assert lp is not None and all(t.startswith("token_id:") for t in lp.tokens)
+    # Each position's top dict starts with its own token (the first has no logprob).
+    assert lp.tokens[1:] == [next(iter(top)) for top in lp.top_logprobs[1:]]
+    ids = [int(t.removeprefix("token_id:")) for t in lp.tokens]
+    _assert_decodes_to(tokenizer.decode(ids, skip_special_tokens=True), completion.choices[0].text)
+
+    chat = client.chat.completions.create(
+        model=MODEL_NAME, temperature=0, max_tokens=8, logprobs=True,
+        messages=[{"role": "system", "content": "You like to respond in only emojis, like 🎉"},
+                  {"role": "user", "content": "Please write some emojis: 🐱🐶🎉"}],
+        extra_body={"return_tokens_as_token_ids": True},
+    )  # fmt: skip
+    content = chat.choices[0].logprobs.content
+    ids = [int(c.token.removeprefix("token_id:")) for c in content]
+    _assert_decodes_to(
+        tokenizer.decode(ids, skip_special_tokens=True), chat.choices[0].message.content
+    )
+
+
+def _assert_decodes_to(decoded: str, text: str | None) -> None:
+    """Adapted: vLLM's model ends on whole characters; the random one may stop inside a
+    multi-byte one, whose bytes the text leaves out (the decode shows them as U+FFFD)."""
+    assert text is not None and decoded.startswith(text)
+    assert set(decoded[len(text) :]) <= {"\ufffd"}
 
 
 # ---- the rest of the surface -----------------------------------------------------------------

@@ -149,6 +149,9 @@ def test_top_logprobs_of_tokens_with_equal_text_keep_every_entry_as_token_ids():
     by_id = P.completion_logprobs([5], [step], 3, tokenizer=None, as_ids=True)
     assert by_id.tokens == ["token_id:5"] and by_id.text_offset == [0]
     assert by_id.top_logprobs == [{"token_id:5": -0.5, "token_id:6": -1.5, "token_id:7": -2.5}]
+    # The chosen token's entry comes first, even where it is not the likeliest (echo).
+    steps = [{5: Logprob(-3.0, 4, "c"), 6: Logprob(-0.1, 1, "d")}]
+    assert list(P.completion_logprobs([5], steps, 1, tokenizer=None).top_logprobs[0]) == ["c", "d"]
     chat = P.chat_logprobs([5], [step], 3, tokenizer=None, as_ids=True)
     (entry,) = chat.content or []
     assert entry.token == "token_id:5"

@@ -769,11 +769,13 @@ def completion_logprobs(
         if step is None:
             out.top_logprobs.append(None)
             continue
+        # The chosen token first (as vLLM orders it), then the most likely: a text that
+        # repeats keeps its first entry.
         top: dict[str, float] = {}
-        for t, lp in _top(step, k):  # most likely first: a repeated text keeps its best
-            top.setdefault(_text(t, lp, tokenizer, as_ids), _clamp(lp.logprob))
         if chosen is not None:
-            top.setdefault(text, _clamp(chosen.logprob))
+            top[text] = _clamp(chosen.logprob)
+        for t, lp in _top(step, k):
+            top.setdefault(_text(t, lp, tokenizer, as_ids), _clamp(lp.logprob))
         out.top_logprobs.append(top)
     return out
 
