@@ -86,6 +86,23 @@ def tiny_ckpt(tiny_ckpt_root: str) -> Callable[[str], str]:
 
 
 @pytest.fixture(scope="session")
+def deepseek_fp8_ckpt(tiny_ckpt_root: str) -> str:
+    """DeepSeek-V3 in its FP8 release's layout (``make_tiny_fp8_checkpoint``: hidden 256,
+    expert intermediate 192, 128x128 blocks, the entry's test switches); layer 0's
+    ``o_proj`` stays bf16, listed in ``modules_to_not_convert``."""
+    from tidal.models.registry import entry_for_model_type
+    from tidal.models.tiny import make_tiny_fp8_checkpoint
+
+    path = os.path.join(tiny_ckpt_root, "deepseek_v3_fp8")
+    if not os.path.isdir(path):
+        make_tiny_fp8_checkpoint(
+            path, "deepseek_v3", not_converted=("model.layers.0.self_attn.o_proj",),
+            **entry_for_model_type("deepseek_v3").test_config,
+        )  # fmt: skip
+    return path
+
+
+@pytest.fixture(scope="session")
 def qwen3_ckpt(tiny_ckpt: Callable[[str], str]) -> str:
     """Qwen3-MoE: hidden 64, 2 layers, 8 experts top-2, norm_topk_prob, vocab 512."""
     return tiny_ckpt("qwen3_moe")

@@ -230,7 +230,9 @@ class ModelConfig:
     )
     tokenizer: str = option(arg_default=None, help="tokenizer folder or repo id (default: --model)")
     dtype: ModelDType = option(
-        arg_default="auto", help="weights and activations (auto: the checkpoint's dtype)"
+        arg_default="auto",
+        help="weights and activations (auto: the checkpoint's dtype; bfloat16 for a quantized "
+        "checkpoint, whose unquantized weights and activations then use it)",
     )
     max_model_len: Annotated[int, Meta(ge=1)] = option(
         arg_default=None, help="longest prompt + output in tokens (default: the model's limit)"
@@ -261,6 +263,13 @@ class ModelConfig:
         False,
         help="let transformers run Python code shipped in the checkpoint (config.json or "
         "tokenizer_config.json auto_map); off: such code is never run",
+    )
+    quantization: Literal["fp8"] | None = option(
+        None,
+        help="how the checkpoint's weights are quantized (default: its config.json "
+        "quantization_config; fp8: float8_e4m3fn weights with block or per-tensor scales, "
+        "held in FP8 and dequantized per call, docs/architecture.md#quantization); another "
+        "quant_method is an error",
     )
 
     def __post_init__(self) -> None:

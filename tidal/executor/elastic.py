@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import math
 import threading
 import time
 from dataclasses import dataclass, field
@@ -71,7 +72,8 @@ _TAG_FLAGS = 1
 _TAG_PAYLOAD = 2
 
 TransferKey = tuple[int, int, int, int]  # (expert, dst_engine_id, dst_tp_rank, dst_slot)
-Staged = dict[tuple[int, int], tuple[Tensor, Tensor]]  # (layer index, expert) -> w13, w2
+# (layer index, expert) -> w13, w2 (+ their FP8 row scales): FusedMoE.expert_weights' form
+Staged = dict[tuple[int, int], tuple[Tensor, ...]]
 
 
 def transfer_key(spec: ExpertTransferSpec) -> TransferKey:
@@ -327,7 +329,7 @@ class ElasticWorkerState:
         """Busy-loop thread: snapshot the weights of the experts this engine sends (so the
         helper never reads a slot an EPLB move is rewriting)."""
         layers = self.runner.model.moe_layers()
-        packed: dict[TransferKey, tuple[Tensor, Tensor]] = {}
+        packed: dict[TransferKey, tuple[Tensor, Tensor]] = {}  # flags [L] int64, bytes
         for spec in sends:
             if spec.src_tp_rank != self.tp_rank:
                 continue  # another worker of this engine sends it
@@ -338,12 +340,11 @@ class ElasticWorkerState:
                     continue
                 slot = moe.local_expert_ids.index(spec.expert)
                 flags[li] = 1
-                # From whichever layout holds it (a packed path's is the only copy).
-                w13, w2 = moe.expert_weights([slot])
-                parts += [w13.reshape(-1), w2.reshape(-1)]
-            dtype = layers[0].params_dtype
+                # From whichever layout holds it (a packed path's is the only copy); as
+                # bytes: FP8 weights travel with their float32 scales.
+                parts += [p.reshape(-1).view(torch.uint8) for p in moe.expert_weights([slot])]
             # cat copies: the snapshot never aliases a slot an EPLB move may rewrite.
-            payload = torch.cat(parts).cpu() if parts else torch.empty(0, dtype=dtype)
+            payload = torch.cat(parts).cpu() if parts else torch.empty(0, dtype=torch.uint8)
             packed[transfer_key(spec)] = (flags, payload)
         with self._lock:
             self._packed.setdefault(epoch, {}).update(packed)
@@ -376,10 +377,9 @@ class ElasticWorkerState:
         model = runner.model
         layer_ids = model.moe_layer_ids()
         layers = model.moe_layers()
-        shape13 = tuple(layers[0].expert_shape)  # (2I, H), w2 (H, I): read without the weights
-        shape2 = (shape13[1], shape13[0] // 2)
-        n13, n2 = shape13[0] * shape13[1], shape2[0] * shape2[1]
-        dtype = layers[0].params_dtype
+        specs = layers[0].expert_part_specs()  # one expert's tensors, read without the weights
+        nbytes_of = [math.prod(shape) * dtype.itemsize for shape, dtype in specs]
+        per_expert = sum(nbytes_of)
         deadline = time.monotonic() + timeout_s
 
         def wait(work: Any, what: str) -> None:
@@ -409,14 +409,14 @@ class ElasticWorkerState:
                 to = peer(*dst_w)
                 wait(group.process_group.send([flags], to, _TAG_FLAGS), f"send to {dst}")
                 if int(flags.sum()) and payload is not None:  # None: nothing packed (all zero)
-                    data = payload.contiguous().view(torch.uint8)
+                    data = payload.contiguous()
                     wait(group.process_group.send([data], to, _TAG_PAYLOAD), f"send to {dst}")
                 continue
             if dst_w != me:
                 continue  # not this worker's
             if src is None or (src_w == me and key not in packed):
                 flags = torch.zeros(len(layers), dtype=torch.int64)  # all from disk
-                payload = torch.empty(0, dtype=dtype)
+                payload = torch.empty(0, dtype=torch.uint8)
             elif src_w == me:  # a copy to itself (plans make these slot moves)
                 flags, payload = packed[key]
             else:
@@ -424,22 +424,22 @@ class ElasticWorkerState:
                 flags = torch.empty(len(layers), dtype=torch.int64)
                 wait(group.process_group.recv([flags], frm, _TAG_FLAGS), f"recv from {src}")
                 held = int(flags.sum())
-                payload = torch.empty(held * (n13 + n2), dtype=dtype)
+                payload = torch.empty(held * per_expert, dtype=torch.uint8)
                 if held:
-                    buf = payload.view(torch.uint8)
-                    wait(group.process_group.recv([buf], frm, _TAG_PAYLOAD), f"recv from {src}")
+                    wait(group.process_group.recv([payload], frm, _TAG_PAYLOAD), f"recv from {src}")
             offset = 0
             for li, lid in enumerate(layer_ids):
                 if not int(flags[li]):
                     from_disk.setdefault(lid, []).append(spec.expert)
                     continue
-                w13 = payload[offset : offset + n13].view(shape13)
-                w2 = payload[offset + n13 : offset + n13 + n2].view(shape2)
-                offset += n13 + n2
-                staged[lid, spec.expert] = (w13, w2)
+                pieces = payload[offset : offset + per_expert].split(nbytes_of)
+                offset += per_expert
+                staged[lid, spec.expert] = tuple(
+                    _as_tensor(piece, shape, dtype) for piece, (shape, dtype) in zip(pieces, specs)
+                )
         if from_disk:
             staged.update(load_expert_weights(model, self.config.model.model, from_disk))
-        nbytes = sum(w13.nbytes + w2.nbytes for w13, w2 in staged.values())
+        nbytes = sum(t.nbytes for parts in staged.values() for t in parts)
         with self._lock:
             if entry.cancelled:
                 raise RuntimeError(f"the standby groups of epoch {epoch} were destroyed")
@@ -552,23 +552,16 @@ class ElasticWorkerState:
             have = held(moe)
             dev = moe.expert_map.device
             kept = [e for e in new_ids if e in have]
-            own13, own2 = moe.expert_weights([have[e] for e in kept])  # copies
+            own = moe.expert_weights([have[e] for e in kept])  # copies: w13, w2 (+ scales)
             mine = {e: i for i, e in enumerate(kept)}
-            w13s, w2s = [], []
-            for e in new_ids:
-                if e in have:
-                    w13s.append(own13[mine[e]])
-                    w2s.append(own2[mine[e]])
-                else:
-                    w13, w2 = staged[lid, e]
-                    w13s.append(w13.to(dev))
-                    w2s.append(w2.to(dev))
+            per_slot = [
+                [t[mine[e]] for t in own] if e in have else [t.to(dev) for t in staged[lid, e]]
+                for e in new_ids
+            ]
             # stack copies: every source is read before a slot is written.
-            new13, new2 = torch.stack(w13s), torch.stack(w2s)
+            new = [torch.stack(list(ts)) for ts in zip(*per_slot)]
             moe.set_local_experts(new_ids)  # keeps the backend's storage layout
-            moe.w13.data.copy_(new13)
-            moe.w2.data.copy_(new2)
-            moe.weights_updated()
+            moe.set_expert_weights(new)
         runner.placement = placement
         if ep is not None:
             runner.setup_expert_parallel(placement)
@@ -627,3 +620,11 @@ class ElasticWorkerState:
     def standby_epochs(self) -> list[int]:
         with self._lock:
             return sorted(self._standby)
+
+
+def _as_tensor(raw: Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
+    """Bytes ``raw`` (a piece of a received payload) as ``shape`` of ``dtype``; copied
+    when its offset is not aligned to ``dtype`` (a view needs that)."""
+    if raw.storage_offset() % dtype.itemsize:
+        raw = raw.clone()
+    return raw.view(dtype).view(shape)

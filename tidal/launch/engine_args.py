@@ -44,6 +44,7 @@ from tidal.config import (
 from tidal.distributed.core_slots import host_cores, parse_affinity, plan_groups
 from tidal.frontend.launchers.registry import check_launcher_args
 from tidal.frontend.processor import load_chat_template
+from tidal.layers.quant import QuantConfigError, quant_method_from_config
 from tidal.models.common import check_tensor_parallel
 from tidal.models.hub import ModelNotFound, resolve_model_path
 from tidal.models.registry import get_model_class, resolve_architecture
@@ -150,13 +151,15 @@ class EngineArgs(_EngineArgsFields):
         except Exception as e:  # noqa: BLE001 - reported with the flag name
             raise ValueError(f"model: cannot read config.json in {model!r}: {e}") from e
         arch = resolve_architecture(hf_config)  # raises ValueError naming the architecture
+        quantization = _resolve_quantization(self.quantization, hf_config, model)
         generation = _read_generation_config(model)
         model_cfg = ModelConfig(
             model=model,
             revision=self.revision,
             tokenizer=tokenizer,
             trust_remote_code=self.trust_remote_code,
-            dtype=_resolve_dtype(self.dtype, hf_config),
+            dtype=_resolve_dtype(self.dtype, hf_config, quantization),
+            quantization=quantization,
             max_model_len=_resolve_max_model_len(self.max_model_len, hf_config),
             seed=self.seed,
             architecture=arch,
@@ -166,6 +169,12 @@ class EngineArgs(_EngineArgsFields):
             generation_config=self.generation_config,
         )
         parallel = self._parallel_config(hf_config, arch)
+        if quantization is not None and parallel.tensor_parallel_size > 1:
+            raise ValueError(
+                f"quantization {quantization!r} with tensor_parallel_size "
+                f"{parallel.tensor_parallel_size}: quantized checkpoints are served without "
+                "tensor parallelism (use --dp/--ep)"
+            )
         device = _resolve_device(self.device)
         if device == "cpu":  # this host's ranks: their core groups must exist here
             plan_groups(
@@ -262,9 +271,22 @@ class EngineArgs(_EngineArgsFields):
             )
 
 
-def _resolve_dtype(dtype: str, hf_config: Any) -> ModelDType:
+def _resolve_quantization(requested: str | None, hf_config: Any, model: str) -> Any:
+    """The checkpoint's quantization (None: not quantized), checked against
+    ``--quantization``: ValueError naming the flag, the quant_method and the file."""
+    where = os.path.join(model, "config.json")
+    try:
+        method = quant_method_from_config(hf_config, where, requested)
+    except QuantConfigError as e:
+        raise ValueError(f"quantization: {e}") from e
+    return None if method is None else method.name
+
+
+def _resolve_dtype(dtype: str, hf_config: Any, quantization: str | None = None) -> ModelDType:
     if dtype != "auto":  # one of ``_DTYPES``: ``check_options`` ran first
         return typing.cast(ModelDType, dtype)
+    if quantization is not None:  # the scales' and unquantized weights' dtype (DeepSeek's)
+        return "bfloat16"
     ckpt = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
     name = str(ckpt).replace("torch.", "") if ckpt is not None else "float32"
     return typing.cast(ModelDType, name) if name in _DTYPES else "float32"

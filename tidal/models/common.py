@@ -52,6 +52,7 @@ from tidal.layers.cache_spec import KVCacheSpec
 from tidal.layers.linear import Embedding, Linear, RowParallelLinear
 from tidal.layers.mla import MLASpec, MLAttention
 from tidal.layers.norm import RMSNorm, rms_norm_heads, rms_norm_sharded
+from tidal.layers.quant import QuantMethod
 from tidal.layers.rotary import (
     RotaryEmbedding,
     Yarn,
@@ -429,6 +430,9 @@ class MoECausalLM(nn.Module):
         # The CPU paths chosen for its ops (tidal/kernels/select.py's SelectionReport), set
         # by the loader on CPU; the log and /stats show it.
         self.cpu_paths: Any = None
+        # The checkpoint's quantization (tidal/layers/quant.py), set by the loader's
+        # quantize_model; None: every weight in ``dtype``.
+        self.quant: QuantMethod | None = None
         kw = {"dtype": dtype, "device": device}
         self.embed_tokens = Embedding(spec.vocab_size, spec.hidden_size, tp=tp, **kw)
         self.rotary = RotaryEmbedding(

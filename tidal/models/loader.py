@@ -18,6 +18,16 @@ fallback of an expert transfer).
 
 A missing tensor, an unexpected tensor, or a shape mismatch raises ``CheckpointError``
 naming the tensor(s).
+
+Quantized checkpoints (``quantization_config``, docs/architecture.md#quantization): before
+the CPU path trials, ``quantize_model`` converts the modules whose checkpoint weights are
+stored quantized (FP8: ``float8_e4m3fn`` with a ``weight_scale_inv`` or ``weight_scale``)
+to the method's held form -- ``Linear`` -> ``Fp8Linear``, MoE experts -> ``FusedMoE.hold_fp8``
+-- and leaves the others (norms, embeddings, the router, ``lm_head``, a checkpoint's
+``modules_to_not_convert``: stored unquantized) in the model's dtype. An FP8 tensor of a
+module that cannot hold one (MLA's ``kv_b_proj``, read per head; ``lm_head``) is
+dequantized as it is read. A missing scale, a scale of the wrong shape or a tensor of an
+unexpected dtype is a ``CheckpointError`` naming the tensor and its file.
 """
 
 from __future__ import annotations
@@ -26,6 +36,7 @@ import json
 import os
 import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -34,6 +45,8 @@ from torch import Tensor
 from tidal.distributed.tensor_parallel import TensorParallel
 from tidal.kernels.host_memory import release_free_heap
 from tidal.kernels.select import SharedChoice, choose_paths
+from tidal.layers.linear import Linear, RowParallelLinear
+from tidal.layers.quant import Fp8Linear, QuantConfigError, QuantMethod, quant_method_from_config
 from tidal.models.common import MoECausalLM, Shard
 from tidal.models.registry import get_model_class
 from tidal.moe.layer import FusedMoE, resolve_moe_backend
@@ -79,6 +92,13 @@ def load_model(
         tp=tp,
         expert_parallel=engine_config.parallel.enable_expert_parallel,
     )
+    config_file = os.path.join(mc.model, "config.json")
+    try:
+        quant = quant_method_from_config(mc.hf_config, config_file, mc.quantization)
+    except QuantConfigError as e:
+        raise CheckpointError(str(e)) from e
+    if quant is not None:  # before the trials: they measure the held form's ops
+        quantize_model(model, quant, checkpoint_index(mc.model))
     if engine_config.device == "cpu":
         # Before the weights: the trials run on stand-ins of the model's shapes, and the
         # loader then packs each weight straight into the chosen path's layout (one copy).
@@ -126,16 +146,18 @@ def safetensors_files(folder: str) -> list[str]:
 
 @torch.no_grad()
 def load_weights(model: MoECausalLM, folder: str, *, load_experts: bool = True) -> None:
-    targets = model.weight_targets()
+    targets: dict[str, Target] = dict(model.weight_targets())
     if not load_experts:
         # Known names still (so nothing is "unexpected" or "missing"), nothing read.
         targets.update(dict.fromkeys(_expert_targets(model), None))
         for moe in model.moe_layers():
-            moe.w13.data.zero_()
-            moe.w2.data.zero_()
+            for part in moe.expert_parts():
+                part.zero_()
+    if model.quant is not None:
+        targets = quant_targets(model.quant, targets, checkpoint_index(folder), _held_fp8(model))
     seen: set[str] = set()
     unexpected: list[str] = []
-    dest: Tensor | Shard | None = None
+    dest: Target = None
     for path in safetensors_files(folder):
         with SafetensorsFile(path) as f:
             for name in f.keys():
@@ -148,7 +170,7 @@ def load_weights(model: MoECausalLM, folder: str, *, load_experts: bool = True) 
                     seen.add(vname)
                     dest = targets[vname]
                     if dest is not None:
-                        _copy(vname, os.path.basename(path), get(), dest)
+                        _write(vname, path, get(), dest)
     optional = model.optional_weight_names()
     missing = [n for n in targets if n not in seen and n not in optional]
     # The views of every parameter go before the packing: a parameter a packed path
@@ -195,27 +217,35 @@ def _expert_targets(
 @torch.no_grad()
 def load_expert_weights(
     model: MoECausalLM, folder: str, wanted: Mapping[int, Sequence[int]]
-) -> dict[tuple[int, int], tuple[Tensor, Tensor]]:
+) -> dict[tuple[int, int], tuple[Tensor, ...]]:
     """Read from the checkpoint only the experts ``wanted`` (decoder layer index -> logical
     expert ids) of ``model``'s architecture: ``{(layer, expert): (w13 [2I, H], w2 [H, I])}``,
-    CPU tensors in the model's dtype (gate rows, then up rows, as ``FusedMoE.w13``).
-    CheckpointError when one of them is not in the checkpoint."""
+    CPU tensors in the model's dtype (gate rows, then up rows, as ``FusedMoE.w13``); FP8
+    experts add their row scales (``FusedMoE.expert_part_specs``: ``(w13, w2, w13_scale,
+    w2_scale)``). CheckpointError when one of them is not in the checkpoint."""
     names: dict[str, tuple[int, int, str]] = {}
     for layer, experts in wanted.items():
         if experts:
             names.update(_expert_targets(model, list(experts), [layer]))
     if not names:
         return {}
-    spec = model.spec
-    inter, hidden = spec.moe_intermediate_size, spec.hidden_size
-    dtype = model.moe_layers()[0].params_dtype
-    out: dict[tuple[int, int], tuple[Tensor, Tensor]] = {}
+    inter = model.spec.moe_intermediate_size
+    specs = model.moe_layers()[0].expert_part_specs()
+    out: dict[tuple[int, int], tuple[Tensor, ...]] = {}
     for layer, e, _ in names.values():
         if (layer, e) not in out:
-            out[layer, e] = (
-                torch.empty((2 * inter, hidden), dtype=dtype),
-                torch.empty((hidden, inter), dtype=dtype),
-            )
+            out[layer, e] = tuple(torch.empty(shape, dtype=dtype) for shape, dtype in specs)
+    targets: dict[str, Target] = {}
+    for name, (layer, e, part) in names.items():
+        w13, w2 = out[layer, e][:2]
+        targets[name] = {"gate": w13[:inter], "up": w13[inter:], "down": w2}[part]
+    if model.quant is not None:
+        held = {
+            _storage(w): (w, scale)
+            for parts in out.values()
+            for w, scale in ((parts[0], parts[2]), (parts[1], parts[3]))
+        }
+        targets = quant_targets(model.quant, targets, checkpoint_index(folder), held)
     seen: set[str] = set()
     for path in safetensors_files(folder):
         with SafetensorsFile(path) as f:
@@ -223,15 +253,12 @@ def load_expert_weights(
                 if ".experts" not in name:
                     continue
                 for vname, get in _expand(name, f, model):
-                    where = names.get(vname)
-                    if where is None:
+                    dest = targets.get(vname)
+                    if dest is None:
                         continue
-                    layer, e, part = where
-                    w13, w2 = out[layer, e]
-                    dest = {"gate": w13[:inter], "up": w13[inter:], "down": w2}[part]
-                    _copy(vname, os.path.basename(path), get(), dest)
+                    _write(vname, path, get(), dest)
                     seen.add(vname)
-    missing = [n for n in names if n not in seen]
+    missing = [n for n, t in targets.items() if n not in seen and t is not None]
     if missing:
         raise CheckpointError(f"checkpoint {folder} lacks expert tensor(s): {_some(missing)}")
     return out
@@ -270,6 +297,10 @@ class SafetensorsFile:
 
     def get_slice(self, name: str) -> _TensorInfo:
         return _TensorInfo(tuple(self._header[name]["shape"]))
+
+    def dtype_name(self, name: str) -> str:
+        """The stored dtype, as safetensors names it (``F8_E4M3``, ``BF16``...)."""
+        return str(self._header[name]["dtype"])
 
     def get_tensor(self, name: str) -> Tensor:
         info = self._header[name]
@@ -317,6 +348,13 @@ def _copy(name: str, file: str, src: Tensor, dest: Tensor | Shard) -> None:
         raise CheckpointError(
             f"tensor {name!r} in {file} has shape {tuple(src.shape)}, "
             f"but the model expects {tuple(dest.shape)}"
+        )
+    if src.dtype != dest.dtype and (src.dtype in _FP8 or dest.dtype in _FP8):
+        # A float8 value is only meaningful with its scale: never converted silently.
+        raise CheckpointError(
+            f"tensor {name!r} in {file} has dtype {src.dtype}, but the model holds it as "
+            f"{dest.dtype}"
+            + (" (no quantization_config in config.json)" if src.dtype in _FP8 else "")
         )
     dest.copy_(src)
 
@@ -371,3 +409,215 @@ def _mismatch_message(cls: str, folder: str, missing: list[str], unexpected: lis
 def _some(names: list[str]) -> str:
     shown = ", ".join(names[:_MAX_NAMES])
     return shown + (f", ... ({len(names) - _MAX_NAMES} more)" if len(names) > _MAX_NAMES else "")
+
+
+# ---------------------------------------------------------------------- quantized checkpoints
+
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+@dataclass(frozen=True)
+class StoredTensor:
+    """A checkpoint tensor as its file's header describes it."""
+
+    file: str  # the path
+    dtype: str  # safetensors' name (``F8_E4M3``, ``BF16``...)
+    shape: tuple[int, ...]
+
+
+def checkpoint_index(folder: str) -> dict[str, StoredTensor]:
+    """Every tensor of the checkpoint in ``folder``, from the files' headers (no data read)."""
+    index: dict[str, StoredTensor] = {}
+    for path in safetensors_files(folder):
+        with SafetensorsFile(path) as f:
+            for name in f.keys():
+                shape = tuple(f.get_slice(name).get_shape())
+                index[name] = StoredTensor(path, f.dtype_name(name), shape)
+    return index
+
+
+@dataclass(frozen=True)
+class _Scales:
+    """Loader target: the held row scales of (a row block of) an FP8 weight, filled from
+    the weight's checkpoint scale (``tidal/kernels/fp8_torch.py``'s ``row_scales``)."""
+
+    dest: Tensor  # [rows, ceil(cols / bk)] float32
+    weight: str  # the weight's checkpoint name
+    rows: int  # the checkpoint weight's shape
+    cols: int
+    method: QuantMethod
+
+
+@dataclass(frozen=True)
+class _Dequantized:
+    """Loader target: an FP8 checkpoint tensor its module holds in the model's dtype,
+    dequantized as it is read (its scale read beside it)."""
+
+    dest: Tensor | Shard
+    method: QuantMethod
+    scale: StoredTensor
+    scale_name: str
+
+
+Target = Tensor | Shard | _Scales | _Dequantized | None
+
+
+def _storage(t: Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+def _held_fp8(model: MoECausalLM) -> dict[int, tuple[Tensor, Tensor]]:
+    """The model's FP8 weights and their row scales, by the weight's storage (a loader
+    target is a view of one of them)."""
+    held: dict[int, tuple[Tensor, Tensor]] = {}
+    for module in model.modules():
+        if isinstance(module, Fp8Linear):
+            held[_storage(module.weight)] = (module.weight.data, module.weight_scale)
+    for moe in model.moe_layers():
+        if moe.w13_scale is not None and moe.w2_scale is not None:
+            held[_storage(moe.w13)] = (moe.w13.data, moe.w13_scale)
+            held[_storage(moe.w2)] = (moe.w2.data, moe.w2_scale)
+    return held
+
+
+def _row_block(weight: Tensor, view: Tensor) -> tuple[int, int]:
+    """(first row, rows) of contiguous ``weight [..., N, K]`` that ``view`` covers: a view
+    of whole rows, as every loader target of a held FP8 weight is."""
+    k = weight.shape[-1]
+    offset = view.storage_offset() - weight.storage_offset()
+    if not (weight.is_contiguous() and view.is_contiguous() and view.shape[-1] == k):
+        raise AssertionError(f"a loader target of an FP8 weight is not whole rows: {view.shape}")
+    if offset % k:
+        raise AssertionError("a loader target of an FP8 weight starts inside a row")
+    return offset // k, view.numel() // k
+
+
+@torch.no_grad()
+def quantize_model(
+    model: MoECausalLM, method: QuantMethod, index: Mapping[str, StoredTensor]
+) -> None:
+    """Convert the modules whose checkpoint weights are stored quantized (``index``) to
+    ``method``'s held form, uninitialised (the loader fills them). One module holding
+    several checkpoint tensors (q|k|v, gate|up) must have all or none quantized."""
+    if model.tp.size > 1:
+        raise CheckpointError("quantized checkpoints with tensor parallelism are not supported")
+    quantized = _dtype_name(method.weight_dtype)
+    owners: dict[int, tuple[str, Any]] = {}  # weight storage -> (module name, module)
+    for qualname, module in model.named_modules():
+        if isinstance(module, Linear) and module is not model.lm_head:
+            owners[_storage(module.weight)] = (qualname, module)
+    for moe in model.moe_layers():
+        owners[_storage(moe.w13)] = owners[_storage(moe.w2)] = ("", moe)
+    stored: dict[int, dict[bool, str]] = {}  # owner -> {is quantized: a tensor's name}
+    for name, dest in model.weight_targets().items():
+        tensor = dest.dest if isinstance(dest, Shard) else dest
+        entry = index.get(name)
+        if tensor is None or entry is None or _storage(tensor) not in owners:
+            continue
+        stored.setdefault(_storage(tensor), {})[entry.dtype == quantized] = name
+    converted: set[int] = set()
+    for key, kinds in stored.items():
+        if True not in kinds:
+            continue
+        if False in kinds:
+            q, plain = kinds[True], kinds[False]
+            q_file, plain_file = (os.path.basename(index[n].file) for n in (q, plain))
+            raise CheckpointError(
+                f"tensor {q!r} in {q_file} is {method.weight_dtype} but {plain!r} "
+                f"({index[plain].dtype} in {plain_file}), which one module holds with it, "
+                "is not quantized"
+            )
+        qualname, module = owners[key]
+        if id(module) in converted:
+            continue
+        converted.add(id(module))
+        if isinstance(module, Linear):
+            parent_name, _, attr = qualname.rpartition(".")
+            parent = model.get_submodule(parent_name)
+            tp = module.tp if isinstance(module, RowParallelLinear) else None
+            setattr(parent, attr, method.make_linear(module, tp))
+        else:
+            method.hold_experts(module)
+    model.quant = method
+
+
+def quant_targets(
+    method: QuantMethod,
+    targets: Mapping[str, Target],
+    index: Mapping[str, StoredTensor],
+    held: Mapping[int, tuple[Tensor, Tensor]],
+) -> dict[str, Target]:
+    """``targets`` plus the scales of its quantized tensors: into the held row scales of
+    the FP8 weights of ``held`` (weight storage -> (weight, scales)), or, for a tensor
+    held unquantized, read with it to dequantize it (``_Dequantized``)."""
+    quantized = _dtype_name(method.weight_dtype)
+    out = dict(targets)
+    for name, dest in targets.items():
+        entry = index.get(name)
+        if entry is None or isinstance(dest, _Scales | _Dequantized):
+            continue
+        options = method.scale_names(name)
+        if entry.dtype != quantized:
+            scale = next((n for n in options if n in index), None)
+            if scale is not None:  # scaled, so meant quantized, but of another dtype
+                raise CheckpointError(
+                    f"tensor {name!r} in {os.path.basename(entry.file)} has scale {scale!r} "
+                    f"but dtype {_DTYPES.get(entry.dtype, entry.dtype)}, not "
+                    f"{method.weight_dtype}"
+                )
+            continue
+        scale_name = next((n for n in options if n in index), None)
+        if scale_name is None:
+            raise CheckpointError(
+                f"tensor {name!r} in {os.path.basename(entry.file)} is {method.weight_dtype} "
+                "but the checkpoint "
+                f"has no scale for it ({' or '.join(options)})"
+            )
+        if dest is None:  # known, not this rank's
+            out[scale_name] = None
+            continue
+        tensor = dest.dest if isinstance(dest, Shard) else dest
+        pair = held.get(_storage(tensor))
+        if pair is None or isinstance(dest, Shard):
+            out[name] = _Dequantized(dest, method, index[scale_name], scale_name)
+            out[scale_name] = None  # read by the _Dequantized target
+            continue
+        weight, scales = pair
+        first, rows = _row_block(weight, tensor)
+        view = scales.view(-1, scales.shape[-1])[first : first + rows]
+        if len(entry.shape) != 2:
+            where = os.path.basename(entry.file)
+            raise CheckpointError(f"tensor {name!r} in {where}: FP8 weights are 2-D")
+        out[scale_name] = _Scales(view, name, entry.shape[0], entry.shape[1], method)
+    return out
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return next(k for k, v in _DTYPES.items() if v == dtype)
+
+
+def _write(name: str, path: str, src: Tensor, dest: Target) -> None:
+    """Fill loader target ``dest`` with checkpoint tensor ``name`` of file ``path``."""
+    file = os.path.basename(path)
+    if isinstance(dest, _Scales):
+        if not src.is_floating_point() or src.dtype in _FP8:
+            raise CheckpointError(f"tensor {name!r} in {file}: a scale of dtype {src.dtype}")
+        try:
+            rows = dest.method.held_scales(src, dest.rows, dest.cols)
+        except ValueError as e:
+            raise CheckpointError(f"tensor {name!r} in {file} (of {dest.weight!r}): {e}") from e
+        _copy(name, file, rows, dest.dest)
+    elif isinstance(dest, _Dequantized):
+        if src.dtype != dest.method.weight_dtype:
+            raise CheckpointError(f"tensor {name!r} in {file}: dtype {src.dtype}")
+        with SafetensorsFile(dest.scale.file) as f:
+            scale = f.get_tensor(dest.scale_name)
+        try:
+            scales = dest.method.held_scales(scale, src.shape[0], src.shape[-1])
+        except ValueError as e:
+            where = os.path.basename(dest.scale.file)
+            raise CheckpointError(f"tensor {dest.scale_name!r} in {where}: {e}") from e
+        out_dtype = (dest.dest.dest if isinstance(dest.dest, Shard) else dest.dest).dtype
+        _copy(name, file, dest.method.dequantize(src, scales, out_dtype), dest.dest)
+    elif dest is not None:
+        _copy(name, file, src, dest)

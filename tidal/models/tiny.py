@@ -138,6 +138,115 @@ def make_tiny_checkpoint(
     return path
 
 
+# The tiny FP8 checkpoints' sizes: a 256-wide hidden (two 128-wide blocks) and a 192-wide
+# expert intermediate (one block and a partial one), so every block case is exercised.
+FP8_TINY_ARGS: dict[str, Any] = {
+    "hidden_size": 256,
+    "moe_intermediate_size": 192,
+    "intermediate_size": 320,
+    "num_layers": 2,
+    "num_experts": 8,
+    "top_k": 2,
+    "vocab_size": 512,
+}
+
+
+def make_tiny_fp8_checkpoint(
+    path: str,
+    arch: str = "deepseek_v3",
+    *,
+    block: tuple[int, int] | None = (128, 128),
+    not_converted: tuple[str, ...] = (),
+    seed: int = 0,
+    **kwargs: Any,
+) -> str:
+    """A tiny checkpoint in the layout of DeepSeek-V3's FP8 release; returns ``path``.
+
+    A seeded bfloat16 ``arch`` checkpoint (``make_tiny_checkpoint``, ``FP8_TINY_ARGS``
+    unless ``kwargs`` say otherwise) whose projection weights (every ``*_proj.weight``:
+    attention, dense MLPs, experts, shared experts; not the embeddings, norms, router or
+    ``lm_head``) are quantized to ``float8_e4m3fn``: per ``block`` with a
+    ``weight_scale_inv`` (``quantize_fp8_blocks``: amax / 448), or with ``block=None`` one
+    per-tensor ``weight_scale``. Modules named in ``not_converted`` (name prefixes) stay
+    bfloat16 and are listed in ``modules_to_not_convert``. config.json gets the
+    ``quantization_config``."""
+    from safetensors.torch import load_file, save_file
+
+    from tidal.kernels.fp8_torch import FP8_MAX, quantize_fp8_blocks
+
+    make_tiny_checkpoint(path, arch, seed=seed, dtype="bfloat16", **{**FP8_TINY_ARGS, **kwargs})
+    files = sorted(n for n in os.listdir(path) if n.endswith(".safetensors"))
+    state: dict[str, torch.Tensor] = {}
+    for name in files:
+        state.update(load_file(os.path.join(path, name)))
+        os.remove(os.path.join(path, name))
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(index):
+        os.remove(index)
+    out: dict[str, torch.Tensor] = {}
+    for name, t in sorted(state.items()):
+        keep = t.dim() != 2 or not name.endswith("_proj.weight")
+        if keep or any(name.startswith(p) for p in not_converted):
+            out[name] = t
+        elif block is None:
+            scale = (t.float().abs().amax() / FP8_MAX).clamp(min=1e-12)
+            out[name] = (t.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+            out[f"{name}_scale"] = scale.reshape(())
+        else:
+            out[name], out[f"{name}_scale_inv"] = quantize_fp8_blocks(t.float(), block)
+    save_file(out, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    config_path = os.path.join(path, "config.json")
+    with open(config_path) as f:
+        config = json.load(f)
+    config["quantization_config"] = {
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "activation_scheme": "dynamic",
+        **({"weight_block_size": list(block)} if block is not None else {}),
+        **({"modules_to_not_convert": list(not_converted)} if not_converted else {}),
+    }
+    with open(config_path, "w") as f:
+        json.dump(config, f, indent=2, sort_keys=True)
+    return path
+
+
+def dequantize_checkpoint(src: str, dst: str, dtype: str = "float32") -> str:
+    """The FP8 checkpoint ``src`` dequantized into ``dst`` (every tensor in ``dtype``, no
+    scales, no ``quantization_config``): the parity tests' reference, which transformers'
+    model classes and Tidal both load as an ordinary checkpoint. Returns ``dst``."""
+    from safetensors.torch import load_file, save_file
+
+    from tidal.kernels.fp8_torch import dequantize_fp8_blocks
+
+    os.makedirs(dst, exist_ok=True)
+    with open(os.path.join(src, "config.json")) as f:
+        config = json.load(f)
+    qc = config.pop("quantization_config")
+    block = tuple(qc.get("weight_block_size") or (128, 128))
+    state: dict[str, torch.Tensor] = {}
+    for name in sorted(os.listdir(src)):
+        if name.endswith(".safetensors"):
+            state.update(load_file(os.path.join(src, name)))
+        elif name not in ("config.json", "model.safetensors.index.json"):
+            shutil.copy(os.path.join(src, name), os.path.join(dst, name))  # tokenizer files
+    out: dict[str, torch.Tensor] = {}
+    target = getattr(torch, dtype)
+    for name, t in state.items():
+        if name.endswith(("_scale_inv", "_scale")):
+            continue
+        if t.dtype == torch.float8_e4m3fn:
+            scale = state.get(f"{name}_scale_inv", state.get(f"{name}_scale"))
+            assert scale is not None, f"{name} has no scale"
+            t = dequantize_fp8_blocks(t, scale, (int(block[0]), int(block[1])))
+        out[name] = t.to(target)
+    save_file(out, os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
+    config["dtype"] = dtype
+    config.pop("torch_dtype", None)
+    with open(os.path.join(dst, "config.json"), "w") as f:
+        json.dump(config, f, indent=2, sort_keys=True)
+    return dst
+
+
 def _transformers_class(name: str) -> Any:
     # transformers' model modules and tokenizers' trainers are imported here and below, not
     # at the top: only building a checkpoint needs them, and ``launch`` imports this module

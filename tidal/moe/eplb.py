@@ -155,19 +155,19 @@ def transfer_plan(moves: Sequence[ExpertMove], rank: int, ep_size: int) -> Trans
 
 @torch.no_grad()
 def move_expert_weights(moe: FusedMoE, plan: TransferPlan, group: Any) -> None:
-    """Apply ``plan`` to ``moe.w13``/``moe.w2`` (and the expert biases) in place (their storage is kept, so
+    """Apply ``plan`` to ``moe.w13``/``moe.w2`` (and the FP8 scales or expert biases:
+    ``FusedMoE.expert_parts``) in place (their storage is kept, so
     anything holding a pointer to them stays valid). Collective over ``group`` when it
     has more than one rank: every rank calls it for the same layers in the same order."""
-    # [S, 2I, H], [S, H, I], and the expert biases [S, 2I], [S, H] where the model has them
-    parts = [moe.w13.data, moe.w2.data]
-    if moe.w13_bias is not None and moe.w2_bias is not None:
-        parts += [moe.w13_bias, moe.w2_bias]
-    sizes = [p[0].numel() for p in parts]
+    # [S, 2I, H], [S, H, I], then [S, ...] scales or biases: sent as bytes, one row per slot
+    parts = moe.expert_parts()
+    sizes = [p[0].numel() * p.element_size() for p in parts]
     send_slots = [s for slots in plan.send for s in slots]
     recv_slots = [s for slots in plan.recv for s in slots]
     device = parts[0].device
     idx = torch.tensor(send_slots, dtype=torch.int64, device=device)
-    rows = torch.cat([p[idx].flatten(1) for p in parts], dim=1)  # [N_send, sum(sizes)]
+    # [N_send, sum(sizes)] uint8
+    rows = torch.cat([p[idx].flatten(1).contiguous().view(torch.uint8) for p in parts], dim=1)
     got = rows.new_empty((len(recv_slots), rows.shape[1]))  # [N_recv, sum(sizes)]
     if group is not None and group.world_size > 1:
         group.all_to_all_single(got, rows, [len(r) for r in plan.recv], [len(s) for s in plan.send])
@@ -181,7 +181,7 @@ def move_expert_weights(moe: FusedMoE, plan: TransferPlan, group: Any) -> None:
     if recv_slots:
         ridx = torch.tensor(recv_slots, dtype=torch.int64, device=device)
         for new, p, piece in zip(news, parts, got.split(sizes, dim=1)):
-            new[ridx] = piece.reshape(-1, *p.shape[1:])
+            new[ridx] = piece.contiguous().view(p.dtype).reshape(-1, *p.shape[1:])
     for new, p in zip(news, parts):
         p.copy_(new)
     moe.weights_updated()

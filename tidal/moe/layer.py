@@ -61,6 +61,7 @@ from torch import Tensor, nn
 
 from tidal.distributed.tensor_parallel import TensorParallel
 from tidal.kernels.cpu_paths import PACKED_PATHS, HeldExperts, HeldGate
+from tidal.kernels.fp8_torch import FP8_DTYPE, dequantize_fp8_rows
 from tidal.kernels.fused_moe_torch import empty_k_major_experts, fused_experts_torch, is_k_major
 from tidal.kernels.held_params import HeldParamsModule
 from tidal.kernels.select import Candidate, Choice, OpKey, OpSpec, default_choice, weight_candidates
@@ -238,6 +239,13 @@ class FusedMoE(HeldParamsModule):
         self.cpu_choice: dict[str, Choice] = {}  # "experts", "router"; absent: the default
         self._held_experts: HeldExperts | None = None
         self._held_gate: HeldGate | None = None
+        # FP8 experts (``hold_fp8``): w13/w2 float8 with row scales [E_local, 2I, ceil(H/bk)]
+        # and [E_local, H, ceil(I/bk)] float32 (tidal/kernels/fp8_torch.py); None: not.
+        self.fp8_block_k: int | None = None
+        self.w13_scale: Tensor | None
+        self.w2_scale: Tensor | None
+        self.register_buffer("w13_scale", None)
+        self.register_buffer("w2_scale", None)
 
     def forward(self, hidden: Tensor) -> Tensor:  # [T, H] -> [T, H]
         self.drop_materialized()
@@ -294,6 +302,8 @@ class FusedMoE(HeldParamsModule):
     def _experts(
         self, x: Tensor, weights: Tensor, ids: Tensor, expert_map: Tensor | None
     ) -> Tensor:  # [T', H]: this rank's experts on the tokens it got
+        if self.fp8_block_k is not None:
+            return self._fp8_experts(x, weights, ids, expert_map)
         if self.custom_experts:
             b13, b2 = self.w13_bias, self.w2_bias
             if b13 is None or b2 is None:  # a clamped activation alone
@@ -306,6 +316,86 @@ class FusedMoE(HeldParamsModule):
             variant = self._choice("experts").for_rows(x.shape[0]).variant
             return held(x, weights, ids, expert_map, True, variant)
         return self.experts_fn(x, self.w13, self.w2, weights, ids, expert_map, True)
+
+    # ---- FP8 experts (docs/architecture.md#quantization) -------------------------------
+
+    def hold_fp8(self, block_k: int) -> None:
+        """Hold the experts as FP8 with row scales of ``block_k``-wide column blocks, before
+        the loader writes them (uninitialised). The router stays in the model's dtype."""
+        if self.custom_experts:
+            raise NotImplementedError("FP8 experts with biases or a clamped activation")
+        n_local, (two_i, hidden) = len(self.local_expert_ids), self.expert_shape
+        self.fp8_block_k = block_k
+        self._held_experts = None
+        self._fp8_alloc(n_local, two_i, hidden)
+
+    def _fp8_alloc(self, n_local: int, two_i: int, hidden: int) -> None:
+        assert self.fp8_block_k is not None
+        bk, device = self.fp8_block_k, self.expert_map.device
+        inter = two_i // 2
+        kw = {"dtype": FP8_DTYPE, "device": device}
+        self.restore_param("w13", torch.empty((n_local, two_i, hidden), **kw))
+        self.restore_param("w2", torch.empty((n_local, hidden, inter), **kw))
+        self.w13_scale = torch.empty((n_local, two_i, -(-hidden // bk)), device=device)
+        self.w2_scale = torch.empty((n_local, hidden, -(-inter // bk)), device=device)
+
+    def _fp8_experts(
+        self, x: Tensor, weights: Tensor, ids: Tensor, expert_map: Tensor | None
+    ) -> Tensor:  # [T', H]
+        """The reference path of FP8 experts: dequantize, in the activation dtype, only
+        the local experts these tokens chose, then the backend's experts on those."""
+        assert self.fp8_block_k is not None
+        assert self.w13_scale is not None and self.w2_scale is not None
+        n_local = self.w13.shape[0]
+        if expert_map is None:  # global id == local slot
+            expert_map = torch.arange(self.num_experts, dtype=torch.int32, device=ids.device)
+        slots = expert_map.to(torch.int64)[ids]  # [T', K], -1: not local
+        used = torch.unique(slots[slots >= 0])  # [U] local slots
+        compact = torch.full((n_local,), -1, dtype=torch.int32, device=ids.device)
+        compact[used] = torch.arange(used.numel(), dtype=torch.int32, device=ids.device)
+        emap = expert_map.to(torch.int64)
+        # [E_global] int32: global id -> its index among the dequantized experts, or -1
+        used_map = torch.where(emap >= 0, compact[emap.clamp(min=0)], -1).to(torch.int32)
+        bk, dt = self.fp8_block_k, x.dtype
+        w13 = dequantize_fp8_rows(self.w13[used], self.w13_scale[used], bk, dt)  # [U, 2I, H]
+        w2 = dequantize_fp8_rows(self.w2[used], self.w2_scale[used], bk, dt)  # [U, H, I]
+        return self.experts_fn(x, w13, w2, weights, ids, used_map, True)
+
+    def expert_parts(self) -> list[Tensor]:
+        """The per-slot tensors an expert move carries, in order: ``w13``, ``w2``, then
+        the FP8 row scales or the expert biases where the model has them (each
+        ``[E_local, ...]``; the held storage, written in place by EPLB)."""
+        parts = [self.w13.data, self.w2.data]
+        if self.w13_scale is not None and self.w2_scale is not None:
+            parts += [self.w13_scale, self.w2_scale]
+        if self.w13_bias is not None and self.w2_bias is not None:
+            parts += [self.w13_bias, self.w2_bias]
+        return parts
+
+    def expert_part_specs(self) -> list[tuple[tuple[int, ...], torch.dtype]]:
+        """One expert's share of each tensor ``expert_weights`` returns: (shape, dtype),
+        read without the weights (a packed path would rebuild them)."""
+        two_i, hidden = self.expert_shape
+        if self.fp8_block_k is None:
+            dtype = self.params_dtype
+            return [((two_i, hidden), dtype), ((hidden, two_i // 2), dtype)]
+        bk = self.fp8_block_k
+        return [
+            ((two_i, hidden), FP8_DTYPE),
+            ((hidden, two_i // 2), FP8_DTYPE),
+            ((two_i, -(-hidden // bk)), torch.float32),
+            ((hidden, -(-(two_i // 2) // bk)), torch.float32),
+        ]
+
+    def set_expert_weights(self, parts: Sequence[Tensor]) -> None:
+        """Write every local slot: ``parts`` as ``expert_weights`` returns them, stacked
+        over the slots in ``local_expert_ids`` order (an elastic install)."""
+        mine = self.expert_parts()[: len(self.expert_part_specs())]
+        if len(parts) != len(mine):
+            raise ValueError(f"expected {len(mine)} expert tensors, got {len(parts)}")
+        for dest, src in zip(mine, parts):
+            dest.copy_(src)
+        self.weights_updated()
 
     # ---- the CPU paths (select.py) and the one copy of the weights --------------------
 
@@ -367,23 +457,25 @@ class FusedMoE(HeldParamsModule):
         """Put the weights in their chosen layouts now rather than at the next forward (the
         loader, at start-up). A no-op where no CPU path applies."""
         if self.on_cpu and self.params_dtype == torch.float32:
-            self._pack("experts")
+            if self.fp8_block_k is None:
+                self._pack("experts")
             self._pack("router")
 
     def weights_updated(self) -> None:
         """``gate``/``w13``/``w2`` were written through their (rebuilt) parameters (loader,
         expert moves, EPLB): re-pack what a packed path holds."""
         written = self.materialized_params()
-        if "w13" in written or "w2" in written:
+        if self.fp8_block_k is None and ("w13" in written or "w2" in written):
             self._held_experts = None  # the other of the two is rebuilt from it by _pack
             self._pack("experts")
         if "gate" in written:
             self._held_gate = None
             self._pack("router")
 
-    def expert_weights(self, slots: Sequence[int]) -> tuple[Tensor, Tensor]:
-        """Copies of local ``slots``' weights, ``(w13 [n, 2I, H], w2 [n, H, I])``, from the
-        layout that holds them, rebuilding only those slots (expert transfers)."""
+    def expert_weights(self, slots: Sequence[int]) -> tuple[Tensor, ...]:
+        """Copies of local ``slots``' weights, ``(w13 [n, 2I, H], w2 [n, H, I])`` plus, for
+        FP8 experts, their row scales ``(w13_scale, w2_scale)`` (``expert_part_specs``),
+        from the layout that holds them, rebuilding only those slots (expert transfers)."""
         if self.expert_bias:
             raise NotImplementedError(
                 "expert transfers (elastic EP) do not carry expert biases (GPT-OSS)"
@@ -391,8 +483,9 @@ class FusedMoE(HeldParamsModule):
         held = self._held_experts
         if held is not None and "w13" not in self.materialized_params():
             return held.unpack(list(slots))
-        idx = torch.tensor(list(slots), dtype=torch.int64, device=self.w13.device)
-        return self.w13.data.index_select(0, idx), self.w2.data.index_select(0, idx)
+        idx = torch.tensor(list(slots), dtype=torch.int64, device=self.expert_map.device)
+        parts = self.expert_parts()[: len(self.expert_part_specs())]
+        return tuple(p.index_select(0, idx) for p in parts)
 
     def cpu_ops(self) -> dict[str, OpSpec]:
         if not self.on_cpu:
@@ -416,7 +509,7 @@ class FusedMoE(HeldParamsModule):
                 router, tuple(self._candidates("router")), True, self.num_experts * hidden * size
             ),
         }  # fmt: skip
-        if self.custom_experts:
+        if self.custom_experts or self.fp8_block_k is not None:
             del ops["experts"]  # one path: nothing to measure
         return ops
 
@@ -473,7 +566,9 @@ class FusedMoE(HeldParamsModule):
         self.weights_updated()  # a write pending through the old parameters lands first
         device = self.expert_map.device
         self.expert_map.copy_(build_expert_map(self.num_experts, ids, device))
-        if len(ids) != len(self.local_expert_ids):
+        if len(ids) != len(self.local_expert_ids) and self.fp8_block_k is not None:
+            self._fp8_alloc(len(ids), *self.expert_shape)
+        elif len(ids) != len(self.local_expert_ids):
             # Fresh parameters of the new count, in the storage layout the backend chose
             # (rebuilt ones are K-major); the next forward packs them for a packed path.
             k_major = self.is_released("w13") or is_k_major(self.w13)

@@ -1,0 +1,302 @@
+"""FP8 block-quantized checkpoints (docs/architecture.md#quantization): the quantizer and
+held form against plain math, the loader's choices and errors, the reference FP8 paths
+against the dequantized checkpoint (Tidal and transformers' model of it), and expert
+moves carrying the scales.
+
+One tiny DeepSeek-V3 FP8 checkpoint (hidden 256: two 128-wide blocks; expert
+intermediate 192: a full and a partial block; one attention projection left bf16 and
+listed in ``modules_to_not_convert``) serves the module."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from tests.unit.test_models import PagedRunner, _hf_logits, _hf_model, _prompts
+from tidal.kernels.fp8_torch import (
+    FP8_DTYPE,
+    dequantize_fp8_blocks,
+    dequantize_fp8_rows,
+    quantize_fp8_blocks,
+    row_scales,
+)
+from tidal.launch.engine_args import EngineArgs
+from tidal.layers.quant import FP8_LINEAR_KERNELS, Fp8BlockMethod, Fp8Linear
+from tidal.models.loader import CheckpointError, load_expert_weights, load_model
+from tidal.models.tiny import dequantize_checkpoint, make_tiny_fp8_checkpoint
+from tidal.moe.eplb import TransferPlan, move_expert_weights
+from tidal.moe.layer import FusedMoE
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def fp8_ckpt(deepseek_fp8_ckpt) -> str:
+    return deepseek_fp8_ckpt
+
+
+@pytest.fixture(scope="module")
+def deq_ckpt(fp8_ckpt, tmp_path_factory) -> str:
+    return dequantize_checkpoint(fp8_ckpt, str(tmp_path_factory.mktemp("deq") / "ds3"))
+
+
+def _load(path: str, **kwargs):
+    return load_model(EngineArgs(model=path, device="cpu", **kwargs).create_engine_config())
+
+
+@pytest.fixture(scope="module")
+def fp8_model(fp8_ckpt):
+    return _load(fp8_ckpt)  # dtype auto: bfloat16
+
+
+# ---------------------------------------------------------------- quantizer, held form
+
+
+def test_block_quantizer_round_trips_within_fp8_precision():
+    w = torch.randn(200, 300, generator=torch.Generator().manual_seed(0))
+    q, scale = quantize_fp8_blocks(w, (128, 128))
+    assert q.dtype == FP8_DTYPE and scale.shape == (2, 3)  # partial last row and column
+    for i in range(2):  # each block's largest value lands on FP8's largest
+        for j in range(3):
+            block = w[i * 128 : (i + 1) * 128, j * 128 : (j + 1) * 128]
+            assert scale[i, j].item() == pytest.approx(block.abs().max().item() / 448.0)
+    back = dequantize_fp8_blocks(q, scale, (128, 128))
+    # e4m3 keeps 3 mantissa bits: relative error <= 1/16 of each block's scale step
+    err = (back - w).abs() / scale.repeat_interleave(128, 0)[:200].repeat_interleave(128, 1)[
+        :, :300
+    ]
+    assert err.max().item() <= 448.0 / 16 + 1e-3
+    assert torch.allclose(back, w, atol=0.1, rtol=0.07)
+
+
+def test_row_scales_expand_blocks_and_per_tensor_values():
+    scale = torch.tensor([[1.0, 2.0], [3.0, 4.0]])
+    rows = row_scales(scale, 130, 200, (128, 128))  # rows 128.. are the partial block
+    assert rows.shape == (130, 2)
+    assert rows[0].tolist() == [1.0, 2.0] and rows[127].tolist() == [1.0, 2.0]
+    assert rows[128].tolist() == [3.0, 4.0] and rows[129].tolist() == [3.0, 4.0]
+    assert (row_scales(torch.tensor(0.5), 3, 300, (128, 128)) == 0.5).all()
+    with pytest.raises(ValueError, match=r"expected \(2, 2\)"):
+        row_scales(torch.ones(1, 2), 130, 200, (128, 128))
+
+
+def test_fp8_linear_reference_equals_dequantized_matmul_and_kernel_hook():
+    torch.manual_seed(0)
+    method = Fp8BlockMethod((128, 128))
+    w = torch.randn(192, 256)
+    q, scale = quantize_fp8_blocks(w, method.block)
+    lin = Fp8Linear(256, 192, method, bias_dtype=torch.float32)
+    lin.weight.data.copy_(q)
+    lin.weight_scale.copy_(row_scales(scale, 192, 256, method.block))
+    assert lin.bias is not None
+    lin.bias.data.copy_(torch.randn(192))
+    x = torch.randn(5, 256)
+    want = x @ dequantize_fp8_blocks(q, scale, method.block).T + lin.bias
+    assert torch.allclose(lin(x), want, atol=1e-5)
+    assert lin(x.bfloat16()).dtype == torch.bfloat16  # w8a16: the activation's dtype
+
+    calls = []
+
+    class Recorded:  # a stand-in kernel: the hook packs once and is called per forward
+        def pack(self, weight, scales, block_k):
+            calls.append("pack")
+            return dequantize_fp8_rows(weight, scales, block_k, torch.float32)
+
+        def __call__(self, x, packed, bias):
+            calls.append("call")
+            return torch.nn.functional.linear(x, packed, bias)
+
+    FP8_LINEAR_KERNELS["recorded"] = Recorded()
+    try:
+        lin.use_kernel("recorded")
+        assert torch.allclose(lin(x), want, atol=1e-5)
+        assert calls == ["pack", "call"]
+        with pytest.raises(ValueError, match="no FP8 linear kernel 'nope'"):
+            lin.use_kernel("nope")
+    finally:
+        del FP8_LINEAR_KERNELS["recorded"]
+
+
+# ---------------------------------------------------------------- loading
+
+
+def test_fp8_weights_stay_fp8_and_unconverted_modules_keep_the_dtype(fp8_ckpt, fp8_model):
+    m = fp8_model
+    assert m.quant is not None and m.embed_tokens.weight.dtype == torch.bfloat16
+    attn0, attn1 = m.layers[0].self_attn, m.layers[1].self_attn
+    assert isinstance(attn1.o_proj, Fp8Linear) and isinstance(attn1.q_proj, Fp8Linear)
+    assert not isinstance(attn0.o_proj, Fp8Linear)  # listed in modules_to_not_convert
+    assert attn0.o_proj.weight.dtype == torch.bfloat16
+    assert attn1.kv_b_proj.dtype == torch.bfloat16  # read per head: dequantized at load
+    moe = m.layers[1].mlp
+    assert isinstance(moe, FusedMoE) and moe.gate.dtype == torch.bfloat16  # the router
+    assert moe.w13.dtype == moe.w2.dtype == FP8_DTYPE
+    assert moe.w13_scale is not None and moe.w13_scale.shape == (8, 384, 2)
+    assert moe.w2_scale is not None and moe.w2_scale.shape == (8, 256, 2)  # 192: 2 blocks
+    # The held expert is the checkpoint's bytes, its scales the checkpoint's blocks.
+    state = load_file(os.path.join(fp8_ckpt, "model.safetensors"))
+    name = "model.layers.1.mlp.experts.3.up_proj.weight"
+    up = moe.w13.data[3, 192:]
+    assert torch.equal(up.view(torch.uint8), state[name].view(torch.uint8))
+    want = row_scales(state[f"{name}_scale_inv"], 192, 256, (128, 128))
+    assert torch.equal(moe.w13_scale[3, 192:], want)
+    # FP8 weights take a quarter of float32's bytes (plus the row scales).
+    fp8_bytes = sum(p.nbytes for p in m.parameters() if p.dtype == FP8_DTYPE)
+    fp8_elems = sum(p.numel() for p in m.parameters() if p.dtype == FP8_DTYPE)
+    assert fp8_bytes * 4 == fp8_elems * torch.float32.itemsize
+
+
+def _rewrite(src: str, dst, edit) -> str:
+    import shutil
+
+    shutil.copytree(src, dst)
+    path = os.path.join(dst, "model.safetensors")
+    state = load_file(path)
+    edit(state)
+    save_file(state, path, metadata={"format": "pt"})
+    return str(dst)
+
+
+W = "model.layers.1.self_attn.q_b_proj.weight"
+
+
+@pytest.mark.parametrize(
+    ("edit", "match"),
+    [
+        (lambda s: s.pop(f"{W}_scale_inv"), f"'{W}' in model.safetensors is .*no scale for it"),
+        (
+            lambda s: s.__setitem__(f"{W}_scale_inv", torch.ones(3, 3)),
+            rf"'{W}_scale_inv' in model.safetensors \(of '{W}'\): scale shape \(3, 3\), "
+            r"expected \(1, 1\)",
+        ),
+        (
+            lambda s: s.__setitem__(W, s[W].float().to(torch.float8_e5m2)),
+            rf"'{W}' in model.safetensors has scale '{W}_scale_inv' but dtype "
+            r"torch.float8_e5m2, not torch.float8_e4m3fn",
+        ),
+        (  # one part of a fused module quantized, another not
+            lambda s: s.__setitem__(
+                "model.layers.1.mlp.shared_experts.up_proj.weight",
+                torch.zeros(192, 256, dtype=torch.bfloat16),
+            ),
+            r"'model.layers.1.mlp.shared_experts.gate_proj.weight' in model.safetensors is "
+            r"torch.float8_e4m3fn but 'model.layers.1.mlp.shared_experts.up_proj.weight' "
+            r"\(BF16 in model.safetensors\), which one module holds with it, is not quantized",
+        ),
+    ],
+    ids=["missing-scale", "scale-shape", "dtype", "mixed-module"],
+)
+def test_load_errors_name_the_tensor_and_file(fp8_ckpt, tmp_path, edit, match):
+    bad = _rewrite(fp8_ckpt, tmp_path / "bad", edit)
+    with pytest.raises(CheckpointError, match=match):
+        _load(bad)
+
+
+def test_unsupported_quant_method_is_named_with_the_file(fp8_ckpt, tmp_path):
+    import shutil
+
+    bad = tmp_path / "awq"
+    shutil.copytree(fp8_ckpt, bad)
+    config = json.loads((bad / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "awq", "bits": 4}
+    (bad / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"quantization: .*quant_method 'awq' in .*config\.json"):
+        EngineArgs(model=str(bad), device="cpu").create_engine_config()
+    with pytest.raises(ValueError, match="fp8.*does not match.*'awq'"):
+        EngineArgs(model=str(bad), quantization="fp8").create_engine_config()
+
+
+def test_quantization_flag_and_dtype_resolution(fp8_ckpt, deq_ckpt):
+    cfg = EngineArgs(model=fp8_ckpt, device="cpu").create_engine_config()
+    assert (cfg.model.quantization, cfg.model.dtype) == ("fp8", "bfloat16")
+    cfg = EngineArgs(model=fp8_ckpt, quantization="fp8", dtype="float32").create_engine_config()
+    assert (cfg.model.quantization, cfg.model.dtype) == ("fp8", "float32")
+    with pytest.raises(ValueError, match="quantization: .*no quantization_config"):
+        EngineArgs(model=deq_ckpt, quantization="fp8").create_engine_config()
+    with pytest.raises(ValueError, match="tensor_parallel_size 2"):
+        EngineArgs(model=fp8_ckpt, tensor_parallel_size=2).create_engine_config()
+
+
+def test_per_tensor_scales(tmp_path):
+    path = make_tiny_fp8_checkpoint(str(tmp_path / "pt"), "qwen3_moe", block=None, num_layers=1)
+    state = load_file(os.path.join(path, "model.safetensors"))
+    assert state["model.layers.0.self_attn.q_proj.weight_scale"].shape == ()
+    ours = _load(path, dtype="float32")
+    deq = _load(dequantize_checkpoint(path, str(tmp_path / "deq")))
+    (prompt,) = _prompts(512, [11], seed=2)
+    got = PagedRunner(ours).step([("a", 0, prompt)])
+    want = PagedRunner(deq).step([("a", 0, prompt)])
+    assert (got - want).abs().max().item() < 1e-4
+
+
+# ---------------------------------------------------------------- parity
+
+
+def _teacher_forced(model, prompts):  # [sum(len), V] log-probabilities
+    return torch.cat(
+        [PagedRunner(model).step([("a", 0, p)]).float().log_softmax(-1) for p in prompts]
+    )
+
+
+def test_fp8_parity_with_transformers_on_the_dequantized_checkpoint(fp8_ckpt, deq_ckpt, fp8_model):
+    """Reference: transformers' DeepSeek-V3 on the FP8 checkpoint dequantized to float32.
+    Tidal on that folder is exact (the float32 guarantee); Tidal serving the FP8 folder in
+    float32 holds the same values, so it is too; in bfloat16 it is exactly the dequantized
+    model run in bfloat16 (the FP8 path adds no error of its own), which is close."""
+    prompts = _prompts(512, [16, 16, 16, 16], seed=3)
+    hf = _hf_model(deq_ckpt)
+    with torch.no_grad():
+        ref = torch.cat([_hf_logits(hf, p).log_softmax(-1) for p in prompts])
+    top = ref.argmax(-1, keepdim=True)
+    for model in (_load(deq_ckpt), _load(fp8_ckpt, dtype="float32")):
+        got = _teacher_forced(model, prompts)
+        assert (got - ref).abs().max().item() < 1e-4
+    got = _teacher_forced(fp8_model, prompts)
+    assert torch.equal(got, _teacher_forced(_load(deq_ckpt, dtype="bfloat16"), prompts))
+    agree = (got.argmax(-1, keepdim=True) == top).float().mean().item()
+    diff = (got.gather(1, top) - ref.gather(1, top)).abs().squeeze(1)  # at the reference's pick
+    assert agree >= 0.85, agree
+    assert diff.quantile(0.9).item() < 0.2, diff
+
+
+# ---------------------------------------------------------------- expert moves
+
+
+def test_expert_reads_and_moves_carry_the_scales_exactly(fp8_ckpt, fp8_model):
+    moe = fp8_model.layers[1].mlp
+    parts = moe.expert_weights([2, 5])
+    assert [p.dtype for p in parts] == [FP8_DTYPE, FP8_DTYPE, torch.float32, torch.float32]
+    assert [tuple(p.shape[1:]) for p in parts] == [s for s, _ in moe.expert_part_specs()]
+    # The disk fallback of a transfer reads the same bytes and scales.
+    disk = load_expert_weights(fp8_model, fp8_ckpt, {1: [2, 5]})
+    for i, e in enumerate((2, 5)):
+        for held, read in zip(parts, disk[1, e]):
+            assert torch.equal(held[i].view(torch.uint8), read.view(torch.uint8))
+    # A local EPLB move (a one-rank swap of slots 2 and 5) moves weights with scales.
+    before = [p.clone() for p in moe.expert_parts()]
+    x = torch.randn(6, 256, generator=torch.Generator().manual_seed(0))
+    weights = torch.tensor([[0.7, 0.3]] * 6)
+    out = moe.forward_experts(x, weights, torch.tensor([[2, 5]] * 6))
+    swap = TransferPlan((), (), ((2, 5), (5, 2)))
+    move_expert_weights(moe, swap, None)
+    try:
+        for b, a in zip(before, moe.expert_parts()):
+            assert torch.equal(a[5].view(torch.uint8), b[2].view(torch.uint8))
+            assert torch.equal(a[2].view(torch.uint8), b[5].view(torch.uint8))
+        # expert 2's weights now sit in slot 5 (the map is the identity here)
+        got = moe.forward_experts(x, weights, torch.tensor([[5, 2]] * 6))
+        assert torch.allclose(got, out, atol=1e-5)
+    finally:
+        move_expert_weights(moe, swap, None)  # back: the module's other tests share it
+    for b, a in zip(before, moe.expert_parts()):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
