@@ -227,8 +227,9 @@ def test_quantization_flag_and_dtype_resolution(fp8_ckpt, deq_ckpt):
         EngineArgs(model=fp8_ckpt, tensor_parallel_size=2).create_engine_config()
 
 
-def test_per_tensor_scales(tmp_path):
-    path = make_tiny_fp8_checkpoint(str(tmp_path / "pt"), "qwen3_moe", block=None, num_layers=1)
+def test_per_tensor_scales(qwen3_ckpt, tmp_path):
+    """Qwen3-MoE (fused q|k|v, gate|up) with one scale per tensor."""
+    path = make_tiny_fp8_checkpoint(str(tmp_path / "pt"), source=qwen3_ckpt, block=None)
     state = load_file(os.path.join(path, "model.safetensors"))
     assert state["model.layers.0.self_attn.q_proj.weight_scale"].shape == ()
     ours = _load(path, dtype="float32")

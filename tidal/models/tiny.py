@@ -158,6 +158,7 @@ def make_tiny_fp8_checkpoint(
     block: tuple[int, int] | None = (128, 128),
     not_converted: tuple[str, ...] = (),
     seed: int = 0,
+    source: str | None = None,
     **kwargs: Any,
 ) -> str:
     """A tiny checkpoint in the layout of DeepSeek-V3's FP8 release; returns ``path``.
@@ -169,12 +170,16 @@ def make_tiny_fp8_checkpoint(
     ``weight_scale_inv`` (``quantize_fp8_blocks``: amax / 448), or with ``block=None`` one
     per-tensor ``weight_scale``. Modules named in ``not_converted`` (name prefixes) stay
     bfloat16 and are listed in ``modules_to_not_convert``. config.json gets the
-    ``quantization_config``."""
+    ``quantization_config``. ``source``: quantize a copy of that tiny checkpoint instead
+    of building one (``arch``, ``seed`` and ``kwargs`` unused)."""
     from safetensors.torch import load_file, save_file
 
     from tidal.kernels.fp8_torch import FP8_MAX, quantize_fp8_blocks
 
-    make_tiny_checkpoint(path, arch, seed=seed, dtype="bfloat16", **{**FP8_TINY_ARGS, **kwargs})
+    if source is None:
+        make_tiny_checkpoint(path, arch, seed=seed, dtype="bfloat16", **{**FP8_TINY_ARGS, **kwargs})
+    else:
+        shutil.copytree(source, path)
     files = sorted(n for n in os.listdir(path) if n.endswith(".safetensors"))
     state: dict[str, torch.Tensor] = {}
     for name in files:

@@ -34,6 +34,12 @@ per slot like ``w13``/``w2`` and move with them (EPLB's ``move_expert_weights``,
 ``set_local_experts``). A router bias (``Routing.router_bias``) is ``gate_bias [E_global]``,
 added to the logits; like ``score_bias`` every rank holds all of it.
 
+FP8 experts (``hold_fp8``, a quantized checkpoint: docs/architecture.md#quantization):
+``w13``/``w2`` hold ``float8_e4m3fn`` with row scales ``w13_scale``/``w2_scale``; each call
+dequantizes the experts its tokens chose, in the activation dtype, and runs the backend's
+experts on them (``_fp8_experts``); the experts op then has no CPU choice. Expert moves
+carry the scales (``expert_parts``, ``expert_weights``, ``expert_part_specs``).
+
 Expert parallelism: the EP setup (``tidal/executor/model_runner.py``) sets ``dispatcher``
 and points every layer's ``forward_context`` at one shared ``MoEForwardContext``, whose
 ``num_tokens_across_dp`` the runner fills before each forward (the token counts all ranks
