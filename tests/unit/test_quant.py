@@ -21,6 +21,7 @@ from tidal.kernels.fp8_torch import (
     FP8_DTYPE,
     dequantize_fp8_blocks,
     dequantize_fp8_rows,
+    fp8_values,
     quantize_fp8_blocks,
     row_scales,
 )
@@ -77,6 +78,16 @@ def test_block_quantizer_round_trips_within_fp8_precision():
     ]
     assert err.max().item() <= 448.0 / 16 + 1e-3
     assert torch.allclose(back, w, atol=0.1, rtol=0.07)
+
+
+def test_fp8_values_equal_torchs_conversion_for_every_finite_byte():
+    q = torch.arange(256, dtype=torch.uint8).view(FP8_DTYPE)
+    want = q.float()
+    finite = ~want.isnan()
+    got = fp8_values(q)
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(got.float()[finite], want[finite])
+    assert torch.signbit(got[0x80]) and got[0x80] == 0  # -0.0 keeps its sign
 
 
 def test_row_scales_expand_blocks_and_per_tensor_values():
