@@ -30,7 +30,8 @@ from tidal.layers.quant import FP8_LINEAR_KERNELS, Fp8BlockMethod, Fp8Linear
 from tidal.models.loader import CheckpointError, load_expert_weights, load_model
 from tidal.models.tiny import dequantize_checkpoint, make_tiny_fp8_checkpoint
 from tidal.moe.eplb import TransferPlan, move_expert_weights
-from tidal.moe.layer import FusedMoE
+from tidal.moe.layer import FP8_EXPERT_KERNELS, FusedMoE
+from tidal.moe.reference import fused_experts_reference
 
 
 @pytest.fixture(autouse=True)
@@ -312,3 +313,42 @@ def test_expert_reads_and_moves_carry_the_scales_exactly(fp8_ckpt, fp8_model):
         move_expert_weights(moe, swap, None)  # back: the module's other tests share it
     for b, a in zip(before, moe.expert_parts()):
         assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+def test_fp8_experts_kernel_hook_packs_after_every_write(fp8_model):
+    moe = fp8_model.layers[1].mlp
+    packs = []
+
+    class Dequantized:  # a stand-in kernel: the reference loop on a dequantized pack
+        def pack(self, w13, w2, w13_scale, w2_scale, block_k):
+            packs.append(block_k)
+            return (
+                dequantize_fp8_rows(w13, w13_scale, block_k, torch.float32),
+                dequantize_fp8_rows(w2, w2_scale, block_k, torch.float32),
+            )
+
+        def __call__(self, x, packed, topk_weights, topk_ids, expert_map):
+            return fused_experts_reference(x, *packed, topk_weights, topk_ids, expert_map, True)
+
+    x = torch.randn(5, 256, generator=torch.Generator().manual_seed(1))
+    weights, ids = (
+        torch.tensor([[0.6, 0.4]] * 5),
+        torch.tensor([[1, 6], [0, 2], [3, 4], [6, 1], [7, 5]]),
+    )
+    want = moe.forward_experts(x, weights, ids)
+    swap = TransferPlan((), (), ((1, 6), (6, 1)))
+    FP8_EXPERT_KERNELS["dequantized"] = Dequantized()
+    try:
+        moe.use_fp8_kernel("dequantized")
+        assert packs == [128]
+        assert torch.allclose(moe.forward_experts(x, weights, ids), want, atol=1e-5)
+        move_expert_weights(moe, swap, None)  # a write: packed again
+        assert packs == [128, 128]
+        swapped = torch.where(ids == 1, 6, torch.where(ids == 6, 1, ids))
+        assert torch.allclose(moe.forward_experts(x, weights, swapped), want, atol=1e-5)
+        with pytest.raises(ValueError, match="no FP8 experts kernel 'nope'"):
+            moe.use_fp8_kernel("nope")
+    finally:
+        moe.use_fp8_kernel(None)
+        del FP8_EXPERT_KERNELS["dequantized"]
+        move_expert_weights(moe, swap, None)

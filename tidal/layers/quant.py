@@ -259,6 +259,11 @@ class Fp8Linear(nn.Module):
         self._packed = kernel.pack(self.weight, self.weight_scale, self.method.block[1])
         self.kernel = name
 
+    def weights_updated(self) -> None:
+        """The loader wrote the weight: a kernel's pack follows it."""
+        if self.kernel is not None:
+            self.use_kernel(self.kernel)
+
     def extra_repr(self) -> str:
         return (
             f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}, "

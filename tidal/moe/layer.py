@@ -78,6 +78,29 @@ from tidal.moe.router import Routing, route
 ExpertsFn = Callable[..., Tensor]
 
 
+class Fp8ExpertsKernel(Protocol):
+    """A fused kernel of FP8 experts (e.g. a C++ one dequantizing in registers): ``pack``
+    the held form (again after every write: load, expert moves), then called per forward
+    in place of the reference (``FusedMoE.use_fp8_kernel``)."""
+
+    def pack(
+        self, w13: Tensor, w2: Tensor, w13_scale: Tensor, w2_scale: Tensor, block_k: int
+    ) -> Any: ...
+
+    def __call__(
+        self,
+        x: Tensor,  # [T, H]
+        packed: Any,
+        topk_weights: Tensor,  # [T, K] float32
+        topk_ids: Tensor,  # [T, K] int64 global ids
+        expert_map: Tensor | None,  # [E_global] int32
+    ) -> Tensor: ...  # [T, H]
+
+
+# name -> kernel; empty until a kernel module registers one (the reference is built in).
+FP8_EXPERT_KERNELS: dict[str, Fp8ExpertsKernel] = {}
+
+
 class MoEDispatcher(Protocol):
     """What FusedMoE calls when ``self.dispatcher`` is set (implemented in moe/dispatch/).
 
@@ -252,6 +275,8 @@ class FusedMoE(HeldParamsModule):
         self.w2_scale: Tensor | None
         self.register_buffer("w13_scale", None)
         self.register_buffer("w2_scale", None)
+        self.fp8_kernel: str | None = None  # a FP8_EXPERT_KERNELS name; None: the reference
+        self._fp8_packed: Any = None
 
     def forward(self, hidden: Tensor) -> Tensor:  # [T, H] -> [T, H]
         self.drop_materialized()
@@ -352,6 +377,9 @@ class FusedMoE(HeldParamsModule):
         the local experts these tokens chose, then the backend's experts on those."""
         assert self.fp8_block_k is not None
         assert self.w13_scale is not None and self.w2_scale is not None
+        if self.fp8_kernel is not None:
+            kernel = FP8_EXPERT_KERNELS[self.fp8_kernel]
+            return kernel(x, self._fp8_packed, weights, ids, expert_map)
         n_local = self.w13.shape[0]
         if expert_map is None:  # global id == local slot
             expert_map = torch.arange(self.num_experts, dtype=torch.int32, device=ids.device)
@@ -366,6 +394,27 @@ class FusedMoE(HeldParamsModule):
         w13 = dequantize_fp8_rows(self.w13[used], self.w13_scale[used], bk, dt)  # [U, 2I, H]
         w2 = dequantize_fp8_rows(self.w2[used], self.w2_scale[used], bk, dt)  # [U, H, I]
         return self.experts_fn(x, w13, w2, weights, ids, used_map, True)
+
+    def use_fp8_kernel(self, name: str | None) -> None:
+        """Serve the FP8 experts by ``FP8_EXPERT_KERNELS[name]`` (packed now and after
+        every write), or by the reference (None)."""
+        if name is not None and name not in FP8_EXPERT_KERNELS:
+            raise ValueError(
+                f"no FP8 experts kernel {name!r}; registered: {sorted(FP8_EXPERT_KERNELS)}"
+            )
+        if name is not None and self.fp8_block_k is None:
+            raise ValueError("use_fp8_kernel: the experts are not FP8 (hold_fp8)")
+        self.fp8_kernel, self._fp8_packed = name, None
+        self._fp8_pack()
+
+    def _fp8_pack(self) -> None:
+        if self.fp8_kernel is None:
+            return
+        assert self.fp8_block_k is not None
+        assert self.w13_scale is not None and self.w2_scale is not None
+        self._fp8_packed = FP8_EXPERT_KERNELS[self.fp8_kernel].pack(
+            self.w13.data, self.w2.data, self.w13_scale, self.w2_scale, self.fp8_block_k
+        )
 
     def expert_parts(self) -> list[Tensor]:
         """The per-slot tensors an expert move carries, in order: ``w13``, ``w2``, then
@@ -470,6 +519,7 @@ class FusedMoE(HeldParamsModule):
     def weights_updated(self) -> None:
         """``gate``/``w13``/``w2`` were written through their (rebuilt) parameters (loader,
         expert moves, EPLB): re-pack what a packed path holds."""
+        self._fp8_pack()  # FP8 experts: a kernel's pack follows every write
         written = self.materialized_params()
         if self.fp8_block_k is None and ("w13" in written or "w2" in written):
             self._held_experts = None  # the other of the two is rebuilt from it by _pack
