@@ -568,26 +568,25 @@ def quant_targets(
             continue
         scale_name = next((n for n in options if n in index), None)
         if scale_name is None:
+            where = os.path.basename(entry.file)
             raise CheckpointError(
-                f"tensor {name!r} in {os.path.basename(entry.file)} is {method.weight_dtype} "
-                "but the checkpoint "
-                f"has no scale for it ({' or '.join(options)})"
+                f"tensor {name!r} in {where} is {method.weight_dtype} but the checkpoint has "
+                f"no scale for it ({' or '.join(options)})"
             )
         if dest is None:  # known, not this rank's
             out[scale_name] = None
             continue
         tensor = dest.dest if isinstance(dest, Shard) else dest
         pair = held.get(_storage(tensor))
-        if pair is None or isinstance(dest, Shard):
+        if pair is None:  # held in the model's dtype (MLA's kv_b_proj, lm_head)
             out[name] = _Dequantized(dest, method, index[scale_name], scale_name)
             out[scale_name] = None  # read by the _Dequantized target
             continue
+        # quantize_model refuses tensor parallelism: a held FP8 weight is never sharded
+        assert isinstance(dest, Tensor) and len(entry.shape) == 2, name
         weight, scales = pair
-        first, rows = _row_block(weight, tensor)
+        first, rows = _row_block(weight, dest)
         view = scales.view(-1, scales.shape[-1])[first : first + rows]
-        if len(entry.shape) != 2:
-            where = os.path.basename(entry.file)
-            raise CheckpointError(f"tensor {name!r} in {where}: FP8 weights are 2-D")
         out[scale_name] = _Scales(view, name, entry.shape[0], entry.shape[1], method)
     return out
 
