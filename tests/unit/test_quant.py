@@ -352,3 +352,21 @@ def test_fp8_experts_kernel_hook_packs_after_every_write(fp8_model):
         moe.use_fp8_kernel(None)
         del FP8_EXPERT_KERNELS["dequantized"]
         move_expert_weights(moe, swap, None)
+
+
+def test_fp8_experts_dequantized_a_chunk_at_a_time_add_up(fp8_model, monkeypatch):
+    from tidal.moe import layer
+
+    moe = fp8_model.layers[1].mlp
+    x = torch.randn(7, 256, generator=torch.Generator().manual_seed(2))
+    weights = torch.tensor([[0.6, 0.4]] * 7)
+    ids = torch.tensor([[0, 1], [2, 3], [4, 5], [6, 7], [1, 0], [3, 2], [5, 4]])
+    whole = moe.forward_experts(x, weights, ids)  # all 8 experts in one chunk
+    monkeypatch.setattr(layer, "_FP8_DEQUANT_BYTES", 1)  # one expert per chunk
+    assert torch.allclose(moe.forward_experts(x, weights, ids), whole, atol=1e-5)
+    ref = fused_experts_reference(
+        x, *(dequantize_fp8_rows(w, s, 128, torch.float32) for w, s in (
+            (moe.w13.data, moe.w13_scale), (moe.w2.data, moe.w2_scale)
+        )), weights, ids, None, True,
+    )  # fmt: skip
+    assert torch.allclose(whole, ref, atol=1e-5)

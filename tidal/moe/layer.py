@@ -97,6 +97,8 @@ class Fp8ExpertsKernel(Protocol):
     ) -> Tensor: ...  # [T, H]
 
 
+# The float32 bytes of experts the FP8 reference path dequantizes at once (at least one).
+_FP8_DEQUANT_BYTES = 256 << 20
 # name -> kernel; empty until a kernel module registers one (the reference is built in).
 FP8_EXPERT_KERNELS: dict[str, Fp8ExpertsKernel] = {}
 
@@ -391,9 +393,23 @@ class FusedMoE(HeldParamsModule):
         # [E_global] int32: global id -> its index among the dequantized experts, or -1
         used_map = torch.where(emap >= 0, compact[emap.clamp(min=0)], -1).to(torch.int32)
         bk, dt = self.fp8_block_k, x.dtype
-        w13 = dequantize_fp8_rows(self.w13[used], self.w13_scale[used], bk, dt)  # [U, 2I, H]
-        w2 = dequantize_fp8_rows(self.w2[used], self.w2_scale[used], bk, dt)  # [U, H, I]
-        return self.experts_fn(x, w13, w2, weights, ids, used_map, True)
+        two_i, hidden = self.expert_shape
+        # Experts dequantized a chunk at a time (a float32 copy of each on the way): a
+        # prefill touching every expert of a large layer must not copy them all at once.
+        # Tokens routed outside the chunk contribute zero to its call; the calls add up.
+        chunk = max(1, _FP8_DEQUANT_BYTES // (3 * two_i // 2 * hidden * 4))
+        out: Tensor | None = None
+        for start in range(0, used.numel(), chunk):
+            part = used[start : start + chunk]  # [C] local slots
+            # [E_global] int32: global id -> its index in this chunk, or -1
+            chunk_map = torch.where(
+                (used_map >= start) & (used_map < start + part.numel()), used_map - start, -1
+            ).to(torch.int32)
+            w13 = dequantize_fp8_rows(self.w13[part], self.w13_scale[part], bk, dt)  # [C, 2I, H]
+            w2 = dequantize_fp8_rows(self.w2[part], self.w2_scale[part], bk, dt)  # [C, H, I]
+            y = self.experts_fn(x, w13, w2, weights, ids, chunk_map, True)
+            out = y if out is None else out + y
+        return out if out is not None else torch.zeros_like(x)
 
     def use_fp8_kernel(self, name: str | None) -> None:
         """Serve the FP8 experts by ``FP8_EXPERT_KERNELS[name]`` (packed now and after
