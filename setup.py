@@ -32,7 +32,11 @@ else:
                 f"tidal/kernels/csrc/{name}_cpu.cpp"
                 for name in ("moe", "router", "linear", "norm", "attention")
             ],
-            depends=["tidal/kernels/csrc/vec.h", "tidal/kernels/csrc/gemm.h"],
+            depends=[
+                "tidal/kernels/csrc/vec.h",
+                "tidal/kernels/csrc/vec_half.h",
+                "tidal/kernels/csrc/gemm.h",
+            ],
             # -march=native: the kernel's 16-lane vectors compile to the build machine's
             # widest ISA (an editable install builds on the machine that runs it).
             # -fopenmp: at::parallel_for's inline region; the symbols resolve to the

@@ -58,7 +58,7 @@ def test_norm_layers_on_both_paths(kernel, monkeypatch):
     if kernel and not kernel_available():
         pytest.skip(kernel_status())
     if not kernel:
-        monkeypatch.setattr("tidal.layers.norm.rms_norm_cpu_ok", lambda x: False)
+        monkeypatch.setattr("tidal.layers.norm.rms_norm_cpu_ok", lambda *a: False)
     norm = RMSNorm(48, 1e-6)
     norm.weight.data.copy_(torch.randn(48))
     x = torch.randn(5, 48)

@@ -1,5 +1,7 @@
-"""Decode attention over the paged KV cache and the rotary embedding, for float32 on CPU,
-in C++ (``csrc/attention_cpu.cpp``): the checked wrappers.
+"""Decode attention over the paged KV cache and the rotary embedding on CPU, in C++
+(``csrc/attention_cpu.cpp``): the checked wrappers. Attention and the cache writes take
+float32, bfloat16 and float16 queries and caches, in any pairing (``--kv-cache-dtype``
+need not be the model's): the cache is read in its own dtype, math is float32.
 
 Why: the torch decode path (K gather, baddbmm, softmax, embedding_bag, and their index
 tensors) and the rotary chain (mul, roll, mul, add) are many small ops a layer; at decode
@@ -19,14 +21,16 @@ from torch import Tensor
 from tidal.kernels.cpu_ext import kernel_available
 
 MAX_GROUP = 16  # query heads per KV head the C++ decode attention takes
+# What the C++ decode attention and cache writes read and write (queries, K/V, cache).
+KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def decode_attention_cpu_supports(dtype: torch.dtype, device: torch.device, group: int) -> bool:
-    """Whether the C++ decode attention serves this dtype, device and number of query
-    heads per KV head (the extension loaded). The metadata asks it before any tensor
-    exists, to skip the torch path's index rows."""
+    """Whether the C++ decode attention serves queries of this dtype, this device and
+    number of query heads per KV head (the extension loaded). The metadata asks it before
+    any tensor exists, to skip the torch path's index rows."""
     return (
-        dtype == torch.float32
+        dtype in KERNEL_DTYPES
         and device.type == "cpu"
         and group <= MAX_GROUP
         and kernel_available()
@@ -34,11 +38,11 @@ def decode_attention_cpu_supports(dtype: torch.dtype, device: torch.device, grou
 
 
 def decode_attention_cpu_ok(q: Tensor, cache: Tensor, num_kv_heads: int) -> bool:
-    """Whether ``decode_attention_cpu`` takes these very tensors: as above, plus a float32
-    contiguous cache and q's last dimension contiguous."""
+    """Whether ``decode_attention_cpu`` takes these very tensors: as above, plus a
+    contiguous cache of a kernel dtype and q's last dimension contiguous."""
     return (
         decode_attention_cpu_supports(q.dtype, q.device, q.shape[1] // num_kv_heads)
-        and cache.dtype == torch.float32
+        and cache.dtype in KERNEL_DTYPES
         and cache.is_contiguous()
         and q.stride(2) == 1
     )
@@ -46,11 +50,11 @@ def decode_attention_cpu_ok(q: Tensor, cache: Tensor, num_kv_heads: int) -> bool
 
 def decode_attention_cpu(
     q: Tensor,  # [D, Hq, Dh] one query token per sequence (rows may be strided)
-    cache: Tensor,  # [2, NB, Hkv, bs, Dh] one layer's cache, contiguous
+    cache: Tensor,  # [2, NB, Hkv, bs, Dh] one layer's cache, contiguous, any KERNEL_DTYPES
     block_table: Tensor,  # [D, B] int64 block ids (padding past each length is not read)
     seq_lens: Tensor,  # [D] int64 keys per sequence, this step's token included
     scale: float,
-) -> Tensor:  # [D, Hq, Dh]
+) -> Tensor:  # [D, Hq, Dh] in q's dtype (float32 softmax and sums)
     return torch.ops.tidal_cpu.decode_attention(q, cache, block_table, seq_lens, scale)
 
 
@@ -73,10 +77,13 @@ def rope_cpu(
 
 
 def write_kv_cpu_ok(cache: Tensor, k: Tensor, v: Tensor) -> bool:
-    """Whether ``write_kv_cpu`` takes these tensors: float32 on CPU, a contiguous cache,
-    k and v [T, Hkv, Dh] with their last dimension contiguous, the extension loaded."""
+    """Whether ``write_kv_cpu`` takes these tensors: kernel dtypes on CPU (k and v of one,
+    the cache of any), a contiguous cache, k and v [T, Hkv, Dh] with their last dimension
+    contiguous, the extension loaded."""
     return (
-        cache.dtype == k.dtype == v.dtype == torch.float32
+        cache.dtype in KERNEL_DTYPES
+        and k.dtype == v.dtype
+        and k.dtype in KERNEL_DTYPES
         and cache.device.type == "cpu"
         and cache.is_contiguous()
         and k.dim() == v.dim() == 3
@@ -88,7 +95,7 @@ def write_kv_cpu_ok(cache: Tensor, k: Tensor, v: Tensor) -> bool:
 def write_kv_cpu(
     cache: Tensor,  # [2, NB, Hkv, bs, Dh] one layer's cache, contiguous; written in place
     rows_k: Tensor,  # [T * Hkv] int64 rows of cache.view(-1, Dh), (token, head) order
-    k: Tensor,  # [T, Hkv, Dh] float32 (rows may be strided)
+    k: Tensor,  # [T, Hkv, Dh] (rows may be strided), cast to the cache's dtype
     rows_v: Tensor,  # [T * Hkv] int64
     v: Tensor,  # [T, Hkv, Dh]
 ) -> None:

@@ -158,8 +158,9 @@ def weight_candidates(dtype: torch.dtype) -> list[Candidate]:
 
 def kernel_candidates(dtype: torch.dtype) -> list[Candidate]:
     """The candidates of an op without weights or hints (norm, decode attention): the C++
-    kernel where built (float32), and torch."""
-    native = [Candidate("native")] if dtype == torch.float32 and kernel_available() else []
+    kernel where built (float32, bfloat16, float16: float32 math), and torch."""
+    ok = dtype in (torch.float32, torch.bfloat16, torch.float16)
+    native = [Candidate("native")] if ok and kernel_available() else []
     return [*native, Candidate("torch")]
 
 

@@ -4,7 +4,9 @@ Contract with the model runner:
 
 * ``kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim)`` is the shape of one
   layer's cache tensor, ``[2 (K, V), num_blocks, num_kv_heads, block_size, head_dim]``,
-  in the model dtype. The worker allocates one per layer and hands the list to
+  in the cache dtype (``--kv-cache-dtype``; the model's by default, and it may differ:
+  new K/V are cast into it, the decode and prefill reads upcast only what they gather,
+  never the whole cache). The worker allocates one per layer and hands the list to
   ``model.bind_kv_cache``. Token at position p of a sequence lives in cache slot
   ``block_ids[p // block_size] * block_size + p % block_size``: block
   ``block_ids[p // block_size]``, offset ``p % block_size``, for every KV head.
@@ -30,9 +32,12 @@ Each layer first writes the new K/V into the cache through ``slot_mapping``, the
   kernel runs a few tiny GEMMs per (sequence, head)): the gathered copy of V, written
   then read once, was half of the step's KV memory traffic.
   ``decode_attention_reference`` is the per-sequence oracle the tests compare against.
-  On float32 CPU with the C++ extension built, the decode group instead goes to one C++
-  op (``tidal/kernels/cpu_attention.py``) that reads K and V straight from the cache; the
-  torch path above is its fallback, tested against the same oracle;
+  On CPU with the C++ extension built (float32, bfloat16 or float16 queries and cache),
+  the decode group instead goes to one C++ op (``tidal/kernels/cpu_attention.py``) that
+  reads K and V straight from the cache in its own dtype, float32 softmax and sums; the
+  torch path above is its fallback, tested against the same oracle. When the cache's
+  dtype is not the queries', the torch path gathers V too and upcasts what it gathered
+  (``embedding_bag`` needs one dtype);
 * each prefill chunk runs its own SDPA: causal on its fresh K/V when it starts at 0,
   else on its gathered cached blocks with an explicit mask (query i at position
   ``start + i`` sees keys ``<= start + i``).
@@ -346,8 +351,10 @@ class PagedAttention(nn.Module):
         self.head_dim = head_dim
         self.scale = head_dim**-0.5
         self.kv_cache: Tensor | None = None  # set by bind_kv_cache
-        # The cache's dtype and device (the model's), for the CPU path choice (select.py).
-        self.cache_dtype = dtype or torch.get_default_dtype()
+        # The queries' dtype (the model's) and device, for the CPU path choice (select.py).
+        # The trial's cache is in it too: the choice is made at load, before
+        # --kv-cache-dtype's cache exists (the kernels serve every pairing).
+        self.dtype = dtype or torch.get_default_dtype()
         self.on_cpu = torch.device(device or "cpu").type == "cpu"
         self.cpu_choice: Choice | None = None  # measured at load; None: the C++ kernels
 
@@ -363,11 +370,12 @@ class PagedAttention(nn.Module):
         if not self.on_cpu or self.sliding_window is not None or self.sinks is not None:
             return {}  # only the torch path serves it: nothing to choose
         key = OpKey("attention", (self.num_heads, self.num_kv_heads, self.head_dim))
-        return {"decode": OpSpec(key, tuple(kernel_candidates(self.cache_dtype)), False)}
+        return {"decode": OpSpec(key, tuple(kernel_candidates(self.dtype)), False)}
 
     def cpu_trial(self, op: str, candidate: Candidate, instances: int) -> Any:
         """Sequences of ``TRIAL_CONTEXT`` tokens each decoding one more."""
-        attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim)
+        dtype = self.dtype
+        attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, dtype=dtype)
         attn.set_cpu_path(op, Choice(candidate, candidate, None))
         bs = TRIAL_BLOCK_SIZE
         per_seq = -(-TRIAL_CONTEXT // bs)
@@ -376,14 +384,14 @@ class PagedAttention(nn.Module):
         def for_rows(rows: int) -> Any:
             shape = kv_cache_shape(rows * per_seq + 1, bs, self.num_kv_heads, self.head_dim)
             caches.clear()  # one size at a time
-            attn.kv_cache = caches[rows] = torch.full(shape, 0.01)
+            attn.kv_cache = caches[rows] = torch.full(shape, 0.01, dtype=dtype)
             seqs = [
                 (TRIAL_CONTEXT - 1, 1, list(range(1 + i * per_seq, 1 + (i + 1) * per_seq)))
                 for i in range(rows)
             ]
             meta = AttentionMetadata.build(seqs, bs, "cpu")
-            q = torch.full((rows, self.num_heads, self.head_dim), 0.1)
-            kv = torch.full((rows, self.num_kv_heads, self.head_dim), 0.1)
+            q = torch.full((rows, self.num_heads, self.head_dim), 0.1, dtype=dtype)
+            kv = torch.full((rows, self.num_kv_heads, self.head_dim), 0.1, dtype=dtype)
             return lambda: attn(q, kv, kv, meta)
 
         return for_rows
@@ -401,13 +409,14 @@ class PagedAttention(nn.Module):
         cache = self.kv_cache
         if cache is None:
             raise RuntimeError("KV cache not bound: call model.bind_kv_cache(caches) first")
-        rows = meta.cache_rows(cache.shape[1], self.num_kv_heads, self.num_heads, cache.dtype)
+        # The rows' decode bias is in the queries' dtype (the scores'), not the cache's.
+        rows = meta.cache_rows(cache.shape[1], self.num_kv_heads, self.num_heads, q.dtype)
         if self.native(q.shape[0]) and write_kv_cpu_ok(cache, k, v):
-            write_kv_cpu(cache, rows.write_k, k, rows.write_v, v)
+            write_kv_cpu(cache, rows.write_k, k, rows.write_v, v)  # cast in C++
         else:
             by_token = cache.view(-1, self.head_dim)  # [2 * NB * Hkv * bs, Dh]
-            by_token.index_copy_(0, rows.write_k, k.reshape(-1, self.head_dim))
-            by_token.index_copy_(0, rows.write_v, v.reshape(-1, self.head_dim))
+            by_token.index_copy_(0, rows.write_k, k.reshape(-1, self.head_dim).to(cache.dtype))
+            by_token.index_copy_(0, rows.write_v, v.reshape(-1, self.head_dim).to(cache.dtype))
         dec = meta.decode_rows
         if not meta.prefills and isinstance(dec, slice) and dec.stop - dec.start == q.shape[0]:
             return self._decode(q, cache, meta, rows)  # pure decode step: no output assembly
@@ -419,16 +428,18 @@ class PagedAttention(nn.Module):
             out[r] = self._prefill(q[r], k[r], v[r], cache, chunk, gather)
         return out
 
-    def _gather(self, cache: Tensor, rows: Tensor, num: int) -> Tensor:
-        """K and V of ``num`` sequences' blocks, every head: [2, num, Hkv, keys, Dh]."""
+    def _gather(self, cache: Tensor, rows: Tensor, num: int, dtype: torch.dtype) -> Tensor:
+        """K and V of ``num`` sequences' blocks, every head, in ``dtype`` (the queries'; only
+        the gathered copy is cast): [2, num, Hkv, keys, Dh]."""
         by_block = cache.view(-1, cache.shape[3] * self.head_dim)  # [2 * NB * Hkv, bs * Dh]
-        return by_block.index_select(0, rows).view(2, num, self.num_kv_heads, -1, self.head_dim)
+        kv = by_block.index_select(0, rows).view(2, num, self.num_kv_heads, -1, self.head_dim)
+        return kv.to(dtype)
 
     def _decode(
         self, q: Tensor, cache: Tensor, meta: AttentionMetadata, rows: CacheRows
     ) -> Tensor:  # [D, Hq, Dh]
-        """The decode group: the C++ kernel on float32 CPU (unless the measured choice is
-        the torch path), else the torch path."""
+        """The decode group: the C++ kernel on CPU (unless the measured choice is the
+        torch path), else the torch path."""
         if self.native(q.shape[0]) and decode_attention_cpu_ok(q, cache, self.num_kv_heads):
             assert meta.decode_block_table is not None and meta.decode_seq_lens is not None
             return decode_attention_cpu(
@@ -436,9 +447,7 @@ class PagedAttention(nn.Module):
             )
         if rows.decode is None:  # built lazily: CacheRows.build expected the C++ path
             heads = torch.arange(self.num_kv_heads, device=q.device)
-            rows.decode = _decode_rows(
-                meta, heads, self.num_heads // self.num_kv_heads, cache.dtype
-            )
+            rows.decode = _decode_rows(meta, heads, self.num_heads // self.num_kv_heads, q.dtype)
         return self._decode_torch(q, cache, rows.decode, meta.decode_seq_lens)
 
     def _decode_torch(
@@ -447,6 +456,7 @@ class PagedAttention(nn.Module):
         num, hkv, dh = q.shape[0], self.num_kv_heads, self.head_dim
         by_block = cache.view(-1, cache.shape[3] * dh)  # [2 * NB * Hkv, bs * Dh], K rows first
         k = by_block.index_select(0, rows.k_blocks).view(num * hkv, -1, dh)  # [D * Hkv, keys, Dh]
+        k = k.to(q.dtype)  # a cache of another dtype: the gathered keys only
         # The query heads of one KV head are adjacent: one [G, Dh] matrix per (seq, KV head).
         qg = q.reshape(num * hkv, -1, dh)  # [D * Hkv, G, Dh]
         bias = rows.bias
@@ -463,6 +473,10 @@ class PagedAttention(nn.Module):
             probs = torch.softmax(scores, dim=-1)[..., :-1]
         else:
             probs = torch.softmax(scores, dim=-1)  # [D * Hkv, G, keys]; padding keys get 0
+        if cache.dtype != q.dtype:  # embedding_bag takes one dtype: gather V, upcast it
+            v_rows = rows.k_blocks + cache.shape[1] * hkv  # V's block rows follow K's
+            v = by_block.index_select(0, v_rows).view(num * hkv, -1, dh).to(q.dtype)
+            return torch.bmm(probs, v).view(num, self.num_heads, dh)
         v_by_token = cache[1].view(-1, dh)  # [NB * Hkv * bs, Dh]
         out = F.embedding_bag(
             rows.v_tokens,
@@ -492,7 +506,7 @@ class PagedAttention(nn.Module):
                 is_causal=True, enable_gqa=gqa,
             )  # fmt: skip
         else:
-            kv = self._gather(cache, gather, 1)  # [2, 1, Hkv, keys, Dh]
+            kv = self._gather(cache, gather, 1, q.dtype)  # [2, 1, Hkv, keys, Dh]
             out = F.scaled_dot_product_attention(
                 qt, kv[0], kv[1], attn_mask=chunk.mask, enable_gqa=gqa
             )
@@ -515,7 +529,7 @@ class PagedAttention(nn.Module):
         if gather is None:  # the chunk's own K/V, keys at positions 0 .. n - 1
             keys, vals = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
         else:
-            kv = self._gather(cache, gather, 1)  # [2, 1, Hkv, keys, Dh]
+            kv = self._gather(cache, gather, 1, qt.dtype)  # [2, 1, Hkv, keys, Dh]
             keys, vals = kv[0], kv[1]
         k_pos = torch.arange(keys.shape[2], device=qt.device)[None, :]
         allowed = k_pos <= q_pos  # [n, keys]

@@ -18,7 +18,9 @@ decompresses a key: ``q_nope @ W_uk`` is a query in latent space, so scores are
 ``[q_nope W_uk, q_pe] . [c, k_pe]`` and the output ``(probs @ c) @ W_uv.T``: two
 batched GEMMs per step over the padded, masked latents every head shares -- per key
 ``r + rope`` values read instead of ``H x (nope + v)`` computed. ``decode_reference`` is the decompressing
-form, the tests' oracle for it.
+form, the tests' oracle for it. The cache is in ``--kv-cache-dtype`` (the model's by
+default): latents are cast into it on write, and only the rows a step gathers are cast
+back to the model's dtype.
 
 Tensor parallelism: each worker owns ``num_heads / tp`` heads (its rows of
 ``q_b_proj``/``q_proj`` and ``kv_b_proj``, its columns of ``o_proj``); the latent
@@ -152,6 +154,7 @@ class MLAttention(nn.Module):
                 bs = meta.block_size
                 slots = chunk.kv_blocks[:, None] * bs + torch.arange(bs, device=x.device)
                 keys = by_token.index_select(0, slots.reshape(-1))  # [B * bs, latent_dim]
+                keys = keys.to(x.dtype)  # --kv-cache-dtype may differ: the gathered rows only
                 out[r] = self._attend(q[r], keys, chunk.mask, causal=False)
         return self.o_proj(out.reshape(T, -1))
 
@@ -180,7 +183,7 @@ class MLAttention(nn.Module):
         latents gathered into one padded batch (masked where shorter), attended in
         latent space."""
         s, hq = self.spec, self.num_heads
-        latents = _gather_decode_latents(by_token, meta)  # [D, K, r + rope]
+        latents = _gather_decode_latents(by_token, meta).to(q.dtype)  # [D, K, r + rope]
         w = self.kv_b_proj.view(hq, s.qk_nope_head_dim + s.v_head_dim, s.kv_lora_rank)
         w_uk, w_uv = w[:, : s.qk_nope_head_dim], w[:, s.qk_nope_head_dim :]  # [Hq, nope|v, r]
         # [Hq, D, nope] @ [Hq, nope, r]: each head's query in latent space
@@ -199,7 +202,7 @@ class MLAttention(nn.Module):
     def decode_reference(self, q: Tensor, by_token: Tensor, meta: AttentionMetadata) -> Tensor:
         """The decode rows as prefill computes them: every key decompressed to per-head
         K/V, then SDPA; [D, Hq, qk] -> [D, Hq, v]. The oracle of ``_decode``."""
-        latents = _gather_decode_latents(by_token, meta)
+        latents = _gather_decode_latents(by_token, meta).to(q.dtype)
         k, v = self._expand(latents)  # [D, Hq, K, *]
         mask = meta.decode_mask  # [D, 1, 1, K] or None
         out = F.scaled_dot_product_attention(

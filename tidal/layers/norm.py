@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from tidal.kernels.cpu_norm import rms_norm_cpu, rms_norm_cpu_ok
+from tidal.kernels.cpu_norm import NORM_DTYPES, rms_norm_cpu, rms_norm_cpu_ok
 from tidal.kernels.select import Candidate, Choice, OpKey, OpSpec, kernel_candidates
 
 
@@ -23,7 +23,7 @@ class RMSNorm(nn.Module):
         self.cpu_choice: Choice | None = None  # measured at load (select.py); None: C++
 
     def forward(self, x: Tensor) -> Tensor:  # [..., dim], normalised over the last dim
-        if self.native(x.numel() // x.shape[-1]) and rms_norm_cpu_ok(x):
+        if self.native(x.numel() // x.shape[-1]) and rms_norm_cpu_ok(x, self.weight):
             return rms_norm_cpu(x, self.weight, self.eps)  # one C++ pass (cpu_norm.py)
         if x.dtype == torch.float32:
             # One fused op; equal to the float32 formula (tested against transformers).
@@ -37,18 +37,19 @@ class RMSNorm(nn.Module):
 
     def cpu_ops(self) -> dict[str, OpSpec]:
         w = self.weight
-        if w.device.type != "cpu" or w.dtype != torch.float32:
+        if w.device.type != "cpu" or w.dtype not in NORM_DTYPES:
             return {}
         key = OpKey("norm", (w.shape[0],))
         return {"norm": OpSpec(key, tuple(kernel_candidates(w.dtype)), False)}
 
     def cpu_trial(self, op: str, candidate: Candidate, instances: int) -> Any:
-        norm = RMSNorm(self.weight.shape[0], self.eps)
+        dtype = self.weight.dtype
+        norm = RMSNorm(self.weight.shape[0], self.eps, dtype=dtype)
         norm.weight.data.fill_(1.0)
         norm.set_cpu_path(op, Choice(candidate, candidate, None))
 
         def for_rows(rows: int) -> Any:
-            x = torch.full((rows, self.weight.shape[0]), 0.5)
+            x = torch.full((rows, self.weight.shape[0]), 0.5, dtype=dtype)
             return lambda: norm(x)
 
         return for_rows
@@ -69,11 +70,13 @@ def rms_norm_heads(
 ) -> Tensor:  # [T, heads, Dh], new tensor
     """Per-head RMSNorm of several head groups in one pass (Qwen3's q_norm and k_norm over
     the joint q|k heads): normalise every head, then scale each group by its weight."""
-    if x.dtype != torch.float32:
+    if native and rms_norm_cpu_ok(x):
+        # Normalised (rounded to x's dtype), then scaled in x's dtype: transformers' two
+        # roundings for 16-bit x, one product for float32.
+        out = rms_norm_cpu(x, None, eps)
+    elif x.dtype != torch.float32:
         parts = x.split(list(group_sizes), dim=1)
         return torch.cat([_rms_norm_hf(p, w, eps) for p, w in zip(parts, weights)], dim=1)
-    if native and rms_norm_cpu_ok(x):
-        out = rms_norm_cpu(x, None, eps)
     else:
         out = F.rms_norm(x, (x.shape[-1],), None, eps)
     start = 0

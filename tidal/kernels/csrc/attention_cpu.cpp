@@ -1,4 +1,4 @@
-// Decode attention over the paged KV cache, and rotary embedding, for float32 on CPU.
+// Decode attention over the paged KV cache, and rotary embedding, on CPU.
 //
 // Why (issue #13): the torch decode path is a K gather, a baddbmm, a softmax and an
 // embedding_bag, with their index tensors and views; the rotary embedding a roll/mul/add
@@ -9,15 +9,21 @@
 //
 // decode_attention: q [D, Hq, Dh] (rows may be strided), cache [2, NB, Hkv, bs, Dh]
 // contiguous, block_table [D, B] int64, seq_lens [D] int64 (keys 0..len-1 of sequence d
-// sit at block block_table[d][t / bs], offset t % bs) -> [D, Hq, Dh]; query head h reads
-// KV head h / (Hq / Hkv). Softmax as torch's: max, exp(s - max), divide by the sum, then
-// the probability-weighted sum of V.
+// sit at block block_table[d][t / bs], offset t % bs) -> [D, Hq, Dh] in q's type; query
+// head h reads KV head h / (Hq / Hkv). q and the cache are each float32, bfloat16 or
+// float16 (--kv-cache-dtype need not be the model's): the cache is read in its own type
+// and widened in registers, never copied; softmax and sums are float32 whatever the
+// types. Softmax as torch's: max, exp(s - max), divide by the sum, then the
+// probability-weighted sum of V.
+//
+// write_kv: the new K/V rows into the cache, cast to its type.
 //
 // rope: x [T, H, Dh] (last dim contiguous), cos and signed_sin [T, Dh] -> x * cos +
 // roll(x, Dh / 2) * signed_sin, the same three roundings as the torch expression (no
 // fused multiply-add: the result is bit-identical to tidal/layers/rotary.apply_rotary).
 
 #include "vec.h"
+#include "vec_half.h"
 
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -29,6 +35,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -37,13 +44,14 @@ using namespace tidal_cpu;
 
 constexpr int kMaxGroup = 16;  // query heads per KV head handled in registers
 
-inline float dot(const float* a, const float* b, int64_t n) {
+template <typename CT>
+inline float dot(const float* a, const CT* b, int64_t n) {
   vec16 acc = {};
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) acc += load(a + i) * load(b + i);
   float s = 0.f;
   for (int l = 0; l < 16; ++l) s += acc[l];
-  for (; i < n; ++i) s += a[i] * b[i];
+  for (; i < n; ++i) s += a[i] * static_cast<float>(b[i]);
   return s;
 }
 
@@ -73,66 +81,52 @@ inline vec16 lane_sums(vec16 p[16]) {
                            ivec16{1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31});
 }
 
-at::Tensor decode_attention(const at::Tensor& q,            // [D, Hq, Dh] float32
-                            const at::Tensor& cache,        // [2, NB, Hkv, bs, Dh] float32
-                            const at::Tensor& block_table,  // [D, B] int64
-                            const at::Tensor& seq_lens,     // [D] int64
-                            double scale) {
-  TORCH_CHECK(q.is_cpu() && q.scalar_type() == at::kFloat && q.dim() == 3 && q.stride(2) == 1,
-              "decode_attention: q must be a float32 [D, Hq, Dh] tensor, last dim contiguous");
-  TORCH_CHECK(cache.is_cpu() && cache.scalar_type() == at::kFloat && cache.dim() == 5 &&
-                  cache.size(0) == 2 && cache.is_contiguous() && cache.size(4) == q.size(2),
-              "decode_attention: cache must be a contiguous float32 [2, NB, Hkv, bs, Dh]");
+// QT: the query and output type, CT: the cache's (float, c10::BFloat16, c10::Half each).
+// Queries are widened once per task and the cache 16 values at a time as it is read:
+// scores, softmax and the weighted sum of V are float32 throughout.
+template <typename QT, typename CT>
+void decode_attention_impl(const at::Tensor& q, const at::Tensor& cache, const int64_t* tp,
+                           const int64_t* lp, int64_t width, const at::Tensor& out, float sc) {
   const int64_t num = q.size(0), hq = q.size(1), dh = q.size(2);
   const int64_t nb = cache.size(1), hkv = cache.size(2), bs = cache.size(3);
-  TORCH_CHECK(hkv > 0 && hq % hkv == 0 && hq / hkv <= kMaxGroup,
-              "decode_attention: Hq must be a multiple of Hkv, at most 16 per KV head");
-  TORCH_CHECK(block_table.scalar_type() == at::kLong && block_table.dim() == 2 &&
-                  block_table.size(0) == num && seq_lens.scalar_type() == at::kLong &&
-                  seq_lens.dim() == 1 && seq_lens.size(0) == num,
-              "decode_attention: block_table [D, B] and seq_lens [D] must be int64");
-  auto table = block_table.contiguous();
-  auto lens = seq_lens.contiguous();
-  const int64_t width = table.size(1);
-  const int64_t* tp = table.data_ptr<int64_t>();
-  const int64_t* lp = lens.data_ptr<int64_t>();
-  for (int64_t d = 0; d < num; ++d) {
-    TORCH_CHECK(lp[d] >= 1 && lp[d] <= width * bs,
-                "decode_attention: a sequence length is outside its block table");
-    for (int64_t b = 0; b < (lp[d] + bs - 1) / bs; ++b)
-      TORCH_CHECK(tp[d * width + b] >= 0 && tp[d * width + b] < nb,
-                  "decode_attention: a block id is outside the cache");
-  }
-  auto out = at::empty({num, hq, dh}, q.options());
-  if (num == 0) return out;
-  const float* qp = q.data_ptr<float>();
-  const float* kc = cache.data_ptr<float>();
-  const float* vc = kc + nb * hkv * bs * dh;
-  float* op = out.data_ptr<float>();
+  const QT* qp = q.data_ptr<QT>();
+  const CT* kc = cache.data_ptr<CT>();
+  const CT* vc = kc + nb * hkv * bs * dh;
+  QT* op = out.data_ptr<QT>();
   const int64_t group = hq / hkv, qs0 = q.stride(0), qs1 = q.stride(1);
-  const float sc = static_cast<float>(scale);
+  constexpr int64_t kLine = 64 / sizeof(CT);  // cache values per 64-byte line
 
   for_each_task(num * hkv, [&](int64_t task) {
     const int64_t d = task / hkv, kvh = task % hkv, len = lp[d];
     const int64_t* blocks = tp + d * width;
-    const float* qg[kMaxGroup];
-    for (int64_t g = 0; g < group; ++g) qg[g] = qp + d * qs0 + (kvh * group + g) * qs1;
-    thread_local std::vector<float> scores;
+    thread_local std::vector<float> scores, qbuf, obuf;
     scores.resize(static_cast<size_t>(group * len));
+    qbuf.resize(static_cast<size_t>(group * dh));
+    obuf.resize(static_cast<size_t>(dh));
+    const float* qg[kMaxGroup];
+    for (int64_t g = 0; g < group; ++g) {
+      const QT* row = qp + d * qs0 + (kvh * group + g) * qs1;
+      if constexpr (std::is_same_v<QT, float>) {
+        qg[g] = row;  // read in place
+      } else {
+        to_float(row, qbuf.data() + g * dh, dh);
+        qg[g] = qbuf.data() + g * dh;
+      }
+    }
     // 0. The task's K and V rows sit in a few scattered blocks, cold in cache at decode
     //    (the MoE weights streamed through since the last step); ask for all of them now
     //    so their misses overlap instead of each block waiting on its own.
     for (int64_t b = 0; b * bs < len; ++b) {
       const int64_t row = (blocks[b] * hkv + kvh) * bs * dh;
-      const int64_t floats = std::min<int64_t>(bs, len - b * bs) * dh;
-      for (int64_t f = 0; f < floats; f += 16) {
+      const int64_t values = std::min<int64_t>(bs, len - b * bs) * dh;
+      for (int64_t f = 0; f < values; f += kLine) {
         __builtin_prefetch(kc + row + f, 0, 2);
         __builtin_prefetch(vc + row + f, 0, 2);
       }
     }
     // 1. scores[g][t] = q_g . k_t * scale: 16 keys at a time, each key's products summed
     //    across lanes by one transposing add tree (instead of a horizontal sum per key).
-    const float* keys[16];
+    const CT* keys[16];
     for (int64_t t0 = 0; t0 < len; t0 += 16) {
       const int64_t n = std::min<int64_t>(16, len - t0);
       for (int64_t i = 0; i < n; ++i) {
@@ -173,14 +167,21 @@ at::Tensor decode_attention(const at::Tensor& q,            // [D, Hq, Dh] float
       const float inv = 1.f / sum;
       for (t = 0; t < len; ++t) s[t] *= inv;
     }
-    // 3. out_g = sum_t p[g][t] * v_t, one query head at a time in registers
+    // 3. out_g = sum_t p[g][t] * v_t, one query head at a time in registers (a float
+    //    output row is written in place, a 16-bit one through obuf)
     for (int64_t g = 0; g < group; ++g) {
-      float* o = op + (d * hq + kvh * group + g) * dh;
+      QT* dst = op + (d * hq + kvh * group + g) * dh;
+      float* o;
+      if constexpr (std::is_same_v<QT, float>) {
+        o = dst;
+      } else {
+        o = obuf.data();
+      }
       const float* pg = scores.data() + g * len;
       if (dh == 64) {
         vec16 a0 = {}, a1 = {}, a2 = {}, a3 = {};
         for (int64_t t = 0; t < len; ++t) {
-          const float* v = vc + ((blocks[t / bs] * hkv + kvh) * bs + t % bs) * dh;
+          const CT* v = vc + ((blocks[t / bs] * hkv + kvh) * bs + t % bs) * dh;
           const vec16 p = splat(pg[t]);
           a0 += p * load(v);
           a1 += p * load(v + 16);
@@ -191,48 +192,96 @@ at::Tensor decode_attention(const at::Tensor& q,            // [D, Hq, Dh] float
         store(o + 16, a1);
         store(o + 32, a2);
         store(o + 48, a3);
-        continue;
+      } else {
+        std::fill(o, o + dh, 0.f);
+        for (int64_t t = 0; t < len; ++t) {
+          const CT* v = vc + ((blocks[t / bs] * hkv + kvh) * bs + t % bs) * dh;
+          const float p = pg[t];
+          int64_t i = 0;
+          for (; i + 16 <= dh; i += 16) store(o + i, load(o + i) + splat(p) * load(v + i));
+          for (; i < dh; ++i) o[i] += p * static_cast<float>(v[i]);
+        }
       }
-      std::fill(o, o + dh, 0.f);
-      for (int64_t t = 0; t < len; ++t) {
-        const float* v = vc + ((blocks[t / bs] * hkv + kvh) * bs + t % bs) * dh;
-        const float p = pg[t];
-        int64_t i = 0;
-        for (; i + 16 <= dh; i += 16) store(o + i, load(o + i) + splat(p) * load(v + i));
-        for (; i < dh; ++i) o[i] += p * v[i];
-      }
+      if constexpr (!std::is_same_v<QT, float>) convert_row(o, dst, dh);
     }
+  });
+}
+
+at::Tensor decode_attention(const at::Tensor& q,            // [D, Hq, Dh] float32/bf16/fp16
+                            const at::Tensor& cache,        // [2, NB, Hkv, bs, Dh] same types
+                            const at::Tensor& block_table,  // [D, B] int64
+                            const at::Tensor& seq_lens,     // [D] int64
+                            double scale) {
+  TORCH_CHECK(q.is_cpu() && is_kernel_float(q.scalar_type()) && q.dim() == 3 && q.stride(2) == 1,
+              "decode_attention: q must be a float32/bfloat16/float16 [D, Hq, Dh] tensor, "
+              "last dim contiguous");
+  TORCH_CHECK(cache.is_cpu() && is_kernel_float(cache.scalar_type()) && cache.dim() == 5 &&
+                  cache.size(0) == 2 && cache.is_contiguous() && cache.size(4) == q.size(2),
+              "decode_attention: cache must be a contiguous float32/bfloat16/float16 "
+              "[2, NB, Hkv, bs, Dh]");
+  const int64_t num = q.size(0), hq = q.size(1), dh = q.size(2);
+  const int64_t nb = cache.size(1), hkv = cache.size(2), bs = cache.size(3);
+  TORCH_CHECK(hkv > 0 && hq % hkv == 0 && hq / hkv <= kMaxGroup,
+              "decode_attention: Hq must be a multiple of Hkv, at most 16 per KV head");
+  TORCH_CHECK(block_table.scalar_type() == at::kLong && block_table.dim() == 2 &&
+                  block_table.size(0) == num && seq_lens.scalar_type() == at::kLong &&
+                  seq_lens.dim() == 1 && seq_lens.size(0) == num,
+              "decode_attention: block_table [D, B] and seq_lens [D] must be int64");
+  auto table = block_table.contiguous();
+  auto lens = seq_lens.contiguous();
+  const int64_t width = table.size(1);
+  const int64_t* tp = table.data_ptr<int64_t>();
+  const int64_t* lp = lens.data_ptr<int64_t>();
+  for (int64_t d = 0; d < num; ++d) {
+    TORCH_CHECK(lp[d] >= 1 && lp[d] <= width * bs,
+                "decode_attention: a sequence length is outside its block table");
+    for (int64_t b = 0; b < (lp[d] + bs - 1) / bs; ++b)
+      TORCH_CHECK(tp[d * width + b] >= 0 && tp[d * width + b] < nb,
+                  "decode_attention: a block id is outside the cache");
+  }
+  auto out = at::empty({num, hq, dh}, q.options());
+  if (num == 0) return out;
+  const float sc = static_cast<float>(scale);
+  with_float_type(q.scalar_type(), [&](auto qt) {
+    with_float_type(cache.scalar_type(), [&](auto ct) {
+      decode_attention_impl<decltype(qt), decltype(ct)>(q, cache, tp, lp, width, out, sc);
+    });
   });
   return out;
 }
 
-// write_kv: this step's K and V rows into the cache, at the rows the metadata chose.
+// write_kv: this step's K and V rows into the cache, at the rows the metadata chose, cast
+// to the cache's type (round to nearest even, as torch's .to()).
 // The destinations are scattered and cold (a 4 KB run per block): ask for all their lines
 // first, with write intent, so the misses overlap; index_copy_ takes them one at a time
 // (~36 us for 128 rows of the 1024-wide model against ~5 hot).
-void write_rows(float* dst, const int64_t* rows, const at::Tensor& src, int64_t dh) {
+template <typename CT, typename ST>
+void write_rows(CT* dst, const int64_t* rows, const at::Tensor& src, int64_t dh) {
   const int64_t num = src.size(0), heads = src.size(1), s0 = src.stride(0), s1 = src.stride(1);
-  const float* sp = src.data_ptr<float>();
+  const ST* sp = src.data_ptr<ST>();
+  constexpr int64_t kLine = 64 / sizeof(CT);
   for (int64_t i = 0; i < num * heads; ++i)
-    for (int64_t f = 0; f < dh; f += 16) __builtin_prefetch(dst + rows[i] * dh + f, 1, 3);
+    for (int64_t f = 0; f < dh; f += kLine) __builtin_prefetch(dst + rows[i] * dh + f, 1, 3);
   for (int64_t t = 0; t < num; ++t)
     for (int64_t h = 0; h < heads; ++h)
-      std::memcpy(dst + rows[t * heads + h] * dh, sp + t * s0 + h * s1, dh * sizeof(float));
+      convert_row(sp + t * s0 + h * s1, dst + rows[t * heads + h] * dh, dh);
 }
 
-void write_kv(const at::Tensor& cache,   // [2, NB, Hkv, bs, Dh] float32, written
+void write_kv(const at::Tensor& cache,   // [2, NB, Hkv, bs, Dh] float32/bf16/fp16, written
               const at::Tensor& rows_k,  // [T * Hkv] int64 rows of cache.view(-1, Dh)
-              const at::Tensor& k,       // [T, Hkv, Dh] float32, last dim contiguous
+              const at::Tensor& k,       // [T, Hkv, Dh] float32/bf16/fp16, last dim contiguous
               const at::Tensor& rows_v,  // [T * Hkv] int64
-              const at::Tensor& v) {     // [T, Hkv, Dh]
-  TORCH_CHECK(cache.is_cpu() && cache.scalar_type() == at::kFloat && cache.dim() == 5 &&
+              const at::Tensor& v) {     // [T, Hkv, Dh], k's type
+  TORCH_CHECK(cache.is_cpu() && is_kernel_float(cache.scalar_type()) && cache.dim() == 5 &&
                   cache.is_contiguous(),
-              "write_kv: cache must be a contiguous float32 [2, NB, Hkv, bs, Dh]");
+              "write_kv: cache must be a contiguous float32/bfloat16/float16 [2, NB, Hkv, bs, Dh]");
   const int64_t dh = cache.size(4), total = cache.numel() / std::max<int64_t>(dh, 1);
   for (const at::Tensor* t : {&k, &v})
-    TORCH_CHECK(t->scalar_type() == at::kFloat && t->dim() == 3 && t->size(2) == dh &&
-                    t->stride(2) == 1 && t->sizes() == k.sizes(),
-                "write_kv: k and v must be float32 [T, Hkv, Dh], last dim contiguous");
+    TORCH_CHECK(is_kernel_float(t->scalar_type()) && t->scalar_type() == k.scalar_type() &&
+                    t->dim() == 3 && t->size(2) == dh && t->stride(2) == 1 &&
+                    t->sizes() == k.sizes(),
+                "write_kv: k and v must be float32/bfloat16/float16 [T, Hkv, Dh] of one "
+                "type, last dim contiguous");
   for (const at::Tensor* r : {&rows_k, &rows_v}) {
     TORCH_CHECK(r->scalar_type() == at::kLong && r->dim() == 1 && r->is_contiguous() &&
                     r->size(0) == k.size(0) * k.size(1),
@@ -241,9 +290,15 @@ void write_kv(const at::Tensor& cache,   // [2, NB, Hkv, bs, Dh] float32, writte
     for (int64_t i = 0; i < r->size(0); ++i)
       TORCH_CHECK(rp[i] >= 0 && rp[i] < total, "write_kv: a row is outside the cache");
   }
-  float* dst = cache.data_ptr<float>();
-  write_rows(dst, rows_k.data_ptr<int64_t>(), k, dh);
-  write_rows(dst, rows_v.data_ptr<int64_t>(), v, dh);
+  with_float_type(cache.scalar_type(), [&](auto ct) {
+    with_float_type(k.scalar_type(), [&](auto st) {
+      using CT = decltype(ct);
+      using ST = decltype(st);
+      CT* dst = cache.data_ptr<CT>();
+      write_rows<CT, ST>(dst, rows_k.data_ptr<int64_t>(), k, dh);
+      write_rows<CT, ST>(dst, rows_v.data_ptr<int64_t>(), v, dh);
+    });
+  });
 }
 
 #pragma GCC push_options

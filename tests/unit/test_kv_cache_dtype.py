@@ -1,0 +1,265 @@
+"""A KV cache in another dtype than the model's (``--kv-cache-dtype``) and 16-bit CPU
+kernels: the C++ decode attention reading a bfloat16 / float16 cache against the float64
+oracle, the cache writes' casts against ``index_copy_``, the attention layer's decode and
+prefill paths (C++ and torch) on every pairing of query and cache dtypes, the 16-bit
+RMSNorm against transformers' formula, and the paths the measured choice offers."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from tidal.kernels.cpu_attention import decode_attention_cpu, write_kv_cpu, write_kv_cpu_ok
+from tidal.kernels.cpu_ext import kernel_available, kernel_status
+from tidal.kernels.cpu_norm import rms_norm_cpu, rms_norm_cpu_ok
+from tidal.kernels.select import Candidate, Choice, kernel_candidates
+from tidal.layers.attention import (
+    AttentionMetadata,
+    PagedAttention,
+    decode_attention_reference,
+    kv_cache_shape,
+)
+from tidal.layers.norm import RMSNorm, _rms_norm_hf, rms_norm_heads
+
+needs_kernel = pytest.mark.skipif(not kernel_available(), reason=kernel_status())
+
+F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
+# (query / model dtype, cache dtype): the model's own 16-bit cache, a 16-bit cache under a
+# float32 model, and a float32 cache under a 16-bit model.
+PAIRS = [(F32, BF16), (F32, F16), (BF16, BF16), (F16, F16), (BF16, F32), (F16, BF16)]
+
+
+def _tol(dtype: torch.dtype) -> dict[str, float]:
+    """float32 math on 16-bit inputs: float32 outputs agree with the float64 oracle to
+    float32 rounding; 16-bit outputs to one rounding of their own (the torch path also
+    rounds its scores and probabilities to the queries' dtype)."""
+    return {"atol": 1e-5, "rtol": 1e-5} if dtype == F32 else {"atol": 3e-2, "rtol": 2e-2}
+
+
+def _ids(pairs):
+    return [f"q-{str(q)[6:]}-cache-{str(c)[6:]}" for q, c in pairs]
+
+
+# ---- the C++ kernels ---------------------------------------------------------------------
+
+
+@needs_kernel
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize(("q_dtype", "cache_dtype"), PAIRS, ids=_ids(PAIRS))
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(8, 2, 64), (6, 2, 24), (16, 4, 32)])
+def test_decode_attention_kernel_reads_a_16bit_cache(
+    threads, q_dtype, cache_dtype, heads, kv_heads, head_dim
+):
+    """Paged (shuffled blocks of 4), six sequences of odd lengths, GQA, strided query rows;
+    head_dim 64 takes the kernel's register path, 24 its scalar tails."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        g = torch.Generator().manual_seed(heads + head_dim)
+        cache = torch.randn(2, 32, kv_heads, 4, head_dim, generator=g).to(cache_dtype)
+        lengths = [1, 4, 5, 17, 20, 9]
+        perm = torch.randperm(32, generator=g).tolist()
+        tables = [perm[i * 5 : i * 5 + 5] for i in range(len(lengths))]
+        q = torch.randn(len(lengths), heads + 3, head_dim, generator=g)[:, :heads].to(q_dtype)
+        got = decode_attention_cpu(
+            q, cache, torch.tensor(tables), torch.tensor(lengths), head_dim**-0.5
+        )
+        assert got.dtype == q_dtype
+        want = decode_attention_reference(q, cache, list(zip(lengths, tables)))
+        # One rounding to the output dtype apart at most (float32 math on both sides).
+        tol = {"atol": 2e-6, "rtol": 1e-5} if q_dtype == F32 else {"atol": 1e-2, "rtol": 1e-2}
+        torch.testing.assert_close(got, want, **tol)
+    finally:
+        torch.set_num_threads(old)
+
+
+@needs_kernel
+@pytest.mark.parametrize("cache_dtype", [F32, BF16, F16])
+@pytest.mark.parametrize("src_dtype", [F32, BF16, F16])
+def test_write_kv_casts_like_index_copy(cache_dtype, src_dtype):
+    """The C++ write rounds as torch's ``.to()`` does (nearest even), into the same rows."""
+    kv_heads, head_dim, tokens = 3, 24, 7
+    cache = torch.randn(2, 16, kv_heads, 4, head_dim).to(cache_dtype)
+    want = cache.clone()
+    qkv = (torch.randn(tokens, 2 + 2 * kv_heads, head_dim) * 100).to(src_dtype)
+    k, v = qkv[:, 2 : 2 + kv_heads], qkv[:, 2 + kv_heads :]
+    per_half = cache[0].numel() // head_dim
+    rows_k = torch.randperm(per_half)[: tokens * kv_heads]
+    rows_v = rows_k + per_half
+    want.view(-1, head_dim).index_copy_(0, rows_k, k.reshape(-1, head_dim).to(cache_dtype))
+    want.view(-1, head_dim).index_copy_(0, rows_v, v.reshape(-1, head_dim).to(cache_dtype))
+    assert write_kv_cpu_ok(cache, k, v)
+    write_kv_cpu(cache, rows_k, k, rows_v, v)
+    assert torch.equal(cache, want)
+
+
+@needs_kernel
+def test_kernels_refuse_other_dtypes():
+    cache = torch.zeros(2, 4, 1, 4, 16, dtype=BF16)
+    q = torch.randn(1, 2, 16)
+    with pytest.raises(RuntimeError, match="float32/bfloat16/float16"):
+        decode_attention_cpu(q, cache.double(), torch.tensor([[1]]), torch.tensor([1]), 1.0)
+    with pytest.raises(RuntimeError, match="one type"):
+        k = torch.randn(1, 1, 16)
+        write_kv_cpu(cache, torch.tensor([0]), k, torch.tensor([16]), k.to(BF16))
+    assert not write_kv_cpu_ok(cache.double(), q, q)
+    with pytest.raises(RuntimeError, match="weight"):
+        rms_norm_cpu(torch.randn(2, 8, dtype=BF16), torch.randn(8), 1e-6)
+    assert not rms_norm_cpu_ok(torch.randn(2, 8, dtype=BF16), torch.randn(8))
+
+
+@needs_kernel
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("dtype", [BF16, F16])
+@pytest.mark.parametrize("shape", [(1, 1024), (33, 100), (7, 16), (4, 6, 64), (0, 64)])
+@pytest.mark.parametrize("with_weight", [True, False])
+def test_rms_norm_16bit_matches_transformers(threads, dtype, shape, with_weight):
+    """transformers' 16-bit RMSNorm (float32 statistics, the row rounded, then times the
+    weight in the row's dtype): equal but for the sum's order, which can move a value by
+    one unit in the last place."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        g = torch.Generator().manual_seed(sum(shape))
+        x = (torch.randn(*shape, generator=g) * 3).to(dtype)
+        w = torch.randn(shape[-1], generator=g).to(dtype)
+        got = rms_norm_cpu(x, w if with_weight else None, 1e-6)
+        assert got.dtype == dtype and got.shape == x.shape
+        want = _rms_norm_hf(x, w if with_weight else torch.ones(1, dtype=dtype), 1e-6)
+        ulp = 2.0**-7 if dtype == BF16 else 2.0**-10
+        torch.testing.assert_close(got.float(), want.float(), atol=0, rtol=ulp)
+        assert (got != want).sum().item() <= 0.01 * got.numel()  # nearly all bit-equal
+    finally:
+        torch.set_num_threads(old)
+
+
+@pytest.mark.parametrize("kernel", [True, False])
+@pytest.mark.parametrize("dtype", [BF16, F16])
+def test_16bit_norm_layers_on_both_paths(kernel, dtype, monkeypatch):
+    """``RMSNorm`` and ``rms_norm_heads`` (Qwen3's q/k norm) on bf16 / fp16 activations:
+    the C++ path and the torch path give transformers' result."""
+    if kernel and not kernel_available():
+        pytest.skip(kernel_status())
+    if not kernel:
+        monkeypatch.setattr("tidal.layers.norm.rms_norm_cpu_ok", lambda *a: False)
+    norm = RMSNorm(48, 1e-6, dtype=dtype)
+    norm.weight.data.copy_(torch.randn(48))
+    x = torch.randn(5, 48).to(dtype)
+    ulp = {"atol": 0, "rtol": 2.0**-7 if dtype == BF16 else 2.0**-10}
+    torch.testing.assert_close(norm(x), _rms_norm_hf(x, norm.weight, 1e-6), **ulp)
+    qk = torch.randn(5, 6, 16).to(dtype)
+    wq, wk = torch.randn(16).to(dtype), torch.randn(16).to(dtype)
+    want = torch.cat([_rms_norm_hf(qk[:, :4], wq, 1e-6), _rms_norm_hf(qk[:, 4:], wk, 1e-6)], 1)
+    got = rms_norm_heads(qk, (wq, wk), (4, 2), 1e-6)
+    assert got.dtype == dtype
+    torch.testing.assert_close(got, want, **ulp)
+
+
+def test_measured_choice_offers_the_kernels_for_16bit():
+    native = [Candidate("native")] if kernel_available() else []
+    for dtype in (F32, BF16, F16):
+        assert kernel_candidates(dtype) == [*native, Candidate("torch")]
+    assert kernel_candidates(torch.float64) == [Candidate("torch")]
+    assert RMSNorm(16, 1e-6, dtype=BF16).cpu_ops()["norm"].candidates == tuple(
+        kernel_candidates(BF16)
+    )
+    attn = PagedAttention(4, 2, 16, dtype=BF16)
+    assert attn.cpu_ops()["decode"].candidates == tuple(kernel_candidates(BF16))
+
+
+@pytest.mark.parametrize("dtype", [BF16, F32])
+def test_trials_run_in_the_models_dtype(dtype):
+    """The choice's trials time the model's dtype, not float32 stand-ins."""
+    torch_path = Candidate("torch")
+    step = PagedAttention(4, 2, 16, dtype=dtype).cpu_trial("decode", torch_path, 1)(2)
+    assert step().dtype == dtype
+    norm_step = RMSNorm(16, 1e-6, dtype=dtype).cpu_trial("norm", torch_path, 1)(2)
+    assert norm_step().dtype == dtype
+
+
+# ---- the attention layer -----------------------------------------------------------------
+
+BS = 4  # block size
+
+
+@pytest.fixture(params=["cpp", "torch", "torch_lazy_rows"])
+def decode_path(request, monkeypatch):
+    """The C++ kernel; the torch path where the kernel is missing; the torch path after
+    the step's rows expected the kernel (its rows built lazily)."""
+    if request.param == "cpp" and not kernel_available():
+        pytest.skip(kernel_status())
+    if request.param != "cpp":
+        monkeypatch.setattr("tidal.layers.attention.decode_attention_cpu_ok", lambda *a: False)
+        monkeypatch.setattr("tidal.layers.attention.write_kv_cpu_ok", lambda *a: False)
+    if request.param == "torch":
+        monkeypatch.setattr(
+            "tidal.layers.attention.decode_attention_cpu_supports", lambda *a: False
+        )
+    return request.param
+
+
+def _layer(q_dtype, cache_dtype, lengths, heads=4, kv_heads=2, num_blocks=48):
+    attn = PagedAttention(heads, kv_heads, 16, dtype=q_dtype)
+    g = torch.Generator().manual_seed(num_blocks)
+    cache = torch.randn(kv_cache_shape(num_blocks, BS, kv_heads, 16), generator=g)
+    attn.kv_cache = cache.to(cache_dtype)
+    free = list(range(1, num_blocks))
+    random.Random(0).shuffle(free)
+    return attn, [[free.pop() for _ in range(-(-n // BS))] for n in lengths]
+
+
+@pytest.mark.parametrize(("q_dtype", "cache_dtype"), PAIRS, ids=_ids(PAIRS))
+def test_attention_layer_on_a_cache_of_another_dtype(q_dtype, cache_dtype, decode_path):
+    """Decode rows, a prefill continuing a cached prefix and a fresh prefill in one step:
+    the new K/V land in the cache cast to its dtype, the decode rows and the prefill's
+    last query match the oracle reading that cache, the output is the queries' dtype."""
+    attn, blocks = _layer(q_dtype, cache_dtype, [7, 9, 13, 2])
+    seqs = [(6, 1, blocks[0]), (6, 3, blocks[1]), (12, 1, blocks[2]), (0, 2, blocks[3])]
+    meta = AttentionMetadata.build(seqs, BS, "cpu")
+    q, k, v = (torch.randn(7, h, 16).to(q_dtype) for h in (4, 2, 2))
+    out = attn(q, k, v, meta)
+    assert out.dtype == q_dtype
+    cache = attn.kv_cache
+    assert cache is not None and cache.dtype == cache_dtype
+    block, offset = blocks[2][12 // BS], 12 % BS  # the third sequence's new token
+    assert torch.equal(cache[0, block, :, offset], k[4].to(cache_dtype))
+    assert torch.equal(cache[1, block, :, offset], v[4].to(cache_dtype))
+    want = decode_attention_reference(q[[0, 4]], cache, [(7, blocks[0]), (13, blocks[2])])
+    torch.testing.assert_close(out[[0, 4]], want, **_tol(q_dtype))
+    last = decode_attention_reference(q[3:4], cache, [(9, blocks[1])])
+    torch.testing.assert_close(out[3:4], last, **_tol(q_dtype))
+
+
+@pytest.mark.parametrize(("q_dtype", "cache_dtype"), [(F32, BF16), (BF16, F32)])
+def test_windowed_and_sink_layers_on_a_cache_of_another_dtype(q_dtype, cache_dtype):
+    """GPT-OSS's layers (torch paths only) read a cache of another dtype too."""
+    attn, blocks = _layer(q_dtype, cache_dtype, [12, 11])
+    attn.sliding_window, attn.sinks = 5, torch.randn(4).to(q_dtype)
+    seqs = [(11, 1, blocks[0]), (6, 5, blocks[1])]
+    meta = AttentionMetadata.build(seqs, BS, "cpu")
+    q, k, v = (torch.randn(6, h, 16).to(q_dtype) for h in (4, 2, 2))
+    out = attn(q, k, v, meta)
+    cache = attn.kv_cache
+    assert cache is not None
+    for row, (length, table) in ((0, (12, blocks[0])), (5, (11, blocks[1]))):
+        want = decode_attention_reference(q[row : row + 1], cache, [(length, table)], 5, attn.sinks)
+        torch.testing.assert_close(out[row : row + 1], want, **_tol(q_dtype))
+
+
+@needs_kernel
+def test_measured_torch_choice_still_reads_the_16bit_cache():
+    """A layer whose measured choice is the torch path serves a bf16 cache under a
+    float32 model with the same result as the kernel (to float32 rounding)."""
+    lengths = [5, 16, 3]
+    outs = []
+    for path in ("native", "torch"):
+        attn, blocks = _layer(F32, BF16, lengths)
+        cand = Candidate(path)
+        attn.set_cpu_path("decode", Choice(cand, cand, None))
+        meta = AttentionMetadata.build([(n - 1, 1, b) for n, b in zip(lengths, blocks)], BS, "cpu")
+        g = torch.Generator().manual_seed(3)
+        q, k, v = (torch.randn(3, h, 16, generator=g) for h in (4, 2, 2))
+        outs.append(attn(q, k, v, meta))
+    torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-5)

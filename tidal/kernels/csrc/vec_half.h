@@ -1,0 +1,92 @@
+// 16-bit float storage for the CPU kernels that read a bf16 / fp16 KV cache or bf16
+// activations (attention_cpu.cpp, norm_cpu.cpp): 16 values widened to one float vec16,
+// so every product and sum stays float32. bf16 is the high half of a float (a zero
+// extension and a shift); fp16 takes F16C's vcvtph2ps where the build machine has it
+// (GCC otherwise converts lane by lane). Narrowing back is c10's scalar conversion
+// (round to nearest even, as torch's .to()): only outputs are narrowed, never the hot loop.
+#pragma once
+
+#include "vec.h"
+
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <c10/core/ScalarType.h>
+
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+#if defined(__F16C__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace tidal_cpu {
+
+inline vec16 load(const c10::BFloat16* p) {
+  typedef uint16_t u16x16 __attribute__((vector_size(32)));
+  typedef uint32_t u32x16 __attribute__((vector_size(64)));
+  u16x16 h;
+  std::memcpy(&h, p, sizeof(h));
+  const u32x16 w = __builtin_convertvector(h, u32x16) << 16;
+  vec16 v;
+  std::memcpy(&v, &w, sizeof(v));
+  return v;
+}
+
+inline vec16 load(const c10::Half* p) {
+  vec16 v;
+#if defined(__AVX512F__)
+  const __m512 f = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  std::memcpy(&v, &f, sizeof(v));
+#elif defined(__F16C__)
+  const __m128i* q = reinterpret_cast<const __m128i*>(p);
+  const __m256 lo = _mm256_cvtph_ps(_mm_loadu_si128(q)), hi = _mm256_cvtph_ps(_mm_loadu_si128(q + 1));
+  std::memcpy(&v, &lo, 32);
+  std::memcpy(reinterpret_cast<char*>(&v) + 32, &hi, 32);
+#else
+  for (int l = 0; l < 16; ++l) v[l] = static_cast<float>(p[l]);
+#endif
+  return v;
+}
+
+// n values of src (any of the three) as float32 into dst, and back: row conversions
+// outside the hot loops (queries in, outputs out).
+template <typename T>
+inline void to_float(const T* src, float* dst, int64_t n) {
+  if constexpr (std::is_same_v<T, float>) {
+    std::memcpy(dst, src, n * sizeof(float));
+  } else {
+    for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+  }
+}
+
+template <typename T, typename S>
+inline void convert_row(const S* src, T* dst, int64_t n) {
+  if constexpr (std::is_same_v<T, S>) {
+    std::memcpy(dst, src, n * sizeof(T));
+  } else {
+    for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<T>(static_cast<float>(src[i]));
+  }
+}
+
+// Whether a tensor holds one of the float types the kernels read.
+inline bool is_kernel_float(c10::ScalarType t) {
+  return t == c10::kFloat || t == c10::kBFloat16 || t == c10::kHalf;
+}
+
+// f(T{}) for T the C++ type of t (float, c10::BFloat16 or c10::Half); t is one of them.
+template <typename F>
+inline void with_float_type(c10::ScalarType t, F&& f) {
+  switch (t) {
+    case c10::kBFloat16:
+      f(c10::BFloat16{});
+      break;
+    case c10::kHalf:
+      f(c10::Half{});
+      break;
+    default:
+      f(float{});
+  }
+}
+
+}  // namespace tidal_cpu
