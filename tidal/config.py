@@ -320,9 +320,25 @@ class CacheConfig:
         help="KV cache blocks per rank (overrides --kv-cache-memory-bytes)",
     )
     enable_prefix_caching: bool = option(True, help="reuse KV blocks of shared prompt prefixes")
+    # vLLM's flag. Its float8 names are refused by the choice check: nothing here reads
+    # a float8 cache (docs/architecture.md#kv-cache-layouts).
+    kv_cache_dtype: Literal["auto", "bfloat16", "float16", "float32"] = option(
+        "auto",
+        help="dtype the KV cache holds (auto: the model's --dtype); new K/V are cast into it "
+        "and attention reads it directly, so bfloat16/float16 hold twice float32's tokens "
+        "in the same bytes",
+    )
 
     def __post_init__(self) -> None:
         check_options(self)
+
+    def torch_dtype(self, model_dtype: Any) -> Any:
+        """The cache's torch dtype: ``kv_cache_dtype``, or ``model_dtype`` for auto."""
+        if self.kv_cache_dtype == "auto":
+            return model_dtype
+        import torch
+
+        return getattr(torch, self.kv_cache_dtype)
 
 
 @dataclass(frozen=True)
@@ -710,10 +726,16 @@ class EngineConfig:
     def with_parallel(self, **changes: Any) -> EngineConfig:
         return dataclasses.replace(self, parallel=dataclasses.replace(self.parallel, **changes))
 
+    @property
+    def kv_cache_torch_dtype(self) -> Any:
+        """The dtype every KV cache of this deployment is allocated in (``--kv-cache-dtype``
+        resolved against the model's)."""
+        return self.cache.torch_dtype(self.model.torch_dtype)
+
     def config_hash(self) -> str:
         """What an engine joining the deployment must share with it (the startup
         handshake compares it): the model (architecture and config.json, not its path,
-        which may differ per host), dtype, max_model_len, KV block size, MoE backend flag
+        which may differ per host), dtype, max_model_len, KV block size and dtype, MoE backend flag
         and ``ParallelConfig.config_hash`` -- never the live DP size or a rank. The device
         is left out: a frontend-only host resolves ``auto`` by its own hardware."""
         return _digest(
@@ -724,6 +746,7 @@ class EngineConfig:
                 "dtype": self.model.dtype,
                 "max_model_len": self.model.max_model_len,
                 "block_size": self.cache.block_size,
+                "kv_cache_dtype": str(self.kv_cache_torch_dtype).removeprefix("torch."),
                 "moe_backend": self.moe_backend,
             }
         )

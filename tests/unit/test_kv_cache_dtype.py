@@ -263,3 +263,94 @@ def test_measured_torch_choice_still_reads_the_16bit_cache():
         q, k, v = (torch.randn(3, h, 16, generator=g) for h in (4, 2, 2))
         outs.append(attn(q, k, v, meta))
     torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-5)
+
+
+# ---- --kv-cache-dtype: the option, the budget, the runner's caches ------------------------
+
+
+def test_flag_refuses_float8_and_unknown_values_naming_it(qwen3_ckpt, capsys):
+    from tidal.launch import spawn
+    from tidal.launch.args import build_engine_config
+    from tidal.launch.engine_args import EngineArgs
+
+    for bad in ("fp8", "fp8_e4m3", "int8"):
+        with pytest.raises(ValueError, match=f"^kv_cache_dtype must be one of .*got '{bad}'"):
+            EngineArgs(model=qwen3_ckpt, kv_cache_dtype=bad).create_engine_config()
+    parser = spawn.make_parser()
+    with pytest.raises(SystemExit):
+        build_engine_config(parser, parser.parse_args(["--model", qwen3_ckpt, "--kv-cache-dtype", "fp8"]))
+    err = capsys.readouterr().err
+    assert "--kv-cache-dtype" in err and "fp8" in err
+
+
+@pytest.mark.parametrize(
+    ("model_dtype", "kv", "want"),
+    [("float32", "auto", F32), ("bfloat16", "auto", BF16), ("float32", "bfloat16", BF16),
+     ("bfloat16", "float32", F32), ("float32", "float16", F16)],
+)  # fmt: skip
+def test_auto_is_the_models_dtype_and_the_hash_holds_the_resolved_one(
+    qwen3_ckpt, model_dtype, kv, want
+):
+    from tidal.launch.engine_args import EngineArgs
+
+    def config(dtype, kv_dtype):
+        args = EngineArgs(model=qwen3_ckpt, dtype=dtype, kv_cache_dtype=kv_dtype)
+        return args.create_engine_config()
+
+    cfg = config(model_dtype, kv)
+    assert cfg.kv_cache_torch_dtype == want
+    # Ranks compare what their caches hold, not how it was asked for.
+    same = config(model_dtype, str(want).removeprefix("torch."))
+    assert same.config_hash() == cfg.config_hash()
+    other = F32 if want != F32 else BF16
+    assert config(model_dtype, str(other)[6:]).config_hash() != cfg.config_hash()
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "deepseek_v3"], ids=["gqa-kv", "mla-latent"])
+def test_a_16bit_cache_holds_twice_the_tokens_and_serves_the_model(tiny_ckpt, model_type):
+    """float32 model: a bfloat16 cache takes half the bytes per token, so the same
+    --kv-cache-memory-bytes gives twice the blocks; the runner allocates it in bfloat16
+    (GQA's K/V and MLA's latent), the model writes into it and reads it back (a prefill,
+    decode steps, a prefill continuing the cached prefix) with logits close to those of a
+    float32 cache."""
+    from tidal.executor.model_runner import ModelRunner
+    from tidal.launch.engine_args import EngineArgs
+    from tidal.models.loader import load_model
+
+    budget = 80 * 1024  # whole float32 blocks of either layout: 8 KiB (GQA), 5 KiB (MLA)
+    runners = {}
+    for kv in ("float32", "bfloat16"):
+        args = EngineArgs(
+            model=tiny_ckpt(model_type), device="cpu", dtype="float32", kv_cache_dtype=kv,
+            kv_cache_memory_bytes=budget, max_model_len=64, cpu_kernels="native",
+        )  # fmt: skip
+        runner = ModelRunner(args.create_engine_config(), torch.device("cpu"))
+        runner.model = runners["float32"].model if runners else load_model(runner.config)
+        runners[kv] = runner
+    f32, bf16 = runners["float32"], runners["bfloat16"]
+    assert 2 * bf16.kv_bytes_per_block() == f32.kv_bytes_per_block()
+    assert bf16.kv_cache_info()["bytes_per_token"] * 2 == f32.kv_cache_info()["bytes_per_token"]
+    assert bf16.kv_cache_info()["dtype"] == "bfloat16"
+    blocks = {kv: r.determine_num_blocks() for kv, r in runners.items()}
+    assert blocks["bfloat16"] == 2 * blocks["float32"] == 2 * (budget // f32.kv_bytes_per_block())
+    assert bf16.kv_cache_bytes(blocks["bfloat16"]) <= budget
+
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(3, 500, (21,), generator=g).tolist()
+    logits = {}
+    for kv, runner in runners.items():
+        runner.initialize_kv_cache(blocks[kv])
+        assert {c.dtype for c in runner.kv_caches} == {getattr(torch, kv)}
+        table = list(range(1, 6))  # 5 blocks of 16 cover the 24 positions
+        steps = [(0, prompt[:9]), (9, prompt[9:10]), (10, prompt[10:11]), (11, prompt[11:])]
+        out = []
+        for start, toks in steps:
+            meta = AttentionMetadata.build([(start, len(toks), table)], 16, "cpu")
+            pos = torch.arange(start, start + len(toks))
+            out.append(runner.model.compute_logits(runner.model(torch.tensor(toks), pos, meta)))
+        logits[kv] = torch.cat(out)  # [21, V]
+        assert torch.count_nonzero(runner.kv_caches[0]) > 0  # written
+    # The first chunk attends its own (float32) K/V: equal; later ones read the rounded cache.
+    assert torch.equal(logits["bfloat16"][:9], logits["float32"][:9])
+    err = (logits["bfloat16"][9:] - logits["float32"][9:]).abs().max().item()
+    assert 0 < err < 0.05

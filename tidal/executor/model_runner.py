@@ -191,7 +191,7 @@ class ModelRunner:
         """Cache bytes of one block over every layer, as the model's cache spec declares
         (K and V per head, or MLA's latent: docs/architecture.md#kv-cache-layouts)."""
         spec = self.model.kv_cache_spec()
-        return spec.bytes_per_token(self.config.model.torch_dtype) * self.block_size
+        return spec.bytes_per_token(self.config.kv_cache_torch_dtype) * self.block_size
 
     @rpc(Reduce.FIRST)  # every TP worker caches the same amount per token
     def kv_cache_info(self) -> dict[str, Any]:
@@ -201,7 +201,8 @@ class ModelRunner:
             "layout": spec.layout.value,
             "num_layers": spec.num_layers,
             "values_per_token_per_layer": spec.values_per_token(),
-            "bytes_per_token": spec.bytes_per_token(self.config.model.torch_dtype),
+            "dtype": str(self.config.kv_cache_torch_dtype).removeprefix("torch."),
+            "bytes_per_token": spec.bytes_per_token(self.config.kv_cache_torch_dtype),
         }
 
     @rpc(Reduce.MIN, local=True)  # what every worker's device holds
@@ -256,11 +257,13 @@ class ModelRunner:
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         spec = self.model.kv_cache_spec()
-        dtype = self.config.model.torch_dtype
+        # --kv-cache-dtype (the model's by default): every layer's cache, also when an
+        # elastic resize or a wake-up rebuilds it; the layers cast new K/V into it.
+        dtype = self.config.kv_cache_torch_dtype
         shape = spec.layer_shape(num_blocks, self.block_size)
         logger.info(
-            "KV cache: %d blocks of %d tokens, %s layout, %d bytes per token (%d layers)",
-            num_blocks, self.block_size, spec.layout.value, spec.bytes_per_token(dtype),
+            "KV cache: %d blocks of %d tokens, %s layout, %s, %d bytes per token (%d layers)",
+            num_blocks, self.block_size, spec.layout.value, dtype, spec.bytes_per_token(dtype),
             spec.num_layers,
         )  # fmt: skip
         self.kv_caches = [self._zeros_cache(shape, dtype) for _ in range(spec.num_layers)]
