@@ -354,3 +354,20 @@ def test_a_16bit_cache_holds_twice_the_tokens_and_serves_the_model(tiny_ckpt, mo
     assert torch.equal(logits["bfloat16"][:9], logits["float32"][:9])
     err = (logits["bfloat16"][9:] - logits["float32"][9:]).abs().max().item()
     assert 0 < err < 0.05
+
+
+def test_a_joining_engine_gets_the_cache_dtype(qwen3_ckpt):
+    """An elastic scale-up starts its new ranks from the launcher's config (cold or from
+    the warm zygote) through the launch payload: the cache dtype crosses it, so the new
+    rank's runner allocates the same cache, and its config hash (checked at the join)
+    equals the deployment's."""
+    from tidal.engine_core.entry import decode_engine_launch, encode_engine_launch
+    from tidal.launch.engine_args import EngineArgs
+
+    config = EngineArgs(
+        model=qwen3_ckpt, dtype="float32", kv_cache_dtype="bfloat16"
+    ).create_engine_config()
+    joining = config.with_parallel(data_parallel_rank=3)
+    got = decode_engine_launch(encode_engine_launch(joining, 3, "tcp://127.0.0.1:1")).config
+    assert got.cache.kv_cache_dtype == "bfloat16" and got.kv_cache_torch_dtype == BF16
+    assert got.config_hash() == config.config_hash()
