@@ -36,7 +36,9 @@ inline vec16 load(const c10::BFloat16* p) {
 inline vec16 load(const c10::Half* p) {
   vec16 v;
 #if defined(__AVX512F__)
-  const __m512 f = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  // The zero-masked form: the plain one's undefined pass-through trips -Wmaybe-uninitialized.
+  const __m512 f = _mm512_maskz_cvtph_ps(__mmask16(0xFFFF),
+                                         _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   std::memcpy(&v, &f, sizeof(v));
 #elif defined(__F16C__)
   const __m128i* q = reinterpret_cast<const __m128i*>(p);
