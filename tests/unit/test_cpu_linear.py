@@ -56,5 +56,5 @@ def test_linear_rejects_bad_inputs_with_errors():
         linear_cpu(torch.randn(3, 24).double(), w, 40)
     with pytest.raises(RuntimeError, match="contiguous"):
         linear_cpu(torch.randn(24, 3).T, w, 40)  # columns strided
-    with pytest.raises(ValueError, match="float32"):
-        pack_linear_weight(torch.randn(4, 4).bfloat16())
+    with pytest.raises(ValueError, match="float32 or bf16"):
+        pack_linear_weight(torch.randn(4, 4).half())

@@ -110,6 +110,6 @@ def test_kernel_rejects_bad_inputs_with_errors():
             x, packed.w13[:, :, :, :32], packed.w2, weights, ids, None, True
         )
     with pytest.raises(ValueError, match="float32"):
-        CpuPackedExperts(w13.bfloat16(), w2.bfloat16())
+        CpuPackedExperts(w13.half(), w2.half())
     with pytest.raises(ValueError, match="does not match"):
         CpuPackedExperts(w13, w2[:, :, :16])

@@ -64,4 +64,4 @@ def test_router_rejects_bad_inputs_with_errors():
     with pytest.raises(RuntimeError, match="float32"):
         softmax_topk_cpu(x.double(), gate, 2, True)
     with pytest.raises(ValueError, match="float32"):
-        CpuPackedGate(torch.randn(8, 32).bfloat16())
+        CpuPackedGate(torch.randn(8, 32).half())

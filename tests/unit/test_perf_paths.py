@@ -269,8 +269,8 @@ def test_packed_linear_matches_f_linear_and_follows_weight_writes(path, bias):
     x = torch.randn(4, 24)
     torch.testing.assert_close(fast(x), slow(x), atol=ATOL, rtol=0)
     assert fast._held is not first and "weight" not in fast._parameters
-    # Other dtypes keep F.linear (the packed paths are float32 only).
-    lin16 = Linear(24, 40, bias, dtype=torch.bfloat16)
+    # Other dtypes keep F.linear (the packed paths read float32 and bf16).
+    lin16 = Linear(24, 40, bias, dtype=torch.float16)
     assert lin16.cpu_ops()["linear"].candidates == (Candidate("torch"),)
 
 

@@ -20,6 +20,17 @@ _MODULE = "tidal.kernels._cpu_ops"
 # an Intel Xeon to ~10 GB/s where prefetcht0 reached 26-29; an AMD EPYC measured both the
 # same), so it is one of the choices ``tidal/kernels/select.py`` measures.
 PREFETCH_HINTS = {"nta": 0, "t0": 1, "none": 2}
+# The variant prefix of the bf16 dot kernel (AVX512-BF16 ``vdpbf16ps``, activations rounded
+# to bf16): "dot-t0" is that kernel with the t0 hint; a bare hint is the shift kernel
+# (float32 activations) for bf16 weights, the float32 kernel for float32 ones.
+DOT_PREFIX = "dot-"
+
+
+def native_variant(variant: str) -> tuple[int, bool]:
+    """A native candidate's variant as the C++ ops' ``(prefetch, dot)`` arguments."""
+    dot = variant.startswith(DOT_PREFIX)
+    hint = variant.removeprefix(DOT_PREFIX) if dot else variant
+    return PREFETCH_HINTS.get(hint, 0), dot
 
 
 @functools.cache
@@ -41,3 +52,10 @@ def kernel_status() -> str:
 
 def kernel_available() -> bool:
     return kernel_status() == "ok"
+
+
+@functools.cache
+def bf16_dot_available() -> bool:
+    """Whether the bf16 dot kernel runs here: the extension loaded and the CPU has
+    AVX512-BF16 (asked at run time: the build is valid on CPUs without it)."""
+    return kernel_available() and bool(torch.ops.tidal_cpu.bf16_dot_available())

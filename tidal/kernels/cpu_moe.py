@@ -1,4 +1,4 @@
-"""The C++ fused MoE kernel for float32 on CPU (``csrc/moe_cpu.cpp``), one checked wrapper.
+"""The C++ fused MoE kernel for float32 or bf16 weights on CPU (``csrc/moe_cpu.cpp``), one checked wrapper.
 
 Why: at decode sizes each expert sees a few rows, so the experts' GEMMs are bound by
 reading the weights once; what the torch paths add on top is per-call cost (oneDNN: ~14
@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from tidal.kernels.cpu_ext import kernel_available, kernel_status
-from tidal.kernels.cpu_linear import copy_blocks
+from tidal.kernels.cpu_linear import DTYPES, copy_blocks, copy_pair_blocks, packed_depth
 from tidal.kernels.host_memory import empty_huge
 
 GATE_BLOCK = 32  # intermediate columns per w13 block (the kernel's kGateBlock)
@@ -32,30 +32,47 @@ class CpuPackedExperts:
       expert e's down weights of output columns 64j.. (column block major, so one output
       block's experts lie in address order);
 
-    zero past I and H. When the C++ path serves a layer this is the experts' only copy
+    zero past I and H. bf16 weights stay bf16, their k rows in pairs (``copy_pair_blocks``):
+    ``w13 [E, I_pad/32, H_pad/2, 64, 2]``, ``w2 [H_pad/64, E, I_pad/2, 64, 2]``.
+    When the C++ path serves a layer this is the experts' only copy
     (``tidal/kernels/cpu_paths.py``): ``unpack`` rebuilds the checkpoint layout, and a
     write through it is packed again (``FusedMoE.weights_updated``)."""
 
-    def __init__(self, w13: Tensor, w2: Tensor) -> None:  # [E, 2I, H], [E, H, I] float32
-        if w13.dtype != torch.float32 or w2.dtype != torch.float32:
-            raise ValueError(f"the CPU kernel is float32 only, got {w13.dtype}/{w2.dtype}")
+    def __init__(self, w13: Tensor, w2: Tensor) -> None:  # [E, 2I, H], [E, H, I]
+        if w13.dtype not in DTYPES or w2.dtype != w13.dtype:
+            raise ValueError(f"the CPU kernel takes float32 or bf16 experts, got {w13.dtype}/{w2.dtype}")
         num, two_i, hidden = w13.shape
         inter = two_i // 2
         if w2.shape != (num, hidden, inter):
             raise ValueError(f"w2 {tuple(w2.shape)} does not match w13 {tuple(w13.shape)}")
+        dtype = w13.dtype
         inter_pad = _round_up(inter, GATE_BLOCK)
         hidden_pad = _round_up(hidden, DOWN_BLOCK)
         gate_blocks, down_blocks = inter_pad // GATE_BLOCK, hidden_pad // DOWN_BLOCK
+        # bf16: the k rows in pairs, one more trailing dim of 2
+        pair = (2,) if dtype == torch.bfloat16 else ()
         # One strided copy per part straight into the (zeroed) destination: no padded or
         # concatenated intermediates (the 1024-wide model packs in ~1 s instead of ~3.6).
         # On huge pages: the kernel streams these in blocks scattered over all of them.
-        self.w13 = empty_huge((num, gate_blocks, hidden, 2 * GATE_BLOCK))  # [E, I_pad/32, H, 64]
-        halves = self.w13.view(num, gate_blocks, hidden, 2, GATE_BLOCK)
+        depth = packed_depth(hidden, dtype)
+        # [E, I_pad/32, H, 64] | [E, I_pad/32, H_pad/2, 64, 2]
+        self.w13 = empty_huge((num, gate_blocks, depth, 2 * GATE_BLOCK, *pair), dtype)
+        halves = self.w13.view(num, gate_blocks, depth, 2, GATE_BLOCK, *pair)
+        # [H_pad/64, E, I_pad, 64] | [H_pad/64, E, I_pad/2, 64, 2]
+        self.w2 = empty_huge(
+            (down_blocks, num, packed_depth(inter_pad, dtype), DOWN_BLOCK, *pair), dtype
+        )
         for half, rows in enumerate((w13[:, :inter], w13[:, inter:])):  # gate, up: [E, I, H]
-            copy_blocks(halves[:, :, :, half], rows, GATE_BLOCK)
-        self.w2 = empty_huge((down_blocks, num, inter_pad, DOWN_BLOCK))  # [H_pad/64, E, I_pad, 64]
-        copy_blocks(self.w2.transpose(0, 1)[:, :, :inter], w2, DOWN_BLOCK)
+            if pair:
+                copy_pair_blocks(halves[:, :, :, half], rows, GATE_BLOCK)
+            else:
+                copy_blocks(halves[:, :, :, half], rows, GATE_BLOCK)
+        if pair:
+            copy_pair_blocks(self.w2.transpose(0, 1), w2, DOWN_BLOCK)
+        else:
+            copy_blocks(self.w2.transpose(0, 1)[:, :, :inter], w2, DOWN_BLOCK)
         self.shapes = (tuple(w13.shape), tuple(w2.shape))
+        self.dtype = dtype
 
     def unpack(self, slots: list[int] | None = None) -> tuple[Tensor, Tensor]:
         """``(w13 [S, 2I, H], w2 [S, H, I])`` of the local ``slots`` (None: all) back from
@@ -66,41 +83,55 @@ class CpuPackedExperts:
     def unpack_w13(self, slots: list[int] | None = None) -> Tensor:  # [S, 2I, H]
         (num, two_i, hidden), _ = self.shapes
         idx = list(range(num)) if slots is None else list(slots)
-        gate_blocks = self.w13.shape[1]
-        blocks = self.w13[idx].view(len(idx), gate_blocks, hidden, 2, GATE_BLOCK)
-        # [S, G, H, 2, 32] -> [S, 2, G, 32, H] = [S, 2, I_pad, H], cut to I (sizes spelled
-        # out: S may be 0, a transfer that keeps none of a worker's experts)
-        halves = blocks.permute(0, 3, 1, 4, 2).reshape(
-            len(idx), 2, gate_blocks * GATE_BLOCK, hidden
-        )
-        out = _k_major_empty(len(idx), two_i, hidden)
-        out.view(len(idx), 2, two_i // 2, hidden).copy_(halves[:, :, : two_i // 2])
+        gate_blocks, depth = self.w13.shape[1], self.w13.shape[2]
+        if self.dtype == torch.bfloat16:
+            blocks = self.w13[idx].view(len(idx), gate_blocks, depth, 2, GATE_BLOCK, 2)
+            # [S, G, P, 2, 32, 2] -> [S, 2, G, 32, P, 2] = [S, 2, I_pad, H_pad]
+            halves = blocks.permute(0, 3, 1, 4, 2, 5).reshape(
+                len(idx), 2, gate_blocks * GATE_BLOCK, 2 * depth
+            )
+        else:
+            blocks = self.w13[idx].view(len(idx), gate_blocks, hidden, 2, GATE_BLOCK)
+            # [S, G, H, 2, 32] -> [S, 2, G, 32, H] = [S, 2, I_pad, H], cut to I (sizes spelled
+            # out: S may be 0, a transfer that keeps none of a worker's experts)
+            halves = blocks.permute(0, 3, 1, 4, 2).reshape(
+                len(idx), 2, gate_blocks * GATE_BLOCK, hidden
+            )
+        out = _k_major_empty(len(idx), two_i, hidden, self.dtype)
+        out.view(len(idx), 2, two_i // 2, hidden).copy_(halves[:, :, : two_i // 2, :hidden])
         return out
 
     def unpack_w2(self, slots: list[int] | None = None) -> Tensor:  # [S, H, I]
         _, (num, hidden, inter) = self.shapes
         idx = list(range(num)) if slots is None else list(slots)
-        blocks = self.w2[:, idx]  # [H_pad/64, S, I_pad, 64]
-        down = blocks.permute(1, 0, 3, 2).reshape(
-            len(idx), blocks.shape[0] * DOWN_BLOCK, blocks.shape[2]
-        )  # [S, H_pad, I_pad]
-        out = _k_major_empty(len(idx), hidden, inter)
+        blocks = self.w2[:, idx]  # [H_pad/64, S, I_pad, 64] | [H_pad/64, S, I_pad/2, 64, 2]
+        if self.dtype == torch.bfloat16:
+            # [D, S, P, 64, 2] -> [S, D, 64, P, 2] = [S, H_pad, I_pad]
+            down = blocks.permute(1, 0, 3, 2, 4).reshape(
+                len(idx), blocks.shape[0] * DOWN_BLOCK, 2 * blocks.shape[2]
+            )
+        else:
+            down = blocks.permute(1, 0, 3, 2).reshape(
+                len(idx), blocks.shape[0] * DOWN_BLOCK, blocks.shape[2]
+            )  # [S, H_pad, I_pad]
+        out = _k_major_empty(len(idx), hidden, inter, self.dtype)
         out.copy_(down[:, :hidden, :inter])
         return out
 
 
 def fused_experts_cpu(
-    hidden: Tensor,  # [T, H] float32
+    hidden: Tensor,  # [T, H] float32 or bf16 (float32 experts: float32 hidden)
     packed: CpuPackedExperts,
     topk_weights: Tensor,  # [T, K]
     topk_ids: Tensor,  # [T, K] global ids
     expert_map: Tensor | None = None,  # [E_global] int32: global id -> local slot or -1
     apply_router_weight: bool = True,
     prefetch: int = 0,  # cpu_ext.PREFETCH_HINTS value: a per-CPU choice (select.py)
-) -> Tensor:  # [T, H] float32
+    dot: bool = False,  # bf16 experts: the AVX512-BF16 kernel (cpu_ext.bf16_dot_available)
+) -> Tensor:  # [T, H], hidden's dtype
     """The experts of one MoE layer; slots whose expert is not local contribute zero."""
-    if hidden.dtype != torch.float32 or hidden.device.type != "cpu":
-        raise ValueError(f"the CPU kernel takes float32 CPU hidden, got {hidden.dtype}")
+    if hidden.dtype not in DTYPES or hidden.device.type != "cpu":
+        raise ValueError(f"the CPU kernel takes float32 or bf16 CPU hidden, got {hidden.dtype}")
     if hidden.dim() != 2 or hidden.shape[1] != packed.shapes[0][2]:
         raise ValueError(
             f"hidden {tuple(hidden.shape)} does not match the experts' width {packed.shapes[0][2]}"
@@ -116,11 +147,12 @@ def fused_experts_cpu(
         None if expert_map is None else expert_map.to(torch.int32),
         apply_router_weight,
         prefetch,
+        dot,
     )
 
 
-def _k_major_empty(num: int, rows: int, cols: int) -> Tensor:  # [num, rows, cols], K-major
-    return torch.empty(num, cols, rows).transpose(1, 2)
+def _k_major_empty(num: int, rows: int, cols: int, dtype: torch.dtype) -> Tensor:
+    return torch.empty(num, cols, rows, dtype=dtype).transpose(1, 2)  # [num, rows, cols], K-major
 
 
 def _round_up(n: int, block: int) -> int:

@@ -10,7 +10,9 @@ itself (the layer's parameter: no object here). What needs the checkpoint layout
 transfers, EPLB moves, a test reading a parameter -- gets ``unpack()``: an exact rebuild.
 
 Each call takes the variant the selection measured for the call's shape class: for
-``native`` the software prefetch hint of the C++ GEMMs (``cpu_ext.PREFETCH_HINTS``).
+``native`` the software prefetch hint of the C++ GEMMs (``cpu_ext.PREFETCH_HINTS``) and,
+for bf16 weights, the kernel (the shift one, or the AVX512-BF16 dot one: ``dot-`` hints).
+Weights are held in their own dtype (float32 or bf16: a bf16 checkpoint is never widened).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from tidal.kernels.cpu_ext import PREFETCH_HINTS
+from tidal.kernels.cpu_ext import native_variant
 from tidal.kernels.cpu_linear import linear_cpu, pack_linear_weight, unpack_linear_weight
 from tidal.kernels.cpu_moe import CpuPackedExperts, fused_experts_cpu
 from tidal.kernels.cpu_router import CpuPackedGate, softmax_topk_cpu
@@ -33,13 +35,9 @@ def _check_path(path: str) -> None:
         raise ValueError(f"a held weight's path is one of {PACKED_PATHS}, got {path!r}")
 
 
-def _hint(variant: str) -> int:
-    return PREFETCH_HINTS.get(variant, 0)
-
-
 class HeldLinear:
-    """``weight [N, K]`` float32 in ``path``'s layout; ``self(x, bias, variant)`` is
-    ``x @ weight.T (+ bias)``."""
+    """``weight [N, K]`` (float32 or bf16) in ``path``'s layout; ``self(x, bias, variant)``
+    is ``x @ weight.T (+ bias)``."""
 
     def __init__(self, path: str, weight: Tensor) -> None:
         _check_path(path)
@@ -48,14 +46,15 @@ class HeldLinear:
         self.packed = pack_linear_weight(weight) if path == "native" else pack_weight(weight)
 
     def __call__(self, x: Tensor, bias: Tensor | None, variant: str = "") -> Tensor:
-        # x [T, K] float32, last dim contiguous -> [T, N]
+        # x [T, K] the weight's dtype, last dim contiguous -> [T, N]
         if self.path == "native":
-            return linear_cpu(x, self.packed, self.out_features, bias, _hint(variant))
+            hint, dot = native_variant(variant)
+            return linear_cpu(x, self.packed, self.out_features, bias, hint, dot)
         return packed_linear(x.contiguous(), self.packed, bias)
 
     def unpack(self) -> Tensor:  # [N, K], exact
         if self.path == "native":
-            return unpack_linear_weight(self.packed, self.out_features)
+            return unpack_linear_weight(self.packed, self.out_features, self.in_features)
         return unpack_weight(self.packed, self.in_features)
 
 
@@ -80,7 +79,8 @@ class HeldGate:
         self, hidden: Tensor, top_k: int, renormalize: bool, variant: str = ""
     ) -> tuple[Tensor, Tensor] | None:  # ([T, K] float32, [T, K] int64), None: logits path
         if isinstance(self.packed, CpuPackedGate):
-            return softmax_topk_cpu(hidden, self.packed, top_k, renormalize, _hint(variant))
+            hint, dot = native_variant(variant)
+            return softmax_topk_cpu(hidden, self.packed, top_k, renormalize, hint, dot)
         return None
 
     def unpack(self) -> Tensor:  # [E, H], exact
@@ -114,10 +114,11 @@ class HeldExperts:
         variant: str = "",
     ) -> Tensor:  # [T, H]
         if isinstance(self.packed, CpuPackedExperts):
+            hint, dot = native_variant(variant)
+            x = hidden if hidden.dtype == self.dtype else hidden.to(self.dtype)
             out = fused_experts_cpu(
-                hidden.float(), self.packed, topk_weights, topk_ids, expert_map,
-                apply_router_weight, _hint(variant),
-            )  # fmt: skip
+                x, self.packed, topk_weights, topk_ids, expert_map, apply_router_weight, hint, dot
+            )
             return out if out.dtype == hidden.dtype else out.to(hidden.dtype)
         # Shape stand-ins: with a sole pack the onednn strategy never reads w13/w2.
         w13 = torch.empty(self.shapes[0], dtype=self.dtype, device="meta")

@@ -1,4 +1,5 @@
-"""oneDNN's prepacked float32 linear on CPU (``torch.ops.mkldnn``), one checked wrapper.
+"""oneDNN's prepacked float32 or bf16 linear on CPU (``torch.ops.mkldnn``), one checked
+wrapper (bf16: float32 accumulation, AMX tiles where the CPU has them).
 
 Why: torch's float32 ``mm`` on CPU goes to MKL, which on the machines measured (AMD EPYC,
 AVX-512, 2 cores) reaches 125-180 GFLOP/s at decode shapes; oneDNN with a weight reordered
@@ -27,23 +28,30 @@ def prefers_packed(rows: int, weight: Tensor) -> bool:
     return rows > 1 or weight.numel() >= SMALL_WEIGHT
 
 
+DTYPES = (torch.float32, torch.bfloat16)
+
+
 @functools.cache
 def onednn_available(dtype: torch.dtype = torch.float32) -> bool:
-    """The prepacked linear is in this torch build; float32 only (the dtype measured).
-    Cached: every ``Linear`` and MoE forward asks."""
-    return (
-        dtype == torch.float32
+    """The prepacked linear is in this torch build, for ``dtype`` (float32 or bf16; bf16
+    where this CPU has oneDNN's bf16 kernels). Cached: every ``Linear`` and MoE forward asks."""
+    built = (
+        dtype in DTYPES
         and torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
         and hasattr(torch.ops.mkldnn, "_linear_pointwise")
     )
+    if not built or dtype == torch.float32:
+        return built
+    probe = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    return probe is not None and bool(probe())
 
 
 def pack_weight(weight: Tensor, batch_hint: int = BATCH_HINT) -> Tensor:
     """``weight [out, in]`` (any strides) reordered for ``packed_linear``."""
-    if weight.dim() != 2 or weight.dtype != torch.float32 or weight.device.type != "cpu":
+    if weight.dim() != 2 or weight.dtype not in DTYPES or weight.device.type != "cpu":
         raise ValueError(
-            f"pack_weight takes a 2-D float32 CPU weight, got {tuple(weight.shape)} "
+            f"pack_weight takes a 2-D float32 or bf16 CPU weight, got {tuple(weight.shape)} "
             f"{weight.dtype} on {weight.device}"
         )
     return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), batch_hint)
@@ -54,9 +62,9 @@ def packed_linear(x: Tensor, packed: Tensor, bias: Tensor | None = None) -> Tens
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
-def unpack_weight(packed: Tensor, in_features: int) -> Tensor:  # -> [out, in] float32
+def unpack_weight(packed: Tensor, in_features: int) -> Tensor:  # -> [out, in], its dtype
     """The weight back from ``pack_weight``'s opaque layout: ``I @ W^T`` through the packed
     GEMM itself, which is exact (each output is one weight times 1 plus zeros) for finite
     weights. Input-major storage, as ``tidal/layers/linear.py`` keeps its weights."""
-    eye = torch.eye(in_features, dtype=torch.float32)
+    eye = torch.eye(in_features, dtype=packed.dtype)
     return packed_linear(eye, packed).t()  # [in, out] computed, viewed [out, in]

@@ -18,6 +18,10 @@ The parts:
   of each weight), so such an op gets one path for both shape classes (the
   one with the least summed slowdown against each class's best) and, within it, each
   class's fastest variant; ops without weights (norm, attention) choose per class freely.
+  Candidates depend on the weights' dtype (``weight_candidates``): bf16 weights have the
+  C++ shift kernel, the AVX512-BF16 dot kernel (``dot-`` variants) where the CPU has it,
+  oneDNN bf16 and torch; the cache fingerprint holds the dtype, so a float32 and a bf16
+  model of one shape never share timings.
 * ``measure``: the trial harness, candidates interleaved round by round (the machine's
   noise hits them alike), the best round per candidate; the clock is an argument, so the
   tests drive it.
@@ -48,7 +52,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from tidal.kernels.cpu_ext import PREFETCH_HINTS, kernel_available
+from tidal.kernels.cpu_ext import DOT_PREFIX, PREFETCH_HINTS, bf16_dot_available, kernel_available
 from tidal.kernels.onednn import onednn_available
 
 logger = logging.getLogger(__name__)
@@ -139,18 +143,26 @@ def default_choice(candidates: Iterable[Candidate], holds_weights: bool) -> Choi
     return Choice(best, best, best.path if holds_weights else None, source="default")
 
 
-def native_candidates(hints: Iterable[str] = NATIVE_HINTS) -> list[Candidate]:
-    """The C++ kernels, one candidate per prefetch hint (none where not built)."""
-    if not kernel_available():
+def native_candidates(
+    hints: Iterable[str] = NATIVE_HINTS, dtype: torch.dtype = torch.float32
+) -> list[Candidate]:
+    """The C++ kernels for ``dtype`` weights, one candidate per prefetch hint (none where
+    not built or for another dtype); bf16 adds the dot kernel's, where the CPU has it."""
+    if not kernel_available() or dtype not in (torch.float32, torch.bfloat16):
         return []
-    return [Candidate("native", h) for h in hints if h in PREFETCH_HINTS]
+    hints = [h for h in hints if h in PREFETCH_HINTS]
+    out = [Candidate("native", h) for h in hints]
+    if dtype == torch.bfloat16 and bf16_dot_available():
+        out += [Candidate("native", DOT_PREFIX + h) for h in hints]
+    return out
 
 
 def weight_candidates(dtype: torch.dtype) -> list[Candidate]:
-    """The candidates of an op holding weights (linear, router, experts) for ``dtype``."""
-    if dtype != torch.float32:
-        return [Candidate("torch")]
-    out = native_candidates()
+    """The candidates of an op holding weights (linear, router, experts) for ``dtype``:
+    the C++ kernels (float32: one per hint; bf16: the shift kernel per hint, the dot
+    kernel per hint where the CPU has AVX512-BF16), oneDNN prepacked where this torch
+    has it for ``dtype``, and torch (every dtype)."""
+    out = native_candidates(dtype=dtype)
     if onednn_available(dtype):
         out.append(Candidate("onednn"))
     return [*out, Candidate("torch")]

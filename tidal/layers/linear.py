@@ -13,7 +13,8 @@ shapes: about 1.5-2x for one row, 10-25% for 32 rows). The loader copies into vi
 ``weight`` as usual, so nothing else sees the layout.
 
 On CPU the path that serves the forward is measured at load (``tidal/kernels/select.py``:
-the C++ linear with each prefetch hint, oneDNN prepacked, or ``F.linear`` on ``weight``);
+the C++ linear with each prefetch hint -- for bf16 weights the shift and the AVX512-BF16
+dot kernels --, oneDNN prepacked, or ``F.linear`` on ``weight``), for float32 and bf16;
 a packed path then holds the only copy of the weight (``tidal/kernels/cpu_paths.py``),
 and ``weight`` reads rebuild it (``HeldParamsModule``).
 
@@ -75,7 +76,8 @@ class Linear(HeldParamsModule):
 
     def _linear(self, x: Tensor, bias: Tensor | None) -> Tensor:  # [..., in] -> [..., out]
         self.drop_materialized()
-        held = self._held_weight() if self.on_cpu and x.dtype == torch.float32 else None
+        # the packed paths read activations of the weight's dtype (float32 or bf16)
+        held = self._held_weight() if self.on_cpu and x.dtype == self.params_dtype else None
         if held is None:
             return F.linear(x, self.weight, bias)
         rows = x.reshape(-1, self.in_features)
@@ -128,7 +130,9 @@ class Linear(HeldParamsModule):
     def cpu_trial(self, op: str, candidate: Candidate, instances: int) -> Any:
         stand_ins = []
         for _ in range(instances):
-            lin = Linear(self.in_features, self.out_features, self.bias is not None)
+            lin = Linear(
+                self.in_features, self.out_features, self.bias is not None, dtype=self.params_dtype
+            )
             lin.weight.data.fill_(0.01)
             if lin.bias is not None:
                 lin.bias.data.zero_()
@@ -138,7 +142,7 @@ class Linear(HeldParamsModule):
         turn = itertools.cycle(stand_ins)
 
         def for_rows(rows: int) -> Any:
-            x = torch.full((rows, self.in_features), 0.5)
+            x = torch.full((rows, self.in_features), 0.5, dtype=self.params_dtype)
             return lambda: next(turn)(x)
 
         return for_rows

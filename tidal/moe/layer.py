@@ -297,7 +297,7 @@ class FusedMoE(HeldParamsModule):
         return self.forward_experts(hidden, topk_weights, topk_ids)
 
     def route(self, hidden: Tensor) -> tuple[Tensor, Tensor]:  # [T, H] -> [T, K] f32, int64
-        gate = self._held("router") if self._cpu_float32(hidden) else None
+        gate = self._held("router") if self._cpu_held(hidden) else None
         if isinstance(gate, HeldGate):  # the C++ router: one call; oneDNN: its logits
             if self.routing.plain_softmax:
                 variant = self._choice("router").for_rows(hidden.shape[0]).variant
@@ -344,7 +344,7 @@ class FusedMoE(HeldParamsModule):
             return biased_experts(
                 x, self.w13, self.w2, b13, b2, weights, ids, expert_map, self.activation
             )
-        held = self._held("experts") if self._cpu_float32(x) else None
+        held = self._held("experts") if self._cpu_held(x) else None
         if isinstance(held, HeldExperts):
             variant = self._choice("experts").for_rows(x.shape[0]).variant
             return held(x, weights, ids, expert_map, True, variant)
@@ -470,8 +470,10 @@ class FusedMoE(HeldParamsModule):
 
     # ---- the CPU paths (select.py) and the one copy of the weights --------------------
 
-    def _cpu_float32(self, x: Tensor) -> bool:
-        return self.on_cpu and x.dtype == torch.float32 and self.params_dtype == torch.float32
+    def _cpu_held(self, x: Tensor) -> bool:
+        """Whether a held (packed) path may serve ``x``: on CPU, of the weights' dtype (the
+        candidates are float32's or bf16's; another dtype has only torch, which holds none)."""
+        return self.on_cpu and x.dtype == self.params_dtype
 
     def _choice(self, op: str) -> Choice:
         choice = self.cpu_choice.get(op)
@@ -527,7 +529,7 @@ class FusedMoE(HeldParamsModule):
     def pack_weights(self) -> None:
         """Put the weights in their chosen layouts now rather than at the next forward (the
         loader, at start-up). A no-op where no CPU path applies."""
-        if self.on_cpu and self.params_dtype == torch.float32:
+        if self.on_cpu:
             if self.fp8_block_k is None:
                 self._pack("experts")
             self._pack("router")
@@ -596,7 +598,7 @@ class FusedMoE(HeldParamsModule):
             moe = FusedMoE(
                 self.num_experts, self.top_k, hidden, two_i // 2, self.renormalize,
                 self.local_expert_ids, routing=self.routing, expert_bias=self.expert_bias,
-                activation=self.activation,
+                activation=self.activation, dtype=self.params_dtype,
             )  # fmt: skip
             moe.set_cpu_path(op, Choice(candidate, candidate, candidate.path))
             if op == "router":
@@ -614,7 +616,7 @@ class FusedMoE(HeldParamsModule):
         top_k = min(self.top_k, len(local))
 
         def for_rows(rows: int) -> Any:
-            x = torch.full((rows, hidden), 0.5)
+            x = torch.full((rows, hidden), 0.5, dtype=self.params_dtype)
             if op == "router":
                 return lambda: next(turn).route(x)
             g = torch.Generator().manual_seed(rows)

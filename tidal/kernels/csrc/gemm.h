@@ -1,12 +1,30 @@
-// Shared by the CPU kernels that multiply a few rows by a weight block: a register-blocked
-// micro-kernel over column blocks of 64 (one block: K rows of 64 contiguous floats) and the
-// dispatch of a runtime row count and prefetch hint to their templates.
+// Shared by the CPU kernels that multiply a few rows by a weight block: register-blocked
+// micro-kernels over column blocks of 64 and the dispatch of a runtime row count, prefetch
+// hint and kernel kind to their templates.
+//
+// A block of float32 weights is K rows of 64 contiguous floats. A block of bf16 weights
+// holds the rows in pairs, K_pad / 2 of 64 x 2 bf16 (K_pad = K rounded up to even, the
+// pad row zero): entry (p, c) is (w[2p][c], w[2p+1][c]), one 32-bit word. Two kernels read
+// it with float32 accumulation: the shift kernel widens each half to float32 (a bf16 is the
+// top 16 bits of a float32) and multiplies float32 activations, exact products; the dot
+// kernel (AVX512-BF16 vdpbf16ps) multiplies activations rounded to bf16 by both halves in
+// one instruction, where the CPU has it.
 #pragma once
 
 #include "vec.h"
 
+#include <ATen/core/Tensor.h>
+#include <c10/util/Exception.h>
+
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
+#include <vector>
+
+#if defined(__x86_64__) && defined(__GNUC__) && (defined(__clang__) || __GNUC__ >= 10)
+#define TIDAL_DPBF16 1  // the compiler knows AVX512-BF16; the CPU is asked at run time
+#include <immintrin.h>
+#endif
 
 namespace tidal_cpu {
 
@@ -27,12 +45,14 @@ enum Prefetch : int {
 };
 constexpr int kNumPrefetch = 3;
 
+// The four cache lines at p: one row of a float32 block, one pair of rows of a bf16 one.
 template <int P>
-inline void prefetch_weights(const float* p) {
+inline void prefetch_weights(const void* p) {
+  const char* c = static_cast<const char*>(p);
   if constexpr (P == kPrefetchNta) {
-    for (int line = 0; line < 4; ++line) __builtin_prefetch(p + 16 * line, 0, 0);
+    for (int line = 0; line < 4; ++line) __builtin_prefetch(c + 64 * line, 0, 0);
   } else if constexpr (P == kPrefetchT0) {
-    for (int line = 0; line < 4; ++line) __builtin_prefetch(p + 16 * line, 0, 3);
+    for (int line = 0; line < 4; ++line) __builtin_prefetch(c + 64 * line, 0, 3);
   }
 }
 
@@ -56,6 +76,176 @@ inline void block_gemm(const float* const* x, const float* w, int64_t k_len, vec
       acc[m][3] += xm * w3;
     }
   }
+}
+
+typedef int32_t ivec16 __attribute__((vector_size(64)));
+
+// 16 words of a bf16 pair row -> their even-k and odd-k halves as float32: the low half
+// shifted up, the high half masked (little-endian: w[2p] is the low 16 bits).
+inline void widen_pairs(const uint16_t* p, vec16& even, vec16& odd) {
+  ivec16 raw;
+  std::memcpy(&raw, p, sizeof(raw));
+  ivec16 lo = raw << 16, hi = raw & static_cast<int32_t>(0xffff0000u);
+  std::memcpy(&even, &lo, sizeof(even));
+  std::memcpy(&odd, &hi, sizeof(odd));
+}
+
+// The same product on a bf16 block of `pairs` row pairs; x rows are float32 of length
+// 2 * pairs (the pad column zero: its weight is zero, but 0 * NaN would not be).
+template <int R, int P>
+inline void block_gemm_bf16(const float* const* x, const uint16_t* w, int64_t pairs,
+                            vec16 acc[][4]) {
+  for (int m = 0; m < R; ++m)
+    for (int v = 0; v < 4; ++v) acc[m][v] = splat(0.f);
+  for (int64_t p = 0; p < pairs; ++p) {
+    const uint16_t* wp = w + p * 128;
+    prefetch_weights<P>(wp + kPrefetch * 128);  // the same bytes ahead as the float kernel
+    for (int v = 0; v < 4; ++v) {
+      vec16 even, odd;
+      widen_pairs(wp + 32 * v, even, odd);
+      for (int m = 0; m < R; ++m)
+        acc[m][v] += splat(x[m][2 * p]) * even + splat(x[m][2 * p + 1]) * odd;
+    }
+  }
+}
+
+#ifdef TIDAL_DPBF16
+// The dot kernel: x rows are bf16 pairs (one 32-bit word per row pair), out [R][64].
+// Compiled for AVX512-BF16 whatever the build machine; call only where dot_available().
+template <int R, int P>
+__attribute__((target("avx512bf16,avx512f,avx512bw"))) void block_gemm_dot(
+    const uint32_t* const* x, const uint16_t* w, int64_t pairs, float* out) {
+  __m512 acc[R][4];
+  for (int m = 0; m < R; ++m)
+    for (int v = 0; v < 4; ++v) acc[m][v] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < pairs; ++p) {
+    const uint16_t* wp = w + p * 128;
+    prefetch_weights<P>(wp + kPrefetch * 128);
+    for (int v = 0; v < 4; ++v) {
+      __m512bh wv = (__m512bh)_mm512_loadu_si512(wp + 32 * v);
+      for (int m = 0; m < R; ++m)
+        acc[m][v] = _mm512_dpbf16_ps(
+            acc[m][v], (__m512bh)_mm512_set1_epi32(static_cast<int>(x[m][p])), wv);
+    }
+  }
+  for (int m = 0; m < R; ++m)
+    for (int v = 0; v < 4; ++v) _mm512_storeu_ps(out + m * 64 + 16 * v, acc[m][v]);
+}
+#endif
+
+// Whether this CPU runs the dot kernel (AVX512-BF16), asked once.
+inline bool dot_available() {
+#ifdef TIDAL_DPBF16
+  static const bool ok = __builtin_cpu_supports("avx512bf16");
+  return ok;
+#else
+  return false;
+#endif
+}
+
+// The kernel reading a weight block: which one is decided per call, by the pack's dtype
+// and the variant select.py measured.
+enum class Kernel : int {
+  kFloat = 0,      // float32 weights, float32 activations
+  kBf16Shift = 1,  // bf16 pairs, float32 activations
+  kBf16Dot = 2,    // bf16 pairs, bf16 activations (vdpbf16ps)
+};
+
+// Rows of activations as the kernel reads them: f for kFloat / kBf16Shift, h for kBf16Dot.
+struct RowPtrs {
+  const float* f[kRows];
+  const uint32_t* h[kRows];
+};
+
+// acc = R rows of x times one weight block, `depth` = K (float) or K_pad / 2 (bf16 pairs).
+template <int R, int P>
+inline void block_gemm_any(Kernel kind, const RowPtrs& x, const void* w, int64_t depth,
+                           vec16 acc[][4]) {
+  if (kind == Kernel::kFloat) {
+    block_gemm<R, P>(x.f, static_cast<const float*>(w), depth, acc);
+  } else if (kind == Kernel::kBf16Shift) {
+    block_gemm_bf16<R, P>(x.f, static_cast<const uint16_t*>(w), depth, acc);
+  } else {
+    float out[R * 64] = {};  // stays zero where the dot kernel is not compiled (never chosen)
+#ifdef TIDAL_DPBF16
+    block_gemm_dot<R, P>(x.h, static_cast<const uint16_t*>(w), depth, out);
+#endif
+    for (int m = 0; m < R; ++m)
+      for (int v = 0; v < 4; ++v) acc[m][v] = load(out + m * 64 + 16 * v);
+  }
+}
+
+// float32 -> bf16, round to nearest even (as torch's .to(bfloat16)); NaN stays a NaN.
+inline uint16_t to_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof(u));
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);
+  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+inline float from_bf16(uint16_t h) {
+  uint32_t u = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof(f));
+  return f;
+}
+
+// The activations x [T, K] (float32 or bf16; rows may be strided, the last dim not) as
+// `kind` reads them: float32 x itself for kFloat; else copies of k_pad columns, zero past
+// K -- float32 for kBf16Shift, bf16 (rounded) for kBf16Dot. T x K: small beside a weight.
+class StagedRows {
+ public:
+  StagedRows(const at::Tensor& x, Kernel kind, int64_t k_pad) : kind_(kind) {
+    const int64_t rows = x.size(0), depth = x.size(1), xs = x.stride(0);
+    const bool bf16 = x.scalar_type() == at::kBFloat16;
+    if (kind == Kernel::kFloat) {
+      f_ = x.data_ptr<float>();
+      stride_ = xs;
+      return;
+    }
+    stride_ = k_pad;
+    const float* xf = bf16 ? nullptr : x.data_ptr<float>();
+    const uint16_t* xh = bf16 ? reinterpret_cast<const uint16_t*>(x.data_ptr()) : nullptr;
+    if (kind == Kernel::kBf16Shift) {
+      fbuf_.assign(rows * k_pad, 0.f);
+      for (int64_t t = 0; t < rows; ++t)
+        for (int64_t k = 0; k < depth; ++k)
+          fbuf_[t * k_pad + k] = bf16 ? from_bf16(xh[t * xs + k]) : xf[t * xs + k];
+      f_ = fbuf_.data();
+    } else {
+      hbuf_.assign(rows * k_pad, 0);
+      for (int64_t t = 0; t < rows; ++t)
+        for (int64_t k = 0; k < depth; ++k)
+          hbuf_[t * k_pad + k] = bf16 ? xh[t * xs + k] : to_bf16(xf[t * xs + k]);
+    }
+  }
+
+  // Row t of the activations as slot m of p.
+  void put(RowPtrs& p, int m, int64_t t) const {
+    if (kind_ == Kernel::kBf16Dot)
+      p.h[m] = reinterpret_cast<const uint32_t*>(hbuf_.data() + t * stride_);
+    else
+      p.f[m] = f_ + t * stride_;
+  }
+
+ private:
+  Kernel kind_;
+  const float* f_ = nullptr;
+  int64_t stride_ = 0;
+  std::vector<float> fbuf_;
+  std::vector<uint16_t> hbuf_;
+};
+
+// The kernel for a pack of `weight` dtype and a variant's `dot` flag, checked.
+inline Kernel kernel_for(at::ScalarType weight, bool dot, const char* op) {
+  if (weight == at::kFloat) {
+    TORCH_CHECK(!dot, op, ": the dot kernel takes bf16 weights");
+    return Kernel::kFloat;
+  }
+  TORCH_CHECK(weight == at::kBFloat16, op, ": weights must be float32 or bfloat16");
+  if (!dot) return Kernel::kBf16Shift;
+  TORCH_CHECK(dot_available(), op, ": this CPU has no AVX512-BF16 (the dot kernel)");
+  return Kernel::kBf16Dot;
 }
 
 template <typename F>

@@ -1,4 +1,4 @@
-// Fused MoE experts for float32 on CPU: one call per layer does the routing sort, every
+// Fused MoE experts for float32 or bf16 weights on CPU: one call per layer does the routing sort, every
 // busy expert's gate/up GEMM with SiLU-and-mul and the router weight in its epilogue, and
 // every down GEMM summed straight into the tokens' outputs. Two parallel regions per
 // layer (torch's own OpenMP pool, so no second thread pool competes for the cores).
@@ -17,7 +17,10 @@
 //        weights of output columns j*64..; rows past I and columns past H are zero. Column
 //        block major: the down pass's task j reads its experts' blocks in address order,
 //        so the lookahead prefetch runs on into the next block instead of past its end.
-// Each block is read front to back, once per group of up to kRows rows.
+// Each block is read front to back, once per group of up to kRows rows. bf16 packs hold
+// the same blocks with their k rows in pairs (gemm.h): w13p [E, I_pad / 32, H_pad / 2, 64,
+// 2], w2p [H_pad / 64, E, I_pad / 2, 64, 2]; the intermediate activations stay float32
+// (bf16 for the dot kernel, which reads them so), the sums float32.
 
 #include "gemm.h"
 #include "vec.h"
@@ -44,23 +47,38 @@ constexpr double kReadRows = 4;     // a block's read costs about as much as thi
 
 inline vec16 silu(vec16 g) { return g / (splat(1.f) + vexp(-g)); }
 
+// The activations of one row group: x rows in, act rows out (float32, or bf16 for the
+// dot kernel's down pass).
+struct ActRows {
+  float* f[kRows];
+  uint16_t* h[kRows];
+};
+
 template <int R, int P>
-void gate_up_rows(const float* const* x, const float* w, int64_t hidden, float* const* act,
+void gate_up_rows(Kernel kind, const RowPtrs& x, const void* w, int64_t depth, const ActRows& act,
                   const float* weights) {
   vec16 acc[kRows][4];
-  block_gemm<R, P>(x, w, hidden, acc);
+  block_gemm_any<R, P>(kind, x, w, depth, acc);
   for (int m = 0; m < R; ++m) {
     vec16 s = splat(weights ? weights[m] : 1.f);
-    store(act[m], silu(acc[m][0]) * acc[m][2] * s);
-    store(act[m] + 16, silu(acc[m][1]) * acc[m][3] * s);
+    vec16 a0 = silu(acc[m][0]) * acc[m][2] * s, a1 = silu(acc[m][1]) * acc[m][3] * s;
+    if (kind == Kernel::kBf16Dot) {
+      float tmp[32];
+      store(tmp, a0);
+      store(tmp + 16, a1);
+      for (int c = 0; c < 32; ++c) act.h[m][c] = to_bf16(tmp[c]);
+    } else {
+      store(act.f[m], a0);
+      store(act.f[m] + 16, a1);
+    }
   }
 }
 
 template <int R, int P>
-void down_rows(const float* const* a, const float* w, int64_t inter, float* const* out,
+void down_rows(Kernel kind, const RowPtrs& a, const void* w, int64_t depth, float* const* out,
                int64_t cols) {
   vec16 acc[kRows][4];
-  block_gemm<R, P>(a, w, inter, acc);
+  block_gemm_any<R, P>(kind, a, w, depth, acc);
   for (int m = 0; m < R; ++m) {
     if (cols == 64) {
       for (int v = 0; v < 4; ++v) store(out[m] + 16 * v, load(out[m] + 16 * v) + acc[m][v]);
@@ -72,27 +90,47 @@ void down_rows(const float* const* a, const float* w, int64_t inter, float* cons
   }
 }
 
-at::Tensor fused_moe(const at::Tensor& hidden,        // [T, H] float32
-                     const at::Tensor& w13p,          // [E, I_pad/32, H, 64] float32
-                     const at::Tensor& w2p,           // [H_pad/64, E, I_pad, 64] float32
+at::Tensor fused_moe(const at::Tensor& hidden,  // [T, H] float32 or bf16
+                     // float32 [E, I_pad/32, H, 64] | bf16 [E, I_pad/32, H_pad/2, 64, 2]
+                     const at::Tensor& w13p,
+                     // float32 [H_pad/64, E, I_pad, 64] | bf16 [H_pad/64, E, I_pad/2, 64, 2]
+                     const at::Tensor& w2p,
                      const at::Tensor& topk_weights,  // [T, K] float32
                      const at::Tensor& topk_ids,      // [T, K] int64 global ids
                      const std::optional<at::Tensor>& expert_map,  // [E_global] int32
                      bool apply_router_weight,
-                     int64_t prefetch) {  // Prefetch hint (gemm.h), a per-CPU choice
-  TORCH_CHECK(hidden.dim() == 2 && hidden.scalar_type() == at::kFloat && hidden.is_cpu(),
-              "hidden must be [T, H] float32 on CPU");
-  TORCH_CHECK(w13p.dim() == 4 && w13p.scalar_type() == at::kFloat && w13p.is_contiguous() &&
-                  w13p.size(3) == 2 * kGateBlock,
-              "w13p must be a contiguous [E, I_pad/32, H, 64] float32 pack");
-  TORCH_CHECK(w2p.dim() == 4 && w2p.scalar_type() == at::kFloat && w2p.is_contiguous() &&
-                  w2p.size(3) == kDownBlock,
-              "w2p must be a contiguous [H_pad/64, E, I_pad, 64] float32 pack");
+                     int64_t prefetch,  // Prefetch hint (gemm.h), a per-CPU choice
+                     bool dot) {        // bf16: the AVX512-BF16 kernel, else the shift one
+  TORCH_CHECK(hidden.dim() == 2 && hidden.is_cpu() &&
+                  (hidden.scalar_type() == at::kFloat || hidden.scalar_type() == at::kBFloat16),
+              "hidden must be [T, H] float32 or bf16 on CPU");
+  const Kernel kind = kernel_for(w13p.scalar_type(), dot, "fused_moe");
   const int64_t num_tokens = hidden.size(0), hidden_size = hidden.size(1);
   const int64_t num_local = w13p.size(0), gate_blocks = w13p.size(1);
   const int64_t inter_pad = gate_blocks * kGateBlock, down_blocks = w2p.size(0);
-  TORCH_CHECK(w13p.size(2) == hidden_size && w2p.size(1) == num_local &&
-                  w2p.size(2) == inter_pad && down_blocks * kDownBlock >= hidden_size &&
+  // Each pass's kernel loop length and staged row length (bf16: rows in pairs, gemm.h).
+  int64_t up_steps = hidden_size, up_pad = hidden_size, down_steps = inter_pad;
+  TORCH_CHECK(w2p.scalar_type() == w13p.scalar_type(), "w13p and w2p must have one dtype");
+  if (kind == Kernel::kFloat) {
+    TORCH_CHECK(hidden.scalar_type() == at::kFloat, "float32 experts take float32 hidden");
+    TORCH_CHECK(w13p.dim() == 4 && w13p.is_contiguous() && w13p.size(3) == 2 * kGateBlock &&
+                    w13p.size(2) == hidden_size,
+                "w13p must be a contiguous [E, I_pad/32, H, 64] float32 pack matching hidden");
+    TORCH_CHECK(w2p.dim() == 4 && w2p.is_contiguous() && w2p.size(3) == kDownBlock &&
+                    w2p.size(2) == inter_pad,
+                "w2p must be a contiguous [H_pad/64, E, I_pad, 64] float32 pack matching w13p");
+  } else {
+    TORCH_CHECK(w13p.dim() == 5 && w13p.is_contiguous() && w13p.size(3) == 2 * kGateBlock &&
+                    w13p.size(4) == 2 && w13p.size(2) == (hidden_size + 1) / 2,
+                "w13p must be a contiguous [E, I_pad/32, H_pad/2, 64, 2] bf16 pack matching hidden");
+    TORCH_CHECK(w2p.dim() == 5 && w2p.is_contiguous() && w2p.size(3) == kDownBlock &&
+                    w2p.size(4) == 2 && 2 * w2p.size(2) == inter_pad,
+                "w2p must be a contiguous [H_pad/64, E, I_pad/2, 64, 2] bf16 pack matching w13p");
+    up_steps = w13p.size(2);
+    up_pad = 2 * up_steps;
+    down_steps = w2p.size(2);
+  }
+  TORCH_CHECK(w2p.size(1) == num_local && down_blocks * kDownBlock >= hidden_size &&
                   (down_blocks - 1) * kDownBlock < hidden_size,
               "w13p/w2p do not match hidden's width or each other");
   TORCH_CHECK(topk_ids.dim() == 2 && topk_ids.size(0) == num_tokens &&
@@ -110,8 +148,10 @@ at::Tensor fused_moe(const at::Tensor& hidden,        // [T, H] float32
     map = expert_map->contiguous();
     TORCH_CHECK(map.dim() == 1 && map.scalar_type() == at::kInt, "expert_map must be int32");
   }
-  auto out = at::zeros({num_tokens, hidden_size}, hidden.options());
-  if (num_tokens == 0) return out;
+  // float32 sums, in the activations' dtype on the way out
+  auto out = at::zeros({num_tokens, hidden_size}, hidden.options().dtype(at::kFloat));
+  auto result = [&]() { return out.to(hidden.scalar_type()); };
+  if (num_tokens == 0) return result();
 
   // 1. Routing: each local slot's rows (token, router weight), ordered by expert and,
   //    within an expert, by token (stable, as the torch path sorts).
@@ -128,7 +168,7 @@ at::Tensor fused_moe(const at::Tensor& hidden,        // [T, H] float32
   }
   for (int64_t e = 0; e < num_local; ++e) start[e + 1] += start[e];
   const int64_t rows = start[num_local];
-  if (rows == 0) return out;
+  if (rows == 0) return result();
   std::vector<int64_t> token(rows), fill(start.begin(), start.end() - 1);
   std::vector<float> row_weight(rows);
   for (int64_t i = 0; i < num_tokens * top_k; ++i) {
@@ -146,11 +186,16 @@ at::Tensor fused_moe(const at::Tensor& hidden,        // [T, H] float32
     }
   const int64_t groups = group_expert.size();
 
-  auto act = at::empty({rows, inter_pad}, hidden.options());  // [N, I_pad]
-  const float* xp = x.data_ptr<float>();
-  const float* w13 = w13p.data_ptr<float>();
-  const float* w2 = w2p.data_ptr<float>();
-  float* ap = act.data_ptr<float>();
+  // [N, I_pad]: float32, bf16 (rounded, as the dot kernel reads it) for the dot kernel
+  const bool act_bf16 = kind == Kernel::kBf16Dot;
+  std::vector<float> act_f(act_bf16 ? 0 : rows * inter_pad);
+  std::vector<uint16_t> act_h(act_bf16 ? rows * inter_pad : 0);
+  const StagedRows xs(x, kind, up_pad);
+  const char* w13 = static_cast<const char*>(w13p.data_ptr());
+  const char* w2 = static_cast<const char*>(w2p.data_ptr());
+  const int64_t esz = w13p.element_size();
+  const int64_t up_block_bytes = up_pad * 2 * kGateBlock * esz;
+  const int64_t down_block_bytes = inter_pad * kDownBlock * esz;
   float* op = out.data_ptr<float>();
 
   // 2. gate/up + SiLU-and-mul + router weight: task = (busy expert, column block); its
@@ -166,17 +211,21 @@ at::Tensor fused_moe(const at::Tensor& hidden,        // [T, H] float32
   dispatch_prefetch(prefetch, [&](auto P) {
     for_each_task_static(cost1, [&](int64_t task) {
       const int64_t e = busy[task / gate_blocks], j = task % gate_blocks;
-      const float* blk = w13 + (e * gate_blocks + j) * hidden_size * 2 * kGateBlock;
+      const void* blk = w13 + (e * gate_blocks + j) * up_block_bytes;
       for (int64_t r0 = start[e]; r0 < start[e + 1]; r0 += kRows) {
         const int r = static_cast<int>(std::min<int64_t>(kRows, start[e + 1] - r0));
-        const float* xs[kRows];
-        float* as[kRows];
+        RowPtrs xr;
+        ActRows as;
         for (int m = 0; m < r; ++m) {
-          xs[m] = xp + token[r0 + m] * hidden_size;
-          as[m] = ap + (r0 + m) * inter_pad + j * kGateBlock;
+          xs.put(xr, m, token[r0 + m]);
+          const int64_t off = (r0 + m) * inter_pad + j * kGateBlock;
+          if (act_bf16)
+            as.h[m] = act_h.data() + off;
+          else
+            as.f[m] = act_f.data() + off;
         }
         dispatch_rows(r, [&](auto R) {
-          gate_up_rows<R(), P()>(xs, blk, hidden_size, as, &row_weight[r0]);
+          gate_up_rows<R(), P()>(kind, xr, blk, up_steps, as, &row_weight[r0]);
         });
       }
     });
@@ -190,18 +239,23 @@ at::Tensor fused_moe(const at::Tensor& hidden,        // [T, H] float32
       for (int64_t g = 0; g < groups; ++g) {
         const int64_t e = group_expert[g], r0 = group_row[g];
         const int r = static_cast<int>(std::min<int64_t>(kRows, start[e + 1] - r0));
-        const float* as[kRows];
+        RowPtrs as;
         float* os[kRows];
         for (int m = 0; m < r; ++m) {
-          as[m] = ap + (r0 + m) * inter_pad;
+          if (act_bf16)
+            as.h[m] = reinterpret_cast<const uint32_t*>(act_h.data() + (r0 + m) * inter_pad);
+          else
+            as.f[m] = act_f.data() + (r0 + m) * inter_pad;
           os[m] = op + token[r0 + m] * hidden_size + j * kDownBlock;
         }
-        const float* blk = w2 + (j * num_local + e) * inter_pad * kDownBlock;
-        dispatch_rows(r, [&](auto R) { down_rows<R(), P()>(as, blk, inter_pad, os, cols); });
+        const void* blk = w2 + (j * num_local + e) * down_block_bytes;
+        dispatch_rows(r, [&](auto R) {
+          down_rows<R(), P()>(kind, as, blk, down_steps, os, cols);
+        });
       }
     });
   });
-  return out;
+  return result();
 }
 
 }  // namespace
@@ -209,7 +263,8 @@ at::Tensor fused_moe(const at::Tensor& hidden,        // [T, H] float32
 TORCH_LIBRARY_FRAGMENT(tidal_cpu, m) {
   m.def(
       "fused_moe(Tensor hidden, Tensor w13p, Tensor w2p, Tensor topk_weights, "
-      "Tensor topk_ids, Tensor? expert_map, bool apply_router_weight, int prefetch=0) -> Tensor");
+      "Tensor topk_ids, Tensor? expert_map, bool apply_router_weight, int prefetch=0, "
+      "bool dot=False) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tidal_cpu, CPU, m) { m.impl("fused_moe", &fused_moe); }

@@ -1,4 +1,4 @@
-// The MoE router for float32 on CPU in one call: router logits (x @ gate^T), softmax over
+// The MoE router for float32 or bf16 on CPU in one call: router logits (x @ gate^T), softmax over
 // the experts, the top-k, optionally renormalised -- what tidal/moe/router.py's
 // softmax_topk does after a linear, in torch's order of operations.
 //
@@ -7,7 +7,9 @@
 // routes once per MoE layer.
 //
 // Gate layout (built by tidal/kernels/cpu_router.py): gate_p [E_pad / 64, H, 64], column
-// block j holding, for each k, the gate weights of experts 64j..; zero past E.
+// block j holding, for each k, the gate weights of experts 64j..; zero past E. A bf16
+// gate: [E_pad / 64, H_pad / 2, 64, 2], the k rows in pairs (gemm.h); the logits are the
+// float32 sums either way (the torch path rounds bf16 logits before its softmax).
 
 #include "gemm.h"
 #include "vec.h"
@@ -58,27 +60,42 @@ void select_top_k(const float* logits, int64_t num_experts, int64_t top_k, bool 
 }
 
 std::tuple<at::Tensor, at::Tensor> softmax_topk(
-    const at::Tensor& hidden,  // [T, H] float32
-    const at::Tensor& gate_p,  // [E_pad/64, H, 64] float32
+    const at::Tensor& hidden,  // [T, H] float32 or bf16
+    const at::Tensor& gate_p,  // float32 [E_pad/64, H, 64] | bf16 [E_pad/64, H_pad/2, 64, 2]
     int64_t num_experts, int64_t top_k, bool renormalize,
-    int64_t prefetch) {  // Prefetch hint (gemm.h), a per-CPU choice
-  TORCH_CHECK(hidden.dim() == 2 && hidden.scalar_type() == at::kFloat && hidden.is_cpu(),
-              "hidden must be [T, H] float32 on CPU");
-  TORCH_CHECK(gate_p.dim() == 3 && gate_p.scalar_type() == at::kFloat && gate_p.is_contiguous() &&
-                  gate_p.size(2) == 64 && gate_p.size(1) == hidden.size(1),
-              "gate_p must be a contiguous [E_pad/64, H, 64] float32 pack matching hidden");
+    int64_t prefetch,  // Prefetch hint (gemm.h), a per-CPU choice
+    bool dot) {        // bf16: the AVX512-BF16 kernel, else the shift one
+  TORCH_CHECK(hidden.dim() == 2 && hidden.is_cpu() &&
+                  (hidden.scalar_type() == at::kFloat || hidden.scalar_type() == at::kBFloat16),
+              "hidden must be [T, H] float32 or bf16 on CPU");
+  const Kernel kind = kernel_for(gate_p.scalar_type(), dot, "softmax_topk");
   const int64_t blocks = gate_p.size(0), width = hidden.size(1), tokens = hidden.size(0);
+  int64_t steps = width, k_pad = width;  // the kernel's loop length; the staged row length
+  if (kind == Kernel::kFloat) {
+    TORCH_CHECK(hidden.scalar_type() == at::kFloat, "a float32 gate takes float32 hidden");
+    TORCH_CHECK(gate_p.dim() == 3 && gate_p.is_contiguous() && gate_p.size(2) == 64 &&
+                    gate_p.size(1) == width,
+                "gate_p must be a contiguous [E_pad/64, H, 64] float32 pack matching hidden");
+  } else {
+    TORCH_CHECK(gate_p.dim() == 4 && gate_p.is_contiguous() && gate_p.size(2) == 64 &&
+                    gate_p.size(3) == 2 && gate_p.size(1) == (width + 1) / 2,
+                "gate_p must be a contiguous [E_pad/64, H_pad/2, 64, 2] bf16 pack matching hidden");
+    steps = gate_p.size(1);
+    k_pad = 2 * steps;
+  }
   TORCH_CHECK(num_experts > (blocks - 1) * 64 && num_experts <= blocks * 64,
               "num_experts does not match the pack");
   TORCH_CHECK(top_k >= 1 && top_k <= num_experts, "top_k must be in [1, num_experts]");
   TORCH_CHECK(prefetch >= 0 && prefetch < kNumPrefetch, "prefetch must be in [0, ", kNumPrefetch,
               ")");
-  auto x = hidden.contiguous();
-  auto weights = at::empty({tokens, top_k}, hidden.options());
+  auto x = hidden.stride(1) == 1 ? hidden : hidden.contiguous();
+  // float32 weights whatever hidden's dtype, as tidal/moe/router.py's softmax_topk
+  auto weights = at::empty({tokens, top_k}, hidden.options().dtype(at::kFloat));
   auto ids = at::empty({tokens, top_k}, hidden.options().dtype(at::kLong));
   if (tokens == 0) return {weights, ids};
-  const float* xp = x.data_ptr<float>();
-  const float* gp = gate_p.data_ptr<float>();
+  const StagedRows xs(x, kind, k_pad);
+  const char* gp = static_cast<const char*>(gate_p.data_ptr());
+  const int64_t block_bytes = k_pad * 64 * gate_p.element_size();
   float* wp = weights.data_ptr<float>();
   int64_t* ip = ids.data_ptr<int64_t>();
   const int64_t padded = blocks * 64;
@@ -87,15 +104,15 @@ std::tuple<at::Tensor, at::Tensor> softmax_topk(
   auto group = [&](int64_t g) {
     const int64_t t0 = g * kRows;
     const int r = static_cast<int>(std::min<int64_t>(kRows, tokens - t0));
-    const float* xs[kRows];
-    for (int m = 0; m < r; ++m) xs[m] = xp + (t0 + m) * width;
+    RowPtrs xr;
+    for (int m = 0; m < r; ++m) xs.put(xr, m, t0 + m);
     std::vector<float> logits(r * padded), probs(num_experts);
     std::vector<char> taken(num_experts);
     for (int64_t j = 0; j < blocks; ++j) {
       dispatch_rows(r, [&](auto R) {
         vec16 acc[kRows][4];
         dispatch_prefetch(prefetch, [&](auto P) {
-          block_gemm<R(), P()>(xs, gp + j * width * 64, width, acc);
+          block_gemm_any<R(), P()>(kind, xr, gp + j * block_bytes, steps, acc);
         });
         for (int m = 0; m < R(); ++m)
           for (int v = 0; v < 4; ++v) store(&logits[m * padded + j * 64 + 16 * v], acc[m][v]);
@@ -119,7 +136,7 @@ std::tuple<at::Tensor, at::Tensor> softmax_topk(
 TORCH_LIBRARY_FRAGMENT(tidal_cpu, m) {
   m.def(
       "softmax_topk(Tensor hidden, Tensor gate_p, int num_experts, int top_k, "
-      "bool renormalize, int prefetch=0) -> (Tensor, Tensor)");
+      "bool renormalize, int prefetch=0, bool dot=False) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(tidal_cpu, CPU, m) { m.impl("softmax_topk", &softmax_topk); }
