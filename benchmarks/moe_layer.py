@@ -15,12 +15,26 @@ inflates the numbers less) and with wall time at more threads (idle OpenMP worke
 which CPU time would count).
 
     python benchmarks/moe_layer.py [--threads 2] [--tokens 1 32 256]
+
+``--dtype bfloat16`` times instead every path that can hold the weights of a layer's ops
+(``tidal/kernels/select.py``'s candidates: the C++ kernels per prefetch hint -- for bf16
+the shift kernel and, where the CPU has AVX512-BF16, the ``dot-`` kernel --, oneDNN
+prepacked, torch) in bf16 against the same paths in float32, on the same shapes: the
+experts, the router and a linear of the default model, of the 64-expert top-8 shape and of
+the 1024-wide one, at each ``--tokens``, all candidates of one op taking turns. Each runs
+on the trial stand-ins the load-time choice measures (``cpu_trial``: weights rotated over a
+pool larger than the caches), so one row reads its weights from memory; ``decode_GBps``
+is those bytes over the fastest call, beside a ``torch`` copy's bandwidth measured in the
+same run. Prints the CPU's model and flags first.
+
+    python benchmarks/moe_layer.py --dtype bfloat16 [--tokens 1 32] [--pool-mib 256]
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import json
 import random
 import statistics
@@ -29,10 +43,21 @@ from collections.abc import Callable
 
 import torch
 
-from tidal.kernels.fused_moe_torch import fused_experts_torch
+from tidal.kernels.fused_moe_torch import empty_k_major_experts, fused_experts_torch
+from tidal.kernels.select import Candidate, Choice, cpu_description, weight_candidates
+from tidal.layers.linear import Linear
 from tidal.models.common import set_k_major_moe_weights
 from tidal.models.tiny import DEFAULT_MODEL_ARGS
 from tidal.moe.layer import FusedMoE
+
+# (hidden, experts, top_k, intermediate) of the held-path comparison: the default model,
+# the 64-expert top-8 checkpoint and the 1024-wide one (benchmarks/cpu_speed.py's moe64, big)
+PATH_SHAPES = {
+    "default": (256, 16, 4, 128),
+    "moe64": (512, 64, 8, 256),
+    "big": (1024, 32, 4, 512),
+}
+CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
 
 
 def _hf_block(
@@ -98,15 +123,125 @@ def _time_all(
     return samples
 
 
+def _copy_gbps(nbytes: int) -> float:
+    """torch's copy of ``nbytes`` (read + write), GB/s of the fastest of a few."""
+    src = torch.ones(nbytes // 4)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(6):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * nbytes / best / 1e9
+
+
+def _op_bytes(op: str, shape: tuple[int, int, int, int], rows: int, itemsize: int) -> int:
+    """The weight bytes one call of ``op`` reads at ``rows`` rows (1 row: its top-k experts)."""
+    hidden, experts, top_k, inter = shape
+    if op == "experts":
+        return min(experts, top_k * rows) * 3 * hidden * inter * itemsize
+    if op == "router":
+        return experts * hidden * itemsize
+    return hidden * hidden * itemsize  # the linear: hidden x hidden
+
+
+def _experts_stand_ins(
+    shape: tuple[int, int, int, int], dtype: torch.dtype, cand: Candidate, instances: int
+) -> Callable[[int], Callable[[], object]]:
+    """``instances`` MoE layers on ``cand``'s path; call j of the thunk runs the next layer
+    with the next experts in turn (every expert of every layer read once per cycle, so the
+    weights come from memory, not from the caches a fixed top-k would stay in)."""
+    hidden, experts, top_k, inter = shape
+    layers = []
+    for _ in range(instances):
+        moe = FusedMoE(experts, top_k, hidden, inter, True, dtype=dtype)
+        moe.set_cpu_path("experts", Choice(cand, cand, cand.path))
+        moe.w13.data, moe.w2.data = empty_k_major_experts(moe.w13, moe.w2)
+        moe.w13.data.fill_(0.01)
+        moe.w2.data.fill_(0.01)
+        moe._pack("experts")
+        layers.append(moe)
+
+    def for_rows(rows: int) -> Callable[[], object]:
+        x = torch.full((rows, hidden), 0.5, dtype=dtype)
+        weights = torch.full((rows, top_k), 1.0 / top_k)
+        turn = itertools.count()
+
+        def run() -> object:
+            j = next(turn)
+            first = (j * top_k * rows) % experts
+            ids = (torch.arange(rows * top_k) + first).remainder(experts).view(rows, top_k)
+            return layers[j % len(layers)].forward_experts(x, weights, ids)
+
+        return run
+
+    return for_rows
+
+
+def held_paths(args: argparse.Namespace, dtype: torch.dtype) -> None:
+    cpu = cpu_description()
+    flags = set(cpu["flags"].split())
+    print(json.dumps({
+        "bench": "moe_layer_paths", "cpu": cpu["model"], "threads": args.threads,
+        "flags": {f: f in flags for f in CPU_FLAGS},
+        "memcpy_GBps": round(_copy_gbps(args.pool_mib << 20), 1),
+    }))  # fmt: skip
+    dtypes = [torch.float32] if dtype == torch.float32 else [torch.float32, dtype]
+    for tag, shape in PATH_SHAPES.items():
+        hidden, experts, top_k, inter = shape
+        for op in ("experts", "router", "linear"):
+            thunks: dict[str, Callable[[int], Callable[[], object]]] = {}
+            nbytes: dict[str, int] = {}
+            for dt in dtypes:
+                if op == "linear":
+                    module: FusedMoE | Linear = Linear(hidden, hidden, dtype=dt)
+                    name = "linear"
+                else:
+                    module = FusedMoE(experts, top_k, hidden, inter, True, dtype=dt)
+                    name = op
+                per = _op_bytes(op, (hidden, experts, experts, inter), 1, dt.itemsize)
+                instances = max(1, min(64, (args.pool_mib << 20) // per))
+                for cand in weight_candidates(dt):
+                    key = f"{str(dt).removeprefix('torch.')}/{cand.name}"
+                    if op == "experts":
+                        thunks[key] = _experts_stand_ins(shape, dt, cand, instances)
+                    else:
+                        thunks[key] = module.cpu_trial(name, cand, instances)
+                    nbytes[key] = dt.itemsize
+            for rows in args.tokens:
+                with torch.inference_mode():
+                    fns = {k: make(rows) for k, make in thunks.items()}
+                    samples = _time_all(fns, time.perf_counter, args.min_seconds / len(fns))
+                for key, got in samples.items():
+                    best_s = min(got) / 1e6
+                    read = _op_bytes(op, shape, rows, nbytes[key])
+                    print(json.dumps({
+                        "bench": "moe_layer_paths", "shape": tag, "op": op, "path": key,
+                        "tokens": rows, "hidden": hidden, "experts": experts, "top_k": top_k,
+                        "inter": inter, "median_us": round(statistics.median(got), 1),
+                        "best_us": round(min(got), 1), "calls": len(got),
+                        "decode_GBps": round(read / best_s / 1e9, 1) if rows == 1 else None,
+                    }))  # fmt: skip
+            del thunks
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 32, 256])
     ap.add_argument("--clock", choices=["auto", "cpu", "wall"], default="auto")
     ap.add_argument("--min-seconds", type=float, default=1.0)
+    ap.add_argument(
+        "--dtype", choices=["float32", "bfloat16"], default="float32",
+        help="bfloat16: the held paths in bf16 against float32 (see the module's doc)",
+    )  # fmt: skip
+    ap.add_argument("--pool-mib", type=int, default=256, help="held paths: weights rotated per path")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
+    if args.dtype != "float32":
+        held_paths(args, getattr(torch, args.dtype))
+        return
     if args.clock == "auto":
         args.clock = "cpu" if args.threads == 1 else "wall"
     clock = time.perf_counter if args.clock == "wall" else time.process_time
