@@ -30,7 +30,7 @@ else:
             "tidal.kernels._cpu_ops",
             [
                 f"tidal/kernels/csrc/{name}_cpu.cpp"
-                for name in ("moe", "router", "linear", "norm", "attention")
+                for name in ("moe", "router", "linear", "norm", "attention", "fp8")
             ],
             depends=[
                 "tidal/kernels/csrc/vec.h",

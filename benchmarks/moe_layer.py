@@ -200,7 +200,7 @@ def held_paths(args: argparse.Namespace, dtype: torch.dtype) -> None:
                     module = FusedMoE(experts, top_k, hidden, inter, True, dtype=dt)
                     name = op
                 per = _op_bytes(op, (hidden, experts, experts, inter), 1, dt.itemsize)
-                instances = max(1, min(64, (args.pool_mib << 20) // per))
+                instances = max(1, min(16, (args.pool_mib << 20) // per))
                 for cand in weight_candidates(dt):
                     key = f"{str(dt).removeprefix('torch.')}/{cand.name}"
                     if op == "experts":

@@ -1,0 +1,98 @@
+"""The C++ FP8 linear (``tidal/kernels/cpu_fp8.py``, ``csrc/fp8_cpu.cpp``) against
+dequantize-then-matmul: block scales (DeepSeek-V3's 128x128 and smaller, to cross chunk
+and block edges on tiny shapes) and a per-tensor scale, every e4m3 value including the
+subnormals, odd shapes, float32 and bf16 activations; the pack gives the FP8 bytes back."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from tests.cpu_kernels import keep_torch_threads, needs_kernel  # noqa: F401 - fixture
+from tidal.kernels.cpu_fp8 import (
+    FP8_DTYPE,
+    Fp8CpuLinear,
+    fp8_linear,
+    pack_fp8_linear,
+    row_scales,
+)
+
+pytestmark = needs_kernel
+
+
+def _quantize(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per block: scale = amax / 448, q = w / scale in FP8 (the checkpoints' recipe)."""
+    bn, bk = block
+    n, k = w.shape
+    rows, cols = math.ceil(n / bn), math.ceil(k / bk)
+    padded = torch.zeros(rows * bn, cols * bk)
+    padded[:n, :k] = w
+    blocks = padded.view(rows, bn, cols, bk)
+    scale = blocks.abs().amax(dim=(1, 3)).clamp_min(1e-12) / 448.0
+    q = (blocks / scale[:, None, :, None]).view(rows * bn, cols * bk)[:n, :k]
+    return q.to(FP8_DTYPE).contiguous(), scale
+
+
+def _dequantize(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    n, k = q.shape
+    full = row_scales(scale, n, k, block).repeat_interleave(block[1], dim=1)[:, :k]
+    return q.float() * full
+
+
+@pytest.mark.parametrize(
+    "n,k,rows,block",
+    [(70, 33, 1, (16, 8)), (130, 300, 5, (128, 128)), (64, 64, 7, (32, 16)), (5, 9, 3, (4, 4))],
+)
+def test_fp8_linear_matches_dequantize_then_matmul(n, k, rows, block):
+    g = torch.Generator().manual_seed(n * k)
+    q, scale = _quantize(torch.randn(n, k, generator=g), block)
+    packed = pack_fp8_linear(q, scale, block)
+    w = _dequantize(q, scale, block)
+    x, bias = torch.randn(rows, k, generator=g), torch.randn(n, generator=g)
+    want = x @ w.T + bias
+    got = fp8_linear(x, packed, bias)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, want, atol=1e-5 * want.abs().max().item(), rtol=0)
+    got16 = fp8_linear(x.bfloat16(), packed)
+    want16 = x.bfloat16().float() @ w.T
+    assert got16.dtype == torch.bfloat16
+    torch.testing.assert_close(got16.float(), want16, atol=1e-5, rtol=2**-7)
+    back, back_scales = packed.unpack()
+    assert back.dtype == FP8_DTYPE and torch.equal(back.view(torch.uint8), q.view(torch.uint8))
+    assert torch.equal(back_scales, row_scales(scale, n, k, block))
+
+
+def test_every_e4m3_value_decodes_exactly_with_a_per_tensor_scale():
+    codes = torch.arange(256, dtype=torch.uint8)
+    finite = codes[(codes & 0x7F) != 0x7F]  # e4m3fn's NaN codes aside
+    q = finite.view(FP8_DTYPE).reshape(-1, 1).contiguous()  # [254, 1]: one value per row
+    scale = torch.tensor(0.75)
+    packed = pack_fp8_linear(q, scale)
+    got = fp8_linear(torch.ones(1, 1), packed)[0]
+    assert torch.equal(got, q.float()[:, 0] * 0.75)  # subnormals, zero, +-448 included
+
+
+def test_fp8_rejects_bad_inputs_with_errors():
+    q, scale = _quantize(torch.randn(40, 24), (16, 16))
+    with pytest.raises(ValueError, match="expected"):
+        pack_fp8_linear(q, scale[:, :1], (16, 16))
+    with pytest.raises(ValueError, match="float8_e4m3fn"):
+        pack_fp8_linear(q.float(), scale, (16, 16))
+    packed = pack_fp8_linear(q, scale, (16, 16))
+    with pytest.raises(ValueError, match="does not match"):
+        fp8_linear(torch.randn(3, 16), packed)
+    with pytest.raises(RuntimeError, match="float32 or bf16"):
+        fp8_linear(torch.randn(3, 24).double(), packed)
+    with pytest.raises(RuntimeError, match="bias"):
+        fp8_linear(torch.randn(3, 24), packed, torch.randn(39))
+
+
+def test_pluggable_kernel_takes_row_scales_and_leading_dims():
+    q, scale = _quantize(torch.randn(48, 40), (16, 16))
+    kernel = Fp8CpuLinear()
+    packed = kernel.pack(q, row_scales(scale, 48, 40, (16, 16)), 16)
+    x = torch.randn(2, 3, 40)
+    want = x @ _dequantize(q, scale, (16, 16)).T
+    torch.testing.assert_close(kernel(x, packed, None), want, atol=1e-4, rtol=0)

@@ -1,0 +1,134 @@
+"""FP8 (``float8_e4m3fn``) block-scaled weights on CPU, decoded in registers by the C++
+kernel (``csrc/fp8_cpu.cpp``): pack once, then ``fp8_linear`` per call; one checked
+wrapper.
+
+Why: the torch reference dequantizes the whole weight every call (a float copy written and
+read again), so an FP8 checkpoint streams more bytes a token than a float32 one; the kernel
+reads the FP8 bytes once (a quarter of float32's) and multiplies by the block scale as it
+decodes, w8a16: activations float32 or bf16, float32 accumulation, the output in the
+activations' dtype.
+
+Scales: DeepSeek-V3's layout, ``scale_inv [ceil(N/bn), ceil(K/bk)]`` float32 per
+``bn x bk`` block (the dequantized weight is ``w * scale_inv`` block by block), or one
+per-tensor value; the pack holds them per output row and k chunk (``row_scales``), so any
+``bn`` works. ``Fp8CpuLinear`` has the ``pack(weight, row_scales, block_k)`` / ``(x, packed,
+bias)`` shape of a pluggable FP8 linear kernel.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from tidal.kernels.cpu_ext import kernel_available, kernel_status
+from tidal.kernels.cpu_linear import BLOCK, copy_blocks
+from tidal.kernels.host_memory import empty_huge
+
+FP8_DTYPE = torch.float8_e4m3fn
+DEFAULT_BLOCK = (128, 128)  # (bn, bk): DeepSeek-V3's weight_block_size
+
+
+@dataclass(frozen=True)
+class PackedFp8Linear:
+    """``weight [N, K]`` FP8 as ``w [N_pad/64, K, 64]`` uint8 (its bytes, column blocks as
+    ``cpu_linear``'s pack) and ``scales [N_pad/64, ceil(K/block_k), 64]`` float32 (row
+    ``64j + c``'s scale per k chunk); zero past N."""
+
+    w: Tensor
+    scales: Tensor
+    out_features: int
+    in_features: int
+    block_k: int
+
+    def unpack(self) -> tuple[Tensor, Tensor]:  # ([N, K] float8_e4m3fn, [N, C] float32)
+        """The FP8 weight (exact: its bytes) and its row scales back."""
+        blocks, k, block = self.w.shape
+        n = self.out_features
+        weight = self.w.permute(0, 2, 1).reshape(blocks * block, k)[:n].contiguous()
+        scales = self.scales.permute(0, 2, 1).reshape(blocks * block, -1)[:n].contiguous()
+        return weight.view(FP8_DTYPE), scales
+
+
+def row_scales(
+    scale_inv: Tensor,  # [ceil(N/bn), ceil(K/bk)] block scales, or one per-tensor value
+    rows: int,  # N
+    cols: int,  # K
+    block: tuple[int, int] = DEFAULT_BLOCK,
+) -> Tensor:  # [N, ceil(K/bk)] float32
+    """A checkpoint's scales of an ``[N, K]`` weight per output row and k chunk; ValueError
+    saying the shape expected when ``scale_inv`` fits neither form."""
+    bn, bk = block
+    chunks = math.ceil(cols / bk)
+    if scale_inv.numel() == 1:
+        return scale_inv.reshape(1, 1).float().expand(rows, chunks).contiguous()
+    want = (math.ceil(rows / bn), chunks)
+    if tuple(scale_inv.shape) != want:
+        raise ValueError(
+            f"scale_inv shape {tuple(scale_inv.shape)}, expected {want} ({bn}x{bk} blocks of "
+            f"a [{rows}, {cols}] weight) or one per-tensor value"
+        )
+    return scale_inv.float().repeat_interleave(bn, dim=0)[:rows].contiguous()
+
+
+def pack_fp8_rows(weight: Tensor, scales: Tensor, block_k: int) -> PackedFp8Linear:
+    """``weight [N, K]`` float8_e4m3fn with row scales ``[N, ceil(K/block_k)]`` packed for
+    ``fp8_linear``."""
+    if weight.dtype != FP8_DTYPE or weight.dim() != 2:
+        raise ValueError(f"the FP8 linear takes a float8_e4m3fn [N, K] weight, got {weight.dtype}")
+    n, k = weight.shape
+    if block_k < 1 or tuple(scales.shape) != (n, math.ceil(k / block_k)):
+        raise ValueError(
+            f"row scales {tuple(scales.shape)} do not match a [{n}, {k}] weight in k chunks "
+            f"of {block_k}: expected ({n}, {math.ceil(k / block_k)})"
+        )
+    blocks = -(-n // BLOCK)
+    w = empty_huge((blocks, k, BLOCK), torch.uint8)  # streamed at decode: huge pages
+    copy_blocks(w[None], weight.view(torch.uint8)[None], BLOCK)
+    s = torch.zeros(blocks, scales.shape[1], BLOCK)
+    copy_blocks(s[None], scales.float()[None], BLOCK)
+    return PackedFp8Linear(w, s, n, k, block_k)
+
+
+def pack_fp8_linear(
+    weight: Tensor,  # [N, K] float8_e4m3fn
+    scale_inv: Tensor,  # [ceil(N/bn), ceil(K/bk)] float32, or per-tensor
+    block: tuple[int, int] = DEFAULT_BLOCK,
+) -> PackedFp8Linear:
+    """A checkpoint's FP8 weight and its ``weight_scale_inv`` packed for ``fp8_linear``."""
+    n, k = weight.shape
+    return pack_fp8_rows(weight, row_scales(scale_inv, n, k, block), block[1])
+
+
+def fp8_linear(
+    x: Tensor,  # [T, K] float32 or bf16
+    packed: PackedFp8Linear,
+    bias: Tensor | None = None,  # [N]
+    prefetch: int = 1,  # cpu_ext.PREFETCH_HINTS value (t0 by default)
+) -> Tensor:  # [T, N], x's dtype
+    """``x @ dequant(weight).T (+ bias)``, the weight decoded in registers."""
+    if x.dim() != 2 or x.shape[1] != packed.in_features:
+        raise ValueError(
+            f"x {tuple(x.shape)} does not match the weight's {packed.in_features} inputs"
+        )
+    if not kernel_available():
+        raise RuntimeError(f"the C++ FP8 linear is unavailable: {kernel_status()}")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    return torch.ops.tidal_cpu.fp8_linear(
+        x, packed.w, packed.scales, bias, packed.out_features, packed.block_k, prefetch
+    )
+
+
+class Fp8CpuLinear:
+    """The C++ FP8 linear as a pluggable kernel: ``pack(weight, row_scales, block_k)``
+    once, then ``self(x, packed, bias)`` per forward (any leading dims of x)."""
+
+    def pack(self, weight: Tensor, scales: Tensor, block_k: int) -> PackedFp8Linear:
+        return pack_fp8_rows(weight, scales, block_k)
+
+    def __call__(self, x: Tensor, packed: PackedFp8Linear, bias: Tensor | None) -> Tensor:
+        rows = x.reshape(-1, x.shape[-1])
+        return fp8_linear(rows, packed, bias).reshape(*x.shape[:-1], packed.out_features)
