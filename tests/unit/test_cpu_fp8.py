@@ -1,5 +1,5 @@
-"""The C++ FP8 linear (``tidal/kernels/cpu_fp8.py``, ``csrc/fp8_cpu.cpp``) against
-dequantize-then-matmul: block scales (DeepSeek-V3's 128x128 and smaller, to cross chunk
+"""The C++ FP8 linear and fused MoE (``tidal/kernels/cpu_fp8.py``, ``csrc/fp8_cpu.cpp``,
+``csrc/moe_cpu.cpp``) against dequantize-then-matmul: block scales (DeepSeek-V3's 128x128 and smaller, to cross chunk
 and block edges on tiny shapes) and a per-tensor scale, every e4m3 value including the
 subnormals, odd shapes, float32 and bf16 activations; the pack gives the FP8 bytes back."""
 
@@ -14,10 +14,13 @@ from tests.cpu_kernels import keep_torch_threads, needs_kernel  # noqa: F401 - f
 from tidal.kernels.cpu_fp8 import (
     FP8_DTYPE,
     Fp8CpuLinear,
+    fp8_fused_experts,
     fp8_linear,
+    pack_fp8_experts,
     pack_fp8_linear,
     row_scales,
 )
+from tidal.moe.reference import fused_experts_reference
 
 pytestmark = needs_kernel
 
@@ -96,3 +99,35 @@ def test_pluggable_kernel_takes_row_scales_and_leading_dims():
     x = torch.randn(2, 3, 40)
     want = x @ _dequantize(q, scale, (16, 16)).T
     torch.testing.assert_close(kernel(x, packed, None), want, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize(
+    "num,hidden,inter,rows,block",
+    [(4, 40, 50, 1, (16, 16)), (6, 64, 32, 7, (32, 16)), (8, 33, 17, 13, (128, 128))],
+)
+def test_fp8_fused_moe_matches_the_reference_on_dequantized_experts(
+    num, hidden, inter, rows, block
+):
+    g = torch.Generator().manual_seed(num)
+    pairs = [
+        _quantize(torch.randn(2 * inter, hidden, generator=g) * 0.3, block) for _ in range(num)
+    ]
+    downs = [_quantize(torch.randn(hidden, inter, generator=g) * 0.3, block) for _ in range(num)]
+    w13, s13 = torch.stack([q for q, _ in pairs]), torch.stack([s for _, s in pairs])
+    w2, s2 = torch.stack([q for q, _ in downs]), torch.stack([s for _, s in downs])
+    packed = pack_fp8_experts(w13, s13, w2, s2, block)
+    d13 = torch.stack([_dequantize(q, s, block) for q, s in pairs])
+    d2 = torch.stack([_dequantize(q, s, block) for q, s in downs])
+    x = torch.randn(rows, hidden, generator=g)
+    ids = torch.stack([torch.randperm(num, generator=g)[:2] for _ in range(rows)])
+    weights = torch.rand(rows, 2, generator=g)
+    want = fused_experts_reference(x, d13, d2, weights, ids)
+    got = fp8_fused_experts(x, packed, weights, ids)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, want, atol=1e-5 * want.abs().max().item(), rtol=0)
+    got16 = fp8_fused_experts(x.bfloat16(), packed, weights, ids)
+    want16 = fused_experts_reference(x.bfloat16().float(), d13, d2, weights, ids)
+    assert got16.dtype == torch.bfloat16
+    torch.testing.assert_close(got16.float(), want16, atol=1e-2 * want16.abs().max().item(), rtol=0)
+    with pytest.raises(ValueError, match="not match"):
+        pack_fp8_experts(w13, s13, w2[:, :, :-1], s2, block)

@@ -12,7 +12,9 @@ Scales: DeepSeek-V3's layout, ``scale_inv [ceil(N/bn), ceil(K/bk)]`` float32 per
 ``bn x bk`` block (the dequantized weight is ``w * scale_inv`` block by block), or one
 per-tensor value; the pack holds them per output row and k chunk (``row_scales``), so any
 ``bn`` works. ``Fp8CpuLinear`` has the ``pack(weight, row_scales, block_k)`` / ``(x, packed,
-bias)`` shape of a pluggable FP8 linear kernel.
+bias)`` shape of a pluggable FP8 linear kernel. MoE experts: ``pack_fp8_experts`` and
+``fp8_fused_experts``, the C++ fused MoE (``csrc/moe_cpu.cpp``) reading FP8 blocks of its
+float32 layout (``cpu_moe.CpuPackedExperts``) with the scales beside them.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from torch import Tensor
 
 from tidal.kernels.cpu_ext import kernel_available, kernel_status
 from tidal.kernels.cpu_linear import BLOCK, copy_blocks
+from tidal.kernels.cpu_moe import DOWN_BLOCK, GATE_BLOCK
 from tidal.kernels.host_memory import empty_huge
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -132,3 +135,102 @@ class Fp8CpuLinear:
     def __call__(self, x: Tensor, packed: PackedFp8Linear, bias: Tensor | None) -> Tensor:
         rows = x.reshape(-1, x.shape[-1])
         return fp8_linear(rows, packed, bias).reshape(*x.shape[:-1], packed.out_features)
+
+
+@dataclass(frozen=True)
+class PackedFp8Experts:
+    """A layer's FP8 experts in ``cpu_moe.CpuPackedExperts``' blocked layout, as bytes:
+    ``w13 [E, I_pad/32, H, 64]`` and ``w2 [H_pad/64, E, I_pad, 64]`` uint8, with each
+    block's column scales per k chunk: ``s13 [E, I_pad/32, ceil(H/bk), 64]`` (the w13
+    blocks' 32 gate then 32 up columns), ``s2 [H_pad/64, E, ceil(I_pad/bk), 64]``."""
+
+    w13: Tensor
+    s13: Tensor
+    w2: Tensor
+    s2: Tensor
+    hidden: int
+    inter: int
+    block_k: int
+
+
+def pack_fp8_experts_rows(
+    w13: Tensor,  # [E, 2I, H] float8_e4m3fn
+    s13: Tensor,  # [E, 2I, ceil(H/bk)] float32 row scales
+    w2: Tensor,  # [E, H, I] float8_e4m3fn
+    s2: Tensor,  # [E, H, ceil(I/bk)] float32 row scales
+    block_k: int,
+) -> PackedFp8Experts:
+    """Experts with per-row scales packed for ``fp8_fused_experts``."""
+    if w13.dtype != FP8_DTYPE or w2.dtype != FP8_DTYPE:
+        raise ValueError(f"FP8 experts must be float8_e4m3fn, got {w13.dtype}/{w2.dtype}")
+    num, two_i, hidden = w13.shape
+    inter = two_i // 2
+    if tuple(w2.shape) != (num, hidden, inter):
+        raise ValueError(f"w2 {tuple(w2.shape)} does not match w13 {tuple(w13.shape)}")
+    up_c, down_c = math.ceil(hidden / block_k), math.ceil(inter / block_k)
+    if tuple(s13.shape) != (num, two_i, up_c) or tuple(s2.shape) != (num, hidden, down_c):
+        raise ValueError(
+            f"row scales {tuple(s13.shape)}/{tuple(s2.shape)} do not match the experts: "
+            f"expected ({num}, {two_i}, {up_c})/({num}, {hidden}, {down_c})"
+        )
+    inter_pad = -(-inter // GATE_BLOCK) * GATE_BLOCK
+    gate_blocks, down_blocks = inter_pad // GATE_BLOCK, -(-hidden // DOWN_BLOCK)
+    pw13 = empty_huge((num, gate_blocks, hidden, 2 * GATE_BLOCK), torch.uint8)
+    ps13 = torch.zeros(num, gate_blocks, up_c, 2 * GATE_BLOCK)
+    for packed, src in ((pw13, w13.view(torch.uint8)), (ps13, s13.float())):
+        halves = packed.view(num, gate_blocks, packed.shape[2], 2, GATE_BLOCK)
+        for half, rows in enumerate((src[:, :inter], src[:, inter:])):  # gate, up
+            copy_blocks(halves[:, :, :, half], rows, GATE_BLOCK)
+    pw2 = empty_huge((down_blocks, num, inter_pad, DOWN_BLOCK), torch.uint8)
+    copy_blocks(pw2.transpose(0, 1)[:, :, :inter], w2.view(torch.uint8), DOWN_BLOCK)
+    ps2 = torch.zeros(down_blocks, num, math.ceil(inter_pad / block_k), DOWN_BLOCK)
+    copy_blocks(ps2.transpose(0, 1)[:, :, :down_c], s2.float(), DOWN_BLOCK)
+    return PackedFp8Experts(pw13, ps13, pw2, ps2, hidden, inter, block_k)
+
+
+def pack_fp8_experts(
+    w13: Tensor,  # [E, 2I, H] float8_e4m3fn
+    w13_scale_inv: Tensor,  # [E, ceil(2I/bn), ceil(H/bk)] (or [E] / [E, 1, 1] per tensor)
+    w2: Tensor,  # [E, H, I] float8_e4m3fn
+    w2_scale_inv: Tensor,  # [E, ceil(H/bn), ceil(I/bk)] (or per tensor)
+    block: tuple[int, int] = DEFAULT_BLOCK,
+) -> PackedFp8Experts:
+    """A checkpoint's FP8 experts and their ``weight_scale_inv`` packed for
+    ``fp8_fused_experts``."""
+    num, two_i, hidden = w13.shape
+    inter = w2.shape[2]
+    s13 = torch.stack([row_scales(w13_scale_inv[e], two_i, hidden, block) for e in range(num)])
+    s2 = torch.stack([row_scales(w2_scale_inv[e], hidden, inter, block) for e in range(num)])
+    return pack_fp8_experts_rows(w13, s13, w2, s2, block[1])
+
+
+def fp8_fused_experts(
+    hidden: Tensor,  # [T, H] float32 or bf16
+    packed: PackedFp8Experts,
+    topk_weights: Tensor,  # [T, K]
+    topk_ids: Tensor,  # [T, K] global ids
+    expert_map: Tensor | None = None,  # [E_global] int32: global id -> local slot or -1
+    apply_router_weight: bool = True,
+    prefetch: int = 1,  # cpu_ext.PREFETCH_HINTS value (t0 by default)
+) -> Tensor:  # [T, H], hidden's dtype
+    """One MoE layer's FP8 experts (SiLU-and-mul), the weights decoded in registers."""
+    if hidden.dim() != 2 or hidden.shape[1] != packed.hidden:
+        raise ValueError(
+            f"hidden {tuple(hidden.shape)} does not match the experts' {packed.hidden}"
+        )
+    if not kernel_available():
+        raise RuntimeError(f"the C++ MoE kernel is unavailable: {kernel_status()}")
+    return torch.ops.tidal_cpu.fused_moe(
+        hidden,
+        packed.w13,
+        packed.w2,
+        topk_weights.to(torch.float32),
+        topk_ids.to(torch.int64),
+        None if expert_map is None else expert_map.to(torch.int32),
+        apply_router_weight,
+        prefetch,
+        False,
+        packed.s13,
+        packed.s2,
+        packed.block_k,
+    )

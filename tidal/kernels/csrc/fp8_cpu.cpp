@@ -12,10 +12,8 @@
 // 64j + c over k in [block_k * i, block_k * (i + 1)) (DeepSeek-V3's 128x128 block scales
 // expanded to rows; zero past N).
 //
-// e4m3 -> float32 by bits: sign to bit 31, the 7 exponent-and-mantissa bits to bits 20..26
-// gives a float32 of value x * 2^-120 for every finite e4m3 x (normal or subnormal), so
-// one multiply by scale * 2^120 finishes it. (0x7f / 0xff, e4m3fn's NaN, decode as +-480:
-// checkpoints hold no NaN.)
+// The FP8 micro-kernel (block_gemm_fp8, gemm.h) is shared with the fused MoE
+// (moe_cpu.cpp), which takes FP8 experts in the same layout.
 
 #include "gemm.h"
 #include "vec.h"
@@ -32,44 +30,6 @@
 namespace {
 
 using namespace tidal_cpu;
-
-typedef uint8_t u8x16 __attribute__((vector_size(16)));
-typedef uint32_t uvec16 __attribute__((vector_size(64)));
-constexpr float kTwo120 = 1.329227995784916e36f;  // 2^120
-
-// 16 e4m3 bytes -> 16 floats of value x * 2^-120.
-inline vec16 decode_e4m3(const uint8_t* p) {
-  u8x16 b;
-  std::memcpy(&b, p, sizeof(b));
-  uvec16 i = __builtin_convertvector(b, uvec16);
-  uvec16 bits = ((i & 0x80u) << 24) | ((i & 0x7fu) << 20);
-  vec16 f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-}
-
-// acc = R rows of x (float32, K long) times one FP8 block [K, 64] with its scales [C, 64].
-template <int R, int P>
-inline void block_gemm_fp8(const float* const* x, const uint8_t* w, const float* s, int64_t depth,
-                           int64_t block_k, vec16 acc[][4]) {
-  for (int m = 0; m < R; ++m)
-    for (int v = 0; v < 4; ++v) acc[m][v] = splat(0.f);
-  for (int64_t k0 = 0, chunk = 0; k0 < depth; k0 += block_k, ++chunk) {
-    vec16 sv[4];
-    for (int v = 0; v < 4; ++v) sv[v] = load(s + chunk * 64 + 16 * v) * splat(kTwo120);
-    const int64_t k1 = std::min(depth, k0 + block_k);
-    for (int64_t k = k0; k < k1; ++k) {
-      const uint8_t* wk = w + k * 64;
-      // one 64-byte row per k: the float kernel's bytes ahead are 4x the rows ahead here
-      if constexpr (P == kPrefetchNta) __builtin_prefetch(wk + 4 * kPrefetch * 64, 0, 0);
-      if constexpr (P == kPrefetchT0) __builtin_prefetch(wk + 4 * kPrefetch * 64, 0, 3);
-      for (int v = 0; v < 4; ++v) {
-        vec16 wv = decode_e4m3(wk + 16 * v) * sv[v];
-        for (int m = 0; m < R; ++m) acc[m][v] += splat(x[m][k]) * wv;
-      }
-    }
-  }
-}
 
 at::Tensor fp8_linear(const at::Tensor& x,    // [T, K] float32 or bf16, last dim contiguous
                       const at::Tensor& w_p,  // [N_pad/64, K, 64] uint8 (FP8 bytes)
@@ -102,7 +62,7 @@ at::Tensor fp8_linear(const at::Tensor& x,    // [T, K] float32 or bf16, last di
   }
   auto out = at::empty({rows, out_features}, x.options());  // the activations' dtype
   if (rows == 0) return out;
-  const StagedRows xs(x, Kernel::kBf16Shift, depth);  // float32 rows, whatever x's dtype
+  const StagedRows xs(x, Kernel::kFp8, depth);  // float32 rows, whatever x's dtype
   const uint8_t* wp = w_p.data_ptr<uint8_t>();
   const float* sp = s_p.data_ptr<float>();
   const bool out_bf16 = out.scalar_type() == at::kBFloat16;
@@ -119,7 +79,7 @@ at::Tensor fp8_linear(const at::Tensor& x,    // [T, K] float32 or bf16, last di
       dispatch_rows(r, [&](auto R) {
         vec16 acc[kRows][4];
         block_gemm_fp8<R(), P()>(xr.f, wp + j * depth * 64, sp + j * chunks * 64, depth, block_k,
-                                 acc);
+                                 acc);  // gemm.h
         for (int m = 0; m < R(); ++m) {
           const int64_t o = (r0 + m) * out_features + c0;
           float tmp[64];

@@ -143,12 +143,56 @@ inline bool dot_available() {
 #endif
 }
 
+// FP8 (e4m3) weights: a block is K rows of 64 bytes, with the scales of its 64 columns per
+// k chunk beside it ([C, 64] float32). e4m3 -> float32 by bits: sign to bit 31, the 7
+// exponent-and-mantissa bits to bits 20..26 gives a float32 of value x * 2^-120 for every
+// finite e4m3 x (normal or subnormal), so one multiply by scale * 2^120 finishes it.
+// (0x7f / 0xff, e4m3fn's NaN, decode as +-480: checkpoints hold no NaN.)
+typedef uint8_t u8x16 __attribute__((vector_size(16)));
+typedef uint32_t uvec16 __attribute__((vector_size(64)));
+constexpr float kTwo120 = 1.329227995784916e36f;  // 2^120
+
+// 16 e4m3 bytes -> 16 floats of value x * 2^-120.
+inline vec16 decode_e4m3(const uint8_t* p) {
+  u8x16 b;
+  std::memcpy(&b, p, sizeof(b));
+  uvec16 i = __builtin_convertvector(b, uvec16);
+  uvec16 bits = ((i & 0x80u) << 24) | ((i & 0x7fu) << 20);
+  vec16 f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+// acc = R rows of x (float32, K long) times one FP8 block [K, 64] with its scales [C, 64].
+template <int R, int P>
+inline void block_gemm_fp8(const float* const* x, const uint8_t* w, const float* s, int64_t depth,
+                           int64_t block_k, vec16 acc[][4]) {
+  for (int m = 0; m < R; ++m)
+    for (int v = 0; v < 4; ++v) acc[m][v] = splat(0.f);
+  for (int64_t k0 = 0, chunk = 0; k0 < depth; k0 += block_k, ++chunk) {
+    vec16 sv[4];
+    for (int v = 0; v < 4; ++v) sv[v] = load(s + chunk * 64 + 16 * v) * splat(kTwo120);
+    const int64_t k1 = std::min(depth, k0 + block_k);
+    for (int64_t k = k0; k < k1; ++k) {
+      const uint8_t* wk = w + k * 64;
+      // one 64-byte row per k: the float kernel's bytes ahead are 4x the rows ahead here
+      if constexpr (P == kPrefetchNta) __builtin_prefetch(wk + 4 * kPrefetch * 64, 0, 0);
+      if constexpr (P == kPrefetchT0) __builtin_prefetch(wk + 4 * kPrefetch * 64, 0, 3);
+      for (int v = 0; v < 4; ++v) {
+        vec16 wv = decode_e4m3(wk + 16 * v) * sv[v];
+        for (int m = 0; m < R; ++m) acc[m][v] += splat(x[m][k]) * wv;
+      }
+    }
+  }
+}
+
 // The kernel reading a weight block: which one is decided per call, by the pack's dtype
 // and the variant select.py measured.
 enum class Kernel : int {
   kFloat = 0,      // float32 weights, float32 activations
   kBf16Shift = 1,  // bf16 pairs, float32 activations
   kBf16Dot = 2,    // bf16 pairs, bf16 activations (vdpbf16ps)
+  kFp8 = 3,        // FP8 bytes with per-column, per-k-chunk scales; float32 activations
 };
 
 // Rows of activations as the kernel reads them: f for kFloat / kBf16Shift, h for kBf16Dot.
@@ -157,11 +201,14 @@ struct RowPtrs {
   const uint32_t* h[kRows];
 };
 
-// acc = R rows of x times one weight block, `depth` = K (float) or K_pad / 2 (bf16 pairs).
+// acc = R rows of x times one weight block, `depth` = K (float, FP8) or K_pad / 2 (bf16
+// pairs); FP8 blocks come with their scales [ceil(K / block_k), 64].
 template <int R, int P>
 inline void block_gemm_any(Kernel kind, const RowPtrs& x, const void* w, int64_t depth,
-                           vec16 acc[][4]) {
-  if (kind == Kernel::kFloat) {
+                           vec16 acc[][4], const float* scales = nullptr, int64_t block_k = 0) {
+  if (kind == Kernel::kFp8) {
+    block_gemm_fp8<R, P>(x.f, static_cast<const uint8_t*>(w), scales, depth, block_k, acc);
+  } else if (kind == Kernel::kFloat) {
     block_gemm<R, P>(x.f, static_cast<const float*>(w), depth, acc);
   } else if (kind == Kernel::kBf16Shift) {
     block_gemm_bf16<R, P>(x.f, static_cast<const uint16_t*>(w), depth, acc);
@@ -192,13 +239,13 @@ inline float from_bf16(uint16_t h) {
 
 // The activations x [T, K] (float32 or bf16; rows may be strided, the last dim not) as
 // `kind` reads them: float32 x itself for kFloat; else copies of k_pad columns, zero past
-// K -- float32 for kBf16Shift, bf16 (rounded) for kBf16Dot. T x K: small beside a weight.
+// K -- float32 for kBf16Shift and kFp8, bf16 (rounded) for kBf16Dot. T x K: small beside a weight.
 class StagedRows {
  public:
   StagedRows(const at::Tensor& x, Kernel kind, int64_t k_pad) : kind_(kind) {
     const int64_t rows = x.size(0), depth = x.size(1), xs = x.stride(0);
     const bool bf16 = x.scalar_type() == at::kBFloat16;
-    if (kind == Kernel::kFloat) {
+    if (kind == Kernel::kFloat) {  // float32 x as it is
       f_ = x.data_ptr<float>();
       stride_ = xs;
       return;
@@ -206,7 +253,7 @@ class StagedRows {
     stride_ = k_pad;
     const float* xf = bf16 ? nullptr : x.data_ptr<float>();
     const uint16_t* xh = bf16 ? reinterpret_cast<const uint16_t*>(x.data_ptr()) : nullptr;
-    if (kind == Kernel::kBf16Shift) {
+    if (kind == Kernel::kBf16Shift || kind == Kernel::kFp8) {
       fbuf_.assign(rows * k_pad, 0.f);
       for (int64_t t = 0; t < rows; ++t)
         for (int64_t k = 0; k < depth; ++k)

@@ -20,7 +20,10 @@
 // Each block is read front to back, once per group of up to kRows rows. bf16 packs hold
 // the same blocks with their k rows in pairs (gemm.h): w13p [E, I_pad / 32, H_pad / 2, 64,
 // 2], w2p [H_pad / 64, E, I_pad / 2, 64, 2]; the intermediate activations stay float32
-// (bf16 for the dot kernel, which reads them so), the sums float32.
+// (bf16 for the dot kernel, which reads them so), the sums float32. FP8 experts (uint8
+// packs of the float32 layout, gemm.h's block_gemm_fp8) come with their scales per column
+// and k chunk: s13p [E, I_pad / 32, ceil(H / block_k), 64] (the w13 blocks' column order),
+// s2p [H_pad / 64, E, ceil(I_pad / block_k), 64].
 
 #include "gemm.h"
 #include "vec.h"
@@ -56,9 +59,9 @@ struct ActRows {
 
 template <int R, int P>
 void gate_up_rows(Kernel kind, const RowPtrs& x, const void* w, int64_t depth, const ActRows& act,
-                  const float* weights) {
+                  const float* weights, const float* scales, int64_t block_k) {
   vec16 acc[kRows][4];
-  block_gemm_any<R, P>(kind, x, w, depth, acc);
+  block_gemm_any<R, P>(kind, x, w, depth, acc, scales, block_k);
   for (int m = 0; m < R; ++m) {
     vec16 s = splat(weights ? weights[m] : 1.f);
     vec16 a0 = silu(acc[m][0]) * acc[m][2] * s, a1 = silu(acc[m][1]) * acc[m][3] * s;
@@ -76,9 +79,9 @@ void gate_up_rows(Kernel kind, const RowPtrs& x, const void* w, int64_t depth, c
 
 template <int R, int P>
 void down_rows(Kernel kind, const RowPtrs& a, const void* w, int64_t depth, float* const* out,
-               int64_t cols) {
+               int64_t cols, const float* scales, int64_t block_k) {
   vec16 acc[kRows][4];
-  block_gemm_any<R, P>(kind, a, w, depth, acc);
+  block_gemm_any<R, P>(kind, a, w, depth, acc, scales, block_k);
   for (int m = 0; m < R; ++m) {
     if (cols == 64) {
       for (int v = 0; v < 4; ++v) store(out[m] + 16 * v, load(out[m] + 16 * v) + acc[m][v]);
@@ -100,18 +103,47 @@ at::Tensor fused_moe(const at::Tensor& hidden,  // [T, H] float32 or bf16
                      const std::optional<at::Tensor>& expert_map,  // [E_global] int32
                      bool apply_router_weight,
                      int64_t prefetch,  // Prefetch hint (gemm.h), a per-CPU choice
-                     bool dot) {        // bf16: the AVX512-BF16 kernel, else the shift one
+                     bool dot,          // bf16: the AVX512-BF16 kernel, else the shift one
+                     // FP8 (uint8) packs: [E, I_pad/32, ceil(H/block_k), 64] float32
+                     const std::optional<at::Tensor>& s13p,
+                     // FP8: [H_pad/64, E, ceil(I_pad/block_k), 64] float32
+                     const std::optional<at::Tensor>& s2p,
+                     int64_t block_k) {  // FP8: the k chunk of one scale
   TORCH_CHECK(hidden.dim() == 2 && hidden.is_cpu() &&
                   (hidden.scalar_type() == at::kFloat || hidden.scalar_type() == at::kBFloat16),
               "hidden must be [T, H] float32 or bf16 on CPU");
-  const Kernel kind = kernel_for(w13p.scalar_type(), dot, "fused_moe");
+  const bool fp8 = w13p.scalar_type() == at::kByte;
+  TORCH_CHECK(!fp8 || !dot, "fused_moe: the dot kernel takes bf16 weights");
+  const Kernel kind = fp8 ? Kernel::kFp8 : kernel_for(w13p.scalar_type(), dot, "fused_moe");
   const int64_t num_tokens = hidden.size(0), hidden_size = hidden.size(1);
   const int64_t num_local = w13p.size(0), gate_blocks = w13p.size(1);
   const int64_t inter_pad = gate_blocks * kGateBlock, down_blocks = w2p.size(0);
   // Each pass's kernel loop length and staged row length (bf16: rows in pairs, gemm.h).
   int64_t up_steps = hidden_size, up_pad = hidden_size, down_steps = inter_pad;
   TORCH_CHECK(w2p.scalar_type() == w13p.scalar_type(), "w13p and w2p must have one dtype");
-  if (kind == Kernel::kFloat) {
+  const float* s13 = nullptr;
+  const float* s2 = nullptr;
+  int64_t up_chunks = 0, down_chunks = 0;
+  if (kind == Kernel::kFp8) {
+    TORCH_CHECK(w13p.dim() == 4 && w13p.is_contiguous() && w13p.size(3) == 2 * kGateBlock &&
+                    w13p.size(2) == hidden_size,
+                "w13p must be a contiguous [E, I_pad/32, H, 64] uint8 (FP8) pack matching hidden");
+    TORCH_CHECK(w2p.dim() == 4 && w2p.is_contiguous() && w2p.size(3) == kDownBlock &&
+                    w2p.size(2) == inter_pad,
+                "w2p must be a contiguous [H_pad/64, E, I_pad, 64] uint8 (FP8) pack matching w13p");
+    TORCH_CHECK(block_k > 0 && s13p.has_value() && s2p.has_value(),
+                "FP8 experts need their scales (s13p, s2p) and block_k");
+    up_chunks = (hidden_size + block_k - 1) / block_k;
+    down_chunks = (inter_pad + block_k - 1) / block_k;
+    TORCH_CHECK(s13p->scalar_type() == at::kFloat && s13p->is_contiguous() &&
+                    s13p->sizes() == at::IntArrayRef({num_local, gate_blocks, up_chunks, 64}),
+                "s13p must be a contiguous [E, I_pad/32, ceil(H/block_k), 64] float32 pack");
+    TORCH_CHECK(s2p->scalar_type() == at::kFloat && s2p->is_contiguous() &&
+                    s2p->sizes() == at::IntArrayRef({down_blocks, num_local, down_chunks, 64}),
+                "s2p must be a contiguous [H_pad/64, E, ceil(I_pad/block_k), 64] float32 pack");
+    s13 = s13p->data_ptr<float>();
+    s2 = s2p->data_ptr<float>();
+  } else if (kind == Kernel::kFloat) {
     TORCH_CHECK(hidden.scalar_type() == at::kFloat, "float32 experts take float32 hidden");
     TORCH_CHECK(w13p.dim() == 4 && w13p.is_contiguous() && w13p.size(3) == 2 * kGateBlock &&
                     w13p.size(2) == hidden_size,
@@ -224,8 +256,9 @@ at::Tensor fused_moe(const at::Tensor& hidden,  // [T, H] float32 or bf16
           else
             as.f[m] = act_f.data() + off;
         }
+        const float* sc = s13 ? s13 + (e * gate_blocks + j) * up_chunks * 64 : nullptr;
         dispatch_rows(r, [&](auto R) {
-          gate_up_rows<R(), P()>(kind, xr, blk, up_steps, as, &row_weight[r0]);
+          gate_up_rows<R(), P()>(kind, xr, blk, up_steps, as, &row_weight[r0], sc, block_k);
         });
       }
     });
@@ -249,8 +282,9 @@ at::Tensor fused_moe(const at::Tensor& hidden,  // [T, H] float32 or bf16
           os[m] = op + token[r0 + m] * hidden_size + j * kDownBlock;
         }
         const void* blk = w2 + (j * num_local + e) * down_block_bytes;
+        const float* sc = s2 ? s2 + (j * num_local + e) * down_chunks * 64 : nullptr;
         dispatch_rows(r, [&](auto R) {
-          down_rows<R(), P()>(kind, as, blk, down_steps, os, cols);
+          down_rows<R(), P()>(kind, as, blk, down_steps, os, cols, sc, block_k);
         });
       }
     });
@@ -264,7 +298,7 @@ TORCH_LIBRARY_FRAGMENT(tidal_cpu, m) {
   m.def(
       "fused_moe(Tensor hidden, Tensor w13p, Tensor w2p, Tensor topk_weights, "
       "Tensor topk_ids, Tensor? expert_map, bool apply_router_weight, int prefetch=0, "
-      "bool dot=False) -> Tensor");
+      "bool dot=False, Tensor? s13p=None, Tensor? s2p=None, int block_k=0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tidal_cpu, CPU, m) { m.impl("fused_moe", &fused_moe); }
