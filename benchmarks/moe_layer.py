@@ -27,7 +27,7 @@ pool larger than the caches), so one row reads its weights from memory; ``decode
 is those bytes over the fastest call, beside a ``torch`` copy's bandwidth measured in the
 same run. Prints the CPU's model and flags first.
 
-    python benchmarks/moe_layer.py --dtype bfloat16 [--tokens 1 32] [--pool-mib 256]
+    python benchmarks/moe_layer.py --dtype bfloat16 [--tokens 1 32] [--pool-mib 256] [--shapes big]
 """
 
 from __future__ import annotations
@@ -187,7 +187,8 @@ def held_paths(args: argparse.Namespace, dtype: torch.dtype) -> None:
         "memcpy_GBps": round(_copy_gbps(args.pool_mib << 20), 1),
     }))  # fmt: skip
     dtypes = [torch.float32] if dtype == torch.float32 else [torch.float32, dtype]
-    for tag, shape in PATH_SHAPES.items():
+    for tag in args.shapes:
+        shape = PATH_SHAPES[tag]
         hidden, experts, top_k, inter = shape
         for op in ("experts", "router", "linear"):
             thunks: dict[str, Callable[[int], Callable[[], object]]] = {}
@@ -236,6 +237,10 @@ def main() -> None:
         help="bfloat16: the held paths in bf16 against float32 (see the module's doc)",
     )  # fmt: skip
     ap.add_argument("--pool-mib", type=int, default=256, help="held paths: weights rotated per path")
+    ap.add_argument(
+        "--shapes", nargs="+", choices=list(PATH_SHAPES), default=list(PATH_SHAPES),
+        help="held paths: the shapes to time",
+    )  # fmt: skip
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
