@@ -4,9 +4,9 @@
 Why: oneDNN's prepacked linear is near this machine's peak on 1024-wide projections but
 pays a fixed ~15-20 us a call, most of the time on small weights (the 256-wide model's
 q/k/v and o projections: 26-37 us at 32 rows, for 2-4 M multiply-adds). This is 10-60%
-faster at 1-32 rows and within 5% of oneDNN at 128-1024, so ``tidal/layers/linear.py``
-uses it for every float32 CPU forward and keeps ``F.linear`` as the reference and the
-fallback.
+faster at 1-32 rows and within 5% of oneDNN at 128-1024 (float32, an AMD EPYC), so it is
+a candidate of every float32 and bf16 CPU linear (``tidal/kernels/select.py`` measures),
+with ``F.linear`` as the reference and the fallback.
 
 The pack (``copy_blocks``) is also the layout of the C++ router's gate and of the MoE
 kernel's down weights: one weight matrix cut into 64-row blocks, each stored transposed.
