@@ -1,7 +1,8 @@
 // Fused MoE experts for float32, bf16 or FP8 weights on CPU: one call per layer does the
 // routing sort, every busy expert's gate/up GEMM with SiLU-and-mul and the router weight
-// in its epilogue, and every down GEMM summed straight into the tokens' outputs. Two parallel regions per
-// layer (torch's own OpenMP pool, so no second thread pool competes for the cores).
+// in its epilogue, and every down GEMM summed straight into the tokens' outputs. Two
+// parallel regions per layer (torch's own OpenMP pool, so no second thread pool competes
+// for the cores).
 //
 // Why (issue #13): at decode sizes an expert sees a handful of rows, so its GEMMs are
 // bound by reading the weights once; what costs on top is per-call overhead. The oneDNN
