@@ -29,7 +29,8 @@ namespace {
 using namespace tidal_cpu;
 
 at::Tensor linear(const at::Tensor& x,    // [T, K] float32 or bf16, rows may be strided
-                  const at::Tensor& w_p,  // float32 [N_pad/64, K, 64] | bf16 [N_pad/64, K_pad/2, 64, 2]
+                  // float32 [N_pad/64, K, 64] | bf16 [N_pad/64, K_pad/2, 64, 2]
+                  const at::Tensor& w_p,
                   const std::optional<at::Tensor>& bias,  // [N] float32 or bf16
                   int64_t out_features,
                   int64_t prefetch,  // Prefetch hint (gemm.h), a per-CPU choice

@@ -155,7 +155,8 @@ at::Tensor fused_moe(const at::Tensor& hidden,  // [T, H] float32 or bf16
   } else {
     TORCH_CHECK(w13p.dim() == 5 && w13p.is_contiguous() && w13p.size(3) == 2 * kGateBlock &&
                     w13p.size(4) == 2 && w13p.size(2) == (hidden_size + 1) / 2,
-                "w13p must be a contiguous [E, I_pad/32, H_pad/2, 64, 2] bf16 pack matching hidden");
+                "w13p must be a contiguous [E, I_pad/32, H_pad/2, 64, 2] bf16 pack matching "
+                "hidden");
     TORCH_CHECK(w2p.dim() == 5 && w2p.is_contiguous() && w2p.size(3) == kDownBlock &&
                     w2p.size(4) == 2 && 2 * w2p.size(2) == inter_pad,
                 "w2p must be a contiguous [H_pad/64, E, I_pad/2, 64, 2] bf16 pack matching w13p");
