@@ -24,6 +24,7 @@ from tidal.dp_coordinator.state import CoordinatorState
 from tidal.engine_core.proc import TO_CLIENT, EngineCoreProc, EngineIOThreadError, LoopProgress
 from tidal.frontend.async_client import AsyncMPClient
 from tidal.frontend.liveness import Liveness
+from tidal.frontend.transport import EngineTransport
 from tidal.protocol.errors import EngineDeadError
 from tidal.protocol.messages import (
     COORDINATOR_READY,
@@ -274,7 +275,8 @@ def _async_client(ctx: zmq.asyncio.Context) -> AsyncMPClient:
     client._call_targets = {}
     client.liveness = Liveness()
     client._queue = asyncio.Queue()
-    client.dead_reason = None
+    client.transport = object.__new__(EngineTransport)  # only its failure state
+    client.transport.dead_reason = None
     client._closed = False
     client.dropped = DropCounter("client", logging.getLogger("test"))
     client._scale_hooks = None

@@ -15,8 +15,9 @@ from tests.waiting import wait_until
 from tidal.elastic.migration import AlreadyFinished, ResumedRequest
 from tidal.frontend.async_client import AsyncMPClient
 from tidal.frontend.dp_state import DPFrontendState
-from tidal.frontend.mp_client import ScaleHooks, engine_input_router
+from tidal.frontend.mp_client import ScaleHooks
 from tidal.frontend.request_book import RequestBook
+from tidal.frontend.transport import EngineTransport, engine_input_router
 from tidal.protocol.elastic import ScaleCommit, ScaleEvent, ScaleReport
 from tidal.protocol.errors import RankUnavailableError
 from tidal.protocol.messages import (
@@ -177,13 +178,14 @@ class FakeSocket:
 def fake_client(topology: Topology) -> AsyncMPClient:
     """An AsyncMPClient with fake sockets and no processes: just its routing and book."""
     c = object.__new__(AsyncMPClient)
-    c.dead_reason = None
+    c.transport = object.__new__(EngineTransport)  # its sending, over fake sockets
+    c.transport.dead_reason = None
+    c.transport.input_socket = FakeSocket()
+    c.transport.upstream_socket = FakeSocket()
     c._gone_engines = set()
     c._book = RequestBook(topology.epoch)
     c._scale_hooks = None
     c.dp = DPFrontendState(topology)
-    c.input_socket = FakeSocket()
-    c._wakeup_socket = FakeSocket()
     c._queue = asyncio.Queue()
     c._reader_task = object()  # _ensure_reader: already reading
     c._pending_calls = {}
@@ -267,7 +269,7 @@ def test_client_migrates_every_request_of_a_dead_engine_and_topology_moves_on():
         c.set_topology(new)
         assert c.topology == new and c.manager.topology == new and c._book.ownership.epoch == 1
         assert (
-            msgspec.msgpack.decode(c._wakeup_socket.sent[-1][0], type=DPSetTopology).topology == new
+            msgspec.msgpack.decode(c.transport.upstream_socket.sent[-1][0], type=DPSetTopology).topology == new
         )
         c.input_socket.sent.clear()
         assert c.migrate(1) == 3  # engine 1 is gone: everything it owned

@@ -84,11 +84,11 @@ class AsyncMPClient(MPClient):
         if self._reader_task is None:
             self._loop = asyncio.get_running_loop()
             self._queue = asyncio.Queue()
-            self._async_out = zmq.asyncio.Socket.from_socket(self._output_socket)
+            self._async_out = self.transport.output_reader()
             self._reader_task = self._loop.create_task(self._read_outputs())
             self._heartbeat_task = self._loop.create_task(self._heartbeats())
             if self.dp is not None:
-                self._async_snap = zmq.asyncio.Socket.from_socket(self._snapshot_socket)
+                self._async_snap = self.transport.snapshot_reader()
                 self._snapshot_task = self._loop.create_task(self._read_snapshots())
         assert self._queue is not None  # made with the reader
         return self._queue
@@ -160,7 +160,9 @@ class AsyncMPClient(MPClient):
         """The coordinator's full stats (DP only)."""
         if self.coordinator is None:
             raise RuntimeError("no DP coordinator: the deployment has one rank")
-        return await fetch_stats_async(self.coordinator.addresses.stats, timeout_s, self._curve)
+        return await fetch_stats_async(
+            self.coordinator.addresses.stats, timeout_s, self.transport.curve
+        )
 
     def _on_engine_exit(self, engine_id: int, exitcode: int | None) -> None:
         # The monitor's thread: decide on the loop, where the scale driver's state lives.
@@ -320,7 +322,7 @@ class AsyncMPClient(MPClient):
         pending = list(dict.fromkeys(engine_ids))
         deadline = time.monotonic() + retry_s
         while True:
-            self._drain_registrations()
+            self.transport.drain_registrations()
             gone = [e for e in pending if e in self._gone_engines]
             pending = [
                 e
@@ -396,11 +398,5 @@ class AsyncMPClient(MPClient):
         ):
             if task is not None and not task.done():
                 task.cancel()
-        # The asyncio views of the sockets registered their fds with the event loop; the
-        # sockets are closed below through their sync objects, which does not unregister
-        # them, and a client started later on the same loop reuses those fd numbers (its
-        # reader would never wake). Unregister first (pyzmq's own close does the same).
-        for view in (getattr(self, "_async_out", None), getattr(self, "_async_snap", None)):
-            if view is not None and not view.closed:
-                view._clear_io_state()
+        self.transport.stop_reading()
         self._close_resources()

@@ -2,8 +2,8 @@
 ``AsyncMPClient``, reads outputs and judges liveness): the frontend's sockets, the engine
 processes, the DP coordinator, routing, and releasing all of it. ``__init__`` only
 orders the concerns, each a function of its own: where the ranks run
-(``_place_frontend``), the DP rendezvous (``_dp_rendezvous``), CURVE (``_curve_for``),
-the sockets (``_open_sockets``), the coordinator (``_start_coordinator``) and the
+(``_place_frontend``), the DP rendezvous (``_dp_rendezvous``), the sockets and CURVE
+(``transport.EngineTransport``), the coordinator (``_start_coordinator``) and the
 process manager (``_start_engines``).
 
 Elastic EP (``--enable-elastic-ep``, docs/architecture.md#elastic), and rank recovery (any
@@ -27,7 +27,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -35,27 +35,21 @@ import zmq
 import zmq.asyncio
 from zmq.auth.thread import ThreadAuthenticator
 
-from tidal.config import EngineConfig, ParallelConfig
+from tidal.config import EngineConfig
 from tidal.distributed.ports import get_open_port
-from tidal.distributed.zmq_auth import (
-    CurveKeys,
-    curve_keys,
-    secure_client,
-    secure_server,
-    start_authenticator,
-)
 from tidal.dp_coordinator.handle import DPCoordinator
 from tidal.elastic.migration import AlreadyFinished
 from tidal.frontend.dp_state import DPFrontendState
 from tidal.frontend.launchers.base import Launcher
 from tidal.frontend.launchers.proc_manager import (
     EngineProcManager,
-    bound_endpoint,
+    FrontendAddresses,
     frontend_addresses,
     ipc_dir,
 )
 from tidal.frontend.launchers.registry import make_launcher
 from tidal.frontend.request_book import RequestBook
+from tidal.frontend.transport import EngineTransport
 from tidal.protocol.elastic import ScaleReport
 from tidal.protocol.errors import EngineDeadError, RankUnavailableError
 from tidal.protocol.messages import (
@@ -69,7 +63,6 @@ from tidal.protocol.messages import (
     StartDPWave,
     UtilityRequest,
     encode,
-    engine_identity,
 )
 from tidal.protocol.topology import Topology
 
@@ -79,21 +72,6 @@ OUTPUT_DECODER = msgspec.msgpack.Decoder(EngineCoreOutputs)
 # The coordinator publishes a snapshot at least this often (its heartbeat), so a frontend
 # can tell a frozen one from a quiet one.
 COORDINATOR_HEARTBEAT_S = 1.0
-
-
-def engine_input_router(ctx: zmq.Context) -> zmq.Socket:
-    """The ROUTER the frontend sends every engine its requests on (from the event loop).
-
-    ``ROUTER_MANDATORY``: a send to an engine with no route raises EHOSTUNREACH (it is
-    gone) instead of vanishing. With it, a send to a peer at its high-water mark blocks,
-    and a frozen engine reads nothing: about 2,000 messages would then block the event
-    loop, the liveness check that kills that engine included. No send limit (SNDHWM 0):
-    what a frozen engine is sent waits in memory until it is found and killed, seconds.
-    """
-    sock = ctx.socket(zmq.ROUTER)
-    sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-    sock.setsockopt(zmq.SNDHWM, 0)
-    return sock
 
 
 @dataclass(frozen=True)
@@ -144,26 +122,6 @@ def _dp_rendezvous(config: EngineConfig) -> tuple[EngineConfig, str | None]:
     )
 
 
-def _curve_for(input_address: str, ipc: str, par: ParallelConfig) -> CurveKeys | None:
-    """Over TCP (ranks on other hosts) every control-plane socket is a CURVE peer and a
-    ZAP handler admits only holders of the shared secret (tidal/distributed/zmq_auth.py);
-    over IPC, None. Over TCP nothing lives in the ipc directory, so it goes now: were it
-    kept, a SIGKILLed frontend would leave it behind (only ipc engines remove it)."""
-    if not input_address.startswith("tcp://"):
-        return None
-    shutil.rmtree(ipc, ignore_errors=True)
-    return curve_keys(par.data_parallel_auth_key)
-
-
-def _sync_context(ctx: zmq.asyncio.Context) -> zmq.Context:
-    """A sync shadow of ``ctx`` with linger 0 by default, the ZAP handler's own sockets
-    included: nothing the frontend still has queued when it closes them is worth a
-    ``term()`` that waits."""
-    sync_ctx = zmq.Context.shadow(ctx.underlying)
-    sync_ctx.setsockopt(zmq.LINGER, 0)
-    return sync_ctx
-
-
 class MPClient:
     """The engine client's transport, routing and migration (``AsyncMPClient`` adds its
     readers, liveness and failure handling on the event loop): the frontend's sockets,
@@ -193,7 +151,6 @@ class MPClient:
         # Rank recovery / elastic EP: every engine request sent, its owner and outputs.
         self._book = RequestBook(0, config.model.max_model_len) if par.reconfigurable else None
         self._scale_hooks: ScaleHooks | None = None
-        self.dead_reason: str | None = None
         # Engines that exited (or were declared dead) and that a recovery removes: no
         # request goes there any more (the scale driver took them over).
         self._gone_engines: set[int] = set()
@@ -202,16 +159,11 @@ class MPClient:
         self.coordinator: DPCoordinator | None = None
         self._direct_wakeups_until = 0.0  # after a coordinator restart (see _send_wakeup)
         self.dp: DPFrontendState | None = None
-        self.ipc_dir = ipc_dir()
-        self.addresses = frontend_addresses(config, self.ipc_dir)
-        self._curve = _curve_for(self.addresses.input, self.ipc_dir, par)
-        self.ctx = zmq.asyncio.Context()
-        # Sockets are made through a sync shadow of the asyncio context: startup is
-        # synchronous, and the readers wrap theirs in asyncio views once the loop runs.
-        self._sync_ctx = _sync_context(self.ctx)
+        ipc = ipc_dir()
+        self.transport = EngineTransport(frontend_addresses(config, ipc), ipc, par)
         try:
-            self._open_sockets()
-            coord_addrs = self._start_coordinator(self._sync_ctx)
+            self.transport.open()
+            coord_addrs = self._start_coordinator()
             self._start_engines(launcher, coord_addrs)
         except BaseException:
             if getattr(self, "manager", None) is None:
@@ -224,18 +176,6 @@ class MPClient:
         self._finalizer = weakref.finalize(self, self._resources.close)
         self.manager.start_monitor(_weak_callback(self._on_engine_exit))
 
-    def _open_sockets(self) -> None:
-        """The ZAP handler (over TCP), and the input ROUTER and output PULL, bound before
-        the engines start: they are told where."""
-        self._authenticator = start_authenticator(self._sync_ctx, self._curve)
-        self.input_socket = engine_input_router(self._sync_ctx)
-        self._output_socket = self._sync_ctx.socket(zmq.PULL)
-        self.addresses = replace(
-            self.addresses,
-            input=self._bind(self.input_socket, self.addresses.input),
-            output=self._bind(self._output_socket, self.addresses.output),
-        )
-
     def _start_engines(
         self, launcher: Launcher, coordinator_addresses: tuple[str | None, str | None]
     ) -> None:
@@ -243,17 +183,46 @@ class MPClient:
         manager = EngineProcManager(
             self.config,
             self._launch_topology,
-            self._sync_ctx,
+            self.transport.sync_ctx,
             input_address=self.addresses.input,
             output_address=self.output_address,
             handshake_address=self.addresses.handshake,
             coordinator_addresses=coordinator_addresses,
             local_engines=launcher.launch_ranks(self._launch_topology.engine_ids),
-            curve=self._curve,
+            curve=self.transport.curve,
             launcher=launcher,
         )
         self.manager = manager  # a failed wait below is then the manager's to close
         manager.wait_for_ready(self.input_socket)
+
+    # ---- the transport's, by the names tests and callers use ----------------------------
+
+    @property
+    def dead_reason(self) -> str | None:
+        """Why the client failed (every request and call then ends), or None."""
+        return self.transport.dead_reason
+
+    @dead_reason.setter
+    def dead_reason(self, reason: str | None) -> None:
+        self.transport.dead_reason = reason
+
+    @property
+    def input_socket(self) -> zmq.Socket:
+        sock = self.transport.input_socket
+        assert sock is not None  # opened at startup
+        return sock
+
+    @property
+    def addresses(self) -> FrontendAddresses:
+        return self.transport.addresses
+
+    @property
+    def ipc_dir(self) -> str:
+        return self.transport.ipc_dir
+
+    @property
+    def ctx(self) -> zmq.asyncio.Context:
+        return self.transport.ctx
 
     @property
     def topology(self) -> Topology:
@@ -266,19 +235,12 @@ class MPClient:
         """The engines requests can go to, in rank order."""
         return self.topology.engine_ids
 
-    def _bind(self, sock: zmq.Socket, address: str) -> str:
-        """Bind ``sock`` at ``address`` (a CURVE server over TCP); the address bound: a
-        ``tcp://host:*`` one gets the port the bind chose."""
-        secure_server(sock, self._curve, address)
-        sock.bind(address)
-        return bound_endpoint(sock, address)
-
     @property
     def output_address(self) -> str:
         """Where engines send their outputs (this client's PULL socket)."""
-        return self.addresses.output
+        return self.transport.output_address
 
-    def _start_coordinator(self, sync_ctx: zmq.Context) -> tuple[str | None, str | None]:
+    def _start_coordinator(self) -> tuple[str | None, str | None]:
         par = self.config.parallel
         if not par.is_data_parallel:
             return (None, None)
@@ -286,19 +248,11 @@ class MPClient:
             self._launch_topology,
             self.addresses.coordinator,
             heartbeat_interval_s=COORDINATOR_HEARTBEAT_S,
-            auth_key=par.data_parallel_auth_key if self._curve else None,
+            auth_key=par.data_parallel_auth_key if self.transport.curve else None,
         )
         addrs = self.coordinator.addresses
         self.dp = DPFrontendState(self._launch_topology, par.dp_lb_policy)
-        # Two sockets: one subscribed (snapshots, read by the reader), one never subscribed
-        # (wake-ups, sent by the caller's thread): zmq sockets are not thread-safe.
-        self._snapshot_socket = sync_ctx.socket(zmq.XSUB)
-        secure_client(self._snapshot_socket, self._curve, addrs.frontend_publish)
-        self._snapshot_socket.connect(addrs.frontend_publish)
-        self._snapshot_socket.send(b"\x01")
-        self._wakeup_socket = sync_ctx.socket(zmq.XSUB)
-        secure_client(self._wakeup_socket, self._curve, addrs.frontend_publish)
-        self._wakeup_socket.connect(addrs.frontend_publish)
+        self.transport.connect_coordinator(addrs)
         return (addrs.engine_publish, addrs.engine_input)
 
     # ---- sending -----------------------------------------------------------------------
@@ -307,9 +261,7 @@ class MPClient:
         self._send_frame(engine, req_type, encode(payload))
 
     def _send_frame(self, engine: int, req_type: EngineCoreRequestType, payload: bytes) -> None:
-        if self.dead_reason is not None:
-            raise EngineDeadError(self.dead_reason)
-        self.input_socket.send_multipart([engine_identity(engine), req_type.value, payload])
+        self.transport.send(engine, req_type, payload)
 
     def add_request(self, request: EngineCoreRequest) -> None:
         """Send an ADD. A request that cannot be encoded raises ``ValueError`` and leaves
@@ -396,7 +348,7 @@ class MPClient:
         ignore it for a wave they run or ended), a lost one strands a rank alone."""
         coord = self.coordinator
         if coord is None or coord.is_alive():
-            self._wakeup_socket.send(encode(wake))
+            self.transport.send_upstream(encode(wake))
             if time.monotonic() >= self._direct_wakeups_until and not self._coordinator_silent():
                 return
         start = encode(StartDPWave(wake.wave, wake.engine_id))
@@ -472,7 +424,7 @@ class MPClient:
         table to its epoch. Each receiver drops an older topology."""
         if self.dp is None:
             raise RuntimeError("set_topology needs the DP machinery (elastic EP)")
-        self._wakeup_socket.send(encode(DPSetTopology(topology)))
+        self.transport.send_upstream(encode(DPSetTopology(topology)))
         self.dp.set_topology(topology)  # keeps the draining engines that are still members
         self.manager.set_topology(self.dp.topology)
         if self._book is not None:
@@ -488,26 +440,8 @@ class MPClient:
         if self.dp is not None:
             self.dp.set_draining(self.dp.draining - set(engine_ids))
 
-    def _drain_registrations(self) -> None:
-        """Read the input registrations of engines started after launch (joiners): an
-        empty frame each, nothing else ever arrives there. Only on the thread that owns
-        the input socket."""
-        while True:
-            try:
-                self.input_socket.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-
     def _try_send_frame(self, engine: int, req_type: EngineCoreRequestType, payload: bytes) -> bool:
-        """One frame; False while the engine's input route does not exist yet (a joiner
-        right after READY) or no longer does (it exited)."""
-        try:
-            self._send_frame(engine, req_type, payload)
-        except zmq.ZMQError as e:
-            if e.errno == zmq.EHOSTUNREACH:
-                return False
-            raise
-        return True
+        return self.transport.try_send(engine, req_type, payload)
 
     def migrate(self, engine_id: int, request_ids: Iterable[str] | None = None) -> int:
         """Resume requests of ``engine_id`` on other engines (docs/architecture.md#elastic-migration): those named
@@ -588,10 +522,6 @@ class MPClient:
         self._closed = True
 
 
-# Every socket attribute an MP client may own; all are closed before the context is.
-_CLIENT_SOCKETS = ("input_socket", "_output_socket", "_snapshot_socket", "_wakeup_socket")
-
-
 class _MPResources:
     """What an MP client must release, held apart from the client: the client's
     ``weakref.finalize`` closes it, so it must not refer back to the client (or the client
@@ -621,15 +551,15 @@ class _MPResources:
 
     @classmethod
     def of(cls, client: MPClient) -> _MPResources:
-        sockets = [getattr(client, n) for n in _CLIENT_SOCKETS if hasattr(client, n)]
+        t = client.transport
         return cls(
-            client.ctx,
-            client.ipc_dir,
+            t.ctx,
+            t.ipc_dir,
             getattr(client, "manager", None),
             client.coordinator,
-            sockets,
-            getattr(client, "_authenticator", None),
-            getattr(client, "_sync_ctx", None),
+            t.sockets(),
+            t.authenticator,
+            t.sync_ctx,
         )
 
     def close(self) -> None:
