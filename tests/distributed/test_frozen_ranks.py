@@ -169,7 +169,7 @@ def test_a_request_pinned_to_a_dead_rank_gets_rank_unavailable(qwen3_ckpt, refer
             assert await _run(llm, "warm", 0, rank=1) == reference[0]
             victim = client.topology.engine_ids[1]
             os.kill(client.manager.procs[victim].pid, signal.SIGKILL)
-            assert await wait_until_async(lambda: victim in client._gone_engines)
+            assert await wait_until_async(lambda: victim in client.router.gone)
             assert client.topology.engine_ids[1] == victim  # not recovered yet
             with pytest.raises(RankUnavailableError, match="data_parallel_rank 1"):
                 await _run(llm, "pinned-to-the-dead", 0, rank=1)

@@ -21,6 +21,9 @@ from tidal.frontend.async_client import AsyncMPClient
 from tidal.frontend.launchers.proc_manager import EngineProcManager
 from tidal.frontend.liveness import Liveness
 from tidal.frontend.mp_client import ScaleHooks
+from tidal.frontend.router import Router
+from tidal.frontend.transport import EngineTransport
+from tidal.protocol.topology import Topology
 
 RANKS = list(range(5))
 STUCK_S = 30.0  # a stuck kill's own bound: the test releases it long before
@@ -73,7 +76,7 @@ def _client(manager: EngineProcManager, exits: list[int]) -> AsyncMPClient:
     c = AsyncMPClient.__new__(AsyncMPClient)
     c.manager = manager
     c.liveness = Liveness()
-    c._gone_engines = set()
+    c.router = Router(object.__new__(EngineTransport), Topology.initial(len(RANKS)), None, None)
     c._pending_calls = {}
     c._call_targets = {}
     c._scale_hooks = ScaleHooks(
@@ -116,7 +119,7 @@ def test_declared_dead_ranks_are_killed_off_the_loop():
     try:
         _declare_all_while_kills_hang(client, probe)
         assert exits == RANKS  # handled as exits at once, not after the kills
-        assert client._gone_engines == set(RANKS)
+        assert client.router.gone == set(RANKS)
     finally:
         probe.release.set()
         assert wait_until(lambda: probe.returned == probe.entered, 30)

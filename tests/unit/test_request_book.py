@@ -17,6 +17,7 @@ from tidal.frontend.async_client import AsyncMPClient
 from tidal.frontend.dp_state import DPFrontendState
 from tidal.frontend.mp_client import ScaleHooks
 from tidal.frontend.request_book import RequestBook
+from tidal.frontend.router import Router
 from tidal.frontend.transport import EngineTransport, engine_input_router
 from tidal.protocol.elastic import ScaleCommit, ScaleEvent, ScaleReport
 from tidal.protocol.errors import RankUnavailableError
@@ -182,15 +183,13 @@ def fake_client(topology: Topology) -> AsyncMPClient:
     c.transport.dead_reason = None
     c.transport.input_socket = FakeSocket()
     c.transport.upstream_socket = FakeSocket()
-    c._gone_engines = set()
     c._book = RequestBook(topology.epoch)
+    # No coordinator process: wake-ups go to the fake socket.
+    c.router = Router(c.transport, topology, DPFrontendState(topology), c._book)
     c._scale_hooks = None
-    c.dp = DPFrontendState(topology)
     c._queue = asyncio.Queue()
     c._reader_task = object()  # _ensure_reader: already reading
     c._pending_calls = {}
-    c.coordinator = None  # (no coordinator process: wake-ups go to the fake socket)
-    c._direct_wakeups_until = 0.0
 
     class _Manager:
         topology = None
@@ -221,9 +220,7 @@ def test_client_migrates_handed_back_requests_and_filters_outputs():
         # Engine 1 leaves: excluded from routing, produced one token each, one finished.
         c.exclude_from_routing([1])
         done = on1[0]
-        outs = EngineCoreOutputs(
-            engine_id=1, outputs=[out(r, 9) for r in on1] + [out(done, EOS)]
-        )
+        outs = EngineCoreOutputs(engine_id=1, outputs=[out(r, 9) for r in on1] + [out(done, EOS)])
         assert c._on_outputs(outs)
         c.input_socket.sent.clear()
         assert c.migrate(1, on1) == len(on1)
@@ -269,7 +266,10 @@ def test_client_migrates_every_request_of_a_dead_engine_and_topology_moves_on():
         c.set_topology(new)
         assert c.topology == new and c.manager.topology == new and c._book.ownership.epoch == 1
         assert (
-            msgspec.msgpack.decode(c.transport.upstream_socket.sent[-1][0], type=DPSetTopology).topology == new
+            msgspec.msgpack.decode(
+                c.transport.upstream_socket.sent[-1][0], type=DPSetTopology
+            ).topology
+            == new
         )
         c.input_socket.sent.clear()
         assert c.migrate(1) == 3  # engine 1 is gone: everything it owned
@@ -305,7 +305,7 @@ def test_send_scale_retries_an_engine_whose_route_is_not_there_yet():
 def test_a_request_pinned_to_a_dead_rank_is_refused_and_to_a_leaving_one_rerouted():
     async def main() -> None:
         c = fake_client(Topology.initial(3))
-        c._gone_engines.add(1)  # dead; the recovery has not removed it yet
+        c.router.gone.add(1)  # dead; the recovery has not removed it yet
         c.exclude_from_routing([1])  # as the driver does on its exit
         with pytest.raises(RankUnavailableError, match="data_parallel_rank 1.*dead"):
             c.add_request(pinned("pinned-dead", 1))
@@ -322,6 +322,7 @@ def test_a_request_pinned_to_a_dead_rank_is_refused_and_to_a_leaving_one_reroute
 
 def test_an_unreachable_engine_is_skipped_never_raised_to_the_caller():
     """An engine that is gone before its exit was seen: no route to it."""
+
     async def main() -> None:
         c = fake_client(Topology.initial(3))
         c.input_socket.unreachable = {0, 1}
@@ -340,6 +341,7 @@ def test_an_abort_to_an_engine_gone_unseen_is_dropped_and_the_rest_go_out():
     """An abort for requests of an engine whose route has just vanished (the frontend
     processes its last outputs before its death is seen) raises nothing (the output
     handler would fail every stream), and the aborts for the other engines go out."""
+
     async def main() -> None:
         c = fake_client(Topology.initial(2))
         for i in range(4):
@@ -365,7 +367,7 @@ def test_send_scale_does_not_wait_for_an_engine_known_gone():
     async def main() -> None:
         c = fake_client(Topology.initial(3))
         c.input_socket.unreachable = {2}
-        c._gone_engines.add(2)
+        c.router.gone.add(2)
         missing = await asyncio.wait_for(
             c.send_scale([0, 2, 1], ScaleCommit("op", 1), retry_s=600), 60
         )

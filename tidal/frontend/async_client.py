@@ -30,7 +30,7 @@ import zmq.asyncio
 
 from tidal.config import EngineConfig
 from tidal.dp_coordinator.handle import fetch_stats_async
-from tidal.frontend.liveness import Liveness
+from tidal.frontend.liveness import Liveness, WakeRoute
 from tidal.frontend.mp_client import (
     COORDINATOR_HEARTBEAT_S,
     OUTPUT_DECODER,
@@ -55,7 +55,7 @@ logger = logging.getLogger(__name__)
 SCALE_SEND_RETRY_S = 5.0
 # A coordinator that published nothing (not even its heartbeat) this long is frozen: it
 # is killed and restarted (docs/architecture.md#faults). Meanwhile, past two of its heartbeats, wake-ups
-# also go straight to the engines (``_send_wakeup``).
+# also go straight to the engines (``_wake_route``).
 COORDINATOR_TIMEOUT_S = 4 * COORDINATOR_HEARTBEAT_S
 # A utility call's answer; the engines answer within milliseconds unless they are busy.
 UTILITY_TIMEOUT_S = 60.0
@@ -70,6 +70,7 @@ class AsyncMPClient(MPClient):
         self._call_targets: dict[int, int] = {}  # call id -> engine id
         self.liveness = Liveness(stall_s=config.parallel.engine_stall_timeout)
         self._coordinator_heard = time.monotonic()  # its last snapshot
+        self._direct_wakeups_until = 0.0  # after a coordinator restart (see _wake_route)
         self._coordinator_restart: asyncio.Task | None = None
         self._heartbeat_task: asyncio.Task | None = None
         self._queue: asyncio.Queue[EngineCoreOutputs] | None = None
@@ -192,7 +193,7 @@ class AsyncMPClient(MPClient):
             last_round = now
             self._watch_coordinator(now, stalled)
             for e in list(self.engine_ids):
-                if e in self._gone_engines:
+                if e in self.router.gone:
                     continue
                 try:
                     self._send_frame(e, EngineCoreRequestType.HEARTBEAT, b"")
@@ -200,7 +201,7 @@ class AsyncMPClient(MPClient):
                     return
                 except zmq.ZMQError:
                     pass  # no route (gone, or a joiner not registered yet): nothing to tell
-            watched = (set(self.engine_ids) | self.manager.watched_ids()) - self._gone_engines
+            watched = (set(self.engine_ids) | self.manager.watched_ids()) - self.router.gone
             for v in self.liveness.check(now, watched, loop_stalled=stalled):
                 logger.error("engine %d: %s: declared dead", v.engine_id, v.cause)
                 self._declare_dead(v.engine_id, v.cause)
@@ -243,16 +244,23 @@ class AsyncMPClient(MPClient):
             logger.error("the DP coordinator published nothing for %.1fs: killing it", silent)
             coord.kill()
 
-    def _coordinator_silent(self) -> bool:
-        if self.coordinator is None:
-            return False
-        return time.monotonic() - self._coordinator_heard > 2 * COORDINATOR_HEARTBEAT_S
+    def _wake_route(self) -> WakeRoute:
+        coord = self.coordinator
+        if coord is None:
+            return WakeRoute.COORDINATOR
+        if not coord.is_alive():
+            return WakeRoute.DIRECT
+        now = time.monotonic()
+        silent = now - self._coordinator_heard > 2 * COORDINATOR_HEARTBEAT_S
+        if silent or now < self._direct_wakeups_until:
+            return WakeRoute.COORDINATOR_AND_DIRECT
+        return WakeRoute.COORDINATOR
 
     async def _restart_coordinator(self) -> None:
         """The DP coordinator died (docs/architecture.md#faults): start a new one on the same addresses
         with the current topology, at the last wave this frontend saw. Requests keep
         flowing meanwhile: routing uses the last snapshot, wake-ups go straight to the
-        engines (``_send_wakeup``), and the engines' own messages to the coordinator wait
+        engines (``_wake_route``), and the engines' own messages to the coordinator wait
         in their sockets until it is back."""
         assert self.coordinator is not None and self.dp is not None
         code = self.coordinator.proc.exitcode
@@ -275,14 +283,14 @@ class AsyncMPClient(MPClient):
     def _handle_engine_exit(
         self, engine_id: int, exitcode: int | None, cause: str | None = None
     ) -> None:
-        if engine_id in self._gone_engines:
+        if engine_id in self.router.gone:
             return  # reported once (a sentinel and a silence can both see it)
         self.liveness.forget(engine_id)
         hooks = self._scale_hooks
         if hooks is not None and hooks.owns_engine(engine_id):
             # Joining, leaving, or a rank death the deployment recovers from: the scale
             # driver's event. Only the calls waiting on this engine fail.
-            self._gone_engines.add(engine_id)
+            self.router.gone.add(engine_id)
             reason = cause or exit_reason(engine_id, exitcode)
             for call_id, target in list(self._call_targets.items()):
                 if target == engine_id:
@@ -323,7 +331,7 @@ class AsyncMPClient(MPClient):
         deadline = time.monotonic() + retry_s
         while True:
             self.transport.drain_registrations()
-            gone = [e for e in pending if e in self._gone_engines]
+            gone = [e for e in pending if e in self.router.gone]
             pending = [
                 e
                 for e in pending
@@ -356,7 +364,7 @@ class AsyncMPClient(MPClient):
         return outs
 
     async def call_utility_all_async(self, method: str, *args: Any) -> list[Any]:
-        live = [e for e in self.engine_ids if e not in self._gone_engines]  # dead: no answer
+        live = [e for e in self.engine_ids if e not in self.router.gone]  # dead: no answer
         calls = [self.call_utility_async(method, *args, engine=e) for e in live]
         return list(await asyncio.gather(*calls))
 
@@ -371,7 +379,7 @@ class AsyncMPClient(MPClient):
         is gone or dies first, ``TimeoutError`` past ``timeout_s``."""
         self._ensure_reader()
         target = self.engine_ids[0] if engine is None else engine
-        if target in self._gone_engines:
+        if target in self.router.gone:
             raise EngineDeadError(f"engine {target} is gone")
         call = self._utility_request(method, args)
         fut = asyncio.get_running_loop().create_future()

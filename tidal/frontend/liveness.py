@@ -1,6 +1,8 @@
-"""Which engines are dead without having exited (docs/architecture.md#faults), pure: fed with what the
-client hears and the time, it returns verdicts; the client kills what it declares and
-recovers as for a death.
+"""Which engines are dead without having exited, and whether the DP coordinator is
+(docs/architecture.md#faults), pure: fed with what the client hears and the time, it
+returns verdicts; the client's liveness monitor (``liveness_monitor``) kills what they
+declare and recovers as for a death. ``Liveness`` judges the engines, ``CoordinatorWatch``
+the coordinator (below).
 
 Two findings:
 
@@ -53,6 +55,17 @@ from tidal.protocol.messages import (
     HEARTBEAT_TIMEOUT_S,
     EngineProgress,
 )
+
+# The coordinator publishes a snapshot at least this often (its heartbeat), so a frontend
+# can tell a frozen one from a quiet one.
+COORDINATOR_HEARTBEAT_S = 1.0
+# A coordinator that published nothing (not even its heartbeat) this long is frozen: it
+# is killed and restarted. Meanwhile, past two of its heartbeats, wake-ups also go
+# straight to the engines (``WakeRoute.COORDINATOR_AND_DIRECT``).
+COORDINATOR_TIMEOUT_S = 4 * COORDINATOR_HEARTBEAT_S
+# After a restart the coordinator's sockets reconnect in the background: wake-ups go
+# straight to the engines too for this long.
+COORDINATOR_RECONNECT_S = 2.0
 
 
 @enum.unique
@@ -171,3 +184,70 @@ class Liveness:
                 )
         self._declared.update(v.engine_id for v in out)
         return out
+
+
+@enum.unique
+class WakeRoute(enum.Enum):
+    """Where a DP wake-up goes (docs/architecture.md#faults)."""
+
+    COORDINATOR = enum.auto()  # it starts the other ranks
+    # Also START_DP_WAVE straight to every other member: the coordinator was just
+    # restarted (its sockets may not have reconnected) or has been silent a while.
+    COORDINATOR_AND_DIRECT = enum.auto()
+    DIRECT = enum.auto()  # the coordinator is down: only the frontend can wake them
+
+
+@enum.unique
+class CoordinatorAction(enum.Enum):
+    NONE = enum.auto()
+    RESTART = enum.auto()  # it died: start a new one (one restart at a time)
+    KILL = enum.auto()  # it is frozen: kill it, and a later round restarts it
+
+
+class CoordinatorWatch:
+    """The DP coordinator judged by its snapshots, pure (the caller gives the time and
+    whether its process is alive). State: when it was last heard, whether a restart is
+    under way, until when wake-ups also go straight to the engines."""
+
+    def __init__(self, now: float, *, timeout_s: float = COORDINATOR_TIMEOUT_S) -> None:
+        self.timeout_s = timeout_s
+        self.heard_at = now
+        self.restarting = False
+        self._direct_until = float("-inf")
+
+    def heard(self, now: float) -> None:
+        """A snapshot (or the heartbeat one) arrived."""
+        self.heard_at = now
+
+    def check(self, now: float, alive: bool, *, loop_stalled: bool = False) -> CoordinatorAction:
+        """What to do now. A dead one is restarted (``RESTART`` marks the restart under
+        way until ``restarted`` / ``restart_failed``); one silent past ``timeout_s`` is
+        killed -- unless the caller's own loop stalled, when its snapshots may wait
+        unread."""
+        if self.restarting:
+            return CoordinatorAction.NONE
+        if not alive:
+            self.restarting = True
+            return CoordinatorAction.RESTART
+        if now - self.heard_at > self.timeout_s and not loop_stalled:
+            return CoordinatorAction.KILL
+        return CoordinatorAction.NONE
+
+    def restarted(self, now: float) -> None:
+        """A new coordinator runs: heard now; wake engines directly for a while too."""
+        self.restarting = False
+        self.heard_at = now
+        self._direct_until = now + COORDINATOR_RECONNECT_S
+
+    def restart_failed(self) -> None:
+        self.restarting = False
+
+    def wake_route(self, now: float, alive: bool) -> WakeRoute:
+        """Where a wake-up goes now: past two heartbeats of silence (it may be frozen),
+        or just after a restart, the frontend also plays the coordinator's part."""
+        if not alive:
+            return WakeRoute.DIRECT
+        silent = now - self.heard_at > 2 * COORDINATOR_HEARTBEAT_S
+        if silent or now < self._direct_until:
+            return WakeRoute.COORDINATOR_AND_DIRECT
+        return WakeRoute.COORDINATOR

@@ -24,7 +24,6 @@ from __future__ import annotations
 import logging
 import shutil
 import threading
-import time
 import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -48,19 +47,17 @@ from tidal.frontend.launchers.proc_manager import (
     ipc_dir,
 )
 from tidal.frontend.launchers.registry import make_launcher
+from tidal.frontend.liveness import WakeRoute
 from tidal.frontend.request_book import RequestBook
+from tidal.frontend.router import Router, encode_request
 from tidal.frontend.transport import EngineTransport
 from tidal.protocol.elastic import ScaleReport
-from tidal.protocol.errors import EngineDeadError, RankUnavailableError
+from tidal.protocol.errors import EngineDeadError
 from tidal.protocol.messages import (
-    SNAPSHOT_DECODER,
-    DPSetTopology,
-    DPWakeUp,
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
     EngineCoreRequestType,
-    StartDPWave,
     UtilityRequest,
     encode,
 )
@@ -87,16 +84,6 @@ class ScaleHooks:
     on_report: Callable[[ScaleReport], None]
     owns_engine: Callable[[int], bool]
     on_exit: Callable[[int, int | None, str | None], None]
-
-
-def encode_request(request: EngineCoreRequest) -> bytes:
-    """msgpack of an ADD; ``ValueError`` (the caller's error) for a value the wire cannot
-    carry."""
-    try:
-        return encode(request)
-    except (OverflowError, TypeError, msgspec.EncodeError) as e:
-        # A value the wire cannot carry (e.g. an int beyond 64 bits): the caller's error.
-        raise ValueError(f"request {request.request_id!r} cannot be sent to the engine: {e}") from e
 
 
 def _place_frontend(
@@ -151,16 +138,19 @@ class MPClient:
         # Rank recovery / elastic EP: every engine request sent, its owner and outputs.
         self._book = RequestBook(0, config.model.max_model_len) if par.reconfigurable else None
         self._scale_hooks: ScaleHooks | None = None
-        # Engines that exited (or were declared dead) and that a recovery removes: no
-        # request goes there any more (the scale driver took them over).
-        self._gone_engines: set[int] = set()
         self._call_ids = iter(range(1, 1 << 62))
         self._closed = False
         self.coordinator: DPCoordinator | None = None
-        self._direct_wakeups_until = 0.0  # after a coordinator restart (see _send_wakeup)
-        self.dp: DPFrontendState | None = None
         ipc = ipc_dir()
         self.transport = EngineTransport(frontend_addresses(config, ipc), ipc, par)
+        dp = (
+            DPFrontendState(self._launch_topology, par.dp_lb_policy)
+            if par.is_data_parallel
+            else None
+        )
+        self.router = Router(
+            self.transport, self._launch_topology, dp, self._book, self._wake_route
+        )
         try:
             self.transport.open()
             coord_addrs = self._start_coordinator()
@@ -226,14 +216,21 @@ class MPClient:
 
     @property
     def topology(self) -> Topology:
-        """The live deployment: the DP state's (it follows reconfigurations), else the
-        launch one."""
-        return self.dp.topology if self.dp is not None else self._launch_topology
+        """The live deployment (it follows reconfigurations)."""
+        return self.router.topology
 
     @property
     def engine_ids(self) -> list[int]:
         """The engines requests can go to, in rank order."""
-        return self.topology.engine_ids
+        return self.router.engine_ids
+
+    @property
+    def dp(self) -> DPFrontendState | None:
+        """The DP routing state (None without the DP machinery)."""
+        return self.router.dp
+
+    def _wake_route(self) -> WakeRoute:
+        return WakeRoute.COORDINATOR
 
     @property
     def output_address(self) -> str:
@@ -251,7 +248,6 @@ class MPClient:
             auth_key=par.data_parallel_auth_key if self.transport.curve else None,
         )
         addrs = self.coordinator.addresses
-        self.dp = DPFrontendState(self._launch_topology, par.dp_lb_policy)
         self.transport.connect_coordinator(addrs)
         return (addrs.engine_publish, addrs.engine_input)
 
@@ -274,45 +270,7 @@ class MPClient:
         death and our learning of it (no route to it) is skipped like a dead one."""
         if self.dead_reason is not None:
             raise EngineDeadError(self.dead_reason)
-        if self.dp is None:
-            self._send_frame(self.engine_ids[0], EngineCoreRequestType.ADD, encode_request(request))
-            return
-        self._check_pinned(request)
-        unreachable: set[int] = set()
-        while True:
-            rank, wake = self.dp.route(request, exclude=unreachable)  # stamps the wave
-            try:
-                self._send_routed(request, rank)
-            except zmq.ZMQError as e:
-                self.dp.unroute(request.request_id, rank, wake)
-                if e.errno != zmq.EHOSTUNREACH:
-                    raise
-                if request.data_parallel_rank is not None:
-                    gone = self._pinned_gone(request.data_parallel_rank, rank)
-                    raise RankUnavailableError(gone) from None
-                logger.warning("engine %d is unreachable (gone?): request rerouted", rank)
-                unreachable.add(rank)
-                continue
-            except BaseException:
-                self.dp.unroute(request.request_id, rank, wake)
-                raise
-            break
-        if wake is not None:
-            # Only now that the ADD is out: the ranks this wakes wait in a collective for
-            # the one holding the request, so it must be certain to get it.
-            self._send_wakeup(wake)
-
-    def _send_routed(self, request: EngineCoreRequest, engine_id: int) -> None:
-        """Record (request book) and send one routed ADD; nothing stays recorded if the
-        send fails."""
-        if self._book is not None:
-            self._book.add(request, engine_id)
-        try:
-            self._send_frame(engine_id, EngineCoreRequestType.ADD, encode_request(request))
-        except BaseException:
-            if self._book is not None:
-                self._book.finish(request.request_id)
-            raise
+        self.router.add_request(request)
 
     def check_pinned_rank(self, rank: int | None) -> bool:
         """Whether a request pinned to DP rank ``rank`` can go there: raises
@@ -320,50 +278,7 @@ class MPClient:
         it); False when it leaves (a scale-down drains it: the request goes where the
         balancer sends it, as that rank's own requests do); True otherwise (or unpinned).
         A rank outside the topology is the balancer's to refuse."""
-        if rank is None or self.dp is None:
-            return True
-        ids = self.dp.topology.engine_ids
-        if not 0 <= rank < len(ids):
-            return True
-        engine = ids[rank]
-        if engine in self._gone_engines:
-            raise RankUnavailableError(self._pinned_gone(rank, engine))
-        return engine not in self.dp.draining
-
-    def _check_pinned(self, request: EngineCoreRequest) -> None:
-        if not self.check_pinned_rank(request.data_parallel_rank):
-            request.data_parallel_rank = None
-
-    def _pinned_gone(self, rank: int | None, engine: int) -> str:
-        return (
-            f"data_parallel_rank {rank}: its engine ({engine}) is dead and the deployment "
-            "is recovering without it; retry without data_parallel_rank, or with another rank"
-        )
-
-    def _send_wakeup(self, wake: DPWakeUp) -> None:
-        """To the coordinator, which starts the other ranks. While it is down or just
-        restarted (docs/architecture.md#faults: its sockets may not have reconnected yet) the frontend
-        also plays its part: START_DP_WAVE straight to every other member, what the
-        coordinator broadcasts for a wake-up. A duplicate START is harmless (engines
-        ignore it for a wave they run or ended), a lost one strands a rank alone."""
-        coord = self.coordinator
-        if coord is None or coord.is_alive():
-            self.transport.send_upstream(encode(wake))
-            if time.monotonic() >= self._direct_wakeups_until and not self._coordinator_silent():
-                return
-        start = encode(StartDPWave(wake.wave, wake.engine_id))
-        for e in self.engine_ids:
-            if e == wake.engine_id:
-                continue
-            try:
-                self._send_frame(e, EngineCoreRequestType.START_DP_WAVE, start)
-            except zmq.ZMQError:
-                pass  # no route to it (gone): nothing to wake
-
-    def _coordinator_silent(self) -> bool:
-        """Whether the coordinator has published nothing for a while (it may be frozen:
-        wake-ups then go straight to the engines too)."""
-        return False
+        return self.router.check_pinned_rank(rank)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         if not request_ids or self.dead_reason is not None or getattr(self, "_closed", False):
@@ -371,18 +286,7 @@ class MPClient:
         if self._book is not None:
             for rid in request_ids:
                 self._book.finish(rid)
-        if self.dp is None:
-            self._send_abort(self.engine_ids[0], request_ids)
-            return
-        for rank, ids in self.dp.on_abort(request_ids).items():
-            self._send_abort(rank, ids)
-
-    def _send_abort(self, engine: int, request_ids: list[str]) -> None:
-        if not self._try_send_frame(engine, EngineCoreRequestType.ABORT, encode(request_ids)):
-            # The engine is gone (its death is on its way to the liveness check): nothing
-            # runs there to abort, and the book above already keeps these requests out of
-            # its migration. Raising would fail every stream from the output handler.
-            logger.info("abort of %d request(s): engine %d is gone", len(request_ids), engine)
+        self.router.abort(request_ids)
 
     def _on_outputs(self, outs: EngineCoreOutputs) -> bool:
         """Bookkeeping of one batch from an engine; False when nothing in it is for the
@@ -400,8 +304,7 @@ class MPClient:
                 logger.warning("scale report with no scale driver: %s", report)
         if self._book is not None and outs.outputs:
             outs.outputs = self._book.accept(outs.engine_id, outs.outputs)
-        if self.dp is not None:
-            self.dp.on_outputs(outs)
+        self.router.on_outputs(outs)
         return report is None or bool(outs.outputs) or outs.scheduler_stats is not None
 
     # ---- elastic EP (docs/architecture.md#elastic): executed for the scale driver -----------------
@@ -422,23 +325,18 @@ class MPClient:
         frontends' upstream socket), route by ``topology`` (balancer, wave state: the next
         request wakes the engines), answer later handshakes with it and move the ownership
         table to its epoch. Each receiver drops an older topology."""
-        if self.dp is None:
-            raise RuntimeError("set_topology needs the DP machinery (elastic EP)")
-        self.transport.send_upstream(encode(DPSetTopology(topology)))
-        self.dp.set_topology(topology)  # keeps the draining engines that are still members
-        self.manager.set_topology(self.dp.topology)
+        topology = self.router.set_topology(topology)
+        self.manager.set_topology(topology)
         if self._book is not None:
-            self._book.set_epoch(self.dp.topology.epoch)
+            self._book.set_epoch(topology.epoch)
 
     def exclude_from_routing(self, engine_ids: Iterable[int]) -> None:
         """These engines get no automatically routed request (leaving in a scale-down):
         the balancer's draining set."""
-        if self.dp is not None:
-            self.dp.set_draining(self.dp.draining | set(engine_ids))
+        self.router.exclude(engine_ids)
 
     def restore_routing(self, engine_ids: Iterable[int]) -> None:
-        if self.dp is not None:
-            self.dp.set_draining(self.dp.draining - set(engine_ids))
+        self.router.restore(engine_ids)
 
     def _try_send_frame(self, engine: int, req_type: EngineCoreRequestType, payload: bytes) -> bool:
         return self.transport.try_send(engine, req_type, payload)
@@ -466,7 +364,7 @@ class MPClient:
             try:
                 exclude = self._book.blocked_targets(rid, self.dp.topology.engine_ids)
                 exclude.add(engine_id)
-                target, wake = self.dp.reroute(request, exclude=exclude)
+                target, wake = self.router.reroute(request, exclude=exclude)
             except (RuntimeError, ValueError) as e:
                 self.dp.finished(rid)
                 finishes.append(self._book.failed_output(rid, f"request could not be moved: {e}"))
@@ -489,7 +387,7 @@ class MPClient:
                 finishes.append(self._book.failed_output(rid, f"request could not be moved: {e}"))
                 continue
             if wake is not None:
-                self._send_wakeup(wake)
+                self.router.send_wakeup(wake)
             moved += 1
         if finishes:
             self._deliver_injected(EngineCoreOutputs(engine_id=engine_id, outputs=finishes))
@@ -500,8 +398,7 @@ class MPClient:
         raise NotImplementedError
 
     def _on_snapshot(self, frame: bytes) -> None:
-        assert self.dp is not None  # snapshots are subscribed to only with DP state
-        self.dp.on_snapshot(SNAPSHOT_DECODER.decode(frame))
+        self.router.on_snapshot(frame)
 
     def _utility_request(self, method: str, args: tuple) -> UtilityRequest:
         return UtilityRequest(0, next(self._call_ids), method, list(args))
