@@ -24,6 +24,7 @@ from tidal.dp_coordinator.state import CoordinatorState
 from tidal.engine_core.proc import TO_CLIENT, EngineCoreProc, EngineIOThreadError, LoopProgress
 from tidal.frontend.async_client import AsyncMPClient
 from tidal.frontend.liveness import Liveness
+from tidal.frontend.migrator import Migrator
 from tidal.frontend.router import Router
 from tidal.frontend.transport import EngineTransport
 from tidal.protocol.errors import EngineDeadError
@@ -282,8 +283,8 @@ def _async_client(ctx: zmq.asyncio.Context) -> AsyncMPClient:
     client._closed = False
     client.dropped = DropCounter("client", logging.getLogger("test"))
     client._scale_hooks = None
-    client._book = None
     client.router = Router(client.transport, Topology.initial(1), None, None)
+    client.migrator = Migrator(None, client.router, client._deliver_injected)
     client._async_out = ctx.socket(zmq.PULL)
     client._async_out.bind("inproc://async-out")
     return client

@@ -15,6 +15,7 @@ from tests.waiting import wait_until
 from tidal.elastic.migration import AlreadyFinished, ResumedRequest
 from tidal.frontend.async_client import AsyncMPClient
 from tidal.frontend.dp_state import DPFrontendState
+from tidal.frontend.migrator import Migrator
 from tidal.frontend.mp_client import ScaleHooks
 from tidal.frontend.request_book import RequestBook
 from tidal.frontend.router import Router
@@ -183,9 +184,10 @@ def fake_client(topology: Topology) -> AsyncMPClient:
     c.transport.dead_reason = None
     c.transport.input_socket = FakeSocket()
     c.transport.upstream_socket = FakeSocket()
-    c._book = RequestBook(topology.epoch)
+    book = RequestBook(topology.epoch)
     # No coordinator process: wake-ups go to the fake socket.
-    c.router = Router(c.transport, topology, DPFrontendState(topology), c._book)
+    c.router = Router(c.transport, topology, DPFrontendState(topology), book)
+    c.migrator = Migrator(book, c.router, c._deliver_injected)
     c._scale_hooks = None
     c._queue = asyncio.Queue()
     c._reader_task = object()  # _ensure_reader: already reading
@@ -245,7 +247,7 @@ def test_client_migrates_handed_back_requests_and_filters_outputs():
         assert len(fresh.outputs) == 1
         # Aborts leave the book; new requests avoid the excluded engine.
         c.abort_requests([r.request_id])
-        assert r.request_id not in c._book
+        assert r.request_id not in c.request_book
         c.input_socket.sent.clear()
         for i in range(4):
             c.add_request(req(f"n{i}"))
@@ -264,7 +266,7 @@ def test_client_migrates_every_request_of_a_dead_engine_and_topology_moves_on():
         assert {e for e, _ in adds(c.input_socket)} == {1}
         new = Topology.initial(2).with_engines([0, 2])
         c.set_topology(new)
-        assert c.topology == new and c.manager.topology == new and c._book.ownership.epoch == 1
+        assert c.topology == new and c.manager.topology == new and c.request_book.ownership.epoch == 1
         assert (
             msgspec.msgpack.decode(
                 c.transport.upstream_socket.sent[-1][0], type=DPSetTopology
@@ -274,7 +276,7 @@ def test_client_migrates_every_request_of_a_dead_engine_and_topology_moves_on():
         c.input_socket.sent.clear()
         assert c.migrate(1) == 3  # engine 1 is gone: everything it owned
         assert {e for e, _ in adds(c.input_socket)} <= {0, 2}
-        assert c._book.owned_by(1) == []
+        assert c.request_book.owned_by(1) == []
 
     asyncio.run(main())
 
@@ -309,7 +311,7 @@ def test_a_request_pinned_to_a_dead_rank_is_refused_and_to_a_leaving_one_reroute
         c.exclude_from_routing([1])  # as the driver does on its exit
         with pytest.raises(RankUnavailableError, match="data_parallel_rank 1.*dead"):
             c.add_request(pinned("pinned-dead", 1))
-        assert "pinned-dead" not in c._book and "pinned-dead" not in c.dp.rank_of
+        assert "pinned-dead" not in c.request_book and "pinned-dead" not in c.dp.rank_of
         c.add_request(pinned("pinned-live", 2))
         c.exclude_from_routing([0, 1])  # 0 leaves in a scale-down
         c.add_request(pinned("pinned-leaving", 0))
@@ -329,10 +331,10 @@ def test_an_unreachable_engine_is_skipped_never_raised_to_the_caller():
         for i in range(4):
             c.add_request(req(f"r{i}"))
         assert {e for e, _ in adds(c.input_socket)} == {2}
-        assert {c._book.owner(f"r{i}") for i in range(4)} == {2}
+        assert {c.request_book.owner(f"r{i}") for i in range(4)} == {2}
         with pytest.raises(RankUnavailableError):
             c.add_request(pinned("pinned", 1))
-        assert "pinned" not in c._book and "pinned" not in c.dp.rank_of
+        assert "pinned" not in c.request_book and "pinned" not in c.dp.rank_of
 
     asyncio.run(main())
 
@@ -355,7 +357,7 @@ def test_an_abort_to_an_engine_gone_unseen_is_dropped_and_the_rest_go_out():
         assert engine_id_of(frames[0]) == 1 and frames[1] == EngineCoreRequestType.ABORT.value
         sent = msgspec.msgpack.decode(frames[2])
         assert sorted(sent) == sorted(r for r, e in owners.items() if e == 1)
-        assert not any(r in c._book for r in owners)  # none is migrated later
+        assert not any(r in c.request_book for r in owners)  # none is migrated later
 
     asyncio.run(main())
 

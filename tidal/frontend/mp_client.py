@@ -37,7 +37,6 @@ from zmq.auth.thread import ThreadAuthenticator
 from tidal.config import EngineConfig
 from tidal.distributed.ports import get_open_port
 from tidal.dp_coordinator.handle import DPCoordinator
-from tidal.elastic.migration import AlreadyFinished
 from tidal.frontend.dp_state import DPFrontendState
 from tidal.frontend.launchers.base import Launcher
 from tidal.frontend.launchers.proc_manager import (
@@ -48,13 +47,13 @@ from tidal.frontend.launchers.proc_manager import (
 )
 from tidal.frontend.launchers.registry import make_launcher
 from tidal.frontend.liveness import WakeRoute
+from tidal.frontend.migrator import Migrator
 from tidal.frontend.request_book import RequestBook
-from tidal.frontend.router import Router, encode_request
+from tidal.frontend.router import Router
 from tidal.frontend.transport import EngineTransport
 from tidal.protocol.elastic import ScaleReport
 from tidal.protocol.errors import EngineDeadError
 from tidal.protocol.messages import (
-    EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
     EngineCoreRequestType,
@@ -136,7 +135,7 @@ class MPClient:
             par.data_parallel_size, store_address=store, tp_size=par.tensor_parallel_size
         )
         # Rank recovery / elastic EP: every engine request sent, its owner and outputs.
-        self._book = RequestBook(0, config.model.max_model_len) if par.reconfigurable else None
+        book = RequestBook(0, config.model.max_model_len) if par.reconfigurable else None
         self._scale_hooks: ScaleHooks | None = None
         self._call_ids = iter(range(1, 1 << 62))
         self._closed = False
@@ -148,9 +147,8 @@ class MPClient:
             if par.is_data_parallel
             else None
         )
-        self.router = Router(
-            self.transport, self._launch_topology, dp, self._book, self._wake_route
-        )
+        self.router = Router(self.transport, self._launch_topology, dp, book, self._wake_route)
+        self.migrator = Migrator(book, self.router, _weak_callback(self._deliver_injected))
         try:
             self.transport.open()
             coord_addrs = self._start_coordinator()
@@ -283,9 +281,7 @@ class MPClient:
     def abort_requests(self, request_ids: list[str]) -> None:
         if not request_ids or self.dead_reason is not None or getattr(self, "_closed", False):
             return  # nothing runs any more (a generator cancelled at shutdown lands here)
-        if self._book is not None:
-            for rid in request_ids:
-                self._book.finish(rid)
+        self.migrator.forget(request_ids)
         self.router.abort(request_ids)
 
     def _on_outputs(self, outs: EngineCoreOutputs) -> bool:
@@ -302,8 +298,7 @@ class MPClient:
                     logger.exception("scale report handler failed")
             else:
                 logger.warning("scale report with no scale driver: %s", report)
-        if self._book is not None and outs.outputs:
-            outs.outputs = self._book.accept(outs.engine_id, outs.outputs)
+        self.migrator.accept(outs)
         self.router.on_outputs(outs)
         return report is None or bool(outs.outputs) or outs.scheduler_stats is not None
 
@@ -311,7 +306,7 @@ class MPClient:
 
     @property
     def request_book(self) -> RequestBook | None:
-        return self._book
+        return self.migrator.book
 
     def set_scale_hooks(self, hooks: ScaleHooks | None) -> None:
         self._scale_hooks = hooks
@@ -327,8 +322,7 @@ class MPClient:
         table to its epoch. Each receiver drops an older topology."""
         topology = self.router.set_topology(topology)
         self.manager.set_topology(topology)
-        if self._book is not None:
-            self._book.set_epoch(topology.epoch)
+        self.migrator.set_epoch(topology.epoch)
 
     def exclude_from_routing(self, engine_ids: Iterable[int]) -> None:
         """These engines get no automatically routed request (leaving in a scale-down):
@@ -342,56 +336,9 @@ class MPClient:
         return self.transport.try_send(engine, req_type, payload)
 
     def migrate(self, engine_id: int, request_ids: Iterable[str] | None = None) -> int:
-        """Resume requests of ``engine_id`` on other engines (docs/architecture.md#elastic-migration): those named
-        (it handed them back) or, with None, every one it still owns (it is gone). Each is
-        sent as a resumed request (prompt + outputs so far) to an engine the balancer
-        picks, never a draining one nor a former owner; one whose outputs already end it
-        gets its finish delivered instead. Returns how many were moved or finished (a
-        request that cannot be moved gets an ERROR finish and is not counted)."""
-        if self._book is None or self.dp is None:
-            return 0
-        items = self._book.take(engine_id, request_ids)
-        moved = 0
-        finishes: list[EngineCoreOutput] = []
-        for item in items:
-            rid = item.request_id
-            if isinstance(item, AlreadyFinished):
-                finishes.append(self._book.finished_output(item))
-                self.dp.finished(rid)
-                moved += 1
-                continue
-            request = item.to_engine_request(current_wave=0)  # route stamps the wave
-            try:
-                exclude = self._book.blocked_targets(rid, self.dp.topology.engine_ids)
-                exclude.add(engine_id)
-                target, wake = self.router.reroute(request, exclude=exclude)
-            except (RuntimeError, ValueError) as e:
-                self.dp.finished(rid)
-                finishes.append(self._book.failed_output(rid, f"request could not be moved: {e}"))
-                continue
-            try:
-                self._book.moved(item, target, old_owner_stopped=True)
-                self._send_frame(target, EngineCoreRequestType.ADD, encode_request(request))
-            except EngineDeadError:
-                raise
-            except Exception as e:  # noqa: BLE001 - one request fails, not the client
-                if isinstance(e, zmq.ZMQError) and e.errno == zmq.EHOSTUNREACH:
-                    # The target is gone too (its exit is on its way): the request stays
-                    # in its name, and that death moves it again -- or, with nobody left,
-                    # the client's failure ends it.
-                    logger.warning("request %s: engine %d is gone as well", rid, target)
-                    moved += 1
-                    continue
-                logger.warning("request %s could not be moved to engine %d: %s", rid, target, e)
-                self.dp.unroute(rid, target, wake)
-                finishes.append(self._book.failed_output(rid, f"request could not be moved: {e}"))
-                continue
-            if wake is not None:
-                self.router.send_wakeup(wake)
-            moved += 1
-        if finishes:
-            self._deliver_injected(EngineCoreOutputs(engine_id=engine_id, outputs=finishes))
-        return moved
+        """Resume requests of ``engine_id`` on other engines (``Migrator.migrate``):
+        those named, or with None every one it still owns; how many moved or finished."""
+        return self.migrator.migrate(engine_id, request_ids)
 
     def _deliver_injected(self, outs: EngineCoreOutputs) -> None:
         """Put outputs made here (not by an engine) on the caller's output queue."""

@@ -1,6 +1,7 @@
-"""The engine client's router (``tidal.frontend.router.Router``) without sockets: which
-engine a request goes to, pinned ranks, and where a wake-up goes for each state of the
-coordinator (docs/architecture.md#faults)."""
+"""The engine client's parts without sockets or processes, over a fake transport: the
+router (which engine a request goes to, pinned ranks, where a wake-up goes for each state
+of the coordinator) and the migrator (requests moved off an engine, and what it delivers
+itself)."""
 
 from __future__ import annotations
 
@@ -10,14 +11,18 @@ import zmq
 
 from tidal.frontend.dp_state import DPFrontendState
 from tidal.frontend.liveness import WakeRoute
+from tidal.frontend.migrator import Migrator
 from tidal.frontend.request_book import RequestBook
 from tidal.frontend.router import Router
 from tidal.frontend.transport import EngineTransport
 from tidal.protocol.errors import EngineDeadError, RankUnavailableError
 from tidal.protocol.messages import (
     DPWakeUp,
+    EngineCoreOutput,
+    EngineCoreOutputs,
     EngineCoreRequest,
     EngineCoreRequestType,
+    FinishReason,
     StartDPWave,
 )
 from tidal.protocol.topology import Topology
@@ -141,3 +146,68 @@ def test_set_topology_without_dp_is_refused():
     r = Router(FakeTransport(), Topology.initial(1), None, None)
     with pytest.raises(RuntimeError, match="DP machinery"):
         r.set_topology(Topology.initial(2))
+
+
+# ------------------------------------------------------------------ the migrator
+
+
+def migrator(size: int) -> tuple[Migrator, Router, FakeTransport, list[EngineCoreOutputs]]:
+    r, t = dp_router(size)
+    delivered: list[EngineCoreOutputs] = []
+    assert r._book is not None
+    return Migrator(r._book, r, delivered.append), r, t, delivered
+
+
+def test_migration_resumes_on_a_live_engine_and_finishes_what_already_ended():
+    m, r, t, delivered = migrator(3)
+    r.exclude([1, 2])
+    for rid in ("a", "b"):
+        r.add_request(req(rid))  # both on engine 0
+    done = EngineCoreOutputs(
+        engine_id=0,
+        outputs=[EngineCoreOutput("a", [9]), EngineCoreOutput("b", [2], finish_reason=None)],
+    )
+    m.accept(done)  # "b" produced EOS: its outputs already end it
+    r.restore([1, 2])
+    t.frames.clear()
+    assert m.migrate(0) == 2
+    ((target, payload),) = t.sent(EngineCoreRequestType.ADD)
+    moved = msgspec.msgpack.decode(payload, type=EngineCoreRequest)
+    assert target in (1, 2) and moved.request_id == "a"
+    assert moved.prompt_token_ids == [5, 6, 7, 9]  # prompt + outputs so far
+    ((finish,),) = [d.outputs for d in delivered]
+    assert finish.request_id == "b" and finish.finish_reason is FinishReason.STOP
+    assert m.book is not None and m.book.owner("a") == target and "b" not in m.book
+    # The old owner is no longer heard for "a"; the new one is.
+    late = EngineCoreOutputs(engine_id=0, outputs=[EngineCoreOutput("a", [7])])
+    m.accept(late)
+    assert late.outputs == []
+
+
+def test_a_request_with_nowhere_to_go_gets_an_error_finish_and_is_not_counted():
+    m, r, t, delivered = migrator(1)  # its only engine is the one it leaves
+    r.add_request(req("a"))
+    t.frames.clear()
+    assert m.migrate(0) == 0
+    assert t.sent(EngineCoreRequestType.ADD) == []
+    ((failed,),) = [d.outputs for d in delivered]
+    assert failed.request_id == "a" and failed.finish_reason is FinishReason.ERROR
+    assert r.dp is not None and "a" not in r.dp.rank_of
+
+
+def test_a_target_gone_as_well_keeps_the_request_in_its_name():
+    m, r, t, delivered = migrator(2)
+    r.add_request(req("a", rank=0))
+    t.unreachable = {1}
+    assert m.migrate(0) == 1  # counted: the target's death moves it again
+    assert m.book is not None and m.book.owner("a") == 1 and delivered == []
+
+
+def test_without_a_book_nothing_migrates_and_every_output_passes():
+    t = FakeTransport()
+    r = Router(t, Topology.initial(1), None, None)
+    m = Migrator(None, r, lambda outs: None)
+    outs = EngineCoreOutputs(engine_id=3, outputs=[EngineCoreOutput("x", [1])])
+    m.accept(outs)
+    m.forget(["x"])
+    assert m.migrate(0) == 0 and len(outs.outputs) == 1
