@@ -234,7 +234,7 @@ def test_rank_with_the_wrong_secret_fails_fast(qwen3_ckpt):
     ctx = zmq.Context()
     keys = curve_keys(SECRET)
     auth = start_authenticator(ctx, keys)
-    front = ctx.socket(zmq.ROUTER)  # the frontend's handshake socket, as MPClient binds it
+    front = ctx.socket(zmq.ROUTER)  # the frontend's handshake socket, as AsyncMPClient binds it
     try:
         secure_server(front, keys, "tcp://127.0.0.1:0")
         front.bind("tcp://127.0.0.1:0")

@@ -1,7 +1,8 @@
 """The engine client's parts without sockets or processes, over a fake transport: the
 router (which engine a request goes to, pinned ranks, where a wake-up goes for each state
-of the coordinator) and the migrator (requests moved off an engine, and what it delivers
-itself)."""
+of the coordinator), the migrator (requests moved off an engine, and what it delivers
+itself) and the liveness monitor's decisions on an exit (the scale driver's, or the
+client's failure)."""
 
 from __future__ import annotations
 
@@ -11,10 +12,12 @@ import zmq
 
 from tidal.frontend.dp_state import DPFrontendState
 from tidal.frontend.liveness import WakeRoute
+from tidal.frontend.liveness_monitor import LivenessMonitor, ScaleHooks
 from tidal.frontend.migrator import Migrator
 from tidal.frontend.request_book import RequestBook
 from tidal.frontend.router import Router
 from tidal.frontend.transport import EngineTransport
+from tidal.protocol.elastic import ScaleEvent, ScaleReport
 from tidal.protocol.errors import EngineDeadError, RankUnavailableError
 from tidal.protocol.messages import (
     DPWakeUp,
@@ -211,3 +214,74 @@ def test_without_a_book_nothing_migrates_and_every_output_passes():
     m.accept(outs)
     m.forget(["x"])
     assert m.migrate(0) == 0 and len(outs.outputs) == 1
+
+
+# ------------------------------------------------------------------ the liveness monitor
+
+
+class Exits:
+    """What a monitor decided: the client's failures, failed calls, the driver's exits."""
+
+    def __init__(self, owned: set[int] | None) -> None:
+        self.failed: list[str] = []
+        self.calls_failed: list[tuple[int, str]] = []
+        self.driver: list[tuple[int, int | None, str | None]] = []
+        self.owned = owned
+
+    def monitor(self, size: int = 3) -> LivenessMonitor:
+        r, _ = dp_router(size)
+        m = LivenessMonitor(
+            r,
+            None,  # no processes: nothing here kills
+            None,
+            stall_s=0.0,
+            fail=self.failed.append,
+            fail_calls_to=lambda e, reason: self.calls_failed.append((e, reason)),
+        )
+        if self.owned is not None:
+            owned = self.owned
+            m.hooks = ScaleHooks(
+                on_report=lambda rep: None,
+                owns_engine=lambda e: e in owned,
+                on_exit=lambda e, code, cause: self.driver.append((e, code, cause)),
+            )
+        return m
+
+
+def test_an_exit_without_a_scale_driver_fails_the_client():
+    x = Exits(owned=None)
+    m = x.monitor()
+    m.handle_exit(1, -9)
+    assert x.failed == ["engine 1 exited unexpectedly (exit code -9)"]
+    assert x.driver == [] and m.router.gone == set()
+
+
+def test_an_exit_the_driver_owns_is_its_event_once_and_fails_only_that_engines_calls():
+    x = Exits(owned={1})
+    m = x.monitor()
+    m.liveness.heard(1, 0.0)
+    m.handle_exit(1, None, "no heartbeat for 10.0s")
+    m.handle_exit(1, -9)  # its sentinel too: reported once
+    assert x.failed == [] and x.driver == [(1, None, "no heartbeat for 10.0s")]
+    assert x.calls_failed == [(1, "no heartbeat for 10.0s")]
+    assert m.router.gone == {1} and m.router.live_engine_ids() == [0, 2]
+    assert m.liveness.silent_for(1, 5.0) is None  # no longer judged
+    m.handle_exit(2, 0)  # not the driver's: the client fails
+    assert x.failed == ["engine 2 exited unexpectedly (exit code 0)"]
+
+
+def test_an_exit_before_the_loop_runs_marks_the_client_dead():
+    x = Exits(owned={0, 1, 2})
+    m = x.monitor()
+    m.on_engine_exit(2, 1)  # the process monitor's thread, before start()
+    assert m.transport.dead_reason == "engine 2 exited unexpectedly (exit code 1)"
+    assert x.driver == []
+
+
+def test_a_group_failure_makes_silences_suspect():
+    m = Exits(owned=None).monitor()
+    m.liveness.expect([0, 1], 0.0)
+    report = ScaleReport("op", 0, 0, ScaleEvent.GROUP_FAILED)
+    m.heard(EngineCoreOutputs(engine_id=0, scale_report=report), 1.0)
+    limit = m.liveness.suspect_silence_s
+    assert m.liveness.silence_limit(1.5) == limit < m.liveness.silence_s

@@ -1,4 +1,4 @@
-"""Ranks declared dead are killed off the event loop (``AsyncMPClient._declare_dead``): a
+"""Ranks declared dead are killed off the event loop (``LivenessMonitor.declare_dead``): a
 launcher's kill may wait (a Ray rank's actor on a lost node answers nothing), and the loop
 must keep running meanwhile -- it reads the survivors' heartbeats and sends them the
 frontend's, or they would exit, taking the frontend for dead.
@@ -17,10 +17,8 @@ from types import SimpleNamespace
 import pytest
 
 from tests.waiting import wait_until, wait_until_async
-from tidal.frontend.async_client import AsyncMPClient
 from tidal.frontend.launchers.proc_manager import EngineProcManager
-from tidal.frontend.liveness import Liveness
-from tidal.frontend.mp_client import ScaleHooks
+from tidal.frontend.liveness_monitor import LivenessMonitor, ScaleHooks
 from tidal.frontend.router import Router
 from tidal.frontend.transport import EngineTransport
 from tidal.protocol.topology import Topology
@@ -70,24 +68,27 @@ def _manager(handles: dict) -> EngineProcManager:
     return m
 
 
-def _client(manager: EngineProcManager, exits: list[int]) -> AsyncMPClient:
-    """An AsyncMPClient with only what declaring a rank dead uses; its exits go to a
-    scale driver's hook (the deployment recovers)."""
-    c = AsyncMPClient.__new__(AsyncMPClient)
-    c.manager = manager
-    c.liveness = Liveness()
-    c.router = Router(object.__new__(EngineTransport), Topology.initial(len(RANKS)), None, None)
-    c._pending_calls = {}
-    c._call_targets = {}
-    c._scale_hooks = ScaleHooks(
+def _client(manager: EngineProcManager, exits: list[int]) -> LivenessMonitor:
+    """The client's liveness monitor over a fake process manager, no sockets; its exits
+    go to a scale driver's hook (the deployment recovers)."""
+    router = Router(object.__new__(EngineTransport), Topology.initial(len(RANKS)), None, None)
+    m = LivenessMonitor(
+        router,
+        manager,
+        None,
+        stall_s=0.0,
+        fail=lambda reason: pytest.fail(f"the client failed: {reason}"),
+        fail_calls_to=lambda e, reason: None,
+    )
+    m.hooks = ScaleHooks(
         on_report=lambda r: None,
         owns_engine=lambda e: True,
         on_exit=lambda e, code, cause: exits.append(e),
     )
-    return c
+    return m
 
 
-def _declare_all_while_kills_hang(client: AsyncMPClient, probe: _Probe) -> None:
+def _declare_all_while_kills_hang(client: LivenessMonitor, probe: _Probe) -> None:
     async def main() -> None:
         ticks = 0
 
@@ -101,7 +102,7 @@ def _declare_all_while_kills_hang(client: AsyncMPClient, probe: _Probe) -> None:
         try:
             await asyncio.sleep(0)
             for e in RANKS:  # one liveness round: the node's ranks found together
-                client._declare_dead(e, "no heartbeat for 10.0s")
+                client.declare_dead(e, "no heartbeat for 10.0s")
             before = ticks
             # Every kill in progress at once, and the loop runs meanwhile.
             assert await wait_until_async(lambda: probe.all_stuck() and ticks > before + 3, 20)

@@ -22,8 +22,8 @@ from tests.waiting import wait_until
 from tidal.dp_coordinator.proc import CoordinatorAddresses, _CoordinatorLoop, _StopFlag
 from tidal.dp_coordinator.state import CoordinatorState
 from tidal.engine_core.proc import TO_CLIENT, EngineCoreProc, EngineIOThreadError, LoopProgress
-from tidal.frontend.async_client import AsyncMPClient
-from tidal.frontend.liveness import Liveness
+from tidal.frontend.async_client import AsyncMPClient, PendingCalls
+from tidal.frontend.liveness_monitor import LivenessMonitor
 from tidal.frontend.migrator import Migrator
 from tidal.frontend.router import Router
 from tidal.frontend.transport import EngineTransport
@@ -274,19 +274,22 @@ def test_coordinator_loop_drops_bad_messages_on_every_socket(tmp_path):
 def _async_client(ctx: zmq.asyncio.Context) -> AsyncMPClient:
     """An AsyncMPClient with only what its readers use (no engines, no coordinator)."""
     client = AsyncMPClient.__new__(AsyncMPClient)
-    client._pending_calls = {}
-    client._call_targets = {}
-    client.liveness = Liveness()
+    client.calls = PendingCalls()
     client._queue = asyncio.Queue()
     client.transport = object.__new__(EngineTransport)  # only its failure state
     client.transport.dead_reason = None
     client._closed = False
     client.dropped = DropCounter("client", logging.getLogger("test"))
-    client._scale_hooks = None
     client.router = Router(client.transport, Topology.initial(1), None, None)
     client.migrator = Migrator(None, client.router, client._deliver_injected)
-    client._async_out = ctx.socket(zmq.PULL)
-    client._async_out.bind("inproc://async-out")
+    client.monitor = LivenessMonitor(
+        client.router,
+        None,  # no processes
+        None,
+        stall_s=0.0,
+        fail=client._fail,
+        fail_calls_to=client.calls.fail_engine,
+    )
     return client
 
 
@@ -294,11 +297,12 @@ def test_async_reader_drops_bad_frames_and_fails_the_client_on_a_bug():
     async def main() -> None:
         ctx = zmq.asyncio.Context()
         client = _async_client(ctx)
+        pull = ctx.socket(zmq.PULL)
+        pull.bind("inproc://async-out")
         push = ctx.socket(zmq.PUSH)
         push.connect("inproc://async-out")
-        reader = asyncio.get_running_loop().create_task(client._read_outputs())
-        call = asyncio.get_running_loop().create_future()
-        client._pending_calls[9] = call
+        reader = asyncio.get_running_loop().create_task(client._read_outputs(pull))
+        _, call = client.calls.open("sleep", (), 0)
         try:
             for frame in [b"\xc1", b"", encode("x")]:
                 await push.send(frame)
@@ -322,7 +326,7 @@ def test_async_reader_drops_bad_frames_and_fails_the_client_on_a_bug():
         finally:
             reader.cancel()
             push.close(0)
-            client._async_out.close(0)
+            pull.close(0)
             ctx.term()
 
     asyncio.run(main())

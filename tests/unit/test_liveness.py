@@ -1,9 +1,18 @@
 """Liveness decisions (tidal/frontend/liveness.py), pure: silence (frozen processes, lost
-hosts), the step-progress watchdog (stuck busy loops), and deaths found together."""
+hosts), the step-progress watchdog (stuck busy loops), deaths found together, and the
+DP coordinator's watch (restart, kill, where wake-ups go), all on an injected clock."""
 
 from __future__ import annotations
 
-from tidal.frontend.liveness import Finding, Liveness
+from tidal.frontend.liveness import (
+    COORDINATOR_HEARTBEAT_S,
+    COORDINATOR_RECONNECT_S,
+    CoordinatorAction,
+    CoordinatorWatch,
+    Finding,
+    Liveness,
+    WakeRoute,
+)
 from tidal.protocol.messages import EngineProgress
 
 
@@ -177,3 +186,36 @@ def test_a_silent_engine_is_not_also_reported_stalled():
     lv.expect([0], 0.0)
     lv.heard(0, 1.0, busy(5))
     assert ids(lv.check(20.0, [0])) == [(0, Finding.SILENT)]
+
+
+# ------------------------------------------------------------------ the coordinator
+
+
+def test_a_quiet_coordinator_is_left_alone_a_silent_one_killed_a_dead_one_restarted_once():
+    w = CoordinatorWatch(100.0, timeout_s=4.0)
+    assert w.check(103.9, alive=True) is CoordinatorAction.NONE
+    w.heard(103.0)
+    assert w.check(106.9, alive=True) is CoordinatorAction.NONE
+    assert w.check(107.1, alive=True) is CoordinatorAction.KILL  # frozen
+    # Our own loop stalled: its snapshots may be waiting unread.
+    assert w.check(107.1, alive=True, loop_stalled=True) is CoordinatorAction.NONE
+    assert w.check(107.2, alive=False) is CoordinatorAction.RESTART
+    assert w.check(107.3, alive=False) is CoordinatorAction.NONE  # one restart at a time
+    w.restart_failed()
+    assert w.check(107.4, alive=False) is CoordinatorAction.RESTART
+    w.restarted(108.0)
+    assert w.check(111.9, alive=True) is CoordinatorAction.NONE  # heard at its restart
+
+
+def test_wake_ups_go_direct_while_the_coordinator_is_down_silent_or_just_restarted():
+    w = CoordinatorWatch(100.0)
+    assert w.wake_route(100.5, alive=True) is WakeRoute.COORDINATOR
+    assert w.wake_route(100.5, alive=False) is WakeRoute.DIRECT
+    silent = 100.0 + 2 * COORDINATOR_HEARTBEAT_S + 0.1
+    assert w.wake_route(silent, alive=True) is WakeRoute.COORDINATOR_AND_DIRECT
+    w.check(silent, alive=False)
+    w.restarted(200.0)
+    # Its sockets reconnect in the background: the frontend plays its part meanwhile.
+    assert w.wake_route(200.1, alive=True) is WakeRoute.COORDINATOR_AND_DIRECT
+    w.heard(200.0 + COORDINATOR_RECONNECT_S)
+    assert w.wake_route(200.0 + COORDINATOR_RECONNECT_S + 0.1, alive=True) is WakeRoute.COORDINATOR

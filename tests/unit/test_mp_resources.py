@@ -1,4 +1,4 @@
-"""Releasing an MP client's resources (``_MPResources.close``, also the path of a failed
+"""Releasing the engine client's resources (``_MPResources.close``, also the path of a failed
 start) never waits for good: a socket still open on its context -- one no list names,
 such as the socket of a call that failed, which only the exception's traceback holds --
 is closed with linger 0 before the context is terminated (``term()`` waits for every
@@ -13,7 +13,7 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from tidal.frontend.mp_client import _MPResources
+from tidal.frontend.async_client import _MPResources
 
 
 @pytest.mark.parametrize("asyncio_mode", [False, True], ids=["sync", "asyncio"])

@@ -1,5 +1,5 @@
 """The client's request book (elastic EP migration bookkeeping, docs/architecture.md#elastic-migration) and the
-client's migration path over it (``MPClient.migrate`` / ``_on_outputs``) with fake
+client's migration path over it (``AsyncMPClient.migrate`` / ``_on_outputs``) with fake
 sockets: no processes."""
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ import zmq
 
 from tests.waiting import wait_until
 from tidal.elastic.migration import AlreadyFinished, ResumedRequest
-from tidal.frontend.async_client import AsyncMPClient
+from tidal.frontend.async_client import AsyncMPClient, PendingCalls
 from tidal.frontend.dp_state import DPFrontendState
+from tidal.frontend.liveness_monitor import LivenessMonitor, ScaleHooks
 from tidal.frontend.migrator import Migrator
-from tidal.frontend.mp_client import ScaleHooks
 from tidal.frontend.request_book import RequestBook
 from tidal.frontend.router import Router
 from tidal.frontend.transport import EngineTransport, engine_input_router
@@ -188,10 +188,9 @@ def fake_client(topology: Topology) -> AsyncMPClient:
     # No coordinator process: wake-ups go to the fake socket.
     c.router = Router(c.transport, topology, DPFrontendState(topology), book)
     c.migrator = Migrator(book, c.router, c._deliver_injected)
-    c._scale_hooks = None
-    c._queue = asyncio.Queue()
-    c._reader_task = object()  # _ensure_reader: already reading
-    c._pending_calls = {}
+    c.calls = PendingCalls()
+    c._queue = asyncio.Queue()  # _ensure_reader: already reading
+    c._closed = False
 
     class _Manager:
         topology = None
@@ -200,6 +199,9 @@ def fake_client(topology: Topology) -> AsyncMPClient:
             self.topology = t
 
     c.manager = _Manager()
+    c.monitor = LivenessMonitor(
+        c.router, c.manager, None, stall_s=0.0, fail=c._fail, fail_calls_to=c.calls.fail_engine
+    )
     return c
 
 
@@ -266,7 +268,9 @@ def test_client_migrates_every_request_of_a_dead_engine_and_topology_moves_on():
         assert {e for e, _ in adds(c.input_socket)} == {1}
         new = Topology.initial(2).with_engines([0, 2])
         c.set_topology(new)
-        assert c.topology == new and c.manager.topology == new and c.request_book.ownership.epoch == 1
+        assert (
+            c.topology == new and c.manager.topology == new and c.request_book.ownership.epoch == 1
+        )
         assert (
             msgspec.msgpack.decode(
                 c.transport.upstream_socket.sent[-1][0], type=DPSetTopology

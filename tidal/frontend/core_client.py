@@ -3,7 +3,7 @@
 - ``InprocClient`` (here): the EngineCore lives in the caller's process (one CPU rank:
   ``tidal.launch.llm.runs_in_process``; tests, debugging).
 - ``LoopThreadClient`` (``loop_client``): engines in processes; the one engine client,
-  ``AsyncMPClient`` (``async_client`` over ``mp_client``), run on a loop thread -- the
+  ``AsyncMPClient`` (``async_client``), run on a loop thread -- the
   same client the API server's ``AsyncLLM`` runs on its own loop.
 """
 

@@ -24,7 +24,7 @@ from tidal.frontend.dp_state import DPFrontendState
 from tidal.frontend.liveness import WakeRoute
 from tidal.frontend.request_book import RequestBook
 from tidal.frontend.transport import EngineTransport
-from tidal.protocol.errors import EngineDeadError, RankUnavailableError
+from tidal.protocol.errors import RankUnavailableError
 from tidal.protocol.messages import (
     SNAPSHOT_DECODER,
     DPSetTopology,
@@ -239,8 +239,3 @@ class Router:
     def restore(self, engine_ids: Iterable[int]) -> None:
         if self.dp is not None:
             self.dp.set_draining(self.dp.draining - set(engine_ids))
-
-    def check_alive(self) -> None:
-        """``EngineDeadError`` once the client failed."""
-        if self.transport.dead_reason is not None:
-            raise EngineDeadError(self.transport.dead_reason)

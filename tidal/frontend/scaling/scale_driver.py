@@ -41,7 +41,7 @@ from typing import Any, Protocol, assert_never
 from tidal.config import EngineConfig
 from tidal.distributed.groups import serve_store
 from tidal.elastic.plan import expert_nbytes
-from tidal.frontend.mp_client import ScaleHooks
+from tidal.frontend.liveness_monitor import ScaleHooks
 from tidal.frontend.scaling.scale_controller import ScaleController
 from tidal.frontend.scaling.scale_events import (
     Action,
