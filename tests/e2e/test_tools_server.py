@@ -162,9 +162,13 @@ def test_reasoning_content_from_the_open_think_block(client):
     assert "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) == reasoning
     assert not any(d.content for d in deltas)
     # enable_thinking false: the template closes the block, the output is the answer.
-    answer = client.chat.completions.create(
-        **args, extra_body={"chat_template_kwargs": {"enable_thinking": False}}
-    ).choices[0].message
+    answer = (
+        client.chat.completions.create(
+            **args, extra_body={"chat_template_kwargs": {"enable_thinking": False}}
+        )
+        .choices[0]
+        .message
+    )
     assert answer.content and getattr(answer, "reasoning_content", None) is None
 
 
@@ -217,3 +221,68 @@ def test_bad_tool_requests_are_400s_and_serving_goes_on(client, kw, param):
     assert e.value.body["param"] == param, e.value.body
     r = client.chat.completions.create(model=MODEL_NAME, messages=CHAT, max_tokens=2)
     assert r.choices[0].finish_reason == "length"
+
+
+# ---- /v1/responses: the same tools through client.responses -----------------------------
+
+FLAT_TOOLS = [{"type": "function", **t["function"]} for t in TOOLS]
+
+
+def _response_calls(response) -> list[tuple[str, dict]]:
+    out = []
+    for item in response.output:
+        if item.type == "function_call":
+            assert item.call_id.startswith("call_") and item.status == "completed"
+            args = json.loads(item.arguments)
+            jsonschema.validate(args, SCHEMAS[item.name])
+            out.append((item.name, args))
+    return out
+
+
+@pytest.mark.parametrize(
+    ("choice", "names"),
+    [("required", None), ({"type": "function", "name": "add"}, ["add"])],
+)
+def test_responses_function_calls_streamed_and_not(client, choice, names):
+    args = {"model": MODEL_NAME, "input": CHAT, "tools": FLAT_TOOLS, "tool_choice": choice,
+            "parallel_tool_calls": False, "max_output_tokens": 120, "temperature": 1.0,
+            "extra_body": {**NO_THINKING, "seed": 7}}  # fmt: skip
+    plain = client.responses.create(**args)
+    with client.responses.stream(**args) as stream:
+        kinds = [e.type for e in stream]
+        streamed = stream.get_final_response()
+    for r in (plain, streamed):
+        assert r.status == "completed"
+        calls = _response_calls(r)
+        assert len(calls) == 1 and (names is None or [n for n, _ in calls] == names)
+    assert _response_calls(streamed) == _response_calls(plain)  # same seed
+    assert "response.function_call_arguments.delta" in kinds
+    # The calls' results go back in the next turn's input; the reply is generated.
+    history = [*CHAT, *[item.model_dump(exclude_none=True) for item in plain.output]]
+    history += [
+        {"type": "function_call_output", "call_id": item.call_id, "output": "18 degrees"}
+        for item in plain.output
+        if item.type == "function_call"
+    ]
+    follow = client.responses.create(
+        model=MODEL_NAME, input=history, tools=FLAT_TOOLS, tool_choice="none",
+        max_output_tokens=3, extra_body=NO_THINKING,
+    )  # fmt: skip
+    assert follow.output_text and follow.usage.input_tokens > plain.usage.input_tokens
+
+
+def test_responses_reasoning_item_from_the_open_think_block(client):
+    r = client.responses.create(model=MODEL_NAME, input=CHAT, max_output_tokens=12)
+    (item,) = r.output  # never closed: all thinking
+    assert item.type == "reasoning" and item.content[0].text and r.output_text == ""
+    chat = (
+        client.chat.completions.create(
+            model=MODEL_NAME, messages=CHAT, max_tokens=12, temperature=0
+        )
+        .choices[0]
+        .message
+    )
+    greedy = client.responses.create(
+        model=MODEL_NAME, input=CHAT, max_output_tokens=12, temperature=0
+    )
+    assert greedy.output[0].content[0].text == getattr(chat, "reasoning_content", None)

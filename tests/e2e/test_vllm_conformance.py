@@ -455,8 +455,12 @@ def test_responses_parse_and_stream_with_a_schema(client):
     ) as stream:  # fmt: skip
         final = stream.get_final_response()
     jsonschema.validate(json.loads(final.output_text), schema)
-    with pytest.raises(openai.BadRequestError, match="tools"):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model=MODEL_NAME, input="x", tools=[{"type": "web_search"}])
+    assert e.value.body["param"] == "tools"
+    with pytest.raises(openai.BadRequestError) as e:  # this server has no --tool-call-parser
         client.responses.create(
             model=MODEL_NAME, input="x",
             tools=[{"type": "function", "name": "f", "parameters": {}, "strict": True}],
         )  # fmt: skip
+    assert e.value.body["param"] == "tool_choice"

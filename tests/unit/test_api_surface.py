@@ -6,6 +6,7 @@ details and streaming usage, grammar compiles off the event loop, ``/tokenize`` 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import threading
 
@@ -26,7 +27,7 @@ from tests.unit.test_api_server import (
     sse_events,
 )
 from tests.waiting import wait_until_async
-from tidal.frontend.outputs import Logprob
+from tidal.frontend.outputs import CompletionOutput, Logprob, OutputKind, RequestOutput
 from tidal.launch import openai_models as P
 from tidal.launch import serving
 from tidal.launch.responses import ResponsesRequest
@@ -405,7 +406,7 @@ async def test_responses_text_in_and_out():
         ]
         n_prompt = len(call["prompt"].prompt_token_ids)
         assert out["usage"] == {
-            "input_tokens": n_prompt, "input_tokens_details": {"cached_tokens": 0},
+            "input_tokens": n_prompt, "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
             "output_tokens": 3, "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": n_prompt + 3,
         }  # fmt: skip
@@ -481,12 +482,32 @@ async def test_responses_text_format_is_a_structured_output():
 @pytest.mark.parametrize(
     "body,param",
     [
-        ({"input": "a", "tools": [{"type": "function", "name": "f"}]}, "tools"),
+        ({"input": "a", "tools": [{"type": "web_search"}]}, "tools"),
+        ({"input": "a", "tools": [{"type": "function", "name": "f"}]}, "tool_choice"),  # no parser
+        ({"input": "a", "tool_choice": {"type": "file_search"}}, "tool_choice"),
+        (
+            {
+                "input": "a",
+                "tool_choice": {"type": "function", "name": "g"},
+                "tools": [{"type": "function", "name": "f"}],
+            },
+            "tool_choice",
+        ),
+        (
+            {
+                "input": "a",
+                "tool_choice": "required",
+                "tools": [{"type": "function", "name": "f", "parameters": {"type": "nope"}}],
+            },
+            "tools",
+        ),
+        ({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]}, "input"),
         ({"input": "a", "previous_response_id": "resp_1"}, "previous_response_id"),
         ({"input": "a", "background": True}, "background"),
         ({"input": "a", "reasoning": {"effort": "high"}}, "reasoning"),
         ({"input": "a", "max_output_tokens": 0}, "max_output_tokens"),
         ({"input": [{"type": "function_call_output", "output": "x"}]}, "input"),
+        ({"input": [{"type": "web_search_call", "id": "x"}]}, "input"),
         ({"input": [{"role": "user", "content": [{"type": "input_image"}]}]}, "input"),
         ({"input": [{"role": "robot", "content": "x"}]}, "messages"),
         ({"input": 5}, "input"),
@@ -552,3 +573,159 @@ async def test_the_api_key_protects_the_new_routes():
             ok = await c.post(path, json=body, headers={"Authorization": "Bearer sekret"})
             assert ok.status_code == 200, (path, ok.text)
         assert len(c.engine.calls) == 1
+
+
+# ---- /v1/responses: function calls and reasoning ------------------------------------------
+
+
+class ScriptedEngine(FakeAsyncLLM):
+    """Writes ``script``, one piece per token, then stops; served with the hermes tool
+    parser and deepseek_r1's reasoning split (every reply starts thinking)."""
+
+    def __init__(self, script: list[str]) -> None:
+        super().__init__()
+        self.script = script
+        parsers = dataclasses.replace(
+            self.config.frontend, tool_call_parser="hermes", reasoning_parser="deepseek_r1"
+        )
+        self.config = dataclasses.replace(self.config, frontend=parsers)
+
+    async def _outputs(self, prompt, params, request_id, kind):
+        pieces = self.script[: params.max_tokens]
+        cut = "length" if len(pieces) < len(self.script) else "stop"
+        for k, piece in enumerate(pieces):
+            await asyncio.sleep(0)
+            done = k == len(pieces) - 1
+            if kind is OutputKind.DELTA:
+                outs = [CompletionOutput(0, piece, [10 + k], None, None, cut if done else None)]
+            elif done:
+                ids = list(range(10, 10 + len(pieces)))
+                outs = [CompletionOutput(0, "".join(pieces), ids, None, None, cut)]
+            else:
+                continue
+            yield RequestOutput(request_id, prompt.prompt, prompt.prompt_token_ids, outs, done)
+
+
+CALL_PIECES = ['<tool_call>{"name": "get_weather", ', '"arguments": {"city": "Paris"}}',
+               "</tool_call>", '<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>']  # fmt: skip
+SCRIPT = ["I should", " call it.", "</think>", "Sure.", *CALL_PIECES]
+FLAT_TOOLS = [
+    {"type": "function", "name": "get_weather", "parameters": {"type": "object"}},
+    {"type": "function", "name": "add", "description": "adds", "strict": False},
+]
+
+
+def _items(output: list[dict]) -> list[tuple]:
+    """The items without their generated ids."""
+    out = []
+    for item in output:
+        match item["type"]:
+            case "reasoning":
+                out.append(("reasoning", [c["text"] for c in item["content"]], item["status"]))
+            case "message":
+                out.append(("message", [c["text"] for c in item["content"]], item["status"]))
+            case "function_call":
+                assert item["call_id"].startswith("call_") and item["id"].startswith("fc")
+                out.append(("call", item["name"], item["arguments"], item["status"]))
+    return out
+
+
+@run
+async def test_responses_reasoning_text_and_function_calls_streamed_and_not():
+    from openai.types.responses import Response, ResponseStreamEvent
+    from pydantic import TypeAdapter
+
+    expected = [
+        ("reasoning", ["I should call it."], "completed"),
+        ("message", ["Sure."], "completed"),
+        ("call", "get_weather", '{"city": "Paris"}', "completed"),
+        ("call", "add", '{"a": 1}', "completed"),
+    ]
+    body = {"input": "weather?", "tools": FLAT_TOOLS, "max_output_tokens": 50}
+    async with client_for(ScriptedEngine(SCRIPT)) as c:
+        r = await c.post("/v1/responses", json=body)
+        assert r.status_code == 200, r.text
+        out = r.json()
+        Response.model_validate(out)  # the SDK's own type takes it
+        assert _items(out["output"]) == expected and out["status"] == "completed"
+        assert out["tools"] == [{"description": None, "strict": None, **FLAT_TOOLS[0]},
+                                {"parameters": None, **FLAT_TOOLS[1]}]  # fmt: skip
+        # The template saw the tools in chat's shape.
+        assert c.engine.calls[-1]["params"].structured_outputs is None
+
+        events = _sse_typed((await c.post("/v1/responses", json={**body, "stream": True})).text)
+        adapter = TypeAdapter(ResponseStreamEvent)
+        for e in events:
+            adapter.validate_python(e)
+        final = events[-1]["response"]
+        assert events[-1]["type"] == "response.completed"
+        assert _items(final["output"]) == expected
+        # Each item: added, its deltas, done; one open at a time, indices in order.
+        added = [(e["output_index"], e["item"]["type"]) for e in events
+                 if e["type"] == "response.output_item.added"]  # fmt: skip
+        done = [e["item"] for e in events if e["type"] == "response.output_item.done"]
+        assert added == [
+            (0, "reasoning"),
+            (1, "message"),
+            (2, "function_call"),
+            (3, "function_call"),
+        ]
+        assert done == final["output"]
+        args = [e["delta"] for e in events if e["type"] == "response.function_call_arguments.delta"
+                and e["output_index"] == 2]  # fmt: skip
+        assert "".join(args) == '{"city": "Paris"}'
+        thinking = [e["delta"] for e in events if e["type"] == "response.reasoning_text.delta"]
+        assert "".join(thinking) == "I should call it."
+
+        # Cut by the token limit inside a call: that call, and the response, are incomplete.
+        cut = {**body, "max_output_tokens": 5}
+        out = (await c.post("/v1/responses", json=cut)).json()
+        assert out["status"] == "incomplete" and out["output"][-1]["status"] == "incomplete"
+        events = _sse_typed((await c.post("/v1/responses", json={**cut, "stream": True})).text)
+        assert _items(events[-1]["response"]["output"]) == _items(out["output"])
+
+
+@run
+async def test_responses_forced_calls_take_the_grammar_path():
+    async with client_for(ScriptedEngine(['{"city": ', '"Rome"}'])) as c:
+        body = {"input": "w?", "tools": FLAT_TOOLS, "parallel_tool_calls": False,
+                "tool_choice": {"type": "function", "name": "get_weather"}}  # fmt: skip
+        out = (await c.post("/v1/responses", json=body)).json()
+        spec = c.engine.calls[-1]["params"].structured_outputs
+        assert spec is not None and json.loads(spec.json) == {"type": "object"}
+        assert out["tool_choice"] == body["tool_choice"] and out["parallel_tool_calls"] is False
+
+
+def test_responses_input_items_become_chat_history():
+    req = ResponsesRequest.model_validate({
+        "input": [
+            {"role": "user", "content": "weather?"},
+            {"type": "reasoning", "id": "rs_1", "summary": []},
+            {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Sure."}]},
+            {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "P"}'},
+            {"type": "function_call", "call_id": "call_2", "name": "add", "arguments": '{"a": 1}'},
+            {"type": "function_call_output", "call_id": "call_1", "output": "18C"},
+            {"type": "function_call_output", "call_id": "call_2", "output": [{"type": "input_text", "text": "1"}]},
+            {"type": "function_call", "call_id": "call_3", "name": "add", "arguments": "{}"},
+        ],
+        "tools": FLAT_TOOLS, "tool_choice": "required", "parallel_tool_calls": False,
+    })  # fmt: skip
+    chat = req.to_chat()
+    msgs = [m.to_template_dict() for m in chat.messages]
+    assert [(m["role"], m["content"]) for m in msgs] == [
+        ("user", "weather?"), ("assistant", "Sure."), ("tool", "18C"), ("tool", "1"),
+        ("assistant", ""),
+    ]  # fmt: skip
+    calls = [[(t["id"], t["function"]["name"], t["function"]["arguments"])
+              for t in m.get("tool_calls", [])] for m in msgs]  # fmt: skip
+    assert calls == [[], [("call_1", "get_weather", {"city": "P"}), ("call_2", "add", {"a": 1})],
+                     [], [], [("call_3", "add", {})]]  # fmt: skip
+    assert [m.get("tool_call_id") for m in msgs] == [None, None, "call_1", "call_2", None]
+    assert [t.function.name for t in chat.tools or []] == ["get_weather", "add"]
+    assert chat.tools[0].function.parameters == {"type": "object"}  # type: ignore[index]
+    assert chat.tool_choice == "required" and chat.parallel_tool_calls is False
+    named = ResponsesRequest.model_validate(
+        {"input": "x", "tools": FLAT_TOOLS, "tool_choice": {"type": "function", "name": "add"}}
+    ).to_chat()
+    assert isinstance(named.tool_choice, P.NamedToolChoice)
+    assert named.tool_choice.function.name == "add"
