@@ -25,6 +25,7 @@ from tests.unit.test_api_server import (
     ok_completion,
     run,
     sse_events,
+    token_id,
 )
 from tests.waiting import wait_until_async
 from tidal.frontend.outputs import CompletionOutput, Logprob, OutputKind, RequestOutput
@@ -77,6 +78,64 @@ async def test_prompt_logprobs_stream_with_the_first_chunk_of_each_choice():
                 {"6": {"logprob": -1.0, "rank": 1, "decoded_token": " tok6"}},
             ]
             assert all(ch["prompt_logprobs"] is None for ch in mine[1:])
+
+
+@run
+async def test_chat_streams_prompt_logprobs_once_with_the_first_output():
+    async with client_for() as c:
+        body = {"messages": CHAT, "max_tokens": 3, "stream": True}
+        plain = sse_events((await c.post("/v1/chat/completions", json=body)).text)
+        assert not any("prompt_logprobs" in e for e in plain)  # not asked: no key at all
+        r = await c.post("/v1/chat/completions", json={**body, "prompt_logprobs": 0})
+        events = sse_events(r.text)
+        ids = c.engine.calls[-1]["prompt"].prompt_token_ids
+        [(at, lps)] = [
+            (k, e["prompt_logprobs"]) for k, e in enumerate(events) if "prompt_logprobs" in e
+        ]
+        assert at == 1 and events[at]["choices"][0]["delta"]["content"]  # the role chunk is 0
+        assert len(lps) == len(ids) and lps[0] is None
+        assert [list(e) for e in lps[1:]] == [[str(t)] for t in ids[1:]]
+        unstreamed = (
+            await c.post(
+                "/v1/chat/completions", json={**body, "stream": False, "prompt_logprobs": 0}
+            )
+        ).json()
+        assert unstreamed["prompt_logprobs"] == lps
+
+
+@run
+async def test_return_token_ids_on_chat_streamed_and_not():
+    async with client_for() as c:
+        body = {"messages": CHAT, "max_tokens": 2, "return_token_ids": True, "n": 2}
+        out = (await c.post("/v1/chat/completions", json=body)).json()
+        ids = c.engine.calls[-1]["prompt"].prompt_token_ids
+        assert out["prompt_token_ids"] == ids
+        assert [ch["token_ids"] for ch in out["choices"]] == [
+            [token_id(i, k) for k in range(2)] for i in range(2)
+        ]
+        events = sse_events(
+            (await c.post("/v1/chat/completions", json={**body, "stream": True})).text
+        )
+        # Each choice's role chunk has the prompt's ids; each output chunk its delta's.
+        roles = [e for e in events if e["choices"][0]["delta"].get("role")]
+        assert [e["prompt_token_ids"] for e in roles] == [ids, ids]
+        for i in range(2):
+            mine = [e["choices"][0] for e in events if e["choices"][0]["index"] == i][1:]
+            assert [t for ch in mine for t in ch["token_ids"]] == [token_id(i, k) for k in range(2)]
+        assert not any("prompt_token_ids" in e for e in events if e not in roles)
+        # Not asked: null in the response, absent from chunks.
+        out = (
+            await c.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 1})
+        ).json()
+        assert out["prompt_token_ids"] is None and out["choices"][0]["token_ids"] is None
+        events = sse_events(
+            (
+                await c.post(
+                    "/v1/chat/completions", json={"messages": CHAT, "max_tokens": 1, "stream": True}
+                )
+            ).text
+        )
+        assert not any("prompt_token_ids" in e or "token_ids" in e["choices"][0] for e in events)
 
 
 @run

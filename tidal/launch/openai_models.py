@@ -152,7 +152,8 @@ class _SamplingRequest(_UnsupportedFields):
     truncation_side: Literal["left", "right"] | None = None
     # Logprob tokens as "token_id:<id>": unique, where two tokens' texts may be equal.
     return_tokens_as_token_ids: bool | None = None
-    # Completions: each choice also carries its prompt's and its own token ids.
+    # Each choice also carries its own token ids, and the response its prompt's (on
+    # completions each choice its prompt's).
     return_token_ids: bool | None = None
 
     def _params(
@@ -597,11 +598,14 @@ class ToolCallOut(BaseModel):
 
 
 class _WithoutUnusedParts(BaseModel):
+    # Keys left out while null: a reply without thinking or calls has none (OpenAI sends
+    # none), nor a stream chunk vLLM's extras it does not carry.
+    _omitted_when_null: ClassVar[tuple[str, ...]] = ("reasoning_content", "tool_calls")
+
     @model_serializer(mode="wrap")
     def _without_unused(self, dump: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        # A reply without thinking or calls has no such keys (OpenAI sends none).
         d = dump(self)
-        for key in ("reasoning_content", "tool_calls"):
+        for key in self._omitted_when_null:
             if d.get(key) is None:
                 d.pop(key, None)
         return d
@@ -620,6 +624,7 @@ class ChatChoice(BaseModel):
     logprobs: ChatLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None  # with return_token_ids
 
 
 class ChatCompletionResponse(BaseModel):
@@ -631,6 +636,7 @@ class ChatCompletionResponse(BaseModel):
     usage: UsageInfo | None = None
     system_fingerprint: str | None = None
     prompt_logprobs: PromptLogprobsOut | None = None  # null unless asked (vLLM's shape)
+    prompt_token_ids: list[int] | None = None  # with return_token_ids
 
 
 class DeltaFunctionCall(BaseModel):
@@ -661,15 +667,20 @@ class DeltaMessage(_WithoutUnusedParts):
         return None if calls is None else [c.model_dump(exclude_none=True) for c in calls]
 
 
-class ChatStreamChoice(BaseModel):
+class ChatStreamChoice(_WithoutUnusedParts):
+    _omitted_when_null = ("token_ids",)
     index: int
     delta: DeltaMessage
     logprobs: ChatLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None  # this delta's, with return_token_ids
 
 
-class ChatCompletionChunk(BaseModel):
+class ChatCompletionChunk(_WithoutUnusedParts):
+    # vLLM's extras, each in one chunk only: the prompt's ids in each choice's first
+    # (role) chunk, its logprobs in the first chunk with output.
+    _omitted_when_null = ("prompt_token_ids", "prompt_logprobs")
     id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int
@@ -677,6 +688,8 @@ class ChatCompletionChunk(BaseModel):
     choices: list[ChatStreamChoice]
     usage: UsageInfo | None = None
     system_fingerprint: str | None = None
+    prompt_token_ids: list[int] | None = None
+    prompt_logprobs: PromptLogprobsOut | None = None
 
 
 class ModelCard(BaseModel):

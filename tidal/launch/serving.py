@@ -433,9 +433,7 @@ class OpenAIServing:
         def chunk(choices: list[P.CompletionChoice], usage: bool) -> str:
             u = None
             if usage:
-                u = P.UsageInfo.of(
-                    _prompt_tokens(jobs), sum(tokens.values()), sum(cached.values())
-                )
+                u = P.UsageInfo.of(_prompt_tokens(jobs), sum(tokens.values()), sum(cached.values()))
             resp = P.CompletionResponse(
                 id=rid, created=created, model=self.model_name, choices=choices, usage=u
             )
@@ -584,6 +582,7 @@ class OpenAIServing:
             return StreamingResponse(stream, media_type="text/event-stream", headers=SSE_HEADERS)
         (final,) = await until_disconnect(request, self.collect([job]))
         outs = sorted(final.outputs.values(), key=lambda c: c.index)
+        with_ids = bool(req.return_token_ids)
         choices = [
             P.ChatChoice(
                 index=c.index,
@@ -591,6 +590,7 @@ class OpenAIServing:
                 logprobs=self._chat_logprobs(req, job, c),
                 finish_reason=finish,
                 stop_reason=c.stop_reason,
+                token_ids=list(c.token_ids) if with_ids else None,
             )
             for c in outs
             for message, finish in [_chat_message(job, c)]
@@ -605,6 +605,7 @@ class OpenAIServing:
             choices=choices,
             usage=usage,
             prompt_logprobs=_prompt_logprobs(req, final.prompt_logprobs),
+            prompt_token_ids=job.prompt.prompt_token_ids if with_ids else None,
         )
         return JSONResponse(resp.model_dump())
 
@@ -629,13 +630,25 @@ class OpenAIServing:
         tokens: dict[int, int] = {}
         cached = 0  # prompt tokens found in the prefix cache
         parsers: dict[int, ChatOutputStream] = {}  # choice index -> its output's split
+        with_ids = bool(req.return_token_ids)
 
-        def chunk(choices: list[P.ChatStreamChoice], usage: bool) -> str:
+        def chunk(
+            choices: list[P.ChatStreamChoice],
+            usage: bool,
+            prompt_ids: list[int] | None = None,
+            prompt_lps: P.PromptLogprobsOut | None = None,
+        ) -> str:
             u = None
             if usage:
                 u = P.UsageInfo.of(_prompt_tokens([job]), sum(tokens.values()), cached)
             resp = P.ChatCompletionChunk(
-                id=rid, created=created, model=self.model_name, choices=choices, usage=u
+                id=rid,
+                created=created,
+                model=self.model_name,
+                choices=choices,
+                usage=u,
+                prompt_token_ids=prompt_ids,
+                prompt_logprobs=prompt_lps,
             )
             return _sse(resp)
 
@@ -659,20 +672,26 @@ class OpenAIServing:
                 logprobs=self._chat_logprobs(req, job, c),
                 finish_reason=finish,
                 stop_reason=c.stop_reason,
+                token_ids=list(c.token_ids) if with_ids else None,
             )
 
         try:
             # OpenAI opens every choice with a role-only delta (content null where the
-            # reply may be only tool calls or thinking).
+            # reply may be only tool calls or thinking); vLLM's prompt ids go with it.
             first = "" if job.parse_output is None else None
+            prompt_ids = job.prompt.prompt_token_ids if with_ids else None
             for i in range(job.params.n):
                 role = P.DeltaMessage(role="assistant", content=first)
-                yield chunk([P.ChatStreamChoice(index=i, delta=role)], req.continuous_usage)
+                choice = P.ChatStreamChoice(index=i, delta=role)
+                yield chunk([choice], req.continuous_usage, prompt_ids)
             async with contextlib.aclosing(self.merged([job], drop_connection)) as outputs:
                 async for _, out in outputs:
                     cached = max(cached, out.num_cached_tokens)
+                    # The prompt's logprobs come with the first output (once).
+                    prompt_lps = _prompt_logprobs(req, out.prompt_logprobs)
                     for c in out.outputs:
-                        yield chunk([delta(c)], req.continuous_usage)
+                        yield chunk([delta(c)], req.continuous_usage, None, prompt_lps)
+                        prompt_lps = None
             if req.include_usage:
                 yield chunk([], True)
         except ConnectionDropped:
