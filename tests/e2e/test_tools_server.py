@@ -73,10 +73,12 @@ TEMPLATE = """\
 def server(qwen3_ckpt, tmp_path_factory):
     template = tmp_path_factory.mktemp("template") / "qwen3_like.jinja"
     template.write_text(TEMPLATE)
+    # --cpu-kernels torch: no timed kernel trials at start (seconds, run again at every
+    # start on a loaded machine); this module tests the API, not the kernels' choice.
     srv = RemoteServer(
         ["--model", qwen3_ckpt, "--served-model-name", MODEL_NAME, "--dtype", "float32",
          "--dp", "2", "--chat-template", str(template), "--tool-call-parser", "hermes",
-         "--reasoning-parser", "qwen3", "--log-level", "warning"]
+         "--reasoning-parser", "qwen3", "--cpu-kernels", "torch", "--log-level", "warning"]
     )  # fmt: skip
     yield srv
     srv.stop()
