@@ -6,8 +6,8 @@ Every request is a non-streaming ``/v1/chat/completions`` with ``max_tokens`` to
 ``ignore_eos`` (a constrained reply still ends where its JSON does; the random tiny model
 seldom gets there before ``max_tokens``, so both sides generate about the same tokens).
 Rounds are interleaved: each round runs, at each concurrency, both kinds back to back,
-the first of the pair alternating between rounds, so drift in the machine's load falls
-on both. Each kind is warmed up first (the schema compiled, the kernels loaded). Prints
+the first of the pair alternating between rounds (at concurrency 1 request by request,
+each request a run), so drift in the machine's load falls on both. Each kind is warmed up first (the schema compiled, the kernels loaded). Prints
 one JSON line per concurrency: the median tok/s of each kind over the rounds, their
 ratio (``structured_over_plain``; the issue's target is >= 0.9), the share of finished
 structured replies that validate, the CPU model and the load average.
@@ -18,8 +18,10 @@ own code (``grammar_step_ms``): the scheduler's bitmask fill for that many reque
 (``GrammarBackend.bitmasks``), their matchers' advance by one token each
 (``RequestGrammar.accept``), and the sampler's mask build and apply on ``[B, V]``
 float32 logits (``MaskMetadata.build``, ``apply_masks``), each the median ms per step
-over a 64-token JSON walk; ``grammar_share`` is their sum over the step time that the
-plain tok/s implies (``B / tok_s``).
+over a 64-token JSON walk, on torch's threads and on one (``grammar_step_ms_1_thread``:
+on a machine whose cores are busy, a parallel op waits for its slowest thread);
+``grammar_share`` is their sum over the step time that the plain tok/s implies
+(``B / tok_s``).
 
     python benchmarks/structured_cost.py                       # the embedded tiny model
     python benchmarks/structured_cost.py --concurrency 1,32 --rounds 5 --launch-args "--dp 2"
@@ -40,6 +42,7 @@ from typing import Any
 
 import httpx
 import jsonschema
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -145,7 +148,6 @@ def grammar_step_ms(model: str, batch: int, steps: int = 64) -> dict[str, float]
     """The engine's per-step grammar work for ``batch`` requests of SCHEMA (ms, medians)."""
     import random
 
-    import torch
     from transformers import AutoTokenizer
 
     from tidal.engine_core.structured import GrammarBackend
@@ -198,10 +200,14 @@ def measure(url: str, args: argparse.Namespace) -> list[dict[str, Any]]:
         for c in args.concurrency:
             n = max(args.min_requests, 2 * c)
             order = (False, True) if r % 2 == 0 else (True, False)
-            for structured in order:
-                runs.setdefault((c, structured), []).append(
-                    asyncio.run(load(url, n, c, structured, args))
-                )
+            # One at a time, the kinds alternate request by request (a run of one):
+            # the load's drift within a round falls on both.
+            pairs = [(1, 1)] * n if c == 1 else [(n, c)]
+            for size, conc in pairs:
+                for structured in order:
+                    runs.setdefault((c, structured), []).append(
+                        asyncio.run(load(url, size, conc, structured, args))
+                    )
     lines = []
     for c in args.concurrency:
         plain = statistics.median(x["tok_s"] for x in runs[(c, False)])
@@ -222,6 +228,12 @@ def measure(url: str, args: argparse.Namespace) -> list[dict[str, Any]]:
         step = grammar_step_ms(args.model or _default_model(), c)
         lines[-1]["grammar_step_ms"] = step
         lines[-1]["grammar_share"] = round(sum(step.values()) / (1e3 * c / plain), 4)
+        # The sampler's mask ops run on torch's threads: on a machine whose cores are
+        # busy a parallel op waits for its slowest thread, so one thread is shown too.
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        lines[-1]["grammar_step_ms_1_thread"] = grammar_step_ms(args.model or _default_model(), c)
+        torch.set_num_threads(threads)
     return lines
 
 
