@@ -283,6 +283,23 @@ def test_chat_prompt_logprobs(client):
         assert k <= len(entry) <= k + 1
 
 
+def test_chat_stream_carries_prompt_logprobs_and_token_ids(client):
+    """vLLM's extras in a chat stream, as the SDK hands them over: the prompt's ids with
+    the role chunk, its logprobs once with the first output, each chunk's token ids."""
+    base = {"model": MODEL_NAME, "messages": CHAT, "max_tokens": 6, "temperature": 0.0,
+            "extra_body": {"prompt_logprobs": 1, "return_token_ids": True}}  # fmt: skip
+    whole = client.chat.completions.create(**base)
+    chunks = list(client.chat.completions.create(**base, stream=True))
+    extras = [c.model_extra for c in chunks]
+    assert [e.get("prompt_token_ids") for e in extras if "prompt_token_ids" in e] == [
+        whole.model_extra["prompt_token_ids"]
+    ]
+    [lps] = [e["prompt_logprobs"] for e in extras if "prompt_logprobs" in e]
+    assert lps == whole.model_extra["prompt_logprobs"]
+    ids = [t for c in chunks for t in (c.choices[0].model_extra or {}).get("token_ids") or []]
+    assert ids == whole.choices[0].model_extra["token_ids"] and len(ids) == 6
+
+
 def test_chat_streaming_and_stream_options(client):
     base = {"model": MODEL_NAME, "messages": CHAT, "max_completion_tokens": 10, "temperature": 0.0}
     whole = client.chat.completions.create(**base).choices[0]
