@@ -38,6 +38,7 @@ from tidal.layers.sampler import (
     Sampler,
     SamplingMetadata,
     apply_token_bitmask,
+    apply_token_bitmask_torch,
     banned_by_bad_words,
     process_logits,
 )
@@ -79,9 +80,10 @@ def _pack(allowed: set[int], vocab: int) -> bytes:
 # ---- the sampler ---------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("apply", [apply_token_bitmask, apply_token_bitmask_torch])
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("rows", [[0, 2, 4], None], ids=["some-rows", "every-row"])
-def test_token_bitmask_matches_a_python_reference(device, rows):
+def test_token_bitmask_matches_a_python_reference(device, rows, apply):
     gen = torch.Generator().manual_seed(0)
     vocab, n = 100, 5  # not a multiple of 32: the last word's high bits are beyond the vocab
     logits = torch.randn(n, vocab, generator=gen)
@@ -91,7 +93,7 @@ def test_token_bitmask_matches_a_python_reference(device, rows):
     bitmask = bitmask.to(torch.int32)  # bit 31 (the sign) set in about half the words
     x = logits.clone().to(device)
     index = None if rows is None else torch.tensor(rows, device=device)
-    apply_token_bitmask(x, index, bitmask.to(device))
+    apply(x, index, bitmask.to(device))
     expected = logits.clone()
     for j, r in enumerate(range(n) if rows is None else rows):
         for t in range(vocab):

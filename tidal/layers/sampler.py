@@ -364,8 +364,25 @@ def apply_masks(x: Tensor, masks: MaskMetadata | None) -> None:
 
 def apply_token_bitmask(x: Tensor, rows: Tensor | None, bitmask: Tensor) -> None:
     """In place: rows ``rows`` ([G] int64; None = every row, G = N) of ``x`` ([N, V]) keep
-    only the tokens whose bit is set in ``bitmask`` ([G, ceil(V / 32)] int32). Plain
-    torch, any device."""
+    only the tokens whose bit is set in ``bitmask`` ([G, ceil(V / 32)] int32).
+
+    On CPU in float32, xgrammar's own C++ kernel (one pass; ``apply_token_bitmask_torch``'s
+    three torch passes over a [32, 4096] mask took 22-29 ms on 2 busy cores, the kernel
+    0.3-0.4 ms); elsewhere, and as its reference, ``apply_token_bitmask_torch``."""
+    if x.device.type != "cpu" or x.dtype != torch.float32:
+        apply_token_bitmask_torch(x, rows, bitmask)
+        return
+    # A row with a bitmask has a grammar: xgrammar is loaded already.
+    from xgrammar import apply_token_bitmask_inplace
+
+    target = x if rows is None else x.index_select(0, rows)
+    apply_token_bitmask_inplace(target, bitmask.contiguous(), vocab_size=x.shape[1], backend="cpu")
+    if rows is not None:
+        x.index_copy_(0, rows, target)
+
+
+def apply_token_bitmask_torch(x: Tensor, rows: Tensor | None, bitmask: Tensor) -> None:
+    """``apply_token_bitmask`` in plain torch, any device and dtype."""
     vocab = x.shape[1]
     # Little-endian words (CPUs and GPUs alike): token t is bit t % 8 of byte t // 8, so
     # the unpacked mask is one byte per token, not one int32.
