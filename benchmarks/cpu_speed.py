@@ -71,6 +71,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+import agreement  # noqa: E402 - a sibling module
 from kmp_registrations import registrations, remove_dead  # noqa: E402 - a sibling module
 
 PEERS_SCRIPTS = HERE / "peers"
@@ -82,6 +83,8 @@ MOE64 = {
     "num_experts": 64, "num_experts_per_tok": 8,
 }  # fmt: skip
 TIDAL_PATHS = ("auto", "native", "onednn", "torch")
+DTYPES = ("float32", "bfloat16", "fp8")
+WEIGHT_BYTES = {"float32": 4, "bfloat16": 2}
 
 
 def log(msg: str) -> None:
@@ -230,7 +233,7 @@ def _peer_round(
     out = results / f"hf_{tag}_r{r}.json"
     hf = _run_json(
         [py, str(PEERS_SCRIPTS / "bench_hf.py"), "--model", str(model), "--skip", "bvar",
-         "--out", str(out)],
+         "--out", str(out), "--dtype", opts.engine_dtype],
         out,
     )  # fmt: skip
     if r == 0:  # this run's prompts and reference outputs (the checkpoint may be new)
@@ -243,7 +246,7 @@ def _peer_round(
         out = results / f"vllm_{tag}_r{r}.json"
         v = _run_json(
             [opts.vllm_python, str(PEERS_SCRIPTS / "bench_vllm.py"), "--model", str(model),
-             "--hf-ref", str(ref), "--out", str(out)],
+             "--hf-ref", str(ref), "--out", str(out), "--dtype", opts.engine_dtype],
             out,
             env=_vllm_env(opts.peers_dir),
         )  # fmt: skip
@@ -270,7 +273,7 @@ def _tidal_round(
         t = _run_json(
             [py, str(PEERS_SCRIPTS / "bench_tidal.py"), "--model", str(model), "--hf-ref",
              str(ref), "--out", str(out), "--detokenize", str(int(opts.tidal_detokenize)),
-             "--extra", json.dumps(extra)],
+             "--dtype", opts.engine_dtype, "--extra", json.dumps(extra)],
             out,
         )  # fmt: skip
         rows[f"tidal_{path}"].append(_engine_row(t))
@@ -604,7 +607,9 @@ def roofline(
     h = c["hidden_size"]
     proj, router, expert = layer_weights(c)
     layer = proj + router + c["num_local_experts"] * expert  # every expert: 32 rows use all
-    step_bytes = 4 * (c["num_hidden_layers"] * layer + c["vocab_size"] * h)
+    step_bytes = WEIGHT_BYTES[opts.engine_dtype] * (
+        c["num_hidden_layers"] * layer + c["vocab_size"] * h
+    )
     roof = 32 * bandwidth / step_bytes  # tok/s of a batch-32 decode step at full bandwidth
     out = {
         "read_bandwidth_gb_s": _r(bandwidth / 1e9, 1),
@@ -659,7 +664,9 @@ def step_overhead(model: Path, opts: argparse.Namespace, kernel_cache: Path) -> 
         nn_module.register_module_forward_pre_hook(pre),
         nn_module.register_module_forward_hook(post),
     ]
-    llm = LLM(str(model), dtype="float32", multiprocess=False, kernel_cache_dir=str(kernel_cache))
+    llm = LLM(
+        str(model), dtype=opts.engine_dtype, multiprocess=False, kernel_cache_dir=str(kernel_cache)
+    )
     try:
         engine = llm.client.engine
         timing = {"forward": 0.0, "steps": 0}
@@ -739,7 +746,7 @@ def _prefill_s(llm: Any, vocab: int, batch: int = 32, prompt_len: int = 32) -> d
 # ------------------------------------------------------------------ memory
 
 
-def memory(model: Path, kernel_cache: Path) -> dict[str, Any]:
+def memory(model: Path, kernel_cache: Path, dtype: str) -> dict[str, Any]:
     """The default engine in a fresh process (``--memory-probe``): its resident memory
     after loading and serving a few requests, and its peak, against the checkpoint's bytes
     plus the KV cache (<= 1.15x), in the caller's process and as a rank's own
@@ -751,6 +758,8 @@ def memory(model: Path, kernel_cache: Path) -> dict[str, Any]:
         str(model),
         "--kernel-cache",
         str(kernel_cache),
+        "--dtype",
+        dtype,
     ]
     out = subprocess.run(cmd, capture_output=True, text=True)
     if out.returncode != 0:
@@ -765,7 +774,7 @@ def _proc_status(pid: int | str = "self") -> dict[str, int]:
         return {k: int(v.split()[0]) * 1024 for k, v in rows if k in keys}
 
 
-def memory_probe(model: str, kernel_cache: str) -> None:
+def memory_probe(model: str, kernel_cache: str, dtype: str) -> None:
     """Two measures: the engine in this process (``LLM(multiprocess=False)``: the rank plus
     the frontend's tokenizer and transformers), and the rank alone, an engine process
     beside its frontend (``LLM(multiprocess=True)``, as ``launch`` runs it)."""
@@ -776,7 +785,7 @@ def memory_probe(model: str, kernel_cache: str) -> None:
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     prompts = [{"prompt_token_ids": [5, 6, 7]}] * 4
     before = _proc_status()
-    llm = LLM(model, dtype="float32", multiprocess=False, kernel_cache_dir=kernel_cache)
+    llm = LLM(model, dtype=dtype, multiprocess=False, kernel_cache_dir=kernel_cache)
     try:
         llm.generate(prompts, params, use_tqdm=False)
         served = _proc_status()
@@ -785,7 +794,7 @@ def memory_probe(model: str, kernel_cache: str) -> None:
     finally:
         llm.shutdown()
     # The rank's own process, its trial cached by the run above (as at a restart).
-    llm = LLM(model, dtype="float32", multiprocess=True, kernel_cache_dir=kernel_cache)
+    llm = LLM(model, dtype=dtype, multiprocess=True, kernel_cache_dir=kernel_cache)
     try:
         llm.generate(prompts, params, use_tqdm=False)
         engines = [
@@ -794,13 +803,15 @@ def memory_probe(model: str, kernel_cache: str) -> None:
         ]  # fmt: skip
         rank = _proc_status(engines[0].pid) if len(engines) == 1 else None
         if rank is not None:  # private to the rank: what its exit would give back
-            rank["uss"] = engines[0].memory_full_info().uss
+            full = engines[0].memory_full_info()
+            rank["uss"], rank["pss"] = full.uss, full.pss
     finally:
         llm.shutdown()
     floor = _runtime_floor()
     ckpt = sum(f.stat().st_size for f in Path(model).glob("*.safetensors"))
     # VmHWM: the process's own peak (ru_maxrss keeps the parent's from before the exec).
     out = {
+        "dtype": dtype,
         "checkpoint_bytes": ckpt,
         "kv_cache_bytes": kv,
         "rss_before_load": before["VmRSS"],
@@ -816,6 +827,7 @@ def memory_probe(model: str, kernel_cache: str) -> None:
             "rss_serving": rank["VmRSS"],
             "peak_rss": rank["VmHWM"],
             "uss_serving": rank["uss"],
+            "pss_serving": rank["pss"],
             "rss_over_ckpt_plus_kv": _r(rank["VmRSS"] / (ckpt + kv)),
             "peak_over_ckpt_plus_kv": _r(rank["VmHWM"] / (ckpt + kv)),
             "uss_over_ckpt_plus_kv": _r(rank["uss"] / (ckpt + kv)),
@@ -836,6 +848,61 @@ def _runtime_floor() -> dict[str, int]:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+# ------------------------------------------------------------------ reduced precision
+
+FP8_MISSING = "fp8: not available in this tree"
+
+
+def _converted(path: Path, dtype: str) -> Path:
+    """The checkpoint at ``path`` cast to ``dtype`` (built once, beside it)."""
+    dst = path.with_name(f"{path.name}-{dtype}")
+    if not (dst / "config.json").exists():
+        log(f"casting {path.name} to {dtype}")
+    return agreement.convert_checkpoint(path, dst, dtype)
+
+
+def active_bytes_per_token(c: dict[str, Any], weight_bytes: int) -> int:
+    """Weight bytes one decode token reads at batch 1: per layer the attention projections,
+    the router and its top-k experts; then the lm_head (an embedding row is negligible)."""
+    proj, router, expert = layer_weights(c)
+    per_layer = proj + router + c["num_experts_per_tok"] * expert
+    return weight_bytes * (c["num_hidden_layers"] * per_layer + c["vocab_size"] * c["hidden_size"])
+
+
+def dtype_goals(doc: dict[str, Any], paths: dict[str, Path], opts: argparse.Namespace) -> Any:
+    """Issue 35's goals at a reduced dtype, per model, from this run: the vLLM ratios (in
+    ``e2e``'s goals: big and moe64), agreement at least vLLM's, batch-1 decode at >= 75%
+    of the measured read bandwidth for the dtype's bytes (from the single-stream tok/s,
+    whose 32-token prefill makes it a lower bound), and the rank's resident memory
+    <= 1.15x (weights + KV cache)."""
+    bandwidth = (doc.get("roofline") or {}).get("read_bandwidth_gb_s")
+    out: dict[str, Any] = {"read_bandwidth_gb_s": bandwidth}
+    for tag in doc["e2e"]:
+        c = json.loads((paths[tag] / "config.json").read_text())
+        per_token = active_bytes_per_token(c, WEIGHT_BYTES[opts.engine_dtype])
+        single = doc["e2e"][tag]["engines"].get("tidal_auto", {}).get("single")
+        frac = single * per_token / (bandwidth * 1e9) if single and bandwidth else None
+        agree = (doc.get("agreement") or {}).get(tag, {})
+        rank = (doc.get("memory") or {}).get(tag, {}).get("rank_process", {})
+        e2e_goals = doc["e2e"][tag].get("goals", {})
+        out[tag] = {
+            "decode_bytes_per_token": per_token,
+            "single_fraction_of_bandwidth": _r(frac),
+            "decode_batch1_ge_75pct_bandwidth": None if frac is None else frac >= 0.75,
+            "agreement_tidal_ge_vllm": agree.get("goals", {}).get(
+                "tidal_agrees_at_least_as_often_as_vllm"
+            ),
+            "rank_rss_le_1.15x_weights_plus_kv": (
+                rank["rss_over_ckpt_plus_kv"] <= 1.15 if rank else None
+            ),
+            "rank_above_runtime_le_1.15x_weights_plus_kv": (
+                rank["above_runtime_over_ckpt_plus_kv"] <= 1.15 if rank else None
+            ),
+            **{k: v for k, v in e2e_goals.items() if k.startswith("vllm_")},
+        }
+    return out
 
 
 # ------------------------------------------------------------------ main
@@ -890,11 +957,24 @@ def main(argv: list[str] | None = None) -> None:
         help="Tidal detokenizes its outputs (the baseline's harness); by default it returns "
         "token ids only, as bench_vllm.py asks of vLLM (detokenize=False)",
     )
+    p.add_argument(
+        "--dtype",
+        default="float32",
+        choices=DTYPES,
+        help="bfloat16: every checkpoint cast to bf16 once (the same weights, beside the "
+        "float32 one) and every engine at bf16; fp8: needs an FP8 checkpoint maker in the tree",
+    )
+    p.add_argument(
+        "--agreement-prompts",
+        type=int,
+        default=8,
+        help="prompts of benchmarks/agreement.py per model (0: no agreement section)",
+    )
     p.add_argument("--memory-probe", default=None, help=argparse.SUPPRESS)
     p.add_argument("--kernel-cache", default=None, help=argparse.SUPPRESS)
     opts = p.parse_args(argv)
     if opts.memory_probe:
-        memory_probe(opts.memory_probe, opts.kernel_cache)
+        memory_probe(opts.memory_probe, opts.kernel_cache, opts.dtype)
         return
     opts.paths = [x.strip() for x in opts.paths.split(",") if x.strip()]
     bad = [x for x in opts.paths if x not in TIDAL_PATHS]
@@ -910,16 +990,30 @@ def main(argv: list[str] | None = None) -> None:
     tags = [t.strip() for t in opts.models.split(",") if t.strip()]
     if any(t not in MODELS for t in tags):
         p.error(f"--models: any of {', '.join(MODELS)}")
+    if opts.agreement_prompts < 0:
+        p.error("--agreement-prompts must be >= 0")
+    if opts.dtype == "fp8":
+        # The FP8 path needs a maker of FP8 checkpoints from the peer ones; a tree without
+        # one says so in the document instead of measuring something else.
+        print(json.dumps({"benchmark": "cpu_speed", "dtype": "fp8", "fp8": FP8_MISSING}))
+        return
+    opts.engine_dtype = opts.dtype
 
     t0 = time.monotonic()
     paths = ensure_models(opts.peers_dir, sorted(set(tags) | {"big"}))
+    float32_paths = paths  # the kernel sections below measure float32 kernels
     results = opts.peers_dir / "results"
+    if opts.dtype != "float32":
+        paths = {t: _converted(p_, opts.dtype) for t, p_ in paths.items()}
+        results = results / opts.dtype  # apart from float32's reference outputs
     results.mkdir(parents=True, exist_ok=True)
     # The kernel choices this run measures (per model) and reuses: never an older run's.
     kernel_cache = Path(tempfile.mkdtemp(prefix="cpu-speed-kernels-"))
     try:
         doc: dict[str, Any] = {
             "benchmark": "cpu_speed",
+            "dtype": opts.dtype,
+            "checkpoints": {t: str(paths[t]) for t in tags},
             "machine": machine(opts),
             "e2e": {},
             "tidal_detokenize": opts.tidal_detokenize,
@@ -927,10 +1021,26 @@ def main(argv: list[str] | None = None) -> None:
         if not opts.skip_e2e:
             for tag in tags:
                 doc["e2e"][tag] = run_e2e(tag, paths[tag], opts, results, kernel_cache / tag)
-            doc["memory"] = {tag: memory(paths[tag], kernel_cache / tag) for tag in tags}
+            doc["memory"] = {
+                tag: memory(paths[tag], kernel_cache / tag, opts.dtype) for tag in tags
+            }
+            if opts.agreement_prompts:
+                doc["agreement"] = {
+                    tag: agreement.measure(
+                        str(paths[tag]),
+                        opts.dtype,
+                        prompts=opts.agreement_prompts,
+                        tidal_paths=opts.paths,
+                        vllm_python=opts.vllm_python,
+                        peers=opts.peers_dir,
+                        tidal_extra={"kernel_cache_dir": str(kernel_cache / tag)},
+                    )  # fmt: skip
+                    for tag in tags
+                }
         if not opts.skip_kernels:
+            doc["kernels_dtype"] = "float32"
             doc["kernels"] = kernel_bandwidth(opts)
-            doc["moe_block"] = {tag: moe_block(paths[tag], opts, results) for tag in tags}
+            doc["moe_block"] = {tag: moe_block(float32_paths[tag], opts, results) for tag in tags}
             doc["gemm"] = gemm(opts)
         big = doc["e2e"].get("big", {}).get("engines", {}).get("tidal_auto", {}).get("batch")
         doc["step_overhead"] = step_overhead(paths["big"], opts, kernel_cache / "big")
@@ -938,6 +1048,8 @@ def main(argv: list[str] | None = None) -> None:
         if "gemm" in doc:  # the best rate any path reached at 256 rows
             steps["best_gemm_gflop_s"] = max(doc["gemm"][256].values())
         doc["roofline"] = roofline(paths["big"], opts, big, steps)
+        if opts.dtype != "float32":
+            doc["dtype_goals"] = dtype_goals(doc, paths, opts)
     finally:
         shutil.rmtree(kernel_cache, ignore_errors=True)
     doc["machine"]["load_avg_end"] = os.getloadavg()

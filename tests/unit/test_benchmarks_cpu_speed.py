@@ -4,6 +4,7 @@ every round) and the vLLM environment taken from env_vllm.sh."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import pathlib
 import sys
 
@@ -96,3 +97,63 @@ def test_layer_flops_match_transformers_flop_count(bench):
     c = json.loads(cfg.to_json_string())  # the checkpoint's config.json keys
     lm_head = 2 * c["vocab_size"] * c["hidden_size"]
     assert counter.get_total_flops() == tokens * (bench.layer_flops_per_token(c, tokens) + lm_head)
+
+
+def test_active_bytes_are_the_weights_one_decode_token_reads(bench):
+    """Batch-1 decode bytes at bf16: transformers' own attention projections, router,
+    top-k of its experts (per-expert size from the fused tensors) and lm_head, 2 bytes each."""
+    import torch
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    cfg = Qwen3MoeConfig(
+        vocab_size=256, hidden_size=64, moe_intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8,
+        num_experts_per_tok=2, max_position_embeddings=128,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    sd = Qwen3MoeForCausalLM(cfg).state_dict()
+    c = json.loads(cfg.to_json_string())
+
+    def numel(part: str) -> int:
+        return sum(v.numel() for k, v in sd.items() if part in k)
+
+    attn = sum(numel(f"self_attn.{p}_proj.weight") for p in "qkvo")
+    per_expert = numel("mlp.experts.") // (c["num_hidden_layers"] * c["num_local_experts"])
+    active = attn + numel("mlp.gate.weight") + numel("lm_head.weight")
+    active += c["num_hidden_layers"] * c["num_experts_per_tok"] * per_expert
+    assert bench.active_bytes_per_token(c, 2) == 2 * active
+
+
+def test_dtype_goals_from_one_run(bench, tmp_path):
+    """The reduced-precision goals read this run's sections: decode bytes x single tok/s
+    against the read bandwidth, agreement against vLLM's, the rank's memory."""
+    cfg = {
+        "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+        "num_local_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+        "num_hidden_layers": 2, "vocab_size": 256,
+    }  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    per_token = bench.active_bytes_per_token(cfg, 2)
+    single = 0.8e9 / per_token  # 0.8 GB/s of weights read at batch 1
+    doc = {
+        "roofline": {"read_bandwidth_gb_s": 1.0},
+        "e2e": {"big": {"engines": {"tidal_auto": {"single": single}},
+                        "goals": {"vllm_batch_ge_1.2x": False, "not_slower_x": True}}},
+        "agreement": {"big": {"goals": {"tidal_agrees_at_least_as_often_as_vllm": True}}},
+        "memory": {"big": {"rank_process": {"rss_over_ckpt_plus_kv": 1.3,
+                                            "above_runtime_over_ckpt_plus_kv": 1.1}}},
+    }  # fmt: skip
+    opts = type("Opts", (), {"engine_dtype": "bfloat16"})()
+    g = bench.dtype_goals(doc, {"big": tmp_path}, opts)["big"]
+    assert g["single_fraction_of_bandwidth"] == 0.8
+    assert g["decode_batch1_ge_75pct_bandwidth"] is True
+    assert g["agreement_tidal_ge_vllm"] is True
+    assert g["rank_rss_le_1.15x_weights_plus_kv"] is False
+    assert g["rank_above_runtime_le_1.15x_weights_plus_kv"] is True
+    assert g["vllm_batch_ge_1.2x"] is False and "not_slower_x" not in g
+
+
+def test_fp8_without_a_maker_says_so(bench, capsys):
+    bench.main(["--dtype", "fp8"])
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["fp8"] == bench.FP8_MISSING
