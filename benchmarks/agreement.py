@@ -19,8 +19,9 @@ reference's token there:
 Engines: ``transformers_<dtype>``, ``tidal_<path>`` (``LLM(dtype=..., cpu_kernels=path)``,
 ``prompt_logprobs=1``) and, with ``--vllm-python``, ``vllm_<dtype>`` (vLLM-CPU's
 ``SamplingParams(prompt_logprobs=1)``, in its own venv with ``peers/env_vllm.sh``).
-Printed as one JSON document with the CPU model and flags and the load average; the goal
-of issue 35 (Tidal agrees at least as often as vLLM-CPU) is evaluated when vLLM ran.
+Printed as one JSON document with the CPU model and flags and the load average; the
+reduced-precision goal (Tidal agrees at least as often as vLLM-CPU) is evaluated when vLLM
+ran.
 At float32 Tidal's agreement is 1.0 (it is token-exact against transformers).
 
 This module imports neither tidal nor transformers at the top: the vLLM venv runs its
@@ -348,7 +349,7 @@ def measure(
 
 
 def goals(engines: dict[str, dict[str, Any]], dtype: str) -> dict[str, bool | None]:
-    """Issue 35: Tidal's default agrees with the reference at least as often as vLLM-CPU
+    """Reduced precision's goal: Tidal's default agrees with the reference at least as often as vLLM-CPU
     at the same dtype (None without vLLM); float32 stays exact."""
     tidal = engines.get("tidal_auto", {}).get("top1_agreement")
     vllm = engines.get(f"vllm_{dtype}", {}).get("top1_agreement")

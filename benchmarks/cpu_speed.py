@@ -91,6 +91,11 @@ def log(msg: str) -> None:
     print(f"[cpu_speed {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
+def _section(name: str, part: Any) -> None:
+    """A finished section on stderr: a run stopped before its end keeps what it measured."""
+    log(f"{name}: {json.dumps(part)}")
+
+
 def _r(x: float | None, nd: int = 3) -> float | None:
     return None if x is None else round(float(x), nd)
 
@@ -872,7 +877,7 @@ def active_bytes_per_token(c: dict[str, Any], weight_bytes: int) -> int:
 
 
 def dtype_goals(doc: dict[str, Any], paths: dict[str, Path], opts: argparse.Namespace) -> Any:
-    """Issue 35's goals at a reduced dtype, per model, from this run: the vLLM ratios (in
+    """The reduced-precision goals, per model, from this run: the vLLM ratios (in
     ``e2e``'s goals: big and moe64), agreement at least vLLM's, batch-1 decode at >= 75%
     of the measured read bandwidth for the dtype's bytes (from the single-stream tok/s,
     whose 32-token prefill makes it a lower bound), and the rank's resident memory
@@ -1020,23 +1025,20 @@ def main(argv: list[str] | None = None) -> None:
         }
         if not opts.skip_e2e:
             for tag in tags:
-                doc["e2e"][tag] = run_e2e(tag, paths[tag], opts, results, kernel_cache / tag)
-            doc["memory"] = {
-                tag: memory(paths[tag], kernel_cache / tag, opts.dtype) for tag in tags
-            }
-            if opts.agreement_prompts:
-                doc["agreement"] = {
-                    tag: agreement.measure(
-                        str(paths[tag]),
-                        opts.dtype,
-                        prompts=opts.agreement_prompts,
-                        tidal_paths=opts.paths,
-                        vllm_python=opts.vllm_python,
+                if opts.agreement_prompts:
+                    doc.setdefault("agreement", {})[tag] = agreement.measure(
+                        str(paths[tag]), opts.dtype, prompts=opts.agreement_prompts,
+                        tidal_paths=opts.paths, vllm_python=opts.vllm_python,
                         peers=opts.peers_dir,
                         tidal_extra={"kernel_cache_dir": str(kernel_cache / tag)},
                     )  # fmt: skip
-                    for tag in tags
-                }
+                    _section(f"agreement {tag}", doc["agreement"][tag])
+                doc["e2e"][tag] = run_e2e(tag, paths[tag], opts, results, kernel_cache / tag)
+                _section(f"e2e {tag}", doc["e2e"][tag])
+            doc["memory"] = {}
+            for tag in tags:
+                doc["memory"][tag] = memory(paths[tag], kernel_cache / tag, opts.dtype)
+                _section(f"memory {tag}", doc["memory"][tag])
         if not opts.skip_kernels:
             doc["kernels_dtype"] = "float32"
             doc["kernels"] = kernel_bandwidth(opts)
