@@ -42,6 +42,10 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from kmp_registrations import registrations, remove_dead  # noqa: E402 - a sibling module
+
 ENV_VLLM = HERE / "peers" / "env_vllm.sh"
 DTYPES = ("float32", "bfloat16", "float16")
 # A position's outcome: the engine's most likely next token and its log-probability of
@@ -286,7 +290,11 @@ def _spawn(
     cmd = [python, str(Path(__file__).resolve()), "--engine-run", engine,
            "--job", str(job_file), "--out", str(out)]  # fmt: skip
     env = {**(os.environ if env is None else env), "TMPDIR": str(child_tmp)}
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    kmp_before = registrations()
+    try:
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    finally:  # vLLM's OpenMP leaves /dev/shm files behind its exited processes
+        remove_dead(registrations() - kmp_before)
     if proc.returncode != 0 or not out.exists():
         raise RuntimeError(f"{engine} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
     return json.loads(out.read_text())
