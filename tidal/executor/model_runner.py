@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
 from typing import Any
 
 import psutil
@@ -49,11 +48,12 @@ import torch
 from tidal.config import EngineConfig
 from tidal.distributed.tensor_parallel import TensorParallel
 from tidal.executor.batch import NULL_BLOCK_ID, ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from tidal.executor.input_batch import InputBatch, Inputs
 from tidal.executor.kv_budget import DeviceMemory, HostMemory, kv_cache_budget
 from tidal.executor.rpc import Reduce, rpc
 from tidal.kernels.host_memory import empty_huge
 from tidal.layers.attention import AttentionMetadata
-from tidal.layers.sampler import RowInfo, Sampler, SamplingMetadata, compute_logprobs
+from tidal.layers.sampler import Sampler, compute_logprobs
 from tidal.models.common import MoECausalLM
 from tidal.models.loader import load_model
 from tidal.models.registry import get_model_class
@@ -65,16 +65,6 @@ from tidal.protocol.messages import Logprobs
 from tidal.protocol.worker import ReplyMode
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class _Inputs:
-    input_ids: torch.Tensor  # [T] int64
-    positions: torch.Tensor  # [T] int64
-    attn: AttentionMetadata
-    sample_rows: list[int]  # flattened row of the last token of each sampling request
-    sample_reqs: list[ScheduledRequest]
-    prompt_lp: list[tuple[ScheduledRequest, int, int]]  # (req, first row, count)
 
 
 class ModelRunner:
@@ -91,6 +81,10 @@ class ModelRunner:
         self._model: MoECausalLM | None = None  # set by load_model
         self.kv_caches: list[torch.Tensor] = []
         self.sampler = Sampler()
+        # Request state across steps: inputs and sampling metadata by array operations.
+        self.input_batch = InputBatch(
+            self.block_size, self.vocab_size, device, max_rows=config.scheduler.max_num_seqs
+        )
         # Expert parallelism (None without EP): set by set_process_groups / load_model.
         self.dp_group: Any = None
         self.ep_group: Any = None
@@ -296,7 +290,7 @@ class ModelRunner:
         out = ModelRunnerOutput()
         if sched.is_empty:
             return out
-        inputs = self._prepare_inputs_isolated(sched.scheduled, out.failed)
+        inputs = self._prepare_inputs_isolated(sched, out.failed)
         if inputs is None:
             # Every request failed: EP peers still expect this rank in the forward's
             # collectives (and in the same forward count for EPLB).
@@ -374,65 +368,30 @@ class ModelRunner:
         return {"num_rebalances": eplb.num_rebalances, "layouts": layouts}
 
     def _prepare_inputs_isolated(
-        self, scheduled: list[ScheduledRequest], failed: dict[str, str]
-    ) -> _Inputs | None:
+        self, sched: SchedulerOutput, failed: dict[str, str]
+    ) -> Inputs | None:
         """The batch's inputs without the requests whose own preparation raises (they go
         to ``failed``); None when none is left."""
         try:
-            return self._prepare_inputs(scheduled)
+            return self.input_batch.prepare(sched)
         except Exception as e:  # noqa: BLE001 - find the culprit(s) below
             logger.warning("preparing a batch failed (%s); preparing its requests one by one", e)
         good = []
-        for sr in scheduled:
+        for sr in sched.scheduled:
             try:
-                self._prepare_inputs([sr])
+                self.input_batch.prepare([sr])
             except Exception as e:  # noqa: BLE001 - this request fails, the batch goes on
                 failed[sr.request.request_id] = _error("preparing its inputs", e)
             else:
                 good.append(sr)
         # If every request prepares alone but not together, the fault is not a request's:
         # the rebuild raises again and the rank fails, as it should.
-        return self._prepare_inputs(good) if good else None
-
-    def _prepare_inputs(self, scheduled: list[ScheduledRequest]) -> _Inputs:
-        ids: list[int] = []
-        pos: list[int] = []
-        seqs: list[tuple[int, int, list[int]]] = []
-        sample_rows: list[int] = []
-        sample_reqs: list[ScheduledRequest] = []
-        prompt_lp: list[tuple[ScheduledRequest, int, int]] = []
-        for sr in scheduled:
-            req, start, n = sr.request, sr.start, sr.num_new_tokens
-            row0 = len(ids)
-            ids.extend(req.all_token_ids[start : start + n])
-            pos.extend(range(start, start + n))
-            seqs.append((start, n, req.block_ids))
-            if sr.samples:
-                sample_rows.append(row0 + n - 1)
-                sample_reqs.append(sr)
-            if req.sampling_params.prompt_logprobs is not None:
-                # Rows whose next token is still a prompt token get a prompt logprob.
-                count = min(start + n, req.num_prompt_tokens - 1) - start
-                if count > 0:
-                    prompt_lp.append((sr, row0, count))
-        # An out-of-range id would fault inside the forward (on CUDA a device assert that
-        # poisons the context), where the request can no longer be singled out.
-        if ids and (min(ids) < 0 or max(ids) >= self.vocab_size):
-            raise ValueError(f"a token id is outside the vocabulary [0, {self.vocab_size})")
-        dev = self.device
-        return _Inputs(
-            input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
-            positions=torch.tensor(pos, dtype=torch.long, device=dev),
-            attn=AttentionMetadata.build(seqs, self.block_size, dev),
-            sample_rows=sample_rows,
-            sample_reqs=sample_reqs,
-            prompt_lp=prompt_lp,
-        )
+        return self.input_batch.prepare(good) if good else None
 
     def _sample(
         self,
         hidden: torch.Tensor,
-        inputs: _Inputs,
+        inputs: Inputs,
         out: ModelRunnerOutput,
         bitmasks: dict[str, bytes],
     ) -> None:
@@ -463,8 +422,8 @@ class ModelRunner:
     ) -> None:
         """Sample one token for each of ``reqs`` (logits [len(reqs), V]); writes ``out``
         only once every row succeeded. ``bitmasks``: the grammar-constrained rows'."""
-        infos = [self._row_info(sr, bitmasks.get(sr.request.request_id)) for sr in reqs]
-        result = self.sampler(logits, SamplingMetadata.build(infos, logits.device))
+        meta = self.input_batch.sampling_metadata(reqs, bitmasks, logits.device)
+        result = self.sampler(logits, meta)
         tokens = result.token_ids.tolist()
         for sr, tok, lp in zip(reqs, tokens, result.logprobs):
             rid = sr.request.request_id
@@ -472,19 +431,8 @@ class ModelRunner:
             if lp is not None:
                 out.logprobs[rid] = [lp]
 
-    @staticmethod
-    def _row_info(sr: ScheduledRequest, bitmask: bytes | None) -> RowInfo:
-        req = sr.request
-        return RowInfo(
-            params=req.sampling_params,
-            prompt_token_ids=req.prompt_token_ids,
-            output_token_ids=req.output_token_ids,
-            eos_token_id=req.eos_token_id,
-            grammar_bitmask=bitmask,
-        )
-
     def _prompt_logprobs(
-        self, hidden: torch.Tensor, inputs: _Inputs, out: ModelRunnerOutput
+        self, hidden: torch.Tensor, inputs: Inputs, out: ModelRunnerOutput
     ) -> None:
         for sr, row0, count in inputs.prompt_lp:
             req = sr.request

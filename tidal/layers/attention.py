@@ -60,6 +60,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -170,6 +171,78 @@ class AttentionMetadata:
         )
         if dec_rows:
             meta._set_decodes(dec_rows, dec_blocks, dec_lens, device)
+        return meta
+
+    @classmethod
+    def build_arrays(
+        cls,
+        starts: np.ndarray,  # [S] int64
+        num_new: np.ndarray,  # [S] int64
+        block_table: np.ndarray,  # [S, W] int, row i: sequence i's blocks (then anything)
+        num_blocks: np.ndarray,  # [S] int64 valid entries of each row
+        block_size: int,
+        device: Any,
+    ) -> AttentionMetadata:
+        """``build`` by array operations on a block table the caller keeps (the persistent
+        batch, tidal/executor/input_batch.py): no Python step per token or per decode
+        sequence (prefill chunks, few, are still built one by one). Equal to ``build``
+        on the same sequences, tensor for tensor (tests/unit/test_input_batch.py)."""
+        bs = block_size
+        ends = starts + num_new
+        needed = -(-ends // bs)  # [S]
+        bad = np.flatnonzero((num_new < 1) | (starts < 0))
+        if bad.size:
+            i = int(bad[0])
+            raise ValueError(f"sequence {i}: bad (start={starts[i]}, num_new_tokens={num_new[i]})")
+        short = np.flatnonzero(num_blocks < needed)
+        if short.size:
+            i = int(short[0])
+            raise ValueError(
+                f"sequence {i}: {ends[i]} tokens need {needed[i]} blocks of {bs}, "
+                f"got {num_blocks[i]}"
+            )
+        num_seqs = len(starts)
+        first_row = np.cumsum(num_new) - num_new  # [S] flattened row of each first token
+        total = int(num_new.sum())
+        seq = np.repeat(np.arange(num_seqs), num_new)  # [T] sequence of each token
+        pos = np.arange(total) - first_row[seq] + starts[seq]  # [T]
+        slots = block_table[seq, pos // bs].astype(np.int64) * bs + pos % bs  # [T]
+        meta = cls(
+            num_tokens=total,
+            block_size=bs,
+            slot_mapping=torch.from_numpy(slots).to(device),
+            query_lens=num_new.tolist(),
+            seq_lens=ends.tolist(),
+        )
+        dec = np.flatnonzero(num_new == 1)
+        for i in np.flatnonzero(num_new != 1).tolist():
+            n_blocks = int(needed[i])
+            meta.prefills.append(
+                _prefill_chunk(
+                    int(first_row[i]), int(starts[i]), int(num_new[i]),
+                    block_table[i, :n_blocks].tolist(), bs, device,
+                )
+            )  # fmt: skip
+        if dec.size:
+            rows = first_row[dec]
+            num = len(dec)
+            if rows[-1] - rows[0] == num - 1:
+                meta.decode_rows = slice(int(rows[0]), int(rows[0]) + num)
+            else:
+                meta.decode_rows = torch.from_numpy(rows).to(device)
+            dec_needed = needed[dec]
+            max_blocks = int(dec_needed.max())
+            cols = np.arange(max_blocks)
+            table = np.where(
+                cols[None, :] < dec_needed[:, None], block_table[dec, :max_blocks], 0
+            ).astype(np.int64)  # [D, max_blocks], padded with block 0
+            meta.decode_block_table = torch.from_numpy(table).to(device)
+            lens = ends[dec].astype(np.int64)
+            meta.decode_seq_lens = torch.from_numpy(lens).to(device)
+            width = max_blocks * bs
+            if (lens != width).any():
+                mask = torch.from_numpy(np.arange(width)[None, :] < lens[:, None])  # [D, width]
+                meta.decode_mask = mask[:, None, None, :].to(device)
         return meta
 
     def _set_decodes(

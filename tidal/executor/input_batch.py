@@ -1,0 +1,268 @@
+"""The persistent batch: a step's model inputs built from state kept across steps.
+
+The runner used to rebuild every input from Python lists each step: a padded block
+table from every request's list, one range of slots per block, one ``RowInfo`` and a
+pass over every row's sampling params. ``InputBatch`` keeps instead, per request, a row
+of a preallocated numpy block table, updated by diffs: a request's row gets only the
+blocks appended since the last step (the scheduler only ever extends ``block_ids``, or
+replaces the list when it frees them: a preemption, a resend to a worker); a finished
+or preempted request's row is freed. Input ids, positions, slot mapping, the decode
+block table and masks are then array operations over that table
+(``AttentionMetadata.build_arrays``), and the sampling metadata is reused while the batch
+is the same requests and nothing in it depends on the step (no seeded draw, penalty,
+min_tokens, mask or grammar).
+
+``prepare_inputs_reference`` is the list-based build the runner had, kept as the oracle:
+tests/unit/test_input_batch.py drives both through random add / finish / preempt /
+chunked-prefill steps and asserts identical tensors.
+
+A row is found by request id and checked by identity (the same request object and the
+same block list): a worker's copy of a request (``step_wire``) never sees the
+scheduler's finish and preemption sets, so a stale row must be recognised on sight.
+Rows of requests that stop being scheduled without a finish notice are reclaimed when
+the table runs out of rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from tidal.executor.batch import ScheduledRequest, SchedulerOutput
+from tidal.layers.attention import AttentionMetadata
+from tidal.layers.sampler import RowInfo, SamplingMetadata
+
+
+@dataclass
+class Inputs:
+    """One step's model inputs, and what sampling needs to find its rows."""
+
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    attn: AttentionMetadata
+    sample_rows: list[int]  # flattened row of the last token of each sampling request
+    sample_reqs: list[ScheduledRequest]
+    prompt_lp: list[tuple[ScheduledRequest, int, int]]  # (req, first row, count)
+
+
+def _check_vocab(ids_min: int, ids_max: int, vocab_size: int) -> None:
+    # An out-of-range id would fault inside the forward (on CUDA a device assert that
+    # poisons the context), where the request can no longer be singled out.
+    if ids_min < 0 or ids_max >= vocab_size:
+        raise ValueError(f"a token id is outside the vocabulary [0, {vocab_size})")
+
+
+def _sampling_rows(
+    scheduled: list[ScheduledRequest], row_of_first: list[int]
+) -> tuple[list[int], list[ScheduledRequest], list[tuple[ScheduledRequest, int, int]]]:
+    sample_rows: list[int] = []
+    sample_reqs: list[ScheduledRequest] = []
+    prompt_lp: list[tuple[ScheduledRequest, int, int]] = []
+    for sr, row0 in zip(scheduled, row_of_first):
+        req, start, n = sr.request, sr.start, sr.num_new_tokens
+        if start + n == req.num_tokens:  # sr.samples, without the property call
+            sample_rows.append(row0 + n - 1)
+            sample_reqs.append(sr)
+        if req.sampling_params.prompt_logprobs is not None:
+            # Rows whose next token is still a prompt token get a prompt logprob.
+            count = min(start + n, req.num_prompt_tokens - 1) - start
+            if count > 0:
+                prompt_lp.append((sr, row0, count))
+    return sample_rows, sample_reqs, prompt_lp
+
+
+def prepare_inputs_reference(
+    scheduled: list[ScheduledRequest], block_size: int, vocab_size: int, device: Any
+) -> Inputs:
+    """The list-based build (one Python step per sequence and per block): the oracle."""
+    ids: list[int] = []
+    pos: list[int] = []
+    seqs: list[tuple[int, int, list[int]]] = []
+    firsts: list[int] = []
+    for sr in scheduled:
+        req, start, n = sr.request, sr.start, sr.num_new_tokens
+        firsts.append(len(ids))
+        ids.extend(req.all_token_ids[start : start + n])
+        pos.extend(range(start, start + n))
+        seqs.append((start, n, req.block_ids))
+    if ids:
+        _check_vocab(min(ids), max(ids), vocab_size)
+    sample_rows, sample_reqs, prompt_lp = _sampling_rows(scheduled, firsts)
+    return Inputs(
+        input_ids=torch.tensor(ids, dtype=torch.long, device=device),
+        positions=torch.tensor(pos, dtype=torch.long, device=device),
+        attn=AttentionMetadata.build(seqs, block_size, device),
+        sample_rows=sample_rows,
+        sample_reqs=sample_reqs,
+        prompt_lp=prompt_lp,
+    )
+
+
+@dataclass
+class _Row:
+    index: int  # row of the block table
+    request: Any  # the request object the row was filled from
+    blocks: list[int]  # its block list (the very object): replaced = resync
+    num_blocks: int  # entries of ``blocks`` copied into the row
+
+
+class InputBatch:
+    """Per-request state across steps; ``prepare`` builds a step's ``Inputs`` from it."""
+
+    def __init__(self, block_size: int, vocab_size: int, device: Any, max_rows: int = 64) -> None:
+        self.block_size = block_size
+        self.vocab_size = vocab_size
+        self.device = device
+        self._rows: dict[str, _Row] = {}
+        self._free: list[int] = list(range(max_rows - 1, -1, -1))
+        self.block_table = np.zeros((max_rows, 16), dtype=np.int32)  # [rows, blocks]
+        self.num_blocks = np.zeros(max_rows, dtype=np.int64)  # [rows] valid entries
+        # The last static sampling metadata and the requests (objects) it was built for.
+        self._sampling_key: tuple[Any, ...] = ()
+        self._sampling: SamplingMetadata | None = None
+
+    @property
+    def num_rows(self) -> int:
+        """Requests holding a row now."""
+        return len(self._rows)
+
+    # ---- diffs -------------------------------------------------------------------------
+
+    def drop(self, request_ids: set[str]) -> None:
+        """Free the rows of finished or preempted requests (the scheduler's notices)."""
+        for rid in request_ids:
+            row = self._rows.pop(rid, None)
+            if row is not None:
+                self._free.append(row.index)
+
+    def _row(self, req: Any, in_step: set[int]) -> int:
+        """The table row of ``req``, its new blocks copied in (a fresh row if unknown or
+        stale)."""
+        rid = req.request_id
+        blocks = req.block_ids
+        row = self._rows.get(rid)
+        if row is None or row.request is not req or row.blocks is not blocks:
+            if row is not None:
+                self._free.append(row.index)
+            row = self._rows[rid] = _Row(self._take_row(in_step), req, blocks, 0)
+        n = len(blocks)
+        if n < row.num_blocks:  # shrunk in place: never done, but never trusted either
+            row.num_blocks = 0
+        if n > row.num_blocks:
+            if n > self.block_table.shape[1]:
+                self._grow(cols=max(n, 2 * self.block_table.shape[1]))
+            self.block_table[row.index, row.num_blocks : n] = blocks[row.num_blocks :]
+            row.num_blocks = n
+        self.num_blocks[row.index] = n
+        return row.index
+
+    def _take_row(self, in_step: set[int]) -> int:
+        if not self._free:
+            # Rows of requests not in this step and never reported finished (a worker's
+            # copies learn of finishes only by absence) go first; else the table grows.
+            for rid, row in list(self._rows.items()):
+                if row.index not in in_step:
+                    del self._rows[rid]
+                    self._free.append(row.index)
+            if not self._free:
+                old = self.block_table.shape[0]
+                self._grow(rows=2 * old)
+                self._free = list(range(2 * old - 1, old - 1, -1))
+        return self._free.pop()
+
+    def _grow(self, rows: int | None = None, cols: int | None = None) -> None:
+        r, c = self.block_table.shape
+        table = np.zeros((rows or r, cols or c), dtype=self.block_table.dtype)
+        table[:r, :c] = self.block_table
+        self.block_table = table
+        num = np.zeros(rows or r, dtype=np.int64)
+        num[:r] = self.num_blocks
+        self.num_blocks = num
+
+    # ---- a step ------------------------------------------------------------------------
+
+    def prepare(self, sched: SchedulerOutput | list[ScheduledRequest]) -> Inputs:
+        """This step's inputs. A ``SchedulerOutput`` also frees the rows of its finished
+        and preempted requests first; a bare list (a retry of some of a step's requests)
+        only reads."""
+        if isinstance(sched, SchedulerOutput):
+            self.drop(sched.finished_req_ids)
+            self.drop(sched.preempted_req_ids)
+            scheduled = sched.scheduled
+        else:
+            scheduled = sched
+        num = len(scheduled)
+        starts = np.empty(num, dtype=np.int64)
+        num_new = np.empty(num, dtype=np.int64)
+        rows = np.empty(num, dtype=np.int64)
+        ids: list[int] = []
+        firsts: list[int] = []
+        in_step: set[int] = set()
+        for i, sr in enumerate(scheduled):
+            req, start, n = sr.request, sr.start, sr.num_new_tokens
+            starts[i] = start
+            num_new[i] = n
+            row = rows[i] = self._row(req, in_step)
+            in_step.add(row)
+            firsts.append(len(ids))
+            if n == 1:  # a decode: one token, no slice
+                ids.append(req.all_token_ids[start])
+            else:
+                ids.extend(req.all_token_ids[start : start + n])
+        ids_np = np.array(ids, dtype=np.int64)  # [T]
+        if ids:
+            _check_vocab(int(ids_np.min()), int(ids_np.max()), self.vocab_size)
+        width = int(self.num_blocks[rows].max()) if num else 0
+        attn = AttentionMetadata.build_arrays(
+            starts, num_new, self.block_table[rows, :width], self.num_blocks[rows],
+            self.block_size, self.device,
+        )  # fmt: skip
+        first_row = np.asarray(firsts, dtype=np.int64)
+        seq = np.repeat(np.arange(num), num_new)
+        positions = np.arange(len(ids)) - first_row[seq] + starts[seq]  # [T]
+        sample_rows, sample_reqs, prompt_lp = _sampling_rows(scheduled, firsts)
+        return Inputs(
+            input_ids=torch.from_numpy(ids_np).to(self.device),
+            positions=torch.from_numpy(positions).to(self.device),
+            attn=attn,
+            sample_rows=sample_rows,
+            sample_reqs=sample_reqs,
+            prompt_lp=prompt_lp,
+        )
+
+    def sampling_metadata(
+        self, reqs: list[ScheduledRequest], bitmasks: dict[str, bytes], device: Any
+    ) -> SamplingMetadata:
+        """``SamplingMetadata.build`` for ``reqs``, reused while the sampling rows are the
+        same request objects and none of it depends on the step: no seeded draw (its
+        generator is per output position), penalty or min_tokens (they read the outputs),
+        mask or grammar bitmask."""
+        key = tuple(sr.request for sr in reqs)
+        if not bitmasks and self._sampling is not None and key == self._sampling_key:
+            return self._sampling
+        infos = [row_info(sr, bitmasks.get(sr.request.request_id)) for sr in reqs]
+        meta = SamplingMetadata.build(infos, device)
+        static = (
+            not meta.generators
+            and meta.penalties is None
+            and not meta.min_tokens_rows
+            and all(sr.request.sampling_params.min_tokens == 0 for sr in reqs)
+            and meta.masks is None
+        )
+        self._sampling_key, self._sampling = (key, meta) if static else ((), None)
+        return meta
+
+
+def row_info(sr: ScheduledRequest, bitmask: bytes | None) -> RowInfo:
+    """What the sampler reads of one sampling request."""
+    req = sr.request
+    return RowInfo(
+        params=req.sampling_params,
+        prompt_token_ids=req.prompt_token_ids,
+        output_token_ids=req.output_token_ids,
+        eos_token_id=req.eos_token_id,
+        grammar_bitmask=bitmask,
+    )
