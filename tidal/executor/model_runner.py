@@ -2,9 +2,11 @@
 
 The runner turns a ``SchedulerOutput`` into flattened inputs (no padding: prefills and
 decodes share one batch), runs the model, and samples one token for every request whose
-chunk reached its last known token. It owns the KV cache tensors, nothing else: the
-scheduler owns progress, and seeded sampling keeps no state (its noise is a function of
-the seed and the output position, ``tidal.layers.sampler``).
+chunk reached its last known token. It owns the KV cache tensors and the persistent
+batch (``input_batch.py``: block table rows and sampling metadata kept across steps,
+derived from the requests, docs/architecture.md#persistent-batch); the scheduler owns
+progress, and seeded sampling keeps no state (its noise is a function of the seed and
+the output position, ``tidal.layers.sampler``).
 
 Expert parallelism (``enable_expert_parallel``, EP size = DP size): the worker hands the
 runner its process groups (``set_process_groups``) before ``load_model``, which then
