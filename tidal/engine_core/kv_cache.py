@@ -231,7 +231,18 @@ class KVCacheManager:
         """Grow ``request.block_ids`` to hold ``num_computed_tokens + num_new_computed_tokens
         + num_new_tokens`` tokens, prepending cache hits ``new_computed_blocks`` (which cover
         ``num_new_computed_tokens``). False, with nothing changed, when blocks are short."""
-        hits = list(new_computed_blocks or ())
+        if not new_computed_blocks:  # every running request's step: no hits to take
+            assert num_new_computed_tokens == 0
+            need = self.num_blocks_for(request.num_computed_tokens + num_new_tokens) - len(
+                request.block_ids
+            )
+            if need <= 0:
+                return True
+            if need > self.block_pool.num_free_blocks:
+                return False
+            request.block_ids.extend(self.block_pool.allocate(need))
+            return True
+        hits = list(new_computed_blocks)
         assert num_new_computed_tokens == len(hits) * self.block_size
         assert not hits or not request.block_ids, "cache hits only for a request with no blocks"
         total = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
