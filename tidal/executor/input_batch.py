@@ -215,7 +215,8 @@ class InputBatch:
         ids_np = np.array(ids, dtype=np.int64)  # [T]
         if ids:
             _check_vocab(int(ids_np.min()), int(ids_np.max()), self.vocab_size)
-        width = int(self.num_blocks[rows].max()) if num else 0
+        # Only the columns this step reads: a long context's spare blocks are not copied.
+        width = int((-(-(starts + num_new) // self.block_size)).max()) if num else 0
         attn = AttentionMetadata.build_arrays(
             starts, num_new, self.block_table[rows, :width], self.num_blocks[rows],
             self.block_size, self.device,
