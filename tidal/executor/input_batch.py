@@ -145,7 +145,7 @@ class InputBatch:
         blocks = req.block_ids
         row = self._rows.get(rid)
         if row is None or row.request is not req or row.blocks is not blocks:
-            if row is not None:
+            if row is not None:  # stale: its row is free again (so _take_row evicts nothing)
                 self._free.append(row.index)
             row = self._rows[rid] = _Row(self._take_row(in_step), req, blocks, 0)
         n = len(blocks)
@@ -187,7 +187,7 @@ class InputBatch:
     def prepare(self, sched: SchedulerOutput | list[ScheduledRequest]) -> Inputs:
         """This step's inputs. A ``SchedulerOutput`` also frees the rows of its finished
         and preempted requests first; a bare list (a retry of some of a step's requests)
-        only reads."""
+        frees nothing."""
         if isinstance(sched, SchedulerOutput):
             self.drop(sched.finished_req_ids)
             self.drop(sched.preempted_req_ids)
