@@ -121,6 +121,15 @@ def test_expert_imbalance_and_kernel_paths():
     m.record_expert_load({0: [10, 30, 20, 20], 1: [0, 0, 0, 0]})
     assert _value(m, "tidal:expert_imbalance", layer="0") == 1.5
     assert _value(m, "tidal:expert_imbalance", layer="1") is None  # no load: no ratio
+    assert _value(m, "tidal:ep_rank_imbalance") == 0  # an unlabelled gauge: 0 until load
+    m.record_engine_expert_load({0: 0.0, 3: 0.0})
+    assert _value(m, "tidal:expert_load_rank_tokens", engine="3") == 0
+    assert _value(m, "tidal:ep_rank_imbalance") == 0  # no load: no ratio set
+    m.record_engine_expert_load({0: 45.0, 3: 55.0})
+    assert _value(m, "tidal:expert_load_rank_tokens", engine="0") == 45
+    assert _value(m, "tidal:ep_rank_imbalance") == pytest.approx(1.1)
+    m.forget_engine(3)  # a removed engine's rank series goes with it
+    assert _value(m, "tidal:expert_load_rank_tokens", engine="3") is None
     m.record_cpu_kernels([{"ops": {"moe": {"decode": "cpp", "batch": "torch"}}}, None])
     m.record_cpu_kernels([{"ops": {"moe": {"decode": "cpp", "batch": "cpp"}}}])
     assert _value(m, "tidal:cpu_kernel_path", op="moe", phase="batch", path="cpp") == 1

@@ -11,6 +11,7 @@ from tidal.moe.placement import (
     DISK,
     ExpertPlacement,
     PlacementStrategy,
+    engine_token_loads,
     num_transfers,
     plan_moves,
     rebalance,
@@ -126,6 +127,46 @@ def test_replicas_share_remote_tokens():
     # rank 2 holds no copy of expert 0: its tokens alternate between ranks 0 and 1
     assert {p.rank_of(p.route(0, 2, row)) for row in range(4)} == {0, 1}
     assert p.rank_of(p.route(0, 1, 7)) == 1
+
+
+def test_engine_token_loads_credit_replicas_evenly_per_layer():
+    # 4 experts on 2 ranks, 3 slots each: experts 0 and 1 have a copy on both ranks in
+    # layer 0; layer 1 (its own EPLB placement) replicates 2 and 3.
+    layouts = {0: [0, 1, 2, 3, 0, 1], 1: [3, 2, 0, 1, 2, 3], 5: [0, 1, 2, 3, 0, 1]}
+    load = {0: [10, 20, 30, 40], 1: [0, 0, 0, 8]}  # layer 5: no record, not counted
+    # layer 0: rank 0 = 10/2 + 20/2 + 30, rank 1 = 10/2 + 20/2 + 40; layer 1: 8 split
+    assert engine_token_loads(layouts, load, 2) == [45 + 4, 55 + 4]
+    # the sum over engines is every token routed, whatever the replicas
+    assert sum(engine_token_loads(layouts, load, 2)) == sum(map(sum, load.values()))
+
+
+def test_engine_token_loads_a_rank_without_tokens_and_tp_workers():
+    layouts = {0: [0, 1, 2, 3]}
+    # rank 1 holds experts 2 and 3, which nobody routed to: 0, not left out
+    assert engine_token_loads(layouts, {0: [5, 7, 0, 0]}, 2) == [12, 0]
+    # 2 engines x 2 TP workers = 4 EP ranks; an engine holds its workers' experts
+    assert engine_token_loads(layouts, {0: [1, 2, 3, 4]}, 2, ranks_per_engine=2) == [3, 7]
+    assert engine_token_loads({}, {}, 3) == [0, 0, 0]
+    with pytest.raises(ValueError, match="cannot be split evenly over 3 ranks"):
+        engine_token_loads(layouts, {0: [1, 2, 3, 4]}, 3)  # a placement for another size
+
+
+def test_even_credit_is_what_routing_does_for_remote_tokens():
+    # The slow reference: route every (row, expert) pair from an origin without a copy;
+    # over whole rotations each copy computes the same share (engine_token_loads' model).
+    p = ExpertPlacement.from_layout(4, [[0, 1], [2, 0], [3, 1]])
+    rows = 6  # a multiple of every replica count
+    per_rank = [0, 0, 0]
+    for row in range(rows):
+        for e in (0, 1):
+            per_rank[p.rank_of(p.route(e, 2, row))] += 1
+    # origin 2 holds expert 1: its tokens stay; expert 0's alternate over ranks 0 and 1
+    assert per_rank == [3, 3, rows]
+    assert engine_token_loads({0: list(p.physical_to_logical)}, {0: [rows, 0, 0, 0]}, 3) == [
+        3,
+        3,
+        0,
+    ]
 
 
 def test_plan_moves_linear_2_to_3_and_back():

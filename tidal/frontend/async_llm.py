@@ -35,6 +35,7 @@ from tidal.frontend.outputs import OutputKind, RequestOutput
 from tidal.frontend.processor import InputProcessor, ProcessedPrompt, load_tokenizer
 from tidal.frontend.scaling.scale_driver import ScaleDriver, fault_status
 from tidal.frontend.scaling.scale_records import ScaleTimeouts
+from tidal.moe.placement import engine_token_loads
 from tidal.protocol.errors import EngineDeadError
 from tidal.protocol.messages import DPCoordinatorStats, EngineCoreOutputs
 from tidal.sampling_params import SamplingParams
@@ -258,6 +259,22 @@ class AsyncLLM:
                     acc[e] += n
         return dict(sorted(total.items()))
 
+    async def get_engine_expert_load(self, load: dict[int, list[int]]) -> dict[int, float]:
+        """Engine id -> tokens routed to the experts its EP ranks hold (``load``: the
+        ``get_expert_load`` records), over the EPLB window, summed over layers, under the
+        placement the first engine reports now (every rank holds the same one). Empty while
+        an elastic resize has the layout and the engines out of step."""
+        info = await self.client.call_utility_async("get_eplb_info")
+        engines = list(self.client.topology.engine_ids)
+        layouts = {int(k): v for k, v in info["layouts"].items()}
+        tp = self.config.parallel.tensor_parallel_size
+        try:
+            tokens = engine_token_loads(layouts, load, len(engines), tp)
+        except ValueError:  # mid-resize: the layout is for another EP size; next scrape
+            logger.debug("expert layout does not fit %d engines now", len(engines))
+            return {}
+        return dict(zip(engines, tokens))
+
     async def get_stats(self) -> dict[str, Any]:
         """``/stats``: per-rank load, wave state (the coordinator's view with DP), each
         rank's processes (its engine's pid, its TP size and its workers' pids) and, with
@@ -268,7 +285,10 @@ class AsyncLLM:
             stats["is_scaling_elastic_ep"] = self.is_scaling_elastic_ep()
             stats["scaling_history"] = self.scaling_history()
         if self.has_expert_load:
-            stats["expert_load"] = {str(k): v for k, v in (await self.get_expert_load()).items()}
+            load = await self.get_expert_load()
+            stats["expert_load"] = {str(k): v for k, v in load.items()}
+            by_engine = await self.get_engine_expert_load(load)
+            stats["expert_load_by_engine"] = {str(k): v for k, v in by_engine.items()}
         # Per rank: blocks, block size, cache layout and bytes per token (MLA's latent).
         stats["kv_cache"] = await self.client.call_utility_all_async("get_kv_cache_info")
         if self.config.device == "cpu":

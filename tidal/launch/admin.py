@@ -75,7 +75,9 @@ def add_admin_routes(app: FastAPI, serving: OpenAIServing, metrics: ServerMetric
     async def prometheus() -> Response:
         if getattr(engine, "has_expert_load", False) and not engine.is_dead:
             try:
-                metrics.record_expert_load(await engine.get_expert_load())
+                load = await engine.get_expert_load()
+                metrics.record_expert_load(load)
+                metrics.record_engine_expert_load(await engine.get_engine_expert_load(load))
             except Exception:  # noqa: BLE001 - metrics must render even if a rank is busy
                 logger.warning("expert load unavailable for /metrics", exc_info=True)
         config = getattr(engine, "config", None)

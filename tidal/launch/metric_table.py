@@ -275,6 +275,19 @@ METRICS: tuple[MetricSpec, ...] = (
         "Busiest logical expert's load over the mean (1 = balanced), per MoE layer.",
     ),
     MetricSpec(
+        "tidal:expert_load_rank_tokens",
+        G,
+        ("engine",),
+        "Tokens routed to the experts an engine's EP ranks hold over the EPLB window, "
+        "summed over MoE layers (replicas share their expert's tokens evenly).",
+    ),
+    MetricSpec(
+        "tidal:ep_rank_imbalance",
+        G,
+        (),
+        "Busiest engine's expert_load_rank_tokens over the mean (1 = balanced).",
+    ),
+    MetricSpec(
         "tidal:cpu_kernel_path",
         G,
         ("op", "phase", "path"),

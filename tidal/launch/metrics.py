@@ -63,6 +63,7 @@ _ENGINE_GAUGES = (
     "tidal:kv_cache_usage_perc",
     "tidal:engine_current_wave",
     "tidal:engine_workers",
+    "tidal:expert_load_rank_tokens",
 )
 
 
@@ -183,6 +184,17 @@ class ServerMetrics:
             total = sum(counts)
             if counts and total:
                 imbalance.labels(layer=str(layer)).set(max(counts) * len(counts) / total)
+
+    def record_engine_expert_load(self, tokens: dict[int, float]) -> None:
+        """Engine id -> tokens its experts computed (``AsyncLLM.get_engine_expert_load``)
+        and the busiest engine's share over the mean (no ratio without load)."""
+        series = self.series["tidal:expert_load_rank_tokens"]
+        for engine, n in tokens.items():
+            if str(engine) not in self._retired:
+                series.labels(engine=str(engine)).set(n)
+        total = sum(tokens.values())
+        if tokens and total:
+            self.series["tidal:ep_rank_imbalance"].set(max(tokens.values()) * len(tokens) / total)
 
     def record_cpu_kernels(self, reports: list[dict[str, Any] | None]) -> None:
         """Each rank's CPU kernel choices (``get_cpu_kernels``); a path any rank serves

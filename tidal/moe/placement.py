@@ -320,6 +320,41 @@ def _make_room(layout: list[list[int]], e: int, S: int) -> int:
     raise ValueError(f"cannot place another copy of expert {e}: every rank already holds it")
 
 
+# ---------------------------------------------------------------------- per-rank load
+
+
+def engine_token_loads(
+    layouts: Mapping[int, Sequence[int]],  # layer -> physical_to_logical [P]
+    load: Mapping[int, Sequence[int]],  # layer -> tokens per logical expert [E]
+    num_engines: int,
+    ranks_per_engine: int = 1,
+) -> list[float]:
+    """``[num_engines]`` tokens routed to the experts each engine's EP ranks hold, summed
+    over the layers both maps name (``/metrics``' ``tidal:expert_load_rank_tokens``).
+
+    The EP group has ``num_engines * ranks_per_engine`` ranks (an engine's TP workers are
+    consecutive EP ranks). A replicated expert's tokens are credited evenly to its copies
+    (``ExpertPlacement.rank_loads``, the model EPLB plans with): the routing rule spreads
+    a remote expert's tokens over its copies by token row, so this is exact for experts
+    with one copy and the expected share for the others. An engine whose experts got no
+    tokens reports 0."""
+    if num_engines < 1 or ranks_per_engine < 1:
+        raise ValueError(
+            f"need num_engines >= 1 and ranks_per_engine >= 1, got {num_engines}, {ranks_per_engine}"
+        )
+    out = [0.0] * num_engines
+    for layer, physical_to_logical in layouts.items():
+        counts = load.get(layer)
+        if counts is None:
+            continue
+        placement = ExpertPlacement(
+            len(counts), num_engines * ranks_per_engine, tuple(physical_to_logical)
+        )
+        for rank, tokens in enumerate(placement.rank_loads(counts)):
+            out[rank // ranks_per_engine] += tokens
+    return out
+
+
 # ---------------------------------------------------------------------- resizing
 
 
