@@ -1,7 +1,8 @@
 """Expert parallelism through the whole engine: DP ranks whose MoE layers are sharded.
 
 Greedy tokens must equal the single-process engine's, for both CPU dispatchers, with an
-idle rank (dummy batches), and across EPLB rebalances.
+idle rank (dummy batches), across EPLB rebalances, and after a level-2 sleep (the experts
+reloaded from the checkpoint).
 """
 
 from __future__ import annotations
@@ -83,5 +84,13 @@ def test_eplb_rebalances_without_changing_outputs(qwen3_ckpt, expected):
         assert all(i["num_rebalances"] >= 1 for i in infos), infos
         assert infos[0]["layouts"] == infos[1]["layouts"]  # every rank agrees on the placement
         assert first == second == expected
+        # Sleep level 2 drops every rank's experts; wake-up reloads them under one
+        # placement (the first layer's, on every rank) and the tokens are the same.
+        llm.sleep(level=2)
+        llm.wake_up()
+        after = llm.client.call_utility_all("get_eplb_info")
+        layouts = [v for a in after for v in a["layouts"].values()]
+        assert len(layouts) == 4 and all(v == layouts[0] for v in layouts), after
+        assert _greedy(llm, _prompts(8)) == expected
     finally:
         llm.shutdown()

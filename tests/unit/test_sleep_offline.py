@@ -25,3 +25,25 @@ def test_sleep_wake_up_keeps_greedy_outputs(qwen3_ckpt, multiprocess) -> None:
         llm.wake_up()
         assert llm._call_all("is_sleeping") == [False]
         assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS)] == before
+
+
+@pytest.mark.parametrize("multiprocess", [False, True])
+def test_sleep_level_2_drops_the_weights_and_wake_up_reloads_them(qwen3_ckpt, multiprocess):
+    with LLM(qwen3_ckpt, dtype="float32", multiprocess=multiprocess) as llm:
+        before = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS)]
+        kv = llm._call_all("get_kv_cache_info")[0]
+        weights = llm._call_all("sleep", 2)[0] - kv["bytes"]
+        assert weights > 0  # the resident memory the weights held, measured
+        assert llm._call_all("echo", 1) == [1]  # the engine still answers while asleep
+        # /stats' parts answer without the model: the kept layout, no kernel paths
+        assert llm._call_all("get_kv_cache_info")[0] == kv
+        assert llm._call_all("get_cpu_kernels") == [None]
+        with pytest.raises(Exception, match="asleep"):
+            llm.generate(PROMPTS[:1], PARAMS)
+        llm.wake_up()  # reads the checkpoint again and packs the weights as at start
+        assert llm._call_all("get_cpu_kernels")[0] is not None
+        assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS)] == before
+        # and again: a second level-2 cycle (the reloaded model is as freeable)
+        assert llm.sleep(level=2) > kv["bytes"]
+        llm.wake_up()
+        assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS)] == before

@@ -42,6 +42,8 @@ class EngineCore:
         self.scheduler = Scheduler(config.scheduler, config.cache, self.num_blocks, self.grammars)
         self.kv_cache_bytes: int = self.executor.call("runner.kv_cache_bytes", self.num_blocks)
         self.sleeping = False  # the KV cache is freed (sleep mode)
+        self.weights_freed = False  # and the weights (sleep level 2)
+        self._kv_layout: dict[str, Any] | None = None  # runner.kv_cache_info, kept
         # Block 0 is the null block: the others hold tokens.
         logger.info(
             "engine core ready in %.2fs: KV cache per rank: %d blocks, %d tokens, %d bytes "
@@ -134,9 +136,10 @@ class EngineCore:
         return self.executor.call("worker.get_cpu_kernels")
 
     def sleep(self, level: int) -> int:
-        """Sleep mode (docs/operations.md#sleep-mode): free the KV cache on every worker
-        (both levels; weights stay loaded). Only when no request is here: raises
-        otherwise. Returns the bytes freed (0 if already asleep)."""
+        """Sleep mode (docs/operations.md#sleep-mode): free the KV cache on every worker;
+        level 2 drops the weights too (``wake_up`` reloads them from the checkpoint). Only
+        when no request is here: raises otherwise. Returns the bytes freed (0 if already
+        asleep)."""
         if level not in (1, 2):
             raise ValueError(f"level must be 1 or 2, got {level}")
         if self.sleeping:
@@ -146,13 +149,23 @@ class EngineCore:
         self.scheduler.reset_prefix_cache()  # the blocks' contents are gone
         freed: int = self.executor.call("worker.free_kv_cache")
         self.sleeping = True
-        logger.info("asleep (level %d): freed %d bytes of KV cache", level, freed)
-        return freed
+        weights = 0
+        if level == 2:
+            self.get_kv_cache_info()  # /stats answers from it while the model is gone
+            weights = self.executor.call("worker.free_weights")
+            self.weights_freed = True
+        logger.info(
+            "asleep (level %d): freed %d bytes of KV cache, %d of weights", level, freed, weights
+        )
+        return freed + weights
 
     def wake_up(self) -> bool:
         """Make the KV cache again (zeroed, as at start); False if it was awake."""
         if not self.sleeping:
             return False
+        if self.weights_freed:
+            self.executor.call("worker.reload_weights")
+            self.weights_freed = False
         self.executor.call("worker.initialize_kv_cache", self.num_blocks)
         self.sleeping = False
         logger.info("awake: %d KV blocks", self.num_blocks)
@@ -169,8 +182,11 @@ class EngineCore:
         the driver worker's layout and bytes per token, ``num_blocks`` (with the null block),
         the ``tokens`` they hold, ``bytes`` over its workers and the ``block_size``."""
         block_size = self.config.cache.block_size
+        layout = self._kv_layout
+        if layout is None:  # fixed for the engine's life; asked while awake
+            layout = self._kv_layout = self.executor.call("runner.kv_cache_info")
         return {
-            **self.executor.call("runner.kv_cache_info"),
+            **layout,
             "num_blocks": self.num_blocks,
             "tokens": (self.num_blocks - 1) * block_size,
             "bytes": self.kv_cache_bytes,

@@ -250,6 +250,25 @@ class DPEngineCoreProc(EngineCoreProc):
         self.wave.on_request(self.wave.wave)
         self._send_outputs(EngineCoreOutputs(start_wave=self.wave.wave), TO_COORDINATOR)
 
+    def utility_sleep(self, level: int) -> int:
+        """Sleep mode with DP (``EngineCore.sleep``): while its wave runs an idle rank
+        still steps dummy forwards, which need the KV cache and the weights, so the group
+        steps here until the wave ends (every rank idle: a few steps), then sleeps."""
+        core = self.engine_core
+        if level not in (1, 2):
+            raise ValueError(f"level must be 1 or 2, got {level}")
+        if core.has_unfinished_requests():
+            raise RuntimeError("requests are running; sleep when the engine is idle")
+        while self.wave.running and not core.sleeping:
+            try:
+                self._step_group()
+            except GroupFailure as e:
+                if self.shell is None:
+                    raise
+                self._on_group_failure(str(e))
+                raise RuntimeError(f"cannot sleep: the DP/EP group failed: {e}") from e
+        return core.sleep(level)
+
     def utility_dp_state(self) -> dict[str, Any]:
         """For tests and debugging: this rank's view of the wave."""
         top = self.topology

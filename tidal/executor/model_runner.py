@@ -94,6 +94,9 @@ class ModelRunner:
         self.placement: ExpertPlacement | None = None
         self.eplb: EplbState | None = None
         self.moe_context = MoEForwardContext()
+        # What load_model loaded, so a sleep at level 2 can load it again.
+        self._local_expert_ids: list[int] | None = None
+        self._sleep_layout: list[list[int]] | None = None
 
     # ---- setup -------------------------------------------------------------------------
 
@@ -123,6 +126,11 @@ class ModelRunner:
     def model(self, model: MoECausalLM) -> None:
         self._model = model
 
+    @property
+    def has_model(self) -> bool:
+        """False before ``load_model`` and between ``free_weights`` and ``reload_weights``."""
+        return self._model is not None
+
     def load_model(
         self,
         local_expert_ids: list[int] | None = None,
@@ -135,6 +143,7 @@ class ModelRunner:
         given, else the linear launch placement. ``load_experts=False``: allocate the
         expert slots but do not read them (a joining engine: they arrive from peers)."""
         common = {"load_experts": load_experts, "tp": self.tp, "device": self.device}
+        self._local_expert_ids = local_expert_ids  # what reload_weights loads again
         if self.ep_group is None:
             self.model = load_model(self.config, local_expert_ids=local_expert_ids, **common)
             return
@@ -152,6 +161,27 @@ class ModelRunner:
             self.config, local_expert_ids=self.placement.local_expert_ids(rank), **common
         )
         self.setup_expert_parallel(self.placement)
+
+    def free_weights(self) -> None:
+        """Sleep level 2 (docs/operations.md#sleep-mode): drop the model -- every weight,
+        the packed layouts included, held by nothing else -- and the EP state built on it;
+        ``reload_weights`` reads them again. Free the KV cache first."""
+        if self._model is None:
+            raise RuntimeError("no model to free: load_model first")
+        if self.eplb is not None:
+            # Reloaded under one placement for every layer (EPLB may have re-placed each
+            # on its own): the outputs do not depend on it, and EPLB rebalances again.
+            p = self.eplb.placements[0]
+            self._sleep_layout = [p.local_expert_ids(r) for r in range(p.ep_size)]
+        self.eplb = None
+        self._model = None
+
+    def reload_weights(self) -> None:
+        """Load the model again from the checkpoint after ``free_weights`` (the loader,
+        the CPU paths chosen and the weights packed as at start); then the KV cache."""
+        if self._model is not None:
+            raise RuntimeError("the model is loaded: free_weights first")
+        self.load_model(self._local_expert_ids, layout=self._sleep_layout)
 
     def setup_expert_parallel(self, placement: ExpertPlacement) -> None:
         """Give every MoE layer a dispatcher for ``placement`` on the current EP group and

@@ -36,11 +36,13 @@ Nothing read from them is unpickled (``StatelessGroup.all_gather_object`` is msg
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import threading
 from typing import Any
 
+import psutil
 import torch
 from torch.distributed import ReduceOp
 
@@ -335,6 +337,31 @@ class Worker:
             torch.cuda.empty_cache()
         return freed
 
+    @rpc(Reduce.SUM, local=True)  # a rank's weights are its workers' together
+    def free_weights(self) -> int:
+        """Sleep level 2: drop the model's weights (``ModelRunner.free_weights``) and
+        return the memory to the OS; ``reload_weights`` reads them again. The bytes freed,
+        measured: resident memory on CPU, allocated memory on GPU (the packed layouts the
+        CPU paths hold are opaque to a count of tensors)."""
+        before = self._held_bytes()
+        self.model_runner.free_weights()
+        gc.collect()  # the model's modules may hold reference cycles
+        if self.device.type == "cpu":
+            release_free_heap()
+        elif self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        return max(0, before - self._held_bytes())
+
+    def _held_bytes(self) -> int:
+        if self.device.type == "cuda":
+            return torch.cuda.memory_allocated(self.device)
+        return psutil.Process().memory_info().rss
+
+    @rpc()  # the CPU path trials agree over the TP group: every worker, in step
+    def reload_weights(self) -> None:
+        """Wake-up from level 2: load the weights again from the checkpoint."""
+        self.model_runner.reload_weights()
+
     # With TP only the driver calls it: the DP group of the rank-0 workers carries the
     # ranks' consensus.
     @rpc(Reduce.FIRST, reply=ReplyMode.DRIVER, driver_only=True)
@@ -389,6 +416,8 @@ class Worker:
     def get_cpu_kernels(self) -> dict[str, Any] | None:
         """The measured kernel choices (``/stats``), with the cores this worker runs on and
         its thread count: pinned (``--cpu-affinity``) or the process's whole mask."""
+        if not self.model_runner.has_model:  # asleep at level 2: no paths serve now
+            return None
         report = getattr(self.model_runner.model, "cpu_paths", None)
         if report is None:
             return None

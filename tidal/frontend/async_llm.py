@@ -202,8 +202,9 @@ class AsyncLLM:
         return len(outputs)
 
     async def sleep(self, level: int = 1) -> int:
-        """Free the KV cache on every rank (docs/operations.md#sleep-mode); only while no
-        request runs. Returns the bytes freed, all ranks together."""
+        """Free the KV cache on every rank, level 2 the weights too
+        (docs/operations.md#sleep-mode); only while no request runs. Returns the bytes
+        freed, all ranks together."""
         return sum(await self.client.call_utility_all_async("sleep", level))
 
     async def wake_up(self) -> None:

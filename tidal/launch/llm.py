@@ -166,13 +166,14 @@ class LLM:
         return [finished[rid] for rid in order]
 
     def sleep(self, level: int = 1) -> int:
-        """vLLM's ``LLM.sleep``: free every rank's KV cache between ``generate`` calls
-        (both levels; weights stay, docs/operations.md#sleep-mode). Returns the bytes
+        """vLLM's ``LLM.sleep``: free every rank's KV cache between ``generate`` calls,
+        and at level 2 the weights too (docs/operations.md#sleep-mode). Returns the bytes
         freed; ``generate`` fails until ``wake_up()``."""
         return sum(self._call_all("sleep", level))
 
     def wake_up(self) -> None:
-        """Make the KV caches again; outputs are as before the sleep."""
+        """Make the KV caches again (after level 2, reload the weights from the
+        checkpoint first); outputs are as before the sleep."""
         self._call_all("wake_up")
 
     def _call_all(self, method: str, *args: Any) -> list[Any]:

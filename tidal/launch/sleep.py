@@ -1,5 +1,6 @@
 """vLLM's sleep mode routes (docs/operations.md#sleep-mode): ``POST /sleep?level=1|2``
-frees the KV cache on every rank, ``POST /wake_up`` makes it again, ``GET /is_sleeping``
+frees the KV cache on every rank (level 2: and the weights), ``POST /wake_up`` makes it
+again (level 2: reloads the weights from the checkpoint first), ``GET /is_sleeping``
 answers ``{"is_sleeping": bool}``. While asleep, generation requests get 503 with
 ``Retry-After`` (``lifecycle.AdmissionMiddleware``) and ``/ready`` says ``sleeping``.
 
