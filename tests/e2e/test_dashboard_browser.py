@@ -113,6 +113,7 @@ class DashboardFakeLLM(ScalingFakeLLM):
             "waves_completed": 4,
             "ranks": ranks,
             "expert_load": EXPERT_LOAD,
+            "expert_load_by_engine": {"0": 30.0, "1": 10.0},
         }
 
     def requests_total(self, rank: int) -> int:
@@ -220,6 +221,13 @@ async def test_dashboard_renders_throughput_heatmap_and_timeline(per_rank_tokens
         g["data-layer"]: float(g["data-imbalance"]) for g in page.find("g", **{"class": "layer"})
     }
     assert imb == {"0": pytest.approx(4.0), "1": pytest.approx(1.0)}
+    # Per engine: the tokens its experts computed and the busiest over the mean.
+    loads = {
+        e["data-engine"]: float(e["data-tokens"])
+        for e in page.find("span", **{"class": "engine-load"})
+    }
+    assert loads == {"0": 30.0, "1": 10.0}
+    assert float(page.one("div", id="rank-balance")["data-imbalance"]) == pytest.approx(1.5)
     hot = page.one("rect", data_layer="0", data_expert="2")
     cold = page.one("rect", data_layer="0", data_expert="3")
     assert hot["fill"] != cold["fill"]
