@@ -11,6 +11,7 @@ import time
 
 import httpx
 import psutil
+import pytest
 
 from tests.e2e.server_utils import (
     PortConflict,
@@ -223,8 +224,13 @@ def test_launch_dp2_ep_exposes_expert_load(qwen3_ckpt):
         load = stats["expert_load"]
         assert sorted(load) == ["0", "1"]  # the tiny model's two MoE layers
         assert all(len(c) == 8 for c in load.values()) and sum(load["0"]) > 0
+        # Per engine: its experts' tokens; every routed token is computed on one engine.
+        by_engine = stats["expert_load_by_engine"]
+        assert sorted(by_engine) == ["0", "1"] and all(n > 0 for n in by_engine.values())
+        assert sum(by_engine.values()) == pytest.approx(sum(map(sum, load.values())), abs=0.5)
         metrics = httpx.get(srv.url + "/metrics", timeout=60).text
         assert 'tidal:expert_load_tokens{expert="0",layer="0"}' in metrics
+        assert 'tidal:expert_load_rank_tokens{engine="1"}' in metrics
     finally:
         srv.stop()
     assert srv.leftover_processes() == []
