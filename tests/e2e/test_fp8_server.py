@@ -3,7 +3,8 @@ elastic EP: ``--dp 2 --ep --enable-elastic-ep`` scaled 2 -> 3 -> 2 under streami
 The joining engine gets its FP8 experts and their scales from its peers (expert
 transfers), the scale-down moves the leaving engine's back; every stream completes and
 equals its greedy reference from before the scaling (float32 activations, so batches
-do not change a token; ``--cpu-kernels torch``: no path trials at each engine start)."""
+do not change a token; ``--cpu-kernels native``: the C++ FP8 kernels serve, and no path
+trials run at each engine start)."""
 
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ def test_fp8_checkpoint_scales_2_3_2_under_load(deepseek_fp8_ckpt):
     srv = KeyedServer(
         [
             "--model", deepseek_fp8_ckpt, "--dp", "2", "--ep", "--enable-elastic-ep",
-            "--dtype", "float32", "--max-model-len", "256", "--cpu-kernels", "torch",
+            "--dtype", "float32", "--max-model-len", "256", "--cpu-kernels", "native",
             "--log-level", "warning",
         ]
     )  # fmt: skip

@@ -98,7 +98,7 @@ def test_pluggable_kernel_takes_row_scales_and_leading_dims():
     packed = kernel.pack(q, row_scales(scale, 48, 40, (16, 16)), 16)
     x = torch.randn(2, 3, 40)
     want = x @ _dequantize(q, scale, (16, 16)).T
-    torch.testing.assert_close(kernel(x, packed, None), want, atol=1e-4, rtol=0)
+    torch.testing.assert_close(kernel(x, packed, None, "nta"), want, atol=1e-4, rtol=0)
 
 
 @pytest.mark.parametrize(
@@ -129,5 +129,12 @@ def test_fp8_fused_moe_matches_the_reference_on_dequantized_experts(
     want16 = fused_experts_reference(x.bfloat16().float(), d13, d2, weights, ids)
     assert got16.dtype == torch.bfloat16
     torch.testing.assert_close(got16.float(), want16, atol=1e-2 * want16.abs().max().item(), rtol=0)
+    # The pack gives the checkpoint layout back exactly (it is the experts' only copy).
+    r13 = torch.stack([row_scales(s, 2 * inter, hidden, block) for s in s13])
+    r2 = torch.stack([row_scales(s, hidden, inter, block) for s in s2])
+    slots = [num - 1, 0]
+    for got_part, want_part in zip(packed.unpack(slots), (w13, w2, r13, r2)):
+        assert got_part.dtype == want_part.dtype
+        assert torch.equal(got_part.view(torch.uint8), want_part[slots].view(torch.uint8))
     with pytest.raises(ValueError, match="not match"):
         pack_fp8_experts(w13, s13, w2[:, :, :-1], s2, block)

@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
 from tests.unit.test_models import PagedRunner, _hf_logits, _hf_model, _prompts
+from tidal.kernels.cpu_ext import kernel_available, kernel_status
 from tidal.kernels.fp8_torch import (
     FP8_DTYPE,
     dequantize_fp8_blocks,
@@ -25,6 +27,7 @@ from tidal.kernels.fp8_torch import (
     quantize_fp8_blocks,
     row_scales,
 )
+from tidal.kernels.select import Candidate, Choice, choose_paths
 from tidal.launch.engine_args import EngineArgs
 from tidal.layers.quant import FP8_LINEAR_KERNELS, Fp8BlockMethod, Fp8Linear
 from tidal.models.loader import CheckpointError, load_expert_weights, load_model
@@ -58,7 +61,15 @@ def _load(path: str, **kwargs):
 
 @pytest.fixture(scope="module")
 def fp8_model(fp8_ckpt):
-    return _load(fp8_ckpt)  # dtype auto: bfloat16
+    return _load(fp8_ckpt, cpu_kernels="torch")  # dtype auto: bfloat16; the FP8 reference
+
+
+@pytest.fixture(scope="module")
+def fp8_native(fp8_ckpt):
+    """The checkpoint on the C++ FP8 kernels (linears and experts), float32 activations."""
+    if not kernel_available():
+        pytest.skip(f"the C++ kernels are not built: {kernel_status()}")
+    return _load(fp8_ckpt, dtype="float32", cpu_kernels="native")
 
 
 # ---------------------------------------------------------------- quantizer, held form
@@ -117,26 +128,30 @@ def test_fp8_linear_reference_equals_dequantized_matmul_and_kernel_hook():
     assert torch.allclose(lin(x), want, atol=1e-5)
     assert lin(x.bfloat16()).dtype == torch.bfloat16  # w8a16: the activation's dtype
 
-    calls = []
+    if not kernel_available():
+        return
+    # The C++ kernel (FP8_LINEAR_KERNELS["native"]): its pack is the only copy, the weight
+    # and scales read back exactly, a write through them is packed again.
+    q8, scales = q.clone(), lin.weight_scale.detach().clone()
+    lin.set_cpu_path("linear", _forced("native"))
+    lin.pack_weights()
+    assert lin.is_released("weight") and lin.is_released("weight_scale")
+    assert torch.allclose(lin(x), want, atol=1e-5)
+    assert torch.equal(lin.weight.view(torch.uint8), q8.view(torch.uint8))
+    assert torch.equal(lin.weight_scale, scales)
+    lin.weight_scale.mul_(2)  # a write through the rebuilt copy...
+    lin.weights_updated()  # ...lands in the pack
+    torch.testing.assert_close(lin(x) - lin.bias, 2 * (want - lin.bias), atol=1e-4, rtol=0)
+    lin.set_cpu_path("linear", _forced("torch"))  # back to the parameters, exact
+    assert not lin.is_released("weight")
+    assert torch.equal(lin.weight_scale, 2 * scales)
 
-    class Recorded:  # a stand-in kernel: the hook packs once and is called per forward
-        def pack(self, weight, scales, block_k):
-            calls.append("pack")
-            return dequantize_fp8_rows(weight, scales, block_k, torch.float32)
 
-        def __call__(self, x, packed, bias):
-            calls.append("call")
-            return torch.nn.functional.linear(x, packed, bias)
-
-    FP8_LINEAR_KERNELS["recorded"] = Recorded()
-    try:
-        lin.use_kernel("recorded")
-        assert torch.allclose(lin(x), want, atol=1e-5)
-        assert calls == ["pack", "call"]
-        with pytest.raises(ValueError, match="no FP8 linear kernel 'nope'"):
-            lin.use_kernel("nope")
-    finally:
-        del FP8_LINEAR_KERNELS["recorded"]
+def _forced(path: str, variant: str = "") -> Choice:
+    if path == "native" and not variant:
+        variant = "t0"
+    c = Candidate(path, variant)
+    return Choice(c, c, path, "forced")
 
 
 # ---------------------------------------------------------------- loading
@@ -261,7 +276,7 @@ def _teacher_forced(model, prompts):  # [sum(len), V] log-probabilities
     )
 
 
-def test_fp8_parity_with_transformers_on_the_dequantized_checkpoint(fp8_ckpt, deq_ckpt):
+def test_fp8_parity_with_transformers_on_the_dequantized_checkpoint(fp8_ckpt, deq_ckpt, fp8_model):
     """Reference: transformers' DeepSeek-V3 on the FP8 checkpoint dequantized to float32.
     Tidal on that folder is exact (the float32 guarantee); Tidal serving the FP8 folder in
     float32 holds the same values, so it is too; in bfloat16 it is exactly the dequantized
@@ -272,14 +287,12 @@ def test_fp8_parity_with_transformers_on_the_dequantized_checkpoint(fp8_ckpt, de
     with torch.no_grad():
         ref = torch.cat([_hf_logits(hf, p).log_softmax(-1) for p in prompts])
     top = ref.argmax(-1, keepdim=True)
-    for model in (_load(deq_ckpt), _load(fp8_ckpt, dtype="float32")):
+    for model in (_load(deq_ckpt), _load(fp8_ckpt, dtype="float32", cpu_kernels="torch")):
         got = _teacher_forced(model, prompts)
         assert (got - ref).abs().max().item() < 1e-4
-    # Both on the torch path: the measured C++ bf16 kernels (attention, norm, the
-    # unquantized linears) round differently from torch's, and "auto" may pick them.
-    got = _teacher_forced(_load(fp8_ckpt, cpu_kernels="torch"), prompts)
-    peer = _load(deq_ckpt, dtype="bfloat16", cpu_kernels="torch")
-    assert torch.equal(got, _teacher_forced(peer, prompts))
+    got = _teacher_forced(fp8_model, prompts)
+    deq16 = _load(deq_ckpt, dtype="bfloat16", cpu_kernels="torch")
+    assert torch.equal(got, _teacher_forced(deq16, prompts))
     agree = (got.argmax(-1, keepdim=True) == top).float().mean().item()
     diff = (got.gather(1, top) - ref.gather(1, top)).abs().squeeze(1)  # at the reference's pick
     assert agree >= 0.85, agree
@@ -319,43 +332,103 @@ def test_expert_reads_and_moves_carry_the_scales_exactly(fp8_ckpt, fp8_model):
         assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
 
 
-def test_fp8_experts_kernel_hook_packs_after_every_write(fp8_model):
-    moe = fp8_model.layers[1].mlp
-    packs = []
-
-    class Dequantized:  # a stand-in kernel: the reference loop on a dequantized pack
-        def pack(self, w13, w2, w13_scale, w2_scale, block_k):
-            packs.append(block_k)
-            return (
-                dequantize_fp8_rows(w13, w13_scale, block_k, torch.float32),
-                dequantize_fp8_rows(w2, w2_scale, block_k, torch.float32),
-            )
-
-        def __call__(self, x, packed, topk_weights, topk_ids, expert_map):
-            return fused_experts_reference(x, *packed, topk_weights, topk_ids, expert_map, True)
-
+def test_native_fp8_experts_hold_one_copy_and_move_exactly(fp8_model, fp8_native):
+    """The C++ FP8 experts' pack is the only copy of the experts and their scales: reads
+    rebuild them exactly, an EPLB move (a write) is packed again, and the kernel then
+    serves the moved experts like the reference."""
+    ref, moe = fp8_model.layers[1].mlp, fp8_native.layers[1].mlp
+    assert all(moe.is_released(n) for n in ("w13", "w2", "w13_scale", "w2_scale"))
+    assert not any(p.dtype == FP8_DTYPE for p in fp8_native.parameters())  # held packed only
+    for a, b in zip(moe.expert_weights([2, 5]), ref.expert_weights([2, 5])):
+        assert a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
     x = torch.randn(5, 256, generator=torch.Generator().manual_seed(1))
     weights, ids = (
         torch.tensor([[0.6, 0.4]] * 5),
         torch.tensor([[1, 6], [0, 2], [3, 4], [6, 1], [7, 5]]),
     )
-    want = moe.forward_experts(x, weights, ids)
+    want = ref.fp8_reference(x, weights, ids, None)
+    torch.testing.assert_close(moe.forward_experts(x, weights, ids), want, atol=1e-5, rtol=0)
     swap = TransferPlan((), (), ((1, 6), (6, 1)))
-    FP8_EXPERT_KERNELS["dequantized"] = Dequantized()
+    move_expert_weights(moe, swap, None)  # a write: packed again
     try:
-        moe.use_fp8_kernel("dequantized")
-        assert packs == [128]
-        assert torch.allclose(moe.forward_experts(x, weights, ids), want, atol=1e-5)
-        move_expert_weights(moe, swap, None)  # a write: packed again
-        assert packs == [128, 128]
+        assert moe.is_released("w13") and not moe.materialized_params()
         swapped = torch.where(ids == 1, 6, torch.where(ids == 6, 1, ids))
-        assert torch.allclose(moe.forward_experts(x, weights, swapped), want, atol=1e-5)
-        with pytest.raises(ValueError, match="no FP8 experts kernel 'nope'"):
-            moe.use_fp8_kernel("nope")
+        got = moe.forward_experts(x, weights, swapped)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
     finally:
-        moe.use_fp8_kernel(None)
-        del FP8_EXPERT_KERNELS["dequantized"]
         move_expert_weights(moe, swap, None)
+    for a, b in zip(moe.expert_weights(list(range(8))), ref.expert_weights(list(range(8)))):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+def test_native_fp8_parity_with_the_reference(fp8_ckpt, fp8_native, qwen3_ckpt, tmp_path):
+    """The C++ FP8 path against the torch reference on the same checkpoint, float32
+    activations: logits close and the greedy tokens equal (DeepSeek-V3, 128x128 blocks;
+    Qwen3-MoE, fused q|k|v and gate|up, per-tensor scales)."""
+    prompts = _prompts(512, [12, 9], seed=5)
+    ref = _load(fp8_ckpt, dtype="float32", cpu_kernels="torch")
+    assert isinstance(fp8_native.layers[1].self_attn.q_proj, Fp8Linear)
+    assert fp8_native.layers[1].self_attn.q_proj.is_released("weight")
+    got, want = _teacher_forced(fp8_native, prompts), _teacher_forced(ref, prompts)
+    assert (got - want).abs().max().item() < 1e-4
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+    path = make_tiny_fp8_checkpoint(str(tmp_path / "pt"), source=qwen3_ckpt, block=None)
+    native = _load(path, dtype="float32", cpu_kernels="native")
+    torch_ = _load(path, dtype="float32", cpu_kernels="torch")
+    got, want = _teacher_forced(native, prompts), _teacher_forced(torch_, prompts)
+    assert (got - want).abs().max().item() < 1e-4
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+@pytest.mark.parametrize("slow", ["native", "torch"])
+def test_the_measured_fp8_path_follows_the_timings(slow, tmp_path, monkeypatch):
+    """The FP8 linear and experts join the measured choice (op keys fp8_linear / fp8_moe):
+    whichever path the clock makes slow is not chosen, and the module serves by the one
+    chosen (the kernel's pack, or the reference's parameters)."""
+    if not kernel_available():
+        pytest.skip(f"the C++ kernels are not built: {kernel_status()}")
+    now = [0.0]
+    cost = {"native": 1e-4, "torch": 1e-4}
+    cost[slow] = 1e-2
+
+    def timed(fn, path):
+        def run(*args, **kwargs):
+            now[0] += cost[path]
+            return fn(*args, **kwargs)
+
+        return run
+
+    class Timed:  # the C++ kernels, charged their fake cost on the fake clock
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getattr__(self, name):
+            return getattr(self.kernel, name)
+
+        def __call__(self, *args):
+            return timed(self.kernel, "native")(*args)
+
+    monkeypatch.setitem(FP8_LINEAR_KERNELS, "native", Timed(FP8_LINEAR_KERNELS["native"]))
+    monkeypatch.setitem(FP8_EXPERT_KERNELS, "native", Timed(FP8_EXPERT_KERNELS["native"]))
+    monkeypatch.setattr(Fp8Linear, "reference", timed(Fp8Linear.reference, "torch"))
+    monkeypatch.setattr(FusedMoE, "fp8_reference", timed(FusedMoE.fp8_reference, "torch"))
+    method = Fp8BlockMethod((32, 32))
+    lin = Fp8Linear(64, 48, method)
+    moe = FusedMoE(4, 2, 64, 48, True)
+    moe.hold_fp8(32)
+    # The fake costs on top of real time scaled down 100x: the ops not faked (the
+    # router) still time above zero, the faked ones by their fake cost alone.
+    def clock() -> float:
+        return now[0] + time.perf_counter() * 1e-2
+
+    report = choose_paths([lin, moe], cache_dir=str(tmp_path), batch_rows=8, clock=clock)
+    fast = "torch" if slow == "native" else "native"
+    for name in ("fp8_linear[64x48x0x32]", "fp8_moe[4x64x48x2x4x32]"):
+        choice = report.choices[name]
+        assert choice.layout == choice.decode.path == choice.batch.path == fast, choice
+    lin.pack_weights()
+    moe.pack_weights()
+    assert lin.is_released("weight") == moe.is_released("w13") == (fast == "native")
 
 
 def test_fp8_experts_dequantized_a_chunk_at_a_time_add_up(fp8_model, monkeypatch):

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from tidal.kernels.cpu_ext import kernel_available, kernel_status
+from tidal.kernels.cpu_ext import kernel_available, kernel_status, native_variant
 from tidal.kernels.cpu_linear import BLOCK, copy_blocks
 from tidal.kernels.cpu_moe import DOWN_BLOCK, GATE_BLOCK
 from tidal.kernels.host_memory import empty_huge
@@ -127,14 +127,23 @@ def fp8_linear(
 
 class Fp8CpuLinear:
     """The C++ FP8 linear as a pluggable kernel: ``pack(weight, row_scales, block_k)``
-    once, then ``self(x, packed, bias)`` per forward (any leading dims of x)."""
+    once (the only copy: ``unpack`` gives the weight and scales back, exact), then
+    ``self(x, packed, bias, variant)`` per forward (any leading dims of x; ``variant``: the
+    measured prefetch hint, ``select.Candidate.variant``)."""
 
     def pack(self, weight: Tensor, scales: Tensor, block_k: int) -> PackedFp8Linear:
         return pack_fp8_rows(weight, scales, block_k)
 
-    def __call__(self, x: Tensor, packed: PackedFp8Linear, bias: Tensor | None) -> Tensor:
+    def unpack(self, packed: PackedFp8Linear) -> tuple[Tensor, Tensor]:
+        return packed.unpack()
+
+    def __call__(
+        self, x: Tensor, packed: PackedFp8Linear, bias: Tensor | None, variant: str = ""
+    ) -> Tensor:
         rows = x.reshape(-1, x.shape[-1])
-        return fp8_linear(rows, packed, bias).reshape(*x.shape[:-1], packed.out_features)
+        hint, _ = native_variant(variant)
+        out = fp8_linear(rows, packed, bias, hint if variant else 1)
+        return out.reshape(*x.shape[:-1], packed.out_features)
 
 
 @dataclass(frozen=True)
@@ -151,6 +160,34 @@ class PackedFp8Experts:
     hidden: int
     inter: int
     block_k: int
+
+    @property
+    def num_experts(self) -> int:
+        return self.w13.shape[0]
+
+    def unpack(self, slots: list[int] | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """``(w13 [S, 2I, H], w2 [S, H, I])`` float8_e4m3fn and their row scales
+        ``(s13 [S, 2I, ceil(H/bk)], s2 [S, H, ceil(I/bk)])`` of ``slots`` (None: all), back
+        from the pack, exact (copies): what expert moves read when this is the only copy."""
+        return tuple(self.unpack_part(i, slots) for i in range(4))  # type: ignore[return-value]
+
+    def unpack_part(self, part: int, slots: list[int] | None = None) -> Tensor:
+        """One of ``unpack``'s four tensors (0: w13, 1: w2, 2: s13, 3: s2)."""
+        idx = list(range(self.num_experts)) if slots is None else list(slots)
+        n, hidden, inter = len(idx), self.hidden, self.inter
+        if part in (0, 2):  # [S, G, C, 2, 32] -> [S, 2, G*32, C], cut to I: gate rows, up rows
+            src = (self.w13 if part == 0 else self.s13)[idx]
+            g, depth = src.shape[1], src.shape[2]
+            halves = src.view(n, g, depth, 2, GATE_BLOCK).permute(0, 3, 1, 4, 2)
+            out = halves.reshape(n, 2, g * GATE_BLOCK, depth)[:, :, :inter]
+            out = out.reshape(n, 2 * inter, depth)
+        else:  # [D, S, C, 64] -> [S, D*64, C], cut to H rows (and the scales to their chunks)
+            src = (self.w2 if part == 1 else self.s2)[:, idx]
+            d, depth = src.shape[0], src.shape[2]
+            out = src.permute(1, 0, 3, 2).reshape(n, d * DOWN_BLOCK, depth)[:, :hidden]
+            out = out[:, :, : (inter if part == 1 else math.ceil(inter / self.block_k))]
+        out = out.contiguous()
+        return out.view(FP8_DTYPE) if part < 2 else out
 
 
 def pack_fp8_experts_rows(
@@ -234,3 +271,36 @@ def fp8_fused_experts(
         packed.s2,
         packed.block_k,
     )
+
+
+class Fp8CpuExperts:
+    """The C++ FP8 experts as a pluggable kernel: ``pack(w13, w2, w13_scale, w2_scale,
+    block_k)`` (row scales) once per write -- the only copy: ``unpack`` gives the four
+    back, exact -- then ``self(x, packed, topk_weights, topk_ids, expert_map, variant)``."""
+
+    def pack(
+        self, w13: Tensor, w2: Tensor, w13_scale: Tensor, w2_scale: Tensor, block_k: int
+    ) -> PackedFp8Experts:
+        return pack_fp8_experts_rows(w13, w13_scale, w2, w2_scale, block_k)
+
+    def unpack(
+        self, packed: PackedFp8Experts, slots: list[int] | None = None
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        return packed.unpack(slots)
+
+    def unpack_part(self, packed: PackedFp8Experts, part: int) -> Tensor:
+        return packed.unpack_part(part)
+
+    def __call__(
+        self,
+        x: Tensor,  # [T, H] float32 or bf16
+        packed: PackedFp8Experts,
+        topk_weights: Tensor,  # [T, K] float32
+        topk_ids: Tensor,  # [T, K] int64 global ids
+        expert_map: Tensor | None,  # [E_global] int32
+        variant: str = "",
+    ) -> Tensor:  # [T, H], x's dtype
+        hint, _ = native_variant(variant)
+        return fp8_fused_experts(
+            x, packed, topk_weights, topk_ids, expert_map, True, hint if variant else 1
+        )

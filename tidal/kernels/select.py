@@ -21,7 +21,9 @@ The parts:
   Candidates depend on the weights' dtype (``weight_candidates``): bf16 weights have the
   C++ shift kernel, the AVX512-BF16 dot kernel (``dot-`` variants) where the CPU has it,
   oneDNN bf16 and torch; the cache fingerprint holds the dtype, so a float32 and a bf16
-  model of one shape never share timings.
+  model of one shape never share timings. FP8 weights (a quantized checkpoint) have the
+  C++ FP8 kernels per hint and torch (dequantize per call); their ops are keyed apart
+  (``fp8_linear``, ``fp8_moe``, with the scales' block) from the model dtype's.
 * ``measure``: the trial harness, candidates interleaved round by round (the machine's
   noise hits them alike), the best round per candidate; the clock is an argument, so the
   tests drive it.
@@ -53,6 +55,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from tidal.kernels.cpu_ext import DOT_PREFIX, PREFETCH_HINTS, bf16_dot_available, kernel_available
+from tidal.kernels.fp8_torch import FP8_DTYPE
 from tidal.kernels.onednn import onednn_available
 
 logger = logging.getLogger(__name__)
@@ -92,7 +95,7 @@ class Candidate:
 class OpKey:
     """An op family and the shape it runs at: ops of equal keys share one choice."""
 
-    op: str  # moe | router | router_logits | linear | attention | norm
+    op: str  # moe | router | router_logits | linear | attention | norm | fp8_linear | fp8_moe
     shape: tuple[int, ...]
 
     @property
@@ -147,8 +150,9 @@ def native_candidates(
     hints: Iterable[str] = NATIVE_HINTS, dtype: torch.dtype = torch.float32
 ) -> list[Candidate]:
     """The C++ kernels for ``dtype`` weights, one candidate per prefetch hint (none where
-    not built or for another dtype); bf16 adds the dot kernel's, where the CPU has it."""
-    if not kernel_available() or dtype not in (torch.float32, torch.bfloat16):
+    not built or for another dtype); bf16 adds the dot kernel's, where the CPU has it.
+    ``float8_e4m3fn``: the FP8 kernels (``cpu_fp8.py``, decoded in registers)."""
+    if not kernel_available() or dtype not in (torch.float32, torch.bfloat16, FP8_DTYPE):
         return []
     hints = [h for h in hints if h in PREFETCH_HINTS]
     out = [Candidate("native", h) for h in hints]
@@ -159,9 +163,10 @@ def native_candidates(
 
 def weight_candidates(dtype: torch.dtype) -> list[Candidate]:
     """The candidates of an op holding weights (linear, router, experts) for ``dtype``:
-    the C++ kernels (float32: one per hint; bf16: the shift kernel per hint, the dot
-    kernel per hint where the CPU has AVX512-BF16), oneDNN prepacked where this torch
-    has it for ``dtype``, and torch (every dtype)."""
+    the C++ kernels (float32 and FP8: one per hint; bf16: the shift kernel per hint, the
+    dot kernel per hint where the CPU has AVX512-BF16), oneDNN prepacked where this torch
+    has it for ``dtype`` (not FP8), and torch (every dtype; FP8: the dequantize-per-call
+    reference)."""
     out = native_candidates(dtype=dtype)
     if onednn_available(dtype):
         out.append(Candidate("onednn"))

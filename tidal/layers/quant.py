@@ -9,15 +9,17 @@ stores, which modules it converts.
 ``Fp8BlockMethod`` (``fp8``: DeepSeek-V3/R1, Kimi-K2, the Qwen3 / GLM FP8 releases):
 ``float8_e4m3fn`` weights with ``bn x bk`` block scales (``weight_block_size``, 128x128)
 or one per-tensor scale, held as FP8 plus row scales (``tidal/kernels/fp8_torch.py``: a
-quarter of float32's bytes, plus 3%). Activations are not quantized (w8a16): each call
-dequantizes the weight in the activation dtype and multiplies, the torch reference path.
-A kernel that dequantizes in registers plugs in as an ``Fp8LinearKernel`` in
-``FP8_LINEAR_KERNELS``: ``Fp8Linear.use_kernel(name)`` packs the weight once, and the
-reference stays beside it for the tests.
+quarter of float32's bytes, plus 3%). Activations are not quantized (w8a16). On CPU the
+path is measured at load like every weight op (``tidal/kernels/select.py``, op
+``fp8_linear``): ``native``, the C++ kernel decoding FP8 in registers
+(``FP8_LINEAR_KERNELS``, an ``Fp8LinearKernel``), whose pack is then the weight's only
+copy; or ``torch``, the reference: dequantize the weight in the activation dtype per call,
+then multiply. The tests compare the two.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
@@ -29,7 +31,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from tidal.distributed.tensor_parallel import TensorParallel
+from tidal.kernels.cpu_fp8 import Fp8CpuLinear
 from tidal.kernels.fp8_torch import FP8_DTYPE, dequantize_fp8_rows, row_scales
+from tidal.kernels.held_params import HeldParamsModule
+from tidal.kernels.select import Candidate, Choice, OpKey, OpSpec, default_choice, weight_candidates
 from tidal.layers.linear import Linear
 
 DEFAULT_BLOCK = (128, 128)
@@ -79,15 +84,19 @@ class QuantMethod(ABC):
 
 
 class Fp8LinearKernel(Protocol):
-    """A fused FP8 linear (e.g. the C++ one): ``pack`` once, then called per forward."""
+    """A fused FP8 linear (e.g. the C++ one): ``pack`` once (then the weight's only copy:
+    ``unpack`` rebuilds the weight and its row scales, exact), then called per forward
+    with the measured variant (``select.Candidate.variant``)."""
 
     def pack(self, weight: Tensor, scales: Tensor, block_k: int) -> Any: ...
 
-    def __call__(self, x: Tensor, packed: Any, bias: Tensor | None) -> Tensor: ...
+    def unpack(self, packed: Any) -> tuple[Tensor, Tensor]: ...
+
+    def __call__(self, x: Tensor, packed: Any, bias: Tensor | None, variant: str) -> Tensor: ...
 
 
-# name -> kernel; empty until a kernel module registers one (the torch reference is built in).
-FP8_LINEAR_KERNELS: dict[str, Fp8LinearKernel] = {}
+# CPU path name (select.py's ``Candidate.path``) -> kernel; "torch" is the reference, built in.
+FP8_LINEAR_KERNELS: dict[str, Fp8LinearKernel] = {"native": Fp8CpuLinear()}
 
 
 @dataclass(frozen=True)
@@ -133,7 +142,8 @@ class Fp8BlockMethod(QuantMethod):
         bias = lin.bias
         return Fp8Linear(
             lin.in_features, lin.out_features, self, tp=tp,
-            bias_dtype=None if bias is None else bias.dtype, device=lin.weight.device,
+            bias_dtype=None if bias is None else bias.dtype, act_dtype=lin.weight.dtype,
+            device=lin.weight.device,
         )  # fmt: skip
 
     def hold_experts(self, moe: Any) -> None:
@@ -190,11 +200,16 @@ def quant_method_from_config(
     return cls.from_config(qc, where)
 
 
-class Fp8Linear(nn.Module):
+class Fp8Linear(HeldParamsModule):
     """``x @ W.T + b`` with ``W`` held as ``weight [out, in]`` float8 and ``weight_scale
     [out, ceil(in / bk)]`` float32 row scales (``Fp8BlockMethod``). With a ``tp`` of size
     > 1 it is row-parallel (like ``RowParallelLinear``: partial products summed, then the
-    bias)."""
+    bias).
+
+    On CPU the path is measured at load (``tidal/kernels/select.py``, op ``fp8_linear``):
+    ``native`` (the C++ kernel, ``FP8_LINEAR_KERNELS``) packs the weight and its scales
+    into its layout, then the only copy (``weight``/``weight_scale`` read as rebuilt
+    copies, ``HeldParamsModule``); ``torch`` is the reference, dequantizing per call."""
 
     def __init__(
         self,
@@ -204,20 +219,23 @@ class Fp8Linear(nn.Module):
         *,
         tp: TensorParallel | None = None,
         bias_dtype: torch.dtype | None = None,  # None: no bias
+        act_dtype: torch.dtype = torch.float32,  # the model's: the trials' activations
         device: Any = None,
     ) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.method = method
         self.tp = tp or TensorParallel()
+        self.act_dtype = act_dtype
         self.weight = nn.Parameter(
             torch.empty(out_features, in_features, dtype=FP8_DTYPE, device=device),
             requires_grad=False,
         )
-        self.weight_scale: Tensor  # [out, ceil(in / bk)] float32, filled by the loader
-        self.register_buffer(
-            "weight_scale",
+        # [out, ceil(in / bk)] float32, filled by the loader; a parameter so that a packed
+        # path releases it with the weight (HeldParamsModule)
+        self.weight_scale = nn.Parameter(
             torch.empty(out_features, method.scale_cols(in_features), device=device),
+            requires_grad=False,
         )
         self.bias = (
             None
@@ -226,8 +244,9 @@ class Fp8Linear(nn.Module):
                 torch.empty(out_features, dtype=bias_dtype, device=device), requires_grad=False
             )
         )
-        self.kernel: str | None = None  # a FP8_LINEAR_KERNELS name; None: the reference
-        self._packed: Any = None
+        self.on_cpu = torch.device(device or "cpu").type == "cpu"
+        self.cpu_choice: Choice | None = None  # None: the default, decided at first use
+        self._packed: Any = None  # the chosen kernel's pack: then the only copy
 
     def forward(self, x: Tensor) -> Tensor:  # [..., in] -> [..., out]
         if self.tp.size == 1:
@@ -236,33 +255,94 @@ class Fp8Linear(nn.Module):
         return y if self.bias is None else y + self.bias
 
     def _linear(self, x: Tensor, bias: Tensor | None) -> Tensor:
-        if self.kernel is not None:
-            return FP8_LINEAR_KERNELS[self.kernel](x, self._packed, bias)
-        return self.reference(x, bias)
+        self.drop_materialized()
+        kernel = self._kernel()
+        if kernel is None:
+            return self.reference(x, bias)
+        if self._packed is None:
+            self.pack_weights()
+        variant = self._choice().for_rows(x.numel() // max(1, x.shape[-1])).variant
+        return kernel(x, self._packed, bias, variant)
 
     def reference(self, x: Tensor, bias: Tensor | None) -> Tensor:
         """Dequantize in the activation dtype, then a plain GEMM (w8a16)."""
         w = self.method.dequantize(self.weight, self.weight_scale, x.dtype)
         return F.linear(x, w, None if bias is None else bias.to(x.dtype))
 
-    def use_kernel(self, name: str | None) -> None:
-        """Serve by ``FP8_LINEAR_KERNELS[name]`` (packed now, from the loaded weight), or
-        by the reference (None)."""
-        if name is None:
-            self.kernel, self._packed = None, None
+    # ---- the CPU path (select.py) and the one copy of the weight ---------------------
+
+    def _choice(self) -> Choice:
+        if self.cpu_choice is None:
+            self.cpu_choice = default_choice(weight_candidates(FP8_DTYPE), True)
+        return self.cpu_choice
+
+    def _kernel(self) -> Fp8LinearKernel | None:
+        return FP8_LINEAR_KERNELS.get(self._choice().layout or "") if self.on_cpu else None
+
+    def pack_weights(self) -> None:
+        """Put the weight in the chosen path's layout now (the loader, at start-up)."""
+        kernel = self._kernel()
+        if (kernel is None) == (self._packed is None):
             return
-        kernel = FP8_LINEAR_KERNELS.get(name)
+        weight, scales = self.weight.detach(), self.weight_scale.detach()  # or rebuilt
         if kernel is None:
-            raise ValueError(
-                f"no FP8 linear kernel {name!r}; registered: {sorted(FP8_LINEAR_KERNELS)}"
-            )
-        self._packed = kernel.pack(self.weight, self.weight_scale, self.method.block[1])
-        self.kernel = name
+            self._packed = None
+            self.restore_param("weight", weight)
+            self.restore_param("weight_scale", scales)
+            return
+        packed = self._packed = kernel.pack(weight, scales, self.method.block[1])
+        del weight, scales  # the pack is the only copy from here
+        self.release_param("weight", lambda: kernel.unpack(packed)[0])
+        self.release_param("weight_scale", lambda: kernel.unpack(packed)[1])
 
     def weights_updated(self) -> None:
-        """The loader wrote the weight: a kernel's pack follows it."""
-        if self.kernel is not None:
-            self.use_kernel(self.kernel)
+        """The weight or its scales were written (the loader, through the parameters):
+        re-pack what a kernel holds."""
+        written = self.materialized_params()
+        if self._packed is not None and ("weight" in written or "weight_scale" in written):
+            weight, scales = self.weight.detach(), self.weight_scale.detach()
+            self._packed = None
+            self.restore_param("weight", weight)
+            self.restore_param("weight_scale", scales)
+            self.pack_weights()
+
+    def cpu_ops(self) -> dict[str, OpSpec]:
+        if not self.on_cpu:
+            return {}
+        key = OpKey(
+            "fp8_linear",
+            (self.in_features, self.out_features, int(self.bias is not None), self.method.block[1]),
+        )
+        nbytes = self.in_features * self.out_features  # one byte a weight
+        return {"linear": OpSpec(key, tuple(weight_candidates(FP8_DTYPE)), True, nbytes)}
+
+    def cpu_trial(self, op: str, candidate: Candidate, instances: int) -> Any:
+        stand_ins = []
+        for _ in range(instances):
+            lin = Fp8Linear(
+                self.in_features, self.out_features, self.method,
+                bias_dtype=None if self.bias is None else self.bias.dtype,
+                act_dtype=self.act_dtype,
+            )  # fmt: skip
+            lin.weight.data.view(torch.uint8).fill_(0x38)  # 1.0 in e4m3
+            lin.weight_scale.data.fill_(0.01)
+            if lin.bias is not None:
+                lin.bias.data.zero_()
+            lin.set_cpu_path(op, Choice(candidate, candidate, candidate.path))
+            lin.pack_weights()
+            stand_ins.append(lin)
+        turn = itertools.cycle(stand_ins)
+
+        def for_rows(rows: int) -> Any:
+            x = torch.full((rows, self.in_features), 0.5, dtype=self.act_dtype)
+            return lambda: next(turn)(x)
+
+        return for_rows
+
+    def set_cpu_path(self, op: str, choice: Choice) -> None:
+        self.cpu_choice = choice
+        if self._packed is not None:
+            self.pack_weights()  # loaded already: move the weight to the new layout
 
     def extra_repr(self) -> str:
         return (

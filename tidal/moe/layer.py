@@ -35,10 +35,13 @@ per slot like ``w13``/``w2`` and move with them (EPLB's ``move_expert_weights``,
 added to the logits; like ``score_bias`` every rank holds all of it.
 
 FP8 experts (``hold_fp8``, a quantized checkpoint: docs/architecture.md#quantization):
-``w13``/``w2`` hold ``float8_e4m3fn`` with row scales ``w13_scale``/``w2_scale``; each call
-dequantizes the experts its tokens chose, in the activation dtype, and runs the backend's
-experts on them (``_fp8_experts``); the experts op then has no CPU choice. Expert moves
-carry the scales (``expert_parts``, ``expert_weights``, ``expert_part_specs``).
+``w13``/``w2`` hold ``float8_e4m3fn`` with row scales ``w13_scale``/``w2_scale``. On CPU
+their path is measured like the others (op ``fp8_moe``): ``native`` is the C++ FP8 kernel
+(``FP8_EXPERT_KERNELS``), whose pack then holds all four, the only copy (they read as
+rebuilt copies, and a write through them is packed again by ``weights_updated``);
+``torch`` is the reference: each call dequantizes the experts its tokens chose, in the
+activation dtype, and runs the backend's experts on them (``fp8_reference``). Expert
+moves carry the scales (``expert_parts``, ``expert_weights``, ``expert_part_specs``).
 
 Expert parallelism: the EP setup (``tidal/executor/model_runner.py``) sets ``dispatcher``
 and points every layer's ``forward_context`` at one shared ``MoEForwardContext``, whose
@@ -66,6 +69,7 @@ import torch
 from torch import Tensor, nn
 
 from tidal.distributed.tensor_parallel import TensorParallel
+from tidal.kernels.cpu_fp8 import Fp8CpuExperts
 from tidal.kernels.cpu_paths import PACKED_PATHS, HeldExperts, HeldGate
 from tidal.kernels.fp8_torch import FP8_DTYPE, dequantize_fp8_rows
 from tidal.kernels.fused_moe_torch import empty_k_major_experts, fused_experts_torch, is_k_major
@@ -79,13 +83,22 @@ ExpertsFn = Callable[..., Tensor]
 
 
 class Fp8ExpertsKernel(Protocol):
-    """A fused kernel of FP8 experts (e.g. a C++ one dequantizing in registers): ``pack``
-    the held form (again after every write: load, expert moves), then called per forward
-    in place of the reference (``FusedMoE.use_fp8_kernel``)."""
+    """A fused kernel of FP8 experts (e.g. the C++ one, dequantizing in registers):
+    ``pack`` the held form (again after every write: load, expert moves), then the only
+    copy (``unpack`` rebuilds the four tensors of ``slots``, exact), called per forward in
+    place of the reference with the measured variant (``select.Candidate.variant``)."""
 
     def pack(
         self, w13: Tensor, w2: Tensor, w13_scale: Tensor, w2_scale: Tensor, block_k: int
     ) -> Any: ...
+
+    def unpack(
+        self, packed: Any, slots: list[int] | None = None
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor]: ...
+
+    def unpack_part(self, packed: Any, part: int) -> Tensor:
+        """One of ``unpack``'s tensors (0: w13, 1: w2, 2: w13_scale, 3: w2_scale), all slots."""
+        ...
 
     def __call__(
         self,
@@ -94,13 +107,14 @@ class Fp8ExpertsKernel(Protocol):
         topk_weights: Tensor,  # [T, K] float32
         topk_ids: Tensor,  # [T, K] int64 global ids
         expert_map: Tensor | None,  # [E_global] int32
+        variant: str,
     ) -> Tensor: ...  # [T, H]
 
 
 # The float32 bytes of experts the FP8 reference path dequantizes at once (at least one).
 _FP8_DEQUANT_BYTES = 256 << 20
-# name -> kernel; empty until a kernel module registers one (the reference is built in).
-FP8_EXPERT_KERNELS: dict[str, Fp8ExpertsKernel] = {}
+# CPU path name (select.py's ``Candidate.path``) -> kernel; "torch" is the reference.
+FP8_EXPERT_KERNELS: dict[str, Fp8ExpertsKernel] = {"native": Fp8CpuExperts()}
 
 
 class MoEDispatcher(Protocol):
@@ -272,13 +286,12 @@ class FusedMoE(HeldParamsModule):
         self._held_gate: HeldGate | None = None
         # FP8 experts (``hold_fp8``): w13/w2 float8 with row scales [E_local, 2I, ceil(H/bk)]
         # and [E_local, H, ceil(I/bk)] float32 (tidal/kernels/fp8_torch.py); None: not.
+        # A packed FP8 path (FP8_EXPERT_KERNELS) holds all four in its layout, the only
+        # copy: w13/w2/w13_scale/w2_scale then read as rebuilt copies (parameters for that).
         self.fp8_block_k: int | None = None
-        self.w13_scale: Tensor | None
-        self.w2_scale: Tensor | None
-        self.register_buffer("w13_scale", None)
-        self.register_buffer("w2_scale", None)
-        self.fp8_kernel: str | None = None  # a FP8_EXPERT_KERNELS name; None: the reference
-        self._fp8_packed: Any = None
+        self.w13_scale: Tensor | None = None
+        self.w2_scale: Tensor | None = None
+        self._fp8_held: Any = None  # the chosen FP8 kernel's pack
 
     def forward(self, hidden: Tensor) -> Tensor:  # [T, H] -> [T, H]
         self.drop_materialized()
@@ -367,21 +380,36 @@ class FusedMoE(HeldParamsModule):
         bk, device = self.fp8_block_k, self.expert_map.device
         inter = two_i // 2
         kw = {"dtype": FP8_DTYPE, "device": device}
+        self._fp8_held = None
         self.restore_param("w13", torch.empty((n_local, two_i, hidden), **kw))
         self.restore_param("w2", torch.empty((n_local, hidden, inter), **kw))
-        self.w13_scale = torch.empty((n_local, two_i, -(-hidden // bk)), device=device)
-        self.w2_scale = torch.empty((n_local, hidden, -(-inter // bk)), device=device)
+        self.__dict__.pop("w13_scale", None)  # plain attributes until now: parameters
+        self.__dict__.pop("w2_scale", None)
+        scales = (n_local, two_i, -(-hidden // bk)), (n_local, hidden, -(-inter // bk))
+        self.restore_param("w13_scale", torch.empty(scales[0], device=device))
+        self.restore_param("w2_scale", torch.empty(scales[1], device=device))
 
     def _fp8_experts(
         self, x: Tensor, weights: Tensor, ids: Tensor, expert_map: Tensor | None
     ) -> Tensor:  # [T', H]
-        """The reference path of FP8 experts: dequantize, in the activation dtype, only
-        the local experts these tokens chose, then the backend's experts on those."""
+        """FP8 experts: the chosen kernel on its pack, or the reference path: dequantize,
+        in the activation dtype, only the local experts these tokens chose, then the
+        backend's experts on those."""
+        assert self.fp8_block_k is not None
+        kernel = self._fp8_kernel()
+        if kernel is not None:
+            if self._fp8_held is None:
+                self._pack("experts")
+            variant = self._choice("experts").for_rows(x.shape[0]).variant
+            return kernel(x, self._fp8_held, weights, ids, expert_map, variant)
+        return self.fp8_reference(x, weights, ids, expert_map)
+
+    def fp8_reference(
+        self, x: Tensor, weights: Tensor, ids: Tensor, expert_map: Tensor | None
+    ) -> Tensor:  # [T', H]
+        """The reference of FP8 experts (the ``torch`` path)."""
         assert self.fp8_block_k is not None
         assert self.w13_scale is not None and self.w2_scale is not None
-        if self.fp8_kernel is not None:
-            kernel = FP8_EXPERT_KERNELS[self.fp8_kernel]
-            return kernel(x, self._fp8_packed, weights, ids, expert_map)
         n_local = self.w13.shape[0]
         if expert_map is None:  # global id == local slot
             expert_map = torch.arange(self.num_experts, dtype=torch.int32, device=ids.device)
@@ -411,34 +439,41 @@ class FusedMoE(HeldParamsModule):
             out = y if out is None else out + y
         return out if out is not None else torch.zeros_like(x)
 
-    def use_fp8_kernel(self, name: str | None) -> None:
-        """Serve the FP8 experts by ``FP8_EXPERT_KERNELS[name]`` (packed now and after
-        every write), or by the reference (None)."""
-        if name is not None and name not in FP8_EXPERT_KERNELS:
-            raise ValueError(
-                f"no FP8 experts kernel {name!r}; registered: {sorted(FP8_EXPERT_KERNELS)}"
-            )
-        if name is not None and self.fp8_block_k is None:
-            raise ValueError("use_fp8_kernel: the experts are not FP8 (hold_fp8)")
-        self.fp8_kernel, self._fp8_packed = name, None
-        self._fp8_pack()
+    def _fp8_kernel(self) -> Fp8ExpertsKernel | None:
+        """The FP8 kernel of the chosen path (None: the reference serves)."""
+        if self.fp8_block_k is None or not self.on_cpu:
+            return None
+        return FP8_EXPERT_KERNELS.get(self._choice("experts").layout or "")
 
-    def _fp8_pack(self) -> None:
-        if self.fp8_kernel is None:
+    def _pack_fp8(self) -> None:
+        """Put the FP8 experts and their scales in the chosen kernel's layout (then the
+        only copy) or back in the parameters (the reference)."""
+        kernel = self._fp8_kernel()
+        if (kernel is None) == (self._fp8_held is None):
+            return
+        names = ("w13", "w2", "w13_scale", "w2_scale")
+        parts = [getattr(self, n).detach() for n in names]  # parameters, or rebuilt
+        if kernel is None:
+            self._fp8_held = None
+            for name, part in zip(names, parts):
+                self.restore_param(name, part)
             return
         assert self.fp8_block_k is not None
-        assert self.w13_scale is not None and self.w2_scale is not None
-        self._fp8_packed = FP8_EXPERT_KERNELS[self.fp8_kernel].pack(
-            self.w13.data, self.w2.data, self.w13_scale, self.w2_scale, self.fp8_block_k
-        )
+        w13, w2, s13, s2 = parts
+        held = self._fp8_held = kernel.pack(w13, w2, s13, s2, self.fp8_block_k)
+        del w13, w2, s13, s2
+        del parts  # the pack is the only copy from here
+        for i, name in enumerate(names):
+            self.release_param(name, lambda i=i: kernel.unpack_part(held, i))
 
     def expert_parts(self) -> list[Tensor]:
         """The per-slot tensors an expert move carries, in order: ``w13``, ``w2``, then
         the FP8 row scales or the expert biases where the model has them (each
         ``[E_local, ...]``; the held storage, written in place by EPLB)."""
         parts = [self.w13.data, self.w2.data]
-        if self.w13_scale is not None and self.w2_scale is not None:
-            parts += [self.w13_scale, self.w2_scale]
+        if self.fp8_block_k is not None:
+            assert self.w13_scale is not None and self.w2_scale is not None
+            parts += [self.w13_scale.data, self.w2_scale.data]
         if self.w13_bias is not None and self.w2_bias is not None:
             parts += [self.w13_bias, self.w2_bias]
         return parts
@@ -487,6 +522,8 @@ class FusedMoE(HeldParamsModule):
             cands = [c for c in cands if c.path != "native"]
         if op == "experts" and self.custom_experts:  # only biased_experts computes them
             cands = [c for c in cands if c.path == "torch"]
+        if op == "experts" and self.fp8_block_k is not None:
+            cands = weight_candidates(FP8_DTYPE)
         return cands
 
     @property
@@ -504,6 +541,8 @@ class FusedMoE(HeldParamsModule):
     def _pack(self, op: str) -> None:
         """Put ``op``'s weights in its chosen layout: packed (then the only copy; the
         parameters are released) or the parameters themselves."""
+        if op == "experts" and self.fp8_block_k is not None:
+            return self._pack_fp8()
         layout = self._choice(op).layout
         want = layout if layout in PACKED_PATHS else None
         held = self._held_experts if op == "experts" else self._held_gate
@@ -530,15 +569,22 @@ class FusedMoE(HeldParamsModule):
         """Put the weights in their chosen layouts now rather than at the next forward (the
         loader, at start-up). A no-op where no CPU path applies."""
         if self.on_cpu:
-            if self.fp8_block_k is None:
-                self._pack("experts")
+            self._pack("experts")
             self._pack("router")
 
     def weights_updated(self) -> None:
         """``gate``/``w13``/``w2`` were written through their (rebuilt) parameters (loader,
         expert moves, EPLB): re-pack what a packed path holds."""
-        self._fp8_pack()  # FP8 experts: a kernel's pack follows every write
         written = self.materialized_params()
+        if self._fp8_held is not None and written:  # FP8 experts: packed again
+            fp8 = ("w13", "w2", "w13_scale", "w2_scale")
+            if any(n in written for n in fp8):
+                parts = [getattr(self, n).detach() for n in fp8]
+                self._fp8_held = None
+                for name, part in zip(fp8, parts):
+                    self.restore_param(name, part)
+                del parts
+                self._pack_fp8()
         if self.fp8_block_k is None and ("w13" in written or "w2" in written):
             self._held_experts = None  # the other of the two is rebuilt from it by _pack
             self._pack("experts")
@@ -555,8 +601,12 @@ class FusedMoE(HeldParamsModule):
                 "expert transfers (elastic EP) do not carry expert biases (GPT-OSS)"
             )
         held = self._held_experts
-        if held is not None and "w13" not in self.materialized_params():
+        written = self.materialized_params()
+        if held is not None and "w13" not in written:
             return held.unpack(list(slots))
+        kernel = self._fp8_kernel()
+        if kernel is not None and self._fp8_held is not None and not written:
+            return kernel.unpack(self._fp8_held, list(slots))
         idx = torch.tensor(list(slots), dtype=torch.int64, device=self.expert_map.device)
         parts = self.expert_parts()[: len(self.expert_part_specs())]
         return tuple(p.index_select(0, idx) for p in parts)
@@ -583,7 +633,12 @@ class FusedMoE(HeldParamsModule):
                 router, tuple(self._candidates("router")), True, self.num_experts * hidden * size
             ),
         }  # fmt: skip
-        if self.custom_experts or self.fp8_block_k is not None:
+        if self.fp8_block_k is not None:  # the FP8 kernels' op, keyed apart
+            ops["experts"] = OpSpec(
+                OpKey("fp8_moe", (*key.shape, self.fp8_block_k)),
+                tuple(self._candidates("experts")), True, e_local * 3 * hidden * (two_i // 2),
+            )  # fmt: skip
+        if self.custom_experts:
             del ops["experts"]  # one path: nothing to measure
         return ops
 
@@ -601,7 +656,14 @@ class FusedMoE(HeldParamsModule):
                 activation=self.activation, dtype=self.params_dtype,
             )  # fmt: skip
             moe.set_cpu_path(op, Choice(candidate, candidate, candidate.path))
-            if op == "router":
+            if op == "experts" and self.fp8_block_k is not None:
+                moe.hold_fp8(self.fp8_block_k)
+                moe.w13.data.view(torch.uint8).fill_(0x38)  # 1.0 in e4m3
+                moe.w2.data.view(torch.uint8).fill_(0x38)
+                assert moe.w13_scale is not None and moe.w2_scale is not None
+                moe.w13_scale.data.fill_(0.01)
+                moe.w2_scale.data.fill_(0.01)
+            elif op == "router":
                 moe.gate.data.fill_(0.01)
                 if moe.gate_bias is not None:
                     moe.gate_bias.fill_(0.01)
@@ -629,6 +691,9 @@ class FusedMoE(HeldParamsModule):
 
     def set_cpu_path(self, op: str, choice: Choice) -> None:
         self.cpu_choice[op] = choice
+        if op == "experts" and self._fp8_held is not None:
+            self._pack_fp8()  # loaded already: to the new layout
+            return
         held = self._held_experts if op == "experts" else self._held_gate
         if held is not None and held.path != choice.layout:
             self._pack(op)  # loaded already: move the weights to the new layout
