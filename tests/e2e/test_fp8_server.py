@@ -3,8 +3,8 @@ elastic EP: ``--dp 2 --ep --enable-elastic-ep`` scaled 2 -> 3 -> 2 under streami
 The joining engine gets its FP8 experts and their scales from its peers (expert
 transfers), the scale-down moves the leaving engine's back; every stream completes and
 equals its greedy reference from before the scaling (float32 activations, so batches
-do not change a token; ``--cpu-kernels native``: the C++ FP8 kernels serve, and no path
-trials run at each engine start)."""
+do not change a token; ``--cpu-kernels native``: the C++ FP8 kernels serve; each engine
+start times only their prefetch hints)."""
 
 from __future__ import annotations
 
