@@ -87,7 +87,7 @@ at::Tensor fp8_linear(const at::Tensor& x,    // [T, K] float32 or bf16, last di
           if (bp)
             for (int64_t c = 0; c < cols; ++c) tmp[c] += bp[c0 + c];
           if (out_bf16)
-            for (int64_t c = 0; c < cols; ++c) oh[o + c] = to_bf16(tmp[c]);
+            for (int64_t c = 0; c < cols; ++c) oh[o + c] = narrow_bf16(tmp[c]);
           else
             for (int64_t c = 0; c < cols; ++c) of[o + c] = tmp[c];
         }

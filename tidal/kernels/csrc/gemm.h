@@ -12,6 +12,7 @@
 #pragma once
 
 #include "vec.h"
+#include "vec_half.h"
 
 #include <ATen/core/Tensor.h>
 #include <c10/util/Exception.h>
@@ -78,18 +79,6 @@ inline void block_gemm(const float* const* x, const float* w, int64_t k_len, vec
   }
 }
 
-typedef int32_t ivec16 __attribute__((vector_size(64)));
-
-// 16 words of a bf16 pair row -> their even-k and odd-k halves as float32: the low half
-// shifted up, the high half masked (little-endian: w[2p] is the low 16 bits).
-inline void widen_pairs(const uint16_t* p, vec16& even, vec16& odd) {
-  ivec16 raw;
-  std::memcpy(&raw, p, sizeof(raw));
-  ivec16 lo = raw << 16, hi = raw & static_cast<int32_t>(0xffff0000u);
-  std::memcpy(&even, &lo, sizeof(even));
-  std::memcpy(&odd, &hi, sizeof(odd));
-}
-
 // The same product on a bf16 block of `pairs` row pairs; x rows are float32 of length
 // 2 * pairs (the pad column zero: its weight is zero, but 0 * NaN would not be).
 template <int R, int P>
@@ -102,7 +91,7 @@ inline void block_gemm_bf16(const float* const* x, const uint16_t* w, int64_t pa
     prefetch_weights<P>(wp + kPrefetch * 128);  // the same bytes ahead as the float kernel
     for (int v = 0; v < 4; ++v) {
       vec16 even, odd;
-      widen_pairs(wp + 32 * v, even, odd);
+      widen_bf16_pairs(wp + 32 * v, even, odd);
       for (int m = 0; m < R; ++m)
         acc[m][v] += splat(x[m][2 * p]) * even + splat(x[m][2 * p + 1]) * odd;
     }
@@ -222,20 +211,6 @@ inline void block_gemm_any(Kernel kind, const RowPtrs& x, const void* w, int64_t
   }
 }
 
-// float32 -> bf16, round to nearest even (as torch's .to(bfloat16)); NaN stays a NaN.
-inline uint16_t to_bf16(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof(u));
-  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);
-  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
-
-inline float from_bf16(uint16_t h) {
-  uint32_t u = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof(f));
-  return f;
-}
 
 // The activations x [T, K] (float32 or bf16; rows may be strided, the last dim not) as
 // `kind` reads them: float32 x itself for kFloat; else copies of k_pad columns, zero past
@@ -257,13 +232,13 @@ class StagedRows {
       fbuf_.assign(rows * k_pad, 0.f);
       for (int64_t t = 0; t < rows; ++t)
         for (int64_t k = 0; k < depth; ++k)
-          fbuf_[t * k_pad + k] = bf16 ? from_bf16(xh[t * xs + k]) : xf[t * xs + k];
+          fbuf_[t * k_pad + k] = bf16 ? widen_bf16(xh[t * xs + k]) : xf[t * xs + k];
       f_ = fbuf_.data();
     } else {
       hbuf_.assign(rows * k_pad, 0);
       for (int64_t t = 0; t < rows; ++t)
         for (int64_t k = 0; k < depth; ++k)
-          hbuf_[t * k_pad + k] = bf16 ? xh[t * xs + k] : to_bf16(xf[t * xs + k]);
+          hbuf_[t * k_pad + k] = bf16 ? xh[t * xs + k] : narrow_bf16(xf[t * xs + k]);
     }
   }
 

@@ -70,7 +70,7 @@ void gate_up_rows(Kernel kind, const RowPtrs& x, const void* w, int64_t depth, c
       float tmp[32];
       store(tmp, a0);
       store(tmp + 16, a1);
-      for (int c = 0; c < 32; ++c) act.h[m][c] = to_bf16(tmp[c]);
+      for (int c = 0; c < 32; ++c) act.h[m][c] = narrow_bf16(tmp[c]);
     } else {
       store(act.f[m], a0);
       store(act.f[m] + 16, a1);

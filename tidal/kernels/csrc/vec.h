@@ -14,6 +14,7 @@
 namespace tidal_cpu {
 
 typedef float vec16 __attribute__((vector_size(64)));
+typedef int32_t ivec16 __attribute__((vector_size(64)));
 
 inline vec16 splat(float v) { return vec16{} + v; }
 
@@ -31,7 +32,6 @@ inline vec16 vexp(vec16 x) {
   x = x < splat(-87.f) ? splat(-87.f) : x;
   x = x > splat(88.f) ? splat(88.f) : x;
   vec16 n = x * splat(1.44269504088896341f);
-  typedef int32_t ivec16 __attribute__((vector_size(64)));
   ivec16 ni = __builtin_convertvector(n + (n < splat(0.f) ? splat(-0.5f) : splat(0.5f)), ivec16);
   vec16 nf = __builtin_convertvector(ni, vec16);
   vec16 r = x - nf * splat(0.693145751953125f);

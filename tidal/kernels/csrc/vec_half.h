@@ -1,9 +1,11 @@
-// 16-bit float storage for the CPU kernels that read a bf16 / fp16 KV cache or bf16
-// activations (attention_cpu.cpp, norm_cpu.cpp): 16 values widened to one float vec16,
-// so every product and sum stays float32. bf16 is the high half of a float (a zero
-// extension and a shift); fp16 takes F16C's vcvtph2ps where the build machine has it
-// (GCC otherwise converts lane by lane). Narrowing back is c10's scalar conversion
-// (round to nearest even, as torch's .to()): only outputs are narrowed, never the hot loop.
+// 16-bit floats for the CPU kernels, the one set of conversions they all use: bf16 and
+// fp16 widened to float32 (one value, 16 lanes into a vec16, or a bf16 pair row of the
+// GEMM weight pack, gemm.h), so every product and sum stays float32, and float32 narrowed
+// to bf16 (round to nearest even, as torch's .to()). bf16 is the high half of a float (a
+// zero extension and a shift); fp16 takes F16C's vcvtph2ps where the build machine has it
+// (GCC otherwise converts lane by lane). Only outputs and activation rows are narrowed,
+// never a weight in the hot loop. Readers: the GEMMs (gemm.h: linear, router, MoE, FP8),
+// attention over a bf16 / fp16 KV cache and the norms.
 #pragma once
 
 #include "vec.h"
@@ -22,6 +24,32 @@
 
 namespace tidal_cpu {
 
+inline float widen_bf16(uint16_t h) {
+  uint32_t u = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof(f));
+  return f;
+}
+
+// float32 -> bf16, round to nearest even (as torch's .to(bfloat16)); NaN stays a NaN.
+inline uint16_t narrow_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof(u));
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);
+  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+// 16 words of a bf16 pair row -> their even-k and odd-k halves as float32: the low half
+// shifted up, the high half masked (little-endian: w[2p] is the low 16 bits).
+inline void widen_bf16_pairs(const uint16_t* p, vec16& even, vec16& odd) {
+  ivec16 raw;
+  std::memcpy(&raw, p, sizeof(raw));
+  ivec16 lo = raw << 16, hi = raw & static_cast<int32_t>(0xffff0000u);
+  std::memcpy(&even, &lo, sizeof(even));
+  std::memcpy(&odd, &hi, sizeof(odd));
+}
+
+// 16 bf16 values widened to one vec16.
 inline vec16 load(const c10::BFloat16* p) {
   typedef uint16_t u16x16 __attribute__((vector_size(32)));
   typedef uint32_t u32x16 __attribute__((vector_size(64)));
