@@ -416,6 +416,7 @@ def test_the_measured_fp8_path_follows_the_timings(slow, tmp_path, monkeypatch):
     lin = Fp8Linear(64, 48, method)
     moe = FusedMoE(4, 2, 64, 48, True)
     moe.hold_fp8(32)
+
     # The fake costs on top of real time scaled down 100x: the ops not faked (the
     # router) still time above zero, the faked ones by their fake cost alone.
     def clock() -> float:
