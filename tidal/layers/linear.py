@@ -29,6 +29,7 @@ holds the shard (``in_features``/``out_features`` are the local ones).
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -128,24 +129,14 @@ class Linear(HeldParamsModule):
         return {"linear": OpSpec(key, tuple(cpu_candidates(self.params_dtype)), True, nbytes)}
 
     def cpu_trial(self, op: str, candidate: Candidate, instances: int) -> Any:
-        stand_ins = []
-        for _ in range(instances):
+        def stand_in() -> Linear:
             lin = Linear(
                 self.in_features, self.out_features, self.bias is not None, dtype=self.params_dtype
             )
             lin.weight.data.fill_(0.01)
-            if lin.bias is not None:
-                lin.bias.data.zero_()
-            lin.set_cpu_path(op, Choice(candidate, candidate, candidate.path))
-            lin.pack_weights()
-            stand_ins.append(lin)
-        turn = itertools.cycle(stand_ins)
+            return lin
 
-        def for_rows(rows: int) -> Any:
-            x = torch.full((rows, self.in_features), 0.5, dtype=self.params_dtype)
-            return lambda: next(turn)(x)
-
-        return for_rows
+        return linear_trial(stand_in, op, candidate, instances, self.params_dtype)
 
     def set_cpu_path(self, op: str, choice: Choice) -> None:
         self.cpu_choice = choice
@@ -154,6 +145,29 @@ class Linear(HeldParamsModule):
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}"
+
+
+def linear_trial(
+    stand_in: Callable[[], Any], op: str, candidate: Candidate, instances: int, dtype: Any
+) -> Any:
+    """A linear-like layer's ``cpu_trial`` (``tidal/kernels/select.py``): ``instances``
+    stand-ins from ``stand_in()`` (weights set; a bias is zeroed here), each packed on
+    ``candidate``'s path, called in turn on rows of 0.5 in ``dtype``."""
+    stand_ins = []
+    for _ in range(instances):
+        lin = stand_in()
+        if lin.bias is not None:
+            lin.bias.data.zero_()
+        lin.set_cpu_path(op, Choice(candidate, candidate, candidate.path))
+        lin.pack_weights()
+        stand_ins.append(lin)
+    turn = itertools.cycle(stand_ins)
+
+    def for_rows(rows: int) -> Any:
+        x = torch.full((rows, stand_ins[0].in_features), 0.5, dtype=dtype)
+        return lambda: next(turn)(x)
+
+    return for_rows
 
 
 def empty_weight(

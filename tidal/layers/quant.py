@@ -19,7 +19,6 @@ then multiply. The tests compare the two.
 
 from __future__ import annotations
 
-import itertools
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
@@ -35,7 +34,7 @@ from tidal.kernels.cpu_fp8 import Fp8CpuLinear
 from tidal.kernels.fp8_torch import FP8_DTYPE, dequantize_fp8_rows, row_scales
 from tidal.kernels.held_params import HeldParamsModule
 from tidal.kernels.select import Candidate, Choice, OpKey, OpSpec, default_choice, weight_candidates
-from tidal.layers.linear import Linear
+from tidal.layers.linear import Linear, linear_trial
 
 DEFAULT_BLOCK = (128, 128)
 
@@ -317,8 +316,7 @@ class Fp8Linear(HeldParamsModule):
         return {"linear": OpSpec(key, tuple(weight_candidates(FP8_DTYPE)), True, nbytes)}
 
     def cpu_trial(self, op: str, candidate: Candidate, instances: int) -> Any:
-        stand_ins = []
-        for _ in range(instances):
+        def stand_in() -> Fp8Linear:
             lin = Fp8Linear(
                 self.in_features, self.out_features, self.method,
                 bias_dtype=None if self.bias is None else self.bias.dtype,
@@ -326,18 +324,9 @@ class Fp8Linear(HeldParamsModule):
             )  # fmt: skip
             lin.weight.data.view(torch.uint8).fill_(0x38)  # 1.0 in e4m3
             lin.weight_scale.data.fill_(0.01)
-            if lin.bias is not None:
-                lin.bias.data.zero_()
-            lin.set_cpu_path(op, Choice(candidate, candidate, candidate.path))
-            lin.pack_weights()
-            stand_ins.append(lin)
-        turn = itertools.cycle(stand_ins)
+            return lin
 
-        def for_rows(rows: int) -> Any:
-            x = torch.full((rows, self.in_features), 0.5, dtype=self.act_dtype)
-            return lambda: next(turn)(x)
-
-        return for_rows
+        return linear_trial(stand_in, op, candidate, instances, self.act_dtype)
 
     def set_cpu_path(self, op: str, choice: Choice) -> None:
         self.cpu_choice = choice

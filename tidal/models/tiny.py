@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from tidal.kernels.fp8_torch import FP8_MAX, dequantize_fp8_blocks, quantize_fp8_blocks
 from tidal.models.common import ModelEntry
 from tidal.models.registry import entry_for_model_type, model_types
 
@@ -174,8 +175,6 @@ def make_tiny_fp8_checkpoint(
     of building one (``arch``, ``seed`` and ``kwargs`` unused)."""
     from safetensors.torch import load_file, save_file
 
-    from tidal.kernels.fp8_torch import FP8_MAX, quantize_fp8_blocks
-
     if source is None:
         make_tiny_checkpoint(path, arch, seed=seed, dtype="bfloat16", **{**FP8_TINY_ARGS, **kwargs})
     else:
@@ -220,8 +219,6 @@ def dequantize_checkpoint(src: str, dst: str, dtype: str = "float32") -> str:
     scales, no ``quantization_config``): the parity tests' reference, which transformers'
     model classes and Tidal both load as an ordinary checkpoint. Returns ``dst``."""
     from safetensors.torch import load_file, save_file
-
-    from tidal.kernels.fp8_torch import dequantize_fp8_blocks
 
     os.makedirs(dst, exist_ok=True)
     with open(os.path.join(src, "config.json")) as f:
