@@ -27,7 +27,7 @@ from torch import Tensor
 
 from tidal.kernels.cpu_ext import kernel_available, kernel_status, native_variant
 from tidal.kernels.cpu_linear import BLOCK, copy_blocks
-from tidal.kernels.cpu_moe import DOWN_BLOCK, GATE_BLOCK
+from tidal.kernels.cpu_moe import DOWN_BLOCK, GATE_BLOCK, run_fused_moe
 from tidal.kernels.host_memory import empty_huge
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -251,26 +251,10 @@ def fp8_fused_experts(
     prefetch: int = 1,  # cpu_ext.PREFETCH_HINTS value (t0 by default)
 ) -> Tensor:  # [T, H], hidden's dtype
     """One MoE layer's FP8 experts (SiLU-and-mul), the weights decoded in registers."""
-    if hidden.dim() != 2 or hidden.shape[1] != packed.hidden:
-        raise ValueError(
-            f"hidden {tuple(hidden.shape)} does not match the experts' {packed.hidden}"
-        )
-    if not kernel_available():
-        raise RuntimeError(f"the C++ MoE kernel is unavailable: {kernel_status()}")
-    return torch.ops.tidal_cpu.fused_moe(
-        hidden,
-        packed.w13,
-        packed.w2,
-        topk_weights.to(torch.float32),
-        topk_ids.to(torch.int64),
-        None if expert_map is None else expert_map.to(torch.int32),
-        apply_router_weight,
-        prefetch,
-        False,
-        packed.s13,
-        packed.s2,
-        packed.block_k,
-    )
+    return run_fused_moe(
+        hidden, packed.hidden, packed.w13, packed.w2, topk_weights, topk_ids, expert_map,
+        apply_router_weight, prefetch, False, packed.s13, packed.s2, packed.block_k,
+    )  # fmt: skip
 
 
 class Fp8CpuExperts:

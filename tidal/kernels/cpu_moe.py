@@ -132,22 +132,42 @@ def fused_experts_cpu(
     """The experts of one MoE layer; slots whose expert is not local contribute zero."""
     if hidden.dtype not in DTYPES or hidden.device.type != "cpu":
         raise ValueError(f"the CPU kernel takes float32 or bf16 CPU hidden, got {hidden.dtype}")
-    if hidden.dim() != 2 or hidden.shape[1] != packed.shapes[0][2]:
-        raise ValueError(
-            f"hidden {tuple(hidden.shape)} does not match the experts' width {packed.shapes[0][2]}"
-        )
+    return run_fused_moe(
+        hidden, packed.shapes[0][2], packed.w13, packed.w2, topk_weights, topk_ids, expert_map,
+        apply_router_weight, prefetch, dot,
+    )  # fmt: skip
+
+
+def run_fused_moe(
+    hidden: Tensor,  # [T, width]
+    width: int,  # the experts' hidden size
+    w13: Tensor,  # a pack of CpuPackedExperts or PackedFp8Experts
+    w2: Tensor,
+    topk_weights: Tensor,  # [T, K]
+    topk_ids: Tensor,  # [T, K] global ids
+    expert_map: Tensor | None,  # [E_global] int32: global id -> local slot or -1
+    apply_router_weight: bool,
+    prefetch: int,
+    dot: bool,
+    *fp8: Tensor | int,  # FP8 experts: (s13, s2, block_k)
+) -> Tensor:  # [T, H], hidden's dtype
+    """``torch.ops.tidal_cpu.fused_moe``, the one checked call of the MoE kernel (float32,
+    bf16 and FP8 experts)."""
+    if hidden.dim() != 2 or hidden.shape[1] != width:
+        raise ValueError(f"hidden {tuple(hidden.shape)} does not match the experts' width {width}")
     if not kernel_available():
         raise RuntimeError(f"the C++ MoE kernel is unavailable: {kernel_status()}")
     return torch.ops.tidal_cpu.fused_moe(
         hidden,
-        packed.w13,
-        packed.w2,
+        w13,
+        w2,
         topk_weights.to(torch.float32),
         topk_ids.to(torch.int64),
         None if expert_map is None else expert_map.to(torch.int32),
         apply_router_weight,
         prefetch,
         dot,
+        *fp8,
     )
 
 
