@@ -198,6 +198,10 @@ class DPEngineCoreProc(EngineCoreProc):
             return False
         return self.engine_core.has_unfinished_requests() or self.wave.running
 
+    def _may_block_when_stalled(self) -> bool:
+        # In a running wave the peers wait in this rank's collectives: never block there.
+        return not self.wave.running
+
     def _shutdown_done(self) -> bool:
         if self._leaving:
             return True  # left the group at the commit: nothing runs here any more

@@ -84,6 +84,10 @@ logger = logging.getLogger(__name__)
 TO_CLIENT, TO_COORDINATOR = 0, 1
 # How long the idle busy loop blocks on its queue before re-checking shutdown flags.
 _IDLE_POLL_S = 0.05
+# How long a loop whose requests can none of them run (each waits for its grammar to
+# compile) blocks on its queue before stepping again. Spinning instead would hold the GIL
+# against the compile thread: each of its imports' file reads waits out a switch interval.
+_STALLED_POLL_S = 0.002
 
 
 class _FrontendWatch:
@@ -151,6 +155,7 @@ class EngineCoreProc:
         self.drain_timeout_s = drain_timeout_s
         self._launcher = ProcessWatch(launcher_pid)
         self.progress = LoopProgress()
+        self._stalled = False  # the last step ran nothing and said nothing
         self.shutdown_state = ShutdownState.RUNNING
         self._drain_deadline = 0.0
         self._abort_silently = False  # leaving without a frontend to report to (_leave_now)
@@ -459,10 +464,16 @@ class EngineCoreProc:
     def _process_input_queue(self) -> None:
         self.progress.begin_iteration()
         self._check_io_threads()
-        if not self._has_work() and self.shutdown_state is ShutdownState.RUNNING:
+        wait_s = None
+        if self.shutdown_state is ShutdownState.RUNNING:
+            if not self._has_work():
+                wait_s = _IDLE_POLL_S
+            elif self._stalled and self._may_block_when_stalled():
+                wait_s = _STALLED_POLL_S
+        if wait_s is not None:
             self.progress.idle = True
             try:
-                item = self.input_queue.get(timeout=_IDLE_POLL_S)
+                item = self.input_queue.get(timeout=wait_s)
             except queue.Empty:
                 return
             finally:
@@ -478,8 +489,14 @@ class EngineCoreProc:
     def _has_work(self) -> bool:
         return self.engine_core.has_unfinished_requests()
 
+    def _may_block_when_stalled(self) -> bool:
+        """Whether a stalled loop (its last step ran nothing and said nothing) may wait on
+        its queue for a moment."""
+        return True
+
     def _process_engine_step(self) -> bool:
         outputs, executed = self.engine_core.step()
+        self._stalled = not executed and not outputs
         for client_outputs in outputs.values():
             self._send_outputs(client_outputs)
         return executed
