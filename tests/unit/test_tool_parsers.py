@@ -27,6 +27,7 @@ from tidal.launch.tool_parsers import (
     ForcedToolStream,
     HermesToolParser,
     MarkupToolStream,
+    ToolCallDelta,
     ToolStream,
     assemble,
     forced_tool_schema,
@@ -84,15 +85,49 @@ def test_hermes_calls_and_content(how):
     "text",
     [
         "no calls here, just < and <tool and </tool_call>",
-        'x <tool_call>{"name": "f", "arguments": {</tool_call> y',  # bad JSON
+        "x <tool_call>{oops}</tool_call> y",  # not JSON
         'x <tool_call>{"arguments": {}}</tool_call>',  # no name
-        'cut off <tool_call>{"name": "f", "argu',  # the output ended inside the call
+        'x <tool_call>{"name": 5, "arguments": {}}</tool_call>',  # a name that is no string
+        'x <tool_call>{"name": "f", "argu</tool_call> y',  # ended before its arguments
+        "<tool_call>[1]</tool_call>",
+        'cut off <tool_call>{"name": "f", "argu',  # the output ended before the arguments
         "ends with a marker's start <tool_ca",
     ],
 )
 def test_hermes_malformed_output_stays_content(how, text):
     content, calls = _run_tools(lambda: MarkupToolStream(HermesToolParser()), text, how)
     assert (content, calls) == (text, [])
+
+
+def _raw_calls(make: typing.Callable[[], ToolStream], text: str, how: str):
+    """(content, [(name, arguments text)]) without parsing the arguments."""
+    stream, content, deltas = make(), [], []
+    for piece in [*_pieces(text, how, random.Random(0)), None]:
+        c, d = stream.feed("", final=True) if piece is None else stream.feed(piece)
+        content.append(c)
+        deltas += d
+    return "".join(content), [(c.name, c.arguments) for c in assemble(deltas)]
+
+
+@pytest.mark.parametrize("how", FEEDS)
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        # Cut by the token limit inside the arguments: the call keeps what was written.
+        ('x <tool_call>{"name": "f", "arguments": {"a": [1, tr', ("x ", '{"a": [1, tr')),
+        # Bad JSON once the arguments began: they stop where it stops being JSON.
+        ('<tool_call>{"name": "f", "arguments": {"a": 1 oops}}</tool_call> y', (" y", '{"a": 1 ')),
+        ('x <tool_call>{"name": "f", "arguments": {</tool_call> y', ("x  y", "{")),
+        # Other spellings: arguments first, "parameters", a JSON string, none at all.
+        ('<tool_call>{"arguments": {"a": 1}, "name": "f"}</tool_call>', ("", '{"a": 1}')),
+        ('<tool_call>\n {"name": "f", "parameters": [1, {}]}\n</tool_call>', ("", "[1, {}]")),
+        ('<tool_call>{"name": "f", "arguments": "{\\"a\\": 1}"}</tool_call>', ("", '{"a": 1}')),
+        ('<tool_call>{"name": "f"}</tool_call>', ("", "{}")),
+    ],
+)
+def test_hermes_arguments_as_written(how, text, expected):
+    content, calls = _raw_calls(lambda: MarkupToolStream(HermesToolParser()), text, how)
+    assert (content, calls) == (expected[0], [("f", expected[1])])
 
 
 @pytest.mark.parametrize("how", FEEDS)
@@ -123,13 +158,94 @@ def test_deepseek_v3_calls(how):
 
 
 @pytest.mark.parametrize("how", FEEDS)
-def test_deepseek_v3_malformed_stays_content(how):
-    bad = f"a{DS.start}{DS.call_begin}function{DS.sep}f\n```json\n{{oops\n```{DS.call_end}"
+@pytest.mark.parametrize(
+    "body",
+    [
+        "tool{sep}f\n```json\n{{}}\n```",  # not "function"
+        "function{sep}\n```json\n{{}}\n```",  # no name
+        "function{sep}f\n{{}}",  # no fence
+        "function{sep}f\n```json\n",  # ended before the arguments
+    ],
+)
+def test_deepseek_v3_malformed_stays_content(how, body):
+    bad = f"a{DS.start}{DS.call_begin}{body.format(sep=DS.sep)}{DS.call_end} b"
     content, calls = _run_tools(lambda: MarkupToolStream(DS()), bad, how)
     assert (content, calls) == (bad, [])
+
+
+@pytest.mark.parametrize("how", FEEDS)
+def test_deepseek_v3_cut_calls_keep_what_was_written(how):
     cut = DEEPSEEK[: DEEPSEEK.index("Tokyo")]
-    content, calls = _run_tools(lambda: MarkupToolStream(DS()), cut, how)
-    assert (content, calls) == (cut, [])
+    assert _raw_calls(lambda: MarkupToolStream(DS()), cut, how) == (
+        "Sure.",
+        [("get_weather", '{"city": "')],
+    )
+    bad = f"{DS.start}{DS.call_begin}function{DS.sep}f\n```json\n{{oops\n```{DS.call_end}"
+    assert _raw_calls(lambda: MarkupToolStream(DS()), bad, how) == ("", [("f", "{")])
+
+
+# Every split of these outputs streams as their whole text parses.
+SPLIT_CASES = [
+    (HermesToolParser, HERMES + "\nDone."),
+    (HermesToolParser, 'a <tool_call>{"name": "f", "arguments": {"s": "x\\"}</tool_call>"}}'),
+    (HermesToolParser, 'a <tool_call>{"name": "f", "arguments": {"n": -1.5e3, "t": [true]}'),
+    (HermesToolParser, 'a <tool_call>{oops</tool_call> <tool_call>{"name": "g"}</tool_call>'),
+    (DS, DEEPSEEK + " after"),
+    (DS, DEEPSEEK[: DEEPSEEK.index("Tokyo") + 3]),
+]
+
+
+def _stream(parser: type, pieces: list[str]) -> tuple[str, list[ToolCallDelta]]:
+    stream, content, deltas = MarkupToolStream(parser()), [], []
+    for piece in [*pieces, None]:
+        c, d = stream.feed("", final=True) if piece is None else stream.feed(piece)
+        content.append(c)
+        deltas += d
+    return "".join(content), deltas
+
+
+def _splits(text: str) -> typing.Iterator[list[str]]:
+    yield list(text)  # character by character: every token boundary is one of these
+    for i in range(1, len(text)):
+        yield [text[:i], text[i:]]
+    rng = random.Random(5)
+    for _ in range(30):
+        cuts = sorted(rng.sample(range(1, len(text)), rng.randint(2, 12)))
+        yield [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
+
+
+@pytest.mark.parametrize(("parser", "text"), SPLIT_CASES)
+def test_every_split_streams_as_the_whole_text_parses(parser, text):
+    whole, deltas = _stream(parser, [text])
+    expected = (whole, [(c.name, c.arguments) for c in assemble(deltas)])
+    for pieces in _splits(text):
+        content, deltas = _stream(parser, pieces)
+        assert (content, [(c.name, c.arguments) for c in assemble(deltas)]) == expected, pieces
+        # Each call opens with its id, type and name and no arguments; the rest are
+        # arguments only.
+        seen: set[int] = set()
+        for d in deltas:
+            assert (d.index not in seen) == (d.id is not None) == (d.name is not None), d
+            assert d.index in seen or d.arguments == ""
+            seen.add(d.index)
+
+
+def test_arguments_stream_as_they_are_written():
+    """Fed as a model writes it, content comes before the call is complete, a tag's
+    start is held back, and the arguments come in many pieces."""
+    stream, sent = MarkupToolStream(HermesToolParser()), []
+    for ch in HERMES:
+        content, deltas = stream.feed(ch)
+        sent.append((content, deltas))
+        assert "<" not in content  # a possible tag is held until decided
+    first_call = next(i for i, (_, d) in enumerate(sent) if d)
+    assert "".join(c for c, _ in sent[:first_call]) == "Let me check. "
+    pieces = [d.arguments for _, ds in sent for d in ds if d.index == 0 and d.id is None]
+    assert len(pieces) > 5 and "".join(pieces) == '{"city": "Paris"}'
+    # The call was named before its arguments were complete.
+    header = sent[first_call][1][0]
+    assert header.name == "get_weather" and header.arguments == "" and header.id
+    assert first_call < HERMES.index("Paris")
 
 
 TOOLS = [
@@ -263,9 +379,10 @@ def test_chat_template_flag(tmp_path):
 @pytest.mark.parametrize("how", FEEDS)
 def test_thinking_then_a_forced_call(how):
     """A forced call's grammar starts after the thinking: its stream sees only the rest."""
-    stream, parts = ChatOutputStream(
-        ReasoningStream(DeepSeekR1ReasoningParser(), ""), ForcedToolStream("add")
-    ), []
+    stream, parts = (
+        ChatOutputStream(ReasoningStream(DeepSeekR1ReasoningParser(), ""), ForcedToolStream("add")),
+        [],
+    )
     for piece in [*_pieces('plan</think>{"a": 1}', how, random.Random(4)), None]:
         parts.append(stream.feed("", True) if piece is None else stream.feed(piece))
     assert "".join(p.reasoning for p in parts) == "plan"
