@@ -145,6 +145,24 @@ def test_auto_calls_are_parsed_streamed_and_not(client):
         [(name, args)] = _calls(c.message)
         assert name == "get_weather" and args["unit"] == "c"
     assert _calls(streamed.message) == _calls(plain.message)
+    assert streamed.message.tool_calls[0].function.arguments == (
+        plain.message.tool_calls[0].function.arguments
+    )
+    # The raw chunks, as vLLM sends them: the content, then the call named (arguments
+    # ""), then its arguments in pieces as they are generated.
+    chunks = client.chat.completions.create(
+        model=MODEL_NAME, messages=CHAT, tools=TOOLS, max_tokens=120, seed=7, temperature=1.0,
+        stream=True, extra_body={"guided_regex": r"Sure\. " + call, **NO_THINKING},
+    )  # fmt: skip
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    assert "".join(d.content or "" for d in deltas) == "Sure. "
+    head, *rest = [t for d in deltas for t in d.tool_calls or []]
+    assert (head.index, head.type, head.function.name) == (0, "function", "get_weather")
+    assert head.id.startswith("call_") and head.function.arguments == ""
+    assert all(t.index == 0 and t.id is None and t.function.name is None for t in rest)
+    fragments = [t.function.arguments for t in rest]
+    assert len(fragments) > 2
+    assert "".join(fragments) == plain.message.tool_calls[0].function.arguments
     # Not a call (the JSON is bad): the text stays content, as written.
     bad = client.chat.completions.create(
         model=MODEL_NAME, messages=CHAT, tools=TOOLS, max_tokens=60,
