@@ -289,12 +289,14 @@ def test_responses_function_calls_streamed_and_not(client, choice, names):
         max_output_tokens=3, extra_body=NO_THINKING,
     )  # fmt: skip
     assert follow.output_text and follow.usage.input_tokens > plain.usage.input_tokens
+    assert follow.usage.output_tokens_details.reasoning_tokens == 0  # no thinking
 
 
 def test_responses_reasoning_item_from_the_open_think_block(client):
     r = client.responses.create(model=MODEL_NAME, input=CHAT, max_output_tokens=12)
     (item,) = r.output  # never closed: all thinking
     assert item.type == "reasoning" and item.content[0].text and r.output_text == ""
+    assert r.usage.output_tokens_details.reasoning_tokens == r.usage.output_tokens == 12
     chat = (
         client.chat.completions.create(
             model=MODEL_NAME, messages=CHAT, max_tokens=12, temperature=0

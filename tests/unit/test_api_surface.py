@@ -652,13 +652,16 @@ class ScriptedEngine(FakeAsyncLLM):
     async def _outputs(self, prompt, params, request_id, kind):
         pieces = self.script[: params.max_tokens]
         cut = "length" if len(pieces) < len(self.script) else "stop"
+        # One token per piece; "</think>" is the tokenizer's token for it (as the special
+        # token of a real reasoning model), the others any ids.
+        marker = self.tokenizer.encode("</think>")
+        ids = [marker[0] if p == "</think>" else 10 + k for k, p in enumerate(pieces)]
         for k, piece in enumerate(pieces):
             await asyncio.sleep(0)
             done = k == len(pieces) - 1
             if kind is OutputKind.DELTA:
-                outs = [CompletionOutput(0, piece, [10 + k], None, None, cut if done else None)]
+                outs = [CompletionOutput(0, piece, [ids[k]], None, None, cut if done else None)]
             elif done:
-                ids = list(range(10, 10 + len(pieces)))
                 outs = [CompletionOutput(0, "".join(pieces), ids, None, None, cut)]
             else:
                 continue
@@ -707,6 +710,9 @@ async def test_responses_reasoning_text_and_function_calls_streamed_and_not():
         out = r.json()
         Response.model_validate(out)  # the SDK's own type takes it
         assert _items(out["output"]) == expected and out["status"] == "completed"
+        # The thinking's two tokens (not its end marker) are its reasoning tokens.
+        assert out["usage"]["output_tokens_details"] == {"reasoning_tokens": 2}
+        assert out["usage"]["output_tokens"] == len(SCRIPT)
         assert out["tools"] == [{"description": None, "strict": None, **FLAT_TOOLS[0]},
                                 {"parameters": None, **FLAT_TOOLS[1]}]  # fmt: skip
         # The template saw the tools in chat's shape.
@@ -719,6 +725,7 @@ async def test_responses_reasoning_text_and_function_calls_streamed_and_not():
         final = events[-1]["response"]
         assert events[-1]["type"] == "response.completed"
         assert _items(final["output"]) == expected
+        assert final["usage"] == out["usage"]
         # Each item: added, its deltas, done; one open at a time, indices in order.
         added = [(e["output_index"], e["item"]["type"]) for e in events
                  if e["type"] == "response.output_item.added"]  # fmt: skip

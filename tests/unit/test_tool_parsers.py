@@ -19,6 +19,7 @@ from tidal.launch.reasoning import (
     DeepSeekR1ReasoningParser,
     Qwen3ReasoningParser,
     ReasoningStream,
+    count_reasoning_tokens,
 )
 from tidal.launch.tool_parsers import (
     TOOL_PARSERS,
@@ -336,6 +337,25 @@ def _run_reasoning(parser, prompt, text, how):
 )
 def test_reasoning_split(how, parser, prompt, text, expected):
     assert _run_reasoning(parser, prompt, text, how) == expected
+
+
+@pytest.mark.parametrize(
+    ("ids", "thinking", "expected"),
+    [
+        ([1, 5, 6, 2, 7], False, 2),  # <think> a b </think> c: opened by the output
+        ([5, 6, 2, 7], True, 2),  # the prompt opened it
+        ([5, 6, 2, 7], False, 0),  # no thinking at all
+        ([1, 5, 6], False, 2),  # never closed: all thinking
+        ([2, 7], True, 0),  # closed at once
+        ([], True, 0),
+    ],
+)
+def test_reasoning_token_count(ids, thinking, expected):
+    assert count_reasoning_tokens(ids, thinking, [1], [2]) == expected
+    # Markers of several tokens (a tokenizer without them as special tokens).
+    spell = {1: [1, 1], 2: [2, 3]}
+    long_ids = [t for i in ids for t in spell.get(i, [i])]
+    assert count_reasoning_tokens(long_ids, thinking, [1, 1], [2, 3]) == expected
 
 
 @pytest.mark.parametrize("how", FEEDS)

@@ -10,6 +10,7 @@ output splits exactly as the whole text does (the non-streaming path feeds it on
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from typing import ClassVar
 
 
@@ -67,6 +68,27 @@ def reasoning_parser(name: str) -> ReasoningParser:
         raise ValueError(
             f"--reasoning-parser: unknown parser {name!r}; one of {', '.join(REASONING_PARSERS)}"
         ) from None
+
+
+def count_reasoning_tokens(
+    token_ids: Sequence[int], thinking: bool, start_ids: Sequence[int], end_ids: Sequence[int]
+) -> int:
+    """How many of an output's tokens are its thinking (its markers not counted):
+    ``thinking`` when it starts inside it (``starts_in_reasoning``), or from an opening
+    marker (``start_ids``) it starts with, up to the end marker (``end_ids``) or the
+    output's end. The ids are the markers as the tokenizer spells them: one special
+    token each in Qwen3 and DeepSeek-R1, as ``ReasoningStream`` finds them in the text."""
+    ids = list(token_ids)
+    i = 0
+    if start_ids and ids[: len(start_ids)] == list(start_ids):
+        i, thinking = len(start_ids), True
+    if not thinking:
+        return 0
+    n = len(end_ids)
+    for j in range(i, len(ids) - n + 1 if n else i):
+        if ids[j : j + n] == list(end_ids):
+            return j - i
+    return len(ids) - i
 
 
 def held_prefix(text: str, marker: str) -> int:

@@ -571,11 +571,17 @@ def _status(c: CompletionOutput) -> Status:
     return Status.INCOMPLETE if c.finish_reason == "length" else Status.COMPLETED
 
 
-def _usage(prompt_tokens: int, output_tokens: int, cached: int) -> ResponseUsage:
+def _usage(
+    serving: OpenAIServing, job: Any, prompt_tokens: int, output_ids: list[int], cached: int
+) -> ResponseUsage:
+    output_tokens = len(output_ids)
     return ResponseUsage(
         input_tokens=prompt_tokens,
         input_tokens_details=InputTokensDetails(cached_tokens=cached),
         output_tokens=output_tokens,
+        output_tokens_details=OutputTokensDetails(
+            reasoning_tokens=serving.reasoning_tokens(job, output_ids)
+        ),
         total_tokens=prompt_tokens + output_tokens,
     )
 
@@ -608,7 +614,7 @@ async def create(serving: OpenAIServing, req: ResponsesRequest, request: Request
     items = OutputItems(lambda kind, **fields: "")
     items.feed(_parser(job)(c.text, True))
     items.finish(status)
-    usage = _usage(prompt_tokens, len(c.token_ids), final.num_cached_tokens)
+    usage = _usage(serving, job, prompt_tokens, list(c.token_ids), final.num_cached_tokens)
     resp = build.response(status, items.items, usage)
     return JSONResponse(resp.model_dump(mode="json"))
 
@@ -631,14 +637,16 @@ async def _stream(
     yield build.event("response.created", response=started)
     yield build.event("response.in_progress", response=started)
     items, parse = OutputItems(build.event), _parser(job)
-    tokens, cached, last = 0, 0, None
+    ids: list[int] = []  # the output's tokens, for the usage
+    cached, last = 0, None
     try:
         outputs = serving.merged([job], connection_dropper(request))
         async with contextlib.aclosing(outputs) as outs:
             async for _, out in outs:
                 cached = max(cached, out.num_cached_tokens)
                 for c in out.outputs:
-                    tokens, last = tokens + len(c.token_ids), c
+                    ids += c.token_ids
+                    last = c
                     for event in items.feed(parse(c.text, c.finish_reason is not None)):
                         yield event
     except ConnectionDropped:
@@ -650,7 +658,7 @@ async def _stream(
     status = Status.COMPLETED if last is None else _status(last)
     for event in items.finish(status):
         yield event
-    final = build.response(status, items.items, _usage(prompt_tokens, tokens, cached))
+    final = build.response(status, items.items, _usage(serving, job, prompt_tokens, ids, cached))
     yield build.event(f"response.{status}", response=final)
 
 

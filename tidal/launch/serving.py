@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, assert_never
 
@@ -30,7 +31,12 @@ from tidal.launch import openai_models as P
 from tidal.launch.connections import ABORT_CONNECTION, ServerLimits
 from tidal.launch.errors import APIError, classify_error
 from tidal.launch.http_limits import read_json
-from tidal.launch.reasoning import ReasoningParser, ReasoningStream, reasoning_parser
+from tidal.launch.reasoning import (
+    ReasoningParser,
+    ReasoningStream,
+    count_reasoning_tokens,
+    reasoning_parser,
+)
 from tidal.launch.tool_parsers import (
     ChatOutputStream,
     ForcedToolStream,
@@ -542,8 +548,25 @@ class OpenAIServing:
         rp, spec = self.reasoning_parser, job.params.structured_outputs
         if rp is None or spec is None or not rp.starts_in_reasoning(job.prompt.prompt):
             return
-        ids = self.tokenizer.encode(rp.end, add_special_tokens=False)
+        _, ids = self._thinking_marker_ids
         job.params.structured_outputs = msgspec.structs.replace(spec, starts_after=ids)
+
+    @functools.cached_property
+    def _thinking_marker_ids(self) -> tuple[list[int], list[int]]:
+        """The reasoning parser's start and end markers as the tokenizer spells them."""
+        rp = self.reasoning_parser
+        assert rp is not None
+        encode = self.tokenizer.encode
+        return encode(rp.start, add_special_tokens=False), encode(rp.end, add_special_tokens=False)
+
+    def reasoning_tokens(self, job: _Job, token_ids: Sequence[int]) -> int:
+        """How many of a chat output's tokens are thinking (0 without a reasoning parser)."""
+        rp = self.reasoning_parser
+        if rp is None:
+            return 0
+        start, end = self._thinking_marker_ids
+        thinking = rp.starts_in_reasoning(job.prompt.prompt)
+        return count_reasoning_tokens(token_ids, thinking, start, end)
 
     def _output_parsing(
         self, req: P.ChatCompletionRequest, mode: ToolMode, job: _Job
