@@ -27,6 +27,7 @@ from tidal.launch.tool_parsers import (
     DeepSeekV3ToolParser,
     ForcedToolStream,
     HermesToolParser,
+    JsonCallScan,
     MarkupToolStream,
     ToolCallDelta,
     ToolStream,
@@ -247,6 +248,41 @@ def test_arguments_stream_as_they_are_written():
     header = sent[first_call][1][0]
     assert header.name == "get_weather" and header.arguments == "" and header.id
     assert first_call < HERMES.index("Paris")
+
+
+def _random_json(rng: random.Random, depth: int = 0) -> object:
+    match rng.randint(0, 6 if depth < 3 else 3):
+        case 0:
+            return rng.choice([True, False, None])
+        case 1:
+            return rng.choice([0, -1, 12, 1.5, -0.25, 1e21, 3e-7])
+        case 2 | 3:
+            return "".join(rng.choice('ab"\\}{][,: é\n\u0001') for _ in range(rng.randint(0, 5)))
+        case 4:
+            return [_random_json(rng, depth + 1) for _ in range(rng.randint(0, 3))]
+        case _:
+            return {f"k{i}": _random_json(rng, depth + 1) for i in range(rng.randint(0, 3))}
+
+
+def test_json_scan_takes_json_and_nothing_else():
+    """The scanner's check: any JSON value (any spacing) is read whole, in any pieces;
+    a value it accepts after a random character was put in parses."""
+    rng = random.Random(7)
+    for _ in range(400):
+        text = json.dumps(_random_json(rng), ensure_ascii=rng.random() < 0.5,
+                          indent=rng.choice([None, 1]))  # fmt: skip
+        scan, cut = JsonCallScan(0, ("arguments",)), rng.randrange(len(text) + 1)
+        scan.scan(text, cut)
+        scan.scan(text + " ", len(text) + 1)
+        call = scan.calls[0]
+        assert scan.done and not scan.error and text[call.args_start : call.args_end] == text
+        i = rng.randrange(len(text))
+        bad = text[:i] + rng.choice(',:{}[]"x1 \\') + text[i:]
+        scan = JsonCallScan(0, ("arguments",))
+        scan.scan(bad + " ", len(bad) + 1)
+        if scan.done and not scan.error:
+            call = scan.calls[0]
+            json.loads(bad[call.args_start : call.args_end])
 
 
 TOOLS = [

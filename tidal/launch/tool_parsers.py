@@ -23,6 +23,7 @@ from __future__ import annotations
 import enum
 import json
 import re
+import string
 import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
@@ -144,6 +145,7 @@ class JsonCallScan:
         self._top = _Expect.VALUE  # the top level's
         self._in_str = False
         self._escape = False
+        self._hex = 0  # hex digits still owed to a \u escape
         self._str_start = 0
         self._scalar_start: int | None = None
         self._key: str | None = arg_keys[0] if depth == 0 else None  # at the call level
@@ -154,13 +156,11 @@ class JsonCallScan:
         while self.pos < end and not (self.error or self.done):
             i, c = self.pos, text[self.pos]
             if self._in_str:
+                if c < " " or not self._string_char(c):
+                    self.error = True  # a control character or a bad escape
+                    return
                 self.pos += 1
-                if self._escape:
-                    self._escape = False
-                elif c == "\\":
-                    self._escape = True
-                elif c == '"':
-                    self._in_str = False
+                if c == '"' and not self._in_str:
                     self._string_end(text, i)
                 continue
             if self._scalar_start is not None:
@@ -182,6 +182,22 @@ class JsonCallScan:
                 self.error = True
                 return
             self.pos += 1
+
+    def _string_char(self, c: str) -> bool:
+        """One character inside a string (ends it at its closing quote); False: not JSON."""
+        if self._hex:
+            self._hex -= 1
+            return c in string.hexdigits
+        if self._escape:
+            self._escape = False
+            if c == "u":
+                self._hex = 4
+            return c in '"\\/bfnrtu'
+        if c == "\\":
+            self._escape = True
+        elif c == '"':
+            self._in_str = False
+        return True
 
     def _expect(self) -> _Expect:
         return self._stack[-1][1] if self._stack else self._top
@@ -308,10 +324,11 @@ class JsonCallScan:
         start, call.sent = max(call.sent, call.args_start), end
         if not call.args_string:
             return text[start:end]
+        raw = text[call.args_start : end]
         try:
-            return _arguments_text(json.loads(text[call.args_start : end]))
+            return json.loads(raw)  # a JSON string: the text it holds
         except ValueError:
-            return text[call.args_start : end]
+            return raw
 
 
 def _scalar_prefix(token: str) -> bool:
@@ -360,11 +377,6 @@ class ToolParser(ABC):
 
     @abstractmethod
     def reader(self) -> CallReader: ...
-
-
-def _arguments_text(args: Any) -> str:
-    # A string is taken as the JSON text of the arguments (some models write it so).
-    return args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
 
 
 class _JsonObjectReader(CallReader):
