@@ -704,6 +704,18 @@ class EngineConfig:
         "auto", help="the MoE experts' kernels (auto: triton on CUDA, else torch)"
     )
     frontend: FrontendConfig = field(default_factory=FrontendConfig)
+    # vLLM's flag (docs/architecture.md#cuda-graphs).
+    enforce_eager: bool = option(
+        False, help="run every step eagerly: no decode graphs (/stats counts why each step missed)"
+    )
+    # Decode graphs' implementation (tidal/executor/graphs.py). "emulated" runs on CPU: it
+    # replays the eager step on the graphs' static buffers, for tests and rehearsals.
+    graph_backend: Literal["auto", "cuda", "emulated"] = option(
+        "auto",
+        help="how decode steps replay as graphs: cuda = torch.cuda.CUDAGraph per padded "
+        "batch size; emulated = the CPU stand-in (the eager step on the graphs' static "
+        "buffers, which it checks never move); auto = cuda on CUDA, none on CPU",
+    )
     # CPU: which path serves each op (tidal/kernels/select.py, whose ``MODES`` these are).
     # Not in the config hash: every path gives the same tokens, and ranks may differ
     # (their CPUs may).

@@ -868,7 +868,7 @@ class StatsEngineClient:
 
     async def call_utility_all_async(self, method: str, *args: object) -> list:
         # /stats on CPU: no engine measured anything here, nor allocated a cache
-        assert method in ("get_cpu_kernels", "get_kv_cache_info")
+        assert method in ("get_cpu_kernels", "get_kv_cache_info", "get_graph_stats")
         return [None] * len(self.topology.engine_ids)
 
 

@@ -131,6 +131,11 @@ class EngineCore:
         """Rebalances so far and the current physical -> logical expert layout per layer."""
         return self.executor.call("runner.get_eplb_info")
 
+    def get_graph_stats(self) -> dict[str, Any]:
+        """Decode graphs (``/stats`` ``cuda_graphs``; docs/architecture.md#cuda-graphs):
+        sizes captured, steps replayed, eager steps by reason."""
+        return self.executor.call("runner.graph_stats")
+
     def get_cpu_kernels(self) -> dict[str, Any] | None:
         """The CPU path serving each op, with the trial's timings (``/stats``)."""
         return self.executor.call("worker.get_cpu_kernels")

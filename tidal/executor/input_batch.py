@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from tidal.executor.batch import ScheduledRequest, SchedulerOutput
+from tidal.executor.graphs import DecodeStep
 from tidal.layers.attention import AttentionMetadata
 from tidal.layers.sampler import RowInfo, SamplingMetadata
 
@@ -184,16 +185,19 @@ class InputBatch:
 
     # ---- a step ------------------------------------------------------------------------
 
-    def prepare(self, sched: SchedulerOutput | list[ScheduledRequest]) -> Inputs:
-        """This step's inputs. A ``SchedulerOutput`` also frees the rows of its finished
-        and preempted requests first; a bare list (a retry of some of a step's requests)
-        frees nothing."""
+    def _scheduled(self, sched: SchedulerOutput | list[ScheduledRequest]) -> list[ScheduledRequest]:
         if isinstance(sched, SchedulerOutput):
             self.drop(sched.finished_req_ids)
             self.drop(sched.preempted_req_ids)
-            scheduled = sched.scheduled
-        else:
-            scheduled = sched
+            return sched.scheduled
+        return sched
+
+    def _gather(
+        self, scheduled: list[ScheduledRequest]
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, list[int]]:
+        """Per request: start, new tokens and table row (their new blocks copied in);
+        the flattened token ids [T] (checked against the vocabulary) and each request's
+        first row in them."""
         num = len(scheduled)
         starts = np.empty(num, dtype=np.int64)
         num_new = np.empty(num, dtype=np.int64)
@@ -215,6 +219,15 @@ class InputBatch:
         ids_np = np.array(ids, dtype=np.int64)  # [T]
         if ids:
             _check_vocab(int(ids_np.min()), int(ids_np.max()), self.vocab_size)
+        return starts, num_new, rows, ids_np, firsts
+
+    def prepare(self, sched: SchedulerOutput | list[ScheduledRequest]) -> Inputs:
+        """This step's inputs. A ``SchedulerOutput`` also frees the rows of its finished
+        and preempted requests first; a bare list (a retry of some of a step's requests)
+        frees nothing."""
+        scheduled = self._scheduled(sched)
+        num = len(scheduled)
+        starts, num_new, rows, ids_np, firsts = self._gather(scheduled)
         # Only the columns this step reads: a long context's spare blocks are not copied.
         width = int((-(-(starts + num_new) // self.block_size)).max()) if num else 0
         attn = AttentionMetadata.build_arrays(
@@ -223,12 +236,34 @@ class InputBatch:
         )  # fmt: skip
         first_row = np.asarray(firsts, dtype=np.int64)
         seq = np.repeat(np.arange(num), num_new)
-        positions = np.arange(len(ids)) - first_row[seq] + starts[seq]  # [T]
+        positions = np.arange(len(ids_np)) - first_row[seq] + starts[seq]  # [T]
         sample_rows, sample_reqs, prompt_lp = _sampling_rows(scheduled, firsts)
         return Inputs(
             input_ids=torch.from_numpy(ids_np).to(self.device),
             positions=torch.from_numpy(positions).to(self.device),
             attn=attn,
+            sample_rows=sample_rows,
+            sample_reqs=sample_reqs,
+            prompt_lp=prompt_lp,
+        )
+
+    def prepare_decode(self, sched: SchedulerOutput | list[ScheduledRequest]) -> DecodeStep:
+        """A decode-only step (every request one new token) as arrays, for the static
+        buffers of a graph (tidal/executor/graphs.py); the same checks as ``prepare``."""
+        scheduled = self._scheduled(sched)
+        starts, num_new, rows, ids_np, firsts = self._gather(scheduled)
+        if (num_new != 1).any():
+            raise ValueError("prepare_decode takes decode-only steps")
+        short = np.flatnonzero(self.num_blocks[rows] < starts // self.block_size + 1)
+        if short.size:
+            i = int(short[0])
+            raise ValueError(f"sequence {i}: {starts[i] + 1} tokens need more blocks")
+        width = int(starts.max()) // self.block_size + 1 if len(starts) else 1
+        sample_rows, sample_reqs, prompt_lp = _sampling_rows(scheduled, firsts)
+        return DecodeStep(
+            ids=ids_np,
+            starts=starts,
+            table=self.block_table[rows, :width],
             sample_rows=sample_rows,
             sample_reqs=sample_reqs,
             prompt_lp=prompt_lp,

@@ -50,6 +50,14 @@ import torch
 from tidal.config import EngineConfig
 from tidal.distributed.tensor_parallel import TensorParallel
 from tidal.executor.batch import NULL_BLOCK_ID, ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from tidal.executor.graphs import (
+    GRAPH_BACKENDS,
+    DecodeGraphs,
+    DecodeStep,
+    GraphDecision,
+    GraphMiss,
+    resolve_backend,
+)
 from tidal.executor.input_batch import InputBatch, Inputs
 from tidal.executor.kv_budget import DeviceMemory, HostMemory, kv_cache_budget
 from tidal.executor.rpc import Reduce, rpc
@@ -97,6 +105,25 @@ class ModelRunner:
         # What load_model loaded, so a sleep at level 2 can load it again.
         self._local_expert_ids: list[int] | None = None
         self._sleep_layout: list[list[int]] | None = None
+        self.graphs = self._make_graphs()
+
+    def _make_graphs(self) -> DecodeGraphs:
+        """Decode graphs (docs/architecture.md#cuda-graphs): the backend, and why they are
+        off for this engine if they are."""
+        cfg = self.config
+        name = resolve_backend(cfg.graph_backend, self.device)
+        backend = None if name is None else GRAPH_BACKENDS[name]()
+        off: GraphMiss | None = None
+        if cfg.enforce_eager:
+            off = GraphMiss.ENFORCE_EAGER
+        elif cfg.parallel.enable_expert_parallel:
+            off = GraphMiss.EXPERT_PARALLEL
+        elif self.tp.size > 1:
+            off = GraphMiss.TENSOR_PARALLEL
+        max_blocks = -(-cfg.scheduler.max_model_len // self.block_size)
+        return DecodeGraphs(
+            backend, off, cfg.scheduler.max_num_seqs, max_blocks, self.block_size, self.device
+        )
 
     # ---- setup -------------------------------------------------------------------------
 
@@ -294,11 +321,34 @@ class ModelRunner:
         )  # fmt: skip
         self.kv_caches = [self._zeros_cache(shape, dtype) for _ in range(spec.num_layers)]
         self.model.bind_kv_cache(self.kv_caches)
+        self.capture_graphs()
+
+    @torch.inference_mode()
+    def capture_graphs(self) -> None:
+        """Capture the decode graphs on the bound cache (again after every rebuild of it:
+        a graph reads the cache at fixed addresses)."""
+        for moe in self.model.moe_layers():  # the padding mask reaches them through it
+            moe.forward_context = self.moe_context
+        self.graphs.capture(self._padded_forward, lambda: list(self.kv_caches))
+
+    def _padded_forward(
+        self,
+        input_ids: torch.Tensor,  # [B] int64
+        positions: torch.Tensor,  # [B] int64
+        attn: AttentionMetadata,
+        padding: torch.Tensor,  # [B] bool
+    ) -> torch.Tensor:  # [B, H]
+        self.moe_context.padding = padding
+        try:
+            return self.model(input_ids, positions, attn)
+        finally:
+            self.moe_context.padding = None
 
     def free_kv_cache(self) -> int:
         """Unbind and drop the cache tensors (the last references: on CPU each is its own
         mapping, unmapped with it); the bytes they held."""
         freed = sum(t.numel() * t.element_size() for t in self.kv_caches)
+        self.graphs.release()  # they read the cache being freed
         num_layers = self.model.kv_cache_spec().num_layers
         self.model.bind_kv_cache([torch.empty(0)] * num_layers)  # nothing steps while asleep
         self.kv_caches = []
@@ -322,20 +372,48 @@ class ModelRunner:
         out = ModelRunnerOutput()
         if sched.is_empty:
             return out
-        inputs = self._prepare_inputs_isolated(sched, out.failed)
-        if inputs is None:
-            # Every request failed: EP peers still expect this rank in the forward's
-            # collectives (and in the same forward count for EPLB).
-            if self.ep_group is not None:
-                self.execute_dummy_batch()
-            return out
-        hidden = self._forward(inputs.input_ids, inputs.positions, inputs.attn)  # [T, H]
-        if inputs.sample_reqs:
-            self._sample(hidden, inputs, out, sched.grammar_bitmask)
-        if inputs.prompt_lp:
-            self._prompt_logprobs(hidden, inputs, out)
+        decode = self._graph_step(sched)
+        if decode is not None:
+            step, size = decode
+            hidden = self.graphs.replay(step, size)[: step.num]  # [n, H] of [size, H]
+            rows: DecodeStep | Inputs = step
+        else:
+            inputs = self._prepare_inputs_isolated(sched, out.failed)
+            if inputs is None:
+                # Every request failed: EP peers still expect this rank in the forward's
+                # collectives (and in the same forward count for EPLB).
+                if self.ep_group is not None:
+                    self.execute_dummy_batch()
+                return out
+            hidden = self._forward(inputs.input_ids, inputs.positions, inputs.attn)  # [T, H]
+            rows = inputs
+        if rows.sample_reqs:
+            self._sample(hidden, rows.sample_rows, rows.sample_reqs, out, sched.grammar_bitmask)
+        if rows.prompt_lp:
+            self._prompt_logprobs(hidden, rows.prompt_lp, out)
         self._end_step(is_dummy=False)
         return out
+
+    def _graph_step(self, sched: SchedulerOutput) -> tuple[DecodeStep, int] | None:
+        """The step's arrays and padded size when a graph replays it, else None (eager);
+        counts the decision (``graph_stats``)."""
+        num_decodes = sum(1 for sr in sched.scheduled if sr.num_new_tokens == 1)
+        decision = self.graphs.decide(num_decodes, len(sched.scheduled) - num_decodes)
+        step = None
+        if decision.size is not None:
+            try:
+                step = self.input_batch.prepare_decode(sched)
+            except Exception as e:  # noqa: BLE001 - the eager path finds the culprit(s)
+                logger.warning("preparing a decode graph's inputs failed (%s): eager step", e)
+                decision = GraphDecision(None, GraphMiss.PREPARE_FAILED)
+        self.graphs.stats.record(decision, num_decodes)
+        return None if step is None or decision.size is None else (step, decision.size)
+
+    @rpc(Reduce.FIRST, reply=ReplyMode.DRIVER, local=True)
+    def graph_stats(self) -> dict[str, Any]:
+        """Decode graphs (``/stats`` ``cuda_graphs``): backend, sizes captured and failed,
+        capture seconds, steps replayed and eager steps by reason."""
+        return self.graphs.to_dict()
 
     @rpc(reply=ReplyMode.DRIVER)
     @torch.inference_mode()
@@ -423,15 +501,15 @@ class ModelRunner:
     def _sample(
         self,
         hidden: torch.Tensor,
-        inputs: Inputs,
+        sample_rows: list[int],
+        reqs: list[ScheduledRequest],
         out: ModelRunnerOutput,
         bitmasks: dict[str, bytes],
     ) -> None:
-        rows = torch.tensor(inputs.sample_rows, dtype=torch.long, device=hidden.device)
+        rows = torch.tensor(sample_rows, dtype=torch.long, device=hidden.device)
         logits = self.model.compute_logits(hidden.index_select(0, rows))  # [N, V] float32
         if logits is None:  # a TP worker other than the driver: only the driver samples
             return
-        reqs = inputs.sample_reqs
         # Seeded rows draw from fresh per-position generators, so the row-by-row retry
         # draws what an untroubled step would have (seeded = reproducible: docs/architecture.md#elastic-migration).
         try:
@@ -464,9 +542,12 @@ class ModelRunner:
                 out.logprobs[rid] = [lp]
 
     def _prompt_logprobs(
-        self, hidden: torch.Tensor, inputs: Inputs, out: ModelRunnerOutput
+        self,
+        hidden: torch.Tensor,
+        prompt_lp: list[tuple[ScheduledRequest, int, int]],
+        out: ModelRunnerOutput,
     ) -> None:
-        for sr, row0, count in inputs.prompt_lp:
+        for sr, row0, count in prompt_lp:
             req = sr.request
             try:
                 logits = self.model.compute_logits(hidden[row0 : row0 + count])  # [count, V]

@@ -292,6 +292,8 @@ class AsyncLLM:
             stats["expert_load_by_engine"] = {str(k): v for k, v in by_engine.items()}
         # Per rank: blocks, block size, cache layout and bytes per token (MLA's latent).
         stats["kv_cache"] = await self.client.call_utility_all_async("get_kv_cache_info")
+        # Per rank: decode graphs replayed and eager steps by reason.
+        stats["cuda_graphs"] = await self.client.call_utility_all_async("get_graph_stats")
         if self.config.device == "cpu":
             # Each rank's path per op and the trial's timings (tidal/kernels/select.py).
             stats["cpu_kernels"] = await self.get_cpu_kernels()

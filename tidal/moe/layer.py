@@ -151,6 +151,11 @@ class MoEForwardContext:
     """
 
     num_tokens_across_dp: list[int] | None = None
+    # [T] bool, True on the padding rows of a decode graph (tidal/executor/graphs.py): they
+    # route to an expert id no rank holds, with weight 0, so they reach no expert and add
+    # nothing to the recorded load. A tensor, not a count: one graph serves any number of
+    # real rows up to its size.
+    padding: Tensor | None = None
 
 
 def _triton_experts(*args: Any, **kwargs: Any) -> Tensor:
@@ -307,7 +312,38 @@ class FusedMoE(HeldParamsModule):
 
     def _route_and_compute(self, hidden: Tensor) -> Tensor:  # [T, H] -> [T, H]
         topk_weights, topk_ids = self.route(hidden)
+        ctx = self.forward_context
+        if ctx is not None and ctx.padding is not None:
+            return self._padded_experts(hidden, topk_weights, topk_ids, ctx.padding)
         return self.forward_experts(hidden, topk_weights, topk_ids)
+
+    def _padded_experts(
+        self,
+        hidden: Tensor,  # [T, H]
+        topk_weights: Tensor,  # [T, K] float32
+        topk_ids: Tensor,  # [T, K] int64
+        padding: Tensor,  # [T] bool
+    ) -> Tensor:  # [T, H]; 0 on the padding rows
+        """A graph's step (no dispatcher): padding rows get the id ``num_experts``, which
+        the map extended by one -1 entry sends nowhere, and weight 0."""
+        if self.dispatcher is not None:
+            raise RuntimeError("padded graph steps run without expert parallelism")
+        pad = padding[:, None]
+        ids = topk_ids.masked_fill(pad, self.num_experts)
+        weights = topk_weights.masked_fill(pad, 0.0)
+        if self.record_expert_load:
+            self._record_load(ids)
+        # [E_global + 1] int32: the last id is on no rank
+        expert_map = torch.nn.functional.pad(self.expert_map, (0, 1), value=-1)
+        return self._experts(hidden, weights, ids, expert_map)
+
+    def _record_load(self, ids: Tensor) -> None:  # [T, K] int64, ids == num_experts not counted
+        # A scatter, not bincount: bincount's output size depends on the data (a host
+        # sync on a GPU, none allowed in a graph); the extra bin takes the padding.
+        flat = ids.reshape(-1)
+        counts = torch.zeros(self.num_experts + 1, dtype=torch.int64, device=ids.device)
+        counts.scatter_add_(0, flat, torch.ones_like(flat))
+        self.expert_load += counts[: self.num_experts]
 
     def route(self, hidden: Tensor) -> tuple[Tensor, Tensor]:  # [T, H] -> [T, K] f32, int64
         gate = self._held("router") if self._cpu_held(hidden) else None
@@ -331,7 +367,7 @@ class FusedMoE(HeldParamsModule):
         topk_ids: Tensor,  # [T, K] int64 global ids
     ) -> Tensor:  # [T, H]
         if self.record_expert_load:
-            self.expert_load += torch.bincount(topk_ids.reshape(-1), minlength=self.num_experts)
+            self._record_load(topk_ids)
         if self.dispatcher is None:
             return self._experts(hidden, topk_weights, topk_ids, self._map_arg)
         ctx = self.forward_context

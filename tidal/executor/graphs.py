@@ -1,0 +1,457 @@
+"""Full-step graphs for decode steps (docs/architecture.md#cuda-graphs).
+
+A decode-only step of B requests is padded to the next size of a ladder (``capture_sizes``)
+and replayed from a graph captured for that size over static input buffers, instead of
+launching its few hundred kernels one by one from Python. Three parts, each testable on CPU:
+
+* **Sizes and decisions**, pure: ``capture_sizes(max_num_seqs)``, ``pad_to`` and ``decide``
+  (graph or eager for a step, and why not: ``GraphMiss``).
+* **Backends** behind ``GraphBackend``: ``CudaGraphBackend`` (``torch.cuda.CUDAGraph``,
+  every size in one memory pool, captured largest first) and ``EmulatedGraphBackend``, the
+  CPU stand-in: its capture records the addresses of the static buffers the step reads
+  and its replay runs the eager step again on those very buffers, failing if any moved. So
+  the CPU tests exercise what a CUDA graph needs: no new input tensors per step, and the
+  same ops every step of a size (tests/unit/test_graphs.py checks the second with a
+  ``TorchDispatchMode``, with host syncs too).
+* **Static inputs** (``StaticDecodeInputs``): one int64 buffer on the device holding every
+  input of the largest size; a size-B graph reads the first B rows of each part. A step
+  fills the host copy (pinned on CUDA) and copies it in with one transfer.
+
+Padding rows are inert: token 0 at position 0, its K/V written to slot 0 of the null
+block (block 0, which no request reads) and attending to that one key (length 1: a
+length of 0 would be a softmax over nothing, NaN), and MoE routing to an expert id
+no rank holds with weight 0 (``MoEForwardContext.padding``): they reach no expert and
+add nothing to the recorded expert load.
+"""
+
+from __future__ import annotations
+
+import bisect
+import enum
+import logging
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from tidal.executor.batch import NULL_BLOCK_ID
+from tidal.layers.attention import AttentionMetadata
+
+logger = logging.getLogger(__name__)
+
+
+class GraphMiss(enum.Enum):
+    """Why a step ran eagerly."""
+
+    ENFORCE_EAGER = "enforce_eager"  # --enforce-eager
+    NO_BACKEND = "no_backend"  # a device without graphs (CPU unless --graph-backend emulated)
+    EXPERT_PARALLEL = "expert_parallel"  # EP dispatch agrees token counts on the host
+    TENSOR_PARALLEL = "tensor_parallel"  # the TP collectives are not captured
+    PREFILL = "prefill"  # prefill chunks only
+    MIXED = "mixed"  # decodes and prefill chunks together
+    ABOVE_LADDER = "above_ladder"  # more decodes than the largest captured size
+    CAPTURE_FAILED = "capture_failed"  # this size's capture raised
+    PREPARE_FAILED = "prepare_failed"  # a request's inputs raised: the isolating eager path
+
+
+# ---- sizes and decisions (pure) -------------------------------------------------------------
+
+
+def capture_sizes(max_num_seqs: int) -> tuple[int, ...]:
+    """The padded batch sizes: 1, 2, 4, then every multiple of 8 to 256 and of 16 above,
+    up to ``max_num_seqs``, which is always the last (so every decode step has a size).
+    Steps of 8 keep the padding of a large batch under 8 rows (3 % at 256)."""
+    if max_num_seqs < 1:
+        raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
+    ladder = [1, 2, 4, *range(8, 257, 8), *range(272, max_num_seqs + 1, 16)]
+    sizes = [s for s in ladder if s < max_num_seqs]
+    return (*sizes, max_num_seqs)
+
+
+def pad_to(sizes: Sequence[int], num: int) -> int | None:
+    """The smallest size that holds ``num`` rows; None above the ladder."""
+    if num < 1:
+        raise ValueError(f"a step has at least one row, got {num}")
+    i = bisect.bisect_left(sizes, num)
+    return sizes[i] if i < len(sizes) else None
+
+
+@dataclass(frozen=True)
+class GraphDecision:
+    size: int | None  # the padded size replayed; None: eager
+    miss: GraphMiss | None  # why eager (None when replayed)
+
+
+def decide(
+    sizes: Sequence[int],
+    num_decodes: int,
+    num_prefills: int,
+    *,
+    off: GraphMiss | None = None,
+    failed: frozenset[int] | set[int] = frozenset(),
+) -> GraphDecision:
+    """Graph or eager for a step of ``num_decodes`` one-token rows and ``num_prefills``
+    longer chunks. ``off``: why graphs are off for the whole engine (decided at load);
+    ``failed``: the sizes whose capture failed. The table: docs/architecture.md#cuda-graphs."""
+    if off is not None:
+        return GraphDecision(None, off)
+    if num_prefills:
+        return GraphDecision(None, GraphMiss.MIXED if num_decodes else GraphMiss.PREFILL)
+    size = pad_to(sizes, num_decodes)
+    if size is None:
+        return GraphDecision(None, GraphMiss.ABOVE_LADDER)
+    if size in failed:
+        return GraphDecision(None, GraphMiss.CAPTURE_FAILED)
+    return GraphDecision(size, None)
+
+
+@dataclass
+class GraphStats:
+    """Steps replayed and steps run eagerly by reason (``/stats`` ``cuda_graphs``)."""
+
+    hits: int = 0
+    real_rows: int = 0  # rows of the replayed steps that were requests
+    padded_rows: int = 0  # rows the replayed graphs computed (requests and padding)
+    misses: dict[GraphMiss, int] = field(default_factory=dict)
+
+    def record(self, decision: GraphDecision, rows: int) -> None:
+        if decision.size is not None:
+            self.hits += 1
+            self.real_rows += rows
+            self.padded_rows += decision.size
+        else:
+            assert decision.miss is not None
+            self.misses[decision.miss] = self.misses.get(decision.miss, 0) + 1
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "hits": self.hits,
+            "misses": {m.value: n for m, n in self.misses.items()},
+            "real_rows": self.real_rows,
+            "padded_rows": self.padded_rows,
+        }
+
+
+# ---- backends ----------------------------------------------------------------------------
+
+
+StepFn = Callable[[], Tensor]  # the step on the static buffers -> its output
+BuffersFn = Callable[[], list[Tensor]]  # the tensors the step reads, as they are now
+
+
+class GraphBackend(ABC):
+    """Captures a step per size and replays it. ``capture`` raises if the step cannot be
+    captured (the caller runs that size eagerly); ``replay`` returns the step's output."""
+
+    name: ClassVar[str]
+
+    @abstractmethod
+    def capture(self, size: int, step: StepFn, buffers: BuffersFn) -> None: ...
+
+    @abstractmethod
+    def replay(self, size: int) -> Tensor: ...
+
+    @abstractmethod
+    def release(self) -> None:
+        """Drop every graph (before the buffers they read are freed or replaced)."""
+
+
+class CudaGraphBackend(GraphBackend):
+    """``torch.cuda.CUDAGraph`` per size, all in one memory pool: captured largest first,
+    the smaller graphs reuse the largest one's blocks."""
+
+    name = "cuda"
+
+    def __init__(self) -> None:
+        self.graphs: dict[int, Any] = {}
+        self.outputs: dict[int, Tensor] = {}  # each graph's output, rewritten by replay
+        self.pool: Any = None
+
+    def capture(self, size: int, step: StepFn, buffers: BuffersFn) -> None:
+        # One eager run first: lazy initialisations (Triton compiles, cuBLAS handles,
+        # memoised tables) must not happen inside the capture.
+        step()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            out = step()
+        if self.pool is None:
+            self.pool = graph.pool()
+        self.graphs[size], self.outputs[size] = graph, out
+
+    def replay(self, size: int) -> Tensor:
+        self.graphs[size].replay()
+        return self.outputs[size]
+
+    def release(self) -> None:
+        self.graphs.clear()
+        self.outputs.clear()
+        self.pool = None
+
+
+class EmulatedGraphBackend(GraphBackend):
+    """The CPU stand-in: capture records the static buffers' addresses and runs the step
+    once; replay checks that no buffer moved and runs the eager step again on them."""
+
+    name = "emulated"
+
+    def __init__(self) -> None:
+        self.steps: dict[int, tuple[StepFn, BuffersFn, list[int]]] = {}
+        self.replays = 0
+
+    def capture(self, size: int, step: StepFn, buffers: BuffersFn) -> None:
+        step()
+        self.steps[size] = (step, buffers, [t.data_ptr() for t in buffers()])
+
+    def replay(self, size: int) -> Tensor:
+        step, buffers, ptrs = self.steps[size]
+        now = [t.data_ptr() for t in buffers()]
+        if now != ptrs:
+            moved = [i for i, (a, b) in enumerate(zip(ptrs, now)) if a != b]
+            raise RuntimeError(
+                f"graph of size {size}: static buffers {moved} moved since capture "
+                "(a CUDA graph would read freed memory)"
+            )
+        self.replays += 1
+        return step()
+
+    def release(self) -> None:
+        self.steps.clear()
+
+
+GRAPH_BACKENDS: dict[str, type[GraphBackend]] = {
+    "cuda": CudaGraphBackend,
+    "emulated": EmulatedGraphBackend,
+}
+
+
+def resolve_backend(name: str, device: torch.device) -> str | None:
+    """``--graph-backend``: auto -> cuda on CUDA, none elsewhere; cuda needs a CUDA device."""
+    if name == "auto":
+        return "cuda" if device.type == "cuda" else None
+    if name == "cuda" and device.type != "cuda":
+        raise ValueError(f"--graph-backend cuda needs a CUDA device, the engine runs on {device}")
+    if name not in GRAPH_BACKENDS:
+        raise ValueError(f"--graph-backend must be auto or one of {sorted(GRAPH_BACKENDS)}")
+    return name
+
+
+# ---- static inputs -----------------------------------------------------------------------
+
+
+@dataclass
+class DecodeStep:
+    """A decode-only step's per-request arrays (``InputBatch.prepare_decode``)."""
+
+    ids: np.ndarray  # [n] int64 the token of each request
+    starts: np.ndarray  # [n] int64 its position (tokens already in the cache)
+    table: np.ndarray  # [n, w] int block table rows, w >= the blocks the longest reads
+    sample_rows: list[int]
+    sample_reqs: list[Any]  # ScheduledRequest
+    prompt_lp: list[tuple[Any, int, int]]
+
+    @property
+    def num(self) -> int:
+        return len(self.ids)
+
+
+class StaticDecodeInputs:
+    """Every input of a decode graph, in one int64 buffer of the largest size on the
+    device: ids, positions, slots, lengths and the real-row flag (``max_size`` each),
+    then the block table (``max_size x max_blocks``). A size-B graph reads the first B
+    entries of each part and the first B table rows. ``host`` is its copy on the host
+    (pinned on CUDA), filled per step and copied in one transfer."""
+
+    PARTS = ("ids", "positions", "slots", "lens", "real")
+
+    def __init__(self, max_size: int, max_blocks: int, block_size: int, device: torch.device):
+        self.max_size, self.max_blocks, self.block_size = max_size, max_blocks, block_size
+        numel = len(self.PARTS) * max_size + max_size * max_blocks
+        pin = device.type == "cuda"
+        self.host = torch.zeros(numel, dtype=torch.int64, pin_memory=pin)  # [numel]
+        self.host_np = self.host.numpy()
+        self.device_buf = torch.zeros(numel, dtype=torch.int64, device=device)  # [numel]
+
+    def part(self, name: str, size: int, buf: Tensor | np.ndarray | None = None) -> Any:
+        """[size] view of one part (of ``buf``, default the device buffer)."""
+        b = self.device_buf if buf is None else buf
+        start = self.PARTS.index(name) * self.max_size
+        return b[start : start + size]
+
+    def table(self, size: int, buf: Tensor | np.ndarray | None = None) -> Any:
+        """[size, max_blocks] view of the block table."""
+        b = self.device_buf if buf is None else buf
+        start = len(self.PARTS) * self.max_size
+        return b[start : start + size * self.max_blocks].reshape(size, self.max_blocks)
+
+    def views(self, size: int) -> list[Tensor]:
+        return [self.part(p, size) for p in self.PARTS] + [self.table(size)]
+
+    def fill(self, step: DecodeStep, size: int) -> None:
+        """The first ``step.num`` rows from the step, the rest padding; then one copy to
+        the device of what a size-``size`` graph reads."""
+        n, bs, h = step.num, self.block_size, self.host_np
+        if n > size:
+            raise ValueError(f"{n} requests do not fit a graph of {size}")
+        starts = step.starts
+        needed = starts // bs + 1  # [n] blocks each row reads (its new token's included)
+        if n and int(needed.max()) > self.max_blocks:
+            raise ValueError(f"a sequence needs more than {self.max_blocks} blocks")
+        self.part("ids", size, h)[:n] = step.ids
+        self.part("positions", size, h)[:n] = starts
+        rows = np.arange(n)
+        blocks = step.table[rows, starts // bs].astype(np.int64)
+        self.part("slots", size, h)[:n] = blocks * bs + starts % bs
+        self.part("lens", size, h)[:n] = starts + 1
+        self.part("real", size, h)[:n] = 1
+        table = self.table(size, h)
+        width = min(step.table.shape[1], self.max_blocks)
+        cols = np.arange(width)
+        # Columns past a row's last block read block 0 (masked by its length anyway).
+        table[:n, :width] = np.where(cols[None, :] < needed[:, None], step.table[:, :width], 0)
+        table[:n, width:] = 0
+        # Padding: token 0 at position 0 into slot 0 of the null block, length 1, no expert.
+        for name, value in (
+            ("ids", 0), ("positions", 0), ("slots", NULL_BLOCK_ID * bs), ("lens", 1), ("real", 0)
+        ):  # fmt: skip
+            self.part(name, size, h)[n:] = value
+        table[n:] = NULL_BLOCK_ID
+        end = len(self.PARTS) * self.max_size + size * self.max_blocks
+        self.device_buf[:end].copy_(self.host[:end], non_blocking=True)
+
+    def metadata(self, size: int) -> AttentionMetadata:
+        """The attention metadata of a size-``size`` graph: views of the buffer. Its mask
+        and memoised cache rows are rebuilt inside every step (``refresh``)."""
+        return AttentionMetadata(
+            num_tokens=size,
+            block_size=self.block_size,
+            slot_mapping=self.part("slots", size),
+            query_lens=[1] * size,
+            seq_lens=[],  # on the device only (decode_seq_lens): a graph reads no host list
+            decode_rows=slice(0, size),
+            decode_block_table=self.table(size),
+            decode_seq_lens=self.part("lens", size),
+        )
+
+    def refresh(self, meta: AttentionMetadata) -> None:
+        """Inside the step: what ``build`` derives on the host, derived on the device."""
+        lens = meta.decode_seq_lens
+        assert lens is not None
+        width = self.max_blocks * self.block_size
+        keys = torch.arange(width, device=lens.device)
+        meta.decode_mask = (keys[None, :] < lens[:, None])[:, None, None, :]  # [B, 1, 1, keys]
+        meta._rows.clear()  # noqa: SLF001 - rebuilt from this step's tables by the first layer
+
+
+# ---- the decode graphs of one runner -----------------------------------------------------
+
+
+class DecodeGraphs:
+    """The ladder, the static inputs, the backend's graphs and the counts of one model
+    runner. ``forward(ids, positions, meta, padding)`` is the model's forward with the MoE
+    padding mask set (the runner's)."""
+
+    def __init__(
+        self,
+        backend: GraphBackend | None,
+        off: GraphMiss | None,
+        max_num_seqs: int,
+        max_blocks: int,
+        block_size: int,
+        device: torch.device,
+    ) -> None:
+        self.backend = backend
+        self.off = off if backend is not None else (off or GraphMiss.NO_BACKEND)
+        self.sizes = capture_sizes(max_num_seqs)
+        self.max_blocks, self.block_size, self.device = max_blocks, block_size, device
+        self.static: StaticDecodeInputs | None = None
+        self.captured: list[int] = []
+        self.failed: set[int] = set()
+        self.capture_s = 0.0
+        self.stats = GraphStats()
+
+    @property
+    def enabled(self) -> bool:
+        return self.off is None
+
+    def capture(
+        self,
+        forward: Callable[[Tensor, Tensor, AttentionMetadata, Tensor], Tensor],
+        cache_buffers: Callable[[], list[Tensor]],
+    ) -> None:
+        """Capture every size, largest first; a size whose capture raises runs eagerly.
+        ``cache_buffers``: the KV cache tensors (a graph reads them at fixed addresses)."""
+        self.release()
+        if self.backend is None or self.off is not None:
+            return
+        t0 = time.perf_counter()
+        static = self.static = StaticDecodeInputs(
+            self.sizes[-1], self.max_blocks, self.block_size, self.device
+        )
+        for size in reversed(self.sizes):
+            meta = static.metadata(size)
+            step = _step(static, size, meta, forward)
+            try:
+                static.fill(DecodeStep(*_empty_step(), [], [], []), size)  # all padding
+                self.backend.capture(size, step, lambda s=size: static.views(s) + cache_buffers())
+            except Exception as e:  # noqa: BLE001 - that size runs eagerly
+                logger.warning("capturing the decode graph of %d rows failed: %s", size, e)
+                self.failed.add(size)
+            else:
+                self.captured.append(size)
+        self.capture_s = time.perf_counter() - t0
+        logger.info(
+            "%s graphs: %d sizes captured in %.1f s (%d failed)",
+            self.backend.name, len(self.captured), self.capture_s, len(self.failed),
+        )  # fmt: skip
+
+    def release(self) -> None:
+        if self.backend is not None:
+            self.backend.release()
+        self.static = None
+        self.captured, self.failed = [], set()
+
+    def decide(self, num_decodes: int, num_prefills: int) -> GraphDecision:
+        if self.off is None and self.static is None:  # no KV cache, nothing captured
+            return GraphDecision(None, GraphMiss.NO_BACKEND)
+        return decide(self.sizes, num_decodes, num_prefills, off=self.off, failed=self.failed)
+
+    def replay(self, step: DecodeStep, size: int) -> Tensor:  # -> [size, H]
+        assert self.backend is not None and self.static is not None
+        self.static.fill(step, size)
+        return self.backend.replay(size)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "backend": None if self.backend is None else self.backend.name,
+            "off": None if self.off is None else self.off.value,
+            "sizes": list(self.sizes),
+            "captured": sorted(self.captured),
+            "capture_failed": sorted(self.failed),
+            "capture_s": round(self.capture_s, 3),
+            **self.stats.to_dict(),
+        }
+
+
+def _empty_step() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    return np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros((0, 1), np.int32)
+
+
+def _step(
+    static: StaticDecodeInputs,
+    size: int,
+    meta: AttentionMetadata,
+    forward: Callable[[Tensor, Tensor, AttentionMetadata, Tensor], Tensor],
+) -> StepFn:
+    ids, positions, real = (static.part(p, size) for p in ("ids", "positions", "real"))
+
+    def step() -> Tensor:  # [size, H]
+        static.refresh(meta)
+        return forward(ids, positions, meta, real == 0)  # padding: [size] bool
+
+    return step
