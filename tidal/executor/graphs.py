@@ -52,6 +52,7 @@ class GraphMiss(enum.Enum):
     NO_BACKEND = "no_backend"  # a device without graphs (CPU unless --graph-backend emulated)
     EXPERT_PARALLEL = "expert_parallel"  # EP dispatch agrees token counts on the host
     TENSOR_PARALLEL = "tensor_parallel"  # the TP collectives are not captured
+    MOE_BACKEND = "moe_backend"  # CUDA experts other than triton group tokens on the host
     PREFILL = "prefill"  # prefill chunks only
     MIXED = "mixed"  # decodes and prefill chunks together
     ABOVE_LADDER = "above_ladder"  # more decodes than the largest captured size

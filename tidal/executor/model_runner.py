@@ -69,7 +69,7 @@ from tidal.models.loader import load_model
 from tidal.models.registry import get_model_class
 from tidal.moe.dispatch import get_dispatcher
 from tidal.moe.eplb import EplbState
-from tidal.moe.layer import MoEForwardContext
+from tidal.moe.layer import MoEForwardContext, resolve_moe_backend
 from tidal.moe.placement import ExpertPlacement
 from tidal.protocol.messages import Logprobs
 from tidal.protocol.worker import ReplyMode
@@ -120,6 +120,10 @@ class ModelRunner:
             off = GraphMiss.EXPERT_PARALLEL
         elif self.tp.size > 1:
             off = GraphMiss.TENSOR_PARALLEL
+        elif name == "cuda" and resolve_moe_backend(cfg.moe_backend, self.device) != "triton":
+            # The torch and reference experts size their groups from host copies of the
+            # routing (bincount, tolist): inherent to those paths, so no capture is tried.
+            off = GraphMiss.MOE_BACKEND
         max_blocks = -(-cfg.scheduler.max_model_len // self.block_size)
         return DecodeGraphs(
             backend, off, cfg.scheduler.max_num_seqs, max_blocks, self.block_size, self.device
