@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # GPU proof in one prepared run (issue #22): device facts, the kernel tests compiled on CUDA,
-# fused MoE (Triton) against the torch path with a block-size sweep, one CUDA engine rank.
+# fused MoE (Triton) against the torch path with a block-size sweep, one CUDA engine rank;
+# and, asked for by STEPS="facts graphs", the decode step against its floor, eager and with
+# decode graphs (benchmarks/gpu_engine.py).
 #
 #   OUT=/some/dir benchmarks/gpu_proof.sh            # all steps
 #   STEPS="moe engine" OUT=... benchmarks/gpu_proof.sh   # a rerun of some steps
@@ -28,8 +30,10 @@ smoke=()
 step() {  # step NAME TIMEOUT_S ARGS...: one time-boxed step; its output goes to $OUT/steps.log
   local name=$1 limit=$2; shift 2
   case " $STEPS " in *" $name "*) ;; *) return 0 ;; esac
+  local cmd=(benchmarks/gpu_proof.py "$name")
+  [ "$name" = graphs ] && cmd=(benchmarks/gpu_engine.py)  # decode graphs against the floor
   echo "== $name (time box ${limit}s) $(date +%T)"
-  timeout -k 10 "$limit" python3 benchmarks/gpu_proof.py "$name" --out "$OUT/$name.json" \
+  timeout -k 10 "$limit" python3 "${cmd[@]}" --out "$OUT/$name.json" \
     "${smoke[@]}" "$@" >"$OUT/$name.log.tmp" 2>&1
   echo "   rc=$? $(date +%T)"; tail -n 4 "$OUT/$name.log.tmp"
   { echo "===== $name"; cat "$OUT/$name.log.tmp"; } >>"$OUT/steps.log"; rm -f "$OUT/$name.log.tmp"
@@ -43,7 +47,10 @@ if [ "${SMOKE:-0}" != 1 ] && [ -f "$OUT/tuned_moe_config.json" ]; then
   cp "$OUT/tuned_moe_config.json" "tidal/kernels/configs/$name" && echo "   engine uses $name"
 fi
 step engine 300
+# Not in the default STEPS (the four above fill a 10-minute call): a call of its own,
+# STEPS="facts graphs".
+step graphs 480
 device=$(python3 -c "import json;print(json.load(open('$OUT/facts.json'))['device'])" 2>/dev/null \
   | tr -c 'A-Za-z0-9_.\n-' '_')
 python3 benchmarks/gpu_proof.py merge --out "$OUT/gpu-${device:-unknown}.json" \
-  "$OUT"/facts.json "$OUT"/kernels.json "$OUT"/moe.json "$OUT"/engine.json
+  "$OUT"/facts.json "$OUT"/kernels.json "$OUT"/moe.json "$OUT"/engine.json "$OUT"/graphs.json

@@ -323,6 +323,9 @@ class StaticDecodeInputs:
             self.part(name, size, h)[n:] = value
         table[n:] = NULL_BLOCK_ID
         end = len(self.PARTS) * self.max_size + size * self.max_blocks
+        # Asynchronous from pinned memory: the host copy is not written again before the
+        # step's sampled tokens reach the host (a sync) -- a step that ends without one
+        # (async scheduling) needs two host copies in turn.
         self.device_buf[:end].copy_(self.host[:end], non_blocking=True)
 
     def metadata(self, size: int) -> AttentionMetadata:
