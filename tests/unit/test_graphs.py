@@ -26,6 +26,7 @@ from tidal.executor.graphs import (
     StaticDecodeInputs,
     capture_sizes,
     decide,
+    graphs_off,
     pad_to,
 )
 from tidal.launch.engine_args import EngineArgs
@@ -67,6 +68,25 @@ SIZES = capture_sizes(32)
 )
 def test_decision_table(decodes, prefills, off, failed, want):
     assert decide(SIZES, decodes, prefills, off=off, failed=failed) == want
+
+
+@pytest.mark.parametrize(
+    ("changes", "want"),
+    [
+        ({}, None),
+        ({"enforce_eager": True}, GraphMiss.ENFORCE_EAGER),
+        ({"backend": None}, GraphMiss.NO_BACKEND),
+        ({"expert_parallel": True}, GraphMiss.EXPERT_PARALLEL),
+        ({"tensor_parallel": True}, GraphMiss.TENSOR_PARALLEL),
+        ({"experts_on_device": False}, GraphMiss.EXPERTS_SYNC),
+        # The emulating backend replays the eager step, host reads and all.
+        ({"backend": "emulated", "experts_on_device": False}, None),
+    ],
+)
+def test_why_an_engine_replays_nothing(changes, want):
+    engine = {"enforce_eager": False, "backend": "cuda", "expert_parallel": False,
+              "tensor_parallel": False, "experts_on_device": True}  # fmt: skip
+    assert graphs_off(**(engine | changes)) == want
 
 
 def test_stats_count_hits_padding_and_misses_by_reason():
@@ -140,18 +160,23 @@ class _Req:
 BLOCKS_PER_REQ = 4  # 64 tokens of block size 16
 
 
-@pytest.fixture(scope="module")
-def runner(qwen3_ckpt: str) -> Iterator[Any]:
+def _make_runner(ckpt: str) -> Any:
     from tidal.executor.model_runner import ModelRunner
 
     args = EngineArgs(
-        model=qwen3_ckpt, device="cpu", dtype="float32", graph_backend="emulated",
+        model=ckpt, device="cpu", dtype="float32", graph_backend="emulated",
         max_num_seqs=8, max_model_len=64, cpu_kernels="native",
     )  # fmt: skip
     r = ModelRunner(args.create_engine_config(), torch.device("cpu"))
     r.load_model()
     r.initialize_kv_cache(1 + 8 * BLOCKS_PER_REQ)
     assert r.graphs.captured == [8, 4, 2, 1]  # largest first
+    return r
+
+
+@pytest.fixture(scope="module")
+def runner(qwen3_ckpt: str) -> Iterator[Any]:
+    r = _make_runner(qwen3_ckpt)
     yield r
     r.free_kv_cache()
 
@@ -215,6 +240,19 @@ def test_padding_rows_change_no_real_row_kv_or_expert_load(runner):
         for m in moe:
             m.record_expert_load = False
     _run(runner, scheduled)  # the runner path itself: a replayed step samples the real rows
+
+
+# MLA's latent cache; a sliding window, sinks and biased clamped experts.
+@pytest.mark.parametrize("model_type", ["deepseek_v3", "gpt_oss"])
+@torch.inference_mode()
+def test_other_attention_and_experts_replay_the_eager_step(tiny_ckpt, model_type):
+    runner = _make_runner(tiny_ckpt(model_type))
+    scheduled = _decodes(_prefilled(runner, 3, seed=4))
+    inputs = runner.input_batch.prepare(scheduled)
+    eager = runner._forward(inputs.input_ids, inputs.positions, inputs.attn)  # [3, H]
+    hidden = runner.graphs.replay(runner.input_batch.prepare_decode(scheduled), 8)
+    torch.testing.assert_close(hidden[:3], eager)
+    runner.free_kv_cache()
 
 
 SYNC_OPS = {

@@ -52,7 +52,7 @@ class GraphMiss(enum.Enum):
     NO_BACKEND = "no_backend"  # a device without graphs (CPU unless --graph-backend emulated)
     EXPERT_PARALLEL = "expert_parallel"  # EP dispatch agrees token counts on the host
     TENSOR_PARALLEL = "tensor_parallel"  # the TP collectives are not captured
-    MOE_BACKEND = "moe_backend"  # CUDA experts other than triton group tokens on the host
+    EXPERTS_SYNC = "experts_sync"  # CUDA: experts that group tokens on the host
     PREFILL = "prefill"  # prefill chunks only
     MIXED = "mixed"  # decodes and prefill chunks together
     ABOVE_LADDER = "above_ladder"  # more decodes than the largest captured size
@@ -80,6 +80,30 @@ def pad_to(sizes: Sequence[int], num: int) -> int | None:
         raise ValueError(f"a step has at least one row, got {num}")
     i = bisect.bisect_left(sizes, num)
     return sizes[i] if i < len(sizes) else None
+
+
+def graphs_off(
+    *,
+    enforce_eager: bool,
+    backend: str | None,
+    expert_parallel: bool,
+    tensor_parallel: bool,
+    experts_on_device: bool,
+) -> GraphMiss | None:
+    """Why an engine replays no graph at all (None: it may). ``experts_on_device``: no
+    MoE layer reads its routing on the host (``FusedMoE.experts_on_device``); only a CUDA
+    graph needs it, the emulating backend replays host reads as the eager step does."""
+    if enforce_eager:
+        return GraphMiss.ENFORCE_EAGER
+    if backend is None:
+        return GraphMiss.NO_BACKEND
+    if expert_parallel:
+        return GraphMiss.EXPERT_PARALLEL
+    if tensor_parallel:
+        return GraphMiss.TENSOR_PARALLEL
+    if backend == "cuda" and not experts_on_device:
+        return GraphMiss.EXPERTS_SYNC
+    return None
 
 
 @dataclass(frozen=True)
@@ -363,14 +387,15 @@ class DecodeGraphs:
     def __init__(
         self,
         backend: GraphBackend | None,
-        off: GraphMiss | None,
         max_num_seqs: int,
         max_blocks: int,
         block_size: int,
         device: torch.device,
     ) -> None:
         self.backend = backend
-        self.off = off if backend is not None else (off or GraphMiss.NO_BACKEND)
+        # Why no step replays (``graphs_off``), set by ``capture``; before it no cache is
+        # bound and nothing is captured.
+        self.off: GraphMiss | None = GraphMiss.NO_BACKEND
         self.sizes = capture_sizes(max_num_seqs)
         self.max_blocks, self.block_size, self.device = max_blocks, block_size, device
         self.static: StaticDecodeInputs | None = None
@@ -387,11 +412,14 @@ class DecodeGraphs:
         self,
         forward: Callable[[Tensor, Tensor, AttentionMetadata, Tensor], Tensor],
         cache_buffers: Callable[[], list[Tensor]],
+        off: GraphMiss | None,
     ) -> None:
         """Capture every size, largest first; a size whose capture raises runs eagerly.
-        ``cache_buffers``: the KV cache tensors (a graph reads them at fixed addresses)."""
+        ``cache_buffers``: the KV cache tensors (a graph reads them at fixed addresses);
+        ``off``: why this engine replays nothing (``graphs_off``), or None."""
         self.release()
-        if self.backend is None or self.off is not None:
+        self.off = off
+        if self.backend is None or off is not None:
             return
         t0 = time.perf_counter()
         static = self.static = StaticDecodeInputs(
@@ -419,10 +447,10 @@ class DecodeGraphs:
             self.backend.release()
         self.static = None
         self.captured, self.failed = [], set()
+        if self.off is None:  # nothing to replay until the next capture
+            self.off = GraphMiss.NO_BACKEND
 
     def decide(self, num_decodes: int, num_prefills: int) -> GraphDecision:
-        if self.off is None and self.static is None:  # no KV cache, nothing captured
-            return GraphDecision(None, GraphMiss.NO_BACKEND)
         return decide(self.sizes, num_decodes, num_prefills, off=self.off, failed=self.failed)
 
     def replay(self, step: DecodeStep, size: int) -> Tensor:  # -> [size, H]

@@ -56,6 +56,7 @@ from tidal.executor.graphs import (
     DecodeStep,
     GraphDecision,
     GraphMiss,
+    graphs_off,
     resolve_backend,
 )
 from tidal.executor.input_batch import InputBatch, Inputs
@@ -69,7 +70,7 @@ from tidal.models.loader import load_model
 from tidal.models.registry import get_model_class
 from tidal.moe.dispatch import get_dispatcher
 from tidal.moe.eplb import EplbState
-from tidal.moe.layer import MoEForwardContext, resolve_moe_backend
+from tidal.moe.layer import MoEForwardContext
 from tidal.moe.placement import ExpertPlacement
 from tidal.protocol.messages import Logprobs
 from tidal.protocol.worker import ReplyMode
@@ -108,25 +109,13 @@ class ModelRunner:
         self.graphs = self._make_graphs()
 
     def _make_graphs(self) -> DecodeGraphs:
-        """Decode graphs (docs/architecture.md#cuda-graphs): the backend, and why they are
-        off for this engine if they are."""
+        """Decode graphs (docs/architecture.md#cuda-graphs); captured with the KV cache."""
         cfg = self.config
         name = resolve_backend(cfg.graph_backend, self.device)
         backend = None if name is None else GRAPH_BACKENDS[name]()
-        off: GraphMiss | None = None
-        if cfg.enforce_eager:
-            off = GraphMiss.ENFORCE_EAGER
-        elif cfg.parallel.enable_expert_parallel:
-            off = GraphMiss.EXPERT_PARALLEL
-        elif self.tp.size > 1:
-            off = GraphMiss.TENSOR_PARALLEL
-        elif name == "cuda" and resolve_moe_backend(cfg.moe_backend, self.device) != "triton":
-            # The torch and reference experts size their groups from host copies of the
-            # routing (bincount, tolist): inherent to those paths, so no capture is tried.
-            off = GraphMiss.MOE_BACKEND
         max_blocks = -(-cfg.scheduler.max_model_len // self.block_size)
         return DecodeGraphs(
-            backend, off, cfg.scheduler.max_num_seqs, max_blocks, self.block_size, self.device
+            backend, cfg.scheduler.max_num_seqs, max_blocks, self.block_size, self.device
         )
 
     # ---- setup -------------------------------------------------------------------------
@@ -331,9 +320,18 @@ class ModelRunner:
     def capture_graphs(self) -> None:
         """Capture the decode graphs on the bound cache (again after every rebuild of it:
         a graph reads the cache at fixed addresses)."""
-        for moe in self.model.moe_layers():  # the padding mask reaches them through it
+        layers = self.model.moe_layers()
+        for moe in layers:  # the padding mask reaches them through it
             moe.forward_context = self.moe_context
-        self.graphs.capture(self._padded_forward, lambda: list(self.kv_caches))
+        backend = self.graphs.backend
+        off = graphs_off(
+            enforce_eager=self.config.enforce_eager,
+            backend=None if backend is None else backend.name,
+            expert_parallel=self.ep_group is not None,
+            tensor_parallel=self.tp.size > 1,
+            experts_on_device=all(m.experts_on_device for m in layers),
+        )
+        self.graphs.capture(self._padded_forward, lambda: list(self.kv_caches), off)
 
     def _padded_forward(
         self,

@@ -567,6 +567,14 @@ class FusedMoE(HeldParamsModule):
         """Biases or a clamped activation: ``biased_experts`` is the only path."""
         return self.expert_bias or self.activation is not None
 
+    @property
+    def experts_on_device(self) -> bool:
+        """Whether the experts never read the routing on the host: the Triton kernel does
+        not; the torch and reference experts, ``biased_experts`` and the FP8 reference
+        group tokens by expert from host copies (``bincount``, ``unique``, ``tolist``),
+        which a CUDA graph cannot capture (docs/architecture.md#cuda-graphs)."""
+        return self.backend == "triton" and not self.custom_experts and self.fp8_block_k is None
+
     def _held(self, op: str) -> HeldExperts | HeldGate | None:
         held = self._held_experts if op == "experts" else self._held_gate
         if held is None and self._choice(op).layout in PACKED_PATHS:
