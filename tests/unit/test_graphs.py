@@ -89,6 +89,11 @@ def test_why_an_engine_replays_nothing(changes, want):
     assert graphs_off(**(engine | changes)) == want
 
 
+def test_cuda_graphs_on_a_cpu_engine_are_refused_naming_the_option(qwen3_ckpt):
+    with pytest.raises(ValueError, match="^graph_backend 'cuda' needs --device cuda"):
+        EngineArgs(model=qwen3_ckpt, device="cpu", graph_backend="cuda").create_engine_config()
+
+
 def test_stats_count_hits_padding_and_misses_by_reason():
     stats = GraphStats()
     stats.record(GraphDecision(8, None), 5)

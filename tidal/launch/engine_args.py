@@ -176,6 +176,11 @@ class EngineArgs(_EngineArgsFields):
                 "tensor parallelism (use --dp/--ep)"
             )
         device = _resolve_device(self.device)
+        if self.graph_backend == "cuda" and device != "cuda":
+            raise ValueError(
+                f"graph_backend 'cuda' needs --device cuda (got {device}); on CPU the "
+                "emulating backend is 'emulated'"
+            )
         if device == "cpu":  # this host's ranks: their core groups must exist here
             plan_groups(
                 parallel.cpu_affinity,
