@@ -60,10 +60,11 @@ def _check_weights(worker, ref, layout: list[list[int]], rank: int) -> None:
     runner = worker.model_runner
     for moe, full in zip(runner.model.moe_layers(), ref.model.moe_layers()):
         assert moe.local_expert_ids == layout[rank]
-        assert moe.w13.shape[0] == len(layout[rank])
+        got, want = moe.read_weights(["w13", "w2"]), full.read_weights(["w13", "w2"])
+        assert got["w13"].shape[0] == len(layout[rank])
         for slot, e in enumerate(layout[rank]):
-            assert torch.equal(moe.w13[slot], full.w13[e]), (slot, e)
-            assert torch.equal(moe.w2[slot], full.w2[e]), (slot, e)
+            assert torch.equal(got["w13"][slot], want["w13"][e]), (slot, e)
+            assert torch.equal(got["w2"][slot], want["w2"][e]), (slot, e)
         assert moe.dispatcher.placement.ep_size == len(layout)
         assert moe.dispatcher.placement.local_expert_ids(rank) == layout[rank]
     assert runner.placement.local_expert_ids(rank) == layout[rank]
@@ -147,7 +148,8 @@ def _scale_up_rank(rank: int, world: int, port: int, path: str, store_addr: str,
         # A joiner allocates its KV cache before it has any group.
         worker.initialize_kv_cache(min(NUM_BLOCKS, worker.model_runner.determine_num_blocks()))
         moe = worker.model_runner.model.moe_layers()[0]
-        assert moe.local_expert_ids == layout[2] and not moe.w13.any()
+        assert moe.local_expert_ids == layout[2]
+        assert not moe.read_weights(["w13"])["w13"].any()
     else:
         cfg = _config(path, rank, 2, port, all2all_backend="all2all")
         worker = Worker(cfg, dist_timeout_s=TIMEOUT_S)

@@ -140,7 +140,7 @@ def _ep_forward_rank(rank: int, world: int, port: int, path: str, backend: str) 
     dispatchers = {id(m.dispatcher): m.dispatcher for m in layers}.values()
     result = {
         "local_experts": list(moe.local_expert_ids),
-        "w13_slots": moe.w13.shape[0],
+        "w13_slots": moe.read_weights(["w13"])["w13"].shape[0],
         "sizes": sizes,
         "outputs": [r.output_token_ids for r in reqs],
         "dispatch_calls": sum(d.stats.calls for d in dispatchers),

@@ -130,7 +130,7 @@ def _tp_rank(rank: int, world: int, port: int, path: str, ep: bool) -> dict:
         "kv_heads": getattr(attn, "num_kv_heads", None),  # None: MLA
         "cache_shape": tuple(runner.kv_caches[0].shape),
         "vocab_rows": model.embed_tokens.weight.shape[0],
-        "experts": [m.w13.shape[:2] for m in model.moe_layers()],
+        "experts": [m.read_weights(["w13"])["w13"].shape[:2] for m in model.moe_layers()],
         "shared": [  # (this worker's intermediate, the whole one)
             (layer.shared_experts.mlp.inter, model.spec.shared_expert_intermediate_size)
             for layer in model.layers

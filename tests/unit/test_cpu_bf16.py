@@ -189,8 +189,10 @@ def test_bf16_layers_serve_on_each_path_and_unpack_the_checkpoint(cand):
             m.set_cpu_path(op, Choice(cand, cand, cand.path))
         m.pack_weights()
     held = lin._held is not None
-    assert held == (cand.path != "torch") and torch.equal(lin.weight, w)
-    assert torch.equal(moe.w13, w13) and torch.equal(moe.w2, w2) and torch.equal(moe.gate, gate)
+    assert held == (cand.path != "torch") and torch.equal(lin.read_weights()["weight"], w)
+    got = moe.read_weights()
+    assert torch.equal(got["w13"], w13) and torch.equal(got["w2"], w2)
+    assert torch.equal(got["gate"], gate)
     x = torch.randn(5, 33).to(BF16)
     torch.testing.assert_close(lin(x), F.linear(x, w, b), atol=0.05, rtol=2**-6)
     h = torch.randn(5, 40).to(BF16)
@@ -202,6 +204,13 @@ def test_bf16_layers_serve_on_each_path_and_unpack_the_checkpoint(cand):
     want = fused_experts_reference(h.float(), w13.float(), w2.float(), want_w, want_ids)
     assert got.dtype == BF16
     torch.testing.assert_close(got.float(), want, atol=3e-2 * want.abs().max().item(), rtol=0)
+    # A write lands in whichever layout holds the weight, and the forward computes with it.
+    lin.write_weights({"weight": -w})
+    torch.testing.assert_close(lin(x), F.linear(x, -w, b), atol=0.05, rtol=2**-6)
+    moe.write_weights({"w2": -w2})  # the experts' output negated; w13 rebuilt from the pack
+    got = moe.forward_experts(h, want_w, want_ids)
+    torch.testing.assert_close(got.float(), -want, atol=3e-2 * want.abs().max().item(), rtol=0)
+    assert lin.is_released("weight") == moe.is_released("w13") == (cand.path != "torch")
 
 
 class _Clock:
@@ -248,7 +257,8 @@ def test_bf16_choice_follows_the_measurement(slow, tmp_path, monkeypatch):
     assert choice.decode == choice.batch == fastest
     assert lin.cpu_choice == choice
     x = torch.randn(3, 32).to(BF16)
-    torch.testing.assert_close(lin(x), F.linear(x, lin.weight), atol=0.05, rtol=2**-6)
+    want = F.linear(x, lin.read_weights()["weight"])
+    torch.testing.assert_close(lin(x), want, atol=0.05, rtol=2**-6)
 
 
 # ---- model level -------------------------------------------------------------------------

@@ -297,8 +297,9 @@ def test_real_modules_choose_and_serve_by_the_choice(tmp_path, monkeypatch):
         for m in (lin, moe):
             m.pack_weights()
         torch.testing.assert_close(lin(x), want_lin, atol=1e-5, rtol=0)
-        assert torch.equal(lin.weight, weights["w"])  # whichever layout holds it
-        assert torch.equal(moe.w13, weights["w13"]) and torch.equal(moe.gate, gate)
+        assert torch.equal(lin.read_weights()["weight"], weights["w"])  # whichever layout
+        held = moe.read_weights(["w13", "gate"])
+        assert torch.equal(held["w13"], weights["w13"]) and torch.equal(held["gate"], gate)
         tw, ti = softmax_topk(x @ gate.T, 2, True)
         want = fused_experts_reference(x, weights["w13"], weights["w2"], tw, ti)
         torch.testing.assert_close(moe(x), want, atol=1e-5, rtol=0)

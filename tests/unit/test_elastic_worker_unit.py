@@ -115,8 +115,8 @@ def test_load_without_experts_and_load_expert_weights(request, ckpt):
     got = load_expert_weights(skip, path, {0: [5, 2], 1: [7]})
     assert sorted(got) == [(0, 2), (0, 5), (1, 7)]
     for (layer, e), (w13, w2) in got.items():
-        moe = full.layers[layer].mlp
-        assert torch.equal(w13, moe.w13[e]) and torch.equal(w2, moe.w2[e])
+        want13, want2 = full.layers[layer].mlp.expert_weights([e])  # copies: slot e holds e
+        assert torch.equal(w13, want13[0]) and torch.equal(w2, want2[0])
         assert w13.is_contiguous() and w2.is_contiguous()
     assert load_expert_weights(skip, path, {0: []}) == {}
 
@@ -145,8 +145,8 @@ def test_load_expert_weights_from_fused_checkpoint(qwen3_ckpt, tmp_path):
     full = _full(qwen3_ckpt)
     got = load_expert_weights(full, str(dst), {1: [3, 6]})
     for (layer, e), (w13, w2) in got.items():
-        moe = full.layers[layer].mlp
-        assert torch.equal(w13, moe.w13[e]) and torch.equal(w2, moe.w2[e])
+        want13, want2 = full.layers[layer].mlp.expert_weights([e])  # copies: slot e holds e
+        assert torch.equal(w13, want13[0]) and torch.equal(w2, want2[0])
 
 
 # ---------------------------------------------------------------------- startup
@@ -189,8 +189,9 @@ def test_launch_placement_comes_from_the_topology(qwen3_ckpt):
     for moe, ref in zip(worker.model_runner.model.moe_layers(), full.moe_layers()):
         assert moe.local_expert_ids == layout[0]
         assert moe.dispatcher.placement.physical_to_logical == tuple(layout[0])
+        got, want = moe.read_weights(["w13"])["w13"], ref.read_weights(["w13"])["w13"]
         for slot, e in enumerate(layout[0]):
-            assert torch.equal(moe.w13[slot], ref.w13[e])
+            assert torch.equal(got[slot], want[e])
     assert worker.all_reduce_dp([3, 4], op="max") == [3, 4]
     worker.shutdown()
 
@@ -221,9 +222,10 @@ def _check_experts(worker, full, ids: list[int]) -> None:
     for moe, ref in zip(worker.model_runner.model.moe_layers(), full.moe_layers()):
         assert moe.local_expert_ids == ids
         assert moe.expert_map.tolist() == [ids.index(e) if e in ids else -1 for e in range(8)]
+        got, want = moe.read_weights(["w13", "w2"]), ref.read_weights(["w13", "w2"])
         for slot, e in enumerate(ids):
-            assert torch.equal(moe.w13[slot], ref.w13[e]), (slot, e)
-            assert torch.equal(moe.w2[slot], ref.w2[e]), (slot, e)
+            assert torch.equal(got["w13"][slot], want["w13"][e]), (slot, e)
+            assert torch.equal(got["w2"][slot], want["w2"][e]), (slot, e)
 
 
 def test_transfer_partial_layers_disk_fallback_swap_and_install(qwen3_ckpt, caplog):
@@ -236,7 +238,7 @@ def test_transfer_partial_layers_disk_fallback_swap_and_install(qwen3_ckpt, capl
     sender.load_model([0, 1, 2, 3])
     moved = sender.model_runner.model.moe_layers()[1]
     moved.set_local_experts([4, 1, 2, 3])
-    moved.w13.data[0], moved.w2.data[0] = full.layers[1].mlp.w13[4], full.layers[1].mlp.w2[4]
+    moved.set_expert_weights(full.layers[1].mlp.expert_weights([4, 1, 2, 3]))
     layout = [[1, 2, 3, 4], [0, 5, 6, 7]]
     joiner = Worker(_config(qwen3_ckpt), dist_timeout_s=TIMEOUT_S)
     joiner.elastic.init_joiner(Topology(EPOCH, [0, 1], placement=layout), 1)
@@ -255,20 +257,23 @@ def test_transfer_partial_layers_disk_fallback_swap_and_install(qwen3_ckpt, capl
     sender.elastic.pack_expert_sends(EPOCH, sends)
     # The snapshot is a copy: a later write to the slot does not change what is sent.
     layer0 = sender.model_runner.model.moe_layers()[0]
-    saved = layer0.w13.data[0].clone()
-    layer0.w13.data[0] = 0
+    saved = layer0.read_weights(["w13"])["w13"]
+    zeroed = saved.clone()
+    zeroed[0] = 0
+    layer0.write_weights({"w13": zeroed})
     sent, got = _in_threads(
         (sender.elastic.transfer_experts, EPOCH, sends, [], 0, TIMEOUT_S),
         (joiner.elastic.transfer_experts, EPOCH, [], receives, 1, TIMEOUT_S),
     )
-    layer0.w13.data[0] = saved
-    expert = full.layers[0].mlp.w13[0].numel() + full.layers[0].mlp.w2[0].numel()
+    layer0.write_weights({"w13": saved})
+    expert = sum(t.numel() for t in full.layers[0].mlp.expert_weights([0]))
     assert sent == 0 and got == 4 * expert * 4  # 2 experts x 2 layers, float32
     staged = joiner.elastic._staged[EPOCH]
     assert sorted(staged) == [(0, 0), (0, 5), (1, 0), (1, 5)]
     for (lid, e), (w13, w2) in staged.items():
-        assert torch.equal(w13, full.layers[lid].mlp.w13[e]), (lid, e)
-        assert torch.equal(w2, full.layers[lid].mlp.w2[e]), (lid, e)
+        want13, want2 = full.layers[lid].mlp.expert_weights([e])
+        assert torch.equal(w13, want13[0]), (lid, e)
+        assert torch.equal(w2, want2[0]), (lid, e)
 
     # Barrier on the standby group (both members), then swap, then on the current one.
     assert _in_threads(

@@ -145,54 +145,61 @@ def _forced(path: str) -> Choice:
 @pytest.mark.parametrize("path", ["native", "onednn", "torch"])
 def test_moe_layer_holds_one_copy_and_follows_every_weight_write(path):
     """Each CPU path of the MoE layer (the C++ kernels, oneDNN, torch) holds the experts
-    and the router's gate once, in its own layout; reading ``w13``/``w2``/``gate`` rebuilds
-    them exactly, and a write the layer is told of (loader, expert moves, EPLB:
-    ``weights_updated``; ``set_local_experts``) is what the next forward computes with."""
+    and the router's gate once, in its own layout; ``read_weights`` rebuilds them exactly
+    (an attribute read of a released one fails loudly), and what ``write_weights`` writes
+    (expert moves, EPLB; ``set_local_experts`` then an install) is what the next forward
+    computes with."""
     choice = _forced(path)
     moe = FusedMoE(8, 2, 32, 16, True)
     moe.set_cpu_path("experts", choice)
     moe.set_cpu_path("router", choice)
     x, w13, w2, _, _ = _moe_problem(12, 8, 2, 8)
-    moe.w13.data.copy_(w13)
+    moe.w13.data.copy_(w13)  # the loader's way: views of the parameters, before packing
     moe.w2.data.copy_(w2)
     moe.gate.data.copy_(torch.randn(8, 32))
-    moe.weights_updated()
     moe.pack_weights()
     packed = path != "torch"
     names = ("w13", "w2", "gate")
     assert all(moe.is_released(n) == packed for n in names)
     assert all((n in moe._parameters) != packed for n in names)  # one copy of each
-    assert torch.equal(moe.w13, w13) and torch.equal(moe.w2, w2)  # rebuilt exactly
+    if packed:
+        with pytest.raises(AttributeError, match=r"read_weights\(\['w13'\]\)"):
+            moe.w13  # noqa: B018 - the read is the test
+    got = moe.read_weights(["w13", "w2"])
+    assert torch.equal(got["w13"], w13) and torch.equal(got["w2"], w2)  # rebuilt exactly
     assert torch.equal(moe.expert_weights([6, 1])[0], w13[[6, 1]])
     assert torch.equal(moe.state_dict()["w2"], w2)
 
     def want() -> torch.Tensor:
-        weights, ids = softmax_topk(torch.nn.functional.linear(x, moe.gate), 2, True)
-        return fused_experts_reference(x, moe.w13, moe.w2, weights, ids, moe._map_arg)
+        w = moe.read_weights()
+        weights, ids = softmax_topk(torch.nn.functional.linear(x, w["gate"]), 2, True)
+        return fused_experts_reference(x, w["w13"], w["w2"], weights, ids, moe._map_arg)
 
     torch.testing.assert_close(moe(x), want(), atol=ATOL, rtol=0)
-    moe(x)
-    assert all((n in moe._parameters) != packed for n in names)  # the reads were dropped
+    assert all((n in moe._parameters) != packed for n in names)  # the reads kept nothing
     # Transfers rebuild just their slots from the layout that holds them, none included
     # (an install that keeps none of a worker's experts: few per worker with TP).
     got13, got2 = moe.expert_weights([6, 1])
     assert torch.equal(got13, w13[[6, 1]]) and torch.equal(got2, w2[[6, 1]])
     none13, none2 = moe.expert_weights([])
     assert none13.shape == (0, *w13.shape[1:]) and none2.shape == (0, *w2.shape[1:])
-    assert all((n in moe._parameters) != packed for n in names)  # nothing materialized
-    moe.gate.data.copy_(torch.randn(8, 32))  # a new router (loader, checkpoint reload)
-    moe.weights_updated()
-    torch.testing.assert_close(moe(x), want(), atol=ATOL, rtol=0)
-    moe.w13.data[3] *= -1.0  # an in-place write, as EPLB and expert installs do
-    moe.weights_updated()
-    torch.testing.assert_close(moe(x), want(), atol=ATOL, rtol=0)
+    moe.write_weights({"gate": torch.randn(8, 32)})  # a new router
+    before = moe(x)
+    torch.testing.assert_close(before, want(), atol=ATOL, rtol=0)
+    flipped = moe.read_weights(["w13"])["w13"]
+    flipped[3] *= -1.0  # one expert rewritten, as EPLB and expert installs do
+    moe.write_weights({"w13": flipped})  # w2 stays as it was, rebuilt from the pack
+    after = moe(x)
+    torch.testing.assert_close(after, want(), atol=ATOL, rtol=0)
+    assert not torch.allclose(after, before)
+    assert torch.equal(moe.read_weights(["w2"])["w2"], w2)
+    assert all((n in moe._parameters) != packed for n in names)  # still one copy of each
     moe.set_local_experts([5, 6, 7])  # fewer experts: new storage, map and pack
-    moe.w13.data.copy_(w13[5:])
-    moe.w2.data.copy_(w2[5:])
-    moe.weights_updated()
+    moe.set_expert_weights([w13[5:], w2[5:]])
     torch.testing.assert_close(moe(x), want(), atol=ATOL, rtol=0)
-    moe(x)  # the next forward packed the new storage and dropped the reads
-    assert all((n in moe._parameters) != packed for n in ("w13", "w2"))
+    assert all((n in moe._parameters) != packed for n in ("w13", "w2"))  # packed again
+    with pytest.raises(ValueError, match=r"'w13' must be \(3, 32, 32\)"):
+        moe.write_weights({"w13": w13})  # the old count: named, nothing written
 
 
 def test_auto_strategy_choice():
@@ -235,11 +242,47 @@ def test_k_major_linear_matches_row_major(bias):
 
 
 @pytest.mark.parametrize("path", ["native", "onednn"])
+def test_weights_api_on_ordinary_and_released_parameters(path):
+    """Unreleased, a weight is an ordinary attribute: ``read_weights`` copies it and
+    ``write_weights`` writes it in place. Released, the attribute read names
+    ``read_weights``; ``read_weights`` and ``state_dict`` give the checkpoint tensor
+    exactly; a write of the wrong shape, dtype or name is refused, naming it."""
+    w = torch.randn(40, 24, generator=torch.Generator().manual_seed(4))
+    plain = Linear(24, 40)
+    plain.set_cpu_path("linear", _forced("torch"))
+    plain.weight.data.copy_(w)
+    plain(torch.randn(2, 24))
+    assert not plain.is_released("weight") and torch.equal(plain.weight, w)
+    plain.read_weights()["weight"].zero_()  # a copy: the parameter is untouched
+    assert torch.equal(plain.weight, w)
+    storage = plain.weight.data_ptr()
+    plain.write_weights({"weight": 2 * w})
+    assert plain.weight.data_ptr() == storage and torch.equal(plain.weight, 2 * w)
+    held = Linear(24, 40)
+    held.set_cpu_path("linear", _forced(path))
+    held.weight.data.copy_(w)
+    held.pack_weights()
+    assert held.is_released("weight") and torch.equal(held.read_weights()["weight"], w)
+    assert torch.equal(held.state_dict()["weight"], w)
+    with pytest.raises(AttributeError, match=r"Linear\.weight .* read_weights\(\['weight'\]\)"):
+        held.weight  # noqa: B018 - the read is the test
+    wrong_shape = r"'weight' must be \(40, 24\) torch.float32, got \(40, 23\)"
+    with pytest.raises(ValueError, match=wrong_shape):
+        held.write_weights({"weight": w[:, :23]})
+    with pytest.raises(ValueError, match=r"got \(40, 24\) torch.bfloat16"):
+        held.write_weights({"weight": w.bfloat16()})
+    with pytest.raises(KeyError, match="no weight 'wieght'"):
+        held.write_weights({"wieght": w})
+    assert torch.equal(held.read_weights()["weight"], w)  # nothing was written
+    assert "weight" not in held._parameters  # and nothing kept
+
+
+@pytest.mark.parametrize("path", ["native", "onednn"])
 @pytest.mark.parametrize("bias", [False, True])
 def test_packed_linear_matches_f_linear_and_follows_weight_writes(path, bias):
     """The C++ linear's pack and oneDNN's: same outputs as F.linear on the weight, the
-    pack the only copy (``weight`` reads rebuild it exactly), and a weight write the layer
-    is told of is what the next forward computes with."""
+    pack the only copy (``read_weights`` rebuilds it exactly), and a ``write_weights``
+    is what the next forward computes with."""
     fast = Linear(24, 40, bias)
     fast.set_cpu_path("linear", _forced(path))
     slow = Linear(24, 40, bias)
@@ -257,17 +300,21 @@ def test_packed_linear_matches_f_linear_and_follows_weight_writes(path, bias):
     torch.testing.assert_close(fast(x), slow(x), atol=ATOL, rtol=0)
     assert fast.is_released("weight") and "weight" not in fast._parameters
     assert not slow.is_released("weight")
+    with pytest.raises(AttributeError, match="read_weights"):
+        fast.weight  # noqa: B018 - the read is the test
     first = fast._held
     assert first is not None and first.path == path
     fast(x)
     assert fast._held is first  # reused while nothing was written
-    assert torch.equal(fast.weight, w) and fast.weight.t().is_contiguous()  # rebuilt, K-major
-    with torch.no_grad():  # what the loader does: write, then say so
-        fast.weight.mul_(-1.0)
-        slow.weight.mul_(-1.0)
-    fast.weights_updated()
+    rebuilt = fast.read_weights()["weight"]
+    assert torch.equal(rebuilt, w) and rebuilt.t().is_contiguous()  # rebuilt, K-major
+    assert "weight" not in fast._parameters  # the read kept nothing
+    fast.write_weights({"weight": -w})
+    slow.write_weights({"weight": -w})
     x = torch.randn(4, 24)
     torch.testing.assert_close(fast(x), slow(x), atol=ATOL, rtol=0)
+    want = torch.nn.functional.linear(x, -w, slow.bias)
+    torch.testing.assert_close(fast(x), want, atol=ATOL, rtol=0)
     assert fast._held is not first and "weight" not in fast._parameters
     # Other dtypes keep F.linear (the packed paths read float32 and bf16).
     lin16 = Linear(24, 40, bias, dtype=torch.float16)
@@ -397,9 +444,9 @@ def test_model_uses_k_major_layouts_and_matches_row_major_copy(qwen3_ckpt):
     for moe in slow.moe_layers():
         for p in (moe.w13, moe.w2, moe.gate):
             p.data = p.data.contiguous()
-    moe = fast.moe_layers()[0]
-    assert is_k_major(moe.w13) and is_k_major(moe.w2) and moe.gate.t().is_contiguous()
-    assert fast.layers[0].self_attn.qkv_proj.weight.t().is_contiguous()
+    w = fast.moe_layers()[0].read_weights()  # as rebuilt where a CPU path packed them
+    assert is_k_major(w["w13"]) and is_k_major(w["w2"]) and w["gate"].t().is_contiguous()
+    assert fast.layers[0].self_attn.qkv_proj.read_weights()["weight"].t().is_contiguous()
     caches = []
     for model in (fast, slow):
         spec = model.kv_cache_spec()

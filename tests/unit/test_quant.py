@@ -131,20 +131,27 @@ def test_fp8_linear_reference_equals_dequantized_matmul_and_kernel_hook():
     if not kernel_available():
         return
     # The C++ kernel (FP8_LINEAR_KERNELS["native"]): its pack is the only copy, the weight
-    # and scales read back exactly, a write through them is packed again.
-    q8, scales = q.clone(), lin.weight_scale.detach().clone()
+    # and scales read back exactly, and what write_weights writes is packed again.
+    q8, scales = q.clone(), lin.read_weights(["weight_scale"])["weight_scale"]
     lin.set_cpu_path("linear", _forced("native"))
     lin.pack_weights()
     assert lin.is_released("weight") and lin.is_released("weight_scale")
     assert torch.allclose(lin(x), want, atol=1e-5)
-    assert torch.equal(lin.weight.view(torch.uint8), q8.view(torch.uint8))
-    assert torch.equal(lin.weight_scale, scales)
-    lin.weight_scale.mul_(2)  # a write through the rebuilt copy...
-    lin.weights_updated()  # ...lands in the pack
+    with pytest.raises(AttributeError, match=r"read_weights\(\['weight_scale'\]\)"):
+        lin.weight_scale  # noqa: B018 - the read is the test
+    got = lin.read_weights()
+    assert torch.equal(got["weight"].view(torch.uint8), q8.view(torch.uint8))
+    assert torch.equal(got["weight_scale"], scales)
+    lin.write_weights({"weight_scale": 2 * scales})  # the weight: rebuilt from the pack
     torch.testing.assert_close(lin(x) - lin.bias, 2 * (want - lin.bias), atol=1e-4, rtol=0)
+    negated = (q8.view(torch.uint8) ^ 0x80).view(FP8_DTYPE)  # e4m3's sign bit flipped
+    lin.write_weights({"weight": negated})
+    assert lin.is_released("weight") and "weight" not in lin._parameters  # packed again
+    torch.testing.assert_close(lin(x) - lin.bias, -2 * (want - lin.bias), atol=1e-4, rtol=0)
     lin.set_cpu_path("linear", _forced("torch"))  # back to the parameters, exact
     assert not lin.is_released("weight")
     assert torch.equal(lin.weight_scale, 2 * scales)
+    assert torch.equal(lin.weight.view(torch.uint8), negated.view(torch.uint8))
 
 
 def _forced(path: str, variant: str = "") -> Choice:
@@ -313,14 +320,15 @@ def test_expert_reads_and_moves_carry_the_scales_exactly(fp8_ckpt, fp8_model):
         for held, read in zip(parts, disk[1, e]):
             assert torch.equal(held[i].view(torch.uint8), read.view(torch.uint8))
     # A local EPLB move (a one-rank swap of slots 2 and 5) moves weights with scales.
-    before = [p.clone() for p in moe.expert_parts()]
+    names = moe.expert_part_names()
+    before = list(moe.read_weights(names).values())
     x = torch.randn(6, 256, generator=torch.Generator().manual_seed(0))
     weights = torch.tensor([[0.7, 0.3]] * 6)
     out = moe.forward_experts(x, weights, torch.tensor([[2, 5]] * 6))
     swap = TransferPlan((), (), ((2, 5), (5, 2)))
     move_expert_weights(moe, swap, None)
     try:
-        for b, a in zip(before, moe.expert_parts()):
+        for b, a in zip(before, moe.read_weights(names).values()):
             assert torch.equal(a[5].view(torch.uint8), b[2].view(torch.uint8))
             assert torch.equal(a[2].view(torch.uint8), b[5].view(torch.uint8))
         # expert 2's weights now sit in slot 5 (the map is the identity here)
@@ -328,7 +336,7 @@ def test_expert_reads_and_moves_carry_the_scales_exactly(fp8_ckpt, fp8_model):
         assert torch.allclose(got, out, atol=1e-5)
     finally:
         move_expert_weights(moe, swap, None)  # back: the module's other tests share it
-    for b, a in zip(before, moe.expert_parts()):
+    for b, a in zip(before, moe.read_weights(names).values()):
         assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
 
 
@@ -351,7 +359,7 @@ def test_native_fp8_experts_hold_one_copy_and_move_exactly(fp8_model, fp8_native
     swap = TransferPlan((), (), ((1, 6), (6, 1)))
     move_expert_weights(moe, swap, None)  # a write: packed again
     try:
-        assert moe.is_released("w13") and not moe.materialized_params()
+        assert moe.is_released("w13") and "w13" not in moe._parameters  # one copy
         swapped = torch.where(ids == 1, 6, torch.where(ids == 6, 1, ids))
         got = moe.forward_experts(x, weights, swapped)
         torch.testing.assert_close(got, want, atol=1e-5, rtol=0)

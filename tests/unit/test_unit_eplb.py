@@ -17,7 +17,7 @@ from tidal.moe.eplb import (
 )
 from tidal.moe.layer import FusedMoE
 from tidal.moe.placement import ExpertPlacement, plan_moves, rebalance
-from tidal.moe.reference import ClampedSwiGLU
+from tidal.moe.reference import ClampedSwiGLU, fused_experts_reference
 from tidal.moe.router import Routing, softmax_topk
 
 # ---------------------------------------------------------------------- window
@@ -81,7 +81,8 @@ def test_state_counts_each_layer_and_rebalances_on_interval(monkeypatch):
         x = torch.randn(5, 8, generator=g)
         for lid, moe in zip((1, 3), layers):
             moe(x)
-            _, ids = softmax_topk(torch.nn.functional.linear(x, moe.gate), 2, True)
+            gate = moe.read_weights(["gate"])["gate"]
+            _, ids = softmax_topk(torch.nn.functional.linear(x, gate), 2, True)
             if step >= 3 and step != 5:  # window of 4: steps 3..6, step 5 a dummy
                 want[lid] += torch.bincount(ids.reshape(-1), minlength=6)
         state.end_step(is_dummy=step == 5)
@@ -152,16 +153,31 @@ def test_transfer_plan_delivers_the_new_placement(E, ep, R, seed):
     assert sent == recv == missing
 
 
-def test_move_on_one_rank_permutes_slots_in_place():
+@pytest.mark.parametrize("packed", [False, True], ids=["parameters", "packed"])
+def test_move_on_one_rank_permutes_slots_in_place(packed):
+    """Parameters are rewritten in place; a packed layer (the default CPU path's layout,
+    the only copy) is packed again, and its forward serves the moved experts."""
     moe = _moe(num_experts=6, local=[0, 1, 2, 3, 4, 5])
     w13, w2 = moe.w13.data.clone(), moe.w2.data.clone()
     ptr = moe.w13.data.data_ptr()
+    if packed:
+        moe.pack_weights()
+        if not moe.is_released("w13"):
+            pytest.skip("the default CPU path here packs nothing")
+    x = torch.randn(5, 8, generator=torch.Generator().manual_seed(3))
+    weights, ids = moe.route(x)
+    before = fused_experts_reference(x, w13, w2, weights, ids)
     old = ExpertPlacement.from_layout(6, [[0, 1, 2, 3, 4, 5]])
     new = ExpertPlacement.from_layout(6, [[3, 0, 1, 2, 5, 4]])  # a cycle and a swap
     move_expert_weights(moe, transfer_plan(plan_moves(old, new), 0, 1), None)
+    got = moe.read_weights(["w13", "w2"])
     for slot, e in enumerate(new.local_expert_ids(0)):
-        assert torch.equal(moe.w13[slot], w13[e]) and torch.equal(moe.w2[slot], w2[e])
-    assert moe.w13.data.data_ptr() == ptr  # same storage: updated in place
+        assert torch.equal(got["w13"][slot], w13[e]) and torch.equal(got["w2"][slot], w2[e])
+    assert moe.is_released("w13") == packed
+    if not packed:
+        assert moe.w13.data.data_ptr() == ptr  # same storage: updated in place
+    moe.set_local_experts(new.local_expert_ids(0))  # the map follows the slots
+    torch.testing.assert_close(moe.forward_experts(x, weights, ids), before, atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("biased", [False, True], ids=["plain", "expert-biases"])

@@ -36,7 +36,7 @@ class CpuPackedExperts:
     ``w13 [E, I_pad/32, H_pad/2, 64, 2]``, ``w2 [H_pad/64, E, I_pad/2, 64, 2]``.
     When the C++ path serves a layer this is the experts' only copy
     (``tidal/kernels/cpu_paths.py``): ``unpack`` rebuilds the checkpoint layout, and a
-    write through it is packed again (``FusedMoE.weights_updated``)."""
+    write (``FusedMoE.write_weights``) packs it again."""
 
     def __init__(self, w13: Tensor, w2: Tensor) -> None:  # [E, 2I, H], [E, H, I]
         if w13.dtype not in DTYPES or w2.dtype != w13.dtype:

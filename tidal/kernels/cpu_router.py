@@ -24,7 +24,7 @@ from tidal.kernels.cpu_linear import DTYPES, pack_linear_weight, unpack_linear_w
 class CpuPackedGate:
     """The router's ``gate [E, H]`` as ``[E_pad/64, H, 64]``: block j holds, for each
     input column k, the gate weights of experts 64j.. (zero past E). The gate's only copy
-    when the C++ router serves (``unpack`` rebuilds it; ``FusedMoE.weights_updated``
+    when the C++ router serves (``unpack`` rebuilds it; ``FusedMoE.write_weights``
     packs a written one again)."""
 
     def __init__(self, gate: Tensor) -> None:  # [E, H] float32 or bf16

@@ -142,8 +142,8 @@ class PackedExperts:
     weights reaches 410-480 (``benchmarks/cpu_speed.py`` prints both), and the MoE block of
     the 1024-wide model runs 2.2x faster (see ``tidal/kernels/onednn.py``). When the layer's
     measured path is oneDNN it is the experts' only copy (``sole``: one copy of each weight): ``unpack``
-    rebuilds the checkpoint layout (exactly, through the packed GEMM), and a write through
-    it is packed again (``FusedMoE.weights_updated``). ``batch_hint``: the row count
+    rebuilds the checkpoint layout (exactly, through the packed GEMM), and a write
+    (``FusedMoE.write_weights``) packs it again. ``batch_hint``: the row count
     oneDNN tunes the layout for."""
 
     def __init__(

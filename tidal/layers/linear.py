@@ -16,7 +16,7 @@ On CPU the path that serves the forward is measured at load (``tidal/kernels/sel
 the C++ linear with each prefetch hint -- for bf16 weights the shift and the AVX512-BF16
 dot kernels --, oneDNN prepacked, or ``F.linear`` on ``weight``), for float32 and bf16;
 a packed path then holds the only copy of the weight (``tidal/kernels/cpu_paths.py``),
-and ``weight`` reads rebuild it (``HeldParamsModule``).
+read and written through ``read_weights``/``write_weights`` (``HeldParamsModule``).
 
 Tensor parallelism (``tidal/distributed/tensor_parallel.py``): a column-parallel layer is a plain
 ``Linear`` over its block of rows (the loader fills it with its shard);
@@ -76,11 +76,10 @@ class Linear(HeldParamsModule):
         return self._linear(x, self.bias)
 
     def _linear(self, x: Tensor, bias: Tensor | None) -> Tensor:  # [..., in] -> [..., out]
-        self.drop_materialized()
         # the packed paths read activations of the weight's dtype (float32 or bf16)
         held = self._held_weight() if self.on_cpu and x.dtype == self.params_dtype else None
         if held is None:
-            return F.linear(x, self.weight, bias)
+            return F.linear(x, self._weight("weight"), bias)
         rows = x.reshape(-1, self.in_features)
         if rows.stride(1) != 1:
             rows = rows.contiguous()
@@ -107,7 +106,7 @@ class Linear(HeldParamsModule):
         held = None if self._held is None else self._held.path
         if held == (layout if layout in PACKED_PATHS else None):
             return
-        weight = self.weight.detach()  # the parameter, or rebuilt from the old pack
+        weight = self._weight("weight").detach()  # the parameter, or rebuilt from the old pack
         if layout in PACKED_PATHS:
             self._held = HeldLinear(layout, weight)
             self.release_param("weight", self._held.unpack)
@@ -115,11 +114,10 @@ class Linear(HeldParamsModule):
             self._held = None
             self.restore_param("weight", weight)
 
-    def weights_updated(self) -> None:
-        """The weight was written (the loader, through ``weight``): re-pack what was."""
-        if self._held is not None and "weight" in self.materialized_params():
-            self._held = None
-            self.pack_weights()
+    def _repack(self, values: dict[str, Tensor]) -> None:
+        self._restore_group(("weight",), values)
+        self._held = None
+        self.pack_weights()
 
     def cpu_ops(self) -> dict[str, OpSpec]:
         if not self.on_cpu:

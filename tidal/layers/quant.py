@@ -207,8 +207,9 @@ class Fp8Linear(HeldParamsModule):
 
     On CPU the path is measured at load (``tidal/kernels/select.py``, op ``fp8_linear``):
     ``native`` (the C++ kernel, ``FP8_LINEAR_KERNELS``) packs the weight and its scales
-    into its layout, then the only copy (``weight``/``weight_scale`` read as rebuilt
-    copies, ``HeldParamsModule``); ``torch`` is the reference, dequantizing per call."""
+    into its layout, then the only copy (``weight``/``weight_scale`` are then read and
+    written through ``read_weights``/``write_weights``, ``HeldParamsModule``); ``torch`` is
+    the reference, dequantizing per call."""
 
     def __init__(
         self,
@@ -254,7 +255,6 @@ class Fp8Linear(HeldParamsModule):
         return y if self.bias is None else y + self.bias
 
     def _linear(self, x: Tensor, bias: Tensor | None) -> Tensor:
-        self.drop_materialized()
         kernel = self._kernel()
         if kernel is None:
             return self.reference(x, bias)
@@ -265,7 +265,8 @@ class Fp8Linear(HeldParamsModule):
 
     def reference(self, x: Tensor, bias: Tensor | None) -> Tensor:
         """Dequantize in the activation dtype, then a plain GEMM (w8a16)."""
-        w = self.method.dequantize(self.weight, self.weight_scale, x.dtype)
+        scales = self._weight("weight_scale")
+        w = self.method.dequantize(self._weight("weight"), scales, x.dtype)
         return F.linear(x, w, None if bias is None else bias.to(x.dtype))
 
     # ---- the CPU path (select.py) and the one copy of the weight ---------------------
@@ -283,7 +284,7 @@ class Fp8Linear(HeldParamsModule):
         kernel = self._kernel()
         if (kernel is None) == (self._packed is None):
             return
-        weight, scales = self.weight.detach(), self.weight_scale.detach()  # or rebuilt
+        weight, scales = self._weight("weight").detach(), self._weight("weight_scale").detach()
         if kernel is None:
             self._packed = None
             self.restore_param("weight", weight)
@@ -294,16 +295,10 @@ class Fp8Linear(HeldParamsModule):
         self.release_param("weight", lambda: kernel.unpack(packed)[0])
         self.release_param("weight_scale", lambda: kernel.unpack(packed)[1])
 
-    def weights_updated(self) -> None:
-        """The weight or its scales were written (the loader, through the parameters):
-        re-pack what a kernel holds."""
-        written = self.materialized_params()
-        if self._packed is not None and ("weight" in written or "weight_scale" in written):
-            weight, scales = self.weight.detach(), self.weight_scale.detach()
-            self._packed = None
-            self.restore_param("weight", weight)
-            self.restore_param("weight_scale", scales)
-            self.pack_weights()
+    def _repack(self, values: dict[str, Tensor]) -> None:
+        self._restore_group(("weight", "weight_scale"), values)
+        self._packed = None
+        self.pack_weights()
 
     def cpu_ops(self) -> dict[str, OpSpec]:
         if not self.on_cpu:

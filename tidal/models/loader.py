@@ -151,8 +151,8 @@ def load_weights(model: MoECausalLM, folder: str, *, load_experts: bool = True) 
         # Known names still (so nothing is "unexpected" or "missing"), nothing read.
         targets.update(dict.fromkeys(_expert_targets(model), None))
         for moe in model.moe_layers():
-            for part in moe.expert_parts():
-                part.zero_()
+            for name in moe.expert_part_names():  # not packed yet: ordinary parameters
+                getattr(moe, name).zero_()
     if model.quant is not None:
         targets = quant_targets(model.quant, targets, checkpoint_index(folder), _held_fp8(model))
     seen: set[str] = set()
@@ -176,11 +176,7 @@ def load_weights(model: MoECausalLM, folder: str, *, load_experts: bool = True) 
     # The views of every parameter go before the packing: a parameter a packed path
     # releases is then freed as its pack is made, so the weights are never held twice.
     del targets, dest
-    for module in model.modules():  # weights written through rebuilt parameters: re-packed
-        updated = getattr(module, "weights_updated", None)
-        if updated is not None:
-            updated()
-    # ... and the chosen CPU paths' packed layouts are built now, not by the first step:
+    # The chosen CPU paths' packed layouts are built now, not by the first step:
     # that costs ~1 s on the 1024-wide model, which belongs to start-up (and to the memory
     # measured before the KV cache is sized), not to the first request. A packed layout is
     # the weight's only copy from then on (tidal/kernels/cpu_paths.py). Experts that were

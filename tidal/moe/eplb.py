@@ -155,12 +155,16 @@ def transfer_plan(moves: Sequence[ExpertMove], rank: int, ep_size: int) -> Trans
 
 @torch.no_grad()
 def move_expert_weights(moe: FusedMoE, plan: TransferPlan, group: Any) -> None:
-    """Apply ``plan`` to ``moe.w13``/``moe.w2`` (and the FP8 scales or expert biases:
-    ``FusedMoE.expert_parts``) in place (their storage is kept, so
-    anything holding a pointer to them stays valid). Collective over ``group`` when it
-    has more than one rank: every rank calls it for the same layers in the same order."""
-    # [S, 2I, H], [S, H, I], then [S, ...] scales or biases: sent as bytes, one row per slot
-    parts = moe.expert_parts()
+    """Apply ``plan`` to ``moe``'s per-slot weights (``w13``/``w2`` and the FP8 scales or
+    expert biases: ``FusedMoE.expert_part_names``), through ``read_weights`` and
+    ``write_weights`` (ordinary parameters keep their storage, so anything holding a
+    pointer to them stays valid; a packed layer is packed again). Collective over
+    ``group`` when it has more than one rank: every rank calls it for the same layers in
+    the same order."""
+    names = moe.expert_part_names()
+    # [S, 2I, H], [S, H, I], then [S, ...] scales or biases (copies): sent as bytes, one
+    # row per slot, and written with the moves into these copies
+    parts = list(moe.read_weights(names).values())
     sizes = [p[0].numel() * p.element_size() for p in parts]
     send_slots = [s for slots in plan.send for s in slots]
     recv_slots = [s for slots in plan.recv for s in slots]
@@ -173,18 +177,16 @@ def move_expert_weights(moe: FusedMoE, plan: TransferPlan, group: Any) -> None:
         group.all_to_all_single(got, rows, [len(r) for r in plan.recv], [len(s) for s in plan.send])
     elif rows.shape[0] or got.shape[0]:
         raise ValueError("a one-rank group cannot send or receive experts")
-    # Read every source before writing any destination: slots may swap.
-    news = [p.clone() for p in parts]
-    for old_slot, new_slot in plan.local:
-        for new, p in zip(news, parts):
-            new[new_slot] = p[old_slot]
+    if plan.local:  # every moved slot read before any is written: slots may swap
+        old = torch.tensor([o for o, _ in plan.local], dtype=torch.int64, device=device)
+        new = torch.tensor([n for _, n in plan.local], dtype=torch.int64, device=device)
+        for p, moved in zip(parts, [p[old] for p in parts]):
+            p[new] = moved
     if recv_slots:
         ridx = torch.tensor(recv_slots, dtype=torch.int64, device=device)
-        for new, p, piece in zip(news, parts, got.split(sizes, dim=1)):
-            new[ridx] = piece.contiguous().view(p.dtype).reshape(-1, *p.shape[1:])
-    for new, p in zip(news, parts):
-        p.copy_(new)
-    moe.weights_updated()
+        for p, piece in zip(parts, got.split(sizes, dim=1)):
+            p[ridx] = piece.contiguous().view(p.dtype).reshape(-1, *p.shape[1:])
+    moe.write_weights(dict(zip(names, parts)))
 
 
 # ---------------------------------------------------------------------- the shell

@@ -15,9 +15,9 @@ experts, the output holds only the local experts' share (what a dispatcher then 
 
 On CPU (torch backend) the router and the experts each run on the path measured at load
 (``tidal/kernels/select.py``: the C++ kernels, oneDNN prepacked or torch); a packed path
-holds the only copy of its weights, and ``gate``/``w13``/``w2`` then read as rebuilt
-copies (``HeldParamsModule``): write through them and call ``weights_updated()``, as the
-loader, EPLB and expert installs do; ``expert_weights(slots)`` rebuilds just some slots.
+holds the only copy of its weights, and ``gate``/``w13``/``w2`` are then read and
+written through ``read_weights``/``write_weights`` (``HeldParamsModule``), as EPLB and
+expert installs do; ``expert_weights(slots)`` rebuilds just some slots.
 
 The routing rule (``tidal/moe/router.py``'s ``Routing``) defaults to softmax top-k; any
 other rule is computed by the torch router on the gate's logits, so the C++ router, which
@@ -37,11 +37,11 @@ added to the logits; like ``score_bias`` every rank holds all of it.
 FP8 experts (``hold_fp8``, a quantized checkpoint: docs/architecture.md#quantization):
 ``w13``/``w2`` hold ``float8_e4m3fn`` with row scales ``w13_scale``/``w2_scale``. On CPU
 their path is measured like the others (op ``fp8_moe``): ``native`` is the C++ FP8 kernel
-(``FP8_EXPERT_KERNELS``), whose pack then holds all four, the only copy (they read as
-rebuilt copies, and a write through them is packed again by ``weights_updated``);
+(``FP8_EXPERT_KERNELS``), whose pack then holds all four, the only copy (read and
+written through ``read_weights``/``write_weights``);
 ``torch`` is the reference: each call dequantizes the experts its tokens chose, in the
 activation dtype, and runs the backend's experts on them (``fp8_reference``). Expert
-moves carry the scales (``expert_parts``, ``expert_weights``, ``expert_part_specs``).
+moves carry the scales (``expert_part_names``, ``expert_weights``, ``expert_part_specs``).
 
 Expert parallelism: the EP setup (``tidal/executor/model_runner.py``) sets ``dispatcher``
 and points every layer's ``forward_context`` at one shared ``MoEForwardContext``, whose
@@ -113,6 +113,8 @@ class Fp8ExpertsKernel(Protocol):
 
 # The float32 bytes of experts the FP8 reference path dequantizes at once (at least one).
 _FP8_DEQUANT_BYTES = 256 << 20
+# The FP8 experts' weights, in the order of ``Fp8ExpertsKernel.unpack``.
+_FP8_PARTS = ("w13", "w2", "w13_scale", "w2_scale")
 # CPU path name (select.py's ``Candidate.path``) -> kernel; "torch" is the reference.
 FP8_EXPERT_KERNELS: dict[str, Fp8ExpertsKernel] = {"native": Fp8CpuExperts()}
 
@@ -282,7 +284,7 @@ class FusedMoE(HeldParamsModule):
         )
         # CPU, torch backend: each op's path is measured at load (tidal/kernels/select.py);
         # a packed path then holds the only copy of its weights (tidal/kernels/cpu_paths.py;
-        # reading ``w13``/``w2``/``gate`` rebuilds them, see HeldParamsModule).
+        # ``w13``/``w2``/``gate`` are then read through ``read_weights``, HeldParamsModule).
         self.on_cpu = self.backend == "torch" and torch.device(device or "cpu").type == "cpu"
         self.params_dtype = self.w13.dtype
         self.expert_shape = (2 * intermediate_size, hidden_size)  # one expert's w13 (w2: .T)
@@ -292,14 +294,13 @@ class FusedMoE(HeldParamsModule):
         # FP8 experts (``hold_fp8``): w13/w2 float8 with row scales [E_local, 2I, ceil(H/bk)]
         # and [E_local, H, ceil(I/bk)] float32 (tidal/kernels/fp8_torch.py); None: not.
         # A packed FP8 path (FP8_EXPERT_KERNELS) holds all four in its layout, the only
-        # copy: w13/w2/w13_scale/w2_scale then read as rebuilt copies (parameters for that).
+        # copy: w13/w2/w13_scale/w2_scale are released then (parameters for that).
         self.fp8_block_k: int | None = None
         self.w13_scale: Tensor | None = None
         self.w2_scale: Tensor | None = None
         self._fp8_held: Any = None  # the chosen FP8 kernel's pack
 
     def forward(self, hidden: Tensor) -> Tensor:  # [T, H] -> [T, H]
-        self.drop_materialized()
         tp = self.tp
         if tp.size == 1:
             return self._route_and_compute(hidden)
@@ -355,7 +356,7 @@ class FusedMoE(HeldParamsModule):
                     return routed
             logits = gate.logits(hidden)
         else:
-            logits = torch.nn.functional.linear(hidden, self.gate)  # [T, E_global]
+            logits = torch.nn.functional.linear(hidden, self._weight("gate"))  # [T, E_global]
         if self.gate_bias is not None:
             logits = logits + self.gate_bias
         return route(logits, self.routing, self.score_bias)
@@ -397,7 +398,8 @@ class FusedMoE(HeldParamsModule):
         if isinstance(held, HeldExperts):
             variant = self._choice("experts").for_rows(x.shape[0]).variant
             return held(x, weights, ids, expert_map, True, variant)
-        return self.experts_fn(x, self.w13, self.w2, weights, ids, expert_map, True)
+        w13, w2 = self._weight("w13"), self._weight("w2")  # released: another dtype's x
+        return self.experts_fn(x, w13, w2, weights, ids, expert_map, True)
 
     # ---- FP8 experts (docs/architecture.md#quantization) -------------------------------
 
@@ -443,10 +445,11 @@ class FusedMoE(HeldParamsModule):
     def fp8_reference(
         self, x: Tensor, weights: Tensor, ids: Tensor, expert_map: Tensor | None
     ) -> Tensor:  # [T', H]
-        """The reference of FP8 experts (the ``torch`` path)."""
+        """The reference of FP8 experts (the ``torch`` path; on a packed layer, it reads
+        the experts rebuilt)."""
         assert self.fp8_block_k is not None
-        assert self.w13_scale is not None and self.w2_scale is not None
-        n_local = self.w13.shape[0]
+        w13_all, w2_all, s13, s2 = (self._weight(n) for n in _FP8_PARTS)
+        n_local = w13_all.shape[0]
         if expert_map is None:  # global id == local slot
             expert_map = torch.arange(self.num_experts, dtype=torch.int32, device=ids.device)
         slots = expert_map.to(torch.int64)[ids]  # [T', K], -1: not local
@@ -469,8 +472,8 @@ class FusedMoE(HeldParamsModule):
             chunk_map = torch.where(
                 (used_map >= start) & (used_map < start + part.numel()), used_map - start, -1
             ).to(torch.int32)
-            w13 = dequantize_fp8_rows(self.w13[part], self.w13_scale[part], bk, dt)  # [C, 2I, H]
-            w2 = dequantize_fp8_rows(self.w2[part], self.w2_scale[part], bk, dt)  # [C, H, I]
+            w13 = dequantize_fp8_rows(w13_all[part], s13[part], bk, dt)  # [C, 2I, H]
+            w2 = dequantize_fp8_rows(w2_all[part], s2[part], bk, dt)  # [C, H, I]
             y = self.experts_fn(x, w13, w2, weights, ids, chunk_map, True)
             out = y if out is None else out + y
         return out if out is not None else torch.zeros_like(x)
@@ -487,11 +490,10 @@ class FusedMoE(HeldParamsModule):
         kernel = self._fp8_kernel()
         if (kernel is None) == (self._fp8_held is None):
             return
-        names = ("w13", "w2", "w13_scale", "w2_scale")
-        parts = [getattr(self, n).detach() for n in names]  # parameters, or rebuilt
+        parts = [self._weight(n).detach() for n in _FP8_PARTS]  # parameters, or rebuilt
         if kernel is None:
             self._fp8_held = None
-            for name, part in zip(names, parts):
+            for name, part in zip(_FP8_PARTS, parts):
                 self.restore_param(name, part)
             return
         assert self.fp8_block_k is not None
@@ -499,20 +501,19 @@ class FusedMoE(HeldParamsModule):
         held = self._fp8_held = kernel.pack(w13, w2, s13, s2, self.fp8_block_k)
         del w13, w2, s13, s2
         del parts  # the pack is the only copy from here
-        for i, name in enumerate(names):
+        for i, name in enumerate(_FP8_PARTS):
             self.release_param(name, lambda i=i: kernel.unpack_part(held, i))
 
-    def expert_parts(self) -> list[Tensor]:
-        """The per-slot tensors an expert move carries, in order: ``w13``, ``w2``, then
-        the FP8 row scales or the expert biases where the model has them (each
-        ``[E_local, ...]``; the held storage, written in place by EPLB)."""
-        parts = [self.w13.data, self.w2.data]
+    def expert_part_names(self) -> list[str]:
+        """The per-slot weights an expert move carries (``read_weights``' names), in
+        order: ``w13``, ``w2``, then the FP8 row scales or the expert biases where the
+        model has them (each ``[E_local, ...]``)."""
+        names = ["w13", "w2"]
         if self.fp8_block_k is not None:
-            assert self.w13_scale is not None and self.w2_scale is not None
-            parts += [self.w13_scale.data, self.w2_scale.data]
+            names += ["w13_scale", "w2_scale"]
         if self.w13_bias is not None and self.w2_bias is not None:
-            parts += [self.w13_bias, self.w2_bias]
-        return parts
+            names += ["w13_bias", "w2_bias"]
+        return names
 
     def expert_part_specs(self) -> list[tuple[tuple[int, ...], torch.dtype]]:
         """One expert's share of each tensor ``expert_weights`` returns: (shape, dtype),
@@ -532,12 +533,10 @@ class FusedMoE(HeldParamsModule):
     def set_expert_weights(self, parts: Sequence[Tensor]) -> None:
         """Write every local slot: ``parts`` as ``expert_weights`` returns them, stacked
         over the slots in ``local_expert_ids`` order (an elastic install)."""
-        mine = self.expert_parts()[: len(self.expert_part_specs())]
-        if len(parts) != len(mine):
-            raise ValueError(f"expected {len(mine)} expert tensors, got {len(parts)}")
-        for dest, src in zip(mine, parts):
-            dest.copy_(src)
-        self.weights_updated()
+        names = self.expert_part_names()[: len(self.expert_part_specs())]
+        if len(parts) != len(names):
+            raise ValueError(f"expected {len(names)} expert tensors, got {len(parts)}")
+        self.write_weights(dict(zip(names, parts)))
 
     # ---- the CPU paths (select.py) and the one copy of the weights --------------------
 
@@ -593,7 +592,7 @@ class FusedMoE(HeldParamsModule):
         if (None if held is None else held.path) == want:
             return
         if op == "experts":
-            w13, w2 = self.w13.detach(), self.w2.detach()  # parameters, or rebuilt
+            w13, w2 = self._weight("w13").detach(), self._weight("w2").detach()  # or rebuilt
             self._held_experts = experts = None if want is None else HeldExperts(want, w13, w2)
             if experts is None:
                 self.restore_param("w13", w13)
@@ -602,7 +601,7 @@ class FusedMoE(HeldParamsModule):
                 self.release_param("w13", experts.unpack_w13)
                 self.release_param("w2", experts.unpack_w2)
         else:
-            gate = self.gate.detach()
+            gate = self._weight("gate").detach()  # the parameter, or rebuilt
             self._held_gate = held_gate = None if want is None else HeldGate(want, gate)
             if held_gate is None:
                 self.restore_param("gate", gate)
@@ -616,23 +615,14 @@ class FusedMoE(HeldParamsModule):
             self._pack("experts")
             self._pack("router")
 
-    def weights_updated(self) -> None:
-        """``gate``/``w13``/``w2`` were written through their (rebuilt) parameters (loader,
-        expert moves, EPLB): re-pack what a packed path holds."""
-        written = self.materialized_params()
-        if self._fp8_held is not None and written:  # FP8 experts: packed again
-            fp8 = ("w13", "w2", "w13_scale", "w2_scale")
-            if any(n in written for n in fp8):
-                parts = [getattr(self, n).detach() for n in fp8]
-                self._fp8_held = None
-                for name, part in zip(fp8, parts):
-                    self.restore_param(name, part)
-                del parts
-                self._pack_fp8()
-        if self.fp8_block_k is None and ("w13" in written or "w2" in written):
-            self._held_experts = None  # the other of the two is rebuilt from it by _pack
+    def _repack(self, values: dict[str, Tensor]) -> None:
+        if any(n in values for n in ("w13", "w2", "w13_scale", "w2_scale")):
+            fp8 = self.fp8_block_k is not None
+            self._restore_group(_FP8_PARTS if fp8 else ("w13", "w2"), values)
+            self._held_experts = self._fp8_held = None
             self._pack("experts")
-        if "gate" in written:
+        if "gate" in values:
+            self._restore_group(("gate",), values)
             self._held_gate = None
             self._pack("router")
 
@@ -645,15 +635,14 @@ class FusedMoE(HeldParamsModule):
                 "expert transfers (elastic EP) do not carry expert biases (GPT-OSS)"
             )
         held = self._held_experts
-        written = self.materialized_params()
-        if held is not None and "w13" not in written:
+        if held is not None:
             return held.unpack(list(slots))
         kernel = self._fp8_kernel()
-        if kernel is not None and self._fp8_held is not None and not written:
+        if kernel is not None and self._fp8_held is not None:
             return kernel.unpack(self._fp8_held, list(slots))
         idx = torch.tensor(list(slots), dtype=torch.int64, device=self.expert_map.device)
-        parts = self.expert_parts()[: len(self.expert_part_specs())]
-        return tuple(p.index_select(0, idx) for p in parts)
+        names = self.expert_part_names()[: len(self.expert_part_specs())]
+        return tuple(self._weight(n).index_select(0, idx) for n in names)
 
     def cpu_ops(self) -> dict[str, OpSpec]:
         if not self.on_cpu:
@@ -746,7 +735,6 @@ class FusedMoE(HeldParamsModule):
         """Rebuild the expert map for new owners (EP resize / EPLB); the caller then fills
         ``w13``/``w2`` (resized here when the count changes) with those experts."""
         ids = list(local_expert_ids)
-        self.weights_updated()  # a write pending through the old parameters lands first
         device = self.expert_map.device
         self.expert_map.copy_(build_expert_map(self.num_experts, ids, device))
         if len(ids) != len(self.local_expert_ids) and self.fp8_block_k is not None:
