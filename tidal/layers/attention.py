@@ -37,7 +37,11 @@ Each layer first writes the new K/V into the cache through ``slot_mapping``, the
   reads K and V straight from the cache in its own dtype, float32 softmax and sums; the
   torch path above is its fallback, tested against the same oracle. When the cache's
   dtype is not the queries', the torch path gathers V too and upcasts what it gathered
-  (``embedding_bag`` needs one dtype);
+  (``embedding_bag`` needs one dtype). On CUDA the decode group is one Triton launch
+  (``tidal/kernels/paged_attention.py``: windows and sinks too, no host sync, a grid
+  from the batch size alone, so a CUDA graph can hold it). Which of the three serves is
+  the layer's ``backend`` (``AttentionBackend``, ``DECODE_BACKENDS``), set from its
+  device; the torch path is the reference of the other two;
 * each prefill chunk runs its own SDPA: causal on its fresh K/V when it starts at 0,
   else on its gathered cached blocks with an explicit mask (query i at position
   ``start + i`` sees keys ``<= start + i``).
@@ -55,8 +59,12 @@ depend on the cache's shape) by the first layer, memoised on the metadata for th
 
 from __future__ import annotations
 
+import enum
+import functools
+import importlib.util
 import math
-from collections.abc import Sequence
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -327,12 +335,13 @@ class CacheRows:
         write_k = ((block * hkv * bs + offset)[:, None] + heads[None, :] * bs).reshape(-1)
         decode = None
         table = meta.decode_block_table
-        # The C++ decode path reads the block table itself; the torch path's rows are then
-        # built only if a layer falls back to it (``PagedAttention._decode``).
+        # The C++ decode path (CPU) and the Triton one (CUDA) read the block table
+        # themselves; the torch path's rows are then built only if a layer takes it
+        # (``TorchDecode``).
         native = table is not None and decode_attention_cpu_supports(
             dtype, table.device, num_heads // hkv
         )
-        if table is not None and not native:
+        if table is not None and table.device.type == "cpu" and not native:
             decode = _decode_rows(meta, heads, num_heads // hkv, dtype)
         prefill = [
             None if c.kv_blocks is None else _kv_block_rows(c.kv_blocks[None], heads, num_blocks)
@@ -430,6 +439,7 @@ class PagedAttention(nn.Module):
         self.dtype = dtype or torch.get_default_dtype()
         self.on_cpu = torch.device(device or "cpu").type == "cpu"
         self.cpu_choice: Choice | None = None  # measured at load; None: the C++ kernels
+        self.backend = default_backend(device or "cpu")  # how the decode group is attended
 
     def native(self, rows: int) -> bool:
         """Whether a step with ``rows`` decode rows (or new tokens, for the cache writes)
@@ -511,17 +521,8 @@ class PagedAttention(nn.Module):
     def _decode(
         self, q: Tensor, cache: Tensor, meta: AttentionMetadata, rows: CacheRows
     ) -> Tensor:  # [D, Hq, Dh]
-        """The decode group: the C++ kernel on CPU (unless the measured choice is the
-        torch path), else the torch path."""
-        if self.native(q.shape[0]) and decode_attention_cpu_ok(q, cache, self.num_kv_heads):
-            assert meta.decode_block_table is not None and meta.decode_seq_lens is not None
-            return decode_attention_cpu(
-                q, cache, meta.decode_block_table, meta.decode_seq_lens, self.scale
-            )
-        if rows.decode is None:  # built lazily: CacheRows.build expected the C++ path
-            heads = torch.arange(self.num_kv_heads, device=q.device)
-            rows.decode = _decode_rows(meta, heads, self.num_heads // self.num_kv_heads, q.dtype)
-        return self._decode_torch(q, cache, rows.decode, meta.decode_seq_lens)
+        """The decode group, on this layer's backend (``DECODE_BACKENDS``)."""
+        return DECODE_BACKENDS[self.backend].decode(self, q, cache, meta, rows)
 
     def _decode_torch(
         self, q: Tensor, cache: Tensor, rows: DecodeRows, seq_lens: Tensor | None = None
@@ -623,3 +624,99 @@ class PagedAttention(nn.Module):
             attn_mask=mask, enable_gqa=gqa,
         )  # fmt: skip
         return out.squeeze(0).transpose(0, 1)
+
+
+class AttentionBackend(enum.Enum):
+    """Who attends a layer's decode group (``DECODE_BACKENDS``)."""
+
+    TORCH = "torch"  # the reference: gather K, baddbmm, softmax, embedding_bag
+    NATIVE = "native"  # CPU: the C++ kernel where the measured choice and its tensors allow
+    TRITON = "triton"  # CUDA: one Triton launch (tidal/kernels/paged_attention.py)
+
+
+def default_backend(device: Any) -> AttentionBackend:
+    """Triton on CUDA (when triton is installed: it is an optional extra), the C++ kernel
+    on CPU, the torch path elsewhere."""
+    match torch.device(device).type:
+        case "cuda" if importlib.util.find_spec("triton") is not None:
+            return AttentionBackend.TRITON
+        case "cpu":
+            return AttentionBackend.NATIVE
+        case _:
+            return AttentionBackend.TORCH
+
+
+class DecodeBackend(ABC):
+    """One way to attend the decode group of a step: ``q [D, Hq, Dh]`` one query token per
+    sequence, over ``meta``'s decode block table and lengths, after this step's K/V were
+    written. Returns ``[D, Hq, Dh]`` in q's dtype. ``TorchDecode`` is the reference the
+    others are tested against (and ``decode_attention_reference`` the oracle of all)."""
+
+    @abstractmethod
+    def decode(
+        self,
+        layer: PagedAttention,
+        q: Tensor,  # [D, Hq, Dh]
+        cache: Tensor,  # [2, NB, Hkv, bs, Dh]
+        meta: AttentionMetadata,
+        rows: CacheRows,
+    ) -> Tensor: ...  # [D, Hq, Dh]
+
+
+class TorchDecode(DecodeBackend):
+    def decode(
+        self, layer: PagedAttention, q: Tensor, cache: Tensor, meta: AttentionMetadata,
+        rows: CacheRows,
+    ) -> Tensor:  # fmt: skip
+        if rows.decode is None:  # built lazily: CacheRows.build expected a kernel
+            heads = torch.arange(layer.num_kv_heads, device=q.device)
+            group = layer.num_heads // layer.num_kv_heads
+            rows.decode = _decode_rows(meta, heads, group, q.dtype)
+        return layer._decode_torch(q, cache, rows.decode, meta.decode_seq_lens)
+
+
+class NativeDecode(DecodeBackend):
+    """The C++ kernel (CPU) unless the measured choice is the torch path, the layer has a
+    window or sinks (the kernel computes neither) or it does not take these tensors."""
+
+    def decode(
+        self, layer: PagedAttention, q: Tensor, cache: Tensor, meta: AttentionMetadata,
+        rows: CacheRows,
+    ) -> Tensor:  # fmt: skip
+        if layer.native(q.shape[0]) and decode_attention_cpu_ok(q, cache, layer.num_kv_heads):
+            assert meta.decode_block_table is not None and meta.decode_seq_lens is not None
+            return decode_attention_cpu(
+                q, cache, meta.decode_block_table, meta.decode_seq_lens, layer.scale
+            )
+        return DECODE_BACKENDS[AttentionBackend.TORCH].decode(layer, q, cache, meta, rows)
+
+
+class TritonDecode(DecodeBackend):
+    """The Triton kernel: windows and sinks included, the cache read in its own dtype."""
+
+    def decode(
+        self, layer: PagedAttention, q: Tensor, cache: Tensor, meta: AttentionMetadata,
+        rows: CacheRows,
+    ) -> Tensor:  # fmt: skip
+        assert meta.decode_block_table is not None and meta.decode_seq_lens is not None
+        return triton_decode_kernel()(
+            q, cache[0], cache[1], meta.decode_block_table, meta.decode_seq_lens, layer.scale,
+            layer.sliding_window, layer.sinks,
+        )  # fmt: skip
+
+
+@functools.cache
+def triton_decode_kernel() -> Callable[..., Tensor]:
+    """``tidal.kernels.paged_attention.paged_decode_attention``, imported on first use:
+    triton is optional, and importing it decides its mode for the process (the kernel
+    tests switch it to the interpreter first)."""
+    from tidal.kernels.paged_attention import paged_decode_attention
+
+    return paged_decode_attention
+
+
+DECODE_BACKENDS: dict[AttentionBackend, DecodeBackend] = {
+    AttentionBackend.TORCH: TorchDecode(),
+    AttentionBackend.NATIVE: NativeDecode(),
+    AttentionBackend.TRITON: TritonDecode(),
+}

@@ -44,7 +44,12 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from tidal.distributed.tensor_parallel import TensorParallel
-from tidal.layers.attention import AttentionMetadata
+from tidal.layers.attention import (
+    AttentionBackend,
+    AttentionMetadata,
+    default_backend,
+    triton_decode_kernel,
+)
 from tidal.layers.linear import Linear, RowParallelLinear
 from tidal.layers.norm import RMSNorm
 from tidal.layers.rotary import apply_rotary
@@ -112,6 +117,8 @@ class MLAttention(nn.Module):
         )
         self.o_proj = RowParallelLinear(num_heads * s.v_head_dim, hidden_size, s.bias, tp=tp, **kw)
         self.kv_cache: Tensor | None = None  # [NB, bs, latent_dim], set by bind_cache
+        # The absorbed decode on the Triton paged kernel (CUDA), else in torch.
+        self.triton_decode = default_backend(device or "cpu") is AttentionBackend.TRITON
 
     def bind_cache(self, cache: Tensor) -> None:
         self.kv_cache = cache
@@ -179,25 +186,46 @@ class MLAttention(nn.Module):
         return out.transpose(0, 1)
 
     def _decode(self, q: Tensor, by_token: Tensor, meta: AttentionMetadata) -> Tensor:
-        """[D, Hq, qk] one query per sequence -> [D, Hq, v], absorbed: every sequence's
-        latents gathered into one padded batch (masked where shorter), attended in
-        latent space."""
+        """[D, Hq, qk] one query per sequence -> [D, Hq, v], absorbed: attended in latent
+        space, by the Triton paged kernel on CUDA (``triton_decode``), else by torch:
+        every sequence's latents gathered into one padded batch (masked where shorter)."""
         s, hq = self.spec, self.num_heads
-        latents = _gather_decode_latents(by_token, meta).to(q.dtype)  # [D, K, r + rope]
         w = self.kv_b_proj.view(hq, s.qk_nope_head_dim + s.v_head_dim, s.kv_lora_rank)
         w_uk, w_uv = w[:, : s.qk_nope_head_dim], w[:, s.qk_nope_head_dim :]  # [Hq, nope|v, r]
         # [Hq, D, nope] @ [Hq, nope, r]: each head's query in latent space
         q_lat = torch.bmm(q[..., : s.qk_nope_head_dim].transpose(0, 1), w_uk)
         q_full = torch.cat((q_lat.transpose(0, 1), q[..., s.qk_nope_head_dim :]), dim=-1)
+        if self.triton_decode:
+            out_lat = self._decode_triton(q_full, by_token, meta)  # [D, Hq, r]
+        else:
+            out_lat = self._decode_torch(q_full, by_token, meta)
+        # [Hq, D, r] @ [Hq, r, v]
+        return torch.bmm(out_lat.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
+
+    def _decode_torch(
+        self, q_full: Tensor, by_token: Tensor, meta: AttentionMetadata
+    ) -> Tensor:  # [D, Hq, r + rope] -> [D, Hq, r]
+        s = self.spec
+        latents = _gather_decode_latents(by_token, meta).to(q_full.dtype)  # [D, K, r + rope]
         # Every head reads the same latents: one [Hq, K] score matrix per sequence, with no
         # copy of the keys per head (SDPA's GQA would expand them).
         scores = torch.bmm(q_full, latents.transpose(1, 2)) * s.softmax_scale  # [D, Hq, K]
         if meta.decode_mask is not None:  # [D, 1, 1, K]: padding keys
             scores.masked_fill_(~meta.decode_mask[:, 0], float("-inf"))
         probs = torch.softmax(scores, dim=-1)
-        out_lat = torch.bmm(probs, latents[..., : s.kv_lora_rank])  # [D, Hq, r]
-        # [Hq, D, r] @ [Hq, r, v]
-        return torch.bmm(out_lat.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
+        return torch.bmm(probs, latents[..., : s.kv_lora_rank])  # [D, Hq, r]
+
+    def _decode_triton(
+        self, q_full: Tensor, by_token: Tensor, meta: AttentionMetadata
+    ) -> Tensor:  # [D, Hq, r + rope] -> [D, Hq, r]
+        """The latent cache as one KV head: the key is the whole latent, the value its
+        first ``r`` values; every query head is in that head's group."""
+        assert meta.decode_block_table is not None and meta.decode_seq_lens is not None
+        keys = by_token.view(-1, 1, meta.block_size, self.spec.latent_dim)  # [NB, 1, bs, L]
+        return triton_decode_kernel()(
+            q_full, keys, keys[..., : self.spec.kv_lora_rank], meta.decode_block_table,
+            meta.decode_seq_lens, self.spec.softmax_scale,
+        )  # fmt: skip
 
     def decode_reference(self, q: Tensor, by_token: Tensor, meta: AttentionMetadata) -> Tensor:
         """The decode rows as prefill computes them: every key decompressed to per-head

@@ -1,0 +1,167 @@
+"""The Triton paged decode attention (tidal/kernels/paged_attention.py) against the
+per-sequence oracle and the torch path it replaces on CUDA, on tiny odd shapes (the
+interpreter runs them on CPU)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from tidal.distributed.tensor_parallel import TensorParallel
+from tidal.kernels.paged_attention import paged_decode_attention
+from tidal.layers.attention import (
+    AttentionBackend,
+    AttentionMetadata,
+    PagedAttention,
+    decode_attention_reference,
+    kv_cache_shape,
+)
+from tidal.layers.mla import MLASpec, MLAttention
+
+BS = 5  # odd block size: keys cross block edges at odd positions
+DH = 24  # not a power of two: the head dim is masked
+# (atol, rtol) against the float64 oracle: float32 end to end; float16 rounds q, K, V and
+# the probabilities before the second dot.
+TOL = {torch.float32: (2e-6, 1e-5), torch.float16: (2e-3, 2e-3), torch.bfloat16: (2e-2, 2e-2)}
+
+
+def _case(lengths, heads, kv_heads, dtype, num_blocks=24, cache_dtype=None, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    cache = torch.randn(kv_cache_shape(num_blocks, BS, kv_heads, DH), generator=g)
+    cache = cache.to(cache_dtype or dtype)
+    free = list(range(1, num_blocks))
+    random.Random(seed).shuffle(free)
+    width = max(1, -(-max(lengths) // BS))
+    blocks = [[free.pop() for _ in range(-(-n // BS))] for n in lengths]
+    table = torch.tensor([b + [0] * (width - len(b)) for b in blocks], dtype=torch.int64)
+    q = torch.randn(len(lengths), heads, DH, generator=g).to(dtype)
+    return q, cache, table, torch.tensor(lengths, dtype=torch.int64), blocks
+
+
+def _oracle(q, cache, lengths, blocks, window=None, sinks=None):
+    live = [i for i, n in enumerate(lengths) if n]
+    seqs = [(lengths[i], blocks[i]) for i in live]
+    want = decode_attention_reference(q[live].float(), cache.float(), seqs, window, sinks)
+    return live, want
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (6, 2), (5, 1)])
+def test_matches_oracle_with_padding_rows(heads, kv_heads, dtype, device):
+    """Lengths at, before and past block edges, and two padding rows (length 0) that must
+    stay unwritten and put no NaN anywhere."""
+    lengths = [1, BS, BS + 1, 0, 2 * BS + 3, 0]
+    q, cache, table, lens, blocks = _case(lengths, heads, kv_heads, dtype)
+    out = torch.full((len(lengths), heads, DH), 7.0, dtype=dtype)
+    got = paged_decode_attention(
+        q.to(device), cache[0].to(device), cache[1].to(device), table.to(device),
+        lens.to(device), DH**-0.5, out=out.to(device),
+    ).cpu()  # fmt: skip
+    live, want = _oracle(q, cache, lengths, blocks)
+    atol, rtol = TOL[dtype]
+    torch.testing.assert_close(got[live].float(), want, atol=atol, rtol=rtol)
+    assert torch.equal(got[[3, 5]], out[[3, 5]])  # padding rows untouched
+    assert not got.isnan().any()
+
+
+@pytest.mark.parametrize("window,with_sinks", [(4, False), (None, True), (7, True)])
+def test_window_and_sinks_match_oracle(window, with_sinks, device):
+    """GPT-OSS's switches: the last ``window`` keys only (the first tile starts mid-way),
+    one sink logit per query head in the denominator."""
+    lengths = [1, 3, 2 * BS + 2, 17]
+    q, cache, table, lens, blocks = _case(lengths, 4, 2, torch.float32, seed=1)
+    sinks = torch.randn(4) if with_sinks else None
+    got = paged_decode_attention(
+        q.to(device), cache[0].to(device), cache[1].to(device), table.to(device),
+        lens.to(device), DH**-0.5, window, None if sinks is None else sinks.to(device),
+    ).cpu()  # fmt: skip
+    _, want = _oracle(q, cache, lengths, blocks, window, sinks)
+    torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "dtype,cache_dtype", [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16)]
+)
+def test_bf16_and_a_cache_of_another_dtype(dtype, cache_dtype, device):
+    lengths = [2, 9, 13]
+    q, cache, table, lens, blocks = _case(lengths, 4, 2, dtype, cache_dtype=cache_dtype, seed=2)
+    got = paged_decode_attention(
+        q.to(device), cache[0].to(device), cache[1].to(device), table.to(device),
+        lens.to(device).to(torch.int32), DH**-0.5,
+    ).cpu()  # fmt: skip
+    assert got.dtype == dtype
+    _, want = _oracle(q, cache, lengths, blocks)
+    torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
+
+
+def test_checks_name_the_bad_argument(device):
+    q, cache, table, lens, _ = _case([3, 4], 4, 2, torch.float32)
+    q, cache, table, lens = q.to(device), cache.to(device), table.to(device), lens.to(device)
+    with pytest.raises(ValueError, match="multiple of the KV heads"):
+        paged_decode_attention(q[:, :3], cache[0], cache[1], table, lens, 1.0)
+    with pytest.raises(ValueError, match="seq_lens must be"):
+        paged_decode_attention(q, cache[0], cache[1], table, lens[:1], 1.0)
+    with pytest.raises(ValueError, match="block_table must be"):
+        paged_decode_attention(q, cache[0], cache[1], table.float(), lens, 1.0)
+    with pytest.raises(TypeError, match="v_cache"):
+        paged_decode_attention(q, cache[0], cache[1].half(), table, lens, 1.0)
+    with pytest.raises(ValueError, match="sinks must be"):
+        paged_decode_attention(q, cache[0], cache[1], table, lens, 1.0, sinks=q[0, 0])
+
+
+@pytest.mark.parametrize("window,sinks", [(None, False), (6, True)])
+def test_layer_triton_backend_equals_torch_backend(window, sinks, device):
+    """The layer as a model calls it, one mixed step (decode rows among a prefill
+    continuing a cached prefix): the Triton backend against the torch reference backend,
+    cache writes included."""
+    heads, kv_heads, num_blocks = 6, 2, 24
+    layers = {}
+    for backend in (AttentionBackend.TORCH, AttentionBackend.TRITON):
+        attn = PagedAttention(
+            heads, kv_heads, DH, device=device, sliding_window=window, sinks=sinks
+        )
+        attn.backend = backend
+        if attn.sinks is not None:
+            attn.sinks.data.copy_(torch.linspace(-1.0, 1.0, heads))
+        g = torch.Generator().manual_seed(3)
+        attn.kv_cache = torch.randn(kv_cache_shape(num_blocks, BS, kv_heads, DH), generator=g)
+        attn.kv_cache = attn.kv_cache.to(device)
+        layers[backend] = attn
+    seqs = [(0, 1, [1]), (6, 1, [2, 3]), (4, 3, [4, 5]), (12, 1, [6, 7, 8])]
+    meta = AttentionMetadata.build(seqs, BS, device)
+    g = torch.Generator().manual_seed(4)
+    rows = sum(s[1] for s in seqs)
+    q = torch.randn(rows, heads, DH, generator=g).to(device)
+    k, v = (torch.randn(rows, kv_heads, DH, generator=g).to(device) for _ in range(2))
+    want = layers[AttentionBackend.TORCH](q, k, v, meta)
+    got = layers[AttentionBackend.TRITON](q, k, v, meta)
+    torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
+    torch.testing.assert_close(
+        layers[AttentionBackend.TRITON].kv_cache, layers[AttentionBackend.TORCH].kv_cache
+    )
+
+
+def test_mla_triton_decode_equals_decompressing_reference(device):
+    """MLA's absorbed decode through the same kernel: one KV head whose key is the latent
+    and whose value is its first r values, every query head in the group."""
+    spec = MLASpec(
+        q_lora_rank=0, kv_lora_rank=24, qk_nope_head_dim=12, qk_rope_head_dim=8,
+        v_head_dim=10, rope_interleaved=True, softmax_scale=0.3, bias=False,
+    )  # fmt: skip
+    attn = MLAttention(32, 4, spec, TensorParallel(), device=device)
+    attn.triton_decode = True
+    g = torch.Generator().manual_seed(0)
+    for p in attn.parameters():
+        p.data.copy_(torch.randn(p.shape, generator=g) * 0.2)
+    lengths = [1, 2 * BS + 1, 7]
+    free = list(range(1, 16))
+    random.Random(1).shuffle(free)
+    seqs = [(n - 1, 1, [free.pop() for _ in range(-(-n // BS))]) for n in lengths]
+    meta = AttentionMetadata.build(seqs, BS, device)
+    cache = torch.randn(16 * BS, spec.latent_dim, generator=g).to(device)
+    q = torch.randn(len(lengths), 4, spec.qk_head_dim, generator=g).to(device)
+    got = attn._decode(q, cache, meta)
+    want = attn.decode_reference(q, cache, meta)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)

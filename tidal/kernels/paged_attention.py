@@ -1,0 +1,266 @@
+# pyright: reportArgumentType=false, reportCallIssue=false
+# (triton.jit signatures type launch constants as tl.constexpr and omit num_warps/num_stages)
+"""Decode attention over a paged KV cache in one Triton launch (GPU; CPU tests run it
+under ``TRITON_INTERPRET=1``).
+
+One query token per sequence. A program owns one (sequence, KV head): the ``G`` query
+heads of that KV head form one ``[G, Dk]`` tile (GQA without repeating K; a large group,
+MLA's, is split into tiles of ``MAX_BLOCK_G`` heads, one program each), and the
+keys are walked in tiles of ``BLOCK_N`` positions, each position's block looked up in
+the block table, with an online softmax in float32. So K and V are read once per KV
+head, straight from the cache, in the cache's dtype.
+
+Why a kernel: the torch decode path is ~10 launches a layer (index rows, gather,
+``baddbmm``, softmax, ``embedding_bag``) whose index tensors and padded width depend on
+the batch's longest sequence; this is one launch whose grid is the (padded) batch size
+times the KV heads, reads the lengths on the device and never syncs with the host: the
+same launch serves every step of one batch size, so a CUDA graph can capture it.
+
+The same kernel serves MLA's absorbed decode (``tidal/layers/mla.py``): its latent cache
+``[NB, bs, r + rope]`` is one KV head whose key is the whole latent and whose value is
+its first ``r`` values (``Dv < Dk``), and every query head is in the group.
+
+Rows with length 0 (padding rows of a captured batch) return before touching anything:
+their output rows are not written.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+from triton.runtime.jit import JITFunction
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_INDEX_DTYPES = (torch.int32, torch.int64)
+# Query heads one program attends at most: a [MAX_BLOCK_G, Dk] tile of queries and
+# float32 accumulators must stay in registers (MLA's 16-128 heads of 576 values do not).
+MAX_BLOCK_G = 16
+
+
+@triton.jit
+def _paged_decode_kernel(
+    q_ptr,  # [D, Hq, Dk]
+    k_ptr,  # [NB, Hkv, bs, Dk] (strided view of the cache)
+    v_ptr,  # [NB, Hkv, bs, Dv]
+    out_ptr,  # [D, Hq, Dv]
+    table_ptr,  # [D, W] block ids
+    lens_ptr,  # [D] keys per sequence; 0 = padding row
+    sinks_ptr,  # [Hq] float logits (read only with HAS_SINKS)
+    scale,
+    window,  # keys a query sees (the last ``window``); 0 = all
+    block_size,
+    stride_qd,
+    stride_qh,
+    stride_kb,
+    stride_kh,
+    stride_kt,
+    stride_vb,
+    stride_vh,
+    stride_vt,
+    stride_od,
+    stride_oh,
+    stride_td,
+    GROUP: tl.constexpr,  # query heads per KV head
+    G_TILES: tl.constexpr,  # programs per KV head, BLOCK_G query heads each
+    DK: tl.constexpr,
+    DV: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_DK: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
+    DOT_FP32: tl.constexpr,  # upcast tiles before tl.dot (bf16 under the interpreter)
+    DOT_PRECISION: tl.constexpr,
+):
+    seq = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1).to(tl.int64) // G_TILES
+    tile = tl.program_id(1) % G_TILES
+    length = tl.load(lens_ptr + seq).to(tl.int64)
+    if length == 0:
+        return
+    first = tl.where(window > 0, tl.maximum(length - window, 0), 0)
+
+    g = tile * BLOCK_G + tl.arange(0, BLOCK_G)  # this tile's heads within the group
+    g_mask = g < GROUP
+    heads = kv_head * GROUP + g  # [BLOCK_G] query heads of this KV head
+    dk = tl.arange(0, BLOCK_DK)
+    dv = tl.arange(0, BLOCK_DV)
+    q = tl.load(
+        q_ptr + seq * stride_qd + heads[:, None] * stride_qh + dk[None, :],
+        mask=g_mask[:, None] & (dk[None, :] < DK),
+        other=0.0,
+    )  # [BLOCK_G, BLOCK_DK]
+    if DOT_FP32:
+        q = q.to(tl.float32)
+
+    # Online softmax state per query head. A sink is one more logit with no value: it
+    # starts the running max and contributes exp(sink - max) to the denominator. The
+    # finite start (not -inf) keeps exp(m_old - m_new) defined while every key so far
+    # was masked.
+    if HAS_SINKS:
+        m_i = tl.load(sinks_ptr + heads, mask=g_mask, other=0.0).to(tl.float32)
+        l_i = tl.full([BLOCK_G], 1.0, dtype=tl.float32)
+    else:
+        m_i = tl.full([BLOCK_G], -1.0e30, dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_DV], dtype=tl.float32)
+
+    n = tl.arange(0, BLOCK_N)
+    tile_start = (first // BLOCK_N) * BLOCK_N
+    for t0 in range(tile_start, length, BLOCK_N):
+        pos = t0 + n  # [BLOCK_N] key positions
+        key_mask = (pos >= first) & (pos < length)
+        block = tl.load(table_ptr + seq * stride_td + pos // block_size, mask=key_mask, other=0)
+        block = block.to(tl.int64)
+        offset = pos % block_size
+        k = tl.load(
+            k_ptr + block[None, :] * stride_kb + kv_head * stride_kh
+            + offset[None, :] * stride_kt + dk[:, None],
+            mask=key_mask[None, :] & (dk[:, None] < DK),
+            other=0.0,
+        )  # [BLOCK_DK, BLOCK_N]  # fmt: skip
+        if DOT_FP32:
+            k = k.to(tl.float32)
+        else:
+            k = k.to(q.dtype)
+        scores = tl.dot(q, k, input_precision=DOT_PRECISION) * scale  # [BLOCK_G, BLOCK_N] fp32
+        scores = tl.where(key_mask[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(scores - m_new[:, None])  # masked keys: exp(-inf) = 0
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(
+            v_ptr + block[:, None] * stride_vb + kv_head * stride_vh
+            + offset[:, None] * stride_vt + dv[None, :],
+            mask=key_mask[:, None] & (dv[None, :] < DV),
+            other=0.0,
+        )  # [BLOCK_N, BLOCK_DV]  # fmt: skip
+        if DOT_FP32:
+            v = v.to(tl.float32)
+            p_dot = p
+        else:
+            v = v.to(q.dtype)
+            p_dot = p.to(q.dtype)
+        acc = acc * alpha[:, None] + tl.dot(p_dot, v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    out = acc / l_i[:, None]
+    tl.store(
+        out_ptr + seq * stride_od + heads[:, None] * stride_oh + dv[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=g_mask[:, None] & (dv[None, :] < DV),
+    )
+
+
+def _interpreted() -> bool:
+    """Whether the kernel was built for the Triton interpreter (CPU tensors)."""
+    return not isinstance(_paged_decode_kernel, JITFunction)
+
+
+def paged_decode_attention(
+    q: Tensor,  # [D, Hq, Dk] one query token per row; last dim contiguous
+    k_cache: Tensor,  # [NB, Hkv, bs, Dk] view of the cache's keys; last dim contiguous
+    v_cache: Tensor,  # [NB, Hkv, bs, Dv] view of its values; last dim contiguous
+    block_table: Tensor,  # [D, W] int32/int64 block ids; entries past a length not read
+    seq_lens: Tensor,  # [D] int32/int64 keys per row (this step's included); 0 = padding
+    scale: float,
+    sliding_window: int | None = None,  # a row sees its last this-many keys
+    sinks: Tensor | None = None,  # [Hq] one logit per query head in the denominator
+    out: Tensor | None = None,  # [D, Hq, Dv] q's dtype, last dim contiguous
+) -> Tensor:  # [D, Hq, Dv] q's dtype: float32 scores, softmax and sums
+    """Attention of each row's query over its first ``seq_lens[i]`` cached keys (the last
+    ``sliding_window`` of them with a window), the keys at positions ``p`` read from block
+    ``block_table[i, p // bs]``, offset ``p % bs``; query head ``h`` reads KV head
+    ``h // (Hq // Hkv)``. q in float32/float16/bfloat16; the cache in any of the three
+    (cast to q's dtype as it is read). float32 runs its dots in IEEE float32 (no TF32).
+    Rows of length 0 are not written (``out`` keeps what it held there).
+
+    One launch of grid ``[D, Hkv * ceil(G / MAX_BLOCK_G)]``: the lengths are read on the
+    device, so nothing depends on the host between steps of one batch size (CUDA-graph
+    capturable)."""
+    if q.dim() != 3 or k_cache.dim() != 4 or v_cache.dim() != 4:
+        raise ValueError(
+            f"expected q [D, Hq, Dk], k_cache [NB, Hkv, bs, Dk], v_cache [NB, Hkv, bs, Dv]; got "
+            f"{tuple(q.shape)}, {tuple(k_cache.shape)}, {tuple(v_cache.shape)}"
+        )
+    num, hq, dk = q.shape
+    nb, hkv, bs, kdim = k_cache.shape
+    dv = v_cache.shape[3]
+    if kdim != dk or v_cache.shape[:3] != k_cache.shape[:3]:
+        raise ValueError(
+            f"k_cache must be [NB, Hkv, bs, {dk}] and v_cache share its first three dims; got "
+            f"{tuple(k_cache.shape)}, {tuple(v_cache.shape)}"
+        )
+    if hq % hkv:
+        raise ValueError(f"query heads ({hq}) must be a multiple of the KV heads ({hkv})")
+    if q.dtype not in FLOAT_DTYPES or k_cache.dtype not in FLOAT_DTYPES:
+        raise TypeError(
+            f"q and the cache must be float32/float16/bfloat16: {q.dtype}, {k_cache.dtype}"
+        )
+    if v_cache.dtype != k_cache.dtype:
+        raise TypeError(f"k_cache is {k_cache.dtype}, v_cache {v_cache.dtype}")
+    if (
+        block_table.dim() != 2
+        or block_table.shape[0] != num
+        or block_table.dtype not in _INDEX_DTYPES
+    ):
+        raise ValueError(
+            f"block_table must be [{num}, W] int32/int64, got {tuple(block_table.shape)} "
+            f"{block_table.dtype}"
+        )
+    if seq_lens.shape != (num,) or seq_lens.dtype not in _INDEX_DTYPES:
+        raise ValueError(
+            f"seq_lens must be [{num}] int32/int64, got {tuple(seq_lens.shape)} {seq_lens.dtype}"
+        )
+    if sinks is not None and sinks.shape != (hq,):
+        raise ValueError(f"sinks must be [{hq}], got {tuple(sinks.shape)}")
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
+    if q.stride(2) != 1 or k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
+        raise ValueError("q, k_cache and v_cache must be contiguous along their last dim")
+    if block_table.stride(1) != 1:
+        raise ValueError("block_table must be contiguous along its last dim")
+    if out is None:
+        out = torch.empty((num, hq, dv), dtype=q.dtype, device=q.device)
+    elif out.shape != (num, hq, dv) or out.dtype != q.dtype or out.stride(2) != 1:
+        raise ValueError(f"out must be [{num}, {hq}, {dv}] {q.dtype}, last dim contiguous")
+    named = {"k_cache": k_cache, "v_cache": v_cache, "block_table": block_table}
+    named |= {"seq_lens": seq_lens, "out": out}
+    if sinks is not None:
+        named["sinks"] = sinks
+    for name, tensor in named.items():
+        if tensor.device != q.device:
+            raise ValueError(f"{name} is on {tensor.device}, q on {q.device}")
+    interpreted = _interpreted()
+    if q.device.type != "cuda" and not interpreted:
+        raise RuntimeError(
+            "the Triton paged attention needs CUDA tensors (or TRITON_INTERPRET=1 set before "
+            "triton is imported); on CPU use tidal.layers.attention's torch or C++ paths"
+        )
+    if num == 0:
+        return out
+    group = hq // hkv
+    # tl.dot wants every dim >= 16 on GPUs: smaller groups are padded with masked heads.
+    block_g = MAX_BLOCK_G
+    g_tiles = triton.cdiv(group, block_g)
+    same = k_cache.dtype == q.dtype
+    dot_fp32 = not same or (interpreted and q.dtype == torch.bfloat16)
+    _paged_decode_kernel[(num, hkv * g_tiles)](
+        q, k_cache, v_cache, out, block_table, seq_lens,
+        sinks if sinks is not None else q,  # not read without sinks
+        scale, sliding_window or 0, bs,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        out.stride(0), out.stride(1), block_table.stride(0),
+        GROUP=group, G_TILES=g_tiles, DK=dk, DV=dv, BLOCK_G=block_g,
+        BLOCK_DK=max(16, triton.next_power_of_2(dk)),
+        BLOCK_DV=max(16, triton.next_power_of_2(dv)),
+        BLOCK_N=16 if interpreted else 32,
+        HAS_SINKS=sinks is not None,
+        DOT_FP32=dot_fp32,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 or dot_fp32 else None,
+    )  # fmt: skip
+    return out
