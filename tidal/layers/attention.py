@@ -61,7 +61,6 @@ from __future__ import annotations
 
 import enum
 import functools
-import importlib.util
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
@@ -81,6 +80,7 @@ from tidal.kernels.cpu_attention import (
     write_kv_cpu_ok,
 )
 from tidal.kernels.select import Candidate, Choice, OpKey, OpSpec, kernel_candidates
+from tidal.kernels.triton_device import triton_serves
 
 # The decode attention trial (select.py): sequences of this many tokens, in blocks of this
 # size (the default ``--block-size``).
@@ -637,13 +637,9 @@ class AttentionBackend(enum.Enum):
 def default_backend(device: Any) -> AttentionBackend:
     """Triton on CUDA (when triton is installed: it is an optional extra), the C++ kernel
     on CPU, the torch path elsewhere."""
-    match torch.device(device).type:
-        case "cuda" if importlib.util.find_spec("triton") is not None:
-            return AttentionBackend.TRITON
-        case "cpu":
-            return AttentionBackend.NATIVE
-        case _:
-            return AttentionBackend.TORCH
+    if triton_serves(device):
+        return AttentionBackend.TRITON
+    return AttentionBackend.NATIVE if torch.device(device).type == "cpu" else AttentionBackend.TORCH
 
 
 class DecodeBackend(ABC):

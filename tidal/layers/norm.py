@@ -1,7 +1,14 @@
-"""RMSNorm with transformers' numerics (normalise in float32, cast, then scale)."""
+"""RMSNorm with transformers' numerics (normalise in float32, cast, then scale).
+
+Paths: on CUDA one Triton launch (``tidal/kernels/rms_norm.py``, the layer's ``triton``
+switch, set from its device); on CPU the C++ kernel or ``F.rms_norm`` as measured at
+load (``tidal/kernels/select.py``). ``_rms_norm_hf`` is transformers' formula, the
+reference of all three.
+"""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -11,6 +18,7 @@ from torch import Tensor, nn
 
 from tidal.kernels.cpu_norm import NORM_DTYPES, rms_norm_cpu, rms_norm_cpu_ok
 from tidal.kernels.select import Candidate, Choice, OpKey, OpSpec, kernel_candidates
+from tidal.kernels.triton_device import triton_serves
 
 
 class RMSNorm(nn.Module):
@@ -21,8 +29,11 @@ class RMSNorm(nn.Module):
             torch.empty(dim, dtype=dtype, device=device), requires_grad=False
         )
         self.cpu_choice: Choice | None = None  # measured at load (select.py); None: C++
+        self.triton = triton_serves(device or "cpu")  # the Triton kernel (CUDA)
 
     def forward(self, x: Tensor) -> Tensor:  # [..., dim], normalised over the last dim
+        if self.triton and x.dtype == self.weight.dtype:
+            return triton_rms_norm()(x, self.weight, self.eps)
         if self.native(x.numel() // x.shape[-1]) and rms_norm_cpu_ok(x, self.weight):
             return rms_norm_cpu(x, self.weight, self.eps)  # one C++ pass (cpu_norm.py)
         if x.dtype == torch.float32:
@@ -67,10 +78,13 @@ def rms_norm_heads(
     group_sizes: tuple[int, ...],  # heads per group, sum == heads
     eps: float,
     native: bool = True,  # the C++ kernel where it takes x (the norms' measured choice)
+    triton: bool = False,  # the Triton kernel (the norms' ``RMSNorm.triton``)
 ) -> Tensor:  # [T, heads, Dh], new tensor
     """Per-head RMSNorm of several head groups in one pass (Qwen3's q_norm and k_norm over
     the joint q|k heads): normalise every head, then scale each group by its weight."""
-    if native and rms_norm_cpu_ok(x):
+    if triton:
+        out = triton_rms_norm()(x, None, eps)  # read in place: x may be a slice of qkv
+    elif native and rms_norm_cpu_ok(x):
         # Normalised (rounded to x's dtype), then scaled in x's dtype: transformers' two
         # roundings for 16-bit x, one product for float32.
         out = rms_norm_cpu(x, None, eps)
@@ -102,6 +116,15 @@ def rms_norm_sharded(
     if x.shape[-1] != width:
         sq = all_reduce(sq)
     return weight * (xf * torch.rsqrt(sq / width + eps)).to(x.dtype)
+
+
+@functools.cache
+def triton_rms_norm() -> Callable[[Tensor, Tensor | None, float], Tensor]:
+    """``tidal.kernels.rms_norm.rms_norm_triton``, imported on first use (triton is
+    optional, and its import fixes its mode for the process)."""
+    from tidal.kernels.rms_norm import rms_norm_triton
+
+    return rms_norm_triton
 
 
 def _rms_norm_hf(x: Tensor, weight: Tensor, eps: float) -> Tensor:

@@ -281,7 +281,9 @@ class Attention(nn.Module):
             assert self.q_norm is not None and self.k_norm is not None
             weights = (self.q_norm.weight, self.k_norm.weight)
             native = self.q_norm.native(num_tokens * (hq + hkv))
-            qk = rms_norm_heads(qk, weights, (hq, hkv), self.q_norm.eps, native)
+            qk = rms_norm_heads(
+                qk, weights, (hq, hkv), self.q_norm.eps, native, self.q_norm.triton
+            )
         qk = apply_partial_rotary(qk, cos, sin)
         out = self.attn(qk[:, :hq], qk[:, hq:], v, meta)  # [T, Hq, Dh]
         return self.o_proj(out.reshape(num_tokens, -1))
