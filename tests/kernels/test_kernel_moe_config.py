@@ -148,3 +148,16 @@ def test_tune_candidates_prune_big_blocks_for_decode():
     assert max(c["BLOCK_SIZE_M"] for c in prefill) == 128
     assert all(MoeKernelConfig.from_json(c) for c in prefill)
     assert isinstance(tune.parse_args([]), argparse.Namespace)
+
+
+def test_config_for_is_the_lookup_once_per_shape():
+    """``fused_experts``' config: ``get_moe_config``'s answer, looked up once per shape."""
+    from tidal.kernels.fused_moe import config_for, is_interpreted
+
+    config_for.cache_clear()
+    for m in (1, 3, 64, 1000):
+        want = get_moe_config(m, 8, 32, 2, torch.float32, None, interpret=is_interpreted())
+        assert config_for(m, 8, 32, 2, torch.float32, torch.device("cpu")) == want
+    config_for(3, 8, 32, 2, torch.float32, torch.device("cpu"))
+    info = config_for.cache_info()
+    assert (info.hits, info.misses) == (1, 4)

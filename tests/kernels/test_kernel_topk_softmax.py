@@ -6,6 +6,8 @@ import pytest
 import torch
 
 from tidal.kernels.topk_softmax import topk_softmax, topk_softmax_reference
+from tidal.moe.layer import FusedMoE
+from tidal.moe.router import Routing, Scoring
 
 
 @pytest.mark.parametrize(
@@ -76,3 +78,34 @@ def test_topk_softmax_zero_tokens(device):
 def test_topk_softmax_rejects_bad_arguments(logits, top_k, err):
     with pytest.raises(err):
         topk_softmax(logits, top_k, True)
+
+
+@pytest.mark.parametrize(
+    "routing",
+    [Routing(3, True), Routing(3, False), Routing(2, True, router_bias=True)],
+    ids=["renormalize", "raw", "router_bias"],
+)
+def test_fused_moe_triton_router_equals_route(routing, device):
+    """``FusedMoE.route`` with its Triton router (the CUDA path; GPT-OSS's biased logits
+    too) against the torch ``route`` it replaces, on the same layer."""
+    moe = FusedMoE(10, routing.top_k, 16, 8, routing.renormalize, routing=routing, device=device)
+    g = torch.Generator().manual_seed(0)
+    moe.gate.data.copy_(torch.randn(10, 16, generator=g))
+    if moe.gate_bias is not None:
+        moe.gate_bias.copy_(torch.randn(10, generator=g))
+    hidden = torch.randn(7, 16, generator=g).to(device)
+    moe.triton_router = False
+    want_w, want_ids = moe.route(hidden)
+    moe.triton_router = True
+    got_w, got_ids = moe.route(hidden)
+    assert torch.equal(got_ids, want_ids)
+    torch.testing.assert_close(got_w, want_w, rtol=1e-5, atol=1e-6)
+
+
+def test_triton_router_serves_only_softmax_rules():
+    assert Routing(2, True, router_bias=True).softmax_of_logits
+    assert not Routing(2, True, scoring=Scoring.SIGMOID).softmax_of_logits
+    assert not Routing(2, True, num_groups=4, topk_group=2).softmax_of_logits
+    assert not Routing(2, True, correction_bias=True).softmax_of_logits
+    # On CPU the layer keeps the measured CPU paths.
+    assert not FusedMoE(4, 2, 8, 4, True, device="cpu").triton_router

@@ -23,6 +23,8 @@ has no bf16), so the GEMM then upcasts its tiles to fp32 (``DOT_FP32``).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -209,6 +211,21 @@ def fused_experts_with_config(
 ) -> Tensor:  # [T, H], dtype of hidden
     """``fused_experts`` with explicit launch parameters (used by tests and tuning)."""
     _check_fused_args(hidden, w13, w2, topk_weights, topk_ids, expert_map)
+    return _fused_experts(
+        hidden, w13, w2, topk_weights, topk_ids, expert_map, apply_router_weight, config
+    )
+
+
+def _fused_experts(
+    hidden: Tensor,
+    w13: Tensor,
+    w2: Tensor,
+    topk_weights: Tensor,
+    topk_ids: Tensor,
+    expert_map: Tensor | None,
+    apply_router_weight: bool,
+    config: MoeKernelConfig,
+) -> Tensor:  # [T, H]: the launches, on arguments already checked
     tokens, hidden_size = hidden.shape
     top_k = topk_ids.shape[1]
     experts, two_inter = w13.shape[0], w13.shape[1]
@@ -246,16 +263,34 @@ def fused_experts(
     Ids with no local slot (map -1, or out of range) contribute zero.
     """
     _check_fused_args(hidden, w13, w2, topk_weights, topk_ids, expert_map)
-    device_name = torch.cuda.get_device_name(hidden.device) if hidden.is_cuda else None
-    config = get_moe_config(
-        m=hidden.shape[0],
-        num_experts=w13.shape[0],
-        intermediate_size=w2.shape[2],
-        top_k=topk_ids.shape[-1],
-        dtype=hidden.dtype,
+    config = config_for(
+        hidden.shape[0], w13.shape[0], w2.shape[2], topk_ids.shape[1], hidden.dtype,
+        hidden.device,
+    )  # fmt: skip
+    return _fused_experts(
+        hidden, w13, w2, topk_weights, topk_ids, expert_map, apply_router_weight, config
+    )
+
+
+@functools.lru_cache(maxsize=4096)
+def config_for(
+    m: int,
+    num_experts: int,
+    intermediate_size: int,
+    top_k: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> MoeKernelConfig:
+    """``get_moe_config`` for this shape on this device, looked up once per shape: the
+    lookup (device name, the table's nearest batch size) cost ~20 us a call, per layer
+    per step, more than a decode step's expert GEMMs on a GPU."""
+    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else None
+    return get_moe_config(
+        m=m,
+        num_experts=num_experts,
+        intermediate_size=intermediate_size,
+        top_k=top_k,
+        dtype=dtype,
         device_name=device_name,
         interpret=is_interpreted(),
-    )
-    return fused_experts_with_config(
-        hidden, w13, w2, topk_weights, topk_ids, expert_map, apply_router_weight, config
     )

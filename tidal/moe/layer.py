@@ -60,9 +60,11 @@ by name in ``EXPERT_BACKENDS``; "triton" is imported lazily so CPU-only installs
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any, Protocol
 
 import torch
@@ -75,6 +77,7 @@ from tidal.kernels.fp8_torch import FP8_DTYPE, dequantize_fp8_rows
 from tidal.kernels.fused_moe_torch import empty_k_major_experts, fused_experts_torch, is_k_major
 from tidal.kernels.held_params import HeldParamsModule
 from tidal.kernels.select import Candidate, Choice, OpKey, OpSpec, default_choice, weight_candidates
+from tidal.kernels.triton_device import triton_serves
 from tidal.moe.placement import ExpertPlacement
 from tidal.moe.reference import ClampedSwiGLU, biased_experts, fused_experts_reference
 from tidal.moe.router import Routing, route
@@ -161,16 +164,24 @@ class MoEForwardContext:
 
 
 def _triton_experts(*args: Any, **kwargs: Any) -> Tensor:
+    return _triton_kernels().fused_experts(*args, **kwargs)
+
+
+@functools.cache
+def _triton_kernels() -> Any:
+    """The Triton kernel modules, imported once on first use: triton is an optional
+    extra (``tidal[triton]``), so CPU-only installs, which never pick these paths, work
+    without it; and importing it fixes its mode for the process."""
     try:
-        # Optional dependency: tidal.kernels.fused_moe imports triton at module level, and
-        # triton is an extra (``tidal[triton]``); imported on first use so CPU-only
-        # installs, which never pick this backend, work without it.
-        from tidal.kernels.fused_moe import fused_experts
+        from tidal.kernels import fused_moe, topk_softmax
     except ImportError as e:
         raise RuntimeError(
-            f"moe backend 'triton' needs triton and a working tidal.kernels.fused_moe: {e}"
+            f"the Triton MoE paths (moe backend 'triton', the router on CUDA) need triton "
+            f"and working tidal.kernels.fused_moe / topk_softmax modules: {e}"
         ) from e
-    return fused_experts(*args, **kwargs)
+    return SimpleNamespace(
+        fused_experts=fused_moe.fused_experts, topk_softmax=topk_softmax.topk_softmax
+    )
 
 
 EXPERT_BACKENDS: dict[str, ExpertsFn] = {
@@ -242,6 +253,8 @@ class FusedMoE(HeldParamsModule):
         self.expert_bias = expert_bias
         self.activation = activation
         self.experts_fn: ExpertsFn = EXPERT_BACKENDS[self.backend]
+        # The Triton router (CUDA; the rule it computes): ``route`` is its reference.
+        self.triton_router = triton_serves(device or "cpu") and self.routing.softmax_of_logits
         n_local = len(self.local_expert_ids)
         kw = {"dtype": dtype, "device": device}
         # Parameters start uninitialised: the loader (or a test) fills them.
@@ -359,6 +372,8 @@ class FusedMoE(HeldParamsModule):
             logits = torch.nn.functional.linear(hidden, self._weight("gate"))  # [T, E_global]
         if self.gate_bias is not None:
             logits = logits + self.gate_bias
+        if self.triton_router:  # one launch for softmax, top-k and renormalisation
+            return _triton_kernels().topk_softmax(logits, self.top_k, self.renormalize)
         return route(logits, self.routing, self.score_bias)
 
     def forward_experts(

@@ -7,8 +7,9 @@ transformers does, so a bf16 model routes the same tokens to the same experts.
 ``Routing`` is a model's routing rule; ``route`` applies it: plain softmax top-k
 (Mixtral, Qwen-MoE, OLMoE) or, for anything else (sigmoid scores, a score-correction bias,
 group-limited choice, a scaling factor: GLM-4.5, DeepSeek-V3), ``grouped_topk``. The fast
-router paths (the C++ router, ``tidal/kernels/topk_softmax.py``) compute only the plain
-rule on bias-free logits; ``Routing.plain_softmax`` is what keeps them off the others.
+router paths compute only the plain rule: the C++ router on bias-free logits
+(``Routing.plain_softmax`` keeps it off the others), the Triton one on CUDA on the logits
+once a router bias is added (``Routing.softmax_of_logits``).
 A router bias (GPT-OSS) is added to the logits before ``route`` (``FusedMoE.route``); its
 softmax over the top-k logits is softmax top-k renormalised, the same weights.
 """
@@ -42,15 +43,21 @@ class Routing:
     router_bias: bool = False  # the gate has an [E] bias on its logits (GPT-OSS)
 
     @property
-    def plain_softmax(self) -> bool:
-        """Softmax top-k, optionally renormalised: what every fast router path computes."""
+    def softmax_of_logits(self) -> bool:
+        """Softmax top-k of the logits (a router bias already added), optionally
+        renormalised: what the Triton router (``tidal/kernels/topk_softmax.py``) computes."""
         return (
             self.scoring is Scoring.SOFTMAX
             and self.topk_group >= self.num_groups
             and not self.correction_bias
             and self.scaling_factor == 1.0
-            and not self.router_bias  # the fast paths compute logits without one
         )
+
+    @property
+    def plain_softmax(self) -> bool:
+        """Softmax top-k, optionally renormalised, of bias-free logits: what every fast
+        CPU router path computes (they compute the logits too, without a bias)."""
+        return self.softmax_of_logits and not self.router_bias
 
 
 def route(
