@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tidal.distributed.tensor_parallel import TensorParallel
-from tidal.kernels.paged_attention import paged_decode_attention
+from tidal.kernels.paged_attention import paged_decode_attention, write_kv_cache
 from tidal.layers.attention import (
     AttentionBackend,
     AttentionMetadata,
@@ -109,6 +109,29 @@ def test_checks_name_the_bad_argument(device):
         paged_decode_attention(q, cache[0], cache[1].half(), table, lens, 1.0)
     with pytest.raises(ValueError, match="sinks must be"):
         paged_decode_attention(q, cache[0], cache[1], table, lens, 1.0, sinks=q[0, 0])
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+def test_write_kv_cache_equals_index_copy(cache_dtype, device):
+    """K and V of strided rows (slices of one qkv tensor) into their slots, cast to the
+    cache's dtype; a negative slot (an inert padding row) writes nothing."""
+    t, hkv, num_blocks = 6, 2, 7
+    qkv = torch.randn(t, 3 * hkv, DH)
+    k, v = qkv[:, hkv : 2 * hkv], qkv[:, 2 * hkv :]
+    slots = torch.tensor([3, 17, -1, 4, 30, -1])  # block 0, 3, -, 0, 6; two padding rows
+    cache = torch.randn(kv_cache_shape(num_blocks, BS, hkv, DH)).to(cache_dtype)
+    want = cache.clone()
+    for i, slot in enumerate(slots.tolist()):
+        if slot >= 0:
+            want[0, slot // BS, :, slot % BS] = k[i].to(cache_dtype)
+            want[1, slot // BS, :, slot % BS] = v[i].to(cache_dtype)
+    got = cache.to(device)
+    write_kv_cache(got[0], got[1], slots.to(device), k.to(device), v.to(device))
+    if cache_dtype == torch.bfloat16 and device == "cpu":
+        # The interpreter casts float32 to bf16 by truncation (GPUs round to nearest).
+        torch.testing.assert_close(got, want, atol=0.0, rtol=2**-7)
+    else:
+        assert torch.equal(got.cpu(), want)
 
 
 @pytest.mark.parametrize("window,sinks", [(None, False), (6, True)])

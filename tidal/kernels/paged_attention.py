@@ -264,3 +264,94 @@ def paged_decode_attention(
         DOT_PRECISION="ieee" if q.dtype == torch.float32 or dot_fp32 else None,
     )  # fmt: skip
     return out
+
+
+@triton.jit
+def _write_kv_kernel(
+    k_ptr,  # [T, Hkv, Dh]
+    v_ptr,  # [T, Hkv, Dh]
+    k_cache_ptr,  # [NB, Hkv, bs, Dh]
+    v_cache_ptr,  # [NB, Hkv, bs, Dh]
+    slots_ptr,  # [T] cache slot of each token; < 0 = write nothing
+    block_size,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_cb,
+    stride_ch,
+    stride_ct,
+    stride_vcb,
+    stride_vch,
+    stride_vct,
+    DH: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1).to(tl.int64)
+    slot = tl.load(slots_ptr + token).to(tl.int64)
+    if slot < 0:
+        return
+    block = slot // block_size
+    offset = slot % block_size
+    d = tl.arange(0, BLOCK_D)
+    mask = d < DH
+    k = tl.load(k_ptr + token * stride_kt + head * stride_kh + d, mask=mask)
+    v = tl.load(v_ptr + token * stride_vt + head * stride_vh + d, mask=mask)
+    dst_k = k_cache_ptr + block * stride_cb + head * stride_ch + offset * stride_ct + d
+    dst_v = v_cache_ptr + block * stride_vcb + head * stride_vch + offset * stride_vct + d
+    tl.store(dst_k, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(dst_v, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+def write_kv_cache(
+    k_cache: Tensor,  # [NB, Hkv, bs, Dh] written in place; last dim contiguous
+    v_cache: Tensor,  # [NB, Hkv, bs, Dh] written in place; last dim contiguous
+    slot_mapping: Tensor,  # [T] int32/int64 slot (block * bs + offset) per token; < 0: none
+    k: Tensor,  # [T, Hkv, Dh] float32/float16/bfloat16, last dim contiguous (rows may be strided)
+    v: Tensor,  # [T, Hkv, Dh] k's dtype
+) -> None:
+    """Each token's K and V, every KV head, into its cache slot, cast to the cache's dtype,
+    in one launch of grid ``[T, Hkv]`` (the torch path: two ``index_copy_`` over per-head
+    row indices built each step). A negative slot writes nothing (an inert padding row)."""
+    if k.dim() != 3 or v.shape != k.shape or k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
+        raise ValueError(
+            f"expected k, v [T, Hkv, Dh] and k_cache, v_cache [NB, Hkv, bs, Dh] alike; got "
+            f"{tuple(k.shape)}, {tuple(v.shape)}, {tuple(k_cache.shape)}, {tuple(v_cache.shape)}"
+        )
+    num, hkv, dh = k.shape
+    if k_cache.shape[1] != hkv or k_cache.shape[3] != dh:
+        raise ValueError(f"k_cache {tuple(k_cache.shape)} does not hold [T, {hkv}, {dh}] rows")
+    if slot_mapping.shape != (num,) or slot_mapping.dtype not in _INDEX_DTYPES:
+        raise ValueError(
+            f"slot_mapping must be [{num}] int32/int64, got {tuple(slot_mapping.shape)} "
+            f"{slot_mapping.dtype}"
+        )
+    if k.dtype not in FLOAT_DTYPES or v.dtype != k.dtype or k_cache.dtype not in FLOAT_DTYPES:
+        raise TypeError(
+            f"k, v (one dtype) and the cache must be float32/float16/bfloat16: {k.dtype}, "
+            f"{v.dtype}, {k_cache.dtype}"
+        )
+    if v_cache.dtype != k_cache.dtype:
+        raise TypeError(f"k_cache is {k_cache.dtype}, v_cache {v_cache.dtype}")
+    if k.stride(2) != 1 or v.stride(2) != 1 or k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
+        raise ValueError("k, v and the caches must be contiguous along their last dim")
+    for name, tensor in {"v": v, "k_cache": k_cache, "v_cache": v_cache}.items():
+        if tensor.device != k.device:
+            raise ValueError(f"{name} is on {tensor.device}, k on {k.device}")
+    if slot_mapping.device != k.device:
+        raise ValueError(f"slot_mapping is on {slot_mapping.device}, k on {k.device}")
+    if k.device.type != "cuda" and not _interpreted():
+        raise RuntimeError(
+            "the Triton cache write needs CUDA tensors (or TRITON_INTERPRET=1 set before "
+            "triton is imported)"
+        )
+    if num == 0:
+        return
+    _write_kv_kernel[(num, hkv)](
+        k, v, k_cache, v_cache, slot_mapping, k_cache.shape[2],
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        DH=dh, BLOCK_D=triton.next_power_of_2(dh),
+    )  # fmt: skip

@@ -63,8 +63,9 @@ import enum
 import functools
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from types import ModuleType
 from typing import Any
 
 import numpy as np
@@ -492,24 +493,33 @@ class PagedAttention(nn.Module):
         cache = self.kv_cache
         if cache is None:
             raise RuntimeError("KV cache not bound: call model.bind_kv_cache(caches) first")
-        # The rows' decode bias is in the queries' dtype (the scores'), not the cache's.
-        rows = meta.cache_rows(cache.shape[1], self.num_kv_heads, self.num_heads, q.dtype)
-        if self.native(q.shape[0]) and write_kv_cpu_ok(cache, k, v):
-            write_kv_cpu(cache, rows.write_k, k, rows.write_v, v)  # cast in C++
+        if self.backend is AttentionBackend.TRITON:  # one launch, cast in it; no index rows
+            triton_attention().write_kv_cache(cache[0], cache[1], meta.slot_mapping, k, v)
         else:
-            by_token = cache.view(-1, self.head_dim)  # [2 * NB * Hkv * bs, Dh]
-            by_token.index_copy_(0, rows.write_k, k.reshape(-1, self.head_dim).to(cache.dtype))
-            by_token.index_copy_(0, rows.write_v, v.reshape(-1, self.head_dim).to(cache.dtype))
+            rows = self.cache_rows(meta, cache, q.dtype)
+            if self.native(q.shape[0]) and write_kv_cpu_ok(cache, k, v):
+                write_kv_cpu(cache, rows.write_k, k, rows.write_v, v)  # cast in C++
+            else:
+                by_token = cache.view(-1, self.head_dim)  # [2 * NB * Hkv * bs, Dh]
+                by_token.index_copy_(0, rows.write_k, k.reshape(-1, self.head_dim).to(cache.dtype))
+                by_token.index_copy_(0, rows.write_v, v.reshape(-1, self.head_dim).to(cache.dtype))
         dec = meta.decode_rows
         if not meta.prefills and isinstance(dec, slice) and dec.stop - dec.start == q.shape[0]:
-            return self._decode(q, cache, meta, rows)  # pure decode step: no output assembly
+            return self._decode(q, cache, meta)  # pure decode step: no output assembly
         out = torch.empty_like(q)
         if dec is not None:
-            out[dec] = self._decode(q[dec], cache, meta, rows)
-        for chunk, gather in zip(meta.prefills, rows.prefill_gather):
-            r = chunk.rows
-            out[r] = self._prefill(q[r], k[r], v[r], cache, chunk, gather)
+            out[dec] = self._decode(q[dec], cache, meta)
+        if meta.prefills:
+            rows = self.cache_rows(meta, cache, q.dtype)
+            for chunk, gather in zip(meta.prefills, rows.prefill_gather):
+                r = chunk.rows
+                out[r] = self._prefill(q[r], k[r], v[r], cache, chunk, gather)
         return out
+
+    def cache_rows(self, meta: AttentionMetadata, cache: Tensor, dtype: torch.dtype) -> CacheRows:
+        """This layer geometry's index rows of the step (memoised on ``meta``). The decode
+        bias is in the queries' dtype (the scores'), not the cache's."""
+        return meta.cache_rows(cache.shape[1], self.num_kv_heads, self.num_heads, dtype)
 
     def _gather(self, cache: Tensor, rows: Tensor, num: int, dtype: torch.dtype) -> Tensor:
         """K and V of ``num`` sequences' blocks, every head, in ``dtype`` (the queries'; only
@@ -518,11 +528,9 @@ class PagedAttention(nn.Module):
         kv = by_block.index_select(0, rows).view(2, num, self.num_kv_heads, -1, self.head_dim)
         return kv.to(dtype)
 
-    def _decode(
-        self, q: Tensor, cache: Tensor, meta: AttentionMetadata, rows: CacheRows
-    ) -> Tensor:  # [D, Hq, Dh]
-        """The decode group, on this layer's backend (``DECODE_BACKENDS``)."""
-        return DECODE_BACKENDS[self.backend].decode(self, q, cache, meta, rows)
+    def _decode(self, q: Tensor, cache: Tensor, meta: AttentionMetadata) -> Tensor:
+        """The decode group ``[D, Hq, Dh]``, on this layer's backend (``DECODE_BACKENDS``)."""
+        return DECODE_BACKENDS[self.backend].decode(self, q, cache, meta)
 
     def _decode_torch(
         self, q: Tensor, cache: Tensor, rows: DecodeRows, seq_lens: Tensor | None = None
@@ -646,7 +654,8 @@ class DecodeBackend(ABC):
     """One way to attend the decode group of a step: ``q [D, Hq, Dh]`` one query token per
     sequence, over ``meta``'s decode block table and lengths, after this step's K/V were
     written. Returns ``[D, Hq, Dh]`` in q's dtype. ``TorchDecode`` is the reference the
-    others are tested against (and ``decode_attention_reference`` the oracle of all)."""
+    others are tested against (and ``decode_attention_reference`` the oracle of all).
+    A backend that needs the step's index rows asks ``layer.cache_rows`` (memoised)."""
 
     @abstractmethod
     def decode(
@@ -655,15 +664,14 @@ class DecodeBackend(ABC):
         q: Tensor,  # [D, Hq, Dh]
         cache: Tensor,  # [2, NB, Hkv, bs, Dh]
         meta: AttentionMetadata,
-        rows: CacheRows,
     ) -> Tensor: ...  # [D, Hq, Dh]
 
 
 class TorchDecode(DecodeBackend):
     def decode(
-        self, layer: PagedAttention, q: Tensor, cache: Tensor, meta: AttentionMetadata,
-        rows: CacheRows,
-    ) -> Tensor:  # fmt: skip
+        self, layer: PagedAttention, q: Tensor, cache: Tensor, meta: AttentionMetadata
+    ) -> Tensor:
+        rows = layer.cache_rows(meta, cache, q.dtype)
         if rows.decode is None:  # built lazily: CacheRows.build expected a kernel
             heads = torch.arange(layer.num_kv_heads, device=q.device)
             group = layer.num_heads // layer.num_kv_heads
@@ -676,39 +684,39 @@ class NativeDecode(DecodeBackend):
     window or sinks (the kernel computes neither) or it does not take these tensors."""
 
     def decode(
-        self, layer: PagedAttention, q: Tensor, cache: Tensor, meta: AttentionMetadata,
-        rows: CacheRows,
-    ) -> Tensor:  # fmt: skip
+        self, layer: PagedAttention, q: Tensor, cache: Tensor, meta: AttentionMetadata
+    ) -> Tensor:
         if layer.native(q.shape[0]) and decode_attention_cpu_ok(q, cache, layer.num_kv_heads):
             assert meta.decode_block_table is not None and meta.decode_seq_lens is not None
             return decode_attention_cpu(
                 q, cache, meta.decode_block_table, meta.decode_seq_lens, layer.scale
             )
-        return DECODE_BACKENDS[AttentionBackend.TORCH].decode(layer, q, cache, meta, rows)
+        return DECODE_BACKENDS[AttentionBackend.TORCH].decode(layer, q, cache, meta)
 
 
 class TritonDecode(DecodeBackend):
-    """The Triton kernel: windows and sinks included, the cache read in its own dtype."""
+    """The Triton kernel: windows and sinks included, the cache read in its own dtype.
+    With it the layer also writes the cache in one Triton launch (``write_kv_cache``), so
+    a decode step builds no index rows at all."""
 
     def decode(
-        self, layer: PagedAttention, q: Tensor, cache: Tensor, meta: AttentionMetadata,
-        rows: CacheRows,
-    ) -> Tensor:  # fmt: skip
+        self, layer: PagedAttention, q: Tensor, cache: Tensor, meta: AttentionMetadata
+    ) -> Tensor:
         assert meta.decode_block_table is not None and meta.decode_seq_lens is not None
-        return triton_decode_kernel()(
+        return triton_attention().paged_decode_attention(
             q, cache[0], cache[1], meta.decode_block_table, meta.decode_seq_lens, layer.scale,
             layer.sliding_window, layer.sinks,
         )  # fmt: skip
 
 
 @functools.cache
-def triton_decode_kernel() -> Callable[..., Tensor]:
-    """``tidal.kernels.paged_attention.paged_decode_attention``, imported on first use:
-    triton is optional, and importing it decides its mode for the process (the kernel
-    tests switch it to the interpreter first)."""
-    from tidal.kernels.paged_attention import paged_decode_attention
+def triton_attention() -> ModuleType:
+    """``tidal.kernels.paged_attention``, imported on first use: triton is optional, and
+    importing it decides its mode for the process (the kernel tests switch it to the
+    interpreter first)."""
+    from tidal.kernels import paged_attention
 
-    return paged_decode_attention
+    return paged_attention
 
 
 DECODE_BACKENDS: dict[AttentionBackend, DecodeBackend] = {

@@ -48,7 +48,7 @@ from tidal.layers.attention import (
     AttentionBackend,
     AttentionMetadata,
     default_backend,
-    triton_decode_kernel,
+    triton_attention,
 )
 from tidal.layers.linear import Linear, RowParallelLinear
 from tidal.layers.norm import RMSNorm
@@ -222,7 +222,7 @@ class MLAttention(nn.Module):
         first ``r`` values; every query head is in that head's group."""
         assert meta.decode_block_table is not None and meta.decode_seq_lens is not None
         keys = by_token.view(-1, 1, meta.block_size, self.spec.latent_dim)  # [NB, 1, bs, L]
-        return triton_decode_kernel()(
+        return triton_attention().paged_decode_attention(
             q_full, keys, keys[..., : self.spec.kv_lora_rank], meta.decode_block_table,
             meta.decode_seq_lens, self.spec.softmax_scale,
         )  # fmt: skip
