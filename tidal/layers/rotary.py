@@ -17,7 +17,9 @@ which saves the negation and the concatenation per call.
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -212,6 +214,17 @@ def apply_partial_rotary(x: Tensor, cos: Tensor, signed_sin: Tensor) -> Tensor:
     out[..., :rotary_dim] = apply_rotary(x[..., :rotary_dim], cos, signed_sin)
     out[..., rotary_dim:] = x[..., rotary_dim:]
     return out
+
+
+@functools.cache
+def triton_norm_rope() -> Callable[..., Tensor]:
+    """``tidal.kernels.norm_rope.norm_rope`` (per-head norm and rotary in one Triton
+    launch, the CUDA path; ``rms_norm_heads`` then ``apply_partial_rotary`` is its
+    reference), imported on first use: triton is optional, and its import fixes its mode
+    for the process."""
+    from tidal.kernels.norm_rope import norm_rope
+
+    return norm_rope
 
 
 def apply_rotary_torch(x: Tensor, cos: Tensor, signed_sin: Tensor) -> Tensor:

@@ -47,6 +47,7 @@ from torch import Tensor, nn
 
 from tidal.distributed.tensor_parallel import TensorParallel
 from tidal.kernels.fused_moe_torch import empty_k_major_experts
+from tidal.kernels.triton_device import triton_serves
 from tidal.layers.attention import AttentionMetadata, PagedAttention
 from tidal.layers.cache_spec import KVCacheSpec
 from tidal.layers.linear import Embedding, Linear, RowParallelLinear
@@ -59,6 +60,7 @@ from tidal.layers.rotary import (
     apply_partial_rotary,
     rope_theta_from_config,
     rotary_dim_from_config,
+    triton_norm_rope,
     yarn_from_config,
 )
 from tidal.moe.layer import FusedMoE
@@ -262,6 +264,8 @@ class Attention(nn.Module):
         self.attn = PagedAttention(
             hq, hkv, dh, sliding_window=window, sinks=spec.attention_sinks, **kw
         )
+        # CUDA: Q/K norm and rotary in one Triton launch (tidal/kernels/norm_rope.py).
+        self.triton_norm_rope = triton_serves(kw.get("device") or "cpu")
 
     def bind_cache(self, cache: Tensor) -> None:
         self.attn.kv_cache = cache
@@ -277,6 +281,15 @@ class Attention(nn.Module):
         qkv = qkv.view(num_tokens, hq + 2 * hkv, self.head_dim)
         # q and k heads are adjacent: norm and rotate them together, one op each.
         qk, v = qkv[:, : hq + hkv], qkv[:, hq + hkv :]
+        if self.triton_norm_rope:  # CUDA: the per-head norm (if any) and rotary, one launch
+            weights = None
+            if self.qk_norm is QKNorm.PER_HEAD:
+                assert self.q_norm is not None and self.k_norm is not None
+                weights = (self.q_norm.weight, self.k_norm.weight)
+            eps = 0.0 if self.q_norm is None else self.q_norm.eps
+            qk = triton_norm_rope()(qk, cos, sin, weights, hq, eps)
+            out = self.attn(qk[:, :hq], qk[:, hq:], v, meta)  # [T, Hq, Dh]
+            return self.o_proj(out.reshape(num_tokens, -1))
         if self.qk_norm is QKNorm.PER_HEAD:
             assert self.q_norm is not None and self.k_norm is not None
             weights = (self.q_norm.weight, self.k_norm.weight)
