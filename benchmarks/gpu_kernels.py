@@ -1,5 +1,6 @@
 """The decoder layer's Triton kernels on one GPU against the torch paths they replace,
-in the same run: decode attention (GQA and MLA), RMSNorm, the top-k softmax router.
+in the same run: decode attention (GQA and MLA), RMSNorm, Q/K norm + rotary, the top-k
+softmax router.
 Prints one JSON object (``--out`` also writes it).
 
 For each case: microseconds per call of both (CUDA events, mean over ``--iters`` after a
@@ -139,6 +140,10 @@ def _attention_case(
     row["triton_gbps"] = round(kv_bytes / row["triton_us"] / 1e3, 1)
     row["of_copy_bandwidth"] = round(row["triton_gbps"] / bandwidth, 3)
     if device == "cuda":
+        from tidal.kernels.paged_attention import MAX_BLOCK_G, _auto_splits
+
+        programs = batch * hkv * -(-(hq // hkv) // MAX_BLOCK_G)
+        row["splits"] = _auto_splits(torch.device(device), programs, per_seq * bs)
         row["graph_max_diff"] = _graph_replay(meta, q, cache, triton_layer)
     return row
 
@@ -240,6 +245,38 @@ def rms_norm(device: str, smoke: bool, iters: int) -> list[dict[str, Any]]:
     return rows
 
 
+def norm_rope(device: str, smoke: bool, iters: int) -> list[dict[str, Any]]:
+    """Qwen3's Q/K norm and rotary over the q|k heads of qkv: one launch against the
+    layer's torch path (norm, weight products, then the rotary expression)."""
+    import torch
+
+    from tidal.kernels.norm_rope import norm_rope as fused
+    from tidal.layers.norm import rms_norm_heads
+    from tidal.layers.rotary import RotaryEmbedding, apply_rotary_torch
+
+    geo = SMOKE_GQA if smoke else GQA
+    dtype = torch.float32 if smoke else torch.bfloat16
+    hq, hkv, dh = geo["heads"], geo["kv_heads"], geo["head_dim"]
+    weights = (
+        torch.randn(dh, dtype=dtype, device=device),
+        torch.randn(dh, dtype=dtype, device=device),
+    )
+    rope = RotaryEmbedding(dh, 4096, 1e6, dtype=dtype, device=device)
+    rows = []
+    for tokens in (1, 3) if smoke else (1, 32, 256, 2048):
+        qkv = torch.randn(tokens, hq + 2 * hkv, dh, dtype=dtype, device=device)
+        qk = qkv[:, : hq + hkv]
+        cos, sin = rope.cos_sin(torch.arange(tokens, device=device))
+
+        def torch_path(qk=qk, cos=cos, sin=sin) -> Any:
+            normed = rms_norm_heads(qk, weights, (hq, hkv), 1e-6, native=False)
+            return apply_rotary_torch(normed, cos, sin)
+
+        triton_path = functools.partial(fused, qk, cos, sin, weights, hq, 1e-6)
+        rows.append({"tokens": tokens} | _pair(_timer(device), triton_path, torch_path, iters))
+    return rows
+
+
 def router(device: str, smoke: bool, iters: int) -> list[dict[str, Any]]:
     import torch
 
@@ -288,6 +325,7 @@ def main(argv: list[str] | None = None) -> int:
         "attention_gqa": attention(device, args.smoke, iters, bandwidth),
         "attention_mla": mla(device, args.smoke, iters),
         "rms_norm": rms_norm(device, args.smoke, iters),
+        "qk_norm_rope": norm_rope(device, args.smoke, iters),
         "router": router(device, args.smoke, iters),
     }
     text = json.dumps(result, indent=1)

@@ -81,6 +81,25 @@ def test_window_and_sinks_match_oracle(window, with_sinks, device):
     torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("splits", [2, 4])
+@pytest.mark.parametrize("window,with_sinks", [(None, False), (6, True)])
+def test_split_keys_combine_to_the_oracle(splits, window, with_sinks, device):
+    """Flash-decoding: each row's keys in ``splits`` shares (some empty for short rows),
+    combined by their maxima and denominators, the sink once; padding rows untouched."""
+    lengths = [1, 5, 0, 2 * BS + 3, 40]
+    q, cache, table, lens, blocks = _case(lengths, 6, 2, torch.float32, num_blocks=24, seed=5)
+    sinks = torch.randn(6) if with_sinks else None
+    out = torch.full((len(lengths), 6, DH), 7.0)
+    got = paged_decode_attention(
+        q.to(device), cache[0].to(device), cache[1].to(device), table.to(device),
+        lens.to(device), DH**-0.5, window, None if sinks is None else sinks.to(device),
+        out=out.to(device), num_splits=splits,
+    ).cpu()  # fmt: skip
+    live, want = _oracle(q, cache, lengths, blocks, window, sinks)
+    torch.testing.assert_close(got[live], want, atol=2e-6, rtol=1e-5)
+    assert torch.equal(got[2], out[2])
+
+
 @pytest.mark.parametrize(
     "dtype,cache_dtype", [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16)]
 )
@@ -188,3 +207,17 @@ def test_mla_triton_decode_equals_decompressing_reference(device):
     got = attn._decode(q, cache, meta)
     want = attn.decode_reference(q, cache, meta)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_auto_splits_follow_shapes_only(monkeypatch):
+    """About two programs per multiprocessor, at least 256 keys a split, a power of two
+    up to 16; one off CUDA."""
+    from tidal.kernels import paged_attention
+
+    monkeypatch.setattr(paged_attention, "_multiprocessors", lambda device: 132)
+    cuda = torch.device("cuda")
+    assert paged_attention._auto_splits(cuda, 4, 4096) == 16  # batch 1, 4 KV heads
+    assert paged_attention._auto_splits(cuda, 32, 4096) == 8
+    assert paged_attention._auto_splits(cuda, 4, 512) == 2  # short table: 256 keys a split
+    assert paged_attention._auto_splits(cuda, 1024, 4096) == 1  # a full grid already
+    assert paged_attention._auto_splits(torch.device("cpu"), 4, 4096) == 1

@@ -26,6 +26,8 @@ their output rows are not written.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -37,6 +39,28 @@ _INDEX_DTYPES = (torch.int32, torch.int64)
 # Query heads one program attends at most: a [MAX_BLOCK_G, Dk] tile of queries and
 # float32 accumulators must stay in registers (MLA's 16-128 heads of 576 values do not).
 MAX_BLOCK_G = 16
+# Programs over one row's keys at most, and the keys a split should get at least (below
+# that the partial sums' round trip costs more than the parallelism gains).
+MAX_SPLITS = 16
+MIN_KEYS_PER_SPLIT = 256
+
+
+@functools.cache
+def _multiprocessors(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _auto_splits(device: torch.device, programs: int, max_keys: int) -> int:
+    """Splits per row so that about two programs run per multiprocessor, each over at
+    least ``MIN_KEYS_PER_SPLIT`` of the ``max_keys`` the block table can address (a
+    power of two up to ``MAX_SPLITS``; one off CUDA). From shapes only: one per graph."""
+    if device.type != "cuda":
+        return 1
+    want = min(2 * _multiprocessors(device) // max(programs, 1), max_keys // MIN_KEYS_PER_SPLIT)
+    splits = 1
+    while splits * 2 <= min(want, MAX_SPLITS):
+        splits *= 2
+    return splits
 
 
 @triton.jit
@@ -44,10 +68,11 @@ def _paged_decode_kernel(
     q_ptr,  # [D, Hq, Dk]
     k_ptr,  # [NB, Hkv, bs, Dk] (strided view of the cache)
     v_ptr,  # [NB, Hkv, bs, Dv]
-    out_ptr,  # [D, Hq, Dv]
+    out_ptr,  # [D, Hq, Dv]; with NUM_SPLITS > 1 the splits' [D, Hq, S, Dv] float32 sums
+    stats_ptr,  # [D, Hq, S, 2] float32 (running max, denominator) of each split
     table_ptr,  # [D, W] block ids
     lens_ptr,  # [D] keys per sequence; 0 = padding row
-    sinks_ptr,  # [Hq] float logits (read only with HAS_SINKS)
+    sinks_ptr,  # [Hq] float logits (read only with HAS_SINKS and one split)
     scale,
     window,  # keys a query sees (the last ``window``); 0 = all
     block_size,
@@ -73,6 +98,7 @@ def _paged_decode_kernel(
     HAS_SINKS: tl.constexpr,
     DOT_FP32: tl.constexpr,  # upcast tiles before tl.dot (bf16 under the interpreter)
     DOT_PRECISION: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,  # programs over one row's keys (program axis 2)
 ):
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1).to(tl.int64) // G_TILES
@@ -81,6 +107,12 @@ def _paged_decode_kernel(
     if length == 0:
         return
     first = tl.where(window > 0, tl.maximum(length - window, 0), 0)
+    last = length
+    if NUM_SPLITS > 1:  # this program's share: equal runs of whole key tiles
+        split = tl.program_id(2).to(tl.int64)
+        chunk = tl.cdiv(tl.cdiv(length - first, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        first = first + split * chunk
+        last = tl.minimum(first + chunk, length)  # first >= last: an empty share
 
     g = tile * BLOCK_G + tl.arange(0, BLOCK_G)  # this tile's heads within the group
     g_mask = g < GROUP
@@ -99,7 +131,7 @@ def _paged_decode_kernel(
     # starts the running max and contributes exp(sink - max) to the denominator. The
     # finite start (not -inf) keeps exp(m_old - m_new) defined while every key so far
     # was masked.
-    if HAS_SINKS:
+    if HAS_SINKS and NUM_SPLITS == 1:  # split: the sink joins in _combine_splits_kernel
         m_i = tl.load(sinks_ptr + heads, mask=g_mask, other=0.0).to(tl.float32)
         l_i = tl.full([BLOCK_G], 1.0, dtype=tl.float32)
     else:
@@ -109,9 +141,9 @@ def _paged_decode_kernel(
 
     n = tl.arange(0, BLOCK_N)
     tile_start = (first // BLOCK_N) * BLOCK_N
-    for t0 in range(tile_start, length, BLOCK_N):
+    for t0 in range(tile_start, last, BLOCK_N):
         pos = t0 + n  # [BLOCK_N] key positions
-        key_mask = (pos >= first) & (pos < length)
+        key_mask = (pos >= first) & (pos < last)
         block = tl.load(table_ptr + seq * stride_td + pos // block_size, mask=key_mask, other=0)
         block = block.to(tl.int64)
         offset = pos % block_size
@@ -146,12 +178,59 @@ def _paged_decode_kernel(
         acc = acc * alpha[:, None] + tl.dot(p_dot, v, input_precision=DOT_PRECISION)
         m_i = m_new
 
-    out = acc / l_i[:, None]
-    tl.store(
-        out_ptr + seq * stride_od + heads[:, None] * stride_oh + dv[None, :],
-        out.to(out_ptr.dtype.element_ty),
-        mask=g_mask[:, None] & (dv[None, :] < DV),
-    )
+    out_mask = g_mask[:, None] & (dv[None, :] < DV)
+    if NUM_SPLITS == 1:
+        out = acc / l_i[:, None]
+        dst = out_ptr + seq * stride_od + heads[:, None] * stride_oh + dv[None, :]
+        tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=out_mask)
+    else:  # unnormalised: _combine_splits_kernel rescales the splits to one maximum
+        # The parts buffer is contiguous: stride_od // stride_oh is Hq, so this is the
+        # (row, head) pair's index, then its split's.
+        part = (seq * stride_od // stride_oh + heads) * NUM_SPLITS + split  # [BLOCK_G]
+        tl.store(out_ptr + part[:, None] * DV + dv[None, :], acc, mask=out_mask)
+        tl.store(stats_ptr + part * 2, m_i, mask=g_mask)
+        tl.store(stats_ptr + part * 2 + 1, l_i, mask=g_mask)
+
+
+@triton.jit
+def _combine_splits_kernel(
+    parts_ptr,  # [D, Hq, S, Dv] float32 unnormalised sums
+    stats_ptr,  # [D, Hq, S, 2] float32 (max, denominator)
+    lens_ptr,  # [D]
+    sinks_ptr,  # [Hq] (read only with HAS_SINKS)
+    out_ptr,  # [D, Hq, Dv]
+    num_heads,
+    stride_od,
+    stride_oh,
+    DV: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
+):
+    seq = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1).to(tl.int64)
+    if tl.load(lens_ptr + seq) == 0:
+        return
+    row = seq * num_heads + head
+    s = tl.arange(0, NUM_SPLITS)
+    dv = tl.arange(0, BLOCK_DV)
+    maxes = tl.load(stats_ptr + (row * NUM_SPLITS + s) * 2)  # [S]; empty shares: -1e30 ...
+    denoms = tl.load(stats_ptr + (row * NUM_SPLITS + s) * 2 + 1)  # ... and 0
+    sink = -1.0e30  # none: exp(sink - top) adds 0
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + head).to(tl.float32)
+    top = tl.maximum(tl.max(maxes, axis=0), sink)
+    w = tl.exp(maxes - top)  # [S]
+    denom = tl.sum(denoms * w, axis=0) + tl.exp(sink - top)
+    parts = tl.load(
+        parts_ptr + (row * NUM_SPLITS + s)[:, None] * DV + dv[None, :],
+        mask=dv[None, :] < DV,
+        other=0.0,
+    )  # [S, BLOCK_DV]
+    weighted = tl.sum(parts * w[:, None], axis=0)  # [BLOCK_DV]
+    out = weighted / denom  # pyright: ignore[reportOperatorIssue]  (tl.sum's stub is loose)
+    dst = out_ptr + seq * stride_od + head * stride_oh + dv
+    tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=dv < DV)
 
 
 def _interpreted() -> bool:
@@ -169,6 +248,7 @@ def paged_decode_attention(
     sliding_window: int | None = None,  # a row sees its last this-many keys
     sinks: Tensor | None = None,  # [Hq] one logit per query head in the denominator
     out: Tensor | None = None,  # [D, Hq, Dv] q's dtype, last dim contiguous
+    num_splits: int | None = None,  # programs per row over its keys; None: from the shapes
 ) -> Tensor:  # [D, Hq, Dv] q's dtype: float32 scores, softmax and sums
     """Attention of each row's query over its first ``seq_lens[i]`` cached keys (the last
     ``sliding_window`` of them with a window), the keys at positions ``p`` read from block
@@ -177,9 +257,11 @@ def paged_decode_attention(
     (cast to q's dtype as it is read). float32 runs its dots in IEEE float32 (no TF32).
     Rows of length 0 are not written (``out`` keeps what it held there).
 
-    One launch of grid ``[D, Hkv * ceil(G / MAX_BLOCK_G)]``: the lengths are read on the
-    device, so nothing depends on the host between steps of one batch size (CUDA-graph
-    capturable)."""
+    One launch of grid ``[D, Hkv * ceil(G / MAX_BLOCK_G), splits]``, plus one combining
+    the splits when there are several (flash-decoding: a few long rows would otherwise
+    leave most of the GPU idle). The number of splits depends only on shapes (the rows,
+    heads, the block table's width, the device), the lengths are read on the device: nothing
+    depends on the host between steps of one batch size (CUDA-graph capturable)."""
     if q.dim() != 3 or k_cache.dim() != 4 or v_cache.dim() != 4:
         raise ValueError(
             f"expected q [D, Hq, Dk], k_cache [NB, Hkv, bs, Dk], v_cache [NB, Hkv, bs, Dv]; got "
@@ -245,24 +327,44 @@ def paged_decode_attention(
     # tl.dot wants every dim >= 16 on GPUs: smaller groups are padded with masked heads.
     block_g = MAX_BLOCK_G
     g_tiles = triton.cdiv(group, block_g)
+    block_n = 16 if interpreted else 32
+    if num_splits is None:
+        num_splits = _auto_splits(q.device, num * hkv * g_tiles, block_table.shape[1] * bs)
+    elif not 1 <= num_splits <= MAX_SPLITS or num_splits & (num_splits - 1):
+        raise ValueError(
+            f"num_splits must be a power of two in [1, {MAX_SPLITS}], got {num_splits}"
+        )
     same = k_cache.dtype == q.dtype
     dot_fp32 = not same or (interpreted and q.dtype == torch.bfloat16)
-    _paged_decode_kernel[(num, hkv * g_tiles)](
-        q, k_cache, v_cache, out, block_table, seq_lens,
+    if num_splits == 1:
+        dest, stats = out, out  # stats not written with one split
+    else:  # float32 partial sums and (max, denominator) per split, combined after
+        dest = torch.empty((num, hq, num_splits, dv), dtype=torch.float32, device=q.device)
+        stats = torch.empty((num, hq, num_splits, 2), dtype=torch.float32, device=q.device)
+    _paged_decode_kernel[(num, hkv * g_tiles, num_splits)](
+        q, k_cache, v_cache, dest, stats, block_table, seq_lens,
         sinks if sinks is not None else q,  # not read without sinks
         scale, sliding_window or 0, bs,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        out.stride(0), out.stride(1), block_table.stride(0),
+        dest.stride(0), dest.stride(1), block_table.stride(0),
         GROUP=group, G_TILES=g_tiles, DK=dk, DV=dv, BLOCK_G=block_g,
         BLOCK_DK=max(16, triton.next_power_of_2(dk)),
         BLOCK_DV=max(16, triton.next_power_of_2(dv)),
-        BLOCK_N=16 if interpreted else 32,
+        BLOCK_N=block_n,
         HAS_SINKS=sinks is not None,
         DOT_FP32=dot_fp32,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 or dot_fp32 else None,
+        NUM_SPLITS=num_splits,
     )  # fmt: skip
+    if num_splits > 1:
+        _combine_splits_kernel[(num, hq)](
+            dest, stats, seq_lens, sinks if sinks is not None else q, out, hq,
+            out.stride(0), out.stride(1),
+            DV=dv, BLOCK_DV=triton.next_power_of_2(dv), NUM_SPLITS=num_splits,
+            HAS_SINKS=sinks is not None,
+        )  # fmt: skip
     return out
 
 
