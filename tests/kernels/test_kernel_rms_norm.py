@@ -22,7 +22,7 @@ def _ulp(dtype: torch.dtype) -> tuple[float, float]:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("shape", [(1, 64), (7, 100), (2, 3, 40)])
+@pytest.mark.parametrize("shape", [(1, 64), (7, 100), (2, 3, 40), (2, 2, 2, 24), (33,)])
 def test_matches_transformers_formula(shape, dtype, device):
     x = (torch.randn(shape) * 3).to(dtype)
     weight = (torch.randn(shape[-1]) * 0.5 + 1).to(dtype)

@@ -357,6 +357,8 @@ def paged_decode_attention(
         DOT_FP32=dot_fp32,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 or dot_fp32 else None,
         NUM_SPLITS=num_splits,
+        # MLA's 576-wide latent tiles need more threads for their registers.
+        num_warps=8 if dk > 256 else 4,
     )  # fmt: skip
     if num_splits > 1:
         _combine_splits_kernel[(num, hq)](

@@ -82,17 +82,25 @@ def rms_norm_triton(
             "the Triton RMSNorm needs CUDA tensors (or TRITON_INTERPRET=1 set before triton "
             "is imported); on CPU use tidal.kernels.cpu_norm or tidal.layers.norm"
         )
-    # [A, B, D] with its own strides: 2-D rows and 3-D [T, heads, Dh] slices of a wider
-    # tensor (Q/K norm over the q|k heads of qkv) are read in place, never copied.
-    x3 = x.reshape(-1, 1, dim) if x.dim() < 2 else x[:, None] if x.dim() == 2 else x
-    if x3.dim() > 3:
-        x3 = x3.reshape(-1, x.shape[-2], dim)
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    rows = x3.shape[0] * x3.shape[1]
-    if rows and dim:
-        _rms_norm_kernel[(rows,)](
-            x3, weight if weight is not None else x3, out, x3.shape[1], dim,
-            x3.stride(0), x3.stride(1), eps,
+    # Rows (a, b) of [A, B, D] with their own strides: 2-D rows and 3-D [T, heads, Dh]
+    # slices of a wider tensor (Q/K norm over the q|k heads of qkv) are read in place.
+    shape = x.shape
+    match x.dim():
+        case 1:
+            outer, inner, stride_a, stride_b = 1, 1, dim, 0
+        case 2:
+            outer, inner, stride_a, stride_b = x.shape[0], 1, x.stride(0), 0
+        case 3:
+            outer, inner, stride_a, stride_b = x.shape[0], x.shape[1], x.stride(0), x.stride(1)
+        case _:  # rare: one copy at most
+            x = x.reshape(-1, dim)
+            outer, inner, stride_a, stride_b = x.shape[0], 1, x.stride(0), 0
+    out = torch.empty(shape, dtype=x.dtype, device=x.device)
+    if outer * inner and dim:
+        _rms_norm_kernel[(outer * inner,)](
+            x, weight if weight is not None else x, out, inner, dim, stride_a, stride_b, eps,
             HAS_WEIGHT=weight is not None, BLOCK_D=triton.next_power_of_2(dim),
+            # one row a program: wide rows (4K-8K hidden) spread over more threads
+            num_warps=max(1, min(16, triton.next_power_of_2(dim) // 512)),
         )  # fmt: skip
     return out
