@@ -19,13 +19,25 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from tidal.kernels import activation, fused_moe, moe_align, moe_sum, topk_softmax  # noqa: E402
+from tidal.kernels import (  # noqa: E402
+    activation,
+    fused_moe,
+    moe_align,
+    moe_sum,
+    norm_rope,
+    paged_attention,
+    rms_norm,
+    topk_softmax,
+)
 
 TARGET = GPUTarget("cuda", 90, 32)
 
 
-def compile_kernel(kernel, pointers: dict[str, str], constexprs: dict, **options) -> None:
-    """Scalar args are i32; pointer args get the element type given in ``pointers``."""
+def compile_kernel(
+    kernel, pointers: dict[str, str], constexprs: dict, scalars: dict | None = None, **options
+) -> None:
+    """Scalar args are i32 unless ``scalars`` types them (``fp32``); pointer args get the
+    element type given in ``pointers``."""
     signature = {}
     for name in kernel.arg_names:
         if name in constexprs:
@@ -33,7 +45,7 @@ def compile_kernel(kernel, pointers: dict[str, str], constexprs: dict, **options
         elif name.endswith("_ptr"):
             signature[name] = "*" + pointers[name]
         else:
-            signature[name] = "i32"
+            signature[name] = (scalars or {}).get(name, "i32")
     compiled = triton.compile(
         ASTSource(kernel, signature, constexprs), target=TARGET, options=options
     )
@@ -72,6 +84,53 @@ def main() -> int:
         dict(logits_ptr="bf16", weights_ptr="fp32", ids_ptr="i64"),
         dict(RENORMALIZE=True, BLOCK_T=4, BLOCK_E=64, BLOCK_K=8),
     )
+    attn = dict(q_ptr="bf16", k_ptr="bf16", v_ptr="bf16", out_ptr="bf16", stats_ptr="fp32",
+                table_ptr="i32", lens_ptr="i32", sinks_ptr="bf16")  # fmt: skip
+    for splits, sinks, dk, dv, group in ((1, True, 128, 128, 8), (4, True, 128, 128, 8),
+                                         (8, False, 576, 512, 16)):  # fmt: skip
+        parts = attn | ({"out_ptr": "fp32"} if splits > 1 else {})
+        compile_kernel(
+            paged_attention._paged_decode_kernel,
+            parts,
+            dict(GROUP=group, G_TILES=1, DK=dk, DV=dv, BLOCK_G=16,
+                 BLOCK_DK=triton.next_power_of_2(dk), BLOCK_DV=dv, BLOCK_N=32,
+                 HAS_SINKS=sinks, DOT_FP32=False, DOT_PRECISION=None, NUM_SPLITS=splits),
+            dict(scale="fp32"),
+            num_warps=8 if dk > 256 else 4,
+        )  # fmt: skip
+    # float32 queries (the parity runs): IEEE dots, and a bf16 cache upcast in the kernel.
+    compile_kernel(
+        paged_attention._paged_decode_kernel,
+        attn | dict(q_ptr="fp32", out_ptr="fp32", sinks_ptr="fp32"),
+        dict(GROUP=4, G_TILES=1, DK=64, DV=64, BLOCK_G=16, BLOCK_DK=64, BLOCK_DV=64,
+             BLOCK_N=32, HAS_SINKS=False, DOT_FP32=True, DOT_PRECISION="ieee", NUM_SPLITS=1),
+        dict(scale="fp32"),
+    )  # fmt: skip
+    compile_kernel(
+        paged_attention._combine_splits_kernel,
+        dict(parts_ptr="fp32", stats_ptr="fp32", lens_ptr="i32", sinks_ptr="bf16",
+             out_ptr="bf16"),
+        dict(DV=128, BLOCK_DV=128, NUM_SPLITS=4, HAS_SINKS=True),
+    )  # fmt: skip
+    compile_kernel(
+        paged_attention._write_kv_kernel,
+        dict(k_ptr="bf16", v_ptr="bf16", k_cache_ptr="fp16", v_cache_ptr="fp16", slots_ptr="i64"),
+        dict(DH=128, BLOCK_D=128),
+    )
+    compile_kernel(
+        rms_norm._rms_norm_kernel,
+        dict(x_ptr="bf16", w_ptr="bf16", out_ptr="bf16"),
+        dict(HAS_WEIGHT=True, BLOCK_D=2048),
+        dict(eps="fp32"),
+        num_warps=4,
+    )
+    compile_kernel(
+        norm_rope._norm_rope_kernel,
+        dict(x_ptr="bf16", w1_ptr="bf16", w2_ptr="bf16", cos_ptr="bf16", sin_ptr="bf16",
+             out_ptr="bf16"),
+        dict(DH=128, ROT=64, NORM=True, BLOCK_D=128),
+        dict(eps="fp32"),
+    )  # fmt: skip
     return 0
 
 
