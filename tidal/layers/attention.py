@@ -49,12 +49,14 @@ Each layer first writes the new K/V into the cache through ``slot_mapping``, the
 Two switches per layer (GPT-OSS): ``sliding_window`` W (a query at position p sees keys
 ``> p - W``, as transformers' sliding mask) and ``sinks`` (one learned logit per query
 head in the softmax denominator, no value: the weights over the keys sum to less than
-1). A layer with either runs the torch paths (the C++ decode kernel has neither); the
+1). On CPU a layer with either runs the torch paths (the C++ decode kernel has neither);
+the Triton decode kernel computes both (prefill chunks stay on SDPA with a mask); the
 cache keeps every block of the sequence (the blocks before the window are masked, not
 freed: the full-attention layers share the block table).
 
 All index tensors are built once per step, not per layer: in ``build``, or (those that
-depend on the cache's shape) by the first layer, memoised on the metadata for the rest.
+depend on the cache's shape) by the first layer, memoised on the metadata for the rest;
+the Triton backend needs none of the latter in a decode step.
 """
 
 from __future__ import annotations
