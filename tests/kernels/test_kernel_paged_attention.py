@@ -221,3 +221,14 @@ def test_auto_splits_follow_shapes_only(monkeypatch):
     assert paged_attention._auto_splits(cuda, 4, 512) == 2  # short table: 256 keys a split
     assert paged_attention._auto_splits(cuda, 1024, 4096) == 1  # a full grid already
     assert paged_attention._auto_splits(torch.device("cpu"), 4, 4096) == 1
+
+
+def test_backend_follows_the_device():
+    """CUDA layers take the Triton kernels (triton is installed here), CPU layers the C++
+    kernel (with its measured torch fallback), any other device the torch path."""
+    from tidal.kernels.triton_device import triton_serves
+    from tidal.layers.attention import default_backend
+
+    assert default_backend("cuda") is AttentionBackend.TRITON and triton_serves("cuda:1")
+    assert default_backend("cpu") is AttentionBackend.NATIVE and not triton_serves("cpu")
+    assert default_backend("meta") is AttentionBackend.TORCH
