@@ -13,6 +13,11 @@ block of the weight (an expert, a part) is a row block of its scales. It costs `
 bytes per weight byte (3% at bk = 128).
 
 A per-tensor scale (``weight_scale``, one float) is a block as large as the tensor.
+
+The w8a8 references (the GPU's Triton kernels, ``tidal/kernels/fp8_triton.py``):
+``per_token_group_quant_fp8_torch`` quantizes activations per token and k-block,
+``w8a8_linear_torch`` and ``fused_experts_fp8_torch`` dequantize both operands to float32
+and multiply.
 """
 
 from __future__ import annotations
@@ -24,6 +29,8 @@ from torch import Tensor
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # the largest finite float8_e4m3fn
+# An activation group's scale is at least this / 448: an all-zero group stays finite.
+ACT_AMAX_FLOOR = 1e-10
 
 
 def quantize_fp8_blocks(
@@ -103,3 +110,67 @@ def dequantize_fp8_blocks(
     """A checkpoint tensor's values (the parity tests' float32 reference checkpoint)."""
     n, k = q.shape
     return dequantize_fp8_rows(q, row_scales(scale_inv, n, k, block), block[1], dtype)
+
+
+def per_token_group_quant_fp8_torch(
+    x: Tensor,  # [M, K] float
+    group: int,
+) -> tuple[Tensor, Tensor]:  # q [M, K] float8_e4m3fn, scales [M, ceil(K/group)] float32
+    """Per row and ``group`` columns (the last group may be partial): ``scale =
+    max(amax, ACT_AMAX_FLOOR) / 448``, ``q = x / scale`` rounded to nearest even."""
+    m, k = x.shape
+    groups = math.ceil(k / group)
+    padded = x.new_zeros(m, groups * group, dtype=torch.float32)
+    padded[:, :k] = x
+    split = padded.view(m, groups, group)
+    scale = split.abs().amax(dim=2).clamp_min(ACT_AMAX_FLOOR) / FP8_MAX  # [M, G]
+    q = (split / scale[:, :, None]).clamp(-FP8_MAX, FP8_MAX).view(m, groups * group)[:, :k]
+    return q.to(FP8_DTYPE).contiguous(), scale
+
+
+def w8a8_linear_torch(
+    x: Tensor,  # [M, K] float
+    weight: Tensor,  # [N, K] float8_e4m3fn
+    weight_scale: Tensor,  # [N, ceil(K/group)] float32 (held row form)
+    group: int,
+    bias: Tensor | None = None,  # [N]
+) -> Tensor:  # [M, N], dtype of x
+    """The w8a8 linear's reference: ``x`` quantized per token group, both operands
+    dequantized to float32, one float32 GEMM."""
+    q, s = per_token_group_quant_fp8_torch(x, group)
+    xd = dequantize_fp8_rows(q, s, group, torch.float32)
+    y = xd @ dequantize_fp8_rows(weight, weight_scale, group, torch.float32).T
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)
+
+
+def fused_experts_fp8_torch(
+    hidden: Tensor,  # [T, H] float
+    w13: Tensor,  # [E_local, 2I, H] float8_e4m3fn
+    w2: Tensor,  # [E_local, H, I] float8_e4m3fn
+    w13_scale: Tensor,  # [E_local, 2I, ceil(H/group)] float32
+    w2_scale: Tensor,  # [E_local, H, ceil(I/group)] float32
+    group: int,
+    topk_weights: Tensor,  # [T, top_k] float32
+    topk_ids: Tensor,  # [T, top_k] int64 global ids
+    expert_map: Tensor | None = None,  # [E_global] int32: global id -> local slot or -1
+) -> Tensor:  # [T, H], dtype of hidden
+    """The w8a8 fused MoE's reference, in float32: the hidden states and each expert's
+    SiLU-and-mul output quantized per token group, weights dequantized, the router weight
+    applied to the down projection."""
+    inter = w2.shape[2]
+    q, s = per_token_group_quant_fp8_torch(hidden, group)
+    x = dequantize_fp8_rows(q, s, group, torch.float32)  # [T, H]
+    slots = topk_ids.long() if expert_map is None else expert_map.long()[topk_ids.long()]
+    slots = torch.where((slots >= 0) & (slots < w13.shape[0]), slots, -1)  # [T, K]
+    out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
+    for e in torch.unique(slots[slots >= 0]).tolist():
+        tok, kk = torch.nonzero(slots == e, as_tuple=True)
+        h = x[tok] @ dequantize_fp8_rows(w13[e], w13_scale[e], group, torch.float32).T
+        act = torch.nn.functional.silu(h[:, :inter]) * h[:, inter:]  # [R, I]
+        aq, a_s = per_token_group_quant_fp8_torch(act, group)
+        act = dequantize_fp8_rows(aq, a_s, group, torch.float32)
+        y = act @ dequantize_fp8_rows(w2[e], w2_scale[e], group, torch.float32).T
+        out.index_add_(0, tok, y * topk_weights[tok, kk, None])
+    return out.to(hidden.dtype)

@@ -2,7 +2,8 @@
 
 Tuned configs live in ``tidal/kernels/configs/`` as JSON files named
 ``E={E},N={N},device_name={device},dtype={dtype}.json`` (E = local experts, N = per-expert
-intermediate size I), each mapping a token count M to one ``MoeKernelConfig``. A lookup
+intermediate size I; dtype ``float8_e4m3fn`` for the block-FP8 kernel of
+``fp8_triton.py``), each mapping a token count M to one ``MoeKernelConfig``. A lookup
 picks the entry whose M is nearest to the batch; without a file, ``default_config`` picks
 batch-aware blocks. ``benchmarks/tune_moe.py`` writes the files.
 
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 import functools
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -148,11 +149,15 @@ def get_moe_config(
     interpret: bool,
     config_dir: Path = CONFIG_DIR,
 ) -> MoeKernelConfig:
-    """Tuned config nearest to batch ``m`` if a file matches, else ``default_config``."""
+    """Tuned config nearest to batch ``m`` if a file matches, else ``default_config``
+    (for FP8 weights with 128-deep k tiles: one weight block per FP8 dot)."""
     if device_name is not None and not interpret:
         table = load_tuned_configs(
             num_experts, intermediate_size, device_name, dtype_name(dtype), Path(config_dir)
         )
         if table:
             return nearest_config(table, m)
-    return default_config(m, num_experts, top_k, interpret)
+    config = default_config(m, num_experts, top_k, interpret)
+    if dtype_name(dtype) == "float8_e4m3fn" and not interpret:
+        return replace(config, block_size_k=128)
+    return config
