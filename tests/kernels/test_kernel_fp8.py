@@ -225,3 +225,41 @@ def test_fp8_kernels_compiled_gpu(tokens):
     got = fused_experts_fp8(*args, 128, tw.cuda(), ids.cuda())
     want = ft.fused_experts_fp8_torch(x, w13, w2, s13, s2, 128, tw, ids)
     assert rel_err(got, want) < 3e-2
+
+
+def test_fp8_linear_layer_takes_the_triton_path(device):
+    """``Fp8Linear`` with its Triton path on (as on CUDA): the w8a8 result, the bias added."""
+    from tidal.layers.quant import Fp8BlockMethod, Fp8Linear
+
+    lin = Fp8Linear(48, 20, Fp8BlockMethod((16, 16)), bias_dtype=torch.float32, device=device)
+    w, ws = fp8_weight(20, 48, 16)
+    lin.weight.data.copy_(w)
+    lin.weight_scale.data.copy_(ws)
+    lin.bias.data.copy_(torch.randn(20))  # type: ignore[union-attr]
+    assert lin.triton == (device == "cuda")
+    lin.triton = True
+    x = torch.randn(3, 48, device=device)
+    got = lin(x)
+    want = ft.w8a8_linear_torch(x.cpu(), w, ws, 16, lin.bias.detach().cpu())  # type: ignore[union-attr]
+    assert rel_err(got, want) < 1e-5
+    assert 1e-4 < rel_err(got, lin.reference(x, lin.bias)) < 0.1  # w8a16: not quantized x
+
+
+def test_fused_moe_layer_fp8_takes_the_triton_path(device):
+    """``FusedMoE`` with FP8 experts on the triton backend: the w8a8 kernel, no host sync
+    (so decode graphs may capture it), equal to its reference on the layer's routing."""
+    from tidal.moe.layer import FusedMoE
+
+    moe = FusedMoE(6, 2, 32, 16, True, backend="triton", dtype=torch.float32, device=device)
+    moe.hold_fp8(16)
+    w13, s13, w2, s2 = fp8_experts(6, 32, 16, 16)
+    moe.gate.data.copy_(torch.randn(6, 32))
+    for name, value in (("w13", w13), ("w2", w2), ("w13_scale", s13), ("w2_scale", s2)):
+        getattr(moe, name).data.copy_(value)
+    assert moe.experts_on_device
+    x = torch.randn(5, 32, device=device)
+    weights, ids = moe.route(x)
+    got = moe(x)
+    want = ft.fused_experts_fp8_torch(x.cpu(), w13, w2, s13, s2, 16, weights.cpu(), ids.cpu())
+    assert rel_err(got, want) < 1e-4
+    assert rel_err(got, moe.fp8_reference(x, weights, ids, None)) < 0.1

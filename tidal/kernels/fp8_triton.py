@@ -41,7 +41,7 @@ import triton.language as tl
 from torch import Tensor
 
 from tidal.kernels.activation import silu_and_mul
-from tidal.kernels.fp8_torch import ACT_AMAX_FLOOR, FP8_DTYPE, FP8_MAX
+from tidal.kernels.fp8_torch import ACT_AMAX_FLOOR, FP8_DTYPE, FP8_MAX, w8a8_group_ok
 from tidal.kernels.fused_moe import is_interpreted
 from tidal.kernels.moe_align import moe_align_block_size
 from tidal.kernels.moe_config import MoeKernelConfig, get_moe_config
@@ -108,8 +108,7 @@ def _check_cuda(name: str, t: Tensor) -> None:
 
 
 def _check_group(group: int) -> None:
-    # tl.arange needs a power of two; tl.dot a K of at least 16.
-    if group < 16 or group & (group - 1):
+    if not w8a8_group_ok(group):
         raise ValueError(
             f"block_k (the activation group) must be a power of two >= 16, got {group}"
         )

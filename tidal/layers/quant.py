@@ -9,12 +9,14 @@ stores, which modules it converts.
 ``Fp8BlockMethod`` (``fp8``: DeepSeek-V3/R1, Kimi-K2, the Qwen3 / GLM FP8 releases):
 ``float8_e4m3fn`` weights with ``bn x bk`` block scales (``weight_block_size``, 128x128)
 or one per-tensor scale, held as FP8 plus row scales (``tidal/kernels/fp8_torch.py``: a
-quarter of float32's bytes, plus 3%). Activations are not quantized (w8a16). On CPU the
-path is measured at load like every weight op (``tidal/kernels/select.py``, op
+quarter of float32's bytes, plus 3%). On CUDA the Triton w8a8 kernels serve
+(``tidal/kernels/fp8_triton.py``: activations quantized per token and k-block at run
+time, as DeepSeek-V3 runs). On CPU activations are not quantized (w8a16) and the path
+is measured at load like every weight op (``tidal/kernels/select.py``, op
 ``fp8_linear``): ``native``, the C++ kernel decoding FP8 in registers
 (``FP8_LINEAR_KERNELS``, an ``Fp8LinearKernel``), whose pack is then the weight's only
 copy; or ``torch``, the reference: dequantize the weight in the activation dtype per call,
-then multiply. The tests compare the two.
+then multiply. The tests compare each path with its reference.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from torch import Tensor, nn
 
 from tidal.distributed.tensor_parallel import TensorParallel
 from tidal.kernels.cpu_fp8 import Fp8CpuLinear
-from tidal.kernels.fp8_torch import FP8_DTYPE, dequantize_fp8_rows, row_scales
+from tidal.kernels.fp8_torch import FP8_DTYPE, dequantize_fp8_rows, row_scales, w8a8_group_ok
 from tidal.kernels.held_params import HeldParamsModule
 from tidal.kernels.select import Candidate, Choice, OpKey, OpSpec, default_choice, weight_candidates
 from tidal.layers.linear import Linear, linear_trial
@@ -205,7 +207,10 @@ class Fp8Linear(HeldParamsModule):
     > 1 it is row-parallel (like ``RowParallelLinear``: partial products summed, then the
     bias).
 
-    On CPU the path is measured at load (``tidal/kernels/select.py``, op ``fp8_linear``):
+    On CUDA (``triton``) the Triton w8a8 linear serves (``fp8_triton.fp8_linear``; a
+    checkpoint whose k-block it cannot take, not a power of two >= 16, runs the
+    reference). On CPU the path is measured at load (``tidal/kernels/select.py``, op
+    ``fp8_linear``):
     ``native`` (the C++ kernel, ``FP8_LINEAR_KERNELS``) packs the weight and its scales
     into its layout, then the only copy (``weight``/``weight_scale`` are then read and
     written through ``read_weights``/``write_weights``, ``HeldParamsModule``); ``torch`` is
@@ -245,6 +250,10 @@ class Fp8Linear(HeldParamsModule):
             )
         )
         self.on_cpu = torch.device(device or "cpu").type == "cpu"
+        # The Triton w8a8 path (tests set it on CPU under the Triton interpreter).
+        self.triton = torch.device(device or "cpu").type == "cuda" and w8a8_group_ok(
+            method.block[1]
+        )
         self.cpu_choice: Choice | None = None  # None: the default, decided at first use
         self._packed: Any = None  # the chosen kernel's pack: then the only copy
 
@@ -255,6 +264,12 @@ class Fp8Linear(HeldParamsModule):
         return y if self.bias is None else y + self.bias
 
     def _linear(self, x: Tensor, bias: Tensor | None) -> Tensor:
+        if self.triton:
+            # Lazy: triton is an extra (``tidal[triton]``), never imported on CPU-only installs.
+            # Nothing packs the weight on this path: the parameters are the weight.
+            from tidal.kernels.fp8_triton import fp8_linear
+
+            return fp8_linear(x, self.weight, self.weight_scale, self.method.block[1], bias)
         kernel = self._kernel()
         if kernel is None:
             return self.reference(x, bias)
@@ -264,7 +279,8 @@ class Fp8Linear(HeldParamsModule):
         return kernel(x, self._packed, bias, variant)
 
     def reference(self, x: Tensor, bias: Tensor | None) -> Tensor:
-        """Dequantize in the activation dtype, then a plain GEMM (w8a16)."""
+        """Dequantize in the activation dtype, then a plain GEMM (w8a16; the w8a8 Triton
+        path's own reference is ``fp8_torch.w8a8_linear_torch``)."""
         scales = self._weight("weight_scale")
         w = self.method.dequantize(self._weight("weight"), scales, x.dtype)
         return F.linear(x, w, None if bias is None else bias.to(x.dtype))

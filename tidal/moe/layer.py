@@ -35,10 +35,12 @@ per slot like ``w13``/``w2`` and move with them (EPLB's ``move_expert_weights``,
 added to the logits; like ``score_bias`` every rank holds all of it.
 
 FP8 experts (``hold_fp8``, a quantized checkpoint: docs/architecture.md#quantization):
-``w13``/``w2`` hold ``float8_e4m3fn`` with row scales ``w13_scale``/``w2_scale``. On CPU
-their path is measured like the others (op ``fp8_moe``): ``native`` is the C++ FP8 kernel
-(``FP8_EXPERT_KERNELS``), whose pack then holds all four, the only copy (read and
-written through ``read_weights``/``write_weights``);
+``w13``/``w2`` hold ``float8_e4m3fn`` with row scales ``w13_scale``/``w2_scale``. With the
+triton backend (CUDA) the Triton block-FP8 fused MoE serves (``fused_experts_fp8``: w8a8,
+activations quantized per token and k-block; the reference where the k-block is not a
+power of two >= 16). On CPU their path is measured like the others (op ``fp8_moe``):
+``native`` is the C++ FP8 kernel (``FP8_EXPERT_KERNELS``), whose pack then holds all
+four, the only copy (read and written through ``read_weights``/``write_weights``);
 ``torch`` is the reference: each call dequantizes the experts its tokens chose, in the
 activation dtype, and runs the backend's experts on them (``fp8_reference``). Expert
 moves carry the scales (``expert_part_names``, ``expert_weights``, ``expert_part_specs``).
@@ -73,7 +75,7 @@ from torch import Tensor, nn
 from tidal.distributed.tensor_parallel import TensorParallel
 from tidal.kernels.cpu_fp8 import Fp8CpuExperts
 from tidal.kernels.cpu_paths import PACKED_PATHS, HeldExperts, HeldGate
-from tidal.kernels.fp8_torch import FP8_DTYPE, dequantize_fp8_rows
+from tidal.kernels.fp8_torch import FP8_DTYPE, dequantize_fp8_rows, w8a8_group_ok
 from tidal.kernels.fused_moe_torch import empty_k_major_experts, fused_experts_torch, is_k_major
 from tidal.kernels.held_params import HeldParamsModule
 from tidal.kernels.select import Candidate, Choice, OpKey, OpSpec, default_choice, weight_candidates
@@ -161,6 +163,12 @@ class MoEForwardContext:
     # nothing to the recorded load. A tensor, not a count: one graph serves any number of
     # real rows up to its size.
     padding: Tensor | None = None
+
+
+def _triton_fp8_experts(*args: Any, **kwargs: Any) -> Tensor:
+    from tidal.kernels.fp8_triton import fused_experts_fp8  # lazy, as _triton_experts
+
+    return fused_experts_fp8(*args, **kwargs)
 
 
 def _triton_experts(*args: Any, **kwargs: Any) -> Tensor:
@@ -445,10 +453,16 @@ class FusedMoE(HeldParamsModule):
     def _fp8_experts(
         self, x: Tensor, weights: Tensor, ids: Tensor, expert_map: Tensor | None
     ) -> Tensor:  # [T', H]
-        """FP8 experts: the chosen kernel on its pack, or the reference path: dequantize,
-        in the activation dtype, only the local experts these tokens chose, then the
-        backend's experts on those."""
+        """FP8 experts: the Triton w8a8 kernel (triton backend), the chosen CPU kernel on
+        its pack, or the reference path: dequantize, in the activation dtype, only the
+        local experts these tokens chose, then the backend's experts on those."""
         assert self.fp8_block_k is not None
+        if self._fp8_triton:
+            assert self.w13_scale is not None and self.w2_scale is not None
+            return _triton_fp8_experts(
+                x, self.w13, self.w2, self.w13_scale, self.w2_scale, self.fp8_block_k,
+                weights, ids, expert_map,
+            )  # fmt: skip
         kernel = self._fp8_kernel()
         if kernel is not None:
             if self._fp8_held is None:
@@ -492,6 +506,12 @@ class FusedMoE(HeldParamsModule):
             y = self.experts_fn(x, w13, w2, weights, ids, chunk_map, True)
             out = y if out is None else out + y
         return out if out is not None else torch.zeros_like(x)
+
+    @property
+    def _fp8_triton(self) -> bool:
+        """FP8 experts served by the Triton w8a8 kernel (triton backend, a k-block it takes)."""
+        block_k = self.fp8_block_k
+        return self.backend == "triton" and block_k is not None and w8a8_group_ok(block_k)
 
     def _fp8_kernel(self) -> Fp8ExpertsKernel | None:
         """The FP8 kernel of the chosen path (None: the reference serves)."""
@@ -583,11 +603,14 @@ class FusedMoE(HeldParamsModule):
 
     @property
     def experts_on_device(self) -> bool:
-        """Whether the experts never read the routing on the host: the Triton kernel does
-        not; the torch and reference experts, ``biased_experts`` and the FP8 reference
-        group tokens by expert from host copies (``bincount``, ``unique``, ``tolist``),
-        which a CUDA graph cannot capture (docs/architecture.md#cuda-graphs)."""
-        return self.backend == "triton" and not self.custom_experts and self.fp8_block_k is None
+        """Whether the experts never read the routing on the host: the Triton kernels
+        (bf16 and FP8) do not; the torch and reference experts, ``biased_experts`` and
+        the FP8 reference group tokens by expert from host copies (``bincount``,
+        ``unique``, ``tolist``), which a CUDA graph cannot capture
+        (docs/architecture.md#cuda-graphs)."""
+        if self.fp8_block_k is not None:
+            return self._fp8_triton
+        return self.backend == "triton" and not self.custom_experts
 
     def _held(self, op: str) -> HeldExperts | HeldGate | None:
         held = self._held_experts if op == "experts" else self._held_gate
