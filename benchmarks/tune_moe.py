@@ -9,6 +9,11 @@ the reference, and prints one JSON line with the best config, its time and the t
 the default config (the peer). The table is merged into
 ``tidal/kernels/configs/E=..,N=..,device_name=..,dtype=...json`` (or ``--out-dir``).
 
+``--dtype fp8`` tunes the block-FP8 (w8a8) kernel, ``tidal/kernels/fp8_triton.py``'s
+``fused_experts_fp8``: bf16 activations, weights quantized in ``--block-k`` square blocks,
+checked against ``fp8_torch.fused_experts_fp8_torch``; its table's dtype is
+``float8_e4m3fn``.
+
 Needs a CUDA GPU. ``--interpret-smoke`` instead runs a tiny search on CPU through the
 Triton interpreter: a correctness check of this script, its timings mean nothing.
 """
@@ -28,7 +33,7 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 # max |got - want| / max |want| a config may show against the reference.
-TOLERANCE = {"float32": 1e-4, "float16": 1e-2, "bfloat16": 5e-2}
+TOLERANCE = {"float32": 1e-4, "float16": 1e-2, "bfloat16": 5e-2, "fp8": 5e-2}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -38,6 +43,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--intermediate-size", type=int, default=None, help="per-expert I (= N)")
     p.add_argument("--top-k", type=int, default=None)
     p.add_argument("--dtype", choices=sorted(TOLERANCE), default="bfloat16")
+    p.add_argument(
+        "--block-k",
+        type=int,
+        default=None,
+        help="fp8: the weights' square block and activation group (default 128)",
+    )
     p.add_argument("--batch-sizes", type=int, nargs="+", default=None)
     p.add_argument("--search", choices=("small", "full"), default="small")
     p.add_argument("--iters", type=int, default=20, help="timed repetitions per config")
@@ -54,11 +65,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name, value in zip(("num_experts", "hidden_size", "intermediate_size", "top_k"), shapes):
         if getattr(args, name) is None:
             setattr(args, name, value)
+    if args.block_k is None:
+        args.block_k = 16 if args.interpret_smoke else 128
     return args
 
 
-def candidate_configs(search: str, m: int, num_experts: int, top_k: int) -> list[dict[str, int]]:
-    """The grid, minus BLOCK_SIZE_M far above the rows an expert gets (pure padding)."""
+def table_dtype(args: argparse.Namespace) -> str:
+    """The dtype part of the table's file name: the weights' dtype."""
+    return "float8_e4m3fn" if args.dtype == "fp8" else args.dtype
+
+
+def candidate_configs(
+    search: str, m: int, num_experts: int, top_k: int, max_block_k: int | None = None
+) -> list[dict[str, int]]:
+    """The grid, minus BLOCK_SIZE_M far above the rows an expert gets (pure padding) and,
+    for FP8, BLOCK_SIZE_K above the weights' block (the kernel would clamp it: a repeat)."""
     if search == "full":
         grid = dict(m=[16, 32, 64, 128], n=[32, 64, 128, 256], k=[32, 64, 128, 256],
                     g=[1, 8, 16], w=[4, 8], s=[2, 3, 4, 5])  # fmt: skip
@@ -77,7 +98,7 @@ def candidate_configs(search: str, m: int, num_experts: int, top_k: int) -> list
             num_stages=s,
         )  # fmt: skip
         for bm, bn, bk, g, w, s in itertools.product(*grid.values())
-        if bm <= max_block_m
+        if bm <= max_block_m and (max_block_k is None or bk <= max_block_k)
     ]
 
 
@@ -90,24 +111,45 @@ def smoke_configs() -> list[dict[str, int]]:
     ]  # fmt: skip
 
 
-def make_problem(args: argparse.Namespace, m: int, device: str):
+def make_problem(args: argparse.Namespace, m: int, device: str) -> tuple:
+    """(x, w13, w2, topk_weights, topk_ids); for fp8 (x, w13, w2, w13_scale, w2_scale,
+    topk_weights, topk_ids) with FP8 weights and their row scales."""
     import torch
 
-    dtype = getattr(torch, args.dtype)
+    fp8 = args.dtype == "fp8"
+    dtype = torch.bfloat16 if fp8 else getattr(torch, args.dtype)
     e, h, i, k = args.num_experts, args.hidden_size, args.intermediate_size, args.top_k
     x = torch.randn(m, h, device=device).to(dtype)
-    w13 = (torch.randn(e, 2 * i, h, device=device) / h**0.5).to(dtype)
-    w2 = (torch.randn(e, h, i, device=device) / i**0.5).to(dtype)
+    w13 = torch.randn(e, 2 * i, h, device=device) / h**0.5
+    w2 = torch.randn(e, h, i, device=device) / i**0.5
     logits = torch.randn(m, e, device=device)
     weights, ids = torch.topk(torch.softmax(logits, dim=-1), k, dim=-1)
-    return x, w13, w2, weights.contiguous(), ids.contiguous()
+    routing = (weights.contiguous(), ids.contiguous())
+    if not fp8:
+        return (x, w13.to(dtype), w2.to(dtype), *routing)
+    from tidal.kernels.fp8_torch import quantize_fp8_blocks, row_scales
+
+    block = (args.block_k, args.block_k)
+    parts: list[list] = [[], [], [], []]
+    for ex in range(e):
+        for j, w in enumerate((w13[ex], w2[ex])):
+            q, s = quantize_fp8_blocks(w, block)
+            parts[j].append(q)
+            parts[2 + j].append(row_scales(s, *w.shape, block))
+    return (x, *(torch.stack(p) for p in parts), *routing)
 
 
-def reference(problem) -> object:
-    """fp32 oracle output of the problem (tidal.moe.reference when importable)."""
+def reference(problem, args: argparse.Namespace | None = None) -> object:
+    """fp32 oracle output of the problem (tidal.moe.reference when importable; for fp8
+    the w8a8 reference, fp8_torch.fused_experts_fp8_torch)."""
     import torch
     import torch.nn.functional as F
 
+    if args is not None and args.dtype == "fp8":
+        from tidal.kernels.fp8_torch import fused_experts_fp8_torch
+
+        x, w13, w2, s13, s2, weights, ids = problem
+        return fused_experts_fp8_torch(x.float(), w13, w2, s13, s2, args.block_k, weights, ids)
     x, w13, w2, weights, ids = (t.float() if t.is_floating_point() else t for t in problem)
     try:
         from tidal.moe.reference import fused_experts_reference
@@ -121,6 +163,20 @@ def reference(problem) -> object:
             out.index_add_(0, tok, y * weights[tok, kk, None])
         return out
     return fused_experts_reference(x, w13, w2, weights, ids)
+
+
+def kernel_call(args: argparse.Namespace, problem) -> Callable[..., object]:
+    """``call(config)``: the kernel being tuned on ``problem``."""
+    if args.dtype == "fp8":
+        from tidal.kernels.fp8_triton import fused_experts_fp8
+
+        x, w13, w2, s13, s2, weights, ids = problem
+        return lambda config: fused_experts_fp8(
+            x, w13, w2, s13, s2, args.block_k, weights, ids, None, True, config
+        )
+    from tidal.kernels.fused_moe import fused_experts_with_config
+
+    return lambda config: fused_experts_with_config(*problem, None, True, config)
 
 
 def timer(device: str) -> Callable[..., float]:
@@ -151,19 +207,20 @@ def timer(device: str) -> Callable[..., float]:
 
 def tune_one(args: argparse.Namespace, m: int, device: str, configs: list[dict[str, int]]):
     """(best config dict, best us, default-config us, rejected count) for batch m."""
-    from tidal.kernels.fused_moe import fused_experts_with_config, is_interpreted
+    from tidal.kernels.fused_moe import is_interpreted
     from tidal.kernels.moe_config import MoeKernelConfig, default_config
 
     problem = make_problem(args, m, device)
-    want = reference(problem)
+    want = reference(problem, args)
     scale = float(want.abs().max().clamp_min(1e-6))
     measure = timer(device)
+    call = kernel_call(args, problem)
     best, best_us, rejected = None, float("inf"), 0
     for raw in configs:
         config = MoeKernelConfig.from_json(raw)
 
         def run(config: MoeKernelConfig = config):
-            return fused_experts_with_config(*problem, None, True, config)
+            return call(config)
 
         try:
             err = float((run().float() - want).abs().max()) / scale
@@ -179,10 +236,8 @@ def tune_one(args: argparse.Namespace, m: int, device: str, configs: list[dict[s
         if us < best_us:
             best, best_us = raw, us
     # The peer: what runs when no table matches (not the table being rewritten).
-    fallback = default_config(m, args.num_experts, args.top_k, is_interpreted())
-    default_us = measure(
-        lambda: fused_experts_with_config(*problem, None, True, fallback), args.iters
-    )
+    fallback = default_config(m, args.num_experts, args.top_k, is_interpreted(), table_dtype(args))
+    default_us = measure(lambda: call(fallback), args.iters)
     return best, best_us, default_us, rejected
 
 
@@ -239,7 +294,8 @@ def run_search(
         if args.interpret_smoke:
             configs = smoke_configs()
         else:
-            configs = candidate_configs(args.search, m, args.num_experts, args.top_k)
+            max_k = args.block_k if args.dtype == "fp8" else None
+            configs = candidate_configs(args.search, m, args.num_experts, args.top_k, max_k)
         best, best_us, default_us, rejected = tune_one(args, m, device, configs)
         if best is None:
             print(f"no config passed for M={m}", file=sys.stderr)
@@ -254,12 +310,12 @@ def run_search(
             "tried": len(configs), "rejected": rejected,
         }), flush=True)  # fmt: skip
     path = args.out_dir / config_file_name(
-        args.num_experts, args.intermediate_size, device_name, args.dtype
+        args.num_experts, args.intermediate_size, device_name, table_dtype(args)
     )
     write_table(path, found)
     load_tuned_configs.cache_clear()
     table = load_tuned_configs(
-        args.num_experts, args.intermediate_size, device_name, args.dtype, args.out_dir
+        args.num_experts, args.intermediate_size, device_name, table_dtype(args), args.out_dir
     )
     assert table is not None and all(table[m].to_json() == found[m] for m in found)
     print(f"wrote {path}", file=sys.stderr)

@@ -138,6 +138,31 @@ def test_tune_script_search_and_write(tmp_path, device):
     assert table == {1: _cfg(16), 5: MoeKernelConfig.from_json(best)}
 
 
+def test_tune_script_fp8_writes_the_float8_table(tmp_path, capsys):
+    """``--dtype fp8``: the block-FP8 kernel searched against its w8a8 reference, the
+    table written under dtype float8_e4m3fn and found there by the FP8 lookup."""
+    spec = importlib.util.spec_from_file_location("tune_moe", TUNE_SCRIPT)
+    tune = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tune)
+    argv = ["--interpret-smoke", "--dtype", "fp8", "--batch-sizes", "3", "--out-dir", str(tmp_path)]
+    assert tune.main(argv) == 0
+    line = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert line["dtype"] == "fp8" and line["rejected"] == 0 and line["M"] == 3
+    load_tuned_configs.cache_clear()
+    table = load_tuned_configs(4, 16, "interpreter", "float8_e4m3fn", tmp_path)
+    assert table == {3: MoeKernelConfig.from_json(line["config"])}
+    fp8 = tune.candidate_configs("full", 64, 8, 2, max_block_k=128)
+    assert fp8 and max(c["BLOCK_SIZE_K"] for c in fp8) == 128
+
+
+def test_fp8_default_config_takes_whole_weight_blocks():
+    for m in (1, 64, 4096):
+        fp8 = default_config(m, 64, 8, interpret=False, dtype=torch.float8_e4m3fn)
+        assert fp8.block_size_k == 128
+        assert fp8.block_size_m == default_config(m, 64, 8, interpret=False).block_size_m
+    assert default_config(1, 64, 8, interpret=True, dtype="float8_e4m3fn").block_size_k == 32
+
+
 def test_tune_candidates_prune_big_blocks_for_decode():
     spec = importlib.util.spec_from_file_location("tune_moe", TUNE_SCRIPT)
     tune = importlib.util.module_from_spec(spec)

@@ -121,13 +121,22 @@ def nearest_config(configs: dict[int, MoeKernelConfig], m: int) -> MoeKernelConf
     return configs[best]
 
 
-def default_config(m: int, num_experts: int, top_k: int, interpret: bool) -> MoeKernelConfig:
+def default_config(
+    m: int,
+    num_experts: int,
+    top_k: int,
+    interpret: bool,
+    dtype: torch.dtype | str | None = None,  # the weights'; float8_e4m3fn: the FP8 kernel
+) -> MoeKernelConfig:
     """Batch-aware blocks when nothing was tuned.
 
     What matters is the number of rows each expert gets (``m * top_k / E``): decode
     batches give an expert a handful of rows, so a big BLOCK_SIZE_M would mostly
     multiply padding; prefill batches fill big blocks and profit from L2 grouping.
+    FP8 weights take 128-deep k tiles: one weight block (and scale) per FP8 dot.
     """
+    if dtype is not None and dtype_name(dtype) == "float8_e4m3fn" and not interpret:
+        return replace(default_config(m, num_experts, top_k, interpret), block_size_k=128)
     if interpret:
         # The interpreter pays per program, not per FLOP: few, small-M programs.
         return MoeKernelConfig(16, 32, 32, group_size_m=1, num_warps=1, num_stages=1)
@@ -149,15 +158,11 @@ def get_moe_config(
     interpret: bool,
     config_dir: Path = CONFIG_DIR,
 ) -> MoeKernelConfig:
-    """Tuned config nearest to batch ``m`` if a file matches, else ``default_config``
-    (for FP8 weights with 128-deep k tiles: one weight block per FP8 dot)."""
+    """Tuned config nearest to batch ``m`` if a file matches, else ``default_config``."""
     if device_name is not None and not interpret:
         table = load_tuned_configs(
             num_experts, intermediate_size, device_name, dtype_name(dtype), Path(config_dir)
         )
         if table:
             return nearest_config(table, m)
-    config = default_config(m, num_experts, top_k, interpret)
-    if dtype_name(dtype) == "float8_e4m3fn" and not interpret:
-        return replace(config, block_size_k=128)
-    return config
+    return default_config(m, num_experts, top_k, interpret, dtype)
