@@ -1,5 +1,6 @@
 """GPU proof, one step at a time: device facts, fused MoE (Triton) against the torch path
-with a block-size sweep, and one CUDA engine rank (parity with transformers, throughput).
+with a block-size sweep, the block-FP8 kernels against their references and the bf16
+peers, and one CUDA engine rank (parity with transformers, throughput).
 
 Run by ``benchmarks/gpu_proof.sh`` (which also runs the kernel tests and merges the parts);
 each step writes one JSON file and never raises: a failure is recorded in the file.
@@ -7,6 +8,7 @@ each step writes one JSON file and never raises: a failure is recorded in the fi
     python benchmarks/gpu_proof.py facts  --out facts.json
     python benchmarks/gpu_proof.py moe    --out moe.json --config-dir DIR
     python benchmarks/gpu_proof.py engine --out engine.json
+    python benchmarks/gpu_proof.py fp8    --out fp8.json --config-dir DIR
     python benchmarks/gpu_proof.py merge  --out gpu.json facts.json kernels.json ...
 
 ``--smoke`` runs each step on the CPU with toy shapes (the Triton interpreter for the
@@ -392,6 +394,161 @@ def moe(result: dict[str, Any], smoke: bool, config_dir: Path, procs: int) -> No
         result["config_file"] = fname
 
 
+# ---- 3b. block-FP8 (w8a8) kernels --------------------------------------------------------
+
+# The layer shapes of the issue: Qwen3-30B-A3B's and DeepSeek-V3's (256 experts, top-8,
+# hidden 7168, expert intermediate 2048), FP8 in 128x128 blocks as both ship.
+FP8_MOE_SHAPES = {
+    "qwen3_30b_a3b": {"E": 128, "top_k": 8, "H": 2048, "I": 768},
+    "deepseek_v3": {"E": 256, "top_k": 8, "H": 7168, "I": 2048},
+}
+FP8_TOKENS = (1, 64, 2048)
+# (N, K) of dense FP8 linears: DeepSeek-V3's o_proj (16384 -> 7168) and its shared
+# expert's gate (7168 -> 2048).
+FP8_LINEARS = ((7168, 16384), (2048, 7168))
+SMOKE_FP8 = {"toy": {"E": 8, "top_k": 2, "H": 64, "I": 48}}
+SMOKE_FP8_LINEARS = ((40, 96),)
+FP8_SWEEP = [  # a few configs around the default, for the Qwen3 shape's tuned table
+    {"BLOCK_SIZE_M": m, "BLOCK_SIZE_N": n, "BLOCK_SIZE_K": 128, "GROUP_SIZE_M": g,
+     "num_warps": 4, "num_stages": s}
+    for m, n, g, s in ((16, 64, 1, 3), (16, 128, 1, 4), (32, 128, 4, 3), (64, 128, 8, 3))
+]  # fmt: skip
+
+
+def _fp8_experts(shape: dict[str, int], device: str, act_dtype, group: int):
+    """Seeded experts in ``act_dtype`` and their FP8 form (128x128 blocks, row scales),
+    quantized one expert at a time (DeepSeek-V3's whole layer in float32 would be 90 GB)."""
+    import torch
+
+    from tidal.kernels.fp8_torch import quantize_fp8_blocks, row_scales
+
+    gen = torch.Generator(device=device).manual_seed(1)
+    e, h, i = shape["E"], shape["H"], shape["I"]
+    w13 = torch.randn(e, 2 * i, h, generator=gen, device=device, dtype=act_dtype) / h**0.5
+    w2 = torch.randn(e, h, i, generator=gen, device=device, dtype=act_dtype) / i**0.5
+    parts: list[list[Any]] = [[], [], [], []]
+    for ex in range(e):
+        for j, w in enumerate((w13[ex], w2[ex])):
+            q, sc = quantize_fp8_blocks(w, (group, group))
+            parts[j].append(q)
+            parts[2 + j].append(row_scales(sc, *w.shape, (group, group)))
+    q13, q2, s13, s2 = (torch.stack(p) for p in parts)
+    return w13, w2, q13, q2, s13, s2
+
+
+def fp8(result: dict[str, Any], smoke: bool, config_dir: Path) -> None:
+    """The block-FP8 kernels on the GPU: the quantizer's bytes against torch's, the w8a8
+    linear and fused MoE against their float32 references, and their times against the
+    bf16 peers (cuBLAS for the linear, the bf16 Triton fused MoE, tuned table if one
+    ships) in the same run; a small sweep writes the FP8 table of the Qwen3 shape."""
+    import torch
+    import torch.nn.functional as F
+
+    from tidal.kernels import fp8_torch as ft
+    from tidal.kernels.fp8_triton import (
+        fp8_linear,
+        fused_experts_fp8,
+        per_token_group_quant_fp8,
+    )
+    from tidal.kernels.fused_moe import fused_experts
+    from tidal.kernels.moe_config import MoeKernelConfig, config_file_name, dump_config_file
+
+    device = "cpu" if smoke else "cuda"
+    act = torch.float32 if smoke else torch.bfloat16
+    group = 16 if smoke else 128
+    shapes = SMOKE_FP8 if smoke else FP8_MOE_SHAPES
+    tokens_list = (1, 5) if smoke else FP8_TOKENS
+    result.update(group=group, act_dtype=str(act).removeprefix("torch."), quant=[],
+                  linear=[], moe=[])  # fmt: skip
+
+    def ms_of(fn: Callable[[], object]) -> float | None:
+        return None if smoke else round(cuda_time_ms(fn, iters=20, warmup=3), 4)
+
+    def rel(got, want) -> float:
+        return round(float((got.float() - want.float()).abs().max() / want.float().abs().max()), 6)
+
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    for t in tokens_list:  # the quantizer: bytes equal to the torch reference
+        x = (torch.randn(t, 7168 if not smoke else 96, generator=gen) * 3).to(device, act)
+        q, sc = per_token_group_quant_fp8(x, group)
+        want_q, want_s = ft.per_token_group_quant_fp8_torch(x, group)
+        result["quant"].append({
+            "T": t, "bytes_differing": int((q.view(torch.uint8) != want_q.view(torch.uint8)).sum()),
+            "scales_equal": bool(torch.equal(sc, want_s)),
+            "ms": ms_of(lambda: per_token_group_quant_fp8(x, group)),  # noqa: B023
+        })  # fmt: skip
+    for n, k in SMOKE_FP8_LINEARS if smoke else FP8_LINEARS:
+        w = (torch.randn(n, k, generator=gen) / k**0.5).to(device, act)
+        wq, wsc = ft.quantize_fp8_blocks(w, (group, group))
+        ws = ft.row_scales(wsc, n, k, (group, group))
+        for t in tokens_list:
+            x = torch.randn(t, k, generator=gen).to(device, act)
+            got = fp8_linear(x, wq, ws, group)
+            case = {"N": n, "K": k, "T": t,
+                    "rel_err_vs_w8a8_reference": rel(got, ft.w8a8_linear_torch(x, wq, ws, group)),
+                    "rel_err_vs_bf16": rel(got, F.linear(x, w)),
+                    "fp8_ms": ms_of(lambda: fp8_linear(x, wq, ws, group)),  # noqa: B023
+                    "bf16_ms": ms_of(lambda: F.linear(x, w))}  # noqa: B023  # fmt: skip
+            if case["fp8_ms"]:
+                case["fp8_speedup"] = round(case["bf16_ms"] / case["fp8_ms"], 3)
+            result["linear"].append(case)
+    table: dict[int, MoeKernelConfig] = {}
+    for name, shape in shapes.items():
+        w13, w2, q13, q2, s13, s2 = _fp8_experts(shape, device, act, group)
+        for t in tokens_list:
+            x, routings = _moe_problem(shape, t, device, seed=0)
+            x = x.to(device, act)
+            tw, ids = routings[0]
+            got = fused_experts_fp8(x, q13, q2, s13, s2, group, tw, ids)
+            want = ft.fused_experts_fp8_torch(x, q13, q2, s13, s2, group, tw, ids)
+            case: dict[str, Any] = {
+                "shape": name, "T": t, "rel_err_vs_w8a8_reference": rel(got, want),
+                "rel_err_vs_bf16": rel(got, fused_experts(x, w13, w2, tw, ids)),
+            }  # fmt: skip
+            if not smoke:
+                def fp8_call(r: int, config=None) -> object:
+                    return fused_experts_fp8(x, q13, q2, s13, s2, group, *routings[r],  # noqa: B023
+                                             config=config)  # fmt: skip
+
+                def bf16_call(r: int) -> object:
+                    return fused_experts(x, w13, w2, *routings[r])  # noqa: B023
+
+                case["fp8_graph_ms"] = round(_graph_time_ms(fp8_call, ROUTINGS, 10), 4)
+                case["bf16_graph_ms"] = round(_graph_time_ms(bf16_call, ROUTINGS, 10), 4)
+                case["fp8_speedup"] = round(case["bf16_graph_ms"] / case["fp8_graph_ms"], 3)
+                if name == "qwen3_30b_a3b":
+                    sweep = []
+                    for raw in FP8_SWEEP:
+                        config = MoeKernelConfig.from_json(raw)
+                        try:
+                            err = rel(fp8_call(0, config), want)
+                            ms = _graph_time_ms(lambda r: fp8_call(r, config), ROUTINGS, 10)  # noqa: B023
+                            sweep.append({"config": raw, "rel_err": err, "graph_ms": round(ms, 4)})
+                        except Exception as e:  # noqa: BLE001 - e.g. too much shared memory
+                            sweep.append({"config": raw, "error": f"{type(e).__name__}: {e}"[:200]})
+                    ok = [s for s in sweep if "error" not in s and s["rel_err"] < 5e-2]
+                    if ok:
+                        best = min(ok, key=lambda s: s["graph_ms"])
+                        table[t] = MoeKernelConfig.from_json(best["config"])
+                        case["sweep_best"] = best
+                    case["sweep"] = sweep
+            result["moe"].append(case)
+            print(json.dumps({k: case.get(k) for k in ("shape", "T", "rel_err_vs_w8a8_reference",
+                                                        "fp8_graph_ms", "bf16_graph_ms")}),
+                  flush=True)  # fmt: skip
+    bad = [c for c in result["quant"] if c["bytes_differing"] or not c["scales_equal"]]
+    bad += [c for c in result["linear"] if c["rel_err_vs_w8a8_reference"] > 1e-2]
+    bad += [c for c in result["moe"] if c["rel_err_vs_w8a8_reference"] > 5e-2]
+    if bad:
+        result["error"] = f"{len(bad)} FP8 cases differ from their references"
+    if table:
+        shape = FP8_MOE_SHAPES["qwen3_30b_a3b"]
+        device_name = torch.cuda.get_device_name(0)
+        result["config_file"] = config_file_name(shape["E"], shape["I"], device_name, ft.FP8_DTYPE)
+        config_dir.mkdir(parents=True, exist_ok=True)
+        (config_dir / "tuned_moe_fp8_config.json").write_text(dump_config_file(table))
+
+
 # ---- 4. one CUDA engine rank ----------------------------------------------------------
 
 ENGINE_MODEL = {
@@ -540,7 +697,7 @@ def merge(out: Path, parts: list[Path]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("step", choices=("facts", "kernels", "moe", "engine", "merge"))
+    p.add_argument("step", choices=("facts", "kernels", "moe", "fp8", "engine", "merge"))
     p.add_argument("parts", nargs="*", type=Path, help="merge: the step files")
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--smoke", action="store_true", help="CPU rehearsal with toy shapes")
@@ -550,7 +707,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workers", type=int, default=8, help="kernels: pytest-xdist workers")
     p.add_argument("--no-hf-peer", action="store_true", help="engine: skip transformers' tok/s")
     args = p.parse_intermixed_args(argv)
-    if args.smoke and args.step == "moe":
+    if args.smoke and args.step in ("moe", "fp8"):
         os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
     if str(REPO_ROOT) not in sys.path:
         sys.path.insert(0, str(REPO_ROOT))
@@ -562,9 +719,11 @@ def main(argv: list[str] | None = None) -> int:
         return _guarded(
             "kernels", lambda r: kernel_tests(r, args.timeout, args.workers), args.out
         )
+    config_dir = args.config_dir or args.out.parent
     if args.step == "moe":
-        config_dir = args.config_dir or args.out.parent
         return _guarded("moe", lambda r: moe(r, args.smoke, config_dir, args.procs), args.out)
+    if args.step == "fp8":
+        return _guarded("fp8", lambda r: fp8(r, args.smoke, config_dir), args.out)
     with tempfile.TemporaryDirectory(prefix="tidal-gpu-proof-") as tmp:
         return _guarded(
             "engine", lambda r: engine(r, args.smoke, Path(tmp), not args.no_hf_peer), args.out

@@ -2,7 +2,8 @@
 # GPU proof in one prepared run (issue #22): device facts, the kernel tests compiled on CUDA,
 # fused MoE (Triton) against the torch path with a block-size sweep, one CUDA engine rank;
 # and, asked for by STEPS="facts graphs", the decode step against its floor, eager and with
-# decode graphs (benchmarks/gpu_engine.py).
+# decode graphs (benchmarks/gpu_engine.py); by STEPS="facts fp8", the block-FP8 kernels against
+# their references and the bf16 ones on Qwen3-30B-A3B's and DeepSeek-V3's layer shapes.
 #
 #   OUT=/some/dir benchmarks/gpu_proof.sh            # all steps
 #   STEPS="moe engine" OUT=... benchmarks/gpu_proof.sh   # a rerun of some steps
@@ -50,7 +51,10 @@ step engine 300
 # Not in the default STEPS (the four above fill a 10-minute call): a call of its own,
 # STEPS="facts graphs".
 step graphs 480
+# Not in the default STEPS either: STEPS="facts fp8" (its own call).
+step fp8 420
 device=$(python3 -c "import json;print(json.load(open('$OUT/facts.json'))['device'])" 2>/dev/null \
   | tr -c 'A-Za-z0-9_.\n-' '_')
 python3 benchmarks/gpu_proof.py merge --out "$OUT/gpu-${device:-unknown}.json" \
-  "$OUT"/facts.json "$OUT"/kernels.json "$OUT"/moe.json "$OUT"/engine.json "$OUT"/graphs.json
+  "$OUT"/facts.json "$OUT"/kernels.json "$OUT"/moe.json "$OUT"/engine.json "$OUT"/graphs.json \
+  "$OUT"/fp8.json

@@ -46,8 +46,14 @@ def fp8_experts(experts: int, hidden: int, inter: int, block: int):
     return [torch.stack(p) for p in zip(*parts)]  # w13, s13, w2, s2
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("rows,cols,group", [(37, 200, 16), (5, 300, 128), (1, 16, 16)])
+@pytest.mark.parametrize(
+    "rows,cols,group,dtype",
+    [
+        (37, 200, 16, torch.float32),  # partial last group, many row blocks
+        (5, 300, 128, torch.bfloat16),
+        (1, 40, 16, torch.float16),
+    ],
+)
 def test_quant_bytes_equal_reference(rows, cols, group, dtype, device):
     x = (torch.randn(rows, cols) * torch.logspace(-4, 2, cols)).to(dtype)
     x[0, :group] = 0.0  # an all-zero group: the floor keeps its scale finite
@@ -263,3 +269,30 @@ def test_fused_moe_layer_fp8_takes_the_triton_path(device):
     want = ft.fused_experts_fp8_torch(x.cpu(), w13, w2, s13, s2, 16, weights.cpu(), ids.cpu())
     assert rel_err(got, want) < 1e-4
     assert rel_err(got, moe.fp8_reference(x, weights, ids, None)) < 0.1
+
+
+def test_gpu_proof_fp8_step_rehearsed(tmp_path):
+    """benchmarks/gpu_proof.py's fp8 step with --smoke (toy shapes, this interpreter): the
+    checks it makes on the GPU hold, and nothing it writes is left among the configs."""
+    if torch.cuda.is_available():
+        pytest.skip("the rehearsal is the CPU's; the GPU runs the step itself")
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    bench = Path(__file__).resolve().parents[2] / "benchmarks"
+    spec = importlib.util.spec_from_file_location("gpu_proof", bench / "gpu_proof.py")
+    assert spec is not None and spec.loader is not None
+    proof = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, str(bench))
+    try:
+        spec.loader.exec_module(proof)
+        result: dict = {}
+        proof.fp8(result, True, tmp_path)
+    finally:
+        sys.path.remove(str(bench))
+    assert "error" not in result, result
+    assert [c["bytes_differing"] for c in result["quant"]] == [0, 0]
+    assert all(c["rel_err_vs_w8a8_reference"] < 1e-5 for c in result["linear"] + result["moe"])
+    assert all(0 < c["rel_err_vs_bf16"] < 0.2 for c in result["linear"] + result["moe"])
+    assert not list(tmp_path.iterdir())  # no table from a rehearsal
