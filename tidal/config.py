@@ -268,7 +268,9 @@ class ModelConfig:
         None,
         help="how the checkpoint's weights are quantized (default: its config.json "
         "quantization_config; fp8: float8_e4m3fn weights with block or per-tensor scales, "
-        "held in FP8 and dequantized per call, docs/architecture.md#quantization); another "
+        "held in FP8: on CPU dequantized in the kernels, on CUDA multiplied by Triton w8a8 "
+        "kernels with activations quantized per token group, "
+        "docs/architecture.md#quantization); another "
         "quant_method is an error",
     )
 
