@@ -455,7 +455,7 @@ def fp8(result: dict[str, Any], smoke: bool, config_dir: Path) -> None:
 
     device = "cpu" if smoke else "cuda"
     act = torch.float32 if smoke else torch.bfloat16
-    group = 16 if smoke else 128
+    group = 32 if smoke else 128
     shapes = SMOKE_FP8 if smoke else FP8_MOE_SHAPES
     tokens_list = (1, 5) if smoke else FP8_TOKENS
     result.update(group=group, act_dtype=str(act).removeprefix("torch."), quant=[],

@@ -66,7 +66,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if getattr(args, name) is None:
             setattr(args, name, value)
     if args.block_k is None:
-        args.block_k = 16 if args.interpret_smoke else 128
+        args.block_k = 32 if args.interpret_smoke else 128
     return args
 
 

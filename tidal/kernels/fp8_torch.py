@@ -112,11 +112,15 @@ def dequantize_fp8_blocks(
     return dequantize_fp8_rows(q, row_scales(scale_inv, n, k, block), block[1], dtype)
 
 
+# The smallest K of an 8-bit ``tl.dot`` on NVIDIA GPUs (16 for 16-bit operands).
+FP8_DOT_MIN_K = 32
+
+
 def w8a8_group_ok(group: int) -> bool:
     """Whether the Triton w8a8 kernels take this k-block as their activation group: a
-    power of two (``tl.arange``) of at least 16 (``tl.dot``'s K); 128 in every
-    published checkpoint."""
-    return group >= 16 and group & (group - 1) == 0
+    power of two (``tl.arange``) of at least ``FP8_DOT_MIN_K``; 128 in every published
+    checkpoint."""
+    return group >= FP8_DOT_MIN_K and group & (group - 1) == 0
 
 
 def per_token_group_quant_fp8_torch(

@@ -41,7 +41,13 @@ import triton.language as tl
 from torch import Tensor
 
 from tidal.kernels.activation import silu_and_mul
-from tidal.kernels.fp8_torch import ACT_AMAX_FLOOR, FP8_DTYPE, FP8_MAX, w8a8_group_ok
+from tidal.kernels.fp8_torch import (
+    ACT_AMAX_FLOOR,
+    FP8_DOT_MIN_K,
+    FP8_DTYPE,
+    FP8_MAX,
+    w8a8_group_ok,
+)
 from tidal.kernels.fused_moe import is_interpreted
 from tidal.kernels.moe_align import moe_align_block_size
 from tidal.kernels.moe_config import MoeKernelConfig, get_moe_config
@@ -110,13 +116,13 @@ def _check_cuda(name: str, t: Tensor) -> None:
 def _check_group(group: int) -> None:
     if not w8a8_group_ok(group):
         raise ValueError(
-            f"block_k (the activation group) must be a power of two >= 16, got {group}"
+            f"block_k (the activation group) must be a power of two >= {FP8_DOT_MIN_K}, got {group}"
         )
 
 
 def per_token_group_quant_fp8(
     x: Tensor,  # [M, K] float32/float16/bfloat16, rows contiguous
-    group: int,  # a power of two >= 16: the weights' k-block
+    group: int,  # a power of two >= 32: the weights' k-block
 ) -> tuple[Tensor, Tensor]:  # q [M, K] float8_e4m3fn, scales [M, ceil(K/group)] float32
     """Dynamic per-token-group FP8 quantization (CUDA, or CPU under the interpreter):
     per row and ``group`` consecutive columns (the last group may be partial),
@@ -226,8 +232,9 @@ def default_linear_config(m: int, interpret: bool) -> MoeKernelConfig:
 
 
 def _block_k(config: MoeKernelConfig, group: int) -> int:
-    """The k tile: the config's, at most one group (both powers of two: it divides it)."""
-    return min(config.block_size_k, group)
+    """The k tile: the config's, at least an FP8 dot's K and at most one group (powers of
+    two: it divides the group)."""
+    return min(max(config.block_size_k, FP8_DOT_MIN_K), group)
 
 
 def w8a8_block_fp8_gemm(
@@ -235,7 +242,7 @@ def w8a8_block_fp8_gemm(
     a_scales: Tensor,  # [M, ceil(K/group)] float32
     b: Tensor,  # [N, K] float8_e4m3fn
     b_scales: Tensor,  # [N, ceil(K/group)] float32 (the held row form)
-    group: int,  # the k-block of both scales: a power of two >= 16
+    group: int,  # the k-block of both scales: a power of two >= 32
     out_dtype: torch.dtype,
     bias: Tensor | None = None,  # [N]
     config: MoeKernelConfig | None = None,  # None: default_linear_config
@@ -477,7 +484,7 @@ def fused_experts_fp8(
     w2: Tensor,  # [E_local, H, I] float8_e4m3fn
     w13_scale: Tensor,  # [E_local, 2*I, ceil(H/block_k)] float32 row scales
     w2_scale: Tensor,  # [E_local, H, ceil(I/block_k)] float32 row scales
-    block_k: int,  # the scales' k-block and the activation group: a power of two >= 16
+    block_k: int,  # the scales' k-block and the activation group: a power of two >= 32
     topk_weights: Tensor,  # [T, top_k] float32
     topk_ids: Tensor,  # [T, top_k] int64, global expert ids
     expert_map: Tensor | None = None,  # [E_global] int32: global id -> local slot or -1

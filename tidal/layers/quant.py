@@ -208,7 +208,7 @@ class Fp8Linear(HeldParamsModule):
     bias).
 
     On CUDA (``triton``) the Triton w8a8 linear serves (``fp8_triton.fp8_linear``; a
-    checkpoint whose k-block it cannot take, not a power of two >= 16, runs the
+    checkpoint whose k-block it cannot take, not a power of two >= 32, runs the
     reference). On CPU the path is measured at load (``tidal/kernels/select.py``, op
     ``fp8_linear``):
     ``native`` (the C++ kernel, ``FP8_LINEAR_KERNELS``) packs the weight and its scales

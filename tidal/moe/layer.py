@@ -38,7 +38,7 @@ FP8 experts (``hold_fp8``, a quantized checkpoint: docs/architecture.md#quantiza
 ``w13``/``w2`` hold ``float8_e4m3fn`` with row scales ``w13_scale``/``w2_scale``. With the
 triton backend (CUDA) the Triton block-FP8 fused MoE serves (``fused_experts_fp8``: w8a8,
 activations quantized per token and k-block; the reference where the k-block is not a
-power of two >= 16). On CPU their path is measured like the others (op ``fp8_moe``):
+power of two >= 32). On CPU their path is measured like the others (op ``fp8_moe``):
 ``native`` is the C++ FP8 kernel (``FP8_EXPERT_KERNELS``), whose pack then holds all
 four, the only copy (read and written through ``read_weights``/``write_weights``);
 ``torch`` is the reference: each call dequantizes the experts its tokens chose, in the
