@@ -21,6 +21,7 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from tidal.kernels import (  # noqa: E402
     activation,
+    fp8_triton,
     fused_moe,
     moe_align,
     moe_sum,
@@ -73,6 +74,28 @@ def main() -> int:
         gemm,
         dict(MUL_ROUTED_WEIGHT=True, DOT_FP32=False, DOT_PRECISION=None, BLOCK_M=16,
              BLOCK_N=64, BLOCK_K=64, GROUP_M=8),
+        num_warps=4,
+        num_stages=3,
+    )  # fmt: skip
+    # Block FP8 (w8a8): float8 operands, 128-deep k tiles (an 8-bit dot needs K >= 32).
+    compile_kernel(
+        fp8_triton._per_token_group_quant_kernel,
+        dict(x_ptr="bf16", q_ptr="fp8e4nv", s_ptr="fp32"),
+        dict(AMAX_FLOOR=1e-10, QMAX=448.0, GROUP=128, ROWS=16, ROUND_IN_FP32=False),
+    )
+    fp8 = dict(a_ptr="fp8e4nv", as_ptr="fp32", b_ptr="fp8e4nv", bs_ptr="fp32", c_ptr="bf16")
+    compile_kernel(
+        fp8_triton._w8a8_gemm_kernel,
+        dict(fp8, bias_ptr="bf16"),
+        dict(GROUP_K=128, HAS_BIAS=True, BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, GROUP_M=8),
+        num_warps=4,
+        num_stages=3,
+    )
+    compile_kernel(
+        fp8_triton._fused_moe_fp8_gemm_kernel,
+        dict(fp8, topk_weights_ptr="fp32", **ids),
+        dict(GROUP_K=128, MUL_ROUTED_WEIGHT=True, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128,
+             GROUP_M=1),
         num_warps=4,
         num_stages=3,
     )  # fmt: skip
