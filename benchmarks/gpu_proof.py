@@ -408,6 +408,14 @@ FP8_TOKENS = (1, 64, 2048)
 FP8_LINEARS = ((7168, 16384), (2048, 7168))
 SMOKE_FP8 = {"toy": {"E": 8, "top_k": 2, "H": 64, "I": 48}}
 SMOKE_FP8_LINEARS = ((40, 96),)
+SMOKE_FP8_LINEAR_SWEEP = [{"BLOCK_SIZE_M": 16, "BLOCK_SIZE_N": 32, "BLOCK_SIZE_K": 32,
+                           "GROUP_SIZE_M": 1, "num_warps": 1, "num_stages": 1}]  # fmt: skip
+FP8_LINEAR_SWEEP = [  # the FP8 linear's candidates, for its tuned tables
+    {"BLOCK_SIZE_M": m, "BLOCK_SIZE_N": n, "BLOCK_SIZE_K": 128, "GROUP_SIZE_M": g,
+     "num_warps": w, "num_stages": s}
+    for m, n, g, w, s in ((16, 64, 1, 4, 4), (16, 128, 1, 4, 4), (32, 64, 4, 4, 3),
+                          (64, 128, 8, 4, 3), (128, 128, 8, 8, 3))
+]  # fmt: skip
 FP8_SWEEP = [  # a few configs around the default, for the Qwen3 shape's tuned table
     {"BLOCK_SIZE_M": m, "BLOCK_SIZE_N": n, "BLOCK_SIZE_K": 128, "GROUP_SIZE_M": g,
      "num_warps": 4, "num_stages": s}
@@ -449,9 +457,15 @@ def fp8(result: dict[str, Any], smoke: bool, config_dir: Path) -> None:
         fp8_linear,
         fused_experts_fp8,
         per_token_group_quant_fp8,
+        w8a8_block_fp8_gemm,
     )
     from tidal.kernels.fused_moe import fused_experts
-    from tidal.kernels.moe_config import MoeKernelConfig, config_file_name, dump_config_file
+    from tidal.kernels.moe_config import (
+        MoeKernelConfig,
+        config_file_name,
+        dump_config_file,
+        linear_config_file_name,
+    )
 
     device = "cpu" if smoke else "cuda"
     act = torch.float32 if smoke else torch.bfloat16
@@ -468,6 +482,7 @@ def fp8(result: dict[str, Any], smoke: bool, config_dir: Path) -> None:
         return round(float((got.float() - want.float()).abs().max() / want.float().abs().max()), 6)
 
     gen = torch.Generator(device="cpu").manual_seed(0)
+    linear_tables: dict[tuple[int, int], dict[int, MoeKernelConfig]] = {}
     for t in tokens_list:  # the quantizer: bytes equal to the torch reference
         x = (torch.randn(t, 7168 if not smoke else 96, generator=gen) * 3).to(device, act)
         q, sc = per_token_group_quant_fp8(x, group)
@@ -491,6 +506,28 @@ def fp8(result: dict[str, Any], smoke: bool, config_dir: Path) -> None:
                     "bf16_ms": ms_of(lambda: F.linear(x, w))}  # noqa: B023  # fmt: skip
             if case["fp8_ms"]:
                 case["fp8_speedup"] = round(case["bf16_ms"] / case["fp8_ms"], 3)
+            # The sweep (rehearsed too: one config, picked by its error).
+            want = ft.w8a8_linear_torch(x, wq, ws, group)
+            sweep = []
+            for raw in SMOKE_FP8_LINEAR_SWEEP if smoke else FP8_LINEAR_SWEEP:
+                config = MoeKernelConfig.from_json(raw)
+
+                def run(config: MoeKernelConfig = config) -> object:
+                    xq, xs = per_token_group_quant_fp8(x, group)  # noqa: B023
+                    return w8a8_block_fp8_gemm(xq, xs, wq, ws, group, act, None, config)  # noqa: B023
+
+                try:
+                    sweep.append({"config": raw, "rel_err": rel(run(), want), "ms": ms_of(run)})
+                except Exception as e:  # noqa: BLE001 - e.g. too much shared memory
+                    sweep.append({"config": raw, "error": f"{type(e).__name__}: {e}"[:200]})
+            ok = [c for c in sweep if "error" not in c and c["rel_err"] < 1e-2]
+            if ok:
+                best = min(ok, key=lambda c: c["rel_err"] if smoke else c["ms"])
+                case["sweep_best"] = best
+                linear_tables.setdefault((n, k), {})[t] = MoeKernelConfig.from_json(
+                    best["config"]
+                )
+            case["sweep"] = sweep
             result["linear"].append(case)
     table: dict[int, MoeKernelConfig] = {}
     for name, shape in shapes.items():
@@ -541,6 +578,17 @@ def fp8(result: dict[str, Any], smoke: bool, config_dir: Path) -> None:
     bad += [c for c in result["moe"] if c["rel_err_vs_w8a8_reference"] > 5e-2]
     if bad:
         result["error"] = f"{len(bad)} FP8 cases differ from their references"
+    if linear_tables:
+        config_dir.mkdir(parents=True, exist_ok=True)
+        result["linear_config_files"] = {}
+        for (n, k), found in linear_tables.items():
+            # Plain names for the device tool; ``linear_config_files`` maps each to the
+            # name it ships under in tidal/kernels/configs/.
+            plain = f"tuned_fp8_linear_N{n}_K{k}.json"
+            (config_dir / plain).write_text(dump_config_file(found))
+            name = "interpreter" if smoke else torch.cuda.get_device_name(0)
+            ship = linear_config_file_name(n, k, name, ft.FP8_DTYPE)
+            result["linear_config_files"][plain] = ship
     if table:
         shape = FP8_MOE_SHAPES["qwen3_30b_a3b"]
         device_name = torch.cuda.get_device_name(0)

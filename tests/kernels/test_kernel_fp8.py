@@ -17,7 +17,7 @@ from tidal.kernels.fp8_triton import (
     per_token_group_quant_fp8,
     w8a8_block_fp8_gemm,
 )
-from tidal.kernels.moe_config import MoeKernelConfig
+from tidal.kernels.moe_config import MoeKernelConfig, load_linear_configs
 
 FP8 = torch.float8_e4m3fn
 
@@ -275,7 +275,8 @@ def test_fused_moe_layer_fp8_takes_the_triton_path(device):
 
 def test_gpu_proof_fp8_step_rehearsed(tmp_path):
     """benchmarks/gpu_proof.py's fp8 step with --smoke (toy shapes, this interpreter): the
-    checks it makes on the GPU hold, and nothing it writes is left among the configs."""
+    checks it makes on the GPU hold, and the linear's table it writes is found by the
+    lookup under the name it reports."""
     if torch.cuda.is_available():
         pytest.skip("the rehearsal is the CPU's; the GPU runs the step itself")
     import importlib.util
@@ -297,4 +298,10 @@ def test_gpu_proof_fp8_step_rehearsed(tmp_path):
     assert [c["bytes_differing"] for c in result["quant"]] == [0, 0]
     assert all(c["rel_err_vs_w8a8_reference"] < 1e-5 for c in result["linear"] + result["moe"])
     assert all(0 < c["rel_err_vs_bf16"] < 0.2 for c in result["linear"] + result["moe"])
-    assert not list(tmp_path.iterdir())  # no table from a rehearsal
+    # the linear's table, under a plain name mapped to the name it ships under
+    ((plain, ship),) = result["linear_config_files"].items()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [plain]
+    (tmp_path / plain).rename(tmp_path / ship)
+    load_linear_configs.cache_clear()
+    table = load_linear_configs(40, 96, "interpreter", "float8_e4m3fn", tmp_path)
+    assert table is not None and sorted(table) == [1, 5]

@@ -15,8 +15,12 @@ from tidal.kernels.moe_config import (
     MoeKernelConfig,
     config_file_name,
     default_config,
+    default_linear_config,
     dump_config_file,
+    get_linear_config,
     get_moe_config,
+    linear_config_file_name,
+    load_linear_configs,
     load_tuned_configs,
     nearest_config,
     parse_config_file,
@@ -161,6 +165,23 @@ def test_fp8_default_config_takes_whole_weight_blocks():
         assert fp8.block_size_k == 128
         assert fp8.block_size_m == default_config(m, 64, 8, interpret=False).block_size_m
     assert default_config(1, 64, 8, interpret=True, dtype="float8_e4m3fn").block_size_k == 32
+
+
+def test_fp8_linear_lookup(tmp_path):
+    """The FP8 linear's table: found for its [N, K], device and dtype only; nearest rows."""
+    name = linear_config_file_name(7168, 16384, "NVIDIA H200", torch.float8_e4m3fn)
+    assert name == "linear,N=7168,K=16384,device_name=NVIDIA_H200,dtype=float8_e4m3fn.json"
+    (tmp_path / name).write_text(dump_config_file({1: _cfg(16), 256: _cfg(64)}))
+    load_linear_configs.cache_clear()
+
+    def get(m, n=7168, device="NVIDIA H200", interpret=False):
+        return get_linear_config(m, n, 16384, "float8_e4m3fn", device, interpret, tmp_path)
+
+    assert get(3) == _cfg(16) and get(200) == _cfg(64)
+    assert get(3, n=4096) == default_linear_config(3, False)  # another shape
+    assert get(3, device="NVIDIA H100") == default_linear_config(3, False)
+    assert get(3, interpret=True) == default_linear_config(3, True)
+    assert default_linear_config(1, False).block_size_k == 128
 
 
 def test_tune_candidates_prune_big_blocks_for_decode():

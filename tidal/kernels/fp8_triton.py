@@ -50,7 +50,7 @@ from tidal.kernels.fp8_torch import (
 )
 from tidal.kernels.fused_moe import is_interpreted
 from tidal.kernels.moe_align import moe_align_block_size
-from tidal.kernels.moe_config import MoeKernelConfig, get_moe_config
+from tidal.kernels.moe_config import MoeKernelConfig, get_linear_config, get_moe_config
 from tidal.kernels.moe_sum import moe_sum
 
 _ACT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -220,17 +220,6 @@ def _w8a8_gemm_kernel(
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
-def default_linear_config(m: int, interpret: bool) -> MoeKernelConfig:
-    """Block sizes of the FP8 linear by rows (decode: few rows, narrow M blocks)."""
-    if interpret:
-        return MoeKernelConfig(16, 32, 32, group_size_m=1, num_warps=1, num_stages=1)
-    if m <= 16:
-        return MoeKernelConfig(16, 64, 128, group_size_m=1, num_warps=4, num_stages=4)
-    if m <= 64:
-        return MoeKernelConfig(64, 64, 128, group_size_m=8, num_warps=4, num_stages=3)
-    return MoeKernelConfig(64, 128, 128, group_size_m=8, num_warps=4, num_stages=3)
-
-
 def _block_k(config: MoeKernelConfig, group: int) -> int:
     """The k tile: the config's, at least an FP8 dot's K and at most one group (powers of
     two: it divides the group)."""
@@ -245,7 +234,7 @@ def w8a8_block_fp8_gemm(
     group: int,  # the k-block of both scales: a power of two >= 32
     out_dtype: torch.dtype,
     bias: Tensor | None = None,  # [N]
-    config: MoeKernelConfig | None = None,  # None: default_linear_config
+    config: MoeKernelConfig | None = None,  # None: the tuned table's, else the default
 ) -> Tensor:  # [M, N] out_dtype
     """``(a * a_scales) @ (b * b_scales).T + bias`` with FP8 operands and float32
     accumulation; all tensors on one CUDA device (or CPU under the interpreter), ``a``
@@ -279,7 +268,9 @@ def w8a8_block_fp8_gemm(
     c = torch.empty((m, n), dtype=out_dtype, device=a.device)
     if m == 0 or n == 0:
         return c
-    config = config or default_linear_config(m, is_interpreted())
+    if config is None:
+        device_name = torch.cuda.get_device_name(a.device) if a.is_cuda else None
+        config = get_linear_config(m, n, k, FP8_DTYPE, device_name, is_interpreted())
     grid = (triton.cdiv(m, config.block_size_m) * triton.cdiv(n, config.block_size_n),)
     _w8a8_gemm_kernel[grid](
         a, a_scales, b, b_scales, c if bias is None else bias, c,

@@ -7,6 +7,11 @@ intermediate size I; dtype ``float8_e4m3fn`` for the block-FP8 kernel of
 picks the entry whose M is nearest to the batch; without a file, ``default_config`` picks
 batch-aware blocks. ``benchmarks/tune_moe.py`` writes the files.
 
+The block-FP8 linear (``fp8_triton.fp8_linear``) takes the same launch parameters from
+tables named ``linear,N={N},K={K},device_name={device},dtype=float8_e4m3fn.json``
+(``linear_config_file_name``, ``get_linear_config``), written by the ``fp8`` step of
+``benchmarks/gpu_proof.py``; without one, ``default_linear_config``.
+
 Importable without triton or a GPU: pure lookup over JSON.
 """
 
@@ -97,6 +102,15 @@ def dump_config_file(configs: dict[int, MoeKernelConfig]) -> str:
     return json.dumps({str(m): configs[m].to_json() for m in sorted(configs)}, indent=2) + "\n"
 
 
+def _read_table(path: Path) -> dict[int, MoeKernelConfig] | None:
+    if not path.is_file():
+        return None
+    try:
+        return parse_config_file(path.read_text())
+    except (ValueError, TypeError, KeyError) as exc:
+        raise ValueError(f"malformed MoE config file {path}: {exc}") from exc
+
+
 @functools.lru_cache(maxsize=64)
 def load_tuned_configs(
     num_experts: int,
@@ -106,13 +120,49 @@ def load_tuned_configs(
     config_dir: Path = CONFIG_DIR,
 ) -> dict[int, MoeKernelConfig] | None:
     """The tuned table for this key, or None when no file exists (cached per key)."""
-    path = Path(config_dir) / config_file_name(num_experts, intermediate_size, device_name, dtype)
-    if not path.is_file():
-        return None
-    try:
-        return parse_config_file(path.read_text())
-    except (ValueError, TypeError, KeyError) as exc:
-        raise ValueError(f"malformed MoE config file {path}: {exc}") from exc
+    name = config_file_name(num_experts, intermediate_size, device_name, dtype)
+    return _read_table(Path(config_dir) / name)
+
+
+def linear_config_file_name(n: int, k: int, device_name: str, dtype: torch.dtype | str) -> str:
+    device = normalize_device_name(device_name)
+    return f"linear,N={n},K={k},device_name={device},dtype={dtype_name(dtype)}.json"
+
+
+@functools.lru_cache(maxsize=256)
+def load_linear_configs(
+    n: int, k: int, device_name: str, dtype: str, config_dir: Path = CONFIG_DIR
+) -> dict[int, MoeKernelConfig] | None:
+    """The FP8 linear's tuned table for ``[N, K]`` weights, or None (cached per key)."""
+    return _read_table(Path(config_dir) / linear_config_file_name(n, k, device_name, dtype))
+
+
+def default_linear_config(m: int, interpret: bool) -> MoeKernelConfig:
+    """Block sizes of the FP8 linear by rows (decode: few rows, narrow M blocks)."""
+    if interpret:
+        return MoeKernelConfig(16, 32, 32, group_size_m=1, num_warps=1, num_stages=1)
+    if m <= 16:
+        return MoeKernelConfig(16, 64, 128, group_size_m=1, num_warps=4, num_stages=4)
+    if m <= 64:
+        return MoeKernelConfig(64, 64, 128, group_size_m=8, num_warps=4, num_stages=3)
+    return MoeKernelConfig(64, 128, 128, group_size_m=8, num_warps=4, num_stages=3)
+
+
+def get_linear_config(
+    m: int,
+    n: int,
+    k: int,
+    dtype: torch.dtype | str,
+    device_name: str | None,
+    interpret: bool,
+    config_dir: Path = CONFIG_DIR,
+) -> MoeKernelConfig:
+    """Tuned config nearest to ``m`` rows if a file matches, else ``default_linear_config``."""
+    if device_name is not None and not interpret:
+        table = load_linear_configs(n, k, device_name, dtype_name(dtype), Path(config_dir))
+        if table:
+            return nearest_config(table, m)
+    return default_linear_config(m, interpret)
 
 
 def nearest_config(configs: dict[int, MoeKernelConfig], m: int) -> MoeKernelConfig:
