@@ -356,6 +356,15 @@ class SchedulerConfig:
     )
     max_model_len: int = 2048  # ModelConfig's, resolved
     enable_chunked_prefill: bool = option(True, help="split long prompts across steps")
+    # docs/architecture.md#async-scheduling: the next step is scheduled while this one
+    # runs; a decode row's input token is the previous step's sampled one, filled in by
+    # the worker from its tensor.
+    async_scheduling: bool = option(
+        False,
+        help="schedule step n+1 while step n runs: sampled tokens stay on the device and "
+        "their host copy and output processing are deferred one step (a stop costs at "
+        "most one extra token, discarded); tensor_parallel_size 1 only",
+    )
 
     def __post_init__(self) -> None:
         check_options(self)

@@ -79,13 +79,15 @@ def test_decision_table(decodes, prefills, off, failed, want):
         ({"expert_parallel": True}, GraphMiss.EXPERT_PARALLEL),
         ({"tensor_parallel": True}, GraphMiss.TENSOR_PARALLEL),
         ({"experts_on_device": False}, GraphMiss.EXPERTS_SYNC),
+        ({"async_scheduling": True}, GraphMiss.ASYNC_SCHEDULING),
         # The emulating backend replays the eager step, host reads and all.
         ({"backend": "emulated", "experts_on_device": False}, None),
     ],
 )
 def test_why_an_engine_replays_nothing(changes, want):
     engine = {"enforce_eager": False, "backend": "cuda", "expert_parallel": False,
-              "tensor_parallel": False, "experts_on_device": True}  # fmt: skip
+              "tensor_parallel": False, "experts_on_device": True,
+              "async_scheduling": False}  # fmt: skip
     assert graphs_off(**(engine | changes)) == want
 
 

@@ -77,3 +77,26 @@ def test_ctrl_c_mid_step_leaves_the_in_process_engine_usable(qwen3_ckpt) -> None
         assert got == want
     finally:
         llm.shutdown()
+
+
+def test_async_scheduling_gives_the_synchronous_tokens(qwen3_ckpt) -> None:
+    """The real runner with --async-scheduling: its placeholders are filled from the
+    previous step's sampled ids, seeded rows draw at the right output position, and
+    requests that read their outputs (penalties) wait for them: every token as without."""
+    prompts = _prompts(4, 20)
+    params = [
+        PARAMS,
+        SamplingParams(temperature=1.0, seed=7, max_tokens=8),
+        SamplingParams(temperature=0.8, seed=3, max_tokens=5, min_tokens=3, top_k=20),
+        SamplingParams(temperature=0.0, max_tokens=6, repetition_penalty=1.3),
+    ]
+    got = {}
+    for mode in (False, True):
+        llm = LLM(qwen3_ckpt, dtype="float32", multiprocess=False, async_scheduling=mode)
+        try:
+            out = llm.generate(prompts, params, use_tqdm=False)
+            got[mode] = [o.outputs[0].token_ids for o in out]
+        finally:
+            llm.shutdown()
+    assert got[True] == got[False]
+    assert [len(t) for t in got[True]] == [6, 8, 5, 6]

@@ -17,6 +17,7 @@ from tidal.engine_core.request import Request
 from tidal.engine_core.scheduler import Scheduler
 from tidal.engine_core.structured import GrammarBackend
 from tidal.executor.base import Executor
+from tidal.executor.batch import ModelRunnerOutput, PendingRunnerOutput, SchedulerOutput
 from tidal.executor.select import create_executor
 from tidal.protocol.messages import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from tidal.sampling_params import SamplingParams
@@ -40,6 +41,8 @@ class EngineCore:
             config.model.tokenizer, self.vocab_size, config.model.eos_token_ids
         )
         self.scheduler = Scheduler(config.scheduler, config.cache, self.num_blocks, self.grammars)
+        # Async scheduling: the step launched last and not yet processed.
+        self._pending: tuple[SchedulerOutput, PendingRunnerOutput] | None = None
         self.kv_cache_bytes: int = self.executor.call("runner.kv_cache_bytes", self.num_blocks)
         self.sleeping = False  # the KV cache is freed (sleep mode)
         self.weights_freed = False  # and the weights (sleep level 2)
@@ -95,7 +98,10 @@ class EngineCore:
 
     def step(self) -> tuple[dict[int, EngineCoreOutputs], bool]:
         """One schedule -> execute -> update. Returns outputs per client index and whether
-        the model ran (a rank with nothing scheduled returns ({}, False))."""
+        the model ran (a rank with nothing scheduled returns ({}, False)). With async
+        scheduling the update is the previous step's (``_step_async``)."""
+        if self.scheduler.async_scheduling:
+            return self._step_async()
         # has_requests also covers finished-but-unreported requests (abort notices).
         if not self.scheduler.has_requests():
             return {}, False
@@ -108,11 +114,50 @@ class EngineCore:
         outputs = self.scheduler.update_from_output(sched, runner_out)
         return outputs, sched.total_num_scheduled_tokens > 0
 
+    def _step_async(self) -> tuple[dict[int, EngineCoreOutputs], bool]:
+        """Schedule and launch step n+1, then wait for step n and process its output
+        (docs/architecture.md#async-scheduling): the host copy of n's sampled ids and the
+        outputs are built while n+1 runs. "The model ran" is whether n+1 was launched, so a
+        DP rank runs exactly one forward per busy-loop pass, as without async."""
+        pending, self._pending = self._pending, None
+        sched: SchedulerOutput | None = None
+        launched: PendingRunnerOutput | None = None
+        if self.scheduler.has_requests():
+            sched = self.scheduler.schedule()
+            if not sched.is_empty:
+                try:
+                    launched = self.executor.call("runner.execute_model_async", sched)
+                except GroupFailure:
+                    self.scheduler.abandon_step(sched)  # and the pending one: dropped
+                    raise
+        outputs: dict[int, EngineCoreOutputs] = {}
+        if pending is not None:
+            try:
+                output = pending[1].resolve()
+            except GroupFailure:
+                self.scheduler.abandon_step(sched)
+                raise
+            outputs = self.scheduler.update_from_output(pending[0], output)
+        if launched is not None:
+            assert sched is not None
+            self._pending = (sched, launched)
+        elif sched is not None and pending is None:
+            # Nothing launched nor processed: the finish notices and failures still go out.
+            outputs = self.scheduler.update_from_output(sched, ModelRunnerOutput())
+        return outputs, launched is not None
+
+    def abandon_step(self) -> None:
+        """A collective failed (docs/architecture.md#faults): the step in flight, if any,
+        never completes; every running request is preempted by recompute."""
+        self._pending = None
+        self.scheduler.abandon_step()
+
     def execute_dummy_batch(self) -> None:
         self.executor.call("runner.execute_dummy_batch")
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        """Requests here, or a launched step still to process (async scheduling)."""
+        return self.scheduler.has_unfinished_requests() or self._pending is not None
 
     # ---- utility methods (callable by name from clients) -------------------------------
 
@@ -149,7 +194,7 @@ class EngineCore:
             raise ValueError(f"level must be 1 or 2, got {level}")
         if self.sleeping:
             return 0
-        if self.scheduler.has_unfinished_requests():
+        if self.has_unfinished_requests():
             raise RuntimeError("requests are running; sleep when the engine is idle")
         self.scheduler.reset_prefix_cache()  # the blocks' contents are gone
         freed: int = self.executor.call("worker.free_kv_cache")

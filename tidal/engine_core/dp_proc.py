@@ -171,7 +171,7 @@ class DPEngineCoreProc(EngineCoreProc):
         self.num_group_failures += 1
         if self.shell.active:
             self.shell.on_group_failed(cause)  # an operation on the old group rolls back
-        self.engine_core.scheduler.abandon_step()
+        self.engine_core.abandon_step()
         preempted = self.engine_core.scheduler.take_abandoned()  # also those of step()
         self.engine_core.executor.call("worker.abandon_groups")
         self.wave.running = False

@@ -77,6 +77,10 @@ class Request:
         self.output_token_ids: list[int] = list(prompt_token_ids[split:])
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_computed_tokens = 0
+        # Async scheduling (docs/architecture.md#async-scheduling): tokens scheduled to be
+        # sampled whose ids are not back yet (0, 1 or 2). ``num_computed_tokens`` may
+        # count one of them: the decode that feeds it is scheduled before it is known.
+        self.num_output_placeholders = 0
         self.num_cached_tokens = -1  # prefix-cache hit length at first schedule; -1 = not yet
         self.block_ids: list[int] = []
         self.block_hashes: list[int] = []  # chained hashes of full blocks of all_token_ids
@@ -84,6 +88,13 @@ class Request:
         self.stop_reason: int | str | None = None
         # The scheduler's matcher for a structured-output request (docs/architecture.md#structured-outputs).
         self.grammar: RequestGrammar | None = None
+        # Its sampling reads the values of its outputs, not only their count (penalties,
+        # bad words, a grammar): async scheduling samples it only when they are all known.
+        self.reads_outputs = (
+            sampling_params.needs_penalties
+            or bool(sampling_params.bad_words_token_ids)
+            or sampling_params.structured_outputs is not None
+        )
         # Resolved output cap: the request's max_tokens, bounded by the model length.
         limit = (max_model_len - len(self.prompt_token_ids)) if max_model_len else None
         mt = sampling_params.max_tokens

@@ -83,6 +83,7 @@ class Scheduler:
         self.config = scheduler_config
         self.grammars = grammars
         self.max_model_len = scheduler_config.max_model_len
+        self.async_scheduling = scheduler_config.async_scheduling
         self.kv_cache_manager = KVCacheManager(
             num_blocks, cache_config.block_size, cache_config.enable_prefix_caching
         )
@@ -208,7 +209,6 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput(finished_req_ids=self._finished_req_ids)
         self._finished_req_ids = set()
-        self._grammar_errors = {}  # this step's only (an abandoned step's are void)
         budget = self.config.max_num_batched_tokens
         budget = self._schedule_running(out, budget)
         # Admitting new work right after preempting for lack of blocks would only
@@ -253,9 +253,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-            if num_new <= 0:  # waiting for a token the runner did not return
-                i += 1
+            pending = req.num_output_placeholders
+            num_new = min(req.num_tokens + pending - req.num_computed_tokens, budget)
+            if num_new <= 0 or (pending and self._holds_back(req)):
+                i += 1  # waiting for a token the runner has not returned
                 continue
             if not self._allocate_or_preempt(req, num_new, out):
                 break  # it preempted itself, so it was the last running request
@@ -263,6 +264,18 @@ class Scheduler:
             budget -= num_new
             i += 1
         return budget
+
+    def _holds_back(self, req: Request) -> bool:
+        """Async scheduling: whether ``req``, whose last token is not known yet, must wait
+        for it instead of being scheduled on a placeholder: its pending tokens already
+        reach its length cap (no extra token to discard), or its sampling reads its
+        outputs' values."""
+        pending = req.num_output_placeholders
+        return (
+            req.reads_outputs
+            or req.num_output_tokens + pending >= req.max_tokens
+            or req.num_tokens + pending >= self.max_model_len
+        )
 
     def _allocate_or_preempt(self, req: Request, num_new: int, out: SchedulerOutput) -> bool:
         # Victims come from the tail, which is never before ``req``: nothing already
@@ -337,16 +350,22 @@ class Scheduler:
             return [], 0
         return self.kv_cache_manager.get_computed_blocks(req)
 
-    @staticmethod
-    def _add_scheduled(out: SchedulerOutput, req: Request, num_new: int) -> None:
-        out.scheduled.append(ScheduledRequest(req, req.num_computed_tokens, num_new))
-        req.num_computed_tokens += num_new
+    def _add_scheduled(self, out: SchedulerOutput, req: Request, num_new: int) -> None:
+        start = req.num_computed_tokens
+        # A chunk past the known tokens is the one placeholder of a decode.
+        out.scheduled.append(ScheduledRequest(req, start, num_new, start >= req.num_tokens))
+        req.num_computed_tokens = end = start + num_new
+        if self.async_scheduling and end == req.num_tokens + req.num_output_placeholders:
+            req.num_output_placeholders += 1  # it samples: the next decode may feed on it
 
     def _preempt(self, req: Request) -> None:
         """Preempt by recompute: drop the KV, go back to the front of the queue."""
         self.kv_cache_manager.free(req)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
+        # A pending token still arrives (the step that samples it ran) and is appended;
+        # the re-prefill then computes it like any other.
+        req.num_output_placeholders = 0
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)
@@ -361,6 +380,7 @@ class Scheduler:
         Returns how many requests were preempted."""
         if sched is not None:
             self._finished_req_ids |= sched.finished_req_ids
+        self._grammar_errors.clear()  # the abandoned steps' are void
         preempted = 0
         while self.running:
             self._preempt(self.running.pop())  # last first: appendleft keeps the order
@@ -385,11 +405,14 @@ class Scheduler:
         token ``start + 1 + k`` (from the logits at position ``start + k`` of the slice).
         """
         per_client: dict[int, list[EngineCoreOutput]] = defaultdict(list)
-        any_finished = False
+        any_finished = any_preempted = False
         for sched in scheduler_output.scheduled:
             req = self.requests.get(sched.request.request_id)
             if req is None or req is not sched.request:
-                continue  # finished from outside since it was scheduled
+                continue  # finished from outside since it was scheduled (or, async, by
+                # a stop in the step before: this step's extra token is dropped here)
+            # Async: preempted by the step scheduled after this one (it is in waiting).
+            any_preempted |= req.status is RequestStatus.PREEMPTED
             error = runner_output.failed.get(req.request_id)
             error = error or self._grammar_errors.pop(req.request_id, None)
             if error is None and req.grammar is not None:
@@ -408,7 +431,8 @@ class Scheduler:
             any_finished |= req.is_finished
         if any_finished:
             self.running = [r for r in self.running if not r.is_finished]
-        self._grammar_errors.clear()
+            if any_preempted:
+                self.waiting = deque(r for r in self.waiting if not r.is_finished)
         for client, outputs in self._failed_outputs.items():
             per_client[client].extend(outputs)
         self._failed_outputs.clear()
@@ -419,6 +443,8 @@ class Scheduler:
     ) -> EngineCoreOutput | None:
         """``req`` is ``sched.request``, as the scheduler's own ``Request``."""
         rid = req.request_id
+        if req.num_output_placeholders and sched.samples:
+            req.num_output_placeholders -= 1  # its token is here (or the step failed it)
         self.kv_cache_manager.cache_computed_blocks(req)  # before a finish frees them
         new_tokens: list[int] = []
         for token in runner_output.sampled_token_ids.get(rid, ()):
@@ -529,6 +555,7 @@ class Scheduler:
         rid = req.request_id
         del self.requests[rid]
         self._prompt_logprobs_sent.pop(rid, None)
+        self._grammar_errors.pop(rid, None)
         if req.grammar is not None:
             self._num_structured -= 1
         self._finished_req_ids.add(rid)

@@ -11,6 +11,7 @@ Pure Python, no torch: the scheduler imports this module too.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -59,11 +60,16 @@ class ScheduledRequest:
     request: RunnerRequest
     start: int  # request.num_computed_tokens before this step
     num_new_tokens: int  # compute KV for all_token_ids[start : start + num_new_tokens]
+    # Async scheduling (docs/architecture.md#async-scheduling): this one-token chunk is
+    # the token the previous step samples for the request, not yet in ``all_token_ids``;
+    # the runner takes it from that step's sampled ids. Such a chunk always samples.
+    placeholder: bool = False
 
     @property
     def samples(self) -> bool:
-        """True when this chunk reaches the last known token, so the step samples one."""
-        return self.start + self.num_new_tokens == self.request.num_tokens
+        """True when this chunk reaches the last token (known or a placeholder), so the
+        step samples one."""
+        return self.placeholder or self.start + self.num_new_tokens == self.request.num_tokens
 
 
 @dataclass
@@ -94,3 +100,23 @@ class ModelRunnerOutput:
     # req_id -> why the runner could not prepare or sample it. Those requests were left
     # out of this step (their KV for it was not written); the scheduler fails them alone.
     failed: dict[str, str] = field(default_factory=dict)
+
+
+class PendingRunnerOutput(ABC):
+    """A step launched but not waited for (``runner.execute_model_async``): its sampled
+    ids stay where they were sampled until ``resolve``, which the engine core calls one
+    step later, after launching the next step (docs/architecture.md#async-scheduling)."""
+
+    @abstractmethod
+    def resolve(self) -> ModelRunnerOutput:
+        """The step's output, its sampled ids copied to the host (waits for them)."""
+
+
+class ReadyRunnerOutput(PendingRunnerOutput):
+    """An output already on the host (an empty step, or nothing to defer)."""
+
+    def __init__(self, output: ModelRunnerOutput) -> None:
+        self.output = output
+
+    def resolve(self) -> ModelRunnerOutput:
+        return self.output

@@ -53,6 +53,7 @@ class GraphMiss(enum.Enum):
     EXPERT_PARALLEL = "expert_parallel"  # EP dispatch agrees token counts on the host
     TENSOR_PARALLEL = "tensor_parallel"  # the TP collectives are not captured
     EXPERTS_SYNC = "experts_sync"  # CUDA: experts that group tokens on the host
+    ASYNC_SCHEDULING = "async_scheduling"  # placeholder input ids are filled in the eager step
     PREFILL = "prefill"  # prefill chunks only
     MIXED = "mixed"  # decodes and prefill chunks together
     ABOVE_LADDER = "above_ladder"  # more decodes than the largest captured size
@@ -89,6 +90,7 @@ def graphs_off(
     expert_parallel: bool,
     tensor_parallel: bool,
     experts_on_device: bool,
+    async_scheduling: bool = False,
 ) -> GraphMiss | None:
     """Why an engine replays no graph at all (None: it may). ``experts_on_device``: no
     MoE layer reads its routing on the host (``FusedMoE.experts_on_device``); only a CUDA
@@ -103,6 +105,8 @@ def graphs_off(
         return GraphMiss.TENSOR_PARALLEL
     if backend == "cuda" and not experts_on_device:
         return GraphMiss.EXPERTS_SYNC
+    if async_scheduling:
+        return GraphMiss.ASYNC_SCHEDULING
     return None
 
 

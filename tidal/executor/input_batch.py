@@ -25,7 +25,7 @@ the table runs out of rows.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -47,6 +47,9 @@ class Inputs:
     sample_rows: list[int]  # flattened row of the last token of each sampling request
     sample_reqs: list[ScheduledRequest]
     prompt_lp: list[tuple[ScheduledRequest, int, int]]  # (req, first row, count)
+    # Async scheduling: (flattened row, request id) of each placeholder input id (0 here),
+    # to be filled from the previous step's sampled ids.
+    placeholders: list[tuple[int, str]] = field(default_factory=list)
 
 
 def _check_vocab(ids_min: int, ids_max: int, vocab_size: int) -> None:
@@ -64,7 +67,7 @@ def _sampling_rows(
     prompt_lp: list[tuple[ScheduledRequest, int, int]] = []
     for sr, row0 in zip(scheduled, row_of_first):
         req, start, n = sr.request, sr.start, sr.num_new_tokens
-        if start + n == req.num_tokens:  # sr.samples, without the property call
+        if sr.placeholder or start + n == req.num_tokens:  # sr.samples, inlined
             sample_rows.append(row0 + n - 1)
             sample_reqs.append(sr)
         if req.sampling_params.prompt_logprobs is not None:
@@ -83,10 +86,15 @@ def prepare_inputs_reference(
     pos: list[int] = []
     seqs: list[tuple[int, int, list[int]]] = []
     firsts: list[int] = []
+    placeholders: list[tuple[int, str]] = []
     for sr in scheduled:
         req, start, n = sr.request, sr.start, sr.num_new_tokens
         firsts.append(len(ids))
-        ids.extend(req.all_token_ids[start : start + n])
+        if sr.placeholder:
+            placeholders.append((len(ids), req.request_id))
+            ids.append(0)
+        else:
+            ids.extend(req.all_token_ids[start : start + n])
         pos.extend(range(start, start + n))
         seqs.append((start, n, req.block_ids))
     if ids:
@@ -99,6 +107,7 @@ def prepare_inputs_reference(
         sample_rows=sample_rows,
         sample_reqs=sample_reqs,
         prompt_lp=prompt_lp,
+        placeholders=placeholders,
     )
 
 
@@ -205,6 +214,7 @@ class InputBatch:
         ids: list[int] = []
         firsts: list[int] = []
         in_step: set[int] = set()
+        placeholders: list[tuple[int, str]] = []
         for i, sr in enumerate(scheduled):
             req, start, n = sr.request, sr.start, sr.num_new_tokens
             starts[i] = start
@@ -213,7 +223,11 @@ class InputBatch:
             in_step.add(row)
             firsts.append(len(ids))
             if n == 1:  # a decode: one token, no slice
-                ids.append(req.all_token_ids[start])
+                if sr.placeholder:  # not known here yet: the runner fills it in
+                    placeholders.append((len(ids), req.request_id))
+                    ids.append(0)
+                else:
+                    ids.append(req.all_token_ids[start])
             else:
                 ids.extend(req.all_token_ids[start : start + n])
         ids_np = np.array(ids, dtype=np.int64)  # [T]
@@ -245,6 +259,7 @@ class InputBatch:
             sample_rows=sample_rows,
             sample_reqs=sample_reqs,
             prompt_lp=prompt_lp,
+            placeholders=placeholders,
         )
 
     def prepare_decode(self, sched: SchedulerOutput | list[ScheduledRequest]) -> DecodeStep:
@@ -300,5 +315,6 @@ def row_info(sr: ScheduledRequest, bitmask: bytes | None) -> RowInfo:
         prompt_token_ids=req.prompt_token_ids,
         output_token_ids=req.output_token_ids,
         eos_token_id=req.eos_token_id,
+        num_pending_outputs=int(sr.placeholder),  # the placeholder is an output too
         grammar_bitmask=bitmask,
     )

@@ -49,7 +49,14 @@ import torch
 
 from tidal.config import EngineConfig
 from tidal.distributed.tensor_parallel import TensorParallel
-from tidal.executor.batch import NULL_BLOCK_ID, ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from tidal.executor.batch import (
+    NULL_BLOCK_ID,
+    ModelRunnerOutput,
+    PendingRunnerOutput,
+    ReadyRunnerOutput,
+    ScheduledRequest,
+    SchedulerOutput,
+)
 from tidal.executor.graphs import (
     GRAPH_BACKENDS,
     DecodeGraphs,
@@ -106,6 +113,10 @@ class ModelRunner:
         # What load_model loaded, so a sleep at level 2 can load it again.
         self._local_expert_ids: list[int] | None = None
         self._sleep_layout: list[list[int]] | None = None
+        # Async scheduling: the last launched step's sampled ids ([N] int64, where they
+        # were sampled) and each sampling request's index in them: the next step's
+        # placeholder input ids.
+        self._last_sampled: tuple[torch.Tensor, dict[str, int]] | None = None
         self.graphs = self._make_graphs()
 
     def _make_graphs(self) -> DecodeGraphs:
@@ -330,6 +341,7 @@ class ModelRunner:
             expert_parallel=self.ep_group is not None,
             tensor_parallel=self.tp.size > 1,
             experts_on_device=all(m.experts_on_device for m in layers),
+            async_scheduling=self.config.scheduler.async_scheduling,
         )
         self.graphs.capture(self._padded_forward, lambda: list(self.kv_caches), off)
 
@@ -371,9 +383,37 @@ class ModelRunner:
     @rpc(Reduce.FIRST, reply=ReplyMode.DRIVER)
     @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        out, sampled = self._execute(sched)
+        if sampled is not None:
+            rids, tokens = sampled
+            for rid, tok in zip(rids, tokens.tolist()):  # the step's one host sync
+                out.sampled_token_ids[rid] = [tok]
+        return out
+
+    # In-process only (async scheduling needs tensor_parallel_size 1): the reply holds
+    # tensors.
+    @rpc(Reduce.FIRST, reply=ReplyMode.DRIVER)
+    @torch.inference_mode()
+    def execute_model_async(self, sched: SchedulerOutput) -> PendingRunnerOutput:
+        """``execute_model`` without waiting (docs/architecture.md#async-scheduling): the
+        sampled ids stay on the device, their host copy is queued behind the step, and
+        ``resolve`` waits for it. Placeholder input ids come from the previous call's
+        sampled ids."""
+        out, sampled = self._execute(sched)
+        self._last_sampled = None
+        if sampled is None:
+            return ReadyRunnerOutput(out)
+        rids, tokens = sampled
+        self._last_sampled = (tokens, {rid: i for i, rid in enumerate(rids)})
+        return _SampledOnDevice(out, rids, tokens)
+
+    def _execute(
+        self, sched: SchedulerOutput
+    ) -> tuple[ModelRunnerOutput, tuple[list[str], torch.Tensor] | None]:
+        """One step; the sampled ids ([N] int64, on the device) left to the caller."""
         out = ModelRunnerOutput()
         if sched.is_empty:
-            return out
+            return out, None
         decode = self._graph_step(sched)
         if decode is not None:
             step, size = decode
@@ -386,15 +426,36 @@ class ModelRunner:
                 # collectives (and in the same forward count for EPLB).
                 if self.ep_group is not None:
                     self.execute_dummy_batch()
-                return out
+                return out, None
+            if inputs.placeholders:
+                self._fill_placeholders(inputs)
             hidden = self._forward(inputs.input_ids, inputs.positions, inputs.attn)  # [T, H]
             rows = inputs
+        sampled = None
         if rows.sample_reqs:
-            self._sample(hidden, rows.sample_rows, rows.sample_reqs, out, sched.grammar_bitmask)
+            sampled = self._sample(
+                hidden, rows.sample_rows, rows.sample_reqs, out, sched.grammar_bitmask
+            )
         if rows.prompt_lp:
             self._prompt_logprobs(hidden, rows.prompt_lp, out)
         self._end_step(is_dummy=False)
-        return out
+        return out, sampled
+
+    def _fill_placeholders(self, inputs: Inputs) -> None:
+        """Write the previous step's sampled ids into the placeholder input ids, on the
+        device. A request missing there failed in that step: its placeholder stays 0 and
+        its output of this step is dropped with it."""
+        last = self._last_sampled
+        if last is None:
+            return
+        tokens, index = last
+        rows = [row for row, rid in inputs.placeholders if rid in index]
+        src = [index[rid] for _, rid in inputs.placeholders if rid in index]
+        if rows:
+            device = inputs.input_ids.device
+            dst = torch.tensor(rows, dtype=torch.long).to(device, non_blocking=True)
+            idx = torch.tensor(src, dtype=torch.long).to(device, non_blocking=True)
+            inputs.input_ids.index_copy_(0, dst, tokens.index_select(0, idx))
 
     def _graph_step(self, sched: SchedulerOutput) -> tuple[DecodeStep, int] | None:
         """The step's arrays and padded size when a graph replays it, else None (eager);
@@ -507,23 +568,29 @@ class ModelRunner:
         reqs: list[ScheduledRequest],
         out: ModelRunnerOutput,
         bitmasks: dict[str, bytes],
-    ) -> None:
+    ) -> tuple[list[str], torch.Tensor] | None:
+        """The sampled requests' ids and their tokens ([N] int64, on the device; None on
+        a TP worker other than the driver, which samples nothing)."""
         rows = torch.tensor(sample_rows, dtype=torch.long, device=hidden.device)
         logits = self.model.compute_logits(hidden.index_select(0, rows))  # [N, V] float32
         if logits is None:  # a TP worker other than the driver: only the driver samples
-            return
+            return None
         # Seeded rows draw from fresh per-position generators, so the row-by-row retry
         # draws what an untroubled step would have (seeded = reproducible: docs/architecture.md#elastic-migration).
         try:
-            self._sample_rows(logits, reqs, out, bitmasks)
-            return
+            tokens = self._sample_rows(logits, reqs, out, bitmasks)
+            return [sr.request.request_id for sr in reqs], tokens
         except Exception as e:  # noqa: BLE001 - find the culprit(s) below
             logger.warning("sampling a batch failed (%s); sampling its rows one by one", e)
+        rids: list[str] = []
+        parts: list[torch.Tensor] = []
         for i, sr in enumerate(reqs):
             try:
-                self._sample_rows(logits[i : i + 1], [sr], out, bitmasks)
+                parts.append(self._sample_rows(logits[i : i + 1], [sr], out, bitmasks))
+                rids.append(sr.request.request_id)
             except Exception as e:  # noqa: BLE001 - this request fails, the others go on
                 out.failed[sr.request.request_id] = _error("sampling", e)
+        return (rids, torch.cat(parts)) if parts else None
 
     def _sample_rows(
         self,
@@ -531,17 +598,16 @@ class ModelRunner:
         reqs: list[ScheduledRequest],
         out: ModelRunnerOutput,
         bitmasks: dict[str, bytes],
-    ) -> None:
-        """Sample one token for each of ``reqs`` (logits [len(reqs), V]); writes ``out``
-        only once every row succeeded. ``bitmasks``: the grammar-constrained rows'."""
+    ) -> torch.Tensor:
+        """Sample one token for each of ``reqs`` (logits [len(reqs), V]) -> [len(reqs)]
+        int64; writes ``out`` (logprobs) only once every row succeeded. ``bitmasks``: the
+        grammar-constrained rows'."""
         meta = self.input_batch.sampling_metadata(reqs, bitmasks, logits.device)
         result = self.sampler(logits, meta)
-        tokens = result.token_ids.tolist()
-        for sr, tok, lp in zip(reqs, tokens, result.logprobs):
-            rid = sr.request.request_id
-            out.sampled_token_ids[rid] = [tok]
+        for sr, lp in zip(reqs, result.logprobs):
             if lp is not None:
-                out.logprobs[rid] = [lp]
+                out.logprobs[sr.request.request_id] = [lp]
+        return result.token_ids
 
     def _prompt_logprobs(
         self,
@@ -564,6 +630,31 @@ class ModelRunner:
                 out.failed[req.request_id] = _error("computing prompt logprobs", e)
                 continue
             out.prompt_logprobs[req.request_id] = lps
+
+
+class _SampledOnDevice(PendingRunnerOutput):
+    """A step's output whose sampled ids are still on the device: their copy into pinned
+    host memory is queued behind the step now (before the next step is launched, so
+    waiting for it never waits for that one) and ``resolve`` waits for the copy alone."""
+
+    def __init__(self, out: ModelRunnerOutput, rids: list[str], tokens: torch.Tensor) -> None:
+        self._out, self._rids = out, rids
+        self._event: torch.cuda.Event | None = None
+        if tokens.device.type == "cuda":
+            self._host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            self._host.copy_(tokens, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._host = tokens  # [N] int64
+
+    def resolve(self) -> ModelRunnerOutput:
+        if self._event is not None:
+            self._event.synchronize()
+        out = self._out
+        for rid, tok in zip(self._rids, self._host.tolist()):
+            out.sampled_token_ids[rid] = [tok]
+        return out
 
 
 def num_experts(config: EngineConfig) -> int:

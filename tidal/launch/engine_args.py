@@ -169,6 +169,12 @@ class EngineArgs(_EngineArgsFields):
             generation_config=self.generation_config,
         )
         parallel = self._parallel_config(hf_config, arch)
+        if self.async_scheduling and parallel.tensor_parallel_size > 1:
+            # Only the driver samples: the other workers could not fill a placeholder.
+            raise ValueError(
+                f"async_scheduling with tensor_parallel_size {parallel.tensor_parallel_size}: "
+                "async scheduling runs with tensor_parallel_size 1 (use --dp/--ep to scale)"
+            )
         if quantization is not None and parallel.tensor_parallel_size > 1:
             raise ValueError(
                 f"quantization {quantization!r} with tensor_parallel_size "

@@ -54,9 +54,17 @@ class RowInfo:
     # Generated so far; its length is the output position of the token sampled now.
     output_token_ids: list[int] = field(default_factory=list)
     eos_token_id: int | None = None
+    # Sampled but not yet in output_token_ids (async scheduling: the previous step's
+    # token, still on the device): 0 or 1. Counted in the output position.
+    num_pending_outputs: int = 0
     # The tokens its grammar allows now (structured outputs): [ceil(V / 32)] int32 as
     # little-endian bytes, bit t % 32 of word t // 32 = token t (the scheduler's).
     grammar_bitmask: bytes | None = None
+
+    @property
+    def output_position(self) -> int:
+        """The output position of the token sampled now."""
+        return len(self.output_token_ids) + self.num_pending_outputs
 
 
 @dataclass
@@ -143,7 +151,7 @@ class SamplingMetadata:
             top_p=top_p,
             min_p=min_p,
             generators={
-                i: position_generator(r.params.seed, len(r.output_token_ids), device)
+                i: position_generator(r.params.seed, r.output_position, device)
                 for i, r in enumerate(rows)
                 if sampled[i] and r.params.seed is not None
             },
@@ -259,7 +267,7 @@ def _min_tokens_pairs(rows: list[RowInfo]) -> tuple[list[int], list[int]]:
     mt_ids: list[int] = []
     for i, r in enumerate(rows):
         p = r.params
-        if len(r.output_token_ids) >= p.min_tokens:
+        if r.output_position >= p.min_tokens:
             continue
         ids = set(p.stop_token_ids)
         if r.eos_token_id is not None and not p.ignore_eos:
