@@ -14,10 +14,14 @@ host us per step and per request per step (the issue's target: <= 10 us per requ
 step). With ``--random`` half of the requests sample (temperature, top-k, top-p, one in
 eight seeded) instead of greedy.
 
+``--async``: also this tree with ``--async-scheduling`` (docs/architecture.md#async-scheduling),
+the row ``head_async``. Against the null model nothing overlaps (the CPU "forward" is
+synchronous): the row is the async path's own host cost, not its overlap with a device.
+
 ``--base REV``: that commit's tree (``git archive``, serving.py's ``previous_commit``) runs
 under this copy of the script (the null model reaches only interfaces both sides have),
-each side in its own process, the order alternating per round, so a burst of load hits both.
-Prints one JSON document with the CPU model, both sides and the ratio head / base.
+each side in its own process, the order rotating per round, so a burst of load hits all.
+Prints one JSON document with the CPU model, the sides and the ratios to base.
 """
 
 from __future__ import annotations
@@ -66,7 +70,7 @@ class NullModel:
         return getattr(self._model, name)
 
 
-def _engine(ckpt: str, num_seqs: int, max_len: int) -> Any:
+def _engine(ckpt: str, num_seqs: int, max_len: int, async_scheduling: bool) -> Any:
     import torch
 
     from tidal.engine_core.core import EngineCore
@@ -80,6 +84,8 @@ def _engine(ckpt: str, num_seqs: int, max_len: int) -> Any:
         max_model_len=max_len,
         max_num_batched_tokens=max(2048, num_seqs * PROMPT_LEN),
         num_gpu_blocks_override=num_seqs * -(-max_len // 16) + 1,
+        # Only when on: a base tree from before the option has no such field.
+        **({"async_scheduling": True} if async_scheduling else {}),
     ).create_engine_config()
     executor = UniProcExecutor(config)
     core = EngineCore(config, executor)
@@ -104,7 +110,13 @@ def _params(i: int, max_tokens: int, random: bool) -> Any:
 
 
 def measure(
-    ckpt: str, sizes: list[int], steps: int, repeats: int, random: bool, profile: int
+    ckpt: str,
+    sizes: list[int],
+    steps: int,
+    repeats: int,
+    random: bool,
+    profile: int,
+    async_scheduling: bool = False,
 ) -> dict:
     """This tree's numbers: per size, host us per step (median window) and per request."""
     from tidal.protocol.messages import EngineCoreRequest
@@ -112,7 +124,7 @@ def measure(
     total_steps = 8 + steps * repeats
     out: dict[str, Any] = {}
     for n in sizes:
-        core = _engine(ckpt, n, PROMPT_LEN + total_steps + 8)
+        core = _engine(ckpt, n, PROMPT_LEN + total_steps + 8, async_scheduling)
         try:
             for i in range(n):
                 prompt = [(i * 31 + j) % 500 + 1 for j in range(PROMPT_LEN)]
@@ -150,13 +162,13 @@ def measure(
     return out
 
 
-def _side(tree: Path, ckpt: str, args: argparse.Namespace) -> dict:
+def _side(tree: Path, ckpt: str, args: argparse.Namespace, async_scheduling: bool) -> dict:
     """Run ``tree``'s copy of this script (``--side``) with ``tree`` first on the path."""
     env = dict(os.environ, PYTHONPATH=str(tree))
     cmd = [
         sys.executable, str(HERE / "host_overhead.py"), "--side", ckpt,
         "--sizes", args.sizes, "--steps", str(args.steps), "--repeats", str(args.repeats),
-    ] + (["--random"] if args.random else [])  # fmt: skip
+    ] + (["--random"] if args.random else []) + (["--async"] if async_scheduling else [])  # fmt: skip
     proc = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
         raise RuntimeError(f"side {tree} failed (rc {proc.returncode}):\n{proc.stderr[-4000:]}")
@@ -172,6 +184,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=2, help="--base: alternating rounds per side")
     p.add_argument("--random", action="store_true", help="half the requests sample (not greedy)")
     p.add_argument("--profile", type=int, default=0, help="cProfile the case of this many requests")
+    p.add_argument(
+        "--async", dest="async_scheduling", action="store_true",
+        help="also measure this tree with --async-scheduling (row head_async)",
+    )  # fmt: skip
     p.add_argument("--side", help=argparse.SUPPRESS)  # internal: measure this tree on this ckpt
     args = p.parse_args(argv)
     sizes = [int(s) for s in args.sizes.split(",") if s.strip()]
@@ -180,7 +196,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.steps < 1 or args.repeats < 1 or args.rounds < 1:
         p.error("--steps, --repeats and --rounds must be >= 1")
     if args.side:
-        print(json.dumps(measure(args.side, sizes, args.steps, args.repeats, args.random, 0)))
+        doc = measure(args.side, sizes, args.steps, args.repeats, args.random, 0,
+                      args.async_scheduling)  # fmt: skip
+        print(json.dumps(doc))
         return 0
 
     from tidal.kernels.select import cpu_description
@@ -200,6 +218,10 @@ def main(argv: list[str] | None = None) -> int:
                                     max_position_embeddings=4096)  # fmt: skip
         if args.base is None:
             doc["head"] = measure(ckpt, sizes, args.steps, args.repeats, args.random, args.profile)
+            if args.async_scheduling:
+                doc["head_async"] = measure(
+                    ckpt, sizes, args.steps, args.repeats, args.random, args.profile, True
+                )
             print(json.dumps(doc, indent=1))
             return 0
         sys.path.insert(0, str(HERE))
@@ -210,13 +232,14 @@ def main(argv: list[str] | None = None) -> int:
             check=True,
         ).stdout.strip()  # fmt: skip
         doc["base_rev"] = base_rev
-        runs: dict[str, list[dict]] = {"head": [], "base": []}
+        sides = ["head", "base"] + (["head_async"] if args.async_scheduling else [])
+        runs: dict[str, list[dict]] = {side: [] for side in sides}
         with previous_commit(args.base) as base_tree:
-            trees = {"head": REPO, "base": base_tree}
+            trees = {"head": REPO, "head_async": REPO, "base": base_tree}
             for r in range(args.rounds):
-                for side in ("head", "base") if r % 2 == 0 else ("base", "head"):
+                for side in sides[r % len(sides) :] + sides[: r % len(sides)]:
                     print(f"[host_overhead] round {r} {side}", file=sys.stderr, flush=True)
-                    runs[side].append(_side(trees[side], ckpt, args))
+                    runs[side].append(_side(trees[side], ckpt, args, side == "head_async"))
     for side, results in runs.items():
         doc[side] = {
             str(n): {
@@ -228,10 +251,11 @@ def main(argv: list[str] | None = None) -> int:
             }
             for n in sizes
         }
-    doc["head_over_base"] = {
-        str(n): round(doc["head"][str(n)]["us_per_step"] / doc["base"][str(n)]["us_per_step"], 3)
-        for n in sizes
-    }
+    for side in sides[:1] + sides[2:]:
+        doc[f"{side}_over_base"] = {
+            str(n): round(doc[side][str(n)]["us_per_step"] / doc["base"][str(n)]["us_per_step"], 3)
+            for n in sizes
+        }
     print(json.dumps(doc, indent=1))
     return 0
 

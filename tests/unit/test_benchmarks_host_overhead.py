@@ -22,9 +22,15 @@ def bench():
     return mod
 
 
-def test_measures_steady_decode_against_the_null_model(bench, qwen3_ckpt):
-    out = bench.measure(qwen3_ckpt, [1, 3], steps=2, repeats=2, random=True, profile=0)
-    assert set(out) == {"1", "3"}
+@pytest.mark.parametrize(("async_scheduling", "sizes"), [(False, [1, 3]), (True, [3])])
+def test_measures_steady_decode_against_the_null_model(
+    bench, qwen3_ckpt, async_scheduling, sizes
+):
+    out = bench.measure(
+        qwen3_ckpt, sizes, steps=2, repeats=2, random=True, profile=0,
+        async_scheduling=async_scheduling,
+    )  # fmt: skip
+    assert set(out) == {str(n) for n in sizes}
     for n, row in out.items():
         assert len(row["windows_us"]) == 2 and all(w > 0 for w in row["windows_us"])
         assert row["us_per_request_step"] == pytest.approx(row["us_per_step"] / int(n), abs=0.1)

@@ -178,8 +178,6 @@ class KVCacheManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.block_pool = BlockPool(num_blocks, enable_prefix_caching)
-        # request id -> leading blocks of its table already offered to the cache.
-        self._num_cached_blocks: dict[str, int] = {}
         self.prefix_cache_queries = 0  # tokens looked up (cumulative)
         self.prefix_cache_hits = 0  # of which found in the cache (cumulative)
 
@@ -264,9 +262,8 @@ class KVCacheManager:
         """
         if not self.enable_prefix_caching:
             return
-        rid = request.request_id
         num_full = min(request.num_computed_tokens // self.block_size, len(request.block_ids))
-        start = self._num_cached_blocks.get(rid, 0)
+        start = request.num_cached_blocks
         if num_full <= start:
             return
         self._ensure_block_hashes(request, num_full)
@@ -274,13 +271,13 @@ class KVCacheManager:
             bid = request.block_ids[i]
             if self.block_pool.blocks[bid].block_hash is None:  # not a hit nor registered
                 self.block_pool.cache_block(bid, request.block_hashes[i])
-        self._num_cached_blocks[rid] = num_full
+        request.num_cached_blocks = num_full
 
     def free(self, request: Request) -> None:
         """Release the request's blocks, last block first, and clear its block table."""
         self.block_pool.free(reversed(request.block_ids))
         request.block_ids = []
-        self._num_cached_blocks.pop(request.request_id, None)
+        request.num_cached_blocks = 0
 
     def reset_prefix_cache(self) -> bool:
         self.block_pool.reset_prefix_cache()

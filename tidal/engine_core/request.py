@@ -66,6 +66,10 @@ class Request:
         # Checked against every sampled token: a set, whatever the list's length.
         self.stop_token_ids = frozenset(sampling_params.stop_token_ids)
         self.eos_token_id = eos_token_id
+        # The tokens that may stop it (stop ids, and EOS unless ignored): a sampled token
+        # outside them stops it only by length (or its grammar), checked without a call.
+        eos = () if eos_token_id is None or sampling_params.ignore_eos else (eos_token_id,)
+        self.stopping_token_ids = self.stop_token_ids.union(eos)
         self.client_index = client_index
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         # This engine's clock (arrival_time may be the frontend's): the request's timings.
@@ -84,6 +88,9 @@ class Request:
         self.num_cached_tokens = -1  # prefix-cache hit length at first schedule; -1 = not yet
         self.block_ids: list[int] = []
         self.block_hashes: list[int] = []  # chained hashes of full blocks of all_token_ids
+        # Leading blocks of block_ids already offered to the prefix cache (the KV cache
+        # manager's, like the two above).
+        self.num_cached_blocks = 0
         self.num_preemptions = 0
         self.stop_reason: int | str | None = None
         # The scheduler's matcher for a structured-output request (docs/architecture.md#structured-outputs).

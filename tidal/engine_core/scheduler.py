@@ -37,6 +37,7 @@ import logging
 import time
 from collections import defaultdict, deque
 from collections.abc import Iterable
+from typing import NamedTuple
 
 from tidal.config import CacheConfig, SchedulerConfig
 from tidal.engine_core.kv_cache import KVCacheManager
@@ -250,15 +251,21 @@ class Scheduler:
                 out.grammar_bitmask[r.request_id] = m
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        running = self.running
+        block_size = self.kv_cache_manager.block_size
         i = 0
-        while i < len(self.running) and budget > 0:
-            req = self.running[i]
+        while i < len(running) and budget > 0:
+            req = running[i]
             pending = req.num_output_placeholders
-            num_new = min(req.num_tokens + pending - req.num_computed_tokens, budget)
+            start = req.num_computed_tokens
+            num_new = min(len(req.all_token_ids) + pending - start, budget)
             if num_new <= 0 or (pending and self._holds_back(req)):
                 i += 1  # waiting for a token the runner has not returned
                 continue
-            if not self._allocate_or_preempt(req, num_new, out):
+            # Most steps a decode fits the blocks it has: no allocation call.
+            if start + num_new > len(req.block_ids) * block_size and not (
+                self._allocate_or_preempt(req, num_new, out)
+            ):
                 break  # it preempted itself, so it was the last running request
             self._add_scheduled(out, req, num_new)
             budget -= num_new
@@ -352,10 +359,11 @@ class Scheduler:
 
     def _add_scheduled(self, out: SchedulerOutput, req: Request, num_new: int) -> None:
         start = req.num_computed_tokens
+        num_tokens = len(req.all_token_ids)
         # A chunk past the known tokens is the one placeholder of a decode.
-        out.scheduled.append(ScheduledRequest(req, start, num_new, start >= req.num_tokens))
+        out.scheduled.append(ScheduledRequest(req, start, num_new, start >= num_tokens))
         req.num_computed_tokens = end = start + num_new
-        if self.async_scheduling and end == req.num_tokens + req.num_output_placeholders:
+        if self.async_scheduling and end == num_tokens + req.num_output_placeholders:
             req.num_output_placeholders += 1  # it samples: the next decode may feed on it
 
     def _preempt(self, req: Request) -> None:
@@ -406,21 +414,35 @@ class Scheduler:
         """
         per_client: dict[int, list[EngineCoreOutput]] = defaultdict(list)
         any_finished = any_preempted = False
+        requests = self.requests
+        failed = runner_output.failed
+        grammar_errors = self._grammar_errors
+        sampled = runner_output.sampled_token_ids
+        # The step's parts that most steps lack are looked up only when present.
+        kv = self.kv_cache_manager
+        step = _StepOutput(
+            runner_output,
+            kv.block_size if kv.enable_prefix_caching else 0,
+            bool(runner_output.logprobs),
+            bool(runner_output.prompt_logprobs),
+        )
         for sched in scheduler_output.scheduled:
-            req = self.requests.get(sched.request.request_id)
-            if req is None or req is not sched.request:
+            req = sched.request
+            if requests.get(req.request_id) is not req:
                 continue  # finished from outside since it was scheduled (or, async, by
                 # a stop in the step before: this step's extra token is dropped here)
+            assert isinstance(req, Request)  # the scheduler's own
             # Async: preempted by the step scheduled after this one (it is in waiting).
             any_preempted |= req.status is RequestStatus.PREEMPTED
-            error = runner_output.failed.get(req.request_id)
-            error = error or self._grammar_errors.pop(req.request_id, None)
+            error = None
+            if failed or grammar_errors:
+                error = failed.get(req.request_id) or grammar_errors.pop(req.request_id, None)
             if error is None and req.grammar is not None:
-                error = _advance_grammar(req, runner_output.sampled_token_ids.get(req.request_id))
+                error = _advance_grammar(req, sampled.get(req.request_id))
             output: EngineCoreOutput | None = None
             try:
                 if error is None:
-                    output = self._update_request(req, sched, runner_output)
+                    output = self._update_request(req, sched, step)
             except Exception as e:  # noqa: BLE001 - one request's failure is its own
                 logger.exception("updating request %r failed", req.request_id)
                 error = f"internal error while updating the request: {type(e).__name__}: {e}"
@@ -428,7 +450,7 @@ class Scheduler:
                 output = self._fail_request(req, error)
             if output is not None:
                 per_client[req.client_index].append(output)
-            any_finished |= req.is_finished
+                any_finished |= output.finish_reason is not None
         if any_finished:
             self.running = [r for r in self.running if not r.is_finished]
             if any_preempted:
@@ -439,40 +461,57 @@ class Scheduler:
         return self._group_outputs(per_client)
 
     def _update_request(
-        self, req: Request, sched: ScheduledRequest, runner_output: ModelRunnerOutput
+        self, req: Request, sched: ScheduledRequest, step: _StepOutput
     ) -> EngineCoreOutput | None:
-        """``req`` is ``sched.request``, as the scheduler's own ``Request``."""
+        """Append ``req``'s sampled tokens of the step, apply the stop rules; its output
+        (None when there is nothing to say). The per-request cost of every step at high
+        batch sizes: a decode's path is a few attribute reads and one struct."""
         rid = req.request_id
         if req.num_output_placeholders and sched.samples:
             req.num_output_placeholders -= 1  # its token is here (or the step failed it)
-        self.kv_cache_manager.cache_computed_blocks(req)  # before a finish frees them
+        if step.block_size and req.num_computed_tokens >= (req.num_cached_blocks + 1) * (
+            step.block_size
+        ):  # a block filled: offer it to the prefix cache, before a finish frees it
+            self.kv_cache_manager.cache_computed_blocks(req)
+        tokens = step.output.sampled_token_ids.get(rid)
         new_tokens: list[int] = []
-        for token in runner_output.sampled_token_ids.get(rid, ()):
-            req.append_output_token(token)
-            new_tokens.append(token)
-            self.num_generation_tokens_total += 1
-            if self._check_stop(req):
-                break
-        prompt_lps = self._new_prompt_logprobs(sched, runner_output)
-        if new_tokens and req.first_token_time is None:
-            req.first_token_time = time.monotonic()
-        if not (new_tokens or prompt_lps or req.is_finished):
+        if tokens:
+            outputs, all_ids = req.output_token_ids, req.all_token_ids
+            for token in tokens:
+                outputs.append(token)
+                all_ids.append(token)
+                new_tokens.append(token)
+                # Only a stopping token, a length cap or a grammar can stop it.
+                if (
+                    token in req.stopping_token_ids
+                    or len(outputs) >= req.max_tokens
+                    or len(all_ids) >= self.max_model_len
+                    or req.grammar is not None
+                ) and self._check_stop(req):
+                    break
+            self.num_generation_tokens_total += len(new_tokens)
+            if req.first_token_time is None:
+                req.first_token_time = time.monotonic()
+        prompt_lps = self._new_prompt_logprobs(sched, step.output) if step.prompt_lps else None
+        finished = req.status >= RequestStatus.FINISHED_STOPPED
+        if not (new_tokens or prompt_lps or finished):
             return None
-        logprobs = runner_output.logprobs.get(rid)
-        if logprobs is not None:
+        logprobs = None
+        if step.logprobs and (logprobs := step.output.logprobs.get(rid)) is not None:
             logprobs = logprobs[: len(new_tokens)]
-        finish_reason = _FINISH_REASONS.get(req.status)
-        if req.is_finished:
-            self._release(req)
+        if not finished:  # (num_cached_tokens is set once it was scheduled)
+            return EngineCoreOutput(rid, new_tokens, logprobs, prompt_lps, None, None,
+                                    req.num_cached_tokens)  # fmt: skip
+        self._release(req)
         return EngineCoreOutput(
             request_id=rid,
             new_token_ids=new_tokens,
             new_logprobs=logprobs,
             new_prompt_logprobs=prompt_lps,
-            finish_reason=finish_reason,
+            finish_reason=_FINISH_REASONS[req.status],
             stop_reason=req.stop_reason,
             num_cached_tokens=max(req.num_cached_tokens, 0),
-            timings=_timings(req) if req.is_finished else None,
+            timings=_timings(req),
         )
 
     def _fail_request(self, req: Request, message: str) -> EngineCoreOutput:
@@ -592,6 +631,15 @@ class Scheduler:
                 f"max_num_batched_tokens ({self.config.max_num_batched_tokens}) without "
                 "chunked prefill"
             )
+
+
+class _StepOutput(NamedTuple):
+    """A step's runner output and which of its optional parts it has."""
+
+    output: ModelRunnerOutput
+    block_size: int  # with prefix caching (full blocks are offered to it), else 0
+    logprobs: bool
+    prompt_lps: bool
 
 
 def _advance_grammar(req: Request, tokens: list[int] | None) -> str | None:

@@ -67,7 +67,7 @@ def _sampling_rows(
     prompt_lp: list[tuple[ScheduledRequest, int, int]] = []
     for sr, row0 in zip(scheduled, row_of_first):
         req, start, n = sr.request, sr.start, sr.num_new_tokens
-        if sr.placeholder or start + n == req.num_tokens:  # sr.samples, inlined
+        if sr.placeholder or start + n == len(req.all_token_ids):  # sr.samples, inlined
             sample_rows.append(row0 + n - 1)
             sample_reqs.append(sr)
         if req.sampling_params.prompt_logprobs is not None:
