@@ -78,11 +78,12 @@ def _assert_same(got: Inputs, want: Inputs) -> None:
     _tensor_equal(got.input_ids, want.input_ids)
     _tensor_equal(got.positions, want.positions)
     _assert_same_attn(got.attn, want.attn)
-    assert got.sample_rows == want.sample_rows
+    assert got.sample_rows.tolist() == want.sample_rows.tolist()
     assert [sr.request for sr in got.sample_reqs] == [sr.request for sr in want.sample_reqs]
     assert [(sr.request, a, b) for sr, a, b in got.prompt_lp] == [
         (sr.request, a, b) for sr, a, b in want.prompt_lp
     ]
+    assert got.placeholders == want.placeholders
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -114,19 +115,25 @@ def test_persistent_batch_equals_the_list_build(seed: int) -> None:
             elif roll < 0.15:  # a worker's resent copy: no notice, new objects
                 running[running.index(req)] = req.resent()
         scheduled: list[ScheduledRequest] = []
+        late: list[FakeRequest] = []  # async scheduling: their token arrives after the step
         for req in running:
             if req.request_id in preempted or rng.random() < 0.1:  # not this step
                 continue
+            placeholder = False
             if req.computed == req.num_tokens:  # last step sampled: its token arrives
-                tok = rng.randrange(2, VOCAB)
-                req.output_token_ids.append(tok)
-                req.all_token_ids.append(tok)
-            n = min(req.num_tokens - req.computed, rng.randint(1, 24))
+                placeholder = rng.random() < 0.3  # ... or, async, after this step
+                if placeholder:
+                    late.append(req)
+                else:
+                    tok = rng.randrange(2, VOCAB)
+                    req.output_token_ids.append(tok)
+                    req.all_token_ids.append(tok)
+            n = 1 if placeholder else min(req.num_tokens - req.computed, rng.randint(1, 24))
             need = -(-(req.computed + n) // block_size) - len(req.block_ids)
             req.block_ids.extend(free.pop() for _ in range(max(0, need)))
             if rng.random() < 0.1:  # a spare block beyond what the chunk needs
                 req.block_ids.append(free.pop())
-            scheduled.append(ScheduledRequest(req, req.computed, n))
+            scheduled.append(ScheduledRequest(req, req.computed, n, placeholder))
             req.computed += n
         sched = SchedulerOutput(
             scheduled=scheduled,
@@ -135,15 +142,18 @@ def test_persistent_batch_equals_the_list_build(seed: int) -> None:
             finished_req_ids=finished,
         )
         finished, preempted = set(), set()
-        if not scheduled:
-            continue
-        want = prepare_inputs_reference(scheduled, block_size, VOCAB, "cpu")
-        _assert_same(batch.prepare(sched), want)
-        # A bare list (the runner's one-by-one retry) reads the same state.
-        _assert_same(
-            batch.prepare(scheduled[:1]),
-            prepare_inputs_reference(scheduled[:1], block_size, VOCAB, "cpu"),
-        )
+        if scheduled:
+            want = prepare_inputs_reference(scheduled, block_size, VOCAB, "cpu")
+            _assert_same(batch.prepare(sched), want)
+            # A bare list (the runner's one-by-one retry) reads the same state.
+            _assert_same(
+                batch.prepare(scheduled[:1]),
+                prepare_inputs_reference(scheduled[:1], block_size, VOCAB, "cpu"),
+            )
+        for req in late:
+            tok = rng.randrange(2, VOCAB)
+            req.output_token_ids.append(tok)
+            req.all_token_ids.append(tok)
 
 
 def test_errors_match_the_list_build() -> None:

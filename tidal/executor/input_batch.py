@@ -44,7 +44,7 @@ class Inputs:
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64
     attn: AttentionMetadata
-    sample_rows: list[int]  # flattened row of the last token of each sampling request
+    sample_rows: np.ndarray  # [N] int64: flattened row of each sampling request's last token
     sample_reqs: list[ScheduledRequest]
     prompt_lp: list[tuple[ScheduledRequest, int, int]]  # (req, first row, count)
     # Async scheduling: (flattened row, request id) of each placeholder input id (0 here),
@@ -104,11 +104,26 @@ def prepare_inputs_reference(
         input_ids=torch.tensor(ids, dtype=torch.long, device=device),
         positions=torch.tensor(pos, dtype=torch.long, device=device),
         attn=AttentionMetadata.build(seqs, block_size, device),
-        sample_rows=sample_rows,
+        sample_rows=np.array(sample_rows, dtype=np.int64),
         sample_reqs=sample_reqs,
         prompt_lp=prompt_lp,
         placeholders=placeholders,
     )
+
+
+@dataclass(frozen=True)
+class _Gathered:
+    """``InputBatch._gather``'s arrays for one step's requests."""
+
+    starts: np.ndarray  # [num] int64
+    num_new: np.ndarray  # [num] int64
+    rows: np.ndarray  # [num] int64, block-table rows
+    ids: np.ndarray  # [T] int64, placeholders 0
+    firsts: list[int]  # each request's first row in ``ids``
+    placeholders: list[tuple[int, str]]  # (row in ids, request id): filled by the runner
+    num_tokens: np.ndarray  # [num] int64, known tokens
+    placeholder_idx: list[int]  # requests whose new token is a placeholder
+    prompt_lp_idx: list[int]  # requests that asked for prompt logprobs
 
 
 @dataclass
@@ -201,26 +216,47 @@ class InputBatch:
             return sched.scheduled
         return sched
 
-    def _gather(
-        self, scheduled: list[ScheduledRequest]
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, list[int]]:
+    def _gather(self, scheduled: list[ScheduledRequest]) -> _Gathered:
         """Per request: start, new tokens and table row (their new blocks copied in);
-        the flattened token ids [T] (checked against the vocabulary) and each request's
-        first row in them."""
+        the flattened token ids [T] (checked against the vocabulary), each request's
+        first row in them, and what sampling needs (placeholders, known tokens)."""
         num = len(scheduled)
-        starts = np.empty(num, dtype=np.int64)
-        num_new = np.empty(num, dtype=np.int64)
-        rows = np.empty(num, dtype=np.int64)
+        # Python lists, turned into arrays once: a numpy item store costs more than the
+        # append (this loop runs once per request per step).
+        starts_l: list[int] = []
+        num_new_l: list[int] = []
+        rows_l: list[int] = []
         ids: list[int] = []
         firsts: list[int] = []
         in_step: set[int] = set()
         placeholders: list[tuple[int, str]] = []
+        num_tokens_l: list[int] = []  # known tokens
+        placeholder_idx: list[int] = []
+        prompt_lp_idx: list[int] = []  # the requests that asked for prompt logprobs
+        known = self._rows
         for i, sr in enumerate(scheduled):
             req, start, n = sr.request, sr.start, sr.num_new_tokens
-            starts[i] = start
-            num_new[i] = n
-            row = rows[i] = self._row(req, in_step)
-            in_step.add(row)
+            starts_l.append(start)
+            num_new_l.append(n)
+            num_tokens_l.append(len(req.all_token_ids))
+            if sr.placeholder:
+                placeholder_idx.append(i)
+            if req.sampling_params.prompt_logprobs is not None:
+                prompt_lp_idx.append(i)
+            # A decode's row usually needs nothing: the same request and block list, no
+            # block appended since the last step.
+            row = known.get(req.request_id)
+            if (
+                row is not None
+                and row.request is req
+                and row.blocks is req.block_ids
+                and row.num_blocks == len(row.blocks)
+            ):
+                index = row.index
+            else:
+                index = self._row(req, in_step)
+            rows_l.append(index)
+            in_step.add(index)
             firsts.append(len(ids))
             if n == 1:  # a decode: one token, no slice
                 if sr.placeholder:  # not known here yet: the runner fills it in
@@ -230,10 +266,16 @@ class InputBatch:
                     ids.append(req.all_token_ids[start])
             else:
                 ids.extend(req.all_token_ids[start : start + n])
+        starts = np.array(starts_l, dtype=np.int64)  # [num]
+        num_new = np.array(num_new_l, dtype=np.int64)  # [num]
+        rows = np.array(rows_l, dtype=np.int64)  # [num]
         ids_np = np.array(ids, dtype=np.int64)  # [T]
         if ids:
             _check_vocab(int(ids_np.min()), int(ids_np.max()), self.vocab_size)
-        return starts, num_new, rows, ids_np, firsts
+        return _Gathered(
+            starts, num_new, rows, ids_np, firsts, placeholders,
+            np.array(num_tokens_l, dtype=np.int64), placeholder_idx, prompt_lp_idx,
+        )  # fmt: skip
 
     def prepare(self, sched: SchedulerOutput | list[ScheduledRequest]) -> Inputs:
         """This step's inputs. A ``SchedulerOutput`` also frees the rows of its finished
@@ -241,7 +283,8 @@ class InputBatch:
         frees nothing."""
         scheduled = self._scheduled(sched)
         num = len(scheduled)
-        starts, num_new, rows, ids_np, firsts = self._gather(scheduled)
+        g = self._gather(scheduled)
+        starts, num_new, rows, ids_np, firsts = g.starts, g.num_new, g.rows, g.ids, g.firsts
         # Only the columns this step reads: a long context's spare blocks are not copied.
         width = int((-(-(starts + num_new) // self.block_size)).max()) if num else 0
         attn = AttentionMetadata.build_arrays(
@@ -251,22 +294,36 @@ class InputBatch:
         first_row = np.asarray(firsts, dtype=np.int64)
         seq = np.repeat(np.arange(num), num_new)
         positions = np.arange(len(ids_np)) - first_row[seq] + starts[seq]  # [T]
-        sample_rows, sample_reqs, prompt_lp = _sampling_rows(scheduled, firsts)
+        # What _sampling_rows finds request by request (the reference's), by arrays: a
+        # chunk that reaches its last token samples, and so does a placeholder (past the
+        # known ones); the few requests with prompt logprobs go through it.
+        samples = starts + num_new == g.num_tokens  # [num] bool
+        samples[g.placeholder_idx] = True
+        prompt_lp: list[tuple[ScheduledRequest, int, int]] = []
+        if g.prompt_lp_idx:
+            _, _, prompt_lp = _sampling_rows(
+                [scheduled[i] for i in g.prompt_lp_idx], [firsts[i] for i in g.prompt_lp_idx]
+            )
+        sample_idx = np.flatnonzero(samples)
+        sample_reqs = (
+            list(scheduled) if len(sample_idx) == num else [scheduled[i] for i in sample_idx]
+        )
         return Inputs(
             input_ids=torch.from_numpy(ids_np).to(self.device),
             positions=torch.from_numpy(positions).to(self.device),
             attn=attn,
-            sample_rows=sample_rows,
+            sample_rows=(first_row + num_new - 1)[sample_idx],
             sample_reqs=sample_reqs,
             prompt_lp=prompt_lp,
-            placeholders=placeholders,
+            placeholders=g.placeholders,
         )
 
     def prepare_decode(self, sched: SchedulerOutput | list[ScheduledRequest]) -> DecodeStep:
         """A decode-only step (every request one new token) as arrays, for the static
         buffers of a graph (tidal/executor/graphs.py); the same checks as ``prepare``."""
         scheduled = self._scheduled(sched)
-        starts, num_new, rows, ids_np, firsts = self._gather(scheduled)
+        g = self._gather(scheduled)
+        starts, num_new, rows, ids_np, firsts = g.starts, g.num_new, g.rows, g.ids, g.firsts
         if (num_new != 1).any():
             raise ValueError("prepare_decode takes decode-only steps")
         short = np.flatnonzero(self.num_blocks[rows] < starts // self.block_size + 1)

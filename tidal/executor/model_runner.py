@@ -44,6 +44,7 @@ import logging
 import os
 from typing import Any
 
+import numpy as np
 import psutil
 import torch
 
@@ -564,14 +565,15 @@ class ModelRunner:
     def _sample(
         self,
         hidden: torch.Tensor,
-        sample_rows: list[int],
+        sample_rows: list[int] | np.ndarray,
         reqs: list[ScheduledRequest],
         out: ModelRunnerOutput,
         bitmasks: dict[str, bytes],
     ) -> tuple[list[str], torch.Tensor] | None:
         """The sampled requests' ids and their tokens ([N] int64, on the device; None on
         a TP worker other than the driver, which samples nothing)."""
-        rows = torch.tensor(sample_rows, dtype=torch.long, device=hidden.device)
+        # [N] int64: a list (a graph's decode step) or an array (an eager step's)
+        rows = torch.as_tensor(sample_rows, dtype=torch.long).to(hidden.device)
         logits = self.model.compute_logits(hidden.index_select(0, rows))  # [N, V] float32
         if logits is None:  # a TP worker other than the driver: only the driver samples
             return None
@@ -604,9 +606,10 @@ class ModelRunner:
         grammar-constrained rows'."""
         meta = self.input_batch.sampling_metadata(reqs, bitmasks, logits.device)
         result = self.sampler(logits, meta)
-        for sr, lp in zip(reqs, result.logprobs):
-            if lp is not None:
-                out.logprobs[sr.request.request_id] = [lp]
+        if any(result.logprobs):  # most steps: no row asked
+            for sr, lp in zip(reqs, result.logprobs):
+                if lp is not None:
+                    out.logprobs[sr.request.request_id] = [lp]
         return result.token_ids
 
     def _prompt_logprobs(
