@@ -17,12 +17,14 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+import torch
 
 from tidal.engine_core.core import EngineCore
 from tidal.engine_core.dp_proc import DP_ALLREDUCE_INTERVAL
 from tidal.engine_core.request import RequestStatus
 from tidal.executor.base import Executor
 from tidal.executor.batch import ModelRunnerOutput, PendingRunnerOutput, SchedulerOutput
+from tidal.executor.model_runner import fill_placeholders_device, fill_placeholders_host
 from tidal.executor.rpc import Rpc
 from tidal.launch.engine_args import EngineArgs
 from tidal.protocol.messages import EngineCoreOutputs, EngineCoreRequest, FinishReason
@@ -328,3 +330,13 @@ def test_preempted_mid_step_and_finished_by_the_token_in_flight(make_core) -> No
     assert got == want and reasons == want_reasons
     assert core.scheduler.num_preemptions > 0 and not finished_waiting
     assert _all_blocks_free(core)
+
+
+def test_placeholder_fill_on_host_equals_the_device_ops() -> None:
+    tokens = torch.tensor([41, 42, 43, 44, 45])  # [N] the previous step's sampled ids
+    rows, src = [0, 3, 6], [4, 0, 2]
+    want = torch.arange(8)  # [T] input ids, placeholders at rows
+    got = want.clone()
+    fill_placeholders_device(want, tokens, rows, src)
+    fill_placeholders_host(got, tokens, rows, src)
+    assert want.tolist() == [45, 1, 2, 41, 4, 5, 43, 7] and torch.equal(got, want)

@@ -452,11 +452,13 @@ class ModelRunner:
         tokens, index = last
         rows = [row for row, rid in inputs.placeholders if rid in index]
         src = [index[rid] for _, rid in inputs.placeholders if rid in index]
-        if rows:
-            device = inputs.input_ids.device
-            dst = torch.tensor(rows, dtype=torch.long).to(device, non_blocking=True)
-            idx = torch.tensor(src, dtype=torch.long).to(device, non_blocking=True)
-            inputs.input_ids.index_copy_(0, dst, tokens.index_select(0, idx))
+        if not rows:
+            return
+        ids = inputs.input_ids  # [T] int64
+        if ids.device.type == "cpu":  # the host is the device: numpy, no torch op each
+            fill_placeholders_host(ids, tokens, rows, src)
+        else:
+            fill_placeholders_device(ids, tokens, rows, src)
 
     def _graph_step(self, sched: SchedulerOutput) -> tuple[DecodeStep, int] | None:
         """The step's arrays and padded size when a graph replays it, else None (eager);
@@ -633,6 +635,22 @@ class ModelRunner:
                 out.failed[req.request_id] = _error("computing prompt logprobs", e)
                 continue
             out.prompt_logprobs[req.request_id] = lps
+
+
+def fill_placeholders_device(
+    ids: torch.Tensor, tokens: torch.Tensor, rows: list[int], src: list[int]
+) -> None:
+    """``ids[rows] = tokens[src]`` ([T] and [N] int64) by device ops: no host sync."""
+    dst = torch.tensor(rows, dtype=torch.long).to(ids.device, non_blocking=True)
+    idx = torch.tensor(src, dtype=torch.long).to(ids.device, non_blocking=True)
+    ids.index_copy_(0, dst, tokens.index_select(0, idx))
+
+
+def fill_placeholders_host(
+    ids: torch.Tensor, tokens: torch.Tensor, rows: list[int], src: list[int]
+) -> None:
+    """The same on CPU tensors through numpy views (a torch op costs more than the work)."""
+    ids.numpy()[rows] = tokens.numpy()[src]
 
 
 class _SampledOnDevice(PendingRunnerOutput):
