@@ -340,3 +340,9 @@ def test_placeholder_fill_on_host_equals_the_device_ops() -> None:
     fill_placeholders_device(want, tokens, rows, src)
     fill_placeholders_host(got, tokens, rows, src)
     assert want.tolist() == [45, 1, 2, 41, 4, 5, 43, 7] and torch.equal(got, want)
+
+
+def test_refused_with_tensor_parallel_workers(qwen3_ckpt) -> None:
+    args = EngineArgs(model=qwen3_ckpt, tensor_parallel_size=2, async_scheduling=True)
+    with pytest.raises(ValueError, match="async_scheduling with tensor_parallel_size 2"):
+        args.create_engine_config()
