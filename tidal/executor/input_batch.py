@@ -220,7 +220,6 @@ class InputBatch:
         """Per request: start, new tokens and table row (their new blocks copied in);
         the flattened token ids [T] (checked against the vocabulary), each request's
         first row in them, and what sampling needs (placeholders, known tokens)."""
-        num = len(scheduled)
         # Python lists, turned into arrays once: a numpy item store costs more than the
         # append (this loop runs once per request per step).
         starts_l: list[int] = []
