@@ -256,3 +256,37 @@ def test_greedy_matches_transformers_on_every_cpu_path(ckpt_and_expected, cpu_pa
     for i, (g, e) in enumerate(zip(got, expected)):
         assert g == e, f"prompt {i} (len {len(prompts[i])}) on {cpu_path}: {g} != {e}"
     _assert_served_by(kernels, cpu_path)
+
+
+def test_sliding_window_frees_blocks_and_matches_transformers(tmp_path):
+    """GPT-OSS with every layer sliding (window 8): a running request's blocks behind the
+    window go back to the pool, so three 45-token requests (12 blocks of 4 each when
+    kept) run together in 15 blocks without a preemption, and the tokens, on prompts past
+    the window with chunked prefill and decodes past it, are still transformers'."""
+    from tidal.models.registry import entry_for_model_type
+    from tidal.models.tiny import make_tiny_checkpoint
+
+    entry = entry_for_model_type("gpt_oss")
+    window = entry.test_config["sliding_window"]
+    path = make_tiny_checkpoint(
+        str(tmp_path / "gpt_oss_sliding"), "gpt_oss", hidden_size=64, num_layers=2,
+        num_experts=8, top_k=2, vocab_size=512, max_position_embeddings=512,
+        **{**entry.test_config, "layer_types": ["sliding_attention"] * 2},
+    )  # fmt: skip  (the tiny_ckpt fixture's sizes)
+    prompts = _prompts(512)[3:6]  # 16, 17 and 33 tokens
+    assert min(map(len, prompts)) > window
+    expected = _hf_greedy(path, prompts, MAX_TOKENS)
+    llm = LLM(
+        path, dtype="float32", multiprocess=False, block_size=4, num_gpu_blocks_override=16,
+        max_num_batched_tokens=8, max_num_seqs=3, max_model_len=48,
+    )  # fmt: skip
+    try:
+        assert llm.client.call_utility("get_kv_cache_info")["sliding_window"] == window
+        params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, min_tokens=MAX_TOKENS)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        stats = llm.client.call_utility("get_stats")
+    finally:
+        llm.shutdown()
+    for i, (o, e) in enumerate(zip(outs, expected)):
+        assert o.outputs[0].token_ids == e, f"prompt {i} (len {len(prompts[i])})"
+    assert stats.num_preempted == 0, stats

@@ -203,3 +203,73 @@ def test_allocate_grows_table_incrementally() -> None:
     assert kv.allocate_slots(a, 1)  # 5 tokens: second block
     assert len(a.block_ids) == 2
     assert kv.num_free_blocks == 13
+
+
+def _decode(kv: KVCacheManager, req: Request, token: int) -> None:
+    """One decode step: allocate for the last sampled token, 'compute' it, sample one."""
+    assert kv.allocate_slots(req, 1)
+    req.num_computed_tokens += 1
+    kv.cache_computed_blocks(req)
+    req.append_output_token(token)
+
+
+@pytest.mark.parametrize("window", [1, 4, 6, 9])
+def test_window_frees_exactly_the_blocks_no_query_reads_again(window: int) -> None:
+    """At every step: the positions the step's first query reads (> p - window) have their
+    blocks, every block wholly before them is null and back in the pool."""
+    kv = KVCacheManager(num_blocks=40, block_size=BS, window=window)
+    req = _req("a", list(range(10, 21)))  # 11 tokens
+    assert kv.allocate_slots(req, req.num_tokens)
+    req.num_computed_tokens = req.num_tokens
+    kv.cache_computed_blocks(req)
+    req.append_output_token(7)
+    for step in range(20):
+        _decode(kv, req, 100 + step)
+        p = req.num_computed_tokens - 1  # the position the step just computed
+        first_read = max(0, p - window + 1)
+        ids = req.block_ids
+        for j, bid in enumerate(ids):
+            behind = (j + 1) * BS <= first_read
+            assert (bid == NULL_BLOCK_ID) == behind, (step, j, ids)
+        _ref_counts_consistent(kv, [req])
+        live = sum(b != NULL_BLOCK_ID for b in ids)
+        assert kv.num_free_blocks == kv.num_usable_blocks - live
+    assert kv.num_window_freed_blocks == sum(b == NULL_BLOCK_ID for b in req.block_ids) > 0
+    kv.free(req)  # preemption or finish: the null entries are not freed again
+    assert kv.num_free_blocks == kv.num_usable_blocks and req.block_ids == []
+    _ref_counts_consistent(kv, [])
+
+
+def test_window_none_keeps_every_block() -> None:
+    kv = KVCacheManager(num_blocks=40, block_size=BS)
+    req = _req("a", list(range(9)))
+    _run_prefill(kv, req)
+    req.append_output_token(1)
+    for step in range(12):
+        _decode(kv, req, step)
+    assert NULL_BLOCK_ID not in req.block_ids and kv.num_window_freed_blocks == 0
+
+
+def test_freed_window_blocks_hit_only_while_their_kv_is_intact() -> None:
+    """A block freed behind the window keeps its hash (its KV is still that prefix's), so
+    a later request sharing the prefix hits it; once another request's allocation evicts
+    it, the lookup stops there. The null entries are never registered."""
+    kv = KVCacheManager(num_blocks=12, block_size=BS, window=4)  # 11 usable
+    prompt = list(range(50, 62))  # 3 full blocks
+    a = _req("a", prompt)
+    _run_prefill(kv, a)
+    a.append_output_token(1)
+    for step in range(6):
+        _decode(kv, a, 2 + step)
+    freed = a.block_ids.count(NULL_BLOCK_ID)
+    assert freed >= 2 and kv.block_pool.blocks[NULL_BLOCK_ID].block_hash is None
+    b = _req("b", prompt[:8] + [99, 98, 97])
+    hits, n = kv.get_computed_blocks(b)
+    assert n == 8 and len(hits) == 2
+    assert all(kv.block_pool.blocks[h].ref_cnt == 0 for h in hits)  # freed, still cached
+    # Take every free block: the freed ones are evicted with their hashes.
+    hog = _req("hog", [3] * (kv.num_free_blocks * BS))
+    assert kv.allocate_slots(hog, hog.num_tokens)
+    assert set(hits) <= set(hog.block_ids)
+    assert kv.get_computed_blocks(b) == ([], 0)
+    _ref_counts_consistent(kv, [a, hog])

@@ -489,6 +489,7 @@ def test_gpt_oss_layers_alternate_windows_and_read_interleaved_experts(tiny_ckpt
     path = tiny_ckpt("gpt_oss")
     ours = _our_model(path)
     assert [layer.self_attn.attn.sliding_window for layer in ours.layers] == [8, None]
+    assert ours.kv_cache_spec().window is None  # the full layer reads every block
     stored = load_file(os.path.join(path, "model.safetensors"))
     gate_up = stored["model.layers.1.mlp.experts.gate_up_proj"][3]  # [H, 2I]
     moe = ours.layers[1].mlp

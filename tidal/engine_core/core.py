@@ -40,13 +40,17 @@ class EngineCore:
         self.grammars = GrammarBackend(
             config.model.tokenizer, self.vocab_size, config.model.eos_token_ids
         )
-        self.scheduler = Scheduler(config.scheduler, config.cache, self.num_blocks, self.grammars)
+        # runner.kv_cache_info, fixed for the engine's life (kept: asked while awake).
+        self._kv_layout: dict[str, Any] = self.executor.call("runner.kv_cache_info")
+        self.scheduler = Scheduler(
+            config.scheduler, config.cache, self.num_blocks, self.grammars,
+            kv_window=self._kv_layout.get("sliding_window"),
+        )  # fmt: skip
         # Async scheduling: the step launched last and not yet processed.
         self._pending: tuple[SchedulerOutput, PendingRunnerOutput] | None = None
         self.kv_cache_bytes: int = self.executor.call("runner.kv_cache_bytes", self.num_blocks)
         self.sleeping = False  # the KV cache is freed (sleep mode)
         self.weights_freed = False  # and the weights (sleep level 2)
-        self._kv_layout: dict[str, Any] | None = None  # runner.kv_cache_info, kept
         # Block 0 is the null block: the others hold tokens.
         logger.info(
             "engine core ready in %.2fs: KV cache per rank: %d blocks, %d tokens, %d bytes "
@@ -201,7 +205,6 @@ class EngineCore:
         self.sleeping = True
         weights = 0
         if level == 2:
-            self.get_kv_cache_info()  # /stats answers from it while the model is gone
             weights = self.executor.call("worker.free_weights")
             self.weights_freed = True
         logger.info(
@@ -232,11 +235,8 @@ class EngineCore:
         the driver worker's layout and bytes per token, ``num_blocks`` (with the null block),
         the ``tokens`` they hold, ``bytes`` over its workers and the ``block_size``."""
         block_size = self.config.cache.block_size
-        layout = self._kv_layout
-        if layout is None:  # fixed for the engine's life; asked while awake
-            layout = self._kv_layout = self.executor.call("runner.kv_cache_info")
         return {
-            **layout,
+            **self._kv_layout,
             "num_blocks": self.num_blocks,
             "tokens": (self.num_blocks - 1) * block_size,
             "bytes": self.kv_cache_bytes,

@@ -30,6 +30,16 @@ without one goes to the head (nothing is lost by reusing it). A request frees it
 last-first, so its tail, the part least likely to be shared, is evicted before its head.
 A cache hit on a free block takes it out of the queue; freeing it again puts it at the
 tail, which makes the order least-recently-used.
+
+Sliding window (``window``: the model's ``KVCacheSpec.window``, set only when every layer
+attends within one). A query at position p reads keys > p - window, so once a request's
+next query is past a block's last token by the window, no layer reads that block again:
+``allocate_slots`` frees it (leading blocks first, before the step's new ones are taken)
+and its table entry becomes ``NULL_BLOCK_ID``, so positions keep their index. A freed block
+is freed like a finished request's: with its hash it stays a prefix-cache entry until
+evicted (its KV is still that prefix's), and reused by another request it loses the hash,
+so it is no hit. The runner may keep the old id in its row: the attention masks those
+positions (docs/architecture.md#kv-sliding-window).
 """
 
 from __future__ import annotations
@@ -171,11 +181,21 @@ class KVCacheManager:
     """Block tables of requests over one ``BlockPool`` (block 0 reserved, see module doc)."""
 
     def __init__(
-        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        window: int | None = None,
     ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
+        if window is not None and window < 1:
+            raise ValueError(f"window must be >= 1, got {window}")
         self.block_size = block_size
+        self.window = window
+        # request id -> leading blocks of its table freed behind the window (now null).
+        self._num_freed_blocks: dict[str, int] = {}
+        self.num_window_freed_blocks = 0  # cumulative
         self.enable_prefix_caching = enable_prefix_caching
         self.block_pool = BlockPool(num_blocks, enable_prefix_caching)
         self.prefix_cache_queries = 0  # tokens looked up (cumulative)
@@ -228,7 +248,9 @@ class KVCacheManager:
     ) -> bool:
         """Grow ``request.block_ids`` to hold ``num_computed_tokens + num_new_computed_tokens
         + num_new_tokens`` tokens, prepending cache hits ``new_computed_blocks`` (which cover
-        ``num_new_computed_tokens``). False, with nothing changed, when blocks are short."""
+        ``num_new_computed_tokens``). False when blocks are short, with nothing changed but
+        the blocks behind the sliding window freed (see the module doc)."""
+        self._free_behind_window(request)
         if not new_computed_blocks:  # every running request's step: no hits to take
             assert num_new_computed_tokens == 0
             need = self.num_blocks_for(request.num_computed_tokens + num_new_tokens) - len(
@@ -269,15 +291,36 @@ class KVCacheManager:
         self._ensure_block_hashes(request, num_full)
         for i in range(start, num_full):
             bid = request.block_ids[i]
+            if bid == NULL_BLOCK_ID:  # freed behind the window before it was offered
+                continue
             if self.block_pool.blocks[bid].block_hash is None:  # not a hit nor registered
                 self.block_pool.cache_block(bid, request.block_hashes[i])
         request.num_cached_blocks = num_full
 
     def free(self, request: Request) -> None:
         """Release the request's blocks, last block first, and clear its block table."""
-        self.block_pool.free(reversed(request.block_ids))
+        self.block_pool.free(b for b in reversed(request.block_ids) if b != NULL_BLOCK_ID)
         request.block_ids = []
         request.num_cached_blocks = 0
+        self._num_freed_blocks.pop(request.request_id, None)
+
+    def _free_behind_window(self, request: Request) -> None:
+        """Free the leading blocks no layer reads again. This step's first query is at
+        ``num_computed_tokens`` = p and reads keys > p - window, so block j is done when
+        ``(j + 1) * block_size <= p - window + 1``."""
+        if self.window is None or not request.block_ids:
+            return
+        ids = request.block_ids
+        p = request.num_computed_tokens
+        done = min((p - self.window + 1) // self.block_size, len(ids))
+        start = self._num_freed_blocks.get(request.request_id, 0)
+        if done <= start:
+            return
+        # Last first, as a finished request's: the oldest block is kept longest.
+        self.block_pool.free(ids[i] for i in range(done - 1, start - 1, -1))
+        ids[start:done] = [NULL_BLOCK_ID] * (done - start)
+        self._num_freed_blocks[request.request_id] = done
+        self.num_window_freed_blocks += done - start
 
     def reset_prefix_cache(self) -> bool:
         self.block_pool.reset_prefix_cache()

@@ -78,15 +78,17 @@ class Scheduler:
         cache_config: CacheConfig,
         num_blocks: int,
         grammars: GrammarBackend | None = None,
+        kv_window: int | None = None,
     ) -> None:
         """``grammars``: compiles structured-output requests' grammars (None: such a
-        request is refused)."""
+        request is refused). ``kv_window``: the model's ``KVCacheSpec.window`` (blocks
+        wholly behind it are freed while a request runs; None: kept)."""
         self.config = scheduler_config
         self.grammars = grammars
         self.max_model_len = scheduler_config.max_model_len
         self.async_scheduling = scheduler_config.async_scheduling
         self.kv_cache_manager = KVCacheManager(
-            num_blocks, cache_config.block_size, cache_config.enable_prefix_caching
+            num_blocks, cache_config.block_size, cache_config.enable_prefix_caching, kv_window
         )
         self.requests: dict[str, Request] = {}  # unfinished requests by id
         self.num_requests_total = 0  # requests ever admitted (for load dashboards)

@@ -261,6 +261,7 @@ class ModelRunner:
             "values_per_token_per_layer": spec.values_per_token(),
             "dtype": str(self.config.kv_cache_torch_dtype).removeprefix("torch."),
             "bytes_per_token": spec.bytes_per_token(self.config.kv_cache_torch_dtype),
+            "sliding_window": spec.window,  # blocks behind it are freed (None: kept)
         }
 
     @rpc(Reduce.MIN, local=True)  # what every worker's device holds

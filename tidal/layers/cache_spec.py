@@ -30,10 +30,16 @@ class KVCacheSpec:
     layout: CacheLayout
     num_kv_heads: int  # this worker's KV heads (KV); 1 (LATENT)
     head_dim: int  # values per head and token: Dh (KV); the latent width (LATENT)
+    # The window every layer attends within (keys > p - W), when each layer has one: the
+    # largest. A token that far behind is read by no layer, so the block manager frees
+    # its block (docs/architecture.md#kv-sliding-window). None: some layer reads them all.
+    window: int | None = None
 
     @classmethod
-    def kv(cls, num_layers: int, num_kv_heads: int, head_dim: int) -> KVCacheSpec:
-        return cls(num_layers, CacheLayout.KV, num_kv_heads, head_dim)
+    def kv(
+        cls, num_layers: int, num_kv_heads: int, head_dim: int, window: int | None = None
+    ) -> KVCacheSpec:
+        return cls(num_layers, CacheLayout.KV, num_kv_heads, head_dim, window)
 
     @classmethod
     def latent(cls, num_layers: int, width: int) -> KVCacheSpec:

@@ -493,7 +493,10 @@ class MoECausalLM(nn.Module):
         attn = self.decoder_layers[0].self_attn
         if isinstance(attn, MLAttention):
             return KVCacheSpec.latent(self.spec.num_layers, attn.spec.latent_dim)
-        return KVCacheSpec.kv(self.spec.num_layers, attn.num_kv_heads, self.spec.head_dim)
+        windows = [self.spec.window(i) for i in range(self.spec.num_layers)]
+        # One block table serves every layer: a block is free only when no layer reads it.
+        window = None if None in windows else max(w for w in windows if w is not None)
+        return KVCacheSpec.kv(self.spec.num_layers, attn.num_kv_heads, self.spec.head_dim, window)
 
     def bind_kv_cache(self, caches: Sequence[Tensor]) -> None:
         if len(caches) != self.spec.num_layers:
