@@ -1,10 +1,16 @@
-"""An FP8 checkpoint (DeepSeek-V3's layout, ``make_tiny_fp8_checkpoint``) served with
-elastic EP: ``--dp 2 --ep --enable-elastic-ep`` scaled 2 -> 3 -> 2 under streaming load.
-The joining engine gets its FP8 experts and their scales from its peers (expert
-transfers), the scale-down moves the leaving engine's back; every stream completes and
-equals its greedy reference from before the scaling (float32 activations, so batches
-do not change a token; ``--cpu-kernels native``: the C++ FP8 kernels serve; each engine
-start times only their prefetch hints)."""
+"""Elastic EP on the architectures whose experts carry more than two weights:
+``--dp 2 --ep --enable-elastic-ep`` scaled 2 -> 3 -> 2 under streaming load.
+
+- An FP8 checkpoint (DeepSeek-V3's layout, ``make_tiny_fp8_checkpoint``): the experts
+  move with their row scales (``--cpu-kernels native``: the C++ FP8 kernels serve; each
+  engine start times only their prefetch hints).
+- GPT-OSS (the tiny checkpoint: alternating sliding layers, sinks, YaRN): the experts
+  move with their biases; the clamped SwiGLU's alpha and limit are the layer's
+  (``--cpu-kernels torch``: its biased experts have only that path).
+
+The joining engine gets its experts from its peers (expert transfers), the scale-down
+moves the leaving engine's back; every stream completes and equals its greedy reference
+from before the scaling (float32 activations, so batches do not change a token)."""
 
 from __future__ import annotations
 
@@ -24,11 +30,19 @@ PROMPTS = ["The tide comes in", "Experts route tokens", "A ship sails at dawn"]
 MAX_TOKENS = 16
 
 
-def test_fp8_checkpoint_scales_2_3_2_under_load(deepseek_fp8_ckpt):
+@pytest.fixture(params=["deepseek_v3_fp8", "gpt_oss"])
+def ckpt_and_kernels(request, tiny_ckpt) -> tuple[str, str]:
+    if request.param == "gpt_oss":
+        return tiny_ckpt("gpt_oss"), "torch"
+    return request.getfixturevalue("deepseek_fp8_ckpt"), "native"
+
+
+def test_experts_with_extra_tensors_scale_2_3_2_under_load(ckpt_and_kernels):
+    ckpt, kernels = ckpt_and_kernels
     srv = KeyedServer(
         [
-            "--model", deepseek_fp8_ckpt, "--dp", "2", "--ep", "--enable-elastic-ep",
-            "--dtype", "float32", "--max-model-len", "256", "--cpu-kernels", "native",
+            "--model", ckpt, "--dp", "2", "--ep", "--enable-elastic-ep",
+            "--dtype", "float32", "--max-model-len", "256", "--cpu-kernels", kernels,
             "--log-level", "warning",
         ]
     )  # fmt: skip

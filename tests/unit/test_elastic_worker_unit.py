@@ -121,6 +121,21 @@ def test_load_without_experts_and_load_expert_weights(request, ckpt):
     assert load_expert_weights(skip, path, {0: []}) == {}
 
 
+def test_load_expert_weights_reads_the_expert_biases(tiny_ckpt):
+    """GPT-OSS: an expert read from disk for a transfer brings its biases from the fused,
+    interleaved ``gate_up_proj_bias`` / ``down_proj_bias``, as the loader put them."""
+    path = tiny_ckpt("gpt_oss")
+    full = _full(path)
+    skip = load_model(_config(path), local_expert_ids=[5, 2], load_experts=False)
+    assert all(not m.w13_bias.any() and not m.w2_bias.any() for m in skip.moe_layers())
+    got = load_expert_weights(skip, path, {0: [5], 1: [2, 7]})
+    assert sorted(got) == [(0, 5), (1, 2), (1, 7)]
+    for (layer, e), (w13, w2, b13, b2) in got.items():
+        moe = full.layers[layer].mlp
+        assert torch.equal(w13, moe.w13[e]) and torch.equal(w2, moe.w2[e])
+        assert torch.equal(b13, moe.w13_bias[e]) and torch.equal(b2, moe.w2_bias[e])
+
+
 def test_load_expert_weights_from_fused_checkpoint(qwen3_ckpt, tmp_path):
     """transformers v5's fused 3-D expert tensors are split per expert on the way in."""
     from safetensors import safe_open

@@ -429,7 +429,22 @@ def test_biased_experts_never_reach_a_backend_kernel(monkeypatch):
     torch.testing.assert_close(got(x), want(x))
 
 
-def test_expert_transfers_refuse_expert_biases():
-    moe = FusedMoE(4, 2, 8, 4, True, expert_bias=True)
-    with pytest.raises(NotImplementedError, match="expert biases"):
-        moe.expert_weights([0])
+def test_expert_transfer_carries_the_biases():
+    """An elastic install (``expert_weights`` of the holders, ``set_local_experts`` +
+    ``set_expert_weights`` on the new owner) moves each expert's biases with it: a layer
+    of experts {1, 3} that takes them from two holders computes what the full layer's
+    share of them does; the clamp (alpha, limit) is the layer's, not the expert's."""
+    cfg, block = _gpt_oss_block()
+    full = _gpt_oss_layer(block, cfg)
+    low, high = _gpt_oss_layer(block, cfg, [0, 1, 2, 3]), _gpt_oss_layer(block, cfg, [3, 5])
+    specs = full.expert_part_specs()
+    assert [s for s, _ in specs[2:]] == [(2 * cfg.intermediate_size,), (cfg.hidden_size,)]
+    moved = [low.expert_weights([1]), high.expert_weights([0])]  # experts 1 and 3
+    assert [tuple(t.shape[1:]) for t in moved[0]] == [s for s, _ in specs]
+    new = _gpt_oss_layer(block, cfg, [6, 7])
+    new.set_local_experts([1, 3])
+    new.set_expert_weights([torch.cat(ts) for ts in zip(*moved)])
+    want = _gpt_oss_layer(block, cfg, [1, 3])
+    assert torch.equal(new.w13_bias, want.w13_bias) and torch.equal(new.w2_bias, want.w2_bias)
+    x = torch.randn(10, cfg.hidden_size)
+    torch.testing.assert_close(new(x), want(x))

@@ -268,11 +268,6 @@ class EngineArgs(_EngineArgsFields):
             check_tensor_parallel(spec, tp, self.enable_expert_parallel)
         except ValueError as e:
             raise ValueError(f"tensor_parallel_size {tp} cannot shard this model: {e}") from None
-        if self.enable_elastic_ep and spec.expert_bias:
-            raise ValueError(
-                "enable_elastic_ep: expert transfers do not carry this model's expert biases "
-                "(GPT-OSS)"
-            )
         ep = self.data_parallel_size * tp
         if self.enable_expert_parallel and ep > spec.num_experts:
             raise ValueError(

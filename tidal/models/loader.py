@@ -149,7 +149,7 @@ def load_weights(model: MoECausalLM, folder: str, *, load_experts: bool = True) 
     targets: dict[str, Target] = dict(model.weight_targets())
     if not load_experts:
         # Known names still (so nothing is "unexpected" or "missing"), nothing read.
-        targets.update(dict.fromkeys(_expert_targets(model), None))
+        targets.update(dict.fromkeys(_expert_targets(model, biases=model.spec.expert_bias), None))
         for moe in model.moe_layers():
             for name in moe.expert_part_names():  # not packed yet: ordinary parameters
                 getattr(moe, name).zero_()
@@ -190,11 +190,15 @@ def load_weights(model: MoECausalLM, folder: str, *, load_experts: bool = True) 
 
 
 def _expert_targets(
-    model: MoECausalLM, experts: Sequence[int] | None = None, layers: Sequence[int] | None = None
+    model: MoECausalLM,
+    experts: Sequence[int] | None = None,
+    layers: Sequence[int] | None = None,
+    biases: bool = False,
 ) -> dict[str, tuple[int, int, str]]:
-    """Checkpoint name -> (decoder layer index, logical expert, "gate" | "up" | "down") of
-    the per-expert tensors of ``experts`` (None: all) in MoE layers ``layers`` (decoder
-    layer indices; None: every MoE layer)."""
+    """Checkpoint name -> (decoder layer index, logical expert, "gate" | "up" | "down",
+    or with ``biases`` also "gate_bias" | "up_bias" | "down_bias") of the per-expert
+    tensors of ``experts`` (None: all) in MoE layers ``layers`` (decoder layer indices;
+    None: every MoE layer)."""
     n = model.names
     out: dict[str, tuple[int, int, str]] = {}
     for i, layer in enumerate(model.decoder_layers):
@@ -207,6 +211,10 @@ def _expert_targets(
             out[f"{base}.{n.expert_gate}.weight"] = (i, e, "gate")
             out[f"{base}.{n.expert_up}.weight"] = (i, e, "up")
             out[f"{base}.{n.expert_down}.weight"] = (i, e, "down")
+            if biases:
+                out[f"{base}.{n.expert_gate}.bias"] = (i, e, "gate_bias")
+                out[f"{base}.{n.expert_up}.bias"] = (i, e, "up_bias")
+                out[f"{base}.{n.expert_down}.bias"] = (i, e, "down_bias")
     return out
 
 
@@ -218,11 +226,13 @@ def load_expert_weights(
     expert ids) of ``model``'s architecture: ``{(layer, expert): (w13 [2I, H], w2 [H, I])}``,
     CPU tensors in the model's dtype (gate rows, then up rows, as ``FusedMoE.w13``); FP8
     experts add their row scales (``FusedMoE.expert_part_specs``: ``(w13, w2, w13_scale,
-    w2_scale)``). CheckpointError when one of them is not in the checkpoint."""
+    w2_scale)``), biased experts (GPT-OSS) their biases (``(w13, w2, w13_bias [2I],
+    w2_bias [H])``). CheckpointError when one of them is not in the checkpoint."""
     names: dict[str, tuple[int, int, str]] = {}
+    biases = model.spec.expert_bias
     for layer, experts in wanted.items():
         if experts:
-            names.update(_expert_targets(model, list(experts), [layer]))
+            names.update(_expert_targets(model, list(experts), [layer], biases))
     if not names:
         return {}
     inter = model.spec.moe_intermediate_size
@@ -233,8 +243,13 @@ def load_expert_weights(
             out[layer, e] = tuple(torch.empty(shape, dtype=dtype) for shape, dtype in specs)
     targets: dict[str, Target] = {}
     for name, (layer, e, part) in names.items():
-        w13, w2 = out[layer, e][:2]
-        targets[name] = {"gate": w13[:inter], "up": w13[inter:], "down": w2}[part]
+        parts = out[layer, e]
+        # The biases are the last two parts (expert_part_specs), gate rows then up rows.
+        w13, w2, b13, b2 = *parts[:2], *parts[-2:]
+        views = {"gate": w13[:inter], "up": w13[inter:], "down": w2}
+        if biases:
+            views.update(gate_bias=b13[:inter], up_bias=b13[inter:], down_bias=b2)
+        targets[name] = views[part]
     if model.quant is not None:
         held = {
             _storage(w): (w, scale)

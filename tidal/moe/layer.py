@@ -554,16 +554,20 @@ class FusedMoE(HeldParamsModule):
         """One expert's share of each tensor ``expert_weights`` returns: (shape, dtype),
         read without the weights (a packed path would rebuild them)."""
         two_i, hidden = self.expert_shape
+        dtype = self.params_dtype
         if self.fp8_block_k is None:
-            dtype = self.params_dtype
-            return [((two_i, hidden), dtype), ((hidden, two_i // 2), dtype)]
-        bk = self.fp8_block_k
-        return [
-            ((two_i, hidden), FP8_DTYPE),
-            ((hidden, two_i // 2), FP8_DTYPE),
-            ((two_i, -(-hidden // bk)), torch.float32),
-            ((hidden, -(-(two_i // 2) // bk)), torch.float32),
-        ]
+            specs = [((two_i, hidden), dtype), ((hidden, two_i // 2), dtype)]
+        else:
+            bk = self.fp8_block_k
+            specs = [
+                ((two_i, hidden), FP8_DTYPE),
+                ((hidden, two_i // 2), FP8_DTYPE),
+                ((two_i, -(-hidden // bk)), torch.float32),
+                ((hidden, -(-(two_i // 2) // bk)), torch.float32),
+            ]
+        if self.w13_bias is not None and self.w2_bias is not None:
+            specs += [((two_i,), self.w13_bias.dtype), ((hidden,), self.w2_bias.dtype)]
+        return specs
 
     def set_expert_weights(self, parts: Sequence[Tensor]) -> None:
         """Write every local slot: ``parts`` as ``expert_weights`` returns them, stacked
@@ -666,20 +670,19 @@ class FusedMoE(HeldParamsModule):
 
     def expert_weights(self, slots: Sequence[int]) -> tuple[Tensor, ...]:
         """Copies of local ``slots``' weights, ``(w13 [n, 2I, H], w2 [n, H, I])`` plus, for
-        FP8 experts, their row scales ``(w13_scale, w2_scale)`` (``expert_part_specs``),
-        from the layout that holds them, rebuilding only those slots (expert transfers)."""
-        if self.expert_bias:
-            raise NotImplementedError(
-                "expert transfers (elastic EP) do not carry expert biases (GPT-OSS)"
-            )
+        FP8 experts, their row scales ``(w13_scale, w2_scale)`` and, for biased experts,
+        ``(w13_bias [n, 2I], w2_bias [n, H])`` (``expert_part_specs``), from the layout
+        that holds them, rebuilding only those slots (expert transfers)."""
         held = self._held_experts
-        if held is not None:
-            return held.unpack(list(slots))
-        kernel = self._fp8_kernel()
-        if kernel is not None and self._fp8_held is not None:
-            return kernel.unpack(self._fp8_held, list(slots))
         idx = torch.tensor(list(slots), dtype=torch.int64, device=self.expert_map.device)
         names = self.expert_part_names()[: len(self.expert_part_specs())]
+        # The biases are never packed: after a pack's parts, read from themselves.
+        biases = tuple(self._weight(n).index_select(0, idx) for n in names if "bias" in n)
+        if held is not None:
+            return (*held.unpack(list(slots)), *biases)
+        kernel = self._fp8_kernel()
+        if kernel is not None and self._fp8_held is not None:
+            return (*kernel.unpack(self._fp8_held, list(slots)), *biases)
         return tuple(self._weight(n).index_select(0, idx) for n in names)
 
     def cpu_ops(self) -> dict[str, OpSpec]:
