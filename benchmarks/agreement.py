@@ -278,16 +278,30 @@ def vllm_env(peers: Path) -> dict[str, str]:
     return env
 
 
-def _spawn(
-    python: str, engine: str, job: dict, tmp: Path, env: dict[str, str] | None = None
+class EngineFailed(RuntimeError):
+    """An engine process that exited without its result; ``stderr`` is all of its own."""
+
+    def __init__(self, engine: str, returncode: int, stderr: str) -> None:
+        super().__init__(f"{engine} failed ({returncode}):\n{stderr[-3000:]}")
+        self.stderr = stderr
+
+
+def spawn_engine(
+    python: str,
+    engine: str,
+    job: dict,
+    tmp: Path,
+    env: dict[str, str] | None = None,
+    script: Path = Path(__file__).resolve(),
 ) -> dict[str, Any]:
-    """``engine`` in a fresh process of ``python`` (its own temp directory: vLLM leaves
-    socket files there)."""
+    """``engine`` in a fresh process of ``python`` running ``script --engine-run engine``
+    (this module's by default; ``models.py`` has its own) in its own temp directory (vLLM
+    leaves socket files there)."""
     job_file, out = tmp / f"{engine}-job.json", tmp / f"{engine}-out.json"
     job_file.write_text(json.dumps(job))
     out.unlink(missing_ok=True)
     child_tmp = Path(tempfile.mkdtemp(prefix="agree-", dir=tmp))
-    cmd = [python, str(Path(__file__).resolve()), "--engine-run", engine,
+    cmd = [python, str(script), "--engine-run", engine,
            "--job", str(job_file), "--out", str(out)]  # fmt: skip
     env = {**(os.environ if env is None else env), "TMPDIR": str(child_tmp)}
     kmp_before = registrations()
@@ -296,7 +310,7 @@ def _spawn(
     finally:  # vLLM's OpenMP leaves /dev/shm files behind its exited processes
         remove_dead(registrations() - kmp_before)
     if proc.returncode != 0 or not out.exists():
-        raise RuntimeError(f"{engine} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+        raise EngineFailed(engine, proc.returncode, proc.stderr)
     return json.loads(out.read_text())
 
 
@@ -324,18 +338,18 @@ def measure(
     try:
         py = sys.executable
         base = {"model": reference_model or model, "prompts": ps, "new_tokens": new_tokens}
-        ref = _spawn(py, "reference", base, tmp)
+        ref = spawn_engine(py, "reference", base, tmp)
         seqs = ref["sequences"]
         tokens = [s[len(p) :] for s, p in zip(seqs, ps)]
         job = {"model": model, "prompts": ps, "sequences": seqs, "dtype": dtype, "extra": {}}
         runs: dict[str, dict[str, Any]] = {}  # engine -> {"positions", "elapsed_s"}
-        runs[f"transformers_{dtype}"] = _spawn(py, "transformers", job, tmp)
+        runs[f"transformers_{dtype}"] = spawn_engine(py, "transformers", job, tmp)
         for path in tidal_paths or ["auto"]:
             extra = {"cpu_kernels": path, **(tidal_extra or {})}
-            runs[f"tidal_{path}"] = _spawn(py, "tidal", {**job, "extra": extra}, tmp)
+            runs[f"tidal_{path}"] = spawn_engine(py, "tidal", {**job, "extra": extra}, tmp)
         if vllm_python:
             env = vllm_env(peers or Path.home() / ".cache" / "tidal-peers")
-            runs[f"vllm_{dtype}"] = _spawn(vllm_python, "vllm", job, tmp, env)
+            runs[f"vllm_{dtype}"] = spawn_engine(vllm_python, "vllm", job, tmp, env)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     engines = {
