@@ -268,11 +268,12 @@ def test_sliding_window_frees_blocks_and_matches_transformers(tmp_path):
 
     entry = entry_for_model_type("gpt_oss")
     window = entry.test_config["sliding_window"]
+    # The tiny_ckpt fixture's sizes, every layer sliding.
     path = make_tiny_checkpoint(
         str(tmp_path / "gpt_oss_sliding"), "gpt_oss", hidden_size=64, num_layers=2,
         num_experts=8, top_k=2, vocab_size=512, max_position_embeddings=512,
         **{**entry.test_config, "layer_types": ["sliding_attention"] * 2},
-    )  # fmt: skip  (the tiny_ckpt fixture's sizes)
+    )  # fmt: skip
     prompts = _prompts(512)[3:6]  # 16, 17 and 33 tokens
     assert min(map(len, prompts)) > window
     expected = _hf_greedy(path, prompts, MAX_TOKENS)

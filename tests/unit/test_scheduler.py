@@ -33,6 +33,7 @@ def make_sched(
     chunked: bool = True,
     num_blocks: int = 129,
     caching: bool = True,
+    kv_window: int | None = None,
 ) -> Scheduler:
     return Scheduler(
         SchedulerConfig(
@@ -43,6 +44,7 @@ def make_sched(
         ),
         CacheConfig(block_size=BS, enable_prefix_caching=caching),
         num_blocks,
+        kv_window=kv_window,
     )
 
 
@@ -82,8 +84,13 @@ def _fingerprints(tokens: list[int]) -> list[int]:
 
 
 class FakeRunner:
-    def __init__(self, sched: Scheduler, sample=det_token) -> None:
+    """``window``: the model's sliding window; a step's first query (at ``start``) then
+    reads only positions > start - window, and the blocks wholly before those may be
+    null (freed)."""
+
+    def __init__(self, sched: Scheduler, sample=det_token, window: int | None = None) -> None:
         self.sched = sched
+        self.window = window
         self.sample = sample
         self.kv: dict[tuple[int, int], int] = {}
         self.prompt_logprobs = False
@@ -98,9 +105,11 @@ class FakeRunner:
         for sr in so.scheduled:
             req, end = sr.request, sr.start + sr.num_new_tokens
             assert 0 < sr.num_new_tokens and end <= req.num_tokens
-            assert len(req.block_ids) * BS >= end and NULL_BLOCK_ID not in req.block_ids
+            first = 0 if self.window is None else max(0, sr.start - self.window + 1)
+            assert len(req.block_ids) * BS >= end
+            assert NULL_BLOCK_ID not in req.block_ids[first // BS :], (req, first)
             fps = _fingerprints(req.all_token_ids[:end])
-            for p in range(sr.start):
+            for p in range(first, sr.start):
                 assert before.get((req.block_ids[p // BS], p % BS)) == fps[p], (req, p)
             for p in range(sr.start, end):
                 block = pool.blocks[req.block_ids[p // BS]]
@@ -333,6 +342,31 @@ def test_preemption_by_recompute_resumes_and_finishes() -> None:
     for r in (a, b):
         assert r.status == RequestStatus.FINISHED_LENGTH_CAPPED
         assert got[r.request_id] == r.output_token_ids
+        assert r.output_token_ids == _solo_outputs(r.prompt_token_ids, 12)
+    assert_all_blocks_free(sched)
+
+
+def test_sliding_window_frees_blocks_so_nothing_is_preempted() -> None:
+    """The preemption case above with a window of 4: each request holds at most 3 blocks
+    at once (its window and the step's new token), so both run to the end together, with
+    the same tokens and every block free after."""
+    sched = make_sched(num_blocks=8, kv_window=4)
+    runner = FakeRunner(sched, window=4)
+    a = make_req("a", 8, max_tokens=12)
+    b = make_req("b", 8, max_tokens=12)
+    sched.add_request(a)
+    sched.add_request(b)
+    for _ in range(100):
+        if not sched.has_unfinished_requests():
+            break
+        so, _ = runner.step()
+        check_invariants(sched, so)
+        assert not so.preempted_req_ids
+        assert all(sum(x != NULL_BLOCK_ID for x in r.block_ids) <= 3 for r in sched.running)
+    assert sched.make_stats().num_preempted == 0
+    assert sched.kv_cache_manager.num_window_freed_blocks > 0
+    for r in (a, b):
+        assert r.status == RequestStatus.FINISHED_LENGTH_CAPPED
         assert r.output_token_ids == _solo_outputs(r.prompt_token_ids, 12)
     assert_all_blocks_free(sched)
 
