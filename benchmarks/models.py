@@ -175,7 +175,7 @@ def _cause(stderr: str) -> str:
     lines = [ln.strip() for ln in stderr.splitlines() if ln.strip()]
     for ln in lines:
         m = re.search(r"\b\w*(Error|Exception): .*", ln)
-        if m and " WARNING " not in ln:
+        if m and " WARNING " not in ln and not re.search("stack trace|root cause", ln):
             return m.group(0)[:400]
     return (lines or [""])[-1][:400]
 
