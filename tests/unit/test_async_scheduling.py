@@ -107,6 +107,8 @@ class FakeExecutor(Executor):
             return [self.num_blocks]
         if name == "runner.kv_cache_bytes":
             return [0]
+        if name == "runner.kv_cache_info":
+            return [{"sliding_window": None}]  # full attention: no block freed early
         if name == "worker.initialize_kv_cache":
             return [None]
         if name == "runner.execute_dummy_batch":
