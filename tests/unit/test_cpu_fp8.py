@@ -1,7 +1,9 @@
 """The C++ FP8 linear and fused MoE (``tidal/kernels/cpu_fp8.py``, ``csrc/fp8_cpu.cpp``,
 ``csrc/moe_cpu.cpp``) against dequantize-then-matmul: block scales (DeepSeek-V3's 128x128 and smaller, to cross chunk
 and block edges on tiny shapes) and a per-tensor scale, every e4m3 value including the
-subnormals, odd shapes, float32 and bf16 activations; the pack gives the FP8 bytes back."""
+subnormals, odd shapes, float32 and bf16 activations; the pack gives the FP8 bytes back.
+The dot kernel (e4m3 -> bf16 by table lookup, vdpbf16ps; where the CPU has AVX512-BF16 and
+VBMI) against the same reference on bf16 activations, and where the measured choice offers it."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import pytest
 import torch
 
 from tests.cpu_kernels import keep_torch_threads, needs_kernel  # noqa: F401 - fixture
+from tidal.kernels.cpu_ext import DOT_PREFIX, fp8_dot_available
 from tidal.kernels.cpu_fp8 import (
     FP8_DTYPE,
     Fp8CpuLinear,
@@ -20,9 +23,13 @@ from tidal.kernels.cpu_fp8 import (
     pack_fp8_linear,
     row_scales,
 )
+from tidal.kernels.select import weight_candidates
 from tidal.moe.reference import fused_experts_reference
 
 pytestmark = needs_kernel
+needs_fp8_dot = pytest.mark.skipif(
+    not fp8_dot_available(), reason="the FP8 dot kernel needs AVX512-BF16 and AVX512-VBMI"
+)
 
 
 def _quantize(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -138,3 +145,83 @@ def test_fp8_fused_moe_matches_the_reference_on_dequantized_experts(
         assert torch.equal(got_part.view(torch.uint8), want_part[slots].view(torch.uint8))
     with pytest.raises(ValueError, match="not match"):
         pack_fp8_experts(w13, s13, w2[:, :, :-1], s2, block)
+
+
+@needs_fp8_dot
+@pytest.mark.parametrize(
+    "n,k,rows,block",
+    [(70, 33, 1, (16, 8)), (130, 300, 7, (128, 128)), (64, 64, 2, (32, 16)), (5, 9, 3, (4, 4))],
+)
+def test_fp8_dot_linear_matches_dequantize_then_matmul(n, k, rows, block):
+    # odd K (33, 9: the last k pair half zero), chunk edges inside a pair row, 1..7 rows
+    g = torch.Generator().manual_seed(n + k)
+    q, scale = _quantize(torch.randn(n, k, generator=g), block)
+    packed = pack_fp8_linear(q, scale, block)
+    x, bias = torch.randn(rows, k, generator=g).bfloat16(), torch.randn(n, generator=g)
+    want = x.float() @ _dequantize(q, scale, block).T + bias  # float32 on the same values
+    got = fp8_linear(x, packed, bias, 1, True)
+    assert got.dtype == torch.bfloat16
+    # exact products, float32 sums: only the bf16 output's rounding (and summation order)
+    torch.testing.assert_close(got.float(), want, atol=1e-5 * want.abs().max().item(), rtol=2**-8)
+    via_kernel = Fp8CpuLinear()(x, packed, bias, DOT_PREFIX + "t0")
+    assert torch.equal(via_kernel, got)
+
+
+@needs_fp8_dot
+def test_fp8_dot_decodes_every_e4m3_value_exactly():
+    codes = torch.arange(256, dtype=torch.uint8)
+    finite = codes[(codes & 0x7F) != 0x7F]
+    q = finite.view(FP8_DTYPE).reshape(-1, 1).contiguous()  # [254, 1]
+    packed = pack_fp8_linear(q, torch.tensor(0.75))
+    x = torch.ones(1, 1, dtype=torch.bfloat16)
+    got = torch.ops.tidal_cpu.fp8_linear(
+        x.float(), packed.w, packed.scales, None, 254, 128, 1, True
+    )
+    assert torch.equal(got[0], q.float()[:, 0] * 0.75)  # float32 out: subnormals, +-448 exact
+    nan = torch.tensor([[0x7F], [0xFF]], dtype=torch.uint8).view(FP8_DTYPE)
+    out = fp8_linear(x.float(), pack_fp8_linear(nan, torch.tensor(1.0)), None, 1, True)
+    assert out.isnan().all()  # e4m3fn's NaN stays NaN, as the dequantize reference has it
+
+
+@needs_fp8_dot
+def test_fp8_dot_rejects_an_odd_block_k():
+    q, scale = _quantize(torch.randn(8, 10), (4, 5))
+    packed = pack_fp8_linear(q, scale, (4, 5))
+    with pytest.raises(RuntimeError, match="even block_k"):
+        fp8_linear(torch.randn(1, 10).bfloat16(), packed, None, 1, True)
+
+
+@needs_fp8_dot
+@pytest.mark.parametrize(
+    "num,hidden,inter,rows,block", [(4, 41, 50, 1, (16, 16)), (8, 64, 96, 13, (128, 128))]
+)
+def test_fp8_dot_fused_moe_matches_the_reference(num, hidden, inter, rows, block):
+    g = torch.Generator().manual_seed(hidden)
+    pairs = [
+        _quantize(torch.randn(2 * inter, hidden, generator=g) * 0.3, block) for _ in range(num)
+    ]
+    downs = [_quantize(torch.randn(hidden, inter, generator=g) * 0.3, block) for _ in range(num)]
+    w13, s13 = torch.stack([q for q, _ in pairs]), torch.stack([s for _, s in pairs])
+    w2, s2 = torch.stack([q for q, _ in downs]), torch.stack([s for _, s in downs])
+    packed = pack_fp8_experts(w13, s13, w2, s2, block)
+    d13 = torch.stack([_dequantize(q, s, block) for q, s in pairs])
+    d2 = torch.stack([_dequantize(q, s, block) for q, s in downs])
+    x = torch.randn(rows, hidden, generator=g).bfloat16()
+    ids = torch.stack([torch.randperm(num, generator=g)[:2] for _ in range(rows)])
+    weights = torch.rand(rows, 2, generator=g)
+    want = fused_experts_reference(x.float(), d13, d2, weights, ids)
+    got = fp8_fused_experts(x, packed, weights, ids, None, True, 1, True)
+    assert got.dtype == torch.bfloat16
+    # the intermediate activations are rounded to bf16 (as the kernel's down pass reads them)
+    torch.testing.assert_close(got.float(), want, atol=1e-2 * want.abs().max().item(), rtol=0)
+    # and it is the dot kernel that ran: the fp16 decode on the same bf16 input differs
+    fp16 = fp8_fused_experts(x, packed, weights, ids, None, True, 1, False)
+    assert not torch.equal(got, fp16)
+
+
+def test_the_fp8_dot_kernel_is_a_candidate_for_bf16_activations_only():
+    dots = lambda cands: [c for c in cands if c.variant.startswith(DOT_PREFIX)]  # noqa: E731
+    assert dots(weight_candidates(FP8_DTYPE, torch.float32, 128)) == []
+    assert dots(weight_candidates(FP8_DTYPE, torch.bfloat16, 127)) == []
+    offered = dots(weight_candidates(FP8_DTYPE, torch.bfloat16, 128))
+    assert (len(offered) > 0) == fp8_dot_available()

@@ -20,9 +20,10 @@ _MODULE = "tidal.kernels._cpu_ops"
 # an Intel Xeon to ~10 GB/s where prefetcht0 reached 26-29; an AMD EPYC measured both the
 # same), so it is one of the choices ``tidal/kernels/select.py`` measures.
 PREFETCH_HINTS = {"nta": 0, "t0": 1, "none": 2}
-# The variant prefix of the bf16 dot kernel (AVX512-BF16 ``vdpbf16ps``, activations rounded
-# to bf16): "dot-t0" is that kernel with the t0 hint; a bare hint is the shift kernel
-# (float32 activations) for bf16 weights, the float32 kernel for float32 ones.
+# The variant prefix of the dot kernels (AVX512-BF16 ``vdpbf16ps``, activations rounded to
+# bf16): "dot-t0" is that kernel with the t0 hint; a bare hint is the shift kernel (float32
+# activations) for bf16 weights, the float32 kernel for float32 ones, the fp16 decode for
+# FP8 ones (whose dot kernel decodes to bf16 by table lookup, AVX512-VBMI).
 DOT_PREFIX = "dot-"
 
 
@@ -59,3 +60,10 @@ def bf16_dot_available() -> bool:
     """Whether the bf16 dot kernel runs here: the extension loaded and the CPU has
     AVX512-BF16 (asked at run time: the build is valid on CPUs without it)."""
     return kernel_available() and bool(torch.ops.tidal_cpu.bf16_dot_available())
+
+
+@functools.cache
+def fp8_dot_available() -> bool:
+    """Whether the FP8 dot kernel runs here: the extension loaded and the CPU has
+    AVX512-BF16 and AVX512-VBMI (asked at run time)."""
+    return kernel_available() and bool(torch.ops.tidal_cpu.fp8_dot_available())

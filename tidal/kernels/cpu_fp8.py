@@ -6,7 +6,10 @@ Why: the torch reference dequantizes the whole weight every call (a float copy w
 read again), so an FP8 checkpoint streams more bytes a token than a float32 one; the kernel
 reads the FP8 bytes once (a quarter of float32's) and multiplies by the block scale as it
 decodes, w8a16: activations float32 or bf16, float32 accumulation, the output in the
-activations' dtype.
+activations' dtype. Two decodes, both measured (``select.py``): e4m3 -> fp16 -> float32
+(every CPU with AVX-512) and, the ``dot-`` variants, e4m3 -> bf16 by table lookup into
+``vdpbf16ps`` (AVX512-BF16 and VBMI; activations rounded to bf16, so offered for bf16
+models only).
 
 Scales: DeepSeek-V3's layout, ``scale_inv [ceil(N/bn), ceil(K/bk)]`` float32 per
 ``bn x bk`` block (the dequantized weight is ``w * scale_inv`` block by block), or one
@@ -110,6 +113,7 @@ def fp8_linear(
     packed: PackedFp8Linear,
     bias: Tensor | None = None,  # [N]
     prefetch: int = 1,  # cpu_ext.PREFETCH_HINTS value (t0 by default)
+    dot: bool = False,  # the dot kernel (x rounded to bf16; cpu_ext.fp8_dot_available)
 ) -> Tensor:  # [T, N], x's dtype
     """``x @ dequant(weight).T (+ bias)``, the weight decoded in registers."""
     if x.dim() != 2 or x.shape[1] != packed.in_features:
@@ -121,7 +125,7 @@ def fp8_linear(
     if x.stride(1) != 1:
         x = x.contiguous()
     return torch.ops.tidal_cpu.fp8_linear(
-        x, packed.w, packed.scales, bias, packed.out_features, packed.block_k, prefetch
+        x, packed.w, packed.scales, bias, packed.out_features, packed.block_k, prefetch, dot
     )
 
 
@@ -141,8 +145,8 @@ class Fp8CpuLinear:
         self, x: Tensor, packed: PackedFp8Linear, bias: Tensor | None, variant: str = ""
     ) -> Tensor:
         rows = x.reshape(-1, x.shape[-1])
-        hint, _ = native_variant(variant)
-        out = fp8_linear(rows, packed, bias, hint if variant else 1)
+        hint, dot = native_variant(variant)
+        out = fp8_linear(rows, packed, bias, hint if variant else 1, dot)
         return out.reshape(*x.shape[:-1], packed.out_features)
 
 
@@ -249,11 +253,12 @@ def fp8_fused_experts(
     expert_map: Tensor | None = None,  # [E_global] int32: global id -> local slot or -1
     apply_router_weight: bool = True,
     prefetch: int = 1,  # cpu_ext.PREFETCH_HINTS value (t0 by default)
+    dot: bool = False,  # the dot kernel (activations rounded to bf16)
 ) -> Tensor:  # [T, H], hidden's dtype
     """One MoE layer's FP8 experts (SiLU-and-mul), the weights decoded in registers."""
     return run_fused_moe(
         hidden, packed.hidden, packed.w13, packed.w2, topk_weights, topk_ids, expert_map,
-        apply_router_weight, prefetch, False, packed.s13, packed.s2, packed.block_k,
+        apply_router_weight, prefetch, dot, packed.s13, packed.s2, packed.block_k,
     )  # fmt: skip
 
 
@@ -284,7 +289,7 @@ class Fp8CpuExperts:
         expert_map: Tensor | None,  # [E_global] int32
         variant: str = "",
     ) -> Tensor:  # [T, H], x's dtype
-        hint, _ = native_variant(variant)
+        hint, dot = native_variant(variant)
         return fp8_fused_experts(
-            x, packed, topk_weights, topk_ids, expert_map, True, hint if variant else 1
+            x, packed, topk_weights, topk_ids, expert_map, True, hint if variant else 1, dot
         )

@@ -22,7 +22,9 @@ The parts:
   C++ shift kernel, the AVX512-BF16 dot kernel (``dot-`` variants) where the CPU has it,
   oneDNN bf16 and torch; the cache fingerprint holds the dtype, so a float32 and a bf16
   model of one shape never share timings. FP8 weights (a quantized checkpoint) have the
-  C++ FP8 kernels per hint and torch (dequantize per call); their ops are keyed apart
+  C++ FP8 kernels per hint (the fp16 decode; for bf16 activations also the FP8 dot kernel,
+  ``dot-``, where the CPU has AVX512-BF16 and VBMI) and torch (dequantize per call); their
+  ops are keyed apart
   (``fp8_linear``, ``fp8_moe``, with the scales' block) from the model dtype's.
 * ``measure``: the trial harness, candidates interleaved round by round (the machine's
   noise hits them alike), the best round per candidate; the clock is an argument, so the
@@ -54,7 +56,13 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from tidal.kernels.cpu_ext import DOT_PREFIX, PREFETCH_HINTS, bf16_dot_available, kernel_available
+from tidal.kernels.cpu_ext import (
+    DOT_PREFIX,
+    PREFETCH_HINTS,
+    bf16_dot_available,
+    fp8_dot_available,
+    kernel_available,
+)
 from tidal.kernels.fp8_torch import FP8_DTYPE
 from tidal.kernels.onednn import onednn_available
 
@@ -147,27 +155,40 @@ def default_choice(candidates: Iterable[Candidate], holds_weights: bool) -> Choi
 
 
 def native_candidates(
-    hints: Iterable[str] = NATIVE_HINTS, dtype: torch.dtype = torch.float32
+    hints: Iterable[str] = NATIVE_HINTS,
+    dtype: torch.dtype = torch.float32,
+    act_dtype: torch.dtype | None = None,
+    block_k: int = 128,
 ) -> list[Candidate]:
     """The C++ kernels for ``dtype`` weights, one candidate per prefetch hint (none where
     not built or for another dtype); bf16 adds the dot kernel's, where the CPU has it.
-    ``float8_e4m3fn``: the FP8 kernels (``cpu_fp8.py``, decoded in registers)."""
+    ``float8_e4m3fn``: the FP8 kernels (``cpu_fp8.py``, decoded in registers), plus the FP8
+    dot kernel's where the CPU has it, the activations (``act_dtype``) are bf16 -- it rounds
+    them to bf16, so a float32 model keeps float32 products -- and the scales' ``block_k``
+    is even (a k pair never straddles two scales)."""
     if not kernel_available() or dtype not in (torch.float32, torch.bfloat16, FP8_DTYPE):
         return []
     hints = [h for h in hints if h in PREFETCH_HINTS]
     out = [Candidate("native", h) for h in hints]
     if dtype == torch.bfloat16 and bf16_dot_available():
         out += [Candidate("native", DOT_PREFIX + h) for h in hints]
+    fp8_dot = act_dtype == torch.bfloat16 and block_k % 2 == 0 and fp8_dot_available()
+    if dtype == FP8_DTYPE and fp8_dot:
+        out += [Candidate("native", DOT_PREFIX + h) for h in hints]
     return out
 
 
-def weight_candidates(dtype: torch.dtype) -> list[Candidate]:
+def weight_candidates(
+    dtype: torch.dtype, act_dtype: torch.dtype | None = None, block_k: int = 128
+) -> list[Candidate]:
     """The candidates of an op holding weights (linear, router, experts) for ``dtype``:
-    the C++ kernels (float32 and FP8: one per hint; bf16: the shift kernel per hint, the
-    dot kernel per hint where the CPU has AVX512-BF16), oneDNN prepacked where this torch
-    has it for ``dtype`` (not FP8), and torch (every dtype; FP8: the dequantize-per-call
-    reference)."""
-    out = native_candidates(dtype=dtype)
+    the C++ kernels (float32: one per hint; bf16: the shift kernel per hint, the dot
+    kernel per hint where the CPU has AVX512-BF16; FP8: the fp16 decode per hint, the dot
+    kernel per hint for bf16 activations where the CPU has AVX512-BF16 and VBMI),
+    oneDNN prepacked where this torch has it for ``dtype`` (not FP8), and torch (every
+    dtype; FP8: the dequantize-per-call reference). ``act_dtype`` and ``block_k``: FP8's
+    activations and scale block (``native_candidates``)."""
+    out = native_candidates(dtype=dtype, act_dtype=act_dtype, block_k=block_k)
     if onednn_available(dtype):
         out.append(Candidate("onednn"))
     return [*out, Candidate("torch")]

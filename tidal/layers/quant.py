@@ -289,8 +289,11 @@ class Fp8Linear(HeldParamsModule):
 
     def _choice(self) -> Choice:
         if self.cpu_choice is None:
-            self.cpu_choice = default_choice(weight_candidates(FP8_DTYPE), True)
+            self.cpu_choice = default_choice(self._candidates(), True)
         return self.cpu_choice
+
+    def _candidates(self) -> list[Candidate]:
+        return weight_candidates(FP8_DTYPE, self.act_dtype, self.method.block[1])
 
     def _kernel(self) -> Fp8LinearKernel | None:
         return FP8_LINEAR_KERNELS.get(self._choice().layout or "") if self.on_cpu else None
@@ -324,7 +327,7 @@ class Fp8Linear(HeldParamsModule):
             (self.in_features, self.out_features, int(self.bias is not None), self.method.block[1]),
         )
         nbytes = self.in_features * self.out_features  # one byte a weight
-        return {"linear": OpSpec(key, tuple(weight_candidates(FP8_DTYPE)), True, nbytes)}
+        return {"linear": OpSpec(key, tuple(self._candidates()), True, nbytes)}
 
     def cpu_trial(self, op: str, candidate: Candidate, instances: int) -> Any:
         def stand_in() -> Fp8Linear:

@@ -597,7 +597,7 @@ class FusedMoE(HeldParamsModule):
         if op == "experts" and self.custom_experts:  # only biased_experts computes them
             cands = [c for c in cands if c.path == "torch"]
         if op == "experts" and self.fp8_block_k is not None:
-            cands = weight_candidates(FP8_DTYPE)
+            cands = weight_candidates(FP8_DTYPE, self.params_dtype, self.fp8_block_k)
         return cands
 
     @property

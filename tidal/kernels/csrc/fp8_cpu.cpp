@@ -12,7 +12,10 @@
 // 64j + c over k in [block_k * i, block_k * (i + 1)) (DeepSeek-V3's 128x128 block scales
 // expanded to rows; zero past N).
 //
-// The FP8 micro-kernel (block_gemm_fp8, gemm.h) is shared with the fused MoE
+// Two micro-kernels read the pack (gemm.h): block_gemm_fp8 (float32 activations, the fp16
+// decode) and, with dot=true where the CPU has AVX512-BF16 and VBMI, block_gemm_fp8_dot
+// (activations rounded to bf16, the weights decoded to bf16 by table lookup, vdpbf16ps).
+// They are shared with the fused MoE
 // (moe_cpu.cpp), which takes FP8 experts in the same layout.
 
 #include "gemm.h"
@@ -36,7 +39,8 @@ at::Tensor fp8_linear(const at::Tensor& x,    // [T, K] float32 or bf16, last di
                       const at::Tensor& s_p,  // [N_pad/64, ceil(K/block_k), 64] float32
                       const std::optional<at::Tensor>& bias,  // [N]
                       int64_t out_features, int64_t block_k,
-                      int64_t prefetch) {  // Prefetch hint (gemm.h), a per-CPU choice
+                      int64_t prefetch,  // Prefetch hint (gemm.h), a per-CPU choice
+                      bool dot) {        // the FP8 dot kernel, else the fp16 decode
   TORCH_CHECK(x.is_cpu() && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) &&
                   x.dim() == 2 && x.stride(1) == 1,
               "fp8_linear: x must be a float32 or bf16 [T, K] CPU tensor, last dim contiguous");
@@ -62,7 +66,9 @@ at::Tensor fp8_linear(const at::Tensor& x,    // [T, K] float32 or bf16, last di
   }
   auto out = at::empty({rows, out_features}, x.options());  // the activations' dtype
   if (rows == 0) return out;
-  const StagedRows xs(x, Kernel::kFp8, depth);  // float32 rows, whatever x's dtype
+  const Kernel kind = fp8_kernel_for(dot, block_k, "fp8_linear");
+  // float32 rows (kFp8) or bf16 pairs (kFp8Dot), whatever x's dtype
+  const StagedRows xs(x, kind, kind == Kernel::kFp8Dot ? depth + depth % 2 : depth);
   const uint8_t* wp = w_p.data_ptr<uint8_t>();
   const float* sp = s_p.data_ptr<float>();
   const bool out_bf16 = out.scalar_type() == at::kBFloat16;
@@ -78,8 +84,8 @@ at::Tensor fp8_linear(const at::Tensor& x,    // [T, K] float32 or bf16, last di
       for (int m = 0; m < r; ++m) xs.put(xr, m, r0 + m);
       dispatch_rows(r, [&](auto R) {
         vec16 acc[kRows][4];
-        block_gemm_fp8<R(), P()>(xr.f, wp + j * depth * 64, sp + j * chunks * 64, depth, block_k,
-                                 acc);  // gemm.h
+        block_gemm_any<R(), P()>(kind, xr, wp + j * depth * 64, depth, acc, sp + j * chunks * 64,
+                                 block_k);  // gemm.h
         for (int m = 0; m < R(); ++m) {
           const int64_t o = (r0 + m) * out_features + c0;
           float tmp[64];
@@ -107,7 +113,8 @@ at::Tensor fp8_linear(const at::Tensor& x,    // [T, K] float32 or bf16, last di
 TORCH_LIBRARY_FRAGMENT(tidal_cpu, m) {
   m.def(
       "fp8_linear(Tensor x, Tensor w_p, Tensor s_p, Tensor? bias, int out_features, "
-      "int block_k, int prefetch=1) -> Tensor");
+      "int block_k, int prefetch=1, bool dot=False) -> Tensor");
+  m.def("fp8_dot_available() -> bool", &fp8_dot_available);
 }
 
 TORCH_LIBRARY_IMPL(tidal_cpu, CPU, m) { m.impl("fp8_linear", &fp8_linear); }

@@ -17,6 +17,8 @@
 #include <ATen/core/Tensor.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
@@ -181,6 +183,140 @@ inline void block_gemm_fp8(const float* const* x, const uint8_t* w, const float*
   }
 }
 
+// The FP8 dot kernel: the same [K, 64] FP8 block read as bf16 and multiplied by bf16
+// activations in vdpbf16ps (AVX512-BF16), float32 accumulation. Why: the fp16 decode
+// above costs six vector ops and a multiply per 16 weights, and at one row decode is
+// bound by them, not by the bytes; this one decodes 64 weights in five (two vpermt2b
+// table lookups of the 7 exponent-and-mantissa bits to the bf16's low and high bytes, the
+// sign ORed in, two byte interleaves to words) and multiplies two k rows at once.
+//   Pairs: rows k and k+1 (64 bytes each) are interleaved bytewise (unpacklo/hi_epi8, per
+// 128-bit lane), so each 32-bit word of a decoded register is (w[k][c], w[k+1][c]), as
+// vdpbf16ps reads it against the activations' pair (x[k], x[k+1]). The interleaves leave
+// the columns permuted: accumulator u (0..3) lane 4l + i holds column 16l + 4u + i, a 4x4
+// transpose of 128-bit blocks of the natural order (transpose_blocks), applied to the
+// scales on the way in and to the sums on the way out.
+//   Exact: every e4m3 value is a bf16 (3 mantissa bits of 7; the subnormals m * 2^-9 are
+// bf16 normals, so vdpbf16ps's flush of denormal inputs never touches one); each 128-long
+// k chunk sums in its own accumulators, then one multiply-add by the block scale.
+// block_k must be even (a pair never straddles two scales; checked by the ops).
+struct Fp8Bf16Tables {
+  alignas(64) uint8_t lo[128];  // low byte of bf16(e4m3 code c), c = the 7 bits below the sign
+  alignas(64) uint8_t hi[128];  // high byte (its sign bit 0: the code's sign is ORed in)
+};
+
+inline const Fp8Bf16Tables& fp8_bf16_tables() {
+  static const Fp8Bf16Tables t = [] {
+    Fp8Bf16Tables out{};
+    for (int c = 0; c < 128; ++c) {
+      const int e = c >> 3, m = c & 7;
+      const float v = c == 0x7f ? __builtin_nanf("")                       // e4m3fn's NaN
+                      : e == 0  ? std::ldexp(static_cast<float>(m), -9)     // subnormal
+                                : std::ldexp(1.f + m / 8.f, e - 7);
+      uint32_t bits;
+      std::memcpy(&bits, &v, sizeof(bits));
+      out.lo[c] = static_cast<uint8_t>(bits >> 16);
+      out.hi[c] = static_cast<uint8_t>(bits >> 24);
+    }
+    return out;
+  }();
+  return t;
+}
+
+#ifdef TIDAL_DPBF16
+#define TIDAL_FP8_DOT_TARGET __attribute__((target("avx512bf16,avx512f,avx512bw,avx512vbmi")))
+
+// v[u].block[l] <-> v[l].block[u] (128-bit blocks): the FP8 dot kernel's column order to
+// the natural one and back (an involution).
+// (GCC 12 warns that _mm512_shuffle_f32x4's own undefined pass-through is uninitialized.)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+TIDAL_FP8_DOT_TARGET inline void transpose_blocks(__m512 v[4]) {
+  const __m512 t0 = _mm512_shuffle_f32x4(v[0], v[1], 0x44), t1 = _mm512_shuffle_f32x4(v[0], v[1], 0xEE);
+  const __m512 t2 = _mm512_shuffle_f32x4(v[2], v[3], 0x44), t3 = _mm512_shuffle_f32x4(v[2], v[3], 0xEE);
+  v[0] = _mm512_shuffle_f32x4(t0, t2, 0x88);
+  v[1] = _mm512_shuffle_f32x4(t0, t2, 0xDD);
+  v[2] = _mm512_shuffle_f32x4(t1, t3, 0x88);
+  v[3] = _mm512_shuffle_f32x4(t1, t3, 0xDD);
+}
+#pragma GCC diagnostic pop
+
+// One k pair (rows r0, r1 of 64 bytes; p: the pair's index in x) into the sums `part`;
+// tl: the tables' lo and hi halves and the sign mask, in registers.
+template <int R>
+TIDAL_FP8_DOT_TARGET __attribute__((always_inline)) inline void fp8_dot_step(
+    __m512i r0, __m512i r1, const uint32_t* const* x, int64_t p, const __m512i tl[5],
+    __m512 part[][4]) {
+  const __m512i pairs[2] = {_mm512_unpacklo_epi8(r0, r1), _mm512_unpackhi_epi8(r0, r1)};
+  for (int a = 0; a < 2; ++a) {
+    const __m512i lo = _mm512_permutex2var_epi8(tl[0], pairs[a], tl[1]);  // bits 0..6 index
+    __m512i hi = _mm512_permutex2var_epi8(tl[2], pairs[a], tl[3]);
+    hi = _mm512_ternarylogic_epi32(hi, pairs[a], tl[4], 0xF8);  // hi | (code & 0x80)
+    const __m512bh w0 = (__m512bh)_mm512_unpacklo_epi8(lo, hi);
+    const __m512bh w1 = (__m512bh)_mm512_unpackhi_epi8(lo, hi);
+    for (int m = 0; m < R; ++m) {
+      const __m512bh xm = (__m512bh)_mm512_set1_epi32(static_cast<int>(x[m][p]));
+      part[m][2 * a] = _mm512_dpbf16_ps(part[m][2 * a], xm, w0);
+      part[m][2 * a + 1] = _mm512_dpbf16_ps(part[m][2 * a + 1], xm, w1);
+    }
+  }
+}
+
+// x rows are bf16 pairs (one 32-bit word per k pair, zero past K); out [R][64] float32.
+// Compiled for AVX512-BF16 + VBMI whatever the build machine; call only where
+// fp8_dot_available().
+template <int R, int P>
+TIDAL_FP8_DOT_TARGET void block_gemm_fp8_dot(const uint32_t* const* x, const uint8_t* w,
+                                             const float* s, int64_t depth, int64_t block_k,
+                                             float* out) {
+  const Fp8Bf16Tables& tab = fp8_bf16_tables();
+  const __m512i tl[5] = {_mm512_load_si512(tab.lo), _mm512_load_si512(tab.lo + 64),
+                         _mm512_load_si512(tab.hi), _mm512_load_si512(tab.hi + 64),
+                         _mm512_set1_epi8(static_cast<char>(0x80))};
+  __m512 acc[R][4];
+  for (int m = 0; m < R; ++m)
+    for (int u = 0; u < 4; ++u) acc[m][u] = _mm512_setzero_ps();
+  for (int64_t k0 = 0, chunk = 0; k0 < depth; k0 += block_k, ++chunk) {
+    const int64_t k1 = std::min(depth, k0 + block_k);
+    __m512 part[R][4];
+    for (int m = 0; m < R; ++m)
+      for (int u = 0; u < 4; ++u) part[m][u] = _mm512_setzero_ps();
+    int64_t k = k0;
+    for (; k + 1 < k1; k += 2) {
+      const uint8_t* wk = w + k * 64;
+      // two 64-byte rows per step: as far ahead in bytes as block_gemm_fp8
+      if constexpr (P != kPrefetchNone) {
+        constexpr int hint = P == kPrefetchNta ? 0 : 3;
+        __builtin_prefetch(wk + 4 * kPrefetch * 64, 0, hint);
+        __builtin_prefetch(wk + 4 * kPrefetch * 64 + 64, 0, hint);
+      }
+      fp8_dot_step<R>(_mm512_loadu_si512(wk), _mm512_loadu_si512(wk + 64), x, k / 2, tl, part);
+    }
+    if (k < k1)  // odd K: the last row alone, its pair's second row zero
+      fp8_dot_step<R>(_mm512_loadu_si512(w + k * 64), _mm512_setzero_si512(), x, k / 2, tl, part);
+    __m512 sv[4];
+    for (int u = 0; u < 4; ++u) sv[u] = _mm512_loadu_ps(s + chunk * 64 + 16 * u);
+    transpose_blocks(sv);  // to the permuted column order of part
+    for (int m = 0; m < R; ++m)
+      for (int u = 0; u < 4; ++u) acc[m][u] = _mm512_fmadd_ps(part[m][u], sv[u], acc[m][u]);
+  }
+  for (int m = 0; m < R; ++m) {
+    transpose_blocks(acc[m]);
+    for (int v = 0; v < 4; ++v) _mm512_storeu_ps(out + m * 64 + 16 * v, acc[m][v]);
+  }
+}
+#endif
+
+// Whether this CPU runs the FP8 dot kernel (AVX512-BF16 and AVX512-VBMI), asked once.
+inline bool fp8_dot_available() {
+#ifdef TIDAL_DPBF16
+  static const bool ok = __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512vbmi");
+  return ok;
+#else
+  return false;
+#endif
+}
+
 // The kernel reading a weight block: which one is decided per call, by the pack's dtype
 // and the variant select.py measured.
 enum class Kernel : int {
@@ -188,9 +324,11 @@ enum class Kernel : int {
   kBf16Shift = 1,  // bf16 pairs, float32 activations
   kBf16Dot = 2,    // bf16 pairs, bf16 activations (vdpbf16ps)
   kFp8 = 3,        // FP8 bytes with per-column, per-k-chunk scales; float32 activations
+  kFp8Dot = 4,     // the same FP8 blocks as bf16, bf16 activations (vdpbf16ps)
 };
 
-// Rows of activations as the kernel reads them: f for kFloat / kBf16Shift, h for kBf16Dot.
+// Rows of activations as the kernel reads them: f for kFloat / kBf16Shift / kFp8, h (bf16
+// pairs) for kBf16Dot / kFp8Dot.
 struct RowPtrs {
   const float* f[kRows];
   const uint32_t* h[kRows];
@@ -208,9 +346,12 @@ inline void block_gemm_any(Kernel kind, const RowPtrs& x, const void* w, int64_t
   } else if (kind == Kernel::kBf16Shift) {
     block_gemm_bf16<R, P>(x.f, static_cast<const uint16_t*>(w), depth, acc);
   } else {
-    float out[R * 64] = {};  // stays zero where the dot kernel is not compiled (never chosen)
+    float out[R * 64] = {};  // stays zero where the dot kernels are not compiled (never chosen)
 #ifdef TIDAL_DPBF16
-    block_gemm_dot<R, P>(x.h, static_cast<const uint16_t*>(w), depth, out);
+    if (kind == Kernel::kFp8Dot)
+      block_gemm_fp8_dot<R, P>(x.h, static_cast<const uint8_t*>(w), scales, depth, block_k, out);
+    else
+      block_gemm_dot<R, P>(x.h, static_cast<const uint16_t*>(w), depth, out);
 #endif
     for (int m = 0; m < R; ++m)
       for (int v = 0; v < 4; ++v) acc[m][v] = load(out + m * 64 + 16 * v);
@@ -220,7 +361,8 @@ inline void block_gemm_any(Kernel kind, const RowPtrs& x, const void* w, int64_t
 
 // The activations x [T, K] (float32 or bf16; rows may be strided, the last dim not) as
 // `kind` reads them: float32 x itself for kFloat; else copies of k_pad columns, zero past
-// K -- float32 for kBf16Shift and kFp8, bf16 (rounded) for kBf16Dot. T x K: small beside a weight.
+// K -- float32 for kBf16Shift and kFp8, bf16 (rounded) for kBf16Dot and kFp8Dot (k_pad
+// even: their pairs). T x K: small beside a weight.
 class StagedRows {
  public:
   StagedRows(const at::Tensor& x, Kernel kind, int64_t k_pad) : kind_(kind) {
@@ -250,7 +392,7 @@ class StagedRows {
 
   // Row t of the activations as slot m of p.
   void put(RowPtrs& p, int m, int64_t t) const {
-    if (kind_ == Kernel::kBf16Dot)
+    if (kind_ == Kernel::kBf16Dot || kind_ == Kernel::kFp8Dot)
       p.h[m] = reinterpret_cast<const uint32_t*>(hbuf_.data() + t * stride_);
     else
       p.f[m] = f_ + t * stride_;
@@ -274,6 +416,15 @@ inline Kernel kernel_for(at::ScalarType weight, bool dot, const char* op) {
   if (!dot) return Kernel::kBf16Shift;
   TORCH_CHECK(dot_available(), op, ": this CPU has no AVX512-BF16 (the dot kernel)");
   return Kernel::kBf16Dot;
+}
+
+// The FP8 kernel for a variant's `dot` flag, checked.
+inline Kernel fp8_kernel_for(bool dot, int64_t block_k, const char* op) {
+  if (!dot) return Kernel::kFp8;
+  TORCH_CHECK(fp8_dot_available(), op,
+              ": this CPU has no AVX512-BF16 and AVX512-VBMI (the FP8 dot kernel)");
+  TORCH_CHECK(block_k % 2 == 0, op, ": the FP8 dot kernel needs an even block_k, got ", block_k);
+  return Kernel::kFp8Dot;
 }
 
 template <typename F>

@@ -22,7 +22,8 @@
 // the same blocks with their k rows in pairs (gemm.h): w13p [E, I_pad / 32, H_pad / 2, 64,
 // 2], w2p [H_pad / 64, E, I_pad / 2, 64, 2]; the intermediate activations stay float32
 // (bf16 for the dot kernel, which reads them so), the sums float32. FP8 experts (uint8
-// packs of the float32 layout, gemm.h's block_gemm_fp8) come with their scales per column
+// packs of the float32 layout, read by gemm.h's block_gemm_fp8 or, with dot, its FP8 dot
+// kernel on bf16 activations) come with their scales per column
 // and k chunk: s13p [E, I_pad / 32, ceil(H / block_k), 64] (the w13 blocks' column order),
 // s2p [H_pad / 64, E, ceil(I_pad / block_k), 64].
 
@@ -66,7 +67,7 @@ void gate_up_rows(Kernel kind, const RowPtrs& x, const void* w, int64_t depth, c
   for (int m = 0; m < R; ++m) {
     vec16 s = splat(weights ? weights[m] : 1.f);
     vec16 a0 = silu(acc[m][0]) * acc[m][2] * s, a1 = silu(acc[m][1]) * acc[m][3] * s;
-    if (kind == Kernel::kBf16Dot) {
+    if (kind == Kernel::kBf16Dot || kind == Kernel::kFp8Dot) {
       float tmp[32];
       store(tmp, a0);
       store(tmp + 16, a1);
@@ -104,7 +105,8 @@ at::Tensor fused_moe(const at::Tensor& hidden,  // [T, H] float32 or bf16
                      const std::optional<at::Tensor>& expert_map,  // [E_global] int32
                      bool apply_router_weight,
                      int64_t prefetch,  // Prefetch hint (gemm.h), a per-CPU choice
-                     bool dot,          // bf16: the AVX512-BF16 kernel, else the shift one
+                     bool dot,  // bf16: the AVX512-BF16 kernel, else the shift one; FP8:
+                                // the FP8 dot kernel, else the fp16 decode (gemm.h)
                      // FP8 (uint8) packs: [E, I_pad/32, ceil(H/block_k), 64] float32
                      const std::optional<at::Tensor>& s13p,
                      // FP8: [H_pad/64, E, ceil(I_pad/block_k), 64] float32
@@ -114,8 +116,8 @@ at::Tensor fused_moe(const at::Tensor& hidden,  // [T, H] float32 or bf16
                   (hidden.scalar_type() == at::kFloat || hidden.scalar_type() == at::kBFloat16),
               "hidden must be [T, H] float32 or bf16 on CPU");
   const bool fp8 = w13p.scalar_type() == at::kByte;
-  TORCH_CHECK(!fp8 || !dot, "fused_moe: the dot kernel takes bf16 weights");
-  const Kernel kind = fp8 ? Kernel::kFp8 : kernel_for(w13p.scalar_type(), dot, "fused_moe");
+  const Kernel kind = fp8 ? fp8_kernel_for(dot, block_k, "fused_moe")
+                          : kernel_for(w13p.scalar_type(), dot, "fused_moe");
   const int64_t num_tokens = hidden.size(0), hidden_size = hidden.size(1);
   const int64_t num_local = w13p.size(0), gate_blocks = w13p.size(1);
   const int64_t inter_pad = gate_blocks * kGateBlock, down_blocks = w2p.size(0);
@@ -125,7 +127,7 @@ at::Tensor fused_moe(const at::Tensor& hidden,  // [T, H] float32 or bf16
   const float* s13 = nullptr;
   const float* s2 = nullptr;
   int64_t up_chunks = 0, down_chunks = 0;
-  if (kind == Kernel::kFp8) {
+  if (fp8) {
     TORCH_CHECK(w13p.dim() == 4 && w13p.is_contiguous() && w13p.size(3) == 2 * kGateBlock &&
                     w13p.size(2) == hidden_size,
                 "w13p must be a contiguous [E, I_pad/32, H, 64] uint8 (FP8) pack matching hidden");
@@ -144,6 +146,7 @@ at::Tensor fused_moe(const at::Tensor& hidden,  // [T, H] float32 or bf16
                 "s2p must be a contiguous [H_pad/64, E, ceil(I_pad/block_k), 64] float32 pack");
     s13 = s13p->data_ptr<float>();
     s2 = s2p->data_ptr<float>();
+
   } else if (kind == Kernel::kFloat) {
     TORCH_CHECK(hidden.scalar_type() == at::kFloat, "float32 experts take float32 hidden");
     TORCH_CHECK(w13p.dim() == 4 && w13p.is_contiguous() && w13p.size(3) == 2 * kGateBlock &&
@@ -221,10 +224,11 @@ at::Tensor fused_moe(const at::Tensor& hidden,  // [T, H] float32 or bf16
   const int64_t groups = group_expert.size();
 
   // [N, I_pad]: float32, bf16 (rounded, as the dot kernel reads it) for the dot kernel
-  const bool act_bf16 = kind == Kernel::kBf16Dot;
+  const bool act_bf16 = kind == Kernel::kBf16Dot || kind == Kernel::kFp8Dot;
   std::vector<float> act_f(act_bf16 ? 0 : rows * inter_pad);
   std::vector<uint16_t> act_h(act_bf16 ? rows * inter_pad : 0);
-  const StagedRows xs(x, kind, up_pad);
+  // the FP8 dot kernel reads x as bf16 pairs: staged to an even length, the pad zero
+  const StagedRows xs(x, kind, kind == Kernel::kFp8Dot ? up_pad + up_pad % 2 : up_pad);
   const char* w13 = static_cast<const char*>(w13p.data_ptr());
   const char* w2 = static_cast<const char*>(w2p.data_ptr());
   const int64_t esz = w13p.element_size();
