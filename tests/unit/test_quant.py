@@ -18,6 +18,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tests.unit.test_models import PagedRunner, _hf_logits, _hf_model, _prompts
+from tidal.distributed.tensor_parallel import TensorParallel
 from tidal.kernels.cpu_ext import kernel_available, kernel_status
 from tidal.kernels.fp8_torch import (
     FP8_DTYPE,
@@ -30,7 +31,15 @@ from tidal.kernels.fp8_torch import (
 from tidal.kernels.select import Candidate, Choice, choose_paths
 from tidal.launch.engine_args import EngineArgs
 from tidal.layers.quant import FP8_LINEAR_KERNELS, Fp8BlockMethod, Fp8Linear
-from tidal.models.loader import CheckpointError, load_expert_weights, load_model
+from tidal.models.loader import (
+    CheckpointError,
+    checkpoint_index,
+    load_expert_weights,
+    load_model,
+    load_weights,
+    quantize_model,
+)
+from tidal.models.registry import get_model_class
 from tidal.models.tiny import dequantize_checkpoint, make_tiny_fp8_checkpoint
 from tidal.moe.eplb import TransferPlan, move_expert_weights
 from tidal.moe.layer import FP8_EXPERT_KERNELS, FusedMoE
@@ -257,8 +266,6 @@ def test_quantization_flag_and_dtype_resolution(fp8_ckpt, deq_ckpt):
     assert (cfg.model.quantization, cfg.model.dtype) == ("fp8", "float32")
     with pytest.raises(ValueError, match="quantization: .*no quantization_config"):
         EngineArgs(model=deq_ckpt, quantization="fp8").create_engine_config()
-    with pytest.raises(ValueError, match="tensor_parallel_size 2"):
-        EngineArgs(model=fp8_ckpt, tensor_parallel_size=2).create_engine_config()
 
 
 def test_per_tensor_scales(qwen3_ckpt, tmp_path):
@@ -275,6 +282,62 @@ def test_per_tensor_scales(qwen3_ckpt, tmp_path):
 
 
 # ---------------------------------------------------------------- parity
+
+
+def _tp_worker(path: str, rank: int, size: int, quantized: bool):
+    """TP worker ``rank`` of ``size``'s model of ``path``, float32, weights loaded (no
+    process group: built and filled as ``load_model`` does, without the shared trials)."""
+    mc = EngineArgs(model=path, device="cpu", dtype="float32").create_engine_config().model
+    model = get_model_class(mc.architecture)(
+        mc.hf_config, dtype=torch.float32, device="cpu", moe_backend="torch",
+        tp=TensorParallel(rank, size),
+    )  # fmt: skip
+    if quantized:
+        quantize_model(model, Fp8BlockMethod.from_config(mc.hf_config.quantization_config, path),
+                       checkpoint_index(path))  # fmt: skip
+    load_weights(model, path)
+    return model
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_tp_workers_fp8_block_dequantizes_to_its_block_of_the_weights(qwen3_ckpt, tmp_path, rank):
+    """Each of 2 workers' FP8 weights and scales (q|k|v and gate|up rows split inside a
+    32-row scale block: the held scales are per row; o_proj and down_proj input columns
+    split on 16-wide blocks) equal, dequantized, that worker's block of the dequantized
+    checkpoint as the unquantized TP path splits it."""
+    fp8 = make_tiny_fp8_checkpoint(str(tmp_path / "fp8"), source=qwen3_ckpt, block=(32, 16))
+    deq = dequantize_checkpoint(fp8, str(tmp_path / "deq"), "float32")
+    got, want = _tp_worker(fp8, rank, 2, True), _tp_worker(deq, rank, 2, False)
+    method = Fp8BlockMethod((32, 16))
+    linears = [(n, m) for n, m in got.named_modules() if isinstance(m, Fp8Linear)]
+    assert {n.rsplit(".", 1)[-1] for n, _ in linears} == {"qkv_proj", "o_proj"}
+    for name, module in linears:
+        held = method.dequantize(module.weight, module.weight_scale, torch.float32)
+        assert torch.equal(held, want.get_submodule(name).weight), name
+    for moe, plain in zip(got.moe_layers(), want.moe_layers()):
+        assert moe.w13_scale is not None and moe.w2_scale is not None
+        assert torch.equal(method.dequantize(moe.w13, moe.w13_scale, torch.float32), plain.w13)
+        assert torch.equal(method.dequantize(moe.w2, moe.w2_scale, torch.float32), plain.w2)
+
+
+def test_a_tp_split_inside_a_scale_block_is_refused_naming_the_flag(fp8_ckpt):
+    """The dense layer's intermediate 320 (and the experts' 192) over 2 workers:
+    down_proj's input columns split at 160 (96), inside a 128-wide block; every worker
+    refuses (rank 0's own block starts at 0)."""
+    mc = EngineArgs(model=fp8_ckpt, device="cpu").create_engine_config().model
+    method = Fp8BlockMethod.from_config(mc.hf_config.quantization_config, fp8_ckpt)
+    for rank in (0, 1):
+        model = get_model_class(mc.architecture)(
+            mc.hf_config, dtype=torch.bfloat16, device="cpu", moe_backend="torch",
+            tp=TensorParallel(rank, 2),
+        )  # fmt: skip
+        with pytest.raises(
+            CheckpointError,
+            match=r"--tensor-parallel-size 2: tensor 'model.layers.0.mlp.down_proj.weight' "
+            r"\[256, 320\] in model.safetensors cannot be split: input columns \[160, 320\) "
+            r"start inside a 128-wide scale block",
+        ):
+            quantize_model(model, method, checkpoint_index(fp8_ckpt))
 
 
 def _teacher_forced(model, prompts):  # [sum(len), V] log-probabilities

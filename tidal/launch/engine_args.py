@@ -175,12 +175,6 @@ class EngineArgs(_EngineArgsFields):
                 f"async_scheduling with tensor_parallel_size {parallel.tensor_parallel_size}: "
                 "async scheduling runs with tensor_parallel_size 1 (use --dp/--ep to scale)"
             )
-        if quantization is not None and parallel.tensor_parallel_size > 1:
-            raise ValueError(
-                f"quantization {quantization!r} with tensor_parallel_size "
-                f"{parallel.tensor_parallel_size}: quantized checkpoints are served without "
-                "tensor parallelism (use --dp/--ep)"
-            )
         device = _resolve_device(self.device)
         if self.graph_backend == "cuda" and device != "cuda":
             raise ValueError(

@@ -83,6 +83,16 @@ class QuantMethod(ABC):
     def dequantize(self, weight: Tensor, scales: Tensor, dtype: torch.dtype) -> Tensor:
         """The held weight's values in ``dtype`` (``[..., N, K]``)."""
 
+    @abstractmethod
+    def check_split(self, dim: int, start: int, size: int) -> None:
+        """ValueError saying why a tensor-parallel worker cannot hold the block ``[start,
+        start + size)`` of a weight's dim ``dim`` (0: output rows, 1: input columns)."""
+
+    @abstractmethod
+    def shard_scales(self, scales: Tensor, dim: int, start: int, size: int) -> Tensor:
+        """The held scales (``held_scales``) of a whole weight cut to the block of
+        ``check_split``: a tensor-parallel worker's."""
+
 
 class Fp8LinearKernel(Protocol):
     """A fused FP8 linear (e.g. the C++ one): ``pack`` once (then the weight's only copy:
@@ -155,6 +165,26 @@ class Fp8BlockMethod(QuantMethod):
 
     def dequantize(self, weight: Tensor, scales: Tensor, dtype: torch.dtype) -> Tensor:
         return dequantize_fp8_rows(weight, scales, self.block[1], dtype)
+
+    # Tensor parallelism: the held scales are per output row, so a split of the rows takes
+    # its rows' scales wherever it falls; a split of the input columns must start on a
+    # block edge (its k chunks are then the checkpoint's, the last one possibly short).
+
+    def check_split(self, dim: int, start: int, size: int) -> None:
+        bk = self.block[1]
+        if dim == 1 and start % bk:
+            raise ValueError(
+                f"input columns [{start}, {start + size}) start inside a {bk}-wide scale "
+                f"block (weight_block_size {list(self.block)}): each worker's share of the "
+                f"input dimension must be a multiple of {bk}"
+            )
+
+    def shard_scales(self, scales: Tensor, dim: int, start: int, size: int) -> Tensor:
+        self.check_split(dim, start, size)
+        if dim == 0:
+            return scales.narrow(0, start, size)
+        bk = self.block[1]
+        return scales.narrow(1, start // bk, math.ceil(size / bk))
 
 
 QUANT_METHODS: dict[str, type[QuantMethod]] = {Fp8BlockMethod.name: Fp8BlockMethod}

@@ -457,6 +457,7 @@ class _Scales:
     rows: int  # the checkpoint weight's shape
     cols: int
     method: QuantMethod
+    shard: tuple[int, int, int] | None = None  # TP: (dim, start, size) of the weight held
 
 
 @dataclass(frozen=True)
@@ -510,8 +511,6 @@ def quantize_model(
     """Convert the modules whose checkpoint weights are stored quantized (``index``) to
     ``method``'s held form, uninitialised (the loader fills them). One module holding
     several checkpoint tensors (q|k|v, gate|up) must have all or none quantized."""
-    if model.tp.size > 1:
-        raise CheckpointError("quantized checkpoints with tensor parallelism are not supported")
     quantized = _dtype_name(method.weight_dtype)
     owners: dict[int, tuple[str, Any]] = {}  # weight storage -> (module name, module)
     for qualname, module in model.named_modules():
@@ -526,6 +525,17 @@ def quantize_model(
         if tensor is None or entry is None or _storage(tensor) not in owners:
             continue
         stored.setdefault(_storage(tensor), {})[entry.dtype == quantized] = name
+        if isinstance(dest, Shard) and entry.dtype == quantized:  # TP workers' blocks
+            # Every worker's block, not only this one's: all workers refuse alike.
+            size = dest.dest.shape[dest.dim]
+            try:
+                for start in range(0, entry.shape[dest.dim], size):
+                    method.check_split(dest.dim, start, size)
+            except ValueError as e:
+                raise CheckpointError(
+                    f"--tensor-parallel-size {model.tp.size}: tensor {name!r} "
+                    f"{list(entry.shape)} in {os.path.basename(entry.file)} cannot be split: {e}"
+                ) from e
     converted: set[int] = set()
     for key, kinds in stored.items():
         if True not in kinds:
@@ -593,12 +603,13 @@ def quant_targets(
             out[name] = _Dequantized(dest, method, index[scale_name], scale_name)
             out[scale_name] = None  # read by the _Dequantized target
             continue
-        # quantize_model refuses tensor parallelism: a held FP8 weight is never sharded
-        assert isinstance(dest, Tensor) and len(entry.shape) == 2, name
+        assert len(entry.shape) == 2, name
         weight, scales = pair
-        first, rows = _row_block(weight, dest)
+        first, rows = _row_block(weight, tensor)
         view = scales.view(-1, scales.shape[-1])[first : first + rows]
-        out[scale_name] = _Scales(view, name, entry.shape[0], entry.shape[1], method)
+        # A TP worker's block (quantize_model checked that it splits on scale blocks)
+        shard = None if isinstance(dest, Tensor) else (dest.dim, dest.start, tensor.shape[dest.dim])
+        out[scale_name] = _Scales(view, name, entry.shape[0], entry.shape[1], method, shard)
     return out
 
 
@@ -614,6 +625,8 @@ def _write(name: str, path: str, src: Tensor, dest: Target) -> None:
             raise CheckpointError(f"tensor {name!r} in {file}: a scale of dtype {src.dtype}")
         try:
             rows = dest.method.held_scales(src, dest.rows, dest.cols)
+            if dest.shard is not None:
+                rows = dest.method.shard_scales(rows, *dest.shard)
         except ValueError as e:
             raise CheckpointError(f"tensor {name!r} in {file} (of {dest.weight!r}): {e}") from e
         _copy(name, file, rows, dest.dest)
