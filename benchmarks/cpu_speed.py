@@ -5,6 +5,7 @@ with every CPU path of Tidal's and the machine's memory bandwidth measured in th
     python benchmarks/cpu_speed.py --vllm-python ~/.cache/tidal-peers/vllm/bin/python
     python benchmarks/cpu_speed.py --models tiny --paths auto,torch --skip-kernels
     python benchmarks/cpu_speed.py --models big --rounds 3 --skip-e2e   # kernels only
+    python benchmarks/cpu_speed.py --dtype fp8 --models moe64 --rounds 3
 
 Checkpoints (built once under ``--peers-dir``): tiny Qwen3-MoE (H256, 4 layers, 16 experts
 top-4) and big (H1024, 8 layers, 32 experts top-4, I512) by ``benchmarks/peers/
@@ -46,6 +47,11 @@ Printed as one JSON document:
   after serving and the peak (``ru_maxrss``) against checkpoint bytes + KV cache; the
   same for a rank's own process, with its private bytes (USS) and what it holds above the
   runtime floor (a process that has only imported the engine);
+- ``--dtype fp8`` (``main_fp8``): per model, the bf16 cast quantized to FP8 in 128x128
+  blocks (DeepSeek-V3's layout) and that dequantized to bf16; ``e2e``: Tidal FP8, Tidal
+  bf16 and transformers bf16 (the last two on the dequantized weights), single and batch,
+  the FP8/bf16 ratio per round and its median, the goal (single >= 1.5x), each Tidal's
+  measured choices; no other section;
 - ``step_overhead``: Tidal in-process on the big model, batch 32 decode: per step,
   ``execute_model`` and the rest; the forward's parts; the median decode step, and the
   batch run's prefill (32 x 32 tokens) timed alone.
@@ -269,19 +275,26 @@ def _tidal_round(
     rows: dict[str, list[dict[str, Any]]],
 ) -> None:
     """Round ``r`` of every Tidal path (``--paths``) on ``model``, into ``rows``."""
-    py = sys.executable
     # Rotated each round: no path always runs first (or right after vLLM's exit).
     for path in opts.paths[r % len(opts.paths) :] + opts.paths[: r % len(opts.paths)]:
         log(f"{tag}: round {r + 1}: Tidal, --cpu-kernels {path}")
         out = results / f"tidal_{tag}_{path}_r{r}.json"
-        extra = {"cpu_kernels": path, "kernel_cache_dir": str(kernel_cache)}
-        t = _run_json(
-            [py, str(PEERS_SCRIPTS / "bench_tidal.py"), "--model", str(model), "--hf-ref",
-             str(ref), "--out", str(out), "--detokenize", str(int(opts.tidal_detokenize)),
-             "--dtype", opts.engine_dtype, "--extra", json.dumps(extra)],
-            out,
-        )  # fmt: skip
-        rows[f"tidal_{path}"].append(_engine_row(t))
+        rows[f"tidal_{path}"].append(_tidal_run(model, path, opts, out, kernel_cache, ref))
+
+
+def _tidal_run(
+    model: Path, path: str, opts: argparse.Namespace, out: Path, kernel_cache: Path, ref: Path
+) -> dict[str, Any]:
+    """One bench_tidal.py run of ``model`` with ``--cpu-kernels path``: its engine row."""
+    extra = {"cpu_kernels": path, "kernel_cache_dir": str(kernel_cache)}
+    t = _run_json(
+        [sys.executable, str(PEERS_SCRIPTS / "bench_tidal.py"), "--model", str(model),
+         "--hf-ref", str(ref), "--out", str(out), "--detokenize",
+         str(int(opts.tidal_detokenize)), "--dtype", opts.engine_dtype, "--extra",
+         json.dumps(extra)],
+        out,
+    )  # fmt: skip
+    return _engine_row(t)
 
 
 def _paired_ratio(rows: dict[str, list[dict[str, Any]]], names: list[str]) -> dict[str, Any]:
@@ -337,7 +350,7 @@ def _choices(kernel_cache: Path) -> dict[str, Any]:
         doc = json.loads(file.read_text())
         for op, timings in doc.get("ops", {}).items():
             cands = [Candidate.parse(n) for n in timings.get("decode", {})]
-            weights = op.startswith(("linear", "moe", "router"))
+            weights = op.startswith(("linear", "moe", "router", "fp8_"))
             c = decide(cands, timings, holds_weights=weights)
             out[op] = {"decode": c.decode.name, "batch": c.batch.name, "timings_ms": timings}
         out["_cpu"] = doc.get("fingerprint", {}).get("cpu_model")
@@ -857,7 +870,92 @@ def _runtime_floor() -> dict[str, int]:
 
 # ------------------------------------------------------------------ reduced precision
 
-FP8_MISSING = "fp8: not available in this tree"
+FP8_GOAL = 1.5  # FP8 single stream >= 1.5x Tidal's own bf16 (half the weight bytes)
+
+
+def fp8_checkpoints(path: Path) -> tuple[Path, Path]:
+    """The FP8 checkpoint of the peer one at ``path`` -- its bf16 cast quantized in 128x128
+    blocks in DeepSeek-V3's layout (``tidal.models.tiny.make_tiny_fp8_checkpoint``) -- and
+    that FP8 checkpoint dequantized to bf16 (the same values: every e4m3 times its scale,
+    rounded to bf16 once), which transformers and Tidal's bf16 run. Built once, beside it."""
+    from tidal.models.tiny import dequantize_checkpoint, make_tiny_fp8_checkpoint
+
+    bf16 = _converted(path, "bfloat16")
+    fp8 = path.with_name(f"{path.name}-fp8")
+    deq = path.with_name(f"{path.name}-fp8-dequantized-bfloat16")
+    for dst, make in (
+        (fp8, lambda tmp: make_tiny_fp8_checkpoint(str(tmp), source=str(bf16))),
+        (deq, lambda tmp: dequantize_checkpoint(str(fp8), str(tmp), "bfloat16")),
+    ):
+        if not (dst / "config.json").exists():
+            log(f"building {dst.name}")
+            tmp = dst.with_name(dst.name + ".partial")
+            shutil.rmtree(tmp, ignore_errors=True)
+            make(tmp)
+            tmp.rename(dst)
+    return fp8, deq
+
+
+def run_fp8_e2e(
+    tag: str, fp8: Path, deq: Path, opts: argparse.Namespace, results: Path, kernel_cache: Path
+) -> dict[str, Any]:
+    """Tidal on the FP8 checkpoint against Tidal bf16 and transformers bf16 on its
+    dequantized weights, ``--rounds`` interleaved rounds (the order rotated), each with its
+    measured default paths (``auto``); the FP8/bf16 ratio per round, then the median."""
+    ref = results / f"hf_{tag}.json"
+    rows: dict[str, list[dict[str, Any]]] = {"transformers": [], "tidal_fp8": [], "tidal_bf16": []}
+    runs = {"tidal_fp8": fp8, "tidal_bf16": deq}
+    for r in range(opts.rounds):
+        if r < opts.peer_rounds:
+            _peer_round(tag, deq, opts, results, r, ref, rows)
+        names = list(runs)[r % 2 :] + list(runs)[: r % 2]
+        for name in names:
+            log(f"{tag}: round {r + 1}/{opts.rounds}: {name}")
+            out = results / f"{name}_{tag}_r{r}.json"
+            cache = kernel_cache / name  # FP8's choices and bf16's apart
+            rows[name].append(_tidal_run(runs[name], "auto", opts, out, cache, ref))
+    summary = {k: _median_rows(v) for k, v in rows.items() if v}
+    per_round = {
+        k: [_r(a[k] / b[k]) for a, b in zip(rows["tidal_fp8"], rows["tidal_bf16"]) if a[k] and b[k]]
+        for k in ("single", "batch")
+    }
+    ratios = {
+        "fp8_over_bf16": {k: _r(statistics.median(v)) if v else None for k, v in per_round.items()},
+        "fp8_over_bf16_per_round": per_round,
+        "fp8_over_transformers": _ratio_pair(summary["tidal_fp8"], summary["transformers"]),
+        "bf16_over_transformers": _ratio_pair(summary["tidal_bf16"], summary["transformers"]),
+    }
+    single = ratios["fp8_over_bf16"]["single"]
+    return {
+        "checkpoints": {"fp8": str(fp8), "dequantized_bf16": str(deq)},
+        "engines": summary,
+        "ratios": ratios,
+        "goals": {f"fp8_single_ge_{FP8_GOAL}x_bf16": None if single is None else single >= FP8_GOAL},
+        "choices": {n: _choices(kernel_cache / n) for n in runs},
+    }
+
+
+def main_fp8(opts: argparse.Namespace, tags: list[str]) -> None:
+    """``--dtype fp8``: ``run_fp8_e2e`` per model, one JSON document."""
+    t0 = time.monotonic()
+    opts.engine_dtype = "bfloat16"  # FP8 weights, bf16 activations and the rest bf16
+    opts.vllm_python = None  # the peers here: Tidal bf16 and transformers
+    paths = ensure_models(opts.peers_dir, tags)
+    results = opts.peers_dir / "results" / "fp8"
+    results.mkdir(parents=True, exist_ok=True)
+    kernel_cache = Path(tempfile.mkdtemp(prefix="cpu-speed-kernels-"))
+    doc: dict[str, Any] = {"benchmark": "cpu_speed", "dtype": "fp8", "machine": machine(opts)}
+    doc["e2e"] = {}
+    try:
+        for tag in tags:
+            fp8, deq = fp8_checkpoints(paths[tag])
+            doc["e2e"][tag] = run_fp8_e2e(tag, fp8, deq, opts, results, kernel_cache / tag)
+            _section(f"e2e {tag}", doc["e2e"][tag])
+    finally:
+        shutil.rmtree(kernel_cache, ignore_errors=True)
+    doc["machine"]["load_avg_end"] = os.getloadavg()
+    doc["elapsed_s"] = _r(time.monotonic() - t0, 1)
+    print(json.dumps(doc, indent=1), flush=True)
 
 
 def _converted(path: Path, dtype: str) -> Path:
@@ -967,7 +1065,10 @@ def main(argv: list[str] | None = None) -> None:
         default="float32",
         choices=DTYPES,
         help="bfloat16: every checkpoint cast to bf16 once (the same weights, beside the "
-        "float32 one) and every engine at bf16; fp8: needs an FP8 checkpoint maker in the tree",
+        "float32 one) and every engine at bf16; fp8: the bf16 cast quantized to FP8 in "
+        "128x128 blocks, Tidal on it against Tidal bf16 and transformers bf16 on its "
+        "dequantized weights (end to end only; --paths, vLLM and the kernel sections "
+        "do not apply)",
     )
     p.add_argument(
         "--agreement-prompts",
@@ -998,9 +1099,7 @@ def main(argv: list[str] | None = None) -> None:
     if opts.agreement_prompts < 0:
         p.error("--agreement-prompts must be >= 0")
     if opts.dtype == "fp8":
-        # The FP8 path needs a maker of FP8 checkpoints from the peer ones; a tree without
-        # one says so in the document instead of measuring something else.
-        print(json.dumps({"benchmark": "cpu_speed", "dtype": "fp8", "fp8": FP8_MISSING}))
+        main_fp8(opts, tags)
         return
     opts.engine_dtype = opts.dtype
 

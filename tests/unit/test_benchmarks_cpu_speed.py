@@ -9,6 +9,7 @@ import pathlib
 import sys
 
 import pytest
+import torch
 
 BENCH = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "cpu_speed.py"
 
@@ -153,7 +154,24 @@ def test_dtype_goals_from_one_run(bench, tmp_path):
     assert g["vllm_batch_ge_1.2x"] is False and "not_slower_x" not in g
 
 
-def test_fp8_without_a_maker_says_so(bench, capsys):
-    bench.main(["--dtype", "fp8"])
-    doc = json.loads(capsys.readouterr().out)
-    assert doc["fp8"] == bench.FP8_MISSING
+def test_fp8_checkpoints_quantize_the_bf16_cast_and_dequantize_it(bench, tmp_path):
+    """The FP8 run's checkpoints: the peer one's bf16 cast in FP8 blocks with their
+    scales, and the bf16 checkpoint of exactly the FP8 values (what the peers run)."""
+    from safetensors.torch import load_file
+
+    from tidal.kernels.fp8_torch import dequantize_fp8_blocks
+    from tidal.models.tiny import make_tiny_checkpoint
+
+    src = tmp_path / "peer"
+    make_tiny_checkpoint(str(src), hidden_size=32, num_layers=1, num_experts=4, vocab_size=300)
+    fp8, deq = bench.fp8_checkpoints(src)
+    q, d = load_file(str(fp8 / "model.safetensors")), load_file(str(deq / "model.safetensors"))
+    name = next(n for n in q if n.endswith("experts.0.gate_proj.weight"))
+    assert q[name].dtype == torch.float8_e4m3fn and f"{name}_scale_inv" in q
+    want = dequantize_fp8_blocks(q[name], q[f"{name}_scale_inv"], (128, 128)).bfloat16()
+    assert d[name].dtype == torch.bfloat16 and torch.equal(d[name], want)
+    assert (
+        json.loads((fp8 / "config.json").read_text())["quantization_config"]["quant_method"]
+        == "fp8"
+    )
+    assert bench.fp8_checkpoints(src) == (fp8, deq)  # built once
