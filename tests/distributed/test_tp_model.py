@@ -6,7 +6,7 @@ must give the driver the logits and greedy tokens of the unsharded model, step b
 
 The checkpoints cover the odd cases: a vocabulary that does not divide over the workers
 (padded block), tied embeddings, attention bias (the row-parallel bias added once), a
-dense MLP layer among MoE ones, Mixtral's names, shared experts (GLM-4.5, Qwen2-MoE with
+dense MLP layer among MoE ones, FP8 block-quantized weights split with their scales, Mixtral's names, shared experts (GLM-4.5, Qwen2-MoE with
 EP) and OLMoE's q/k norm over the whole (split) width.
 """
 
@@ -163,10 +163,24 @@ def odd_qwen3(tiny_ckpt_root) -> str:
     )  # fmt: skip
 
 
+@pytest.fixture(scope="module")
+def fp8_qwen3(tiny_ckpt, tiny_ckpt_root) -> str:
+    """Qwen3-MoE in FP8 with 32x16 scale blocks: q|k|v and the experts' gate/up rows split
+    inside a 32-row block (the held scales are per row), o_proj and down_proj input
+    columns on 16-wide block edges."""
+    from tidal.models.tiny import make_tiny_fp8_checkpoint
+
+    path = os.path.join(tiny_ckpt_root, "qwen3_fp8_tp")
+    if not os.path.isdir(path):
+        make_tiny_fp8_checkpoint(path, source=tiny_ckpt("qwen3_moe"), block=(32, 16))
+    return path
+
+
 @pytest.mark.parametrize(
     ("ckpt", "ep"),
     [
         pytest.param("odd_qwen3", False, id="qwen3-odd-vocab-tied-bias-dense"),
+        pytest.param("fp8_qwen3", False, id="qwen3-fp8-block-scales"),
         pytest.param("mixtral", False, id="mixtral"),
         pytest.param("qwen3_moe", True, id="qwen3-ep-over-tp"),
         # Shared experts split like a dense MLP (GLM: beside partial rotary, per-head q/k
@@ -181,7 +195,8 @@ def odd_qwen3(tiny_ckpt_root) -> str:
     ],
 )
 def test_tp_forward_matches_the_unsharded_model(run_ranks, request, tiny_ckpt, ckpt, ep):
-    path = request.getfixturevalue(ckpt) if ckpt == "odd_qwen3" else tiny_ckpt(ckpt)
+    fixture = ckpt in ("odd_qwen3", "fp8_qwen3")
+    path = request.getfixturevalue(ckpt) if fixture else tiny_ckpt(ckpt)
     store = _store()
     results = run_ranks(_tp_rank, TP, store.port, path, ep, timeout_s=240)
     from transformers import AutoConfig
