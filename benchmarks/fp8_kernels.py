@@ -1,0 +1,142 @@
+"""The C++ FP8 kernels against the bf16 ones at decode sizes, in one process, candidates
+interleaved round by round (a burst of load from another process hits all alike):
+
+* ``fp8_fp16``: FP8 weights, the fp16 decode (``native:<hint>``);
+* ``fp8_dot``: FP8 weights, the FP8 dot kernel (``native:dot-<hint>``: e4m3 -> bf16 by
+  table lookup, ``vdpbf16ps``), where the CPU has AVX512-BF16 and VBMI;
+* ``bf16_dot``: the peer, the same weights in bf16 on the bf16 dot kernel (the shift
+  kernel where the CPU has no AVX512-BF16).
+
+Cases: the linear (``--linear`` N = K) at 1 row, and the fused MoE at the 64-expert
+checkpoint's layer shape (64 experts, H512, I256, top-8) at 1 and 32 tokens, over
+``--layers`` layers' experts taken in turn (so the weights stream from memory, as at
+decode). Activations bf16, 128x128 block scales. Prints one JSON document: per case and
+kernel the best and median us per call, and ``bf16_over_fp8_dot`` (> 1: FP8 faster).
+
+    python benchmarks/fp8_kernels.py [--threads 1] [--rounds 15] [--layers 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from tidal.kernels.cpu_ext import bf16_dot_available, fp8_dot_available
+from tidal.kernels.cpu_fp8 import fp8_fused_experts, fp8_linear, pack_fp8_experts, pack_fp8_linear
+from tidal.kernels.cpu_linear import linear_cpu, pack_linear_weight
+from tidal.kernels.cpu_moe import CpuPackedExperts, fused_experts_cpu
+from tidal.kernels.fp8_torch import quantize_fp8_blocks
+from tidal.kernels.select import cpu_description
+
+BLOCK = (128, 128)
+T0 = 1  # the prefetch hint (cpu_ext.PREFETCH_HINTS["t0"])
+
+
+def _quantized(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # [E, N, K] -> q, scales
+    pairs = [quantize_fp8_blocks(w[e], BLOCK) for e in range(w.shape[0])]
+    return torch.stack([q for q, _ in pairs]), torch.stack([s for _, s in pairs])
+
+
+def _time(fns: dict[str, Callable[[], object]], rounds: int, calls: int) -> dict[str, object]:
+    """Best and median us per call of each, interleaved round by round."""
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for f in fns.values():
+        f()  # warm
+    for _ in range(rounds):
+        for name, f in fns.items():
+            t = time.perf_counter()
+            for _ in range(calls):
+                f()
+            times[name].append((time.perf_counter() - t) / calls * 1e6)
+    out: dict[str, object] = {
+        k: {"best_us": round(min(v), 1), "median_us": round(statistics.median(v), 1)}
+        for k, v in times.items()
+    }
+    if "fp8_dot" in times:
+        out["bf16_over_fp8_dot"] = {
+            "best": round(min(times["bf16_dot"]) / min(times["fp8_dot"]), 3),
+            "median": round(statistics.median(times["bf16_dot"]) / statistics.median(times["fp8_dot"]), 3),
+        }  # fmt: skip
+    return out
+
+
+def _moe_case(
+    tokens: int, fp8s: list, peers: list, rounds: int, g: torch.Generator
+) -> dict[str, object]:
+    """One MoE layer's experts at ``tokens`` tokens, each call over every layer's weights:
+    us per layer."""
+    hidden, top_k, experts = peers[0].shapes[0][2], 8, fp8s[0].num_experts
+    xs = torch.randn(tokens, hidden, generator=g).bfloat16()
+    tw = torch.rand(tokens, top_k, generator=g)
+    ids = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(tokens)])
+    peer_dot = bf16_dot_available()
+
+    def fp8(dot: bool) -> Callable[[], None]:
+        def run() -> None:
+            for p in fp8s:
+                fp8_fused_experts(xs, p, tw, ids, None, True, T0, dot)
+
+        return run
+
+    def peer() -> None:
+        for p in peers:
+            fused_experts_cpu(xs, p, tw, ids, None, True, T0, peer_dot)
+
+    fns: dict[str, Callable[[], object]] = {"fp8_fp16": fp8(False), "bf16_dot": peer}
+    if fp8_dot_available():
+        fns["fp8_dot"] = fp8(True)
+    out = _time(fns, rounds, 4)
+    for name in fns:  # per layer
+        out[name] = {k: round(v / len(fp8s), 1) for k, v in out[name].items()}  # type: ignore[union-attr]
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--linear", type=int, default=2048)
+    a = ap.parse_args()
+    torch.set_num_threads(a.threads)
+    g = torch.Generator().manual_seed(0)
+    peer_dot, fp8_dot = bf16_dot_available(), fp8_dot_available()
+    doc: dict[str, object] = {
+        "benchmark": "fp8_kernels",
+        "cpu": cpu_description()["model"],
+        "threads": a.threads,
+        "fp8_dot_available": fp8_dot,
+        "bf16_dot_available": peer_dot,
+    }
+    n = a.linear
+    w = torch.randn(1, n, n, generator=g) * 0.02
+    q, s = _quantized(w)
+    packed, peer = pack_fp8_linear(q[0], s[0], BLOCK), pack_linear_weight(w[0].bfloat16())
+    x = torch.randn(1, n, generator=g).bfloat16()
+    fns: dict[str, Callable[[], object]] = {
+        "fp8_fp16": lambda: fp8_linear(x, packed, None, T0, False),
+        "bf16_dot": lambda: linear_cpu(x, peer, n, None, T0, peer_dot),
+    }
+    if fp8_dot:
+        fns["fp8_dot"] = lambda: fp8_linear(x, packed, None, T0, True)
+    doc[f"linear_{n}x{n}_1row"] = _time(fns, a.rounds, 20)
+
+    experts, hidden, inter = 64, 512, 256
+    fp8s, peers = [], []
+    for _ in range(a.layers):
+        w13 = torch.randn(experts, 2 * inter, hidden, generator=g) * 0.02
+        w2 = torch.randn(experts, hidden, inter, generator=g) * 0.02
+        fp8s.append(pack_fp8_experts(*_quantized(w13), *_quantized(w2), BLOCK))
+        peers.append(CpuPackedExperts(w13.bfloat16(), w2.bfloat16()))
+    for tokens in (1, 32):
+        doc[f"moe64_layer_{tokens}tok"] = _moe_case(tokens, fp8s, peers, a.rounds, g)
+    print(json.dumps(doc, indent=1))
+
+
+if __name__ == "__main__":
+    main()
