@@ -312,12 +312,14 @@ def test_a_tp_workers_fp8_block_dequantizes_to_its_block_of_the_weights(qwen3_ck
     linears = [(n, m) for n, m in got.named_modules() if isinstance(m, Fp8Linear)]
     assert {n.rsplit(".", 1)[-1] for n, _ in linears} == {"qkv_proj", "o_proj"}
     for name, module in linears:
-        held = method.dequantize(module.weight, module.weight_scale, torch.float32)
-        assert torch.equal(held, want.get_submodule(name).weight), name
+        w = module.read_weights(["weight", "weight_scale"])
+        held = method.dequantize(w["weight"], w["weight_scale"], torch.float32)
+        assert torch.equal(held, want.get_submodule(name).read_weights(["weight"])["weight"]), name
     for moe, plain in zip(got.moe_layers(), want.moe_layers()):
-        assert moe.w13_scale is not None and moe.w2_scale is not None
-        assert torch.equal(method.dequantize(moe.w13, moe.w13_scale, torch.float32), plain.w13)
-        assert torch.equal(method.dequantize(moe.w2, moe.w2_scale, torch.float32), plain.w2)
+        w = moe.read_weights(["w13", "w2", "w13_scale", "w2_scale"])
+        p = plain.read_weights(["w13", "w2"])
+        assert torch.equal(method.dequantize(w["w13"], w["w13_scale"], torch.float32), p["w13"])
+        assert torch.equal(method.dequantize(w["w2"], w["w2_scale"], torch.float32), p["w2"])
 
 
 def test_a_tp_split_inside_a_scale_block_is_refused_naming_the_flag(fp8_ckpt):
