@@ -36,6 +36,7 @@ else:
                 "tidal/kernels/csrc/vec.h",
                 "tidal/kernels/csrc/vec_half.h",
                 "tidal/kernels/csrc/gemm.h",
+                "tidal/kernels/csrc/amx.h",
             ],
             # -march=native: the kernel's 16-lane vectors compile to the build machine's
             # widest ISA (an editable install builds on the machine that runs it).

@@ -15,12 +15,18 @@ import torch.nn.functional as F
 
 from tests.cpu_kernels import keep_torch_threads, needs_kernel  # noqa: F401 - fixture
 from tidal.kernels import select
-from tidal.kernels.cpu_ext import bf16_dot_available
+from tidal.kernels.cpu_ext import amx_available, bf16_dot_available
 from tidal.kernels.cpu_linear import BLOCK, linear_cpu, pack_linear_weight, unpack_linear_weight
 from tidal.kernels.cpu_moe import CpuPackedExperts, fused_experts_cpu
 from tidal.kernels.cpu_router import CpuPackedGate, softmax_topk_cpu
 from tidal.kernels.onednn import onednn_available
-from tidal.kernels.select import Candidate, Choice, choose_paths, weight_candidates
+from tidal.kernels.select import (
+    Candidate,
+    Choice,
+    choose_paths,
+    expert_candidates,
+    weight_candidates,
+)
 from tidal.layers.linear import Linear
 from tidal.moe.layer import FusedMoE
 from tidal.moe.reference import fused_experts_reference
@@ -148,6 +154,53 @@ def test_fused_moe_bf16_matches_the_reference_on_upcast_weights(num, hidden, int
     assert got16.dtype == BF16
     want16 = fused_experts_reference(x.to(BF16).float(), w13.float(), w2.float(), weights, ids)
     torch.testing.assert_close(got16.float(), want16, atol=2e-2 * want16.abs().max().item(), rtol=0)
+
+
+needs_amx = pytest.mark.skipif(not amx_available(), reason="this CPU has no AMX-BF16")
+
+
+@needs_amx
+@pytest.mark.parametrize(
+    "num,hidden,inter,rows",
+    # one row; odd intermediate (padded to 32); 3 experts x ~27 rows: two 16-row tiles each
+    [(4, 64, 50, 1), (6, 32, 17, 7), (3, 96, 40, 40)],
+)
+def test_fused_moe_amx_matches_the_reference_on_upcast_weights(num, hidden, inter, rows):
+    """The AMX kernel against a float32 loop over the same bf16 weights, with activations
+    and intermediates rounded to bf16 as the kernel reads them (as the dot kernel does)."""
+    w13, w2 = _experts(num, hidden, inter)
+    packed = CpuPackedExperts(w13, w2)
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(rows, hidden, generator=g)
+    ids = torch.stack([torch.randperm(num, generator=g)[:2] for _ in range(rows)])
+    weights = torch.rand(rows, 2, generator=g)
+    want = fused_experts_reference(_act(x, True), w13.float(), w2.float(), weights, ids)
+    for xin in (x, x.to(BF16)):  # float32 hidden is rounded on the way in; bf16 read as is
+        got = fused_experts_cpu(xin, packed, weights, ids, None, True, 0, amx=True)
+        assert got.dtype == xin.dtype
+        torch.testing.assert_close(got.float(), want, atol=2e-2 * want.abs().max().item(), rtol=0)
+    if bf16_dot_available():  # the same products and roundings: the dot kernel's result
+        dot = fused_experts_cpu(x, packed, weights, ids, None, True, 0, dot=True)
+        amx = fused_experts_cpu(x, packed, weights, ids, None, True, 0, amx=True)
+        torch.testing.assert_close(amx, dot, atol=2e-3 * dot.abs().max().item(), rtol=0)
+    # an expert map that keeps two of the experts: the others' rows contribute nothing
+    emap = torch.tensor([0, -1, 1, *([-1] * (num - 3))][:num], dtype=torch.int32)
+    local = CpuPackedExperts(w13[[0, 2]], w2[[0, 2]])
+    got = fused_experts_cpu(x, local, weights, ids, emap, True, 0, amx=True)
+    keep = (ids == 0) | (ids == 2)
+    want = fused_experts_reference(_act(x, True), w13.float(), w2.float(), weights * keep, ids)
+    torch.testing.assert_close(got, want, atol=2e-2 * want.abs().max().item(), rtol=0)
+
+
+def test_fused_moe_amx_refuses_what_it_cannot_take():
+    w13, w2 = _experts(2, 33, 8)  # 33 wide: not whole 32-k tile steps
+    x, ids, weights = torch.randn(1, 33), torch.tensor([[0, 1]]), torch.ones(1, 2)
+    with pytest.raises(ValueError, match="hidden size divisible by 32"):
+        fused_experts_cpu(x, CpuPackedExperts(w13, w2), weights, ids, amx=True)
+    assert "native:amx" not in [c.name for c in expert_candidates(BF16, amx_fits=False)]
+    assert "native:amx" not in [c.name for c in expert_candidates(torch.float32, amx_fits=True)]
+    names = [c.name for c in expert_candidates(BF16, amx_fits=True)]
+    assert ("native:amx" in names) == amx_available() and names[-1] == "torch"
 
 
 def test_bf16_experts_unpack_exactly_per_slot():

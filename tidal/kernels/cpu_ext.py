@@ -25,6 +25,14 @@ PREFETCH_HINTS = {"nta": 0, "t0": 1, "none": 2}
 # activations) for bf16 weights, the float32 kernel for float32 ones, the fp16 decode for
 # FP8 ones (whose dot kernel decodes to bf16 by table lookup, AVX512-VBMI).
 DOT_PREFIX = "dot-"
+# The variant of the bf16 MoE kernel on AMX tiles (``csrc/amx.h``: 16 rows x 16 columns x
+# 32 k a tile instruction; the hardware prefetcher and a fixed lookahead, no hint to choose).
+AMX_VARIANT = "amx"
+
+
+def native_amx(variant: str) -> bool:
+    """Whether a native candidate's variant is the AMX kernel (the C++ op's ``amx``)."""
+    return variant == AMX_VARIANT
 
 
 def native_variant(variant: str) -> tuple[int, bool]:
@@ -67,3 +75,9 @@ def fp8_dot_available() -> bool:
     """Whether the FP8 dot kernel runs here: the extension loaded and the CPU has
     AVX512-BF16 and AVX512-VBMI (asked at run time)."""
     return kernel_available() and bool(torch.ops.tidal_cpu.fp8_dot_available())
+
+
+def amx_available() -> bool:
+    """Whether the bf16 AMX MoE kernel runs here: the extension loaded, the CPU has
+    AMX-TILE and AMX-BF16 and Linux granted this process the tile state (asked once)."""
+    return kernel_available() and bool(torch.ops.tidal_cpu.amx_available())

@@ -128,14 +128,29 @@ def fused_experts_cpu(
     apply_router_weight: bool = True,
     prefetch: int = 0,  # cpu_ext.PREFETCH_HINTS value: a per-CPU choice (select.py)
     dot: bool = False,  # bf16 experts: the AVX512-BF16 kernel (cpu_ext.bf16_dot_available)
+    amx: bool = False,  # bf16 experts: the AMX tile kernel (cpu_ext.amx_available)
 ) -> Tensor:  # [T, H], hidden's dtype
     """The experts of one MoE layer; slots whose expert is not local contribute zero."""
     if hidden.dtype not in DTYPES or hidden.device.type != "cpu":
         raise ValueError(f"the CPU kernel takes float32 or bf16 CPU hidden, got {hidden.dtype}")
+    if amx and not amx_fits(packed.dtype, packed.shapes[0][2]):
+        raise ValueError(
+            f"the AMX kernel takes bf16 experts of a hidden size divisible by {AMX_K}, got "
+            f"{packed.dtype} hidden {packed.shapes[0][2]}"
+        )
     return run_fused_moe(
         hidden, packed.shapes[0][2], packed.w13, packed.w2, topk_weights, topk_ids, expert_map,
-        apply_router_weight, prefetch, dot,
+        apply_router_weight, prefetch, dot, amx=amx,
     )  # fmt: skip
+
+
+AMX_K = 32  # k of one AMX tile step: the AMX kernel reads whole steps of the hidden size
+
+
+def amx_fits(dtype: torch.dtype, hidden: int) -> bool:
+    """Whether experts of ``dtype`` and ``hidden`` width have an AMX candidate (bf16, the
+    hidden size whole tile steps; the intermediate size is padded to 32 by the pack)."""
+    return dtype == torch.bfloat16 and hidden % AMX_K == 0
 
 
 def run_fused_moe(
@@ -150,6 +165,7 @@ def run_fused_moe(
     prefetch: int,
     dot: bool,
     *fp8: Tensor | int,  # FP8 experts: (s13, s2, block_k)
+    amx: bool = False,  # bf16 experts: the AMX tile kernel
 ) -> Tensor:  # [T, H], hidden's dtype
     """``torch.ops.tidal_cpu.fused_moe``, the one checked call of the MoE kernel (float32,
     bf16 and FP8 experts)."""
@@ -168,6 +184,7 @@ def run_fused_moe(
         prefetch,
         dot,
         *fp8,
+        amx=amx,
     )
 
 

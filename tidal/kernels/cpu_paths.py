@@ -11,7 +11,8 @@ transfers, EPLB moves, a test reading a parameter -- gets ``unpack()``: an exact
 
 Each call takes the variant the selection measured for the call's shape class: for
 ``native`` the software prefetch hint of the C++ GEMMs (``cpu_ext.PREFETCH_HINTS``) and,
-for bf16 weights, the kernel (the shift one, or the AVX512-BF16 dot one: ``dot-`` hints).
+for bf16 weights, the kernel (the shift one, or the AVX512-BF16 dot one: ``dot-`` hints;
+for bf16 experts also the AMX one, variant ``amx``).
 Weights are held in their own dtype (float32 or bf16: a bf16 checkpoint is never widened).
 """
 
@@ -20,7 +21,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from tidal.kernels.cpu_ext import native_variant
+from tidal.kernels.cpu_ext import native_amx, native_variant
 from tidal.kernels.cpu_linear import linear_cpu, pack_linear_weight, unpack_linear_weight
 from tidal.kernels.cpu_moe import CpuPackedExperts, fused_experts_cpu
 from tidal.kernels.cpu_router import CpuPackedGate, softmax_topk_cpu
@@ -117,8 +118,9 @@ class HeldExperts:
             hint, dot = native_variant(variant)
             x = hidden if hidden.dtype == self.dtype else hidden.to(self.dtype)
             out = fused_experts_cpu(
-                x, self.packed, topk_weights, topk_ids, expert_map, apply_router_weight, hint, dot
-            )
+                x, self.packed, topk_weights, topk_ids, expert_map, apply_router_weight, hint, dot,
+                amx=native_amx(variant),
+            )  # fmt: skip
             return out if out.dtype == hidden.dtype else out.to(hidden.dtype)
         # Shape stand-ins: with a sole pack the onednn strategy never reads w13/w2.
         w13 = torch.empty(self.shapes[0], dtype=self.dtype, device="meta")

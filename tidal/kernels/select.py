@@ -20,7 +20,8 @@ The parts:
   class's fastest variant; ops without weights (norm, attention) choose per class freely.
   Candidates depend on the weights' dtype (``weight_candidates``): bf16 weights have the
   C++ shift kernel, the AVX512-BF16 dot kernel (``dot-`` variants) where the CPU has it,
-  oneDNN bf16 and torch; the cache fingerprint holds the dtype, so a float32 and a bf16
+  oneDNN bf16 and torch, and the experts the AMX tile kernel (``amx``) where the CPU has
+  AMX (``expert_candidates``); the cache fingerprint holds the dtype, so a float32 and a bf16
   model of one shape never share timings. FP8 weights (a quantized checkpoint) have the
   C++ FP8 kernels per hint (the fp16 decode; for bf16 activations also the FP8 dot kernel,
   ``dot-``, where the CPU has AVX512-BF16 and VBMI) and torch (dequantize per call); their
@@ -57,8 +58,10 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from tidal.kernels.cpu_ext import (
+    AMX_VARIANT,
     DOT_PREFIX,
     PREFETCH_HINTS,
+    amx_available,
     bf16_dot_available,
     fp8_dot_available,
     kernel_available,
@@ -175,6 +178,21 @@ def native_candidates(
     fp8_dot = act_dtype == torch.bfloat16 and block_k % 2 == 0 and fp8_dot_available()
     if dtype == FP8_DTYPE and fp8_dot:
         out += [Candidate("native", DOT_PREFIX + h) for h in hints]
+    return out
+
+
+def expert_candidates(
+    dtype: torch.dtype,
+    amx_fits: bool,
+    act_dtype: torch.dtype | None = None,
+    block_k: int = 128,
+) -> list[Candidate]:
+    """A layer's experts: ``weight_candidates`` plus, for bf16 experts whose shape the AMX
+    kernel takes (``amx_fits``, ``cpu_moe.amx_fits``) on a CPU with AMX, the AMX kernel
+    (``native:amx``)."""
+    out = weight_candidates(dtype, act_dtype, block_k)
+    if dtype == torch.bfloat16 and amx_fits and amx_available():
+        out.insert(len(native_candidates(dtype=dtype)), Candidate("native", AMX_VARIANT))
     return out
 
 

@@ -74,11 +74,20 @@ from torch import Tensor, nn
 
 from tidal.distributed.tensor_parallel import TensorParallel
 from tidal.kernels.cpu_fp8 import Fp8CpuExperts
+from tidal.kernels.cpu_moe import amx_fits
 from tidal.kernels.cpu_paths import PACKED_PATHS, HeldExperts, HeldGate
 from tidal.kernels.fp8_torch import FP8_DTYPE, dequantize_fp8_rows, w8a8_group_ok
 from tidal.kernels.fused_moe_torch import empty_k_major_experts, fused_experts_torch, is_k_major
 from tidal.kernels.held_params import HeldParamsModule
-from tidal.kernels.select import Candidate, Choice, OpKey, OpSpec, default_choice, weight_candidates
+from tidal.kernels.select import (
+    Candidate,
+    Choice,
+    OpKey,
+    OpSpec,
+    default_choice,
+    expert_candidates,
+    weight_candidates,
+)
 from tidal.kernels.triton_device import triton_serves
 from tidal.moe.placement import ExpertPlacement
 from tidal.moe.reference import ClampedSwiGLU, biased_experts, fused_experts_reference
@@ -591,7 +600,12 @@ class FusedMoE(HeldParamsModule):
         return choice
 
     def _candidates(self, op: str) -> list[Candidate]:
-        cands = weight_candidates(self.params_dtype)
+        if op == "experts":
+            cands = expert_candidates(
+                self.params_dtype, amx_fits(self.params_dtype, self.expert_shape[1])
+            )
+        else:
+            cands = weight_candidates(self.params_dtype)
         if op == "router" and not self.routing.plain_softmax:  # the C++ router cannot
             cands = [c for c in cands if c.path != "native"]
         if op == "experts" and self.custom_experts:  # only biased_experts computes them

@@ -27,6 +27,7 @@
 // and k chunk: s13p [E, I_pad / 32, ceil(H / block_k), 64] (the w13 blocks' column order),
 // s2p [H_pad / 64, E, ceil(I_pad / block_k), 64].
 
+#include "amx.h"
 #include "gemm.h"
 #include "vec.h"
 
@@ -95,6 +96,84 @@ void down_rows(Kernel kind, const RowPtrs& a, const void* w, int64_t depth, floa
   }
 }
 
+#ifdef TIDAL_AMX
+// The experts on AMX tiles (amx.h), given the routing of fused_moe's step 1: the rows
+// staged once in routing order (bf16, so each expert's rows are one strided A operand),
+// then the same two passes as the vector kernels with groups of up to 16 rows.
+void amx_experts(const at::Tensor& x,                 // [T, H] float32 or bf16, contiguous
+                 const std::vector<int64_t>& token,   // [N] the token of each routed row
+                 const std::vector<float>& row_weight,  // [N]
+                 const std::vector<int64_t>& start,   // [E + 1] each slot's first row
+                 const at::Tensor& w13p, const at::Tensor& w2p, int64_t up_steps,
+                 int64_t down_steps, at::Tensor& out) {  // out [T, H] float32, zero
+  const int64_t num_local = w13p.size(0), gate_blocks = w13p.size(1);
+  const int64_t down_blocks = w2p.size(0), hidden_size = x.size(1);
+  const int64_t up_pad = 2 * up_steps, inter_pad = 2 * down_steps;
+  const int64_t rows = start[num_local];
+  const bool x_bf16 = x.scalar_type() == at::kBFloat16;
+  // [N, up_pad] bf16: row r is token[r]'s hidden (rounded where float32), zero past H
+  std::vector<uint16_t> xs(rows * up_pad, 0);
+  for (int64_t r = 0; r < rows; ++r) {
+    uint16_t* dst = xs.data() + r * up_pad;
+    if (x_bf16) {
+      std::memcpy(dst, static_cast<const uint16_t*>(x.data_ptr()) + token[r] * hidden_size,
+                  hidden_size * sizeof(uint16_t));
+    } else {
+      const float* src = x.data_ptr<float>() + token[r] * hidden_size;
+      for (int64_t k = 0; k < hidden_size; ++k) dst[k] = narrow_bf16(src[k]);
+    }
+  }
+  std::vector<uint16_t> act(rows * inter_pad);  // [N, I_pad] bf16, as tdpbf16ps reads it
+  const uint16_t* w13 = static_cast<const uint16_t*>(w13p.data_ptr());
+  const uint16_t* w2 = static_cast<const uint16_t*>(w2p.data_ptr());
+  const int64_t up_block = up_pad * 2 * kGateBlock, down_block = inter_pad * kDownBlock;
+  float* op = out.data_ptr<float>();
+
+  std::vector<int64_t> busy;
+  for (int64_t e = 0; e < num_local; ++e)
+    if (start[e + 1] > start[e]) busy.push_back(e);
+  std::vector<double> cost1(busy.size() * gate_blocks);
+  for (size_t b = 0; b < busy.size(); ++b)
+    for (int64_t j = 0; j < gate_blocks; ++j)
+      cost1[b * gate_blocks + j] = kReadRows + (start[busy[b] + 1] - start[busy[b]]);
+  for_each_task_static(cost1, [&](int64_t task) {
+    const int64_t e = busy[task / gate_blocks], j = task % gate_blocks;
+    const uint16_t* blk = w13 + (e * gate_blocks + j) * up_block;
+    alignas(64) float acc[kAmxRows * 64];
+    for (int64_t r0 = start[e]; r0 < start[e + 1]; r0 += kAmxRows) {
+      const int m = static_cast<int>(std::min<int64_t>(kAmxRows, start[e + 1] - r0));
+      amx_block(m, xs.data() + r0 * up_pad, up_pad, blk, up_steps, acc);
+      for (int i = 0; i < m; ++i) {  // SiLU(gate) * up * router weight, rounded to bf16
+        const float* g = acc + i * 64;
+        const vec16 s = splat(row_weight[r0 + i]);
+        alignas(64) float a[32];
+        store(a, silu(load(g)) * load(g + 32) * s);
+        store(a + 16, silu(load(g + 16)) * load(g + 48) * s);
+        uint16_t* dst = act.data() + (r0 + i) * inter_pad + j * kGateBlock;
+        for (int c = 0; c < 32; ++c) dst[c] = narrow_bf16(a[c]);
+      }
+    }
+  });
+  std::vector<double> cost2(down_blocks, 1.0);
+  cost2.back() = static_cast<double>(hidden_size - (down_blocks - 1) * kDownBlock) / kDownBlock;
+  for_each_task_static(cost2, [&](int64_t j) {
+    const int64_t cols = std::min<int64_t>(kDownBlock, hidden_size - j * kDownBlock);
+    alignas(64) float acc[kAmxRows * 64];
+    for (int64_t e = 0; e < num_local; ++e) {
+      const uint16_t* blk = w2 + (j * num_local + e) * down_block;
+      for (int64_t r0 = start[e]; r0 < start[e + 1]; r0 += kAmxRows) {
+        const int m = static_cast<int>(std::min<int64_t>(kAmxRows, start[e + 1] - r0));
+        amx_block(m, act.data() + r0 * inter_pad, inter_pad, blk, down_steps, acc);
+        for (int i = 0; i < m; ++i) {
+          float* dst = op + token[r0 + i] * hidden_size + j * kDownBlock;
+          for (int64_t c = 0; c < cols; ++c) dst[c] += acc[i * 64 + c];
+        }
+      }
+    }
+  });
+}
+#endif
+
 at::Tensor fused_moe(const at::Tensor& hidden,  // [T, H] float32 or bf16
                      // float32 [E, I_pad/32, H, 64] | bf16 [E, I_pad/32, H_pad/2, 64, 2]
                      const at::Tensor& w13p,
@@ -111,11 +190,15 @@ at::Tensor fused_moe(const at::Tensor& hidden,  // [T, H] float32 or bf16
                      const std::optional<at::Tensor>& s13p,
                      // FP8: [H_pad/64, E, ceil(I_pad/block_k), 64] float32
                      const std::optional<at::Tensor>& s2p,
-                     int64_t block_k) {  // FP8: the k chunk of one scale
+                     int64_t block_k,  // FP8: the k chunk of one scale
+                     bool amx) {       // bf16: the AMX tile kernel (amx.h)
   TORCH_CHECK(hidden.dim() == 2 && hidden.is_cpu() &&
                   (hidden.scalar_type() == at::kFloat || hidden.scalar_type() == at::kBFloat16),
               "hidden must be [T, H] float32 or bf16 on CPU");
   const bool fp8 = w13p.scalar_type() == at::kByte;
+  TORCH_CHECK(!amx || (w13p.scalar_type() == at::kBFloat16 && !dot),
+              "fused_moe: the AMX kernel takes bf16 weights (and not the dot flag)");
+  TORCH_CHECK(!amx || amx_available(), "fused_moe: this CPU has no AMX-BF16 (or Linux refused it)");
   const Kernel kind = fp8 ? fp8_kernel_for(dot, block_k, "fused_moe")
                           : kernel_for(w13p.scalar_type(), dot, "fused_moe");
   const int64_t num_tokens = hidden.size(0), hidden_size = hidden.size(1);
@@ -166,6 +249,8 @@ at::Tensor fused_moe(const at::Tensor& hidden,  // [T, H] float32 or bf16
     up_steps = w13p.size(2);
     up_pad = 2 * up_steps;
     down_steps = w2p.size(2);
+    TORCH_CHECK(!amx || (up_steps % kAmxPairs == 0 && down_steps % kAmxPairs == 0),
+                "fused_moe: the AMX kernel takes a hidden size that is a multiple of 32");
   }
   TORCH_CHECK(w2p.size(1) == num_local && down_blocks * kDownBlock >= hidden_size &&
                   (down_blocks - 1) * kDownBlock < hidden_size,
@@ -214,6 +299,12 @@ at::Tensor fused_moe(const at::Tensor& hidden,  // [T, H] float32 or bf16
     token[r] = i / top_k;
     row_weight[r] = apply_router_weight ? w[i] : 1.f;
   }
+#ifdef TIDAL_AMX
+  if (amx) {
+    amx_experts(x, token, row_weight, start, w13p, w2p, up_steps, down_steps, out);
+    return result();
+  }
+#endif
   // Busy (expert, group of up to kRows rows) pairs: the units of work.
   std::vector<int64_t> group_expert, group_row;
   for (int64_t e = 0; e < num_local; ++e)
@@ -304,7 +395,8 @@ TORCH_LIBRARY_FRAGMENT(tidal_cpu, m) {
   m.def(
       "fused_moe(Tensor hidden, Tensor w13p, Tensor w2p, Tensor topk_weights, "
       "Tensor topk_ids, Tensor? expert_map, bool apply_router_weight, int prefetch=0, "
-      "bool dot=False, Tensor? s13p=None, Tensor? s2p=None, int block_k=0) -> Tensor");
+      "bool dot=False, Tensor? s13p=None, Tensor? s2p=None, int block_k=0, bool amx=False) -> Tensor");
+  m.def("amx_available() -> bool", &amx_available);
 }
 
 TORCH_LIBRARY_IMPL(tidal_cpu, CPU, m) { m.impl("fused_moe", &fused_moe); }
