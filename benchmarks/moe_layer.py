@@ -18,7 +18,8 @@ which CPU time would count).
 
 ``--dtype bfloat16`` times instead every path that can hold the weights of a layer's ops
 (``tidal/kernels/select.py``'s candidates: the C++ kernels per prefetch hint -- for bf16
-the shift kernel and, where the CPU has AVX512-BF16, the ``dot-`` kernel --, oneDNN
+the shift kernel and, where the CPU has AVX512-BF16, the ``dot-`` kernel; for the experts
+the ``amx`` kernel where it has AMX --, oneDNN
 prepacked, torch) in bf16 against the same paths in float32, on the same shapes: the
 experts, the router and a linear of the default model, of the 64-expert top-8 shape and of
 the 1024-wide one, at each ``--tokens``, all candidates of one op taking turns. Each runs
@@ -43,8 +44,15 @@ from collections.abc import Callable
 
 import torch
 
+from tidal.kernels.cpu_moe import amx_fits
 from tidal.kernels.fused_moe_torch import empty_k_major_experts, fused_experts_torch
-from tidal.kernels.select import Candidate, Choice, cpu_description, weight_candidates
+from tidal.kernels.select import (
+    Candidate,
+    Choice,
+    cpu_description,
+    expert_candidates,
+    weight_candidates,
+)
 from tidal.layers.linear import Linear
 from tidal.models.common import set_k_major_moe_weights
 from tidal.models.tiny import DEFAULT_MODEL_ARGS
@@ -202,7 +210,12 @@ def held_paths(args: argparse.Namespace, dtype: torch.dtype) -> None:
                     name = op
                 per = _op_bytes(op, (hidden, experts, experts, inter), 1, dt.itemsize)
                 instances = max(1, min(16, (args.pool_mib << 20) // per))
-                for cand in weight_candidates(dt):
+                cands = (
+                    expert_candidates(dt, amx_fits(dt, hidden))
+                    if op == "experts"
+                    else weight_candidates(dt)
+                )
+                for cand in cands:
                     key = f"{str(dt).removeprefix('torch.')}/{cand.name}"
                     if op == "experts":
                         thunks[key] = _experts_stand_ins(shape, dt, cand, instances)
