@@ -27,6 +27,7 @@ from tidal.kernels.select import (
     allowed,
     choose_paths,
     decide,
+    default_choice,
     measure,
 )
 from tidal.layers.linear import Linear
@@ -335,6 +336,16 @@ def test_trials_past_the_deadline_take_the_default_uncached(tmp_path, fake_cpu):
     again = FakeModule(clock, second.key, costs)
     choose_paths([again], cache_dir=str(tmp_path), clock=clock)
     assert again.trials and again.choice.decode == TORCH  # measured at the next start
+
+
+def test_the_default_is_the_amx_experts_then_the_t0_hint():
+    dot_nta, dot_t0 = Candidate("native", "dot-nta"), Candidate("native", "dot-t0")
+    amx, torch_ = Candidate("native", "amx"), Candidate("torch")
+    assert default_choice([NTA, T0, dot_nta, dot_t0, amx, torch_], True).decode == amx
+    assert default_choice([NTA, T0, dot_nta, dot_t0, torch_], True).decode == dot_t0
+    choice = default_choice([NTA, T0, torch_], True)
+    assert choice.decode == choice.batch == T0 and choice.layout == "native"
+    assert default_choice([Candidate("onednn"), torch_], False).decode.path == "onednn"
 
 
 def test_shared_choice_the_leader_measures_and_the_others_serve_by_its_choice(

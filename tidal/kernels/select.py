@@ -151,10 +151,20 @@ class Choice:
 
 
 def default_choice(candidates: Iterable[Candidate], holds_weights: bool) -> Choice:
-    """What serves before (or without) a measurement: the first candidate in ``PATHS``
-    order (the C++ kernels where built), as before the measured choice existed."""
-    best = min(candidates, key=_path_rank)
+    """What serves before (or without) a measurement -- a trial past its deadline on a
+    loaded machine: the first candidate in ``PATHS`` order (the C++ kernels where built),
+    and among their variants ``_default_rank``'s first."""
+    best = min(candidates, key=_default_rank)
     return Choice(best, best, best.path if holds_weights else None, source="default")
+
+
+def _default_rank(c: Candidate) -> tuple[int, bool, bool, str]:
+    """The AMX experts first (the dot kernel's speed at a few rows per expert, 4x it at a
+    prefill), then the t0 hint before nta (on an Intel Xeon nta held the bf16 experts of
+    the 64-expert layer to a third of t0's speed; an AMD EPYC measured them alike), the
+    dot kernel before the shift one."""
+    hint = c.variant.removeprefix(DOT_PREFIX)
+    return PATHS.index(c.path), c.variant != AMX_VARIANT, hint == "nta", c.variant
 
 
 def native_candidates(
