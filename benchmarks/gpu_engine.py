@@ -142,21 +142,29 @@ def step_bytes(runner: Any, driver: Driver, reqs: list[_Req]) -> dict[str, int]:
 
     model = runner.model
     moe = model.moe_layers()
-    expert_params = {id(p) for m in moe for p in (m.w13, m.w2)}
+    # The state dict holds every weight as the checkpoint has it, packed or not.
+    moe_ids = {id(m) for m in moe}
+    expert_keys = {
+        f"{name}.{part}"
+        for name, m in model.named_modules()
+        if id(m) in moe_ids
+        for part in ("w13", "w2")
+    }
     dense = sum(
-        p.numel() * p.element_size()
-        for name, p in model.named_parameters()
-        if id(p) not in expert_params and not name.startswith("embed_tokens")
+        t.numel() * t.element_size()
+        for name, t in model.state_dict().items()
+        if name not in expert_keys and not name.startswith("embed_tokens")
     )
     emb = model.embed_tokens.weight
     dense += len(reqs) * emb.shape[1] * emb.element_size()
-    loads = [torch.zeros(m.num_experts, dtype=torch.int64, device=m.w13.device) for m in moe]
+    loads = [torch.zeros(m.num_experts, dtype=torch.int64, device=emb.device) for m in moe]
     for m, load in zip(moe, loads):
         m.bind_expert_load(load)
     driver.step(reqs)
     for m in moe:
         m.record_expert_load = False
-    per_expert = (moe[0].w13[0].numel() + moe[0].w2[0].numel()) * moe[0].w13.element_size()
+    w = moe[0].read_weights(["w13", "w2"])
+    per_expert = (w["w13"][0].numel() + w["w2"][0].numel()) * w["w13"].element_size()
     experts = sum(int((load > 0).sum()) for load in loads) * per_expert
     kv_per_token = model.kv_cache_spec().bytes_per_token(runner.config.kv_cache_torch_dtype)
     kv = sum(r.num_tokens - 1 for r in reqs) * kv_per_token  # keys the last step read
