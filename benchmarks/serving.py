@@ -315,9 +315,11 @@ def previous_commit(ref: str) -> Iterator[Path]:
             for so in built:
                 shutil.copy2(so, tree / so.relative_to(REPO))
         else:  # the kernels differ (or none is built here): build the peer's own
+            # Its output to stderr: stdout is the JSON a caller reads.
             subprocess.run(
-                [sys.executable, "setup.py", "build_ext", "--inplace", "-q"], cwd=tree, check=True
-            )
+                [sys.executable, "setup.py", "build_ext", "--inplace", "-q"],
+                cwd=tree, check=True, stdout=sys.stderr,
+            )  # fmt: skip
         yield tree
     finally:
         shutil.rmtree(tree, ignore_errors=True)
