@@ -464,7 +464,11 @@ class ModelRunner:
     def _graph_step(self, sched: SchedulerOutput) -> tuple[DecodeStep, int] | None:
         """The step's arrays and padded size when a graph replays it, else None (eager);
         counts the decision (``graph_stats``)."""
-        num_decodes = sum(1 for sr in sched.scheduled if sr.num_new_tokens == 1)
+        # The per-request count only picks a size: an engine with graphs off (every CPU
+        # engine by default) skips it on every step.
+        num_decodes = 0
+        if self.graphs.off is None:
+            num_decodes = sum(1 for sr in sched.scheduled if sr.num_new_tokens == 1)
         decision = self.graphs.decide(num_decodes, len(sched.scheduled) - num_decodes)
         step = None
         if decision.size is not None:
