@@ -51,6 +51,33 @@ constexpr int64_t kGateBlock = 32;  // intermediate columns per w13p block (x2: 
 constexpr int64_t kDownBlock = 64;  // output columns per w2p block
 constexpr double kReadRows = 4;     // a block's read costs about as much as this many rows
 
+// The gate/up pass's tasks, (busy expert, column block): the local experts with routed
+// rows (``start`` [E + 1], each slot's first row) and each task's cost -- reading its
+// block (worth about kReadRows rows of FMAs) plus its rows.
+struct GateTasks {
+  std::vector<int64_t> busy;
+  std::vector<double> cost;  // [busy.size() * gate_blocks]
+};
+
+GateTasks gate_tasks(const std::vector<int64_t>& start, int64_t num_local, int64_t gate_blocks) {
+  GateTasks t;
+  for (int64_t e = 0; e < num_local; ++e)
+    if (start[e + 1] > start[e]) t.busy.push_back(e);
+  t.cost.resize(t.busy.size() * gate_blocks);
+  for (size_t b = 0; b < t.busy.size(); ++b)
+    for (int64_t j = 0; j < gate_blocks; ++j)
+      t.cost[b * gate_blocks + j] = kReadRows + (start[t.busy[b] + 1] - start[t.busy[b]]);
+  return t;
+}
+
+// The down pass's tasks, one per output column block: every block all the rows, I_pad
+// deep; the last block as wide as the columns it has left.
+std::vector<double> down_costs(int64_t down_blocks, int64_t hidden_size) {
+  std::vector<double> cost(down_blocks, 1.0);
+  cost.back() = static_cast<double>(hidden_size - (down_blocks - 1) * kDownBlock) / kDownBlock;
+  return cost;
+}
+
 inline vec16 silu(vec16 g) { return g / (splat(1.f) + vexp(-g)); }
 
 // The activations of one row group: x rows in, act rows out (float32, or bf16 for the
@@ -145,14 +172,9 @@ void amx_experts(const at::Tensor& x,                 // [T, H] float32 or bf16,
   const int64_t up_block = up_pad * 2 * kGateBlock, down_block = inter_pad * kDownBlock;
   float* op = out.data_ptr<float>();
 
-  std::vector<int64_t> busy;
-  for (int64_t e = 0; e < num_local; ++e)
-    if (start[e + 1] > start[e]) busy.push_back(e);
-  std::vector<double> cost1(busy.size() * gate_blocks);
-  for (size_t b = 0; b < busy.size(); ++b)
-    for (int64_t j = 0; j < gate_blocks; ++j)
-      cost1[b * gate_blocks + j] = kReadRows + (start[busy[b] + 1] - start[busy[b]]);
-  for_each_task_static(cost1, [&](int64_t task) {
+  const GateTasks tasks = gate_tasks(start, num_local, gate_blocks);
+  const std::vector<int64_t>& busy = tasks.busy;
+  for_each_task_static(tasks.cost, [&](int64_t task) {
     const int64_t e = busy[task / gate_blocks], j = task % gate_blocks;
     const uint16_t* blk = w13 + (e * gate_blocks + j) * up_block;
     alignas(64) float acc[kAmxRows * 64];
@@ -170,9 +192,7 @@ void amx_experts(const at::Tensor& x,                 // [T, H] float32 or bf16,
       }
     }
   });
-  std::vector<double> cost2(down_blocks, 1.0);
-  cost2.back() = static_cast<double>(hidden_size - (down_blocks - 1) * kDownBlock) / kDownBlock;
-  for_each_task_static(cost2, [&](int64_t j) {
+  for_each_task_static(down_costs(down_blocks, hidden_size), [&](int64_t j) {
     const int64_t cols = std::min<int64_t>(kDownBlock, hidden_size - j * kDownBlock);
     alignas(64) float acc[kAmxRows * 64];
     for (int64_t e = 0; e < num_local; ++e) {
@@ -345,16 +365,10 @@ at::Tensor fused_moe(const at::Tensor& hidden,  // [T, H] float32 or bf16
 
   // 2. gate/up + SiLU-and-mul + router weight: task = (busy expert, column block); its
   //    row groups take turns on the block, so only the first reads it from memory.
-  std::vector<int64_t> busy;
-  for (int64_t e = 0; e < num_local; ++e)
-    if (start[e + 1] > start[e]) busy.push_back(e);
-  // A task's cost: reading its block (worth about kReadRows rows of FMAs) plus its rows.
-  std::vector<double> cost1(busy.size() * gate_blocks);
-  for (size_t b = 0; b < busy.size(); ++b)
-    for (int64_t j = 0; j < gate_blocks; ++j)
-      cost1[b * gate_blocks + j] = kReadRows + (start[busy[b] + 1] - start[busy[b]]);
+  const GateTasks tasks = gate_tasks(start, num_local, gate_blocks);
+  const std::vector<int64_t>& busy = tasks.busy;
   dispatch_prefetch(prefetch, [&](auto P) {
-    for_each_task_static(cost1, [&](int64_t task) {
+    for_each_task_static(tasks.cost, [&](int64_t task) {
       const int64_t e = busy[task / gate_blocks], j = task % gate_blocks;
       const void* blk = w13 + (e * gate_blocks + j) * up_block_bytes;
       for (int64_t r0 = start[e]; r0 < start[e + 1]; r0 += kRows) {
@@ -378,9 +392,7 @@ at::Tensor fused_moe(const at::Tensor& hidden,  // [T, H] float32 or bf16
 
     // 3. down, summed into the tokens: task = output column block, over every row group
     //    (a token's rows all land in the same task, so no two threads add to one element).
-    std::vector<double> cost2(down_blocks, 1.0);  // every block: all the rows, I_pad deep
-    cost2.back() = static_cast<double>(hidden_size - (down_blocks - 1) * kDownBlock) / kDownBlock;
-    for_each_task_static(cost2, [&](int64_t j) {
+    for_each_task_static(down_costs(down_blocks, hidden_size), [&](int64_t j) {
       const int64_t cols = std::min<int64_t>(kDownBlock, hidden_size - j * kDownBlock);
       for (int64_t g = 0; g < groups; ++g) {
         const int64_t e = group_expert[g], r0 = group_row[g];
