@@ -8,6 +8,7 @@ VBMI) against the same reference on bf16 activations, and where the measured cho
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 import torch
@@ -108,14 +109,12 @@ def test_pluggable_kernel_takes_row_scales_and_leading_dims():
     torch.testing.assert_close(kernel(x, packed, None, "nta"), want, atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize(
-    "num,hidden,inter,rows,block",
-    [(4, 40, 50, 1, (16, 16)), (6, 64, 32, 7, (32, 16)), (8, 33, 17, 13, (128, 128))],
-)
-def test_fp8_fused_moe_matches_the_reference_on_dequantized_experts(
-    num, hidden, inter, rows, block
-):
-    g = torch.Generator().manual_seed(num)
+def _fp8_experts(
+    g: torch.Generator, num: int, hidden: int, inter: int, block: tuple[int, int]
+) -> tuple[Any, tuple[torch.Tensor, ...], torch.Tensor, torch.Tensor]:
+    """``num`` random experts quantized in ``block``s: their C++ pack; the FP8 weights
+    and block scales (w13, s13, w2, s2); and the dequantized w13 [E, 2I, H] and w2
+    [E, H, I] (float32)."""
     pairs = [
         _quantize(torch.randn(2 * inter, hidden, generator=g) * 0.3, block) for _ in range(num)
     ]
@@ -125,6 +124,18 @@ def test_fp8_fused_moe_matches_the_reference_on_dequantized_experts(
     packed = pack_fp8_experts(w13, s13, w2, s2, block)
     d13 = torch.stack([_dequantize(q, s, block) for q, s in pairs])
     d2 = torch.stack([_dequantize(q, s, block) for q, s in downs])
+    return packed, (w13, s13, w2, s2), d13, d2
+
+
+@pytest.mark.parametrize(
+    "num,hidden,inter,rows,block",
+    [(4, 40, 50, 1, (16, 16)), (6, 64, 32, 7, (32, 16)), (8, 33, 17, 13, (128, 128))],
+)
+def test_fp8_fused_moe_matches_the_reference_on_dequantized_experts(
+    num, hidden, inter, rows, block
+):
+    g = torch.Generator().manual_seed(num)
+    packed, (w13, s13, w2, s2), d13, d2 = _fp8_experts(g, num, hidden, inter, block)
     x = torch.randn(rows, hidden, generator=g)
     ids = torch.stack([torch.randperm(num, generator=g)[:2] for _ in range(rows)])
     weights = torch.rand(rows, 2, generator=g)
@@ -197,15 +208,7 @@ def test_fp8_dot_rejects_an_odd_block_k():
 )
 def test_fp8_dot_fused_moe_matches_the_reference(num, hidden, inter, rows, block):
     g = torch.Generator().manual_seed(hidden)
-    pairs = [
-        _quantize(torch.randn(2 * inter, hidden, generator=g) * 0.3, block) for _ in range(num)
-    ]
-    downs = [_quantize(torch.randn(hidden, inter, generator=g) * 0.3, block) for _ in range(num)]
-    w13, s13 = torch.stack([q for q, _ in pairs]), torch.stack([s for _, s in pairs])
-    w2, s2 = torch.stack([q for q, _ in downs]), torch.stack([s for _, s in downs])
-    packed = pack_fp8_experts(w13, s13, w2, s2, block)
-    d13 = torch.stack([_dequantize(q, s, block) for q, s in pairs])
-    d2 = torch.stack([_dequantize(q, s, block) for q, s in downs])
+    packed, _, d13, d2 = _fp8_experts(g, num, hidden, inter, block)
     x = torch.randn(rows, hidden, generator=g).bfloat16()
     ids = torch.stack([torch.randperm(num, generator=g)[:2] for _ in range(rows)])
     weights = torch.rand(rows, 2, generator=g)
