@@ -67,6 +67,15 @@ def _assert_same_attn(got: AttentionMetadata, want: AttentionMetadata) -> None:
     _tensor_equal(got.decode_block_table, want.decode_block_table)
     _tensor_equal(got.decode_seq_lens, want.decode_seq_lens)
     _tensor_equal(got.decode_mask, want.decode_mask)
+    if want.decode_block_table is not None:  # the mask (built on first read) from its definition
+        assert want.decode_seq_lens is not None
+        width = want.decode_block_table.shape[1] * want.block_size
+        mask = torch.arange(width)[None, :] < want.decode_seq_lens[:, None]
+        if bool(mask.all()):
+            assert want.decode_mask is None
+        else:
+            assert want.decode_mask is not None
+            assert torch.equal(want.decode_mask[:, 0, 0], mask)
     assert len(got.prefills) == len(want.prefills)
     for g, w in zip(got.prefills, want.prefills):
         assert (g.rows, g.start) == (w.rows, w.start)
@@ -116,8 +125,11 @@ def test_persistent_batch_equals_the_list_build(seed: int) -> None:
                 running[running.index(req)] = req.resent()
         scheduled: list[ScheduledRequest] = []
         late: list[FakeRequest] = []  # async scheduling: their token arrives after the step
+        decodes_only = step % 3 == 2  # every request one token: prepare's own branch
         for req in running:
             if req.request_id in preempted or rng.random() < 0.1:  # not this step
+                continue
+            if decodes_only and req.computed < req.num_tokens - 1:  # a prefill: not now
                 continue
             placeholder = False
             if req.computed == req.num_tokens:  # last step sampled: its token arrives

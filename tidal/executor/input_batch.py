@@ -121,9 +121,9 @@ class _Gathered:
     ids: np.ndarray  # [T] int64, placeholders 0
     firsts: list[int]  # each request's first row in ``ids``
     placeholders: list[tuple[int, str]]  # (row in ids, request id): filled by the runner
-    num_tokens: np.ndarray  # [num] int64, known tokens
-    placeholder_idx: list[int]  # requests whose new token is a placeholder
+    sample_idx: list[int]  # requests that sample this step (a chunk's last, a placeholder)
     prompt_lp_idx: list[int]  # requests that asked for prompt logprobs
+    decodes: int  # requests with one new token
 
 
 @dataclass
@@ -229,17 +229,18 @@ class InputBatch:
         firsts: list[int] = []
         in_step: set[int] = set()
         placeholders: list[tuple[int, str]] = []
-        num_tokens_l: list[int] = []  # known tokens
-        placeholder_idx: list[int] = []
+        sample_idx: list[int] = []
         prompt_lp_idx: list[int] = []  # the requests that asked for prompt logprobs
+        decodes = 0
         known = self._rows
         for i, sr in enumerate(scheduled):
             req, start, n = sr.request, sr.start, sr.num_new_tokens
             starts_l.append(start)
             num_new_l.append(n)
-            num_tokens_l.append(len(req.all_token_ids))
-            if sr.placeholder:
-                placeholder_idx.append(i)
+            # What _sampling_rows finds (the reference's): a chunk that reaches its last
+            # known token samples, and so does a placeholder (past the known ones).
+            if sr.placeholder or start + n == len(req.all_token_ids):
+                sample_idx.append(i)
             if req.sampling_params.prompt_logprobs is not None:
                 prompt_lp_idx.append(i)
             # A decode's row usually needs nothing: the same request and block list, no
@@ -258,6 +259,7 @@ class InputBatch:
             in_step.add(index)
             firsts.append(len(ids))
             if n == 1:  # a decode: one token, no slice
+                decodes += 1
                 if sr.placeholder:  # not known here yet: the runner fills it in
                     placeholders.append((len(ids), req.request_id))
                     ids.append(0)
@@ -265,15 +267,15 @@ class InputBatch:
                     ids.append(req.all_token_ids[start])
             else:
                 ids.extend(req.all_token_ids[start : start + n])
-        starts = np.array(starts_l, dtype=np.int64)  # [num]
-        num_new = np.array(num_new_l, dtype=np.int64)  # [num]
-        rows = np.array(rows_l, dtype=np.int64)  # [num]
         ids_np = np.array(ids, dtype=np.int64)  # [T]
-        if ids:
+        if len(ids) > 64:
             _check_vocab(int(ids_np.min()), int(ids_np.max()), self.vocab_size)
+        elif ids:  # a few ids: Python's min and max cost less than numpy's
+            _check_vocab(min(ids), max(ids), self.vocab_size)
         return _Gathered(
-            starts, num_new, rows, ids_np, firsts, placeholders,
-            np.array(num_tokens_l, dtype=np.int64), placeholder_idx, prompt_lp_idx,
+            np.array(starts_l, dtype=np.int64), np.array(num_new_l, dtype=np.int64),
+            np.array(rows_l, dtype=np.int64), ids_np, firsts, placeholders, sample_idx,
+            prompt_lp_idx, decodes,
         )  # fmt: skip
 
     def prepare(self, sched: SchedulerOutput | list[ScheduledRequest]) -> Inputs:
@@ -284,34 +286,35 @@ class InputBatch:
         num = len(scheduled)
         g = self._gather(scheduled)
         starts, num_new, rows, ids_np, firsts = g.starts, g.num_new, g.rows, g.ids, g.firsts
-        # Only the columns this step reads: a long context's spare blocks are not copied.
-        width = int((-(-(starts + num_new) // self.block_size)).max()) if num else 0
+        bs = self.block_size
+        if num and g.decodes == num:  # token i is request i: fewer array operations
+            width = (int(starts.max()) + bs) // bs  # blocks of the longest, after its token
+            positions = starts
+            sample_rows = np.array(g.sample_idx, dtype=np.int64)
+        else:
+            # Only the columns this step reads: a long context's spare blocks are not copied.
+            width = int(((starts + num_new + (bs - 1)) // bs).max()) if num else 0
+            first_row = np.asarray(firsts, dtype=np.int64)
+            seq = np.repeat(np.arange(num), num_new)
+            positions = np.arange(len(ids_np)) - first_row[seq] + starts[seq]  # [T]
+            sample_rows = (first_row + num_new - 1)[g.sample_idx]
         attn = AttentionMetadata.build_arrays(
-            starts, num_new, self.block_table[rows, :width], self.num_blocks[rows],
-            self.block_size, self.device,
+            starts, num_new, self.block_table[rows, :width], self.num_blocks[rows], bs,
+            self.device,
         )  # fmt: skip
-        first_row = np.asarray(firsts, dtype=np.int64)
-        seq = np.repeat(np.arange(num), num_new)
-        positions = np.arange(len(ids_np)) - first_row[seq] + starts[seq]  # [T]
-        # What _sampling_rows finds request by request (the reference's), by arrays: a
-        # chunk that reaches its last token samples, and so does a placeholder (past the
-        # known ones); the few requests with prompt logprobs go through it.
-        samples = starts + num_new == g.num_tokens  # [num] bool
-        samples[g.placeholder_idx] = True
         prompt_lp: list[tuple[ScheduledRequest, int, int]] = []
-        if g.prompt_lp_idx:
+        if g.prompt_lp_idx:  # the few requests with prompt logprobs: the reference's way
             _, _, prompt_lp = _sampling_rows(
                 [scheduled[i] for i in g.prompt_lp_idx], [firsts[i] for i in g.prompt_lp_idx]
             )
-        sample_idx = np.flatnonzero(samples)
         sample_reqs = (
-            list(scheduled) if len(sample_idx) == num else [scheduled[i] for i in sample_idx]
+            list(scheduled) if len(g.sample_idx) == num else [scheduled[i] for i in g.sample_idx]
         )
         return Inputs(
             input_ids=torch.from_numpy(ids_np).to(self.device),
             positions=torch.from_numpy(positions).to(self.device),
             attn=attn,
-            sample_rows=(first_row + num_new - 1)[sample_idx],
+            sample_rows=sample_rows,
             sample_reqs=sample_reqs,
             prompt_lp=prompt_lp,
             placeholders=g.placeholders,

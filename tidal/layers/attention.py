@@ -119,11 +119,30 @@ class AttentionMetadata:
     decode_rows: slice | Tensor | None = None  # their rows (a slice when contiguous)
     decode_block_table: Tensor | None = None  # [D, max_blocks] int64, padded with block 0
     decode_seq_lens: Tensor | None = None  # [D] int64 keys of each decode sequence
-    decode_mask: Tensor | None = None  # [D, 1, 1, max_blocks * block_size] bool; None = no padding
     prefills: list[PrefillChunk] = field(default_factory=list)
     # Per layer geometry: row indices into the cache and the decode bias, built by the
     # first layer that needs them (see ``cache_rows``).
     _rows: dict[tuple, CacheRows] = field(default_factory=dict, repr=False)
+    _decode_mask: Tensor | None = field(default=None, repr=False)
+    _mask_pending: bool = field(default=False, repr=False)  # padded: built on first read
+
+    @property
+    def decode_mask(self) -> Tensor | None:
+        """[D, 1, 1, max_blocks * block_size] bool, True = a key of the sequence; None when
+        no decode row is padded. Built on first read: the native decode kernels read
+        ``decode_seq_lens`` instead, and a mask per step costs a single request's decode
+        more host time than its attention."""
+        if self._mask_pending:
+            lens, table = self.decode_seq_lens, self.decode_block_table
+            assert lens is not None and table is not None
+            keys = torch.arange(table.shape[1] * self.block_size, device=lens.device)
+            self._decode_mask = (keys[None, :] < lens[:, None])[:, None, None, :]
+            self._mask_pending = False
+        return self._decode_mask
+
+    @decode_mask.setter
+    def decode_mask(self, mask: Tensor | None) -> None:
+        self._decode_mask, self._mask_pending = mask, False
 
     def cache_rows(
         self, num_blocks: int, num_kv_heads: int, num_heads: int, dtype: torch.dtype
@@ -200,19 +219,19 @@ class AttentionMetadata:
         on the same sequences, tensor for tensor (tests/unit/test_input_batch.py)."""
         bs = block_size
         ends = starts + num_new
-        needed = -(-ends // bs)  # [S]
-        bad = np.flatnonzero((num_new < 1) | (starts < 0))
-        if bad.size:
-            i = int(bad[0])
+        needed = (ends + (bs - 1)) // bs  # [S]
+        num_seqs = len(starts)
+        if num_seqs and (num_new.min() < 1 or starts.min() < 0):
+            i = int(np.flatnonzero((num_new < 1) | (starts < 0))[0])
             raise ValueError(f"sequence {i}: bad (start={starts[i]}, num_new_tokens={num_new[i]})")
-        short = np.flatnonzero(num_blocks < needed)
-        if short.size:
-            i = int(short[0])
+        if (num_blocks < needed).any():
+            i = int(np.flatnonzero(num_blocks < needed)[0])
             raise ValueError(
                 f"sequence {i}: {ends[i]} tokens need {needed[i]} blocks of {bs}, "
                 f"got {num_blocks[i]}"
             )
-        num_seqs = len(starts)
+        if num_seqs and num_new.max() == 1:
+            return cls._decodes_only(starts, ends, needed, block_table, bs, device)
         first_row = np.cumsum(num_new) - num_new  # [S] flattened row of each first token
         total = int(num_new.sum())
         seq = np.repeat(np.arange(num_seqs), num_new)  # [T] sequence of each token
@@ -250,10 +269,41 @@ class AttentionMetadata:
             meta.decode_block_table = torch.from_numpy(table).to(device)
             lens = ends[dec].astype(np.int64)
             meta.decode_seq_lens = torch.from_numpy(lens).to(device)
-            width = max_blocks * bs
-            if (lens != width).any():
-                mask = torch.from_numpy(np.arange(width)[None, :] < lens[:, None])  # [D, width]
-                meta.decode_mask = mask[:, None, None, :].to(device)
+            meta._mask_pending = bool((lens != max_blocks * bs).any())
+        return meta
+
+    @classmethod
+    def _decodes_only(
+        cls,
+        starts: np.ndarray,  # [D] int64
+        ends: np.ndarray,  # [D] int64, starts + 1
+        needed: np.ndarray,  # [D] int64 blocks each sequence reads
+        block_table: np.ndarray,  # [D, W] int
+        bs: int,
+        device: Any,
+    ) -> AttentionMetadata:
+        """``build_arrays`` when every sequence has one new token (most steps): token i
+        is sequence i, so no repeat, cumsum or gather by sequence; fewer array operations
+        matter here, where one request's step costs tens of microseconds of them."""
+        num = len(starts)
+        max_blocks = int(needed.max())
+        table = block_table[:, :max_blocks]
+        block = table[np.arange(num), starts // bs].astype(np.int64)  # [D]
+        lens_list = ends.tolist()
+        meta = cls(
+            num_tokens=num,
+            block_size=bs,
+            slot_mapping=torch.from_numpy(block * bs + starts % bs).to(device),
+            query_lens=[1] * num,
+            seq_lens=lens_list,
+            decode_rows=slice(0, num),
+        )
+        width, shortest = max_blocks * bs, min(lens_list)
+        if shortest <= width - bs:  # a row reads fewer blocks than the widest
+            table = np.where(np.arange(max_blocks)[None, :] < needed[:, None], table, 0)
+        meta.decode_block_table = torch.from_numpy(table.astype(np.int64)).to(device)
+        meta.decode_seq_lens = torch.from_numpy(ends).to(device)
+        meta._mask_pending = shortest != width
         return meta
 
     def _set_decodes(
@@ -268,11 +318,7 @@ class AttentionMetadata:
         table = [list(b) + [0] * (max_blocks - len(b)) for b in blocks]
         self.decode_block_table = torch.tensor(table, dtype=torch.int64).to(device)
         self.decode_seq_lens = torch.tensor(lens, dtype=torch.int64).to(device)
-        width = max_blocks * self.block_size
-        if any(n != width for n in lens):
-            lens_t = torch.tensor(lens, dtype=torch.int64)
-            mask = torch.arange(width)[None, :] < lens_t[:, None]  # [D, width]
-            self.decode_mask = mask[:, None, None, :].to(device)
+        self._mask_pending = any(n != max_blocks * self.block_size for n in lens)
 
 
 def _append_slots(
