@@ -44,13 +44,17 @@ Each layer first writes the new K/V into the cache through ``slot_mapping``, the
   device; the torch path is the reference of the other two;
 * each prefill chunk runs its own SDPA: causal on its fresh K/V when it starts at 0,
   else on its gathered cached blocks with an explicit mask (query i at position
-  ``start + i`` sees keys ``<= start + i``).
+  ``start + i`` sees keys ``<= start + i``). That is the reference; on the Triton
+  backend every chunk of the step is one launch instead
+  (``tidal/kernels/paged_prefill.py``) reading all its keys, its own new ones too,
+  from the cache through ``AttentionMetadata.prefill_table`` (built on first read):
+  no per-chunk gather, mask or launch, and no host sync.
 
 Two switches per layer (GPT-OSS): ``sliding_window`` W (a query at position p sees keys
 ``> p - W``, as transformers' sliding mask) and ``sinks`` (one learned logit per query
 head in the softmax denominator, no value: the weights over the keys sum to less than
 1). On CPU a layer with either runs the torch paths (the C++ decode kernel has neither);
-the Triton decode kernel computes both (prefill chunks stay on SDPA with a mask); the
+the Triton decode and prefill kernels compute both; the
 cache keeps every block of the sequence (the blocks before the window are masked, not
 freed: the full-attention layers share the block table).
 
@@ -103,9 +107,31 @@ class PrefillChunk:
 
     rows: slice  # its rows in the flattened batch
     start: int  # tokens already in the cache
+    block_ids: list[int]  # the blocks covering positions < start + n (host; the Triton path)
     # When start > 0: the blocks covering positions < start + n, and the mask over them.
     kv_blocks: Tensor | None = None  # [num_blocks] int64
     mask: Tensor | None = None  # [n, num_blocks * block_size] bool, True = attend
+
+
+@dataclass
+class PrefillTable:
+    """A step's prefill chunks as device tensors (``paged_prefill_attention``'s
+    arguments): views of one int32 tensor, copied once."""
+
+    rows: Tensor  # [C] int32 first row of each chunk in the flattened batch
+    lens: Tensor  # [C] int32 its new tokens
+    starts: Tensor  # [C] int32 tokens cached before it
+    block_table: Tensor  # [C, W] int32 its blocks, padded with block 0
+
+    @classmethod
+    def build(cls, chunks: Sequence[PrefillChunk], device: Any) -> PrefillTable:
+        width = max((len(c.block_ids) for c in chunks), default=0)
+        packed = np.zeros((len(chunks), 3 + width), dtype=np.int32)
+        for i, c in enumerate(chunks):
+            packed[i, :3] = (c.rows.start, c.rows.stop - c.rows.start, c.start)
+            packed[i, 3 : 3 + len(c.block_ids)] = c.block_ids
+        t = torch.from_numpy(packed).to(device)
+        return cls(t[:, 0], t[:, 1], t[:, 2], t[:, 3:])
 
 
 @dataclass
@@ -125,6 +151,7 @@ class AttentionMetadata:
     _rows: dict[tuple, CacheRows] = field(default_factory=dict, repr=False)
     _decode_mask: Tensor | None = field(default=None, repr=False)
     _mask_pending: bool = field(default=False, repr=False)  # padded: built on first read
+    _prefill_table: PrefillTable | None = field(default=None, repr=False)
 
     @property
     def decode_mask(self) -> Tensor | None:
@@ -143,6 +170,14 @@ class AttentionMetadata:
     @decode_mask.setter
     def decode_mask(self, mask: Tensor | None) -> None:
         self._decode_mask, self._mask_pending = mask, False
+
+    @property
+    def prefill_table(self) -> PrefillTable:
+        """The prefill chunks as the Triton prefill kernel reads them, built on first read
+        (the torch and CPU paths never do): one host-to-device copy for the step."""
+        if self._prefill_table is None:
+            self._prefill_table = PrefillTable.build(self.prefills, self.slot_mapping.device)
+        return self._prefill_table
 
     def cache_rows(
         self, num_blocks: int, num_kv_heads: int, num_heads: int, dtype: torch.dtype
@@ -336,7 +371,7 @@ def _append_slots(
 def _prefill_chunk(
     row: int, start: int, num_new: int, block_ids: Sequence[int], block_size: int, device: Any
 ) -> PrefillChunk:
-    chunk = PrefillChunk(rows=slice(row, row + num_new), start=start)
+    chunk = PrefillChunk(rows=slice(row, row + num_new), start=start, block_ids=list(block_ids))
     if start > 0:
         width = len(block_ids) * block_size
         q_pos = torch.arange(start, start + num_new)
@@ -557,7 +592,14 @@ class PagedAttention(nn.Module):
         out = torch.empty_like(q)
         if dec is not None:
             out[dec] = self._decode(q[dec], cache, meta)
-        if meta.prefills:
+        if meta.prefills and self.backend is AttentionBackend.TRITON:
+            # Every chunk in one launch, from the cache (this step's K/V are in it).
+            table = meta.prefill_table
+            triton_prefill_attention().paged_prefill_attention(
+                q, cache[0], cache[1], table.rows, table.lens, table.starts, table.block_table,
+                self.scale, self.sliding_window, self.sinks, out=out,
+            )  # fmt: skip
+        elif meta.prefills:
             rows = self.cache_rows(meta, cache, q.dtype)
             for chunk, gather in zip(meta.prefills, rows.prefill_gather):
                 r = chunk.rows
@@ -765,6 +807,14 @@ def triton_attention() -> ModuleType:
     from tidal.kernels import paged_attention
 
     return paged_attention
+
+
+@functools.cache
+def triton_prefill_attention() -> ModuleType:
+    """``tidal.kernels.paged_prefill``, imported on first use (as ``triton_attention``)."""
+    from tidal.kernels import paged_prefill
+
+    return paged_prefill
 
 
 DECODE_BACKENDS: dict[AttentionBackend, DecodeBackend] = {
