@@ -1,12 +1,14 @@
 """The decoder layer's Triton kernels on one GPU against the torch paths they replace,
-in the same run: decode attention (GQA and MLA), RMSNorm, Q/K norm + rotary, the top-k
-softmax router.
+in the same run: decode attention (GQA and MLA), chunked-prefill attention, RMSNorm,
+Q/K norm + rotary, the top-k softmax router.
 Prints one JSON object (``--out`` also writes it).
 
 For each case: microseconds per call of both (CUDA events, mean over ``--iters`` after a
 warm-up), their ratio, the largest difference from the reference, and for attention the
 KV bytes read per call over the time against this run's device-to-device copy
-bandwidth. The attention kernel is also captured in a CUDA graph once per batch size and
+bandwidth; for prefill attention the causal attention's TFLOP/s (the Triton kernel, all
+chunks in one launch, against SDPA per chunk on its gathered blocks with a mask). The
+decode attention kernel is also captured in a CUDA graph once per batch size and
 replayed after the lengths and block tables change in place (new contents, same
 buffers): ``graph_max_diff`` against an eager call on the new contents shows it needs no
 per-step shape or host value.
@@ -35,6 +37,11 @@ GQA = {"heads": 32, "kv_heads": 4, "head_dim": 128, "block_size": 16}
 MLA = {"heads": 16, "kv_lora_rank": 512, "rope": 64, "block_size": 64}
 BATCHES = (1, 4, 32, 256)
 CONTEXTS = (512, 4096)
+# Prefill steps: (chunks, new tokens each, tokens cached before each): a prompt from 0,
+# a chunk continuing a long prefix (chunked prefill, a prefix-cache hit), several
+# prompts in one step.
+PREFILLS = ((1, 2048, 0), (1, 512, 4096), (4, 512, 0), (8, 256, 1024))
+SMOKE_PREFILLS = ((1, 9, 0), (2, 6, 7))
 HIDDEN, EXPERTS, TOP_K = 2048, 128, 8
 SMOKE_GQA = {"heads": 4, "kv_heads": 2, "head_dim": 16, "block_size": 4}
 SMOKE_MLA = {"heads": 4, "kv_lora_rank": 16, "rope": 8, "block_size": 4}
@@ -145,6 +152,66 @@ def _attention_case(
         programs = batch * hkv * -(-(hq // hkv) // MAX_BLOCK_G)
         row["splits"] = _auto_splits(torch.device(device), programs, per_seq * bs)
         row["graph_max_diff"] = _graph_replay(meta, q, cache, triton_layer)
+    return row
+
+
+def prefill(device: str, smoke: bool, iters: int) -> list[dict[str, Any]]:
+    import torch
+
+    geo = SMOKE_GQA if smoke else GQA
+    dtype = torch.float32 if smoke else torch.bfloat16
+    return [
+        _prefill_case(device, dtype, geo, *case, iters)
+        for case in (SMOKE_PREFILLS if smoke else PREFILLS)
+    ]
+
+
+def _prefill_case(
+    device: str, dtype: Any, geo: dict[str, int], chunks: int, new: int, cached: int,
+    iters: int,
+) -> dict[str, Any]:  # fmt: skip
+    """One layer's forward over a step of ``chunks`` prefill chunks (this step's K/V
+    written, then the attention) on each backend: the Triton prefill kernel, all chunks
+    in one launch, against the torch path (SDPA per chunk: causal on its own K/V from 0,
+    else on its gathered blocks with a mask)."""
+    import torch
+
+    from tidal.layers.attention import (
+        AttentionBackend,
+        AttentionMetadata,
+        PagedAttention,
+        kv_cache_shape,
+    )
+
+    hq, hkv, dh, bs = geo["heads"], geo["kv_heads"], geo["head_dim"], geo["block_size"]
+    per_seq = -(-(cached + new) // bs)
+    cache = torch.randn(
+        kv_cache_shape(chunks * per_seq + 1, bs, hkv, dh), dtype=dtype, device=device
+    )
+    layers = {}
+    for backend in (AttentionBackend.TRITON, AttentionBackend.TORCH):
+        layer = PagedAttention(hq, hkv, dh, dtype=dtype, device=device)
+        layer.backend, layer.kv_cache = backend, cache
+        layers[backend] = layer
+    seqs = [
+        (cached, new, list(range(1 + i * per_seq, 1 + (i + 1) * per_seq))) for i in range(chunks)
+    ]
+    meta = AttentionMetadata.build(seqs, bs, device)
+    tokens = chunks * new
+    q = torch.randn(tokens, hq, dh, dtype=dtype, device=device)
+    kv = torch.randn(tokens, hkv, dh, dtype=dtype, device=device)
+    row: dict[str, Any] = {"chunks": chunks, "new_tokens": new, "cached": cached}
+    row |= _pair(
+        _timer(device),
+        functools.partial(layers[AttentionBackend.TRITON], q, kv, kv, meta),
+        functools.partial(layers[AttentionBackend.TORCH], q, kv, kv, meta),
+        iters,
+    )
+    # Causal: query i of a chunk scores and sums cached + i + 1 keys (2 dots of 2 flops).
+    keys = chunks * (new * cached + new * (new + 1) // 2)
+    flops = 4 * hq * dh * keys
+    row["triton_tflops"] = round(flops / row["triton_us"] / 1e6, 2)
+    row["torch_tflops"] = round(flops / row["torch_us"] / 1e6, 2)
     return row
 
 
@@ -324,6 +391,7 @@ def main(argv: list[str] | None = None) -> int:
         "copy_gbps": round(bandwidth, 1),
         "attention_gqa": attention(device, args.smoke, iters, bandwidth),
         "attention_mla": mla(device, args.smoke, iters),
+        "attention_prefill": prefill(device, args.smoke, iters),
         "rms_norm": rms_norm(device, args.smoke, iters),
         "qk_norm_rope": norm_rope(device, args.smoke, iters),
         "router": router(device, args.smoke, iters),
