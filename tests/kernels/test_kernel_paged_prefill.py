@@ -169,14 +169,19 @@ def test_layer_triton_prefill_equals_torch_prefill(heads, kv_heads, window, sink
         attn.kv_cache = attn.kv_cache.to(device)
         layers[backend] = attn
     seqs = [(0, 8, [1, 2]), (6, 1, [3, 4]), (4, 7, [5, 6, 7]), (0, 2, [8]), (12, 3, [9, 10, 11])]
-    meta = AttentionMetadata.build(seqs, BS, device)
     g = torch.Generator().manual_seed(4)
     rows = sum(s[1] for s in seqs)
     q = torch.randn(rows, heads, DH, generator=g).to(device)
     k, v = (torch.randn(rows, kv_heads, DH, generator=g).to(device) for _ in range(2))
-    want = layers[AttentionBackend.TORCH](q, k, v, meta)
+    meta = AttentionMetadata.build(seqs, BS, device)
     got = layers[AttentionBackend.TRITON](q, k, v, meta)
+    # The torch path's per-chunk tensors (built on first read) were never built.
+    assert all("mask" not in vars(c) and "kv_blocks" not in vars(c) for c in meta.prefills)
+    want = layers[AttentionBackend.TORCH](q, k, v, AttentionMetadata.build(seqs, BS, device))
     torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
+    torch.testing.assert_close(
+        layers[AttentionBackend.TRITON].kv_cache, layers[AttentionBackend.TORCH].kv_cache
+    )
 
 
 def test_prefill_table_from_build_and_build_arrays(device):

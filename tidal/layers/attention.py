@@ -48,7 +48,9 @@ Each layer first writes the new K/V into the cache through ``slot_mapping``, the
   backend every chunk of the step is one launch instead
   (``tidal/kernels/paged_prefill.py``) reading all its keys, its own new ones too,
   from the cache through ``AttentionMetadata.prefill_table`` (built on first read):
-  no per-chunk gather, mask or launch, and no host sync.
+  no per-chunk gather, mask or launch, and no host sync. A chunk's gather blocks and
+  mask (``PrefillChunk.kv_blocks``, ``mask``) are built on first read too, so that
+  backend never builds or copies them.
 
 Two switches per layer (GPT-OSS): ``sliding_window`` W (a query at position p sees keys
 ``> p - W``, as transformers' sliding mask) and ``sinks`` (one learned logit per query
@@ -107,10 +109,26 @@ class PrefillChunk:
 
     rows: slice  # its rows in the flattened batch
     start: int  # tokens already in the cache
-    block_ids: list[int]  # the blocks covering positions < start + n (host; the Triton path)
-    # When start > 0: the blocks covering positions < start + n, and the mask over them.
-    kv_blocks: Tensor | None = None  # [num_blocks] int64
-    mask: Tensor | None = None  # [n, num_blocks * block_size] bool, True = attend
+    block_ids: list[int]  # the blocks covering positions < start + n (host)
+    block_size: int
+    device: Any  # where the torch path's tensors below go
+
+    # The torch paths' tensors, built on first read: the Triton path reads block_ids
+    # through the step's prefill table instead, and a chunk's mask is [n, keys] (megabytes
+    # for a long prompt's last chunk) that CUDA would otherwise copy every step.
+    @functools.cached_property
+    def kv_blocks(self) -> Tensor | None:  # [num_blocks] int64; None when start == 0
+        if self.start == 0:
+            return None
+        return torch.tensor(self.block_ids, dtype=torch.int64).to(self.device)
+
+    @functools.cached_property
+    def mask(self) -> Tensor | None:  # [n, num_blocks * bs] bool, True = attend; or None
+        if self.start == 0:  # its own K/V only: causal
+            return None
+        width = len(self.block_ids) * self.block_size
+        q_pos = torch.arange(self.start, self.start + self.rows.stop - self.rows.start)
+        return (torch.arange(width)[None, :] <= q_pos[:, None]).to(self.device)
 
 
 @dataclass
@@ -371,13 +389,7 @@ def _append_slots(
 def _prefill_chunk(
     row: int, start: int, num_new: int, block_ids: Sequence[int], block_size: int, device: Any
 ) -> PrefillChunk:
-    chunk = PrefillChunk(rows=slice(row, row + num_new), start=start, block_ids=list(block_ids))
-    if start > 0:
-        width = len(block_ids) * block_size
-        q_pos = torch.arange(start, start + num_new)
-        chunk.mask = (torch.arange(width)[None, :] <= q_pos[:, None]).to(device)
-        chunk.kv_blocks = torch.tensor(list(block_ids), dtype=torch.int64).to(device)
-    return chunk
+    return PrefillChunk(slice(row, row + num_new), start, list(block_ids), block_size, device)
 
 
 @dataclass
