@@ -27,6 +27,7 @@ from tidal.kernels import (  # noqa: E402
     moe_sum,
     norm_rope,
     paged_attention,
+    paged_prefill,
     rms_norm,
     topk_softmax,
 )
@@ -125,6 +126,15 @@ def main() -> int:
         dict(parts_ptr="fp32", stats_ptr="fp32", lens_ptr="i32", sinks_ptr="bf16",
              out_ptr="bf16"),
         dict(DV=128, BLOCK_DV=128, NUM_SPLITS=4, HAS_SINKS=True),
+    )  # fmt: skip
+    # Prefill: GPT-OSS's group of 8 with a window and sinks; the bf16 cache under bf16 q.
+    compile_kernel(
+        paged_prefill._paged_prefill_kernel,
+        dict(q_ptr="bf16", k_ptr="bf16", v_ptr="bf16", out_ptr="bf16", rows_ptr="i32",
+             lens_ptr="i32", starts_ptr="i32", table_ptr="i32", sinks_ptr="bf16"),
+        dict(GROUP=8, BLOCK_Q=8, BLOCK_M=64, BLOCK_C=4, DK=64, DV=64, BLOCK_DK=64,
+             BLOCK_DV=64, BLOCK_N=64, HAS_SINKS=True, DOT_FP32=False, DOT_PRECISION=None),
+        dict(scale="fp32"),
     )  # fmt: skip
     compile_kernel(
         paged_attention._write_kv_kernel,
