@@ -42,6 +42,10 @@ CONTEXTS = (512, 4096)
 # prompts in one step.
 PREFILLS = ((1, 2048, 0), (1, 512, 4096), (4, 512, 0), (8, 256, 1024))
 SMOKE_PREFILLS = ((1, 9, 0), (2, 6, 7))
+# The prefill kernel's tile sizes tried on each case (block_m, block_n, num_warps): its
+# defaults are untuned (no GPU was lent when it was written).
+PREFILL_SWEEP = ((64, 64, 4), (64, 32, 4), (128, 64, 8), (128, 32, 4), (32, 64, 4))
+SMOKE_PREFILL_SWEEP = ((16, 16, 4), (32, 16, 4))
 HIDDEN, EXPERTS, TOP_K = 2048, 128, 8
 SMOKE_GQA = {"heads": 4, "kv_heads": 2, "head_dim": 16, "block_size": 4}
 SMOKE_MLA = {"heads": 4, "kv_lora_rank": 16, "rope": 8, "block_size": 4}
@@ -160,22 +164,25 @@ def prefill(device: str, smoke: bool, iters: int) -> list[dict[str, Any]]:
 
     geo = SMOKE_GQA if smoke else GQA
     dtype = torch.float32 if smoke else torch.bfloat16
+    sweep = SMOKE_PREFILL_SWEEP if smoke else PREFILL_SWEEP
     return [
-        _prefill_case(device, dtype, geo, *case, iters)
+        _prefill_case(device, dtype, geo, *case, iters, sweep)
         for case in (SMOKE_PREFILLS if smoke else PREFILLS)
     ]
 
 
 def _prefill_case(
     device: str, dtype: Any, geo: dict[str, int], chunks: int, new: int, cached: int,
-    iters: int,
+    iters: int, sweep: tuple[tuple[int, int, int], ...],
 ) -> dict[str, Any]:  # fmt: skip
     """One layer's forward over a step of ``chunks`` prefill chunks (this step's K/V
     written, then the attention) on each backend: the Triton prefill kernel, all chunks
     in one launch, against the torch path (SDPA per chunk: causal on its own K/V from 0,
-    else on its gathered blocks with a mask)."""
+    else on its gathered blocks with a mask). Then the kernel alone at each tile size of
+    ``sweep``: us per call and its largest difference from the default's output."""
     import torch
 
+    from tidal.kernels.paged_prefill import PrefillBlocks, paged_prefill_attention
     from tidal.layers.attention import (
         AttentionBackend,
         AttentionMetadata,
@@ -212,6 +219,21 @@ def _prefill_case(
     flops = 4 * hq * dh * keys
     row["triton_tflops"] = round(flops / row["triton_us"] / 1e6, 2)
     row["torch_tflops"] = round(flops / row["torch_us"] / 1e6, 2)
+    table, layer = meta.prefill_table, layers[AttentionBackend.TRITON]
+
+    def kernel(blocks: Any = None) -> Any:
+        return paged_prefill_attention(
+            q, cache[0], cache[1], table.rows, table.lens, table.starts, table.block_table,
+            layer.scale, blocks=blocks,
+        )  # fmt: skip
+
+    default, time_us = kernel(), _timer(device)
+    row["sweep"] = {}
+    for m, n, warps in sweep:
+        call = functools.partial(kernel, PrefillBlocks(m, n, warps))
+        diff = (call().float() - default.float()).abs().max().item()
+        us = sorted(time_us(call, iters) for _ in range(3))[1]
+        row["sweep"][f"m{m}_n{n}_w{warps}"] = {"us": round(us, 2), "max_diff": diff}
     return row
 
 

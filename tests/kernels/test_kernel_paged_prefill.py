@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from tidal.kernels.paged_prefill import paged_prefill_attention
+from tidal.kernels.paged_prefill import PrefillBlocks, paged_prefill_attention
 from tidal.layers.attention import (
     AttentionBackend,
     AttentionMetadata,
@@ -114,6 +114,18 @@ def test_bf16_and_a_cache_of_another_dtype(dtype, cache_dtype, device):
     torch.testing.assert_close(got[rows].float(), want, atol=atol, rtol=rtol)
 
 
+@pytest.mark.parametrize("blocks", [PrefillBlocks(32, 32), PrefillBlocks(16, 32, num_warps=2)])
+def test_other_tile_sizes_match_oracle(blocks, device):
+    """The tile sizes a benchmark sweeps: other tokens per program and keys per step
+    (and a group of 16 that fills a 16-row tile: one token a program)."""
+    seqs = [(0, 7), (4, 1), (3, 12)]
+    for heads, kv_heads in ((4, 2), (16, 1)):
+        q, cache, chunks, tensors = _case(seqs, heads, kv_heads, torch.float32, seed=6)
+        got = _run(q, cache, tensors, device, blocks=blocks)
+        rows, want = _oracle(q, cache, chunks)
+        torch.testing.assert_close(got[rows], want, atol=2e-6, rtol=1e-5)
+
+
 def test_checks_name_the_bad_argument(device):
     q, cache, _, tensors = _case([(0, 3), (2, 4)], 4, 2, torch.float32)
     q, cache = q.to(device), cache.to(device)
@@ -145,6 +157,10 @@ def test_checks_name_the_bad_argument(device):
         call(sliding_window=0)
     with pytest.raises(ValueError, match="out must be"):
         call(out=q[:, :, :-1])
+    with pytest.raises(ValueError, match="block_n must be a power of two"):
+        PrefillBlocks(16, 24)
+    with pytest.raises(ValueError, match="num_warps"):
+        PrefillBlocks(16, 16, num_warps=3)
 
 
 @pytest.mark.parametrize(

@@ -29,6 +29,8 @@ and the tiles past a chunk's end return at once.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -36,13 +38,32 @@ from torch import Tensor
 
 from tidal.kernels.paged_attention import _INDEX_DTYPES, FLOAT_DTYPES, _interpreted
 
+
+@dataclass(frozen=True)
+class PrefillBlocks:
+    """A launch's tile sizes: ``block_m`` rows (query tokens x heads of one group) and
+    ``block_n`` keys a step, both powers of two >= 16; ``num_warps`` None: from the tile."""
+
+    block_m: int
+    block_n: int
+    num_warps: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("block_m", "block_n"):
+            value = getattr(self, name)
+            if value < 16 or value & (value - 1):
+                raise ValueError(f"{name} must be a power of two >= 16, got {value}")
+        if self.num_warps is not None and self.num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"num_warps must be 1, 2, 4, 8 or 16, got {self.num_warps}")
+
+
 # Rows (query token x head) of one program's tile, at least: a [BLOCK_M, Dk] tile of
 # queries and its float32 accumulator stay in registers. A group larger than this
-# widens the tile to the group (one token a program).
-BLOCK_M_GPU = 64
-BLOCK_N_GPU = 64
-BLOCK_M_INTERPRETED = 16  # the interpreter's cost is per element: the smallest tl.dot tile
-BLOCK_N_INTERPRETED = 16
+# widens the tile to the group (one token a program). Untuned: no GPU was lent yet
+# (benchmarks/gpu_kernels.py sweeps others).
+GPU_BLOCKS = PrefillBlocks(block_m=64, block_n=64)
+# The interpreter's cost is per element: the smallest tiles tl.dot takes.
+INTERPRETED_BLOCKS = PrefillBlocks(block_m=16, block_n=16)
 
 
 @triton.jit
@@ -181,12 +202,11 @@ def _paged_prefill_kernel(
     tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (dv[None, :] < DV))
 
 
-def prefill_tiles(num_rows: int, num_chunks: int, group: int, interpreted: bool) -> tuple:
-    """(BLOCK_M, BLOCK_Q, tiles): the tile rows, the query tokens a program takes and
-    the programs per KV head for ``num_rows`` rows holding ``num_chunks`` chunks; from
-    shapes only."""
-    base = BLOCK_M_INTERPRETED if interpreted else BLOCK_M_GPU
-    block_m = max(base, triton.next_power_of_2(group))
+def prefill_tiles(num_rows: int, num_chunks: int, group: int, block_m: int) -> tuple[int, int, int]:
+    """(tile rows, query tokens a program takes, programs per KV head) for ``num_rows``
+    rows holding ``num_chunks`` chunks: the tile widens to the group when the group is
+    larger (one token a program). From shapes only."""
+    block_m = max(block_m, triton.next_power_of_2(group))
     block_q = block_m // group
     return block_m, block_q, num_rows // block_q + num_chunks
 
@@ -203,6 +223,7 @@ def paged_prefill_attention(
     sliding_window: int | None = None,  # a query at p sees keys > p - sliding_window
     sinks: Tensor | None = None,  # [Hq] one logit per query head in the denominator
     out: Tensor | None = None,  # [T, Hq, Dv] q's dtype, last dim contiguous
+    blocks: PrefillBlocks | None = None,  # tile sizes (benchmarks' sweep); None: defaults
 ) -> Tensor:  # [T, Hq, Dv] q's dtype: float32 scores, softmax and sums
     """Causal attention of every prefill chunk's queries over its sequence's cached keys,
     in one launch. Chunk ``c``'s query ``i`` is row ``chunk_rows[c] + i`` of ``q``, at
@@ -288,7 +309,10 @@ def paged_prefill_attention(
     if num_chunks == 0 or num_rows == 0:
         return out
     group = hq // hkv
-    block_m, block_q, tiles = prefill_tiles(num_rows, num_chunks, group, interpreted)
+    if blocks is None:
+        blocks = INTERPRETED_BLOCKS if interpreted else GPU_BLOCKS
+    block_m, block_q, tiles = prefill_tiles(num_rows, num_chunks, group, blocks.block_m)
+    num_warps = blocks.num_warps or (8 if block_m * max(dk, dv) > 64 * 128 else 4)
     same = k_cache.dtype == q.dtype
     dot_fp32 = not same or (interpreted and q.dtype == torch.bfloat16)
     _paged_prefill_kernel[(tiles, hkv)](
@@ -306,10 +330,10 @@ def paged_prefill_attention(
         DK=dk, DV=dv,
         BLOCK_DK=max(16, triton.next_power_of_2(dk)),
         BLOCK_DV=max(16, triton.next_power_of_2(dv)),
-        BLOCK_N=BLOCK_N_INTERPRETED if interpreted else BLOCK_N_GPU,
+        BLOCK_N=blocks.block_n,
         HAS_SINKS=sinks is not None,
         DOT_FP32=dot_fp32,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 or dot_fp32 else None,
-        num_warps=8 if block_m * max(dk, dv) > 64 * 128 else 4,
+        num_warps=num_warps,
     )  # fmt: skip
     return out
