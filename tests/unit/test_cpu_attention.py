@@ -75,31 +75,33 @@ def test_decode_attention_refuses_bad_tables():
 
 @pytest.mark.parametrize("tokens,kv_heads,head_dim", [(1, 2, 64), (37, 4, 64), (5, 3, 24), (0, 2, 8)])
 def test_write_kv_equals_index_copy(tokens, kv_heads, head_dim):
-    """The C++ cache write puts exactly what ``index_copy_`` puts where it puts it, from
-    the strided k and v views the layer passes (slices of the q/k/v projection)."""
+    """The C++ cache write puts each token's K and V heads at its slot (block, offset) of
+    the cache, exactly, from the strided k and v views the layer passes (slices of the
+    q/k/v projection)."""
     cache = torch.randn(2, 16, kv_heads, 4, head_dim)
     want = cache.clone()
     qkv = torch.randn(tokens, 3 + 2 * kv_heads, head_dim)
     k, v = qkv[:, 3 : 3 + kv_heads], qkv[:, 3 + kv_heads :]
-    per_half = cache[0].numel() // head_dim
-    rows_k = torch.randperm(per_half)[: tokens * kv_heads]  # distinct rows, any order
-    rows_v = rows_k + per_half
-    want.view(-1, head_dim).index_copy_(0, rows_k, k.reshape(-1, head_dim))
-    want.view(-1, head_dim).index_copy_(0, rows_v, v.reshape(-1, head_dim))
+    slots = torch.randperm(16 * 4)[:tokens]  # distinct slots, any order
+    for t, slot in enumerate(slots.tolist()):  # the definition, token by token
+        want[0, slot // 4, :, slot % 4] = k[t]
+        want[1, slot // 4, :, slot % 4] = v[t]
     assert write_kv_cpu_ok(cache, k, v)
-    write_kv_cpu(cache, rows_k, k, rows_v, v)
+    write_kv_cpu(cache, slots, k, v)
     assert torch.equal(cache, want)
 
 
-def test_write_kv_refuses_rows_outside_the_cache():
-    cache = torch.zeros(2, 4, 1, 2, 8)
+def test_write_kv_refuses_slots_outside_the_cache():
+    cache = torch.zeros(2, 4, 1, 2, 8)  # 4 blocks of 2: slots 0..7
     k = torch.randn(1, 1, 8)
     with pytest.raises(RuntimeError, match="outside the cache"):
-        write_kv_cpu(cache, torch.tensor([16]), k, torch.tensor([0]), k)
+        write_kv_cpu(cache, torch.tensor([8]), k, k)
     with pytest.raises(RuntimeError, match="outside the cache"):
-        write_kv_cpu(cache, torch.tensor([0]), k, torch.tensor([-1]), k)
+        write_kv_cpu(cache, torch.tensor([-1]), k, k)
     with pytest.raises(RuntimeError, match="int64"):
-        write_kv_cpu(cache, torch.tensor([0, 1]), k, torch.tensor([2]), k)
+        write_kv_cpu(cache, torch.tensor([0, 1]), k, k)
+    with pytest.raises(RuntimeError, match="Hkv"):
+        write_kv_cpu(cache, torch.tensor([0]), torch.randn(1, 2, 8), torch.randn(1, 2, 8))
     assert torch.count_nonzero(cache) == 0  # nothing written by a refused call
 
 

@@ -79,19 +79,18 @@ def test_decode_attention_kernel_reads_a_16bit_cache(
 @pytest.mark.parametrize("cache_dtype", [F32, BF16, F16])
 @pytest.mark.parametrize("src_dtype", [F32, BF16, F16])
 def test_write_kv_casts_like_index_copy(cache_dtype, src_dtype):
-    """The C++ write rounds as torch's ``.to()`` does (nearest even), into the same rows."""
+    """The C++ write rounds as torch's ``.to()`` does (nearest even), into the slots."""
     kv_heads, head_dim, tokens = 3, 24, 7
     cache = torch.randn(2, 16, kv_heads, 4, head_dim).to(cache_dtype)
     want = cache.clone()
     qkv = (torch.randn(tokens, 2 + 2 * kv_heads, head_dim) * 100).to(src_dtype)
     k, v = qkv[:, 2 : 2 + kv_heads], qkv[:, 2 + kv_heads :]
-    per_half = cache[0].numel() // head_dim
-    rows_k = torch.randperm(per_half)[: tokens * kv_heads]
-    rows_v = rows_k + per_half
-    want.view(-1, head_dim).index_copy_(0, rows_k, k.reshape(-1, head_dim).to(cache_dtype))
-    want.view(-1, head_dim).index_copy_(0, rows_v, v.reshape(-1, head_dim).to(cache_dtype))
+    slots = torch.randperm(16 * 4)[:tokens]
+    for t, slot in enumerate(slots.tolist()):
+        want[0, slot // 4, :, slot % 4] = k[t].to(cache_dtype)
+        want[1, slot // 4, :, slot % 4] = v[t].to(cache_dtype)
     assert write_kv_cpu_ok(cache, k, v)
-    write_kv_cpu(cache, rows_k, k, rows_v, v)
+    write_kv_cpu(cache, slots, k, v)
     assert torch.equal(cache, want)
 
 
@@ -103,7 +102,7 @@ def test_kernels_refuse_other_dtypes():
         decode_attention_cpu(q, cache.double(), torch.tensor([[1]]), torch.tensor([1]), 1.0)
     with pytest.raises(RuntimeError, match="one type"):
         k = torch.randn(1, 1, 16)
-        write_kv_cpu(cache, torch.tensor([0]), k, torch.tensor([16]), k.to(BF16))
+        write_kv_cpu(cache, torch.tensor([0]), k, k.to(BF16))
     assert not write_kv_cpu_ok(cache.double(), q, q)
     with pytest.raises(RuntimeError, match="weight"):
         rms_norm_cpu(torch.randn(2, 8, dtype=BF16), torch.randn(8), 1e-6)

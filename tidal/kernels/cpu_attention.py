@@ -94,11 +94,11 @@ def write_kv_cpu_ok(cache: Tensor, k: Tensor, v: Tensor) -> bool:
 
 def write_kv_cpu(
     cache: Tensor,  # [2, NB, Hkv, bs, Dh] one layer's cache, contiguous; written in place
-    rows_k: Tensor,  # [T * Hkv] int64 rows of cache.view(-1, Dh), (token, head) order
+    slots: Tensor,  # [T] int64 cache slot (block * bs + offset) of each token
     k: Tensor,  # [T, Hkv, Dh] (rows may be strided), cast to the cache's dtype
-    rows_v: Tensor,  # [T * Hkv] int64
     v: Tensor,  # [T, Hkv, Dh]
 ) -> None:
-    """``index_copy_`` of k and v into the cache's rows, with the scattered destinations'
-    cache misses overlapped (one call for both)."""
-    torch.ops.tidal_cpu.write_kv(cache, rows_k, k, rows_v, v)
+    """Each token's K and V heads into its slot of the cache (``index_copy_`` into the
+    ``CacheRows.write_k`` / ``write_v`` rows, the reference), with the scattered
+    destinations' cache misses overlapped; one call for both."""
+    torch.ops.tidal_cpu.write_kv(cache, slots, k, v)

@@ -35,6 +35,7 @@ def native_amx(variant: str) -> bool:
     return variant == AMX_VARIANT
 
 
+@functools.cache  # a handful of variant names, parsed on every kernel call
 def native_variant(variant: str) -> tuple[int, bool]:
     """A native candidate's variant as the C++ ops' ``(prefetch, dot)`` arguments."""
     dot = variant.startswith(DOT_PREFIX)

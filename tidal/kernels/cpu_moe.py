@@ -173,13 +173,20 @@ def run_fused_moe(
         raise ValueError(f"hidden {tuple(hidden.shape)} does not match the experts' width {width}")
     if not kernel_available():
         raise RuntimeError(f"the C++ MoE kernel is unavailable: {kernel_status()}")
+    # The dtype checks cost less than a no-op ``.to`` (a dispatcher call each).
+    if topk_weights.dtype != torch.float32:
+        topk_weights = topk_weights.to(torch.float32)
+    if topk_ids.dtype != torch.int64:
+        topk_ids = topk_ids.to(torch.int64)
+    if expert_map is not None and expert_map.dtype != torch.int32:
+        expert_map = expert_map.to(torch.int32)
     return torch.ops.tidal_cpu.fused_moe(
         hidden,
         w13,
         w2,
-        topk_weights.to(torch.float32),
-        topk_ids.to(torch.int64),
-        None if expert_map is None else expert_map.to(torch.int32),
+        topk_weights,
+        topk_ids,
+        expert_map,
         apply_router_weight,
         prefetch,
         dot,

@@ -590,14 +590,13 @@ class PagedAttention(nn.Module):
             raise RuntimeError("KV cache not bound: call model.bind_kv_cache(caches) first")
         if self.backend is AttentionBackend.TRITON:  # one launch, cast in it; no index rows
             triton_attention().write_kv_cache(cache[0], cache[1], meta.slot_mapping, k, v)
+        elif self.native(q.shape[0]) and write_kv_cpu_ok(cache, k, v):
+            write_kv_cpu(cache, meta.slot_mapping, k, v)  # cast in C++
         else:
             rows = self.cache_rows(meta, cache, q.dtype)
-            if self.native(q.shape[0]) and write_kv_cpu_ok(cache, k, v):
-                write_kv_cpu(cache, rows.write_k, k, rows.write_v, v)  # cast in C++
-            else:
-                by_token = cache.view(-1, self.head_dim)  # [2 * NB * Hkv * bs, Dh]
-                by_token.index_copy_(0, rows.write_k, k.reshape(-1, self.head_dim).to(cache.dtype))
-                by_token.index_copy_(0, rows.write_v, v.reshape(-1, self.head_dim).to(cache.dtype))
+            by_token = cache.view(-1, self.head_dim)  # [2 * NB * Hkv * bs, Dh]
+            by_token.index_copy_(0, rows.write_k, k.reshape(-1, self.head_dim).to(cache.dtype))
+            by_token.index_copy_(0, rows.write_v, v.reshape(-1, self.head_dim).to(cache.dtype))
         dec = meta.decode_rows
         if not meta.prefills and isinstance(dec, slice) and dec.stop - dec.start == q.shape[0]:
             return self._decode(q, cache, meta)  # pure decode step: no output assembly

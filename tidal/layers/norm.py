@@ -30,16 +30,27 @@ class RMSNorm(nn.Module):
         )
         self.cpu_choice: Choice | None = None  # measured at load (select.py); None: C++
         self.triton = triton_serves(device or "cpu")  # the Triton kernel (CUDA)
+        # Whether the C++ kernel takes this weight (rms_norm_cpu_ok's weight half): found
+        # at the first call, not on every one (nine calls a step on a 4-layer model).
+        self._cpu_kernel: bool | None = None
 
     def forward(self, x: Tensor) -> Tensor:  # [..., dim], normalised over the last dim
-        if self.triton and x.dtype == self.weight.dtype:
-            return triton_rms_norm()(x, self.weight, self.eps)
-        if self.native(x.numel() // x.shape[-1]) and rms_norm_cpu_ok(x, self.weight):
-            return rms_norm_cpu(x, self.weight, self.eps)  # one C++ pass (cpu_norm.py)
+        w = self.weight
+        if self.triton and x.dtype == w.dtype:
+            return triton_rms_norm()(x, w, self.eps)
+        cpu_kernel = self._cpu_kernel
+        if cpu_kernel is None:
+            cpu_kernel = self._cpu_kernel = rms_norm_cpu_ok(w, w)
+        if cpu_kernel and x.dtype == w.dtype and self.native(x.numel() // x.shape[-1]):
+            return rms_norm_cpu(x, w, self.eps)  # one C++ pass (cpu_norm.py)
         if x.dtype == torch.float32:
             # One fused op; equal to the float32 formula (tested against transformers).
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        return _rms_norm_hf(x, self.weight, self.eps)
+            return F.rms_norm(x, w.shape, w, self.eps)
+        return _rms_norm_hf(x, w, self.eps)
+
+    def _apply(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        self._cpu_kernel = None  # .to() / .half(): the weight's device or dtype may change
+        return super()._apply(fn, *args, **kwargs)
 
     def native(self, rows: int) -> bool:
         """Whether calls of ``rows`` rows take the C++ kernel (where it takes them)."""

@@ -17,6 +17,7 @@ softmax over the top-k logits is softmax top-k renormalised, the same weights.
 from __future__ import annotations
 
 import enum
+import functools
 from dataclasses import dataclass
 from typing import assert_never
 
@@ -42,7 +43,7 @@ class Routing:
     scaling_factor: float = 1.0  # multiplies the final weights
     router_bias: bool = False  # the gate has an [E] bias on its logits (GPT-OSS)
 
-    @property
+    @functools.cached_property  # read by every MoE layer every step
     def softmax_of_logits(self) -> bool:
         """Softmax top-k of the logits (a router bias already added), optionally
         renormalised: what the Triton router (``tidal/kernels/topk_softmax.py``) computes."""
@@ -53,7 +54,7 @@ class Routing:
             and self.scaling_factor == 1.0
         )
 
-    @property
+    @functools.cached_property
     def plain_softmax(self) -> bool:
         """Softmax top-k, optionally renormalised, of bias-free logits: what every fast
         CPU router path computes (they compute the logits too, without a bias)."""

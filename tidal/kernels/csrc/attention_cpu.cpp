@@ -250,7 +250,7 @@ at::Tensor decode_attention(const at::Tensor& q,            // [D, Hq, Dh] float
   return out;
 }
 
-// write_kv: this step's K and V rows into the cache, at the rows the metadata chose, cast
+// write_kv: this step's K and V rows into the cache, at the tokens' slots, cast
 // to the cache's type (round to nearest even, as torch's .to()).
 // The destinations are scattered and cold (a 4 KB run per block): ask for all their lines
 // first, with write intent, so the misses overlap; index_copy_ takes them one at a time
@@ -267,36 +267,43 @@ void write_rows(CT* dst, const int64_t* rows, const at::Tensor& src, int64_t dh)
       convert_row(sp + t * s0 + h * s1, dst + rows[t * heads + h] * dh, dh);
 }
 
-void write_kv(const at::Tensor& cache,   // [2, NB, Hkv, bs, Dh] float32/bf16/fp16, written
-              const at::Tensor& rows_k,  // [T * Hkv] int64 rows of cache.view(-1, Dh)
-              const at::Tensor& k,       // [T, Hkv, Dh] float32/bf16/fp16, last dim contiguous
-              const at::Tensor& rows_v,  // [T * Hkv] int64
-              const at::Tensor& v) {     // [T, Hkv, Dh], k's type
+void write_kv(const at::Tensor& cache,  // [2, NB, Hkv, bs, Dh] float32/bf16/fp16, written
+              const at::Tensor& slots,  // [T] int64 cache slot (block * bs + offset) per token
+              const at::Tensor& k,      // [T, Hkv, Dh] float32/bf16/fp16, last dim contiguous
+              const at::Tensor& v) {    // [T, Hkv, Dh], k's type
   TORCH_CHECK(cache.is_cpu() && is_kernel_float(cache.scalar_type()) && cache.dim() == 5 &&
                   cache.is_contiguous(),
               "write_kv: cache must be a contiguous float32/bfloat16/float16 [2, NB, Hkv, bs, Dh]");
-  const int64_t dh = cache.size(4), total = cache.numel() / std::max<int64_t>(dh, 1);
+  const int64_t nb = cache.size(1), hkv = cache.size(2), bs = cache.size(3), dh = cache.size(4);
   for (const at::Tensor* t : {&k, &v})
     TORCH_CHECK(is_kernel_float(t->scalar_type()) && t->scalar_type() == k.scalar_type() &&
-                    t->dim() == 3 && t->size(2) == dh && t->stride(2) == 1 &&
-                    t->sizes() == k.sizes(),
+                    t->dim() == 3 && t->size(1) == hkv && t->size(2) == dh &&
+                    t->stride(2) == 1 && t->sizes() == k.sizes(),
                 "write_kv: k and v must be float32/bfloat16/float16 [T, Hkv, Dh] of one "
-                "type, last dim contiguous");
-  for (const at::Tensor* r : {&rows_k, &rows_v}) {
-    TORCH_CHECK(r->scalar_type() == at::kLong && r->dim() == 1 && r->is_contiguous() &&
-                    r->size(0) == k.size(0) * k.size(1),
-                "write_kv: rows must be int64 [T * Hkv]");
-    const int64_t* rp = r->data_ptr<int64_t>();
-    for (int64_t i = 0; i < r->size(0); ++i)
-      TORCH_CHECK(rp[i] >= 0 && rp[i] < total, "write_kv: a row is outside the cache");
+                "type, the cache's Hkv and Dh, last dim contiguous");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.is_contiguous() &&
+                  slots.size(0) == k.size(0),
+              "write_kv: slots must be int64 [T]");
+  // Rows of cache.view(-1, Dh): K of (slot s, head h) at ((s / bs) * Hkv + h) * bs + s % bs,
+  // V the same row past all K rows. Built here, not by a chain of tensor ops per step.
+  const int64_t num = k.size(0);
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  std::vector<int64_t> rows_k(static_cast<size_t>(num * hkv)), rows_v(rows_k.size());
+  for (int64_t t = 0; t < num; ++t) {
+    TORCH_CHECK(sp[t] >= 0 && sp[t] < nb * bs, "write_kv: a slot is outside the cache");
+    const int64_t block = sp[t] / bs, offset = sp[t] % bs;
+    for (int64_t h = 0; h < hkv; ++h) {
+      rows_k[t * hkv + h] = (block * hkv + h) * bs + offset;
+      rows_v[t * hkv + h] = rows_k[t * hkv + h] + nb * hkv * bs;
+    }
   }
   with_float_type(cache.scalar_type(), [&](auto ct) {
     with_float_type(k.scalar_type(), [&](auto st) {
       using CT = decltype(ct);
       using ST = decltype(st);
       CT* dst = cache.data_ptr<CT>();
-      write_rows<CT, ST>(dst, rows_k.data_ptr<int64_t>(), k, dh);
-      write_rows<CT, ST>(dst, rows_v.data_ptr<int64_t>(), v, dh);
+      write_rows<CT, ST>(dst, rows_k.data(), k, dh);
+      write_rows<CT, ST>(dst, rows_v.data(), v, dh);
     });
   });
 }
@@ -347,7 +354,7 @@ TORCH_LIBRARY_FRAGMENT(tidal_cpu, m) {
       "decode_attention(Tensor q, Tensor cache, Tensor block_table, Tensor seq_lens, "
       "float scale) -> Tensor");
   m.def("rope(Tensor x, Tensor cos, Tensor signed_sin) -> Tensor");
-  m.def("write_kv(Tensor(a!) cache, Tensor rows_k, Tensor k, Tensor rows_v, Tensor v) -> ()");
+  m.def("write_kv(Tensor(a!) cache, Tensor slots, Tensor k, Tensor v) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(tidal_cpu, CPU, m) {
