@@ -27,6 +27,7 @@ their output rows are not written.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -238,6 +239,96 @@ def _interpreted() -> bool:
     return not isinstance(_paged_decode_kernel, JITFunction)
 
 
+@dataclass(frozen=True)
+class PagedCall:
+    """The shapes of one checked paged-attention call, and its output."""
+
+    rows: int  # query rows (D decode rows, T prefill rows)
+    hq: int
+    hkv: int
+    bs: int
+    dk: int
+    dv: int
+    out: Tensor  # [rows, Hq, Dv] q's dtype
+    interpreted: bool  # the kernels were built for the Triton interpreter
+
+
+def check_paged_call(
+    what: str,  # the kernel, for the device error
+    q: Tensor,  # [rows, Hq, Dk]
+    k_cache: Tensor,  # [NB, Hkv, bs, Dk]
+    v_cache: Tensor,  # [NB, Hkv, bs, Dv]
+    block_table: Tensor,  # [table_rows, W]
+    table_rows: int,
+    sinks: Tensor | None,
+    sliding_window: int | None,
+    out: Tensor | None,
+    index: dict[str, Tensor],  # the call's other index tensors, by argument name
+    rows_name: str = "D",
+) -> PagedCall:
+    """The argument checks the decode and prefill wrappers share: shapes and dtypes of q,
+    the caches, the block table, sinks and ``out`` (allocated when None), strides, one
+    device for all, and a device the kernels run on. Index tensors' own shapes are the
+    caller's to check (before this call)."""
+    if q.dim() != 3 or k_cache.dim() != 4 or v_cache.dim() != 4:
+        raise ValueError(
+            f"expected q [{rows_name}, Hq, Dk], k_cache [NB, Hkv, bs, Dk], v_cache "
+            f"[NB, Hkv, bs, Dv]; got {tuple(q.shape)}, {tuple(k_cache.shape)}, "
+            f"{tuple(v_cache.shape)}"
+        )
+    rows, hq, dk = q.shape
+    _, hkv, bs, kdim = k_cache.shape
+    dv = v_cache.shape[3]
+    if kdim != dk or v_cache.shape[:3] != k_cache.shape[:3]:
+        raise ValueError(
+            f"k_cache must be [NB, Hkv, bs, {dk}] and v_cache share its first three dims; got "
+            f"{tuple(k_cache.shape)}, {tuple(v_cache.shape)}"
+        )
+    if hq % hkv:
+        raise ValueError(f"query heads ({hq}) must be a multiple of the KV heads ({hkv})")
+    if q.dtype not in FLOAT_DTYPES or k_cache.dtype not in FLOAT_DTYPES:
+        raise TypeError(
+            f"q and the cache must be float32/float16/bfloat16: {q.dtype}, {k_cache.dtype}"
+        )
+    if v_cache.dtype != k_cache.dtype:
+        raise TypeError(f"k_cache is {k_cache.dtype}, v_cache {v_cache.dtype}")
+    if (
+        block_table.dim() != 2
+        or block_table.shape[0] != table_rows
+        or block_table.dtype not in _INDEX_DTYPES
+    ):
+        raise ValueError(
+            f"block_table must be [{table_rows}, W] int32/int64, got "
+            f"{tuple(block_table.shape)} {block_table.dtype}"
+        )
+    if sinks is not None and sinks.shape != (hq,):
+        raise ValueError(f"sinks must be [{hq}], got {tuple(sinks.shape)}")
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
+    if q.stride(2) != 1 or k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
+        raise ValueError("q, k_cache and v_cache must be contiguous along their last dim")
+    if block_table.stride(1) != 1:
+        raise ValueError("block_table must be contiguous along its last dim")
+    if out is None:
+        out = torch.empty((rows, hq, dv), dtype=q.dtype, device=q.device)
+    elif out.shape != (rows, hq, dv) or out.dtype != q.dtype or out.stride(2) != 1:
+        raise ValueError(f"out must be [{rows}, {hq}, {dv}] {q.dtype}, last dim contiguous")
+    named = {"k_cache": k_cache, "v_cache": v_cache, "block_table": block_table} | index
+    named["out"] = out
+    if sinks is not None:
+        named["sinks"] = sinks
+    for name, tensor in named.items():
+        if tensor.device != q.device:
+            raise ValueError(f"{name} is on {tensor.device}, q on {q.device}")
+    interpreted = _interpreted()
+    if q.device.type != "cuda" and not interpreted:
+        raise RuntimeError(
+            f"the Triton {what} needs CUDA tensors (or TRITON_INTERPRET=1 set before triton "
+            "is imported); on CPU use tidal.layers.attention's torch or C++ paths"
+        )
+    return PagedCall(rows, hq, hkv, bs, dk, dv, out, interpreted)
+
+
 def paged_decode_attention(
     q: Tensor,  # [D, Hq, Dk] one query token per row; last dim contiguous
     k_cache: Tensor,  # [NB, Hkv, bs, Dk] view of the cache's keys; last dim contiguous
@@ -262,65 +353,17 @@ def paged_decode_attention(
     leave most of the GPU idle). The number of splits depends only on shapes (the rows,
     heads, the block table's width, the device), the lengths are read on the device: nothing
     depends on the host between steps of one batch size (CUDA-graph capturable)."""
-    if q.dim() != 3 or k_cache.dim() != 4 or v_cache.dim() != 4:
-        raise ValueError(
-            f"expected q [D, Hq, Dk], k_cache [NB, Hkv, bs, Dk], v_cache [NB, Hkv, bs, Dv]; got "
-            f"{tuple(q.shape)}, {tuple(k_cache.shape)}, {tuple(v_cache.shape)}"
-        )
-    num, hq, dk = q.shape
-    nb, hkv, bs, kdim = k_cache.shape
-    dv = v_cache.shape[3]
-    if kdim != dk or v_cache.shape[:3] != k_cache.shape[:3]:
-        raise ValueError(
-            f"k_cache must be [NB, Hkv, bs, {dk}] and v_cache share its first three dims; got "
-            f"{tuple(k_cache.shape)}, {tuple(v_cache.shape)}"
-        )
-    if hq % hkv:
-        raise ValueError(f"query heads ({hq}) must be a multiple of the KV heads ({hkv})")
-    if q.dtype not in FLOAT_DTYPES or k_cache.dtype not in FLOAT_DTYPES:
-        raise TypeError(
-            f"q and the cache must be float32/float16/bfloat16: {q.dtype}, {k_cache.dtype}"
-        )
-    if v_cache.dtype != k_cache.dtype:
-        raise TypeError(f"k_cache is {k_cache.dtype}, v_cache {v_cache.dtype}")
-    if (
-        block_table.dim() != 2
-        or block_table.shape[0] != num
-        or block_table.dtype not in _INDEX_DTYPES
-    ):
-        raise ValueError(
-            f"block_table must be [{num}, W] int32/int64, got {tuple(block_table.shape)} "
-            f"{block_table.dtype}"
-        )
+    num = q.shape[0] if q.dim() == 3 else -1
     if seq_lens.shape != (num,) or seq_lens.dtype not in _INDEX_DTYPES:
         raise ValueError(
             f"seq_lens must be [{num}] int32/int64, got {tuple(seq_lens.shape)} {seq_lens.dtype}"
         )
-    if sinks is not None and sinks.shape != (hq,):
-        raise ValueError(f"sinks must be [{hq}], got {tuple(sinks.shape)}")
-    if sliding_window is not None and sliding_window < 1:
-        raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
-    if q.stride(2) != 1 or k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
-        raise ValueError("q, k_cache and v_cache must be contiguous along their last dim")
-    if block_table.stride(1) != 1:
-        raise ValueError("block_table must be contiguous along its last dim")
-    if out is None:
-        out = torch.empty((num, hq, dv), dtype=q.dtype, device=q.device)
-    elif out.shape != (num, hq, dv) or out.dtype != q.dtype or out.stride(2) != 1:
-        raise ValueError(f"out must be [{num}, {hq}, {dv}] {q.dtype}, last dim contiguous")
-    named = {"k_cache": k_cache, "v_cache": v_cache, "block_table": block_table}
-    named |= {"seq_lens": seq_lens, "out": out}
-    if sinks is not None:
-        named["sinks"] = sinks
-    for name, tensor in named.items():
-        if tensor.device != q.device:
-            raise ValueError(f"{name} is on {tensor.device}, q on {q.device}")
-    interpreted = _interpreted()
-    if q.device.type != "cuda" and not interpreted:
-        raise RuntimeError(
-            "the Triton paged attention needs CUDA tensors (or TRITON_INTERPRET=1 set before "
-            "triton is imported); on CPU use tidal.layers.attention's torch or C++ paths"
-        )
+    call = check_paged_call(
+        "paged attention", q, k_cache, v_cache, block_table, num, sinks, sliding_window, out,
+        {"seq_lens": seq_lens},
+    )  # fmt: skip
+    hq, hkv, bs, dk, dv = call.hq, call.hkv, call.bs, call.dk, call.dv
+    out, interpreted = call.out, call.interpreted
     if num == 0:
         return out
     group = hq // hkv

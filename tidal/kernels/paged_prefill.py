@@ -36,7 +36,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from tidal.kernels.paged_attention import _INDEX_DTYPES, FLOAT_DTYPES, _interpreted
+from tidal.kernels.paged_attention import _INDEX_DTYPES, check_paged_call
 
 
 @dataclass(frozen=True)
@@ -239,27 +239,6 @@ def paged_prefill_attention(
     chunk_rows[c] + chunk_lens[c]``), and every row they name must be within q: not
     checked, since it would need their values on the host. One launch of grid
     ``[T // BLOCK_Q + C, Hkv]`` (``prefill_tiles``): from shapes only, no host sync."""
-    if q.dim() != 3 or k_cache.dim() != 4 or v_cache.dim() != 4:
-        raise ValueError(
-            f"expected q [T, Hq, Dk], k_cache [NB, Hkv, bs, Dk], v_cache [NB, Hkv, bs, Dv]; got "
-            f"{tuple(q.shape)}, {tuple(k_cache.shape)}, {tuple(v_cache.shape)}"
-        )
-    num_rows, hq, dk = q.shape
-    nb, hkv, bs, kdim = k_cache.shape
-    dv = v_cache.shape[3]
-    if kdim != dk or v_cache.shape[:3] != k_cache.shape[:3]:
-        raise ValueError(
-            f"k_cache must be [NB, Hkv, bs, {dk}] and v_cache share its first three dims; got "
-            f"{tuple(k_cache.shape)}, {tuple(v_cache.shape)}"
-        )
-    if hq % hkv:
-        raise ValueError(f"query heads ({hq}) must be a multiple of the KV heads ({hkv})")
-    if q.dtype not in FLOAT_DTYPES or k_cache.dtype not in FLOAT_DTYPES:
-        raise TypeError(
-            f"q and the cache must be float32/float16/bfloat16: {q.dtype}, {k_cache.dtype}"
-        )
-    if v_cache.dtype != k_cache.dtype:
-        raise TypeError(f"k_cache is {k_cache.dtype}, v_cache {v_cache.dtype}")
     num_chunks = chunk_rows.shape[0] if chunk_rows.dim() == 1 else -1
     for name, t in {"chunk_rows": chunk_rows, "chunk_lens": chunk_lens}.items():
         if t.shape != (num_chunks,) or t.dtype not in _INDEX_DTYPES:
@@ -271,41 +250,13 @@ def paged_prefill_attention(
             f"chunk_starts must be [{num_chunks}] int32/int64, got "
             f"{tuple(chunk_starts.shape)} {chunk_starts.dtype}"
         )
-    if (
-        block_table.dim() != 2
-        or block_table.shape[0] != num_chunks
-        or block_table.dtype not in _INDEX_DTYPES
-    ):
-        raise ValueError(
-            f"block_table must be [{num_chunks}, W] int32/int64, got "
-            f"{tuple(block_table.shape)} {block_table.dtype}"
-        )
-    if sinks is not None and sinks.shape != (hq,):
-        raise ValueError(f"sinks must be [{hq}], got {tuple(sinks.shape)}")
-    if sliding_window is not None and sliding_window < 1:
-        raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
-    if q.stride(2) != 1 or k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
-        raise ValueError("q, k_cache and v_cache must be contiguous along their last dim")
-    if block_table.stride(1) != 1:
-        raise ValueError("block_table must be contiguous along its last dim")
-    if out is None:
-        out = torch.empty((num_rows, hq, dv), dtype=q.dtype, device=q.device)
-    elif out.shape != (num_rows, hq, dv) or out.dtype != q.dtype or out.stride(2) != 1:
-        raise ValueError(f"out must be [{num_rows}, {hq}, {dv}] {q.dtype}, last dim contiguous")
-    named = {"k_cache": k_cache, "v_cache": v_cache, "chunk_rows": chunk_rows}
-    named |= {"chunk_lens": chunk_lens, "chunk_starts": chunk_starts}
-    named |= {"block_table": block_table, "out": out}
-    if sinks is not None:
-        named["sinks"] = sinks
-    for name, tensor in named.items():
-        if tensor.device != q.device:
-            raise ValueError(f"{name} is on {tensor.device}, q on {q.device}")
-    interpreted = _interpreted()
-    if q.device.type != "cuda" and not interpreted:
-        raise RuntimeError(
-            "the Triton paged prefill attention needs CUDA tensors (or TRITON_INTERPRET=1 set "
-            "before triton is imported); on CPU use tidal.layers.attention's torch path"
-        )
+    index = {"chunk_rows": chunk_rows, "chunk_lens": chunk_lens, "chunk_starts": chunk_starts}
+    call = check_paged_call(
+        "paged prefill attention", q, k_cache, v_cache, block_table, num_chunks, sinks,
+        sliding_window, out, index, rows_name="T",
+    )  # fmt: skip
+    num_rows, hq, hkv, bs, dk, dv = call.rows, call.hq, call.hkv, call.bs, call.dk, call.dv
+    out, interpreted = call.out, call.interpreted
     if num_chunks == 0 or num_rows == 0:
         return out
     group = hq // hkv
