@@ -65,6 +65,60 @@ def _auto_splits(device: torch.device, programs: int, max_keys: int) -> int:
 
 
 @triton.jit
+def attend_key_tile(
+    q,  # [M, BLOCK_DK] query rows of one KV head (fp32 when DOT_FP32)
+    m_i,  # [M] float32 running max
+    l_i,  # [M] float32 running denominator
+    acc,  # [M, BLOCK_DV] float32 running weighted sum of V
+    pos,  # [BLOCK_N] key positions of this tile
+    key_ok,  # [BLOCK_N] keys that exist (within the row's first and last)
+    seen,  # [M, BLOCK_N] or [1, BLOCK_N]: keys each query row attends
+    table_row_ptr,  # the sequence's block-table row
+    k_ptr, v_ptr, kv_head, block_size, scale,
+    stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
+    DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
+    DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """One tile of keys of an online softmax (the decode and the prefill kernels' loop
+    body): each key's block looked up in the table, K and V read from the cache in its
+    dtype, scores in float32; returns the updated (m_i, l_i, acc)."""
+    dk = tl.arange(0, BLOCK_DK)
+    dv = tl.arange(0, BLOCK_DV)
+    block = tl.load(table_row_ptr + pos // block_size, mask=key_ok, other=0).to(tl.int64)
+    offset = pos % block_size
+    k = tl.load(
+        k_ptr + block[None, :] * stride_kb + kv_head * stride_kh
+        + offset[None, :] * stride_kt + dk[:, None],
+        mask=key_ok[None, :] & (dk[:, None] < DK),
+        other=0.0,
+    )  # [BLOCK_DK, BLOCK_N]  # fmt: skip
+    if DOT_FP32:
+        k = k.to(tl.float32)
+    else:
+        k = k.to(q.dtype)
+    scores = tl.dot(q, k, input_precision=DOT_PRECISION) * scale  # [M, BLOCK_N] fp32
+    scores = tl.where(seen, scores, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+    alpha = tl.exp(m_i - m_new)
+    p = tl.exp(scores - m_new[:, None])  # masked keys: exp(-inf) = 0
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    v = tl.load(
+        v_ptr + block[:, None] * stride_vb + kv_head * stride_vh
+        + offset[:, None] * stride_vt + dv[None, :],
+        mask=key_ok[:, None] & (dv[None, :] < DV),
+        other=0.0,
+    )  # [BLOCK_N, BLOCK_DV]  # fmt: skip
+    if DOT_FP32:
+        v = v.to(tl.float32)
+        p_dot = p
+    else:
+        v = v.to(q.dtype)
+        p_dot = p.to(q.dtype)
+    acc = acc * alpha[:, None] + tl.dot(p_dot, v, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _paged_decode_kernel(
     q_ptr,  # [D, Hq, Dk]
     k_ptr,  # [NB, Hkv, bs, Dk] (strided view of the cache)
@@ -145,39 +199,12 @@ def _paged_decode_kernel(
     for t0 in range(tile_start, last, BLOCK_N):
         pos = t0 + n  # [BLOCK_N] key positions
         key_mask = (pos >= first) & (pos < last)
-        block = tl.load(table_ptr + seq * stride_td + pos // block_size, mask=key_mask, other=0)
-        block = block.to(tl.int64)
-        offset = pos % block_size
-        k = tl.load(
-            k_ptr + block[None, :] * stride_kb + kv_head * stride_kh
-            + offset[None, :] * stride_kt + dk[:, None],
-            mask=key_mask[None, :] & (dk[:, None] < DK),
-            other=0.0,
-        )  # [BLOCK_DK, BLOCK_N]  # fmt: skip
-        if DOT_FP32:
-            k = k.to(tl.float32)
-        else:
-            k = k.to(q.dtype)
-        scores = tl.dot(q, k, input_precision=DOT_PRECISION) * scale  # [BLOCK_G, BLOCK_N] fp32
-        scores = tl.where(key_mask[None, :], scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(scores - m_new[:, None])  # masked keys: exp(-inf) = 0
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(
-            v_ptr + block[:, None] * stride_vb + kv_head * stride_vh
-            + offset[:, None] * stride_vt + dv[None, :],
-            mask=key_mask[:, None] & (dv[None, :] < DV),
-            other=0.0,
-        )  # [BLOCK_N, BLOCK_DV]  # fmt: skip
-        if DOT_FP32:
-            v = v.to(tl.float32)
-            p_dot = p
-        else:
-            v = v.to(q.dtype)
-            p_dot = p.to(q.dtype)
-        acc = acc * alpha[:, None] + tl.dot(p_dot, v, input_precision=DOT_PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = attend_key_tile(
+            q, m_i, l_i, acc, pos, key_mask, key_mask[None, :], table_ptr + seq * stride_td,
+            k_ptr, v_ptr, kv_head, block_size, scale,
+            stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
+            DK, DV, BLOCK_DK, BLOCK_DV, DOT_FP32, DOT_PRECISION,
+        )  # fmt: skip
 
     out_mask = g_mask[:, None] & (dv[None, :] < DV)
     if NUM_SPLITS == 1:

@@ -36,7 +36,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from tidal.kernels.paged_attention import _INDEX_DTYPES, check_paged_call
+from tidal.kernels.paged_attention import _INDEX_DTYPES, attend_key_tile, check_paged_call
 
 
 @dataclass(frozen=True)
@@ -161,41 +161,14 @@ def _paged_prefill_kernel(
     for t0 in range((first // BLOCK_N) * BLOCK_N, last, BLOCK_N):
         pos = t0 + n  # [BLOCK_N] key positions
         key_ok = (pos >= first) & (pos < last)
-        block = tl.load(table_ptr + c * stride_tc + pos // block_size, mask=key_ok, other=0)
-        block = block.to(tl.int64)
-        offset = pos % block_size
-        k = tl.load(
-            k_ptr + block[None, :] * stride_kb + kv_head * stride_kh
-            + offset[None, :] * stride_kt + dk[:, None],
-            mask=key_ok[None, :] & (dk[:, None] < DK),
-            other=0.0,
-        )  # [BLOCK_DK, BLOCK_N]  # fmt: skip
-        if DOT_FP32:
-            k = k.to(tl.float32)
-        else:
-            k = k.to(q.dtype)
-        scores = tl.dot(q, k, input_precision=DOT_PRECISION) * scale  # [BLOCK_M, BLOCK_N] fp32
-        seen = key_ok[None, :] & (pos[None, :] <= q_pos[:, None])
+        seen = key_ok[None, :] & (pos[None, :] <= q_pos[:, None])  # causal
         seen = seen & ((window == 0) | (pos[None, :] > q_pos[:, None] - window))
-        scores = tl.where(seen, scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(scores - m_new[:, None])  # masked keys: exp(-inf) = 0
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(
-            v_ptr + block[:, None] * stride_vb + kv_head * stride_vh
-            + offset[:, None] * stride_vt + dv[None, :],
-            mask=key_ok[:, None] & (dv[None, :] < DV),
-            other=0.0,
-        )  # [BLOCK_N, BLOCK_DV]  # fmt: skip
-        if DOT_FP32:
-            v = v.to(tl.float32)
-            p_dot = p
-        else:
-            v = v.to(q.dtype)
-            p_dot = p.to(q.dtype)
-        acc = acc * alpha[:, None] + tl.dot(p_dot, v, input_precision=DOT_PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = attend_key_tile(
+            q, m_i, l_i, acc, pos, key_ok, seen, table_ptr + c * stride_tc,
+            k_ptr, v_ptr, kv_head, block_size, scale,
+            stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
+            DK, DV, BLOCK_DK, BLOCK_DV, DOT_FP32, DOT_PRECISION,
+        )  # fmt: skip
 
     out = acc / l_i[:, None]
     dst = out_ptr + (row0 + tok)[:, None] * stride_ot + heads[:, None] * stride_oh + dv[None, :]
