@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import pathlib
 import sys
 
@@ -175,3 +176,22 @@ def test_fp8_checkpoints_quantize_the_bf16_cast_and_dequantize_it(bench, tmp_pat
         == "fp8"
     )
     assert bench.fp8_checkpoints(src) == (fp8, deq)  # built once
+
+
+def test_choices_come_from_the_runs_report_when_the_trials_were_not_cached(bench, tmp_path):
+    """An oversubscribed machine keeps no trial cache: the choices are then what the newest
+    run reported serving, not an empty section."""
+    cache = tmp_path / "kernels"
+    cache.mkdir()
+    op = {"decode": "native:t0", "batch": "torch", "layout": "native", "source": "measured",
+          "timings_ms": {"decode": {"native:t0": 0.01, "torch": 0.02},
+                         "batch": {"native:t0": 0.05, "torch": 0.04}}}  # fmt: skip
+    old, new = tmp_path / "tidal_tiny_auto_r0.json", tmp_path / "tidal_tiny_auto_r1.json"
+    old.write_text(json.dumps({"cpu_kernels": [{"cpu": "old", "ops": {}}]}))
+    new.write_text(json.dumps({"cpu_kernels": [{"cpu": "X", "ops": {"linear[8x8x0]": op}}]}))
+    os.utime(old, (old.stat().st_mtime - 10, old.stat().st_mtime - 10))  # the older run
+    got = bench._choices(cache, [old, new])
+    assert got["linear[8x8x0]"]["decode"] == "native:t0"
+    assert got["linear[8x8x0]"]["batch"] == "torch"
+    assert got["_cpu"] == "X" and "not cached" in got["_source"]
+    assert bench._choices(cache, []) == {}

@@ -37,11 +37,11 @@ def test_sleep_level_2_drops_the_weights_and_wake_up_reloads_them(qwen3_ckpt, mu
         assert llm._call_all("echo", 1) == [1]  # the engine still answers while asleep
         # /stats' parts answer without the model: the kept layout, no kernel paths
         assert llm._call_all("get_kv_cache_info")[0] == kv
-        assert llm._call_all("get_cpu_kernels") == [None]
+        assert llm.cpu_kernels() == [None]
         with pytest.raises(Exception, match="asleep"):
             llm.generate(PROMPTS[:1], PARAMS)
         llm.wake_up()  # reads the checkpoint again and packs the weights as at start
-        assert llm._call_all("get_cpu_kernels")[0] is not None
+        assert llm.cpu_kernels()[0] is not None
         assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS)] == before
         # and again: a second level-2 cycle (the reloaded model is as freeable)
         assert llm.sleep(level=2) > kv["bytes"]

@@ -176,6 +176,12 @@ class LLM:
         checkpoint first); outputs are as before the sleep."""
         self._call_all("wake_up")
 
+    def cpu_kernels(self) -> list[dict[str, Any] | None]:
+        """Each rank's measured CPU kernel paths, as ``/stats`` shows them (``cpu_kernels``):
+        per op the decode and batch paths, where the choice came from and the trial's
+        timings; None for a rank without CPU paths."""
+        return self._call_all("get_cpu_kernels")
+
     def _call_all(self, method: str, *args: Any) -> list[Any]:
         every = getattr(self.client, "call_utility_all", None)  # one call per rank
         return every(method, *args) if every else [self.client.call_utility(method, *args)]
