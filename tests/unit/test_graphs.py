@@ -79,15 +79,13 @@ def test_decision_table(decodes, prefills, off, failed, want):
         ({"expert_parallel": True}, GraphMiss.EXPERT_PARALLEL),
         ({"tensor_parallel": True}, GraphMiss.TENSOR_PARALLEL),
         ({"experts_on_device": False}, GraphMiss.EXPERTS_SYNC),
-        ({"async_scheduling": True}, GraphMiss.ASYNC_SCHEDULING),
         # The emulating backend replays the eager step, host reads and all.
         ({"backend": "emulated", "experts_on_device": False}, None),
     ],
 )
 def test_why_an_engine_replays_nothing(changes, want):
     engine = {"enforce_eager": False, "backend": "cuda", "expert_parallel": False,
-              "tensor_parallel": False, "experts_on_device": True,
-              "async_scheduling": False}  # fmt: skip
+              "tensor_parallel": False, "experts_on_device": True}  # fmt: skip
     assert graphs_off(**(engine | changes)) == want
 
 
@@ -140,6 +138,30 @@ def test_static_inputs_match_the_eager_metadata_and_pad_inertly():
     assert slots[3] == NULL_BLOCK_ID * bs and static.part("lens", 4)[3] == 1
     assert static.part("real", 4).tolist() == [1, 1, 1, 0]
     assert got_table[3].eq(NULL_BLOCK_ID).all()
+
+
+def test_placeholders_are_gathered_from_the_previous_ids_and_host_copies_alternate():
+    """Async scheduling: a placeholder row's id is the previous step's sampled id, found by
+    request id (a request missing there failed: id 0); the next fill writes the other host
+    copy, so the inputs of a step whose transfer may still be queued stay intact."""
+    static = StaticDecodeInputs(4, 2, 4, torch.device("cpu"))
+    starts = np.array([3, 1, 2], dtype=np.int64)
+    table = np.array([[5], [6], [7]], dtype=np.int32)
+    step = DecodeStep(np.array([0, 21, 0]), starts, table, [], [], [], [(0, "a"), (2, "gone")])
+    last = (torch.tensor([70, 71, 72]), {"b": 0, "a": 2})  # [N] the previous step's ids
+    static.fill(step, 4, last)
+    assert static.part("src", 4).tolist() == [2, -1, -1, -1]
+    assert static.input_ids(4).tolist() == [72, 21, 0, 0]
+    first = static.hosts[0].clone()
+    # The next step: no placeholder (a synchronous step, or none left), ids on the host.
+    static.fill(DecodeStep(np.array([31, 32]), starts[:2] - 1, table[:2], [], [], []), 2)
+    assert static.input_ids(2).tolist() == [31, 32] and static.part("src", 2).tolist() == [-1, -1]
+    assert torch.equal(static.hosts[0], first)  # the step before's host copy, untouched
+    assert static.part("ids", 2, static.host_nps[1]).tolist() == [31, 32]
+    static.fill(step, 4, last)  # back to the first copy
+    assert static.part("ids", 2, static.host_nps[0]).tolist() == [0, 21]
+    with pytest.raises(ValueError, match="5 sampled ids exceed 4 rows"):
+        static.fill(step, 4, (torch.arange(5), {"a": 0}))
 
 
 # ---- the tiny model's runner ---------------------------------------------------------------
@@ -320,16 +342,40 @@ class OpTrace(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
+def _placeholder_decodes(reqs: list[_Req]) -> tuple[list[ScheduledRequest], Any]:
+    """``_decodes(reqs)`` as async scheduling launches it: every other row a placeholder
+    whose token is not on the host yet but in the previous step's sampled ids (returned
+    with each request's index there, in another order, with an id of another request)."""
+    scheduled = [
+        ScheduledRequest(r, r.num_tokens - 1, 1, placeholder=i % 2 == 0) for i, r in enumerate(reqs)
+    ]
+    held = [sr.request for sr in scheduled if sr.placeholder][::-1]
+    tokens = torch.tensor([7, *(r.all_token_ids[-1] for r in held)])  # [N] int64
+    return scheduled, (tokens, {r.request_id: i + 1 for i, r in enumerate(held)})
+
+
 @torch.inference_mode()
 def test_captured_step_has_no_host_sync_and_the_same_ops_every_time(runner):
+    """Two steps of size 8, the second with placeholder rows (async scheduling): no host
+    sync filling the inputs (the previous ids copied on the device) nor in the step, the
+    same ops in both, and the placeholders' output that of their known ids."""
+    graphs = runner.graphs
     traces = []
-    for seed, num in ((2, 3), (3, 7)):  # different rows, lengths and real counts; size 8
+    for seed, num, is_async in ((2, 3, False), (3, 7, True)):  # different rows and counts
         reqs = _prefilled(runner, num, seed=seed)
-        step = runner.input_batch.prepare_decode(_decodes(reqs))
+        scheduled, last = _placeholder_decodes(reqs) if is_async else (_decodes(reqs), None)
+        step = runner.input_batch.prepare_decode(scheduled)
+        assert len(step.placeholders) == (4 if is_async else 0)
+        with OpTrace() as fill:
+            graphs.static.fill(step, 8, last)
         with OpTrace() as trace:
-            runner.graphs.replay(step, 8)
-        assert trace.syncs == [], f"host syncs in the captured decode step: {trace.syncs}"
+            hidden = graphs.backend.replay(8).clone()  # [8, H]
+        for t in (fill, trace):
+            assert t.syncs == [], f"host syncs in the decode step: {t.syncs}"
         traces.append(trace.ops)
+        if is_async:
+            known = graphs.replay(runner.input_batch.prepare_decode(_decodes(reqs)), 8)
+            assert torch.equal(hidden[:num], known[:num])
         runner.input_batch.drop({r.request_id for r in reqs})
     assert traces[0] == traces[1]
     assert len(traces[0]) > 20  # the whole forward was traced
@@ -340,19 +386,22 @@ def test_captured_step_has_no_host_sync_and_the_same_ops_every_time(runner):
 
 def test_emulated_graphs_give_the_eager_greedy_tokens(qwen3_ckpt):
     """Prompts of different lengths finish at different steps: decode batches of 5 down to
-    1 rows, padded to 8, 4, 2 and 1; the stats count the replays and the eager steps."""
+    1 rows, padded to 8, 4, 2 and 1; the stats count the replays and the eager steps. With
+    async scheduling too: the decode steps replay with placeholder rows, mixed with the
+    known ids of a request whose penalty makes it wait for its tokens (every other step)."""
     rng = random.Random(0)
     prompts = [[rng.randrange(2, 500) for _ in range(rng.randrange(1, 20))] for _ in range(5)]
     params = [
-        SamplingParams(max_tokens=4 + 3 * i, temperature=0.0, ignore_eos=True) for i in range(5)
-    ]
+        SamplingParams(max_tokens=4 + 3 * i, temperature=0.0, ignore_eos=True) for i in range(4)
+    ] + [SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, repetition_penalty=1.3)]
     got = {}
-    for backend in ("auto", "emulated"):  # auto on CPU: no graphs
+    # auto on CPU: no graphs, the eager synchronous reference
+    for backend, is_async in (("auto", False), ("emulated", False), ("emulated", True)):
         llm = LLM(qwen3_ckpt, dtype="float32", multiprocess=False, graph_backend=backend,
-                  max_num_seqs=8, cpu_kernels="native")  # fmt: skip
+                  max_num_seqs=8, cpu_kernels="native", async_scheduling=is_async)  # fmt: skip
         try:
             outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
-            got[backend] = [o.outputs[0].token_ids for o in outs]
+            got[backend, is_async] = [o.outputs[0].token_ids for o in outs]
             stats = llm._call_all("get_graph_stats")[0]
         finally:
             llm.shutdown()
@@ -361,4 +410,5 @@ def test_emulated_graphs_give_the_eager_greedy_tokens(qwen3_ckpt):
         else:
             assert stats["hits"] >= 12 and stats["padded_rows"] > stats["real_rows"]
             assert set(stats["misses"]) <= {"mixed", "prefill"}
-    assert got["emulated"] == got["auto"]
+    assert got["emulated", False] == got["auto", False]
+    assert got["emulated", True] == got["auto", False]

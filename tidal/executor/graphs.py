@@ -15,7 +15,11 @@ launching its few hundred kernels one by one from Python. Three parts, each test
   ``TorchDispatchMode``, with host syncs too).
 * **Static inputs** (``StaticDecodeInputs``): one int64 buffer on the device holding every
   input of the largest size; a size-B graph reads the first B rows of each part. A step
-  fills the host copy (pinned on CUDA) and copies it in with one transfer.
+  fills one of two host copies (pinned on CUDA, used in turn) and copies it in with one
+  transfer. With async scheduling a decode's input id is not known on the host yet (a
+  placeholder): the previous step's sampled ids are copied on the device into a static
+  buffer and the captured step gathers each placeholder row's id from it, so an async
+  decode step replays its graph with no host sync.
 
 Padding rows are inert: token 0 at position 0, its K/V written to slot 0 of the null
 block (block 0, which no request reads) and attending to that one key (length 1: a
@@ -53,7 +57,6 @@ class GraphMiss(enum.Enum):
     EXPERT_PARALLEL = "expert_parallel"  # EP dispatch agrees token counts on the host
     TENSOR_PARALLEL = "tensor_parallel"  # the TP collectives are not captured
     EXPERTS_SYNC = "experts_sync"  # CUDA: experts that group tokens on the host
-    ASYNC_SCHEDULING = "async_scheduling"  # placeholder input ids are filled in the eager step
     PREFILL = "prefill"  # prefill chunks only
     MIXED = "mixed"  # decodes and prefill chunks together
     ABOVE_LADDER = "above_ladder"  # more decodes than the largest captured size
@@ -90,7 +93,6 @@ def graphs_off(
     expert_parallel: bool,
     tensor_parallel: bool,
     experts_on_device: bool,
-    async_scheduling: bool = False,
 ) -> GraphMiss | None:
     """Why an engine replays no graph at all (None: it may). ``experts_on_device``: no
     MoE layer reads its routing on the host (``FusedMoE.experts_on_device``); only a CUDA
@@ -105,8 +107,6 @@ def graphs_off(
         return GraphMiss.TENSOR_PARALLEL
     if backend == "cuda" and not experts_on_device:
         return GraphMiss.EXPERTS_SYNC
-    if async_scheduling:
-        return GraphMiss.ASYNC_SCHEDULING
     return None
 
 
@@ -273,16 +273,24 @@ def resolve_backend(name: str, device: torch.device) -> str | None:
 # ---- static inputs -----------------------------------------------------------------------
 
 
+# Async scheduling's previous step: its sampled ids ([N] int64, on the device) and each
+# sampling request's index in them (``ModelRunner._last_sampled``).
+LastSampled = tuple[Tensor, dict[str, int]]
+
+
 @dataclass
 class DecodeStep:
     """A decode-only step's per-request arrays (``InputBatch.prepare_decode``)."""
 
-    ids: np.ndarray  # [n] int64 the token of each request
+    ids: np.ndarray  # [n] int64 the token of each request (0 for a placeholder)
     starts: np.ndarray  # [n] int64 its position (tokens already in the cache)
     table: np.ndarray  # [n, w] int block table rows, w >= the blocks the longest reads
     sample_rows: list[int]
     sample_reqs: list[Any]  # ScheduledRequest
     prompt_lp: list[tuple[Any, int, int]]
+    # Async scheduling: (row, request id) of each row whose id is the previous step's
+    # sampled token, still on the device.
+    placeholders: list[tuple[int, str]] = field(default_factory=list)
 
     @property
     def num(self) -> int:
@@ -291,20 +299,28 @@ class DecodeStep:
 
 class StaticDecodeInputs:
     """Every input of a decode graph, in one int64 buffer of the largest size on the
-    device: ids, positions, slots, lengths and the real-row flag (``max_size`` each),
-    then the block table (``max_size x max_blocks``). A size-B graph reads the first B
-    entries of each part and the first B table rows. ``host`` is its copy on the host
-    (pinned on CUDA), filled per step and copied in one transfer."""
+    device: ids, positions, slots, lengths, the real-row flag and the placeholder source
+    (``max_size`` each), then the block table (``max_size x max_blocks``). A size-B graph
+    reads the first B entries of each part and the first B table rows. ``hosts`` are two
+    copies of it on the host (pinned on CUDA), filled in turn and copied in one transfer;
+    ``prev`` holds the previous step's sampled ids, copied on the device, which a
+    placeholder row's ``src`` (its index there; -1: not a placeholder) reads."""
 
-    PARTS = ("ids", "positions", "slots", "lens", "real")
+    PARTS = ("ids", "positions", "slots", "lens", "real", "src")
 
     def __init__(self, max_size: int, max_blocks: int, block_size: int, device: torch.device):
         self.max_size, self.max_blocks, self.block_size = max_size, max_blocks, block_size
         numel = len(self.PARTS) * max_size + max_size * max_blocks
         pin = device.type == "cuda"
-        self.host = torch.zeros(numel, dtype=torch.int64, pin_memory=pin)  # [numel]
-        self.host_np = self.host.numpy()
+        # Two host copies used in turn: with async scheduling the host fills step n+1's
+        # inputs while step n's transfer may still be queued behind step n-1 on the device.
+        self.hosts = [torch.zeros(numel, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
+        self.host_nps = [h.numpy() for h in self.hosts]
+        # CUDA: each host copy's last transfer (None: none queued, or a CPU device).
+        self.copied: list[Any] = [None, None]
+        self.turn = 0  # the host copy the next fill writes
         self.device_buf = torch.zeros(numel, dtype=torch.int64, device=device)  # [numel]
+        self.prev = torch.zeros(max_size, dtype=torch.int64, device=device)  # [max_size]
 
     def part(self, name: str, size: int, buf: Tensor | np.ndarray | None = None) -> Any:
         """[size] view of one part (of ``buf``, default the device buffer)."""
@@ -319,18 +335,28 @@ class StaticDecodeInputs:
         return b[start : start + size * self.max_blocks].reshape(size, self.max_blocks)
 
     def views(self, size: int) -> list[Tensor]:
-        return [self.part(p, size) for p in self.PARTS] + [self.table(size)]
+        return [self.part(p, size) for p in self.PARTS] + [self.table(size), self.prev]
 
-    def fill(self, step: DecodeStep, size: int) -> None:
+    def fill(self, step: DecodeStep, size: int, last: LastSampled | None = None) -> None:
         """The first ``step.num`` rows from the step, the rest padding; then one copy to
-        the device of what a size-``size`` graph reads."""
-        n, bs, h = step.num, self.block_size, self.host_np
+        the device of what a size-``size`` graph reads, and (placeholders) ``last``'s
+        sampled ids into ``prev``. No host sync: every copy is queued on the device."""
+        n, bs = step.num, self.block_size
         if n > size:
             raise ValueError(f"{n} requests do not fit a graph of {size}")
         starts = step.starts
         needed = starts // bs + 1  # [n] blocks each row reads (its new token's included)
         if n and int(needed.max()) > self.max_blocks:
             raise ValueError(f"a sequence needs more than {self.max_blocks} blocks")
+        turn = self.turn
+        self.turn ^= 1
+        done = self.copied[turn]
+        if done is not None:
+            # This host copy fed the step before last, whose transfer may still be queued
+            # (async scheduling waits only for the step before that): writing it before
+            # that transfer ran would change that step's inputs. Normally long done.
+            done.synchronize()
+        host, h = self.hosts[turn], self.host_nps[turn]
         self.part("ids", size, h)[:n] = step.ids
         self.part("positions", size, h)[:n] = starts
         rows = np.arange(n)
@@ -338,6 +364,18 @@ class StaticDecodeInputs:
         self.part("slots", size, h)[:n] = blocks * bs + starts % bs
         self.part("lens", size, h)[:n] = starts + 1
         self.part("real", size, h)[:n] = 1
+        src = self.part("src", size, h)
+        src[:] = -1
+        if last is not None and step.placeholders:
+            tokens, index = last  # [N] int64 on the device
+            if tokens.numel() > self.max_size:
+                raise ValueError(f"{tokens.numel()} sampled ids exceed {self.max_size} rows")
+            # A request missing from the previous step's ids failed in it: its id stays 0
+            # and its output of this step is dropped with it (as in the eager step).
+            ph = step.placeholders
+            src[[r for r, _ in ph]] = [index.get(rid, -1) for _, rid in ph]
+            # On the device, queued after the step that sampled them: no host sync.
+            self.prev[: tokens.numel()].copy_(tokens, non_blocking=True)
         table = self.table(size, h)
         width = min(step.table.shape[1], self.max_blocks)
         cols = np.arange(width)
@@ -351,10 +389,13 @@ class StaticDecodeInputs:
             self.part(name, size, h)[n:] = value
         table[n:] = NULL_BLOCK_ID
         end = len(self.PARTS) * self.max_size + size * self.max_blocks
-        # Asynchronous from pinned memory: the host copy is not written again before the
-        # step's sampled tokens reach the host (a sync) -- a step that ends without one
-        # (async scheduling) needs two host copies in turn.
-        self.device_buf[:end].copy_(self.host[:end], non_blocking=True)
+        # Asynchronous from pinned memory: the event marks when this host copy may be
+        # written again (two fills later, above).
+        self.device_buf[:end].copy_(host[:end], non_blocking=True)
+        if self.device_buf.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record()
+            self.copied[turn] = event
 
     def metadata(self, size: int) -> AttentionMetadata:
         """The attention metadata of a size-``size`` graph: views of the buffer. Its mask
@@ -378,6 +419,12 @@ class StaticDecodeInputs:
         keys = torch.arange(width, device=lens.device)
         meta.decode_mask = (keys[None, :] < lens[:, None])[:, None, None, :]  # [B, 1, 1, keys]
         meta._rows.clear()  # noqa: SLF001 - rebuilt from this step's tables by the first layer
+
+    def input_ids(self, size: int) -> Tensor:  # -> [size] int64
+        """Inside the step: each row's input id, a placeholder's gathered from ``prev``
+        (a fixed-shape gather: the same ops whether or not a row is a placeholder)."""
+        ids, src = self.part("ids", size), self.part("src", size)
+        return torch.where(src >= 0, self.prev.index_select(0, src.clamp(min=0)), ids)
 
 
 # ---- the decode graphs of one runner -----------------------------------------------------
@@ -457,9 +504,13 @@ class DecodeGraphs:
     def decide(self, num_decodes: int, num_prefills: int) -> GraphDecision:
         return decide(self.sizes, num_decodes, num_prefills, off=self.off, failed=self.failed)
 
-    def replay(self, step: DecodeStep, size: int) -> Tensor:  # -> [size, H]
+    def replay(
+        self, step: DecodeStep, size: int, last: LastSampled | None = None
+    ) -> Tensor:  # -> [size, H]
+        """Fill the static inputs (``last``: the previous step's sampled ids, for the
+        step's placeholders) and replay the size's graph."""
         assert self.backend is not None and self.static is not None
-        self.static.fill(step, size)
+        self.static.fill(step, size, last)
         return self.backend.replay(size)
 
     def to_dict(self) -> dict[str, Any]:
@@ -484,10 +535,11 @@ def _step(
     meta: AttentionMetadata,
     forward: Callable[[Tensor, Tensor, AttentionMetadata, Tensor], Tensor],
 ) -> StepFn:
-    ids, positions, real = (static.part(p, size) for p in ("ids", "positions", "real"))
+    positions, real = static.part("positions", size), static.part("real", size)
 
     def step() -> Tensor:  # [size, H]
         static.refresh(meta)
+        ids = static.input_ids(size)  # [size] int64, placeholders filled
         return forward(ids, positions, meta, real == 0)  # padding: [size] bool
 
     return step

@@ -341,6 +341,7 @@ class InputBatch:
             sample_rows=sample_rows,
             sample_reqs=sample_reqs,
             prompt_lp=prompt_lp,
+            placeholders=g.placeholders,
         )
 
     def sampling_metadata(

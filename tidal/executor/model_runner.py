@@ -343,7 +343,6 @@ class ModelRunner:
             expert_parallel=self.ep_group is not None,
             tensor_parallel=self.tp.size > 1,
             experts_on_device=all(m.experts_on_device for m in layers),
-            async_scheduling=self.config.scheduler.async_scheduling,
         )
         self.graphs.capture(self._padded_forward, lambda: list(self.kv_caches), off)
 
@@ -419,7 +418,8 @@ class ModelRunner:
         decode = self._graph_step(sched)
         if decode is not None:
             step, size = decode
-            hidden = self.graphs.replay(step, size)[: step.num]  # [n, H] of [size, H]
+            # Placeholders (async scheduling) read the previous step's ids on the device.
+            hidden = self.graphs.replay(step, size, self._last_sampled)[: step.num]  # [n, H]
             rows: DecodeStep | Inputs = step
         else:
             inputs = self._prepare_inputs_isolated(sched, out.failed)
