@@ -18,6 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from tidal import LLM, SamplingParams
 from tidal.executor.batch import NULL_BLOCK_ID, ScheduledRequest, SchedulerOutput
 from tidal.executor.graphs import (
+    ALLOCATOR_SEGMENT,
     DecodeStep,
     EmulatedGraphBackend,
     GraphDecision,
@@ -26,8 +27,10 @@ from tidal.executor.graphs import (
     StaticDecodeInputs,
     capture_sizes,
     decide,
+    graph_pool_estimate,
     graphs_off,
     pad_to,
+    pool_segment_bytes,
 )
 from tidal.launch.engine_args import EngineArgs
 from tidal.layers.attention import AttentionMetadata
@@ -102,6 +105,24 @@ def test_stats_count_hits_padding_and_misses_by_reason():
     assert stats.to_dict() == {
         "hits": 1, "misses": {"mixed": 2}, "real_rows": 5, "padded_rows": 8
     }  # fmt: skip
+
+
+def test_graph_pool_estimate_is_the_largest_step_and_the_kept_outputs_in_segments():
+    mib = 1 << 20
+    # The largest size's peak, plus the outputs of sizes 1, 2 and 4 ([size, H], 1 KiB rows).
+    assert graph_pool_estimate(5 * mib, (1, 2, 4, 8), 1024) == 6 * mib
+    assert graph_pool_estimate(4 * mib, (8,), 1024) == 4 * mib
+    assert graph_pool_estimate(0, (1,), 4096) == 0
+    assert graph_pool_estimate(1, (2, 1), 0) == ALLOCATOR_SEGMENT
+    with pytest.raises(ValueError, match=">= 0"):
+        graph_pool_estimate(-1, (1,), 8)
+    segments = [
+        {"total_size": 2 * mib, "segment_pool_id": (0, 0)},  # the default pool
+        {"total_size": 20 * mib, "segment_pool_id": [1, 3]},
+        {"total_size": 2 * mib, "segment_pool_id": (1, 3)},
+        {"total_size": 2 * mib, "segment_pool_id": (1, 4)},
+    ]
+    assert pool_segment_bytes(segments, (1, 3)) == 22 * mib
 
 
 def test_emulated_backend_refuses_a_moved_buffer():
@@ -269,6 +290,22 @@ def test_padding_rows_change_no_real_row_kv_or_expert_load(runner):
         for m in moe:
             m.record_expert_load = False
     _run(runner, scheduled)  # the runner path itself: a replayed step samples the real rows
+
+
+@torch.inference_mode()
+def test_the_measured_padding_step_runs_on_the_null_block_alone(runner):
+    """What CUDA measures before sizing the cache (``_graph_pool_estimate``): the largest
+    size's step of padding rows, on a cache of one block; the real cache is bound again."""
+    caches = [c.clone() for c in runner.kv_caches]
+    hidden = runner.on_null_block(lambda: runner.graphs.padding_step(runner._padded_forward)())
+    assert hidden.shape == (8, runner.model.spec.hidden_size) and hidden.isfinite().all()
+    assert all(torch.equal(a, b) for a, b in zip(caches, runner.kv_caches))  # not written
+    reqs = _prefilled(runner, 2, seed=5)  # the bound cache steps as before
+    step = runner.input_batch.prepare_decode(_decodes(reqs))
+    inputs = runner.input_batch.prepare(_decodes(reqs))
+    eager = runner._forward(inputs.input_ids, inputs.positions, inputs.attn)  # [2, H]
+    torch.testing.assert_close(runner.graphs.replay(step, 2)[:2], eager)
+    runner.input_batch.drop({r.request_id for r in reqs})
 
 
 # MLA's latent cache; a sliding window, sinks and biased clamped experts.

@@ -74,3 +74,15 @@ def test_gpu_utilization_leaves_what_weights_took() -> None:
 def test_fractions_are_range_checked(field: str, value: float) -> None:
     with pytest.raises(ValueError, match=field):
         CacheConfig(**{field: value})
+
+
+def test_gpu_budget_leaves_the_decode_graphs_pool() -> None:
+    """The graphs' pool is captured after the cache is allocated: its estimate comes out
+    of the utilization budget first, and an explicit budget is what it says."""
+    cache = CacheConfig(gpu_memory_utilization=0.5)
+    with_graphs = DeviceMemory(total=80 * GiB, used=20 * GiB, graphs=3 * GiB)
+    assert kv_cache_budget(cache, device=with_graphs).bytes == 17 * GiB
+    explicit = CacheConfig(kv_cache_memory_bytes=12345)
+    assert kv_cache_budget(explicit, device=with_graphs).bytes == 12345
+    with pytest.raises(ValueError, match="2.00 GiB kept for the decode graphs"):
+        kv_cache_budget(cache, device=DeviceMemory(80 * GiB, 38 * GiB, graphs=2 * GiB))

@@ -2,10 +2,13 @@
 
 A decode-only step of B requests is padded to the next size of a ladder (``capture_sizes``)
 and replayed from a graph captured for that size over static input buffers, instead of
-launching its few hundred kernels one by one from Python. Three parts, each testable on CPU:
+launching its few hundred kernels one by one from Python. Four parts, each testable on CPU:
 
 * **Sizes and decisions**, pure: ``capture_sizes(max_num_seqs)``, ``pad_to`` and ``decide``
   (graph or eager for a step, and why not: ``GraphMiss``).
+* **Memory**, pure: ``graph_pool_estimate`` (the graphs' pool, taken out of the KV
+  budget on CUDA before capture, from one measured eager step) and
+  ``pool_segment_bytes`` (the pool measured after capture).
 * **Backends** behind ``GraphBackend``: ``CudaGraphBackend`` (``torch.cuda.CUDAGraph``,
   every size in one memory pool, captured largest first) and ``EmulatedGraphBackend``, the
   CPU stand-in: its capture records the addresses of the static buffers the step reads
@@ -166,10 +169,35 @@ class GraphStats:
         }
 
 
+# ---- memory (pure) -----------------------------------------------------------------------
+
+ALLOCATOR_SEGMENT = 2 << 20  # torch's caching allocator takes device memory in 2 MiB steps
+
+
+def graph_pool_estimate(step_peak: int, sizes: Sequence[int], row_bytes: int) -> int:
+    """Bytes the graphs' one memory pool will hold, before any capture (the KV cache is
+    sized first): the largest size's step at its peak (``step_peak``, measured by one
+    eager run of it; every smaller size, captured after it, reuses those blocks) plus the
+    outputs the smaller graphs keep ([size, H], ``row_bytes`` a row), in whole segments."""
+    if step_peak < 0 or row_bytes < 0:
+        raise ValueError(f"a step's peak and a row's bytes are >= 0: {step_peak}, {row_bytes}")
+    need = step_peak + sum(sorted(sizes)[:-1]) * row_bytes
+    return -(-need // ALLOCATOR_SEGMENT) * ALLOCATOR_SEGMENT
+
+
+def pool_segment_bytes(segments: Sequence[dict[str, Any]], pool: tuple[int, int]) -> int:
+    """Bytes of the allocator segments (``torch.cuda.memory._snapshot()["segments"]``)
+    owned by ``pool``: what the captured graphs hold, measured."""
+    return sum(int(s["total_size"]) for s in segments if tuple(s["segment_pool_id"]) == pool)
+
+
 # ---- backends ----------------------------------------------------------------------------
 
 
 StepFn = Callable[[], Tensor]  # the step on the static buffers -> its output
+# The runner's padded forward: ids [B] int64, positions [B] int64, metadata, padding [B]
+# bool -> hidden [B, H].
+ForwardFn = Callable[[Tensor, Tensor, AttentionMetadata, Tensor], Tensor]
 BuffersFn = Callable[[], list[Tensor]]  # the tensors the step reads, as they are now
 
 
@@ -188,6 +216,10 @@ class GraphBackend(ABC):
     @abstractmethod
     def release(self) -> None:
         """Drop every graph (before the buffers they read are freed or replaced)."""
+
+    def pool_bytes(self) -> int | None:
+        """Device bytes the captured graphs hold (None: none of their own)."""
+        return None
 
 
 class CudaGraphBackend(GraphBackend):
@@ -221,6 +253,12 @@ class CudaGraphBackend(GraphBackend):
         self.graphs.clear()
         self.outputs.clear()
         self.pool = None
+
+    def pool_bytes(self) -> int | None:
+        if self.pool is None:
+            return None
+        segments = torch.cuda.memory._snapshot()["segments"]  # noqa: SLF001 - no public per-pool count
+        return pool_segment_bytes(segments, tuple(self.pool))
 
 
 class EmulatedGraphBackend(GraphBackend):
@@ -453,6 +491,10 @@ class DecodeGraphs:
         self.captured: list[int] = []
         self.failed: set[int] = set()
         self.capture_s = 0.0
+        # Device bytes of the graphs' pool: estimated before the KV cache is sized
+        # (``measure_step``, ``graph_pool_estimate``) and measured after capture.
+        self.pool_estimate: int | None = None
+        self.pool_bytes: int | None = None
         self.stats = GraphStats()
 
     @property
@@ -461,7 +503,7 @@ class DecodeGraphs:
 
     def capture(
         self,
-        forward: Callable[[Tensor, Tensor, AttentionMetadata, Tensor], Tensor],
+        forward: ForwardFn,
         cache_buffers: Callable[[], list[Tensor]],
         off: GraphMiss | None,
     ) -> None:
@@ -488,16 +530,40 @@ class DecodeGraphs:
             else:
                 self.captured.append(size)
         self.capture_s = time.perf_counter() - t0
+        self.pool_bytes = self.backend.pool_bytes()
+        pool = "" if self.pool_bytes is None else f", pool {self.pool_bytes >> 20} MiB"
+        if pool and self.pool_estimate is not None:
+            pool += f" (estimated {self.pool_estimate >> 20} MiB)"
         logger.info(
-            "%s graphs: %d sizes captured in %.1f s (%d failed)",
-            self.backend.name, len(self.captured), self.capture_s, len(self.failed),
+            "%s graphs: %d sizes captured in %.1f s (%d failed)%s",
+            self.backend.name, len(self.captured), self.capture_s, len(self.failed), pool,
         )  # fmt: skip
+
+    def padding_step(self, forward: ForwardFn) -> StepFn:
+        """The largest size's step over fresh static inputs, every row padding: it reads
+        and writes only the null block, so a cache of that block alone is enough."""
+        size = self.sizes[-1]
+        static = StaticDecodeInputs(size, self.max_blocks, self.block_size, self.device)
+        static.fill(DecodeStep(*_empty_step(), [], [], []), size)
+        return _step(static, size, static.metadata(size), forward)
+
+    def measure_step(self, forward: ForwardFn) -> int:
+        """CUDA, before the KV cache exists (the caller binds the null block's): the peak
+        bytes one eager run of ``padding_step`` allocates."""
+        step = self.padding_step(forward)
+        torch.cuda.synchronize(self.device)
+        base = torch.cuda.memory_allocated(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        step()
+        torch.cuda.synchronize(self.device)
+        return torch.cuda.max_memory_allocated(self.device) - base
 
     def release(self) -> None:
         if self.backend is not None:
             self.backend.release()
         self.static = None
         self.captured, self.failed = [], set()
+        self.pool_bytes = None
         if self.off is None:  # nothing to replay until the next capture
             self.off = GraphMiss.NO_BACKEND
 
@@ -521,6 +587,8 @@ class DecodeGraphs:
             "captured": sorted(self.captured),
             "capture_failed": sorted(self.failed),
             "capture_s": round(self.capture_s, 3),
+            "pool_bytes": self.pool_bytes,  # measured after capture (CUDA)
+            "pool_bytes_estimated": self.pool_estimate,  # taken out of the KV budget
             **self.stats.to_dict(),
         }
 
@@ -533,7 +601,7 @@ def _step(
     static: StaticDecodeInputs,
     size: int,
     meta: AttentionMetadata,
-    forward: Callable[[Tensor, Tensor, AttentionMetadata, Tensor], Tensor],
+    forward: ForwardFn,
 ) -> StepFn:
     positions, real = static.part("positions", size), static.part("real", size)
 

@@ -4,8 +4,8 @@ Pure: the caller measures the host and the device, so every rule is unit-tested 
 either. Precedence, first that applies: ``--num-kv-blocks`` (not bytes: the caller),
 ``--kv-cache-memory-bytes``, then on CPU ``VLLM_CPU_KVCACHE_SPACE`` (GiB, vLLM's) and
 ``--kv-cache-memory-fraction`` (of the host's available memory, shared by its workers),
-on GPU ``--gpu-memory-utilization`` (of the device, weights and cache together); else
-the CPU default of 512 MiB.
+on GPU ``--gpu-memory-utilization`` (of the device: weights, the decode graphs' memory
+pool and the cache together); else the CPU default of 512 MiB.
 """
 
 from __future__ import annotations
@@ -48,6 +48,9 @@ class HostMemory:
 class DeviceMemory:
     total: int  # the device's memory
     used: int  # taken when the cache is sized: weights, activations, other processes
+    # Held back for the decode graphs' memory pool, captured after the cache is allocated
+    # (estimated: tidal/executor/graphs.py graph_pool_estimate); 0 without graphs.
+    graphs: int = 0
 
 
 def _env_bytes(env: Mapping[str, str]) -> int | None:
@@ -83,13 +86,16 @@ def kv_cache_budget(
                 "gpu_memory_utilization (or kv_cache_memory_bytes)"
             )
         limit = int(device.total * cache.gpu_memory_utilization)
-        free = limit - device.used
+        free = limit - device.used - device.graphs
         if free <= 0:
+            kept = device.graphs / GiB
+            graphs = f" and {kept:.2f} GiB kept for the decode graphs" if device.graphs else ""
             raise ValueError(
                 f"gpu_memory_utilization: {cache.gpu_memory_utilization} of "
                 f"{device.total / GiB:.2f} GiB is {limit / GiB:.2f} GiB, and "
-                f"{device.used / GiB:.2f} GiB are already in use (weights and activations): "
-                "nothing is left for the KV cache; raise it or set kv_cache_memory_bytes"
+                f"{device.used / GiB:.2f} GiB are already in use (weights and activations)"
+                f"{graphs}: nothing is left for the KV cache; raise it, set "
+                "kv_cache_memory_bytes, or enforce_eager"
             )
         return KVBudget(free, BudgetSource.GPU_UTILIZATION)
     from_env = _env_bytes(env or {})

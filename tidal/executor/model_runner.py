@@ -42,7 +42,8 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import numpy as np
 import psutil
@@ -64,6 +65,7 @@ from tidal.executor.graphs import (
     DecodeStep,
     GraphDecision,
     GraphMiss,
+    graph_pool_estimate,
     graphs_off,
     resolve_backend,
 )
@@ -84,6 +86,8 @@ from tidal.protocol.messages import Logprobs
 from tidal.protocol.worker import ReplyMode
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 class ModelRunner:
@@ -272,19 +276,18 @@ class ModelRunner:
         if cache.num_blocks is not None:
             num_blocks = cache.num_blocks
         else:
-            budget = kv_cache_budget(
-                cache, host=self._host_memory(), device=self._device_memory(), env=os.environ
-            )
+            graphs = self._graph_pool_estimate()  # before measuring: it frees what it took
+            device = self._device_memory(graphs)
+            budget = kv_cache_budget(cache, host=self._host_memory(), device=device, env=os.environ)
             per_seq = -(-sched.max_model_len // self.block_size)
             num_blocks = min(
                 budget.bytes // self.kv_bytes_per_block(), sched.max_num_seqs * per_seq + 1
             )
             logger.info(
-                "KV budget %d MiB per worker (from %s): %d blocks",
-                budget.bytes >> 20,
-                budget.source,
-                num_blocks,
-            )
+                "KV budget %d MiB per worker (from %s; %d MiB kept for the decode graphs): "
+                "%d blocks",
+                budget.bytes >> 20, budget.source, graphs >> 20, num_blocks,
+            )  # fmt: skip
         # What the scheduler admits against (Scheduler._validate): the blocks it hands out
         # (all but the null block 0) must hold the KV of a full-length sequence, which is
         # every token but the last. Else the engine would refuse the long requests that
@@ -303,11 +306,28 @@ class ModelRunner:
         workers = max(1, par.data_parallel_size_local) * par.tensor_parallel_size
         return HostMemory(available=psutil.virtual_memory().available, workers=workers)
 
-    def _device_memory(self) -> DeviceMemory | None:
+    def _device_memory(self, graphs: int = 0) -> DeviceMemory | None:
         if self.device.type != "cuda":
             return None
         free, total = torch.cuda.mem_get_info(self.device)
-        return DeviceMemory(total=total, used=total - free)
+        return DeviceMemory(total=total, used=total - free, graphs=graphs)
+
+    @torch.inference_mode()
+    def _graph_pool_estimate(self) -> int:
+        """CUDA with graphs on: the bytes their pool will hold (docs/architecture.md#cuda-graphs),
+        from one eager run of the largest size's step on a one-block cache; 0 elsewhere (a
+        CPU step has no graph pool; the emulating backend holds no memory of its own).
+        Its cached blocks are given back, so the device's free memory excludes them."""
+        if self.device.type != "cuda" or self._graphs_off() is not None:
+            return 0
+        try:
+            peak = self.on_null_block(lambda: self.graphs.measure_step(self._padded_forward))
+        finally:
+            torch.cuda.empty_cache()
+        row_bytes = self.model.spec.hidden_size * self.config.model.torch_dtype.itemsize
+        estimate = graph_pool_estimate(peak, self.graphs.sizes, row_bytes)
+        self.graphs.pool_estimate = estimate
+        return estimate
 
     @rpc(Reduce.SUM, local=True)  # a rank's cache is its workers' together
     def kv_cache_bytes(self, num_blocks: int) -> int:
@@ -333,18 +353,37 @@ class ModelRunner:
     def capture_graphs(self) -> None:
         """Capture the decode graphs on the bound cache (again after every rebuild of it:
         a graph reads the cache at fixed addresses)."""
+        off = self._graphs_off()
+        self.graphs.capture(self._padded_forward, lambda: list(self.kv_caches), off)
+
+    def on_null_block(self, fn: Callable[[], T]) -> T:
+        """``fn()`` with a cache of the null block alone bound to every layer (a step of
+        padding rows before the cache is sized), then the cache bound before again."""
+        spec = self.model.kv_cache_spec()
+        shape = spec.layer_shape(1, self.block_size)
+        dtype = self.config.kv_cache_torch_dtype
+        self.model.bind_kv_cache(
+            [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(spec.num_layers)]
+        )
+        try:
+            return fn()
+        finally:
+            self.model.bind_kv_cache(self.kv_caches or [torch.empty(0)] * spec.num_layers)
+
+    def _graphs_off(self) -> GraphMiss | None:
+        """Why this engine replays no graph (``graphs_off``), or None; gives the MoE
+        layers the forward context the padding mask reaches them through."""
         layers = self.model.moe_layers()
-        for moe in layers:  # the padding mask reaches them through it
+        for moe in layers:
             moe.forward_context = self.moe_context
         backend = self.graphs.backend
-        off = graphs_off(
+        return graphs_off(
             enforce_eager=self.config.enforce_eager,
             backend=None if backend is None else backend.name,
             expert_parallel=self.ep_group is not None,
             tensor_parallel=self.tp.size > 1,
             experts_on_device=all(m.experts_on_device for m in layers),
         )
-        self.graphs.capture(self._padded_forward, lambda: list(self.kv_caches), off)
 
     def _padded_forward(
         self,
