@@ -80,7 +80,12 @@ def test_decision_table(decodes, prefills, off, failed, want):
         ({"enforce_eager": True}, GraphMiss.ENFORCE_EAGER),
         ({"backend": None}, GraphMiss.NO_BACKEND),
         ({"expert_parallel": True}, GraphMiss.EXPERT_PARALLEL),
-        ({"tensor_parallel": True}, GraphMiss.TENSOR_PARALLEL),
+        # TP: NCCL's collectives are stream kernels a CUDA graph records; gloo's are not.
+        ({"tensor_parallel": "nccl"}, None),
+        ({"tensor_parallel": "gloo"}, GraphMiss.TENSOR_PARALLEL),
+        ({"tensor_parallel": "gloo", "backend": "emulated"}, GraphMiss.TENSOR_PARALLEL),
+        ({"tensor_parallel": "nccl", "expert_parallel": True}, GraphMiss.EXPERT_PARALLEL),
+        ({"tensor_parallel": "nccl", "enforce_eager": True}, GraphMiss.ENFORCE_EAGER),
         ({"experts_on_device": False}, GraphMiss.EXPERTS_SYNC),
         # The emulating backend replays the eager step, host reads and all.
         ({"backend": "emulated", "experts_on_device": False}, None),
@@ -88,7 +93,7 @@ def test_decision_table(decodes, prefills, off, failed, want):
 )
 def test_why_an_engine_replays_nothing(changes, want):
     engine = {"enforce_eager": False, "backend": "cuda", "expert_parallel": False,
-              "tensor_parallel": False, "experts_on_device": True}  # fmt: skip
+              "tensor_parallel": None, "experts_on_device": True}  # fmt: skip
     assert graphs_off(**(engine | changes)) == want
 
 
@@ -306,6 +311,38 @@ def test_the_measured_padding_step_runs_on_the_null_block_alone(runner):
     eager = runner._forward(inputs.input_ids, inputs.positions, inputs.attn)  # [2, H]
     torch.testing.assert_close(runner.graphs.replay(step, 2)[:2], eager)
     runner.input_batch.drop({r.request_id for r in reqs})
+
+
+@torch.inference_mode()
+def test_a_rebuilt_tp_group_is_captured_again_before_the_next_decode(runner):
+    """A CUDA graph holds the TP group's communicator: once the group is replaced (a
+    rebuild after a peer rank's death), the next step captures every size again, once."""
+    old_static, old_group = runner.graphs.static, runner.tp.group
+    runner.tp.group = object()  # what the worker's rebuild does: a new group object
+    reqs: list[_Req] = []
+    try:
+        reqs = _prefilled(runner, 2, seed=6)
+        assert runner.graphs.static is not old_static and runner.graphs.captured == [8, 4, 2, 1]
+        static, hits = runner.graphs.static, runner.graphs.stats.hits
+        _run(runner, _decodes(reqs))  # the same group: replayed, no capture
+        assert runner.graphs.static is static and runner.graphs.stats.hits == hits + 1
+    finally:
+        runner.tp.group = old_group
+        runner.input_batch.drop({r.request_id for r in reqs})
+        runner.capture_graphs()
+
+
+def test_tp_workers_agree_on_the_sizes_whose_capture_failed(runner):
+    """A size that failed on one TP worker runs eagerly on all (their collectives match)."""
+    graphs, saved = runner.graphs, set(runner.graphs.failed)
+    peer = torch.tensor([0, 1, 0, 0], dtype=torch.int32)  # the other worker: size 2 failed
+    try:
+        graphs.failed = {4}
+        graphs.agree_failed(lambda mine: mine.add_(peer))
+        assert graphs.failed == {2, 4}
+        assert graphs.decide(2, 0).miss is GraphMiss.CAPTURE_FAILED
+    finally:
+        graphs.failed = saved
 
 
 # MLA's latent cache; a sliding window, sinks and biased clamped experts.

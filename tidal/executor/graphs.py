@@ -58,7 +58,7 @@ class GraphMiss(enum.Enum):
     ENFORCE_EAGER = "enforce_eager"  # --enforce-eager
     NO_BACKEND = "no_backend"  # a device without graphs (CPU unless --graph-backend emulated)
     EXPERT_PARALLEL = "expert_parallel"  # EP dispatch agrees token counts on the host
-    TENSOR_PARALLEL = "tensor_parallel"  # the TP collectives are not captured
+    TENSOR_PARALLEL = "tensor_parallel"  # TP collectives a graph cannot hold (gloo's)
     EXPERTS_SYNC = "experts_sync"  # CUDA: experts that group tokens on the host
     PREFILL = "prefill"  # prefill chunks only
     MIXED = "mixed"  # decodes and prefill chunks together
@@ -89,24 +89,35 @@ def pad_to(sizes: Sequence[int], num: int) -> int | None:
     return sizes[i] if i < len(sizes) else None
 
 
+# Collective backends whose operations a CUDA graph records: NCCL's are kernels on the
+# stream. Gloo's run on host threads over host tensors, which no graph can hold.
+GRAPH_SAFE_COLLECTIVES = frozenset({"nccl"})
+
+
 def graphs_off(
     *,
     enforce_eager: bool,
     backend: str | None,
     expert_parallel: bool,
-    tensor_parallel: bool,
+    tensor_parallel: str | None,
     experts_on_device: bool,
 ) -> GraphMiss | None:
-    """Why an engine replays no graph at all (None: it may). ``experts_on_device``: no
-    MoE layer reads its routing on the host (``FusedMoE.experts_on_device``); only a CUDA
-    graph needs it, the emulating backend replays host reads as the eager step does."""
+    """Why an engine replays no graph at all (None: it may). ``tensor_parallel``: the TP
+    group's collective backend (None: no TP); only a CUDA graph over NCCL holds them (the
+    emulating backend stands for a CUDA graph, so gloo's stay eager with it too).
+    Expert parallelism never: its dispatch agrees token counts on the host every step.
+    ``experts_on_device``: no MoE layer reads its routing on the host
+    (``FusedMoE.experts_on_device``); only a CUDA graph needs it, the emulating backend
+    replays host reads as the eager step does."""
     if enforce_eager:
         return GraphMiss.ENFORCE_EAGER
     if backend is None:
         return GraphMiss.NO_BACKEND
     if expert_parallel:
         return GraphMiss.EXPERT_PARALLEL
-    if tensor_parallel:
+    if tensor_parallel is not None and (
+        backend != "cuda" or tensor_parallel not in GRAPH_SAFE_COLLECTIVES
+    ):
         return GraphMiss.TENSOR_PARALLEL
     if backend == "cuda" and not experts_on_device:
         return GraphMiss.EXPERTS_SYNC
@@ -538,6 +549,16 @@ class DecodeGraphs:
             "%s graphs: %d sizes captured in %.1f s (%d failed)%s",
             self.backend.name, len(self.captured), self.capture_s, len(self.failed), pool,
         )  # fmt: skip
+
+    def agree_failed(self, all_reduce: Callable[[Tensor], Tensor]) -> None:
+        """Tensor parallelism: every worker must replay a size or run it eagerly alike (a
+        replayed step's collectives move the padded rows, an eager one's the real rows
+        only), so a size whose capture failed on any worker fails on all. ``all_reduce``:
+        the TP group's sum, called by every worker after its capture."""
+        failed = [s in self.failed for s in self.sizes]
+        mine = torch.tensor(failed, dtype=torch.int32, device=self.device)  # [sizes]
+        counts = all_reduce(mine)  # [sizes] int32: the workers where each size failed
+        self.failed = {s for s, n in zip(self.sizes, counts.tolist()) if n}
 
     def padding_step(self, forward: ForwardFn) -> StepFn:
         """The largest size's step over fresh static inputs, every row padding: it reads

@@ -123,6 +123,7 @@ class ModelRunner:
         # placeholder input ids.
         self._last_sampled: tuple[torch.Tensor, dict[str, int]] | None = None
         self.graphs = self._make_graphs()
+        self._graphs_tp_group: Any = None  # the TP group the graphs' collectives were captured on
 
     def _make_graphs(self) -> DecodeGraphs:
         """Decode graphs (docs/architecture.md#cuda-graphs); captured with the KV cache."""
@@ -354,7 +355,10 @@ class ModelRunner:
         """Capture the decode graphs on the bound cache (again after every rebuild of it:
         a graph reads the cache at fixed addresses)."""
         off = self._graphs_off()
+        self._graphs_tp_group = self.tp.group
         self.graphs.capture(self._padded_forward, lambda: list(self.kv_caches), off)
+        if self.tp.size > 1 and self.graphs.enabled:
+            self.graphs.agree_failed(self.tp.all_reduce)
 
     def on_null_block(self, fn: Callable[[], T]) -> T:
         """``fn()`` with a cache of the null block alone bound to every layer (a step of
@@ -381,7 +385,7 @@ class ModelRunner:
             enforce_eager=self.config.enforce_eager,
             backend=None if backend is None else backend.name,
             expert_parallel=self.ep_group is not None,
-            tensor_parallel=self.tp.size > 1,
+            tensor_parallel=None if self.tp.size == 1 else self.tp.group.backend_name,
             experts_on_device=all(m.experts_on_device for m in layers),
         )
 
@@ -503,6 +507,11 @@ class ModelRunner:
     def _graph_step(self, sched: SchedulerOutput) -> tuple[DecodeStep, int] | None:
         """The step's arrays and padded size when a graph replays it, else None (eager);
         counts the decision (``graph_stats``)."""
+        if self.tp.group is not self._graphs_tp_group and self.graphs.captured:
+            # The TP group was rebuilt (a peer rank's death cut a step short): the graphs
+            # hold the old one's NCCL communicator. Every TP worker rebuilt it before this
+            # same step, so they capture again together (the warm-ups' collectives match).
+            self.capture_graphs()
         # The per-request count only picks a size: an engine with graphs off (every CPU
         # engine by default) skips it on every step.
         num_decodes = 0
