@@ -9,10 +9,14 @@ decoding after a 32-token prompt:
   the step's routing touched (counted from the recorded expert load) and the K/V of every
   real row's context;
 * the steady decode step S(B), median of 3 repeats of ``--steps`` steps: eager
-  (``GraphMiss.ENFORCE_EAGER`` set on the same runner) and replayed graphs; graphs with
-  async scheduling is recorded as not available until that option exists;
-* the graph hit rate over the graph runs, capture time of every size, and greedy tokens
-  of 8 prompts x 128 tokens, graphs against eager (bf16), token for token;
+  (``GraphMiss.ENFORCE_EAGER`` set on the same runner), replayed graphs, and replayed
+  graphs with async scheduling (``execute_model_async``: each step launched with its
+  placeholder ids, the previous step's tokens still on the device, before the previous
+  step's tokens are resolved, as ``EngineCore`` does);
+* the graph hit rate over the graph runs, capture time of every size, the graphs' memory
+  pool (estimated before capture, as the KV budget takes it, and measured after), and
+  greedy tokens of 8 prompts x 128 tokens, graphs and graphs + async against eager
+  (bf16), token for token;
 * transformers' decode step at B = 1 and 32 (``generate``'s time per new token; skip with
   ``--no-hf-peer``).
 
@@ -74,6 +78,7 @@ class Driver:
     def __init__(self, runner: Any, vocab: int, max_tokens: int) -> None:
         self.runner, self.vocab, self.per_req = runner, vocab, -(-max_tokens // BLOCK)
         self.serial = 0
+        self.pending: Any = None  # async: the launched step's PendingRunnerOutput
 
     def start(self, num: int, seed: int) -> list[_Req]:
         import torch
@@ -99,12 +104,35 @@ class Driver:
         out = self.runner.execute_model(
             SchedulerOutput(sched, sum(s.num_new_tokens for s in sched))
         )
+        self._take(reqs, out)
+
+    def _take(self, reqs: list[_Req], out: Any) -> None:
         if out.failed:
             raise RuntimeError(f"requests failed: {out.failed}")
         for r in reqs:
             tok = out.sampled_token_ids[r.request_id][0]
             r.all_token_ids.append(tok)
             r.output_token_ids.append(tok)
+
+    def step_async(self, reqs: list[_Req]) -> None:
+        """A decode step as async scheduling runs it: launch it, then resolve the step
+        launched before. While one is pending, each request's next token is a placeholder
+        (at position ``num_tokens``: the pending token, still on the device)."""
+        from tidal.executor.batch import ScheduledRequest, SchedulerOutput
+
+        if self.pending is None:
+            sched = [ScheduledRequest(r, r.num_tokens - 1, 1) for r in reqs]
+        else:
+            sched = [ScheduledRequest(r, r.num_tokens, 1, placeholder=True) for r in reqs]
+        launched = self.runner.execute_model_async(SchedulerOutput(sched, len(sched)))
+        self.drain(reqs)
+        self.pending = launched
+
+    def drain(self, reqs: list[_Req]) -> None:
+        """Resolve the pending step's tokens (the end of an async run)."""
+        if self.pending is not None:
+            pending, self.pending = self.pending, None
+            self._take(reqs, pending.resolve())
 
     def finish(self, reqs: list[_Req]) -> None:
         self.runner.input_batch.drop({r.request_id for r in reqs})
@@ -171,21 +199,29 @@ def step_bytes(runner: Any, driver: Driver, reqs: list[_Req]) -> dict[str, int]:
     return {"weights": dense, "experts": experts, "kv": kv, "total": dense + experts + kv}
 
 
-def timed_steps(driver: Driver, reqs: list[_Req], steps: int, device: str) -> float:
-    """Milliseconds per decode step over ``steps`` steps (after one)."""
-    driver.step(reqs)
+def timed_steps(
+    driver: Driver, reqs: list[_Req], steps: int, device: str, is_async: bool = False
+) -> float:
+    """Milliseconds per decode step over ``steps`` steps (after one); ``is_async``: as
+    async scheduling runs them, the last one resolved in the time."""
+    step = driver.step_async if is_async else driver.step
+    step(reqs)
     _sync(device)
     t0 = time.perf_counter()
     for _ in range(steps):
-        driver.step(reqs)
+        step(reqs)
+    driver.drain(reqs)
     _sync(device)
     return (time.perf_counter() - t0) * 1e3 / steps
 
 
-def greedy(driver: Driver, prompts: int, new: int, seed: int) -> list[list[int]]:
+def greedy(
+    driver: Driver, prompts: int, new: int, seed: int, is_async: bool = False
+) -> list[list[int]]:
     reqs = driver.start(prompts, seed)
     for _ in range(new - 1):
-        driver.step(reqs)
+        (driver.step_async if is_async else driver.step)(reqs)
+    driver.drain(reqs)
     driver.finish(reqs)
     return [r.output_token_ids for r in reqs]
 
@@ -208,8 +244,9 @@ def run(result: dict[str, Any], smoke: bool, workdir: Path, hf_peer: bool, steps
     result["model"] = spec
     result["device"] = "cpu (smoke)" if smoke else torch.cuda.get_device_name(0)
     result["copy_gbps_read_plus_write"] = bw = round(copy_gbps(device, smoke), 1)
-    # A request's blocks hold its prompt, the floor's step and 3 repeats of both modes.
-    max_tokens = PROMPT_LEN + max(new, 6 * (steps + 1) + 2)
+    # A request's blocks hold its prompt, the floor's step and 3 repeats of the 3 modes
+    # (async: one more step each, its last one's token).
+    max_tokens = PROMPT_LEN + max(new, 9 * (steps + 2) + 2)
     max_model_len = -(-max_tokens // BLOCK) * BLOCK
     args = EngineArgs(
         model=path, device=device, dtype="float32" if smoke else "bfloat16",
@@ -221,12 +258,15 @@ def run(result: dict[str, Any], smoke: bool, workdir: Path, hf_peer: bool, steps
     runner.load_model()
     result["load_s"] = round(time.perf_counter() - t0, 1)
     driver = Driver(runner, spec["vocab_size"], max_model_len)
+    # What the KV budget leaves for the graphs' pool (0 on CPU), then the pool measured.
+    pool_estimate = runner._graph_pool_estimate()  # noqa: SLF001 - the budget's own number
     runner.initialize_kv_cache(1 + max(sizes, default=1) * driver.per_req)
     graphs = runner.graphs
     result["graphs"] = {
         "backend": graphs.backend.name if graphs.backend else None,
         "sizes": list(graphs.sizes), "captured": len(graphs.captured),
         "capture_failed": sorted(graphs.failed), "capture_s": round(graphs.capture_s, 2),
+        "pool_bytes_estimated": pool_estimate, "pool_bytes": graphs.pool_bytes,
     }  # fmt: skip
     print(json.dumps({"capture": result["graphs"]}), flush=True)
 
@@ -239,13 +279,14 @@ def run(result: dict[str, Any], smoke: bool, workdir: Path, hf_peer: bool, steps
         reqs = driver.start(b, seed=b)
         need = step_bytes(runner, driver, reqs)
         floor_ms = need["total"] / (bw * 1e9) * 1e3
-        times: dict[str, list[float]] = {"eager": [], "graphs": []}
-        for _ in range(3):  # alternating, so drift hits both alike
-            for mode in ("eager", "graphs"):
+        times: dict[str, list[float]] = {"eager": [], "graphs": [], "graphs_async": []}
+        for _ in range(3):  # alternating, so drift hits every mode alike
+            for mode in times:
                 eager(mode == "eager")
                 graphs.stats = GraphStats()
-                times[mode].append(timed_steps(driver, reqs, steps, device))
-                if mode == "graphs":
+                is_async = mode == "graphs_async"
+                times[mode].append(timed_steps(driver, reqs, steps, device, is_async))
+                if mode != "eager":
                     for k, v in graphs.stats.misses.items():
                         graph_stats.misses[k] = graph_stats.misses.get(k, 0) + v
                     graph_stats.hits += graphs.stats.hits
@@ -255,11 +296,12 @@ def run(result: dict[str, Any], smoke: bool, workdir: Path, hf_peer: bool, steps
             "B": b, "bytes": need, "F_ms": round(floor_ms, 4),
             "S_eager_ms": round(statistics.median(times["eager"]), 3),
             "S_graphs_ms": round(statistics.median(times["graphs"]), 3),
-            "S_graphs_async_ms": None,  # no async scheduling option yet
+            "S_graphs_async_ms": round(statistics.median(times["graphs_async"]), 3),
             "repeats": times,
         }  # fmt: skip
         row["eager_over_floor"] = round(row["S_eager_ms"] / floor_ms, 2)
         row["graphs_over_floor"] = round(row["S_graphs_ms"] / floor_ms, 2)
+        row["graphs_async_over_floor"] = round(row["S_graphs_async_ms"] / floor_ms, 2)
         rows.append(row)
         print(json.dumps({k: v for k, v in row.items() if k != "repeats"}), flush=True)
     result["steps"] = rows
@@ -271,16 +313,18 @@ def run(result: dict[str, Any], smoke: bool, workdir: Path, hf_peer: bool, steps
     eager(True)
     want = greedy(driver, prompts, new, seed=1000)
     eager(False)
-    got = greedy(driver, prompts, new, seed=1000)
-    result["greedy_graphs_vs_eager"] = {
-        "prompts": prompts, "tokens": new, "dtype": str(runner.model.embed_tokens.weight.dtype),
-        "identical": sum(g == w for g, w in zip(got, want)),
-        "first_mismatch": next(
-            ({"prompt": i, "graphs": g, "eager": w} for i, (g, w) in enumerate(zip(got, want))
-             if g != w), None,
-        ),
-    }  # fmt: skip
-    print(json.dumps({"greedy": result["greedy_graphs_vs_eager"]["identical"]}), flush=True)
+    for name, is_async in (("graphs", False), ("graphs_async", True)):
+        got = greedy(driver, prompts, new, seed=1000, is_async=is_async)
+        result[f"greedy_{name}_vs_eager"] = {
+            "prompts": prompts, "tokens": new,
+            "dtype": str(runner.model.embed_tokens.weight.dtype),
+            "identical": sum(g == w for g, w in zip(got, want)),
+            "first_mismatch": next(
+                ({"prompt": i, name: g, "eager": w} for i, (g, w) in enumerate(zip(got, want))
+                 if g != w), None,
+            ),
+        }  # fmt: skip
+        print(json.dumps({f"greedy_{name}": result[f"greedy_{name}_vs_eager"]["identical"]}))
     runner.free_kv_cache()
     if hf_peer and not smoke:
         del runner

@@ -29,7 +29,9 @@ def test_smoke_run_measures_floor_steps_and_greedy_equality(tmp_path):
     assert [row["B"] for row in got["steps"]] == [1, 4]
     for row in got["steps"]:
         assert row["F_ms"] > 0 and row["S_eager_ms"] > 0 and row["S_graphs_ms"] > 0
+        assert row["S_graphs_async_ms"] > 0
         assert row["bytes"]["experts"] > 0 and row["bytes"]["kv"] > 0
-    assert got["graph_hit_rate"] == 1.0  # steady decode: every step replayed
-    greedy = got["greedy_graphs_vs_eager"]
-    assert greedy["identical"] == greedy["prompts"], greedy
+    assert got["graph_hit_rate"] == 1.0  # steady decode, async too: every step replayed
+    for mode in ("graphs", "graphs_async"):
+        greedy = got[f"greedy_{mode}_vs_eager"]
+        assert greedy["identical"] == greedy["prompts"], greedy
