@@ -321,9 +321,17 @@ class ModelRunner:
         Its cached blocks are given back, so the device's free memory excludes them."""
         if self.device.type != "cuda" or self._graphs_off() is not None:
             return 0
+        group = self.tp.group
+        # This call runs no collective (its RPC is local): each TP worker measures its
+        # step alone, its all-reduces the identity (they work in place: the same bytes).
+        self.tp.group = None if group is None else _AloneGroup(group)
         try:
             peak = self.on_null_block(lambda: self.graphs.measure_step(self._padded_forward))
+        except Exception as e:  # noqa: BLE001 - as before: nothing held back, capture may fail
+            logger.warning("measuring the decode graphs' step failed (%s): none held back", e)
+            return 0
         finally:
+            self.tp.group = group
             torch.cuda.empty_cache()
         row_bytes = self.model.spec.hidden_size * self.config.model.torch_dtype.itemsize
         estimate = graph_pool_estimate(peak, self.graphs.sizes, row_bytes)
@@ -688,6 +696,20 @@ class ModelRunner:
                 out.failed[req.request_id] = _error("computing prompt logprobs", e)
                 continue
             out.prompt_logprobs[req.request_id] = lps
+
+
+class _AloneGroup:
+    """The TP group's stand-in while a worker measures its decode step on its own
+    (``ModelRunner._graph_pool_estimate``): a step of padding rows needs no peer's sum,
+    and an all-reduce allocates nothing (in place), so the bytes are those of the step."""
+
+    def __init__(self, group: Any) -> None:
+        self.backend_name, self.rank, self.world_size = (
+            group.backend_name, group.rank, group.world_size,
+        )  # fmt: skip
+
+    def all_reduce(self, t: torch.Tensor, op: Any = None) -> torch.Tensor:
+        return t
 
 
 def fill_placeholders_device(
