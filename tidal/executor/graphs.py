@@ -365,8 +365,8 @@ class StaticDecodeInputs:
         # inputs while step n's transfer may still be queued behind step n-1 on the device.
         self.hosts = [torch.zeros(numel, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
         self.host_nps = [h.numpy() for h in self.hosts]
-        # CUDA: each host copy's last transfer (None: none queued, or a CPU device).
-        self.copied: list[Any] = [None, None]
+        # CUDA: each host copy's last transfer (an event never recorded is complete).
+        self.copied = [torch.cuda.Event() for _ in range(2)] if pin else None
         self.turn = 0  # the host copy the next fill writes
         self.device_buf = torch.zeros(numel, dtype=torch.int64, device=device)  # [numel]
         self.prev = torch.zeros(max_size, dtype=torch.int64, device=device)  # [max_size]
@@ -399,12 +399,11 @@ class StaticDecodeInputs:
             raise ValueError(f"a sequence needs more than {self.max_blocks} blocks")
         turn = self.turn
         self.turn ^= 1
-        done = self.copied[turn]
-        if done is not None:
+        if self.copied is not None:
             # This host copy fed the step before last, whose transfer may still be queued
             # (async scheduling waits only for the step before that): writing it before
             # that transfer ran would change that step's inputs. Normally long done.
-            done.synchronize()
+            self.copied[turn].synchronize()
         host, h = self.hosts[turn], self.host_nps[turn]
         self.part("ids", size, h)[:n] = step.ids
         self.part("positions", size, h)[:n] = starts
@@ -441,10 +440,8 @@ class StaticDecodeInputs:
         # Asynchronous from pinned memory: the event marks when this host copy may be
         # written again (two fills later, above).
         self.device_buf[:end].copy_(host[:end], non_blocking=True)
-        if self.device_buf.device.type == "cuda":
-            event = torch.cuda.Event()
-            event.record()
-            self.copied[turn] = event
+        if self.copied is not None:
+            self.copied[turn].record()
 
     def metadata(self, size: int) -> AttentionMetadata:
         """The attention metadata of a size-``size`` graph: views of the buffer. Its mask
