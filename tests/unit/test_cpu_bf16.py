@@ -203,6 +203,75 @@ def test_fused_moe_amx_refuses_what_it_cannot_take():
     assert ("native:amx" in names) == amx_available() and names[-1] == "torch"
 
 
+# (N, K): N past a block and not a multiple of 64, one column, K whole 32-k tile steps
+AMX_SHAPES = [(70, 64), (1, 96), (200, 32)]
+
+
+@needs_amx
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("n,k", AMX_SHAPES)
+def test_linear_amx_matches_float32_matmul_of_the_bf16_operands(n, k, bias):
+    """The AMX linear at 1 row, 3, 17 (a 16-row tile and one row), 64 and 300 (two panels
+    of rows): float32 accumulation of the bf16 products, as a float32 matmul of the same
+    bf16 operands; float32 activations are rounded to bf16 on the way in."""
+    w = _bf16(n, k)
+    b = _bf16(n, seed=1) if bias else None
+    bf = None if b is None else b.float()
+    packed = pack_linear_weight(w)
+    for rows in (1, 3, 17, 64, 300):
+        x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+        want = x.to(BF16).float() @ w.float().T + (0 if bf is None else bf)
+        got = linear_cpu(x, packed, n, bf, amx=True)
+        assert got.dtype == torch.float32 and got.shape == (rows, n)
+        _tight(got, want, True)
+        xb = x.to(BF16)
+        got = linear_cpu(xb, packed, n, b, amx=True)  # a bf16 model: the sum rounded once
+        assert got.dtype == BF16
+        torch.testing.assert_close(got, want.to(BF16), atol=0, rtol=2**-7)
+        torch.testing.assert_close(got, F.linear(xb, w, b), atol=0.05, rtol=2**-6)
+    # rows of a wider tensor (a strided view): the tiles read them where they lie
+    wide = torch.randn(17, k + 32, generator=torch.Generator().manual_seed(3)).to(BF16)
+    view = wide[:, 32:]
+    want = (view.float() @ w.float().T).to(BF16)
+    torch.testing.assert_close(linear_cpu(view, packed, n, amx=True), want, atol=0, rtol=2**-7)
+
+
+def test_linear_amx_refuses_what_it_cannot_take():
+    with pytest.raises(ValueError, match="in_features divisible by 32"):
+        linear_cpu(torch.randn(2, 33).to(BF16), pack_linear_weight(_bf16(8, 33)), 8, amx=True)
+    with pytest.raises(ValueError, match="divisible by 32"):  # float32 weights: no AMX kernel
+        linear_cpu(torch.randn(2, 32), pack_linear_weight(torch.randn(8, 32)), 8, amx=True)
+    with pytest.raises(RuntimeError, match="AMX kernel takes bf16 weights"):
+        torch.ops.tidal_cpu.linear(
+            torch.randn(2, 32).to(BF16), pack_linear_weight(_bf16(8, 32)), None, 8, 0, True, True
+        )
+    # offered only for bf16 weights of whole tile steps, on a CPU with AMX
+    assert "native:amx" not in [c.name for c in Linear(33, 8, dtype=BF16)._cpu_candidates()]
+    assert "native:amx" not in [c.name for c in Linear(32, 8)._cpu_candidates()]
+    names = [c.name for c in Linear(32, 8, dtype=BF16)._cpu_candidates()]
+    assert ("native:amx" in names) == amx_available() and names[-1] == "torch"
+
+
+@needs_amx
+def test_linear_amx_serves_a_layer_and_round_trips_its_weights():
+    """A Linear on the AMX variant holds the one bf16 pack: read_weights gives the
+    checkpoint back bit for bit, write_weights lands in the pack, the forward uses it."""
+    amx = Candidate("native", "amx")
+    lin = Linear(64, 70, True, dtype=BF16)
+    for p in (lin.weight, lin.bias):
+        assert p is not None
+        p.data.copy_(torch.randn(p.shape) * 0.3)
+    w, b = lin.weight.detach().clone(), lin.bias
+    lin.set_cpu_path("linear", Choice(amx, amx, "native"))
+    lin.pack_weights()
+    assert lin.is_released("weight") and torch.equal(lin.read_weights()["weight"], w)
+    x = torch.randn(2, 9, 64).to(BF16)  # [..., K]: the leading dims are flattened to rows
+    torch.testing.assert_close(lin(x), F.linear(x, w, b), atol=0.05, rtol=2**-6)
+    lin.write_weights({"weight": -w})
+    assert torch.equal(lin.read_weights()["weight"], -w)
+    torch.testing.assert_close(lin(x), F.linear(x, -w, b), atol=0.05, rtol=2**-6)
+
+
 def test_bf16_experts_unpack_exactly_per_slot():
     w13, w2 = _experts(5, 33, 21)
     packed = CpuPackedExperts(w13, w2)
@@ -274,13 +343,13 @@ class _Clock:
         return self.now
 
 
-@pytest.mark.parametrize("slow", weight_candidates(BF16), ids=lambda c: c.name)
+@pytest.mark.parametrize("slow", weight_candidates(BF16, amx_fits=True), ids=lambda c: c.name)
 def test_bf16_choice_follows_the_measurement(slow, tmp_path, monkeypatch):
     """Each bf16 path made the slow one (the fake clock charges it 50x): never chosen; the
     others' fastest serves, and the layer computes by it."""
     monkeypatch.setattr(select, "oversubscribed", lambda *a, **k: None)
     clock = _Clock()
-    cands = weight_candidates(BF16)
+    cands = weight_candidates(BF16, amx_fits=True)  # 32 inputs: the AMX kernel's too
     cost = {c: (50e-3 if c == slow else 1e-3 + 1e-4 * i) for i, c in enumerate(cands)}
     lin = Linear(32, 48, dtype=BF16)
     lin.weight.data.copy_(torch.randn(48, 32))

@@ -25,9 +25,16 @@ PREFETCH_HINTS = {"nta": 0, "t0": 1, "none": 2}
 # activations) for bf16 weights, the float32 kernel for float32 ones, the fp16 decode for
 # FP8 ones (whose dot kernel decodes to bf16 by table lookup, AVX512-VBMI).
 DOT_PREFIX = "dot-"
-# The variant of the bf16 MoE kernel on AMX tiles (``csrc/amx.h``: 16 rows x 16 columns x
-# 32 k a tile instruction; the hardware prefetcher and a fixed lookahead, no hint to choose).
+# The variant of the bf16 MoE and linear kernels on AMX tiles (``csrc/amx.h``: 16 rows x
+# 16 columns x 32 k a tile instruction; a fixed lookahead, no hint to choose).
 AMX_VARIANT = "amx"
+AMX_K = 32  # k of one AMX tile step: the AMX kernels read whole steps of the input width
+
+
+def amx_fits(dtype: torch.dtype, depth: int) -> bool:
+    """Whether a bf16 weight read along ``depth`` inputs (a linear's in_features, the
+    experts' hidden size) has an AMX candidate: bf16, ``depth`` whole tile steps."""
+    return dtype == torch.bfloat16 and depth % AMX_K == 0
 
 
 def native_amx(variant: str) -> bool:
@@ -79,6 +86,6 @@ def fp8_dot_available() -> bool:
 
 
 def amx_available() -> bool:
-    """Whether the bf16 AMX MoE kernel runs here: the extension loaded, the CPU has
+    """Whether the bf16 AMX kernels (MoE, linear) run here: the extension loaded, the CPU has
     AMX-TILE and AMX-BF16 and Linux granted this process the tile state (asked once)."""
     return kernel_available() and bool(torch.ops.tidal_cpu.amx_available())

@@ -6,7 +6,8 @@ pays a fixed ~15-20 us a call, most of the time on small weights (the 256-wide m
 q/k/v and o projections: 26-37 us at 32 rows, for 2-4 M multiply-adds). This is 10-60%
 faster at 1-32 rows and within 5% of oneDNN at 128-1024 (float32, an AMD EPYC), so it is
 a candidate of every float32 and bf16 CPU linear (``tidal/kernels/select.py`` measures),
-with ``F.linear`` as the reference and the fallback.
+with ``F.linear`` as the reference and the fallback. bf16 weights whose in_features are
+whole AMX tile steps also have the AMX kernel (``amx``, the same pack read as B tiles).
 
 The pack (``copy_blocks``) is also the layout of the C++ router's gate and of the MoE
 kernel's down weights: one weight matrix cut into 64-row blocks, each stored transposed.
@@ -20,7 +21,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from tidal.kernels.cpu_ext import kernel_available, kernel_status
+from tidal.kernels.cpu_ext import AMX_K, amx_fits, kernel_available, kernel_status
 from tidal.kernels.host_memory import empty_huge
 
 BLOCK = 64  # output columns per block of the pack (gemm.h's block_gemm width)
@@ -110,9 +111,15 @@ def linear_cpu(
     bias: Tensor | None = None,  # [N]
     prefetch: int = 0,  # cpu_ext.PREFETCH_HINTS value: a per-CPU choice (select.py)
     dot: bool = False,  # bf16 weights: the AVX512-BF16 kernel (cpu_ext.bf16_dot_available)
+    amx: bool = False,  # bf16 weights: the AMX tile kernel (cpu_ext.amx_available)
 ) -> Tensor:  # [T, N], x's dtype
     if x.dim() != 2 or packed_depth(x.shape[1], packed.dtype) != packed.shape[1]:
         raise ValueError(f"x {tuple(x.shape)} does not match the packed weight {tuple(packed.shape)}")
+    if amx and not amx_fits(packed.dtype, x.shape[1]):
+        raise ValueError(
+            f"the AMX linear takes bf16 weights of in_features divisible by {AMX_K}, got "
+            f"{packed.dtype} in_features {x.shape[1]}"
+        )
     if not kernel_available():
         raise RuntimeError(f"the C++ linear is unavailable: {kernel_status()}")
-    return torch.ops.tidal_cpu.linear(x, packed, bias, out_features, prefetch, dot)
+    return torch.ops.tidal_cpu.linear(x, packed, bias, out_features, prefetch, dot, amx)

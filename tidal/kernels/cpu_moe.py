@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from tidal.kernels.cpu_ext import kernel_available, kernel_status
+from tidal.kernels.cpu_ext import AMX_K, amx_fits, kernel_available, kernel_status
 from tidal.kernels.cpu_linear import DTYPES, copy_blocks, copy_pair_blocks, packed_depth
 from tidal.kernels.host_memory import empty_huge
 
@@ -142,15 +142,6 @@ def fused_experts_cpu(
         hidden, packed.shapes[0][2], packed.w13, packed.w2, topk_weights, topk_ids, expert_map,
         apply_router_weight, prefetch, dot, amx=amx,
     )  # fmt: skip
-
-
-AMX_K = 32  # k of one AMX tile step: the AMX kernel reads whole steps of the hidden size
-
-
-def amx_fits(dtype: torch.dtype, hidden: int) -> bool:
-    """Whether experts of ``dtype`` and ``hidden`` width have an AMX candidate (bf16, the
-    hidden size whole tile steps; the intermediate size is padded to 32 by the pack)."""
-    return dtype == torch.bfloat16 and hidden % AMX_K == 0
 
 
 def run_fused_moe(

@@ -12,7 +12,7 @@ transfers, EPLB moves, a test reading a parameter -- gets ``unpack()``: an exact
 Each call takes the variant the selection measured for the call's shape class: for
 ``native`` the software prefetch hint of the C++ GEMMs (``cpu_ext.PREFETCH_HINTS``) and,
 for bf16 weights, the kernel (the shift one, or the AVX512-BF16 dot one: ``dot-`` hints;
-for bf16 experts also the AMX one, variant ``amx``).
+for bf16 experts and linears also the AMX one, variant ``amx``).
 Weights are held in their own dtype (float32 or bf16: a bf16 checkpoint is never widened).
 """
 
@@ -50,7 +50,8 @@ class HeldLinear:
         # x [T, K] the weight's dtype, last dim contiguous -> [T, N]
         if self.path == "native":
             hint, dot = native_variant(variant)
-            return linear_cpu(x, self.packed, self.out_features, bias, hint, dot)
+            amx = native_amx(variant)
+            return linear_cpu(x, self.packed, self.out_features, bias, hint, dot, amx)
         return packed_linear(x.contiguous(), self.packed, bias)
 
     def unpack(self) -> Tensor:  # [N, K], exact

@@ -197,26 +197,30 @@ def expert_candidates(
     act_dtype: torch.dtype | None = None,
     block_k: int = 128,
 ) -> list[Candidate]:
-    """A layer's experts: ``weight_candidates`` plus, for bf16 experts whose shape the AMX
-    kernel takes (``amx_fits``, ``cpu_moe.amx_fits``) on a CPU with AMX, the AMX kernel
-    (``native:amx``)."""
-    out = weight_candidates(dtype, act_dtype, block_k)
-    if dtype == torch.bfloat16 and amx_fits and amx_available():
-        out.insert(len(native_candidates(dtype=dtype)), Candidate("native", AMX_VARIANT))
-    return out
+    """A layer's experts: ``weight_candidates`` with the AMX kernel where ``amx_fits``
+    (``cpu_ext.amx_fits`` of the hidden size)."""
+    return weight_candidates(dtype, act_dtype, block_k, amx_fits=amx_fits)
 
 
 def weight_candidates(
-    dtype: torch.dtype, act_dtype: torch.dtype | None = None, block_k: int = 128
+    dtype: torch.dtype,
+    act_dtype: torch.dtype | None = None,
+    block_k: int = 128,
+    *,
+    amx_fits: bool = False,
 ) -> list[Candidate]:
     """The candidates of an op holding weights (linear, router, experts) for ``dtype``:
     the C++ kernels (float32: one per hint; bf16: the shift kernel per hint, the dot
-    kernel per hint where the CPU has AVX512-BF16; FP8: the fp16 decode per hint, the dot
-    kernel per hint for bf16 activations where the CPU has AVX512-BF16 and VBMI),
-    oneDNN prepacked where this torch has it for ``dtype`` (not FP8), and torch (every
-    dtype; FP8: the dequantize-per-call reference). ``act_dtype`` and ``block_k``: FP8's
-    activations and scale block (``native_candidates``)."""
+    kernel per hint where the CPU has AVX512-BF16, and the AMX tile kernel
+    (``native:amx``) where the op's shape takes it (``amx_fits``: ``cpu_ext.amx_fits``)
+    and the CPU has AMX; FP8: the fp16 decode per hint, the dot kernel per hint for bf16
+    activations where the CPU has AVX512-BF16 and VBMI), oneDNN prepacked where this
+    torch has it for ``dtype`` (not FP8), and torch (every dtype; FP8: the
+    dequantize-per-call reference). ``act_dtype`` and ``block_k``: FP8's activations and
+    scale block (``native_candidates``)."""
     out = native_candidates(dtype=dtype, act_dtype=act_dtype, block_k=block_k)
+    if dtype == torch.bfloat16 and amx_fits and amx_available():
+        out.append(Candidate("native", AMX_VARIANT))
     if onednn_available(dtype):
         out.append(Candidate("onednn"))
     return [*out, Candidate("torch")]

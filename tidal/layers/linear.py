@@ -14,7 +14,8 @@ shapes: about 1.5-2x for one row, 10-25% for 32 rows). The loader copies into vi
 
 On CPU the path that serves the forward is measured at load (``tidal/kernels/select.py``:
 the C++ linear with each prefetch hint -- for bf16 weights the shift and the AVX512-BF16
-dot kernels --, oneDNN prepacked, or ``F.linear`` on ``weight``), for float32 and bf16;
+dot kernels, and the AMX one --, oneDNN prepacked, or ``F.linear`` on ``weight``), for
+float32 and bf16;
 a packed path then holds the only copy of the weight (``tidal/kernels/cpu_paths.py``),
 read and written through ``read_weights``/``write_weights`` (``HeldParamsModule``).
 
@@ -37,6 +38,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from tidal.distributed.tensor_parallel import TensorParallel
+from tidal.kernels.cpu_ext import amx_fits
 from tidal.kernels.cpu_paths import PACKED_PATHS, HeldLinear
 from tidal.kernels.held_params import HeldParamsModule
 from tidal.kernels.select import Candidate, Choice, OpKey, OpSpec, default_choice
@@ -90,7 +92,7 @@ class Linear(HeldParamsModule):
 
     def _choice(self) -> Choice:
         if self.cpu_choice is None:
-            self.cpu_choice = default_choice(cpu_candidates(self.params_dtype), True)
+            self.cpu_choice = default_choice(self._cpu_candidates(), True)
         return self.cpu_choice
 
     def _held_weight(self) -> HeldLinear | None:
@@ -124,7 +126,11 @@ class Linear(HeldParamsModule):
             return {}
         key = OpKey("linear", (self.in_features, self.out_features, int(self.bias is not None)))
         nbytes = self.in_features * self.out_features * self.params_dtype.itemsize
-        return {"linear": OpSpec(key, tuple(cpu_candidates(self.params_dtype)), True, nbytes)}
+        return {"linear": OpSpec(key, tuple(self._cpu_candidates()), True, nbytes)}
+
+    def _cpu_candidates(self) -> list[Candidate]:  # bf16 with whole tile steps: also AMX
+        fits = amx_fits(self.params_dtype, self.in_features)
+        return cpu_candidates(self.params_dtype, amx_fits=fits)
 
     def cpu_trial(self, op: str, candidate: Candidate, instances: int) -> Any:
         def stand_in() -> Linear:

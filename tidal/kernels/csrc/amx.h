@@ -65,9 +65,12 @@ struct alignas(64) TileConfig {
 
 // out [m][64] float32 (row stride 64) = m rows of a (bf16, `lda` elements apart, 2 * pairs
 // long) times one bf16 pair block of `pairs` pair rows (pairs % 16 == 0). 1 <= m <= 16.
-// Tiles: 0-3 C (the four 16-column quarters), 4 A, 5 and 6 B (alternating).
+// Tiles: 0-3 C (the four 16-column quarters), 4 A, 5 and 6 B (alternating). `stream`:
+// the block comes from memory (prefetch it); false where a previous call of the same block
+// left it in L2, and the prefetches would only take load slots from the tile loads.
 __attribute__((target("amx-tile,amx-bf16"))) inline void amx_block(
-    int m, const uint16_t* a, int64_t lda, const uint16_t* w, int64_t pairs, float* out) {
+    int m, const uint16_t* a, int64_t lda, const uint16_t* w, int64_t pairs, float* out,
+    bool stream = true) {
   TileConfig cfg;
   for (int t = 0; t < 5; ++t) {
     cfg.rows[t] = static_cast<uint8_t>(m);
@@ -88,8 +91,10 @@ __attribute__((target("amx-tile,amx-bf16"))) inline void amx_block(
     const uint16_t* wp = w + p * 128;  // pair row p: 128 bf16
     // The hardware prefetcher alone left the tiles waiting on the weights: ask for the
     // step after next (4 KiB a step, 64 lines), past the block's end into the next task's.
-    const char* ahead = reinterpret_cast<const char*>(wp + 2 * kAmxPairs * 128);
-    for (int line = 0; line < 64; ++line) __builtin_prefetch(ahead + 64 * line, 0, 3);
+    if (stream) {
+      const char* ahead = reinterpret_cast<const char*>(wp + 2 * kAmxPairs * 128);
+      for (int line = 0; line < 64; ++line) __builtin_prefetch(ahead + 64 * line, 0, 3);
+    }
     _tile_loadd(5, wp, w_stride);
     _tile_dpbf16ps(0, 4, 5);
     _tile_loadd(6, wp + 32, w_stride);

@@ -12,7 +12,14 @@
 // block j holding, for each k, the weights of output columns 64j..; zero past N. bf16
 // weights: [N_pad / 64, K_pad / 2, 64, 2], the k rows in pairs (gemm.h), float32
 // accumulation, the output in the activations' dtype (float32 or bf16).
+//
+// bf16 weights also run on AMX tiles (amx.h, `amx`): the pair pack is already AMX's B
+// layout, so the same one copy serves. Why: from a few tens of rows (batched decode,
+// every prefill) the vector kernels are bound by their multiply-adds (one vdpbf16ps: 32),
+// a tile instruction does 16 rows x 16 columns x 32 k; at a few rows both are bound by
+// reading the weights. Which one serves which row count is measured (select.py).
 
+#include "amx.h"
 #include "gemm.h"
 #include "vec.h"
 
@@ -28,16 +35,67 @@ namespace {
 
 using namespace tidal_cpu;
 
+#ifdef TIDAL_AMX
+// Rows of one AMX task: a task is (column block, panel of rows), so a projection with
+// fewer column blocks than threads still spreads a prefill over them; the block stays in
+// the core's L2 across the panel's row groups (256 x 2048 bf16 rows of x: 1 MiB).
+constexpr int64_t kAmxPanel = 256;
+
+// out [T, N] = x [T, K] bf16 (rows `lda` apart) @ the bf16 pair pack (+ bias), on AMX tiles:
+// for each column block, groups of up to 16 rows times the whole depth (pairs % 16 == 0).
+void linear_amx(const uint16_t* x, int64_t lda, int64_t rows, const uint16_t* w,
+                int64_t pairs, int64_t blocks, int64_t out_features, const float* bias,
+                at::Tensor& out) {
+  const int64_t panels = (rows + kAmxPanel - 1) / kAmxPanel, block_elems = pairs * 128;
+  const bool out_bf16 = out.scalar_type() == at::kBFloat16;
+  float* of = out_bf16 ? nullptr : out.data_ptr<float>();
+  uint16_t* oh = out_bf16 ? reinterpret_cast<uint16_t*>(out.data_ptr()) : nullptr;
+  // Task t = block t / panels, panel t % panels: a thread's contiguous run of tasks keeps
+  // a block's panels together.
+  std::vector<double> cost(blocks * panels);
+  for (int64_t t = 0; t < blocks * panels; ++t) {
+    const int64_t j = t / panels, p = t % panels;
+    const double cols = std::min<int64_t>(64, out_features - j * 64);
+    cost[t] = cols * std::min(kAmxPanel, rows - p * kAmxPanel);
+  }
+  for_each_task_static(cost, [&](int64_t t) {
+    const int64_t j = t / panels, c0 = j * 64, cols = std::min<int64_t>(64, out_features - c0);
+    const int64_t r_end = std::min(rows, (t % panels + 1) * kAmxPanel);
+    const uint16_t* blk = w + j * block_elems;
+    alignas(64) float acc[kAmxRows * 64];
+    for (int64_t r0 = (t % panels) * kAmxPanel; r0 < r_end; r0 += kAmxRows) {
+      const int m = static_cast<int>(std::min<int64_t>(kAmxRows, r_end - r0));
+      // the panel's first group streams the block in; the others find it in L2
+      amx_block(m, x + r0 * lda, lda, blk, pairs, acc, r0 % kAmxPanel == 0);
+      for (int i = 0; i < m; ++i) {
+        float* row = acc + i * 64;
+        if (bias)
+          for (int64_t c = 0; c < cols; ++c) row[c] += bias[c0 + c];
+        const int64_t o = (r0 + i) * out_features + c0;
+        if (out_bf16)
+          for (int64_t c = 0; c < cols; ++c) oh[o + c] = narrow_bf16(row[c]);
+        else
+          std::memcpy(of + o, row, cols * sizeof(float));
+      }
+    }
+  });
+}
+#endif
+
 at::Tensor linear(const at::Tensor& x,    // [T, K] float32 or bf16, rows may be strided
                   // float32 [N_pad/64, K, 64] | bf16 [N_pad/64, K_pad/2, 64, 2]
                   const at::Tensor& w_p,
                   const std::optional<at::Tensor>& bias,  // [N] float32 or bf16
                   int64_t out_features,
                   int64_t prefetch,  // Prefetch hint (gemm.h), a per-CPU choice
-                  bool dot) {        // bf16: the AVX512-BF16 kernel, else the shift one
+                  bool dot,          // bf16: the AVX512-BF16 kernel, else the shift one
+                  bool amx) {        // bf16: the AMX tile kernel (amx.h; prefetch unused)
   TORCH_CHECK(x.is_cpu() && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) &&
                   x.dim() == 2 && x.stride(1) == 1,
               "linear: x must be a float32 or bf16 [T, K] CPU tensor, last dim contiguous");
+  TORCH_CHECK(!amx || (w_p.scalar_type() == at::kBFloat16 && !dot),
+              "linear: the AMX kernel takes bf16 weights (and not the dot flag)");
+  TORCH_CHECK(!amx || amx_available(), "linear: this CPU has no AMX-BF16 (or Linux refused it)");
   const Kernel kind = kernel_for(w_p.scalar_type(), dot, "linear");
   const int64_t depth = x.size(1), rows = x.size(0), blocks = w_p.size(0);
   int64_t steps = depth, k_pad = depth;  // the kernel's loop length; the staged row length
@@ -51,6 +109,8 @@ at::Tensor linear(const at::Tensor& x,    // [T, K] float32 or bf16, rows may be
                 "linear: w_p must be a contiguous [N_pad/64, K_pad/2, 64, 2] bf16 pack matching x");
     steps = w_p.size(1);
     k_pad = 2 * steps;
+    TORCH_CHECK(!amx || steps % kAmxPairs == 0,
+                "linear: the AMX kernel takes in_features that are a multiple of 32, got ", depth);
   }
   TORCH_CHECK(out_features > (blocks - 1) * 64 && out_features <= blocks * 64,
               "linear: out_features does not match the pack");
@@ -65,6 +125,16 @@ at::Tensor linear(const at::Tensor& x,    // [T, K] float32 or bf16, rows may be
   }
   auto out = at::empty({rows, out_features}, x.options());  // the activations' dtype
   if (rows == 0) return out;
+#ifdef TIDAL_AMX
+  if (amx) {
+    // A reads bf16 rows as they lie (K % 32 == 0: no pad); float32 x is rounded once.
+    at::Tensor xh = x.scalar_type() == at::kBFloat16 ? x : x.to(at::kBFloat16);
+    linear_amx(reinterpret_cast<const uint16_t*>(xh.data_ptr()), xh.stride(0), rows,
+               static_cast<const uint16_t*>(w_p.data_ptr()), steps, blocks, out_features, bp,
+               out);
+    return out;
+  }
+#endif
   const StagedRows xs(x, kind, k_pad);
   const char* wp = static_cast<const char*>(w_p.data_ptr());
   const int64_t block_bytes = k_pad * 64 * w_p.element_size();
@@ -114,7 +184,7 @@ bool bf16_dot_available() { return dot_available(); }
 TORCH_LIBRARY_FRAGMENT(tidal_cpu, m) {
   m.def(
       "linear(Tensor x, Tensor w_p, Tensor? bias, int out_features, int prefetch=0, "
-      "bool dot=False) -> Tensor");
+      "bool dot=False, bool amx=False) -> Tensor");
   m.def("bf16_dot_available() -> bool", &bf16_dot_available);
 }
 
