@@ -89,14 +89,21 @@ at::Tensor linear(const at::Tensor& x,    // [T, K] float32 or bf16, rows may be
                   int64_t out_features,
                   int64_t prefetch,  // Prefetch hint (gemm.h), a per-CPU choice
                   bool dot,          // bf16: the AVX512-BF16 kernel, else the shift one
-                  bool amx) {        // bf16: the AMX tile kernel (amx.h; prefetch unused)
+                  bool amx) {        // bf16: the AMX tile kernel (amx.h; its own prefetch)
   TORCH_CHECK(x.is_cpu() && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) &&
                   x.dim() == 2 && x.stride(1) == 1,
               "linear: x must be a float32 or bf16 [T, K] CPU tensor, last dim contiguous");
   TORCH_CHECK(!amx || (w_p.scalar_type() == at::kBFloat16 && !dot),
               "linear: the AMX kernel takes bf16 weights (and not the dot flag)");
   TORCH_CHECK(!amx || amx_available(), "linear: this CPU has no AMX-BF16 (or Linux refused it)");
-  const Kernel kind = kernel_for(w_p.scalar_type(), dot, "linear");
+  // The AMX variant at a few rows: both kernels are bound by reading the weights there,
+  // and the dot kernel's stream ran ahead of the tiles' (2048x2048, 1 thread: 1 row 424
+  // against 548 us, 4 rows 482 against 801; from 8 rows the tiles win), so it serves
+  // them with the same products (bf16 operands, float32 sums), as the AMX experts do.
+  const bool dot_rows = amx && x.size(0) <= kRows && dot_available();
+  [[maybe_unused]] const bool tiles = amx && !dot_rows;
+  if (dot_rows) prefetch = kPrefetchT0;
+  const Kernel kind = kernel_for(w_p.scalar_type(), dot || dot_rows, "linear");
   const int64_t depth = x.size(1), rows = x.size(0), blocks = w_p.size(0);
   int64_t steps = depth, k_pad = depth;  // the kernel's loop length; the staged row length
   if (kind == Kernel::kFloat) {
@@ -126,7 +133,7 @@ at::Tensor linear(const at::Tensor& x,    // [T, K] float32 or bf16, rows may be
   auto out = at::empty({rows, out_features}, x.options());  // the activations' dtype
   if (rows == 0) return out;
 #ifdef TIDAL_AMX
-  if (amx) {
+  if (tiles) {
     // A reads bf16 rows as they lie (K % 32 == 0: no pad); float32 x is rounded once.
     at::Tensor xh = x.scalar_type() == at::kBFloat16 ? x : x.to(at::kBFloat16);
     linear_amx(reinterpret_cast<const uint16_t*>(xh.data_ptr()), xh.stride(0), rows,
