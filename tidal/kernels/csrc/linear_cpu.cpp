@@ -96,11 +96,14 @@ at::Tensor linear(const at::Tensor& x,    // [T, K] float32 or bf16, rows may be
   TORCH_CHECK(!amx || (w_p.scalar_type() == at::kBFloat16 && !dot),
               "linear: the AMX kernel takes bf16 weights (and not the dot flag)");
   TORCH_CHECK(!amx || amx_available(), "linear: this CPU has no AMX-BF16 (or Linux refused it)");
-  // The AMX variant at a few rows: both kernels are bound by reading the weights there,
-  // and the dot kernel's stream ran ahead of the tiles' (2048x2048, 1 thread: 1 row 424
-  // against 548 us, 4 rows 482 against 801; from 8 rows the tiles win), so it serves
-  // them with the same products (bf16 operands, float32 sums), as the AMX experts do.
-  const bool dot_rows = amx && x.size(0) <= kRows && dot_available();
+  // The AMX variant at 2-6 rows (one pass of the dot kernel): both kernels are bound by
+  // reading the weights there, and the dot kernel's stream ran ahead of the tiles'
+  // (2048x2048 from memory, 1 thread: 2 rows 509 against 595 us, 4 rows 545 against
+  // 629), so it serves them with the same products (bf16 operands, float32 sums), as the
+  // AMX experts do. One row stays on the tiles (588 against the dot kernel's 623 us), and
+  // from 8 rows they win (589 against 897).
+  const int64_t n_rows = x.size(0);
+  const bool dot_rows = amx && n_rows > 1 && n_rows <= kRows && dot_available();
   [[maybe_unused]] const bool tiles = amx && !dot_rows;
   if (dot_rows) prefetch = kPrefetchT0;
   const Kernel kind = kernel_for(w_p.scalar_type(), dot || dot_rows, "linear");
