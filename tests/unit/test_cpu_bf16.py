@@ -203,16 +203,17 @@ def test_fused_moe_amx_refuses_what_it_cannot_take():
     assert ("native:amx" in names) == amx_available() and names[-1] == "torch"
 
 
-# (N, K): N past a block and not a multiple of 64, one column, K whole 32-k tile steps
-AMX_SHAPES = [(70, 64), (1, 96), (200, 32)]
+# (N, K): N past a block and not a multiple of 64, one column; K whole 32-k tile steps,
+# 288 past one k chunk of a panel (256) with a short last one
+AMX_SHAPES = [(70, 288), (1, 96), (200, 32)]
 
 
 @needs_amx
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("n,k", AMX_SHAPES)
 def test_linear_amx_matches_float32_matmul_of_the_bf16_operands(n, k, bias):
-    """The AMX linear at 1 row, 3, 17 (a 16-row tile and one row), 64 and 300 (two panels
-    of rows): float32 accumulation of the bf16 products, as a float32 matmul of the same
+    """The AMX linear at 1 row, 3 (the dot kernel's rows), 17 (a 16-row group and one),
+    64 and 300 (two panels of rows, the second 44): float32 accumulation of the bf16 products, as a float32 matmul of the same
     bf16 operands; float32 activations are rounded to bf16 on the way in."""
     w = _bf16(n, k)
     b = _bf16(n, seed=1) if bias else None

@@ -60,23 +60,25 @@ void linear_amx(const uint16_t* x, int64_t lda, int64_t rows, const uint16_t* w,
   }
   for_each_task_static(cost, [&](int64_t t) {
     const int64_t j = t / panels, c0 = j * 64, cols = std::min<int64_t>(64, out_features - c0);
-    const int64_t r_end = std::min(rows, (t % panels + 1) * kAmxPanel);
+    const int64_t r0 = (t % panels) * kAmxPanel, n = std::min(rows, r0 + kAmxPanel) - r0;
     const uint16_t* blk = w + j * block_elems;
-    alignas(64) float acc[kAmxRows * 64];
-    for (int64_t r0 = (t % panels) * kAmxPanel; r0 < r_end; r0 += kAmxRows) {
-      const int m = static_cast<int>(std::min<int64_t>(kAmxRows, r_end - r0));
-      // the panel's first group streams the block in; the others find it in L2
-      amx_block(m, x + r0 * lda, lda, blk, pairs, acc, r0 % kAmxPanel == 0);
-      for (int i = 0; i < m; ++i) {
-        float* row = acc + i * 64;
-        if (bias)
-          for (int64_t c = 0; c < cols; ++c) row[c] += bias[c0 + c];
-        const int64_t o = (r0 + i) * out_features + c0;
-        if (out_bf16)
-          for (int64_t c = 0; c < cols; ++c) oh[o + c] = narrow_bf16(row[c]);
-        else
-          std::memcpy(of + o, row, cols * sizeof(float));
-      }
+    // [n][64]: one group fits the stack; a panel's sums live between its k chunks
+    alignas(64) float small[kAmxRows * 64];
+    std::vector<float> big(n > kAmxRows ? n * 64 : 0);
+    float* acc = n > kAmxRows ? big.data() : small;
+    if (n > kAmxRows)
+      amx_panel(n, x + r0 * lda, lda, blk, pairs, acc);
+    else
+      amx_block(static_cast<int>(n), x + r0 * lda, lda, blk, pairs, acc);
+    for (int64_t i = 0; i < n; ++i) {
+      float* row = acc + i * 64;
+      if (bias)
+        for (int64_t c = 0; c < cols; ++c) row[c] += bias[c0 + c];
+      const int64_t o = (r0 + i) * out_features + c0;
+      if (out_bf16)
+        for (int64_t c = 0; c < cols; ++c) oh[o + c] = narrow_bf16(row[c]);
+      else
+        std::memcpy(of + o, row, cols * sizeof(float));
     }
   });
 }
