@@ -20,8 +20,8 @@ The parts:
   class's fastest variant; ops without weights (norm, attention) choose per class freely.
   Candidates depend on the weights' dtype (``weight_candidates``): bf16 weights have the
   C++ shift kernel, the AVX512-BF16 dot kernel (``dot-`` variants) where the CPU has it,
-  oneDNN bf16 and torch, and the experts the AMX tile kernel (``amx``) where the CPU has
-  AMX (``expert_candidates``); the cache fingerprint holds the dtype, so a float32 and a bf16
+  oneDNN bf16 and torch, and the experts and linears the AMX tile kernel (``amx``) where
+  the CPU has AMX and the input width is whole tile steps (``amx_fits``); the cache fingerprint holds the dtype, so a float32 and a bf16
   model of one shape never share timings. FP8 weights (a quantized checkpoint) have the
   C++ FP8 kernels per hint (the fp16 decode; for bf16 activations also the FP8 dot kernel,
   ``dot-``, where the CPU has AVX512-BF16 and VBMI) and torch (dequantize per call); their
@@ -159,8 +159,8 @@ def default_choice(candidates: Iterable[Candidate], holds_weights: bool) -> Choi
 
 
 def _default_rank(c: Candidate) -> tuple[int, bool, bool, str]:
-    """The AMX experts first (the dot kernel's speed at a few rows per expert, 4x it at a
-    prefill), then the t0 hint before nta (on an Intel Xeon nta held the bf16 experts of
+    """The AMX kernels first (experts and linears: the dot kernel at a few rows, several
+    times it at a prefill), then the t0 hint before nta (on an Intel Xeon nta held the bf16 experts of
     the 64-expert layer to a third of t0's speed; an AMD EPYC measured them alike), the
     dot kernel before the shift one."""
     hint = c.variant.removeprefix(DOT_PREFIX)

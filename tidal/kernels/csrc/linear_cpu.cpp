@@ -37,12 +37,13 @@ using namespace tidal_cpu;
 
 #ifdef TIDAL_AMX
 // Rows of one AMX task: a task is (column block, panel of rows), so a projection with
-// fewer column blocks than threads still spreads a prefill over them; the block stays in
-// the core's L2 across the panel's row groups (256 x 2048 bf16 rows of x: 1 MiB).
+// fewer column blocks than threads still spreads a prefill over them; a panel's rows
+// (256 x 2048 bf16: 1 MiB) stay in the core's L2 while amx_panel walks the block's depth.
 constexpr int64_t kAmxPanel = 256;
 
 // out [T, N] = x [T, K] bf16 (rows `lda` apart) @ the bf16 pair pack (+ bias), on AMX tiles:
-// for each column block, groups of up to 16 rows times the whole depth (pairs % 16 == 0).
+// each (column block, panel) task is one amx_block (up to 16 rows) or amx_panel call over
+// the whole depth (pairs % 16 == 0), then the bias and the output's dtype.
 void linear_amx(const uint16_t* x, int64_t lda, int64_t rows, const uint16_t* w,
                 int64_t pairs, int64_t blocks, int64_t out_features, const float* bias,
                 at::Tensor& out) {
@@ -104,8 +105,7 @@ at::Tensor linear(const at::Tensor& x,    // [T, K] float32 or bf16, rows may be
   // 629), so it serves them with the same products (bf16 operands, float32 sums), as the
   // AMX experts do. One row stays on the tiles (588 against the dot kernel's 623 us), and
   // from 8 rows they win (589 against 897).
-  const int64_t n_rows = x.size(0);
-  const bool dot_rows = amx && n_rows > 1 && n_rows <= kRows && dot_available();
+  const bool dot_rows = amx && x.size(0) > 1 && x.size(0) <= kRows && dot_available();
   [[maybe_unused]] const bool tiles = amx && !dot_rows;
   if (dot_rows) prefetch = kPrefetchT0;
   const Kernel kind = kernel_for(w_p.scalar_type(), dot || dot_rows, "linear");
