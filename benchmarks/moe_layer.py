@@ -210,11 +210,12 @@ def held_paths(args: argparse.Namespace, dtype: torch.dtype) -> None:
                     name = op
                 per = _op_bytes(op, (hidden, experts, experts, inter), 1, dt.itemsize)
                 instances = max(1, min(16, (args.pool_mib << 20) // per))
-                cands = (
-                    expert_candidates(dt, amx_fits(dt, hidden))
-                    if op == "experts"
-                    else weight_candidates(dt)
-                )
+                if op == "experts":
+                    cands = expert_candidates(dt, amx_fits(dt, hidden))
+                elif op == "linear":  # the layer's own: bf16 adds the AMX kernel where it fits
+                    cands = list(module.cpu_ops()["linear"].candidates)
+                else:
+                    cands = weight_candidates(dt)
                 for cand in cands:
                     key = f"{str(dt).removeprefix('torch.')}/{cand.name}"
                     if op == "experts":

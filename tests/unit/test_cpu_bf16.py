@@ -247,9 +247,12 @@ def test_linear_amx_refuses_what_it_cannot_take():
             torch.randn(2, 32).to(BF16), pack_linear_weight(_bf16(8, 32)), None, 8, 0, True, True
         )
     # offered only for bf16 weights of whole tile steps, on a CPU with AMX
-    assert "native:amx" not in [c.name for c in Linear(33, 8, dtype=BF16)._cpu_candidates()]
-    assert "native:amx" not in [c.name for c in Linear(32, 8)._cpu_candidates()]
-    names = [c.name for c in Linear(32, 8, dtype=BF16)._cpu_candidates()]
+    def offered(lin: Linear) -> list[str]:
+        return [c.name for c in lin.cpu_ops()["linear"].candidates]
+
+    assert "native:amx" not in offered(Linear(33, 8, dtype=BF16))
+    assert "native:amx" not in offered(Linear(32, 8))
+    names = offered(Linear(32, 8, dtype=BF16))
     assert ("native:amx" in names) == amx_available() and names[-1] == "torch"
 
 
