@@ -217,7 +217,7 @@ def _decode(kv: KVCacheManager, req: Request, token: int) -> None:
 def test_window_frees_exactly_the_blocks_no_query_reads_again(window: int) -> None:
     """At every step: the positions the step's first query reads (> p - window) have their
     blocks, every block wholly before them is null and back in the pool."""
-    kv = KVCacheManager(num_blocks=40, block_size=BS, window=window)
+    kv = KVCacheManager(num_blocks=40, block_size=BS, windows=[window])
     req = _req("a", list(range(10, 21)))  # 11 tokens
     assert kv.allocate_slots(req, req.num_tokens)
     req.num_computed_tokens = req.num_tokens
@@ -254,7 +254,7 @@ def test_freed_window_blocks_hit_only_while_their_kv_is_intact() -> None:
     """A block freed behind the window keeps its hash (its KV is still that prefix's), so
     a later request sharing the prefix hits it; once another request's allocation evicts
     it, the lookup stops there. The null entries are never registered."""
-    kv = KVCacheManager(num_blocks=12, block_size=BS, window=4)  # 11 usable
+    kv = KVCacheManager(num_blocks=12, block_size=BS, windows=[4])  # 11 usable
     prompt = list(range(50, 62))  # 3 full blocks
     a = _req("a", prompt)
     _run_prefill(kv, a)
@@ -273,3 +273,106 @@ def test_freed_window_blocks_hit_only_while_their_kv_is_intact() -> None:
     assert set(hits) <= set(hog.block_ids)
     assert kv.get_computed_blocks(b) == ([], 0)
     _ref_counts_consistent(kv, [a, hog])
+
+
+# ---- KV cache groups (a sliding group beside a full-attention one) ----------------------
+
+
+def _group(req: Request, g: int, groups: int = 2) -> list[int]:
+    """Group ``g``'s table: ``block_ids`` interleaves the groups' tables."""
+    return req.block_ids[g::groups]
+
+
+def _counts_by_group(kv: KVCacheManager, live: list[Request]) -> list[int]:
+    return [
+        sum(b != NULL_BLOCK_ID for r in live for b in _group(r, g, kv.num_groups))
+        for g in range(kv.num_groups)
+    ]
+
+
+@pytest.mark.parametrize("window", [1, 4, 9])
+def test_groups_free_behind_the_window_only_in_the_sliding_group(window: int) -> None:
+    """Group 0 slides, group 1 attends to everything: at every step group 0's table is
+    null exactly behind the step's first read, group 1's is whole, both cover the same
+    positions; every block freed is back in the one pool; finishing frees the rest."""
+    kv = KVCacheManager(num_blocks=60, block_size=BS, windows=[window, None])
+    assert kv.num_groups == 2 and not kv.enable_prefix_caching  # off for more than one group
+    req = _req("a", list(range(10, 21)))  # 11 tokens
+    assert kv.allocate_slots(req, req.num_tokens)
+    assert len(req.block_ids) == 2 * 3 and kv.blocks_by_group == [3, 3]
+    req.num_computed_tokens = req.num_tokens
+    req.append_output_token(7)
+    for step in range(20):
+        _decode(kv, req, 100 + step)
+        p = req.num_computed_tokens - 1
+        first_read = max(0, p - window + 1)
+        sliding, full = _group(req, 0), _group(req, 1)
+        assert len(sliding) == len(full) == -(-(p + 1) // BS)
+        for j, bid in enumerate(sliding):
+            assert (bid == NULL_BLOCK_ID) == ((j + 1) * BS <= first_read), (step, j, sliding)
+        assert NULL_BLOCK_ID not in full
+        _ref_counts_consistent(kv, [req])
+        live = sum(b != NULL_BLOCK_ID for b in req.block_ids)
+        assert kv.num_free_blocks == kv.num_usable_blocks - live
+        assert kv.blocks_by_group == _counts_by_group(kv, [req])
+    freed = kv.window_freed_by_group
+    assert freed[0] == _group(req, 0).count(NULL_BLOCK_ID) > 0 and freed[1] == 0
+    assert kv.num_window_freed_blocks == freed[0]
+    kv.free(req)
+    assert kv.num_free_blocks == kv.num_usable_blocks and req.block_ids == []
+    assert kv.blocks_by_group == [0, 0]
+    _ref_counts_consistent(kv, [])
+
+
+def test_groups_share_the_pool_so_freed_window_blocks_hold_more_context() -> None:
+    """One pool serves both groups: a request past its window holds its full group's
+    blocks plus only the window's, so a context that needs more blocks than the pool
+    has for both whole tables still fits. Short of blocks, ``allocate_slots`` changes
+    nothing but the window; preempting (``free``) returns every block of both groups."""
+    kv = KVCacheManager(num_blocks=13, block_size=BS, windows=[4, None])  # 12 usable
+    req = _req("a", list(range(30, 38)))  # 8 tokens: 2 blocks per group
+    assert kv.allocate_slots(req, req.num_tokens)
+    req.num_computed_tokens = req.num_tokens
+    req.append_output_token(1)
+    tokens = 0
+    while kv.allocate_slots(req, 1):
+        req.num_computed_tokens += 1
+        req.append_output_token(2)
+        tokens = req.num_computed_tokens
+    # 12 blocks would hold 6 blocks of both whole tables (24 tokens); freeing the
+    # sliding group's lets the full one hold 10 (40 tokens) beside the window's block,
+    # and the 41st token needs a block of each with one left.
+    assert tokens == 40, tokens
+    assert NULL_BLOCK_ID not in _group(req, 1) and len(_group(req, 1)) == 10
+    assert kv.blocks_by_group == [1, 10] and kv.num_free_blocks == 1
+    before = list(req.block_ids)
+    assert not kv.allocate_slots(req, 1)  # short: the table is as it was
+    assert req.block_ids == before
+    _ref_counts_consistent(kv, [req])
+    # Another request cannot come in; preempting the first returns all 12.
+    other = _req("b", list(range(4)))
+    assert not kv.allocate_slots(other, other.num_tokens) and other.block_ids == []
+    kv.free(req)
+    assert kv.num_free_blocks == kv.num_usable_blocks == 12 and kv.blocks_by_group == [0, 0]
+    assert kv.allocate_slots(other, other.num_tokens) and kv.blocks_by_group == [1, 1]
+    kv.free(other)
+    _ref_counts_consistent(kv, [])
+
+
+def test_one_group_is_the_single_table() -> None:
+    """One group (every model without mixed layers): the same block ids as before groups
+    existed, in the same order, and blocks_by_group counts them."""
+    kv = KVCacheManager(num_blocks=16, block_size=BS, enable_prefix_caching=False)
+    req = _req("a", list(range(9)))
+    assert kv.allocate_slots(req, req.num_tokens)
+    assert req.block_ids == [1, 2, 3] and kv.blocks_by_group == [3]
+    assert kv.num_blocks_for(9) == 3
+    two = KVCacheManager(num_blocks=16, block_size=BS, windows=[4, None])
+    assert two.num_blocks_for(9) == 6
+
+
+def test_windows_are_checked() -> None:
+    with pytest.raises(ValueError, match="windows"):
+        KVCacheManager(num_blocks=16, block_size=BS, windows=[])
+    with pytest.raises(ValueError, match="windows"):
+        KVCacheManager(num_blocks=16, block_size=BS, windows=[0, None])

@@ -44,7 +44,7 @@ def make_sched(
         ),
         CacheConfig(block_size=BS, enable_prefix_caching=caching),
         num_blocks,
-        kv_window=kv_window,
+        kv_windows=[kv_window],
     )
 
 

@@ -44,7 +44,7 @@ class EngineCore:
         self._kv_layout: dict[str, Any] = self.executor.call("runner.kv_cache_info")
         self.scheduler = Scheduler(
             config.scheduler, config.cache, self.num_blocks, self.grammars,
-            kv_window=self._kv_layout.get("sliding_window"),
+            kv_windows=[self._kv_layout.get("sliding_window")],
         )  # fmt: skip
         # Async scheduling: the step launched last and not yet processed.
         self._pending: tuple[SchedulerOutput, PendingRunnerOutput] | None = None

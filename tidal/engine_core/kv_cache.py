@@ -31,20 +31,31 @@ last-first, so its tail, the part least likely to be shared, is evicted before i
 A cache hit on a free block takes it out of the queue; freeing it again puts it at the
 tail, which makes the order least-recently-used.
 
-Sliding window (``window``: the model's ``KVCacheSpec.window``, set only when every layer
-attends within one). A query at position p reads keys > p - window, so once a request's
-next query is past a block's last token by the window, no layer reads that block again:
-``allocate_slots`` frees it (leading blocks first, before the step's new ones are taken)
-and its table entry becomes ``NULL_BLOCK_ID``, so positions keep their index. A freed block
-is freed like a finished request's: with its hash it stays a prefix-cache entry until
-evicted (its KV is still that prefix's), and reused by another request it loses the hash,
-so it is no hit. The runner may keep the old id in its row: the attention masks those
-positions (docs/architecture.md#kv-sliding-window).
+Sliding window. A query at position p of a layer with window W reads keys > p - W, so
+once a request's next query is past a block's last token by the window, no layer of that
+window reads the block again: ``allocate_slots`` frees it (leading blocks first, before the
+step's new ones are taken) and its table entry becomes ``NULL_BLOCK_ID``, so positions keep
+their index. A freed block is freed like a finished request's: with its hash it stays a
+prefix-cache entry until evicted (its KV is still that prefix's), and reused by another
+request it loses the hash, so it is no hit. The runner may keep the old id in its row: the
+attention masks those positions (docs/architecture.md#kv-sliding-window).
+
+KV cache groups. The model's layers form groups by attention kind (``windows``: one entry
+per group, its window W or None for full attention). Each group has its own table per
+request; they are kept interleaved in ``request.block_ids``: logical block j of group g is
+entry ``j * num_groups + g`` (one group: the plain table). Every group takes its blocks
+from the one pool (a block id is a page of every cache tensor; the runner binds each
+tensor to one layer of each group), so the blocks a sliding group frees serve any group,
+and the memory splits between groups as their requests need it. Nothing that moves or
+frees a request (preemption, finish, the step wire, the runner's persistent batch) needs
+to know the groups: they see one list. Prefix caching needs one group: a hit would have to
+hold in every group (a sliding group keeps only its window), so it is off otherwise.
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
 import struct
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
@@ -53,6 +64,8 @@ from tidal.engine_core.request import Request
 from tidal.executor.batch import NULL_BLOCK_ID
 
 _ROOT_HASH = 0
+
+logger = logging.getLogger(__name__)
 
 
 def hash_block_tokens(parent_hash: int, token_ids: Sequence[int]) -> int:
@@ -185,21 +198,40 @@ class KVCacheManager:
         num_blocks: int,
         block_size: int,
         enable_prefix_caching: bool = True,
-        window: int | None = None,
+        windows: Sequence[int | None] = (None,),
     ) -> None:
+        """``windows``: the model's KV cache groups (``KVCacheSpec.group_windows``), each
+        group's window or None (full attention)."""
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
-        if window is not None and window < 1:
-            raise ValueError(f"window must be >= 1, got {window}")
+        if not windows or any(w is not None and w < 1 for w in windows):
+            raise ValueError(f"windows must be >= 1 or None, one per group, got {windows}")
         self.block_size = block_size
-        self.window = window
-        # request id -> leading blocks of its table freed behind the window (now null).
-        self._num_freed_blocks: dict[str, int] = {}
-        self.num_window_freed_blocks = 0  # cumulative
+        self.windows = tuple(windows)
+        self.num_groups = len(self.windows)
+        # (group, window) of each sliding group
+        self._sliding = [(g, w) for g, w in enumerate(self.windows) if w is not None]
+        if enable_prefix_caching and self.num_groups > 1:
+            logger.info(
+                "prefix caching is off: the model's layers form %d KV cache groups "
+                "(windows %s), and a hit would have to hold in each",
+                self.num_groups, list(self.windows),
+            )  # fmt: skip
+            enable_prefix_caching = False
+        # request id -> per group: leading logical blocks freed behind its window (now null).
+        self._num_freed_blocks: dict[str, list[int]] = {}
+        self.window_freed_by_group = [0] * self.num_groups  # cumulative
+        # Table entries (not null) each group holds now, over every request.
+        self.blocks_by_group = [0] * self.num_groups
         self.enable_prefix_caching = enable_prefix_caching
         self.block_pool = BlockPool(num_blocks, enable_prefix_caching)
         self.prefix_cache_queries = 0  # tokens looked up (cumulative)
         self.prefix_cache_hits = 0  # of which found in the cache (cumulative)
+
+    @property
+    def num_window_freed_blocks(self) -> int:
+        """Blocks freed behind a window, every group (cumulative)."""
+        return sum(self.window_freed_by_group)
 
     @property
     def num_free_blocks(self) -> int:
@@ -214,7 +246,8 @@ class KVCacheManager:
         return self.block_pool.usage
 
     def num_blocks_for(self, num_tokens: int) -> int:
-        return cdiv(num_tokens, self.block_size)
+        """Entries of a table (every group's) that holds ``num_tokens``, none freed."""
+        return cdiv(num_tokens, self.block_size) * self.num_groups
 
     def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
         """Longest cached prefix of ``request.all_token_ids``: (block ids, number of tokens).
@@ -261,6 +294,7 @@ class KVCacheManager:
             if need > self.block_pool.num_free_blocks:
                 return False
             request.block_ids.extend(self.block_pool.allocate(need))
+            self._count_new(len(request.block_ids) - need, need)
             return True
         hits = list(new_computed_blocks)
         assert num_new_computed_tokens == len(hits) * self.block_size
@@ -273,9 +307,17 @@ class KVCacheManager:
             return False
         # Touch hits before allocating so the allocation cannot evict them.
         self.block_pool.touch(hits)
+        first = len(request.block_ids)
         request.block_ids.extend(hits)
         request.block_ids.extend(self.block_pool.allocate(num_new_blocks))
+        self._count_new(first, len(hits) + num_new_blocks)
         return True
+
+    def _count_new(self, first: int, n: int) -> None:
+        """Entries ``first .. first + n - 1`` were appended: count each to its group."""
+        groups = self.num_groups
+        for g in range(groups):
+            self.blocks_by_group[g] += len(range(first + (g - first) % groups, first + n, groups))
 
     def cache_computed_blocks(self, request: Request) -> None:
         """Offer the request's fully computed blocks to the prefix cache.
@@ -298,29 +340,42 @@ class KVCacheManager:
         request.num_cached_blocks = num_full
 
     def free(self, request: Request) -> None:
-        """Release the request's blocks, last block first, and clear its block table."""
-        self.block_pool.free(b for b in reversed(request.block_ids) if b != NULL_BLOCK_ID)
+        """Release the request's blocks (every group's), last block first, and clear its
+        block table."""
+        ids = request.block_ids
+        groups = self.num_groups
+        for g in range(groups):
+            self.blocks_by_group[g] -= sum(1 for b in ids[g::groups] if b != NULL_BLOCK_ID)
+        self.block_pool.free(b for b in reversed(ids) if b != NULL_BLOCK_ID)
         request.block_ids = []
         request.num_cached_blocks = 0
         self._num_freed_blocks.pop(request.request_id, None)
 
     def _free_behind_window(self, request: Request) -> None:
-        """Free the leading blocks no layer reads again. This step's first query is at
-        ``num_computed_tokens`` = p and reads keys > p - window, so block j is done when
-        ``(j + 1) * block_size <= p - window + 1``."""
-        if self.window is None or not request.block_ids:
-            return
+        """Free each sliding group's leading blocks no layer of it reads again. This step's
+        first query is at ``num_computed_tokens`` = p and reads keys > p - window, so
+        logical block j is done when ``(j + 1) * block_size <= p - window + 1``."""
         ids = request.block_ids
-        p = request.num_computed_tokens
-        done = min((p - self.window + 1) // self.block_size, len(ids))
-        start = self._num_freed_blocks.get(request.request_id, 0)
-        if done <= start:
+        if not self._sliding or not ids:
             return
-        # Last first, as a finished request's: the oldest block is kept longest.
-        self.block_pool.free(ids[i] for i in range(done - 1, start - 1, -1))
-        ids[start:done] = [NULL_BLOCK_ID] * (done - start)
-        self._num_freed_blocks[request.request_id] = done
-        self.num_window_freed_blocks += done - start
+        groups = self.num_groups
+        p = request.num_computed_tokens
+        freed: list[int] | None = None
+        for g, window in self._sliding:
+            done = min((p - window + 1) // self.block_size, len(ids) // groups)
+            if freed is None:
+                freed = self._num_freed_blocks.setdefault(request.request_id, [0] * groups)
+            start = freed[g]
+            if done <= start:
+                continue
+            # Last first, as a finished request's: the oldest block is kept longest.
+            entries = range((done - 1) * groups + g, start * groups + g - 1, -groups)
+            self.block_pool.free(ids[i] for i in entries)
+            for i in entries:
+                ids[i] = NULL_BLOCK_ID
+            freed[g] = done
+            self.window_freed_by_group[g] += done - start
+            self.blocks_by_group[g] -= done - start
 
     def reset_prefix_cache(self) -> bool:
         self.block_pool.reset_prefix_cache()

@@ -36,7 +36,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import defaultdict, deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
 from tidal.config import CacheConfig, SchedulerConfig
@@ -78,17 +78,18 @@ class Scheduler:
         cache_config: CacheConfig,
         num_blocks: int,
         grammars: GrammarBackend | None = None,
-        kv_window: int | None = None,
+        kv_windows: Sequence[int | None] = (None,),
     ) -> None:
         """``grammars``: compiles structured-output requests' grammars (None: such a
-        request is refused). ``kv_window``: the model's ``KVCacheSpec.window`` (blocks
-        wholly behind it are freed while a request runs; None: kept)."""
+        request is refused). ``kv_windows``: the model's KV cache groups
+        (``KVCacheSpec.group_windows``: blocks wholly behind a group's window are freed
+        while a request runs; None: kept)."""
         self.config = scheduler_config
         self.grammars = grammars
         self.max_model_len = scheduler_config.max_model_len
         self.async_scheduling = scheduler_config.async_scheduling
         self.kv_cache_manager = KVCacheManager(
-            num_blocks, cache_config.block_size, cache_config.enable_prefix_caching, kv_window
+            num_blocks, cache_config.block_size, cache_config.enable_prefix_caching, kv_windows
         )
         self.requests: dict[str, Request] = {}  # unfinished requests by id
         self.num_requests_total = 0  # requests ever admitted (for load dashboards)
@@ -255,6 +256,7 @@ class Scheduler:
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         running = self.running
         block_size = self.kv_cache_manager.block_size
+        groups = self.kv_cache_manager.num_groups  # block_ids interleaves their tables
         i = 0
         while i < len(running) and budget > 0:
             req = running[i]
@@ -265,7 +267,7 @@ class Scheduler:
                 i += 1  # waiting for a token the runner has not returned
                 continue
             # Most steps a decode fits the blocks it has: no allocation call.
-            if start + num_new > len(req.block_ids) * block_size and not (
+            if start + num_new > len(req.block_ids) // groups * block_size and not (
                 self._allocate_or_preempt(req, num_new, out)
             ):
                 break  # it preempted itself, so it was the last running request
