@@ -81,6 +81,9 @@ def _assert_same_attn(got: AttentionMetadata, want: AttentionMetadata) -> None:
         assert (g.rows, g.start) == (w.rows, w.start)
         _tensor_equal(g.kv_blocks, w.kv_blocks)
         _tensor_equal(g.mask, w.mask)
+    assert len(got.groups) == len(want.groups)
+    for g, w in zip(got.groups[1:], want.groups[1:]):  # group 0's is the one compared above
+        _assert_same_attn(g, w)
 
 
 def _assert_same(got: Inputs, want: Inputs) -> None:
@@ -97,12 +100,16 @@ def _assert_same(got: Inputs, want: Inputs) -> None:
 
 @pytest.mark.parametrize("seed", range(6))
 def test_persistent_batch_equals_the_list_build(seed: int) -> None:
+    """Odd seeds: two KV cache groups, whose tables ``block_ids`` interleaves (one
+    metadata each)."""
     rng = random.Random(seed)
     block_size = rng.choice([1, 4, 16])
-    free = list(range(1, 4000))
+    groups = 1 + seed % 2
+    free = list(range(1, 8000))
     rng.shuffle(free)  # scattered block ids, as a used cache hands them out
     # Few rows and 16 columns to start: growth and reclaiming rows are exercised too.
     batch = InputBatch(block_size, VOCAB, "cpu", max_rows=2)
+    batch.num_kv_groups = groups
     running: list[FakeRequest] = []
     finished: set[str] = set()
     preempted: set[str] = set()
@@ -141,10 +148,10 @@ def test_persistent_batch_equals_the_list_build(seed: int) -> None:
                     req.output_token_ids.append(tok)
                     req.all_token_ids.append(tok)
             n = 1 if placeholder else min(req.num_tokens - req.computed, rng.randint(1, 24))
-            need = -(-(req.computed + n) // block_size) - len(req.block_ids)
+            need = -(-(req.computed + n) // block_size) * groups - len(req.block_ids)
             req.block_ids.extend(free.pop() for _ in range(max(0, need)))
-            if rng.random() < 0.1:  # a spare block beyond what the chunk needs
-                req.block_ids.append(free.pop())
+            if rng.random() < 0.1:  # a spare block (of each group) beyond the chunk's
+                req.block_ids.extend(free.pop() for _ in range(groups))
             scheduled.append(ScheduledRequest(req, req.computed, n, placeholder))
             req.computed += n
         sched = SchedulerOutput(
@@ -155,12 +162,13 @@ def test_persistent_batch_equals_the_list_build(seed: int) -> None:
         )
         finished, preempted = set(), set()
         if scheduled:
-            want = prepare_inputs_reference(scheduled, block_size, VOCAB, "cpu")
+            want = prepare_inputs_reference(scheduled, block_size, VOCAB, "cpu", groups)
+            assert len(want.attn.groups) == (groups if groups > 1 else 0)
             _assert_same(batch.prepare(sched), want)
             # A bare list (the runner's one-by-one retry) reads the same state.
             _assert_same(
                 batch.prepare(scheduled[:1]),
-                prepare_inputs_reference(scheduled[:1], block_size, VOCAB, "cpu"),
+                prepare_inputs_reference(scheduled[:1], block_size, VOCAB, "cpu", groups),
             )
         for req in late:
             tok = rng.randrange(2, VOCAB)

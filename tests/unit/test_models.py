@@ -483,7 +483,12 @@ def test_gpt_oss_layers_alternate_windows_and_read_interleaved_experts(tiny_ckpt
     path = tiny_ckpt("gpt_oss")
     ours = _our_model(path)
     assert [layer.self_attn.attn.sliding_window for layer in ours.layers] == [8, None]
-    assert ours.kv_cache_spec().window is None  # the full layer reads every block
+    # Two KV cache groups (sliding, full), each layer the first of its group: one tensor
+    # per page holds both layers' blocks.
+    spec = ours.kv_cache_spec()
+    assert spec.group_windows == (8, None) and spec.layer_groups() == [0, 1]
+    assert spec.layer_pages() == [0, 0] and spec.num_pages == 1
+    assert spec.bytes_per_block(torch.float32, 4) * 2 == spec.bytes_per_token(torch.float32) * 4
     stored = load_file(os.path.join(path, "model.safetensors"))
     gate_up = stored["model.layers.1.mlp.experts.gate_up_proj"][3]  # [H, 2I]
     moe = ours.layers[1].mlp

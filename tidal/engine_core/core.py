@@ -25,6 +25,14 @@ from tidal.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 
+def kv_group_windows(layout: dict[str, Any]) -> list[int | None]:
+    """The KV cache groups' windows (None: full attention) from ``runner.kv_cache_info``."""
+    groups = layout.get("kv_groups")
+    if groups:
+        return [g["sliding_window"] for g in groups]
+    return [layout.get("sliding_window")]
+
+
 class EngineCore:
     def __init__(
         self,
@@ -44,20 +52,24 @@ class EngineCore:
         self._kv_layout: dict[str, Any] = self.executor.call("runner.kv_cache_info")
         self.scheduler = Scheduler(
             config.scheduler, config.cache, self.num_blocks, self.grammars,
-            kv_windows=[self._kv_layout.get("sliding_window")],
+            kv_windows=kv_group_windows(self._kv_layout),
         )  # fmt: skip
         # Async scheduling: the step launched last and not yet processed.
         self._pending: tuple[SchedulerOutput, PendingRunnerOutput] | None = None
         self.kv_cache_bytes: int = self.executor.call("runner.kv_cache_bytes", self.num_blocks)
         self.sleeping = False  # the KV cache is freed (sleep mode)
         self.weights_freed = False  # and the weights (sleep level 2)
-        # Block 0 is the null block: the others hold tokens.
+        # Block 0 is the null block: the others hold tokens, a block of each KV cache
+        # group per block_size tokens (before any is freed behind a window).
+        self.num_kv_tokens = (
+            (self.num_blocks - 1) // len(kv_group_windows(self._kv_layout))
+        ) * config.cache.block_size
         logger.info(
             "engine core ready in %.2fs: KV cache per rank: %d blocks, %d tokens, %d bytes "
             "(%.1f MiB)",
             time.monotonic() - t0,
             self.num_blocks,
-            (self.num_blocks - 1) * config.cache.block_size,
+            self.num_kv_tokens,
             self.kv_cache_bytes,
             self.kv_cache_bytes / 2**20,
         )
@@ -233,15 +245,25 @@ class EngineCore:
     def get_kv_cache_info(self) -> dict[str, Any]:
         """This rank's KV cache (``/stats``, the start log; docs/architecture.md#kv-cache-layouts):
         the driver worker's layout and bytes per token, ``num_blocks`` (with the null block),
-        the ``tokens`` they hold, ``bytes`` over its workers and the ``block_size``."""
+        the ``tokens`` they hold, ``bytes`` over its workers and the ``block_size``; with
+        KV cache groups, ``kv_groups``: each one's window, layers, blocks held now and
+        blocks freed behind its window so far."""
         block_size = self.config.cache.block_size
-        return {
+        info = {
             **self._kv_layout,
             "num_blocks": self.num_blocks,
-            "tokens": (self.num_blocks - 1) * block_size,
+            "tokens": self.num_kv_tokens,
             "bytes": self.kv_cache_bytes,
             "block_size": block_size,
         }
+        groups = self._kv_layout.get("kv_groups")
+        if groups:  # KV cache groups: the blocks each holds now, and has freed so far
+            kv = self.scheduler.kv_cache_manager
+            info["kv_groups"] = [
+                {**g, "blocks": kv.blocks_by_group[i], "window_freed_blocks": freed}
+                for i, (g, freed) in enumerate(zip(groups, kv.window_freed_by_group))
+            ]
+        return info
 
     def echo(self, value: Any) -> Any:
         return value

@@ -333,7 +333,9 @@ class DecodeStep:
 
     ids: np.ndarray  # [n] int64 the token of each request (0 for a placeholder)
     starts: np.ndarray  # [n] int64 its position (tokens already in the cache)
-    table: np.ndarray  # [n, w] int block table rows, w >= the blocks the longest reads
+    # [n, w * groups] int block table rows, w >= the blocks the longest reads; with KV
+    # cache groups their tables interleaved (``block_ids``'s order)
+    table: np.ndarray
     sample_rows: list[int]
     sample_reqs: list[Any]  # ScheduledRequest
     prompt_lp: list[tuple[Any, int, int]]
@@ -349,17 +351,28 @@ class DecodeStep:
 class StaticDecodeInputs:
     """Every input of a decode graph, in one int64 buffer of the largest size on the
     device: ids, positions, slots, lengths, the real-row flag and the placeholder source
-    (``max_size`` each), then the block table (``max_size x max_blocks``). A size-B graph
-    reads the first B entries of each part and the first B table rows. ``hosts`` are two
-    copies of it on the host (pinned on CUDA), filled in turn and copied in one transfer;
-    ``prev`` holds the previous step's sampled ids, copied on the device, which a
-    placeholder row's ``src`` (its index there; -1: not a placeholder) reads."""
+    (``max_size`` each; with KV cache groups, ``groups`` > 1, each further group's slots
+    follow), then the block tables (``max_size x max_blocks`` each, one per group). A
+    size-B graph reads the first B entries of each part and the first B table rows.
+    ``hosts`` are two copies of it on the host (pinned on CUDA), filled in turn and
+    copied in one transfer; ``prev`` holds the previous step's sampled ids, copied on the
+    device, which a placeholder row's ``src`` (its index there; -1: not a placeholder)
+    reads."""
 
     PARTS = ("ids", "positions", "slots", "lens", "real", "src")
 
-    def __init__(self, max_size: int, max_blocks: int, block_size: int, device: torch.device):
+    def __init__(
+        self,
+        max_size: int,
+        max_blocks: int,
+        block_size: int,
+        device: torch.device,
+        groups: int = 1,
+    ):
         self.max_size, self.max_blocks, self.block_size = max_size, max_blocks, block_size
-        numel = len(self.PARTS) * max_size + max_size * max_blocks
+        self.groups = groups
+        self._tables_at = (len(self.PARTS) + groups - 1) * max_size
+        numel = self._tables_at + groups * max_size * max_blocks
         pin = device.type == "cuda"
         # Two host copies used in turn: with async scheduling the host fills step n+1's
         # inputs while step n's transfer may still be queued behind step n-1 on the device.
@@ -371,20 +384,31 @@ class StaticDecodeInputs:
         self.device_buf = torch.zeros(numel, dtype=torch.int64, device=device)  # [numel]
         self.prev = torch.zeros(max_size, dtype=torch.int64, device=device)  # [max_size]
 
-    def part(self, name: str, size: int, buf: Tensor | np.ndarray | None = None) -> Any:
-        """[size] view of one part (of ``buf``, default the device buffer)."""
+    def part(
+        self, name: str, size: int, buf: Tensor | np.ndarray | None = None, group: int = 0
+    ) -> Any:
+        """[size] view of one part (of ``buf``, default the device buffer); ``group``:
+        whose slots."""
         b = self.device_buf if buf is None else buf
-        start = self.PARTS.index(name) * self.max_size
+        if name == "slots" and group:
+            start = (len(self.PARTS) + group - 1) * self.max_size
+        else:
+            start = self.PARTS.index(name) * self.max_size
         return b[start : start + size]
 
-    def table(self, size: int, buf: Tensor | np.ndarray | None = None) -> Any:
-        """[size, max_blocks] view of the block table."""
+    def table(self, size: int, buf: Tensor | np.ndarray | None = None, group: int = 0) -> Any:
+        """[size, max_blocks] view of a group's block table."""
         b = self.device_buf if buf is None else buf
-        start = len(self.PARTS) * self.max_size
+        start = self._tables_at + group * self.max_size * self.max_blocks
         return b[start : start + size * self.max_blocks].reshape(size, self.max_blocks)
 
     def views(self, size: int) -> list[Tensor]:
-        return [self.part(p, size) for p in self.PARTS] + [self.table(size), self.prev]
+        return (
+            [self.part(p, size) for p in self.PARTS]
+            + [self.part("slots", size, group=g) for g in range(1, self.groups)]
+            + [self.table(size, group=g) for g in range(self.groups)]
+            + [self.prev]
+        )
 
     def fill(self, step: DecodeStep, size: int, last: LastSampled | None = None) -> None:
         """The first ``step.num`` rows from the step, the rest padding; then one copy to
@@ -407,9 +431,6 @@ class StaticDecodeInputs:
         host, h = self.hosts[turn], self.host_nps[turn]
         self.part("ids", size, h)[:n] = step.ids
         self.part("positions", size, h)[:n] = starts
-        rows = np.arange(n)
-        blocks = step.table[rows, starts // bs].astype(np.int64)
-        self.part("slots", size, h)[:n] = blocks * bs + starts % bs
         self.part("lens", size, h)[:n] = starts + 1
         self.part("real", size, h)[:n] = 1
         src = self.part("src", size, h)
@@ -424,19 +445,26 @@ class StaticDecodeInputs:
             src[[r for r, _ in ph]] = [index.get(rid, -1) for _, rid in ph]
             # On the device, queued after the step that sampled them: no host sync.
             self.prev[: tokens.numel()].copy_(tokens, non_blocking=True)
-        table = self.table(size, h)
-        width = min(step.table.shape[1], self.max_blocks)
-        cols = np.arange(width)
-        # Columns past a row's last block read block 0 (masked by its length anyway).
-        table[:n, :width] = np.where(cols[None, :] < needed[:, None], step.table[:, :width], 0)
-        table[:n, width:] = 0
         # Padding: token 0 at position 0 into slot 0 of the null block, length 1, no expert.
-        for name, value in (
-            ("ids", 0), ("positions", 0), ("slots", NULL_BLOCK_ID * bs), ("lens", 1), ("real", 0)
-        ):  # fmt: skip
+        for name, value in (("ids", 0), ("positions", 0), ("lens", 1), ("real", 0)):
             self.part(name, size, h)[n:] = value
-        table[n:] = NULL_BLOCK_ID
-        end = len(self.PARTS) * self.max_size + size * self.max_blocks
+        rows = np.arange(n)
+        groups = self.groups
+        width = min(step.table.shape[1] // groups, self.max_blocks)
+        cols = np.arange(width)
+        for g in range(groups):
+            rows_table = step.table[:, g::groups]  # [n, w] this group's
+            blocks = rows_table[rows, starts // bs].astype(np.int64)
+            slots = self.part("slots", size, h, group=g)
+            slots[:n] = blocks * bs + starts % bs
+            slots[n:] = NULL_BLOCK_ID * bs
+            table = self.table(size, h, group=g)
+            # Columns past a row's last block read block 0 (masked by its length anyway).
+            table[:n, :width] = np.where(cols[None, :] < needed[:, None], rows_table[:, :width], 0)
+            table[:n, width:] = 0
+            table[n:] = NULL_BLOCK_ID
+        tables_end = self._tables_at + (groups - 1) * self.max_size * self.max_blocks
+        end = tables_end + size * self.max_blocks
         # Asynchronous from pinned memory: the event marks when this host copy may be
         # written again (two fills later, above).
         self.device_buf[:end].copy_(host[:end], non_blocking=True)
@@ -444,18 +472,25 @@ class StaticDecodeInputs:
             self.copied[turn].record()
 
     def metadata(self, size: int) -> AttentionMetadata:
-        """The attention metadata of a size-``size`` graph: views of the buffer. Its mask
-        and memoised cache rows are rebuilt inside every step (``refresh``)."""
-        return AttentionMetadata(
-            num_tokens=size,
-            block_size=self.block_size,
-            slot_mapping=self.part("slots", size),
-            query_lens=[1] * size,
-            seq_lens=[],  # on the device only (decode_seq_lens): a graph reads no host list
-            decode_rows=slice(0, size),
-            decode_block_table=self.table(size),
-            decode_seq_lens=self.part("lens", size),
+        """The attention metadata of a size-``size`` graph: views of the buffer (with KV
+        cache groups, group 0's, holding every group's). Its mask and memoised cache rows
+        are rebuilt inside every step (``refresh``)."""
+        metas = tuple(
+            AttentionMetadata(
+                num_tokens=size,
+                block_size=self.block_size,
+                slot_mapping=self.part("slots", size, group=g),
+                query_lens=[1] * size,
+                seq_lens=[],  # on the device only (decode_seq_lens): a graph reads no host list
+                decode_rows=slice(0, size),
+                decode_block_table=self.table(size, group=g),
+                decode_seq_lens=self.part("lens", size),
+            )
+            for g in range(self.groups)
         )
+        if self.groups > 1:
+            metas[0].groups = metas
+        return metas[0]
 
     def refresh(self, meta: AttentionMetadata) -> None:
         """Inside the step: what ``build`` derives on the host, derived on the device."""
@@ -463,8 +498,10 @@ class StaticDecodeInputs:
         assert lens is not None
         width = self.max_blocks * self.block_size
         keys = torch.arange(width, device=lens.device)
-        meta.decode_mask = (keys[None, :] < lens[:, None])[:, None, None, :]  # [B, 1, 1, keys]
-        meta._rows.clear()  # noqa: SLF001 - rebuilt from this step's tables by the first layer
+        mask = (keys[None, :] < lens[:, None])[:, None, None, :]  # [B, 1, 1, keys]
+        for m in meta.groups or (meta,):
+            m.decode_mask = mask
+            m._rows.clear()  # noqa: SLF001 - rebuilt from this step's tables by the first layer
 
     def input_ids(self, size: int) -> Tensor:  # -> [size] int64
         """Inside the step: each row's input id, a placeholder's gathered from ``prev``
@@ -514,17 +551,19 @@ class DecodeGraphs:
         forward: ForwardFn,
         cache_buffers: Callable[[], list[Tensor]],
         off: GraphMiss | None,
+        kv_groups: int = 1,
     ) -> None:
         """Capture every size, largest first; a size whose capture raises runs eagerly.
         ``cache_buffers``: the KV cache tensors (a graph reads them at fixed addresses);
-        ``off``: why this engine replays nothing (``graphs_off``), or None."""
+        ``off``: why this engine replays nothing (``graphs_off``), or None; ``kv_groups``:
+        the model's KV cache groups (a block table each)."""
         self.release()
         self.off = off
         if self.backend is None or off is not None:
             return
         t0 = time.perf_counter()
         static = self.static = StaticDecodeInputs(
-            self.sizes[-1], self.max_blocks, self.block_size, self.device
+            self.sizes[-1], self.max_blocks, self.block_size, self.device, kv_groups
         )
         for size in reversed(self.sizes):
             meta = static.metadata(size)

@@ -79,9 +79,14 @@ def _sampling_rows(
 
 
 def prepare_inputs_reference(
-    scheduled: list[ScheduledRequest], block_size: int, vocab_size: int, device: Any
+    scheduled: list[ScheduledRequest],
+    block_size: int,
+    vocab_size: int,
+    device: Any,
+    kv_groups: int = 1,
 ) -> Inputs:
-    """The list-based build (one Python step per sequence and per block): the oracle."""
+    """The list-based build (one Python step per sequence and per block): the oracle.
+    ``kv_groups``: ``block_ids`` interleaves that many tables, one metadata each."""
     ids: list[int] = []
     pos: list[int] = []
     seqs: list[tuple[int, int, list[int]]] = []
@@ -103,12 +108,25 @@ def prepare_inputs_reference(
     return Inputs(
         input_ids=torch.tensor(ids, dtype=torch.long, device=device),
         positions=torch.tensor(pos, dtype=torch.long, device=device),
-        attn=AttentionMetadata.build(seqs, block_size, device),
+        attn=_reference_metadata(seqs, block_size, device, kv_groups),
         sample_rows=np.array(sample_rows, dtype=np.int64),
         sample_reqs=sample_reqs,
         prompt_lp=prompt_lp,
         placeholders=placeholders,
     )
+
+
+def _reference_metadata(
+    seqs: list[tuple[int, int, list[int]]], block_size: int, device: Any, kv_groups: int
+) -> AttentionMetadata:
+    if kv_groups == 1:
+        return AttentionMetadata.build(seqs, block_size, device)
+    metas = tuple(
+        AttentionMetadata.build([(s, n, b[g::kv_groups]) for s, n, b in seqs], block_size, device)
+        for g in range(kv_groups)
+    )
+    metas[0].groups = metas
+    return metas[0]
 
 
 @dataclass(frozen=True)
@@ -145,6 +163,9 @@ class InputBatch:
         self._free: list[int] = list(range(max_rows - 1, -1, -1))
         self.block_table = np.zeros((max_rows, 16), dtype=np.int32)  # [rows, blocks]
         self.num_blocks = np.zeros(max_rows, dtype=np.int64)  # [rows] valid entries
+        # KV cache groups: a row interleaves their tables as ``block_ids`` does (entry
+        # j * groups + g is group g's block j: tidal/engine_core/kv_cache.py).
+        self.num_kv_groups = 1
         # The last static sampling metadata and the requests (objects) it was built for.
         self._sampling_key: tuple[Any, ...] = ()
         self._sampling: SamplingMetadata | None = None
@@ -298,10 +319,13 @@ class InputBatch:
             seq = np.repeat(np.arange(num), num_new)
             positions = np.arange(len(ids_np)) - first_row[seq] + starts[seq]  # [T]
             sample_rows = (first_row + num_new - 1)[g.sample_idx]
-        attn = AttentionMetadata.build_arrays(
-            starts, num_new, self.block_table[rows, :width], self.num_blocks[rows], bs,
-            self.device,
-        )  # fmt: skip
+        if self.num_kv_groups == 1:
+            attn = AttentionMetadata.build_arrays(
+                starts, num_new, self.block_table[rows, :width], self.num_blocks[rows], bs,
+                self.device,
+            )  # fmt: skip
+        else:
+            attn = self._group_metadata(starts, num_new, rows, width)
         prompt_lp: list[tuple[ScheduledRequest, int, int]] = []
         if g.prompt_lp_idx:  # the few requests with prompt logprobs: the reference's way
             _, _, prompt_lp = _sampling_rows(
@@ -320,6 +344,27 @@ class InputBatch:
             placeholders=g.placeholders,
         )
 
+    def _group_metadata(
+        self,
+        starts: np.ndarray,  # [S] int64
+        num_new: np.ndarray,  # [S] int64
+        rows: np.ndarray,  # [S] int64 table rows
+        width: int,  # blocks per group the step reads
+    ) -> AttentionMetadata:
+        """One metadata per KV cache group, each from its columns of the rows; group 0's
+        carries them all (``AttentionMetadata.groups``)."""
+        groups = self.num_kv_groups
+        table = self.block_table[rows, : width * groups]  # [S, width * groups]
+        num_blocks = self.num_blocks[rows] // groups  # [S] per group
+        metas = tuple(
+            AttentionMetadata.build_arrays(
+                starts, num_new, table[:, g::groups], num_blocks, self.block_size, self.device
+            )
+            for g in range(groups)
+        )
+        metas[0].groups = metas
+        return metas[0]
+
     def prepare_decode(self, sched: SchedulerOutput | list[ScheduledRequest]) -> DecodeStep:
         """A decode-only step (every request one new token) as arrays, for the static
         buffers of a graph (tidal/executor/graphs.py); the same checks as ``prepare``."""
@@ -328,11 +373,12 @@ class InputBatch:
         starts, num_new, rows, ids_np, firsts = g.starts, g.num_new, g.rows, g.ids, g.firsts
         if (num_new != 1).any():
             raise ValueError("prepare_decode takes decode-only steps")
-        short = np.flatnonzero(self.num_blocks[rows] < starts // self.block_size + 1)
+        groups = self.num_kv_groups  # a row interleaves their tables
+        short = np.flatnonzero(self.num_blocks[rows] // groups < starts // self.block_size + 1)
         if short.size:
             i = int(short[0])
             raise ValueError(f"sequence {i}: {starts[i] + 1} tokens need more blocks")
-        width = int(starts.max()) // self.block_size + 1 if len(starts) else 1
+        width = (int(starts.max()) // self.block_size + 1 if len(starts) else 1) * groups
         sample_rows, sample_reqs, prompt_lp = _sampling_rows(scheduled, firsts)
         return DecodeStep(
             ids=ids_np,

@@ -254,20 +254,28 @@ class ModelRunner:
         """Cache bytes of one block over every layer, as the model's cache spec declares
         (K and V per head, or MLA's latent: docs/architecture.md#kv-cache-layouts)."""
         spec = self.model.kv_cache_spec()
-        return spec.bytes_per_token(self.config.kv_cache_torch_dtype) * self.block_size
+        return spec.bytes_per_block(self.config.kv_cache_torch_dtype, self.block_size)
 
     @rpc(Reduce.FIRST)  # every TP worker caches the same amount per token
     def kv_cache_info(self) -> dict[str, Any]:
         """This worker's cache per token (``/stats``): its layout and bytes over every layer."""
         spec = self.model.kv_cache_spec()
-        return {
+        windows = spec.group_windows
+        info = {
             "layout": spec.layout.value,
             "num_layers": spec.num_layers,
             "values_per_token_per_layer": spec.values_per_token(),
             "dtype": str(self.config.kv_cache_torch_dtype).removeprefix("torch."),
             "bytes_per_token": spec.bytes_per_token(self.config.kv_cache_torch_dtype),
-            "sliding_window": spec.window,  # blocks behind it are freed (None: kept)
+            # One group: the blocks behind its window are freed (None: kept).
+            "sliding_window": windows[0] if len(windows) == 1 else None,
         }
+        if len(windows) > 1:  # KV cache groups: each one's window and layers
+            layers = spec.layer_groups()
+            info["kv_groups"] = [
+                {"sliding_window": w, "num_layers": layers.count(g)} for g, w in enumerate(windows)
+            ]
+        return info
 
     @rpc(Reduce.MIN, local=True)  # what every worker's device holds
     def determine_num_blocks(self) -> int:
@@ -280,7 +288,9 @@ class ModelRunner:
             graphs = self._graph_pool_estimate()  # before measuring: it frees what it took
             device = self._device_memory(graphs)
             budget = kv_cache_budget(cache, host=self._host_memory(), device=device, env=os.environ)
-            per_seq = -(-sched.max_model_len // self.block_size)
+            # A sequence's table has an entry per block per KV cache group.
+            groups = self.model.kv_cache_spec().num_groups
+            per_seq = -(-sched.max_model_len // self.block_size) * groups
             num_blocks = min(
                 budget.bytes // self.kv_bytes_per_block(), sched.max_num_seqs * per_seq + 1
             )
@@ -293,11 +303,14 @@ class ModelRunner:
         # (all but the null block 0) must hold the KV of a full-length sequence, which is
         # every token but the last. Else the engine would refuse the long requests that
         # the frontend, checking max_model_len, lets through.
+        # With KV cache groups, each group's table counts (the scheduler's bound too).
         usable, need = num_blocks - 1, sched.max_model_len - 1
-        if usable * self.block_size < need:
+        groups = self.model.kv_cache_spec().num_groups
+        if usable < -(-need // self.block_size) * groups:
             raise ValueError(
                 f"KV cache of {num_blocks} blocks x {self.block_size} tokens (one block "
-                f"reserved) cannot hold one sequence of max_model_len={sched.max_model_len}; "
+                f"reserved, {groups} KV cache group(s)) cannot hold one sequence of "
+                f"max_model_len={sched.max_model_len}; "
                 "lower max_model_len or raise kv_cache_memory_bytes / num_gpu_blocks_override"
             )
         return num_blocks
@@ -354,8 +367,16 @@ class ModelRunner:
             num_blocks, self.block_size, spec.layout.value, dtype, spec.bytes_per_token(dtype),
             spec.num_layers,
         )  # fmt: skip
-        self.kv_caches = [self._zeros_cache(shape, dtype) for _ in range(spec.num_layers)]
-        self.model.bind_kv_cache(self.kv_caches)
+        if spec.num_groups > 1:
+            logger.info(
+                "KV cache groups (sliding windows, None = full attention): %s over %d "
+                "tensors; each request has a block table per group",
+                list(spec.group_windows), spec.num_pages,
+            )  # fmt: skip
+        # One tensor per page: the i-th layer of every KV cache group shares tensor i.
+        self.kv_caches = [self._zeros_cache(shape, dtype) for _ in range(spec.num_pages)]
+        self.model.bind_kv_cache([self.kv_caches[i] for i in spec.layer_pages()])
+        self.input_batch.num_kv_groups = spec.num_groups
         self.capture_graphs()
 
     @torch.inference_mode()
@@ -364,7 +385,10 @@ class ModelRunner:
         a graph reads the cache at fixed addresses)."""
         off = self._graphs_off()
         self._graphs_tp_group = self.tp.group
-        self.graphs.capture(self._padded_forward, lambda: list(self.kv_caches), off)
+        self.graphs.capture(
+            self._padded_forward, lambda: list(self.kv_caches), off,
+            self.model.kv_cache_spec().num_groups,
+        )  # fmt: skip
         if self.tp.size > 1 and self.graphs.enabled:
             self.graphs.agree_failed(self.tp.all_reduce)
 

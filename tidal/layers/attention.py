@@ -170,6 +170,10 @@ class AttentionMetadata:
     _decode_mask: Tensor | None = field(default=None, repr=False)
     _mask_pending: bool = field(default=False, repr=False)  # padded: built on first read
     _prefill_table: PrefillTable | None = field(default=None, repr=False)
+    # A model with KV cache groups (docs/architecture.md#kv-sliding-window): each group's
+    # metadata, its own slots and block tables (this one is group 0's); a layer of group g
+    # reads groups[g]. Empty: one group, this.
+    groups: tuple[AttentionMetadata, ...] = field(default=(), repr=False)
 
     @property
     def decode_mask(self) -> Tensor | None:

@@ -30,16 +30,57 @@ class KVCacheSpec:
     layout: CacheLayout
     num_kv_heads: int  # this worker's KV heads (KV); 1 (LATENT)
     head_dim: int  # values per head and token: Dh (KV); the latent width (LATENT)
-    # The window every layer attends within (keys > p - W), when each layer has one: the
-    # largest. A token that far behind is read by no layer, so the block manager frees
-    # its block (docs/architecture.md#kv-sliding-window). None: some layer reads them all.
-    window: int | None = None
+    # Each layer's window (keys > p - W) or None (it attends to every key); empty: no
+    # layer slides. Layers with one window form a KV cache group, with its own block
+    # table per request (docs/architecture.md#kv-sliding-window).
+    layer_windows: tuple[int | None, ...] = ()
 
     @classmethod
     def kv(
-        cls, num_layers: int, num_kv_heads: int, head_dim: int, window: int | None = None
+        cls,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        layer_windows: tuple[int | None, ...] = (),
     ) -> KVCacheSpec:
-        return cls(num_layers, CacheLayout.KV, num_kv_heads, head_dim, window)
+        if layer_windows and len(layer_windows) != num_layers:
+            raise ValueError(f"{len(layer_windows)} layer windows for {num_layers} layers")
+        if all(w is None for w in layer_windows):
+            layer_windows = ()
+        return cls(num_layers, CacheLayout.KV, num_kv_heads, head_dim, layer_windows)
+
+    @property
+    def group_windows(self) -> tuple[int | None, ...]:
+        """The KV cache groups, in the order their first layers come: each one's window
+        (None: full attention). One group unless layers differ."""
+        return tuple(dict.fromkeys(self.layer_windows or (None,)))
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.group_windows)
+
+    def layer_pages(self) -> list[int]:
+        """Each layer's cache tensor: the i-th layer of every group shares tensor i (a
+        block id is a page of each tensor, and a block belongs to one group at a time:
+        tidal/engine_core/kv_cache.py). One group: layer i, tensor i."""
+        if not self.layer_windows:
+            return list(range(self.num_layers))
+        seen: dict[int | None, int] = {}
+        pages = []
+        for w in self.layer_windows:
+            pages.append(seen.get(w, 0))
+            seen[w] = pages[-1] + 1
+        return pages
+
+    def layer_groups(self) -> list[int]:
+        """Each layer's KV cache group (an index into ``group_windows``)."""
+        index = {w: g for g, w in enumerate(self.group_windows)}
+        return [index[w] for w in self.layer_windows] or [0] * self.num_layers
+
+    @property
+    def num_pages(self) -> int:
+        """Cache tensors: the layers of the largest group."""
+        return max(self.layer_pages()) + 1
 
     @classmethod
     def latent(cls, num_layers: int, width: int) -> KVCacheSpec:
@@ -69,3 +110,9 @@ class KVCacheSpec:
         """Cache bytes of one token over every layer (of this worker)."""
         elem = torch.empty((), dtype=dtype).element_size()
         return self.values_per_token() * elem * self.num_layers
+
+    def bytes_per_block(self, dtype: torch.dtype, block_size: int) -> int:
+        """Cache bytes of one block id: a page of every cache tensor (one group:
+        ``bytes_per_token x block_size``)."""
+        elem = torch.empty((), dtype=dtype).element_size()
+        return self.values_per_token() * elem * self.num_pages * block_size

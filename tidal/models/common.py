@@ -463,14 +463,19 @@ class MoECausalLM(nn.Module):
         else:  # vocab-parallel like the embedding: the same padded block of rows
             self.lm_head = Linear(spec.hidden_size, self.embed_tokens.weight.shape[0], **kw)
             self.lm_head.weight.data[self.embed_tokens.valid :].zero_()
+        self._kv_groups = self.kv_cache_spec().layer_groups()  # each layer's KV cache group
 
     @torch.no_grad()
     def forward(self, input_ids: Tensor, positions: Tensor, attn: AttentionMetadata) -> Tensor:
         """input_ids/positions [T] int64 -> hidden states [T, H] (final norm applied)."""
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary.cos_sin(positions)
-        for layer in self.layers:
-            x = layer(x, cos, sin, attn)
+        if attn.groups:  # KV cache groups: each layer reads its group's tables
+            for layer, group in zip(self.layers, self._kv_groups):
+                x = layer(x, cos, sin, attn.groups[group])
+        else:
+            for layer in self.layers:
+                x = layer(x, cos, sin, attn)
         return self.norm(x)
 
     @torch.no_grad()
@@ -493,10 +498,8 @@ class MoECausalLM(nn.Module):
         attn = self.decoder_layers[0].self_attn
         if isinstance(attn, MLAttention):
             return KVCacheSpec.latent(self.spec.num_layers, attn.spec.latent_dim)
-        windows = [self.spec.window(i) for i in range(self.spec.num_layers)]
-        # One block table serves every layer: a block is free only when no layer reads it.
-        window = None if None in windows else max(w for w in windows if w is not None)
-        return KVCacheSpec.kv(self.spec.num_layers, attn.num_kv_heads, self.spec.head_dim, window)
+        windows = tuple(self.spec.window(i) for i in range(self.spec.num_layers))
+        return KVCacheSpec.kv(self.spec.num_layers, attn.num_kv_heads, self.spec.head_dim, windows)
 
     def bind_kv_cache(self, caches: Sequence[Tensor]) -> None:
         if len(caches) != self.spec.num_layers:
