@@ -296,7 +296,7 @@ def test_groups_free_behind_the_window_only_in_the_sliding_group(window: int) ->
     null exactly behind the step's first read, group 1's is whole, both cover the same
     positions; every block freed is back in the one pool; finishing frees the rest."""
     kv = KVCacheManager(num_blocks=60, block_size=BS, windows=[window, None])
-    assert kv.num_groups == 2 and not kv.enable_prefix_caching  # off for more than one group
+    assert kv.num_groups == 2
     req = _req("a", list(range(10, 21)))  # 11 tokens
     assert kv.allocate_slots(req, req.num_tokens)
     assert len(req.block_ids) == 2 * 3 and kv.blocks_by_group == [3, 3]
@@ -357,6 +357,49 @@ def test_groups_share_the_pool_so_freed_window_blocks_hold_more_context() -> Non
     assert kv.allocate_slots(other, other.num_tokens) and kv.blocks_by_group == [1, 1]
     kv.free(other)
     _ref_counts_consistent(kv, [])
+
+
+def test_group_hits_need_the_full_prefix_and_only_the_sliding_window() -> None:
+    """A hit of k blocks takes the full group's blocks before k and the sliding group's
+    from the window of a query at k * BS on (the earlier ones null); where the sliding
+    group lost a block the window needs, the hit is shorter, whatever the full group
+    holds. Each group's blocks are cached under their own key."""
+    kv = KVCacheManager(num_blocks=41, block_size=BS, windows=[4, None])  # 40 usable
+    prefix = list(range(100, 120))  # 5 blocks
+    a = _req("a", prefix + [7])
+    _run_prefill(kv, a)
+    a.append_output_token(8)
+    _decode(kv, a, 9)  # at p = 21: sliding blocks 0..3 freed (still cached), 4 and 5 held
+    sliding_a, full_a = _group(a, 0), _group(a, 1)
+    assert sliding_a[:4] == [NULL_BLOCK_ID] * 4 and NULL_BLOCK_ID not in full_a
+    # 24 tokens: 5 blocks can hit; a query at 20 reads keys > 16, sliding block 4 on.
+    b = _req("b", prefix + [1, 2, 3, 4])
+    hits, n = kv.get_computed_blocks(b)
+    assert n == 20
+    assert _group_of(hits, 1) == full_a[:5]
+    assert _group_of(hits, 0) == [NULL_BLOCK_ID] * 4 + [sliding_a[4]]
+    assert kv.allocate_slots(b, b.num_tokens - n, hits, n)
+    b.num_computed_tokens = b.num_tokens
+    _ref_counts_consistent(kv, [a, b])
+    assert kv.blocks_by_group == _counts_by_group(kv, [a, b])
+    kv.free(b)
+    # Evict the free (cached) blocks: sliding 0..3 lose their hashes; a holds the rest.
+    assert kv.num_free_blocks % 2 == 0
+    hog = _req("hog", [3] * (kv.num_free_blocks // 2 * BS))
+    assert kv.allocate_slots(hog, hog.num_tokens) and kv.num_free_blocks == 0
+    # 19 tokens: the full group could serve 4 blocks, but each k needs a sliding block
+    # that is gone (k = 4 reads block 3 on, ..., k = 1 block 0): no hit.
+    assert kv.get_computed_blocks(_req("c", prefix[:16] + [1, 2, 3])) == ([], 0)
+    hits, n = kv.get_computed_blocks(_req("d", prefix + [5]))  # block 4 on: still held
+    assert n == 20 and _group_of(hits, 0)[4] == sliding_a[4]
+    kv.free(hog)
+    kv.free(a)
+    assert kv.num_free_blocks == kv.num_usable_blocks and kv.blocks_by_group == [0, 0]
+    _ref_counts_consistent(kv, [])
+
+
+def _group_of(entries: list[int], g: int, groups: int = 2) -> list[int]:
+    return entries[g::groups]
 
 
 def test_one_group_is_the_single_table() -> None:

@@ -48,14 +48,19 @@ from the one pool (a block id is a page of every cache tensor; the runner binds 
 tensor to one layer of each group), so the blocks a sliding group frees serve any group,
 and the memory splits between groups as their requests need it. Nothing that moves or
 frees a request (preemption, finish, the step wire, the runner's persistent batch) needs
-to know the groups: they see one list. Prefix caching needs one group: a hit would have to
-hold in every group (a sliding group keeps only its window), so it is off otherwise.
+to know the groups: they see one list.
+
+Prefix caching with groups. Each group caches its own blocks, under its own key for a
+prefix hash (``group_key``: group 0 the hash itself, so one group is as above). A hit of
+k blocks (its first query at p = k * block_size) needs, in a full-attention group, every
+block before k, and in a sliding group only those a query at p reads: from logical block
+``(p - W + 1) // block_size`` on; the ones before enter the table as null entries, as if
+freed behind the window. The lookup takes the longest k every group can serve.
 """
 
 from __future__ import annotations
 
 import hashlib
-import logging
 import struct
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
@@ -64,8 +69,9 @@ from tidal.engine_core.request import Request
 from tidal.executor.batch import NULL_BLOCK_ID
 
 _ROOT_HASH = 0
-
-logger = logging.getLogger(__name__)
+# The token a group's key appends to a block hash: no real token is negative, so a group's
+# key is never another prefix's hash.
+_GROUP_TOKEN = -1
 
 
 def hash_block_tokens(parent_hash: int, token_ids: Sequence[int]) -> int:
@@ -74,6 +80,11 @@ def hash_block_tokens(parent_hash: int, token_ids: Sequence[int]) -> int:
     h.update(parent_hash.to_bytes(16, "little"))
     h.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
     return int.from_bytes(h.digest(), "little")
+
+
+def group_key(block_hash: int, group: int) -> int:
+    """The prefix-cache key of a KV cache group's block: group 0's is the block hash."""
+    return block_hash if group == 0 else hash_block_tokens(block_hash, [_GROUP_TOKEN - group])
 
 
 def cdiv(a: int, b: int) -> int:
@@ -135,8 +146,11 @@ class BlockPool:
         return self._cached.get(block_hash)
 
     def touch(self, block_ids: Iterable[int]) -> None:
-        """Take a reference on cache-hit blocks, pulling free ones out of the queue."""
+        """Take a reference on cache-hit blocks, pulling free ones out of the queue (null
+        entries, a sliding group's blocks behind its window, are skipped)."""
         for bid in block_ids:
+            if bid == NULL_BLOCK_ID:
+                continue
             block = self.blocks[bid]
             if block.ref_cnt == 0:
                 del self._free[bid]
@@ -211,13 +225,6 @@ class KVCacheManager:
         self.num_groups = len(self.windows)
         # (group, window) of each sliding group
         self._sliding = [(g, w) for g, w in enumerate(self.windows) if w is not None]
-        if enable_prefix_caching and self.num_groups > 1:
-            logger.info(
-                "prefix caching is off: the model's layers form %d KV cache groups "
-                "(windows %s), and a hit would have to hold in each",
-                self.num_groups, list(self.windows),
-            )  # fmt: skip
-            enable_prefix_caching = False
         # request id -> per group: leading logical blocks freed behind its window (now null).
         self._num_freed_blocks: dict[str, list[int]] = {}
         self.window_freed_by_group = [0] * self.num_groups  # cumulative
@@ -259,6 +266,8 @@ class KVCacheManager:
             return [], 0
         max_blocks = (request.num_tokens - 1) // self.block_size
         self._ensure_block_hashes(request, max_blocks)
+        if self.num_groups > 1:
+            return self._computed_blocks_by_group(request, max_blocks)
         hits: list[int] = []
         for block_hash in request.block_hashes[:max_blocks]:
             bid = self.block_pool.get_cached_block(block_hash)
@@ -266,6 +275,42 @@ class KVCacheManager:
                 break
             hits.append(bid)
         return hits, len(hits) * self.block_size
+
+    def _computed_blocks_by_group(
+        self, request: Request, max_blocks: int
+    ) -> tuple[list[int], int]:
+        """``get_computed_blocks`` with KV cache groups: the longest k blocks every group
+        serves (module doc), as interleaved table entries (null where a sliding group
+        needs none)."""
+        pool, bs, groups = self.block_pool, self.block_size, self.num_groups
+        hashes = request.block_hashes
+        # cached[g][j]: group g's block j, or None; only as far as the full groups reach.
+        cached: list[list[int | None]] = [[] for _ in range(groups)]
+        full = [g for g, w in enumerate(self.windows) if w is None]
+        reach = max_blocks
+        for g in full:
+            for j in range(reach):
+                bid = pool.get_cached_block(group_key(hashes[j], g))
+                if bid is None:
+                    reach = j
+                    break
+                cached[g].append(bid)
+        for g, _ in self._sliding:
+            cached[g] = [pool.get_cached_block(group_key(hashes[j], g)) for j in range(reach)]
+        for k in range(reach, 0, -1):
+            # A sliding group's first block a query at k * bs reads, per group (0 if none).
+            firsts = [0 if w is None else max(0, (k * bs - w + 1) // bs) for w in self.windows]
+            if all(
+                cached[g][j] is not None for g, w in self._sliding for j in range(firsts[g], k)
+            ):
+                hits: list[int] = []
+                for j in range(k):
+                    for g in range(groups):
+                        bid = NULL_BLOCK_ID if j < firsts[g] else cached[g][j]
+                        assert bid is not None
+                        hits.append(bid)
+                return hits, k * bs
+        return [], 0
 
     def record_prefix_cache_query(self, num_tokens: int, num_hit_tokens: int) -> None:
         """Counted by the scheduler once a lookup is used, not on every retried lookup."""
@@ -297,12 +342,15 @@ class KVCacheManager:
             self._count_new(len(request.block_ids) - need, need)
             return True
         hits = list(new_computed_blocks)
-        assert num_new_computed_tokens == len(hits) * self.block_size
+        assert len(hits) == self.num_blocks_for(num_new_computed_tokens)
+        assert num_new_computed_tokens % self.block_size == 0
         assert not hits or not request.block_ids, "cache hits only for a request with no blocks"
         total = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
         num_new_blocks = max(0, self.num_blocks_for(total) - len(request.block_ids) - len(hits))
         # Hits on free blocks leave the free queue, so they compete with the new blocks.
-        num_free_hits = sum(1 for b in hits if self.block_pool.blocks[b].ref_cnt == 0)
+        num_free_hits = sum(
+            1 for b in hits if b != NULL_BLOCK_ID and self.block_pool.blocks[b].ref_cnt == 0
+        )
         if num_new_blocks + num_free_hits > self.block_pool.num_free_blocks:
             return False
         # Touch hits before allocating so the allocation cannot evict them.
@@ -310,6 +358,9 @@ class KVCacheManager:
         first = len(request.block_ids)
         request.block_ids.extend(hits)
         request.block_ids.extend(self.block_pool.allocate(num_new_blocks))
+        if NULL_BLOCK_ID in hits:  # a sliding group's blocks before its window: none held
+            for g in range(self.num_groups):
+                self.blocks_by_group[g] -= hits[g :: self.num_groups].count(NULL_BLOCK_ID)
         self._count_new(first, len(hits) + num_new_blocks)
         return True
 
@@ -320,23 +371,27 @@ class KVCacheManager:
             self.blocks_by_group[g] += len(range(first + (g - first) % groups, first + n, groups))
 
     def cache_computed_blocks(self, request: Request) -> None:
-        """Offer the request's fully computed blocks to the prefix cache.
+        """Offer the request's fully computed blocks (each group's) to the prefix cache.
 
         Call after the step that computed them (see the module doc for why).
         """
         if not self.enable_prefix_caching:
             return
-        num_full = min(request.num_computed_tokens // self.block_size, len(request.block_ids))
+        groups = self.num_groups
+        ids = request.block_ids
+        num_full = min(request.num_computed_tokens // self.block_size, len(ids) // groups)
         start = request.num_cached_blocks
         if num_full <= start:
             return
         self._ensure_block_hashes(request, num_full)
+        pool = self.block_pool
         for i in range(start, num_full):
-            bid = request.block_ids[i]
-            if bid == NULL_BLOCK_ID:  # freed behind the window before it was offered
-                continue
-            if self.block_pool.blocks[bid].block_hash is None:  # not a hit nor registered
-                self.block_pool.cache_block(bid, request.block_hashes[i])
+            for g in range(groups):
+                bid = ids[i * groups + g]
+                if bid == NULL_BLOCK_ID:  # freed behind the window before it was offered
+                    continue
+                if pool.blocks[bid].block_hash is None:  # not a hit nor registered
+                    pool.cache_block(bid, group_key(request.block_hashes[i], g))
         request.num_cached_blocks = num_full
 
     def free(self, request: Request) -> None:
@@ -368,14 +423,19 @@ class KVCacheManager:
             start = freed[g]
             if done <= start:
                 continue
-            # Last first, as a finished request's: the oldest block is kept longest.
-            entries = range((done - 1) * groups + g, start * groups + g - 1, -groups)
+            # Last first, as a finished request's: the oldest block is kept longest. A hit
+            # may have entered some as null already (module doc).
+            entries = [
+                i
+                for i in range((done - 1) * groups + g, start * groups + g - 1, -groups)
+                if ids[i] != NULL_BLOCK_ID
+            ]
             self.block_pool.free(ids[i] for i in entries)
             for i in entries:
                 ids[i] = NULL_BLOCK_ID
             freed[g] = done
-            self.window_freed_by_group[g] += done - start
-            self.blocks_by_group[g] -= done - start
+            self.window_freed_by_group[g] += len(entries)
+            self.blocks_by_group[g] -= len(entries)
 
     def reset_prefix_cache(self) -> bool:
         self.block_pool.reset_prefix_cache()
