@@ -34,6 +34,7 @@ def make_sched(
     num_blocks: int = 129,
     caching: bool = True,
     kv_window: int | None = None,
+    kv_windows: tuple[int | None, ...] | None = None,
 ) -> Scheduler:
     return Scheduler(
         SchedulerConfig(
@@ -44,7 +45,7 @@ def make_sched(
         ),
         CacheConfig(block_size=BS, enable_prefix_caching=caching),
         num_blocks,
-        kv_windows=[kv_window],
+        kv_windows=kv_windows or (kv_window,),
     )
 
 
@@ -86,13 +87,20 @@ def _fingerprints(tokens: list[int]) -> list[int]:
 class FakeRunner:
     """``window``: the model's sliding window; a step's first query (at ``start``) then
     reads only positions > start - window, and the blocks wholly before those may be
-    null (freed)."""
+    null (freed). ``windows``: KV cache groups, each group's window (its table is every
+    len(windows)-th entry of ``block_ids``); a slot's fingerprint names its group."""
 
-    def __init__(self, sched: Scheduler, sample=det_token, window: int | None = None) -> None:
+    def __init__(
+        self,
+        sched: Scheduler,
+        sample=det_token,
+        window: int | None = None,
+        windows: tuple[int | None, ...] | None = None,
+    ) -> None:
         self.sched = sched
-        self.window = window
+        self.windows = windows or (window,)
         self.sample = sample
-        self.kv: dict[tuple[int, int], int] = {}
+        self.kv: dict[tuple[int, int], tuple[int, int]] = {}  # slot -> (group, fingerprint)
         self.prompt_logprobs = False
         # ScheduledRequest.samples is live (reads num_tokens): record it before update.
         self.samples: list[bool] = []
@@ -102,19 +110,23 @@ class FakeRunner:
         before = dict(self.kv)  # reads see only KV written in earlier steps
         ro = ModelRunnerOutput()
         self.samples = [sr.samples for sr in so.scheduled]
+        groups = len(self.windows)
         for sr in so.scheduled:
             req, end = sr.request, sr.start + sr.num_new_tokens
             assert 0 < sr.num_new_tokens and end <= req.num_tokens
-            first = 0 if self.window is None else max(0, sr.start - self.window + 1)
-            assert len(req.block_ids) * BS >= end
-            assert NULL_BLOCK_ID not in req.block_ids[first // BS :], (req, first)
+            assert len(req.block_ids) % groups == 0
+            assert len(req.block_ids) // groups * BS >= end
             fps = _fingerprints(req.all_token_ids[:end])
-            for p in range(first, sr.start):
-                assert before.get((req.block_ids[p // BS], p % BS)) == fps[p], (req, p)
-            for p in range(sr.start, end):
-                block = pool.blocks[req.block_ids[p // BS]]
-                assert block.ref_cnt == 1 and block.block_hash is None, (req, block)
-                self.kv[(block.block_id, p % BS)] = fps[p]
+            for g, window in enumerate(self.windows):
+                table = req.block_ids[g::groups]
+                first = 0 if window is None else max(0, sr.start - window + 1)
+                assert NULL_BLOCK_ID not in table[first // BS :], (req, g, first)
+                for p in range(first, sr.start):
+                    assert before.get((table[p // BS], p % BS)) == (g, fps[p]), (req, g, p)
+                for p in range(sr.start, end):
+                    block = pool.blocks[table[p // BS]]
+                    assert block.ref_cnt == 1 and block.block_hash is None, (req, block)
+                    self.kv[(block.block_id, p % BS)] = (g, fps[p])
             if sr.samples:
                 ro.sampled_token_ids[req.request_id] = [self.sample(req)]
             if self.prompt_logprobs and req.sampling_params.prompt_logprobs is not None:
@@ -630,19 +642,25 @@ def test_add_request_validation() -> None:
 # ---- randomized property test ----------------------------------------------------------
 
 
+# One KV cache group, and a sliding group (window 4 or 9) beside a full one: every
+# group's reads see their own writes, hits included, through preemptions and aborts.
+@pytest.mark.parametrize("windows", [(None,), (4, None), (None, 9)], ids=["one", "sf", "fs"])
 @pytest.mark.parametrize("seed", range(6))
-def test_randomized_arrivals_aborts_and_preemptions(seed: int) -> None:
+def test_randomized_arrivals_aborts_and_preemptions(seed: int, windows) -> None:
     rng = random.Random(seed)
     chunked = seed % 3 != 2
+    groups = len(windows)
     sched = make_sched(
         budget=rng.choice([8, 16, 64]) if chunked else 64,
         max_seqs=rng.choice([2, 4, 16]),
         max_model_len=64,
         chunked=chunked,
-        num_blocks=rng.choice([17, 24, 64]),
+        # As many blocks for each group's table.
+        num_blocks=(rng.choice([17, 24, 64]) - 1) * groups + 1,
         caching=seed % 2 == 0,
+        kv_windows=windows,
     )
-    runner = FakeRunner(sched)
+    runner = FakeRunner(sched, windows=windows)
     prefixes = [[rng.randrange(100, 150) for _ in range(rng.randrange(4, 24))] for _ in range(3)]
     reqs: dict[str, Request] = {}
     streamed: dict[str, list[int]] = {}
