@@ -629,17 +629,21 @@ def test_deepseek_yarn_beyond_the_original_context(deepseek_yarn):
 
 
 @pytest.mark.parametrize(
-    ("model_type", "per_token"),
+    ("model_type", "per_token", "groups"),
     [
         # latent: (kv_lora_rank 32 + qk_rope_head_dim 8) x float32 x 2 layers
-        pytest.param("deepseek_v3", (32 + 8) * 4 * 2, id="mla-latent"),
+        pytest.param("deepseek_v3", (32 + 8) * 4 * 2, 1, id="mla-latent"),
         # K and V: 2 x 2 KV heads x head_dim 16 x float32 x 2 layers
-        pytest.param("qwen3_moe", 2 * 2 * 16 * 4 * 2, id="gqa-kv"),
+        pytest.param("qwen3_moe", 2 * 2 * 16 * 4 * 2, 1, id="gqa-kv"),
+        # the same, a sliding and a full layer: two groups sharing one tensor
+        pytest.param("gpt_oss", 2 * 2 * 16 * 4 * 2, 2, id="kv-groups"),
     ],
 )
-def test_kv_bytes_follow_the_models_cache_spec(tiny_ckpt, model_type, per_token):
+def test_kv_bytes_follow_the_models_cache_spec(tiny_ckpt, model_type, per_token, groups):
     """The runner sizes blocks and allocates layers from the model's cache spec: MLA's
-    latent is (kv_lora_rank + qk_rope_head_dim) values per token and layer."""
+    latent is (kv_lora_rank + qk_rope_head_dim) values per token and layer. With KV cache
+    groups a block is a page of the shared tensors, so the same budget gives as many
+    more blocks as a request's tables take (one per group)."""
     from tidal.executor.model_runner import ModelRunner
 
     config = EngineArgs(model=tiny_ckpt(model_type), device="cpu").create_engine_config()
@@ -647,8 +651,11 @@ def test_kv_bytes_follow_the_models_cache_spec(tiny_ckpt, model_type, per_token)
     runner.model = load_model(config)
     spec = runner.model.kv_cache_spec()
     assert spec.bytes_per_token(torch.float32) == per_token
-    assert runner.kv_bytes_per_block() == per_token * runner.block_size
-    assert runner.kv_cache_info()["bytes_per_token"] == per_token  # what /stats shows
+    assert runner.kv_bytes_per_block() == per_token * runner.block_size // groups
+    info = runner.kv_cache_info()  # what /stats shows
+    assert info["bytes_per_token"] == per_token
+    assert len(info.get("kv_groups", [None])) == groups
     runner.initialize_kv_cache(6)
-    assert len(runner.kv_caches) == 2
-    assert sum(c.numel() * c.element_size() for c in runner.kv_caches) == 6 * runner.block_size * per_token
+    assert len(runner.kv_caches) == 2 // groups
+    total = sum(c.numel() * c.element_size() for c in runner.kv_caches)
+    assert total == 6 * runner.block_size * per_token // groups

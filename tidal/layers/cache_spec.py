@@ -8,6 +8,10 @@ attention, ``tidal/layers/mla.py``: one compressed vector per token shared by ev
 ``[num_blocks, block_size, width]``). Either way a token at position p of a sequence lives
 in block ``block_ids[p // block_size]`` at offset ``p % block_size``, so the block manager,
 prefix caching and chunked prefill are the same for both.
+
+Layers with different windows form KV cache groups (``group_windows``), each with its own
+block table per request; a block id is then a page of every cache tensor, tensor i
+holding the i-th layer of each group (``layer_pages``; docs/architecture.md#kv-sliding-window).
 """
 
 from __future__ import annotations
