@@ -51,7 +51,8 @@ frees a request (preemption, finish, the step wire, the runner's persistent batc
 to know the groups: they see one list.
 
 Prefix caching with groups. Each group caches its own blocks, under its own key for a
-prefix hash (``group_key``: group 0 the hash itself, so one group is as above). A hit of
+prefix hash (the hash XOR the group's salt, ``group_salt``: group 0's is 0, so one group
+is as above). A hit of
 k blocks (its first query at p = k * block_size) needs, in a full-attention group, every
 block before k, and in a sliding group only those a query at p reads: from logical block
 ``(p - W + 1) // block_size`` on; the ones before enter the table as null entries, as if
@@ -69,8 +70,7 @@ from tidal.engine_core.request import Request
 from tidal.executor.batch import NULL_BLOCK_ID
 
 _ROOT_HASH = 0
-# The token a group's key appends to a block hash: no real token is negative, so a group's
-# key is never another prefix's hash.
+# Group g > 0's salt is the hash of one token -g - 1: no real token is negative.
 _GROUP_TOKEN = -1
 
 
@@ -82,9 +82,10 @@ def hash_block_tokens(parent_hash: int, token_ids: Sequence[int]) -> int:
     return int.from_bytes(h.digest(), "little")
 
 
-def group_key(block_hash: int, group: int) -> int:
-    """The prefix-cache key of a KV cache group's block: group 0's is the block hash."""
-    return block_hash if group == 0 else hash_block_tokens(block_hash, [_GROUP_TOKEN - group])
+def group_salt(group: int) -> int:
+    """What a KV cache group's prefix-cache keys XOR into the block hash (group 0: 0, so
+    its keys are the hashes). A 128-bit salt: two keys meet as rarely as two hashes."""
+    return 0 if group == 0 else hash_block_tokens(_ROOT_HASH, [_GROUP_TOKEN - group])
 
 
 def cdiv(a: int, b: int) -> int:
@@ -225,6 +226,7 @@ class KVCacheManager:
         self.num_groups = len(self.windows)
         # (group, window) of each sliding group
         self._sliding = [(g, w) for g, w in enumerate(self.windows) if w is not None]
+        self._salts = [group_salt(g) for g in range(self.num_groups)]  # prefix-cache keys
         # request id -> per group: leading logical blocks freed behind its window (now null).
         self._num_freed_blocks: dict[str, list[int]] = {}
         self.window_freed_by_group = [0] * self.num_groups  # cumulative
@@ -282,31 +284,29 @@ class KVCacheManager:
         """``get_computed_blocks`` with KV cache groups: the longest k blocks every group
         serves (module doc), as interleaved table entries (null where a sliding group
         needs none)."""
-        pool, bs, groups = self.block_pool, self.block_size, self.num_groups
+        pool, bs, groups, salts = self.block_pool, self.block_size, self.num_groups, self._salts
         hashes = request.block_hashes
-        # cached[g][j]: group g's block j, or None; only as far as the full groups reach.
-        cached: list[list[int | None]] = [[] for _ in range(groups)]
-        full = [g for g, w in enumerate(self.windows) if w is None]
-        reach = max_blocks
-        for g in full:
-            for j in range(reach):
-                bid = pool.get_cached_block(group_key(hashes[j], g))
-                if bid is None:
-                    reach = j
-                    break
-                cached[g].append(bid)
-        for g, _ in self._sliding:
-            cached[g] = [pool.get_cached_block(group_key(hashes[j], g)) for j in range(reach)]
+        # (group, logical block) -> its cached block or None, looked up once.
+        found: dict[tuple[int, int], int | None] = {}
+
+        def cached(g: int, j: int) -> int | None:
+            if (g, j) not in found:
+                found[g, j] = pool.get_cached_block(hashes[j] ^ salts[g])
+            return found[g, j]
+
+        reach = max_blocks  # the full-attention groups' longest prefix
+        for g, window in enumerate(self.windows):
+            if window is None:
+                reach = next((j for j in range(reach) if cached(g, j) is None), reach)
+        # The longest k whose window every sliding group still has (most often the first).
         for k in range(reach, 0, -1):
-            # A sliding group's first block a query at k * bs reads, per group (0 if none).
+            # Each group's first block a query at k * bs reads (a full group's: 0).
             firsts = [0 if w is None else max(0, (k * bs - w + 1) // bs) for w in self.windows]
-            if all(
-                cached[g][j] is not None for g, w in self._sliding for j in range(firsts[g], k)
-            ):
+            if all(cached(g, j) is not None for g, _ in self._sliding for j in range(firsts[g], k)):
                 hits: list[int] = []
                 for j in range(k):
                     for g in range(groups):
-                        bid = NULL_BLOCK_ID if j < firsts[g] else cached[g][j]
+                        bid = NULL_BLOCK_ID if j < firsts[g] else cached(g, j)
                         assert bid is not None
                         hits.append(bid)
                 return hits, k * bs
@@ -391,7 +391,7 @@ class KVCacheManager:
                 if bid == NULL_BLOCK_ID:  # freed behind the window before it was offered
                     continue
                 if pool.blocks[bid].block_hash is None:  # not a hit nor registered
-                    pool.cache_block(bid, group_key(request.block_hashes[i], g))
+                    pool.cache_block(bid, request.block_hashes[i] ^ self._salts[g])
         request.num_cached_blocks = num_full
 
     def free(self, request: Request) -> None:
