@@ -33,7 +33,8 @@ class RequestStatus(enum.IntEnum):
 
 class Request:
     """One sequence. ``all_token_ids`` is prompt + output; ``num_computed_tokens`` of them
-    have KV in ``block_ids`` (the block table, written by the KV cache manager).
+    have KV in ``block_ids`` (the block table, written by the KV cache manager; with KV
+    cache groups their tables interleaved: tidal/engine_core/kv_cache.py).
 
     A *resumed* request (``num_output_tokens=k``, docs/architecture.md#elastic-migration) arrives with the last
     ``k`` of ``prompt_token_ids`` already generated elsewhere: they become its first
