@@ -463,11 +463,16 @@ class StaticDecodeInputs:
             table[:n, :width] = np.where(cols[None, :] < needed[:, None], rows_table[:, :width], 0)
             table[:n, width:] = 0
             table[n:] = NULL_BLOCK_ID
-        tables_end = self._tables_at + (groups - 1) * self.max_size * self.max_blocks
-        end = tables_end + size * self.max_blocks
-        # Asynchronous from pinned memory: the event marks when this host copy may be
-        # written again (two fills later, above).
-        self.device_buf[:end].copy_(host[:end], non_blocking=True)
+        # Asynchronous from pinned memory: the parts, then the first ``size`` rows of each
+        # group's table (a group's whole table would be max_size rows a step); the event,
+        # after the last copy, marks when this host copy may be written again (two fills
+        # later, above).
+        spans = [(0, self._tables_at)]
+        for g in range(groups):
+            start = self._tables_at + g * self.max_size * self.max_blocks
+            spans.append((start, start + size * self.max_blocks))
+        for lo, hi in spans:
+            self.device_buf[lo:hi].copy_(host[lo:hi], non_blocking=True)
         if self.copied is not None:
             self.copied[turn].record()
 
@@ -596,21 +601,24 @@ class DecodeGraphs:
         counts = all_reduce(mine)  # [sizes] int32: the workers where each size failed
         self.failed = {s for s, n in zip(self.sizes, counts.tolist()) if n}
 
-    def padding_step(self, forward: ForwardFn) -> StepFn:
+    def padding_step(self, forward: ForwardFn, kv_groups: int = 1) -> StepFn:
         """The largest size's step over fresh static inputs, every row padding: it reads
         and writes only the null block, so a cache of that block alone is enough."""
         size = self.sizes[-1]
-        static = StaticDecodeInputs(size, self.max_blocks, self.block_size, self.device)
+        static = StaticDecodeInputs(
+            size, self.max_blocks, self.block_size, self.device, kv_groups
+        )
         static.fill(DecodeStep(*_empty_step(), [], [], []), size)
         return _step(static, size, static.metadata(size), forward)
 
-    def measure_step(self, forward: ForwardFn) -> int:
+    def measure_step(self, forward: ForwardFn, kv_groups: int = 1) -> int:
         """CUDA, before the KV cache exists (the caller binds the null block's): the peak
-        bytes one eager run of ``padding_step`` allocates."""
-        step = self.padding_step(forward)
+        bytes one eager run of ``padding_step`` allocates (its static buffers included:
+        they are allocated after the cache is sized, as the capture's are)."""
         torch.cuda.synchronize(self.device)
         base = torch.cuda.memory_allocated(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
+        step = self.padding_step(forward, kv_groups)
         step()
         torch.cuda.synchronize(self.device)
         return torch.cuda.max_memory_allocated(self.device) - base

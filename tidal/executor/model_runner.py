@@ -339,7 +339,10 @@ class ModelRunner:
         # step alone, its all-reduces the identity (they work in place: the same bytes).
         self.tp.group = None if group is None else _AloneGroup(group)
         try:
-            peak = self.on_null_block(lambda: self.graphs.measure_step(self._padded_forward))
+            groups = self.model.kv_cache_spec().num_groups
+            peak = self.on_null_block(
+                lambda: self.graphs.measure_step(self._padded_forward, groups)
+            )
         except Exception as e:  # noqa: BLE001 - as before: nothing held back, capture may fail
             logger.warning("measuring the decode graphs' step failed (%s): none held back", e)
             return 0
@@ -375,7 +378,7 @@ class ModelRunner:
             )  # fmt: skip
         # One tensor per page: the i-th layer of every KV cache group shares tensor i.
         self.kv_caches = [self._zeros_cache(shape, dtype) for _ in range(spec.num_pages)]
-        self.model.bind_kv_cache([self.kv_caches[i] for i in spec.layer_pages()])
+        self._bind_caches()
         self.input_batch.num_kv_groups = spec.num_groups
         self.capture_graphs()
 
@@ -404,7 +407,16 @@ class ModelRunner:
         try:
             return fn()
         finally:
-            self.model.bind_kv_cache(self.kv_caches or [torch.empty(0)] * spec.num_layers)
+            self._bind_caches()
+
+    def _bind_caches(self) -> None:
+        """Give every layer its page of the KV cache: with KV cache groups the i-th layer
+        of each group shares tensor i (``layer_pages``); no cache yet, empty ones."""
+        spec = self.model.kv_cache_spec()
+        if not self.kv_caches:
+            self.model.bind_kv_cache([torch.empty(0)] * spec.num_layers)
+        else:
+            self.model.bind_kv_cache([self.kv_caches[i] for i in spec.layer_pages()])
 
     def _graphs_off(self) -> GraphMiss | None:
         """Why this engine replays no graph (``graphs_off``), or None; gives the MoE

@@ -56,12 +56,16 @@ Two switches per layer (GPT-OSS): ``sliding_window`` W (a query at position p se
 ``> p - W``, as transformers' sliding mask) and ``sinks`` (one learned logit per query
 head in the softmax denominator, no value: the weights over the keys sum to less than
 1). On CPU a layer with either runs the torch paths (the C++ decode kernel has neither);
-the Triton decode and prefill kernels compute both; the cache keeps every block of the
-sequence (the blocks before the window are masked, not freed: the full-attention layers
-share the block table).
+the Triton decode and prefill kernels compute both. A model whose every layer slides
+frees the blocks behind the window; one that mixes sliding and full layers (GPT-OSS) has
+a KV cache group per kind, each with its own block table and metadata
+(``AttentionMetadata.groups``), and only the sliding group's blocks are freed
+(docs/architecture.md#kv-sliding-window). Blocks still in a table before the window
+are masked.
 
-All index tensors are built once per step, not per layer: in ``build``, or (those that
-depend on the cache's shape) by the first layer, memoised on the metadata for the rest;
+All index tensors are built once per step (per KV cache group), not per layer: in
+``build``, or (those that depend on the cache's shape) by the first layer, memoised on
+the metadata for the rest;
 the Triton backend needs none of the latter in a decode step.
 """
 
