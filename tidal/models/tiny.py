@@ -253,9 +253,18 @@ def _transformers_class(name: str) -> Any:
     # transformers' model modules and tokenizers' trainers are imported here and below, not
     # at the top: only building a checkpoint needs them, and ``launch`` imports this module
     # for ``default_model_path``, which usually finds the checkpoint already built.
+    # Importing a model class imports torch._dynamo, which makes inductor's cache folder
+    # at once: under $TMPDIR by default, where nothing would remove it (a server building
+    # the embedded model left it behind). Ours goes beside Tidal's other caches instead.
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(_cache_root(), "torchinductor"))
     import transformers
 
     return getattr(transformers, name)
+
+
+def _cache_root() -> str:
+    """``$XDG_CACHE_HOME/tidal`` or ``~/.cache/tidal``."""
+    return os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "tidal")
 
 
 def _make_model(
@@ -319,9 +328,7 @@ def default_model_path(cache_dir: str | None = None) -> str:
 
     ``cache_dir`` defaults to ``$XDG_CACHE_HOME/tidal`` or ``~/.cache/tidal``.
     """
-    root = cache_dir or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "tidal"
-    )
+    root = cache_dir or _cache_root()
     key = json.dumps({**DEFAULT_MODEL_ARGS, "v": _DEFAULT_VERSION}, sort_keys=True)
     final = os.path.join(root, f"default-qwen3-moe-{hashlib.sha256(key.encode()).hexdigest()[:12]}")
     if os.path.isdir(final):
