@@ -11,10 +11,10 @@ headings. This script fails (exit status 1, one ``file:line: message`` per probl
   points at a missing file or anchor;
 - any scanned file refers to the old out-of-tree design document (the ``../shared``
   folder or its ``DESIGN`` page): the repository documents itself;
-- a ``*.py`` file cites an issue by number ("issue #12", "(#12)"): the code says why in
+- a source file (``*.py``, ``*.cpp``, ``*.h``) cites an issue by number ("issue #12", "(#12)"): the code says why in
   words, not by pointing at a tracker.
 
-Scanned: ``*.py``, ``*.md`` and ``*.toml`` files under ``tidal/``, ``tests/``,
+Scanned: ``*.py``, ``*.cpp``, ``*.h``, ``*.md`` and ``*.toml`` files under ``tidal/``, ``tests/``,
 ``benchmarks/`` and ``docs/``, plus ``README.md`` and ``pyproject.toml`` at the root.
 
 Usage::
@@ -39,7 +39,7 @@ from pathlib import Path
 
 SCAN_DIRS = ("tidal", "tests", "benchmarks", "docs")
 SCAN_ROOT_FILES = ("README.md", "pyproject.toml")
-SCAN_SUFFIXES = (".py", ".md", ".toml")
+SCAN_SUFFIXES = (".py", ".md", ".toml", ".cpp", ".h")
 SKIP_DIR_NAMES = frozenset({"__pycache__", ".git", "build", "node_modules", ".venv"})
 
 # ``docs/<path>.md`` optionally followed by ``#<anchor>``, not preceded by a path character
@@ -159,7 +159,7 @@ def check_file(path: Path, root: Path, index: AnchorIndex) -> list[Problem]:
         return [Problem(rel, 0, f"cannot read: {e}")]
     problems: list[Problem] = []
     is_md = path.suffix == ".md"
-    is_py = path.suffix == ".py"
+    is_code = path.suffix in (".py", ".cpp", ".h")
     in_fence = False
     for lineno, line in enumerate(text.splitlines(), 1):
         checked: set[tuple[Path, str | None]] = set()
@@ -179,7 +179,7 @@ def check_file(path: Path, root: Path, index: AnchorIndex) -> list[Problem]:
             problems.append(
                 Problem(rel, lineno, f"refers to the out-of-tree design document: {m.group(0)!r}")
             )
-        if is_py:
+        if is_code:
             for m in ISSUE_RE.finditer(line):
                 problems.append(
                     Problem(rel, lineno, f"cites an issue by number: {m.group(0)!r}; say why")

@@ -59,6 +59,37 @@ def test_decode_attention_matches_oracle(threads, heads, kv_heads, head_dim):
         torch.set_num_threads(old)
 
 
+@pytest.mark.parametrize("window", [None, 1, 3, 6, 16])
+@pytest.mark.parametrize("with_sinks", [False, True])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(8, 2, 32), (6, 2, 64), (4, 4, 16)])
+def test_decode_attention_with_window_and_sinks_matches_oracle(
+    window, with_sinks, heads, kv_heads, head_dim
+):
+    """GPT-OSS's layers: only the last ``window`` keys (lengths below, at and past it,
+    windows inside one block and across several), and a sink logit per query head."""
+    cache = _cache(kv_heads=kv_heads, head_dim=head_dim, seed=3)
+    lengths = [1, 3, 4, 6, 7, 17, 20]
+    perm = torch.randperm(32, generator=torch.Generator().manual_seed(2)).tolist()
+    tables = [perm[i * 4 : i * 4 + 5] for i in range(len(lengths))]  # blocks may repeat
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(len(lengths), heads, head_dim, generator=g)
+    sinks = torch.randn(heads, generator=g) * 2 if with_sinks else None
+    got = decode_attention_cpu(
+        q, cache, torch.tensor(tables), torch.tensor(lengths), head_dim**-0.5, window, sinks
+    )
+    want = decode_attention_reference(q, cache, list(zip(lengths, tables)), window, sinks)
+    torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
+
+
+def test_decode_attention_refuses_bad_window_and_sinks():
+    cache = _cache()
+    q, table, lens = torch.randn(1, 4, 32), torch.tensor([[0]]), torch.tensor([1])
+    with pytest.raises(ValueError, match="sliding_window"):
+        decode_attention_cpu(q, cache, table, lens, 1.0, 0)
+    with pytest.raises(RuntimeError, match="sinks"):
+        decode_attention_cpu(q, cache, table, lens, 1.0, None, torch.zeros(3))
+
+
 def test_decode_attention_refuses_bad_tables():
     cache, q = _cache(), torch.randn(1, 4, 32)
     with pytest.raises(RuntimeError, match="length"):  # 9 keys need 3 blocks of 4

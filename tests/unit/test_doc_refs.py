@@ -100,6 +100,9 @@ def test_issue_numbers_in_python_fail(refs, tmp_path):
     # Another project's thread is a citation in words, not this project's issue number.
     root2 = _base(tmp_path / "b", f"# vllm{hash_}53947 does it differently\n")
     assert refs.check(root2) == []
+    # C++ sources too.
+    root3 = _tree(tmp_path / "c", {"tidal/k.cpp": f"// Why (issue {hash_}13): speed\n"})
+    assert [(p.path, p.line) for p in refs.check(root3)] == [("tidal/k.cpp", 1)]
 
 
 def test_broken_relative_link_in_docs_fails(refs, tmp_path):

@@ -54,8 +54,17 @@ def decode_attention_cpu(
     block_table: Tensor,  # [D, B] int64 block ids (padding past each length is not read)
     seq_lens: Tensor,  # [D] int64 keys per sequence, this step's token included
     scale: float,
+    sliding_window: int | None = None,  # attend only the last sliding_window keys
+    sinks: Tensor | None = None,  # [Hq] one logit per query head in the denominator, no value
 ) -> Tensor:  # [D, Hq, Dh] in q's dtype (float32 softmax and sums)
-    return torch.ops.tidal_cpu.decode_attention(q, cache, block_table, seq_lens, scale)
+    """Each row's query over its cached keys (``decode_attention_reference``'s rule,
+    window and sinks included)."""
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
+    sk = None if sinks is None else sinks.to(torch.float32)
+    return torch.ops.tidal_cpu.decode_attention(
+        q, cache, block_table, seq_lens, scale, sliding_window or 0, sk
+    )
 
 
 def rope_cpu_ok(x: Tensor) -> bool:

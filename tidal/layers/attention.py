@@ -55,8 +55,8 @@ Each layer first writes the new K/V into the cache through ``slot_mapping``, the
 Two switches per layer (GPT-OSS): ``sliding_window`` W (a query at position p sees keys
 ``> p - W``, as transformers' sliding mask) and ``sinks`` (one learned logit per query
 head in the softmax denominator, no value: the weights over the keys sum to less than
-1). On CPU a layer with either runs the torch paths (the C++ decode kernel has neither);
-the Triton decode and prefill kernels compute both. A model whose every layer slides
+1). The C++ decode kernel (CPU) and the Triton decode and prefill kernels compute both;
+a CPU prefill chunk with either runs the torch path (an explicit mask). A model whose every layer slides
 frees the blocks behind the window; one that mixes sliding and full layers (GPT-OSS) has
 a KV cache group per kind, each with its own block table and metadata
 (``AttentionMetadata.groups``), and only the sliding group's blocks are freed
@@ -548,14 +548,13 @@ class PagedAttention(nn.Module):
     def native(self, rows: int) -> bool:
         """Whether a step with ``rows`` decode rows (or new tokens, for the cache writes)
         takes the C++ kernels (where they take its tensors)."""
-        if self.sliding_window is not None or self.sinks is not None:
-            return False  # the C++ kernels compute neither
         choice = self.cpu_choice
         return choice is None or choice.for_rows(rows).path == "native"
 
     def cpu_ops(self) -> dict[str, OpSpec]:
-        if not self.on_cpu or self.sliding_window is not None or self.sinks is not None:
-            return {}  # only the torch path serves it: nothing to choose
+        if not self.on_cpu:
+            return {}
+        # A window or sinks change little of the work: the same trial decides for them.
         key = OpKey("attention", (self.num_heads, self.num_kv_heads, self.head_dim))
         return {"decode": OpSpec(key, tuple(kernel_candidates(self.dtype)), False)}
 
@@ -789,8 +788,8 @@ class TorchDecode(DecodeBackend):
 
 
 class NativeDecode(DecodeBackend):
-    """The C++ kernel (CPU) unless the measured choice is the torch path, the layer has a
-    window or sinks (the kernel computes neither) or it does not take these tensors."""
+    """The C++ kernel (CPU; windows and sinks included) unless the measured choice is the
+    torch path or it does not take these tensors."""
 
     def decode(
         self, layer: PagedAttention, q: Tensor, cache: Tensor, meta: AttentionMetadata
@@ -798,8 +797,9 @@ class NativeDecode(DecodeBackend):
         if layer.native(q.shape[0]) and decode_attention_cpu_ok(q, cache, layer.num_kv_heads):
             assert meta.decode_block_table is not None and meta.decode_seq_lens is not None
             return decode_attention_cpu(
-                q, cache, meta.decode_block_table, meta.decode_seq_lens, layer.scale
-            )
+                q, cache, meta.decode_block_table, meta.decode_seq_lens, layer.scale,
+                layer.sliding_window, layer.sinks,
+            )  # fmt: skip
         return DECODE_BACKENDS[AttentionBackend.TORCH].decode(layer, q, cache, meta)
 
 

@@ -1,6 +1,6 @@
 // Decode attention over the paged KV cache, and rotary embedding, on CPU.
 //
-// Why (issue #13): the torch decode path is a K gather, a baddbmm, a softmax and an
+// Why: the torch decode path is a K gather, a baddbmm, a softmax and an
 // embedding_bag, with their index tensors and views; the rotary embedding a roll/mul/add
 // chain. Here each (sequence, KV head) reads its K and V rows once, straight from the
 // cache, for all the query heads that share them, in one parallel region a layer. At 32
@@ -14,9 +14,10 @@
 // float16 (--kv-cache-dtype need not be the model's): the cache is read in its own type
 // and widened in registers, never copied; softmax and sums are float32 whatever the
 // types. Softmax as torch's: max, exp(s - max), divide by the sum, then the
-// probability-weighted sum of V.
+// probability-weighted sum of V. window > 0 keeps the last window keys of each sequence;
+// sinks [Hq] float32 add one logit per query head to the softmax (GPT-OSS).
 //
-// write_kv: the new K/V rows into the cache, cast to its type.
+// write_kv: each token's K/V heads into its slot of the cache, cast to its type.
 //
 // rope: x [T, H, Dh] (last dim contiguous), cos and signed_sin [T, Dh] -> x * cos +
 // roll(x, Dh / 2) * signed_sin, the same three roundings as the torch expression (no
@@ -86,7 +87,8 @@ inline vec16 lane_sums(vec16 p[16]) {
 // scores, softmax and the weighted sum of V are float32 throughout.
 template <typename QT, typename CT>
 void decode_attention_impl(const at::Tensor& q, const at::Tensor& cache, const int64_t* tp,
-                           const int64_t* lp, int64_t width, const at::Tensor& out, float sc) {
+                           const int64_t* lp, int64_t width, const at::Tensor& out, float sc,
+                           int64_t window, const float* sinks) {
   const int64_t num = q.size(0), hq = q.size(1), dh = q.size(2);
   const int64_t nb = cache.size(1), hkv = cache.size(2), bs = cache.size(3);
   const QT* qp = q.data_ptr<QT>();
@@ -98,9 +100,11 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& cache, const i
 
   for_each_task(num * hkv, [&](int64_t task) {
     const int64_t d = task / hkv, kvh = task % hkv, len = lp[d];
+    // A window keeps the last ``window`` keys: positions first .. len - 1, n of them.
+    const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0, n = len - first;
     const int64_t* blocks = tp + d * width;
     thread_local std::vector<float> scores, qbuf, obuf;
-    scores.resize(static_cast<size_t>(group * len));
+    scores.resize(static_cast<size_t>(group * n));
     qbuf.resize(static_cast<size_t>(group * dh));
     obuf.resize(static_cast<size_t>(dh));
     const float* qg[kMaxGroup];
@@ -116,9 +120,10 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& cache, const i
     // 0. The task's K and V rows sit in a few scattered blocks, cold in cache at decode
     //    (the MoE weights streamed through since the last step); ask for all of them now
     //    so their misses overlap instead of each block waiting on its own.
-    for (int64_t b = 0; b * bs < len; ++b) {
-      const int64_t row = (blocks[b] * hkv + kvh) * bs * dh;
-      const int64_t values = std::min<int64_t>(bs, len - b * bs) * dh;
+    for (int64_t b = first / bs; b * bs < len; ++b) {
+      const int64_t lo = std::max<int64_t>(first, b * bs) - b * bs;  // first key in block
+      const int64_t row = ((blocks[b] * hkv + kvh) * bs + lo) * dh;
+      const int64_t values = (std::min<int64_t>(bs, len - b * bs) - lo) * dh;
       for (int64_t f = 0; f < values; f += kLine) {
         __builtin_prefetch(kc + row + f, 0, 2);
         __builtin_prefetch(vc + row + f, 0, 2);
@@ -127,16 +132,16 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& cache, const i
     // 1. scores[g][t] = q_g . k_t * scale: 16 keys at a time, each key's products summed
     //    across lanes by one transposing add tree (instead of a horizontal sum per key).
     const CT* keys[16];
-    for (int64_t t0 = 0; t0 < len; t0 += 16) {
-      const int64_t n = std::min<int64_t>(16, len - t0);
-      for (int64_t i = 0; i < n; ++i) {
-        const int64_t t = t0 + i;
+    for (int64_t t0 = 0; t0 < n; t0 += 16) {  // t0: index among the n keys
+      const int64_t m = std::min<int64_t>(16, n - t0);
+      for (int64_t i = 0; i < m; ++i) {
+        const int64_t t = first + t0 + i;
         keys[i] = kc + ((blocks[t / bs] * hkv + kvh) * bs + t % bs) * dh;
       }
       for (int64_t g = 0; g < group; ++g) {
-        float* s = scores.data() + g * len + t0;
-        if (n < 16 || dh % 16) {
-          for (int64_t i = 0; i < n; ++i) s[i] = dot(qg[g], keys[i], dh) * sc;
+        float* s = scores.data() + g * n + t0;
+        if (m < 16 || dh % 16) {
+          for (int64_t i = 0; i < m; ++i) s[i] = dot(qg[g], keys[i], dh) * sc;
           continue;
         }
         vec16 part[16];
@@ -148,24 +153,26 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& cache, const i
         store(s, lane_sums(part) * splat(sc));
       }
     }
-    // 2. softmax per query head: max, exp(s - max), divide by the sum
+    // 2. softmax per query head: max, exp(s - max), divide by the sum. A sink is one more
+    //    logit with no value: it joins the max and adds exp(sink - max) to the sum.
     for (int64_t g = 0; g < group; ++g) {
-      float* s = scores.data() + g * len;
-      float m = -std::numeric_limits<float>::infinity();
-      for (int64_t t = 0; t < len; ++t) m = std::max(m, s[t]);
-      float sum = 0.f;
+      float* s = scores.data() + g * n;
+      const float sink = sinks ? sinks[kvh * group + g] : 0.f;
+      float m = sinks ? sink : -std::numeric_limits<float>::infinity();
+      for (int64_t t = 0; t < n; ++t) m = std::max(m, s[t]);
+      float sum = sinks ? std::exp(sink - m) : 0.f;
       int64_t t = 0;
-      for (; t + 16 <= len; t += 16) {
+      for (; t + 16 <= n; t += 16) {
         const vec16 e = vexp(load(s + t) - splat(m));
         store(s + t, e);
         for (int l = 0; l < 16; ++l) sum += e[l];
       }
-      for (; t < len; ++t) {
+      for (; t < n; ++t) {
         s[t] = std::exp(s[t] - m);
         sum += s[t];
       }
       const float inv = 1.f / sum;
-      for (t = 0; t < len; ++t) s[t] *= inv;
+      for (t = 0; t < n; ++t) s[t] *= inv;
     }
     // 3. out_g = sum_t p[g][t] * v_t, one query head at a time in registers (a float
     //    output row is written in place, a 16-bit one through obuf)
@@ -177,10 +184,10 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& cache, const i
       } else {
         o = obuf.data();
       }
-      const float* pg = scores.data() + g * len;
+      const float* pg = scores.data() + g * n - first;  // pg[t] for t in first .. len - 1
       if (dh == 64) {
         vec16 a0 = {}, a1 = {}, a2 = {}, a3 = {};
-        for (int64_t t = 0; t < len; ++t) {
+        for (int64_t t = first; t < len; ++t) {
           const CT* v = vc + ((blocks[t / bs] * hkv + kvh) * bs + t % bs) * dh;
           const vec16 p = splat(pg[t]);
           a0 += p * load(v);
@@ -194,7 +201,7 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& cache, const i
         store(o + 48, a3);
       } else {
         std::fill(o, o + dh, 0.f);
-        for (int64_t t = 0; t < len; ++t) {
+        for (int64_t t = first; t < len; ++t) {
           const CT* v = vc + ((blocks[t / bs] * hkv + kvh) * bs + t % bs) * dh;
           const float p = pg[t];
           int64_t i = 0;
@@ -211,7 +218,9 @@ at::Tensor decode_attention(const at::Tensor& q,            // [D, Hq, Dh] float
                             const at::Tensor& cache,        // [2, NB, Hkv, bs, Dh] same types
                             const at::Tensor& block_table,  // [D, B] int64
                             const at::Tensor& seq_lens,     // [D] int64
-                            double scale) {
+                            double scale,
+                            int64_t window,                 // > 0: the last window keys
+                            const std::optional<at::Tensor>& sinks) {  // [Hq] float32
   TORCH_CHECK(q.is_cpu() && is_kernel_float(q.scalar_type()) && q.dim() == 3 && q.stride(2) == 1,
               "decode_attention: q must be a float32/bfloat16/float16 [D, Hq, Dh] tensor, "
               "last dim contiguous");
@@ -239,12 +248,22 @@ at::Tensor decode_attention(const at::Tensor& q,            // [D, Hq, Dh] float
       TORCH_CHECK(tp[d * width + b] >= 0 && tp[d * width + b] < nb,
                   "decode_attention: a block id is outside the cache");
   }
+  TORCH_CHECK(window >= 0, "decode_attention: window must be >= 0 (0: none)");
+  at::Tensor sk;
+  if (sinks.has_value()) {
+    sk = sinks->contiguous();
+    TORCH_CHECK(sk.is_cpu() && sk.scalar_type() == at::kFloat && sk.dim() == 1 &&
+                    sk.size(0) == hq,
+                "decode_attention: sinks must be a float32 [Hq] tensor");
+  }
   auto out = at::empty({num, hq, dh}, q.options());
   if (num == 0) return out;
   const float sc = static_cast<float>(scale);
+  const float* sp = sk.defined() ? sk.data_ptr<float>() : nullptr;
   with_float_type(q.scalar_type(), [&](auto qt) {
     with_float_type(cache.scalar_type(), [&](auto ct) {
-      decode_attention_impl<decltype(qt), decltype(ct)>(q, cache, tp, lp, width, out, sc);
+      decode_attention_impl<decltype(qt), decltype(ct)>(q, cache, tp, lp, width, out, sc, window,
+                                                        sp);
     });
   });
   return out;
@@ -352,7 +371,7 @@ at::Tensor rope(const at::Tensor& x,           // [T, H, Dh] float32, last dim c
 TORCH_LIBRARY_FRAGMENT(tidal_cpu, m) {
   m.def(
       "decode_attention(Tensor q, Tensor cache, Tensor block_table, Tensor seq_lens, "
-      "float scale) -> Tensor");
+      "float scale, int window=0, Tensor? sinks=None) -> Tensor");
   m.def("rope(Tensor x, Tensor cos, Tensor signed_sin) -> Tensor");
   m.def("write_kv(Tensor(a!) cache, Tensor slots, Tensor k, Tensor v) -> ()");
 }

@@ -36,7 +36,7 @@ namespace tidal_cpu {
 constexpr int kRows = 6;
 constexpr int64_t kPrefetch = 32;   // weight rows (of 64 floats) to prefetch ahead
 
-// The software prefetch of the weights, a per-CPU choice (issue #25): on an AMD EPYC
+// The software prefetch of the weights, a per-CPU choice: on an AMD EPYC
 // (Zen 4) the non-temporal and the T0 hint measure the same, while on an Intel Xeon
 // prefetchnta held the C++ linear at one row to ~10 GB/s and prefetcht0 reached 26-29
 // (MKL: ~25). The ops take the hint as an argument; tidal/kernels/select.py times each

@@ -1,7 +1,7 @@
 // y = x @ W^T (+ bias) for float32 or bf16 weights on CPU at decode sizes: a few rows times a small
 // weight, where the GEMM libraries' per-call cost is most of the time.
 //
-// Why (issue #13): oneDNN's prepacked linear reaches 440-500 GFLOP/s on this machine's
+// Why: oneDNN's prepacked linear reaches 440-500 GFLOP/s on this machine's
 // 1024-wide projections at 32 rows, but on the 256-wide model's q/k/v and o projections it
 // takes 26-37 us for 2-4 M multiply-adds (~160-225 GFLOP/s): fixed cost. This is the MoE
 // kernel's register-blocked micro-kernel (gemm.h) over the weight's 64-column blocks, one

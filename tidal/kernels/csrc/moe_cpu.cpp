@@ -4,7 +4,7 @@
 // parallel regions per layer (torch's own OpenMP pool, so no second thread pool competes
 // for the cores).
 //
-// Why (issue #13): at decode sizes an expert sees a handful of rows, so its GEMMs are
+// Why: at decode sizes an expert sees a handful of rows, so its GEMMs are
 // bound by reading the weights once; what costs on top is per-call overhead. The oneDNN
 // path pays ~14 us and a thread barrier per GEMM, two GEMMs per busy expert (64 a layer
 // at 32 tokens on the 1024-wide model); this pays two barriers a layer.

@@ -1,7 +1,7 @@
 // RMSNorm over the last dimension on CPU, in one pass per row: the sum of squares, then
 // x * rsqrt(mean + eps), then the weight (transformers' order of the two products); for
 // float32, and for bfloat16 / float16 rows with float32 math and transformers' roundings. torch's F.rms_norm on CPU is a chain of 5-6 ops, ~8 us for one 1024-wide row
-// and ~26 us for 32; a model calls it 2-3 times a layer (issue #13's per-step overhead).
+// and ~26 us for 32; a model calls it 2-3 times a layer (the per-step overhead).
 
 #include "vec.h"
 #include "vec_half.h"

@@ -2,7 +2,7 @@
 // the experts, the top-k, optionally renormalised -- what tidal/moe/router.py's
 // softmax_topk does after a linear, in torch's order of operations.
 //
-// Why (issue #13): the torch path is a GEMM call plus four small ops (softmax, topk, sum,
+// Why: the torch path is a GEMM call plus four small ops (softmax, topk, sum,
 // divide), ~35 us a layer at decode sizes on 2 cores for ~1 us of arithmetic; a model
 // routes once per MoE layer.
 //
