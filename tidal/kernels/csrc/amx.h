@@ -80,37 +80,57 @@ __attribute__((target("amx-tile"))) inline void amx_configure(int m) {
   _tile_loadconfig(&cfg);
 }
 
+// One tile step of amx_block and amx_panel: A's 32 k of the group's rows (tile 4, `a_stride`
+// bytes apart) times the step's four 16-column B tiles (`wp`: 16 pair rows x 64 columns,
+// 256 bytes a pair row), alternating B tiles 5 and 6, summed into C tiles 0-3.
+__attribute__((target("amx-tile,amx-bf16"), always_inline)) inline void amx_step(
+    const uint16_t* a, int64_t a_stride, const uint16_t* wp) {
+  constexpr int64_t w_stride = 256;  // bytes
+  _tile_loadd(4, a, a_stride);
+  _tile_loadd(5, wp, w_stride);
+  _tile_dpbf16ps(0, 4, 5);
+  _tile_loadd(6, wp + 32, w_stride);
+  _tile_dpbf16ps(1, 4, 6);
+  _tile_loadd(5, wp + 64, w_stride);
+  _tile_dpbf16ps(2, 4, 5);
+  _tile_loadd(6, wp + 96, w_stride);
+  _tile_dpbf16ps(3, 4, 6);
+}
+
+// C tiles 0-3 to or from `c` (float32, `c_stride` bytes a row: the four quarters of 64
+// columns).
+__attribute__((target("amx-tile"), always_inline)) inline void amx_store_c(float* c,
+                                                                          int64_t c_stride) {
+  _tile_stored(0, c, c_stride);
+  _tile_stored(1, c + 16, c_stride);
+  _tile_stored(2, c + 32, c_stride);
+  _tile_stored(3, c + 48, c_stride);
+}
+
+__attribute__((target("amx-tile"), always_inline)) inline void amx_zero_c() {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+}
+
 // out [m][64] float32 (row stride 64) = m rows of a (bf16, `lda` elements apart, 2 * pairs
 // long) times one bf16 pair block of `pairs` pair rows (pairs % 16 == 0). 1 <= m <= 16.
 // Tiles: 0-3 C (the four 16-column quarters), 4 A, 5 and 6 B (alternating).
 __attribute__((target("amx-tile,amx-bf16"))) inline void amx_block(
     int m, const uint16_t* a, int64_t lda, const uint16_t* w, int64_t pairs, float* out) {
   amx_configure(m);
-  _tile_zero(0);
-  _tile_zero(1);
-  _tile_zero(2);
-  _tile_zero(3);
-  const int64_t a_stride = lda * 2, w_stride = 256;  // bytes
+  amx_zero_c();
+  const int64_t a_stride = lda * 2;  // bytes
   for (int64_t p = 0; p < pairs; p += kAmxPairs) {
-    _tile_loadd(4, a + 2 * p, a_stride);
     const uint16_t* wp = w + p * 128;  // pair row p: 128 bf16
     // The hardware prefetcher alone left the tiles waiting on the weights: ask for the
     // step after next (4 KiB a step, 64 lines), past the block's end into the next task's.
     const char* ahead = reinterpret_cast<const char*>(wp + 2 * kAmxPairs * 128);
     for (int line = 0; line < 64; ++line) __builtin_prefetch(ahead + 64 * line, 0, 3);
-    _tile_loadd(5, wp, w_stride);
-    _tile_dpbf16ps(0, 4, 5);
-    _tile_loadd(6, wp + 32, w_stride);
-    _tile_dpbf16ps(1, 4, 6);
-    _tile_loadd(5, wp + 64, w_stride);
-    _tile_dpbf16ps(2, 4, 5);
-    _tile_loadd(6, wp + 96, w_stride);
-    _tile_dpbf16ps(3, 4, 6);
+    amx_step(a + 2 * p, a_stride, wp);
   }
-  _tile_stored(0, out, 256);
-  _tile_stored(1, out + 16, 256);
-  _tile_stored(2, out + 32, 256);
-  _tile_stored(3, out + 48, 256);
+  amx_store_c(out, 256);
   _tile_release();
 }
 
@@ -129,7 +149,7 @@ constexpr int64_t kAmxChunkPairs = 8 * kAmxPairs;
 __attribute__((target("amx-tile,amx-bf16"))) inline void amx_panel(
     int64_t rows, const uint16_t* a, int64_t lda, const uint16_t* w, int64_t pairs,
     float* out) {
-  const int64_t a_stride = lda * 2, w_stride = 256, c_stride = 256;  // bytes
+  const int64_t a_stride = lda * 2, c_stride = 256;  // bytes
   const int64_t full = rows / kAmxRows * kAmxRows;
   const int64_t groups = (rows + kAmxRows - 1) / kAmxRows;
   for (int64_t p0 = 0; p0 < pairs; p0 += kAmxChunkPairs) {
@@ -147,10 +167,7 @@ __attribute__((target("amx-tile,amx-bf16"))) inline void amx_panel(
       if (r0 == full) amx_configure(static_cast<int>(rows - full));
       float* c = out + r0 * 64;
       if (p0 == 0) {
-        _tile_zero(0);
-        _tile_zero(1);
-        _tile_zero(2);
-        _tile_zero(3);
+        amx_zero_c();
       } else {
         _tile_loadd(0, c, c_stride);
         _tile_loadd(1, c + 16, c_stride);
@@ -159,23 +176,11 @@ __attribute__((target("amx-tile,amx-bf16"))) inline void amx_panel(
       }
       const uint16_t* ar = a + r0 * lda;
       for (int64_t p = p0; p < p_end; p += kAmxPairs) {
-        _tile_loadd(4, ar + 2 * p, a_stride);
-        const uint16_t* wp = w + p * 128;
         for (int64_t l = 0; l < lines; ++l) __builtin_prefetch(next + 64 * (step * lines + l), 0, 2);
         ++step;
-        _tile_loadd(5, wp, w_stride);
-        _tile_dpbf16ps(0, 4, 5);
-        _tile_loadd(6, wp + 32, w_stride);
-        _tile_dpbf16ps(1, 4, 6);
-        _tile_loadd(5, wp + 64, w_stride);
-        _tile_dpbf16ps(2, 4, 5);
-        _tile_loadd(6, wp + 96, w_stride);
-        _tile_dpbf16ps(3, 4, 6);
+        amx_step(ar + 2 * p, a_stride, w + p * 128);
       }
-      _tile_stored(0, c, c_stride);
-      _tile_stored(1, c + 16, c_stride);
-      _tile_stored(2, c + 32, c_stride);
-      _tile_stored(3, c + 48, c_stride);
+      amx_store_c(c, c_stride);
     }
   }
   _tile_release();
