@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import time
 from collections.abc import Callable
@@ -27,7 +26,7 @@ from collections.abc import Callable
 import torch
 
 from tidal.kernels.cpu_ext import kernel_available, kernel_status
-from tidal.kernels.select import Candidate, Choice
+from tidal.kernels.select import Candidate, Choice, cpu_description
 from tidal.layers.attention import AttentionMetadata, PagedAttention, kv_cache_shape
 
 SHAPES = {"256": (4, 2, 64), "1024": (16, 4, 64)}  # (Hq, Hkv, head_dim)
@@ -40,15 +39,6 @@ CASES = [
 ]
 
 
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
 
 
 def make_step(
@@ -104,7 +94,7 @@ def main() -> None:
     torch.set_num_threads(opts.threads)
     paths = ["native", "torch"] if kernel_available() else ["torch"]
     header = {
-        "cpu": cpu_model(),
+        "cpu": cpu_description()["model"],
         "threads": opts.threads,
         "torch": torch.__version__,
         "native": kernel_available() or kernel_status(),

@@ -25,7 +25,6 @@ import argparse
 import hashlib
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -38,15 +37,6 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 
 
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def make_checkpoint(root: str, window: int, layers: int) -> str:
@@ -166,9 +156,11 @@ def main(argv: list[str] | None = None) -> int:
         "--layers", str(args.layers), "--budget", str(args.budget),
         "--kv-bytes", str(args.kv_bytes),
     ]  # fmt: skip
+    from tidal.kernels.select import cpu_description  # imported late, as the others
+
     doc: dict[str, Any] = {
         "benchmark": "kv_groups",
-        "cpu": _cpu_model(),
+        "cpu": cpu_description()["model"],
         "model": f"tiny GPT-OSS, {args.layers} alternating layers, window {args.window}",
         "workload": {k: getattr(args, k) for k in ("requests", "prompt", "max_tokens", "budget")},
         "kv_bytes": args.kv_bytes,

@@ -22,6 +22,36 @@ from tidal.layers.mla import MLASpec, MLAttention
 
 BS = 5  # odd block size: keys cross block edges at odd positions
 DH = 24  # not a power of two: the head dim is masked
+
+
+def backend_pair(
+    heads: int, kv_heads: int, window: int | None, sinks: bool, device: str, num_blocks: int
+) -> dict[AttentionBackend, PagedAttention]:
+    """The same layer on the torch (reference) and the Triton backend, over equal random
+    caches of ``num_blocks`` blocks and equal sinks."""
+    layers = {}
+    for backend in (AttentionBackend.TORCH, AttentionBackend.TRITON):
+        attn = PagedAttention(
+            heads, kv_heads, DH, device=device, sliding_window=window, sinks=sinks
+        )
+        attn.backend = backend
+        if attn.sinks is not None:
+            attn.sinks.data.copy_(torch.linspace(-1.0, 1.0, heads))
+        g = torch.Generator().manual_seed(3)
+        attn.kv_cache = torch.randn(kv_cache_shape(num_blocks, BS, kv_heads, DH), generator=g)
+        attn.kv_cache = attn.kv_cache.to(device)
+        layers[backend] = attn
+    return layers
+
+
+def assert_backends_agree(
+    layers: dict[AttentionBackend, PagedAttention], got: torch.Tensor, want: torch.Tensor
+) -> None:
+    """The Triton layer's output and cache writes equal the torch layer's."""
+    torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
+    torch.testing.assert_close(
+        layers[AttentionBackend.TRITON].kv_cache, layers[AttentionBackend.TORCH].kv_cache
+    )
 # (atol, rtol) against the float64 oracle: float32 end to end; float16 rounds q, K, V and
 # the probabilities before the second dot.
 TOL = {torch.float32: (2e-6, 1e-5), torch.float16: (2e-3, 2e-3), torch.bfloat16: (2e-2, 2e-2)}
@@ -159,18 +189,7 @@ def test_layer_triton_backend_equals_torch_backend(window, sinks, device):
     continuing a cached prefix): the Triton backend against the torch reference backend,
     cache writes included."""
     heads, kv_heads, num_blocks = 6, 2, 24
-    layers = {}
-    for backend in (AttentionBackend.TORCH, AttentionBackend.TRITON):
-        attn = PagedAttention(
-            heads, kv_heads, DH, device=device, sliding_window=window, sinks=sinks
-        )
-        attn.backend = backend
-        if attn.sinks is not None:
-            attn.sinks.data.copy_(torch.linspace(-1.0, 1.0, heads))
-        g = torch.Generator().manual_seed(3)
-        attn.kv_cache = torch.randn(kv_cache_shape(num_blocks, BS, kv_heads, DH), generator=g)
-        attn.kv_cache = attn.kv_cache.to(device)
-        layers[backend] = attn
+    layers = backend_pair(heads, kv_heads, window, sinks, device, num_blocks)
     seqs = [(0, 1, [1]), (6, 1, [2, 3]), (4, 3, [4, 5]), (12, 1, [6, 7, 8])]
     meta = AttentionMetadata.build(seqs, BS, device)
     g = torch.Generator().manual_seed(4)
@@ -179,10 +198,7 @@ def test_layer_triton_backend_equals_torch_backend(window, sinks, device):
     k, v = (torch.randn(rows, kv_heads, DH, generator=g).to(device) for _ in range(2))
     want = layers[AttentionBackend.TORCH](q, k, v, meta)
     got = layers[AttentionBackend.TRITON](q, k, v, meta)
-    torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
-    torch.testing.assert_close(
-        layers[AttentionBackend.TRITON].kv_cache, layers[AttentionBackend.TORCH].kv_cache
-    )
+    assert_backends_agree(layers, got, want)
 
 
 def test_mla_triton_decode_equals_decompressing_reference(device):

@@ -11,11 +11,11 @@ from typing import Any
 import pytest
 import torch
 
+from tests.kernels.test_kernel_paged_attention import assert_backends_agree, backend_pair
 from tidal.kernels.paged_prefill import PrefillBlocks, paged_prefill_attention
 from tidal.layers.attention import (
     AttentionBackend,
     AttentionMetadata,
-    PagedAttention,
     decode_attention_reference,
     kv_cache_shape,
 )
@@ -172,18 +172,7 @@ def test_layer_triton_prefill_equals_torch_prefill(heads, kv_heads, window, sink
     against the torch reference backend (SDPA per chunk with its mask), cache writes
     included."""
     num_blocks = 24
-    layers = {}
-    for backend in (AttentionBackend.TORCH, AttentionBackend.TRITON):
-        attn = PagedAttention(
-            heads, kv_heads, DH, device=device, sliding_window=window, sinks=sinks
-        )
-        attn.backend = backend
-        if attn.sinks is not None:
-            attn.sinks.data.copy_(torch.linspace(-1.0, 1.0, heads))
-        g = torch.Generator().manual_seed(3)
-        attn.kv_cache = torch.randn(kv_cache_shape(num_blocks, BS, kv_heads, DH), generator=g)
-        attn.kv_cache = attn.kv_cache.to(device)
-        layers[backend] = attn
+    layers = backend_pair(heads, kv_heads, window, sinks, device, num_blocks)
     seqs = [(0, 8, [1, 2]), (6, 1, [3, 4]), (4, 7, [5, 6, 7]), (0, 2, [8]), (12, 3, [9, 10, 11])]
     g = torch.Generator().manual_seed(4)
     rows = sum(s[1] for s in seqs)
@@ -194,10 +183,7 @@ def test_layer_triton_prefill_equals_torch_prefill(heads, kv_heads, window, sink
     # The torch path's per-chunk tensors (built on first read) were never built.
     assert all("mask" not in vars(c) and "kv_blocks" not in vars(c) for c in meta.prefills)
     want = layers[AttentionBackend.TORCH](q, k, v, AttentionMetadata.build(seqs, BS, device))
-    torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
-    torch.testing.assert_close(
-        layers[AttentionBackend.TRITON].kv_cache, layers[AttentionBackend.TORCH].kv_cache
-    )
+    assert_backends_agree(layers, got, want)
 
 
 def test_prefill_table_from_build_and_build_arrays(device):
