@@ -44,13 +44,12 @@ from collections.abc import Callable
 
 import torch
 
-from tidal.kernels.cpu_moe import amx_fits
+from tidal.kernels.cpu_ext import amx_fits
 from tidal.kernels.fused_moe_torch import empty_k_major_experts, fused_experts_torch
 from tidal.kernels.select import (
     Candidate,
     Choice,
     cpu_description,
-    expert_candidates,
     weight_candidates,
 )
 from tidal.layers.linear import Linear
@@ -211,7 +210,7 @@ def held_paths(args: argparse.Namespace, dtype: torch.dtype) -> None:
                 per = _op_bytes(op, (hidden, experts, experts, inter), 1, dt.itemsize)
                 instances = max(1, min(16, (args.pool_mib << 20) // per))
                 if op == "experts":
-                    cands = expert_candidates(dt, amx_fits(dt, hidden))
+                    cands = weight_candidates(dt, amx_fits=amx_fits(dt, hidden))
                 elif op == "linear":  # the layer's own: bf16 adds the AMX kernel where it fits
                     cands = list(module.cpu_ops()["linear"].candidates)
                 else:

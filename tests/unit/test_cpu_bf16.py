@@ -24,7 +24,6 @@ from tidal.kernels.select import (
     Candidate,
     Choice,
     choose_paths,
-    expert_candidates,
     weight_candidates,
 )
 from tidal.layers.linear import Linear
@@ -197,9 +196,9 @@ def test_fused_moe_amx_refuses_what_it_cannot_take():
     x, ids, weights = torch.randn(1, 33), torch.tensor([[0, 1]]), torch.ones(1, 2)
     with pytest.raises(ValueError, match="hidden size divisible by 32"):
         fused_experts_cpu(x, CpuPackedExperts(w13, w2), weights, ids, amx=True)
-    assert "native:amx" not in [c.name for c in expert_candidates(BF16, amx_fits=False)]
-    assert "native:amx" not in [c.name for c in expert_candidates(torch.float32, amx_fits=True)]
-    names = [c.name for c in expert_candidates(BF16, amx_fits=True)]
+    assert "native:amx" not in [c.name for c in weight_candidates(BF16, amx_fits=False)]
+    assert "native:amx" not in [c.name for c in weight_candidates(torch.float32, amx_fits=True)]
+    names = [c.name for c in weight_candidates(BF16, amx_fits=True)]
     assert ("native:amx" in names) == amx_available() and names[-1] == "torch"
 
 

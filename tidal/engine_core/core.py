@@ -50,10 +50,10 @@ class EngineCore:
         )
         # runner.kv_cache_info, fixed for the engine's life (kept: asked while awake).
         self._kv_layout: dict[str, Any] = self.executor.call("runner.kv_cache_info")
+        kv_windows = kv_group_windows(self._kv_layout)
         self.scheduler = Scheduler(
-            config.scheduler, config.cache, self.num_blocks, self.grammars,
-            kv_windows=kv_group_windows(self._kv_layout),
-        )  # fmt: skip
+            config.scheduler, config.cache, self.num_blocks, self.grammars, kv_windows=kv_windows
+        )
         # Async scheduling: the step launched last and not yet processed.
         self._pending: tuple[SchedulerOutput, PendingRunnerOutput] | None = None
         self.kv_cache_bytes: int = self.executor.call("runner.kv_cache_bytes", self.num_blocks)
@@ -61,9 +61,7 @@ class EngineCore:
         self.weights_freed = False  # and the weights (sleep level 2)
         # Block 0 is the null block: the others hold tokens, a block of each KV cache
         # group per block_size tokens (before any is freed behind a window).
-        self.num_kv_tokens = (
-            (self.num_blocks - 1) // len(kv_group_windows(self._kv_layout))
-        ) * config.cache.block_size
+        self.num_kv_tokens = (self.num_blocks - 1) // len(kv_windows) * config.cache.block_size
         logger.info(
             "engine core ready in %.2fs: KV cache per rank: %d blocks, %d tokens, %d bytes "
             "(%.1f MiB)",

@@ -480,7 +480,7 @@ class StaticDecodeInputs:
         """The attention metadata of a size-``size`` graph: views of the buffer (with KV
         cache groups, group 0's, holding every group's). Its mask and memoised cache rows
         are rebuilt inside every step (``refresh``)."""
-        metas = tuple(
+        return AttentionMetadata.grouped([
             AttentionMetadata(
                 num_tokens=size,
                 block_size=self.block_size,
@@ -492,10 +492,7 @@ class StaticDecodeInputs:
                 decode_seq_lens=self.part("lens", size),
             )
             for g in range(self.groups)
-        )
-        if self.groups > 1:
-            metas[0].groups = metas
-        return metas[0]
+        ])
 
     def refresh(self, meta: AttentionMetadata) -> None:
         """Inside the step: what ``build`` derives on the host, derived on the device."""

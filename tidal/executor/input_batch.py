@@ -121,12 +121,10 @@ def _reference_metadata(
 ) -> AttentionMetadata:
     if kv_groups == 1:
         return AttentionMetadata.build(seqs, block_size, device)
-    metas = tuple(
+    return AttentionMetadata.grouped([
         AttentionMetadata.build([(s, n, b[g::kv_groups]) for s, n, b in seqs], block_size, device)
         for g in range(kv_groups)
-    )
-    metas[0].groups = metas
-    return metas[0]
+    ])
 
 
 @dataclass(frozen=True)
@@ -356,14 +354,12 @@ class InputBatch:
         groups = self.num_kv_groups
         table = self.block_table[rows, : width * groups]  # [S, width * groups]
         num_blocks = self.num_blocks[rows] // groups  # [S] per group
-        metas = tuple(
+        return AttentionMetadata.grouped([
             AttentionMetadata.build_arrays(
                 starts, num_new, table[:, g::groups], num_blocks, self.block_size, self.device
             )
             for g in range(groups)
-        )
-        metas[0].groups = metas
-        return metas[0]
+        ])
 
     def prepare_decode(self, sched: SchedulerOutput | list[ScheduledRequest]) -> DecodeStep:
         """A decode-only step (every request one new token) as arrays, for the static

@@ -282,14 +282,14 @@ class ModelRunner:
         """Blocks that fit the configured KV budget, capped at what max_num_seqs full-length
         sequences could ever use (no point allocating more)."""
         cache, sched = self.config.cache, self.config.scheduler
+        # A sequence's table has an entry per block per KV cache group.
+        groups = self.model.kv_cache_spec().num_groups
         if cache.num_blocks is not None:
             num_blocks = cache.num_blocks
         else:
             graphs = self._graph_pool_estimate()  # before measuring: it frees what it took
             device = self._device_memory(graphs)
             budget = kv_cache_budget(cache, host=self._host_memory(), device=device, env=os.environ)
-            # A sequence's table has an entry per block per KV cache group.
-            groups = self.model.kv_cache_spec().num_groups
             per_seq = -(-sched.max_model_len // self.block_size) * groups
             num_blocks = min(
                 budget.bytes // self.kv_bytes_per_block(), sched.max_num_seqs * per_seq + 1
@@ -305,7 +305,6 @@ class ModelRunner:
         # the frontend, checking max_model_len, lets through.
         # With KV cache groups, each group's table counts (the scheduler's bound too).
         usable, need = num_blocks - 1, sched.max_model_len - 1
-        groups = self.model.kv_cache_spec().num_groups
         if usable < -(-need // self.block_size) * groups:
             raise ValueError(
                 f"KV cache of {num_blocks} blocks x {self.block_size} tokens (one block "
@@ -451,9 +450,8 @@ class ModelRunner:
         mapping, unmapped with it); the bytes they held."""
         freed = sum(t.numel() * t.element_size() for t in self.kv_caches)
         self.graphs.release()  # they read the cache being freed
-        num_layers = self.model.kv_cache_spec().num_layers
-        self.model.bind_kv_cache([torch.empty(0)] * num_layers)  # nothing steps while asleep
         self.kv_caches = []
+        self._bind_caches()  # empty ones: nothing steps while asleep
         return freed
 
     def _zeros_cache(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

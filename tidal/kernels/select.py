@@ -191,17 +191,6 @@ def native_candidates(
     return out
 
 
-def expert_candidates(
-    dtype: torch.dtype,
-    amx_fits: bool,
-    act_dtype: torch.dtype | None = None,
-    block_k: int = 128,
-) -> list[Candidate]:
-    """A layer's experts: ``weight_candidates`` with the AMX kernel where ``amx_fits``
-    (``cpu_ext.amx_fits`` of the hidden size)."""
-    return weight_candidates(dtype, act_dtype, block_k, amx_fits=amx_fits)
-
-
 def weight_candidates(
     dtype: torch.dtype,
     act_dtype: torch.dtype | None = None,

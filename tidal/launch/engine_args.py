@@ -50,6 +50,7 @@ from tidal.models.hub import ModelNotFound, resolve_model_path
 from tidal.models.registry import get_model_class, resolve_architecture
 from tidal.models.tiny import default_model_path
 from tidal.sampling_params import SamplingParams
+from tidal.utils.cache_dir import cache_root
 from tidal.utils.secret_env import AUTH_KEY_ENV
 
 # What "auto" resolves to (the checkpoint's dtype when it is one of these).
@@ -307,8 +308,7 @@ def _resolve_kernel_cache_dir(path: str | None) -> str | None:
     if path == "":
         return None
     if path is None:
-        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-        return os.path.join(base, "tidal", "kernels")
+        return os.path.join(cache_root(), "kernels")
     return os.path.abspath(os.path.expanduser(path))
 
 

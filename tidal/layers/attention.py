@@ -179,6 +179,14 @@ class AttentionMetadata:
     # reads groups[g]. Empty: one group, this.
     groups: tuple[AttentionMetadata, ...] = field(default=(), repr=False)
 
+    @staticmethod
+    def grouped(metas: Sequence[AttentionMetadata]) -> AttentionMetadata:
+        """One step's metadata for a model with KV cache groups: group 0's, carrying every
+        group's in ``groups`` (one group: that one, ``groups`` left empty)."""
+        if len(metas) > 1:
+            metas[0].groups = tuple(metas)
+        return metas[0]
+
     @property
     def decode_mask(self) -> Tensor | None:
         """[D, 1, 1, max_blocks * block_size] bool, True = a key of the sequence; None when

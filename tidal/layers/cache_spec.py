@@ -112,11 +112,12 @@ class KVCacheSpec:
 
     def bytes_per_token(self, dtype: torch.dtype) -> int:
         """Cache bytes of one token over every layer (of this worker)."""
-        elem = torch.empty((), dtype=dtype).element_size()
-        return self.values_per_token() * elem * self.num_layers
+        return self._bytes_per_layer_token(dtype) * self.num_layers
 
     def bytes_per_block(self, dtype: torch.dtype, block_size: int) -> int:
         """Cache bytes of one block id: a page of every cache tensor (one group:
         ``bytes_per_token x block_size``)."""
-        elem = torch.empty((), dtype=dtype).element_size()
-        return self.values_per_token() * elem * self.num_pages * block_size
+        return self._bytes_per_layer_token(dtype) * self.num_pages * block_size
+
+    def _bytes_per_layer_token(self, dtype: torch.dtype) -> int:
+        return self.values_per_token() * torch.empty((), dtype=dtype).element_size()

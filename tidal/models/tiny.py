@@ -26,6 +26,7 @@ import torch
 from tidal.kernels.fp8_torch import FP8_MAX, dequantize_fp8_blocks, quantize_fp8_blocks
 from tidal.models.common import ModelEntry
 from tidal.models.registry import entry_for_model_type, model_types
+from tidal.utils.cache_dir import cache_root
 
 ARCHS = tuple(model_types())
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
@@ -256,15 +257,10 @@ def _transformers_class(name: str) -> Any:
     # Importing a model class imports torch._dynamo, which makes inductor's cache folder
     # at once: under $TMPDIR by default, where nothing would remove it (a server building
     # the embedded model left it behind). Ours goes beside Tidal's other caches instead.
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(_cache_root(), "torchinductor"))
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(cache_root(), "torchinductor"))
     import transformers
 
     return getattr(transformers, name)
-
-
-def _cache_root() -> str:
-    """``$XDG_CACHE_HOME/tidal`` or ``~/.cache/tidal``."""
-    return os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "tidal")
 
 
 def _make_model(
@@ -328,7 +324,7 @@ def default_model_path(cache_dir: str | None = None) -> str:
 
     ``cache_dir`` defaults to ``$XDG_CACHE_HOME/tidal`` or ``~/.cache/tidal``.
     """
-    root = cache_dir or _cache_root()
+    root = cache_dir or cache_root()
     key = json.dumps({**DEFAULT_MODEL_ARGS, "v": _DEFAULT_VERSION}, sort_keys=True)
     final = os.path.join(root, f"default-qwen3-moe-{hashlib.sha256(key.encode()).hexdigest()[:12]}")
     if os.path.isdir(final):

@@ -73,8 +73,8 @@ import torch
 from torch import Tensor, nn
 
 from tidal.distributed.tensor_parallel import TensorParallel
+from tidal.kernels.cpu_ext import amx_fits
 from tidal.kernels.cpu_fp8 import Fp8CpuExperts
-from tidal.kernels.cpu_moe import amx_fits
 from tidal.kernels.cpu_paths import PACKED_PATHS, HeldExperts, HeldGate
 from tidal.kernels.fp8_torch import FP8_DTYPE, dequantize_fp8_rows, w8a8_group_ok
 from tidal.kernels.fused_moe_torch import empty_k_major_experts, fused_experts_torch, is_k_major
@@ -85,7 +85,6 @@ from tidal.kernels.select import (
     OpKey,
     OpSpec,
     default_choice,
-    expert_candidates,
     weight_candidates,
 )
 from tidal.kernels.triton_device import triton_serves
@@ -600,12 +599,9 @@ class FusedMoE(HeldParamsModule):
         return choice
 
     def _candidates(self, op: str) -> list[Candidate]:
-        if op == "experts":
-            cands = expert_candidates(
-                self.params_dtype, amx_fits(self.params_dtype, self.expert_shape[1])
-            )
-        else:
-            cands = weight_candidates(self.params_dtype)
+        # The experts read their weights along the hidden size: AMX where it fits.
+        fits = op == "experts" and amx_fits(self.params_dtype, self.expert_shape[1])
+        cands = weight_candidates(self.params_dtype, amx_fits=fits)
         if op == "router" and not self.routing.plain_softmax:  # the C++ router cannot
             cands = [c for c in cands if c.path != "native"]
         if op == "experts" and self.custom_experts:  # only biased_experts computes them
