@@ -49,7 +49,7 @@ def make_step(
     hq, hkv, dh = shape
     attn = PagedAttention(hq, hkv, dh, dtype=dtype)
     cand = Candidate(path)
-    attn.set_cpu_path("decode", Choice(cand, cand, None))
+    attn.set_cpu_path("decode", Choice.fixed(cand, None))
     per_seq = -(-context // BLOCK)
     num_blocks = seqs * per_seq + 1
     g = torch.Generator().manual_seed(0)

@@ -354,7 +354,7 @@ def _choices(kernel_cache: Path, run_outputs: list[Path]) -> dict[str, Any]:
             cands = [Candidate.parse(n) for n in timings.get("decode", {})]
             weights = op.startswith(("linear", "moe", "router", "fp8_"))
             c = decide(cands, timings, holds_weights=weights)
-            out[op] = {"decode": c.decode.name, "batch": c.batch.name, "timings_ms": timings}
+            out[op] = {**{k: v.name for k, v in c.by_class().items()}, "timings_ms": timings}
         out["_cpu"] = doc.get("fingerprint", {}).get("cpu_model")
     if out:
         return out
@@ -363,7 +363,7 @@ def _choices(kernel_cache: Path, run_outputs: list[Path]) -> dict[str, Any]:
         report = kernels[0]  # rank 0's
         if report:
             out = {
-                op: {"decode": c["decode"], "batch": c["batch"], "timings_ms": c["timings_ms"]}
+                op: {k: c.get(k) for k in ("decode", "batch", "prefill", "timings_ms")}
                 for op, c in report["ops"].items()
             }
             out["_cpu"] = report.get("cpu")
@@ -455,7 +455,7 @@ def moe_block(model: Path, opts: argparse.Namespace, results: Path) -> dict[str,
         layer.w13.data, layer.w2.data = k_major_experts(w13, w2)
         layer.gate.data.copy_(gate_w)
         for op in ("experts", "router"):
-            layer.set_cpu_path(op, Choice(cand, cand, cand.path))
+            layer.set_cpu_path(op, Choice.fixed(cand, cand.path))
         layer.pack_weights()
         layers[cand.name] = layer
     rows: dict[str, Any] = {}
@@ -532,7 +532,7 @@ def kernel_bandwidth(opts: argparse.Namespace) -> dict[str, Any]:
     from tidal.kernels.cpu_ext import PREFETCH_HINTS
     from tidal.kernels.cpu_paths import HeldExperts, HeldLinear
     from tidal.kernels.fused_moe_torch import fused_experts_torch, k_major_experts
-    from tidal.kernels.select import Candidate, decide
+    from tidal.kernels.select import CLASSES, Candidate, decide
 
     torch.set_num_threads(opts.threads)
     buf = torch.ones(256 * 1024 * 1024)  # 1 GiB float32
@@ -593,7 +593,7 @@ def kernel_bandwidth(opts: argparse.Namespace) -> dict[str, Any]:
         gbs = {n: statistics.median(v) / 1e9 for n, v in per.items()}
         # What the selection keeps (decode class): the fastest here, as it measures it.
         ms = {n: 1.0 / g for n, g in gbs.items()}
-        choice = decide([Candidate.parse(n) for n in names], {"decode": ms, "batch": ms})
+        choice = decide([Candidate.parse(n) for n in names], dict.fromkeys(CLASSES, ms))
         out[kind] = {
             "gb_s": {n: _r(v, 1) for n, v in gbs.items()},
             "fraction_of_sum": {n: _r(v) for n, v in frac.items()},

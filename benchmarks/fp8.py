@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from tidal.kernels.select import Candidate, Choice, cpu_description
+from tidal.kernels.select import CLASSES, Candidate, Choice, cpu_description
 from tidal.launch.engine_args import EngineArgs
 from tidal.layers.attention import AttentionMetadata
 from tidal.models.loader import load_model
@@ -79,13 +79,13 @@ def _force_fp8(model: Any, path: str) -> dict[str, str]:
             if not spec.key.op.startswith("fp8_"):
                 continue
             was = choices[spec.key.name]
-            picked[spec.key.name] = f"{was.decode.name}/{was.batch.name}"
+            picked[spec.key.name] = "/".join(c.name for c in was.by_class().values())
             best = {}
-            for cls in ("decode", "batch"):
+            for cls in CLASSES:
                 timed = {n: t for n, t in was.timings_ms.get(cls, {}).items() if n.startswith(path)}
                 default = "native:t0" if path == "native" else path
                 best[cls] = Candidate.parse(min(timed, key=lambda n: timed[n], default=default))
-            m.set_cpu_path(op, Choice(best["decode"], best["batch"], path, "forced"))
+            m.set_cpu_path(op, Choice(**best, layout=path, source="forced"))
             m.pack_weights()
     return picked
 

@@ -162,7 +162,7 @@ def _experts_stand_ins(
     layers = []
     for _ in range(instances):
         moe = FusedMoE(experts, top_k, hidden, inter, True, dtype=dtype)
-        moe.set_cpu_path("experts", Choice(cand, cand, cand.path))
+        moe.set_cpu_path("experts", Choice.fixed(cand, cand.path))
         moe.w13.data, moe.w2.data = empty_k_major_experts(moe.w13, moe.w2)
         moe.w13.data.fill_(0.01)
         moe.w2.data.fill_(0.01)

@@ -265,7 +265,7 @@ def test_linear_amx_serves_a_layer_and_round_trips_its_weights():
         assert p is not None
         p.data.copy_(torch.randn(p.shape) * 0.3)
     w, b = lin.weight.detach().clone(), lin.bias
-    lin.set_cpu_path("linear", Choice(amx, amx, "native"))
+    lin.set_cpu_path("linear", Choice.fixed(amx, "native"))
     lin.pack_weights()
     assert lin.is_released("weight") and torch.equal(lin.read_weights()["weight"], w)
     x = torch.randn(2, 9, 64).to(BF16)  # [..., K]: the leading dims are flattened to rows
@@ -311,7 +311,7 @@ def test_bf16_layers_serve_on_each_path_and_unpack_the_checkpoint(cand):
     w13, w2, gate = (t.detach().clone() for t in (moe.w13, moe.w2, moe.gate))
     for m, ops in ((lin, ("linear",)), (moe, ("experts", "router"))):
         for op in ops:
-            m.set_cpu_path(op, Choice(cand, cand, cand.path))
+            m.set_cpu_path(op, Choice.fixed(cand, cand.path))
         m.pack_weights()
     held = lin._held is not None
     assert held == (cand.path != "torch") and torch.equal(lin.read_weights()["weight"], w)
@@ -427,7 +427,7 @@ def test_tiny_bf16_qwen3_moe_decodes_greedily_as_on_torch(qwen3_ckpt):
             if isinstance(module, (Linear, FusedMoE)):
                 for op, spec in module.cpu_ops().items():
                     if cand in spec.candidates:
-                        module.set_cpu_path(op, Choice(cand, cand, cand.path))
+                        module.set_cpu_path(op, Choice.fixed(cand, cand.path))
                         served += 1
                 module.pack_weights()
         assert served >= 9  # 2 layers x (qkv, o, router, experts) and the lm_head

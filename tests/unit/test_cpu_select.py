@@ -41,10 +41,15 @@ ONEDNN, TORCH = Candidate("onednn"), Candidate("torch")
 ALL = (NTA, T0, ONEDNN, TORCH)
 
 
-def _timings(decode: dict[Candidate, float], batch: dict[Candidate, float]) -> dict[str, Any]:
+def _timings(
+    decode: dict[Candidate, float],
+    batch: dict[Candidate, float],
+    prefill: dict[Candidate, float] | None = None,  # None: the batch's
+) -> dict[str, Any]:
     return {
         "decode": {c.name: t for c, t in decode.items()},
         "batch": {c.name: t for c, t in batch.items()},
+        "prefill": {c.name: t for c, t in (batch if prefill is None else prefill).items()},
     }
 
 
@@ -75,6 +80,35 @@ def test_weights_keep_one_layout_and_each_class_its_best_variant():
     )
     assert (choice.decode, choice.batch, choice.layout) == (T0, NTA, "native")
     assert choice.for_rows(1) == T0 and choice.for_rows(select.DECODE_MAX_ROWS + 1) == NTA
+
+
+def test_a_prefill_takes_its_own_variant():
+    """The third class: at a prefill chunk another variant of the held layout can win (the
+    AMX tiles against the dot kernel on bf16 experts); calls take it only above
+    ``BATCH_MAX_ROWS`` rows, and a path that wins only there does not move the layout
+    when it loses the other two classes by more."""
+    fast_small = {NTA: 2.0, T0: 1.0, ONEDNN: 1.5, TORCH: 4.0}
+    prefill = {NTA: 5.0, T0: 9.0, ONEDNN: 4.9, TORCH: 8.0}
+    choice = decide(ALL, _timings(fast_small, fast_small, prefill))
+    assert (choice.decode, choice.batch, choice.prefill, choice.layout) == (T0, T0, NTA, "native")
+    assert choice.for_rows(select.BATCH_MAX_ROWS) == T0
+    assert choice.for_rows(select.BATCH_MAX_ROWS + 1) == NTA
+    assert Choice.from_dict(choice.as_dict()) == choice
+    # A layout that loses a little at decode and batch but wins a prefill by far takes it.
+    prefill = {NTA: 30.0, T0: 40.0, ONEDNN: 5.0, TORCH: 80.0}
+    choice = decide(ALL, _timings(fast_small, fast_small, prefill))
+    assert choice.layout == "onednn" and choice.prefill == ONEDNN
+
+
+def test_trial_rows_stay_inside_their_classes():
+    rows = select.trial_rows(32, 256)
+    assert rows == {"decode": 1, "batch": 32, "prefill": 256}
+    assert list(rows) == list(select.CLASSES)
+    small = select.trial_rows(2, 16)  # --max-num-seqs 2, --max-num-batched-tokens 16
+    assert Choice.fixed(T0, None).for_rows(1) == T0
+    for cls, n in small.items():
+        picks = {c: Candidate("native", c) for c in select.CLASSES}
+        assert Choice(**picks, layout=None).for_rows(n) == picks[cls]
 
 
 def test_ops_without_weights_choose_per_class():
@@ -240,7 +274,7 @@ def test_choose_paths_measures_once_then_reuses_until_the_machine_changes(tmp_pa
     mods = [FakeModule(clock, key, costs) for _ in range(3)]
     report = choose_paths(mods, cache_dir=str(tmp_path), batch_rows=8, clock=clock)
     assert all(m.choice.decode == T0 and m.choice.source == "measured" for m in mods)
-    assert {r for _, r, _ in mods[0].trials} == {1, 8} and not mods[1].trials  # one trial
+    assert {r for _, r, _ in mods[0].trials} == {1, 8, 256} and not mods[1].trials  # one trial
     assert max(n for _, _, n in mods[0].trials) == 3  # stand-ins for every layer: memory
     assert json.loads(json.dumps(report.as_dict()))["ops"][key.name]["decode"] == "native:t0"
 

@@ -256,7 +256,7 @@ def test_measured_torch_choice_still_reads_the_16bit_cache():
     for path in ("native", "torch"):
         attn, blocks = _layer(F32, BF16, lengths)
         cand = Candidate(path)
-        attn.set_cpu_path("decode", Choice(cand, cand, None))
+        attn.set_cpu_path("decode", Choice.fixed(cand, None))
         meta = AttentionMetadata.build([(n - 1, 1, b) for n, b in zip(lengths, blocks)], BS, "cpu")
         g = torch.Generator().manual_seed(3)
         q, k, v = (torch.randn(3, h, 16, generator=g) for h in (4, 2, 2))

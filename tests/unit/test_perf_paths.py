@@ -139,7 +139,7 @@ def _forced(path: str) -> Choice:
     if path == "onednn" and not onednn_available():
         pytest.skip("no oneDNN prepacked linear")
     cand = Candidate(path, "nta" if path == "native" else "")
-    return Choice(cand, cand, path)
+    return Choice.fixed(cand, path)
 
 
 @pytest.mark.parametrize("path", ["native", "onednn", "torch"])

@@ -167,7 +167,7 @@ def _forced(path: str, variant: str = "") -> Choice:
     if path == "native" and not variant:
         variant = "t0"
     c = Candidate(path, variant)
-    return Choice(c, c, path, "forced")
+    return Choice.fixed(c, path, "forced")
 
 
 # ---------------------------------------------------------------- loading

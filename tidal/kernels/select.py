@@ -6,8 +6,9 @@ tuned on an AMD EPYC ran 1.5-1.7x slower than plain torch on an Intel Xeon (thei
 software prefetch hint), and Tidal's default was slower than transformers there. So for
 each op a model runs -- MoE experts, router, linear, decode attention, norm -- every
 available path (the C++ kernels with each prefetch hint, oneDNN prepacked, plain torch)
-runs a short timed trial on the model's own shapes, at decode (one row) and at a batch,
-and the fastest is kept. The trials' timings are cached per machine fingerprint (CPU model
+runs a short timed trial on the model's own shapes, at three shape classes (``CLASSES``:
+one decode row, a decode batch, a prefill chunk), and the fastest is kept per class. The
+trials' timings are cached per machine fingerprint (CPU model
 and flags, thread count, dtype, Tidal and torch versions, the kernels' build) and op shape,
 so the next start decides from the cache without running anything.
 
@@ -15,7 +16,7 @@ The parts:
 
 * ``decide``: pure -- candidates, their timings and the mode (``auto`` or a forced
   path) in, a ``Choice`` out. A path that holds weights keeps one layout per op (one copy
-  of each weight), so such an op gets one path for both shape classes (the
+  of each weight), so such an op gets one path for every shape class (the
   one with the least summed slowdown against each class's best) and, within it, each
   class's fastest variant; ops without weights (norm, attention) choose per class freely.
   Candidates depend on the weights' dtype (``weight_candidates``): bf16 weights have the
@@ -52,7 +53,7 @@ import platform
 import tempfile
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -73,13 +74,20 @@ logger = logging.getLogger(__name__)
 
 PATHS = ("native", "onednn", "torch")  # preference order on an exact tie
 MODES = ("auto", *PATHS)
-CLASSES = ("decode", "batch")
+# The shape classes, by rows per call: a decode step of one or a few sequences, a decode
+# batch, and a prefill chunk (or a decode batch of hundreds). Paths rank differently in
+# each: at a prefill a bf16 expert GEMM is compute-bound, and AMX tiles ran the 64-expert
+# layer's 1024 rows 3.8x faster than the dot kernel that is fastest at 32.
+CLASSES = ("decode", "batch", "prefill")
 # The hints measured for the C++ kernels ("none", the hardware prefetcher alone, never won
 # on either CPU measured and would cost trial time).
 NATIVE_HINTS = ("nta", "t0")
-# A call of ``rows`` rows is in the decode class when rows <= this (the trials run 1 row
-# and ``batch_rows``; the boundary sits near their geometric mean).
+# A call of ``rows`` rows is in the decode class when rows <= DECODE_MAX_ROWS, in the
+# batch class up to BATCH_MAX_ROWS, else in the prefill class. The trials run 1 row,
+# ``batch_rows`` (32) and ``prefill_rows`` (256); each boundary sits near the geometric
+# mean of its neighbours' rows.
 DECODE_MAX_ROWS = 4
+BATCH_MAX_ROWS = 96
 # Bump when a path's code changes in a way the kernels' build hash does not show.
 CACHE_FORMAT = 1
 WARM_UP = 2  # untimed-for-the-estimate calls of each trial (first touches, thread wake-ups)
@@ -116,23 +124,33 @@ class OpKey:
 
 @dataclass(frozen=True)
 class Choice:
-    """The paths serving one op key: ``decode`` for calls of at most ``DECODE_MAX_ROWS``
-    rows, ``batch`` above; ``layout`` the path whose layout holds the weights (None for
-    an op without weights)."""
+    """The paths serving one op key, one per shape class: ``decode`` for calls of at most
+    ``DECODE_MAX_ROWS`` rows, ``batch`` up to ``BATCH_MAX_ROWS``, ``prefill`` above;
+    ``layout`` the path whose layout holds the weights (None for an op without weights)."""
 
     decode: Candidate
     batch: Candidate
+    prefill: Candidate
     layout: str | None
     source: str = "measured"  # measured | cached | forced | only | default
     timings_ms: dict[str, dict[str, float]] = field(default_factory=dict, compare=False)
 
+    @classmethod
+    def fixed(cls, c: Candidate, layout: str | None, source: str = "forced") -> Choice:
+        """``c`` at every shape class (a trial's stand-in, a forced or only path)."""
+        return cls(c, c, c, layout, source)
+
     def for_rows(self, rows: int) -> Candidate:
-        return self.decode if rows <= DECODE_MAX_ROWS else self.batch
+        if rows <= DECODE_MAX_ROWS:
+            return self.decode
+        return self.batch if rows <= BATCH_MAX_ROWS else self.prefill
+
+    def by_class(self) -> dict[str, Candidate]:  # CLASSES order
+        return {"decode": self.decode, "batch": self.batch, "prefill": self.prefill}
 
     def as_dict(self) -> dict[str, Any]:
         return {
-            "decode": self.decode.name,
-            "batch": self.batch.name,
+            **{cls: c.name for cls, c in self.by_class().items()},
             "layout": self.layout,
             "source": self.source,
             "timings_ms": self.timings_ms,
@@ -144,6 +162,7 @@ class Choice:
         return cls(
             Candidate.parse(doc["decode"]),
             Candidate.parse(doc["batch"]),
+            Candidate.parse(doc["prefill"]),
             doc.get("layout"),
             doc.get("source", "measured"),
             dict(doc.get("timings_ms") or {}),
@@ -155,7 +174,7 @@ def default_choice(candidates: Iterable[Candidate], holds_weights: bool) -> Choi
     loaded machine: the first candidate in ``PATHS`` order (the C++ kernels where built),
     and among their variants ``_default_rank``'s first."""
     best = min(candidates, key=_default_rank)
-    return Choice(best, best, best.path if holds_weights else None, source="default")
+    return Choice.fixed(best, best.path if holds_weights else None, source="default")
 
 
 def _default_rank(c: Candidate) -> tuple[int, bool, bool, str]:
@@ -257,7 +276,8 @@ def decide(
         raise ValueError("no candidate to choose from")
     shown = {cls: dict(timings_ms.get(cls, {})) for cls in CLASSES}
     if len(cands) == 1:
-        return Choice(cands[0], cands[0], _layout(cands[0], holds_weights), "only", shown)
+        only = Choice.fixed(cands[0], _layout(cands[0], holds_weights), "only")
+        return replace(only, timings_ms=shown)
 
     def best(pool: list[Candidate], cls: str) -> Candidate | None:
         timed = [c for c in pool if _finite(timings_ms.get(cls, {}).get(c.name))]
@@ -274,7 +294,7 @@ def decide(
     if overall is None:
         return default_choice(cands, holds_weights)
     if not holds_weights:
-        return Choice(overall[CLASSES[0]], overall[CLASSES[1]], None, source, shown)
+        return Choice(**overall, layout=None, source=source, timings_ms=shown)
     # One layout per op: the path whose best variant loses least, summed over the classes.
     scores: dict[str, float] = {}
     for path in dict.fromkeys(c.path for c in cands):
@@ -285,10 +305,9 @@ def decide(
             timings_ms[cls][picks[cls].name] / timings_ms[cls][overall[cls].name] for cls in CLASSES
         )
     path = min(scores, key=lambda p: (scores[p], PATHS.index(p)))
-    pool = [c for c in cands if c.path == path]
-    decode, batch = best(pool, "decode"), best(pool, "batch")
-    assert decode is not None and batch is not None
-    return Choice(decode, batch, path, source, shown)
+    picks = best_per_class([c for c in cands if c.path == path])
+    assert picks is not None
+    return Choice(**picks, layout=path, source=source, timings_ms=shown)
 
 
 def _layout(c: Candidate, holds_weights: bool) -> str | None:
@@ -587,6 +606,7 @@ def choose_paths(
     mode: str = "auto",
     cache_dir: str | None = None,
     batch_rows: int = 32,
+    prefill_rows: int = 256,
     dtype: torch.dtype = torch.float32,
     clock: Callable[[], float] = time.perf_counter,  # the trials' (tests pass a fake one)
     deadline_s: float = TRIAL_DEADLINE_S,
@@ -612,7 +632,8 @@ def choose_paths(
         )
     else:
         cache = ChoiceCache(cache_dir, print_)
-        choices = _choose(groups, mode, cache, batch_rows, clock, start, deadline_s)
+        rows = trial_rows(batch_rows, prefill_rows)
+        choices = _choose(groups, mode, cache, rows, clock, start, deadline_s)
         report = SelectionReport(mode, print_, cache.path, clock() - start, choices)
         if share is not None:
             share.exchange({name: c.as_dict() for name, c in choices.items()})
@@ -627,13 +648,12 @@ def _choose(
     groups: Mapping[OpKey, list[tuple[Any, str, OpSpec]]],
     mode: str,
     cache: ChoiceCache,
-    batch_rows: int,
+    rows: Mapping[str, int],  # class -> the trial's rows
     clock: Callable[[], float],
     start: float,
     deadline_s: float,
 ) -> dict[str, Choice]:
     """Each op key's choice, from the cache or a trial (cached unless the machine was busy)."""
-    rows = {"decode": 1, "batch": max(DECODE_MAX_ROWS + 1, batch_rows)}
     choices: dict[str, Choice] = {}
     measured = False
     window = cpu_sample()  # what else ran during the trials decides whether they are kept
@@ -667,6 +687,12 @@ def _choose(
             busy,
         )
     return choices
+
+
+def trial_rows(batch_rows: int, prefill_rows: int) -> dict[str, int]:
+    """The rows each class's trial runs, each inside its class's bounds."""
+    batch = min(max(DECODE_MAX_ROWS + 1, batch_rows), BATCH_MAX_ROWS)
+    return {"decode": 1, "batch": batch, "prefill": max(BATCH_MAX_ROWS + 1, prefill_rows)}
 
 
 def _follow(

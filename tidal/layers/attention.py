@@ -570,7 +570,7 @@ class PagedAttention(nn.Module):
         """Sequences of ``TRIAL_CONTEXT`` tokens each decoding one more."""
         dtype = self.dtype
         attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, dtype=dtype)
-        attn.set_cpu_path(op, Choice(candidate, candidate, None))
+        attn.set_cpu_path(op, Choice.fixed(candidate, None))
         bs = TRIAL_BLOCK_SIZE
         per_seq = -(-TRIAL_CONTEXT // bs)
         caches: dict[int, Tensor] = {}

@@ -162,7 +162,7 @@ def linear_trial(
         lin = stand_in()
         if lin.bias is not None:
             lin.bias.data.zero_()
-        lin.set_cpu_path(op, Choice(candidate, candidate, candidate.path))
+        lin.set_cpu_path(op, Choice.fixed(candidate, candidate.path))
         lin.pack_weights()
         stand_ins.append(lin)
     turn = itertools.cycle(stand_ins)

@@ -68,7 +68,7 @@ class RMSNorm(nn.Module):
         dtype = self.weight.dtype
         norm = RMSNorm(self.weight.shape[0], self.eps, dtype=dtype)
         norm.weight.data.fill_(1.0)
-        norm.set_cpu_path(op, Choice(candidate, candidate, None))
+        norm.set_cpu_path(op, Choice.fixed(candidate, None))
 
         def for_rows(rows: int) -> Any:
             x = torch.full((rows, self.weight.shape[0]), 0.5, dtype=dtype)

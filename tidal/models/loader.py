@@ -57,8 +57,10 @@ _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
 _FUSED_EXPERTS = re.compile(r"^(model\.layers\.\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
 _FUSED_GATE = re.compile(r"^(model\.layers\.\d+)\.mlp\.gate\.weight$")
 _MAX_NAMES = 10
-# The batch shape class of the CPU path trials: decode steps of this many sequences.
+# The CPU path trials' batch and prefill shape classes: decode steps of this many
+# sequences, and steps of this many new tokens.
 TRIAL_BATCH_ROWS = 32
+TRIAL_PREFILL_ROWS = 256
 
 Getter = Callable[[], Tensor]
 
@@ -107,6 +109,7 @@ def load_model(
             mode=engine_config.cpu_kernels,
             cache_dir=engine_config.kernel_cache_dir,
             batch_rows=min(TRIAL_BATCH_ROWS, engine_config.scheduler.max_num_seqs),
+            prefill_rows=min(TRIAL_PREFILL_ROWS, engine_config.scheduler.max_num_batched_tokens),
             dtype=mc.torch_dtype,
             share=_tp_shared_choice(tp),
         )

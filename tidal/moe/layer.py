@@ -739,7 +739,7 @@ class FusedMoE(HeldParamsModule):
                 self.local_expert_ids, routing=self.routing, expert_bias=self.expert_bias,
                 activation=self.activation, dtype=self.params_dtype,
             )  # fmt: skip
-            moe.set_cpu_path(op, Choice(candidate, candidate, candidate.path))
+            moe.set_cpu_path(op, Choice.fixed(candidate, candidate.path))
             if op == "experts" and self.fp8_block_k is not None:
                 moe.hold_fp8(self.fp8_block_k)
                 moe.w13.data.view(torch.uint8).fill_(0x38)  # 1.0 in e4m3
