@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import subprocess
 import sys
 
@@ -322,6 +323,40 @@ def test_groups_free_behind_the_window_only_in_the_sliding_group(window: int) ->
     assert kv.num_free_blocks == kv.num_usable_blocks and req.block_ids == []
     assert kv.blocks_by_group == [0, 0]
     _ref_counts_consistent(kv, [])
+
+
+@pytest.mark.parametrize("windows", [(None,), (1, None), (4, None), (None, 9), (5, 13)])
+@pytest.mark.parametrize("seed", range(4))
+def test_peak_blocks_bound_what_one_request_holds(windows, seed: int) -> None:
+    """``peak_blocks_for`` (what admission and the cache's size allow a request) bounds
+    the blocks a request holds at every step, whatever its chunk sizes up to the step
+    bound; in 1-token steps a sliding group reaches it, so it is no looser than a block
+    per group, and a full group holds exactly its whole table."""
+    rng = random.Random(seed)
+    step_max = rng.choice([1, 3, 8, 16])
+    n = rng.randrange(30, 90)
+    peak = KVCacheManager(num_blocks=2, block_size=BS, windows=windows).peak_blocks_for(
+        n, step_max
+    )
+    for chunks in ("random", "ones"):
+        kv = KVCacheManager(num_blocks=200, block_size=BS, windows=windows)
+        req = _req("a", list(range(100, 100 + n)))
+        most = 0
+        while req.num_computed_tokens < n:
+            left = n - req.num_computed_tokens
+            c = 1 if chunks == "ones" else rng.randint(1, min(step_max, left))
+            assert kv.allocate_slots(req, c)
+            req.num_computed_tokens += c
+            most = max(most, sum(b != NULL_BLOCK_ID for b in req.block_ids))
+        assert most <= peak, (chunks, most, peak)
+        if chunks == "ones" and step_max == 1:
+            assert most >= peak - sum(w is not None for w in windows)
+    whole = -(-n // BS)
+    sliding = sum(w is not None for w in windows)
+    assert peak >= whole * (len(windows) - sliding)
+    assert (peak < whole * len(windows)) == (sliding > 0 and any(
+        (min(step_max, n) + w - 3) // BS + 2 < whole for w in windows if w is not None
+    ))
 
 
 def test_groups_share_the_pool_so_freed_window_blocks_hold_more_context() -> None:

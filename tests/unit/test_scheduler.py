@@ -383,6 +383,30 @@ def test_sliding_window_frees_blocks_so_nothing_is_preempted() -> None:
     assert_all_blocks_free(sched)
 
 
+def test_admission_counts_a_sliding_group_by_its_window() -> None:
+    """A sliding group never holds more than its window and a step's tokens, so admission
+    counts that, not its whole table: a request whose two whole tables (full + sliding)
+    would need 30 blocks of the 20 there are is admitted (its peak is 15 + 4) and runs to
+    the end alone, unpreempted, with the tokens of a run without the window; one that
+    needs more than the peak allows is still refused, naming its blocks."""
+    windows = (4, None)
+    sched = make_sched(budget=8, max_model_len=80, num_blocks=21, kv_windows=windows)
+    assert sched.kv_cache_manager.num_usable_blocks == 20
+    runner = FakeRunner(sched, windows=windows)
+    req = make_req("long", 40, max_tokens=20)  # KV for 59 tokens: 15 blocks a table
+    assert sched.kv_cache_manager.num_blocks_for(59) == 30
+    assert sched.kv_cache_manager.peak_blocks_for(59, 8) == 15 + 4
+    sched.add_request(req)
+    got = run_to_completion(runner)
+    assert req.status == RequestStatus.FINISHED_LENGTH_CAPPED
+    assert [t for o in got["long"] for t in o.new_token_ids] == req.output_token_ids
+    assert req.output_token_ids == _solo_outputs(req.prompt_token_ids, 20)
+    assert sched.make_stats().num_preempted == 0
+    assert_all_blocks_free(sched)
+    with pytest.raises(ValueError, match=r"\(21 blocks\) but the cache holds only 20 blocks"):
+        sched.add_request(make_req("longer", 40, max_tokens=26))  # 65 tokens: 17 + 4
+
+
 def test_no_admission_in_a_step_that_preempted() -> None:
     # c (a chunked prefill) is preempted for a's decode; the budget left would let c
     # back in at once with a small chunk, which would only thrash.

@@ -68,6 +68,7 @@ from collections.abc import Iterable, Sequence
 
 from tidal.engine_core.request import Request
 from tidal.executor.batch import NULL_BLOCK_ID
+from tidal.layers.cache_spec import peak_table_blocks
 
 _ROOT_HASH = 0
 # Group g > 0's salt is the hash of one token -g - 1: no real token is negative.
@@ -257,6 +258,12 @@ class KVCacheManager:
     def num_blocks_for(self, num_tokens: int) -> int:
         """Entries of a table (every group's) that holds ``num_tokens``, none freed."""
         return cdiv(num_tokens, self.block_size) * self.num_groups
+
+    def peak_blocks_for(self, num_tokens: int, max_step_tokens: int) -> int:
+        """Most blocks a request holds at once while it grows to ``num_tokens`` in steps
+        of at most ``max_step_tokens`` (``peak_table_blocks``: a sliding group's freed
+        blocks are not held)."""
+        return peak_table_blocks(self.windows, num_tokens, self.block_size, max_step_tokens)
 
     def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
         """Longest cached prefix of ``request.all_token_ids``: (block ids, number of tokens).

@@ -620,10 +620,13 @@ class Scheduler:
         final = max(n + 1, min(n + req.max_tokens, self.max_model_len))
         need_tokens = final - 1
         kv = self.kv_cache_manager
-        if kv.num_blocks_for(need_tokens) > kv.num_usable_blocks:
+        # At most one budget of new tokens a step (a whole prompt without chunked prefill:
+        # checked below to fit the budget).
+        peak = kv.peak_blocks_for(need_tokens, self.config.max_num_batched_tokens)
+        if peak > kv.num_usable_blocks:
             raise ValueError(
                 f"request {rid!r} may need KV for {need_tokens} tokens "
-                f"({kv.num_blocks_for(need_tokens)} blocks) but the cache holds only "
+                f"({peak} blocks) but the cache holds only "
                 f"{kv.num_usable_blocks} blocks; lower max_tokens or enlarge the KV cache"
             )
         if (

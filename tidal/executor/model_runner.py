@@ -282,15 +282,17 @@ class ModelRunner:
         """Blocks that fit the configured KV budget, capped at what max_num_seqs full-length
         sequences could ever use (no point allocating more)."""
         cache, sched = self.config.cache, self.config.scheduler
-        # A sequence's table has an entry per block per KV cache group.
-        groups = self.model.kv_cache_spec().num_groups
+        # A sequence's table has an entry per block per KV cache group; a sliding group
+        # holds only its window's (KVCacheSpec.peak_blocks).
+        spec = self.model.kv_cache_spec()
+        step = sched.max_num_batched_tokens
         if cache.num_blocks is not None:
             num_blocks = cache.num_blocks
         else:
             graphs = self._graph_pool_estimate()  # before measuring: it frees what it took
             device = self._device_memory(graphs)
             budget = kv_cache_budget(cache, host=self._host_memory(), device=device, env=os.environ)
-            per_seq = -(-sched.max_model_len // self.block_size) * groups
+            per_seq = spec.peak_blocks(sched.max_model_len, self.block_size, step)
             num_blocks = min(
                 budget.bytes // self.kv_bytes_per_block(), sched.max_num_seqs * per_seq + 1
             )
@@ -303,12 +305,12 @@ class ModelRunner:
         # (all but the null block 0) must hold the KV of a full-length sequence, which is
         # every token but the last. Else the engine would refuse the long requests that
         # the frontend, checking max_model_len, lets through.
-        # With KV cache groups, each group's table counts (the scheduler's bound too).
+        # With KV cache groups, each group's peak counts (the scheduler's bound too).
         usable, need = num_blocks - 1, sched.max_model_len - 1
-        if usable < -(-need // self.block_size) * groups:
+        if usable < spec.peak_blocks(need, self.block_size, step):
             raise ValueError(
                 f"KV cache of {num_blocks} blocks x {self.block_size} tokens (one block "
-                f"reserved, {groups} KV cache group(s)) cannot hold one sequence of "
+                f"reserved, {spec.num_groups} KV cache group(s)) cannot hold one sequence of "
                 f"max_model_len={sched.max_model_len}; "
                 "lower max_model_len or raise kv_cache_memory_bytes / num_gpu_blocks_override"
             )

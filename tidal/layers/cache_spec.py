@@ -17,10 +17,28 @@ holding the i-th layer of each group (``layer_pages``; docs/architecture.md#kv-s
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import assert_never
 
 import torch
+
+
+def peak_table_blocks(
+    windows: Sequence[int | None], num_tokens: int, block_size: int, max_step_tokens: int
+) -> int:
+    """The most blocks one sequence holds at once, over every group, while its KV grows to
+    ``num_tokens`` tokens in steps of at most ``max_step_tokens`` new ones: what admission
+    and the cache's size must allow for it. A full-attention group's table keeps every
+    block. A sliding group frees, before each step's blocks are allocated, the blocks its
+    first query reads no more (``KVCacheManager``): after a step from p computed tokens
+    to p + c it holds ``ceil((p + c) / bs) - floor((p - W + 1) / bs)`` blocks, at most
+    ``floor((c + W - 3) / bs) + 2`` for any p."""
+    whole = -(-num_tokens // block_size)
+    step = max(1, min(max_step_tokens, num_tokens))
+    return sum(
+        whole if w is None else min(whole, (step + w - 3) // block_size + 2) for w in windows
+    )
 
 
 class CacheLayout(enum.Enum):
@@ -62,6 +80,10 @@ class KVCacheSpec:
     @property
     def num_groups(self) -> int:
         return len(self.group_windows)
+
+    def peak_blocks(self, num_tokens: int, block_size: int, max_step_tokens: int) -> int:
+        """``peak_table_blocks`` for this model's groups."""
+        return peak_table_blocks(self.group_windows, num_tokens, block_size, max_step_tokens)
 
     def layer_pages(self) -> list[int]:
         """Each layer's cache tensor: the i-th layer of every group shares tensor i (a
