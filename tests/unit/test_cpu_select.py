@@ -85,8 +85,7 @@ def test_weights_keep_one_layout_and_each_class_its_best_variant():
 def test_a_prefill_takes_its_own_variant():
     """The third class: at a prefill chunk another variant of the held layout can win (the
     AMX tiles against the dot kernel on bf16 experts); calls take it only above
-    ``BATCH_MAX_ROWS`` rows, and a path that wins only there does not move the layout
-    when it loses the other two classes by more."""
+    ``BATCH_MAX_ROWS`` rows, and a path that wins only there does not move the layout."""
     fast_small = {NTA: 2.0, T0: 1.0, ONEDNN: 1.5, TORCH: 4.0}
     prefill = {NTA: 5.0, T0: 9.0, ONEDNN: 4.9, TORCH: 8.0}
     choice = decide(ALL, _timings(fast_small, fast_small, prefill))
@@ -94,10 +93,14 @@ def test_a_prefill_takes_its_own_variant():
     assert choice.for_rows(select.BATCH_MAX_ROWS) == T0
     assert choice.for_rows(select.BATCH_MAX_ROWS + 1) == NTA
     assert Choice.from_dict(choice.as_dict()) == choice
-    # A layout that loses a little at decode and batch but wins a prefill by far takes it.
+    # A layout that wins only prefills does not take the weights: every decode step would
+    # pay for it. The prefill takes the held layout's fastest variant.
     prefill = {NTA: 30.0, T0: 40.0, ONEDNN: 5.0, TORCH: 80.0}
     choice = decide(ALL, _timings(fast_small, fast_small, prefill))
-    assert choice.layout == "onednn" and choice.prefill == ONEDNN
+    assert (choice.layout, choice.decode, choice.prefill) == ("native", T0, NTA)
+    # Without weights each class is free: the prefill takes oneDNN.
+    free = decide(ALL, _timings(fast_small, fast_small, prefill), holds_weights=False)
+    assert (free.decode, free.prefill) == (T0, ONEDNN)
 
 
 def test_trial_rows_stay_inside_their_classes():

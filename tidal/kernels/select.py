@@ -79,6 +79,7 @@ MODES = ("auto", *PATHS)
 # each: at a prefill a bf16 expert GEMM is compute-bound, and AMX tiles ran the 64-expert
 # layer's 1024 rows 3.8x faster than the dot kernel that is fastest at 32.
 CLASSES = ("decode", "batch", "prefill")
+LAYOUT_CLASSES = ("decode", "batch")  # the classes that pick an op's weight layout
 # The hints measured for the C++ kernels ("none", the hardware prefetcher alone, never won
 # on either CPU measured and would cost trial time).
 NATIVE_HINTS = ("nta", "t0")
@@ -295,14 +296,17 @@ def decide(
         return default_choice(cands, holds_weights)
     if not holds_weights:
         return Choice(**overall, layout=None, source=source, timings_ms=shown)
-    # One layout per op: the path whose best variant loses least, summed over the classes.
+    # One layout per op: the path whose best variants lose least, summed over the decode
+    # classes. A prefill only picks its variant within that layout: serving is mostly
+    # decode steps, and a layout that wins prefills alone would slow every one of them.
     scores: dict[str, float] = {}
     for path in dict.fromkeys(c.path for c in cands):
         picks = best_per_class([c for c in cands if c.path == path])
         if picks is None:
             continue
         scores[path] = sum(
-            timings_ms[cls][picks[cls].name] / timings_ms[cls][overall[cls].name] for cls in CLASSES
+            timings_ms[cls][picks[cls].name] / timings_ms[cls][overall[cls].name]
+            for cls in LAYOUT_CLASSES
         )
     path = min(scores, key=lambda p: (scores[p], PATHS.index(p)))
     picks = best_per_class([c for c in cands if c.path == path])
