@@ -96,9 +96,11 @@ from tidal.kernels.select import Candidate, Choice, OpKey, OpSpec, kernel_candid
 from tidal.kernels.triton_device import triton_serves
 
 # The decode attention trial (select.py): sequences of this many tokens, in blocks of this
-# size (the default ``--block-size``).
+# size (the default ``--block-size``), and at most this many cached tokens over all of a
+# trial's sequences (the prefill class's 256 rows take 64 each: a cache of tens of MB).
 TRIAL_CONTEXT = 256
 TRIAL_BLOCK_SIZE = 16
+TRIAL_CACHE_TOKENS = 16384
 
 
 def kv_cache_shape(
@@ -567,20 +569,22 @@ class PagedAttention(nn.Module):
         return {"decode": OpSpec(key, tuple(kernel_candidates(self.dtype)), False)}
 
     def cpu_trial(self, op: str, candidate: Candidate, instances: int) -> Any:
-        """Sequences of ``TRIAL_CONTEXT`` tokens each decoding one more."""
+        """Sequences of ``TRIAL_CONTEXT`` tokens (fewer where ``TRIAL_CACHE_TOKENS`` bounds
+        them) each decoding one more."""
         dtype = self.dtype
         attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, dtype=dtype)
         attn.set_cpu_path(op, Choice.fixed(candidate, None))
         bs = TRIAL_BLOCK_SIZE
-        per_seq = -(-TRIAL_CONTEXT // bs)
         caches: dict[int, Tensor] = {}
 
         def for_rows(rows: int) -> Any:
+            context = max(bs, min(TRIAL_CONTEXT, TRIAL_CACHE_TOKENS // rows))
+            per_seq = -(-context // bs)
             shape = kv_cache_shape(rows * per_seq + 1, bs, self.num_kv_heads, self.head_dim)
             caches.clear()  # one size at a time
             attn.kv_cache = caches[rows] = torch.full(shape, 0.01, dtype=dtype)
             seqs = [
-                (TRIAL_CONTEXT - 1, 1, list(range(1 + i * per_seq, 1 + (i + 1) * per_seq)))
+                (context - 1, 1, list(range(1 + i * per_seq, 1 + (i + 1) * per_seq)))
                 for i in range(rows)
             ]
             meta = AttentionMetadata.build(seqs, bs, "cpu")
