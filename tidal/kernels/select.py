@@ -17,8 +17,8 @@ The parts:
 * ``decide``: pure -- candidates, their timings and the mode (``auto`` or a forced
   path) in, a ``Choice`` out. A path that holds weights keeps one layout per op (one copy
   of each weight), so such an op gets one path for every shape class (the
-  one with the least summed slowdown against each class's best) and, within it, each
-  class's fastest variant; ops without weights (norm, attention) choose per class freely.
+  one with the least summed slowdown against each decode class's best: ``LAYOUT_CLASSES``)
+  and, within it, each class's fastest variant; ops without weights (norm, attention) choose per class freely.
   Candidates depend on the weights' dtype (``weight_candidates``): bf16 weights have the
   C++ shift kernel, the AVX512-BF16 dot kernel (``dot-`` variants) where the CPU has it,
   oneDNN bf16 and torch, and the experts and linears the AMX tile kernel (``amx``) where
