@@ -23,7 +23,7 @@ def test_matches_norm_then_rotary(rotary_dim, norm, dtype, device, monkeypatch):
     """q|k heads sliced from a wider qkv (strided rows), per-head norm with a q and a k
     weight, full and partial rotary; against the torch layer path."""
     # The torch path: no C++ kernels (they would serve float32 CPU rows).
-    monkeypatch.setattr("tidal.layers.rotary.rope_cpu_ok", lambda x: False)
+    monkeypatch.setattr("tidal.layers.rotary._cpu_pass", lambda x, cos: False)
     t, hq, hkv, dh = 5, 4, 2, 24
     g = torch.Generator().manual_seed(rotary_dim)
     qkv = (torch.randn(t, hq + 2 * hkv, dh, generator=g) * 2).to(dtype)

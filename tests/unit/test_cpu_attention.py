@@ -1,7 +1,6 @@
-"""The C++ rotary embedding and decode attention (``tidal/kernels/csrc/attention_cpu.cpp``):
-the rotary bit for bit against the torch expression, the attention against the float64
-per-sequence oracle, and their input checks. The attention layer's own tests
-(``test_perf_paths.py``) run both decode paths."""
+"""The C++ decode attention (``tidal/kernels/csrc/attention_cpu.cpp``) against the float64
+per-sequence oracle, and its input checks (the rotary: ``test_cpu_norm_rope.py``). The
+attention layer's own tests (``test_perf_paths.py``) run both decode paths."""
 
 from __future__ import annotations
 
@@ -10,26 +9,13 @@ import torch
 
 from tidal.kernels.cpu_attention import (
     decode_attention_cpu,
-    rope_cpu,
     write_kv_cpu,
     write_kv_cpu_ok,
 )
 from tidal.kernels.cpu_ext import kernel_available, kernel_status
 from tidal.layers.attention import decode_attention_reference
-from tidal.layers.rotary import RotaryEmbedding, apply_rotary, apply_rotary_torch
 
 pytestmark = pytest.mark.skipif(not kernel_available(), reason=kernel_status())
-
-
-@pytest.mark.parametrize("tokens,heads,head_dim", [(1, 6, 64), (33, 20, 64), (5, 3, 2), (0, 4, 8)])
-def test_rope_is_bit_identical_to_torch(tokens, heads, head_dim):
-    rot = RotaryEmbedding(head_dim, 4096, 1_000_000.0)
-    cos, sin = rot.cos_sin(torch.randint(0, 4096, (tokens,)))
-    qkv = torch.randn(tokens, heads + 2, head_dim)
-    x = qkv[:, :heads]  # a strided view, as the model passes q and k
-    got = rope_cpu(x, cos, sin)
-    assert torch.equal(got, apply_rotary_torch(x, cos, sin))
-    assert torch.equal(apply_rotary(x, cos, sin), got)  # the layer's entry point takes it
 
 
 def _cache(num_blocks=32, kv_heads=2, block_size=4, head_dim=32, seed=0):
@@ -104,7 +90,9 @@ def test_decode_attention_refuses_bad_tables():
         decode_attention_cpu(q.double(), cache, torch.tensor([[1]]), torch.tensor([1]), 1.0)
 
 
-@pytest.mark.parametrize("tokens,kv_heads,head_dim", [(1, 2, 64), (37, 4, 64), (5, 3, 24), (0, 2, 8)])
+@pytest.mark.parametrize(
+    "tokens,kv_heads,head_dim", [(1, 2, 64), (37, 4, 64), (5, 3, 24), (0, 2, 8)]
+)
 def test_write_kv_equals_index_copy(tokens, kv_heads, head_dim):
     """The C++ cache write puts each token's K and V heads at its slot (block, offset) of
     the cache, exactly, from the strided k and v views the layer passes (slices of the
@@ -134,26 +122,3 @@ def test_write_kv_refuses_slots_outside_the_cache():
     with pytest.raises(RuntimeError, match="Hkv"):
         write_kv_cpu(cache, torch.tensor([0]), torch.randn(1, 2, 8), torch.randn(1, 2, 8))
     assert torch.count_nonzero(cache) == 0  # nothing written by a refused call
-
-
-def test_partial_rotary_matches_transformers():
-    """GLM-4.5's partial rotary: the first rotary_dim dims of each head turn (transformers'
-    formula on them), the rest pass through."""
-    from transformers.models.glm4_moe.modeling_glm4_moe import apply_rotary_pos_emb
-
-    from tidal.layers.rotary import apply_partial_rotary
-
-    head_dim, rotary_dim = 16, 8
-    rope = RotaryEmbedding(rotary_dim, 64, 10000.0)
-    pos = torch.tensor([0, 5, 17, 63])
-    q = torch.randn(4, 3, head_dim)
-    cos, sin = rope.cos_sin(pos)
-    got = apply_partial_rotary(q, cos, sin)
-    half = rotary_dim // 2
-    signed = rope.signed_sin_table[pos]
-    hf_cos = rope.cos_table[pos][None]  # [1, T, rd]
-    hf_sin = torch.cat([-signed[:, :half], signed[:, half:]], -1)[None]
-    hf_q = q.transpose(0, 1)[None]  # [1, H, T, Dh]
-    want, _ = apply_rotary_pos_emb(hf_q, hf_q, hf_cos, hf_sin)
-    torch.testing.assert_close(got, want[0].transpose(0, 1), atol=1e-6, rtol=0)
-    assert torch.equal(got[..., rotary_dim:], q[..., rotary_dim:])

@@ -1,16 +1,15 @@
-"""Decode attention over the paged KV cache and the rotary embedding on CPU, in C++
-(``csrc/attention_cpu.cpp``): the checked wrappers. Attention and the cache writes take
-float32, bfloat16 and float16 queries and caches, in any pairing (``--kv-cache-dtype``
-need not be the model's): the cache is read in its own dtype, math is float32.
+"""Decode attention over the paged KV cache on CPU, in C++ (``csrc/attention_cpu.cpp``):
+the checked wrappers (the rotary embedding is ``cpu_norm.norm_rope_cpu``). Attention and
+the cache writes take float32, bfloat16 and float16 queries and caches, in any pairing
+(``--kv-cache-dtype`` need not be the model's): the cache is read in its own dtype, math
+is float32.
 
 Why: the torch decode path (K gather, baddbmm, softmax, embedding_bag, and their index
-tensors) and the rotary chain (mul, roll, mul, add) are many small ops a layer; at decode
-sizes on 2 cores they were ~10% of the big model's batch step and ~30% of the tiny
-model's. The C++ versions read each sequence's K and V rows once, straight
-from the cache: decode attention 334 -> 301 us a layer on the 1024-wide model and 144 ->
-91 on the 256-wide one, rotary 4-30x faster (32 sequences, 2 cores). The torch paths
-stay as fallbacks, and ``decode_attention_reference`` / the torch rotary expression are
-what the tests hold them to (the rotary bit for bit).
+tensors) is many small ops a layer; at decode sizes on 2 cores they were ~10% of the
+big model's batch step and ~30% of the tiny model's. The C++ version reads each
+sequence's K and V rows once, straight from the cache: 334 -> 301 us a layer on the
+1024-wide model and 144 -> 91 on the 256-wide one (32 sequences, 2 cores). The torch path
+stays as the fallback, and ``decode_attention_reference`` is what the tests hold it to.
 """
 
 from __future__ import annotations
@@ -65,24 +64,6 @@ def decode_attention_cpu(
     return torch.ops.tidal_cpu.decode_attention(
         q, cache, block_table, seq_lens, scale, sliding_window or 0, sk
     )
-
-
-def rope_cpu_ok(x: Tensor) -> bool:
-    return (
-        x.dtype == torch.float32
-        and x.device.type == "cpu"
-        and x.dim() == 3
-        and x.stride(2) == 1
-        and kernel_available()
-    )
-
-
-def rope_cpu(
-    x: Tensor,  # [T, H, Dh] float32
-    cos: Tensor,  # [T, 1, Dh] from RotaryEmbedding.cos_sin
-    signed_sin: Tensor,  # [T, 1, Dh]
-) -> Tensor:  # [T, H, Dh], a new tensor, bit-identical to the torch expression
-    return torch.ops.tidal_cpu.rope(x, cos, signed_sin)
 
 
 def write_kv_cpu_ok(cache: Tensor, k: Tensor, v: Tensor) -> bool:

@@ -2,7 +2,8 @@
 
 Paths: on CUDA one Triton launch (``tidal/kernels/rms_norm.py``, the layer's ``triton``
 switch, set from its device); on CPU the C++ kernel or ``F.rms_norm`` as measured at
-load (``tidal/kernels/select.py``). ``_rms_norm_hf`` is transformers' formula, the
+load (``tidal/kernels/select.py``), the kernel also folding in the residual add before
+the norm (``RMSNorm.add_norm``). ``_rms_norm_hf`` is transformers' formula, the
 reference of all three.
 """
 
@@ -16,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from tidal.kernels.cpu_norm import NORM_DTYPES, rms_norm_cpu, rms_norm_cpu_ok
+from tidal.kernels.cpu_norm import NORM_DTYPES, add_rms_norm_cpu, rms_norm_cpu, rms_norm_cpu_ok
 from tidal.kernels.select import Candidate, Choice, OpKey, OpSpec, kernel_candidates
 from tidal.kernels.triton_device import triton_serves
 
@@ -47,6 +48,24 @@ class RMSNorm(nn.Module):
             # One fused op; equal to the float32 formula (tested against transformers).
             return F.rms_norm(x, w.shape, w, self.eps)
         return _rms_norm_hf(x, w, self.eps)
+
+    def add_norm(self, x: Tensor, delta: Tensor) -> tuple[Tensor, Tensor]:  # 2 x [..., dim]
+        """``(x + delta, self(x + delta))``: the residual add before a norm. Where the norm's
+        measured choice is the C++ kernel, one C++ pass (``add_rms_norm_cpu``), bit for
+        bit the add then the norm; else those two (the reference)."""
+        w = self.weight
+        cpu_kernel = self._cpu_kernel
+        if cpu_kernel is None:
+            cpu_kernel = self._cpu_kernel = rms_norm_cpu_ok(w, w)
+        if (
+            cpu_kernel
+            and x.dtype == delta.dtype == w.dtype
+            and x.shape == delta.shape
+            and self.native(x.numel() // x.shape[-1])
+        ):
+            return add_rms_norm_cpu(x, delta, w, self.eps)
+        x = x + delta
+        return x, self(x)
 
     def _apply(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         self._cpu_kernel = None  # .to() / .half(): the weight's device or dtype may change

@@ -26,7 +26,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from tidal.kernels.cpu_attention import rope_cpu, rope_cpu_ok
+from tidal.kernels.cpu_norm import norm_rope_cpu, norm_rope_cpu_ok
+from tidal.layers.norm import rms_norm_heads
 
 SUPPORTED_ROPE_TYPES = ("default", "yarn")
 
@@ -197,10 +198,11 @@ class RotaryEmbedding(nn.Module):
 
 def apply_rotary(x: Tensor, cos: Tensor, signed_sin: Tensor) -> Tensor:
     """x [T, heads, Dh] with cos/signed_sin [T, 1, Dh] from ``cos_sin`` -> rotated x (new
-    tensor); equals transformers' ``x * cos + rotate_half(x) * sin``. On float32 CPU one
-    C++ pass (``tidal/kernels/cpu_attention.py``), bit-identical to the torch expression."""
-    if rope_cpu_ok(x):
-        return rope_cpu(x, cos, signed_sin)
+    tensor); equals transformers' ``x * cos + rotate_half(x) * sin``. On CPU one C++ pass
+    (``tidal/kernels/cpu_norm.py``'s ``norm_rope_cpu``), bit-identical to the torch
+    expression in x's dtype."""
+    if _cpu_pass(x, cos):
+        return norm_rope_cpu(x, cos, signed_sin)
     return apply_rotary_torch(x, cos, signed_sin)
 
 
@@ -208,12 +210,35 @@ def apply_partial_rotary(x: Tensor, cos: Tensor, signed_sin: Tensor) -> Tensor:
     """``apply_rotary`` on the first ``cos.shape[-1]`` dims of each head of x [T, heads,
     Dh]; the other dims are copied unchanged (a new tensor either way)."""
     rotary_dim = cos.shape[-1]
-    if rotary_dim == x.shape[-1]:
+    if rotary_dim == x.shape[-1] or _cpu_pass(x, cos):  # the C++ pass copies the rest itself
         return apply_rotary(x, cos, signed_sin)
     out = torch.empty_like(x)
-    out[..., :rotary_dim] = apply_rotary(x[..., :rotary_dim], cos, signed_sin)
+    out[..., :rotary_dim] = apply_rotary_torch(x[..., :rotary_dim], cos, signed_sin)
     out[..., rotary_dim:] = x[..., rotary_dim:]
     return out
+
+
+def apply_norm_rotary(
+    x: Tensor,  # [T, heads, Dh]: the q|k heads (a strided slice of qkv)
+    cos: Tensor,  # [T, 1, R] from ``cos_sin``
+    signed_sin: Tensor,  # [T, 1, R]
+    weights: tuple[Tensor, Tensor],  # ([Dh], [Dh]): q_norm's, then k_norm's weight
+    group_sizes: tuple[int, int],  # (Hq, Hkv), sum == heads
+    eps: float,
+    native: bool = True,  # the C++ kernels where they take x (the norms' measured choice)
+    triton: bool = False,  # the Triton norm (the norms' ``RMSNorm.triton``)
+) -> Tensor:  # [T, heads, Dh], new tensor
+    """Per-head RMSNorm of the q and k heads (``rms_norm_heads``), then
+    ``apply_partial_rotary``: on CPU, where the norms' choice is the C++ kernel, one C++
+    pass over the heads (``norm_rope_cpu``) instead of 7-9 ops, bit for bit the two."""
+    if native and not triton and _cpu_pass(x, cos):
+        return norm_rope_cpu(x, cos, signed_sin, weights, group_sizes[0], eps)
+    normed = rms_norm_heads(x, weights, group_sizes, eps, native, triton)
+    return apply_partial_rotary(normed, cos, signed_sin)
+
+
+def _cpu_pass(x: Tensor, cos: Tensor) -> bool:  # whether norm_rope_cpu takes x and its table
+    return norm_rope_cpu_ok(x) and cos.dtype == x.dtype
 
 
 @functools.cache

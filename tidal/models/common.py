@@ -52,11 +52,12 @@ from tidal.layers.attention import AttentionMetadata, PagedAttention
 from tidal.layers.cache_spec import KVCacheSpec
 from tidal.layers.linear import Embedding, Linear, RowParallelLinear
 from tidal.layers.mla import MLASpec, MLAttention
-from tidal.layers.norm import RMSNorm, rms_norm_heads, rms_norm_sharded
+from tidal.layers.norm import RMSNorm, rms_norm_sharded
 from tidal.layers.quant import QuantMethod
 from tidal.layers.rotary import (
     RotaryEmbedding,
     Yarn,
+    apply_norm_rotary,
     apply_partial_rotary,
     rope_theta_from_config,
     rotary_dim_from_config,
@@ -290,14 +291,15 @@ class Attention(nn.Module):
             qk = triton_norm_rope()(qk, cos, sin, weights, hq, eps)
             out = self.attn(qk[:, :hq], qk[:, hq:], v, meta)  # [T, Hq, Dh]
             return self.o_proj(out.reshape(num_tokens, -1))
-        if self.qk_norm is QKNorm.PER_HEAD:
+        if self.qk_norm is QKNorm.PER_HEAD:  # CPU: one C++ pass where the norms take it
             assert self.q_norm is not None and self.k_norm is not None
             weights = (self.q_norm.weight, self.k_norm.weight)
             native = self.q_norm.native(num_tokens * (hq + hkv))
-            qk = rms_norm_heads(
-                qk, weights, (hq, hkv), self.q_norm.eps, native, self.q_norm.triton
+            qk = apply_norm_rotary(
+                qk, cos, sin, weights, (hq, hkv), self.q_norm.eps, native, self.q_norm.triton
             )
-        qk = apply_partial_rotary(qk, cos, sin)
+        else:
+            qk = apply_partial_rotary(qk, cos, sin)
         out = self.attn(qk[:, :hq], qk[:, hq:], v, meta)  # [T, Hq, Dh]
         return self.o_proj(out.reshape(num_tokens, -1))
 
@@ -397,12 +399,25 @@ class DecoderLayer(nn.Module):
             else None
         )
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, meta: AttentionMetadata) -> Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta)
-        h = self.post_attention_layernorm(x)
+    def forward(
+        self,
+        x: Tensor,  # [T, H] the residual stream
+        cos: Tensor,
+        sin: Tensor,
+        meta: AttentionMetadata,
+        delta: Tensor | None = None,  # [T, H] the previous layer's MLP output, not yet added
+    ) -> tuple[Tensor, Tensor]:  # (residual, this layer's MLP output), both [T, H]
+        """The layer's input is ``x + delta``; its output ``residual + mlp_out``, left
+        unsummed so that the next norm (the next layer's input norm, the final norm) adds
+        it in the same C++ pass (``RMSNorm.add_norm``)."""
+        if delta is None:
+            h = self.input_layernorm(x)
+        else:
+            x, h = self.input_layernorm.add_norm(x, delta)
+        x, h = self.post_attention_layernorm.add_norm(x, self.self_attn(h, cos, sin, meta))
         if self.shared_experts is None:
-            return x + self.mlp(h)
-        return x + (self.mlp(h) + self.shared_experts(h))
+            return x, self.mlp(h)
+        return x, self.mlp(h) + self.shared_experts(h)
 
 
 def set_k_major_moe_weights(moe: FusedMoE) -> None:
@@ -470,13 +485,16 @@ class MoECausalLM(nn.Module):
         """input_ids/positions [T] int64 -> hidden states [T, H] (final norm applied)."""
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary.cos_sin(positions)
+        delta: Tensor | None = None  # each layer's MLP output, added by the next norm
         if attn.groups:  # KV cache groups: each layer reads its group's tables
             for layer, group in zip(self.layers, self._kv_groups):
-                x = layer(x, cos, sin, attn.groups[group])
+                x, delta = layer(x, cos, sin, attn.groups[group], delta)
         else:
             for layer in self.layers:
-                x = layer(x, cos, sin, attn)
-        return self.norm(x)
+                x, delta = layer(x, cos, sin, attn, delta)
+        if delta is None:  # no layers
+            return self.norm(x)
+        return self.norm.add_norm(x, delta)[1]
 
     @torch.no_grad()
     def compute_logits(self, hidden: Tensor) -> Tensor | None:  # [N, H] -> [N, V] float32

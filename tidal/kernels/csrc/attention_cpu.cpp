@@ -1,11 +1,11 @@
-// Decode attention over the paged KV cache, and rotary embedding, on CPU.
+// Decode attention over the paged KV cache on CPU (the rotary embedding is norm_cpu.cpp's
+// norm_rope).
 //
-// Why: the torch decode path is a K gather, a baddbmm, a softmax and an
-// embedding_bag, with their index tensors and views; the rotary embedding a roll/mul/add
-// chain. Here each (sequence, KV head) reads its K and V rows once, straight from the
-// cache, for all the query heads that share them, in one parallel region a layer. At 32
+// Why: the torch decode path is a K gather, a baddbmm, a softmax and an embedding_bag,
+// with their index tensors and views. Here each (sequence, KV head) reads its K and V
+// rows once, straight from the cache, for all the query heads that share them, in one parallel region a layer. At 32
 // sequences, 32-token prompts, 64 new tokens, per layer and step: 1024-wide model 334 ->
-// 301 us, 256-wide 144 -> 91; rotary 75 -> 13 us and 170 -> 6 (2 cores).
+// 301 us, 256-wide 144 -> 91 (2 cores).
 //
 // decode_attention: q [D, Hq, Dh] (rows may be strided), cache [2, NB, Hkv, bs, Dh]
 // contiguous, block_table [D, B] int64, seq_lens [D] int64 (keys 0..len-1 of sequence d
@@ -18,10 +18,6 @@
 // sinks [Hq] float32 add one logit per query head to the softmax (GPT-OSS).
 //
 // write_kv: each token's K/V heads into its slot of the cache, cast to its type.
-//
-// rope: x [T, H, Dh] (last dim contiguous), cos and signed_sin [T, Dh] -> x * cos +
-// roll(x, Dh / 2) * signed_sin, the same three roundings as the torch expression (no
-// fused multiply-add: the result is bit-identical to tidal/layers/rotary.apply_rotary).
 
 #include "vec.h"
 #include "vec_half.h"
@@ -327,57 +323,16 @@ void write_kv(const at::Tensor& cache,  // [2, NB, Hkv, bs, Dh] float32/bf16/fp1
   });
 }
 
-#pragma GCC push_options
-#pragma GCC optimize("fp-contract=off")
-// x * cos + roll(x) * sin rounded as torch rounds it: product, product, sum.
-void rope_rows(const float* x, int64_t heads, int64_t hs, const float* cos, const float* sin,
-               float* out, int64_t dh) {
-  const int64_t half = dh / 2;
-  for (int64_t h = 0; h < heads; ++h, x += hs, out += dh) {
-    for (int64_t i = 0; i < half; ++i) out[i] = x[i] * cos[i] + x[i + half] * sin[i];
-    for (int64_t i = half; i < dh; ++i) out[i] = x[i] * cos[i] + x[i - half] * sin[i];
-  }
-}
-#pragma GCC pop_options
-
-at::Tensor rope(const at::Tensor& x,           // [T, H, Dh] float32, last dim contiguous
-                const at::Tensor& cos,         // [T, Dh] (or [T, 1, Dh]) float32
-                const at::Tensor& signed_sin)  // same
-{
-  TORCH_CHECK(x.is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 3 && x.stride(2) == 1 &&
-                  x.size(2) % 2 == 0,
-              "rope: x must be a float32 [T, H, Dh] tensor, Dh even, last dim contiguous");
-  const int64_t num = x.size(0), heads = x.size(1), dh = x.size(2);
-  auto c = cos.contiguous(), s = signed_sin.contiguous();
-  TORCH_CHECK(c.scalar_type() == at::kFloat && s.scalar_type() == at::kFloat &&
-                  c.numel() == num * dh && s.numel() == num * dh,
-              "rope: cos/signed_sin must be float32 [T, Dh]");
-  auto out = at::empty({num, heads, dh}, x.options());
-  const float* xp = x.data_ptr<float>();
-  const float* cp = c.data_ptr<float>();
-  const float* sp = s.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  const int64_t xs0 = x.stride(0), xs1 = x.stride(1);
-  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 15) / std::max<int64_t>(heads * dh, 1));
-  at::parallel_for(0, num, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t)
-      rope_rows(xp + t * xs0, heads, xs1, cp + t * dh, sp + t * dh, op + t * heads * dh, dh);
-  });
-  return out;
-}
-
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(tidal_cpu, m) {
   m.def(
       "decode_attention(Tensor q, Tensor cache, Tensor block_table, Tensor seq_lens, "
       "float scale, int window=0, Tensor? sinks=None) -> Tensor");
-  m.def("rope(Tensor x, Tensor cos, Tensor signed_sin) -> Tensor");
   m.def("write_kv(Tensor(a!) cache, Tensor slots, Tensor k, Tensor v) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(tidal_cpu, CPU, m) {
   m.impl("decode_attention", &decode_attention);
-  m.impl("rope", &rope);
   m.impl("write_kv", &write_kv);
 }

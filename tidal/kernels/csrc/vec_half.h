@@ -79,6 +79,46 @@ inline vec16 load(const c10::Half* p) {
   return v;
 }
 
+// 16 lanes narrowed and stored, rounding to nearest even as torch's .to() (a NaN stays a
+// NaN): the vector form of narrow_bf16 and of c10::Half's conversion.
+inline void store(c10::BFloat16* p, vec16 v) {
+  typedef uint32_t u32x16 __attribute__((vector_size(64)));
+  typedef uint16_t u16x16 __attribute__((vector_size(32)));
+  u32x16 u;
+  std::memcpy(&u, &v, sizeof(u));
+  const u32x16 rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  const u32x16 quiet = (u >> 16) | 0x40u;
+  const u32x16 r = (u & 0x7fffffffu) > 0x7f800000u ? quiet : rounded;
+  const u16x16 h = __builtin_convertvector(r, u16x16);
+  std::memcpy(p, &h, sizeof(h));
+}
+
+inline void store(c10::Half* p, vec16 v) {
+#if defined(__AVX512F__)
+  __m512 f;
+  std::memcpy(&f, &v, sizeof(f));
+  // The zero-masked form, as load's (the plain one trips -Wmaybe-uninitialized).
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
+                      _mm512_maskz_cvtps_ph(__mmask16(0xFFFF), f,
+                                            _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+#else
+  for (int l = 0; l < 16; ++l) p[l] = static_cast<c10::Half>(v[l]);
+#endif
+}
+
+// 16 lanes rounded to T's precision and widened back (identity for float): what a torch op
+// in T leaves of a float32 result.
+template <typename T>
+inline vec16 round_to(vec16 v) {
+  if constexpr (std::is_same_v<T, float>) {
+    return v;
+  } else {
+    T h[16];
+    store(h, v);
+    return load(h);
+  }
+}
+
 // n values of src (any of the three) as float32 into dst, and back: row conversions
 // outside the hot loops (queries in, outputs out).
 template <typename T>
