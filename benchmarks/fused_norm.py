@@ -29,13 +29,7 @@ from typing import Any
 
 import torch
 
-
-def cpu_model() -> str:
-    with open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return "unknown"
+from tidal.kernels.select import cpu_description
 
 
 @contextlib.contextmanager
@@ -125,7 +119,7 @@ def measure(llm: Any, opts: argparse.Namespace) -> dict[str, Any]:
                 run(case, side)
         print(f"round {r + 1}/{opts.rounds} done", file=sys.stderr)
     result: dict[str, Any] = {
-        "cpu": cpu_model(),
+        "cpu": cpu_description()["model"],
         "threads": torch.get_num_threads(),
         "model": opts.model,
         "dtype": opts.dtype,
