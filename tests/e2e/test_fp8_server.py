@@ -6,7 +6,8 @@
   engine start times only their prefetch hints).
 - GPT-OSS (the tiny checkpoint: alternating sliding layers, sinks, YaRN): the experts
   move with their biases; the clamped SwiGLU's alpha and limit are the layer's
-  (``--cpu-kernels torch``: its biased experts have only that path).
+  (``--cpu-kernels native``: the C++ fused MoE with the biases serves, so an install
+  re-packs the moved experts and the kernel reads the moved biases).
 
 The joining engine gets its experts from its peers (expert transfers), the scale-down
 moves the leaving engine's back; every stream completes and equals its greedy reference
@@ -33,7 +34,7 @@ MAX_TOKENS = 16
 @pytest.fixture(params=["deepseek_v3_fp8", "gpt_oss"])
 def ckpt_and_kernels(request, tiny_ckpt) -> tuple[str, str]:
     if request.param == "gpt_oss":
-        return tiny_ckpt("gpt_oss"), "torch"
+        return tiny_ckpt("gpt_oss"), "native"
     return request.getfixturevalue("deepseek_fp8_ckpt"), "native"
 
 

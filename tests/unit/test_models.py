@@ -492,9 +492,10 @@ def test_gpt_oss_layers_alternate_windows_and_read_interleaved_experts(tiny_ckpt
     stored = load_file(os.path.join(path, "model.safetensors"))
     gate_up = stored["model.layers.1.mlp.experts.gate_up_proj"][3]  # [H, 2I]
     moe = ours.layers[1].mlp
-    inter = moe.w2.shape[2]
-    assert torch.equal(moe.w13[3, :inter], gate_up[:, 0::2].t())
-    assert torch.equal(moe.w13[3, inter:], gate_up[:, 1::2].t())
+    weights = moe.read_weights(["w13", "w2"])  # held packed where the C++ path serves
+    inter = weights["w2"].shape[2]
+    assert torch.equal(weights["w13"][3, :inter], gate_up[:, 0::2].t())
+    assert torch.equal(weights["w13"][3, inter:], gate_up[:, 1::2].t())
     bias = stored["model.layers.1.mlp.experts.gate_up_proj_bias"][3]
     assert torch.equal(moe.w13_bias[3], torch.cat((bias[0::2], bias[1::2])))
 

@@ -394,12 +394,18 @@ def _gpt_oss_layer(block, cfg, local: list[int] | None = None, mode: str | None 
 @pytest.mark.parametrize("mode", ["native", "onednn", "torch", "auto"])
 def test_gpt_oss_layer_matches_transformers_block(mode):
     """Router bias, softmax over the top-k logits, expert biases and the clamped SwiGLU:
-    the layer equals transformers' GPT-OSS MLP on every CPU path, none of which computes
-    the experts but ``biased_experts`` (no choice is offered) nor routes on the C++
-    router (it has no bias)."""
+    the layer equals transformers' GPT-OSS MLP on every CPU path. The experts' choice is
+    the C++ kernel or ``biased_experts`` (onednn adds no biases: its mode gets the
+    reference); the C++ router is never chosen (it has no bias)."""
+    from tidal.kernels.cpu_ext import kernel_available
+
     cfg, block = _gpt_oss_block()
     moe = _gpt_oss_layer(block, cfg, mode=mode)
-    assert "experts" not in moe.cpu_ops()
+    paths = {c.path for c in moe.cpu_ops()["experts"].candidates}
+    assert paths == ({"native", "torch"} if kernel_available() else {"torch"})
+    expected = {"native": "native" if kernel_available() else "torch", "onednn": "torch"}
+    if mode in expected:
+        assert moe.cpu_choice["experts"].layout == expected[mode]
     assert moe.cpu_choice["router"].layout != "native"
     x = torch.randn(24, cfg.hidden_size)
     with torch.no_grad():
@@ -429,22 +435,29 @@ def test_biased_experts_never_reach_a_backend_kernel(monkeypatch):
     torch.testing.assert_close(got(x), want(x))
 
 
-def test_expert_transfer_carries_the_biases():
+@pytest.mark.parametrize("mode", ["native", "torch"])
+def test_expert_transfer_carries_the_biases(mode):
     """An elastic install (``expert_weights`` of the holders, ``set_local_experts`` +
     ``set_expert_weights`` on the new owner) moves each expert's biases with it: a layer
     of experts {1, 3} that takes them from two holders computes what the full layer's
-    share of them does; the clamp (alpha, limit) is the layer's, not the expert's."""
+    share of them does; the clamp (alpha, limit) is the layer's, not the expert's. On
+    the C++ path the pack is rebuilt and the kernel reads the moved biases."""
     cfg, block = _gpt_oss_block()
-    full = _gpt_oss_layer(block, cfg)
-    low, high = _gpt_oss_layer(block, cfg, [0, 1, 2, 3]), _gpt_oss_layer(block, cfg, [3, 5])
+    full = _gpt_oss_layer(block, cfg, mode=mode)
+    low = _gpt_oss_layer(block, cfg, [0, 1, 2, 3], mode=mode)
+    high = _gpt_oss_layer(block, cfg, [3, 5], mode=mode)
     specs = full.expert_part_specs()
     assert [s for s, _ in specs[2:]] == [(2 * cfg.intermediate_size,), (cfg.hidden_size,)]
     moved = [low.expert_weights([1]), high.expert_weights([0])]  # experts 1 and 3
     assert [tuple(t.shape[1:]) for t in moved[0]] == [s for s, _ in specs]
-    new = _gpt_oss_layer(block, cfg, [6, 7])
+    from tidal.kernels.cpu_ext import kernel_available
+
+    x = torch.randn(10, cfg.hidden_size)
+    new = _gpt_oss_layer(block, cfg, [6, 7], mode=mode)
+    new(x)  # packed now (the C++ path): the install must re-pack
     new.set_local_experts([1, 3])
     new.set_expert_weights([torch.cat(ts) for ts in zip(*moved)])
-    want = _gpt_oss_layer(block, cfg, [1, 3])
+    want = _gpt_oss_layer(block, cfg, [1, 3], mode="torch")
     assert torch.equal(new.w13_bias, want.w13_bias) and torch.equal(new.w2_bias, want.w2_bias)
-    x = torch.randn(10, cfg.hidden_size)
     torch.testing.assert_close(new(x), want(x))
+    assert new.is_released("w13") == (mode == "native" and kernel_available())

@@ -4,13 +4,18 @@ Why: at decode sizes each expert sees a few rows, so the experts' GEMMs are boun
 reading the weights once; what the torch paths add on top is per-call cost (oneDNN: ~14
 us and a thread barrier per GEMM, two GEMMs per busy expert). The kernel does the whole
 layer -- routing sort, gate/up with SiLU-and-mul and the router weight, down summed into
-the tokens -- in one call with two parallel regions on torch's own thread pool.
+the tokens -- in one call with two parallel regions on torch's own thread pool. Experts
+with biases and GPT-OSS's clamped SwiGLU (``ExpertExtras``) take the same kernel: the
+biases are read unpacked at each call (the layer's own per-slot buffers, so expert moves
+need nothing more), the activation is the gate/up epilogue's.
 
 It is part of the C++ extension ``tidal/kernels/cpu_ext.py`` loads; where that was not
 built the MoE layer keeps the torch path. Tests pin it against ``tidal/moe/reference.py``.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -21,6 +26,18 @@ from tidal.kernels.host_memory import empty_huge
 
 GATE_BLOCK = 32  # intermediate columns per w13 block (the kernel's kGateBlock)
 DOWN_BLOCK = 64  # output columns per w2 block (kDownBlock)
+
+
+@dataclass(frozen=True)
+class ExpertExtras:
+    """What GPT-OSS's experts add to the plain ones: ``b13 [E_local, 2I]`` (gate biases,
+    then up) and ``b2 [E_local, H]``, float32 or bf16 (either may be None), and the
+    clamped SwiGLU's ``(alpha, limit)`` (None: SiLU-and-mul), as
+    ``tidal/moe/reference.py``'s ``biased_experts`` and ``ClampedSwiGLU`` compute them."""
+
+    b13: Tensor | None = None
+    b2: Tensor | None = None
+    clamp: tuple[float, float] | None = None  # (alpha, limit)
 
 
 class CpuPackedExperts:
@@ -40,7 +57,9 @@ class CpuPackedExperts:
 
     def __init__(self, w13: Tensor, w2: Tensor) -> None:  # [E, 2I, H], [E, H, I]
         if w13.dtype not in DTYPES or w2.dtype != w13.dtype:
-            raise ValueError(f"the CPU kernel takes float32 or bf16 experts, got {w13.dtype}/{w2.dtype}")
+            raise ValueError(
+                f"the CPU kernel takes float32 or bf16 experts, got {w13.dtype}/{w2.dtype}"
+            )
         num, two_i, hidden = w13.shape
         inter = two_i // 2
         if w2.shape != (num, hidden, inter):
@@ -129,6 +148,7 @@ def fused_experts_cpu(
     prefetch: int = 0,  # cpu_ext.PREFETCH_HINTS value: a per-CPU choice (select.py)
     dot: bool = False,  # bf16 experts: the AVX512-BF16 kernel (cpu_ext.bf16_dot_available)
     amx: bool = False,  # bf16 experts: the AMX tile kernel (cpu_ext.amx_available)
+    extras: ExpertExtras | None = None,  # biases and the clamped SwiGLU; None: neither
 ) -> Tensor:  # [T, H], hidden's dtype
     """The experts of one MoE layer; slots whose expert is not local contribute zero."""
     if hidden.dtype not in DTYPES or hidden.device.type != "cpu":
@@ -138,9 +158,19 @@ def fused_experts_cpu(
             f"the AMX kernel takes bf16 experts of a hidden size divisible by {AMX_K}, got "
             f"{packed.dtype} hidden {packed.shapes[0][2]}"
         )
+    if extras is not None:
+        (num, two_i, width), _ = packed.shapes
+        for name, bias, shape in (
+            ("b13", extras.b13, (num, two_i)),
+            ("b2", extras.b2, (num, width)),
+        ):
+            if bias is not None and tuple(bias.shape) != shape:
+                raise ValueError(
+                    f"{name} must be {list(shape)} (the experts'), got {list(bias.shape)}"
+                )
     return run_fused_moe(
         hidden, packed.shapes[0][2], packed.w13, packed.w2, topk_weights, topk_ids, expert_map,
-        apply_router_weight, prefetch, dot, amx=amx,
+        apply_router_weight, prefetch, dot, amx=amx, extras=extras,
     )  # fmt: skip
 
 
@@ -157,6 +187,7 @@ def run_fused_moe(
     dot: bool,
     *fp8: Tensor | int,  # FP8 experts: (s13, s2, block_k)
     amx: bool = False,  # bf16 experts: the AMX tile kernel
+    extras: ExpertExtras | None = None,  # biases and the clamped SwiGLU; None: neither
 ) -> Tensor:  # [T, H], hidden's dtype
     """``torch.ops.tidal_cpu.fused_moe``, the one checked call of the MoE kernel (float32,
     bf16 and FP8 experts)."""
@@ -171,6 +202,13 @@ def run_fused_moe(
         topk_ids = topk_ids.to(torch.int64)
     if expert_map is not None and expert_map.dtype != torch.int32:
         expert_map = expert_map.to(torch.int32)
+    if extras is not None:
+        alpha, limit = extras.clamp if extras.clamp is not None else (0.0, 0.0)
+        return torch.ops.tidal_cpu.fused_moe(
+            hidden, w13, w2, topk_weights, topk_ids, expert_map, apply_router_weight, prefetch,
+            dot, *fp8, amx=amx, b13=extras.b13, b2=extras.b2,
+            clamped=extras.clamp is not None, alpha=alpha, limit=limit,
+        )  # fmt: skip
     return torch.ops.tidal_cpu.fused_moe(
         hidden,
         w13,

@@ -23,7 +23,7 @@ from torch import Tensor
 
 from tidal.kernels.cpu_ext import native_amx, native_variant
 from tidal.kernels.cpu_linear import linear_cpu, pack_linear_weight, unpack_linear_weight
-from tidal.kernels.cpu_moe import CpuPackedExperts, fused_experts_cpu
+from tidal.kernels.cpu_moe import CpuPackedExperts, ExpertExtras, fused_experts_cpu
 from tidal.kernels.cpu_router import CpuPackedGate, softmax_topk_cpu
 from tidal.kernels.fused_moe_torch import PackedExperts, fused_experts_torch
 from tidal.kernels.onednn import pack_weight, packed_linear, unpack_weight
@@ -114,15 +114,18 @@ class HeldExperts:
         expert_map: Tensor | None,  # [E_global] int32
         apply_router_weight: bool = True,
         variant: str = "",
+        extras: ExpertExtras | None = None,  # biases, clamped SwiGLU: the native path only
     ) -> Tensor:  # [T, H]
         if isinstance(self.packed, CpuPackedExperts):
             hint, dot = native_variant(variant)
             x = hidden if hidden.dtype == self.dtype else hidden.to(self.dtype)
             out = fused_experts_cpu(
                 x, self.packed, topk_weights, topk_ids, expert_map, apply_router_weight, hint, dot,
-                amx=native_amx(variant),
+                amx=native_amx(variant), extras=extras,
             )  # fmt: skip
             return out if out.dtype == hidden.dtype else out.to(hidden.dtype)
+        if extras is not None:
+            raise ValueError("the onednn experts add no biases and no clamped SwiGLU")
         # Shape stand-ins: with a sole pack the onednn strategy never reads w13/w2.
         w13 = torch.empty(self.shapes[0], dtype=self.dtype, device="meta")
         w2 = torch.empty(self.shapes[1], dtype=self.dtype, device="meta")

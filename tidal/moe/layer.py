@@ -26,12 +26,13 @@ says so: ``router_logits``). ``score_bias [E_global] float32`` is the correction
 rule that has one (every rank holds all of it: it is per logical expert, never moved).
 
 Experts with biases (``expert_bias``, GPT-OSS: ``w13_bias [E_local, 2I]``, ``w2_bias
-[E_local, H]``, optionally a ``ClampedSwiGLU`` activation) run only on
-``tidal/moe/reference.py``'s ``biased_experts``, whatever the backend: no fused path adds
-biases or clamps, so the experts op has no CPU choice then and the backend's kernel
-(triton's too) is not called. The biases are
-per slot like ``w13``/``w2`` and move with them (EPLB's ``move_expert_weights``,
-``set_local_experts``). A router bias (``Routing.router_bias``) is ``gate_bias [E_global]``,
+[E_local, H]``, optionally a ``ClampedSwiGLU`` activation) have two paths: on CPU the
+C++ fused MoE (``native``, its variants; ``cpu_moe.ExpertExtras``) and
+``tidal/moe/reference.py``'s ``biased_experts`` (``torch``, the reference), measured as
+op ``biased_moe``; elsewhere only ``biased_experts`` (no onednn or triton kernel adds
+biases or clamps). The biases are never packed: per slot like ``w13``/``w2``, they move
+with them (EPLB's ``move_expert_weights``, ``set_local_experts``) and the kernel reads
+them at each call. A router bias (``Routing.router_bias``) is ``gate_bias [E_global]``,
 added to the logits; like ``score_bias`` every rank holds all of it.
 
 FP8 experts (``hold_fp8``, a quantized checkpoint: docs/architecture.md#quantization):
@@ -75,6 +76,7 @@ from torch import Tensor, nn
 from tidal.distributed.tensor_parallel import TensorParallel
 from tidal.kernels.cpu_ext import amx_fits
 from tidal.kernels.cpu_fp8 import Fp8CpuExperts
+from tidal.kernels.cpu_moe import ExpertExtras
 from tidal.kernels.cpu_paths import PACKED_PATHS, HeldExperts, HeldGate
 from tidal.kernels.fp8_torch import FP8_DTYPE, dequantize_fp8_rows, w8a8_group_ok
 from tidal.kernels.fused_moe_torch import empty_k_major_experts, fused_experts_torch, is_k_major
@@ -418,19 +420,25 @@ class FusedMoE(HeldParamsModule):
     ) -> Tensor:  # [T', H]: this rank's experts on the tokens it got
         if self.fp8_block_k is not None:
             return self._fp8_experts(x, weights, ids, expert_map)
-        if self.custom_experts:
-            b13, b2 = self.w13_bias, self.w2_bias
-            if b13 is None or b2 is None:  # a clamped activation alone
-                b13, b2 = x.new_zeros(self.w13.shape[:2]), x.new_zeros(self.w2.shape[:2])
-            return biased_experts(
-                x, self.w13, self.w2, b13, b2, weights, ids, expert_map, self.activation
-            )
         held = self._held("experts") if self._cpu_held(x) else None
         if isinstance(held, HeldExperts):
             variant = self._choice("experts").for_rows(x.shape[0]).variant
-            return held(x, weights, ids, expert_map, True, variant)
+            extras = self._extras() if self.custom_experts else None
+            return held(x, weights, ids, expert_map, True, variant, extras)
+        if self.custom_experts:
+            w13, w2 = self._weight("w13"), self._weight("w2")
+            b13, b2 = self.w13_bias, self.w2_bias
+            if b13 is None or b2 is None:  # a clamped activation alone
+                b13, b2 = x.new_zeros(w13.shape[:2]), x.new_zeros(w2.shape[:2])
+            return biased_experts(x, w13, w2, b13, b2, weights, ids, expert_map, self.activation)
         w13, w2 = self._weight("w13"), self._weight("w2")  # released: another dtype's x
         return self.experts_fn(x, w13, w2, weights, ids, expert_map, True)
+
+    def _extras(self) -> ExpertExtras:
+        """The C++ kernel's view of this layer's biases and activation."""
+        act = self.activation
+        clamp = None if act is None else (act.alpha, act.limit)
+        return ExpertExtras(self.w13_bias, self.w2_bias, clamp)
 
     # ---- FP8 experts (docs/architecture.md#quantization) -------------------------------
 
@@ -604,15 +612,15 @@ class FusedMoE(HeldParamsModule):
         cands = weight_candidates(self.params_dtype, amx_fits=fits)
         if op == "router" and not self.routing.plain_softmax:  # the C++ router cannot
             cands = [c for c in cands if c.path != "native"]
-        if op == "experts" and self.custom_experts:  # only biased_experts computes them
-            cands = [c for c in cands if c.path == "torch"]
+        if op == "experts" and self.custom_experts:  # the C++ kernel or biased_experts
+            cands = [c for c in cands if c.path in ("native", "torch")]
         if op == "experts" and self.fp8_block_k is not None:
             cands = weight_candidates(FP8_DTYPE, self.params_dtype, self.fp8_block_k)
         return cands
 
     @property
     def custom_experts(self) -> bool:
-        """Biases or a clamped activation: ``biased_experts`` is the only path."""
+        """Biases or a clamped activation: the C++ kernel (on CPU) or ``biased_experts``."""
         return self.expert_bias or self.activation is not None
 
     @property
@@ -704,7 +712,10 @@ class FusedMoE(HeldParamsModule):
             self.expert_shape,
         )
         size = dtype.itemsize
-        key = OpKey("moe", (e_local, hidden, two_i // 2, self.top_k, self.num_experts))
+        # Biased experts (GPT-OSS) are their own op: a plain layer's cached choice may have
+        # picked onednn, which they lack.
+        moe = "biased_moe" if self.custom_experts else "moe"
+        key = OpKey(moe, (e_local, hidden, two_i // 2, self.top_k, self.num_experts))
         # Another rule's router is a different op (a cached softmax choice must not serve it).
         kind = "router" if self.routing.plain_softmax else "router_logits"
         router = OpKey(kind, (self.num_experts, hidden, self.top_k))
@@ -722,8 +733,6 @@ class FusedMoE(HeldParamsModule):
                 OpKey("fp8_moe", (*key.shape, self.fp8_block_k)),
                 tuple(self._candidates("experts")), True, e_local * 3 * hidden * (two_i // 2),
             )  # fmt: skip
-        if self.custom_experts:
-            del ops["experts"]  # one path: nothing to measure
         return ops
 
     def cpu_trial(self, op: str, candidate: Candidate, instances: int) -> Any:
@@ -755,6 +764,9 @@ class FusedMoE(HeldParamsModule):
                 moe.w13.data, moe.w2.data = empty_k_major_experts(moe.w13, moe.w2)
                 moe.w13.data.fill_(0.01)
                 moe.w2.data.fill_(0.01)
+                if moe.w13_bias is not None and moe.w2_bias is not None:
+                    moe.w13_bias.fill_(0.01)
+                    moe.w2_bias.fill_(0.01)
             moe._pack(op)
             stand_ins.append(moe)
         turn = itertools.cycle(stand_ins)

@@ -133,8 +133,9 @@ def biased_experts(
     activation: ClampedSwiGLU | None,  # None: silu(gate) * up
 ) -> Tensor:  # [T, H]
     """Experts with biases on both projections (GPT-OSS): one expert at a time over the
-    tokens routed to it, weighted by the router. The only path for such experts (no
-    fused kernel adds the biases or clamps), tested against transformers' experts."""
+    tokens routed to it, weighted by the router. The reference for such experts (the C++
+    fused MoE computes them too, ``cpu_moe.ExpertExtras``), tested against transformers'
+    experts."""
     inter = w2.shape[2]
     slots = local_slots(topk_ids, expert_map, w13.shape[0])
     out = torch.zeros_like(hidden)

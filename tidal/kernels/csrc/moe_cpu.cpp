@@ -26,6 +26,11 @@
 // kernel on bf16 activations) come with their scales per column
 // and k chunk: s13p [E, I_pad / 32, ceil(H / block_k), 64] (the w13 blocks' column order),
 // s2p [H_pad / 64, E, ceil(I_pad / block_k), 64].
+// Optional extras (GPT-OSS's experts): per-expert biases b13 [E, 2I] (gate, then up; added
+// to the gate/up GEMM's result) and b2 [E, H] (added to the down GEMM's, before the router
+// weight), float32 or bf16, unpacked; and the clamped SwiGLU, (min(up, l) clamped below at
+// -l, + 1) * g * sigmoid(alpha * g) with g = min(gate, l), in place of SiLU(gate) * up.
+// Without them the epilogues are the plain ones (one branch per row).
 
 #include "amx.h"
 #include "gemm.h"
@@ -80,6 +85,65 @@ std::vector<double> down_costs(int64_t down_blocks, int64_t hidden_size) {
 
 inline vec16 silu(vec16 g) { return g / (splat(1.f) + vexp(-g)); }
 
+inline float bias_value(const void* base, bool bf16, int64_t i) {
+  return bf16 ? widen_bf16(static_cast<const uint16_t*>(base)[i])
+              : static_cast<const float*>(base)[i];
+}
+
+// The experts' optional biases and activation (see the header); the default is none and
+// SiLU-and-mul.
+struct Extras {
+  const void* b13 = nullptr;  // [E, 2I] float32 | bf16
+  const void* b2 = nullptr;   // [E, H] float32 | bf16
+  bool bias_bf16 = false;
+  int64_t inter = 0;   // I
+  int64_t hidden = 0;  // H
+  bool clamped = false;
+  float alpha = 0.f, limit = 0.f;
+
+  // Expert e's gate/up biases of w13 block j: out [64] = 32 gate then 32 up, zero past I.
+  void gate_bias(int64_t e, int64_t j, float* out) const {
+    for (int64_t c = 0; c < kGateBlock; ++c) {
+      const int64_t col = j * kGateBlock + c;
+      const bool in = col < inter;
+      out[c] = in ? bias_value(b13, bias_bf16, e * 2 * inter + col) : 0.f;
+      out[kGateBlock + c] = in ? bias_value(b13, bias_bf16, e * 2 * inter + inter + col) : 0.f;
+    }
+  }
+
+  // Expert e's down biases of output block j: out [64], zero past H.
+  void down_bias(int64_t e, int64_t j, float* out) const {
+    for (int64_t c = 0; c < kDownBlock; ++c) {
+      const int64_t col = j * kDownBlock + c;
+      out[c] = col < hidden ? bias_value(b2, bias_bf16, e * hidden + col) : 0.f;
+    }
+  }
+
+  // 16 columns' activation from their gate and up sums (biases added already).
+  vec16 activate(vec16 g, vec16 u) const {
+    if (!clamped) return silu(g) * u;
+    const vec16 l = splat(limit), nl = splat(-limit);
+    g = g > l ? l : g;  // a NaN stays NaN, as torch's clamp keeps it
+    u = u > l ? l : u;
+    u = u < nl ? nl : u;
+    return (u + splat(1.f)) * (g / (splat(1.f) + vexp(-g * splat(alpha))));
+  }
+};
+
+// One row's 32 activations of a gate/up block from its 64 sums (acc: gate 0..31, up
+// 32..63), plus the block's biases (or none), times the router weight s.
+inline void block_activation(const vec16* acc, const float* bias, const Extras& ex, vec16 s,
+                             vec16* out) {
+  for (int h = 0; h < 2; ++h) {
+    vec16 g = acc[h], u = acc[2 + h];
+    if (bias) {
+      g = g + load(bias + 16 * h);
+      u = u + load(bias + kGateBlock + 16 * h);
+    }
+    out[h] = ex.activate(g, u) * s;
+  }
+}
+
 // The activations of one row group: x rows in, act rows out (float32, or bf16 for the
 // dot kernel's down pass).
 struct ActRows {
@@ -89,12 +153,14 @@ struct ActRows {
 
 template <int R, int P>
 void gate_up_rows(Kernel kind, const RowPtrs& x, const void* w, int64_t depth, const ActRows& act,
-                  const float* weights, const float* scales, int64_t block_k) {
+                  const float* weights, const float* scales, int64_t block_k,
+                  const float* bias, const Extras& ex) {  // bias: [64] or null
   vec16 acc[kRows][4];
   block_gemm_any<R, P>(kind, x, w, depth, acc, scales, block_k);
   for (int m = 0; m < R; ++m) {
-    vec16 s = splat(weights ? weights[m] : 1.f);
-    vec16 a0 = silu(acc[m][0]) * acc[m][2] * s, a1 = silu(acc[m][1]) * acc[m][3] * s;
+    vec16 a[2];
+    block_activation(acc[m], bias, ex, splat(weights ? weights[m] : 1.f), a);
+    const vec16 a0 = a[0], a1 = a[1];
     if (kind == Kernel::kBf16Dot || kind == Kernel::kFp8Dot) {
       float tmp[32];
       store(tmp, a0);
@@ -107,12 +173,17 @@ void gate_up_rows(Kernel kind, const RowPtrs& x, const void* w, int64_t depth, c
   }
 }
 
+// bias: the block's [64] down biases or null, each row's times its router weight (the
+// activations carry that weight already, so the GEMM's sum has it).
 template <int R, int P>
 void down_rows(Kernel kind, const RowPtrs& a, const void* w, int64_t depth, float* const* out,
-               int64_t cols, const float* scales, int64_t block_k) {
+               int64_t cols, const float* scales, int64_t block_k, const float* bias,
+               const float* weights) {
   vec16 acc[kRows][4];
   block_gemm_any<R, P>(kind, a, w, depth, acc, scales, block_k);
   for (int m = 0; m < R; ++m) {
+    if (bias)
+      for (int v = 0; v < 4; ++v) acc[m][v] = acc[m][v] + load(bias + 16 * v) * splat(weights[m]);
     if (cols == 64) {
       for (int v = 0; v < 4; ++v) store(out[m] + 16 * v, load(out[m] + 16 * v) + acc[m][v]);
     } else {
@@ -148,7 +219,8 @@ void amx_experts(const at::Tensor& x,                 // [T, H] float32 or bf16,
                  const std::vector<float>& row_weight,  // [N]
                  const std::vector<int64_t>& start,   // [E + 1] each slot's first row
                  const at::Tensor& w13p, const at::Tensor& w2p, int64_t up_steps,
-                 int64_t down_steps, at::Tensor& out) {  // out [T, H] float32, zero
+                 int64_t down_steps, const Extras& ex,
+                 at::Tensor& out) {  // out [T, H] float32, zero
   const int64_t num_local = w13p.size(0), gate_blocks = w13p.size(1);
   const int64_t down_blocks = w2p.size(0), hidden_size = x.size(1);
   const int64_t up_pad = 2 * up_steps, inter_pad = 2 * down_steps;
@@ -178,15 +250,19 @@ void amx_experts(const at::Tensor& x,                 // [T, H] float32 or bf16,
     const int64_t e = busy[task / gate_blocks], j = task % gate_blocks;
     const uint16_t* blk = w13 + (e * gate_blocks + j) * up_block;
     alignas(64) float acc[kAmxRows * 64];
+    alignas(64) float bias[64];
+    if (ex.b13) ex.gate_bias(e, j, bias);
     for (int64_t r0 = start[e]; r0 < start[e + 1]; r0 += kAmxRows) {
       const int m = static_cast<int>(std::min<int64_t>(kAmxRows, start[e + 1] - r0));
       rows_times_block(m, xs.data() + r0 * up_pad, up_pad, blk, up_steps, acc);
-      for (int i = 0; i < m; ++i) {  // SiLU(gate) * up * router weight, rounded to bf16
+      for (int i = 0; i < m; ++i) {  // act(gate, up) * router weight, rounded to bf16
         const float* g = acc + i * 64;
-        const vec16 s = splat(row_weight[r0 + i]);
+        const vec16 sums[4] = {load(g), load(g + 16), load(g + 32), load(g + 48)};
+        vec16 act2[2];
+        block_activation(sums, ex.b13 ? bias : nullptr, ex, splat(row_weight[r0 + i]), act2);
         alignas(64) float a[32];
-        store(a, silu(load(g)) * load(g + 32) * s);
-        store(a + 16, silu(load(g + 16)) * load(g + 48) * s);
+        store(a, act2[0]);
+        store(a + 16, act2[1]);
         uint16_t* dst = act.data() + (r0 + i) * inter_pad + j * kGateBlock;
         for (int c = 0; c < 32; ++c) dst[c] = narrow_bf16(a[c]);
       }
@@ -195,14 +271,21 @@ void amx_experts(const at::Tensor& x,                 // [T, H] float32 or bf16,
   for_each_task_static(down_costs(down_blocks, hidden_size), [&](int64_t j) {
     const int64_t cols = std::min<int64_t>(kDownBlock, hidden_size - j * kDownBlock);
     alignas(64) float acc[kAmxRows * 64];
+    alignas(64) float bias[64];
     for (int64_t e = 0; e < num_local; ++e) {
+      if (start[e + 1] == start[e]) continue;
       const uint16_t* blk = w2 + (j * num_local + e) * down_block;
+      if (ex.b2) ex.down_bias(e, j, bias);
       for (int64_t r0 = start[e]; r0 < start[e + 1]; r0 += kAmxRows) {
         const int m = static_cast<int>(std::min<int64_t>(kAmxRows, start[e + 1] - r0));
         rows_times_block(m, act.data() + r0 * inter_pad, inter_pad, blk, down_steps, acc);
         for (int i = 0; i < m; ++i) {
           float* dst = op + token[r0 + i] * hidden_size + j * kDownBlock;
-          for (int64_t c = 0; c < cols; ++c) dst[c] += acc[i * 64 + c];
+          const float s = row_weight[r0 + i];
+          if (ex.b2)
+            for (int64_t c = 0; c < cols; ++c) dst[c] += acc[i * 64 + c] + s * bias[c];
+          else
+            for (int64_t c = 0; c < cols; ++c) dst[c] += acc[i * 64 + c];
         }
       }
     }
@@ -227,7 +310,11 @@ at::Tensor fused_moe(const at::Tensor& hidden,  // [T, H] float32 or bf16
                      // FP8: [H_pad/64, E, ceil(I_pad/block_k), 64] float32
                      const std::optional<at::Tensor>& s2p,
                      int64_t block_k,  // FP8: the k chunk of one scale
-                     bool amx) {       // bf16: the AMX tile kernel (amx.h)
+                     bool amx,         // bf16: the AMX tile kernel (amx.h)
+                     const std::optional<at::Tensor>& b13,  // [E, 2I] float32 | bf16
+                     const std::optional<at::Tensor>& b2,   // [E, H], b13's dtype
+                     bool clamped,  // the clamped SwiGLU (alpha, limit), else SiLU-and-mul
+                     double alpha, double limit) {
   TORCH_CHECK(hidden.dim() == 2 && hidden.is_cpu() &&
                   (hidden.scalar_type() == at::kFloat || hidden.scalar_type() == at::kBFloat16),
               "hidden must be [T, H] float32 or bf16 on CPU");
@@ -297,6 +384,35 @@ at::Tensor fused_moe(const at::Tensor& hidden,  // [T, H] float32 or bf16
               "topk_ids/topk_weights must be [T, K] int64/float32");
   TORCH_CHECK(prefetch >= 0 && prefetch < kNumPrefetch, "prefetch must be in [0, ", kNumPrefetch,
               ")");
+  Extras ex;
+  ex.hidden = hidden_size;
+  ex.clamped = clamped;
+  ex.alpha = static_cast<float>(alpha);
+  ex.limit = static_cast<float>(limit);
+  at::Tensor b13c, b2c;  // contiguous, alive for the call
+  for (const auto* b : {&b13, &b2}) {
+    if (!b->has_value()) continue;
+    TORCH_CHECK(((*b)->scalar_type() == at::kFloat || (*b)->scalar_type() == at::kBFloat16) &&
+                    (*b)->dim() == 2 && (*b)->size(0) == num_local,
+                "fused_moe: b13/b2 must be [E, 2I]/[E, H] float32 or bf16, one row per local expert");
+  }
+  TORCH_CHECK(!(b13.has_value() && b2.has_value()) || b13->scalar_type() == b2->scalar_type(),
+              "fused_moe: b13 and b2 must have one dtype");
+  if (b13.has_value()) {
+    const int64_t inter = b13->size(1) / 2;
+    TORCH_CHECK(b13->size(1) % 2 == 0 && inter <= inter_pad && inter > inter_pad - kGateBlock,
+                "fused_moe: b13 must be [E, 2I] with w13p's intermediate size");
+    b13c = b13->contiguous();
+    ex.b13 = b13c.data_ptr();
+    ex.inter = inter;
+    ex.bias_bf16 = b13c.scalar_type() == at::kBFloat16;
+  }
+  if (b2.has_value()) {
+    TORCH_CHECK(b2->size(1) == hidden_size, "fused_moe: b2 must be [E, H] matching hidden");
+    b2c = b2->contiguous();
+    ex.b2 = b2c.data_ptr();
+    ex.bias_bf16 = b2c.scalar_type() == at::kBFloat16;
+  }
   const int64_t top_k = topk_ids.size(1);
   auto x = hidden.contiguous();
   auto ids = topk_ids.contiguous();
@@ -337,7 +453,7 @@ at::Tensor fused_moe(const at::Tensor& hidden,  // [T, H] float32 or bf16
   }
 #ifdef TIDAL_AMX
   if (amx) {
-    amx_experts(x, token, row_weight, start, w13p, w2p, up_steps, down_steps, out);
+    amx_experts(x, token, row_weight, start, w13p, w2p, up_steps, down_steps, ex, out);
     return result();
   }
 #endif
@@ -371,6 +487,8 @@ at::Tensor fused_moe(const at::Tensor& hidden,  // [T, H] float32 or bf16
     for_each_task_static(tasks.cost, [&](int64_t task) {
       const int64_t e = busy[task / gate_blocks], j = task % gate_blocks;
       const void* blk = w13 + (e * gate_blocks + j) * up_block_bytes;
+      alignas(64) float bias[64];
+      if (ex.b13) ex.gate_bias(e, j, bias);
       for (int64_t r0 = start[e]; r0 < start[e + 1]; r0 += kRows) {
         const int r = static_cast<int>(std::min<int64_t>(kRows, start[e + 1] - r0));
         RowPtrs xr;
@@ -385,7 +503,8 @@ at::Tensor fused_moe(const at::Tensor& hidden,  // [T, H] float32 or bf16
         }
         const float* sc = s13 ? s13 + (e * gate_blocks + j) * up_chunks * 64 : nullptr;
         dispatch_rows(r, [&](auto R) {
-          gate_up_rows<R(), P()>(kind, xr, blk, up_steps, as, &row_weight[r0], sc, block_k);
+          gate_up_rows<R(), P()>(kind, xr, blk, up_steps, as, &row_weight[r0], sc, block_k,
+                                 ex.b13 ? bias : nullptr, ex);
         });
       }
     });
@@ -394,8 +513,14 @@ at::Tensor fused_moe(const at::Tensor& hidden,  // [T, H] float32 or bf16
     //    (a token's rows all land in the same task, so no two threads add to one element).
     for_each_task_static(down_costs(down_blocks, hidden_size), [&](int64_t j) {
       const int64_t cols = std::min<int64_t>(kDownBlock, hidden_size - j * kDownBlock);
+      alignas(64) float bias[64];
+      int64_t bias_expert = -1;  // whose biases ``bias`` holds (an expert's groups are adjacent)
       for (int64_t g = 0; g < groups; ++g) {
         const int64_t e = group_expert[g], r0 = group_row[g];
+        if (ex.b2 && e != bias_expert) {
+          ex.down_bias(e, j, bias);
+          bias_expert = e;
+        }
         const int r = static_cast<int>(std::min<int64_t>(kRows, start[e + 1] - r0));
         RowPtrs as;
         float* os[kRows];
@@ -409,7 +534,8 @@ at::Tensor fused_moe(const at::Tensor& hidden,  // [T, H] float32 or bf16
         const void* blk = w2 + (j * num_local + e) * down_block_bytes;
         const float* sc = s2 ? s2 + (j * num_local + e) * down_chunks * 64 : nullptr;
         dispatch_rows(r, [&](auto R) {
-          down_rows<R(), P()>(kind, as, blk, down_steps, os, cols, sc, block_k);
+          down_rows<R(), P()>(kind, as, blk, down_steps, os, cols, sc, block_k,
+                              ex.b2 ? bias : nullptr, &row_weight[r0]);
         });
       }
     });
@@ -423,7 +549,9 @@ TORCH_LIBRARY_FRAGMENT(tidal_cpu, m) {
   m.def(
       "fused_moe(Tensor hidden, Tensor w13p, Tensor w2p, Tensor topk_weights, "
       "Tensor topk_ids, Tensor? expert_map, bool apply_router_weight, int prefetch=0, "
-      "bool dot=False, Tensor? s13p=None, Tensor? s2p=None, int block_k=0, bool amx=False) -> Tensor");
+      "bool dot=False, Tensor? s13p=None, Tensor? s2p=None, int block_k=0, bool amx=False, "
+      "Tensor? b13=None, Tensor? b2=None, bool clamped=False, float alpha=0., float limit=0.) "
+      "-> Tensor");
   m.def("amx_available() -> bool", &amx_available);
 }
 
