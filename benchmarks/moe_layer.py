@@ -29,6 +29,13 @@ is those bytes over the fastest call, beside a ``torch`` copy's bandwidth measur
 same run. Prints the CPU's model and flags first.
 
     python benchmarks/moe_layer.py --dtype bfloat16 [--tokens 1 32] [--pool-mib 256] [--shapes big]
+
+``--biased`` times GPT-OSS's experts (per-expert biases, clamped SwiGLU) instead: the
+experts op's own candidates (the C++ kernels with those extras, ``biased_experts`` as
+``torch``), in ``--dtype`` alone (float32 is then a dtype like bf16), at the shapes given
+(``gpt_oss_20b``: GPT-OSS-20B's layer, 2880 wide, 32 experts top-4, 1.6 GB in bf16).
+
+    python benchmarks/moe_layer.py --biased --dtype bfloat16 --shapes gpt_oss_20b --tokens 1 16 128
 """
 
 from __future__ import annotations
@@ -56,6 +63,7 @@ from tidal.layers.linear import Linear
 from tidal.models.common import set_k_major_moe_weights
 from tidal.models.tiny import DEFAULT_MODEL_ARGS
 from tidal.moe.layer import FusedMoE
+from tidal.moe.reference import ClampedSwiGLU
 
 # (hidden, experts, top_k, intermediate) of the held-path comparison: the default model,
 # the 64-expert top-8 checkpoint and the 1024-wide one (benchmarks/cpu_speed.py's moe64, big)
@@ -63,6 +71,7 @@ PATH_SHAPES = {
     "default": (256, 16, 4, 128),
     "moe64": (512, 64, 8, 256),
     "big": (1024, 32, 4, 512),
+    "gpt_oss_20b": (2880, 32, 4, 2880),
 }
 CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
 
@@ -152,8 +161,21 @@ def _op_bytes(op: str, shape: tuple[int, int, int, int], rows: int, itemsize: in
     return hidden * hidden * itemsize  # the linear: hidden x hidden
 
 
+def _moe(shape: tuple[int, int, int, int], dtype: torch.dtype, biased: bool) -> FusedMoE:
+    """A layer of ``shape``; ``biased``: GPT-OSS's experts (biases, clamped SwiGLU)."""
+    hidden, experts, top_k, inter = shape
+    extras: dict = {}
+    if biased:
+        extras = {"expert_bias": True, "activation": ClampedSwiGLU(1.702, 7.0)}
+    return FusedMoE(experts, top_k, hidden, inter, True, dtype=dtype, **extras)
+
+
 def _experts_stand_ins(
-    shape: tuple[int, int, int, int], dtype: torch.dtype, cand: Candidate, instances: int
+    shape: tuple[int, int, int, int],
+    dtype: torch.dtype,
+    cand: Candidate,
+    instances: int,
+    biased: bool = False,
 ) -> Callable[[int], Callable[[], object]]:
     """``instances`` MoE layers on ``cand``'s path; call j of the thunk runs the next layer
     with the next experts in turn (every expert of every layer read once per cycle, so the
@@ -161,11 +183,14 @@ def _experts_stand_ins(
     hidden, experts, top_k, inter = shape
     layers = []
     for _ in range(instances):
-        moe = FusedMoE(experts, top_k, hidden, inter, True, dtype=dtype)
+        moe = _moe(shape, dtype, biased)
         moe.set_cpu_path("experts", Choice.fixed(cand, cand.path))
         moe.w13.data, moe.w2.data = empty_k_major_experts(moe.w13, moe.w2)
         moe.w13.data.fill_(0.01)
         moe.w2.data.fill_(0.01)
+        if moe.w13_bias is not None and moe.w2_bias is not None:
+            moe.w13_bias.fill_(0.01)
+            moe.w2_bias.fill_(0.01)
         moe._pack("experts")
         layers.append(moe)
 
@@ -194,10 +219,12 @@ def held_paths(args: argparse.Namespace, dtype: torch.dtype) -> None:
         "memcpy_GBps": round(_copy_gbps(args.pool_mib << 20), 1),
     }))  # fmt: skip
     dtypes = [torch.float32] if dtype == torch.float32 else [torch.float32, dtype]
+    if args.biased:
+        dtypes = [dtype]
     for tag in args.shapes:
         shape = PATH_SHAPES[tag]
         hidden, experts, top_k, inter = shape
-        for op in ("experts", "router", "linear"):
+        for op in ("experts",) if args.biased else ("experts", "router", "linear"):
             thunks: dict[str, Callable[[int], Callable[[], object]]] = {}
             nbytes: dict[str, int] = {}
             for dt in dtypes:
@@ -209,7 +236,9 @@ def held_paths(args: argparse.Namespace, dtype: torch.dtype) -> None:
                     name = op
                 per = _op_bytes(op, (hidden, experts, experts, inter), 1, dt.itemsize)
                 instances = max(1, min(16, (args.pool_mib << 20) // per))
-                if op == "experts":
+                if op == "experts" and args.biased:  # the biased layer's own op
+                    cands = list(_moe(shape, dt, True).cpu_ops()["experts"].candidates)
+                elif op == "experts":
                     cands = weight_candidates(dt, amx_fits=amx_fits(dt, hidden))
                 elif op == "linear":  # the layer's own: bf16 adds the AMX kernel where it fits
                     cands = list(module.cpu_ops()["linear"].candidates)
@@ -218,7 +247,7 @@ def held_paths(args: argparse.Namespace, dtype: torch.dtype) -> None:
                 for cand in cands:
                     key = f"{str(dt).removeprefix('torch.')}/{cand.name}"
                     if op == "experts":
-                        thunks[key] = _experts_stand_ins(shape, dt, cand, instances)
+                        thunks[key] = _experts_stand_ins(shape, dt, cand, instances, args.biased)
                     else:
                         thunks[key] = module.cpu_trial(name, cand, instances)
                     nbytes[key] = dt.itemsize
@@ -251,13 +280,17 @@ def main() -> None:
     )  # fmt: skip
     ap.add_argument("--pool-mib", type=int, default=256, help="held paths: weights rotated per path")
     ap.add_argument(
-        "--shapes", nargs="+", choices=list(PATH_SHAPES), default=list(PATH_SHAPES),
+        "--biased", action="store_true",
+        help="GPT-OSS's experts (biases, clamped SwiGLU) on their paths, in --dtype alone",
+    )  # fmt: skip
+    ap.add_argument(
+        "--shapes", nargs="+", choices=list(PATH_SHAPES), default=["default", "moe64", "big"],
         help="held paths: the shapes to time",
     )  # fmt: skip
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    if args.dtype != "float32":
+    if args.dtype != "float32" or args.biased:
         held_paths(args, getattr(torch, args.dtype))
         return
     if args.clock == "auto":
