@@ -115,7 +115,7 @@ class Candidate:
 class OpKey:
     """An op family and the shape it runs at: ops of equal keys share one choice."""
 
-    op: str  # moe | router | router_logits | linear | attention | norm | fp8_linear | fp8_moe
+    op: str  # moe | biased_moe | router | router_logits | linear | attention | norm | fp8_linear | fp8_moe
     shape: tuple[int, ...]
 
     @property
