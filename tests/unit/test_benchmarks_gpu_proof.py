@@ -12,6 +12,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "gpu_proof.sh"
 PLAIN_NAME = re.compile(r"^[A-Za-z0-9._-]+$")
@@ -25,6 +27,7 @@ def _run(out: pathlib.Path, steps: str) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow  # starts processes: the fast tier stays under 2 minutes
 def test_smoke_run_writes_parts_merge_and_a_config(tmp_path):
     configs = set((ROOT / "tidal" / "kernels" / "configs").iterdir())
     proc = _run(tmp_path, "facts moe")

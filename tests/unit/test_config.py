@@ -121,6 +121,7 @@ def test_kv_cache_too_small_is_clear(qwen3_ckpt):
         assert len(out.outputs[0].token_ids) == 12
 
 
+@pytest.mark.slow  # starts processes: the fast tier stays under 2 minutes
 def test_cli_error_names_the_flag(qwen3_ckpt):
     import subprocess
     import sys

@@ -37,6 +37,7 @@ def _ref_counts_consistent(kv: KVCacheManager, live: list[Request]) -> None:
     assert set(pool.free_block_ids()) == {b.block_id for b in pool.blocks[1:] if b.ref_cnt == 0}
 
 
+@pytest.mark.slow  # starts processes: the fast tier stays under 2 minutes
 def test_hash_is_chained_and_stable_across_processes() -> None:
     h0 = hash_block_tokens(0, [1, 2, 3, 4])
     assert h0 == hash_block_tokens(0, [1, 2, 3, 4])

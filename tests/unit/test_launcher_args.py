@@ -61,6 +61,7 @@ def test_cli_error_names_the_flag(qwen3_ckpt, capsys):
     )
 
 
+@pytest.mark.slow  # starts processes: the fast tier stays under 2 minutes
 def test_only_the_ray_launcher_imports_ray(qwen3_ckpt):
     """Choosing the backend imports nothing of Ray; the mp path never does."""
     code = (
@@ -73,6 +74,7 @@ def test_only_the_ray_launcher_imports_ray(qwen3_ckpt):
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
+@pytest.mark.slow  # starts processes: the fast tier stays under 2 minutes
 @pytest.mark.timeout(120)
 def test_an_unreachable_ray_cluster_is_a_clear_launch_error(qwen3_ckpt):
     """``launch`` names the address and the flag, and exits 1 (no traceback); ray.init

@@ -165,6 +165,7 @@ def test_the_scheduler_times_each_phase_on_its_own_clock(monkeypatch):
     assert sched.make_stats(take_steps=True).iteration_tokens == [4]
 
 
+@pytest.mark.slow  # starts processes: the fast tier stays under 2 minutes
 def test_the_server_imports_no_opentelemetry_without_the_flag():
     # FastAPI imports OpenTelemetry's API package itself; the SDK, the exporter and the
     # tracer are ours to import, and only with --otlp-traces-endpoint.

@@ -96,6 +96,7 @@ def test_engine_args_serve_a_cached_repo_id(qwen3_ckpt: str, tmp_path: Path, mon
         EngineArgs(model="acme/tiny-qwen3").create_engine_config()
 
 
+@pytest.mark.slow  # starts processes: the fast tier stays under 2 minutes
 def test_cli_names_the_flag_and_the_cache_folder(tmp_path: Path) -> None:
     import subprocess
     import sys

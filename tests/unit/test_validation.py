@@ -480,6 +480,7 @@ async def test_dashboard_with_api_key_never_in_the_url():
         assert ok.status_code == 200
 
 
+@pytest.mark.slow  # starts processes: the fast tier stays under 2 minutes
 @run
 async def test_request_chat_template_sandboxed_when_allowed(qwen3_ckpt):
     engine = _engine(trust_request_chat_template=True)
