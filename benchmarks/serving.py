@@ -23,6 +23,9 @@ repeats the pair, alternating which runs first; the median run of each is report
 Prints one JSON line: the case, ``tidal``, ``peer`` (null with ``--url``) and the
 ``tidal_over_peer`` ratios.
 
+Both servers serve in one dtype, ``--dtype`` (default: the checkpoint's own), passed to
+each: vLLM-CPU's ``auto`` serves a float32 checkpoint in bf16.
+
 ``--dp 1,2`` measures each data-parallel size in turn (Tidal's ``--dp N``, vLLM's
 ``--data-parallel-size N`` with its OpenMP threads bound one core group per rank), one
 JSON line per size. ``--client aiperf`` sends the load with NVIDIA's aiperf instead of the
@@ -281,6 +284,20 @@ def launched_server(
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def checkpoint_dtype(model: str) -> str:
+    """The dtype a checkpoint folder's config.json names (``torch_dtype`` or ``dtype``),
+    else float32. Both servers get it explicitly: vLLM-CPU's ``auto`` serves a float32
+    checkpoint in bf16, Tidal's in float32, so without it they serve different weights
+    (at 256 streams that alone read as Tidal 0.87x vLLM; in one dtype, 1.25x)."""
+    try:
+        with open(os.path.join(model, "config.json")) as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        return "float32"
+    named = config.get("torch_dtype") or config.get("dtype")
+    return named if isinstance(named, str) else "float32"
+
+
 def tidal_command(model: str, launch_args: list[str], api_key: str | None) -> list[str]:
     cmd = [sys.executable, "-m", "tidal.launch.cli", "serve", "--model", model]
     if api_key:
@@ -330,6 +347,7 @@ def peer_server(args: argparse.Namespace, model: str, dp: int = 1) -> Iterator[t
     """(what the peer is, a ``launch()`` context manager that serves it) at ``dp`` ranks."""
     if args.vllm_python:
         cmd = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", model]
+        cmd += ["--dtype", args.dtype]
         if dp > 1:
             cmd += ["--data-parallel-size", str(dp)]
         peers = Path(os.environ.get("PEERS", Path.home() / ".cache" / "tidal-peers"))
@@ -348,7 +366,8 @@ def peer_server(args: argparse.Namespace, model: str, dp: int = 1) -> Iterator[t
     peer_args = args.launch_args if args.peer_launch_args is None else args.peer_launch_args
     with contextlib.nullcontext(REPO) if here else previous_commit(args.peer_ref) as tree:
         env = {**os.environ, "PYTHONPATH": str(tree)}
-        cmd = tidal_command(model, [*shlex.split(peer_args), *_dp_args(dp)], args.api_key)
+        peer_flags = [*shlex.split(peer_args), *_dp_args(dp), "--dtype", args.dtype]
+        cmd = tidal_command(model, peer_flags, args.api_key)
         info = {"name": "tidal", "ref": args.peer_ref, "commit": sha, "launch_args": peer_args}
         yield (
             info,
@@ -518,6 +537,12 @@ def main(argv: list[str] | None = None) -> int:
         "--peer-launch-args '--cpu-affinity off' for an A/B of one flag",
     )
     p.add_argument("--vllm-python", default=None, help="python of a vLLM venv: vLLM is the peer")
+    p.add_argument(
+        "--dtype",
+        default=None,
+        help="--launch: the dtype both servers serve in, passed to each (default: the "
+        "checkpoint's own, float32 where config.json names none)",
+    )
     p.add_argument("--rounds", type=int, default=1, help="runs of each server (--launch)")
     p.add_argument("--dp", default="1", help="--launch: data-parallel sizes, e.g. 1,2")
     p.add_argument("--client", choices=("builtin", "aiperf"), default="builtin")
@@ -578,6 +603,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if summary["failed"] == 0 else 1
 
     model = args.model or _default_model()
+    args.dtype = args.dtype or checkpoint_dtype(model)
+    case["dtype"] = args.dtype
     # This tree's server measures its CPU paths afresh (a kernel-choice cache private to
     # the run, removed with it): never a choice an earlier, noisier run left.
     kernel_cache = tempfile.mkdtemp(prefix="serving-kernels-")
@@ -598,7 +625,7 @@ def _launch_sizes(
     failed = 0
     peer_at: dict[int, dict] = {}  # the peer's median run per size, for a size it cannot serve
     for dp in sizes:
-        launch_args = [*shlex.split(args.launch_args), *_dp_args(dp)]
+        launch_args = [*shlex.split(args.launch_args), *_dp_args(dp), "--dtype", args.dtype]
         ours = [*launch_args, "--kernel-cache-dir", kernel_cache]
         tidal_cmd = tidal_command(model, ours, args.api_key)
         runs: dict[str, list[dict]] = {"tidal": [], "peer": []}

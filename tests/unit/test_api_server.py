@@ -1060,3 +1060,30 @@ def test_serving_ratios_say_when_inter_token_latencies_compare():
     out = bench._ratios(side(1.2, 500.0), side(40.0, 1000.0))
     assert out["request_latency_avg"] == 0.5 and out["tpot_comparable"] is False
     assert bench._ratios(side(1.2, 500.0), side(1.0, 1000.0))["tpot_comparable"] is True
+
+
+def test_serving_benchmark_serves_both_sides_in_the_checkpoints_dtype(tmp_path, monkeypatch):
+    """vLLM-CPU's ``auto`` serves a float32 checkpoint in bf16: the benchmark names one
+    dtype to both servers, by default the one the checkpoint's config.json names."""
+    bench = _load_benchmark()
+    assert bench.checkpoint_dtype(str(tmp_path)) == "float32"  # no config.json
+    (tmp_path / "config.json").write_text('{"torch_dtype": "bfloat16"}')
+    assert bench.checkpoint_dtype(str(tmp_path)) == "bfloat16"
+    (tmp_path / "config.json").write_text('{"dtype": "float16"}')
+    assert bench.checkpoint_dtype(str(tmp_path)) == "float16"
+    (tmp_path / "config.json").write_text('{"model_type": "qwen3_moe"}')
+    assert bench.checkpoint_dtype(str(tmp_path)) == "float32"
+    started: list[list[str]] = []
+    monkeypatch.setattr(
+        bench, "launched_server", lambda cmd, *a, **k: started.append(cmd) or contextlib.nullcontext()
+    )
+    for vllm in ("/venv/bin/python", None):  # vLLM, then Tidal (this tree) as the peer
+        args = SimpleNamespace(
+            vllm_python=vllm, dtype="bfloat16", launch_timeout=1.0, peer_ref=".",
+            launch_args="", peer_launch_args=None, api_key=None,
+        )  # fmt: skip
+        with bench.peer_server(args, str(tmp_path)) as (_info, launch):
+            with launch():
+                pass
+        cmd = started[-1]
+        assert cmd[cmd.index("--dtype") + 1] == "bfloat16", cmd
