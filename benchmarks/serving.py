@@ -284,11 +284,15 @@ def launched_server(
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def checkpoint_dtype(model: str) -> str:
+def checkpoint_dtype(model: str) -> str | None:
     """The dtype a checkpoint folder's config.json names (``torch_dtype`` or ``dtype``),
-    else float32. Both servers get it explicitly: vLLM-CPU's ``auto`` serves a float32
-    checkpoint in bf16, Tidal's in float32, so without it they serve different weights
-    (at 256 streams that alone read as Tidal 0.87x vLLM; in one dtype, 1.25x)."""
+    else float32 (transformers' default); None for a model that is not a local folder (a
+    hub id: then each server keeps its own default, and the JSON says so). Both servers
+    get it explicitly: vLLM-CPU's ``auto`` serves a float32 checkpoint in bf16, Tidal's in
+    float32, so without it they serve different weights (at 256 streams that alone read
+    as Tidal 0.87x vLLM; in one dtype, 1.25x)."""
+    if not os.path.isdir(model):
+        return None
     try:
         with open(os.path.join(model, "config.json")) as f:
             config = json.load(f)
@@ -296,6 +300,10 @@ def checkpoint_dtype(model: str) -> str:
         return "float32"
     named = config.get("torch_dtype") or config.get("dtype")
     return named if isinstance(named, str) else "float32"
+
+
+def _dtype_args(dtype: str | None) -> list[str]:
+    return [] if dtype is None else ["--dtype", dtype]
 
 
 def tidal_command(model: str, launch_args: list[str], api_key: str | None) -> list[str]:
@@ -347,7 +355,7 @@ def peer_server(args: argparse.Namespace, model: str, dp: int = 1) -> Iterator[t
     """(what the peer is, a ``launch()`` context manager that serves it) at ``dp`` ranks."""
     if args.vllm_python:
         cmd = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", model]
-        cmd += ["--dtype", args.dtype]
+        cmd += _dtype_args(args.dtype)
         if dp > 1:
             cmd += ["--data-parallel-size", str(dp)]
         peers = Path(os.environ.get("PEERS", Path.home() / ".cache" / "tidal-peers"))
@@ -366,7 +374,7 @@ def peer_server(args: argparse.Namespace, model: str, dp: int = 1) -> Iterator[t
     peer_args = args.launch_args if args.peer_launch_args is None else args.peer_launch_args
     with contextlib.nullcontext(REPO) if here else previous_commit(args.peer_ref) as tree:
         env = {**os.environ, "PYTHONPATH": str(tree)}
-        peer_flags = [*shlex.split(peer_args), *_dp_args(dp), "--dtype", args.dtype]
+        peer_flags = [*shlex.split(peer_args), *_dp_args(dp), *_dtype_args(args.dtype)]
         cmd = tidal_command(model, peer_flags, args.api_key)
         info = {"name": "tidal", "ref": args.peer_ref, "commit": sha, "launch_args": peer_args}
         yield (
@@ -540,8 +548,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--dtype",
         default=None,
-        help="--launch: the dtype both servers serve in, passed to each (default: the "
-        "checkpoint's own, float32 where config.json names none)",
+        help="--launch: the dtype both servers serve in, passed to each (default: a local "
+        "checkpoint's own, float32 where config.json names none; a hub id: each server's own)",
     )
     p.add_argument("--rounds", type=int, default=1, help="runs of each server (--launch)")
     p.add_argument("--dp", default="1", help="--launch: data-parallel sizes, e.g. 1,2")
@@ -625,7 +633,7 @@ def _launch_sizes(
     failed = 0
     peer_at: dict[int, dict] = {}  # the peer's median run per size, for a size it cannot serve
     for dp in sizes:
-        launch_args = [*shlex.split(args.launch_args), *_dp_args(dp), "--dtype", args.dtype]
+        launch_args = [*shlex.split(args.launch_args), *_dp_args(dp), *_dtype_args(args.dtype)]
         ours = [*launch_args, "--kernel-cache-dir", kernel_cache]
         tidal_cmd = tidal_command(model, ours, args.api_key)
         runs: dict[str, list[dict]] = {"tidal": [], "peer": []}

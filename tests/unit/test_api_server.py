@@ -1067,6 +1067,7 @@ def test_serving_benchmark_serves_both_sides_in_the_checkpoints_dtype(tmp_path, 
     dtype to both servers, by default the one the checkpoint's config.json names."""
     bench = _load_benchmark()
     assert bench.checkpoint_dtype(str(tmp_path)) == "float32"  # no config.json
+    assert bench.checkpoint_dtype("acme/tiny-moe") is None  # a hub id: each server's default
     (tmp_path / "config.json").write_text('{"torch_dtype": "bfloat16"}')
     assert bench.checkpoint_dtype(str(tmp_path)) == "bfloat16"
     (tmp_path / "config.json").write_text('{"dtype": "float16"}')

@@ -267,12 +267,14 @@ def test_freed_window_blocks_hit_only_while_their_kv_is_intact() -> None:
     assert freed >= 2 and kv.block_pool.blocks[NULL_BLOCK_ID].block_hash is None
     b = _req("b", prompt[:8] + [99, 98, 97])
     hits, n = kv.get_computed_blocks(b)
-    assert n == 8 and len(hits) == 2
-    assert all(kv.block_pool.blocks[h].ref_cnt == 0 for h in hits)  # freed, still cached
+    # 8 tokens hit; a query at 8 reads keys > 4, so block 0 enters as a null entry (a hit
+    # holds only the window, as the admission bound counts) and block 1 is the hit.
+    assert n == 8 and len(hits) == 2 and hits[0] == NULL_BLOCK_ID != hits[1]
+    assert kv.block_pool.blocks[hits[1]].ref_cnt == 0  # freed, still cached
     # Take every free block: the freed ones are evicted with their hashes.
     hog = _req("hog", [3] * (kv.num_free_blocks * BS))
     assert kv.allocate_slots(hog, hog.num_tokens)
-    assert set(hits) <= set(hog.block_ids)
+    assert hits[1] in hog.block_ids
     assert kv.get_computed_blocks(b) == ([], 0)
     _ref_counts_consistent(kv, [a, hog])
 
@@ -326,28 +328,35 @@ def test_groups_free_behind_the_window_only_in_the_sliding_group(window: int) ->
     _ref_counts_consistent(kv, [])
 
 
-@pytest.mark.parametrize("windows", [(None,), (1, None), (4, None), (None, 9), (5, 13)])
+@pytest.mark.parametrize("windows", [(None,), (3,), (1, None), (4, None), (None, 9), (5, 13)])
 @pytest.mark.parametrize("seed", range(4))
 def test_peak_blocks_bound_what_one_request_holds(windows, seed: int) -> None:
     """``peak_blocks_for`` (what admission and the cache's size allow a request) bounds
     the blocks a request holds at every step, whatever its chunk sizes up to the step
-    bound; in 1-token steps a sliding group reaches it, so it is no looser than a block
-    per group, and a full group holds exactly its whole table."""
+    bound, and for a prefix-cache hit too (a hit takes only a sliding group's window, one
+    group or several); in 1-token steps a sliding group reaches it, so it is no looser
+    than a block per group, and a full group holds exactly its whole table."""
     rng = random.Random(seed)
     step_max = rng.choice([1, 3, 8, 16])
     n = rng.randrange(30, 90)
     peak = KVCacheManager(num_blocks=2, block_size=BS, windows=windows).peak_blocks_for(
         n, step_max
     )
-    for chunks in ("random", "ones"):
-        kv = KVCacheManager(num_blocks=200, block_size=BS, windows=windows)
-        req = _req("a", list(range(100, 100 + n)))
+    tokens = list(range(100, 100 + n))
+    for chunks in ("random", "ones", "hit"):
+        kv = KVCacheManager(num_blocks=400, block_size=BS, windows=windows)
+        if chunks == "hit":  # a first request caches the prefix the measured one hits
+            _run_prefill(kv, _req("first", tokens))
+        req = _req("a", tokens)
+        hits, n_hit = kv.get_computed_blocks(req) if chunks == "hit" else ([], 0)
+        assert chunks != "hit" or n_hit > 0
         most = 0
         while req.num_computed_tokens < n:
-            left = n - req.num_computed_tokens
+            left = n - req.num_computed_tokens - n_hit
             c = 1 if chunks == "ones" else rng.randint(1, min(step_max, left))
-            assert kv.allocate_slots(req, c)
-            req.num_computed_tokens += c
+            assert kv.allocate_slots(req, c, hits, n_hit)
+            req.num_computed_tokens += c + n_hit
+            hits, n_hit = [], 0
             most = max(most, sum(b != NULL_BLOCK_ID for b in req.block_ids))
         assert most <= peak, (chunks, most, peak)
         if chunks == "ones" and step_max == 1:

@@ -275,7 +275,7 @@ class KVCacheManager:
             return [], 0
         max_blocks = (request.num_tokens - 1) // self.block_size
         self._ensure_block_hashes(request, max_blocks)
-        if self.num_groups > 1:
+        if self.num_groups > 1 or self._sliding:  # a hit holds only a sliding group's window
             return self._computed_blocks_by_group(request, max_blocks)
         hits: list[int] = []
         for block_hash in request.block_hashes[:max_blocks]:

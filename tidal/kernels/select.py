@@ -712,9 +712,10 @@ def _follow(
             raise RuntimeError(f"cpu kernels: {leader} chose no path for {key.name}")
         choice = Choice.from_dict(got)
         runnable = set(members[0][2].candidates)
-        if not {choice.decode, choice.batch} <= runnable:
+        if not set(choice.by_class().values()) <= runnable:
+            picked = "/".join(c.name for c in choice.by_class().values())
             raise RuntimeError(
-                f"cpu kernels: {leader} chose {choice.decode.name}/{choice.batch.name} for "
+                f"cpu kernels: {leader} chose {picked} (decode/batch/prefill) for "
                 f"{key.name}, which this process cannot run"
             )
         choices[key.name] = choice
@@ -828,8 +829,8 @@ def _log(report: SelectionReport) -> None:
         return
     for name, c in report.choices.items():
         logger.info(
-            "cpu kernels: %s -> decode %s, batch %s (%s; ms per call %s)",
-            name, c.decode.name, c.batch.name, c.source, json.dumps(c.timings_ms),
+            "cpu kernels: %s -> decode %s, batch %s, prefill %s (%s; ms per call %s)",
+            name, c.decode.name, c.batch.name, c.prefill.name, c.source, json.dumps(c.timings_ms),
         )  # fmt: skip
     logger.info(
         "cpu kernels (%s) chosen in %.2f s for %s, %d thread(s); cache %s",

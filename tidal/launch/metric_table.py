@@ -291,7 +291,7 @@ METRICS: tuple[MetricSpec, ...] = (
         "tidal:cpu_kernel_path",
         G,
         ("op", "phase", "path"),
-        "1 for the CPU kernel path serving an op in decode or batch steps.",
+        "1 for the CPU kernel path serving an op at a shape class (decode, batch or prefill).",
     ),
     MetricSpec(
         "tidal:scale_operations",

@@ -203,7 +203,7 @@ class ServerMetrics:
         serving: set[tuple[str, str, str]] = set()
         for report in reports:
             for op, choice in ((report or {}).get("ops") or {}).items():
-                for phase in ("decode", "batch"):
+                for phase in ("decode", "batch", "prefill"):  # select.CLASSES
                     if choice.get(phase):
                         serving.add((str(op), phase, str(choice[phase])))
         names = BY_NAME["tidal:cpu_kernel_path"].labels

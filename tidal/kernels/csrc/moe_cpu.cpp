@@ -392,9 +392,10 @@ at::Tensor fused_moe(const at::Tensor& hidden,  // [T, H] float32 or bf16
   at::Tensor b13c, b2c;  // contiguous, alive for the call
   for (const auto* b : {&b13, &b2}) {
     if (!b->has_value()) continue;
-    TORCH_CHECK(((*b)->scalar_type() == at::kFloat || (*b)->scalar_type() == at::kBFloat16) &&
+    TORCH_CHECK((*b)->is_cpu() &&
+                    ((*b)->scalar_type() == at::kFloat || (*b)->scalar_type() == at::kBFloat16) &&
                     (*b)->dim() == 2 && (*b)->size(0) == num_local,
-                "fused_moe: b13/b2 must be [E, 2I]/[E, H] float32 or bf16, one row per local expert");
+                "fused_moe: b13/b2 must be CPU [E, 2I]/[E, H] float32 or bf16, one row per local expert");
   }
   TORCH_CHECK(!(b13.has_value() && b2.has_value()) || b13->scalar_type() == b2->scalar_type(),
               "fused_moe: b13 and b2 must have one dtype");
