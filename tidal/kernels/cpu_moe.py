@@ -40,6 +40,9 @@ class ExpertExtras:
     clamp: tuple[float, float] | None = None  # (alpha, limit)
 
 
+NO_EXTRAS = ExpertExtras()  # plain experts: no biases, SiLU-and-mul
+
+
 class CpuPackedExperts:
     """Each local expert's weights in the kernel's blocked layout (see ``csrc/moe_cpu.cpp``):
 
@@ -202,26 +205,13 @@ def run_fused_moe(
         topk_ids = topk_ids.to(torch.int64)
     if expert_map is not None and expert_map.dtype != torch.int32:
         expert_map = expert_map.to(torch.int32)
-    if extras is not None:
-        alpha, limit = extras.clamp if extras.clamp is not None else (0.0, 0.0)
-        return torch.ops.tidal_cpu.fused_moe(
-            hidden, w13, w2, topk_weights, topk_ids, expert_map, apply_router_weight, prefetch,
-            dot, *fp8, amx=amx, b13=extras.b13, b2=extras.b2,
-            clamped=extras.clamp is not None, alpha=alpha, limit=limit,
-        )  # fmt: skip
+    extras = extras or NO_EXTRAS
+    alpha, limit = extras.clamp or (0.0, 0.0)
     return torch.ops.tidal_cpu.fused_moe(
-        hidden,
-        w13,
-        w2,
-        topk_weights,
-        topk_ids,
-        expert_map,
-        apply_router_weight,
-        prefetch,
-        dot,
-        *fp8,
-        amx=amx,
-    )
+        hidden, w13, w2, topk_weights, topk_ids, expert_map, apply_router_weight, prefetch,
+        dot, *fp8, amx=amx, b13=extras.b13, b2=extras.b2,
+        clamped=extras.clamp is not None, alpha=alpha, limit=limit,
+    )  # fmt: skip
 
 
 def _k_major_empty(num: int, rows: int, cols: int, dtype: torch.dtype) -> Tensor:

@@ -39,10 +39,7 @@ class RMSNorm(nn.Module):
         w = self.weight
         if self.triton and x.dtype == w.dtype:
             return triton_rms_norm()(x, w, self.eps)
-        cpu_kernel = self._cpu_kernel
-        if cpu_kernel is None:
-            cpu_kernel = self._cpu_kernel = rms_norm_cpu_ok(w, w)
-        if cpu_kernel and x.dtype == w.dtype and self.native(x.numel() // x.shape[-1]):
+        if x.dtype == w.dtype and self._kernel_serves(x):
             return rms_norm_cpu(x, w, self.eps)  # one C++ pass (cpu_norm.py)
         if x.dtype == torch.float32:
             # One fused op; equal to the float32 formula (tested against transformers).
@@ -54,18 +51,16 @@ class RMSNorm(nn.Module):
         measured choice is the C++ kernel, one C++ pass (``add_rms_norm_cpu``), bit for
         bit the add then the norm; else those two (the reference)."""
         w = self.weight
-        cpu_kernel = self._cpu_kernel
-        if cpu_kernel is None:
-            cpu_kernel = self._cpu_kernel = rms_norm_cpu_ok(w, w)
-        if (
-            cpu_kernel
-            and x.dtype == delta.dtype == w.dtype
-            and x.shape == delta.shape
-            and self.native(x.numel() // x.shape[-1])
-        ):
+        if x.dtype == delta.dtype == w.dtype and x.shape == delta.shape and self._kernel_serves(x):
             return add_rms_norm_cpu(x, delta, w, self.eps)
         x = x + delta
         return x, self(x)
+
+    def _kernel_serves(self, x: Tensor) -> bool:
+        """Whether the C++ kernel takes this weight and the choice for x's rows is it."""
+        if self._cpu_kernel is None:
+            self._cpu_kernel = rms_norm_cpu_ok(self.weight, self.weight)
+        return self._cpu_kernel and self.native(x.numel() // x.shape[-1])
 
     def _apply(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         self._cpu_kernel = None  # .to() / .half(): the weight's device or dtype may change

@@ -209,9 +209,11 @@ def apply_rotary(x: Tensor, cos: Tensor, signed_sin: Tensor) -> Tensor:
 def apply_partial_rotary(x: Tensor, cos: Tensor, signed_sin: Tensor) -> Tensor:
     """``apply_rotary`` on the first ``cos.shape[-1]`` dims of each head of x [T, heads,
     Dh]; the other dims are copied unchanged (a new tensor either way)."""
+    if _cpu_pass(x, cos):  # the C++ pass copies the dims past the rotary ones itself
+        return norm_rope_cpu(x, cos, signed_sin)
     rotary_dim = cos.shape[-1]
-    if rotary_dim == x.shape[-1] or _cpu_pass(x, cos):  # the C++ pass copies the rest itself
-        return apply_rotary(x, cos, signed_sin)
+    if rotary_dim == x.shape[-1]:
+        return apply_rotary_torch(x, cos, signed_sin)
     out = torch.empty_like(x)
     out[..., :rotary_dim] = apply_rotary_torch(x[..., :rotary_dim], cos, signed_sin)
     out[..., rotary_dim:] = x[..., rotary_dim:]
