@@ -64,6 +64,7 @@ from tidal.layers.rotary import (
     triton_norm_rope,
     yarn_from_config,
 )
+from tidal.models.cpu_decode import DecodePlans
 from tidal.moe.layer import FusedMoE
 from tidal.moe.reference import ClampedSwiGLU
 from tidal.moe.router import Routing
@@ -479,12 +480,18 @@ class MoECausalLM(nn.Module):
             self.lm_head = Linear(spec.hidden_size, self.embed_tokens.weight.shape[0], **kw)
             self.lm_head.weight.data[self.embed_tokens.valid :].zero_()
         self._kv_groups = self.kv_cache_spec().layer_groups()  # each layer's KV cache group
+        # Pure decode steps on CPU as flat C++ kernel calls (tidal/models/cpu_decode.py).
+        self.decode_plans = DecodePlans()
 
     @torch.no_grad()
     def forward(self, input_ids: Tensor, positions: Tensor, attn: AttentionMetadata) -> Tensor:
         """input_ids/positions [T] int64 -> hidden states [T, H] (final norm applied)."""
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary.cos_sin(positions)
+        plan = self.decode_plans.for_step(self, attn, input_ids.shape[0])
+        if plan is not None:  # the same kernel calls as the loop below, without its modules
+            x, last = plan.run(x, cos, sin, attn)
+            return self.norm.add_norm(x, last)[1]
         delta: Tensor | None = None  # each layer's MLP output, added by the next norm
         if attn.groups:  # KV cache groups: each layer reads its group's tables
             for layer, group in zip(self.layers, self._kv_groups):

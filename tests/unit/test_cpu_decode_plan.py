@@ -1,0 +1,151 @@
+"""The CPU decode plan (``tidal/models/cpu_decode.py``): a pure decode step as flat C++
+kernel calls gives bit for bit the module path's logits on every architecture, in float32
+and bf16, with the kernels forced native or torch; it serves only pure decode steps; it is
+rebuilt when what it read changes (a new KV cache, another expert path, expert moves)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.unit.test_models import PagedRunner, _prompts
+from tidal.kernels.cpu_ext import kernel_available, kernel_status
+from tidal.kernels.select import Candidate, Choice
+from tidal.launch.engine_args import EngineArgs
+from tidal.models.cpu_decode import DecodePlan, _Attention, _Moe
+from tidal.models.loader import load_model
+from tidal.models.registry import model_types
+
+pytestmark = pytest.mark.skipif(not kernel_available(), reason=kernel_status())
+
+
+def _load(path: str, dtype: str, kernels: str = "native"):
+    config = EngineArgs(
+        model=path, dtype=dtype, device="cpu", cpu_kernels=kernels
+    ).create_engine_config()
+    return load_model(config)
+
+
+def _runs(monkeypatch) -> list[int]:
+    """Counts the plan's runs (rows of each)."""
+    runs: list[int] = []
+    real = DecodePlan.run
+
+    def run(self, x, cos, sin, attn):
+        runs.append(x.shape[0])
+        return real(self, x, cos, sin, attn)
+
+    monkeypatch.setattr(DecodePlan, "run", run)
+    return runs
+
+
+def _decode_logits(model, prompts: list[list[int]], steps: int, seed: int = 3) -> torch.Tensor:
+    """Prefill ``prompts`` in one step, then ``steps`` pure decode steps of all of them
+    (greedy): the decode steps' logits, [steps * len(prompts), V]."""
+    runner = PagedRunner(model, seed=seed)  # binds fresh KV caches
+    items = [(str(i), 0, p) for i, p in enumerate(prompts)]
+    out = []
+    with torch.inference_mode():
+        logits = runner.step(items)
+        ends = torch.cumsum(torch.tensor([len(p) for p in prompts]), 0) - 1
+        nxt = logits[ends].argmax(-1).tolist()
+        pos = [len(p) for p in prompts]
+        for _ in range(steps):
+            logits = runner.step([(str(i), pos[i], [nxt[i]]) for i in range(len(prompts))])
+            out.append(logits)
+            nxt = logits.argmax(-1).tolist()
+            pos = [p + 1 for p in pos]
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("model_type", model_types())
+def test_plan_equals_the_module_path(tiny_ckpt, model_type, dtype, monkeypatch):
+    """Every architecture: 3 decode steps of 2 sequences through the plan, bit for bit the
+    module path's logits; the plan served exactly those steps, its norms always direct."""
+    model = _load(tiny_ckpt(model_type), dtype)
+    prompts = _prompts(model.spec.vocab_size, [7, 12], seed=11)
+    runs = _runs(monkeypatch)
+    planned = _decode_logits(model, prompts, 3)
+    assert runs == [2, 2, 2]  # the decode steps, not the prefill
+    plan = model.decode_plans._plans[2]
+    assert plan.direct >= 2 * len(model.layers)
+    model.decode_plans.enabled = False
+    assert torch.equal(planned, _decode_logits(model, prompts, 3))
+    assert runs == [2, 2, 2]
+
+
+def test_qwen3_plan_is_all_direct_and_torch_paths_call_modules(qwen3_ckpt, monkeypatch):
+    """Qwen3-MoE on the native kernels: every piece of every layer is a direct call; with
+    the torch paths forced, none is, and the logits still equal the module path's."""
+    model = _load(qwen3_ckpt, "bfloat16")
+    prompts = _prompts(model.spec.vocab_size, [5], seed=2)
+    _decode_logits(model, prompts, 1)
+    plan = model.decode_plans._plans[1]
+    assert plan.direct == 5 * len(model.layers)
+    assert all(isinstance(lay.attention, _Attention) for lay in plan.layers)
+    assert all(isinstance(lay.mlp, _Moe) and lay.mlp.experts is not None for lay in plan.layers)
+
+    model = _load(qwen3_ckpt, "bfloat16", kernels="torch")
+    runs = _runs(monkeypatch)
+    planned = _decode_logits(model, prompts, 2)
+    assert runs == [1, 1]
+    assert model.decode_plans._plans[1].direct == 0
+    model.decode_plans.enabled = False
+    assert torch.equal(planned, _decode_logits(model, prompts, 2))
+
+
+def test_mixed_steps_take_the_module_path(qwen3_ckpt, monkeypatch):
+    """A step with a prefill chunk beside decode rows is not a pure decode step."""
+    model = _load(qwen3_ckpt, "float32")
+    runs = _runs(monkeypatch)
+    a, b = _prompts(model.spec.vocab_size, [6, 9], seed=4)
+    runner = PagedRunner(model)
+    with torch.inference_mode():
+        first = runner.step([("a", 0, a)])
+        runner.step([("a", len(a), [int(first[-1].argmax())]), ("b", 0, b)])
+    assert runs == []
+
+
+def test_a_stale_plan_is_rebuilt(qwen3_ckpt, monkeypatch):
+    """What the plan read changes under it: a new KV cache (a runner binds its own), the
+    experts' path switched to torch, then back to native (a re-pack, new tensors). Each
+    time the next step builds a new plan, drops the old ones, and matches the module path."""
+    model = _load(qwen3_ckpt, "bfloat16")
+    prompts = _prompts(model.spec.vocab_size, [8, 3, 5], seed=9)
+    plans = model.decode_plans
+    _decode_logits(model, prompts, 1)
+    first = plans._plans[3]
+    _decode_logits(model, prompts, 1)  # new caches
+    second = plans._plans[3]
+    assert second is not first and not first.fresh() and second.fresh()
+
+    moe = model.moe_layers()[0]
+    native = moe.cpu_choice["experts"]
+    moe.set_cpu_path("experts", Choice.fixed(Candidate("torch"), None))
+    assert not second.fresh()
+    planned = _decode_logits(model, prompts, 2)
+    third = plans._plans[3]
+    assert third.layers[0].mlp.experts is None  # that layer's experts: the module's call
+    assert isinstance(third.layers[1].mlp, _Moe) and third.layers[1].mlp.experts is not None
+    plans.enabled = False
+    assert torch.equal(planned, _decode_logits(model, prompts, 2))
+    plans.enabled = True
+
+    moe.set_cpu_path("experts", native)  # packed again: new tensors
+    assert not third.fresh()
+    planned = _decode_logits(model, prompts, 2)
+    assert list(plans._plans) == [3] and plans._plans[3].layers[0].mlp.experts is not None
+    plans.enabled = False
+    assert torch.equal(planned, _decode_logits(model, prompts, 2))
+
+
+def test_a_new_plan_drops_stale_plans_of_other_sizes(qwen3_ckpt):
+    """A plan for another row count, built after a change, first drops the stale ones:
+    none keeps the old caches or weights alive."""
+    model = _load(qwen3_ckpt, "float32")
+    plans = model.decode_plans
+    _decode_logits(model, _prompts(model.spec.vocab_size, [4, 4], seed=1), 1)
+    assert list(plans._plans) == [2]
+    _decode_logits(model, _prompts(model.spec.vocab_size, [4], seed=1), 1)  # new caches
+    assert list(plans._plans) == [1]

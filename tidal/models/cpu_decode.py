@@ -1,0 +1,390 @@
+"""A pure decode step on CPU as a flat sequence of C++ kernel calls (docs/architecture.md#cpu-decode-plan).
+
+Why: at batch 1 the 64-expert bf16 checkpoint's decode step spent about a third of its
+time in Python between the kernels -- module calls, the per-call checks of which path
+serves (``*_ok``, the measured choice for the row count), views and wrappers -- about
+250 us a layer around 400 us of kernels. A ``DecodePlan`` settles all of that once per
+model state and shape class, then calls the ops (``torch.ops.tidal_cpu.<op>.default``)
+directly with their arguments bound. Where one piece of a layer takes another path (an
+FP8 linear, MLA attention, a dense MLP, shared or biased experts, the torch attention),
+that piece calls its module as the ordinary forward does; the rest stays direct.
+
+Equality: every direct call is the very kernel call the module path makes, with the
+same arguments, in the same order, so the step's output is bit for bit the module
+path's (``tests/unit/test_cpu_decode_plan.py`` compares them, step by step).
+
+Staleness: a plan records the objects it read (held weights, measured choices, the KV
+cache, the expert map, the dispatcher, ...) and is rebuilt when any of them is no longer
+the one the layer holds (an expert move re-packs, a new KV cache is bound, EP starts); it
+is checked on every step (~10 us for 8 layers).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+from tidal.kernels.cpu_attention import KERNEL_DTYPES as ATTENTION_DTYPES
+from tidal.kernels.cpu_ext import kernel_available, native_amx, native_variant
+from tidal.kernels.cpu_moe import CpuPackedExperts
+from tidal.kernels.cpu_norm import NORM_DTYPES
+from tidal.kernels.cpu_paths import HeldExperts, HeldGate, HeldLinear
+from tidal.kernels.cpu_router import CpuPackedGate
+from tidal.layers.attention import AttentionBackend, AttentionMetadata, PagedAttention
+from tidal.layers.linear import Linear, RowParallelLinear
+from tidal.layers.norm import RMSNorm
+from tidal.moe.layer import FusedMoE
+
+if TYPE_CHECKING:
+    from tidal.models.common import DecoderLayer, MoECausalLM
+
+_OPS = torch.ops.tidal_cpu
+
+
+@dataclass(frozen=True)
+class _NativeLinear:
+    """A held linear's C++ call: ``x [T, K] -> [T, N]`` (``HeldLinear``'s native call)."""
+
+    packed: Tensor
+    out_features: int
+    bias: Tensor | None
+    prefetch: int
+    dot: bool
+    amx: bool
+
+    def __call__(self, x: Tensor) -> Tensor:
+        return _OPS.linear.default(
+            x, self.packed, self.bias, self.out_features, self.prefetch, self.dot, self.amx
+        )
+
+
+def _linear_call(lin: Linear, rows: int, dtype: torch.dtype) -> Callable[[Tensor], Tensor]:
+    """The direct call of ``lin`` for ``rows``-row steps of ``dtype`` activations, or the
+    module (another path, another class: an FP8 linear)."""
+    if type(lin) not in (Linear, RowParallelLinear) or lin.params_dtype != dtype:
+        return lin
+    held = lin._held_weight() if lin.on_cpu else None
+    cand = lin._choice().for_rows(rows)
+    if not isinstance(held, HeldLinear) or held.path != "native" or cand.path != "native":
+        return lin
+    prefetch, dot = native_variant(cand.variant)
+    return _NativeLinear(
+        held.packed, held.out_features, lin.bias, prefetch, dot, native_amx(cand.variant)
+    )
+
+
+def _norm_native(norm: RMSNorm, rows: int, dtype: torch.dtype) -> bool:
+    """Whether ``norm``'s forward / ``add_norm`` take the C++ kernel for these steps (the
+    module path's ``_kernel_serves``)."""
+    w = norm.weight
+    return (
+        not norm.triton
+        and w.dtype == dtype
+        and dtype in NORM_DTYPES
+        and w.device.type == "cpu"
+        and norm.native(rows)
+    )
+
+
+@dataclass
+class _Attention:
+    """A GQA attention block's direct calls (``Attention.forward`` on the CPU kernels)."""
+
+    qkv: Callable[[Tensor], Tensor]
+    o: Callable[[Tensor], Tensor]
+    heads: tuple[int, int, int]  # Hq, Hkv, Dh
+    norm: tuple[Tensor, Tensor, float] | None  # q_norm's, k_norm's weight, eps; None: none
+    attn: PagedAttention
+    window: int
+    sinks: Tensor | None  # [Hq] float32
+
+    def __call__(self, h: Tensor, cos: Tensor, sin: Tensor, meta: AttentionMetadata) -> Tensor:
+        num = h.shape[0]
+        hq, hkv, dh = self.heads
+        qkv = self.qkv(h).view(num, hq + 2 * hkv, dh)  # [T, Hq + 2 Hkv, Dh]
+        if self.norm is None:
+            qk = _OPS.norm_rope.default(qkv[:, : hq + hkv], cos, sin, None, None, 0, 0.0)
+        else:
+            wq, wk, eps = self.norm
+            qk = _OPS.norm_rope.default(qkv[:, : hq + hkv], cos, sin, wq, wk, hq, eps)
+        cache = self.attn.kv_cache
+        _OPS.write_kv.default(cache, meta.slot_mapping, qk[:, hq:], qkv[:, hq + hkv :])
+        out = _OPS.decode_attention.default(
+            qk[:, :hq], cache, meta.decode_block_table, meta.decode_seq_lens,
+            self.attn.scale, self.window, self.sinks,
+        )  # fmt: skip  # [T, Hq, Dh]
+        return self.o(out.view(num, hq * dh))
+
+
+def _attention_call(layer: DecoderLayer, rows: int, dtype: torch.dtype) -> Callable[..., Tensor]:
+    from tidal.models.common import Attention, QKNorm
+
+    a = layer.self_attn
+    if not isinstance(a, Attention) or a.triton_norm_rope or a.qkv_clip is not None:
+        return a
+    pa = a.attn
+    cache = pa.kv_cache
+    if (
+        pa.backend is not AttentionBackend.NATIVE
+        or not pa.native(rows)
+        or cache is None
+        or not cache.is_contiguous()
+        or cache.dtype not in ATTENTION_DTYPES
+        or dtype not in ATTENTION_DTYPES
+        or a.num_heads // a.num_kv_heads > 16
+        or (pa.sinks is not None and pa.sinks.dtype != torch.float32)
+    ):
+        return a
+    norm = None
+    if a.qk_norm is QKNorm.PER_HEAD:
+        qn, kn = a.q_norm, a.k_norm
+        assert qn is not None and kn is not None
+        if not _norm_native(qn, rows * (a.num_heads + a.num_kv_heads), dtype):
+            return a
+        norm = (qn.weight, kn.weight, qn.eps)
+    elif a.qk_norm is not QKNorm.NONE:
+        return a
+    return _Attention(
+        _linear_call(a.qkv_proj, rows, dtype), _linear_call(a.o_proj, rows, dtype),
+        (a.num_heads, a.num_kv_heads, a.head_dim), norm, pa, pa.sliding_window or 0, pa.sinks,
+    )  # fmt: skip
+
+
+@dataclass
+class _Moe:
+    """A MoE block's calls at TP size 1 without a dispatcher: the C++ router where it
+    serves (else ``route``), the C++ experts where they serve (else ``_experts``: FP8,
+    biased, onednn or torch experts)."""
+
+    moe: FusedMoE
+    router: tuple[Tensor, int, int, bool, int, bool] | None  # gate pack, E, K, renorm, hint, dot
+    experts: tuple[Tensor, Tensor, int, bool, bool] | None  # w13, w2, hint, dot, amx
+
+    def __call__(self, h: Tensor) -> Tensor:
+        moe = self.moe
+        if self.router is None:
+            weights, ids = moe.route(h)
+        else:
+            gate, num, top_k, renorm, hint, dot = self.router
+            weights, ids = _OPS.softmax_topk.default(h, gate, num, top_k, renorm, hint, dot)
+        if moe.record_expert_load:
+            moe._record_load(ids)
+        if self.experts is None:
+            return moe._experts(h, weights, ids, moe._map_arg)
+        w13, w2, hint, dot, amx = self.experts
+        return _OPS.fused_moe.default(
+            h, w13, w2, weights, ids, moe._map_arg, True, hint, dot, amx=amx
+        )
+
+
+def _moe_call(moe: FusedMoE, rows: int, dtype: torch.dtype) -> Callable[[Tensor], Tensor]:
+    if (
+        moe.dispatcher is not None
+        or moe.tp.size != 1
+        or not moe.on_cpu
+        or moe.params_dtype != dtype
+    ):
+        return moe
+    router = experts = None
+    gate = moe._held("router")
+    cand = moe._choice("router").for_rows(rows)
+    if (
+        isinstance(gate, HeldGate)
+        and isinstance(gate.packed, CpuPackedGate)
+        and moe.routing.plain_softmax
+        and cand.path == "native"
+    ):
+        hint, dot = native_variant(cand.variant)
+        router = (
+            gate.packed.weight,
+            gate.packed.num_experts,
+            moe.top_k,
+            moe.renormalize,
+            hint,
+            dot,
+        )
+    if moe.fp8_block_k is None and not moe.custom_experts:
+        held = moe._held("experts")
+        cand = moe._choice("experts").for_rows(rows)
+        if (
+            isinstance(held, HeldExperts)
+            and isinstance(held.packed, CpuPackedExperts)
+            and held.dtype == dtype
+            and cand.path == "native"
+        ):
+            hint, dot = native_variant(cand.variant)
+            experts = (held.packed.w13, held.packed.w2, hint, dot, native_amx(cand.variant))
+    return _Moe(moe, router, experts)
+
+
+# (the dict an attribute lives in, its name, the object it held at build)
+_Watch = tuple[dict[str, Any], str, Any]
+
+
+def _watch(obj: Any, *names: str) -> list[_Watch]:
+    """``obj``'s attributes ``names`` as watch entries: a parameter, buffer or submodule of
+    a module is watched in its own dict, anything else in ``__dict__`` (a dict lookup per
+    step, not ``Module.__getattr__``)."""
+    if obj is None:
+        return []
+    out = []
+    for name in names:
+        d = obj.__dict__
+        for kind in ("_parameters", "_buffers", "_modules"):
+            table = d.get(kind)
+            if table is not None and name in table:
+                d = table
+                break
+        out.append((d, name, d.get(name)))
+    return out
+
+
+def _layer_watch(layer: DecoderLayer) -> list[_Watch]:
+    """What a layer's plan depends on: it is stale once any of these attributes holds
+    another object (an expert move re-packs, a new KV cache is bound, EP starts, ...)."""
+    a, mlp = layer.self_attn, layer.mlp
+    out = _watch(layer, "self_attn", "mlp", "shared_experts")
+    for norm in (layer.input_layernorm, layer.post_attention_layernorm, getattr(a, "q_norm", None)):
+        out += _watch(norm, "weight", "cpu_choice")
+    for lin in (getattr(a, "qkv_proj", None), getattr(a, "o_proj", None)):
+        out += _watch(lin, "weight", "bias", "_held", "cpu_choice")
+    out += _watch(getattr(a, "k_norm", None), "weight")
+    out += _watch(getattr(a, "attn", None), "kv_cache", "cpu_choice", "sinks")
+    if isinstance(mlp, FusedMoE):
+        out += _watch(mlp, "_held_gate", "_held_experts", "_map_arg", "dispatcher", "_fp8_held")
+        out += [(mlp.cpu_choice, op, mlp.cpu_choice.get(op)) for op in ("router", "experts")]
+    return out
+
+
+@dataclass
+class _Layer:
+    group: int  # the layer's KV cache group (AttentionMetadata.groups)
+    in_norm: tuple[Tensor, float] | None  # weight, eps; None: the module's
+    post_norm: tuple[Tensor, float] | None
+    attention: Callable[..., Tensor]
+    mlp: Callable[[Tensor], Tensor]
+    shared: Callable[[Tensor], Tensor] | None
+
+
+class DecodePlan:
+    """Every layer's calls for steps of one row count (built by ``build``)."""
+
+    def __init__(
+        self, layers: list[_Layer], modules: list[DecoderLayer], watched: list[_Watch]
+    ) -> None:
+        self.layers = layers
+        self.modules = modules  # the decoder layers, for the pieces that call them
+        self.watched = watched
+        # How many pieces (two norms, attention, router, experts a layer) take the direct
+        # C++ call; the rest call their modules.
+        self.direct = sum(
+            (lay.in_norm is not None) + (lay.post_norm is not None)
+            + isinstance(lay.attention, _Attention)
+            + (isinstance(lay.mlp, _Moe) and lay.mlp.router is not None)
+            + (isinstance(lay.mlp, _Moe) and lay.mlp.experts is not None)
+            for lay in layers
+        )  # fmt: skip
+
+    @classmethod
+    def build(cls, model: MoECausalLM, rows: int) -> DecodePlan:
+        dtype = model.embed_tokens.weight.dtype
+        modules = model.decoder_layers
+        layers = []
+        for layer, group in zip(modules, model._kv_groups):
+            norms = [
+                (norm.weight, norm.eps) if _norm_native(norm, rows, dtype) else None
+                for norm in (layer.input_layernorm, layer.post_attention_layernorm)
+            ]
+            mlp = layer.mlp
+            moe = _moe_call(mlp, rows, dtype) if isinstance(mlp, FusedMoE) else mlp
+            attention = _attention_call(layer, rows, dtype)
+            layers.append(_Layer(group, norms[0], norms[1], attention, moe, layer.shared_experts))
+        return cls(layers, modules, [w for layer in modules for w in _layer_watch(layer)])
+
+    def fresh(self) -> bool:
+        """Whether every object the plan read is still the one its layer holds (a dict
+        lookup each: ~10 us a step for 8 layers)."""
+        return all(d.get(name) is value for d, name, value in self.watched)
+
+    def run(
+        self, x: Tensor, cos: Tensor, sin: Tensor, attn: AttentionMetadata
+    ) -> tuple[Tensor, Tensor]:
+        """The decoder layers on a pure decode step: ``(residual, last MLP output)``, as
+        the layer loop of ``MoECausalLM.forward`` leaves them."""
+        delta: Tensor | None = None
+        for lay, layer in zip(self.layers, self.modules):
+            meta = attn.groups[lay.group] if attn.groups else attn
+            if delta is None:
+                h = (
+                    layer.input_layernorm(x)
+                    if lay.in_norm is None
+                    else _OPS.rms_norm.default(x, *lay.in_norm)
+                )
+            elif lay.in_norm is None:
+                x, h = layer.input_layernorm.add_norm(x, delta)
+            else:
+                x, h = _OPS.add_rms_norm.default(x, delta, *lay.in_norm)
+            out = lay.attention(h, cos, sin, meta)
+            if lay.post_norm is None:
+                x, h = layer.post_attention_layernorm.add_norm(x, out)
+            else:
+                x, h = _OPS.add_rms_norm.default(x, out, *lay.post_norm)
+            delta = lay.mlp(h) if lay.shared is None else lay.mlp(h) + lay.shared(h)
+        assert delta is not None
+        return x, delta
+
+
+class DecodePlans:
+    """A model's plans by row count. ``enabled`` False: every step takes the module path
+    (the reference; tests and ``benchmarks/cpu_decode.py`` compare the two)."""
+
+    def __init__(self) -> None:
+        self.enabled = True
+        self._plans: dict[int, DecodePlan] = {}
+
+    def for_step(self, model: MoECausalLM, attn: AttentionMetadata, rows: int) -> DecodePlan | None:
+        """The plan of this step, or None: it takes the module path."""
+        if not self.enabled or not _eligible(model, attn, rows):
+            return None
+        plan = self._plans.get(rows)
+        if plan is not None and plan.fresh():
+            return plan
+        # Something changed since (a plan is stale): drop every plan, so none keeps the
+        # weights or caches it read alive.
+        if plan is not None or any(not p.fresh() for p in self._plans.values()):
+            self._plans.clear()
+        plan = self._plans[rows] = DecodePlan.build(model, rows)
+        return plan
+
+
+def _eligible(model: MoECausalLM, attn: AttentionMetadata, rows: int) -> bool:
+    """Whether this step may take a plan: the model on CPU at TP size 1 with the C++
+    kernels loaded, a pure decode step (every row a sequence's one decode token), no
+    graph padding."""
+    if (
+        attn.prefills
+        or model.tp.size != 1
+        or not model.layers
+        or model.embed_tokens.weight.device.type != "cpu"
+        or not kernel_available()
+    ):
+        return False
+    for meta in attn.groups or (attn,):
+        dec = meta.decode_rows
+        if (
+            meta.prefills
+            or not isinstance(dec, slice)
+            or dec.stop - dec.start != rows
+            or meta.decode_block_table is None
+            or meta.decode_seq_lens is None
+        ):
+            return False
+    for moe in model.moe_layers()[:1]:  # one context object, shared by every layer
+        ctx = moe.forward_context
+        if ctx is not None and ctx.padding is not None:
+            return False
+    return True
