@@ -100,7 +100,22 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& cache, const i
     const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0, n = len - first;
     const int64_t* blocks = tp + d * width;
     thread_local std::vector<float> scores, qbuf, obuf;
+    thread_local std::vector<const CT*> krow, vrow;
     scores.resize(static_cast<size_t>(group * n));
+    krow.resize(static_cast<size_t>(n));
+    vrow.resize(static_cast<size_t>(n));
+    // Each key's K and V row, walked block by block: the per-key block / offset division
+    // (by a runtime block size, once per key and query head) cost more than the dot
+    // products at 32 sequences.
+    for (int64_t i = 0, b = first / bs, off = first % bs; i < n; ++i) {
+      const int64_t row = ((blocks[b] * hkv + kvh) * bs + off) * dh;
+      krow[i] = kc + row;
+      vrow[i] = vc + row;
+      if (++off == bs) {
+        off = 0;
+        ++b;
+      }
+    }
     qbuf.resize(static_cast<size_t>(group * dh));
     obuf.resize(static_cast<size_t>(dh));
     const float* qg[kMaxGroup];
@@ -130,10 +145,7 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& cache, const i
     const CT* keys[16];
     for (int64_t t0 = 0; t0 < n; t0 += 16) {  // t0: index among the n keys
       const int64_t m = std::min<int64_t>(16, n - t0);
-      for (int64_t i = 0; i < m; ++i) {
-        const int64_t t = first + t0 + i;
-        keys[i] = kc + ((blocks[t / bs] * hkv + kvh) * bs + t % bs) * dh;
-      }
+      for (int64_t i = 0; i < m; ++i) keys[i] = krow[t0 + i];
       for (int64_t g = 0; g < group; ++g) {
         float* s = scores.data() + g * n + t0;
         if (m < 16 || dh % 16) {
@@ -180,12 +192,12 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& cache, const i
       } else {
         o = obuf.data();
       }
-      const float* pg = scores.data() + g * n - first;  // pg[t] for t in first .. len - 1
+      const float* pg = scores.data() + g * n;  // pg[i]: key first + i
       if (dh == 64) {
         vec16 a0 = {}, a1 = {}, a2 = {}, a3 = {};
-        for (int64_t t = first; t < len; ++t) {
-          const CT* v = vc + ((blocks[t / bs] * hkv + kvh) * bs + t % bs) * dh;
-          const vec16 p = splat(pg[t]);
+        for (int64_t i = 0; i < n; ++i) {
+          const CT* v = vrow[i];
+          const vec16 p = splat(pg[i]);
           a0 += p * load(v);
           a1 += p * load(v + 16);
           a2 += p * load(v + 32);
@@ -197,9 +209,9 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& cache, const i
         store(o + 48, a3);
       } else {
         std::fill(o, o + dh, 0.f);
-        for (int64_t t = first; t < len; ++t) {
-          const CT* v = vc + ((blocks[t / bs] * hkv + kvh) * bs + t % bs) * dh;
-          const float p = pg[t];
+        for (int64_t k = 0; k < n; ++k) {
+          const CT* v = vrow[k];
+          const float p = pg[k];
           int64_t i = 0;
           for (; i + 16 <= dh; i += 16) store(o + i, load(o + i) + splat(p) * load(v + i));
           for (; i < dh; ++i) o[i] += p * static_cast<float>(v[i]);

@@ -75,6 +75,14 @@ inline T norm_value(float x, float inv, const T* w, int64_t c) {
   return w ? static_cast<T>(static_cast<float>(w[c]) * static_cast<float>(normed)) : normed;
 }
 
+// norm_value for 16 lanes: the same two roundings (store and round_to round to nearest
+// even, as static_cast does), returned as float32 lanes holding T's values.
+template <typename T>
+inline vec16 norm_values(const float* x, float inv, const T* w, int64_t c) {
+  const vec16 normed = round_to<T>(load(x) * splat(inv));
+  return w ? round_to<T>(load(w + c) * normed) : normed;
+}
+
 // bfloat16 / float16 rows, transformers' order: the sum of squares and x * rsqrt in
 // float32, rounded to T, then times the weight rounded to T.
 template <typename T>
@@ -84,7 +92,9 @@ void norm_rows_16(const T* x, const T* w, T* out, int64_t rows, int64_t dim, flo
   for (int64_t r = 0; r < rows; ++r, x += dim, out += dim) {
     widen_row(x, xf.data(), dim);
     const float inv = inv_rms(xf.data(), dim, eps);
-    for (int64_t c = 0; c < dim; ++c) out[c] = norm_value(xf[c], inv, w, c);
+    int64_t c = 0;
+    for (; c + 16 <= dim; c += 16) store(out + c, norm_values<T>(xf.data() + c, inv, w, c));
+    for (; c < dim; ++c) out[c] = norm_value(xf[c], inv, w, c);
   }
 }
 
@@ -215,7 +225,9 @@ void norm_rope_row(const T* x, const T* w, const T* cos, const T* sin, T* out, i
     widen_row(x, y, dh);
     if (w) {
       const float inv = inv_rms(y, dh, eps);
-      for (int64_t c = 0; c < dh; ++c) y[c] = static_cast<float>(norm_value(y[c], inv, w, c));
+      int64_t c = 0;
+      for (; c + 16 <= dh; c += 16) store(y + c, norm_values<T>(y + c, inv, w, c));
+      for (; c < dh; ++c) y[c] = static_cast<float>(norm_value(y[c], inv, w, c));
     }
   }
   rotate_row(y, cos, sin, out, dh, rot);

@@ -126,7 +126,9 @@ inline void to_float(const T* src, float* dst, int64_t n) {
   if constexpr (std::is_same_v<T, float>) {
     std::memcpy(dst, src, n * sizeof(float));
   } else {
-    for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) store(dst + i, load(src + i));
+    for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
   }
 }
 
@@ -135,7 +137,9 @@ inline void convert_row(const S* src, T* dst, int64_t n) {
   if constexpr (std::is_same_v<T, S>) {
     std::memcpy(dst, src, n * sizeof(T));
   } else {
-    for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<T>(static_cast<float>(src[i]));
+    int64_t i = 0;  // 16 lanes: load widens exactly, store rounds to nearest even
+    for (; i + 16 <= n; i += 16) store(dst + i, load(src + i));
+    for (; i < n; ++i) dst[i] = static_cast<T>(static_cast<float>(src[i]));
   }
 }
 
