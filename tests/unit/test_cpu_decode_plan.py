@@ -149,3 +149,41 @@ def test_a_new_plan_drops_stale_plans_of_other_sizes(qwen3_ckpt):
     assert list(plans._plans) == [2]
     _decode_logits(model, _prompts(model.spec.vocab_size, [4], seed=1), 1)  # new caches
     assert list(plans._plans) == [1]
+
+
+@pytest.mark.parametrize("block", [(32, 16), None])
+def test_fp8_checkpoints_take_the_fp8_kernels_directly(qwen3_ckpt, tmp_path, block, monkeypatch):
+    """An FP8 Qwen3-MoE (block scales, or one scale per tensor): its QKV / O linears and
+    experts are the C++ FP8 kernels' direct calls, and the logits equal the module path's."""
+    from tidal.models.cpu_decode import _NativeFp8Linear
+    from tidal.models.tiny import make_tiny_fp8_checkpoint
+
+    path = make_tiny_fp8_checkpoint(str(tmp_path / "fp8"), source=qwen3_ckpt, block=block)
+    model = _load(path, "bfloat16")
+    prompts = _prompts(model.spec.vocab_size, [6, 10], seed=3)
+    runs = _runs(monkeypatch)
+    planned = _decode_logits(model, prompts, 3)
+    assert runs == [2, 2, 2]
+    plan = model.decode_plans._plans[2]
+    for lay in plan.layers:
+        assert isinstance(lay.attention, _Attention)
+        assert isinstance(lay.attention.qkv, _NativeFp8Linear)
+        assert isinstance(lay.attention.o, _NativeFp8Linear)
+        assert isinstance(lay.mlp, _Moe) and lay.mlp.experts is not None
+        assert len(lay.mlp.experts.args) == 5  # prefetch, dot, the two scales, block_k
+    model.decode_plans.enabled = False
+    assert torch.equal(planned, _decode_logits(model, prompts, 3))
+
+
+def test_deepseek_fp8_on_the_plan_equals_the_module_path(deepseek_fp8_ckpt, monkeypatch):
+    """DeepSeek-V3's FP8 release layout: MLA attention and the dense first layer call their
+    modules, the norms and FP8 experts are direct; the logits equal the module path's."""
+    model = _load(deepseek_fp8_ckpt, "bfloat16")
+    prompts = _prompts(model.spec.vocab_size, [9], seed=6)
+    runs = _runs(monkeypatch)
+    planned = _decode_logits(model, prompts, 2)
+    assert runs == [1, 1]
+    plan = model.decode_plans._plans[1]
+    assert any(isinstance(lay.mlp, _Moe) and lay.mlp.experts is not None for lay in plan.layers)
+    model.decode_plans.enabled = False
+    assert torch.equal(planned, _decode_logits(model, prompts, 2))

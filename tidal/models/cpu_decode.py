@@ -30,6 +30,7 @@ from torch import Tensor
 
 from tidal.kernels.cpu_attention import KERNEL_DTYPES as ATTENTION_DTYPES
 from tidal.kernels.cpu_ext import kernel_available, native_amx, native_variant
+from tidal.kernels.cpu_fp8 import Fp8CpuExperts, Fp8CpuLinear, PackedFp8Experts, PackedFp8Linear
 from tidal.kernels.cpu_moe import CpuPackedExperts
 from tidal.kernels.cpu_norm import NORM_DTYPES
 from tidal.kernels.cpu_paths import HeldExperts, HeldGate, HeldLinear
@@ -37,12 +38,14 @@ from tidal.kernels.cpu_router import CpuPackedGate
 from tidal.layers.attention import AttentionBackend, AttentionMetadata, PagedAttention
 from tidal.layers.linear import Linear, RowParallelLinear
 from tidal.layers.norm import RMSNorm
+from tidal.layers.quant import Fp8Linear
 from tidal.moe.layer import FusedMoE
 
 if TYPE_CHECKING:
     from tidal.models.common import DecoderLayer, MoECausalLM
 
 _OPS = torch.ops.tidal_cpu
+_FP8_ACT_DTYPES = (torch.float32, torch.bfloat16)  # what the C++ FP8 kernels read
 
 
 @dataclass(frozen=True)
@@ -62,9 +65,41 @@ class _NativeLinear:
         )
 
 
-def _linear_call(lin: Linear, rows: int, dtype: torch.dtype) -> Callable[[Tensor], Tensor]:
+@dataclass(frozen=True)
+class _NativeFp8Linear:
+    """An FP8 linear's C++ call: ``x [T, K] -> [T, N]`` (``Fp8CpuLinear``'s call)."""
+
+    packed: PackedFp8Linear
+    bias: Tensor | None
+    prefetch: int
+    dot: bool
+
+    def __call__(self, x: Tensor) -> Tensor:
+        p = self.packed
+        return _OPS.fp8_linear.default(
+            x, p.w, p.scales, self.bias, p.out_features, p.block_k, self.prefetch, self.dot
+        )
+
+
+def _fp8_linear_call(lin: Fp8Linear, rows: int, dtype: torch.dtype) -> Callable[[Tensor], Tensor]:
+    if lin.tp.size != 1 or lin.triton or not lin.on_cpu or dtype not in _FP8_ACT_DTYPES:
+        return lin
+    if not isinstance(lin._kernel(), Fp8CpuLinear):
+        return lin  # the reference
+    if lin._packed is None:
+        lin.pack_weights()
+    packed = lin._packed
+    assert isinstance(packed, PackedFp8Linear)
+    variant = lin._choice().for_rows(rows).variant
+    prefetch, dot = native_variant(variant)
+    return _NativeFp8Linear(packed, lin.bias, prefetch if variant else 1, dot)
+
+
+def _linear_call(lin: Any, rows: int, dtype: torch.dtype) -> Callable[[Tensor], Tensor]:
     """The direct call of ``lin`` for ``rows``-row steps of ``dtype`` activations, or the
-    module (another path, another class: an FP8 linear)."""
+    module (another path)."""
+    if isinstance(lin, Fp8Linear):
+        return _fp8_linear_call(lin, rows, dtype)
     if type(lin) not in (Linear, RowParallelLinear) or lin.params_dtype != dtype:
         return lin
     held = lin._held_weight() if lin.on_cpu else None
@@ -154,15 +189,32 @@ def _attention_call(layer: DecoderLayer, rows: int, dtype: torch.dtype) -> Calla
     )  # fmt: skip
 
 
+@dataclass(frozen=True)
+class _NativeExperts:
+    """A layer's C++ experts call: float32 / bf16 packs, or FP8 ones with their scales."""
+
+    w13: Tensor
+    w2: Tensor
+    args: tuple[Any, ...]  # the op's arguments after apply_router_weight
+    amx: bool
+
+    def __call__(
+        self, h: Tensor, weights: Tensor, ids: Tensor, expert_map: Tensor | None
+    ) -> Tensor:
+        return _OPS.fused_moe.default(
+            h, self.w13, self.w2, weights, ids, expert_map, True, *self.args, amx=self.amx
+        )
+
+
 @dataclass
 class _Moe:
     """A MoE block's calls at TP size 1 without a dispatcher: the C++ router where it
-    serves (else ``route``), the C++ experts where they serve (else ``_experts``: FP8,
-    biased, onednn or torch experts)."""
+    serves (else ``route``), the C++ experts where they serve (else ``_experts``: biased,
+    onednn or torch experts, the FP8 reference)."""
 
     moe: FusedMoE
     router: tuple[Tensor, int, int, bool, int, bool] | None  # gate pack, E, K, renorm, hint, dot
-    experts: tuple[Tensor, Tensor, int, bool, bool] | None  # w13, w2, hint, dot, amx
+    experts: _NativeExperts | None
 
     def __call__(self, h: Tensor) -> Tensor:
         moe = self.moe
@@ -175,21 +227,15 @@ class _Moe:
             moe._record_load(ids)
         if self.experts is None:
             return moe._experts(h, weights, ids, moe._map_arg)
-        w13, w2, hint, dot, amx = self.experts
-        return _OPS.fused_moe.default(
-            h, w13, w2, weights, ids, moe._map_arg, True, hint, dot, amx=amx
-        )
+        return self.experts(h, weights, ids, moe._map_arg)
 
 
 def _moe_call(moe: FusedMoE, rows: int, dtype: torch.dtype) -> Callable[[Tensor], Tensor]:
-    if (
-        moe.dispatcher is not None
-        or moe.tp.size != 1
-        or not moe.on_cpu
-        or moe.params_dtype != dtype
-    ):
+    if moe.dispatcher is not None or moe.tp.size != 1 or not moe.on_cpu:
         return moe
-    router = experts = None
+    if moe.params_dtype != dtype:
+        return moe
+    router = None
     gate = moe._held("router")
     cand = moe._choice("router").for_rows(rows)
     if (
@@ -199,26 +245,38 @@ def _moe_call(moe: FusedMoE, rows: int, dtype: torch.dtype) -> Callable[[Tensor]
         and cand.path == "native"
     ):
         hint, dot = native_variant(cand.variant)
-        router = (
-            gate.packed.weight,
-            gate.packed.num_experts,
-            moe.top_k,
-            moe.renormalize,
-            hint,
-            dot,
-        )
-    if moe.fp8_block_k is None and not moe.custom_experts:
-        held = moe._held("experts")
-        cand = moe._choice("experts").for_rows(rows)
-        if (
-            isinstance(held, HeldExperts)
-            and isinstance(held.packed, CpuPackedExperts)
-            and held.dtype == dtype
-            and cand.path == "native"
-        ):
-            hint, dot = native_variant(cand.variant)
-            experts = (held.packed.w13, held.packed.w2, hint, dot, native_amx(cand.variant))
-    return _Moe(moe, router, experts)
+        packed = gate.packed
+        router = (packed.weight, packed.num_experts, moe.top_k, moe.renormalize, hint, dot)
+    return _Moe(moe, router, _experts_call(moe, rows, dtype))
+
+
+def _experts_call(moe: FusedMoE, rows: int, dtype: torch.dtype) -> _NativeExperts | None:
+    """The experts' C++ call as ``_experts`` makes it, or None: ``_experts`` serves."""
+    cand = moe._choice("experts").for_rows(rows)
+    prefetch, dot = native_variant(cand.variant)
+    if moe.fp8_block_k is not None:  # FP8_EXPERT_KERNELS' C++ kernel (_fp8_experts)
+        if moe._fp8_triton or dtype not in _FP8_ACT_DTYPES:
+            return None
+        if not isinstance(moe._fp8_kernel(), Fp8CpuExperts):
+            return None  # the reference
+        if moe._fp8_held is None:
+            moe._pack("experts")
+        p = moe._fp8_held
+        assert isinstance(p, PackedFp8Experts)
+        hint = prefetch if cand.variant else 1
+        return _NativeExperts(p.w13, p.w2, (hint, dot, p.s13, p.s2, p.block_k), False)
+    if moe.custom_experts:
+        return None
+    held = moe._held("experts")
+    if (
+        not isinstance(held, HeldExperts)
+        or not isinstance(held.packed, CpuPackedExperts)
+        or held.dtype != dtype
+        or cand.path != "native"
+    ):
+        return None
+    p = held.packed
+    return _NativeExperts(p.w13, p.w2, (prefetch, dot), native_amx(cand.variant))
 
 
 # (the dict an attribute lives in, its name, the object it held at build)
@@ -251,7 +309,7 @@ def _layer_watch(layer: DecoderLayer) -> list[_Watch]:
     for norm in (layer.input_layernorm, layer.post_attention_layernorm, getattr(a, "q_norm", None)):
         out += _watch(norm, "weight", "cpu_choice")
     for lin in (getattr(a, "qkv_proj", None), getattr(a, "o_proj", None)):
-        out += _watch(lin, "weight", "bias", "_held", "cpu_choice")
+        out += _watch(lin, "weight", "bias", "_held", "_packed", "cpu_choice")
     out += _watch(getattr(a, "k_norm", None), "weight")
     out += _watch(getattr(a, "attn", None), "kv_cache", "cpu_choice", "sinks")
     if isinstance(mlp, FusedMoE):
