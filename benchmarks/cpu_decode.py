@@ -47,6 +47,7 @@ def main() -> None:
     ap.add_argument("--batch-tokens", type=int, default=64)
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    ap.add_argument("--sum-mib", type=int, default=1024, help="the bandwidth probe's tensor")
     opts = ap.parse_args()
 
     from tidal import LLM
@@ -61,9 +62,10 @@ def _model(llm: Any) -> Any:
     return llm.client.engine.executor.worker.model_runner.model
 
 
-def _sum_gb_s() -> float:
-    """Read bandwidth: the best of 5 sums of a 1 GiB float32 tensor."""
-    buf = torch.ones(256 * 1024 * 1024)
+def _sum_gb_s(mib: int) -> float:
+    """Read bandwidth: the best of 5 sums of a float32 tensor of ``mib`` MiB (1 GiB: well
+    past any cache)."""
+    buf = torch.ones(mib * 256 * 1024)
     best = float("inf")
     for _ in range(5):
         t = time.perf_counter()
@@ -110,7 +112,7 @@ def measure(llm: Any, opts: argparse.Namespace) -> dict[str, Any]:
         for case in cases:
             for side in order:
                 run(case, side)
-        bandwidth.append(_sum_gb_s())
+        bandwidth.append(_sum_gb_s(opts.sum_mib))
         print(f"round {r + 1}/{opts.rounds} done", file=sys.stderr)
     config = json.loads(open(os.path.join(opts.model, "config.json")).read())
     per_token = active_bytes_per_token(

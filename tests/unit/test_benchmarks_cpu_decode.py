@@ -1,0 +1,45 @@
+"""benchmarks/cpu_decode.py in process on the tiny checkpoint: both sides run, their tokens
+are compared, and the single stream's bandwidth fraction is reported per side."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import pathlib
+import sys
+
+import pytest
+
+from tidal.kernels.cpu_ext import kernel_available, kernel_status
+
+BENCH = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "cpu_decode.py"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("bench_cpu_decode", BENCH)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["bench_cpu_decode"] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.skipif(not kernel_available(), reason=kernel_status())
+def test_measures_the_plan_against_the_module_path(bench, qwen3_ckpt):
+    from tidal import LLM
+
+    opts = argparse.Namespace(
+        model=qwen3_ckpt, dtype="float32", rounds=2, single_tokens=5, batch=3, batch_tokens=4,
+        prompt_len=6, threads=0, sum_mib=4,
+    )  # fmt: skip
+    with LLM(qwen3_ckpt, dtype="float32", multiprocess=False, enable_prefix_caching=False) as llm:
+        out = bench.measure(llm, opts)
+        assert llm.client.engine.executor.worker.model_runner.model.decode_plans.enabled
+    assert len(out["read_bandwidth_gb_s"]) == 2 and out["decode_bytes_per_token"] > 0
+    for case, streams in (("single", 1), ("batch", 3)):
+        row = out["cases"][case]
+        assert row["streams"] == streams and row["same_tokens"] is True
+        assert all(len(row["ms_per_token"][side]) == 2 for side in ("plan", "modules"))
+        assert row["ratio_plan_over_modules"] > 0
+    assert set(out["cases"]["single"]["fraction_of_bandwidth"]) == {"plan", "modules"}
