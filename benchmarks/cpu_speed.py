@@ -764,7 +764,10 @@ def step_overhead(model: Path, opts: argparse.Namespace, kernel_cache: Path) -> 
         "overhead_fraction": _r((wall - forward_s) / wall),
         # Inside execute_model: the model's forward and its parts (attention includes the
         # q/k/v and o projections); the rest of execute_model is input preparation, the
-        # lm_head and sampling.
+        # lm_head and sampling. A decode step on the CPU decode plan calls the kernels
+        # without the modules whose hooks time the parts: its whole forward counts in
+        # forward_ms only, so the parts cover the prefill and the pieces the plan leaves
+        # to their modules.
         "forward_ms": per_step.pop("model"),
         "forward_parts_ms": per_step,
         "decode_step_ms": _r(statistics.median(decode)) if decode else None,

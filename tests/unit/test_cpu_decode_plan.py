@@ -170,7 +170,7 @@ def test_fp8_checkpoints_take_the_fp8_kernels_directly(qwen3_ckpt, tmp_path, blo
         assert isinstance(lay.attention.qkv, _NativeFp8Linear)
         assert isinstance(lay.attention.o, _NativeFp8Linear)
         assert isinstance(lay.mlp, _Moe) and lay.mlp.experts is not None
-        assert len(lay.mlp.experts.args) == 5  # prefetch, dot, the two scales, block_k
+        assert lay.mlp.experts.fp8  # with the pack's scales
     model.decode_plans.enabled = False
     assert torch.equal(planned, _decode_logits(model, prompts, 3))
 
@@ -187,3 +187,44 @@ def test_deepseek_fp8_on_the_plan_equals_the_module_path(deepseek_fp8_ckpt, monk
     assert any(isinstance(lay.mlp, _Moe) and lay.mlp.experts is not None for lay in plan.layers)
     model.decode_plans.enabled = False
     assert torch.equal(planned, _decode_logits(model, prompts, 2))
+
+
+def test_a_plan_pins_no_old_cache_or_weights(qwen3_ckpt):
+    """A new KV cache and a re-pack of the experts free the old tensors at once, before
+    any decode step: the plan holds them weakly (the model's memory budget counts on it)."""
+    import gc
+    import weakref
+
+    model = _load(qwen3_ckpt, "bfloat16")
+    _decode_logits(model, _prompts(model.spec.vocab_size, [5], seed=7), 1)
+    assert model.decode_plans._plans
+    attn = model.layers[0].self_attn.attn
+    moe = model.moe_layers()[0]
+    old_cache = weakref.ref(attn.kv_cache)
+    old_pack = weakref.ref(moe._held_experts.packed.w13)
+    native = moe.cpu_choice["experts"]
+    moe.set_cpu_path("experts", Choice.fixed(Candidate("torch"), None))
+    moe.set_cpu_path("experts", native)  # packed again: new tensors
+    gc.collect()
+    assert old_pack() is None and model.decode_plans._plans  # the stale plan is still there
+    attn.kv_cache = torch.zeros(0)  # a cache unbound behind the plan's back
+    gc.collect()
+    assert old_cache() is None
+    spec = model.kv_cache_spec()
+    model.bind_kv_cache([torch.zeros(0) for _ in range(spec.num_layers)])  # as sleep does
+    assert not model.decode_plans._plans
+
+
+def test_expert_load_is_recorded_alike(qwen3_ckpt):
+    """EPLB's load counts (``record_expert_load``) on the plan equal the module path's."""
+    model = _load(qwen3_ckpt, "float32")
+    prompts = _prompts(model.spec.vocab_size, [6, 4], seed=12)
+    counts = []
+    for enabled in (True, False):
+        model.decode_plans.enabled = enabled
+        for moe in model.moe_layers():
+            moe.record_expert_load = True
+            moe.expert_load.zero_()
+        _decode_logits(model, prompts, 3)
+        counts.append(torch.stack([moe.expert_load.clone() for moe in model.moe_layers()]))
+    assert counts[0].sum() > 0 and torch.equal(counts[0], counts[1])

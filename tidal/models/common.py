@@ -531,6 +531,7 @@ class MoECausalLM(nn.Module):
             raise ValueError(f"expected {self.spec.num_layers} KV caches, got {len(caches)}")
         for layer, cache in zip(self.decoder_layers, caches):
             layer.self_attn.bind_cache(cache)
+        self.decode_plans.clear()  # they read the caches they were built on
 
     @property
     def decoder_layers(self) -> list[DecoderLayer]:

@@ -4,23 +4,27 @@ Why: at batch 1 the 64-expert bf16 checkpoint's decode step spent about a third 
 time in Python between the kernels -- module calls, the per-call checks of which path
 serves (``*_ok``, the measured choice for the row count), views and wrappers -- about
 250 us a layer around 400 us of kernels. A ``DecodePlan`` settles all of that once per
-model state and shape class, then calls the ops (``torch.ops.tidal_cpu.<op>.default``)
-directly with their arguments bound. Where one piece of a layer takes another path (an
-FP8 linear, MLA attention, a dense MLP, shared or biased experts, the torch attention),
-that piece calls its module as the ordinary forward does; the rest stays direct.
+model state and row count, then calls the ops (``torch.ops.tidal_cpu.<op>.default``)
+directly with their arguments bound. Where one piece of a layer takes another path (MLA
+attention, a dense MLP, shared or biased experts, a torch-chosen op), that piece calls
+its module as the ordinary forward does; the rest stays direct.
 
 Equality: every direct call is the very kernel call the module path makes, with the
 same arguments, in the same order, so the step's output is bit for bit the module
 path's (``tests/unit/test_cpu_decode_plan.py`` compares them, step by step).
 
-Staleness: a plan records the objects it read (held weights, measured choices, the KV
-cache, the expert map, the dispatcher, ...) and is rebuilt when any of them is no longer
-the one the layer holds (an expert move re-packs, a new KV cache is bound, EP starts); it
-is checked on every step (~10 us for 8 layers).
+Staleness: a plan records what it read (held weights, measured choices, the KV cache,
+the expert map, the dispatcher, the submodules), weakly where it can, and is rebuilt when
+any of it is no longer what the layer holds (an expert move re-packs, a new KV cache is
+bound, EP starts); checked on every step (~15 us for 8 layers). It pins no packed weights
+and no cache: the direct calls read those from their layers at each call (only norm
+weights, biases and sinks, small, are bound).
 """
 
 from __future__ import annotations
 
+import typing
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -48,56 +52,46 @@ _OPS = torch.ops.tidal_cpu
 _FP8_ACT_DTYPES = (torch.float32, torch.bfloat16)  # what the C++ FP8 kernels read
 
 
+# ---- linears ------------------------------------------------------------------------
+
+
 @dataclass(frozen=True)
 class _NativeLinear:
-    """A held linear's C++ call: ``x [T, K] -> [T, N]`` (``HeldLinear``'s native call)."""
+    """A held linear's C++ call, ``x [T, K] -> [T, N]`` (``HeldLinear``'s native call). Like
+    every direct call here it reads its weights from the layer at each call."""
 
-    packed: Tensor
-    out_features: int
+    lin: Linear
     bias: Tensor | None
     prefetch: int
     dot: bool
     amx: bool
 
     def __call__(self, x: Tensor) -> Tensor:
+        held = typing.cast(HeldLinear, self.lin._held)
         return _OPS.linear.default(
-            x, self.packed, self.bias, self.out_features, self.prefetch, self.dot, self.amx
+            x, held.packed, self.bias, held.out_features, self.prefetch, self.dot, self.amx
         )
 
 
 @dataclass(frozen=True)
 class _NativeFp8Linear:
-    """An FP8 linear's C++ call: ``x [T, K] -> [T, N]`` (``Fp8CpuLinear``'s call)."""
+    """An FP8 linear's C++ call, ``x [T, K] -> [T, N]`` (``Fp8CpuLinear``'s call)."""
 
-    packed: PackedFp8Linear
+    lin: Fp8Linear
     bias: Tensor | None
     prefetch: int
     dot: bool
 
     def __call__(self, x: Tensor) -> Tensor:
-        p = self.packed
+        p = typing.cast(PackedFp8Linear, self.lin._packed)
         return _OPS.fp8_linear.default(
             x, p.w, p.scales, self.bias, p.out_features, p.block_k, self.prefetch, self.dot
         )
 
 
-def _fp8_linear_call(lin: Fp8Linear, rows: int, dtype: torch.dtype) -> Callable[[Tensor], Tensor]:
-    if lin.tp.size != 1 or lin.triton or not lin.on_cpu or dtype not in _FP8_ACT_DTYPES:
-        return lin
-    if not isinstance(lin._kernel(), Fp8CpuLinear):
-        return lin  # the reference
-    if lin._packed is None:
-        lin.pack_weights()
-    packed = lin._packed
-    assert isinstance(packed, PackedFp8Linear)
-    variant = lin._choice().for_rows(rows).variant
-    prefetch, dot = native_variant(variant)
-    return _NativeFp8Linear(packed, lin.bias, prefetch if variant else 1, dot)
-
-
 def _linear_call(lin: Any, rows: int, dtype: torch.dtype) -> Callable[[Tensor], Tensor]:
     """The direct call of ``lin`` for ``rows``-row steps of ``dtype`` activations, or the
-    module (another path)."""
+    module itself (another path)."""
     if isinstance(lin, Fp8Linear):
         return _fp8_linear_call(lin, rows, dtype)
     if type(lin) not in (Linear, RowParallelLinear) or lin.params_dtype != dtype:
@@ -107,9 +101,21 @@ def _linear_call(lin: Any, rows: int, dtype: torch.dtype) -> Callable[[Tensor], 
     if not isinstance(held, HeldLinear) or held.path != "native" or cand.path != "native":
         return lin
     prefetch, dot = native_variant(cand.variant)
-    return _NativeLinear(
-        held.packed, held.out_features, lin.bias, prefetch, dot, native_amx(cand.variant)
-    )
+    return _NativeLinear(lin, lin.bias, prefetch, dot, native_amx(cand.variant))
+
+
+def _fp8_linear_call(lin: Fp8Linear, rows: int, dtype: torch.dtype) -> Callable[[Tensor], Tensor]:
+    if lin.tp.size != 1 or lin.triton or not lin.on_cpu or dtype not in _FP8_ACT_DTYPES:
+        return lin
+    if not isinstance(lin._kernel(), Fp8CpuLinear):
+        return lin  # the reference
+    if lin._packed is None:
+        lin.pack_weights()
+    if not isinstance(lin._packed, PackedFp8Linear):
+        return lin
+    variant = lin._choice().for_rows(rows).variant
+    prefetch, dot = native_variant(variant)
+    return _NativeFp8Linear(lin, lin.bias, prefetch if variant else 1, dot)
 
 
 def _norm_native(norm: RMSNorm, rows: int, dtype: torch.dtype) -> bool:
@@ -123,6 +129,9 @@ def _norm_native(norm: RMSNorm, rows: int, dtype: torch.dtype) -> bool:
         and w.device.type == "cpu"
         and norm.native(rows)
     )
+
+
+# ---- attention ----------------------------------------------------------------------
 
 
 @dataclass
@@ -146,11 +155,12 @@ class _Attention:
         else:
             wq, wk, eps = self.norm
             qk = _OPS.norm_rope.default(qkv[:, : hq + hkv], cos, sin, wq, wk, hq, eps)
-        cache = self.attn.kv_cache
+        attn = self.attn
+        cache = attn.kv_cache
         _OPS.write_kv.default(cache, meta.slot_mapping, qk[:, hq:], qkv[:, hq + hkv :])
         out = _OPS.decode_attention.default(
             qk[:, :hq], cache, meta.decode_block_table, meta.decode_seq_lens,
-            self.attn.scale, self.window, self.sinks,
+            attn.scale, self.window, self.sinks,
         )  # fmt: skip  # [T, Hq, Dh]
         return self.o(out.view(num, hq * dh))
 
@@ -189,20 +199,32 @@ def _attention_call(layer: DecoderLayer, rows: int, dtype: torch.dtype) -> Calla
     )  # fmt: skip
 
 
+# ---- MoE ----------------------------------------------------------------------------
+
+
 @dataclass(frozen=True)
 class _NativeExperts:
-    """A layer's C++ experts call: float32 / bf16 packs, or FP8 ones with their scales."""
+    """A layer's C++ experts call (``_experts``' native call): float32 / bf16 packs, or
+    FP8 ones with their scales (``fp8``)."""
 
-    w13: Tensor
-    w2: Tensor
-    args: tuple[Any, ...]  # the op's arguments after apply_router_weight
+    moe: FusedMoE
+    fp8: bool
+    prefetch: int
+    dot: bool
     amx: bool
 
     def __call__(
         self, h: Tensor, weights: Tensor, ids: Tensor, expert_map: Tensor | None
     ) -> Tensor:
+        if self.fp8:
+            f = typing.cast(PackedFp8Experts, self.moe._fp8_held)
+            return _OPS.fused_moe.default(
+                h, f.w13, f.w2, weights, ids, expert_map, True, self.prefetch, self.dot,
+                f.s13, f.s2, f.block_k,
+            )  # fmt: skip
+        p = typing.cast(HeldExperts, self.moe._held_experts).packed
         return _OPS.fused_moe.default(
-            h, self.w13, self.w2, weights, ids, expert_map, True, *self.args, amx=self.amx
+            h, p.w13, p.w2, weights, ids, expert_map, True, self.prefetch, self.dot, amx=self.amx
         )
 
 
@@ -213,7 +235,7 @@ class _Moe:
     onednn or torch experts, the FP8 reference)."""
 
     moe: FusedMoE
-    router: tuple[Tensor, int, int, bool, int, bool] | None  # gate pack, E, K, renorm, hint, dot
+    router: tuple[int, int, bool, int, bool] | None  # E, K, renormalize, prefetch, dot
     experts: _NativeExperts | None
 
     def __call__(self, h: Tensor) -> Tensor:
@@ -221,8 +243,8 @@ class _Moe:
         if self.router is None:
             weights, ids = moe.route(h)
         else:
-            gate, num, top_k, renorm, hint, dot = self.router
-            weights, ids = _OPS.softmax_topk.default(h, gate, num, top_k, renorm, hint, dot)
+            gate = typing.cast(CpuPackedGate, typing.cast(HeldGate, moe._held_gate).packed)
+            weights, ids = _OPS.softmax_topk.default(h, gate.weight, *self.router)
         if moe.record_expert_load:
             moe._record_load(ids)
         if self.experts is None:
@@ -232,7 +254,7 @@ class _Moe:
 
 def _moe_call(moe: FusedMoE, rows: int, dtype: torch.dtype) -> Callable[[Tensor], Tensor]:
     if moe.dispatcher is not None or moe.tp.size != 1 or not moe.on_cpu:
-        return moe
+        return moe  # EP: the dispatcher and its collectives, as ever
     if moe.params_dtype != dtype:
         return moe
     router = None
@@ -245,8 +267,7 @@ def _moe_call(moe: FusedMoE, rows: int, dtype: torch.dtype) -> Callable[[Tensor]
         and cand.path == "native"
     ):
         hint, dot = native_variant(cand.variant)
-        packed = gate.packed
-        router = (packed.weight, packed.num_experts, moe.top_k, moe.renormalize, hint, dot)
+        router = (gate.packed.num_experts, moe.top_k, moe.renormalize, hint, dot)
     return _Moe(moe, router, _experts_call(moe, rows, dtype))
 
 
@@ -261,10 +282,9 @@ def _experts_call(moe: FusedMoE, rows: int, dtype: torch.dtype) -> _NativeExpert
             return None  # the reference
         if moe._fp8_held is None:
             moe._pack("experts")
-        p = moe._fp8_held
-        assert isinstance(p, PackedFp8Experts)
-        hint = prefetch if cand.variant else 1
-        return _NativeExperts(p.w13, p.w2, (hint, dot, p.s13, p.s2, p.block_k), False)
+        if not isinstance(moe._fp8_held, PackedFp8Experts):
+            return None
+        return _NativeExperts(moe, True, prefetch if cand.variant else 1, dot, False)
     if moe.custom_experts:
         return None
     held = moe._held("experts")
@@ -275,12 +295,14 @@ def _experts_call(moe: FusedMoE, rows: int, dtype: torch.dtype) -> _NativeExpert
         or cand.path != "native"
     ):
         return None
-    p = held.packed
-    return _NativeExperts(p.w13, p.w2, (prefetch, dot), native_amx(cand.variant))
+    return _NativeExperts(moe, False, prefetch, dot, native_amx(cand.variant))
 
 
-# (the dict an attribute lives in, its name, the object it held at build)
-_Watch = tuple[dict[str, Any], str, Any]
+# ---- staleness ----------------------------------------------------------------------
+
+# (the dict an attribute lives in, its name, what it held at build: a weak reference
+# where the object takes one, else the object -- None, a flag, a dict)
+_Watch = tuple[dict[str, Any], str, Any, bool]
 
 
 def _watch(obj: Any, *names: str) -> list[_Watch]:
@@ -297,15 +319,22 @@ def _watch(obj: Any, *names: str) -> list[_Watch]:
             if table is not None and name in table:
                 d = table
                 break
-        out.append((d, name, d.get(name)))
+        value = d.get(name)
+        try:
+            out.append((d, name, weakref.ref(value), True))
+        except TypeError:  # None, a bool, a dict: held as is (they pin nothing large)
+            out.append((d, name, value, False))
     return out
 
 
 def _layer_watch(layer: DecoderLayer) -> list[_Watch]:
     """What a layer's plan depends on: it is stale once any of these attributes holds
-    another object (an expert move re-packs, a new KV cache is bound, EP starts, ...)."""
+    another object (an expert move re-packs, a new KV cache is bound, EP starts, a path
+    changes, a submodule is replaced)."""
     a, mlp = layer.self_attn, layer.mlp
     out = _watch(layer, "self_attn", "mlp", "shared_experts")
+    out += _watch(layer, "input_layernorm", "post_attention_layernorm")
+    out += _watch(a, "qkv_proj", "o_proj", "attn", "q_norm", "k_norm")
     for norm in (layer.input_layernorm, layer.post_attention_layernorm, getattr(a, "q_norm", None)):
         out += _watch(norm, "weight", "cpu_choice")
     for lin in (getattr(a, "qkv_proj", None), getattr(a, "o_proj", None)):
@@ -314,14 +343,18 @@ def _layer_watch(layer: DecoderLayer) -> list[_Watch]:
     out += _watch(getattr(a, "attn", None), "kv_cache", "cpu_choice", "sinks")
     if isinstance(mlp, FusedMoE):
         out += _watch(mlp, "_held_gate", "_held_experts", "_map_arg", "dispatcher", "_fp8_held")
-        out += [(mlp.cpu_choice, op, mlp.cpu_choice.get(op)) for op in ("router", "experts")]
+        out += _watch(mlp, "cpu_choice")
+        out += [(mlp.cpu_choice, op, mlp.cpu_choice.get(op), False) for op in ("router", "experts")]
     return out
+
+
+# ---- the plan -----------------------------------------------------------------------
 
 
 @dataclass
 class _Layer:
     group: int  # the layer's KV cache group (AttentionMetadata.groups)
-    in_norm: tuple[Tensor, float] | None  # weight, eps; None: the module's
+    in_norm: tuple[Tensor, float] | None  # weight, eps on the C++ kernel; None: the module's
     post_norm: tuple[Tensor, float] | None
     attention: Callable[..., Tensor]
     mlp: Callable[[Tensor], Tensor]
@@ -364,9 +397,15 @@ class DecodePlan:
         return cls(layers, modules, [w for layer in modules for w in _layer_watch(layer)])
 
     def fresh(self) -> bool:
-        """Whether every object the plan read is still the one its layer holds (a dict
-        lookup each: ~10 us a step for 8 layers)."""
-        return all(d.get(name) is value for d, name, value in self.watched)
+        """Whether every object the plan read is still the one its layer holds."""
+        for d, name, held, weak in self.watched:
+            if weak:
+                obj = held()
+                if obj is None or d.get(name) is not obj:  # dead: it cannot be the one held
+                    return False
+            elif d.get(name) is not held:
+                return False
+        return True
 
     def run(
         self, x: Tensor, cos: Tensor, sin: Tensor, attn: AttentionMetadata
@@ -376,24 +415,26 @@ class DecodePlan:
         delta: Tensor | None = None
         for lay, layer in zip(self.layers, self.modules):
             meta = attn.groups[lay.group] if attn.groups else attn
+            norm = lay.in_norm
             if delta is None:
-                h = (
-                    layer.input_layernorm(x)
-                    if lay.in_norm is None
-                    else _OPS.rms_norm.default(x, *lay.in_norm)
-                )
-            elif lay.in_norm is None:
-                x, h = layer.input_layernorm.add_norm(x, delta)
+                h = layer.input_layernorm(x) if norm is None else _OPS.rms_norm.default(x, *norm)
             else:
-                x, h = _OPS.add_rms_norm.default(x, delta, *lay.in_norm)
+                x, h = _add_norm(layer.input_layernorm, norm, x, delta)
             out = lay.attention(h, cos, sin, meta)
-            if lay.post_norm is None:
-                x, h = layer.post_attention_layernorm.add_norm(x, out)
-            else:
-                x, h = _OPS.add_rms_norm.default(x, out, *lay.post_norm)
+            x, h = _add_norm(layer.post_attention_layernorm, lay.post_norm, x, out)
             delta = lay.mlp(h) if lay.shared is None else lay.mlp(h) + lay.shared(h)
         assert delta is not None
         return x, delta
+
+
+def _add_norm(
+    module: RMSNorm, norm: tuple[Tensor, float] | None, x: Tensor, delta: Tensor
+) -> tuple[Tensor, Tensor]:
+    """``RMSNorm.add_norm``: the C++ pass where the plan took it and the dtypes agree (as
+    that method asks), else the method."""
+    if norm is None or delta.dtype != x.dtype:
+        return module.add_norm(x, delta)
+    return _OPS.add_rms_norm.default(x, delta, *norm)
 
 
 class DecodePlans:
@@ -404,6 +445,9 @@ class DecodePlans:
         self.enabled = True
         self._plans: dict[int, DecodePlan] = {}
 
+    def clear(self) -> None:
+        self._plans.clear()
+
     def for_step(self, model: MoECausalLM, attn: AttentionMetadata, rows: int) -> DecodePlan | None:
         """The plan of this step, or None: it takes the module path."""
         if not self.enabled or not _eligible(model, attn, rows):
@@ -411,8 +455,7 @@ class DecodePlans:
         plan = self._plans.get(rows)
         if plan is not None and plan.fresh():
             return plan
-        # Something changed since (a plan is stale): drop every plan, so none keeps the
-        # weights or caches it read alive.
+        # Something changed since (a plan is stale): drop every plan and build anew.
         if plan is not None or any(not p.fresh() for p in self._plans.values()):
             self._plans.clear()
         plan = self._plans[rows] = DecodePlan.build(model, rows)
