@@ -20,33 +20,27 @@ experts, lm_head) and each side's fraction of the measured bandwidth.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
 import sys
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
-from tidal.kernels.select import cpu_description
-
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from cpu_speed import active_bytes_per_token  # noqa: E402 - a sibling module
+from decode_ab import add_arguments, cases, header, interleaved_rounds  # noqa: E402 - a sibling module
 
 SIDES = ("plan", "modules")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
-    ap.add_argument("--model", required=True)
-    ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--single-tokens", type=int, default=128)
-    ap.add_argument("--batch", type=int, default=32)
-    ap.add_argument("--batch-tokens", type=int, default=64)
-    ap.add_argument("--prompt-len", type=int, default=32)
-    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    add_arguments(ap, batch_tokens=64, prompt_len=32)
     ap.add_argument("--sum-mib", type=int, default=1024, help="the bandwidth probe's tensor")
     opts = ap.parse_args()
 
@@ -75,61 +69,35 @@ def _sum_gb_s(mib: int) -> float:
 
 
 def measure(llm: Any, opts: argparse.Namespace) -> dict[str, Any]:
-    from tidal import SamplingParams
-
     if opts.threads:  # after the load: the in-process worker sets its own count
         torch.set_num_threads(opts.threads)
     plans = _model(llm).decode_plans
-    vocab = 1000
-    cases = {"single": (1, opts.single_tokens), "batch": (opts.batch, opts.batch_tokens)}
-    times: dict[str, dict[str, list[float]]] = {c: {s: [] for s in SIDES} for c in cases}
-    outputs: dict[str, dict[str, list[list[int]]]] = {c: {} for c in cases}
-    bandwidth: list[float] = []
 
-    def run(case: str, side: str) -> None:
-        streams, tokens = cases[case]
-        prompts = [
-            {"prompt_token_ids": [(7 * i + 13 * j) % vocab + 3 for j in range(opts.prompt_len)]}
-            for i in range(streams)
-        ]
-        params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
-        plans.enabled = side == "plan"
+    @contextlib.contextmanager
+    def side(enabled: bool) -> Iterator[None]:
+        plans.enabled = enabled
         try:
-            t = time.perf_counter()
-            outs = llm.generate(prompts, params, use_tqdm=False)
-            dt = time.perf_counter() - t
+            yield
         finally:
             plans.enabled = True
-        times[case][side].append(dt * 1e3 / tokens)
-        outputs[case][side] = [list(o.outputs[0].token_ids) for o in outs]
 
-    for case in cases:  # warm both sides
-        for side in SIDES:
-            run(case, side)
-    times = {c: {s: [] for s in SIDES} for c in cases}
-    for r in range(opts.rounds):
-        order = SIDES if r % 2 == 0 else SIDES[::-1]
-        for case in cases:
-            for side in order:
-                run(case, side)
-        bandwidth.append(_sum_gb_s(opts.sum_mib))
-        print(f"round {r + 1}/{opts.rounds} done", file=sys.stderr)
+    bandwidth: list[float] = []
+    sides = {"plan": lambda: side(True), "modules": lambda: side(False)}
+    times, outputs = interleaved_rounds(
+        llm, opts, sides, lambda: bandwidth.append(_sum_gb_s(opts.sum_mib))
+    )
     config = json.loads(open(os.path.join(opts.model, "config.json")).read())
     per_token = active_bytes_per_token(
         config, torch.tensor([], dtype=getattr(torch, opts.dtype)).element_size()
     )
     gb_s = statistics.median(bandwidth)
     result: dict[str, Any] = {
-        "cpu": cpu_description()["model"],
-        "threads": torch.get_num_threads(),
-        "model": opts.model,
-        "dtype": opts.dtype,
-        "cpu_kernels": llm.cpu_kernels(),
+        **header(llm, opts),
         "read_bandwidth_gb_s": [round(b, 1) for b in bandwidth],
         "decode_bytes_per_token": per_token,
         "cases": {},
     }
-    for case, (streams, tokens) in cases.items():
+    for case, (streams, tokens) in cases(opts).items():
         med = {s: statistics.median(times[case][s]) for s in SIDES}
         row: dict[str, Any] = {
             "streams": streams,

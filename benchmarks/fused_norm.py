@@ -21,15 +21,16 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import statistics
 import sys
-import time
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 
-from tidal.kernels.select import cpu_description
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from decode_ab import add_arguments, cases, header, interleaved_rounds  # noqa: E402 - a sibling module
 
 
 @contextlib.contextmanager
@@ -61,14 +62,7 @@ def unfused() -> Iterator[None]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
-    ap.add_argument("--model", required=True)
-    ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--single-tokens", type=int, default=128)
-    ap.add_argument("--batch", type=int, default=32)
-    ap.add_argument("--batch-tokens", type=int, default=32)
-    ap.add_argument("--prompt-len", type=int, default=16)
-    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    add_arguments(ap, batch_tokens=32, prompt_len=16)
     opts = ap.parse_args()
 
     from tidal import LLM
@@ -79,54 +73,15 @@ def main() -> None:
 
 
 def measure(llm: Any, opts: argparse.Namespace) -> dict[str, Any]:
-    from tidal import SamplingParams
-
     if opts.threads:  # after the load: the in-process worker sets its own count
         torch.set_num_threads(opts.threads)
-    vocab = 1000
-    cases = {
-        "single": (1, opts.single_tokens),
-        "batch": (opts.batch, opts.batch_tokens),
-    }
-    times: dict[str, dict[str, list[float]]] = {c: {"fused": [], "unfused": []} for c in cases}
-    outputs: dict[str, dict[str, list[list[int]]]] = {c: {} for c in cases}
-
-    def run(case: str, side: str) -> None:
-        streams, tokens = cases[case]
-        prompts = [
-            {"prompt_token_ids": [(7 * i + 13 * j) % vocab + 3 for j in range(opts.prompt_len)]}
-            for i in range(streams)
-        ]
-        params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
-        ctx = unfused() if side == "unfused" else contextlib.nullcontext()
-        with ctx:
-            t = time.perf_counter()
-            outs = llm.generate(prompts, params, use_tqdm=False)
-            dt = time.perf_counter() - t
-        # Decode steps dominate: the time per generated position (prefill included).
-        times[case][side].append(dt * 1e3 / tokens)
-        outputs[case][side] = [list(o.outputs[0].token_ids) for o in outs]
-
-    for case in cases:  # warm both sides
-        run(case, "fused")
-        run(case, "unfused")
-    for case in cases:
-        times[case] = {"fused": [], "unfused": []}
-    for r in range(opts.rounds):
-        order = ("fused", "unfused") if r % 2 == 0 else ("unfused", "fused")
-        for case in cases:
-            for side in order:
-                run(case, side)
-        print(f"round {r + 1}/{opts.rounds} done", file=sys.stderr)
+    sides = {"fused": contextlib.nullcontext, "unfused": unfused}
+    times, outputs = interleaved_rounds(llm, opts, sides)
     result: dict[str, Any] = {
-        "cpu": cpu_description()["model"],
-        "threads": torch.get_num_threads(),
-        "model": opts.model,
-        "dtype": opts.dtype,
-        "cpu_kernels": llm.cpu_kernels(),
+        **header(llm, opts),
         "cases": {},
     }
-    for case, (streams, tokens) in cases.items():
+    for case, (streams, tokens) in cases(opts).items():
         f, u = statistics.median(times[case]["fused"]), statistics.median(times[case]["unfused"])
         result["cases"][case] = {
             "streams": streams,
