@@ -35,7 +35,7 @@ def test_measures_the_plan_against_the_module_path(bench, qwen3_ckpt):
     )  # fmt: skip
     with LLM(qwen3_ckpt, dtype="float32", multiprocess=False, enable_prefix_caching=False) as llm:
         out = bench.measure(llm, opts)
-        assert llm.client.engine.executor.worker.model_runner.model.decode_plans.enabled
+        assert bench._model(llm).decode_plans.enabled
     assert len(out["read_bandwidth_gb_s"]) == 2 and out["decode_bytes_per_token"] > 0
     for case, streams in (("single", 1), ("batch", 3)):
         row = out["cases"][case]

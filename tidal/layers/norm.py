@@ -9,6 +9,7 @@ reference of all three.
 
 from __future__ import annotations
 
+import enum
 import functools
 from collections.abc import Callable
 from typing import Any
@@ -20,6 +21,14 @@ from torch import Tensor, nn
 from tidal.kernels.cpu_norm import NORM_DTYPES, add_rms_norm_cpu, rms_norm_cpu, rms_norm_cpu_ok
 from tidal.kernels.select import Candidate, Choice, OpKey, OpSpec, kernel_candidates
 from tidal.kernels.triton_device import triton_serves
+
+
+class QKNorm(enum.Enum):
+    """Where an attention block normalises q and k (``DecoderSpec.qk_norm``)."""
+
+    NONE = "none"
+    PER_HEAD = "per_head"  # one [Dh] weight for every q head, one for every k head (Qwen3)
+    FULL_WIDTH = "full_width"  # over all of q [Hq*Dh], all of k [Hkv*Dh] (OLMoE)
 
 
 class RMSNorm(nn.Module):
@@ -39,7 +48,7 @@ class RMSNorm(nn.Module):
         w = self.weight
         if self.triton and x.dtype == w.dtype:
             return triton_rms_norm()(x, w, self.eps)
-        if x.dtype == w.dtype and self._kernel_serves(x):
+        if x.dtype == w.dtype and self.kernel_serves(x.numel() // x.shape[-1]):
             return rms_norm_cpu(x, w, self.eps)  # one C++ pass (cpu_norm.py)
         if x.dtype == torch.float32:
             # One fused op; equal to the float32 formula (tested against transformers).
@@ -51,16 +60,18 @@ class RMSNorm(nn.Module):
         measured choice is the C++ kernel, one C++ pass (``add_rms_norm_cpu``), bit for
         bit the add then the norm; else those two (the reference)."""
         w = self.weight
-        if x.dtype == delta.dtype == w.dtype and x.shape == delta.shape and self._kernel_serves(x):
+        rows = x.numel() // x.shape[-1]
+        if x.dtype == delta.dtype == w.dtype and x.shape == delta.shape and self.kernel_serves(rows):
             return add_rms_norm_cpu(x, delta, w, self.eps)
         x = x + delta
         return x, self(x)
 
-    def _kernel_serves(self, x: Tensor) -> bool:
-        """Whether the C++ kernel takes this weight and the choice for x's rows is it."""
+    def kernel_serves(self, rows: int) -> bool:
+        """Whether the C++ kernel takes this weight and the choice for calls of ``rows``
+        rows is it (activations of the weight's dtype; the decode plan asks it too)."""
         if self._cpu_kernel is None:
             self._cpu_kernel = rms_norm_cpu_ok(self.weight, self.weight)
-        return self._cpu_kernel and self.native(x.numel() // x.shape[-1])
+        return self._cpu_kernel and self.native(rows)
 
     def _apply(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         self._cpu_kernel = None  # .to() / .half(): the weight's device or dtype may change

@@ -36,7 +36,6 @@ tokens). Shared experts are a dense MLP beside the routed ones: every rank compu
 
 from __future__ import annotations
 
-import enum
 import typing
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -52,7 +51,7 @@ from tidal.layers.attention import AttentionMetadata, PagedAttention
 from tidal.layers.cache_spec import KVCacheSpec
 from tidal.layers.linear import Embedding, Linear, RowParallelLinear
 from tidal.layers.mla import MLASpec, MLAttention
-from tidal.layers.norm import RMSNorm, rms_norm_sharded
+from tidal.layers.norm import QKNorm, RMSNorm, rms_norm_sharded
 from tidal.layers.quant import QuantMethod
 from tidal.layers.rotary import (
     RotaryEmbedding,
@@ -68,12 +67,6 @@ from tidal.models.cpu_decode import DecodePlans
 from tidal.moe.layer import FusedMoE
 from tidal.moe.reference import ClampedSwiGLU
 from tidal.moe.router import Routing
-
-
-class QKNorm(enum.Enum):
-    NONE = "none"
-    PER_HEAD = "per_head"  # one [Dh] weight for every q head, one for every k head (Qwen3)
-    FULL_WIDTH = "full_width"  # over all of q [Hq*Dh], all of k [Hkv*Dh] (OLMoE)
 
 
 @dataclass(frozen=True)

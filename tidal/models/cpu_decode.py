@@ -33,15 +33,16 @@ import torch
 from torch import Tensor
 
 from tidal.kernels.cpu_attention import KERNEL_DTYPES as ATTENTION_DTYPES
+from tidal.kernels.cpu_attention import decode_attention_cpu_supports
 from tidal.kernels.cpu_ext import kernel_available, native_amx, native_variant
 from tidal.kernels.cpu_fp8 import Fp8CpuExperts, Fp8CpuLinear, PackedFp8Experts, PackedFp8Linear
 from tidal.kernels.cpu_moe import CpuPackedExperts
-from tidal.kernels.cpu_norm import NORM_DTYPES
 from tidal.kernels.cpu_paths import HeldExperts, HeldGate, HeldLinear
 from tidal.kernels.cpu_router import CpuPackedGate
 from tidal.layers.attention import AttentionBackend, AttentionMetadata, PagedAttention
 from tidal.layers.linear import Linear, RowParallelLinear
-from tidal.layers.norm import RMSNorm
+from tidal.layers.mla import MLAttention
+from tidal.layers.norm import QKNorm, RMSNorm
 from tidal.layers.quant import Fp8Linear
 from tidal.moe.layer import FusedMoE
 
@@ -119,16 +120,8 @@ def _fp8_linear_call(lin: Fp8Linear, rows: int, dtype: torch.dtype) -> Callable[
 
 
 def _norm_native(norm: RMSNorm, rows: int, dtype: torch.dtype) -> bool:
-    """Whether ``norm``'s forward / ``add_norm`` take the C++ kernel for these steps (the
-    module path's ``_kernel_serves``)."""
-    w = norm.weight
-    return (
-        not norm.triton
-        and w.dtype == dtype
-        and dtype in NORM_DTYPES
-        and w.device.type == "cpu"
-        and norm.native(rows)
-    )
+    """Whether ``norm``'s forward / ``add_norm`` take the C++ kernel for these steps."""
+    return norm.weight.dtype == dtype and norm.kernel_serves(rows)
 
 
 # ---- attention ----------------------------------------------------------------------
@@ -166,10 +159,8 @@ class _Attention:
 
 
 def _attention_call(layer: DecoderLayer, rows: int, dtype: torch.dtype) -> Callable[..., Tensor]:
-    from tidal.models.common import Attention, QKNorm
-
     a = layer.self_attn
-    if not isinstance(a, Attention) or a.triton_norm_rope or a.qkv_clip is not None:
+    if isinstance(a, MLAttention) or a.triton_norm_rope or a.qkv_clip is not None:
         return a
     pa = a.attn
     cache = pa.kv_cache
@@ -179,8 +170,7 @@ def _attention_call(layer: DecoderLayer, rows: int, dtype: torch.dtype) -> Calla
         or cache is None
         or not cache.is_contiguous()
         or cache.dtype not in ATTENTION_DTYPES
-        or dtype not in ATTENTION_DTYPES
-        or a.num_heads // a.num_kv_heads > 16
+        or not decode_attention_cpu_supports(dtype, cache.device, a.num_heads // a.num_kv_heads)
         or (pa.sinks is not None and pa.sinks.dtype != torch.float32)
     ):
         return a
