@@ -4,16 +4,20 @@ interleaved round by round (a burst of load from another process hits all alike)
 * ``fp8_fp16``: FP8 weights, the fp16 decode (``native:<hint>``);
 * ``fp8_dot``: FP8 weights, the FP8 dot kernel (``native:dot-<hint>``: e4m3 -> bf16 by
   table lookup, ``vdpbf16ps``), where the CPU has AVX512-BF16 and VBMI;
+* ``fp8_amx``: FP8 weights, the FP8 AMX kernel (``native:amx``: that decode, the products
+  on AMX tiles), where the CPU also has AMX;
 * ``bf16_dot``: the peer, the same weights in bf16 on the bf16 dot kernel (the shift
   kernel where the CPU has no AVX512-BF16).
 
-Cases: the linear (``--linear`` N = K) at 1 row, and the fused MoE at the 64-expert
-checkpoint's layer shape (64 experts, H512, I256, top-8) at 1 and 32 tokens, over
-``--layers`` layers' experts taken in turn (so the weights stream from memory, as at
-decode). Activations bf16, 128x128 block scales. Prints one JSON document: per case and
-kernel the best and median us per call, and ``bf16_over_fp8_dot`` (> 1: FP8 faster).
+Cases: the linear (``--linear`` N = K) at ``--linear-rows`` rows (a decode, a few rows,
+a batch), and the fused MoE at the 64-expert checkpoint's layer shape (64 experts, H512,
+I256, top-8) at 1 and 32 tokens, over ``--layers`` layers' experts taken in turn (so the
+weights stream from memory, as at decode). Activations bf16, 128x128 block scales. Prints
+one JSON document: per case and kernel the best and median us per call,
+``bf16_over_fp8_dot`` and ``bf16_over_fp8_amx`` (> 1: FP8 faster) and
+``fp8_dot_over_fp8_amx`` (> 1: the tiles faster).
 
-    python benchmarks/fp8_kernels.py [--threads 1] [--rounds 15] [--layers 8]
+    python benchmarks/fp8_kernels.py [--threads 1] [--rounds 15] [--layers 8] [--linear-rows 1,4,32]
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from collections.abc import Callable
 
 import torch
 
-from tidal.kernels.cpu_ext import bf16_dot_available, fp8_dot_available
+from tidal.kernels.cpu_ext import bf16_dot_available, fp8_amx_available, fp8_dot_available
 from tidal.kernels.cpu_fp8 import fp8_fused_experts, fp8_linear, pack_fp8_experts, pack_fp8_linear
 from tidal.kernels.cpu_linear import linear_cpu, pack_linear_weight
 from tidal.kernels.cpu_moe import CpuPackedExperts, fused_experts_cpu
@@ -57,11 +61,12 @@ def _time(fns: dict[str, Callable[[], object]], rounds: int, calls: int) -> dict
         k: {"best_us": round(min(v), 1), "median_us": round(statistics.median(v), 1)}
         for k, v in times.items()
     }
-    if "fp8_dot" in times:
-        out["bf16_over_fp8_dot"] = {
-            "best": round(min(times["bf16_dot"]) / min(times["fp8_dot"]), 3),
-            "median": round(statistics.median(times["bf16_dot"]) / statistics.median(times["fp8_dot"]), 3),
-        }  # fmt: skip
+    for slow, fast in (("bf16_dot", "fp8_dot"), ("bf16_dot", "fp8_amx"), ("fp8_dot", "fp8_amx")):
+        if slow in times and fast in times:
+            out[f"{'bf16' if slow == 'bf16_dot' else slow}_over_{fast}"] = {
+                "best": round(min(times[slow]) / min(times[fast]), 3),
+                "median": round(statistics.median(times[slow]) / statistics.median(times[fast]), 3),
+            }  # fmt: skip
     return out
 
 
@@ -76,10 +81,10 @@ def _moe_case(
     ids = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(tokens)])
     peer_dot = bf16_dot_available()
 
-    def fp8(dot: bool) -> Callable[[], None]:
+    def fp8(dot: bool, amx: bool = False) -> Callable[[], None]:
         def run() -> None:
             for p in fp8s:
-                fp8_fused_experts(xs, p, tw, ids, None, True, T0, dot)
+                fp8_fused_experts(xs, p, tw, ids, None, True, T0, dot, amx)
 
         return run
 
@@ -90,6 +95,8 @@ def _moe_case(
     fns: dict[str, Callable[[], object]] = {"fp8_fp16": fp8(False), "bf16_dot": peer}
     if fp8_dot_available():
         fns["fp8_dot"] = fp8(True)
+    if fp8_amx_available():
+        fns["fp8_amx"] = fp8(False, amx=True)
     out = _time(fns, rounds, 4)
     for name in fns:  # per layer
         out[name] = {k: round(v / len(fp8s), 1) for k, v in out[name].items()}  # type: ignore[union-attr]
@@ -102,6 +109,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--linear", type=int, default=2048)
+    ap.add_argument("--linear-rows", default="1,4,32", help="the linear's row counts")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     g = torch.Generator().manual_seed(0)
@@ -112,19 +120,25 @@ def main() -> None:
         "threads": a.threads,
         "fp8_dot_available": fp8_dot,
         "bf16_dot_available": peer_dot,
+        "fp8_amx_available": fp8_amx_available(),
     }
     n = a.linear
     w = torch.randn(1, n, n, generator=g) * 0.02
     q, s = _quantized(w)
     packed, peer = pack_fp8_linear(q[0], s[0], BLOCK), pack_linear_weight(w[0].bfloat16())
-    x = torch.randn(1, n, generator=g).bfloat16()
-    fns: dict[str, Callable[[], object]] = {
-        "fp8_fp16": lambda: fp8_linear(x, packed, None, T0, False),
-        "bf16_dot": lambda: linear_cpu(x, peer, n, None, T0, peer_dot),
-    }
-    if fp8_dot:
-        fns["fp8_dot"] = lambda: fp8_linear(x, packed, None, T0, True)
-    doc[f"linear_{n}x{n}_1row"] = _time(fns, a.rounds, 20)
+    for rows in (int(r) for r in a.linear_rows.split(",")):
+        x = torch.randn(rows, n, generator=g).bfloat16()
+        fns: dict[str, Callable[[], object]] = {
+            "fp8_fp16": lambda x=x: fp8_linear(x, packed, None, T0, False),
+            "bf16_dot": lambda x=x: linear_cpu(x, peer, n, None, T0, peer_dot),
+        }
+        if fp8_dot:
+            fns["fp8_dot"] = lambda x=x: fp8_linear(x, packed, None, T0, True)
+        if fp8_amx_available():
+            fns["fp8_amx"] = lambda x=x: fp8_linear(x, packed, None, T0, False, True)
+        doc[f"linear_{n}x{n}_{rows}row{'s' if rows > 1 else ''}"] = _time(
+            fns, a.rounds, max(1, 20 // rows)
+        )
 
     experts, hidden, inter = 64, 512, 256
     fp8s, peers = [], []

@@ -179,6 +179,38 @@ def test_fp8_checkpoints_take_the_fp8_kernels_directly(qwen3_ckpt, tmp_path, blo
     assert torch.equal(planned, _decode_logits(model, prompts, 3))
 
 
+@pytest.mark.parametrize("variant", ["dot-t0", "amx"])
+def test_each_fp8_kernel_on_the_plan_equals_the_module_path(qwen3_ckpt, tmp_path, variant):
+    """The FP8 dot and AMX kernels, each forced on every FP8 linear and the experts: the
+    plan calls that kernel, and its logits equal the module path's."""
+    from tidal.kernels.cpu_ext import fp8_amx_available, fp8_dot_available
+    from tidal.layers.quant import Fp8Linear
+    from tidal.models.cpu_decode import _NativeFp8Linear
+    from tidal.models.tiny import make_tiny_fp8_checkpoint
+    from tidal.moe.layer import FusedMoE
+
+    if not (fp8_amx_available() if variant == "amx" else fp8_dot_available()):
+        pytest.skip(f"this CPU does not run the FP8 {variant} kernel")
+    path = make_tiny_fp8_checkpoint(str(tmp_path / "fp8"), source=qwen3_ckpt, block=(32, 32))
+    model = _load(path, "bfloat16")
+    forced = Choice.fixed(Candidate("native", variant), "native")
+    for mod in model.modules():
+        if isinstance(mod, Fp8Linear):
+            mod.set_cpu_path("linear", forced)
+        elif isinstance(mod, FusedMoE) and mod.fp8_block_k is not None:
+            mod.set_cpu_path("experts", forced)
+    prompts = _prompts(model.spec.vocab_size, [6, 10], seed=4)
+    planned = _decode_logits(model, prompts, 3)
+    amx = variant == "amx"
+    for lay in model.decode_plans._plans[2].layers:
+        assert isinstance(lay.attention, _Attention)
+        assert isinstance(lay.attention.qkv, _NativeFp8Linear) and lay.attention.qkv.amx == amx
+        assert isinstance(lay.mlp, _Moe) and lay.mlp.experts is not None
+        assert lay.mlp.experts.fp8 and lay.mlp.experts.amx == amx
+    model.decode_plans.enabled = False
+    assert torch.equal(planned, _decode_logits(model, prompts, 3))
+
+
 def test_deepseek_fp8_on_the_plan_equals_the_module_path(deepseek_fp8_ckpt, monkeypatch):
     """DeepSeek-V3's FP8 release layout: MLA attention and the dense first layer call their
     modules, the norms and FP8 experts are direct; the logits equal the module path's."""

@@ -3,7 +3,9 @@
 and block edges on tiny shapes) and a per-tensor scale, every e4m3 value including the
 subnormals, odd shapes, float32 and bf16 activations; the pack gives the FP8 bytes back.
 The dot kernel (e4m3 -> bf16 by table lookup, vdpbf16ps; where the CPU has AVX512-BF16 and
-VBMI) against the same reference on bf16 activations, and where the measured choice offers it."""
+VBMI) and the AMX kernel (that decode, the products on AMX tiles; where the CPU also has
+AMX) against the same reference on bf16 activations and each other, and where the measured
+choice offers them."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ import pytest
 import torch
 
 from tests.cpu_kernels import keep_torch_threads, needs_kernel  # noqa: F401 - fixture
-from tidal.kernels.cpu_ext import DOT_PREFIX, fp8_dot_available
+from tidal.kernels.cpu_ext import AMX_VARIANT, DOT_PREFIX, fp8_amx_available, fp8_dot_available
 from tidal.kernels.cpu_fp8 import (
     FP8_DTYPE,
     Fp8CpuLinear,
@@ -30,6 +32,10 @@ from tidal.moe.reference import fused_experts_reference
 pytestmark = needs_kernel
 needs_fp8_dot = pytest.mark.skipif(
     not fp8_dot_available(), reason="the FP8 dot kernel needs AVX512-BF16 and AVX512-VBMI"
+)
+
+needs_fp8_amx = pytest.mark.skipif(
+    not fp8_amx_available(), reason="the FP8 AMX kernel needs AVX512-BF16, VBMI and AMX-BF16"
 )
 
 
@@ -178,19 +184,20 @@ def test_fp8_dot_linear_matches_dequantize_then_matmul(n, k, rows, block):
     assert torch.equal(via_kernel, got)
 
 
-@needs_fp8_dot
-def test_fp8_dot_decodes_every_e4m3_value_exactly():
+@pytest.mark.parametrize(
+    "kernel", [pytest.param("dot", marks=needs_fp8_dot), pytest.param("amx", marks=needs_fp8_amx)]
+)
+def test_the_bf16_decodes_take_every_e4m3_value_exactly(kernel):
+    """The dot and AMX kernels' table decode: every finite code, subnormals and +-448."""
+    flags = (kernel == "dot", kernel == "amx")
     codes = torch.arange(256, dtype=torch.uint8)
     finite = codes[(codes & 0x7F) != 0x7F]
     q = finite.view(FP8_DTYPE).reshape(-1, 1).contiguous()  # [254, 1]
     packed = pack_fp8_linear(q, torch.tensor(0.75))
-    x = torch.ones(1, 1, dtype=torch.bfloat16)
-    got = torch.ops.tidal_cpu.fp8_linear(
-        x.float(), packed.w, packed.scales, None, 254, 128, 1, True
-    )
-    assert torch.equal(got[0], q.float()[:, 0] * 0.75)  # float32 out: subnormals, +-448 exact
+    got = fp8_linear(torch.ones(1, 1), packed, None, 1, *flags)  # float32 out: exact
+    assert torch.equal(got[0], q.float()[:, 0] * 0.75)
     nan = torch.tensor([[0x7F], [0xFF]], dtype=torch.uint8).view(FP8_DTYPE)
-    out = fp8_linear(x.float(), pack_fp8_linear(nan, torch.tensor(1.0)), None, 1, True)
+    out = fp8_linear(torch.ones(1, 1), pack_fp8_linear(nan, torch.tensor(1.0)), None, 1, *flags)
     assert out.isnan().all()  # e4m3fn's NaN stays NaN, as the dequantize reference has it
 
 
@@ -228,3 +235,72 @@ def test_the_fp8_dot_kernel_is_a_candidate_for_bf16_activations_only():
     assert dots(weight_candidates(FP8_DTYPE, torch.bfloat16, 127)) == []
     offered = dots(weight_candidates(FP8_DTYPE, torch.bfloat16, 128))
     assert (len(offered) > 0) == fp8_dot_available()
+
+
+@needs_fp8_amx
+@pytest.mark.parametrize(
+    "n,k,rows,block",
+    [
+        (70, 33, 1, (16, 8)),  # odd K, chunks of 4 pairs: every tile step short
+        (130, 300, 6, (128, 128)),  # 2 full chunks of 4 steps, then 44 k: a step of 6 pairs
+        (64, 64, 2, (32, 16)),
+        (5, 9, 3, (4, 4)),
+        (96, 1000, 5, (128, 128)),
+        (64, 96, 4, (64, 96)),  # one chunk of 3 whole steps
+    ],
+)
+def test_fp8_amx_linear_matches_dequantize_then_matmul_and_the_dot_kernel(n, k, rows, block):
+    g = torch.Generator().manual_seed(3 * n + k)
+    q, scale = _quantize(torch.randn(n, k, generator=g), block)
+    packed = pack_fp8_linear(q, scale, block)
+    x, bias = torch.randn(rows, k, generator=g).bfloat16(), torch.randn(n, generator=g)
+    want = x.float() @ _dequantize(q, scale, block).T + bias
+    got = fp8_linear(x.float(), packed, bias, 1, False, True)  # float32 out: no output rounding
+    # the same bf16 operands and exact products as the dot kernel; only the sums' order
+    torch.testing.assert_close(got, want, atol=1e-5 * want.abs().max().item(), rtol=1e-5)
+    dot = fp8_linear(x.float(), packed, bias, 1, True)
+    torch.testing.assert_close(got, dot, atol=1e-5 * want.abs().max().item(), rtol=1e-5)
+    via_kernel = Fp8CpuLinear()(x, packed, bias, AMX_VARIANT)
+    assert via_kernel.dtype == torch.bfloat16
+    assert torch.equal(via_kernel, fp8_linear(x, packed, bias, 1, False, True))
+
+
+@needs_fp8_amx
+def test_fp8_amx_rejects_an_odd_block_k_and_both_flags():
+    q, scale = _quantize(torch.randn(8, 10), (4, 5))
+    packed = pack_fp8_linear(q, scale, (4, 5))
+    with pytest.raises(RuntimeError, match="even block_k"):
+        fp8_linear(torch.randn(1, 10).bfloat16(), packed, None, 1, False, True)
+    q, scale = _quantize(torch.randn(8, 10), (4, 2))
+    with pytest.raises(RuntimeError, match="two choices"):
+        fp8_linear(torch.randn(1, 10), pack_fp8_linear(q, scale, (4, 2)), None, 1, True, True)
+
+
+@needs_fp8_amx
+@pytest.mark.parametrize(
+    "num,hidden,inter,rows,block", [(4, 41, 50, 1, (16, 16)), (8, 64, 96, 13, (128, 128))]
+)
+def test_fp8_amx_fused_moe_matches_the_reference_and_the_dot_kernel(
+    num, hidden, inter, rows, block
+):
+    g = torch.Generator().manual_seed(hidden + 1)
+    packed, _, d13, d2 = _fp8_experts(g, num, hidden, inter, block)
+    x = torch.randn(rows, hidden, generator=g).bfloat16()
+    ids = torch.stack([torch.randperm(num, generator=g)[:2] for _ in range(rows)])
+    weights = torch.rand(rows, 2, generator=g)
+    want = fused_experts_reference(x.float(), d13, d2, weights, ids)
+    got = fp8_fused_experts(x.float(), packed, weights, ids, None, True, 1, False, True)
+    torch.testing.assert_close(got, want, atol=1e-2 * want.abs().max().item(), rtol=0)
+    dot = fp8_fused_experts(x.float(), packed, weights, ids, None, True, 1, True)
+    # the same bf16 intermediate up to the sums' order: a rare rounding of it moves a value
+    torch.testing.assert_close(got, dot, atol=1e-2 * want.abs().max().item(), rtol=0)
+    fp16 = fp8_fused_experts(x.float(), packed, weights, ids, None, True, 1, False)
+    assert not torch.equal(got, fp16)  # bf16 activations: not the fp16 decode
+
+
+def test_the_fp8_amx_kernel_is_a_candidate_where_the_dot_kernel_is_and_amx_runs():
+    amx = lambda cands: [c for c in cands if c.variant == AMX_VARIANT]  # noqa: E731
+    assert amx(weight_candidates(FP8_DTYPE, torch.float32, 128)) == []
+    assert amx(weight_candidates(FP8_DTYPE, torch.bfloat16, 127)) == []
+    offered = amx(weight_candidates(FP8_DTYPE, torch.bfloat16, 128))
+    assert len(offered) == int(fp8_amx_available() and fp8_dot_available())

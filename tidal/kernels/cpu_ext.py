@@ -25,8 +25,9 @@ PREFETCH_HINTS = {"nta": 0, "t0": 1, "none": 2}
 # activations) for bf16 weights, the float32 kernel for float32 ones, the fp16 decode for
 # FP8 ones (whose dot kernel decodes to bf16 by table lookup, AVX512-VBMI).
 DOT_PREFIX = "dot-"
-# The variant of the bf16 MoE and linear kernels on AMX tiles (``csrc/amx.h``: 16 rows x
-# 16 columns x 32 k a tile instruction; a fixed lookahead, no hint to choose).
+# The variant of the MoE and linear kernels on AMX tiles (``csrc/amx.h``: 16 rows x 16
+# columns x 32 k a tile instruction; a fixed lookahead, no hint to choose): bf16 weights,
+# and FP8 ones decoded by the FP8 dot kernel's table lookup (``csrc/gemm.h``).
 AMX_VARIANT = "amx"
 AMX_K = 32  # k of one AMX tile step: the AMX kernels read whole steps of the input width
 
@@ -76,6 +77,13 @@ def bf16_dot_available() -> bool:
     """Whether the bf16 dot kernel runs here: the extension loaded and the CPU has
     AVX512-BF16 (asked at run time: the build is valid on CPUs without it)."""
     return kernel_available() and bool(torch.ops.tidal_cpu.bf16_dot_available())
+
+
+@functools.cache
+def fp8_amx_available() -> bool:
+    """Whether the FP8 AMX kernel runs here: the FP8 dot kernel's AVX512-BF16 and VBMI,
+    AMX-BF16, and the tile state granted (asked at run time)."""
+    return kernel_available() and bool(torch.ops.tidal_cpu.fp8_amx_available())
 
 
 @functools.cache

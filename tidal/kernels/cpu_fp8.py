@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from tidal.kernels.cpu_ext import kernel_available, kernel_status, native_variant
+from tidal.kernels.cpu_ext import kernel_available, kernel_status, native_amx, native_variant
 from tidal.kernels.cpu_linear import BLOCK, copy_blocks
 from tidal.kernels.cpu_moe import DOWN_BLOCK, GATE_BLOCK, run_fused_moe
 from tidal.kernels.host_memory import empty_huge
@@ -114,6 +114,7 @@ def fp8_linear(
     bias: Tensor | None = None,  # [N]
     prefetch: int = 1,  # cpu_ext.PREFETCH_HINTS value (t0 by default)
     dot: bool = False,  # the dot kernel (x rounded to bf16; cpu_ext.fp8_dot_available)
+    amx: bool = False,  # the AMX kernel (x rounded to bf16; cpu_ext.fp8_amx_available)
 ) -> Tensor:  # [T, N], x's dtype
     """``x @ dequant(weight).T (+ bias)``, the weight decoded in registers."""
     if x.dim() != 2 or x.shape[1] != packed.in_features:
@@ -125,7 +126,7 @@ def fp8_linear(
     if x.stride(1) != 1:
         x = x.contiguous()
     return torch.ops.tidal_cpu.fp8_linear(
-        x, packed.w, packed.scales, bias, packed.out_features, packed.block_k, prefetch, dot
+        x, packed.w, packed.scales, bias, packed.out_features, packed.block_k, prefetch, dot, amx
     )
 
 
@@ -146,7 +147,7 @@ class Fp8CpuLinear:
     ) -> Tensor:
         rows = x.reshape(-1, x.shape[-1])
         hint, dot = native_variant(variant)
-        out = fp8_linear(rows, packed, bias, hint if variant else 1, dot)
+        out = fp8_linear(rows, packed, bias, hint if variant else 1, dot, native_amx(variant))
         return out.reshape(*x.shape[:-1], packed.out_features)
 
 
@@ -254,11 +255,12 @@ def fp8_fused_experts(
     apply_router_weight: bool = True,
     prefetch: int = 1,  # cpu_ext.PREFETCH_HINTS value (t0 by default)
     dot: bool = False,  # the dot kernel (activations rounded to bf16)
+    amx: bool = False,  # the AMX kernel (activations rounded to bf16)
 ) -> Tensor:  # [T, H], hidden's dtype
     """One MoE layer's FP8 experts (SiLU-and-mul), the weights decoded in registers."""
     return run_fused_moe(
         hidden, packed.hidden, packed.w13, packed.w2, topk_weights, topk_ids, expert_map,
-        apply_router_weight, prefetch, dot, packed.s13, packed.s2, packed.block_k,
+        apply_router_weight, prefetch, dot, packed.s13, packed.s2, packed.block_k, amx=amx,
     )  # fmt: skip
 
 
@@ -291,5 +293,6 @@ class Fp8CpuExperts:
     ) -> Tensor:  # [T, H], x's dtype
         hint, dot = native_variant(variant)
         return fp8_fused_experts(
-            x, packed, topk_weights, topk_ids, expert_map, True, hint if variant else 1, dot
-        )
+            x, packed, topk_weights, topk_ids, expert_map, True, hint if variant else 1, dot,
+            native_amx(variant),
+        )  # fmt: skip

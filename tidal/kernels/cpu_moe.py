@@ -189,7 +189,7 @@ def run_fused_moe(
     prefetch: int,
     dot: bool,
     *fp8: Tensor | int,  # FP8 experts: (s13, s2, block_k)
-    amx: bool = False,  # bf16 experts: the AMX tile kernel
+    amx: bool = False,  # bf16 or FP8 experts: the AMX tile kernel
     extras: ExpertExtras | None = None,  # biases and the clamped SwiGLU; None: neither
 ) -> Tensor:  # [T, H], hidden's dtype
     """``torch.ops.tidal_cpu.fused_moe``, the one checked call of the MoE kernel (float32,

@@ -25,7 +25,8 @@ The parts:
   the CPU has AMX and the input width is whole tile steps (``amx_fits``); the cache fingerprint holds the dtype, so a float32 and a bf16
   model of one shape never share timings. FP8 weights (a quantized checkpoint) have the
   C++ FP8 kernels per hint (the fp16 decode; for bf16 activations also the FP8 dot kernel,
-  ``dot-``, where the CPU has AVX512-BF16 and VBMI) and torch (dequantize per call); their
+  ``dot-``, where the CPU has AVX512-BF16 and VBMI, and its decode with the products on
+  AMX tiles, ``amx``, where it also has AMX) and torch (dequantize per call); their
   ops are keyed apart
   (``fp8_linear``, ``fp8_moe``, with the scales' block) from the model dtype's.
 * ``measure``: the trial harness, candidates interleaved round by round (the machine's
@@ -64,6 +65,7 @@ from tidal.kernels.cpu_ext import (
     PREFETCH_HINTS,
     amx_available,
     bf16_dot_available,
+    fp8_amx_available,
     fp8_dot_available,
     kernel_available,
 )
@@ -198,7 +200,8 @@ def native_candidates(
     ``float8_e4m3fn``: the FP8 kernels (``cpu_fp8.py``, decoded in registers), plus the FP8
     dot kernel's where the CPU has it, the activations (``act_dtype``) are bf16 -- it rounds
     them to bf16, so a float32 model keeps float32 products -- and the scales' ``block_k``
-    is even (a k pair never straddles two scales)."""
+    is even (a k pair never straddles two scales), and with them the FP8 AMX kernel
+    (``amx``: that decode, the products on AMX tiles) where the CPU has AMX."""
     if not kernel_available() or dtype not in (torch.float32, torch.bfloat16, FP8_DTYPE):
         return []
     hints = [h for h in hints if h in PREFETCH_HINTS]
@@ -208,6 +211,8 @@ def native_candidates(
     fp8_dot = act_dtype == torch.bfloat16 and block_k % 2 == 0 and fp8_dot_available()
     if dtype == FP8_DTYPE and fp8_dot:
         out += [Candidate("native", DOT_PREFIX + h) for h in hints]
+        if fp8_amx_available():
+            out.append(Candidate("native", AMX_VARIANT))
     return out
 
 

@@ -82,12 +82,14 @@ class _NativeFp8Linear:
     bias: Tensor | None
     prefetch: int
     dot: bool
+    amx: bool
 
     def __call__(self, x: Tensor) -> Tensor:
         p = typing.cast(PackedFp8Linear, self.lin._packed)
         return _OPS.fp8_linear.default(
-            x, p.w, p.scales, self.bias, p.out_features, p.block_k, self.prefetch, self.dot
-        )
+            x, p.w, p.scales, self.bias, p.out_features, p.block_k, self.prefetch, self.dot,
+            self.amx,
+        )  # fmt: skip
 
 
 def _linear_call(lin: Any, rows: int, dtype: torch.dtype) -> Callable[[Tensor], Tensor]:
@@ -116,7 +118,7 @@ def _fp8_linear_call(lin: Fp8Linear, rows: int, dtype: torch.dtype) -> Callable[
         return lin
     variant = lin._choice().for_rows(rows).variant
     prefetch, dot = native_variant(variant)
-    return _NativeFp8Linear(lin, lin.bias, prefetch if variant else 1, dot)
+    return _NativeFp8Linear(lin, lin.bias, prefetch if variant else 1, dot, native_amx(variant))
 
 
 def _norm_native(norm: RMSNorm, rows: int, dtype: torch.dtype) -> bool:
@@ -210,7 +212,7 @@ class _NativeExperts:
             f = typing.cast(PackedFp8Experts, self.moe._fp8_held)
             return _OPS.fused_moe.default(
                 h, f.w13, f.w2, weights, ids, expert_map, True, self.prefetch, self.dot,
-                f.s13, f.s2, f.block_k,
+                f.s13, f.s2, f.block_k, amx=self.amx,
             )  # fmt: skip
         p = typing.cast(HeldExperts, self.moe._held_experts).packed
         return _OPS.fused_moe.default(
@@ -274,7 +276,8 @@ def _experts_call(moe: FusedMoE, rows: int, dtype: torch.dtype) -> _NativeExpert
             moe._pack("experts")
         if not isinstance(moe._fp8_held, PackedFp8Experts):
             return None
-        return _NativeExperts(moe, True, prefetch if cand.variant else 1, dot, False)
+        amx = native_amx(cand.variant)
+        return _NativeExperts(moe, True, prefetch if cand.variant else 1, dot, amx)
     if moe.custom_experts:
         return None
     held = moe._held("experts")

@@ -12,9 +12,11 @@
 // 64j + c over k in [block_k * i, block_k * (i + 1)) (DeepSeek-V3's 128x128 block scales
 // expanded to rows; zero past N).
 //
-// Two micro-kernels read the pack (gemm.h): block_gemm_fp8 (float32 activations, the fp16
-// decode) and, with dot=true where the CPU has AVX512-BF16 and VBMI, block_gemm_fp8_dot
-// (activations rounded to bf16, the weights decoded to bf16 by table lookup, vdpbf16ps).
+// Three micro-kernels read the pack (gemm.h): block_gemm_fp8 (float32 activations, the
+// fp16 decode); with dot=true where the CPU has AVX512-BF16 and VBMI, block_gemm_fp8_dot
+// (activations rounded to bf16, the weights decoded to bf16 by table lookup, vdpbf16ps);
+// with amx=true where it also has AMX-BF16, block_gemm_fp8_amx (that decode, the products
+// on AMX tiles).
 // They are shared with the fused MoE
 // (moe_cpu.cpp), which takes FP8 experts in the same layout.
 
@@ -40,7 +42,8 @@ at::Tensor fp8_linear(const at::Tensor& x,    // [T, K] float32 or bf16, last di
                       const std::optional<at::Tensor>& bias,  // [N]
                       int64_t out_features, int64_t block_k,
                       int64_t prefetch,  // Prefetch hint (gemm.h), a per-CPU choice
-                      bool dot) {        // the FP8 dot kernel, else the fp16 decode
+                      bool dot,          // the FP8 dot kernel
+                      bool amx) {        // the FP8 AMX kernel; neither: the fp16 decode
   TORCH_CHECK(x.is_cpu() && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) &&
                   x.dim() == 2 && x.stride(1) == 1,
               "fp8_linear: x must be a float32 or bf16 [T, K] CPU tensor, last dim contiguous");
@@ -66,9 +69,9 @@ at::Tensor fp8_linear(const at::Tensor& x,    // [T, K] float32 or bf16, last di
   }
   auto out = at::empty({rows, out_features}, x.options());  // the activations' dtype
   if (rows == 0) return out;
-  const Kernel kind = fp8_kernel_for(dot, block_k, "fp8_linear");
-  // float32 rows (kFp8) or bf16 pairs (kFp8Dot), whatever x's dtype
-  const StagedRows xs(x, kind, kind == Kernel::kFp8Dot ? depth + depth % 2 : depth);
+  const Kernel kind = fp8_kernel_for(dot, amx, block_k, "fp8_linear");
+  // float32 rows (kFp8) or bf16 pairs (kFp8Dot, kFp8Amx), whatever x's dtype
+  const StagedRows xs(x, kind, reads_bf16_pairs(kind) ? depth + depth % 2 : depth);
   const uint8_t* wp = w_p.data_ptr<uint8_t>();
   const float* sp = s_p.data_ptr<float>();
   const bool out_bf16 = out.scalar_type() == at::kBFloat16;
@@ -113,8 +116,9 @@ at::Tensor fp8_linear(const at::Tensor& x,    // [T, K] float32 or bf16, last di
 TORCH_LIBRARY_FRAGMENT(tidal_cpu, m) {
   m.def(
       "fp8_linear(Tensor x, Tensor w_p, Tensor s_p, Tensor? bias, int out_features, "
-      "int block_k, int prefetch=1, bool dot=False) -> Tensor");
+      "int block_k, int prefetch=1, bool dot=False, bool amx=False) -> Tensor");
   m.def("fp8_dot_available() -> bool", &fp8_dot_available);
+  m.def("fp8_amx_available() -> bool", &fp8_amx_available);
 }
 
 TORCH_LIBRARY_IMPL(tidal_cpu, CPU, m) { m.impl("fp8_linear", &fp8_linear); }

@@ -161,7 +161,7 @@ void gate_up_rows(Kernel kind, const RowPtrs& x, const void* w, int64_t depth, c
     vec16 a[2];
     block_activation(acc[m], bias, ex, splat(weights ? weights[m] : 1.f), a);
     const vec16 a0 = a[0], a1 = a[1];
-    if (kind == Kernel::kBf16Dot || kind == Kernel::kFp8Dot) {
+    if (reads_bf16_pairs(kind)) {
       float tmp[32];
       store(tmp, a0);
       store(tmp + 16, a1);
@@ -310,7 +310,8 @@ at::Tensor fused_moe(const at::Tensor& hidden,  // [T, H] float32 or bf16
                      // FP8: [H_pad/64, E, ceil(I_pad/block_k), 64] float32
                      const std::optional<at::Tensor>& s2p,
                      int64_t block_k,  // FP8: the k chunk of one scale
-                     bool amx,         // bf16: the AMX tile kernel (amx.h)
+                     bool amx,         // bf16: the AMX tile kernel (amx.h); FP8: the
+                                       // FP8 AMX kernel (gemm.h)
                      const std::optional<at::Tensor>& b13,  // [E, 2I] float32 | bf16
                      const std::optional<at::Tensor>& b2,   // [E, H], b13's dtype
                      bool clamped,  // the clamped SwiGLU (alpha, limit), else SiLU-and-mul
@@ -319,11 +320,12 @@ at::Tensor fused_moe(const at::Tensor& hidden,  // [T, H] float32 or bf16
                   (hidden.scalar_type() == at::kFloat || hidden.scalar_type() == at::kBFloat16),
               "hidden must be [T, H] float32 or bf16 on CPU");
   const bool fp8 = w13p.scalar_type() == at::kByte;
-  TORCH_CHECK(!amx || (w13p.scalar_type() == at::kBFloat16 && !dot),
-              "fused_moe: the AMX kernel takes bf16 weights (and not the dot flag)");
+  TORCH_CHECK(!amx || ((fp8 || w13p.scalar_type() == at::kBFloat16) && !dot),
+              "fused_moe: the AMX kernel takes bf16 or FP8 weights (and not the dot flag)");
   TORCH_CHECK(!amx || amx_available(), "fused_moe: this CPU has no AMX-BF16 (or Linux refused it)");
-  const Kernel kind = fp8 ? fp8_kernel_for(dot, block_k, "fused_moe")
+  const Kernel kind = fp8 ? fp8_kernel_for(dot, amx, block_k, "fused_moe")
                           : kernel_for(w13p.scalar_type(), dot, "fused_moe");
+  const bool bf16_amx = amx && !fp8;  // amx_experts; FP8's AMX kernel is a block kernel
   const int64_t num_tokens = hidden.size(0), hidden_size = hidden.size(1);
   const int64_t num_local = w13p.size(0), gate_blocks = w13p.size(1);
   const int64_t inter_pad = gate_blocks * kGateBlock, down_blocks = w2p.size(0);
@@ -453,7 +455,7 @@ at::Tensor fused_moe(const at::Tensor& hidden,  // [T, H] float32 or bf16
     row_weight[r] = apply_router_weight ? w[i] : 1.f;
   }
 #ifdef TIDAL_AMX
-  if (amx) {
+  if (bf16_amx) {
     amx_experts(x, token, row_weight, start, w13p, w2p, up_steps, down_steps, ex, out);
     return result();
   }
@@ -468,11 +470,11 @@ at::Tensor fused_moe(const at::Tensor& hidden,  // [T, H] float32 or bf16
   const int64_t groups = group_expert.size();
 
   // [N, I_pad]: float32, bf16 (rounded, as the dot kernel reads it) for the dot kernel
-  const bool act_bf16 = kind == Kernel::kBf16Dot || kind == Kernel::kFp8Dot;
+  const bool act_bf16 = reads_bf16_pairs(kind);
   std::vector<float> act_f(act_bf16 ? 0 : rows * inter_pad);
   std::vector<uint16_t> act_h(act_bf16 ? rows * inter_pad : 0);
   // the FP8 dot kernel reads x as bf16 pairs: staged to an even length, the pad zero
-  const StagedRows xs(x, kind, kind == Kernel::kFp8Dot ? up_pad + up_pad % 2 : up_pad);
+  const StagedRows xs(x, kind, fp8 && act_bf16 ? up_pad + up_pad % 2 : up_pad);
   const char* w13 = static_cast<const char*>(w13p.data_ptr());
   const char* w2 = static_cast<const char*>(w2p.data_ptr());
   const int64_t esz = w13p.element_size();
