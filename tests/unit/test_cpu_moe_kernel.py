@@ -113,3 +113,27 @@ def test_kernel_rejects_bad_inputs_with_errors():
         CpuPackedExperts(w13.half(), w2.half())
     with pytest.raises(ValueError, match="does not match"):
         CpuPackedExperts(w13, w2[:, :, :16])
+
+
+def test_the_experts_trial_reads_a_new_routing_each_call(monkeypatch):
+    """The measured choice's experts trial routes each call anew (``TRIAL_ROUTINGS`` in
+    turn), so a 1-row decode trial streams the experts as serving does instead of reading
+    the same top-k from cache call after call."""
+    from tidal.kernels.select import Candidate
+    from tidal.moe.layer import TRIAL_ROUTINGS, FusedMoE
+
+    moe = FusedMoE(16, 2, 32, 24, True, list(range(16)))
+    seen: list[tuple[int, ...]] = []
+    real = FusedMoE.forward_experts
+
+    def record(self, x, weights, ids):
+        seen.append(tuple(ids.flatten().tolist()))
+        return real(self, x, weights, ids)
+
+    monkeypatch.setattr(FusedMoE, "forward_experts", record)
+    call = moe.cpu_trial("experts", Candidate("torch"), 2)(1)
+    for _ in range(2 * TRIAL_ROUTINGS):
+        call()
+    assert len(set(seen)) == TRIAL_ROUTINGS  # each routing once a turn, then again
+    assert seen[:TRIAL_ROUTINGS] == seen[TRIAL_ROUTINGS:]
+    assert all(len(set(r)) == 2 for r in seen)  # top-2 distinct experts a token

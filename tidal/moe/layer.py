@@ -133,6 +133,9 @@ _FP8_PARTS = ("w13", "w2", "w13_scale", "w2_scale")
 # CPU path name (select.py's ``Candidate.path``) -> kernel; "torch" is the reference.
 FP8_EXPERT_KERNELS: dict[str, Fp8ExpertsKernel] = {"native": Fp8CpuExperts()}
 
+# The routings an experts trial (``FusedMoE.cpu_trial``) takes in turn, one a call.
+TRIAL_ROUTINGS = 8
+
 
 class MoEDispatcher(Protocol):
     """What FusedMoE calls when ``self.dispatcher`` is set (implemented in moe/dispatch/).
@@ -737,7 +740,8 @@ class FusedMoE(HeldParamsModule):
 
     def cpu_trial(self, op: str, candidate: Candidate, instances: int) -> Any:
         """Stand-ins with this layer's shape on synthetic weights; the experts' trial routes
-        each token to ``top_k`` distinct local experts at random (seeded)."""
+        each token to ``top_k`` distinct local experts at random (seeded), another routing
+        each call (``TRIAL_ROUTINGS`` in turn)."""
         two_i, hidden = self.expert_shape
         stand_ins = []
         for _ in range(instances):
@@ -778,10 +782,16 @@ class FusedMoE(HeldParamsModule):
             if op == "router":
                 return lambda: next(turn).route(x)
             g = torch.Generator().manual_seed(rows)
-            pick = [torch.randperm(len(local), generator=g)[:top_k] for _ in range(rows)]
-            ids = local[torch.stack(pick)]  # [rows, K] global ids of local experts
+            # A new routing each call, as serving's tokens have: a fixed one would read the
+            # same few experts call after call (a 1-row decode: top_k of them), which stay
+            # in cache and time the kernels' arithmetic rather than their reading.
+            routes = []
+            for _ in range(TRIAL_ROUTINGS):
+                pick = [torch.randperm(len(local), generator=g)[:top_k] for _ in range(rows)]
+                routes.append(local[torch.stack(pick)])  # [rows, K] global ids of local experts
+            route = itertools.cycle(routes)
             weights = torch.full((rows, top_k), 1.0 / top_k)
-            return lambda: next(turn).forward_experts(x, weights, ids)
+            return lambda: next(turn).forward_experts(x, weights, next(route))
 
         return for_rows
 
