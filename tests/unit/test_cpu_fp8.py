@@ -247,6 +247,7 @@ def test_the_fp8_dot_kernel_is_a_candidate_for_bf16_activations_only():
         (5, 9, 3, (4, 4)),
         (96, 1000, 5, (128, 128)),
         (64, 96, 4, (64, 96)),  # one chunk of 3 whole steps
+        (64, 100, 3, (32, 48)),  # chunks of a whole step and a short one, then 4 k
     ],
 )
 def test_fp8_amx_linear_matches_dequantize_then_matmul_and_the_dot_kernel(n, k, rows, block):

@@ -25,6 +25,32 @@ def test_pip_install_built_the_kernel():
     assert kernel_status() == "ok"
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("source", ["fp8_cpu", "linear_cpu", "moe_cpu", "router_cpu"])
+def test_the_kernels_compile_for_a_cpu_without_avx512(source):
+    """setup.py builds with -march=native, so the AVX-512, AVX512-BF16 and AMX kernels carry
+    their own target attributes and are only called where the CPU has them. A body that
+    loses its target (a lambda inside such a function does) would not compile on a build
+    machine without AVX-512, and the optional extension would vanish there, silently:
+    compile each source that holds such kernels for plain x86-64-v2 (-O0: always_inline is
+    honoured, so a target mismatch is an error as at -O3)."""
+    import pathlib
+    import subprocess
+    import sysconfig
+
+    from torch.utils import cpp_extension
+
+    cxx = shutil.which("g++")
+    if cxx is None:
+        pytest.skip("no g++ on this machine")
+    src = pathlib.Path(__file__).resolve().parents[2] / "tidal" / "kernels" / "csrc" / f"{source}.cpp"
+    includes = [*cpp_extension.include_paths(), sysconfig.get_paths()["include"]]
+    cmd = [cxx, "-std=c++17", "-O0", "-march=x86-64-v2", "-fopenmp", "-fPIC", "-c", str(src)]
+    cmd += [f"-I{p}" for p in includes] + ["-o", "/dev/null"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
 def _problem(tokens, hidden, inter, experts, top_k, local, seed):
     g = torch.Generator().manual_seed(seed)
     nloc = experts if local is None else len(local)
@@ -115,25 +141,33 @@ def test_kernel_rejects_bad_inputs_with_errors():
         CpuPackedExperts(w13, w2[:, :, :16])
 
 
-def test_the_experts_trial_reads_a_new_routing_each_call(monkeypatch):
-    """The measured choice's experts trial routes each call anew (``TRIAL_ROUTINGS`` in
-    turn), so a 1-row decode trial streams the experts as serving does instead of reading
-    the same top-k from cache call after call."""
+@pytest.mark.parametrize("instances", [1, 8])
+def test_the_experts_trial_reads_a_new_routing_each_call(monkeypatch, instances):
+    """The measured choice's experts trial routes each call anew, so a 1-row decode trial
+    streams the experts as serving does instead of reading the same top-k from cache call
+    after call; with 8 stand-ins (a multiple of ``TRIAL_ROUTINGS``) too, each stand-in
+    meets every routing."""
     from tidal.kernels.select import Candidate
     from tidal.moe.layer import TRIAL_ROUTINGS, FusedMoE
 
     moe = FusedMoE(16, 2, 32, 24, True, list(range(16)))
-    seen: list[tuple[int, ...]] = []
+    seen: list[tuple[int, tuple[int, ...]]] = []
     real = FusedMoE.forward_experts
 
     def record(self, x, weights, ids):
-        seen.append(tuple(ids.flatten().tolist()))
+        seen.append((id(self), tuple(ids.flatten().tolist())))
         return real(self, x, weights, ids)
 
     monkeypatch.setattr(FusedMoE, "forward_experts", record)
-    call = moe.cpu_trial("experts", Candidate("torch"), 2)(1)
-    for _ in range(2 * TRIAL_ROUTINGS):
+    call = moe.cpu_trial("experts", Candidate("torch"), instances)(1)
+    count = TRIAL_ROUTINGS if instances == 1 else TRIAL_ROUTINGS + 1  # coprime with 8
+    for _ in range(2 * count * instances):
         call()
-    assert len(set(seen)) == TRIAL_ROUTINGS  # each routing once a turn, then again
-    assert seen[:TRIAL_ROUTINGS] == seen[TRIAL_ROUTINGS:]
-    assert all(len(set(r)) == 2 for r in seen)  # top-2 distinct experts a token
+    routings = {r for _, r in seen}
+    assert len(routings) == count  # distinct routings, each met again in the next turn
+    assert all(len(set(r)) == 2 for r in routings)  # top-2 distinct experts a token
+    by_stand_in: dict[int, set[tuple[int, ...]]] = {}
+    for who, r in seen:
+        by_stand_in.setdefault(who, set()).add(r)
+    assert len(by_stand_in) == instances
+    assert all(rs == routings for rs in by_stand_in.values())

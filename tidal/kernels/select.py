@@ -91,8 +91,9 @@ NATIVE_HINTS = ("nta", "t0")
 # mean of its neighbours' rows.
 DECODE_MAX_ROWS = 4
 BATCH_MAX_ROWS = 96
-# Bump when a path's code changes in a way the kernels' build hash does not show.
-CACHE_FORMAT = 1
+# Bump when a path's code or a trial changes in a way the kernels' build hash does not
+# show (2: the experts trial routes each call anew).
+CACHE_FORMAT = 2
 WARM_UP = 2  # untimed-for-the-estimate calls of each trial (first touches, thread wake-ups)
 
 
@@ -228,7 +229,8 @@ def weight_candidates(
     kernel per hint where the CPU has AVX512-BF16, and the AMX tile kernel
     (``native:amx``) where the op's shape takes it (``amx_fits``: ``cpu_ext.amx_fits``)
     and the CPU has AMX; FP8: the fp16 decode per hint, the dot kernel per hint for bf16
-    activations where the CPU has AVX512-BF16 and VBMI), oneDNN prepacked where this
+    activations where the CPU has AVX512-BF16 and VBMI, and with it the FP8 AMX kernel
+    (``native:amx``) where the CPU has AMX), oneDNN prepacked where this
     torch has it for ``dtype`` (not FP8), and torch (every dtype; FP8: the
     dequantize-per-call reference). ``act_dtype`` and ``block_k``: FP8's activations and
     scale block (``native_candidates``)."""

@@ -65,6 +65,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -133,7 +134,8 @@ _FP8_PARTS = ("w13", "w2", "w13_scale", "w2_scale")
 # CPU path name (select.py's ``Candidate.path``) -> kernel; "torch" is the reference.
 FP8_EXPERT_KERNELS: dict[str, Fp8ExpertsKernel] = {"native": Fp8CpuExperts()}
 
-# The routings an experts trial (``FusedMoE.cpu_trial``) takes in turn, one a call.
+# The routings an experts trial (``FusedMoE.cpu_trial``) takes in turn, one a call (at
+# least; the count is made coprime with the trial's stand-ins).
 TRIAL_ROUTINGS = 8
 
 
@@ -741,7 +743,7 @@ class FusedMoE(HeldParamsModule):
     def cpu_trial(self, op: str, candidate: Candidate, instances: int) -> Any:
         """Stand-ins with this layer's shape on synthetic weights; the experts' trial routes
         each token to ``top_k`` distinct local experts at random (seeded), another routing
-        each call (``TRIAL_ROUTINGS`` in turn)."""
+        each call (at least ``TRIAL_ROUTINGS`` of them in turn)."""
         two_i, hidden = self.expert_shape
         stand_ins = []
         for _ in range(instances):
@@ -785,8 +787,12 @@ class FusedMoE(HeldParamsModule):
             # A new routing each call, as serving's tokens have: a fixed one would read the
             # same few experts call after call (a 1-row decode: top_k of them), which stay
             # in cache and time the kernels' arithmetic rather than their reading.
+            # as many routings as the first count from TRIAL_ROUTINGS coprime with the
+            # stand-ins', so each stand-in meets every routing in turn (a multiple of it
+            # would pair each stand-in with one routing for good)
+            count = next(n for n in itertools.count(TRIAL_ROUTINGS) if math.gcd(n, instances) == 1)
             routes = []
-            for _ in range(TRIAL_ROUTINGS):
+            for _ in range(count):
                 pick = [torch.randperm(len(local), generator=g)[:top_k] for _ in range(rows)]
                 routes.append(local[torch.stack(pick)])  # [rows, K] global ids of local experts
             route = itertools.cycle(routes)

@@ -342,17 +342,50 @@ TIDAL_FP8_DOT_TARGET void block_gemm_fp8_dot(const uint32_t* const* x, const uin
 // kernel's in float32 rounding only (the same bf16 operands, exact products).
 // x: bf16 pairs as block_gemm_fp8_dot's; out [R][64] float32. Call only where
 // fp8_dot_available() and amx_available(), block_k even.
+// One tile step of block_gemm_fp8_amx: the weight pairs ks / 2 .. of the chunk ending at
+// k1 decoded into the four B tiles b [4][16 pairs][16 words], the rows' pairs into the A
+// tile a [R][16 pairs]. (A function of its own, not a lambda: a lambda's body does not
+// take its enclosing function's target attribute, and without AVX-512 on the build
+// machine's flags the intrinsics would not compile.)
 template <int R>
-TIDAL_FP8_AMX_TARGET void block_gemm_fp8_amx(const uint32_t* const* x, const uint8_t* w,
-                                             const float* s, int64_t depth, int64_t block_k,
-                                             float* out) {
-  static_assert(R >= 1 && R <= kAmxRows, "one A tile holds up to 16 rows");
-  constexpr int kBufs = 3;  // a step's tiles are read two decodes after it was written
+TIDAL_FP8_AMX_TARGET __attribute__((always_inline)) inline void fp8_amx_decode_step(
+    const uint8_t* w, const uint32_t* const* x, int64_t ks, int64_t k1, const __m512i tl[5],
+    uint32_t (*b)[kAmxPairs][16], uint32_t (*a)[kAmxPairs]) {
   // Prefetch one tile step's bytes ahead (2 KiB). Measured on a Sapphire Rapids Xeon, 2
   // threads, the 64-expert layer at 1 token over 8 layers' weights (separate runs, noisy
   // by ~10%): 1 KiB ahead 148 us, 2 KiB 131, 4 KiB 159, 16 KiB 193, the dot kernel's
   // 8 KiB 168.
   constexpr int64_t kAhead = 2 * kAmxPairs * 64;
+  const int64_t pairs = std::min<int64_t>(kAmxPairs, (k1 - ks + 1) / 2);
+  for (int64_t p = 0; p < pairs; ++p) {
+    const int64_t k = ks + 2 * p;
+    const uint8_t* wk = w + k * 64;
+    __builtin_prefetch(wk + kAhead, 0, 3);
+    __builtin_prefetch(wk + kAhead + 64, 0, 3);
+    __m512i d[4];
+    fp8_decode_pair(_mm512_loadu_si512(wk),
+                    k + 1 < k1 ? _mm512_loadu_si512(wk + 64) : _mm512_setzero_si512(), tl, d);
+    for (int u = 0; u < 4; ++u) _mm512_store_si512(b[u][p], d[u]);
+  }
+  for (int64_t p = pairs; p < kAmxPairs; ++p)
+    for (int u = 0; u < 4; ++u) _mm512_store_si512(b[u][p], _mm512_setzero_si512());
+  const __mmask16 live = static_cast<__mmask16>((1u << pairs) - 1);
+  for (int m = 0; m < R; ++m) _mm512_store_si512(a[m], _mm512_maskz_loadu_epi32(live, x[m] + ks / 2));
+  // The tile loads read these buffers, but the compiler's tile-load intrinsics do not say
+  // they read memory: keep the stores above them.
+  asm volatile("" ::: "memory");
+}
+
+template <int R>
+TIDAL_FP8_AMX_TARGET void block_gemm_fp8_amx(const uint32_t* const* x, const uint8_t* w,
+                                             const float* s, int64_t depth, int64_t block_k,
+                                             float* out) {
+  static_assert(R >= 1 && R <= kAmxRows, "one A tile holds up to 16 rows");
+  if (depth == 0) {  // no k: zero sums (and no scales to read)
+    std::memset(out, 0, sizeof(float) * R * 64);
+    return;
+  }
+  constexpr int kBufs = 3;  // a step's tiles are read one decode after it was written
   __m512i tl[5];
   fp8_tables_in(tl);
   alignas(64) uint32_t bb[kBufs][4][kAmxPairs][16];  // the steps' four B tiles: 4 KiB each
@@ -361,25 +394,6 @@ TIDAL_FP8_AMX_TARGET void block_gemm_fp8_amx(const uint32_t* const* x, const uin
   __m512 acc[R][4];
   for (int m = 0; m < R; ++m)
     for (int u = 0; u < 4; ++u) acc[m][u] = _mm512_setzero_ps();
-  // One tile step's operands: pairs ks / 2 .. of the chunk ending at k1, into buffer b.
-  auto decode = [&](int64_t ks, int64_t k1, int b) {
-    const int64_t pairs = std::min<int64_t>(kAmxPairs, (k1 - ks + 1) / 2);
-    for (int64_t p = 0; p < pairs; ++p) {
-      const int64_t k = ks + 2 * p;
-      const uint8_t* wk = w + k * 64;
-      __builtin_prefetch(wk + kAhead, 0, 3);
-      __builtin_prefetch(wk + kAhead + 64, 0, 3);
-      __m512i d[4];
-      fp8_decode_pair(_mm512_loadu_si512(wk),
-                      k + 1 < k1 ? _mm512_loadu_si512(wk + 64) : _mm512_setzero_si512(), tl, d);
-      for (int u = 0; u < 4; ++u) _mm512_store_si512(bb[b][u][p], d[u]);
-    }
-    for (int64_t p = pairs; p < kAmxPairs; ++p)
-      for (int u = 0; u < 4; ++u) _mm512_store_si512(bb[b][u][p], _mm512_setzero_si512());
-    const __mmask16 live = static_cast<__mmask16>((1u << pairs) - 1);
-    for (int m = 0; m < R; ++m)
-      _mm512_store_si512(ab[b][m], _mm512_maskz_loadu_epi32(live, x[m] + ks / 2));
-  };
   amx_configure(R);
   amx_zero_c();
   // Software-pipelined: step i + 1 is decoded before step i's tiles are loaded, so the
@@ -387,7 +401,7 @@ TIDAL_FP8_AMX_TARGET void block_gemm_fp8_amx(const uint32_t* const* x, const uin
   // waited on them stalled the decode behind it: no faster than the dot kernel).
   int64_t ks = 0, k1 = std::min(depth, block_k), chunk = 0;
   int b = 0;
-  decode(ks, k1, b);
+  fp8_amx_decode_step<R>(w, x, ks, k1, tl, bb[b], ab[b]);
   for (;;) {
     int64_t next = ks + 2 * kAmxPairs, next_k1 = k1;
     const bool chunk_ends = next >= k1;
@@ -396,7 +410,10 @@ TIDAL_FP8_AMX_TARGET void block_gemm_fp8_amx(const uint32_t* const* x, const uin
       next_k1 = std::min(depth, k1 + block_k);
     }
     const bool more = next < depth;
-    if (more) decode(next, next_k1, (b + 1) % kBufs);
+    if (more) {
+      const int nb = (b + 1) % kBufs;
+      fp8_amx_decode_step<R>(w, x, next, next_k1, tl, bb[nb], ab[nb]);
+    }
     _tile_loadd(4, ab[b], 64);
     _tile_loadd(5, bb[b][0], 64);
     _tile_dpbf16ps(0, 4, 5);
