@@ -786,10 +786,9 @@ class FusedMoE(HeldParamsModule):
             g = torch.Generator().manual_seed(rows)
             # A new routing each call, as serving's tokens have: a fixed one would read the
             # same few experts call after call (a 1-row decode: top_k of them), which stay
-            # in cache and time the kernels' arithmetic rather than their reading.
-            # as many routings as the first count from TRIAL_ROUTINGS coprime with the
-            # stand-ins', so each stand-in meets every routing in turn (a multiple of it
-            # would pair each stand-in with one routing for good)
+            # in cache and time the kernels' arithmetic rather than their reading. Their
+            # count is the first from TRIAL_ROUTINGS coprime with the stand-ins', so each
+            # stand-in meets every routing in turn (with a common factor some never would).
             count = next(n for n in itertools.count(TRIAL_ROUTINGS) if math.gcd(n, instances) == 1)
             routes = []
             for _ in range(count):

@@ -327,30 +327,15 @@ TIDAL_FP8_DOT_TARGET void block_gemm_fp8_dot(const uint32_t* const* x, const uin
 #define TIDAL_FP8_AMX_TARGET \
   __attribute__((target("avx512bf16,avx512f,avx512bw,avx512vbmi,amx-tile,amx-bf16")))
 
-// The FP8 AMX kernel: the dot kernel's table decode, but the products on AMX tiles. Why:
-// on a Xeon (Sapphire Rapids) one vdpbf16ps costs about two cycles of the vector ports
-// the decode needs too, so the dot kernel spent ~24 cycles per 128 weights at one row
-// (decode alone ~15.5) and ~52 at four; tdpbf16ps runs on the tile unit beside the
-// decode, so the block costs about its decode at any row count up to kRows.
-//   Each tile step (32 k) decodes 16 pairs into four B tiles in L1 (tile u's pair row p
-// = fp8_decode_pair's w[u]: accumulator u's permuted columns, as the dot kernel's), copies
-// the rows' 16 pairs into the A tile, and adds A x B into C tiles 0-3 (amx.h's tiles and
-// configuration). A k chunk's sums go through memory once, times the chunk's scales; the
-// column order is put back at the end (transpose_blocks). A short step (the end of a
-// chunk or of K) zeroes its B rows past the last pair (0 x NaN would not be 0).
-//   tdpbf16ps sums a step's 32 products in its own order: the sums differ from the dot
-// kernel's in float32 rounding only (the same bf16 operands, exact products).
-// x: bf16 pairs as block_gemm_fp8_dot's; out [R][64] float32. Call only where
-// fp8_dot_available() and amx_available(), block_k even.
 // One tile step of block_gemm_fp8_amx: the weight pairs ks / 2 .. of the chunk ending at
-// k1 decoded into the four B tiles b [4][16 pairs][16 words], the rows' pairs into the A
-// tile a [R][16 pairs]. (A function of its own, not a lambda: a lambda's body does not
+// k1 decoded into the four B tiles b [16 pairs][4 tiles][16 words] (amx_step's block
+// layout), the rows' pairs into the A tile a [R][16 pairs]. (A function of its own, not a lambda: a lambda's body does not
 // take its enclosing function's target attribute, and without AVX-512 on the build
 // machine's flags the intrinsics would not compile.)
 template <int R>
 TIDAL_FP8_AMX_TARGET __attribute__((always_inline)) inline void fp8_amx_decode_step(
     const uint8_t* w, const uint32_t* const* x, int64_t ks, int64_t k1, const __m512i tl[5],
-    uint32_t (*b)[kAmxPairs][16], uint32_t (*a)[kAmxPairs]) {
+    uint32_t (*b)[4][16], uint32_t (*a)[kAmxPairs]) {
   // Prefetch one tile step's bytes ahead (2 KiB). Measured on a Sapphire Rapids Xeon, 2
   // threads, the 64-expert layer at 1 token over 8 layers' weights (separate runs, noisy
   // by ~10%): 1 KiB ahead 148 us, 2 KiB 131, 4 KiB 159, 16 KiB 193, the dot kernel's
@@ -365,10 +350,10 @@ TIDAL_FP8_AMX_TARGET __attribute__((always_inline)) inline void fp8_amx_decode_s
     __m512i d[4];
     fp8_decode_pair(_mm512_loadu_si512(wk),
                     k + 1 < k1 ? _mm512_loadu_si512(wk + 64) : _mm512_setzero_si512(), tl, d);
-    for (int u = 0; u < 4; ++u) _mm512_store_si512(b[u][p], d[u]);
+    for (int u = 0; u < 4; ++u) _mm512_store_si512(b[p][u], d[u]);
   }
   for (int64_t p = pairs; p < kAmxPairs; ++p)
-    for (int u = 0; u < 4; ++u) _mm512_store_si512(b[u][p], _mm512_setzero_si512());
+    for (int u = 0; u < 4; ++u) _mm512_store_si512(b[p][u], _mm512_setzero_si512());
   const __mmask16 live = static_cast<__mmask16>((1u << pairs) - 1);
   for (int m = 0; m < R; ++m) _mm512_store_si512(a[m], _mm512_maskz_loadu_epi32(live, x[m] + ks / 2));
   // The tile loads read these buffers, but the compiler's tile-load intrinsics do not say
@@ -376,6 +361,22 @@ TIDAL_FP8_AMX_TARGET __attribute__((always_inline)) inline void fp8_amx_decode_s
   asm volatile("" ::: "memory");
 }
 
+// The FP8 AMX kernel: the dot kernel's table decode, but the products on AMX tiles. Why:
+// on a Xeon (Sapphire Rapids) one vdpbf16ps costs about two cycles of the vector ports
+// the decode needs too, so the dot kernel spent ~24 cycles per 128 weights at one row
+// (decode alone ~14) and ~52 at four; tdpbf16ps runs on the tile unit beside the
+// decode, so the block costs about its decode at any row count up to kRows.
+//   Each tile step (32 k) decodes 16 pairs into four B tiles in L1, laid out as amx_step
+// reads a bf16 block (pair row p: 64 columns x 2 bf16; tile u's 16 columns are
+// fp8_decode_pair's w[u], accumulator u's permuted columns, as the dot kernel's), copies
+// the rows' 16 pairs into the A tile, and runs amx_step (amx.h's tiles and
+// configuration). A k chunk's sums go through memory once, times the chunk's scales; the
+// column order is put back at the end (transpose_blocks). A short step (the end of a
+// chunk or of K) zeroes its B rows past the last pair (0 x NaN would not be 0).
+//   tdpbf16ps sums a step's 32 products in its own order: the sums differ from the dot
+// kernel's in float32 rounding only (the same bf16 operands, exact products).
+// x: bf16 pairs as block_gemm_fp8_dot's; out [R][64] float32. Call only where
+// fp8_dot_available() and amx_available(), block_k even.
 template <int R>
 TIDAL_FP8_AMX_TARGET void block_gemm_fp8_amx(const uint32_t* const* x, const uint8_t* w,
                                              const float* s, int64_t depth, int64_t block_k,
@@ -388,7 +389,7 @@ TIDAL_FP8_AMX_TARGET void block_gemm_fp8_amx(const uint32_t* const* x, const uin
   constexpr int kBufs = 3;  // a step's tiles are read one decode after it was written
   __m512i tl[5];
   fp8_tables_in(tl);
-  alignas(64) uint32_t bb[kBufs][4][kAmxPairs][16];  // the steps' four B tiles: 4 KiB each
+  alignas(64) uint32_t bb[kBufs][kAmxPairs][4][16];  // the steps' four B tiles: 4 KiB each
   alignas(64) uint32_t ab[kBufs][R][kAmxPairs];      // and their A tiles
   alignas(64) float c[R][64];
   __m512 acc[R][4];
@@ -414,15 +415,8 @@ TIDAL_FP8_AMX_TARGET void block_gemm_fp8_amx(const uint32_t* const* x, const uin
       const int nb = (b + 1) % kBufs;
       fp8_amx_decode_step<R>(w, x, next, next_k1, tl, bb[nb], ab[nb]);
     }
-    _tile_loadd(4, ab[b], 64);
-    _tile_loadd(5, bb[b][0], 64);
-    _tile_dpbf16ps(0, 4, 5);
-    _tile_loadd(6, bb[b][1], 64);
-    _tile_dpbf16ps(1, 4, 6);
-    _tile_loadd(5, bb[b][2], 64);
-    _tile_dpbf16ps(2, 4, 5);
-    _tile_loadd(6, bb[b][3], 64);
-    _tile_dpbf16ps(3, 4, 6);
+    amx_step(reinterpret_cast<const uint16_t*>(ab[b]), kAmxPairs * sizeof(uint32_t),
+             reinterpret_cast<const uint16_t*>(bb[b]));
     if (chunk_ends) {
       // C tile u holds accumulator u's columns, so the stored row m is part[m][0..3]
       amx_store_c(&c[0][0], 64 * sizeof(float));

@@ -473,8 +473,9 @@ at::Tensor fused_moe(const at::Tensor& hidden,  // [T, H] float32 or bf16
   const bool act_bf16 = reads_bf16_pairs(kind);
   std::vector<float> act_f(act_bf16 ? 0 : rows * inter_pad);
   std::vector<uint16_t> act_h(act_bf16 ? rows * inter_pad : 0);
-  // the FP8 dot kernel reads x as bf16 pairs: staged to an even length, the pad zero
-  const StagedRows xs(x, kind, fp8 && act_bf16 ? up_pad + up_pad % 2 : up_pad);
+  // the pair readers take x as bf16 pairs: staged to an even length, the pad zero (an
+  // FP8 hidden size may be odd; bf16 packs' up_pad is even already)
+  const StagedRows xs(x, kind, act_bf16 ? up_pad + up_pad % 2 : up_pad);
   const char* w13 = static_cast<const char*>(w13p.data_ptr());
   const char* w2 = static_cast<const char*>(w2p.data_ptr());
   const int64_t esz = w13p.element_size();
