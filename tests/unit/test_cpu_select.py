@@ -242,13 +242,15 @@ def test_cache_round_trip_and_invalidation(tmp_path):
 class FakeModule:
     """A module with one op whose candidates cost what ``costs`` says (fake seconds)."""
 
-    def __init__(self, clock: FakeClock, key: OpKey, costs: dict[Candidate, float]) -> None:
-        self.clock, self.key, self.costs = clock, key, costs
+    def __init__(
+        self, clock: FakeClock, key: OpKey, costs: dict[Candidate, float], nbytes: int = 1 << 20
+    ) -> None:
+        self.clock, self.key, self.costs, self.nbytes = clock, key, costs, nbytes
         self.trials: list[tuple[str, int, int]] = []
         self.choice: Choice | None = None
 
     def cpu_ops(self) -> dict[str, OpSpec]:
-        return {"op": OpSpec(self.key, tuple(self.costs), True, 1 << 20)}
+        return {"op": OpSpec(self.key, tuple(self.costs), self.nbytes > 0, self.nbytes)}
 
     def cpu_trial(self, op: str, candidate: Candidate, instances: int) -> Any:
         def for_rows(rows: int) -> Any:
@@ -268,6 +270,32 @@ def fake_cpu(monkeypatch):
     monkeypatch.setattr(select, "cpu_description", lambda: dict(cpu))
     monkeypatch.setattr(select, "oversubscribed", lambda *a, **k: None)  # a quiet machine
     return cpu, FakeClock()
+
+
+def test_a_trial_streams_what_the_whole_model_streams(tmp_path, fake_cpu):
+    """A trial rotates through as many bytes of stand-ins as the model's whole footprint
+    (up to TRIAL_BYTES, in at most TRIAL_MAX_INSTANCES or one a layer): two 1 MiB layers
+    beside a big model's other weights are read from memory there, not from cache."""
+    _, clock = fake_cpu
+    costs = {NTA: 3e-5, T0: 1e-5, TORCH: 2e-5}
+    mib = 1 << 20
+
+    def instances(mods: list[FakeModule]) -> int:
+        return max(n for _, _, n in mods[0].trials)
+
+    small = [FakeModule(clock, OpKey("linear", (64, 64, 0)), costs) for _ in range(2)]
+    choose_paths(small, cache_dir=str(tmp_path / "a"), batch_rows=8, clock=clock)
+    assert instances(small) == 2  # the whole model is 2 MiB: the trial reads 2 MiB too
+
+    small = [FakeModule(clock, OpKey("linear", (64, 64, 0)), costs) for _ in range(2)]
+    big = [FakeModule(clock, OpKey("linear", (64, 256, 0)), costs, 16 * mib) for _ in range(8)]
+    choose_paths(small + big, cache_dir=str(tmp_path / "b"), batch_rows=8, clock=clock)
+    assert instances(small) == select.TRIAL_MAX_INSTANCES  # 130 MiB beside it: from memory
+    assert instances(big) == select.TRIAL_BYTES // (16 * mib)  # 6 of its 8 layers
+
+    weightless = [FakeModule(clock, OpKey("norm", (64,)), costs, 0) for _ in range(3)]
+    choose_paths(weightless + big, cache_dir=str(tmp_path / "c"), batch_rows=8, clock=clock)
+    assert instances(weightless) == 3  # one a layer
 
 
 def test_choose_paths_measures_once_then_reuses_until_the_machine_changes(tmp_path, fake_cpu):

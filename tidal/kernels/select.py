@@ -92,8 +92,8 @@ NATIVE_HINTS = ("nta", "t0")
 DECODE_MAX_ROWS = 4
 BATCH_MAX_ROWS = 96
 # Bump when a path's code or a trial changes in a way the kernels' build hash does not
-# show (2: the experts trial routes each call anew).
-CACHE_FORMAT = 2
+# show (2: the experts trial routes each call anew; 3: trials stream the model's footprint).
+CACHE_FORMAT = 3
 WARM_UP = 2  # untimed-for-the-estimate calls of each trial (first touches, thread wake-ups)
 
 
@@ -564,9 +564,13 @@ class CpuPathsModule(Protocol):
 # The trials of one model stop after this long (then the defaults serve, uncached): a
 # quiet 2-core machine measures the 1024-wide model in a few seconds, a loaded one in tens.
 TRIAL_DEADLINE_S = 30.0
-# A trial's stand-ins stream at most about this many bytes of weights per candidate:
-# several times any L3 measured, so they come from memory as the model's weights do.
+# A trial's stand-ins stream about this many bytes of weights per candidate, or the
+# model's whole footprint where that is smaller: several times any L3 measured, so they
+# come from memory where the model's weights do, and from cache where a small model's fit.
 TRIAL_BYTES = 96 << 20
+# ...in at most this many stand-ins (or one a layer): a small op's (the router's) stream
+# stays in cache whatever its count, and thousands of modules would slow the start.
+TRIAL_MAX_INSTANCES = 64
 
 
 @dataclass
@@ -667,6 +671,9 @@ def _choose(
     """Each op key's choice, from the cache or a trial (cached unless the machine was busy)."""
     choices: dict[str, Choice] = {}
     measured = False
+    # Every op's weights are read once a step: a stand-in is read again only after this
+    # many bytes, so the trials stream what the model streams.
+    footprint = sum(spec.weight_bytes for members in groups.values() for _, _, spec in members)
     window = cpu_sample()  # what else ran during the trials decides whether they are kept
     for key, members in groups.items():
         module, op, spec = members[0]
@@ -681,7 +688,9 @@ def _choose(
                 logger.warning("cpu kernels: trial deadline passed; %s takes the default", key.name)
             else:
                 if timings is None:
-                    timings = _trial(module, op, spec, cands, rows, len(members), clock)
+                    timings = _trial(
+                        module, op, spec, cands, rows, len(members), footprint, clock
+                    )
                     cache.put(key, timings)
                     measured, source = True, "measured"
                 choice = decide(
@@ -803,10 +812,18 @@ def _trial(
     spec: OpSpec,
     cands: list[Candidate],
     rows: Mapping[str, int],
-    count: int,
+    count: int,  # the model's modules of this key
+    footprint: int,  # bytes of all the model's CPU weights
     clock: Callable[[], float],
 ) -> dict[str, dict[str, float]]:
-    instances = max(1, min(count, TRIAL_BYTES // max(1, spec.weight_bytes)))
+    # Enough stand-ins that a call reads its weights from where the model's come from. One
+    # a layer was too few: the 8 FP8 qkv linears of a 1024-wide model (12 MB) came from
+    # L3 and kept the FP8 AMX kernel, while serving, from memory, ran the dot kernel's
+    # 1.4x faster. Ops without weights (attention, norms) keep one a layer.
+    instances = count
+    if spec.weight_bytes > 0:
+        streamed = min(footprint, TRIAL_BYTES) // spec.weight_bytes
+        instances = min(max(streamed, 1), max(count, TRIAL_MAX_INSTANCES))
     out: dict[str, dict[str, float]] = {}
     with torch.inference_mode():
         stand_ins: dict[str, Callable[[int], Callable[[], object]]] = {}
