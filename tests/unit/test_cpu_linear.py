@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.cpu_kernels import keep_torch_threads, needs_kernel  # noqa: F401 - autouse fixture
+from tidal.kernels.cpu_ext import PREFETCH_HINTS, NativeArgs, native_args
 from tidal.kernels.cpu_linear import BLOCK, linear_cpu, pack_linear_weight
 
 
@@ -58,3 +59,21 @@ def test_linear_rejects_bad_inputs_with_errors():
         linear_cpu(torch.randn(24, 3).T, w, 40)  # columns strided
     with pytest.raises(ValueError, match="float32 or bf16"):
         pack_linear_weight(torch.randn(4, 4).half())
+
+
+@pytest.mark.parametrize(
+    ("variant", "empty", "want"),
+    [
+        ("nta", 0, NativeArgs(PREFETCH_HINTS["nta"], False, False)),
+        ("t0", 0, NativeArgs(PREFETCH_HINTS["t0"], False, False)),
+        ("dot-t0", 0, NativeArgs(PREFETCH_HINTS["t0"], True, False)),
+        ("dot-nta", 1, NativeArgs(PREFETCH_HINTS["nta"], True, False)),
+        ("amx", 0, NativeArgs(0, False, True)),
+        ("", 0, NativeArgs(0, False, False)),
+        ("", PREFETCH_HINTS["t0"], NativeArgs(PREFETCH_HINTS["t0"], False, False)),
+    ],
+)
+def test_a_variant_name_is_the_ops_arguments(variant, empty, want):
+    """Every native variant a trial can choose maps to the C++ ops' (prefetch, dot, amx);
+    no variant takes the caller's default hint (FP8's is t0)."""
+    assert native_args(variant, empty) == want

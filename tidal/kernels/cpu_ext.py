@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+from typing import NamedTuple
 
 import torch
 
@@ -38,17 +39,22 @@ def amx_fits(dtype: torch.dtype, depth: int) -> bool:
     return dtype == torch.bfloat16 and depth % AMX_K == 0
 
 
-def native_amx(variant: str) -> bool:
-    """Whether a native candidate's variant is the AMX kernel (the C++ op's ``amx``)."""
-    return variant == AMX_VARIANT
+class NativeArgs(NamedTuple):
+    """A native candidate's variant as the C++ ops take it."""
+
+    prefetch: int  # PREFETCH_HINTS value
+    dot: bool  # the dot kernel (DOT_PREFIX)
+    amx: bool  # the AMX kernel (AMX_VARIANT)
 
 
 @functools.cache  # a handful of variant names, parsed on every kernel call
-def native_variant(variant: str) -> tuple[int, bool]:
-    """A native candidate's variant as the C++ ops' ``(prefetch, dot)`` arguments."""
+def native_args(variant: str, empty_prefetch: int = 0) -> NativeArgs:
+    """``variant`` ("t0", "dot-nta", "amx", ...) as the C++ ops' arguments; no variant
+    (a path chosen without a trial) prefetches with ``empty_prefetch``."""
     dot = variant.startswith(DOT_PREFIX)
     hint = variant.removeprefix(DOT_PREFIX) if dot else variant
-    return PREFETCH_HINTS.get(hint, 0), dot
+    prefetch = PREFETCH_HINTS.get(hint, 0) if variant else empty_prefetch
+    return NativeArgs(prefetch, dot, variant == AMX_VARIANT)
 
 
 @functools.cache

@@ -28,13 +28,15 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from tidal.kernels.cpu_ext import kernel_available, kernel_status, native_amx, native_variant
+from tidal.kernels.cpu_ext import PREFETCH_HINTS, kernel_available, kernel_status, native_args
 from tidal.kernels.cpu_linear import BLOCK, copy_blocks
 from tidal.kernels.cpu_moe import DOWN_BLOCK, GATE_BLOCK, run_fused_moe
 from tidal.kernels.host_memory import empty_huge
 
 FP8_DTYPE = torch.float8_e4m3fn
 DEFAULT_BLOCK = (128, 128)  # (bn, bk): DeepSeek-V3's weight_block_size
+# The hint of an FP8 kernel served without a measured variant (the ops' default).
+FP8_EMPTY_PREFETCH = PREFETCH_HINTS["t0"]
 
 
 @dataclass(frozen=True)
@@ -146,8 +148,7 @@ class Fp8CpuLinear:
         self, x: Tensor, packed: PackedFp8Linear, bias: Tensor | None, variant: str = ""
     ) -> Tensor:
         rows = x.reshape(-1, x.shape[-1])
-        hint, dot = native_variant(variant)
-        out = fp8_linear(rows, packed, bias, hint if variant else 1, dot, native_amx(variant))
+        out = fp8_linear(rows, packed, bias, *native_args(variant, FP8_EMPTY_PREFETCH))
         return out.reshape(*x.shape[:-1], packed.out_features)
 
 
@@ -291,8 +292,7 @@ class Fp8CpuExperts:
         expert_map: Tensor | None,  # [E_global] int32
         variant: str = "",
     ) -> Tensor:  # [T, H], x's dtype
-        hint, dot = native_variant(variant)
         return fp8_fused_experts(
-            x, packed, topk_weights, topk_ids, expert_map, True, hint if variant else 1, dot,
-            native_amx(variant),
+            x, packed, topk_weights, topk_ids, expert_map, True,
+            *native_args(variant, FP8_EMPTY_PREFETCH),
         )  # fmt: skip

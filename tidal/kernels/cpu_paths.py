@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from tidal.kernels.cpu_ext import native_amx, native_variant
+from tidal.kernels.cpu_ext import native_args
 from tidal.kernels.cpu_linear import linear_cpu, pack_linear_weight, unpack_linear_weight
 from tidal.kernels.cpu_moe import CpuPackedExperts, ExpertExtras, fused_experts_cpu
 from tidal.kernels.cpu_router import CpuPackedGate, softmax_topk_cpu
@@ -49,9 +49,7 @@ class HeldLinear:
     def __call__(self, x: Tensor, bias: Tensor | None, variant: str = "") -> Tensor:
         # x [T, K] the weight's dtype, last dim contiguous -> [T, N]
         if self.path == "native":
-            hint, dot = native_variant(variant)
-            amx = native_amx(variant)
-            return linear_cpu(x, self.packed, self.out_features, bias, hint, dot, amx)
+            return linear_cpu(x, self.packed, self.out_features, bias, *native_args(variant))
         return packed_linear(x.contiguous(), self.packed, bias)
 
     def unpack(self) -> Tensor:  # [N, K], exact
@@ -81,7 +79,7 @@ class HeldGate:
         self, hidden: Tensor, top_k: int, renormalize: bool, variant: str = ""
     ) -> tuple[Tensor, Tensor] | None:  # ([T, K] float32, [T, K] int64), None: logits path
         if isinstance(self.packed, CpuPackedGate):
-            hint, dot = native_variant(variant)
+            hint, dot, _ = native_args(variant)
             return softmax_topk_cpu(hidden, self.packed, top_k, renormalize, hint, dot)
         return None
 
@@ -117,11 +115,11 @@ class HeldExperts:
         extras: ExpertExtras | None = None,  # biases, clamped SwiGLU: the native path only
     ) -> Tensor:  # [T, H]
         if isinstance(self.packed, CpuPackedExperts):
-            hint, dot = native_variant(variant)
+            hint, dot, amx = native_args(variant)
             x = hidden if hidden.dtype == self.dtype else hidden.to(self.dtype)
             out = fused_experts_cpu(
                 x, self.packed, topk_weights, topk_ids, expert_map, apply_router_weight, hint, dot,
-                amx=native_amx(variant), extras=extras,
+                amx=amx, extras=extras,
             )  # fmt: skip
             return out if out.dtype == hidden.dtype else out.to(hidden.dtype)
         if extras is not None:

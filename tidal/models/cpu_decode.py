@@ -34,8 +34,14 @@ from torch import Tensor
 
 from tidal.kernels.cpu_attention import KERNEL_DTYPES as ATTENTION_DTYPES
 from tidal.kernels.cpu_attention import decode_attention_cpu_supports
-from tidal.kernels.cpu_ext import kernel_available, native_amx, native_variant
-from tidal.kernels.cpu_fp8 import Fp8CpuExperts, Fp8CpuLinear, PackedFp8Experts, PackedFp8Linear
+from tidal.kernels.cpu_ext import kernel_available, native_args
+from tidal.kernels.cpu_fp8 import (
+    FP8_EMPTY_PREFETCH,
+    Fp8CpuExperts,
+    Fp8CpuLinear,
+    PackedFp8Experts,
+    PackedFp8Linear,
+)
 from tidal.kernels.cpu_moe import CpuPackedExperts
 from tidal.kernels.cpu_paths import HeldExperts, HeldGate, HeldLinear
 from tidal.kernels.cpu_router import CpuPackedGate
@@ -103,8 +109,7 @@ def _linear_call(lin: Any, rows: int, dtype: torch.dtype) -> Callable[[Tensor], 
     cand = lin._choice().for_rows(rows)
     if not isinstance(held, HeldLinear) or held.path != "native" or cand.path != "native":
         return lin
-    prefetch, dot = native_variant(cand.variant)
-    return _NativeLinear(lin, lin.bias, prefetch, dot, native_amx(cand.variant))
+    return _NativeLinear(lin, lin.bias, *native_args(cand.variant))
 
 
 def _fp8_linear_call(lin: Fp8Linear, rows: int, dtype: torch.dtype) -> Callable[[Tensor], Tensor]:
@@ -117,8 +122,7 @@ def _fp8_linear_call(lin: Fp8Linear, rows: int, dtype: torch.dtype) -> Callable[
     if not isinstance(lin._packed, PackedFp8Linear):
         return lin
     variant = lin._choice().for_rows(rows).variant
-    prefetch, dot = native_variant(variant)
-    return _NativeFp8Linear(lin, lin.bias, prefetch if variant else 1, dot, native_amx(variant))
+    return _NativeFp8Linear(lin, lin.bias, *native_args(variant, FP8_EMPTY_PREFETCH))
 
 
 def _norm_native(norm: RMSNorm, rows: int, dtype: torch.dtype) -> bool:
@@ -258,7 +262,7 @@ def _moe_call(moe: FusedMoE, rows: int, dtype: torch.dtype) -> Callable[[Tensor]
         and moe.routing.plain_softmax
         and cand.path == "native"
     ):
-        hint, dot = native_variant(cand.variant)
+        hint, dot, _ = native_args(cand.variant)
         router = (gate.packed.num_experts, moe.top_k, moe.renormalize, hint, dot)
     return _Moe(moe, router, _experts_call(moe, rows, dtype))
 
@@ -266,7 +270,6 @@ def _moe_call(moe: FusedMoE, rows: int, dtype: torch.dtype) -> Callable[[Tensor]
 def _experts_call(moe: FusedMoE, rows: int, dtype: torch.dtype) -> _NativeExperts | None:
     """The experts' C++ call as ``_experts`` makes it, or None: ``_experts`` serves."""
     cand = moe._choice("experts").for_rows(rows)
-    prefetch, dot = native_variant(cand.variant)
     if moe.fp8_block_k is not None:  # FP8_EXPERT_KERNELS' C++ kernel (_fp8_experts)
         if moe._fp8_triton or dtype not in _FP8_ACT_DTYPES:
             return None
@@ -276,8 +279,7 @@ def _experts_call(moe: FusedMoE, rows: int, dtype: torch.dtype) -> _NativeExpert
             moe._pack("experts")
         if not isinstance(moe._fp8_held, PackedFp8Experts):
             return None
-        amx = native_amx(cand.variant)
-        return _NativeExperts(moe, True, prefetch if cand.variant else 1, dot, amx)
+        return _NativeExperts(moe, True, *native_args(cand.variant, FP8_EMPTY_PREFETCH))
     if moe.custom_experts:
         return None
     held = moe._held("experts")
@@ -288,7 +290,7 @@ def _experts_call(moe: FusedMoE, rows: int, dtype: torch.dtype) -> _NativeExpert
         or cand.path != "native"
     ):
         return None
-    return _NativeExperts(moe, False, prefetch, dot, native_amx(cand.variant))
+    return _NativeExperts(moe, False, *native_args(cand.variant))
 
 
 # ---- staleness ----------------------------------------------------------------------
