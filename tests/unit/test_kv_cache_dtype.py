@@ -76,6 +76,29 @@ def test_decode_attention_kernel_reads_a_16bit_cache(
 
 
 @needs_kernel
+@pytest.mark.parametrize(("q_dtype", "cache_dtype"), PAIRS[:4], ids=_ids(PAIRS[:4]))
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(16, 4, 64), (8, 2, 128)])
+def test_decode_attention_over_many_chunks_of_16_keys(
+    q_dtype, cache_dtype, heads, kv_heads, head_dim
+):
+    """Long enough that a 16-bit cache's rows are widened a chunk of 16 keys at a time for
+    the whole query group and its sums carried from chunk to chunk: lengths at, around
+    and across several chunk edges, in shuffled blocks of 16."""
+    g = torch.Generator().manual_seed(head_dim)
+    cache = torch.randn(2, 40, kv_heads, 16, head_dim, generator=g).to(cache_dtype)
+    lengths = [16, 31, 33, 48, 70]
+    perm = torch.randperm(40, generator=g).tolist()
+    tables = [perm[i * 5 : i * 5 + 5] for i in range(len(lengths))]  # 80 keys each at most
+    q = torch.randn(len(lengths), heads, head_dim, generator=g).to(q_dtype)
+    got = decode_attention_cpu(
+        q, cache, torch.tensor(tables), torch.tensor(lengths), head_dim**-0.5
+    )
+    want = decode_attention_reference(q, cache, list(zip(lengths, tables)))
+    tol = {"atol": 2e-6, "rtol": 1e-5} if q_dtype == F32 else {"atol": 1e-2, "rtol": 1e-2}
+    torch.testing.assert_close(got, want, **tol)
+
+
+@needs_kernel
 @pytest.mark.parametrize("cache_dtype", [F32, BF16, F16])
 @pytest.mark.parametrize("src_dtype", [F32, BF16, F16])
 def test_write_kv_casts_like_index_copy(cache_dtype, src_dtype):

@@ -3,9 +3,11 @@
 //
 // Why: the torch decode path is a K gather, a baddbmm, a softmax and an embedding_bag,
 // with their index tensors and views. Here each (sequence, KV head) reads its K and V
-// rows once, straight from the cache, for all the query heads that share them, in one parallel region a layer. At 32
-// sequences, 32-token prompts, 64 new tokens, per layer and step: 1024-wide model 334 ->
-// 301 us, 256-wide 144 -> 91 (2 cores).
+// rows once, straight from the cache, for all the query heads that share them, in one
+// parallel region a layer. At 32 sequences, 32-token prompts, 64 new tokens, per layer and
+// step: 1024-wide model 334 -> 301 us, 256-wide 144 -> 91 (2 cores). A 16-bit cache's rows
+// are widened once for the whole group of query heads: 32 sequences of 256 keys, bf16,
+// 16 query / 4 KV heads of 64, 2 threads: 1146 -> 780 us (torch's path 952).
 //
 // decode_attention: q [D, Hq, Dh] (rows may be strided), cache [2, NB, Hkv, bs, Dh]
 // contiguous, block_table [D, B] int64, seq_lens [D] int64 (keys 0..len-1 of sequence d
@@ -99,7 +101,7 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& cache, const i
     // A window keeps the last ``window`` keys: positions first .. len - 1, n of them.
     const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0, n = len - first;
     const int64_t* blocks = tp + d * width;
-    thread_local std::vector<float> scores, qbuf, obuf;
+    thread_local std::vector<float> scores, qbuf, obuf, kvbuf, acc;
     thread_local std::vector<const CT*> krow, vrow;
     scores.resize(static_cast<size_t>(group * n));
     krow.resize(static_cast<size_t>(n));
@@ -142,23 +144,37 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& cache, const i
     }
     // 1. scores[g][t] = q_g . k_t * scale: 16 keys at a time, each key's products summed
     //    across lanes by one transposing add tree (instead of a horizontal sum per key).
+    //    A 16-bit cache's 16 K rows are widened once into kvbuf for all the group's query
+    //    heads (widening them once a head cost more than the products: at 32 sequences,
+    //    context 256, bf16, GQA 4, it took 1.15 ms a layer).
+    const bool whole = dh % 16 == 0;  // rows of whole vectors: the transposing add tree
+    kvbuf.resize(static_cast<size_t>(16 * dh));
     const CT* keys[16];
     for (int64_t t0 = 0; t0 < n; t0 += 16) {  // t0: index among the n keys
       const int64_t m = std::min<int64_t>(16, n - t0);
       for (int64_t i = 0; i < m; ++i) keys[i] = krow[t0 + i];
-      for (int64_t g = 0; g < group; ++g) {
-        float* s = scores.data() + g * n + t0;
-        if (m < 16 || dh % 16) {
-          for (int64_t i = 0; i < m; ++i) s[i] = dot(qg[g], keys[i], dh) * sc;
-          continue;
+      if (m < 16 || !whole) {
+        for (int64_t g = 0; g < group; ++g)
+          for (int64_t i = 0; i < m; ++i) scores[g * n + t0 + i] = dot(qg[g], keys[i], dh) * sc;
+        continue;
+      }
+      const float* kf[16];
+      for (int i = 0; i < 16; ++i) {
+        if constexpr (std::is_same_v<CT, float>) {
+          kf[i] = keys[i];
+        } else {
+          to_float(keys[i], kvbuf.data() + i * dh, dh);
+          kf[i] = kvbuf.data() + i * dh;
         }
+      }
+      for (int64_t g = 0; g < group; ++g) {
         vec16 part[16];
         for (int i = 0; i < 16; ++i) {
-          vec16 acc = load(qg[g]) * load(keys[i]);
-          for (int64_t j = 16; j < dh; j += 16) acc += load(qg[g] + j) * load(keys[i] + j);
-          part[i] = acc;
+          vec16 a = load(qg[g]) * load(kf[i]);
+          for (int64_t j = 16; j < dh; j += 16) a += load(qg[g] + j) * load(kf[i] + j);
+          part[i] = a;
         }
-        store(s, lane_sums(part) * splat(sc));
+        store(scores.data() + g * n + t0, lane_sums(part) * splat(sc));
       }
     }
     // 2. softmax per query head: max, exp(s - max), divide by the sum. A sink is one more
@@ -167,7 +183,16 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& cache, const i
       float* s = scores.data() + g * n;
       const float sink = sinks ? sinks[kvh * group + g] : 0.f;
       float m = sinks ? sink : -std::numeric_limits<float>::infinity();
-      for (int64_t t = 0; t < n; ++t) m = std::max(m, s[t]);
+      int64_t u = 0;
+      if (n >= 16) {  // 16 lanes of maxima, then across them (a NaN is skipped, as below)
+        vec16 mv = splat(m);
+        for (; u + 16 <= n; u += 16) {
+          const vec16 x = load(s + u);
+          mv = x > mv ? x : mv;
+        }
+        for (int l = 0; l < 16; ++l) m = std::max(m, mv[l]);
+      }
+      for (; u < n; ++u) m = std::max(m, s[u]);
       float sum = sinks ? std::exp(sink - m) : 0.f;
       int64_t t = 0;
       for (; t + 16 <= n; t += 16) {
@@ -182,8 +207,38 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& cache, const i
       const float inv = 1.f / sum;
       for (t = 0; t < n; ++t) s[t] *= inv;
     }
-    // 3. out_g = sum_t p[g][t] * v_t, one query head at a time in registers (a float
-    //    output row is written in place, a 16-bit one through obuf)
+    // 3. out_g = sum_t p[g][t] * v_t. Head size 64 from a 16-bit cache: 16 V rows at a
+    //    time widened once into kvbuf for all the group's heads, each head's sums in acc
+    //    between chunks (the keys in order: the sums as the loop below makes them).
+    if (dh == 64 && !std::is_same_v<CT, float>) {
+      acc.assign(static_cast<size_t>(group * 64), 0.f);
+      for (int64_t t0 = 0; t0 < n; t0 += 16) {
+        const int64_t m = std::min<int64_t>(16, n - t0);
+        for (int64_t i = 0; i < m; ++i) to_float(vrow[t0 + i], kvbuf.data() + i * 64, 64);
+        for (int64_t g = 0; g < group; ++g) {
+          float* o = acc.data() + g * 64;
+          const float* pg = scores.data() + g * n + t0;
+          vec16 a0 = load(o), a1 = load(o + 16), a2 = load(o + 32), a3 = load(o + 48);
+          for (int64_t i = 0; i < m; ++i) {
+            const float* v = kvbuf.data() + i * 64;
+            const vec16 p = splat(pg[i]);
+            a0 += p * load(v);
+            a1 += p * load(v + 16);
+            a2 += p * load(v + 32);
+            a3 += p * load(v + 48);
+          }
+          store(o, a0);
+          store(o + 16, a1);
+          store(o + 32, a2);
+          store(o + 48, a3);
+        }
+      }
+      for (int64_t g = 0; g < group; ++g)
+        convert_row(acc.data() + g * 64, op + (d * hq + kvh * group + g) * dh, dh);
+      return;
+    }
+    // Otherwise one query head at a time in registers (a float output row is written in
+    // place, a 16-bit one through obuf).
     for (int64_t g = 0; g < group; ++g) {
       QT* dst = op + (d * hq + kvh * group + g) * dh;
       float* o;
