@@ -80,6 +80,12 @@ inline vec16 lane_sums(vec16 p[16]) {
                            ivec16{1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31});
 }
 
+// a[0..3] += p * v[0..63], v float32 or 16-bit (widened as it is read).
+template <typename T>
+inline void add_scaled_row64(vec16 a[4], vec16 p, const T* v) {
+  for (int u = 0; u < 4; ++u) a[u] += p * load(v + 16 * u);
+}
+
 // QT: the query and output type, CT: the cache's (float, c10::BFloat16, c10::Half each).
 // Queries are widened once per task and the cache 16 values at a time as it is read:
 // scores, softmax and the weighted sum of V are float32 throughout.
@@ -218,19 +224,9 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& cache, const i
         for (int64_t g = 0; g < group; ++g) {
           float* o = acc.data() + g * 64;
           const float* pg = scores.data() + g * n + t0;
-          vec16 a0 = load(o), a1 = load(o + 16), a2 = load(o + 32), a3 = load(o + 48);
-          for (int64_t i = 0; i < m; ++i) {
-            const float* v = kvbuf.data() + i * 64;
-            const vec16 p = splat(pg[i]);
-            a0 += p * load(v);
-            a1 += p * load(v + 16);
-            a2 += p * load(v + 32);
-            a3 += p * load(v + 48);
-          }
-          store(o, a0);
-          store(o + 16, a1);
-          store(o + 32, a2);
-          store(o + 48, a3);
+          vec16 a[4] = {load(o), load(o + 16), load(o + 32), load(o + 48)};
+          for (int64_t i = 0; i < m; ++i) add_scaled_row64(a, splat(pg[i]), kvbuf.data() + i * 64);
+          for (int u = 0; u < 4; ++u) store(o + 16 * u, a[u]);
         }
       }
       for (int64_t g = 0; g < group; ++g)
@@ -249,19 +245,9 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& cache, const i
       }
       const float* pg = scores.data() + g * n;  // pg[i]: key first + i
       if (dh == 64) {
-        vec16 a0 = {}, a1 = {}, a2 = {}, a3 = {};
-        for (int64_t i = 0; i < n; ++i) {
-          const CT* v = vrow[i];
-          const vec16 p = splat(pg[i]);
-          a0 += p * load(v);
-          a1 += p * load(v + 16);
-          a2 += p * load(v + 32);
-          a3 += p * load(v + 48);
-        }
-        store(o, a0);
-        store(o + 16, a1);
-        store(o + 32, a2);
-        store(o + 48, a3);
+        vec16 a[4] = {};
+        for (int64_t i = 0; i < n; ++i) add_scaled_row64(a, splat(pg[i]), vrow[i]);
+        for (int u = 0; u < 4; ++u) store(o + 16 * u, a[u]);
       } else {
         std::fill(o, o + dh, 0.f);
         for (int64_t k = 0; k < n; ++k) {
