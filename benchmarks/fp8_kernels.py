@@ -27,6 +27,7 @@ one JSON document: per case and kernel the best and median us per call,
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
 import statistics
@@ -43,6 +44,8 @@ from tidal.kernels.fp8_torch import quantize_fp8_blocks
 from tidal.kernels.select import cpu_description
 
 BLOCK = (128, 128)
+# The FP8 kernels by name: the ops' (dot, amx) flags.
+FP8_KERNELS = {"fp8_fp16": (False, False), "fp8_dot": (True, False), "fp8_amx": (False, True)}
 T0 = 1  # the prefetch hint (cpu_ext.PREFETCH_HINTS["t0"])
 
 
@@ -95,8 +98,9 @@ def _moe_case(
     ]  # [tokens, top_k] int64 each
     peer_dot = bf16_dot_available()
 
-    def fp8(kernel: str, dot: bool, amx: bool = False) -> Callable[[], None]:
+    def fp8(kernel: str) -> Callable[[], None]:
         ids = itertools.cycle(routings).__next__  # one cycle a kernel: each meets them all
+        dot, amx = FP8_KERNELS[kernel]
 
         def run() -> None:
             for p in fp8s[kernel]:
@@ -110,11 +114,9 @@ def _moe_case(
         for p in peers:
             fused_experts_cpu(xs, p, tw, peer_ids(), None, True, T0, peer_dot)
 
-    fns: dict[str, Callable[[], object]] = {"fp8_fp16": fp8("fp8_fp16", False), "bf16_dot": peer}
-    if "fp8_dot" in fp8s:
-        fns["fp8_dot"] = fp8("fp8_dot", True)
-    if "fp8_amx" in fp8s:
-        fns["fp8_amx"] = fp8("fp8_amx", False, amx=True)
+    # fp8_fp16 and the peer first, then the kernels the CPU has (the order timed so far)
+    fns: dict[str, Callable[[], object]] = {"fp8_fp16": fp8("fp8_fp16"), "bf16_dot": peer}
+    fns.update({k: fp8(k) for k in fp8s if k not in fns})
     out = _time(fns, rounds, 4)
     for name in fns:  # per layer
         out[name] = {k: round(v / layers, 1) for k, v in out[name].items()}  # type: ignore[union-attr]
@@ -156,16 +158,14 @@ def main() -> None:
 
     for rows in (int(r) for r in a.linear_rows.split(",")):
         x = torch.randn(rows, n, generator=g).bfloat16()
+        def fp8(k: str, x: torch.Tensor = x) -> object:
+            return fp8_linear(x, fp8_next[k](), None, T0, *FP8_KERNELS[k])
+
         fns: dict[str, Callable[[], object]] = {
-            "fp8_fp16": lambda x=x: fp8_linear(x, fp8_next["fp8_fp16"](), None, T0, False),
+            "fp8_fp16": functools.partial(fp8, "fp8_fp16"),
             "bf16_dot": lambda x=x: linear_cpu(x, next(bf16_next), n, None, T0, peer_dot),
         }
-        if fp8_dot:
-            fns["fp8_dot"] = lambda x=x: fp8_linear(x, fp8_next["fp8_dot"](), None, T0, True)
-        if fp8_amx_available():
-            fns["fp8_amx"] = lambda x=x: fp8_linear(
-                x, fp8_next["fp8_amx"](), None, T0, False, True
-            )
+        fns.update({k: functools.partial(fp8, k) for k in kernels if k not in fns})
         doc[f"linear_{n}x{n}_{rows}row{'s' if rows > 1 else ''}"] = _time(
             fns, a.rounds, max(copies, 20 // rows)
         )

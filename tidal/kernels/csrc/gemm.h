@@ -329,9 +329,9 @@ TIDAL_FP8_DOT_TARGET void block_gemm_fp8_dot(const uint32_t* const* x, const uin
 
 // One tile step of block_gemm_fp8_amx: the weight pairs ks / 2 .. of the chunk ending at
 // k1 decoded into the four B tiles b [16 pairs][4 tiles][16 words] (amx_step's block
-// layout), the rows' pairs into the A tile a [R][16 pairs]. (A function of its own, not a lambda: a lambda's body does not
-// take its enclosing function's target attribute, and without AVX-512 on the build
-// machine's flags the intrinsics would not compile.)
+// layout), the rows' pairs into the A tile a [R][16 pairs]. (A function of its own, not a
+// lambda: a lambda's body does not take its enclosing function's target attribute, and
+// without AVX-512 on the build machine's flags the intrinsics would not compile.)
 template <int R>
 TIDAL_FP8_AMX_TARGET __attribute__((always_inline)) inline void fp8_amx_decode_step(
     const uint8_t* w, const uint32_t* const* x, int64_t ks, int64_t k1, const __m512i tl[5],
