@@ -213,24 +213,28 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& cache, const i
       const float inv = 1.f / sum;
       for (t = 0; t < n; ++t) s[t] *= inv;
     }
-    // 3. out_g = sum_t p[g][t] * v_t. Head size 64 from a 16-bit cache: 16 V rows at a
-    //    time widened once into kvbuf for all the group's heads, each head's sums in acc
-    //    between chunks (the keys in order: the sums as the loop below makes them).
-    if (dh == 64 && !std::is_same_v<CT, float>) {
-      acc.assign(static_cast<size_t>(group * 64), 0.f);
+    // 3. out_g = sum_t p[g][t] * v_t. A 16-bit cache, head size a multiple of 64: 16 V
+    //    rows at a time widened once into kvbuf for all the group's heads, each head's
+    //    sums in acc between chunks, 64 columns at a time in registers (the keys in order:
+    //    the sums as the loop below makes them).
+    if (dh % 64 == 0 && !std::is_same_v<CT, float>) {
+      acc.assign(static_cast<size_t>(group * dh), 0.f);
       for (int64_t t0 = 0; t0 < n; t0 += 16) {
         const int64_t m = std::min<int64_t>(16, n - t0);
-        for (int64_t i = 0; i < m; ++i) to_float(vrow[t0 + i], kvbuf.data() + i * 64, 64);
+        for (int64_t i = 0; i < m; ++i) to_float(vrow[t0 + i], kvbuf.data() + i * dh, dh);
         for (int64_t g = 0; g < group; ++g) {
-          float* o = acc.data() + g * 64;
           const float* pg = scores.data() + g * n + t0;
-          vec16 a[4] = {load(o), load(o + 16), load(o + 32), load(o + 48)};
-          for (int64_t i = 0; i < m; ++i) add_scaled_row64(a, splat(pg[i]), kvbuf.data() + i * 64);
-          for (int u = 0; u < 4; ++u) store(o + 16 * u, a[u]);
+          for (int64_t c = 0; c < dh; c += 64) {
+            float* o = acc.data() + g * dh + c;
+            vec16 a[4] = {load(o), load(o + 16), load(o + 32), load(o + 48)};
+            for (int64_t i = 0; i < m; ++i)
+              add_scaled_row64(a, splat(pg[i]), kvbuf.data() + i * dh + c);
+            for (int u = 0; u < 4; ++u) store(o + 16 * u, a[u]);
+          }
         }
       }
       for (int64_t g = 0; g < group; ++g)
-        convert_row(acc.data() + g * 64, op + (d * hq + kvh * group + g) * dh, dh);
+        convert_row(acc.data() + g * dh, op + (d * hq + kvh * group + g) * dh, dh);
       return;
     }
     // Otherwise one query head at a time in registers (a float output row is written in
