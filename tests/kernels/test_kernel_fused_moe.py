@@ -198,6 +198,7 @@ def test_fused_experts_bfloat16_native_gpu(tokens):
     assert rel_err(got, want) < TOLERANCE[torch.bfloat16]
 
 
+@pytest.mark.slow  # starts processes: the fast tier stays under 2 minutes
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU runs the compiled kernels itself")
 def test_kernels_compile_for_sm90_without_gpu():
     """The interpreter never runs Triton's compiler: compile once for a real target."""

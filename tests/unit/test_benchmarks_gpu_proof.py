@@ -49,6 +49,7 @@ def test_smoke_run_writes_parts_merge_and_a_config(tmp_path):
     assert set((ROOT / "tidal" / "kernels" / "configs").iterdir()) == configs
 
 
+@pytest.mark.slow  # starts processes: the fast tier stays under 2 minutes
 def test_a_failing_step_is_recorded_and_the_merge_still_runs(tmp_path):
     bad = [sys.executable, str(ROOT / "benchmarks" / "gpu_proof.py"), "facts", "--out",
            str(tmp_path / "facts.json")]  # fmt: skip

@@ -58,6 +58,7 @@ def test_launch_round_trip(ckpt: str, request: pytest.FixtureRequest) -> None:
         hf_back.vocab_size = 3
 
 
+@pytest.mark.slow  # starts processes: the fast tier stays under 2 minutes
 def test_engine_processes_do_not_import_transformers() -> None:
     """An engine or TP worker process imports neither transformers nor the frontend's
     packages: each such import is seconds of a cold scale-up and megabytes of every rank."""

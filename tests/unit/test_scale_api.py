@@ -488,6 +488,7 @@ async def test_api_key_protects_the_scale_routes():
         assert (await c.get("/is_scaling_elastic_ep")).status_code == 200
 
 
+@pytest.mark.slow  # starts a server: the fast tier stays under 2 minutes
 @run
 async def test_operation_outlives_a_cancelled_request():
     engine = ScalingFakeLLM(2)
@@ -731,6 +732,7 @@ async def tidal_scale(*args: str, api_key_env: str | None = None) -> tuple[int, 
     return proc.returncode, out.decode(), err.decode()
 
 
+@pytest.mark.slow  # starts processes: the fast tier stays under 2 minutes
 @run
 async def test_tidal_scale_cli_against_a_live_server():
     engine = ScalingFakeLLM(2)
@@ -791,6 +793,7 @@ BAD_FLAGS = [
 ]
 
 
+@pytest.mark.slow  # starts processes: the fast tier stays under 2 minutes
 @pytest.mark.parametrize("args,flag", BAD_FLAGS)
 @run
 async def test_tidal_scale_flag_errors_name_the_flag(args, flag):
@@ -798,6 +801,7 @@ async def test_tidal_scale_flag_errors_name_the_flag(args, flag):
     assert rc == 2 and flag in err and out == "", err
 
 
+@pytest.mark.slow  # starts processes: the fast tier stays under 2 minutes
 @run
 async def test_tidal_scale_unreachable_server():
     sock = bind_socket("127.0.0.1", 0)  # bound, never listening: connection refused

@@ -12,7 +12,8 @@ PARAMS = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 PROMPTS = ["The tide comes in", "Mixture of experts", "Hello"]
 
 
-@pytest.mark.parametrize("multiprocess", [False, True])
+# The multiprocess case starts an engine process: not the fast tier.
+@pytest.mark.parametrize("multiprocess", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_sleep_wake_up_keeps_greedy_outputs(qwen3_ckpt, multiprocess) -> None:
     with LLM(qwen3_ckpt, dtype="float32", multiprocess=multiprocess) as llm:
         before = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS)]
@@ -27,7 +28,8 @@ def test_sleep_wake_up_keeps_greedy_outputs(qwen3_ckpt, multiprocess) -> None:
         assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS)] == before
 
 
-@pytest.mark.parametrize("multiprocess", [False, True])
+# The multiprocess case starts an engine process: not the fast tier.
+@pytest.mark.parametrize("multiprocess", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_sleep_level_2_drops_the_weights_and_wake_up_reloads_them(qwen3_ckpt, multiprocess):
     with LLM(qwen3_ckpt, dtype="float32", multiprocess=multiprocess) as llm:
         before = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS)]

@@ -90,6 +90,7 @@ async def ok_request(url: str) -> None:
         assert r.json()["choices"][0]["text"] == expected_text(2)
 
 
+@pytest.mark.slow  # starts a server: the fast tier stays under 2 minutes
 @run
 async def test_stream_nobody_reads_is_aborted_at_the_backlog_and_others_are_served(caplog):
     engine = Firehose()
@@ -122,6 +123,7 @@ async def test_stream_nobody_reads_is_aborted_at_the_backlog_and_others_are_serv
         assert "tidal:stream_backlog_aborts_total 1.0" in metrics
 
 
+@pytest.mark.slow  # starts a server: the fast tier stays under 2 minutes
 @run
 async def test_a_read_batch_stream_is_not_taken_for_a_client_that_does_not_read():
     # Each step of a batch of prompts brings one output per prompt at once: the bound
@@ -150,6 +152,7 @@ async def _idle_connections(port: int, n: int, server) -> list[socket.socket]:
     return socks
 
 
+@pytest.mark.slow  # starts a server: the fast tier stays under 2 minutes
 @run
 async def test_connections_past_the_cap_get_503_until_a_slot_frees():
     engine = FakeAsyncLLM()
@@ -176,6 +179,7 @@ async def test_connections_past_the_cap_get_503_until_a_slot_frees():
                 s.close()
 
 
+@pytest.mark.slow  # starts a server: the fast tier stays under 2 minutes
 @run
 async def test_idle_and_trickling_headers_are_closed_after_the_header_timeout():
     limits = ServerLimits(header_timeout_s=2.0)
@@ -198,6 +202,7 @@ async def test_idle_and_trickling_headers_are_closed_after_the_header_timeout():
                 assert (await c.get("/health")).status_code == 200
 
 
+@pytest.mark.slow  # starts a server: the fast tier stays under 2 minutes
 @run
 async def test_a_trickling_body_gets_408_and_its_connection_is_closed():
     engine = FakeAsyncLLM()

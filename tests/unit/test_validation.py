@@ -516,6 +516,7 @@ async def test_request_chat_template_sandboxed_when_allowed(qwen3_ckpt):
     assert not _alive(worker)
 
 
+@pytest.mark.slow  # starts processes: the fast tier stays under 2 minutes
 @run
 async def test_sandbox_that_cannot_start_is_a_server_error():
     sandbox = TemplateSandbox("/nonexistent/tokenizer", max_chars=100)
@@ -525,6 +526,7 @@ async def test_sandbox_that_cannot_start_is_a_server_error():
     assert sandbox.pid is None
 
 
+@pytest.mark.slow  # starts processes: the fast tier stays under 2 minutes
 @run
 async def test_sandbox_imports_nothing_from_the_working_directory(
     qwen3_ckpt, tmp_path, monkeypatch
