@@ -49,13 +49,16 @@ FP8_KERNELS = {"fp8_fp16": (False, False), "fp8_dot": (True, False), "fp8_amx": 
 T0 = 1  # the prefetch hint (cpu_ext.PREFETCH_HINTS["t0"])
 
 
-def _quantized(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # [E, N, K] -> q, scales
+def quantize_experts(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # [E, N, K] -> q, s
     pairs = [quantize_fp8_blocks(w[e], BLOCK) for e in range(w.shape[0])]
     return torch.stack([q for q, _ in pairs]), torch.stack([s for _, s in pairs])
 
 
-def _time(fns: dict[str, Callable[[], object]], rounds: int, calls: int) -> dict[str, object]:
-    """Best and median us per call of each, interleaved round by round."""
+def interleaved_us(
+    fns: dict[str, Callable[[], object]], rounds: int, calls: int
+) -> dict[str, list[float]]:
+    """Each function's us per call, one entry a round, the functions taking turns within a
+    round (a burst of load from another process hits all alike); one warm call each first."""
     times: dict[str, list[float]] = {k: [] for k in fns}
     for f in fns.values():
         f()  # warm
@@ -65,10 +68,20 @@ def _time(fns: dict[str, Callable[[], object]], rounds: int, calls: int) -> dict
             for _ in range(calls):
                 f()
             times[name].append((time.perf_counter() - t) / calls * 1e6)
-    out: dict[str, object] = {
+    return times
+
+
+def best_and_median(times: dict[str, list[float]]) -> dict[str, object]:
+    return {
         k: {"best_us": round(min(v), 1), "median_us": round(statistics.median(v), 1)}
         for k, v in times.items()
     }
+
+
+def _time(fns: dict[str, Callable[[], object]], rounds: int, calls: int) -> dict[str, object]:
+    """Best and median us per call of each, interleaved round by round."""
+    times = interleaved_us(fns, rounds, calls)
+    out = best_and_median(times)
     for slow, fast in (("bf16_dot", "fp8_dot"), ("bf16_dot", "fp8_amx"), ("fp8_dot", "fp8_amx")):
         if slow in times and fast in times:
             out[f"{'bf16' if slow == 'bf16_dot' else slow}_over_{fast}"] = {
@@ -145,7 +158,7 @@ def main() -> None:
     }
     n = a.linear
     w = torch.randn(1, n, n, generator=g) * 0.02
-    q, s = _quantized(w)
+    q, s = quantize_experts(w)
     copies = max(1, -(-a.stream_mb * 10**6 // (n * n)))  # FP8: one byte a weight
     kernels = ["fp8_fp16"] + ["fp8_dot"] * fp8_dot + ["fp8_amx"] * fp8_amx_available()
     # each kernel its own copies, taken in turn (see _moe_case: no kernel reads another's)
@@ -158,6 +171,7 @@ def main() -> None:
 
     for rows in (int(r) for r in a.linear_rows.split(",")):
         x = torch.randn(rows, n, generator=g).bfloat16()
+
         def fp8(k: str, x: torch.Tensor = x) -> object:
             return fp8_linear(x, fp8_next[k](), None, T0, *FP8_KERNELS[k])
 
@@ -176,7 +190,7 @@ def main() -> None:
     for _ in range(a.layers):
         w13 = torch.randn(experts, 2 * inter, hidden, generator=g) * 0.02
         w2 = torch.randn(experts, hidden, inter, generator=g) * 0.02
-        quantized = (*_quantized(w13), *_quantized(w2))
+        quantized = (*quantize_experts(w13), *quantize_experts(w2))
         for k in kernels:
             fp8s[k].append(pack_fp8_experts(*quantized, BLOCK))
         peers.append(CpuPackedExperts(w13.bfloat16(), w2.bfloat16()))

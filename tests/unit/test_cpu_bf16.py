@@ -279,7 +279,7 @@ def test_bf16_experts_unpack_exactly_per_slot():
     w13, w2 = _experts(5, 33, 21)
     packed = CpuPackedExperts(w13, w2)
     assert packed.w13.dtype == BF16 and packed.w13.shape == (5, 1, 17, 64, 2)
-    assert packed.w2.shape == (1, 5, 16, 64, 2)
+    assert packed.w2.shape == (1, 5, 1, 16, 64, 2)  # one output column block: one run of one
     a, b = packed.unpack()
     assert a.dtype == BF16 and torch.equal(a, w13) and torch.equal(b, w2)
     a, b = packed.unpack([4, 1])

@@ -11,7 +11,13 @@ import torch
 
 from tests.cpu_kernels import keep_torch_threads, needs_kernel  # noqa: F401 - autouse fixture
 from tidal.kernels.cpu_ext import kernel_status
-from tidal.kernels.cpu_moe import DOWN_BLOCK, GATE_BLOCK, CpuPackedExperts, fused_experts_cpu
+from tidal.kernels.cpu_moe import (
+    DOWN_BLOCK,
+    GATE_BLOCK,
+    CpuPackedExperts,
+    down_run,
+    fused_experts_cpu,
+)
 from tidal.moe.layer import build_expert_map
 from tidal.moe.reference import fused_experts_reference
 from tidal.moe.router import softmax_topk
@@ -103,22 +109,64 @@ def test_kernel_ids_not_local_duplicates_and_strided_hidden():
     )
 
 
-def test_packed_layout():
-    """Block j of ``w13`` holds gate then up columns 32j.. for each input column; block j
-    of ``w2`` the down weights of output columns 64j..; zero past I and H."""
+@pytest.mark.parametrize("run", [1, 2])
+def test_packed_layout(run):
+    """Block j of ``w13`` holds gate then up columns 32j.. for each input column; ``w2``
+    holds the output column blocks in runs of R, expert by expert within a run: block j of
+    expert e at ``w2[j // R, e, j % R]``, the down weights of output columns 64j..; zero
+    past I and H."""
     _, w13, w2, _, _, _ = _problem(1, 70, 40, 3, 1, None, 5)
-    p = CpuPackedExperts(w13, w2)
-    assert p.w13.shape == (3, 2, 70, 2 * GATE_BLOCK) and p.w2.shape == (2, 3, 64, DOWN_BLOCK)
+    p = CpuPackedExperts(w13, w2, run=run)
+    assert p.w13.shape == (3, 2, 70, 2 * GATE_BLOCK)
+    assert p.w2.shape == (2 // run, 3, run, 64, DOWN_BLOCK)
+
+    def down(e: int, j: int) -> torch.Tensor:  # [I_pad, 64]
+        return p.w2[j // run, e, j % run]
+
     e, k = 2, 11
     for col in (0, 31, 32, 39):
         j, c = divmod(col, GATE_BLOCK)
         assert p.w13[e, j, k, c] == w13[e, col, k]  # gate
         assert p.w13[e, j, k, GATE_BLOCK + c] == w13[e, 40 + col, k]  # up
-        assert p.w2[0, e, col, 5] == w2[e, 5, col]
-        assert p.w2[1, e, col, 69 - DOWN_BLOCK] == w2[e, 69, col]
+        assert down(e, 0)[col, 5] == w2[e, 5, col]
+        assert down(e, 1)[col, 69 - DOWN_BLOCK] == w2[e, 69, col]
     assert torch.count_nonzero(p.w13[:, 1, :, 8:GATE_BLOCK]) == 0  # gate columns 40..63
-    assert torch.count_nonzero(p.w2[:, :, 40:]) == 0  # intermediate rows past I
-    assert torch.count_nonzero(p.w2[1, :, :, 70 - DOWN_BLOCK :]) == 0  # outputs past H
+    assert torch.count_nonzero(p.w2[:, :, :, 40:]) == 0  # intermediate rows past I
+    for e in range(3):
+        assert torch.count_nonzero(down(e, 1)[:, 70 - DOWN_BLOCK :]) == 0  # outputs past H
+    assert all(torch.equal(a, b) for a, b in zip(p.unpack(), (w13, w2), strict=True))
+    with pytest.raises(ValueError, match="run 3 does not divide"):
+        CpuPackedExperts(w13, w2, run=3)
+
+
+def test_down_run_is_one_threads_share_that_divides_the_blocks():
+    assert [down_run(8, t) for t in (1, 2, 3, 4, 8, 16)] == [8, 4, 2, 2, 1, 1]
+    assert down_run(7, 2) == 1 and down_run(6, 4) == 2 and down_run(1, 2) == 1
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_any_run_and_thread_count_give_the_same_bits(dtype):
+    """The down pass adds a token's experts in expert order whatever the pack's run and
+    the threads: every (run, threads) pair gives R = 1's result on one thread, bit for bit
+    (a decode and a batch, H = 6 column blocks, some experts idle)."""
+    x, w13, w2, weights, ids, _ = _problem(24, 6 * DOWN_BLOCK, 48, 16, 4, None, 3)
+    x, w13, w2 = x.to(dtype), w13.to(dtype), w2.to(dtype)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        want = {t: fused_experts_cpu(x[:t], CpuPackedExperts(w13, w2, run=1), weights[:t], ids[:t])
+                for t in (1, 24)}  # fmt: skip
+        for run in (1, 2, 3, 6):
+            packed = CpuPackedExperts(w13, w2, run=run)
+            for threads in (1, 2, 4):
+                torch.set_num_threads(threads)
+                for t, out in want.items():
+                    got = fused_experts_cpu(x[:t], packed, weights[:t], ids[:t])
+                    assert torch.equal(got, out), (run, threads, t)
+                torch.set_num_threads(1)
+    finally:
+        torch.set_num_threads(before)
 
 
 @needs_kernel

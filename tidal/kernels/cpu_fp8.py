@@ -30,7 +30,14 @@ from torch import Tensor
 
 from tidal.kernels.cpu_ext import PREFETCH_HINTS, kernel_available, kernel_status, native_args
 from tidal.kernels.cpu_linear import BLOCK, copy_blocks
-from tidal.kernels.cpu_moe import DOWN_BLOCK, GATE_BLOCK, run_fused_moe
+from tidal.kernels.cpu_moe import (
+    DOWN_BLOCK,
+    GATE_BLOCK,
+    down_run,
+    pack_down_blocks,
+    run_fused_moe,
+    unpack_down_blocks,
+)
 from tidal.kernels.host_memory import empty_huge
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -155,9 +162,9 @@ class Fp8CpuLinear:
 @dataclass(frozen=True)
 class PackedFp8Experts:
     """A layer's FP8 experts in ``cpu_moe.CpuPackedExperts``' blocked layout, as bytes:
-    ``w13 [E, I_pad/32, H, 64]`` and ``w2 [H_pad/64, E, I_pad, 64]`` uint8, with each
+    ``w13 [E, I_pad/32, H, 64]`` and ``w2 [S, E, R, I_pad, 64]`` uint8, with each
     block's column scales per k chunk: ``s13 [E, I_pad/32, ceil(H/bk), 64]`` (the w13
-    blocks' 32 gate then 32 up columns), ``s2 [H_pad/64, E, ceil(I_pad/bk), 64]``."""
+    blocks' 32 gate then 32 up columns), ``s2 [S, E, R, ceil(I_pad/bk), 64]``."""
 
     w13: Tensor
     s13: Tensor
@@ -187,10 +194,8 @@ class PackedFp8Experts:
             halves = src.view(n, g, depth, 2, GATE_BLOCK).permute(0, 3, 1, 4, 2)
             out = halves.reshape(n, 2, g * GATE_BLOCK, depth)[:, :, :inter]
             out = out.reshape(n, 2 * inter, depth)
-        else:  # [D, S, C, 64] -> [S, D*64, C], cut to H rows (and the scales to their chunks)
-            src = (self.w2 if part == 1 else self.s2)[:, idx]
-            d, depth = src.shape[0], src.shape[2]
-            out = src.permute(1, 0, 3, 2).reshape(n, d * DOWN_BLOCK, depth)[:, :hidden]
+        else:  # [S, E, R, C, 64] -> [n, S*R*64, C], cut to H rows (and the scales' chunks)
+            out = unpack_down_blocks(self.w2 if part == 1 else self.s2, idx, False)[:, :hidden]
             out = out[:, :, : (inter if part == 1 else math.ceil(inter / self.block_k))]
         out = out.contiguous()
         return out.view(FP8_DTYPE) if part < 2 else out
@@ -202,6 +207,7 @@ def pack_fp8_experts_rows(
     w2: Tensor,  # [E, H, I] float8_e4m3fn
     s2: Tensor,  # [E, H, ceil(I/bk)] float32 row scales
     block_k: int,
+    run: int | None = None,  # R of w2 (a divisor of H_pad/64); default cpu_moe.down_run
 ) -> PackedFp8Experts:
     """Experts with per-row scales packed for ``fp8_fused_experts``."""
     if w13.dtype != FP8_DTYPE or w2.dtype != FP8_DTYPE:
@@ -224,10 +230,13 @@ def pack_fp8_experts_rows(
         halves = packed.view(num, gate_blocks, packed.shape[2], 2, GATE_BLOCK)
         for half, rows in enumerate((src[:, :inter], src[:, inter:])):  # gate, up
             copy_blocks(halves[:, :, :, half], rows, GATE_BLOCK)
-    pw2 = empty_huge((down_blocks, num, inter_pad, DOWN_BLOCK), torch.uint8)
-    copy_blocks(pw2.transpose(0, 1)[:, :, :inter], w2.view(torch.uint8), DOWN_BLOCK)
-    ps2 = torch.zeros(down_blocks, num, math.ceil(inter_pad / block_k), DOWN_BLOCK)
-    copy_blocks(ps2.transpose(0, 1)[:, :, :down_c], s2.float(), DOWN_BLOCK)
+    run = run or down_run(down_blocks)
+    if down_blocks % run:
+        raise ValueError(f"run {run} does not divide the {down_blocks} output column blocks")
+    pw2 = empty_huge((down_blocks // run, num, run, inter_pad, DOWN_BLOCK), torch.uint8)
+    pack_down_blocks(pw2, w2.view(torch.uint8), False)
+    ps2 = torch.zeros(down_blocks // run, num, run, math.ceil(inter_pad / block_k), DOWN_BLOCK)
+    pack_down_blocks(ps2, s2.float(), False)
     return PackedFp8Experts(pw13, ps13, pw2, ps2, hidden, inter, block_k)
 
 
@@ -237,6 +246,7 @@ def pack_fp8_experts(
     w2: Tensor,  # [E, H, I] float8_e4m3fn
     w2_scale_inv: Tensor,  # [E, ceil(H/bn), ceil(I/bk)] (or per tensor)
     block: tuple[int, int] = DEFAULT_BLOCK,
+    run: int | None = None,  # R of w2 (pack_fp8_experts_rows)
 ) -> PackedFp8Experts:
     """A checkpoint's FP8 experts and their ``weight_scale_inv`` packed for
     ``fp8_fused_experts``."""
@@ -244,7 +254,7 @@ def pack_fp8_experts(
     inter = w2.shape[2]
     s13 = torch.stack([row_scales(w13_scale_inv[e], two_i, hidden, block) for e in range(num)])
     s2 = torch.stack([row_scales(w2_scale_inv[e], hidden, inter, block) for e in range(num)])
-    return pack_fp8_experts_rows(w13, s13, w2, s2, block[1])
+    return pack_fp8_experts_rows(w13, s13, w2, s2, block[1], run)
 
 
 def fp8_fused_experts(

@@ -28,6 +28,40 @@ GATE_BLOCK = 32  # intermediate columns per w13 block (the kernel's kGateBlock)
 DOWN_BLOCK = 64  # output columns per w2 block (kDownBlock)
 
 
+def down_run(down_blocks: int, threads: int | None = None) -> int:
+    """R of a ``w2`` pack ``[S, E, R, ...]``: how many output column blocks lie together per
+    expert -- the largest divisor of ``down_blocks`` that is at most one thread's share of
+    the down pass (``threads``: torch's, by default), so that a thread reads one stretch
+    per busy expert at decode and one stretch in all at a batch (``csrc/moe_cpu.cpp``)."""
+    share = -(-down_blocks // max(1, threads or torch.get_num_threads()))
+    return max(r for r in range(1, max(1, share) + 1) if down_blocks % r == 0)
+
+
+def pack_down_blocks(dst: Tensor, src: Tensor, pairs: bool) -> None:
+    """``src [E, N, K]`` (``w2``, or FP8 scales ``[E, H, C]``) into ``dst [S, E, R, K', 64]``
+    (bf16 ``pairs``: ``[S, E, R, K'/2, 64, 2]``), zero-filled: output column block
+    ``s * R + r`` of expert ``e`` at ``dst[s, e, r]``, each stored transposed."""
+    runs, _, run = dst.shape[:3]
+    for s in range(runs):
+        rows = src[:, s * run * DOWN_BLOCK : (s + 1) * run * DOWN_BLOCK]
+        if rows.shape[1] == 0:
+            break
+        if pairs:
+            copy_pair_blocks(dst[s], rows, DOWN_BLOCK)
+        else:
+            copy_blocks(dst[s][:, :, : src.shape[2]], rows, DOWN_BLOCK)
+
+
+def unpack_down_blocks(packed: Tensor, idx: list[int], pairs: bool) -> Tensor:
+    """``pack_down_blocks`` undone for experts ``idx``: ``[S, E, R, K', 64(, 2)]`` ->
+    ``[len(idx), S * R * 64, K' (x 2)]`` (a copy; cut it to the real sizes)."""
+    blocks = packed[:, idx]  # [S, n, R, K', 64(, 2)]
+    runs, n, run, depth = blocks.shape[:4]
+    if pairs:  # [S, n, R, P, 64, 2] -> [n, S, R, 64, P, 2]
+        return blocks.permute(1, 0, 2, 4, 3, 5).reshape(n, runs * run * DOWN_BLOCK, 2 * depth)
+    return blocks.permute(1, 0, 2, 4, 3).reshape(n, runs * run * DOWN_BLOCK, depth)
+
+
 @dataclass(frozen=True)
 class ExpertExtras:
     """What GPT-OSS's experts add to the plain ones: ``b13 [E_local, 2I]`` (gate biases,
@@ -48,17 +82,19 @@ class CpuPackedExperts:
 
     * ``w13 [E, I_pad/32, H, 64]``: block j holds, for each input column k, the 32 gate
       weights of intermediate columns 32j.. then the 32 matching up weights;
-    * ``w2 [H_pad/64, E, I_pad, 64]``: block (j, e) holds, for each intermediate column k,
-      expert e's down weights of output columns 64j.. (column block major, so one output
-      block's experts lie in address order);
+    * ``w2 [S, E, R, I_pad, 64]``: the H_pad/64 output column blocks in S runs of R
+      (``down_run``); block (s, e, r) holds, for each intermediate column k, expert e's
+      down weights of output columns 64(sR + r)..;
 
     zero past I and H. bf16 weights stay bf16, their k rows in pairs (``copy_pair_blocks``):
-    ``w13 [E, I_pad/32, H_pad/2, 64, 2]``, ``w2 [H_pad/64, E, I_pad/2, 64, 2]``.
+    ``w13 [E, I_pad/32, H_pad/2, 64, 2]``, ``w2 [S, E, R, I_pad/2, 64, 2]``.
     When the C++ path serves a layer this is the experts' only copy
     (``tidal/kernels/cpu_paths.py``): ``unpack`` rebuilds the checkpoint layout, and a
     write (``FusedMoE.write_weights``) packs it again."""
 
-    def __init__(self, w13: Tensor, w2: Tensor) -> None:  # [E, 2I, H], [E, H, I]
+    def __init__(
+        self, w13: Tensor, w2: Tensor, run: int | None = None
+    ) -> None:  # [E, 2I, H], [E, H, I]; run: R of w2 (a divisor of H_pad/64; default down_run)
         if w13.dtype not in DTYPES or w2.dtype != w13.dtype:
             raise ValueError(
                 f"the CPU kernel takes float32 or bf16 experts, got {w13.dtype}/{w2.dtype}"
@@ -80,19 +116,20 @@ class CpuPackedExperts:
         # [E, I_pad/32, H, 64] | [E, I_pad/32, H_pad/2, 64, 2]
         self.w13 = empty_huge((num, gate_blocks, depth, 2 * GATE_BLOCK, *pair), dtype)
         halves = self.w13.view(num, gate_blocks, depth, 2, GATE_BLOCK, *pair)
-        # [H_pad/64, E, I_pad, 64] | [H_pad/64, E, I_pad/2, 64, 2]
+        # [S, E, R, I_pad, 64] | [S, E, R, I_pad/2, 64, 2]
+        run = run or down_run(down_blocks)
+        if down_blocks % run:
+            raise ValueError(f"run {run} does not divide the {down_blocks} output column blocks")
         self.w2 = empty_huge(
-            (down_blocks, num, packed_depth(inter_pad, dtype), DOWN_BLOCK, *pair), dtype
+            (down_blocks // run, num, run, packed_depth(inter_pad, dtype), DOWN_BLOCK, *pair),
+            dtype,
         )
         for half, rows in enumerate((w13[:, :inter], w13[:, inter:])):  # gate, up: [E, I, H]
             if pair:
                 copy_pair_blocks(halves[:, :, :, half], rows, GATE_BLOCK)
             else:
                 copy_blocks(halves[:, :, :, half], rows, GATE_BLOCK)
-        if pair:
-            copy_pair_blocks(self.w2.transpose(0, 1), w2, DOWN_BLOCK)
-        else:
-            copy_blocks(self.w2.transpose(0, 1)[:, :, :inter], w2, DOWN_BLOCK)
+        pack_down_blocks(self.w2, w2, bool(pair))
         self.shapes = (tuple(w13.shape), tuple(w2.shape))
         self.dtype = dtype
 
@@ -126,16 +163,7 @@ class CpuPackedExperts:
     def unpack_w2(self, slots: list[int] | None = None) -> Tensor:  # [S, H, I]
         _, (num, hidden, inter) = self.shapes
         idx = list(range(num)) if slots is None else list(slots)
-        blocks = self.w2[:, idx]  # [H_pad/64, S, I_pad, 64] | [H_pad/64, S, I_pad/2, 64, 2]
-        if self.dtype == torch.bfloat16:
-            # [D, S, P, 64, 2] -> [S, D, 64, P, 2] = [S, H_pad, I_pad]
-            down = blocks.permute(1, 0, 3, 2, 4).reshape(
-                len(idx), blocks.shape[0] * DOWN_BLOCK, 2 * blocks.shape[2]
-            )
-        else:
-            down = blocks.permute(1, 0, 3, 2).reshape(
-                len(idx), blocks.shape[0] * DOWN_BLOCK, blocks.shape[2]
-            )  # [S, H_pad, I_pad]
+        down = unpack_down_blocks(self.w2, idx, self.dtype == torch.bfloat16)  # [S, H_pad, I_pad]
         out = _k_major_empty(len(idx), hidden, inter, self.dtype)
         out.copy_(down[:, :hidden, :inter])
         return out

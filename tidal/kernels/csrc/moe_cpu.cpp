@@ -14,18 +14,23 @@
 //   w13p [E, I_pad / 32, H, 64]: column block j of expert e holds, for each k, the 32
 //        gate weights of intermediate columns j*32.. then the 32 matching up weights, so
 //        one block gives both halves of SiLU-and-mul; columns past I are zero.
-//   w2p  [H_pad / 64, E, I_pad, 64]: block (j, e) holds, for each k, expert e's down
-//        weights of output columns j*64..; rows past I and columns past H are zero. Column
-//        block major: the down pass's task j reads its experts' blocks in address order,
-//        so the lookahead prefetch runs on into the next block instead of past its end.
+//   w2p  [S, E, R, I_pad, 64]: the H_pad / 64 output column blocks in S runs of R; block
+//        (s, e, r) holds, for each k, expert e's down weights of output columns
+//        (s * R + r) * 64..; rows past I and columns past H are zero. R is chosen at pack
+//        time so that a run is one thread's share of the down pass (H_pad / 64 / threads,
+//        cpu_moe.py's down_run): the thread reads one stretch of memory per busy expert at
+//        decode (a few busy experts, scattered) and one stretch in all at a batch (most
+//        experts busy). With R = 1 a decode read one short block per busy expert and
+//        column block, each starting on misses; with R = H_pad / 64 a batch read one
+//        stretch per expert. The kernel is correct for any R and thread count.
 // Each block is read front to back, once per group of up to kRows rows. bf16 packs hold
 // the same blocks with their k rows in pairs (gemm.h): w13p [E, I_pad / 32, H_pad / 2, 64,
-// 2], w2p [H_pad / 64, E, I_pad / 2, 64, 2]; the intermediate activations stay float32
+// 2], w2p [S, E, R, I_pad / 2, 64, 2]; the intermediate activations stay float32
 // (bf16 for the dot kernel, which reads them so), the sums float32. FP8 experts (uint8
 // packs of the float32 layout, read by gemm.h's block_gemm_fp8 or, with dot, its FP8 dot
 // kernel on bf16 activations) come with their scales per column
 // and k chunk: s13p [E, I_pad / 32, ceil(H / block_k), 64] (the w13 blocks' column order),
-// s2p [H_pad / 64, E, ceil(I_pad / block_k), 64].
+// s2p [S, E, R, ceil(I_pad / block_k), 64].
 // Optional extras (GPT-OSS's experts): per-expert biases b13 [E, 2I] (gate, then up; added
 // to the gate/up GEMM's result) and b2 [E, H] (added to the down GEMM's, before the router
 // weight), float32 or bf16, unpacked; and the clamped SwiGLU, (min(up, l) clamped below at
@@ -76,12 +81,18 @@ GateTasks gate_tasks(const std::vector<int64_t>& start, int64_t num_local, int64
 }
 
 // The down pass's tasks, one per output column block: every block all the rows, I_pad
-// deep; the last block as wide as the columns it has left.
+// deep; the last block as wide as the columns it has left. A thread takes a run of them.
 std::vector<double> down_costs(int64_t down_blocks, int64_t hidden_size) {
   std::vector<double> cost(down_blocks, 1.0);
   cost.back() = static_cast<double>(hidden_size - (down_blocks - 1) * kDownBlock) / kDownBlock;
   return cost;
 }
+
+// Where down block (expert e, output column block j) lies in a w2p pack [S, E, R, ...].
+struct DownLayout {
+  int64_t experts = 1, run = 1;  // E, R
+  int64_t index(int64_t e, int64_t j) const { return ((j / run) * experts + e) * run + j % run; }
+};
 
 inline vec16 silu(vec16 g) { return g / (splat(1.f) + vexp(-g)); }
 
@@ -218,11 +229,11 @@ void amx_experts(const at::Tensor& x,                 // [T, H] float32 or bf16,
                  const std::vector<int64_t>& token,   // [N] the token of each routed row
                  const std::vector<float>& row_weight,  // [N]
                  const std::vector<int64_t>& start,   // [E + 1] each slot's first row
-                 const at::Tensor& w13p, const at::Tensor& w2p, int64_t up_steps,
-                 int64_t down_steps, const Extras& ex,
+                 const at::Tensor& w13p, const at::Tensor& w2p, const DownLayout& dl,
+                 int64_t up_steps, int64_t down_steps, const Extras& ex,
                  at::Tensor& out) {  // out [T, H] float32, zero
   const int64_t num_local = w13p.size(0), gate_blocks = w13p.size(1);
-  const int64_t down_blocks = w2p.size(0), hidden_size = x.size(1);
+  const int64_t down_blocks = w2p.size(0) * w2p.size(2), hidden_size = x.size(1);
   const int64_t up_pad = 2 * up_steps, inter_pad = 2 * down_steps;
   const int64_t rows = start[num_local];
   const bool x_bf16 = x.scalar_type() == at::kBFloat16;
@@ -274,7 +285,7 @@ void amx_experts(const at::Tensor& x,                 // [T, H] float32 or bf16,
     alignas(64) float bias[64];
     for (int64_t e = 0; e < num_local; ++e) {
       if (start[e + 1] == start[e]) continue;
-      const uint16_t* blk = w2 + (j * num_local + e) * down_block;
+      const uint16_t* blk = w2 + dl.index(e, j) * down_block;
       if (ex.b2) ex.down_bias(e, j, bias);
       for (int64_t r0 = start[e]; r0 < start[e + 1]; r0 += kAmxRows) {
         const int m = static_cast<int>(std::min<int64_t>(kAmxRows, start[e + 1] - r0));
@@ -296,7 +307,7 @@ void amx_experts(const at::Tensor& x,                 // [T, H] float32 or bf16,
 at::Tensor fused_moe(const at::Tensor& hidden,  // [T, H] float32 or bf16
                      // float32 [E, I_pad/32, H, 64] | bf16 [E, I_pad/32, H_pad/2, 64, 2]
                      const at::Tensor& w13p,
-                     // float32 [H_pad/64, E, I_pad, 64] | bf16 [H_pad/64, E, I_pad/2, 64, 2]
+                     // float32 [S, E, R, I_pad, 64] | bf16 [S, E, R, I_pad/2, 64, 2]
                      const at::Tensor& w2p,
                      const at::Tensor& topk_weights,  // [T, K] float32
                      const at::Tensor& topk_ids,      // [T, K] int64 global ids
@@ -307,7 +318,7 @@ at::Tensor fused_moe(const at::Tensor& hidden,  // [T, H] float32 or bf16
                                 // the FP8 dot kernel, else the fp16 decode (gemm.h)
                      // FP8 (uint8) packs: [E, I_pad/32, ceil(H/block_k), 64] float32
                      const std::optional<at::Tensor>& s13p,
-                     // FP8: [H_pad/64, E, ceil(I_pad/block_k), 64] float32
+                     // FP8: [S, E, R, ceil(I_pad/block_k), 64] float32
                      const std::optional<at::Tensor>& s2p,
                      int64_t block_k,  // FP8: the k chunk of one scale
                      bool amx,         // bf16: the AMX tile kernel (amx.h); FP8: the
@@ -328,7 +339,10 @@ at::Tensor fused_moe(const at::Tensor& hidden,  // [T, H] float32 or bf16
   const bool bf16_amx = amx && !fp8;  // amx_experts; FP8's AMX kernel is a block kernel
   const int64_t num_tokens = hidden.size(0), hidden_size = hidden.size(1);
   const int64_t num_local = w13p.size(0), gate_blocks = w13p.size(1);
-  const int64_t inter_pad = gate_blocks * kGateBlock, down_blocks = w2p.size(0);
+  const int64_t inter_pad = gate_blocks * kGateBlock;
+  TORCH_CHECK(w2p.dim() >= 3 && w2p.size(2) > 0, "w2p must be an [S, E, R, ...] pack");
+  const DownLayout dl{num_local, w2p.size(2)};
+  const int64_t down_blocks = w2p.size(0) * dl.run;
   // Each pass's kernel loop length and staged row length (bf16: rows in pairs, gemm.h).
   int64_t up_steps = hidden_size, up_pad = hidden_size, down_steps = inter_pad;
   TORCH_CHECK(w2p.scalar_type() == w13p.scalar_type(), "w13p and w2p must have one dtype");
@@ -339,9 +353,9 @@ at::Tensor fused_moe(const at::Tensor& hidden,  // [T, H] float32 or bf16
     TORCH_CHECK(w13p.dim() == 4 && w13p.is_contiguous() && w13p.size(3) == 2 * kGateBlock &&
                     w13p.size(2) == hidden_size,
                 "w13p must be a contiguous [E, I_pad/32, H, 64] uint8 (FP8) pack matching hidden");
-    TORCH_CHECK(w2p.dim() == 4 && w2p.is_contiguous() && w2p.size(3) == kDownBlock &&
-                    w2p.size(2) == inter_pad,
-                "w2p must be a contiguous [H_pad/64, E, I_pad, 64] uint8 (FP8) pack matching w13p");
+    TORCH_CHECK(w2p.dim() == 5 && w2p.is_contiguous() && w2p.size(4) == kDownBlock &&
+                    w2p.size(3) == inter_pad,
+                "w2p must be a contiguous [S, E, R, I_pad, 64] uint8 (FP8) pack matching w13p");
     TORCH_CHECK(block_k > 0 && s13p.has_value() && s2p.has_value(),
                 "FP8 experts need their scales (s13p, s2p) and block_k");
     up_chunks = (hidden_size + block_k - 1) / block_k;
@@ -350,8 +364,8 @@ at::Tensor fused_moe(const at::Tensor& hidden,  // [T, H] float32 or bf16
                     s13p->sizes() == at::IntArrayRef({num_local, gate_blocks, up_chunks, 64}),
                 "s13p must be a contiguous [E, I_pad/32, ceil(H/block_k), 64] float32 pack");
     TORCH_CHECK(s2p->scalar_type() == at::kFloat && s2p->is_contiguous() &&
-                    s2p->sizes() == at::IntArrayRef({down_blocks, num_local, down_chunks, 64}),
-                "s2p must be a contiguous [H_pad/64, E, ceil(I_pad/block_k), 64] float32 pack");
+                    s2p->sizes() == at::IntArrayRef({w2p.size(0), num_local, dl.run, down_chunks, 64}),
+                "s2p must be a contiguous [S, E, R, ceil(I_pad/block_k), 64] float32 pack");
     s13 = s13p->data_ptr<float>();
     s2 = s2p->data_ptr<float>();
 
@@ -360,20 +374,20 @@ at::Tensor fused_moe(const at::Tensor& hidden,  // [T, H] float32 or bf16
     TORCH_CHECK(w13p.dim() == 4 && w13p.is_contiguous() && w13p.size(3) == 2 * kGateBlock &&
                     w13p.size(2) == hidden_size,
                 "w13p must be a contiguous [E, I_pad/32, H, 64] float32 pack matching hidden");
-    TORCH_CHECK(w2p.dim() == 4 && w2p.is_contiguous() && w2p.size(3) == kDownBlock &&
-                    w2p.size(2) == inter_pad,
-                "w2p must be a contiguous [H_pad/64, E, I_pad, 64] float32 pack matching w13p");
+    TORCH_CHECK(w2p.dim() == 5 && w2p.is_contiguous() && w2p.size(4) == kDownBlock &&
+                    w2p.size(3) == inter_pad,
+                "w2p must be a contiguous [S, E, R, I_pad, 64] float32 pack matching w13p");
   } else {
     TORCH_CHECK(w13p.dim() == 5 && w13p.is_contiguous() && w13p.size(3) == 2 * kGateBlock &&
                     w13p.size(4) == 2 && w13p.size(2) == (hidden_size + 1) / 2,
                 "w13p must be a contiguous [E, I_pad/32, H_pad/2, 64, 2] bf16 pack matching "
                 "hidden");
-    TORCH_CHECK(w2p.dim() == 5 && w2p.is_contiguous() && w2p.size(3) == kDownBlock &&
-                    w2p.size(4) == 2 && 2 * w2p.size(2) == inter_pad,
-                "w2p must be a contiguous [H_pad/64, E, I_pad/2, 64, 2] bf16 pack matching w13p");
+    TORCH_CHECK(w2p.dim() == 6 && w2p.is_contiguous() && w2p.size(4) == kDownBlock &&
+                    w2p.size(5) == 2 && 2 * w2p.size(3) == inter_pad,
+                "w2p must be a contiguous [S, E, R, I_pad/2, 64, 2] bf16 pack matching w13p");
     up_steps = w13p.size(2);
     up_pad = 2 * up_steps;
-    down_steps = w2p.size(2);
+    down_steps = w2p.size(3);
     TORCH_CHECK(!amx || (up_steps % kAmxPairs == 0 && down_steps % kAmxPairs == 0),
                 "fused_moe: the AMX kernel takes a hidden size that is a multiple of 32");
   }
@@ -456,7 +470,7 @@ at::Tensor fused_moe(const at::Tensor& hidden,  // [T, H] float32 or bf16
   }
 #ifdef TIDAL_AMX
   if (bf16_amx) {
-    amx_experts(x, token, row_weight, start, w13p, w2p, up_steps, down_steps, ex, out);
+    amx_experts(x, token, row_weight, start, w13p, w2p, dl, up_steps, down_steps, ex, out);
     return result();
   }
 #endif
@@ -513,34 +527,46 @@ at::Tensor fused_moe(const at::Tensor& hidden,  // [T, H] float32 or bf16
       }
     });
 
-    // 3. down, summed into the tokens: task = output column block, over every row group
-    //    (a token's rows all land in the same task, so no two threads add to one element).
-    for_each_task_static(down_costs(down_blocks, hidden_size), [&](int64_t j) {
-      const int64_t cols = std::min<int64_t>(kDownBlock, hidden_size - j * kDownBlock);
+    // 3. down, summed into the tokens: a thread takes a run of output column blocks
+    //    [j0, j1) for every row (a token's rows all land in the same run, so no two
+    //    threads add to one element) and reads it pack run by pack run, busy expert by
+    //    busy expert (each expert's blocks of a pack run lie together), each block once
+    //    for all of the expert's row groups in turn. A token's experts add in expert
+    //    order whatever the threads and the batch.
+    for_each_run_static(down_costs(down_blocks, hidden_size), [&](int64_t j0, int64_t j1) {
       alignas(64) float bias[64];
-      int64_t bias_expert = -1;  // whose biases ``bias`` holds (an expert's groups are adjacent)
-      for (int64_t g = 0; g < groups; ++g) {
-        const int64_t e = group_expert[g], r0 = group_row[g];
-        if (ex.b2 && e != bias_expert) {
-          ex.down_bias(e, j, bias);
-          bias_expert = e;
+      for (int64_t ja = j0; ja < j1;) {
+        const int64_t jb = std::min(j1, (ja / dl.run + 1) * dl.run);  // [ja, jb): one pack run
+        for (int64_t g0 = 0; g0 < groups;) {
+          const int64_t e = group_expert[g0];
+          int64_t g1 = g0 + 1;  // [g0, g1): expert e's groups (adjacent)
+          while (g1 < groups && group_expert[g1] == e) ++g1;
+          for (int64_t j = ja; j < jb; ++j) {
+            const int64_t cols = std::min<int64_t>(kDownBlock, hidden_size - j * kDownBlock);
+            const void* blk = w2 + dl.index(e, j) * down_block_bytes;
+            const float* sc = s2 ? s2 + dl.index(e, j) * down_chunks * 64 : nullptr;
+            if (ex.b2) ex.down_bias(e, j, bias);
+            for (int64_t g = g0; g < g1; ++g) {
+              const int64_t r0 = group_row[g];
+              const int r = static_cast<int>(std::min<int64_t>(kRows, start[e + 1] - r0));
+              RowPtrs as;
+              float* os[kRows];
+              for (int m = 0; m < r; ++m) {
+                if (act_bf16)
+                  as.h[m] = reinterpret_cast<const uint32_t*>(act_h.data() + (r0 + m) * inter_pad);
+                else
+                  as.f[m] = act_f.data() + (r0 + m) * inter_pad;
+                os[m] = op + token[r0 + m] * hidden_size + j * kDownBlock;
+              }
+              dispatch_rows(r, [&](auto R) {
+                down_rows<R(), P()>(kind, as, blk, down_steps, os, cols, sc, block_k,
+                                    ex.b2 ? bias : nullptr, &row_weight[r0]);
+              });
+            }
+          }
+          g0 = g1;
         }
-        const int r = static_cast<int>(std::min<int64_t>(kRows, start[e + 1] - r0));
-        RowPtrs as;
-        float* os[kRows];
-        for (int m = 0; m < r; ++m) {
-          if (act_bf16)
-            as.h[m] = reinterpret_cast<const uint32_t*>(act_h.data() + (r0 + m) * inter_pad);
-          else
-            as.f[m] = act_f.data() + (r0 + m) * inter_pad;
-          os[m] = op + token[r0 + m] * hidden_size + j * kDownBlock;
-        }
-        const void* blk = w2 + (j * num_local + e) * down_block_bytes;
-        const float* sc = s2 ? s2 + (j * num_local + e) * down_chunks * 64 : nullptr;
-        dispatch_rows(r, [&](auto R) {
-          down_rows<R(), P()>(kind, as, blk, down_steps, os, cols, sc, block_k,
-                              ex.b2 ? bias : nullptr, &row_weight[r0]);
-        });
+        ja = jb;
       }
     });
   });
