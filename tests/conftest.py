@@ -18,12 +18,20 @@ import pytest
 # Everything Tidal caches under $XDG_CACHE_HOME (the measured CPU kernel choices, the
 # embedded default model) goes to a folder of this session's, removed at its end: tests
 # neither read a user's cached choices nor leave theirs behind. Engine processes inherit it.
-_CACHE_HOME = tempfile.mkdtemp(prefix="tidal-test-cache-")
-os.environ["XDG_CACHE_HOME"] = _CACHE_HOME
+# Made in pytest_configure, not at import: a run refused for its arguments imports this
+# file but never configures, and so leaves no folder behind.
+_cache_home: str | None = None
 
 
-def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    shutil.rmtree(_CACHE_HOME, ignore_errors=True)
+def pytest_configure(config: pytest.Config) -> None:
+    global _cache_home
+    _cache_home = tempfile.mkdtemp(prefix="tidal-test-cache-")
+    os.environ["XDG_CACHE_HOME"] = _cache_home
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if _cache_home is not None:
+        shutil.rmtree(_cache_home, ignore_errors=True)
 
 
 # Folder -> the markers its tests carry (pyproject.toml lists them); tests/unit and
