@@ -33,7 +33,7 @@ from tidal.kernels.cpu_linear import BLOCK, copy_blocks
 from tidal.kernels.cpu_moe import (
     DOWN_BLOCK,
     GATE_BLOCK,
-    down_run,
+    checked_run,
     pack_down_blocks,
     run_fused_moe,
     unpack_down_blocks,
@@ -230,9 +230,7 @@ def pack_fp8_experts_rows(
         halves = packed.view(num, gate_blocks, packed.shape[2], 2, GATE_BLOCK)
         for half, rows in enumerate((src[:, :inter], src[:, inter:])):  # gate, up
             copy_blocks(halves[:, :, :, half], rows, GATE_BLOCK)
-    run = run or down_run(down_blocks)
-    if down_blocks % run:
-        raise ValueError(f"run {run} does not divide the {down_blocks} output column blocks")
+    run = checked_run(down_blocks, run)
     pw2 = empty_huge((down_blocks // run, num, run, inter_pad, DOWN_BLOCK), torch.uint8)
     pack_down_blocks(pw2, w2.view(torch.uint8), False)
     ps2 = torch.zeros(down_blocks // run, num, run, math.ceil(inter_pad / block_k), DOWN_BLOCK)

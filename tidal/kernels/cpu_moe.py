@@ -37,6 +37,15 @@ def down_run(down_blocks: int, threads: int | None = None) -> int:
     return max(r for r in range(1, max(1, share) + 1) if down_blocks % r == 0)
 
 
+def checked_run(down_blocks: int, run: int | None) -> int:
+    """``run`` (``down_run``'s when None) as a pack's R, refused unless it divides
+    ``down_blocks``."""
+    run = run or down_run(down_blocks)
+    if down_blocks % run:
+        raise ValueError(f"run {run} does not divide the {down_blocks} output column blocks")
+    return run
+
+
 def pack_down_blocks(dst: Tensor, src: Tensor, pairs: bool) -> None:
     """``src [E, N, K]`` (``w2``, or FP8 scales ``[E, H, C]``) into ``dst [S, E, R, K', 64]``
     (bf16 ``pairs``: ``[S, E, R, K'/2, 64, 2]``), zero-filled: output column block
@@ -44,8 +53,6 @@ def pack_down_blocks(dst: Tensor, src: Tensor, pairs: bool) -> None:
     runs, _, run = dst.shape[:3]
     for s in range(runs):
         rows = src[:, s * run * DOWN_BLOCK : (s + 1) * run * DOWN_BLOCK]
-        if rows.shape[1] == 0:
-            break
         if pairs:
             copy_pair_blocks(dst[s], rows, DOWN_BLOCK)
         else:
@@ -117,9 +124,7 @@ class CpuPackedExperts:
         self.w13 = empty_huge((num, gate_blocks, depth, 2 * GATE_BLOCK, *pair), dtype)
         halves = self.w13.view(num, gate_blocks, depth, 2, GATE_BLOCK, *pair)
         # [S, E, R, I_pad, 64] | [S, E, R, I_pad/2, 64, 2]
-        run = run or down_run(down_blocks)
-        if down_blocks % run:
-            raise ValueError(f"run {run} does not divide the {down_blocks} output column blocks")
+        run = checked_run(down_blocks, run)
         self.w2 = empty_huge(
             (down_blocks // run, num, run, packed_depth(inter_pad, dtype), DOWN_BLOCK, *pair),
             dtype,

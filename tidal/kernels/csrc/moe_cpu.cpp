@@ -233,7 +233,7 @@ void amx_experts(const at::Tensor& x,                 // [T, H] float32 or bf16,
                  int64_t up_steps, int64_t down_steps, const Extras& ex,
                  at::Tensor& out) {  // out [T, H] float32, zero
   const int64_t num_local = w13p.size(0), gate_blocks = w13p.size(1);
-  const int64_t down_blocks = w2p.size(0) * w2p.size(2), hidden_size = x.size(1);
+  const int64_t down_blocks = w2p.size(0) * dl.run, hidden_size = x.size(1);
   const int64_t up_pad = 2 * up_steps, inter_pad = 2 * down_steps;
   const int64_t rows = start[num_local];
   const bool x_bf16 = x.scalar_type() == at::kBFloat16;
@@ -474,15 +474,6 @@ at::Tensor fused_moe(const at::Tensor& hidden,  // [T, H] float32 or bf16
     return result();
   }
 #endif
-  // Busy (expert, group of up to kRows rows) pairs: the units of work.
-  std::vector<int64_t> group_expert, group_row;
-  for (int64_t e = 0; e < num_local; ++e)
-    for (int64_t r = start[e]; r < start[e + 1]; r += kRows) {
-      group_expert.push_back(e);
-      group_row.push_back(r);
-    }
-  const int64_t groups = group_expert.size();
-
   // [N, I_pad]: float32, bf16 (rounded, as the dot kernel reads it) for the dot kernel
   const bool act_bf16 = reads_bf16_pairs(kind);
   std::vector<float> act_f(act_bf16 ? 0 : rows * inter_pad);
@@ -537,17 +528,14 @@ at::Tensor fused_moe(const at::Tensor& hidden,  // [T, H] float32 or bf16
       alignas(64) float bias[64];
       for (int64_t ja = j0; ja < j1;) {
         const int64_t jb = std::min(j1, (ja / dl.run + 1) * dl.run);  // [ja, jb): one pack run
-        for (int64_t g0 = 0; g0 < groups;) {
-          const int64_t e = group_expert[g0];
-          int64_t g1 = g0 + 1;  // [g0, g1): expert e's groups (adjacent)
-          while (g1 < groups && group_expert[g1] == e) ++g1;
+        for (const int64_t e : busy) {
           for (int64_t j = ja; j < jb; ++j) {
             const int64_t cols = std::min<int64_t>(kDownBlock, hidden_size - j * kDownBlock);
-            const void* blk = w2 + dl.index(e, j) * down_block_bytes;
-            const float* sc = s2 ? s2 + dl.index(e, j) * down_chunks * 64 : nullptr;
+            const int64_t b = dl.index(e, j);
+            const void* blk = w2 + b * down_block_bytes;
+            const float* sc = s2 ? s2 + b * down_chunks * 64 : nullptr;
             if (ex.b2) ex.down_bias(e, j, bias);
-            for (int64_t g = g0; g < g1; ++g) {
-              const int64_t r0 = group_row[g];
+            for (int64_t r0 = start[e]; r0 < start[e + 1]; r0 += kRows) {  // its row groups
               const int r = static_cast<int>(std::min<int64_t>(kRows, start[e + 1] - r0));
               RowPtrs as;
               float* os[kRows];
@@ -564,7 +552,6 @@ at::Tensor fused_moe(const at::Tensor& hidden,  // [T, H] float32 or bf16
               });
             }
           }
-          g0 = g1;
         }
         ja = jb;
       }
