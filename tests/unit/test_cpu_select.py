@@ -5,6 +5,7 @@ a forced mode wins; a model's modules get the choice and serve by it."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import subprocess
@@ -473,8 +474,8 @@ def _window(monkeypatch, *, cores: int, others_busy_s: float, own_s: float, wall
     """A trial window of ``wall_s`` in which this process used ``own_s`` CPU seconds and
     the rest of the machine ``others_busy_s``."""
     monkeypatch.setattr(select.os, "sched_getaffinity", lambda _pid: set(range(cores)))
-    start = select.CpuSample(machine_busy_s=100.0, own_s=10.0, at_s=50.0)
-    end = select.CpuSample(100.0 + own_s + others_busy_s, 10.0 + own_s, 50.0 + wall_s)
+    start = select.CpuSample(machine_busy_s=100.0, own_s=10.0, at_s=50.0, cores=cores)
+    end = select.CpuSample(100.0 + own_s + others_busy_s, 10.0 + own_s, 50.0 + wall_s, cores)
     monkeypatch.setattr(select, "cpu_sample", lambda: end)
     return start
 
@@ -495,6 +496,52 @@ def test_ranks_on_their_own_share_of_the_cores_are_not_contention(monkeypatch):
     # ... but a third busy process on top is.
     since = _window(monkeypatch, cores=2, others_busy_s=1.8, own_s=0.6, wall_s=1.0)
     assert select.oversubscribed(since, threads=1) is not None
+
+
+def test_a_process_that_moved_to_other_cores_during_the_trials_is_not_judged_by_them(
+    monkeypatch,
+):
+    since = _window(monkeypatch, cores=2, others_busy_s=0.0, own_s=1.0, wall_s=1.0)
+    since = select.CpuSample(since.machine_busy_s, since.own_s, since.at_s, cores=1)
+    assert "cores changed" in select.oversubscribed(since, threads=1)
+
+
+def test_only_the_cores_this_process_may_use_are_counted(monkeypatch):
+    clk = os.sysconf("SC_CLK_TCK")
+    stat = (
+        "cpu  700 0 0 9000 0 0 0 0 0 0\n"
+        f"cpu0 {clk} 0 {clk} 5000 7 0 0 {clk} 0 0\n"  # user, system, steal: 3 s busy
+        f"cpu1 {10 * clk} 0 0 4000 0 0 0 0 0 0\n"
+        "intr 12345\n"
+    )
+    monkeypatch.setattr(select, "open", lambda *a, **k: io.StringIO(stat), raising=False)
+    assert select._busy_s({0}) == pytest.approx(3.0)
+    assert select._busy_s({1}) == pytest.approx(10.0)
+    assert select._busy_s({0, 1}) == pytest.approx(13.0)
+    assert select._busy_s({0, 2}) is None  # a core /proc/stat does not list: unknown
+
+
+def test_a_busy_process_pinned_to_another_core_is_not_on_ours():
+    # Two DP ranks pinned a core each: one's loading is not contention for the other's trial.
+    cores = sorted(os.sched_getaffinity(0))
+    if select.cpu_sample().machine_busy_s is None or len(cores) < 2:
+        pytest.skip("needs /proc/stat and two usable cores")
+    ours, theirs = {cores[0]}, {cores[1]}
+    code = (
+        f"import os, time\nos.sched_setaffinity(0, {theirs!r})\n"
+        "t = time.monotonic()\nwhile time.monotonic() - t < 30: pass\n"
+    )
+    busy = subprocess.Popen([sys.executable, "-c", code])
+    try:
+        ours0, theirs0 = select._busy_s(ours), select._busy_s(theirs)
+        assert wait_until(lambda: psutil.Process(busy.pid).cpu_times().user >= 1.0, 60)
+        ours1, theirs1 = select._busy_s(ours), select._busy_s(theirs)
+    finally:
+        busy.kill()
+        busy.wait()
+    assert theirs1 - theirs0 >= 0.9  # its core counted its spin
+    # ...and ours did not (this test's own polling and the machine's noise stay under it).
+    assert ours1 - ours0 < theirs1 - theirs0 - 0.5
 
 
 def test_a_real_busy_process_is_seen_during_a_trial_window():

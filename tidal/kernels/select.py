@@ -745,30 +745,56 @@ OTHERS_SLACK_CORES = 0.3
 
 @dataclass(frozen=True)
 class CpuSample:
-    """CPU seconds used by the whole machine (None: unknown) and by this process (all its
-    threads), at one moment of the monotonic clock."""
+    """CPU seconds used on the cores this process may run on (None: unknown) and by this
+    process (all its threads), at one moment of the monotonic clock, and how many such
+    cores there are."""
 
     machine_busy_s: float | None
     own_s: float
     at_s: float
+    cores: int = 0  # 0: unknown (the samples before this field; read again when judged)
 
 
 def cpu_sample() -> CpuSample:
-    return CpuSample(_machine_busy_s(), time.process_time(), time.monotonic())
+    cpus = _usable_cpus()
+    return CpuSample(_busy_s(cpus), time.process_time(), time.monotonic(), len(cpus))
 
 
-def _machine_busy_s() -> float | None:
-    """Busy CPU seconds of every core since boot (/proc/stat: all but idle and iowait;
-    steal counts, it is a hypervisor's other guest on our core), or None."""
+def _usable_cpus() -> set[int]:
+    if hasattr(os, "sched_getaffinity"):
+        return set(os.sched_getaffinity(0))
+    return set(range(os.cpu_count() or 1))
+
+
+def _busy_s(cpus: set[int]) -> float | None:
+    """Busy CPU seconds since boot of the cores in ``cpus`` (/proc/stat's per-core lines:
+    all but idle and iowait; steal counts, it is a hypervisor's other guest on our core),
+    or None. Only this process's cores: a rank pinned to its own core beside another
+    rank on the next one is not contended by it (counted machine-wide, two ranks pinned
+    a core each saw each other's loading as 1.0 core of contention and every dp 2 start
+    measured again)."""
+    total = 0
+    seen = 0
     try:
         with open("/proc/stat") as f:
-            fields = f.readline().split()
-        ticks = [int(v) for v in fields[1:9]]  # user nice system idle iowait irq softirq steal
+            for line in f:
+                if not line.startswith("cpu"):
+                    break
+                fields = line.split()
+                name = fields[0]
+                if name == "cpu" or int(name[3:]) not in cpus:
+                    continue
+                # user nice system idle iowait irq softirq steal
+                ticks = [int(v) for v in fields[1:9]]
+                if len(ticks) < 5:
+                    return None
+                total += sum(ticks) - ticks[3] - ticks[4]
+                seen += 1
     except (OSError, ValueError):
         return None
-    if fields[:1] != ["cpu"] or len(ticks) < 5:
+    if seen != len(cpus):
         return None
-    return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
+    return total / os.sysconf("SC_CLK_TCK")
 
 
 def oversubscribed(since: CpuSample | None = None, threads: int | None = None) -> str | None:
@@ -779,18 +805,19 @@ def oversubscribed(since: CpuSample | None = None, threads: int | None = None) -
     a single-threaded one's do not (measured with one other busy process on 2 cores: a
     1024x1024 linear at one row "took" 5-6 ms on the C++ path and 0.36 ms on torch's; its
     own speed is 0.07-0.1 ms against torch's 0.3-0.4). So the trials' window is judged by
-    the CPU time others used in it, from /proc/stat: more than the cores this process's
-    ``threads`` leave free (plus ``OTHERS_SLACK_CORES``) is contention -- ranks beside
-    each other on their own share of the cores are not. Without /proc/stat (or
-    ``since``): a load average above the usable cores plus one. Such a choice serves this
-    start only."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    cores = cores or 1
+    the CPU time others used in it on the cores this process may run on, from
+    /proc/stat: more than the cores its ``threads`` leave free there (plus
+    ``OTHERS_SLACK_CORES``) is contention -- ranks beside each other, each on its own
+    share of the cores (pinned or not), are not. Without /proc/stat (or ``since``): a load
+    average above the usable cores plus one. Such a choice serves this start only."""
     now = cpu_sample()
+    cores = now.cores or 1
     if since is not None and since.machine_busy_s is not None and now.machine_busy_s is not None:
         wall = now.at_s - since.at_s
         if wall <= 0:
             return None
+        if since.cores and since.cores != now.cores:  # counted over other cores at each end
+            return "this process's cores changed during the trials"
         own = now.own_s - since.own_s
         others = max(0.0, (now.machine_busy_s - since.machine_busy_s) - own) / wall
         free = max(0, cores - (threads or torch.get_num_threads()))
