@@ -7,15 +7,19 @@ from __future__ import annotations
 
 import glob
 import json
+import os
 import re
 import signal
+import subprocess
+import sys
 import threading
 from dataclasses import dataclass, field
 
 import httpx
+import psutil
 import pytest
 
-from tests.e2e.server_utils import RemoteServer
+from tests.e2e.server_utils import RemoteServer, is_alive
 from tests.waiting import wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -183,6 +187,78 @@ def test_shutdown_timeout_aborts_what_still_runs(qwen3_long_ckpt, tmp_path):
     for s in streams:
         assert s.finish_reason == "abort" and 0 < s.tokens < 100_000, s
         assert "--shutdown-timeout=3s" in (s.stop_reason or ""), s
+
+
+def _launcher(ckpt: str, sigint_ignored: bool = False) -> subprocess.Popen:
+    """A dp 2 launcher; ``sigint_ignored``: started as a non-interactive shell starts its
+    background jobs (``launch ... &``, the README's first command), SIGINT ignored."""
+    cmd = [sys.executable, "-m", "tidal.launch.cli", "serve", "--port", "0"]
+    return subprocess.Popen(
+        [*cmd, "--model", ckpt, "--dp", "2"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+        preexec_fn=_ignore_sigint if sigint_ignored else None,
+    )
+
+
+def _ignore_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def _end(proc: subprocess.Popen, timeout_s: float = 120) -> str:
+    """The rest of ``proc``'s output once it exits; killed (its group) if it does not."""
+    try:
+        out, _ = proc.communicate(timeout=timeout_s)
+        return out
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate(timeout=30)
+
+
+def test_sigint_at_the_serving_line_stops_a_launcher_started_with_sigint_ignored(qwen3_ckpt):
+    # The stop is sent the moment the server says it serves: the line comes once the
+    # server's own handlers are in place, so the signal drains it (it was lost when the
+    # line came first, and the server served on).
+    proc = _launcher(qwen3_ckpt, sigint_ignored=True)
+    seen: list[psutil.Process] = []
+    lines: list[str] = []
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line)
+            if "serving on" in line:
+                seen = psutil.Process(proc.pid).children(recursive=True)
+                proc.send_signal(signal.SIGINT)
+                break
+    finally:
+        out = "".join(lines) + _end(proc)
+    assert proc.returncode == 0 and seen, out
+    assert wait_until(lambda: not any(is_alive(p) for p in seen), 10), seen
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "sigint"])
+def test_a_stop_while_the_engines_start_ends_the_start(qwen3_ckpt, sig):
+    proc = _launcher(qwen3_ckpt)
+    seen: list[psutil.Process] = []
+    try:
+        launcher = psutil.Process(proc.pid)
+
+        def ranks_started() -> bool:
+            seen[:] = launcher.children(recursive=True)
+            return any(p.name().startswith("EngineCore") for p in seen if is_alive(p))
+
+        assert wait_until(ranks_started, 120)
+        proc.send_signal(sig)
+    finally:
+        out = _end(proc)
+    assert proc.returncode == 0, out
+    assert "serving on" not in out, out  # the signal came before the server served
+    # Everything the start had started is stopped, by the launcher (not by its children
+    # noticing later that their parent went away).
+    assert wait_until(lambda: not any(is_alive(p) for p in seen), 5), seen
 
 
 def _complete(url: str, prompt: str) -> str:

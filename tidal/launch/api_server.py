@@ -172,12 +172,14 @@ def make_server(
     timeout_keep_alive: int = 5,
     timeout_graceful_shutdown: float | None = 10.0,
     limits: ServerLimits | None = None,
+    on_serving: Callable[[], None] | None = None,
 ) -> uvicorn.Server:
     """A uvicorn server for ``app``; ``await server.serve(sockets=[sock])`` to run it on a
     pre-bound socket, set ``server.should_exit = True`` to stop it. SIGTERM/SIGINT drain
     first (``lifecycle.DrainingServer``, with the app's ``Lifecycle``); once stopping,
     open connections get ``timeout_graceful_shutdown`` seconds more. ``limits``: the
-    connection cap and the header timeout (``connections``)."""
+    connection cap and the header timeout (``connections``). ``on_serving``: called once
+    the server accepts, its signal handlers in place."""
     limits = limits if limits is not None else ServerLimits()
     config = uvicorn.Config(
         app,
@@ -193,7 +195,7 @@ def make_server(
     )
     abort_all = getattr(app.state.engine, "abort_all", None) or (lambda _message: 0)
     lifecycle = getattr(app.state, "lifecycle", None) or Lifecycle()
-    return DrainingServer(config, lifecycle, abort_all)
+    return DrainingServer(config, lifecycle, abort_all, on_serving)
 
 
 async def serve(
@@ -211,10 +213,12 @@ async def serve(
     allowed_origins: Sequence[str] = (),
     limits: ServerLimits | None = None,
     shutdown_timeout: float = ShutdownOptions.shutdown_timeout,
+    on_serving: Callable[[], None] | None = None,
 ) -> None:
     """Serve until SIGTERM/SIGINT, then drain for up to ``shutdown_timeout`` seconds
     (``lifecycle``); the engine is shut down on the way out. The Host check
-    follows the address served: ``sock``'s when given, else ``host``.
+    follows the address served: ``sock``'s when given, else ``host``. ``on_serving`` is
+    called once the server accepts, with its signal handlers in place.
 
     A drained shutdown returns normally (the process can exit 0); a second signal is
     uvicorn's own stop, which re-raises it once the previous handlers are restored."""
@@ -236,6 +240,7 @@ async def serve(
         log_level=log_level,
         timeout_graceful_shutdown=timeout_graceful_shutdown,
         limits=limits,
+        on_serving=on_serving,
     )
     await server.serve(sockets=[sock] if sock is not None else None)
 

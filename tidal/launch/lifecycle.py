@@ -173,15 +173,28 @@ class DrainingServer(uvicorn.Server):
     exits 0; a second signal is uvicorn's own stop."""
 
     def __init__(
-        self, config: uvicorn.Config, lifecycle: Lifecycle, abort_all: Callable[[str], int]
+        self,
+        config: uvicorn.Config,
+        lifecycle: Lifecycle,
+        abort_all: Callable[[str], int],
+        on_serving: Callable[[], None] | None = None,
     ) -> None:
+        """``on_serving``: called once the app has started and the socket accepts, with
+        this server's signal handlers in place (a signal from whoever waits for it then
+        drains instead of meeting the handlers of the start)."""
         super().__init__(config)
         self.lifecycle, self.abort_all = lifecycle, abort_all
+        self.on_serving = on_serving
         self._loop: asyncio.AbstractEventLoop | None = None
 
     async def serve(self, sockets: list[socket.socket] | None = None) -> None:
         self._loop = asyncio.get_running_loop()
         await super().serve(sockets)
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        if self.started and not self.should_exit and self.on_serving is not None:
+            self.on_serving()
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if self._loop is None or self.lifecycle.phase is Phase.DRAINING or self.should_exit:

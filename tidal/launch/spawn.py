@@ -17,6 +17,7 @@ import resource
 import signal
 import sys
 import threading
+from collections.abc import Callable
 
 from tidal.config import EngineConfig, option_specs
 from tidal.frontend.async_llm import AsyncLLM
@@ -157,6 +158,25 @@ def run_headless(config: EngineConfig) -> int:
     return 0 if stop.is_set() else 1
 
 
+def _signals_end_the_start() -> Callable[[], None]:
+    """Until the server takes SIGTERM and SIGINT over (uvicorn's handlers, which drain),
+    either one ends the start: KeyboardInterrupt unwinds the engine being made, which
+    stops every process it started. Installed even where SIGINT came in ignored (a
+    non-interactive shell's background job), as uvicorn's are: there a stop sent while
+    the engine started was lost and the server served on. Returns the call that marks
+    serving begun; a signal after it (uvicorn puts these handlers back on its way out)
+    is left to the shutdown already under way."""
+    serving = threading.Event()
+
+    def end_the_start(_sig: int, _frame: object) -> None:
+        if not serving.is_set():
+            raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, end_the_start)
+    signal.signal(signal.SIGINT, end_the_start)
+    return serving.set
+
+
 def serve_main(argv: list[str]) -> int:
     parser = make_parser()
     ns = parser.parse_args(argv)
@@ -189,15 +209,17 @@ def serve_main(argv: list[str]) -> int:
         flush=True,
     )
 
-    def make_engine() -> AsyncLLM:
-        engine = AsyncLLM(config, served_model_name=name)
+    serving = _signals_end_the_start()
+
+    def on_serving() -> None:
+        serving()
         host, port = sock.getsockname()[:2]
         print(f"tidal: serving on http://{host}:{port}", flush=True)
-        return engine
 
     try:
         run_server(
-            make_engine,
+            lambda: AsyncLLM(config, served_model_name=name),
+            on_serving=on_serving,
             sock=sock,
             api_key=api_key,
             served_model_name=name,
@@ -208,7 +230,7 @@ def serve_main(argv: list[str]) -> int:
             shutdown_timeout=shutdown.shutdown_timeout,
         )
     except KeyboardInterrupt:
-        pass
+        pass  # a signal before serving: the engine's start unwound what it had started
     except LauncherUnavailable as e:  # e.g. --ray-address answers nothing
         print(f"launch: error: {e}", file=sys.stderr, flush=True)
         return 1
