@@ -62,6 +62,10 @@ def test_experts_with_extra_tensors_scale_2_3_2_under_load(ckpt_and_kernels):
             rec = _record(done.stdout, done.stderr, done.returncode, srv)
             assert (rec["result"], rec["to_size"]) == ("succeeded", size), rec
             assert (rec["joining"], rec["leaving"]) == (joining, leaving), rec
+            # The plan's bytes are what the transfers measured moving: FP8 weights with
+            # their scales, or the biases beside the weights (not the model dtype's size).
+            assert rec["experts_moved"] > 0 and rec["disk_bytes"] == 0, rec
+            assert rec["bytes_received"] == rec["p2p_bytes"] == rec["bytes_moved"], rec
             seen.update((p.pid, p) for p in srv.descendants())
             want = load.served() + 10
             assert wait_until(lambda w=want: load.served() > w or bool(load.errors), 120)

@@ -122,6 +122,13 @@ def test_row_scales_expand_blocks_and_per_tensor_values():
         row_scales(torch.ones(1, 2), 130, 200, (128, 128))
 
 
+def test_held_bytes_are_the_held_weight_and_scales():
+    method = Fp8BlockMethod((128, 128))
+    w = torch.zeros(130, 200, dtype=torch.float8_e4m3fn)
+    held = method.held_scales(torch.ones(2, 2), 130, 200)
+    assert method.held_bytes(130, 200) == w.nbytes + held.nbytes == 130 * 200 + 4 * 130 * 2
+
+
 def test_fp8_linear_reference_equals_dequantized_matmul_and_kernel_hook():
     torch.manual_seed(0)
     method = Fp8BlockMethod((128, 128))

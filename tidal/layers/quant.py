@@ -75,6 +75,11 @@ class QuantMethod(ABC):
         """Make a ``FusedMoE``'s experts hold the quantized form (uninitialised)."""
 
     @abstractmethod
+    def held_bytes(self, rows: int, cols: int) -> int:
+        """Bytes of a converted ``[rows, cols]`` weight as held, its scales included (what
+        an expert transfer moves)."""
+
+    @abstractmethod
     def held_scales(self, scale: Tensor, rows: int, cols: int) -> Tensor:
         """A checkpoint scale of a ``[rows, cols]`` weight in the held form; ValueError
         saying the shape expected when it has the wrong one."""
@@ -159,6 +164,10 @@ class Fp8BlockMethod(QuantMethod):
 
     def hold_experts(self, moe: Any) -> None:
         moe.hold_fp8(self.block[1])
+
+    def held_bytes(self, rows: int, cols: int) -> int:
+        # one byte a weight; a float32 scale per output row and k block (``held_scales``)
+        return rows * cols + 4 * rows * self.scale_cols(cols)
 
     def held_scales(self, scale: Tensor, rows: int, cols: int) -> Tensor:
         return row_scales(scale, rows, cols, self.block)

@@ -71,6 +71,7 @@ from tidal.frontend.scaling.scale_records import (
     ScaleTimeouts,
     fault_summary,
 )
+from tidal.layers.quant import quant_method_from_config
 from tidal.models.registry import get_model_class
 from tidal.protocol.elastic import ScaleMessage, ScaleReport
 from tidal.protocol.errors import EngineDeadError
@@ -138,14 +139,23 @@ def tcp_store_factory(host: str) -> StoreFactory:
 
 
 def expert_sizes(config: EngineConfig) -> tuple[int, int]:
-    """(number of logical experts, bytes of one expert over all MoE layers) of the model:
-    ``3 * hidden * moe_intermediate * dtype bytes`` per MoE layer."""
-    spec = get_model_class(config.model.architecture).spec_from_config(config.model.hf_config)
+    """(number of logical experts, bytes of one expert over all MoE layers) of the model
+    as the ranks hold it, which is what a transfer moves: ``w13 [2I, H]`` and ``w2 [H, I]``
+    per MoE layer, in the model's dtype or quantized with their scales (an FP8 expert is
+    about half a bf16 one), and the biases where the experts have them."""
+    mc = config.model
+    spec = get_model_class(mc.architecture).spec_from_config(mc.hf_config)
     num_moe_layers = sum(spec.moe_layer_mask)
-    dtype_bytes = config.model.torch_dtype.itemsize
-    nbytes = expert_nbytes(
-        spec.hidden_size, spec.moe_intermediate_size, num_moe_layers, dtype_bytes
-    )
+    hidden, inter = spec.hidden_size, spec.moe_intermediate_size
+    dtype_bytes = mc.torch_dtype.itemsize
+    quant = quant_method_from_config(mc.hf_config, mc.model, mc.quantization)
+    if quant is None:
+        nbytes = expert_nbytes(hidden, inter, num_moe_layers, dtype_bytes)
+    else:
+        layer = quant.held_bytes(2 * inter, hidden) + quant.held_bytes(hidden, inter)
+        nbytes = layer * num_moe_layers
+    if spec.expert_bias:  # GPT-OSS: b13 [2I] and b2 [H], in the model's dtype
+        nbytes += (2 * inter + hidden) * dtype_bytes * num_moe_layers
     return spec.num_experts, nbytes
 
 
