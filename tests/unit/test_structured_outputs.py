@@ -380,6 +380,36 @@ def test_a_grammar_that_does_not_compile_fails_its_request_alone(backend):
     assert merged["good"].finish_reason == FinishReason.STOP
 
 
+def _word_tokenizer(vocab: int) -> Any:
+    """A word-level vocabulary (``<pad> <s> </s> w3 w4 ...``) without a digit or a brace:
+    no token can write ``[0-9]`` or JSON."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = {"<pad>": 0, "<s>": 1, "</s>": EOS, **{f"w{i}": i for i in range(3, vocab)}}
+    tok = Tokenizer(models.WordLevel(words, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>", pad_token="<pad>")
+
+
+def test_a_grammar_the_vocabulary_cannot_write_fails_its_request_as_its_own_input():
+    backend = GrammarBackend(_word_tokenizer(VOCAB), VOCAB, [EOS])
+    try:
+        sched = _sched(backend)
+        sched.add_request(_req("digits", StructuredOutputs(regex="[0-9]{3}")))
+        sched.add_request(_req("words", StructuredOutputs(choice=["w5w6", "w7"])))
+        sched.add_request(_req("plain", None, max_tokens=3))
+        merged = _drive(sched)
+    finally:
+        backend.shutdown()
+    bad = merged["digits"]
+    assert bad.finish_reason == FinishReason.ERROR and bad.new_token_ids == []
+    assert "allows no token of the model's vocabulary" in str(bad.stop_reason)
+    assert bad.invalid_request  # the API answers 400: the request's, not the engine's
+    assert merged["words"].finish_reason == FinishReason.STOP
+    assert merged["plain"].finish_reason == FinishReason.LENGTH
+
+
 def test_without_a_backend_a_structured_request_is_refused():
     with pytest.raises(ValueError, match="^structured_outputs"):
         _sched(None).add_request(_req("s", StructuredOutputs(regex="a")))

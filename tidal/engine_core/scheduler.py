@@ -42,7 +42,7 @@ from typing import NamedTuple
 from tidal.config import CacheConfig, SchedulerConfig
 from tidal.engine_core.kv_cache import KVCacheManager
 from tidal.engine_core.request import Request, RequestStatus
-from tidal.engine_core.structured import GrammarBackend
+from tidal.engine_core.structured import GrammarBackend, NoTokenAllowed
 from tidal.executor.batch import (
     ModelRunnerOutput,
     ScheduledRequest,
@@ -109,7 +109,8 @@ class Scheduler:
         self._failed_outputs: dict[int, list[EngineCoreOutput]] = defaultdict(list)
         # request id -> why its bitmask could not be made in the step just scheduled
         # (the request fails in that step's update).
-        self._grammar_errors: dict[str, str] = {}
+        # request id -> (why its grammar failed it, whether that is its own input's fault)
+        self._grammar_errors: dict[str, tuple[str, bool]] = {}
         self._num_structured = 0  # unfinished requests with a grammar: 0 skips the bitmasks
         self._iteration_tokens: deque[int] = deque(maxlen=ITERATION_TOKENS_KEPT)
 
@@ -242,14 +243,17 @@ class Scheduler:
                     todo.append(req)
             else:
                 self._grammar_errors[req.request_id] = (
-                    "structured_outputs: its output tokens do not match its grammar"
+                    "structured_outputs: its output tokens do not match its grammar",
+                    False,
                 )
         if not todo:
             return
         masks = self.grammars.bitmasks([r.grammar for r in todo if r.grammar is not None])
         for r, m in zip(todo, masks):
-            if isinstance(m, str):
-                self._grammar_errors[r.request_id] = f"structured_outputs: {m}"
+            if isinstance(m, Exception):
+                why = str(m).strip().splitlines()[0] if str(m).strip() else type(m).__name__
+                own = isinstance(m, NoTokenAllowed)
+                self._grammar_errors[r.request_id] = (f"structured_outputs: {why}", own)
             else:
                 out.grammar_bitmask[r.request_id] = m
 
@@ -439,8 +443,11 @@ class Scheduler:
             # Async: preempted by the step scheduled after this one (it is in waiting).
             any_preempted |= req.status is RequestStatus.PREEMPTED
             error = None
+            invalid = False  # the error is the request's own input's (HTTP 400), not ours
             if failed or grammar_errors:
-                error = failed.get(req.request_id) or grammar_errors.pop(req.request_id, None)
+                error = failed.get(req.request_id)
+                if error is None and req.request_id in grammar_errors:
+                    error, invalid = grammar_errors.pop(req.request_id)
             if error is None and req.grammar is not None:
                 error = _advance_grammar(req, sampled.get(req.request_id))
             output: EngineCoreOutput | None = None
@@ -451,7 +458,7 @@ class Scheduler:
                 logger.exception("updating request %r failed", req.request_id)
                 error = f"internal error while updating the request: {type(e).__name__}: {e}"
             if error is not None:
-                output = self._fail_request(req, error)
+                output = self._fail_request(req, error, invalid=invalid)
             if output is not None:
                 per_client[req.client_index].append(output)
                 any_finished |= output.finish_reason is not None
@@ -518,9 +525,12 @@ class Scheduler:
             timings=_timings(req),
         )
 
-    def _fail_request(self, req: Request, message: str) -> EngineCoreOutput:
+    def _fail_request(
+        self, req: Request, message: str, *, invalid: bool = False
+    ) -> EngineCoreOutput:
         """Finish ``req`` with an error, alone. Its blocks are freed without being cached:
-        this step did not write their KV, so a prefix-cache entry would serve garbage."""
+        this step did not write their KV, so a prefix-cache entry would serve garbage.
+        ``invalid``: the request's own input is at fault (the API answers 400)."""
         req.status = RequestStatus.FINISHED_ERROR
         req.stop_reason = message
         if self.requests.get(req.request_id) is req:
@@ -532,6 +542,7 @@ class Scheduler:
             stop_reason=message,
             num_cached_tokens=max(req.num_cached_tokens, 0),
             timings=_timings(req),
+            invalid_request=invalid,
         )
 
     def _check_stop(self, req: Request) -> bool:

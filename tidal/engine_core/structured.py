@@ -199,18 +199,18 @@ class GrammarBackend:
         compiled = self.compile(msgspec.structs.replace(spec, starts_after=None))
         return RequestGrammar(compiled, self.words, stop_token_ids, spec.starts_after or ())
 
-    def bitmasks(self, grammars: Sequence[RequestGrammar]) -> list[bytes | str]:
+    def bitmasks(self, grammars: Sequence[RequestGrammar]) -> list[bytes | Exception]:
         """Each grammar's next-token bitmask row as bytes (``[words]`` int32), or the
-        error (a str) of a grammar that cannot say what comes next."""
+        error of a grammar that cannot say what comes next."""
         import xgrammar as xgr
 
         buf = xgr.allocate_token_bitmask(len(grammars), self.vocab_size)  # [B, words] int32
-        errors: dict[int, str] = {}
+        errors: dict[int, Exception] = {}
         for i, g in enumerate(grammars):
             try:
                 g.fill_bitmask(buf, i)
             except Exception as e:  # noqa: BLE001 - this request's grammar, not the step's
-                errors[i] = _first_line(e)
+                errors[i] = e
         raw = buf.numpy().tobytes()
         width = self.words * 4
         return [errors.get(i, raw[i * width : (i + 1) * width]) for i in range(len(grammars))]
@@ -233,6 +233,11 @@ def _make_compiler(tokenizer: Any, vocab_size: int, stop_ids: list[int]) -> Any:
     # The backend's LRU of futures is the one cache: xgrammar's own would keep a second
     # copy of every compiled grammar, unbounded.
     return xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+
+
+class NoTokenAllowed(ValueError):
+    """The grammar allows no token of the model's vocabulary next (a vocabulary without
+    the characters it needs): the request's own input, not the engine's fault."""
 
 
 class RequestGrammar:
@@ -329,13 +334,21 @@ class RequestGrammar:
 
     def fill_bitmask(self, out: Any, row: int) -> None:
         """Write the allowed next tokens into row ``row`` of ``out`` ([B, words] int32).
-        ValueError once the grammar has accepted its end (nothing may follow it)."""
+        ValueError once the grammar has accepted its end (nothing may follow it);
+        ``NoTokenAllowed`` when it allows no token of the vocabulary."""
         if self.is_terminated:
             raise ValueError("the output is complete but the request did not end")
         if self._start is None:
             out[row].fill_(-1)  # dormant: every token allowed
             return
         self._matcher_now().fill_next_token_bitmask(out, row)
+        if not bool(out[row].any()):
+            # Sampling would take any token (all masked alike) and the grammar refuse it.
+            raise NoTokenAllowed(
+                f"the grammar allows no token of the model's vocabulary after "
+                f"{len(self.outputs)} output token(s): this model cannot write what it "
+                "describes"
+            )
 
     @property
     def is_terminated(self) -> bool:
