@@ -232,7 +232,8 @@ class ModelConfig:
     dtype: ModelDType = option(
         arg_default="auto",
         help="weights and activations (auto: the checkpoint's dtype; bfloat16 for a quantized "
-        "checkpoint, whose unquantized weights and activations then use it)",
+        "checkpoint, whose unquantized weights and activations then use it; half and float, "
+        "vLLM's names, are float16 and float32)",
     )
     max_model_len: Annotated[int, Meta(ge=1)] = option(
         arg_default=None, help="longest prompt + output in tokens (default: the model's limit)"

@@ -26,6 +26,11 @@ def test_defaults_resolve(qwen3_ckpt):
     assert cfg.model.eos_token_ids  # from config.json / generation_config.json
 
 
+@pytest.mark.parametrize(("given", "dtype"), [("half", "float16"), ("float", "float32")])
+def test_vllms_dtype_names_are_taken(qwen3_ckpt, given, dtype):
+    assert _cfg(qwen3_ckpt, dtype=given).model.dtype == dtype
+
+
 @pytest.mark.parametrize(
     "kwargs,field",
     [

@@ -55,6 +55,8 @@ from tidal.utils.secret_env import AUTH_KEY_ENV
 
 # What "auto" resolves to (the checkpoint's dtype when it is one of these).
 _DTYPES = typing.get_args(ModelDType)
+# vLLM's other names for two of them (``--dtype half``, ``--dtype float``).
+DTYPE_ALIASES = {"half": "float16", "float": "float32"}
 # The DP control plane's shared secret (tidal/distributed/zmq_auth.py): the least length
 # worth calling a secret (AUTH_KEY_ENV: where the CLI reads it).
 MIN_AUTH_KEY_LEN = 16
@@ -116,6 +118,9 @@ class EngineArgs(_EngineArgsFields):
     dataclasses, flat. ``create_engine_config`` turns them into the frozen config and is
     the one place that validates them (the declared ranges, then the rules across
     fields and against the checkpoint)."""
+
+    def __post_init__(self) -> None:
+        self.dtype = DTYPE_ALIASES.get(self.dtype, self.dtype)
 
     def _same(self, cls: type) -> dict[str, Any]:
         """``cls``'s options, from the same-named arguments."""
