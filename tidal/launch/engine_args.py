@@ -120,7 +120,10 @@ class EngineArgs(_EngineArgsFields):
     fields and against the checkpoint)."""
 
     def __post_init__(self) -> None:
-        self.dtype = DTYPE_ALIASES.get(self.dtype, self.dtype)
+        # setattr: the fields are made at import (make_dataclass), so an assignment here
+        # would be their only declaration a type checker sees.
+        dtype = getattr(self, "dtype")  # noqa: B009
+        setattr(self, "dtype", DTYPE_ALIASES.get(dtype, dtype))  # noqa: B010
 
     def _same(self, cls: type) -> dict[str, Any]:
         """``cls``'s options, from the same-named arguments."""
