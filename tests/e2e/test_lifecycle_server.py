@@ -19,7 +19,13 @@ import httpx
 import psutil
 import pytest
 
-from tests.e2e.server_utils import RemoteServer, is_alive
+from tests.e2e.server_utils import (
+    PortConflict,
+    RemoteServer,
+    is_alive,
+    is_port_conflict,
+    retry_port_conflicts,
+)
 from tests.waiting import wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -259,6 +265,57 @@ def test_a_stop_while_the_engines_start_ends_the_start(qwen3_ckpt, sig):
     # Everything the start had started is stopped, by the launcher (not by its children
     # noticing later that their parent went away).
     assert wait_until(lambda: not any(is_alive(p) for p in seen), 5), seen
+
+
+def _in_its_rendezvous(p: psutil.Process) -> bool:
+    """``p`` hosts its group's store and is connected to it: in the group rendezvous."""
+    try:
+        conns = p.net_connections(kind="tcp")
+    except psutil.Error:
+        return False
+    listening = {c.laddr.port for c in conns if c.status == psutil.CONN_LISTEN}
+    return any(c.raddr and c.raddr.port in listening for c in conns)
+
+
+def test_a_rank_waiting_for_peers_that_never_come_stops_at_once(qwen3_ckpt, tmp_path):
+    # Two ranks, one of them on a host that never starts: rank 0 waits in its group
+    # rendezvous, in C, where Python's signal handlers do not run. The launcher's stop
+    # must end it at once, not after the launcher's 10 s grace and a SIGKILL.
+    def attempt(rpc: int) -> tuple[subprocess.Popen, str]:
+        proc = subprocess.Popen(
+            [
+                sys.executable, "-m", "tidal.launch.cli", "serve", "--port", "0",
+                "--model", qwen3_ckpt, "--dp", "2", "--data-parallel-size-local", "1",
+                "--data-parallel-address", "127.0.0.1", "--data-parallel-rpc-port", str(rpc),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+            env={**os.environ, "TMPDIR": str(tmp_path), "TIDAL_DP_AUTH_KEY": "x" * 32},
+        )  # fmt: skip
+        seen: list[psutil.Process] = []
+        try:
+            launcher = psutil.Process(proc.pid)
+
+            def waiting() -> bool:
+                seen[:] = launcher.children(recursive=True)
+                ranks = [p for p in seen if p.name().startswith("EngineCore")]
+                return proc.poll() is not None or any(_in_its_rendezvous(p) for p in ranks)
+
+            assert wait_until(waiting, 120)
+            proc.send_signal(signal.SIGTERM)
+        finally:
+            out = _end(proc)
+        if is_port_conflict(out):
+            raise PortConflict(out)
+        assert proc.returncode == 0, out
+        assert "did not exit within" not in out, out  # not killed: it left on the signal
+        assert "stopped by a signal during its start" in out, out
+        assert wait_until(lambda: not any(is_alive(p) for p in seen), 5), seen
+        return proc, out
+
+    retry_port_conflicts(attempt)
 
 
 def _complete(url: str, prompt: str) -> str:

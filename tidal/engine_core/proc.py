@@ -680,6 +680,39 @@ class EngineCoreProc:
         self._launcher.close()
 
 
+class _StartSignals:
+    """SIGTERM/SIGINT during an engine's start: exit at once (``run_engine_core``)."""
+
+    def __init__(self, engine_id: int) -> None:
+        self.engine_id = engine_id
+        self._lock = threading.Lock()
+        self._started = False
+        self._read, self._write = os.pipe()
+        os.set_blocking(self._write, False)
+        signal.set_wakeup_fd(self._write, warn_on_full_buffer=False)
+        threading.Thread(target=self._watch, name="engine-start-signals", daemon=True).start()
+
+    def _watch(self) -> None:
+        stops = {int(signal.SIGTERM), int(signal.SIGINT)}
+        try:
+            while got := os.read(self._read, 1):  # b"": up() closed the pipe
+                with self._lock:  # (any signal with a Python handler writes its number)
+                    if got[0] in stops and not self._started:
+                        logger.warning(
+                            "engine %d: stopped by a signal during its start", self.engine_id
+                        )
+                        os._exit(0)
+        finally:
+            os.close(self._read)
+
+    def up(self) -> None:
+        """The engine is built: a signal from now on is the busy loop's to act on."""
+        with self._lock:
+            self._started = True
+        signal.set_wakeup_fd(-1)
+        os.close(self._write)
+
+
 def run_engine_core(
     config: EngineConfig,
     engine_id: int,
@@ -695,12 +728,18 @@ def run_engine_core(
     set_process_name(f"EngineCore_DP{engine_id}")
     proc: EngineCoreProc | None = None
     pending_signal: list[int] = []
-    # Until the busy loop exists, remember a signal and act on it once we're up.
+    # Until the busy loop exists, remember a signal and act on it once we're up...
     signal.signal(signal.SIGTERM, lambda s, f: pending_signal.append(s))
     signal.signal(signal.SIGINT, lambda s, f: pending_signal.append(s))
+    # ...unless the start is still under way then: it has nothing to drain, and its main
+    # thread may sit for minutes in C (a gloo rendezvous with ranks that never come),
+    # where Python's handler cannot run. So the signal's byte on the wakeup fd, written
+    # the moment it arrives, is watched by a thread that ends the start at once.
+    start = _StartSignals(engine_id)
     exit_code = 0
     try:
         proc = proc_class(config, engine_id, handshake_address, **kwargs)
+        start.up()
         signal.signal(signal.SIGTERM, proc.request_shutdown)
         signal.signal(signal.SIGINT, proc.request_shutdown)
         if pending_signal:
