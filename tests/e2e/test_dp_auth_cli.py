@@ -44,8 +44,8 @@ def _env(secret: str | None, tmpdir: str | None = None) -> dict[str, str]:
     if secret is not None:
         env["TIDAL_DP_AUTH_KEY"] = secret
     if tmpdir is not None:
-        # A launcher stopped while it still waits for its ranks exits before it can remove
-        # its private socket directory: keep that directory in one the test removes.
+        # The launcher's private socket directory goes in a folder the test removes, so
+        # whatever a launcher stopped mid-start might leave there goes with it.
         env["TMPDIR"] = tmpdir
     return env
 
