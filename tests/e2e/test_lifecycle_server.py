@@ -195,17 +195,21 @@ def test_shutdown_timeout_aborts_what_still_runs(qwen3_long_ckpt, tmp_path):
         assert "--shutdown-timeout=3s" in (s.stop_reason or ""), s
 
 
-def _launcher(ckpt: str, sigint_ignored: bool = False) -> subprocess.Popen:
-    """A dp 2 launcher; ``sigint_ignored``: started as a non-interactive shell starts its
-    background jobs (``launch ... &``, the README's first command), SIGINT ignored."""
+def _launcher(
+    ckpt: str, *extra: str, sigint_ignored: bool = False, env: dict[str, str] | None = None
+) -> subprocess.Popen:
+    """A dp 2 launcher (``extra``: more flags, ``env``: more variables);
+    ``sigint_ignored``: started as a non-interactive shell starts its background jobs
+    (``launch ... &``, the README's first command), SIGINT ignored."""
     cmd = [sys.executable, "-m", "tidal.launch.cli", "serve", "--port", "0"]
     return subprocess.Popen(
-        [*cmd, "--model", ckpt, "--dp", "2"],
+        [*cmd, "--model", ckpt, "--dp", "2", *extra],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
         start_new_session=True,
         preexec_fn=_ignore_sigint if sigint_ignored else None,
+        env={**os.environ, **(env or {})},
     )
 
 
@@ -282,17 +286,10 @@ def test_a_rank_waiting_for_peers_that_never_come_stops_at_once(qwen3_ckpt, tmp_
     # rendezvous, in C, where Python's signal handlers do not run. The launcher's stop
     # must end it at once, not after the launcher's 10 s grace and a SIGKILL.
     def attempt(rpc: int) -> tuple[subprocess.Popen, str]:
-        proc = subprocess.Popen(
-            [
-                sys.executable, "-m", "tidal.launch.cli", "serve", "--port", "0",
-                "--model", qwen3_ckpt, "--dp", "2", "--data-parallel-size-local", "1",
-                "--data-parallel-address", "127.0.0.1", "--data-parallel-rpc-port", str(rpc),
-            ],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            start_new_session=True,
-            env={**os.environ, "TMPDIR": str(tmp_path), "TIDAL_DP_AUTH_KEY": "x" * 32},
+        proc = _launcher(
+            qwen3_ckpt, "--data-parallel-size-local", "1",
+            "--data-parallel-address", "127.0.0.1", "--data-parallel-rpc-port", str(rpc),
+            env={"TMPDIR": str(tmp_path), "TIDAL_DP_AUTH_KEY": "x" * 32},
         )  # fmt: skip
         seen: list[psutil.Process] = []
         try:

@@ -42,7 +42,7 @@ from typing import NamedTuple
 from tidal.config import CacheConfig, SchedulerConfig
 from tidal.engine_core.kv_cache import KVCacheManager
 from tidal.engine_core.request import Request, RequestStatus
-from tidal.engine_core.structured import GrammarBackend, NoTokenAllowed
+from tidal.engine_core.structured import GrammarBackend, NoTokenAllowed, first_line
 from tidal.executor.batch import (
     ModelRunnerOutput,
     ScheduledRequest,
@@ -251,9 +251,8 @@ class Scheduler:
         masks = self.grammars.bitmasks([r.grammar for r in todo if r.grammar is not None])
         for r, m in zip(todo, masks):
             if isinstance(m, Exception):
-                why = str(m).strip().splitlines()[0] if str(m).strip() else type(m).__name__
                 own = isinstance(m, NoTokenAllowed)
-                self._grammar_errors[r.request_id] = (f"structured_outputs: {why}", own)
+                self._grammar_errors[r.request_id] = (f"structured_outputs: {first_line(m)}", own)
             else:
                 out.grammar_bitmask[r.request_id] = m
 

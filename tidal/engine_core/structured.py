@@ -62,7 +62,7 @@ def check_spec(spec: StructuredOutputs, field: str = "structured_outputs") -> No
     try:
         _grammar(spec)
     except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError for each kind
-        raise ValueError(f"{field}: {_describe(spec)} does not compile: {_first_line(e)}") from None
+        raise ValueError(f"{field}: {_describe(spec)} does not compile: {first_line(e)}") from None
     with _checked_lock:
         _checked_keys[key] = None
         while len(_checked_keys) > _CACHE_SIZE:
@@ -128,8 +128,9 @@ def _describe(spec: StructuredOutputs) -> str:
     }[spec.kind]
 
 
-def _first_line(e: BaseException) -> str:
-    # xgrammar prefixes its messages with a timestamp and a C++ source location.
+def first_line(e: BaseException) -> str:
+    """``e``'s message for a request's error: its first line, without the timestamp and
+    C++ source location xgrammar prefixes its messages with."""
     text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     return text.split(": ", 1)[1] if text.startswith("[") and ": " in text else text
 
@@ -187,7 +188,7 @@ class GrammarBackend:
         try:
             return compiler.compile_grammar(_grammar(spec))
         except Exception as e:  # noqa: BLE001 - any failure is this spec's
-            raise ValueError(f"{_describe(spec)} does not compile: {_first_line(e)}") from None
+            raise ValueError(f"{_describe(spec)} does not compile: {first_line(e)}") from None
 
     def request_grammar(
         self, spec: StructuredOutputs, stop_token_ids: Sequence[int] = ()

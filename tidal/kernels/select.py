@@ -752,7 +752,7 @@ class CpuSample:
     machine_busy_s: float | None
     own_s: float
     at_s: float
-    cores: int = 0  # 0: unknown (the samples before this field; read again when judged)
+    cores: int
 
 
 def cpu_sample() -> CpuSample:
@@ -811,12 +811,12 @@ def oversubscribed(since: CpuSample | None = None, threads: int | None = None) -
     share of the cores (pinned or not), are not. Without /proc/stat (or ``since``): a load
     average above the usable cores plus one. Such a choice serves this start only."""
     now = cpu_sample()
-    cores = now.cores or 1
+    cores = now.cores
     if since is not None and since.machine_busy_s is not None and now.machine_busy_s is not None:
         wall = now.at_s - since.at_s
         if wall <= 0:
             return None
-        if since.cores and since.cores != now.cores:  # counted over other cores at each end
+        if since.cores != now.cores:  # counted over other cores at each end
             return "this process's cores changed during the trials"
         own = now.own_s - since.own_s
         others = max(0.0, (now.machine_busy_s - since.machine_busy_s) - own) / wall
