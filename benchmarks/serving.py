@@ -53,7 +53,6 @@ import random
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -215,9 +214,9 @@ async def run_benchmark(
 
 
 def _free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    from tidal.distributed.ports import get_open_port
+
+    return get_open_port(host)
 
 
 def _wait_healthy(url: str, proc: subprocess.Popen, api_key: str | None, timeout_s: float) -> None:

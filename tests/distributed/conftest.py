@@ -22,13 +22,14 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import multiprocessing as mp
-import socket
 import time
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
+
+from tidal.distributed.ports import get_open_port
 
 
 def spawn_ranks(
@@ -75,9 +76,7 @@ def spawn_ranks_on_ports(
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return get_open_port()
 
 
 def _port_conflict(exc: BaseException) -> bool:

@@ -14,7 +14,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -27,6 +26,7 @@ import httpx
 import psutil
 
 from tests.waiting import wait_until
+from tidal.distributed.ports import get_open_port
 
 T = TypeVar("T")
 
@@ -36,9 +36,7 @@ _SERVING = re.compile(r"tidal: serving on (http://\S+)")
 def free_port() -> int:
     """A port that was free a moment ago: another process may take it before it is bound,
     so whoever binds it must go through ``retry_port_conflicts``."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return get_open_port()
 
 
 def is_port_conflict(text: str) -> bool:

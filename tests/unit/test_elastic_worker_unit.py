@@ -11,7 +11,6 @@ import json
 import logging
 import os
 import shutil
-import socket
 import threading
 
 import pytest
@@ -19,6 +18,7 @@ import torch
 from torch.distributed import TCPStore
 
 from tests.waiting import wait_until
+from tidal.distributed.ports import get_open_port
 from tidal.executor.worker import Worker
 from tidal.launch.engine_args import EngineArgs
 from tidal.layers.linear import Linear
@@ -57,9 +57,7 @@ def _full(path: str):
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return get_open_port()
 
 
 def _store() -> TCPStore:

@@ -7,6 +7,7 @@ to it) across hosts, never every interface.
 
 from __future__ import annotations
 
+import random
 import socket
 
 
@@ -39,11 +40,53 @@ def local_address_towards(host: str) -> str | None:
 
 
 def get_open_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago (the OS may hand it out again: use it soon)."""
+    """A TCP port that was free a moment ago (the OS may hand it out again: use it soon).
+
+    Chosen outside the kernel's ephemeral range where it can be: a port from that range
+    may be taken, before the caller binds it, as the local end of any outgoing connection
+    on the machine (each TCPStore client and gloo pair makes some), which made a rank's
+    store bind fail with EADDRINUSE now and then. Ports below the range are taken only by
+    explicit binds. Random, so that processes picking at once rarely pick alike."""
+    low, high = _ephemeral_range()
+    pool = (
+        range(_FIRST_PICKED_PORT, low)
+        if low - _FIRST_PICKED_PORT >= 1024
+        else range(high + 1, 65536)
+    )
+    rng = random.SystemRandom()
+    for _ in range(64) if len(pool) >= 1024 else ():
+        port = rng.choice(pool)
+        if _free(host, port):
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+# Below this are the ports of well-known and commonly configured services.
+_FIRST_PICKED_PORT = 10000
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    """The kernel's range for the local ends of outgoing connections (Linux's default
+    where it cannot be read)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = (int(x) for x in f.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+def _free(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+        return True
 
 
 # Prefix of a deployment's private ipc:// socket directory (mkdtemp, mode 0700). Engines

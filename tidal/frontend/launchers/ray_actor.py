@@ -26,6 +26,7 @@ import threading
 
 import ray
 
+from tidal.distributed.ports import get_open_port
 from tidal.utils.cpu_threads import engine_process_env, usable_cores
 from tidal.utils.forkserver import ForkedProcess, ForkServer
 from tidal.utils.procs import ModuleProcess
@@ -72,9 +73,7 @@ class EngineActor:
 
     def free_port(self, host: str) -> int:
         """A port free a moment ago on this node's ``host`` (for a store rank 0 hosts)."""
-        with socket.socket() as s:
-            s.bind((host, 0))
-            return s.getsockname()[1]
+        return get_open_port(host)
 
     def warm_up(self, timeout_s: float) -> bool:
         """Whether the warm launcher has its imports done (waits up to ``timeout_s``)."""
