@@ -3,7 +3,7 @@ load, with a scale cycle and a rank kill every few minutes; what a long-running
 deployment must show is that nothing is lost, nothing answers 5xx, and no process grows.
 
     python benchmarks/soak.py                      # 30 minutes (the run)
-    python benchmarks/soak.py --duration-s 90 --event-every-s 25   # the version CI runs
+    python benchmarks/soak.py --duration-s 36 --event-every-s 10   # the version CI runs
 
 The server is started here (``python -m tidal.launch.cli serve --port 0``, the embedded
 tiny model unless ``--model``) with ``--elastic-restore``: a killed rank is recovered
