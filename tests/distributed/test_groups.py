@@ -156,7 +156,7 @@ def test_groups_coexist_destroy_recreate(run_ranks_on_ports):
 # The group's timeout in the test below: every collective, and the rendezvous, must finish
 # within it. The rendezvous starts once both ranks are known to be up, so it takes
 # milliseconds; the missing peer's all-reduce then fails after exactly this long.
-COLLECTIVE_TIMEOUT_S = 5.0
+COLLECTIVE_TIMEOUT_S = 2.0
 DONE, ACK = "rank0-timed-out", "rank1-saw-it"
 
 

@@ -44,8 +44,11 @@ def _segments() -> set[str]:
     return leftover_segments()
 
 
-def test_a_stopped_worker_is_the_ranks_death(qwen3_ckpt):
+def test_a_stopped_worker_is_the_ranks_death(qwen3_ckpt, monkeypatch):
+    from tidal.executor import multiproc
     from tidal.executor.multiproc import MultiprocExecutor, WorkerDied
+
+    monkeypatch.setattr(multiproc, "FREEZE_TIMEOUT_S", 1.0)  # the monitor runs here
 
     dirs, segs = _socket_dirs(), _segments()
     ex = MultiprocExecutor(_config(qwen3_ckpt))

@@ -163,7 +163,7 @@ def test_sigterm_lets_every_started_stream_finish(qwen3_long_ckpt, tmp_path):
     tmp = str(tmp_path)
     srv = RemoteServer(
         ["--model", qwen3_long_ckpt, "--shutdown-timeout", "600", *_LOADED_CLIENTS],
-        env={"TMPDIR": tmp},
+        env={"TMPDIR": tmp, "VLLM_CPU_KVCACHE_SPACE": None},  # the default budget
     )
     try:
         streams = _drain(srv, max_tokens=1000, tmp=tmp)
