@@ -346,6 +346,8 @@ async def test_models_health_version_ping_stats():
         assert 'id="degraded"' in page.text and "s.faults" in page.text
         assert '"rank-death"' in page.text and "TRIGGER_OUTLINES" in page.text
         assert_error(await c.get("/no/such/route"), 404)
+        wrong_method = assert_error(await c.get("/v1/completions"), 405)
+        assert wrong_method["type"] == "invalid_request_error"  # the client's fault
 
 
 # ---- completions ---------------------------------------------------------------------------

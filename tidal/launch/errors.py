@@ -1,7 +1,7 @@
 """HTTP errors: every failure becomes OpenAI's ``{"error": {message, type, param, code}}``.
 
 400 bad input (or a Host header this server does not answer to), 401 bad API key, 404
-unknown model or route, 408 a body not received in time or a stream not read (the client's
+unknown model or route, 405 a route called with another method, 408 a body not received in time or a stream not read (the client's
 fault, as a 400's), 409 another scaling operation runs, 413 body too large, 415 a
 JSON route's body not sent as ``application/json``, 503 dead engine, 500 bug (or a failed scaling operation); ``classify_error`` picks one for any exception a request raised. A request
 the engine refused as invalid is a 400, one that failed while running a 500, both with the
@@ -48,7 +48,9 @@ class APIError(Exception):
         self.status, self.message, self.param, self.code = status, message, param, code
 
     def body(self) -> P.ErrorResponse:
-        kind = _ERROR_TYPES.get(self.status, "server_error")
+        # Any other 4xx (405 a wrong method, 422) is the request's fault too.
+        fallback = "invalid_request_error" if 400 <= self.status < 500 else "server_error"
+        kind = _ERROR_TYPES.get(self.status, fallback)
         info = P.ErrorInfo(message=self.message, type=kind, param=self.param, code=self.code)
         return P.ErrorResponse(error=info)
 
