@@ -1,11 +1,13 @@
 """HTTP errors: every failure becomes OpenAI's ``{"error": {message, type, param, code}}``.
 
 400 bad input (or a Host header this server does not answer to), 401 bad API key, 404
-unknown model or route, 405 a route called with another method, 408 a body not received in time or a stream not read (the client's
-fault, as a 400's), 409 another scaling operation runs, 413 body too large, 415 a
-JSON route's body not sent as ``application/json``, 503 dead engine, 500 bug (or a failed scaling operation); ``classify_error`` picks one for any exception a request raised. A request
-the engine refused as invalid is a 400, one that failed while running a 500, both with the
-engine's message.
+unknown model or route, 405 a route called with another method, 408 a body not received
+in time or a stream not read (the client's fault, as a 400's), 409 another scaling
+operation runs, 413 body too large, 415 a JSON route's body not sent as
+``application/json``, 503 dead engine, 500 bug (or a failed scaling operation);
+``classify_error`` picks one for any exception a request raised. A request the engine
+refused as invalid is a 400, one that failed while running a 500, both with the engine's
+message.
 """
 
 from __future__ import annotations
