@@ -9,6 +9,7 @@ spending seconds importing (docs/architecture.md#elastic-protocol).
 
 from __future__ import annotations
 
+import os
 import sys
 
 from tidal.engine_core.entry import run_launch
@@ -19,6 +20,12 @@ from tidal.utils.proctitle import set_process_name
 def main() -> None:
     set_process_name(sys.argv[1] if len(sys.argv) > 1 else "EngineZygote")
     serve_forks(int(sys.argv[2]), run_launch)
+    # The launcher closed the channel: nothing is left to do but flush. The interpreter's
+    # teardown (torch's and transformers' modules) took half a second of every elastic
+    # deployment's stop, which waits for the zygote to exit.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
