@@ -1,7 +1,9 @@
 """A zygote for tests/distributed/test_forkserver.py: ``serve_forks`` with a child that
 runs a msgpack ``[path, seconds, exit_code]`` payload: it writes its pid, parent pid and
 process group to ``path``, sleeps, and exits with ``exit_code``. With
-``FORKSERVER_CHILD_SLOW_FORK_S`` the zygote sleeps that long before each fork."""
+``FORKSERVER_CHILD_SLOW_FORK_S`` the zygote sleeps that long before each fork; with
+``FORKSERVER_CHILD_IMPORT_S`` it is not ready for that long, with
+``FORKSERVER_CHILD_DIE_BEFORE_READY`` it exits with that code before it is."""
 
 from __future__ import annotations
 
@@ -34,6 +36,10 @@ def _slow_fork(seconds: float):
 
 
 if __name__ == "__main__":
+    # Not ready yet: still "importing" this long, or dying first with this exit code.
+    time.sleep(float(os.environ.get("FORKSERVER_CHILD_IMPORT_S", "0")))
+    if "FORKSERVER_CHILD_DIE_BEFORE_READY" in os.environ:
+        os._exit(int(os.environ["FORKSERVER_CHILD_DIE_BEFORE_READY"]))
     delay = float(os.environ.get("FORKSERVER_CHILD_SLOW_FORK_S", "0"))
     if delay:
         os.fork = _slow_fork(delay)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from multiprocessing.connection import wait
 
 import msgspec
@@ -146,3 +147,27 @@ def test_a_frozen_zygote_stops_answering_its_pings(server):
     finally:
         os.kill(server.pid, signal.SIGCONT)
     assert _answered(server)
+
+
+def test_wait_ready_waits_for_a_zygote_still_importing(tmp_path):
+    s = ForkServer(MODULE, "TestZygote", env={"FORKSERVER_CHILD_IMPORT_S": "1.5"})
+    try:
+        assert not s.ready  # its "imports" take 1.5 s
+        assert s.wait_ready(120)
+        proc = _spawn(s, str(tmp_path / "child"), 0.0, 7)
+        proc.join(30)
+        assert proc.exitcode == 7
+    finally:
+        s.close()
+
+
+def test_wait_ready_gives_up_at_once_when_the_zygote_dies_first():
+    s = ForkServer(MODULE, "TestZygote", env={"FORKSERVER_CHILD_DIE_BEFORE_READY": "3"})
+    try:
+        waited = time.monotonic()
+        assert not s.wait_ready(120)
+        # Its death ended the wait, not the timeout (which would fail the test's own).
+        assert time.monotonic() - waited < 60
+        assert s._popen.wait(30) == 3
+    finally:
+        s.close()

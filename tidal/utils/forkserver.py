@@ -207,7 +207,13 @@ class ForkServer:
         return self._ready.is_set() and self.alive
 
     def wait_ready(self, timeout_s: float) -> bool:
-        return self._ready.wait(timeout_s) and self.alive
+        """Wait until the zygote is done importing (True); False at once when it is gone
+        or closed first, else after ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        while not self._ready.wait(min(0.05, max(0.0, deadline - time.monotonic()))):
+            if not self.alive or time.monotonic() >= deadline:
+                return False
+        return self.alive
 
     # ------------------------------------------------------------------ liveness
 

@@ -57,7 +57,7 @@ EngineProcess = ModuleProcess | ForkedProcess
 ZYGOTE_PING_S = 1.0
 ZYGOTE_TIMEOUT_S = 5.0
 # A warm spawn is answered in milliseconds by a ready zygote; past this it is cancelled
-# and the engine starts cold.
+# and the engine starts cold. A zygote still importing is waited for as long.
 WARM_SPAWN_TIMEOUT_S = 10.0
 
 
@@ -118,7 +118,9 @@ class MPLauncher(Launcher):
         )
         proc: EngineProcess | None = None
         zygote = self._zygote
-        if warm and zygote is not None and zygote.ready:
+        # A zygote still importing is waited for: it is done sooner than a cold start
+        # would be, and the two would share the cores meanwhile.
+        if warm and zygote is not None and zygote.wait_ready(WARM_SPAWN_TIMEOUT_S):
             try:
                 proc = spawn_engine(zygote, cfg, e, handshake_address, WARM_SPAWN_TIMEOUT_S)
             except RuntimeError as err:  # gone or stuck: a cold start still works
