@@ -213,12 +213,6 @@ async def run_benchmark(
 # ---- --launch ----------------------------------------------------------------------------
 
 
-def _free_port(host: str) -> int:
-    from tidal.distributed.ports import get_open_port
-
-    return get_open_port(host)
-
-
 def _wait_healthy(url: str, proc: subprocess.Popen, api_key: str | None, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -261,7 +255,9 @@ def launched_server(
 ) -> Iterator[str]:
     """Run ``cmd`` + ``--host HOST --port P`` (P free) until the block ends; its output goes
     to stderr (stdout carries the JSON lines)."""
-    port = _free_port(host)
+    from tidal.distributed.ports import get_open_port
+
+    port = get_open_port(host)
     shm_before = registrations()
     # A private TMPDIR, removed afterwards: vLLM's server puts its ipc:// sockets there
     # (/tmp/<uuid>) and a server stopped by a signal leaves them behind.

@@ -31,10 +31,7 @@ def pytest_configure(config: pytest.Config) -> None:
     # GiB; engines inherit it). A cache is faulted in when it is made, which on a 2-core
     # VM cost 2-4 CPU-s of a dp 2 server start's 9-11; the tiny checkpoints need a
     # fraction of 128 MiB. Tests of the default remove it (RemoteServer's env=None).
-    os.environ.setdefault(TEST_KV_ENV, TEST_KV_GIB)
-
-
-TEST_KV_ENV, TEST_KV_GIB = "VLLM_CPU_KVCACHE_SPACE", "0.125"
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "0.125")
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

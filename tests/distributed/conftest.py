@@ -64,7 +64,7 @@ def spawn_ranks_on_ports(
 ) -> list[Any]:
     """``spawn_ranks(fn, world_size, port(s), *args)``, again on new ports after a conflict."""
     for attempt in range(attempts):
-        ports = [_free_port() for _ in range(num_ports)]
+        ports = [get_open_port() for _ in range(num_ports)]
         try:
             return spawn_ranks(
                 fn, world_size, ports[0] if num_ports == 1 else ports, *args, timeout_s=timeout_s
@@ -73,10 +73,6 @@ def spawn_ranks_on_ports(
             if attempt + 1 == attempts or not _port_conflict(e):
                 raise
     raise AssertionError("unreachable")
-
-
-def _free_port() -> int:
-    return get_open_port()
 
 
 def _port_conflict(exc: BaseException) -> bool:

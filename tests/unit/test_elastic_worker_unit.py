@@ -56,10 +56,6 @@ def _full(path: str):
     return load_model(_config(path))
 
 
-def _free_port() -> int:
-    return get_open_port()
-
-
 def _store() -> TCPStore:
     return TCPStore(
         "127.0.0.1", 0, is_master=True, wait_for_workers=False,
@@ -192,7 +188,7 @@ def test_joiner_loads_without_experts_and_sizes_its_kv_cache(qwen3_ckpt):
 
 def test_launch_placement_comes_from_the_topology(qwen3_ckpt):
     """EP=1 group whose topology places the experts in reverse: slot s holds 7 - s."""
-    port = _free_port()
+    port = get_open_port()
     cfg = _config(qwen3_ckpt, enable_expert_parallel=True, enable_elastic_ep=True,
                   data_parallel_master_port=port)  # fmt: skip
     layout = [list(range(7, -1, -1))]

@@ -7,6 +7,7 @@ to it) across hosts, never every interface.
 
 from __future__ import annotations
 
+import contextlib
 import random
 import socket
 
@@ -48,24 +49,19 @@ def get_open_port(host: str = "127.0.0.1") -> int:
     store bind fail with EADDRINUSE now and then. Ports below the range are taken only by
     explicit binds. Random, so that processes picking at once rarely pick alike."""
     low, high = _ephemeral_range()
-    pool = (
-        range(_FIRST_PICKED_PORT, low)
-        if low - _FIRST_PICKED_PORT >= 1024
-        else range(high + 1, 65536)
-    )
-    rng = random.SystemRandom()
-    for _ in range(64) if len(pool) >= 1024 else ():
-        port = rng.choice(pool)
-        if _free(host, port):
-            return port
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+    below, above = range(_FIRST_PICKED_PORT, low), range(high + 1, 65536)
+    pool = below if len(below) >= _MIN_POOL else above
+    if len(pool) >= _MIN_POOL:  # else too few to pick from at random: the kernel picks
+        rng = random.SystemRandom()
+        for _ in range(64):
+            with contextlib.suppress(OSError):  # taken
+                return _bind_and_release(host, rng.choice(pool))
+    return _bind_and_release(host, 0)
 
 
 # Below this are the ports of well-known and commonly configured services.
 _FIRST_PICKED_PORT = 10000
+_MIN_POOL = 1024
 
 
 def _ephemeral_range() -> tuple[int, int]:
@@ -79,14 +75,13 @@ def _ephemeral_range() -> tuple[int, int]:
         return 32768, 60999
 
 
-def _free(host: str, port: int) -> bool:
+def _bind_and_release(host: str, port: int) -> int:
+    """Bind ``host:port`` (0: a port the kernel picks) and let it go: the port. OSError
+    when it is taken."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, port))
-        except OSError:
-            return False
-        return True
+        s.bind((host, port))
+        return int(s.getsockname()[1])
 
 
 # Prefix of a deployment's private ipc:// socket directory (mkdtemp, mode 0700). Engines

@@ -191,7 +191,7 @@ class ForkServer:
         # Readable once the zygote exited (it was just started: the pid is its own).
         self.sentinel: int | None = os.pidfd_open(self.pid) if _pidfd_supported() else None
         self.gone = threading.Event()  # the zygote can report nothing more
-        self._ready = threading.Event()
+        self._settled = threading.Event()  # it said "ready", or it is gone
         self._pings = itertools.count(1)
         self._unanswered_since: float | None = None  # first ping not answered yet
         self._reader = threading.Thread(target=self._read, name="forkserver-reader", daemon=True)
@@ -204,16 +204,12 @@ class ForkServer:
     @property
     def ready(self) -> bool:
         """Alive and done importing: a spawn is answered at once."""
-        return self._ready.is_set() and self.alive
+        return self._settled.is_set() and self.alive
 
     def wait_ready(self, timeout_s: float) -> bool:
         """Wait until the zygote is done importing (True); False at once when it is gone
         or closed first, else after ``timeout_s``."""
-        deadline = time.monotonic() + timeout_s
-        while not self._ready.wait(min(0.05, max(0.0, deadline - time.monotonic()))):
-            if not self.alive or time.monotonic() >= deadline:
-                return False
-        return self.alive
+        return self._settled.wait(timeout_s) and self.alive
 
     # ------------------------------------------------------------------ liveness
 
@@ -313,6 +309,7 @@ class ForkServer:
         # The zygote is gone: whoever waits for a spawn fails now, not at its timeout;
         # its children can report nothing more (their exit codes are unknowable).
         self.gone.set()
+        self._settled.set()  # a wait_ready ends now: it will never be ready
         with self._lock:
             pending, self._pending = self._pending, {}
         for req in pending.values():
@@ -325,7 +322,7 @@ class ForkServer:
         with self._lock:
             self._unanswered_since = None  # any message proves it alive
         if kind == "ready":
-            self._ready.set()
+            self._settled.set()
         elif kind == "spawned":
             _, rid, pid = msg
             pidfd = fds[0] if fds else None
