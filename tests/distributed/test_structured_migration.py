@@ -116,6 +116,9 @@ def test_tp_driver_samples_with_the_bitmask(qwen3_ckpt, reference):
         eos, *others = core.config.model.eos_token_ids
         params = msgspec.structs.replace(PARAMS, stop_token_ids=others)
         core.add_request(EngineCoreRequest("s", PROMPT, params, eos_token_id=eos))
+        # Steps while the grammar compiles schedule nothing: counted ones could run out first.
+        (waiting,) = core.scheduler.waiting
+        assert waiting.grammar is not None and waiting.grammar.wait_ready(120)
         tokens: list[int] = []
         finished = False
         for _ in range(5000):

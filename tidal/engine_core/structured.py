@@ -21,6 +21,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
 from typing import Any
 
 import msgspec
@@ -276,6 +277,12 @@ class RequestGrammar:
     @property
     def ready(self) -> bool:
         """The compile finished (successfully or not): the request may be scheduled."""
+        return self._compiled.done()
+
+    def wait_ready(self, timeout: float) -> bool:
+        """Block until ``ready`` or ``timeout`` seconds pass; whether it is ready. For
+        callers that drive steps themselves (tests, tools): the engine never waits."""
+        futures_wait([self._compiled], timeout=timeout)
         return self._compiled.done()
 
     @property
