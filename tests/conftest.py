@@ -8,6 +8,8 @@ the fixtures.
 
 from __future__ import annotations
 
+import compileall
+import importlib.util
 import os
 import shutil
 import tempfile
@@ -32,9 +34,27 @@ def pytest_configure(config: pytest.Config) -> None:
     # VM cost 2-4 CPU-s of a dp 2 server start's 9-11; the tiny checkpoints need a
     # fraction of 128 MiB. Tests of the default remove it (RemoteServer's env=None).
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "0.125")
+    # Every engine, worker, coordinator and launcher process a test starts imports about
+    # 110 tidal modules. Where PYTHONDONTWRITEBYTECODE is set (this CI's machines) an
+    # editable install has no bytecode, and each process would compile them all again:
+    # 0.1-0.2 CPU-s a process, hundreds of processes a run. Compiled once here (into the
+    # gitignored __pycache__ folders), as an install from a wheel would have them.
+    spec = importlib.util.find_spec("tidal")
+    if spec is not None and spec.submodule_search_locations:
+        for folder in spec.submodule_search_locations:
+            compileall.compile_dir(folder, quiet=2)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    from tests.background import start_selected
+
+    start_selected(session)
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
+    from tests.background import stop_all
+
+    stop_all(config)
     if _cache_home is not None:
         shutil.rmtree(_cache_home, ignore_errors=True)
 

@@ -476,6 +476,16 @@ class ParallelConfig:
         "peers) before it counts as stuck, is killed and recovered from (0: no watchdog)",
         in_hash=False,
     )
+    # A rank reached over TCP (--headless) has no launcher to die with its frontend: it
+    # counts the frontend dead after this much silence and exits, freeing its device and
+    # ports. Well above HEARTBEAT_TIMEOUT_S: a frontend event loop stalled by a burst of
+    # work must not make every rank exit.
+    frontend_timeout: Annotated[float, Meta(ge=1)] = option(
+        10.0,
+        help="headless ranks: seconds without a heartbeat from the frontend (sent every "
+        "0.5 s) before a rank counts it dead and exits",
+        in_hash=False,
+    )
     all2all_backend: Literal[
         "allgather_reducescatter", "all2all", "deepep_high_throughput", "deepep_low_latency"
     ] = option("allgather_reducescatter", help="expert-parallel token exchange")

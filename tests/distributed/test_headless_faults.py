@@ -21,6 +21,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+from typing import Any
 
 import psutil
 import pytest
@@ -39,14 +40,15 @@ from tidal.distributed.ports import get_open_port
 from tidal.frontend.async_llm import AsyncLLM
 from tidal.frontend.launchers.mp import spawn_headless_engines
 from tidal.launch.engine_args import EngineArgs
-from tidal.protocol.messages import FRONTEND_TIMEOUT_S
 
 pytestmark = pytest.mark.timeout(600)
 
 SECRET = "headless-faults-secret-0123456789"
+# --frontend-timeout of the headless ranks the tests wait to see leave (its default is 10 s).
+FRONTEND_TIMEOUT = 4.0
 
 
-def _config(path: str, rpc: int, size: int, local: int):
+def _config(path: str, rpc: int, size: int, local: int, **extra: Any):
     return EngineArgs(
         model=path,
         dtype="float32",
@@ -57,11 +59,14 @@ def _config(path: str, rpc: int, size: int, local: int):
         data_parallel_auth_key=SECRET,
         enable_expert_parallel=True,
         enable_elastic_ep=True,
+        **extra,
     ).create_engine_config()
 
 
-def _deployment(path: str, size: int, local: int):
-    return start_with_headless(lambda rpc: _config(path, rpc, size, local), _started, local)
+def _deployment(path: str, size: int, local: int, **extra: Any):
+    return start_with_headless(
+        lambda rpc: _config(path, rpc, size, local, **extra), _started, local
+    )
 
 
 def _started(config) -> AsyncLLM:
@@ -133,7 +138,7 @@ def test_frozen_headless_rank_is_recovered_and_its_peers_get_out_of_their_collec
     reference,  # noqa: F811
 ):
     async def main() -> None:
-        llm, headless = _deployment(qwen3_ckpt, 3, 2)
+        llm, headless = _deployment(qwen3_ckpt, 3, 2, frontend_timeout=FRONTEND_TIMEOUT)
         (proc,) = headless
         try:
             remote = llm.client.topology.engine_ids[2]
@@ -153,7 +158,7 @@ def test_frozen_headless_rank_is_recovered_and_its_peers_get_out_of_their_collec
             os.kill(proc.pid, signal.SIGCONT)
             # Resumed, it is a former member: nobody beats for it, and it leaves.
             assert await wait_until_async(
-                lambda: not proc.is_alive(), timeout_s=FRONTEND_TIMEOUT_S + 60
+                lambda: not proc.is_alive(), timeout_s=FRONTEND_TIMEOUT + 60
             )
         finally:
             if proc.is_alive():
@@ -258,7 +263,7 @@ _FRONTEND = textwrap.dedent(
 
 def test_headless_rank_exits_when_its_frontend_is_killed(qwen3_ckpt):
     rpc = get_open_port()
-    config = _config(qwen3_ckpt, rpc, 2, 1)
+    config = _config(qwen3_ckpt, rpc, 2, 1, frontend_timeout=FRONTEND_TIMEOUT)
     headless = spawn_headless_engines(
         config.with_parallel(data_parallel_start_rank=1), f"tcp://127.0.0.1:{rpc}"
     )
@@ -276,7 +281,7 @@ def test_headless_rank_exits_when_its_frontend_is_killed(qwen3_ckpt):
         front.kill()
         front.wait(30)
         # No sentinel, no parent to lose: only the missing heartbeats tell the rank.
-        assert wait_until(lambda: not proc.is_alive(), timeout_s=FRONTEND_TIMEOUT_S + 60)
+        assert wait_until(lambda: not proc.is_alive(), timeout_s=FRONTEND_TIMEOUT + 60)
         proc.join(10)
         assert wait_until(
             lambda: (

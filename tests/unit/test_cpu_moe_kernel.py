@@ -9,6 +9,7 @@ import shutil
 import pytest
 import torch
 
+from tests.background import Job, job_of, started_with_the_session
 from tests.cpu_kernels import keep_torch_threads, needs_kernel  # noqa: F401 - autouse fixture
 from tidal.kernels.cpu_ext import kernel_status
 from tidal.kernels.cpu_moe import (
@@ -31,48 +32,43 @@ def test_pip_install_built_the_kernel():
     assert kernel_status() == "ok"
 
 
-@pytest.mark.slow
-def test_the_kernels_compile_for_a_cpu_without_avx512():
-    """setup.py builds with -march=native, so the AVX-512, AVX512-BF16 and AMX kernels carry
-    their own target attributes and are only called where the CPU has them. A body that
-    loses its target (a lambda inside such a function does) would not compile on a build
-    machine without AVX-512, and the optional extension would vanish there, silently:
-    compile each source that holds such kernels for plain x86-64-v2 (-O0: always_inline is
-    honoured, so a target mismatch is an error as at -O3). The compilers run side by side
-    (each spends its seconds parsing torch's headers)."""
+def _compile_for_x86_64_v2() -> Job | None:
+    """g++ on each source that holds ISA-targeted kernels, for plain x86-64-v2 (None: no
+    g++ here)."""
     import pathlib
-    import subprocess
     import sysconfig
 
     from torch.utils import cpp_extension
 
     cxx = shutil.which("g++")
     if cxx is None:
-        pytest.skip("no g++ on this machine")
+        return None
     csrc = pathlib.Path(__file__).resolve().parents[2] / "tidal" / "kernels" / "csrc"
     includes = [*cpp_extension.include_paths(), sysconfig.get_paths()["include"]]
     flags = ["-std=c++17", "-O0", "-march=x86-64-v2", "-fopenmp", "-fPIC", "-c"]
-    compilers = {
-        source: subprocess.Popen(
-            [cxx, *flags, str(csrc / f"{source}.cpp"), *(f"-I{p}" for p in includes)]
-            + ["-o", "/dev/null"],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for source in ("fp8_cpu", "linear_cpu", "moe_cpu", "router_cpu")
-    }
-    failed = {}
-    try:
-        for source, proc in compilers.items():
-            _, err = proc.communicate(timeout=300)
-            if proc.returncode != 0:
-                failed[source] = err[-3000:]
-    finally:
-        for proc in compilers.values():
-            if proc.poll() is None:
-                proc.kill()
-                proc.communicate()
+    return Job(
+        {
+            source: [cxx, *flags, str(csrc / f"{source}.cpp"), *(f"-I{p}" for p in includes)]
+            + ["-o", "/dev/null"]
+            for source in ("fp8_cpu", "linear_cpu", "moe_cpu", "router_cpu")
+        }
+    )
+
+
+@pytest.mark.slow
+@started_with_the_session(_compile_for_x86_64_v2)
+def test_the_kernels_compile_for_a_cpu_without_avx512(request):
+    """setup.py builds with -march=native, so the AVX-512, AVX512-BF16 and AMX kernels carry
+    their own target attributes and are only called where the CPU has them. A body that
+    loses its target (a lambda inside such a function does) would not compile on a build
+    machine without AVX-512, and the optional extension would vanish there, silently:
+    compile each source that holds such kernels for plain x86-64-v2 (-O0: always_inline is
+    honoured, so a target mismatch is an error as at -O3). The compilers (each spends
+    seconds parsing torch's headers) start niced with the session (tests/background.py)."""
+    job = job_of(request)
+    if job is None:
+        pytest.skip("no g++ on this machine")
+    failed = {src: out for src, (rc, out) in job.results(timeout_s=240).items() if rc != 0}
     assert failed == {}, failed
 
 

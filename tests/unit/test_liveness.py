@@ -1,9 +1,11 @@
 """Liveness decisions (tidal/frontend/liveness.py), pure: silence (frozen processes, lost
 hosts), the step-progress watchdog (stuck busy loops), deaths found together, and the
-DP coordinator's watch (restart, kill, where wake-ups go), all on an injected clock."""
+DP coordinator's watch (restart, kill, where wake-ups go), and a headless rank's watch of
+its frontend, all on an injected clock."""
 
 from __future__ import annotations
 
+from tidal.engine_core.proc import FrontendWatch
 from tidal.frontend.liveness import (
     COORDINATOR_HEARTBEAT_S,
     COORDINATOR_RECONNECT_S,
@@ -219,3 +221,15 @@ def test_wake_ups_go_direct_while_the_coordinator_is_down_silent_or_just_restart
     assert w.wake_route(200.1, alive=True) is WakeRoute.COORDINATOR_AND_DIRECT
     w.heard(200.0 + COORDINATOR_RECONNECT_S)
     assert w.wake_route(200.0 + COORDINATOR_RECONNECT_S + 0.1, alive=True) is WakeRoute.COORDINATOR
+
+
+def test_a_headless_rank_counts_its_frontend_dead_after_its_timeout_from_the_first_heartbeat():
+    w = FrontendWatch(timeout_s=4.0)
+    w.heard(False, 1.0)  # a request before any heartbeat: this frontend is not watched yet
+    assert not w.silent(100.0)
+    w.heard(True, 100.0)
+    w.heard(False, 103.0)  # from then on any message proves it alive
+    assert not w.silent(107.0) and w.silent(107.1)
+    local = FrontendWatch(4.0, enabled=False)  # a local frontend: its launcher is watched
+    local.heard(True, 100.0)
+    assert not local.silent(1e9)

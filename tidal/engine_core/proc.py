@@ -59,7 +59,6 @@ from tidal.executor.base import Executor
 from tidal.executor.select import create_executor
 from tidal.protocol.errors import EngineStartupError
 from tidal.protocol.messages import (
-    FRONTEND_TIMEOUT_S,
     HEARTBEAT_INTERVAL_S,
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -90,12 +89,13 @@ _IDLE_POLL_S = 0.05
 _STALLED_POLL_S = 0.002
 
 
-class _FrontendWatch:
+class FrontendWatch:
     """Whether the frontend fell silent. Only a frontend that sends heartbeats is
     watched (the offline ``LLM`` does not): from its first HEARTBEAT on, any message
-    proves it alive, and ``FRONTEND_TIMEOUT_S`` without one is its death."""
+    proves it alive, and ``timeout_s`` (``--frontend-timeout``) without one is its death."""
 
-    def __init__(self, enabled: bool = True) -> None:
+    def __init__(self, timeout_s: float, enabled: bool = True) -> None:
+        self.timeout_s = timeout_s
         self.enabled = enabled
         self.last: float | None = None  # None until the first heartbeat
 
@@ -104,7 +104,7 @@ class _FrontendWatch:
             self.last = now
 
     def silent(self, now: float) -> bool:
-        return self.enabled and self.last is not None and now - self.last > FRONTEND_TIMEOUT_S
+        return self.enabled and self.last is not None and now - self.last > self.timeout_s
 
 
 class LoopProgress:
@@ -253,7 +253,10 @@ class EngineCoreProc:
             registered.set()
             # Only a frontend reached over TCP can die without our launcher dying with it
             # (headless ranks); a local one is our launcher, watched below.
-            frontend = _FrontendWatch(enabled=self._handshake_address.startswith("tcp://"))
+            frontend = FrontendWatch(
+                self.config.parallel.frontend_timeout,
+                enabled=self._handshake_address.startswith("tcp://"),
+            )
             while not self._stop_io.is_set():
                 if self._launcher.gone():
                     # The launcher died without stopping us (SIGKILL): don't linger as an orphan.
@@ -263,7 +266,7 @@ class EngineCoreProc:
                     logger.error(
                         "engine %d: no heartbeat from the frontend for %.1fs, exiting",
                         self.engine_id,
-                        FRONTEND_TIMEOUT_S,
+                        frontend.timeout_s,
                     )
                     frontend.enabled = False  # once
                     self._leave_now()

@@ -27,7 +27,7 @@ class EngineCoreRequestType(enum.Enum):
     # Elastic EP: a ``ScaleMessage`` (ScalePrepare | ScaleCommit | ScaleAbort).
     SCALE = b"\x05"
     # Frontend liveness, no payload, every HEARTBEAT_INTERVAL_S (docs/architecture.md#faults): an
-    # engine that got one and then hears nothing for FRONTEND_TIMEOUT_S exits.
+    # engine that got one and then hears nothing for --frontend-timeout exits.
     HEARTBEAT = b"\x06"
 
 
@@ -35,11 +35,10 @@ class EngineCoreRequestType(enum.Enum):
 # engine's output thread sends ``EngineCoreOutputs(heartbeat=True)`` when it sent nothing
 # else for an interval. Silence is a death: of any engine (local or headless: a frozen
 # process keeps its sentinel) for the frontend after HEARTBEAT_TIMEOUT_S; of the frontend
-# for an engine after FRONTEND_TIMEOUT_S -- longer, because a frontend event loop stalled
-# by a burst of work must not make every engine exit.
+# for an engine after ``ParallelConfig.frontend_timeout`` -- longer, because a frontend
+# event loop stalled by a burst of work must not make every engine exit.
 HEARTBEAT_INTERVAL_S = 0.5
 HEARTBEAT_TIMEOUT_S = 3.0
-FRONTEND_TIMEOUT_S = 10.0
 
 
 @enum.unique
