@@ -36,10 +36,11 @@ def test_killed_coordinator_is_restarted_and_serving_goes_on(qwen3_ckpt, referen
             assert not psutil.pid_exists(old) or psutil.Process(old).status() == "zombie"
 
             async def rebuilt() -> bool:
-                stats = await llm.client.get_dp_stats_async(timeout_s=5.0)
-                return stats.num_engines == 2 and all(
-                    r.requests_total > 0 for r in stats.ranks
-                )
+                try:
+                    stats = await llm.client.get_dp_stats_async(timeout_s=5.0)
+                except TimeoutError:
+                    return False  # the new coordinator's sockets still connecting
+                return stats.num_engines == 2 and all(r.requests_total > 0 for r in stats.ranks)
 
             deadline = asyncio.get_running_loop().time() + 120
             while not await rebuilt():  # the new table fills from the engines' stats

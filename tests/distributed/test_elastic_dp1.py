@@ -82,7 +82,7 @@ def test_elastic_ep_at_dp1_runs_waves_and_serves_the_same(qwen3_ckpt, prompts_an
         assert wait_until(wave_done, timeout_s=60.0), fetch_stats(
             client.coordinator.addresses.stats
         )
-        stats = fetch_stats(client.coordinator.addresses.stats)
+        stats = fetch_stats(client.coordinator.addresses.stats, timeout_s=10)
         assert stats.num_engines == 1 and stats.epoch == 0
         assert [r.engine_id for r in stats.ranks] == [0]
         assert stats.ranks[0].requests_total == len(prompts)

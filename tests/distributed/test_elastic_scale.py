@@ -316,6 +316,20 @@ def _usage(pid: int) -> dict[str, object]:
     }
 
 
+async def _steady_usage(*pids: int) -> list[dict[str, object]]:
+    """Each process's ``_usage`` once two reads 0.2 s apart agree (up to 30 s): peers close
+    their ends of an operation's connections, and its threads end, on their own schedule;
+    a leak stays in both reads."""
+    deadline = asyncio.get_running_loop().time() + 30
+    last = [_usage(p) for p in pids]
+    while True:
+        await asyncio.sleep(0.2)  # the sampling interval
+        now = [_usage(p) for p in pids]
+        if now == last or asyncio.get_running_loop().time() > deadline:
+            return now
+        last = now
+
+
 CYCLES = 5  # after the warm one
 
 
@@ -334,13 +348,13 @@ def test_six_cycles_leak_nothing(qwen3_ckpt):
 
             await cycle()  # warm: the first operation creates the driver and its threads
             survivor = llm.client.manager.procs[0].pid
-            front, engine = _usage(me), _usage(survivor)
+            front, engine = await _steady_usage(me, survivor)
             engines = _live(llm)[0]
             rss = psutil.Process(me).memory_info().rss
             # Counted exactly: a thread, descriptor or port left per cycle shows after one.
             for _ in range(CYCLES):
                 await cycle()
-            after_front, after_engine = _usage(me), _usage(survivor)
+            after_front, after_engine = await _steady_usage(me, survivor)
             # Same number of processes (the engines' pids change: new joiners each cycle).
             assert len(after_front["children"]) == len(front["children"])
             for key in ("threads", "fds"):
