@@ -1,4 +1,4 @@
-"""The short soak (``benchmarks/soak.py --duration-s 36 --event-every-s 12``) as CI runs it: a real
+"""The short soak (``benchmarks/soak.py --duration-s 30 --event-every-s 10``) as CI runs it: a real
 ``launch --dp 2 --ep --enable-elastic-ep --elastic-restore`` under mixed HTTP load
 (streamed and plain completions, chat, mid-stream cancels, clients that stop reading, bad
 requests) through a scale cycle 2 -> 3 -> 2 and a SIGKILLed rank. Nothing may be lost,
@@ -25,7 +25,7 @@ FD_SLACK = 4
 
 def test_short_soak():
     proc = subprocess.run(
-        [sys.executable, str(SOAK), "--duration-s", "36", "--event-every-s", "12"]
+        [sys.executable, str(SOAK), "--duration-s", "30", "--event-every-s", "10"]
         + ["--clients", "6", "--stall-s", "10"],
         capture_output=True,
         text=True,
