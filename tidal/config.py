@@ -478,9 +478,9 @@ class ParallelConfig:
     )
     # A rank reached over TCP (--headless) has no launcher to die with its frontend: it
     # counts the frontend dead after this much silence and exits, freeing its device and
-    # ports. Well above HEARTBEAT_TIMEOUT_S: a frontend event loop stalled by a burst of
-    # work must not make every rank exit.
-    frontend_timeout: Annotated[float, Meta(ge=1)] = option(
+    # ports. Not below HEARTBEAT_TIMEOUT_S (3 s), and by default well above it: a frontend
+    # event loop stalled by a burst of work must not make every rank exit.
+    frontend_timeout: Annotated[float, Meta(ge=3)] = option(
         10.0,
         help="headless ranks: seconds without a heartbeat from the frontend (sent every "
         "0.5 s) before a rank counts it dead and exits",

@@ -16,6 +16,7 @@ from __future__ import annotations
 import ipaddress
 import json
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -277,6 +278,8 @@ def test_no_socket_listens_outside_loopback_before_during_and_after_scaling(serv
             if scaling["is_scaling_elastic_ep"]:
                 _assert_loopback_only(_listening(server))
                 during += 1
+            else:
+                time.sleep(0.02)  # the poll's interval, not a wait for a condition
         t.join()
         assert result["r"].status_code == 200, result["r"].text
         assert during > 0, "no snapshot was taken while the operation ran"

@@ -68,7 +68,10 @@ def test_the_kernels_compile_for_a_cpu_without_avx512(request):
     job = job_of(request)
     if job is None:
         pytest.skip("no g++ on this machine")
-    failed = {src: out for src, (rc, out) in job.results(timeout_s=240).items() if rc != 0}
+    try:
+        failed = {src: out for src, (rc, out) in job.results(timeout_s=240).items() if rc != 0}
+    finally:
+        job.stop()
     assert failed == {}, failed
 
 
