@@ -451,7 +451,7 @@ async def events(url: str, opts: argparse.Namespace, end: float) -> list[dict[st
     slot), while at least half a slot of the run is left."""
     done: list[dict[str, Any]] = []
     every = opts.event_every_s
-    start = time.monotonic()
+    start = end - opts.duration_s  # the start of the load
     async with httpx.AsyncClient(base_url=url, timeout=600.0) as http:
         while True:
             due = max(start + every * (len(done) + 1), time.monotonic())
