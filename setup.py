@@ -30,13 +30,14 @@ else:
             "tidal.kernels._cpu_ops",
             [
                 f"tidal/kernels/csrc/{name}_cpu.cpp"
-                for name in ("moe", "router", "linear", "norm", "attention", "fp8")
+                for name in ("moe", "router", "linear", "norm", "attention", "fp8", "pool")
             ],
             depends=[
                 "tidal/kernels/csrc/vec.h",
                 "tidal/kernels/csrc/vec_half.h",
                 "tidal/kernels/csrc/gemm.h",
                 "tidal/kernels/csrc/amx.h",
+                "tidal/kernels/csrc/pool.h",
             ],
             # -march=native: the kernel's 16-lane vectors compile to the build machine's
             # widest ISA (an editable install builds on the machine that runs it).

@@ -85,9 +85,9 @@ def test_workers_yield_their_cores_and_serve_by_rank_zeros_choice(
 
     from tidal.executor.multiproc import MultiprocExecutor
     from tidal.executor.rpc import Reduce
-    from tidal.utils.cpu_threads import SPIN_COUNT, threads_per_rank, usable_cores
+    from tidal.utils import cpu_threads
 
-    for var in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME", "OMP_NUM_THREADS"):
+    for var in cpu_threads.ENGINE_VARS:
         monkeypatch.delenv(var, raising=False)  # the engine's defaults, not an operator's
     ex = MultiprocExecutor(_config(qwen3_ckpt, kernel_cache_dir=str(tmp_path)))
     try:
@@ -95,11 +95,13 @@ def test_workers_yield_their_cores_and_serve_by_rank_zeros_choice(
         reports = ex.call("worker.get_cpu_kernels", reduce=Reduce.EACH)
     finally:
         ex.shutdown()
-    share = str(threads_per_rank(usable_cores(), 2))
+    share = str(cpu_threads.threads_per_rank(cpu_threads.usable_cores(), 2))
     for env in envs:
-        assert env.get("GOMP_SPINCOUNT") == str(SPIN_COUNT) and env.get("KMP_BLOCKTIME") == "0"
+        assert env.get("GOMP_SPINCOUNT") == str(cpu_threads.SPIN_COUNT)
+        assert env.get("KMP_BLOCKTIME") == "0"
         assert env.get("OMP_NUM_THREADS") == share
     lead, peer = reports
+    assert lead["spin_pool_us"] == peer["spin_pool_us"] == cpu_threads.POOL_SPIN_US  # own pool
     assert lead["chosen_by"] is None and peer["chosen_by"] == "TP rank 0"
     assert lead["cache_file"] and peer["cache_file"] is None  # only the driver measures
     pick = ("decode", "batch", "layout")

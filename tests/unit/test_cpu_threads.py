@@ -6,12 +6,24 @@ from __future__ import annotations
 
 from tidal.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from tidal.engine_core.entry import engine_env
-from tidal.utils.cpu_threads import SPIN_COUNT, engine_process_env, threads_per_rank
+from tidal.utils.cpu_threads import (
+    ENGINE_VARS,
+    POOL_SPIN_US,
+    SPIN_COUNT,
+    SPIN_POOL_ENV,
+    engine_process_env,
+    threads_per_rank,
+)
 
 
 def test_engine_beside_a_frontend_spins_briefly_then_sleeps():
     env = engine_process_env({}, cores=8, local_ranks=1)
-    assert env == {"GOMP_SPINCOUNT": str(SPIN_COUNT), "KMP_BLOCKTIME": "0", "OMP_NUM_THREADS": "8"}
+    assert env == {
+        "GOMP_SPINCOUNT": str(SPIN_COUNT),
+        "KMP_BLOCKTIME": "0",
+        SPIN_POOL_ENV: str(POOL_SPIN_US),  # the C++ kernels: their own pool, this window
+        "OMP_NUM_THREADS": "8",
+    }
 
 
 def test_several_ranks_share_the_cores():
@@ -25,7 +37,11 @@ def test_several_ranks_share_the_cores():
 def test_an_operators_settings_win():
     for var in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME"):
         env = engine_process_env({var: "x"}, cores=2, local_ranks=1)
-        assert not {"GOMP_SPINCOUNT", "KMP_BLOCKTIME"} & set(env)  # one wait setting: theirs
+        # one wait setting: theirs (and the kernels stay on their OpenMP)
+        assert not {"GOMP_SPINCOUNT", "KMP_BLOCKTIME", SPIN_POOL_ENV} & set(env)
+    assert (
+        engine_process_env({SPIN_POOL_ENV: "50"}, cores=2, local_ranks=1).get(SPIN_POOL_ENV) is None
+    )
     assert "OMP_NUM_THREADS" not in engine_process_env(
         {"OMP_NUM_THREADS": "1"}, cores=2, local_ranks=1
     )
@@ -40,11 +56,12 @@ def _config(device: str, local: int, tp: int = 1) -> EngineConfig:
 
 
 def test_the_launcher_sets_it_for_cpu_engines_only(monkeypatch):
-    for var in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME", "OMP_NUM_THREADS"):
+    for var in ENGINE_VARS:
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setattr("tidal.engine_core.entry.usable_cores", lambda: 4)
     assert engine_env(_config("cpu", 2))["OMP_NUM_THREADS"] == "2"
     assert engine_env(_config("cpu", 1))["GOMP_SPINCOUNT"] == str(SPIN_COUNT)
+    assert engine_env(_config("cpu", 1))[SPIN_POOL_ENV] == str(POOL_SPIN_US)
     assert engine_env(_config("cuda", 1)) == {}
     # -tp 2: the rank's worker processes inherit it, each a worker's share of the cores.
     assert engine_env(_config("cpu", 2, tp=2))["OMP_NUM_THREADS"] == "1"

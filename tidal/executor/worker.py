@@ -55,10 +55,11 @@ from tidal.executor.elastic import ElasticWorkerState, parse_address
 from tidal.executor.model_runner import ModelRunner
 from tidal.executor.process_groups import WorkerGroups, dp_prefix, worker_rank
 from tidal.executor.rpc import Reduce, RpcTable, rpc
+from tidal.kernels.cpu_ext import kernel_available, set_spin_pool, spin_pool_state
 from tidal.kernels.host_memory import release_free_heap
 from tidal.protocol.topology import Topology
 from tidal.protocol.worker import ReplyMode
-from tidal.utils.cpu_threads import threads_per_rank, usable_cores
+from tidal.utils.cpu_threads import pool_spin_us, threads_per_rank, usable_cores
 
 logger = logging.getLogger(__name__)
 
@@ -146,6 +147,8 @@ class Worker:
             torch.set_num_threads(threads_per_rank(len(p.cpu_cores), self.tp_size))
         else:
             torch.set_num_threads(cpu_threads_for_rank(p.data_parallel_size_local * self.tp_size))
+        if kernel_available():  # OpenMP unless this engine process was spawned with a window
+            set_spin_pool(pool_spin_us(os.environ))
         return torch.device("cpu")
 
     # Startup failures fail the startup (the executor's), not a serving rank.
@@ -426,6 +429,8 @@ class Worker:
             "cores": sorted(os.sched_getaffinity(0)),
             "pinned": bool(self.config.parallel.cpu_cores),
             "threads": torch.get_num_threads(),
+            # the C++ kernels' spin pool window (microseconds), 0: they run on OpenMP
+            "spin_pool_us": spin_pool_state()[0] if kernel_available() else 0,
         }
 
 

@@ -60,18 +60,30 @@ def native_args(variant: str, empty_prefetch: int = 0) -> NativeArgs:
 @functools.cache
 def kernel_status() -> str:
     """'ok', or why the kernel cannot be used in this process."""
-    if hasattr(torch.ops.tidal_cpu, "fused_moe"):
-        # Already registered in this process: loading a second copy would abort it (torch
-        # refuses to define an op twice, from a static initializer).
-        return "ok"
-    spec = importlib.util.find_spec(_MODULE)
-    if spec is None or spec.origin is None:
-        return "not built (pip install -e . builds it when torch and a C++ compiler are there)"
-    try:
-        torch.ops.load_library(spec.origin)
-    except (OSError, RuntimeError) as exc:  # built against another torch, missing symbols
-        return f"built but not loadable: {exc}"
+    if not hasattr(torch.ops.tidal_cpu, "fused_moe"):
+        # (Once registered in this process, loading a second copy would abort it: torch
+        # refuses to define an op twice, from a static initializer.)
+        spec = importlib.util.find_spec(_MODULE)
+        if spec is None or spec.origin is None:
+            return "not built (pip install -e . builds it when torch and a C++ compiler are there)"
+        try:
+            torch.ops.load_library(spec.origin)
+        except (OSError, RuntimeError) as exc:  # built against another torch, missing symbols
+            return f"built but not loadable: {exc}"
     return "ok"
+
+
+def set_spin_pool(spin_us: int) -> None:
+    """The CPU kernels' threads (``csrc/pool.h``): their own spin pool, whose workers spin
+    ``spin_us`` microseconds after a job before they sleep (> 0, at most 1e6), or torch's
+    OpenMP pool (0, the default). The extension must be loaded (``kernel_available()``)."""
+    torch.ops.tidal_cpu.set_spin_pool(spin_us)
+
+
+def spin_pool_state() -> tuple[int, int]:
+    """(the spin pool's window in microseconds, 0 when OpenMP serves; its worker threads)."""
+    spin_us, workers = torch.ops.tidal_cpu.spin_pool_state()
+    return int(spin_us), int(workers)
 
 
 def kernel_available() -> bool:

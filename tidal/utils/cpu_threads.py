@@ -21,6 +21,12 @@ So the policy depends on the deployment shape:
   the core to the frontend between steps), then sleep;
 * several ranks on one host: each rank gets its share of the cores as its thread count.
 
+A short OpenMP spin has a price inside a forward: between two kernels (a few microseconds
+of Python) the threads fall asleep, and every kernel pays a futex wake-up. So an engine
+process beside a frontend also runs Tidal's C++ kernels on their own spin pool
+(``tidal/kernels/csrc/pool.h``), whose workers spin ``POOL_SPIN_US`` after each kernel
+(through the gaps of a forward) and sleep between steps; torch's own ops stay on OpenMP.
+
 An operator's own ``OMP_WAIT_POLICY``, ``GOMP_SPINCOUNT``, ``KMP_BLOCKTIME`` or
 ``OMP_NUM_THREADS`` wins: the defaults fill only what the environment leaves unset. They
 must be in the engine's environment when it starts (the OpenMP runtime reads them when it
@@ -42,6 +48,14 @@ SPIN_COUNT = 1_000
 # Intel's OpenMP (a torch built against it, or preloaded): milliseconds of spin.
 BLOCK_TIME_MS = 0
 _WAIT_VARS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME")
+# The C++ kernels' spin pool: microseconds its workers spin after a kernel, then sleep; 0 or
+# unset: the kernels run on OpenMP. Set at spawn with the wait variables above (an operator
+# who sets their own keeps OpenMP for the kernels too, unless they set this as well).
+SPIN_POOL_ENV = "TIDAL_CPU_SPIN_US"
+POOL_SPIN_US = 200
+MAX_POOL_SPIN_US = 1_000_000
+# Every variable engine_process_env sets, or leaves to an operator who set it.
+ENGINE_VARS = (*_WAIT_VARS, SPIN_POOL_ENV, "OMP_NUM_THREADS")
 
 
 def usable_cores() -> int:
@@ -66,6 +80,24 @@ def engine_process_env(
     if not any(k in parent_env for k in _WAIT_VARS):
         env["GOMP_SPINCOUNT"] = str(SPIN_COUNT)
         env["KMP_BLOCKTIME"] = str(BLOCK_TIME_MS)
+        if SPIN_POOL_ENV not in parent_env:
+            env[SPIN_POOL_ENV] = str(POOL_SPIN_US)
     if "OMP_NUM_THREADS" not in parent_env:
         env["OMP_NUM_THREADS"] = str(threads_per_rank(cores, local_ranks))
     return env
+
+
+def pool_spin_us(env: Mapping[str, str]) -> int:
+    """The kernels' spin pool window ``env`` asks for (``SPIN_POOL_ENV``), 0 (OpenMP) when
+    unset; a value that is not an integer in [0, ``MAX_POOL_SPIN_US``] is a ValueError
+    naming the variable."""
+    raw = env.get(SPIN_POOL_ENV, "").strip()
+    if not raw:
+        return 0
+    try:
+        value = int(raw)
+    except ValueError:
+        value = -1
+    if not 0 <= value <= MAX_POOL_SPIN_US:
+        raise ValueError(f"{SPIN_POOL_ENV}={raw!r}: expected an integer in [0, {MAX_POOL_SPIN_US}]")
+    return value

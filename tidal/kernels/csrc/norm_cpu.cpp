@@ -132,7 +132,7 @@ at::Tensor rms_norm(const at::Tensor& x,                     // [..., D] float32
     const T* xp = xc.data_ptr<T>();
     const T* wp = w.defined() ? w.data_ptr<T>() : nullptr;
     T* op = out.data_ptr<T>();
-    at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+    for_each_range(rows, grain, [&](int64_t begin, int64_t end) {
       norm_rows_any(xp + begin * dim, wp, op + begin * dim, end - begin, dim, e);
     });
   });
@@ -166,7 +166,7 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x,       // [.
     const T* wp = w.data_ptr<T>();
     T* sp = sum.data_ptr<T>();
     T* op = out.data_ptr<T>();
-    at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+    for_each_range(rows, grain, [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) {
         const T* a = xp + r * dim;
         const T* b = dp + r * dim;
@@ -278,7 +278,7 @@ at::Tensor norm_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tenso
     const T* qw = wq.defined() ? wq.data_ptr<T>() : nullptr;
     const T* kw = wk.defined() ? wk.data_ptr<T>() : nullptr;
     T* op = out.data_ptr<T>();
-    at::parallel_for(0, num, grain, [&](int64_t begin, int64_t end) {
+    for_each_range(num, grain, [&](int64_t begin, int64_t end) {
       thread_local std::vector<float> y;
       y.resize(static_cast<size_t>(dh));
       for (int64_t t = begin; t < end; ++t)

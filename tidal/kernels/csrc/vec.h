@@ -1,7 +1,9 @@
 // Shared by the CPU kernels: 16-lane float vectors (GCC vector extensions, which the
 // compiler maps to the build machine's ISA: one AVX-512 register, two AVX2 ones), a
-// vectorised exp, and dynamic task scheduling on torch's own OpenMP pool.
+// vectorised exp, and task scheduling on the kernels' threads (pool.h).
 #pragma once
+
+#include "pool.h"
 
 #include <ATen/Parallel.h>
 
@@ -49,17 +51,35 @@ inline vec16 vexp(vec16 x) {
   return p * scale;
 }
 
-// Runs task(i) for i in [0, n) on torch's threads, each thread taking the next task.
+// Runs task(i) for i in [0, n) on the kernels' threads, each thread taking the next task.
 template <typename F>
 void for_each_task(int64_t n, F&& task) {
   std::atomic<int64_t> next{0};
-  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+  parallel_threads(std::min<int64_t>(at::get_num_threads(), n), [&](int64_t) {
     for (int64_t i = next.fetch_add(1); i < n; i = next.fetch_add(1)) task(i);
   });
 }
 
+// at::parallel_for's contract on the kernels' threads: body(begin, end) over [0, n) in
+// contiguous chunks, one a thread, of at least `grain` (one chunk, inline, below it).
+template <typename F>
+void for_each_range(int64_t n, int64_t grain, F&& body) {
+  if (n <= 0) return;
+  const int64_t threads =
+      std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), (n + grain - 1) / grain));
+  if (threads == 1) {
+    body(int64_t{0}, n);
+    return;
+  }
+  const int64_t chunk = (n + threads - 1) / threads;
+  parallel_threads(threads, [&](int64_t i) {
+    const int64_t begin = i * chunk, end = std::min(n, begin + chunk);
+    if (begin < end) body(begin, end);
+  });
+}
+
 // Splits [0, n) into contiguous runs of about equal total cost[i] (cost[i] >= 0), one a
-// thread, and calls run(lo, hi) once per non-empty run on torch's threads. The same task
+// thread, and calls run(lo, hi) once per non-empty run on the kernels' threads. The same task
 // list always lands on the same cores, so weight blocks a core read last call are still in
 // its L2; a dynamic queue scatters them (tiny MoE layer at 1 token, weights cached: 26 ->
 // 19 us).
@@ -77,9 +97,8 @@ void for_each_run_static(const std::vector<double>& cost, F&& run) {
     sum += cost[i];
     while (t < threads && sum >= total * t / threads) bound[t++] = i + 1;  // run t-1 is full
   }
-  at::parallel_for(0, threads, 1, [&](int64_t lo, int64_t hi) {
-    for (int64_t r = lo; r < hi; ++r)
-      if (bound[r] < bound[r + 1]) run(bound[r], bound[r + 1]);
+  parallel_threads(threads, [&](int64_t r) {
+    if (bound[r] < bound[r + 1]) run(bound[r], bound[r + 1]);
   });
 }
 
