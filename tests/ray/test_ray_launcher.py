@@ -31,7 +31,7 @@ def config(qwen3_ckpt):
         enable_expert_parallel=True,
         enable_elastic_ep=True,
         data_parallel_backend="ray",
-        ray_placement_timeout_s=3.0,
+        ray_placement_timeout_s=120.0,  # placements that can happen (a loaded host)
         device="cpu",
     ).create_engine_config()
 
@@ -71,9 +71,14 @@ def test_launcher_places_numbers_and_frees(ray_cluster, config):
             assert wait_until(lambda h=h: psutil.Process(h.pid).name().startswith("EngineCore"))
         assert wait_until(lambda: _free_cpus() == 0.0, 30)
 
-        # No free node: the third rank cannot be placed; nothing of the attempt remains.
-        with pytest.raises(PlacementError, match=r"CPU 1 \(free 0 of 2"):
-            launcher.start([2], "tcp://127.0.0.1:1", warm=True)
+        # No free node: the third rank cannot be placed in its launcher's 3 s; nothing
+        # of the attempt remains.
+        short = RayLauncher(config.with_parallel(ray_placement_timeout_s=3.0), ENTRY)
+        try:
+            with pytest.raises(PlacementError, match=r"not placed within 3s.*CPU 1 \(free 0 of 2"):
+                short.start([2], "tcp://127.0.0.1:1", warm=True)
+        finally:
+            short.close()
         assert len(_live_actors()) == 2
 
         # A rank's engine ends (SIGTERM through its actor): its sentinel turns readable.
