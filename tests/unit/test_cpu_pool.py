@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -77,6 +78,31 @@ def test_the_pool_gives_openmps_bits(threads, openmp_after):
             assert torch.equal(f(), w)
     spin_us, workers = spin_pool_state()
     assert spin_us == 200 and workers >= threads - 1
+
+
+def test_two_callers_at_once_get_their_own_bits(openmp_after):
+    """Kernels called from two threads at once: one holds the pool, the other runs its parts
+    inline; both get OpenMP's bits."""
+    torch.set_num_threads(2)
+    calls = _kernels()
+    set_spin_pool(0)
+    want = [f() for f in calls]
+    set_spin_pool(200)
+    failures: list[str] = []
+
+    def caller(name: str) -> None:
+        for _ in range(10):
+            for i, (f, w) in enumerate(zip(calls, want, strict=True)):
+                if not torch.equal(f(), w):
+                    failures.append(f"{name}: kernel {i}")
+
+    threads = [threading.Thread(target=caller, args=(f"t{i}",)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not any(t.is_alive() for t in threads), "a caller hung"
+    assert failures == []
 
 
 def _worker_states() -> dict[str, str]:

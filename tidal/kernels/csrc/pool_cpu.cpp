@@ -18,6 +18,7 @@
 #include "pool.h"
 
 #include <ATen/Parallel.h>
+#include <c10/util/ParallelGuard.h>
 #include <torch/library.h>
 
 #include <pthread.h>
@@ -63,6 +64,7 @@ struct Pool {
   std::atomic<int64_t> remaining{0};       // parts of the current job still running
   const c10::function_ref<void(int64_t)>* body = nullptr;  // valid while remaining > 0
   std::vector<std::unique_ptr<Slot>> slots;  // slots[i - 1]: worker i's; grown under run_mu
+  std::atomic<int64_t> workers{0};           // slots.size(), for readers without run_mu
   std::atomic<int64_t> spin_ns{0};         // 0: off (OpenMP serves)
   std::mutex error_mu;
   std::exception_ptr error;
@@ -84,6 +86,8 @@ struct Pool {
       if (mine(t)) return t;
       cpu_relax();
       if ((spins & 63) != 0) continue;
+      // More threads than cores: a runnable thread waiting for this core gets it.
+      if ((spins & 1023) == 0) std::this_thread::yield();
       const auto waited = std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - start);
       if (waited.count() < spin_ns.load(std::memory_order_relaxed)) continue;
       std::unique_lock<std::mutex> lock(slot.mu);
@@ -95,6 +99,7 @@ struct Pool {
 
   void work(Slot* slot, int64_t index, uint64_t seen) {
     in_job = true;
+    const c10::ParallelGuard in_region(true);  // an ATen op inside a part runs inline
 #ifdef __linux__
     const std::string name = "tidal-cpu-" + std::to_string(index);  // tests find them by it
     pthread_setname_np(pthread_self(), name.substr(0, 15).c_str());
@@ -111,13 +116,17 @@ struct Pool {
   }
 
   // Under run_mu. Workers are detached and never end (a leaked pool's threads sleep).
+  // A slot joins only once its thread runs: a failed start (EAGAIN at a thread limit)
+  // throws out of the kernel and leaves the pool as it was.
   void grow(int64_t needed) {
     while (static_cast<int64_t>(slots.size()) < needed) {
-      slots.push_back(std::make_unique<Slot>());
-      Slot* slot = slots.back().get();
-      const int64_t index = static_cast<int64_t>(slots.size());
+      auto slot = std::make_unique<Slot>();
+      Slot* raw = slot.get();
+      const int64_t index = static_cast<int64_t>(slots.size()) + 1;
       const uint64_t seen = ticket.load(std::memory_order_relaxed);
-      std::thread([this, slot, index, seen] { work(slot, index, seen); }).detach();
+      std::thread([this, raw, index, seen] { work(raw, index, seen); }).detach();
+      slots.push_back(std::move(slot));
+      workers.store(static_cast<int64_t>(slots.size()), std::memory_order_relaxed);
     }
   }
 
@@ -139,6 +148,7 @@ struct Pool {
     }
     in_job = true;
     try {
+      const c10::ParallelGuard in_region(true);
       job(0);
     } catch (...) {
       fail(std::current_exception());
@@ -202,8 +212,7 @@ namespace {
 // (spin window in microseconds, 0 when off; worker threads started)
 std::tuple<int64_t, int64_t> spin_pool_state() {
   Pool& p = the_pool();
-  std::lock_guard<std::mutex> guard(p.run_mu);
-  return {p.spin_ns.load() / 1000, static_cast<int64_t>(p.slots.size())};
+  return {p.spin_ns.load() / 1000, p.workers.load()};
 }
 
 }  // namespace

@@ -61,7 +61,8 @@ void for_each_task(int64_t n, F&& task) {
 }
 
 // at::parallel_for's contract on the kernels' threads: body(begin, end) over [0, n) in
-// contiguous chunks, one a thread, of at least `grain` (one chunk, inline, below it).
+// contiguous chunks, one a thread, on at most ceil(n / grain) threads (one chunk, inline,
+// at n <= grain).
 template <typename F>
 void for_each_range(int64_t n, int64_t grain, F&& body) {
   if (n <= 0) return;
