@@ -202,9 +202,6 @@ def test_async_garbage_on_every_socket_while_serving(qwen3_ckpt, expected):
                 asyncio.create_task(generate(llm, f"long{r}", p, _params(NUM_SHORT), r, started[r]))
                 for r, p in enumerate(prompts[NUM_SHORT:])
             ]
-            # And one more on rank 1, whose output will not encode.
-            victim_params = SamplingParams(temperature=0, max_tokens=480, ignore_eos=True)
-            victim = asyncio.create_task(generate(llm, "victim", [5, 6], victim_params, 1))
             await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 120)
             assert not any(t.done() for t in tasks[NUM_SHORT:]), "nothing in flight"
 
@@ -232,7 +229,15 @@ def test_async_garbage_on_every_socket_while_serving(qwen3_ckpt, expected):
                     await asyncio.wait_for(
                         client.call_utility_async("unencodable", engine=engine_id), DEADLINE_S
                     )
-            # Request outputs that cannot be encoded fail their request, at once.
+            # Request outputs that cannot be encoded fail their request, at once: one more
+            # request on rank 1, started here so that its 480 tokens are still to come (on
+            # a loaded host the steps above can take as long as a whole short request).
+            victim_params = SamplingParams(temperature=0, max_tokens=480, ignore_eos=True)
+            victim_started = asyncio.Event()
+            victim = asyncio.create_task(
+                generate(llm, "victim", [5, 6], victim_params, 1, victim_started)
+            )
+            await asyncio.wait_for(victim_started.wait(), 120)
             await client.call_utility_async("unencodable_output", "victim", engine=1)
             with pytest.raises(RequestFailedError, match="could not send"):
                 await asyncio.wait_for(victim, DEADLINE_S)
