@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import signal
 import threading
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -16,6 +15,7 @@ import pytest
 import torch
 
 from tests.cpu_kernels import keep_torch_threads, needs_kernel  # noqa: F401 - autouse fixture
+from tests.waiting import wait_until
 from tidal.kernels.cpu_attention import decode_attention_cpu
 from tidal.kernels.cpu_ext import set_spin_pool, spin_pool_state
 from tidal.kernels.cpu_linear import linear_cpu, pack_linear_weight
@@ -125,10 +125,8 @@ def test_workers_sleep_after_their_window(openmp_after):
     call = _kernels()[0]
     call()
     assert _worker_states(), "the pool started no worker"
-    deadline = time.monotonic() + 30
-    while any(s != "S" for s in _worker_states().values()):  # spinning: R
-        assert time.monotonic() < deadline, f"workers still spinning: {_worker_states()}"
-        time.sleep(0.01)
+    asleep = wait_until(lambda: all(s == "S" for s in _worker_states().values()), 30)
+    assert asleep, f"workers still spinning: {_worker_states()}"  # spinning: R
     want = call()  # and a sleeping pool wakes for the next kernel
     set_spin_pool(0)
     assert torch.equal(call(), want)
@@ -143,13 +141,14 @@ def test_workers_past_the_thread_count_stay_asleep(openmp_after):
     torch.set_num_threads(3)
     call()  # workers 1 and 2
     torch.set_num_threads(2)  # worker 2 is past the count
-    deadline = time.monotonic() + 30
-    while True:
-        call()  # a job every few ms: worker 1's part
-        states = _worker_states()
-        if states["tidal-cpu-2"] == "S":
-            break
-        assert time.monotonic() < deadline, f"the idle worker kept spinning: {states}"
+
+    def serving_while_worker_2_sleeps() -> bool:
+        call()  # a job each poll (well inside the window): worker 1's part
+        return _worker_states()["tidal-cpu-2"] == "S"
+
+    assert wait_until(serving_while_worker_2_sleeps, 30), (
+        f"the idle worker kept spinning: {_worker_states()}"
+    )
 
 
 def test_a_forked_child_runs_a_pool_of_its_own(openmp_after):
@@ -165,17 +164,19 @@ def test_a_forked_child_runs_a_pool_of_its_own(openmp_after):
             ok = call().numpy().tobytes() == want_bytes and spin_pool_state()[0] == 200
         finally:
             os._exit(0 if ok else 1)
-    deadline = time.monotonic() + 60
-    while True:
+    statuses: list[int] = []
+
+    def reaped() -> bool:
         done, status = os.waitpid(pid, os.WNOHANG)
         if done:
-            break
-        if time.monotonic() > deadline:
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-            pytest.fail("the forked child hung on the pool")
-        time.sleep(0.01)
-    assert os.waitstatus_to_exitcode(status) == 0
+            statuses.append(status)
+        return bool(done)
+
+    if not wait_until(reaped, 60):
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        pytest.fail("the forked child hung on the pool")
+    assert os.waitstatus_to_exitcode(statuses[0]) == 0
 
 
 def test_the_window_comes_from_the_spawn_environment():

@@ -60,16 +60,17 @@ def native_args(variant: str, empty_prefetch: int = 0) -> NativeArgs:
 @functools.cache
 def kernel_status() -> str:
     """'ok', or why the kernel cannot be used in this process."""
-    if not hasattr(torch.ops.tidal_cpu, "fused_moe"):
-        # (Once registered in this process, loading a second copy would abort it: torch
-        # refuses to define an op twice, from a static initializer.)
-        spec = importlib.util.find_spec(_MODULE)
-        if spec is None or spec.origin is None:
-            return "not built (pip install -e . builds it when torch and a C++ compiler are there)"
-        try:
-            torch.ops.load_library(spec.origin)
-        except (OSError, RuntimeError) as exc:  # built against another torch, missing symbols
-            return f"built but not loadable: {exc}"
+    if hasattr(torch.ops.tidal_cpu, "fused_moe"):
+        # Already registered in this process: loading a second copy would abort it (torch
+        # refuses to define an op twice, from a static initializer).
+        return "ok"
+    spec = importlib.util.find_spec(_MODULE)
+    if spec is None or spec.origin is None:
+        return "not built (pip install -e . builds it when torch and a C++ compiler are there)"
+    try:
+        torch.ops.load_library(spec.origin)
+    except (OSError, RuntimeError) as exc:  # built against another torch, missing symbols
+        return f"built but not loadable: {exc}"
     return "ok"
 
 
