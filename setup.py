@@ -20,6 +20,8 @@ ext_modules = [
     )
 ]
 cmdclass = {}
+# The C++ kernels' sources, tidal/kernels/csrc/<name>_cpu.cpp.
+_SOURCES = ("moe", "router", "linear", "norm", "attention", "fp8", "pool", "decode")
 try:
     from torch.utils.cpp_extension import BuildExtension, CppExtension
 except ImportError:
@@ -28,16 +30,14 @@ else:
     ext_modules.append(
         CppExtension(
             "tidal.kernels._cpu_ops",
-            [
-                f"tidal/kernels/csrc/{name}_cpu.cpp"
-                for name in ("moe", "router", "linear", "norm", "attention", "fp8", "pool")
-            ],
+            [f"tidal/kernels/csrc/{name}_cpu.cpp" for name in _SOURCES],
             depends=[
                 "tidal/kernels/csrc/vec.h",
                 "tidal/kernels/csrc/vec_half.h",
                 "tidal/kernels/csrc/gemm.h",
                 "tidal/kernels/csrc/amx.h",
                 "tidal/kernels/csrc/pool.h",
+                "tidal/kernels/csrc/ops.h",
             ],
             # -march=native: the kernel's 16-lane vectors compile to the build machine's
             # widest ISA (an editable install builds on the machine that runs it).

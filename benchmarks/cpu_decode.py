@@ -1,18 +1,21 @@
 """Decode on CPU with the decode plan (``tidal/models/cpu_decode.py``: a pure decode step
 as flat C++ kernel calls) against the module path it replaces, in one process,
-interleaved, with the machine's read bandwidth measured between them.
+interleaved, with the machine's read bandwidth measured between them. Three sides:
+"layers" (the plan with each all-direct layer as one ``decode_layer`` call, the default),
+"plan" (the plan piece by piece) and "modules" (the module path).
 
-Both sides share one loaded ``tidal.LLM`` (in-process engine, no prefix caching) and its
-kernel choices; only ``model.decode_plans.enabled`` differs. Rounds alternate which side
-goes first, and each round also times a 1 GiB ``sum`` (the read bandwidth), so a side's
-single-stream time is set against the bandwidth of its own minutes. Outputs are checked
-equal (the plan is bit for bit the module path).
+The sides share one loaded ``tidal.LLM`` (in-process engine, no prefix caching) and its
+kernel choices; only ``model.decode_plans.enabled`` and ``.fuse`` differ. Rounds alternate
+the sides' order, and each round also times a 1 GiB ``sum`` (the read bandwidth), so a
+side's single-stream time is set against the bandwidth of its own minutes. Outputs are
+checked equal (every side is bit for bit the module path).
 
     python benchmarks/cpu_decode.py --model ~/.cache/tidal-peers/moe64-qwen3-moe-bfloat16 \
         --dtype bfloat16 [--rounds 5] [--threads 0] [--single-tokens 128] [--batch 32 --batch-tokens 64]
 
 Prints one JSON document: the CPU, per case (single stream, batch) each side's ms per
-generated token per round (prefill included), the medians and the ratio plan / modules;
+generated token per round (prefill included), the medians, the ratios plan / modules and
+layers / plan;
 for the single stream the weight bytes a token reads (attention, router, its top-k
 experts, lm_head) and each side's fraction of the measured bandwidth.
 """
@@ -35,7 +38,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from cpu_speed import active_bytes_per_token  # noqa: E402 - a sibling module
 from decode_ab import add_arguments, cases, header, interleaved_rounds  # noqa: E402 - a sibling module
 
-SIDES = ("plan", "modules")
+# "layers": the plan with each all-direct layer as one decode_layer call (the default);
+# "plan": the plan piece by piece; "modules": the module path.
+SIDES = ("layers", "plan", "modules")
 
 
 def main() -> None:
@@ -74,15 +79,19 @@ def measure(llm: Any, opts: argparse.Namespace) -> dict[str, Any]:
     plans = _model(llm).decode_plans
 
     @contextlib.contextmanager
-    def side(enabled: bool) -> Iterator[None]:
-        plans.enabled = enabled
+    def side(enabled: bool, fuse: bool = True) -> Iterator[None]:
+        plans.enabled, plans.fuse = enabled, fuse
         try:
             yield
         finally:
-            plans.enabled = True
+            plans.enabled, plans.fuse = True, True
 
     bandwidth: list[float] = []
-    sides = {"plan": lambda: side(True), "modules": lambda: side(False)}
+    sides = {
+        "layers": lambda: side(True),
+        "plan": lambda: side(True, fuse=False),
+        "modules": lambda: side(False),
+    }
     times, outputs = interleaved_rounds(
         llm, opts, sides, lambda: bandwidth.append(_sum_gb_s(opts.sum_mib))
     )
@@ -105,7 +114,10 @@ def measure(llm: Any, opts: argparse.Namespace) -> dict[str, Any]:
             "ms_per_token": {s: [round(x, 3) for x in times[case][s]] for s in SIDES},
             "median_ms": {s: round(med[s], 3) for s in SIDES},
             "ratio_plan_over_modules": round(med["plan"] / med["modules"], 3),
-            "same_tokens": outputs[case]["plan"] == outputs[case]["modules"],
+            "ratio_layers_over_plan": round(med["layers"] / med["plan"], 3),
+            "same_tokens": outputs[case]["plan"]
+            == outputs[case]["modules"]
+            == outputs[case]["layers"],
         }
         if streams == 1:  # the bytes a token reads over its time, against the sum's rate
             row["fraction_of_bandwidth"] = {

@@ -1,5 +1,6 @@
-"""benchmarks/cpu_decode.py in process on the tiny checkpoint: both sides run, their tokens
-are compared, and the single stream's bandwidth fraction is reported per side."""
+"""benchmarks/cpu_decode.py in process on the tiny checkpoint: the three sides run (whole
+layers as one call, the plan piece by piece, the module path), their tokens are compared,
+and the single stream's bandwidth fraction is reported per side."""
 
 from __future__ import annotations
 
@@ -35,11 +36,12 @@ def test_measures_the_plan_against_the_module_path(bench, qwen3_ckpt):
     )  # fmt: skip
     with LLM(qwen3_ckpt, dtype="float32", multiprocess=False, enable_prefix_caching=False) as llm:
         out = bench.measure(llm, opts)
-        assert bench._model(llm).decode_plans.enabled
+        plans = bench._model(llm).decode_plans
+        assert plans.enabled and plans.fuse  # restored after the sides
     assert len(out["read_bandwidth_gb_s"]) == 2 and out["decode_bytes_per_token"] > 0
     for case, streams in (("single", 1), ("batch", 3)):
         row = out["cases"][case]
         assert row["streams"] == streams and row["same_tokens"] is True
-        assert all(len(row["ms_per_token"][side]) == 2 for side in ("plan", "modules"))
-        assert row["ratio_plan_over_modules"] > 0
-    assert set(out["cases"]["single"]["fraction_of_bandwidth"]) == {"plan", "modules"}
+        assert all(len(row["ms_per_token"][side]) == 2 for side in ("layers", "plan", "modules"))
+        assert row["ratio_plan_over_modules"] > 0 and row["ratio_layers_over_plan"] > 0
+    assert set(out["cases"]["single"]["fraction_of_bandwidth"]) == {"layers", "plan", "modules"}

@@ -1,7 +1,9 @@
 """The CPU decode plan (``tidal/models/cpu_decode.py``): a pure decode step as flat C++
 kernel calls gives bit for bit the module path's logits on every architecture, in float32
-and bf16, with the kernels forced native or torch; it serves only pure decode steps; it is
-rebuilt when what it read changes (a new KV cache, another expert path, expert moves)."""
+and bf16, with the kernels forced native or torch; a layer whose every piece is direct runs
+as one ``decode_layer`` call, bit for bit the pieces' calls; it serves only pure decode
+steps; it is rebuilt when what it read changes (a new KV cache, another expert path,
+expert moves)."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ import pytest
 import torch
 
 from tests.unit.test_models import PagedRunner, _prompts
-from tidal.kernels.cpu_ext import kernel_available, kernel_status
+from tidal.kernels.cpu_ext import kernel_available, kernel_status, native_args
 from tidal.kernels.select import Candidate, Choice
 from tidal.launch.engine_args import EngineArgs
 from tidal.models.cpu_decode import DecodePlan, _Attention, _Moe
@@ -87,6 +89,7 @@ def test_qwen3_plan_is_all_direct_and_torch_paths_call_modules(qwen3_ckpt, monke
     _decode_logits(model, prompts, 1)
     plan = model.decode_plans._plans[1]
     assert plan.direct == 5 * len(model.layers)
+    assert plan.fused == len(model.layers)  # every layer one decode_layer call
     assert all(isinstance(lay.attention, _Attention) for lay in plan.layers)
     assert all(isinstance(lay.mlp, _Moe) and lay.mlp.experts is not None for lay in plan.layers)
 
@@ -95,8 +98,85 @@ def test_qwen3_plan_is_all_direct_and_torch_paths_call_modules(qwen3_ckpt, monke
     planned = _decode_logits(model, prompts, 2)
     assert runs == [1, 1]
     assert model.decode_plans._plans[1].direct == 0
+    assert model.decode_plans._plans[1].fused == 0
     model.decode_plans.enabled = False
     assert torch.equal(planned, _decode_logits(model, prompts, 2))
+
+
+def _fused_against_pieces(model, prompts: list[list[int]], steps: int) -> dict[str, int]:
+    """The plan with whole layers as one call, then piece by piece: every layer was one
+    call, and the logits are bit for bit the same. Returns the first layer's ints by name."""
+    plans = model.decode_plans
+    fused = _decode_logits(model, prompts, steps)
+    plan = plans._plans[len(prompts)]
+    assert plan.fused == len(model.layers)
+    ints = dict(
+        zip(torch.ops.tidal_cpu.decode_layer_layout.default()[1], plan.layers[0].fused.ints)
+    )
+    plans.fuse = False
+    assert not plans._plans  # built the other way: dropped
+    pieces = _decode_logits(model, prompts, steps)
+    assert plans._plans[len(prompts)].fused == 0
+    assert torch.equal(fused, pieces)
+    plans.fuse = True
+    return ints
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("variant", ["", "dot-t0", "amx", "t0", "nta"])
+def test_a_layer_in_one_call_equals_its_pieces(qwen3_ckpt, dtype, variant):
+    """``decode_layer`` on each kernel variant the measured choice may pick (forced on every
+    projection, router and experts): bit for bit the plan's piece-by-piece calls."""
+    from tidal.kernels.cpu_ext import amx_available, bf16_dot_available
+    from tidal.layers.linear import Linear
+    from tidal.moe.layer import FusedMoE
+
+    if variant == "amx" and not (dtype == "bfloat16" and amx_available()):
+        pytest.skip("the AMX kernels take bf16 on a CPU with AMX")
+    if variant.startswith("dot") and not (dtype == "bfloat16" and bf16_dot_available()):
+        pytest.skip("the dot kernels take bf16 on a CPU with AVX512-BF16")
+    model = _load(qwen3_ckpt, dtype)
+    if variant:
+        forced = Choice.fixed(Candidate("native", variant), "native")
+        router = Choice.fixed(Candidate("native", variant.removeprefix("amx")), "native")
+        for mod in model.modules():
+            if isinstance(mod, Linear) and mod is not model.lm_head:
+                mod.set_cpu_path("linear", forced)
+            elif isinstance(mod, FusedMoE):
+                mod.set_cpu_path("experts", forced)
+                mod.set_cpu_path("router", router)  # the router has no AMX kernel
+    ints = _fused_against_pieces(model, _prompts(model.spec.vocab_size, [6, 11, 4], seed=5), 3)
+    if variant:  # the forced kernels are the ones the one call ran
+        args = native_args(variant)
+        for name in ("qkv", "o", "moe"):
+            assert (ints[f"{name}_dot"], ints[f"{name}_amx"]) == (args.dot, args.amx)
+            assert ints[f"{name}_prefetch"] == args.prefetch
+
+
+def test_fp8_layers_in_one_call_equal_their_pieces(qwen3_ckpt, tmp_path):
+    """An FP8 checkpoint's layers as one call each (FP8 projections with their scales, FP8
+    experts): bit for bit the pieces."""
+    from tidal.models.tiny import make_tiny_fp8_checkpoint
+
+    path = make_tiny_fp8_checkpoint(str(tmp_path / "fp8"), source=qwen3_ckpt, block=(32, 16))
+    model = _load(path, "bfloat16")
+    _fused_against_pieces(model, _prompts(model.spec.vocab_size, [9, 5], seed=8), 3)
+
+
+def test_decode_layer_rejects_a_malformed_call():
+    """The op checks its lists against its layout and names a missing tensor."""
+    ops = torch.ops.tidal_cpu
+    slots, ints, floats = ops.decode_layer_layout.default()
+    x = torch.zeros(1, 64)
+    idx = torch.zeros(1, dtype=torch.long)
+    cache = torch.zeros(2, 1, 1, 16, 64)
+    args = (x, None, x, x, idx, idx.view(1, 1), idx + 1, cache)
+    with pytest.raises(RuntimeError, match="decode_layer_layout"):
+        ops.decode_layer.default(
+            *args, [None] * (len(slots) - 1), [0] * len(ints), [0.0] * len(floats)
+        )
+    with pytest.raises(RuntimeError, match="'in_norm' is missing"):
+        ops.decode_layer.default(*args, [None] * len(slots), [0] * len(ints), [0.0] * len(floats))
 
 
 def test_mixed_steps_take_the_module_path(qwen3_ckpt, monkeypatch):
@@ -169,6 +249,7 @@ def test_fp8_checkpoints_take_the_fp8_kernels_directly(qwen3_ckpt, tmp_path, blo
     planned = _decode_logits(model, prompts, 3)
     assert runs == [2, 2, 2]
     plan = model.decode_plans._plans[2]
+    assert plan.fused == len(model.layers)  # with the FP8 projections and experts
     for lay in plan.layers:
         assert isinstance(lay.attention, _Attention)
         assert isinstance(lay.attention.qkv, _NativeFp8Linear)

@@ -23,6 +23,7 @@ weights, biases and sinks, small, are bound).
 
 from __future__ import annotations
 
+import functools
 import typing
 import weakref
 from collections.abc import Callable
@@ -79,6 +80,15 @@ class _NativeLinear:
             x, held.packed, self.bias, held.out_features, self.prefetch, self.dot, self.amx
         )
 
+    def weights(self) -> tuple[Tensor, None]:
+        """The pack and no scales, as ``decode_layer`` takes a projection."""
+        return typing.cast(HeldLinear, self.lin._held).packed, None
+
+    def layout(self) -> tuple[int, int, int, bool, bool]:
+        """out_features, block_k (none), prefetch, dot, amx."""
+        out = typing.cast(HeldLinear, self.lin._held).out_features
+        return out, 0, self.prefetch, self.dot, self.amx
+
 
 @dataclass(frozen=True)
 class _NativeFp8Linear:
@@ -96,6 +106,16 @@ class _NativeFp8Linear:
             x, p.w, p.scales, self.bias, p.out_features, p.block_k, self.prefetch, self.dot,
             self.amx,
         )  # fmt: skip
+
+    def weights(self) -> tuple[Tensor, Tensor]:
+        """The FP8 pack and its scales, as ``decode_layer`` takes a projection."""
+        p = typing.cast(PackedFp8Linear, self.lin._packed)
+        return p.w, p.scales
+
+    def layout(self) -> tuple[int, int, int, bool, bool]:
+        """out_features, block_k, prefetch, dot, amx."""
+        p = typing.cast(PackedFp8Linear, self.lin._packed)
+        return p.out_features, p.block_k, self.prefetch, self.dot, self.amx
 
 
 def _linear_call(lin: Any, rows: int, dtype: torch.dtype) -> Callable[[Tensor], Tensor]:
@@ -223,6 +243,18 @@ class _NativeExperts:
             h, p.w13, p.w2, weights, ids, expert_map, True, self.prefetch, self.dot, amx=self.amx
         )
 
+    def weights(self) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
+        """w13, w2 and (FP8) their scales, as ``decode_layer`` takes them."""
+        if self.fp8:
+            f = typing.cast(PackedFp8Experts, self.moe._fp8_held)
+            return f.w13, f.w2, f.s13, f.s2
+        p = typing.cast(CpuPackedExperts, typing.cast(HeldExperts, self.moe._held_experts).packed)
+        return p.w13, p.w2, None, None
+
+    def block_k(self) -> int:
+        """The FP8 scales' k chunk; 0 without scales."""
+        return typing.cast(PackedFp8Experts, self.moe._fp8_held).block_k if self.fp8 else 0
+
 
 @dataclass
 class _Moe:
@@ -293,6 +325,113 @@ def _experts_call(moe: FusedMoE, rows: int, dtype: torch.dtype) -> _NativeExpert
     return _NativeExperts(moe, False, *native_args(cand.variant))
 
 
+# ---- a layer in one call ------------------------------------------------------------
+
+
+@functools.cache
+def _layout() -> tuple[dict[str, int], dict[str, int], dict[str, int]]:
+    """Where each name sits in ``decode_layer``'s tensors, ints and floats (declared once,
+    in ``csrc/decode_cpu.cpp``)."""
+    tensors, ints, floats = _OPS.decode_layer_layout.default()
+    return (
+        {n: i for i, n in enumerate(tensors)},
+        {n: i for i, n in enumerate(ints)},
+        {n: i for i, n in enumerate(floats)},
+    )
+
+
+_DirectLinear = _NativeLinear | _NativeFp8Linear
+
+
+class _FusedLayer:
+    """A whole layer whose every piece is a direct call -- two C++ norms, GQA attention on
+    native projections, the C++ router and experts, no shared experts -- as one
+    ``decode_layer`` call: the same kernels with the same arguments in the same order, so
+    bit for bit the pieces' calls, without Python between them. The weights are read from
+    the layers at each call (``weights()``), like the pieces' calls do."""
+
+    def __init__(
+        self,
+        in_norm: tuple[Tensor, float],
+        post_norm: tuple[Tensor, float],
+        attention: _Attention,
+        qkv: _DirectLinear,
+        o: _DirectLinear,
+        moe: _Moe,
+        router: tuple[int, int, bool, int, bool],
+        experts: _NativeExperts,
+    ) -> None:
+        slot, num, real = _layout()
+        self.attn = attention.attn
+        self.qkv, self.o, self.moe, self.experts = qkv, o, moe.moe, experts
+        tensors: list[Tensor | None] = [None] * len(slot)
+        tensors[slot["in_norm"]], tensors[slot["post_norm"]] = in_norm[0], post_norm[0]
+        if attention.norm is not None:
+            tensors[slot["q_norm"]], tensors[slot["k_norm"]] = attention.norm[:2]
+        tensors[slot["sinks"]] = attention.sinks
+        tensors[slot["qkv_bias"]], tensors[slot["o_bias"]] = qkv.bias, o.bias
+        self.tensors = tensors
+        ints = [0] * len(num)
+        hq, hkv, dh = attention.heads
+        values: dict[str, int | bool] = dict(hq=hq, hkv=hkv, dh=dh, window=attention.window)
+        for name, lin in (("qkv", qkv), ("o", o)):
+            for key, v in zip(("out", "block_k", "prefetch", "dot", "amx"), lin.layout()):
+                values[f"{name}_{key}"] = v
+        experts_num, top_k, renormalize, router_prefetch, router_dot = router
+        values.update(
+            experts=experts_num, top_k=top_k, renormalize=renormalize,
+            router_prefetch=router_prefetch, router_dot=router_dot,
+            moe_prefetch=experts.prefetch, moe_dot=experts.dot, moe_amx=experts.amx,
+            moe_block_k=experts.block_k(),
+        )  # fmt: skip
+        for name, v in values.items():
+            ints[num[name]] = int(v)
+        self.ints = ints
+        floats = [0.0] * len(real)
+        floats[real["in_eps"]], floats[real["post_eps"]] = in_norm[1], post_norm[1]
+        floats[real["qk_eps"]] = attention.norm[2] if attention.norm is not None else 0.0
+        floats[real["scale"]] = attention.attn.scale
+        self.floats = floats
+        self._slots = tuple(slot[n] for n in ("qkv_w", "qkv_scales", "o_w", "o_scales"))
+        self._expert_slots = tuple(slot[n] for n in ("w13", "w2", "s13", "s2"))
+        self._gate_slot, self._map_slot = slot["gate"], slot["expert_map"]
+
+    def __call__(
+        self, x: Tensor, delta: Tensor | None, cos: Tensor, sin: Tensor, meta: AttentionMetadata
+    ) -> tuple[Tensor, Tensor]:  # [T, H], [T, H] -> (residual [T, H], MLP output [T, H])
+        t = self.tensors.copy()
+        qw, qs, ow, os_ = self._slots
+        t[qw], t[qs] = self.qkv.weights()
+        t[ow], t[os_] = self.o.weights()
+        moe = self.moe
+        gate = typing.cast(CpuPackedGate, typing.cast(HeldGate, moe._held_gate).packed)
+        t[self._gate_slot], t[self._map_slot] = gate.weight, moe._map_arg
+        w13, w2, s13, s2 = self._expert_slots
+        t[w13], t[w2], t[s13], t[s2] = self.experts.weights()
+        return _OPS.decode_layer.default(
+            x, delta, cos, sin, meta.slot_mapping, meta.decode_block_table, meta.decode_seq_lens,
+            self.attn.kv_cache, t, self.ints, self.floats,
+        )  # fmt: skip
+
+
+def _fused_call(lay: _Layer) -> _FusedLayer | None:
+    """The layer as one ``decode_layer`` call where every piece of it is direct, else None."""
+    a, m = lay.attention, lay.mlp
+    if (
+        lay.in_norm is None
+        or lay.post_norm is None
+        or lay.shared is not None
+        or not isinstance(a, _Attention)
+        or not isinstance(a.qkv, _DirectLinear)
+        or not isinstance(a.o, _DirectLinear)
+        or not isinstance(m, _Moe)
+        or m.router is None
+        or m.experts is None
+    ):
+        return None
+    return _FusedLayer(lay.in_norm, lay.post_norm, a, a.qkv, a.o, m, m.router, m.experts)
+
+
 # ---- staleness ----------------------------------------------------------------------
 
 # (the dict an attribute lives in, its name, what it held at build: a weak reference
@@ -354,6 +493,7 @@ class _Layer:
     attention: Callable[..., Tensor]
     mlp: Callable[[Tensor], Tensor]
     shared: Callable[[Tensor], Tensor] | None
+    fused: _FusedLayer | None = None  # the whole layer as one call, where it can be
 
 
 class DecodePlan:
@@ -374,9 +514,12 @@ class DecodePlan:
             + (isinstance(lay.mlp, _Moe) and lay.mlp.experts is not None)
             for lay in layers
         )  # fmt: skip
+        self.fused = sum(lay.fused is not None for lay in layers)  # layers as one call
 
     @classmethod
-    def build(cls, model: MoECausalLM, rows: int) -> DecodePlan:
+    def build(cls, model: MoECausalLM, rows: int, fuse: bool = True) -> DecodePlan:
+        """``fuse``: each layer whose every piece is direct runs as one ``decode_layer``
+        call (False: piece by piece, the reference the tests compare it with)."""
         dtype = model.embed_tokens.weight.dtype
         modules = model.decoder_layers
         layers = []
@@ -388,7 +531,9 @@ class DecodePlan:
             mlp = layer.mlp
             moe = _moe_call(mlp, rows, dtype) if isinstance(mlp, FusedMoE) else mlp
             attention = _attention_call(layer, rows, dtype)
-            layers.append(_Layer(group, norms[0], norms[1], attention, moe, layer.shared_experts))
+            lay = _Layer(group, norms[0], norms[1], attention, moe, layer.shared_experts)
+            lay.fused = _fused_call(lay) if fuse else None
+            layers.append(lay)
         return cls(layers, modules, [w for layer in modules for w in _layer_watch(layer)])
 
     def fresh(self) -> bool:
@@ -410,6 +555,14 @@ class DecodePlan:
         delta: Tensor | None = None
         for lay, layer in zip(self.layers, self.modules):
             meta = attn.groups[lay.group] if attn.groups else attn
+            fused = lay.fused
+            if (
+                fused is not None
+                and not fused.moe.record_expert_load  # its counts need the router's ids
+                and (delta is None or delta.dtype == x.dtype)  # add_rms_norm's condition
+            ):
+                x, delta = fused(x, delta, cos, sin, meta)
+                continue
             norm = lay.in_norm
             if delta is None:
                 h = layer.input_layernorm(x) if norm is None else _OPS.rms_norm.default(x, *norm)
@@ -438,7 +591,20 @@ class DecodePlans:
 
     def __init__(self) -> None:
         self.enabled = True
+        self._fuse = True
         self._plans: dict[int, DecodePlan] = {}
+
+    @property
+    def fuse(self) -> bool:
+        """Whether plans run whole layers as one call where they can (``DecodePlan.build``);
+        setting it drops the plans built the other way."""
+        return self._fuse
+
+    @fuse.setter
+    def fuse(self, value: bool) -> None:
+        if value != self._fuse:
+            self._plans.clear()
+        self._fuse = value
 
     def clear(self) -> None:
         self._plans.clear()
@@ -453,7 +619,7 @@ class DecodePlans:
         # Something changed since (a plan is stale): drop every plan and build anew.
         if plan is not None or any(not p.fresh() for p in self._plans.values()):
             self._plans.clear()
-        plan = self._plans[rows] = DecodePlan.build(model, rows)
+        plan = self._plans[rows] = DecodePlan.build(model, rows, self._fuse)
         return plan
 
 

@@ -21,6 +21,7 @@
 //
 // write_kv: each token's K/V heads into its slot of the cache, cast to its type.
 
+#include "ops.h"
 #include "vec.h"
 #include "vec_half.h"
 
@@ -267,13 +268,16 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& cache, const i
   });
 }
 
-at::Tensor decode_attention(const at::Tensor& q,            // [D, Hq, Dh] float32/bf16/fp16
-                            const at::Tensor& cache,        // [2, NB, Hkv, bs, Dh] same types
-                            const at::Tensor& block_table,  // [D, B] int64
-                            const at::Tensor& seq_lens,     // [D] int64
-                            double scale,
-                            int64_t window,                 // > 0: the last window keys
-                            const std::optional<at::Tensor>& sinks) {  // [Hq] float32
+}  // namespace
+
+at::Tensor tidal_cpu::decode_attention(
+    const at::Tensor& q,            // [D, Hq, Dh] float32/bf16/fp16
+    const at::Tensor& cache,        // [2, NB, Hkv, bs, Dh] same types
+    const at::Tensor& block_table,  // [D, B] int64
+    const at::Tensor& seq_lens,     // [D] int64
+    double scale,
+    int64_t window,                 // > 0: the last window keys
+    const std::optional<at::Tensor>& sinks) {  // [Hq] float32
   TORCH_CHECK(q.is_cpu() && is_kernel_float(q.scalar_type()) && q.dim() == 3 && q.stride(2) == 1,
               "decode_attention: q must be a float32/bfloat16/float16 [D, Hq, Dh] tensor, "
               "last dim contiguous");
@@ -322,6 +326,8 @@ at::Tensor decode_attention(const at::Tensor& q,            // [D, Hq, Dh] float
   return out;
 }
 
+namespace {
+
 // write_kv: this step's K and V rows into the cache, at the tokens' slots, cast
 // to the cache's type (round to nearest even, as torch's .to()).
 // The destinations are scattered and cold (a 4 KB run per block): ask for all their lines
@@ -339,10 +345,13 @@ void write_rows(CT* dst, const int64_t* rows, const at::Tensor& src, int64_t dh)
       convert_row(sp + t * s0 + h * s1, dst + rows[t * heads + h] * dh, dh);
 }
 
-void write_kv(const at::Tensor& cache,  // [2, NB, Hkv, bs, Dh] float32/bf16/fp16, written
-              const at::Tensor& slots,  // [T] int64 cache slot (block * bs + offset) per token
-              const at::Tensor& k,      // [T, Hkv, Dh] float32/bf16/fp16, last dim contiguous
-              const at::Tensor& v) {    // [T, Hkv, Dh], k's type
+}  // namespace
+
+void tidal_cpu::write_kv(
+    const at::Tensor& cache,  // [2, NB, Hkv, bs, Dh] float32/bf16/fp16, written
+    const at::Tensor& slots,  // [T] int64 cache slot (block * bs + offset) per token
+    const at::Tensor& k,      // [T, Hkv, Dh] float32/bf16/fp16, last dim contiguous
+    const at::Tensor& v) {    // [T, Hkv, Dh], k's type
   TORCH_CHECK(cache.is_cpu() && is_kernel_float(cache.scalar_type()) && cache.dim() == 5 &&
                   cache.is_contiguous(),
               "write_kv: cache must be a contiguous float32/bfloat16/float16 [2, NB, Hkv, bs, Dh]");
@@ -380,8 +389,6 @@ void write_kv(const at::Tensor& cache,  // [2, NB, Hkv, bs, Dh] float32/bf16/fp1
   });
 }
 
-}  // namespace
-
 TORCH_LIBRARY_FRAGMENT(tidal_cpu, m) {
   m.def(
       "decode_attention(Tensor q, Tensor cache, Tensor block_table, Tensor seq_lens, "
@@ -390,6 +397,6 @@ TORCH_LIBRARY_FRAGMENT(tidal_cpu, m) {
 }
 
 TORCH_LIBRARY_IMPL(tidal_cpu, CPU, m) {
-  m.impl("decode_attention", &decode_attention);
-  m.impl("write_kv", &write_kv);
+  m.impl("decode_attention", &tidal_cpu::decode_attention);
+  m.impl("write_kv", &tidal_cpu::write_kv);
 }

@@ -21,6 +21,7 @@
 // (moe_cpu.cpp), which takes FP8 experts in the same layout.
 
 #include "gemm.h"
+#include "ops.h"
 #include "vec.h"
 
 #include <ATen/Parallel.h>
@@ -32,18 +33,17 @@
 #include <cstring>
 #include <vector>
 
-namespace {
-
 using namespace tidal_cpu;
 
-at::Tensor fp8_linear(const at::Tensor& x,    // [T, K] float32 or bf16, last dim contiguous
-                      const at::Tensor& w_p,  // [N_pad/64, K, 64] uint8 (FP8 bytes)
-                      const at::Tensor& s_p,  // [N_pad/64, ceil(K/block_k), 64] float32
-                      const std::optional<at::Tensor>& bias,  // [N]
-                      int64_t out_features, int64_t block_k,
-                      int64_t prefetch,  // Prefetch hint (gemm.h), a per-CPU choice
-                      bool dot,          // the FP8 dot kernel
-                      bool amx) {        // the FP8 AMX kernel; neither: the fp16 decode
+at::Tensor tidal_cpu::fp8_linear(
+    const at::Tensor& x,    // [T, K] float32 or bf16, last dim contiguous
+    const at::Tensor& w_p,  // [N_pad/64, K, 64] uint8 (FP8 bytes)
+    const at::Tensor& s_p,  // [N_pad/64, ceil(K/block_k), 64] float32
+    const std::optional<at::Tensor>& bias,  // [N]
+    int64_t out_features, int64_t block_k,
+    int64_t prefetch,  // Prefetch hint (gemm.h), a per-CPU choice
+    bool dot,          // the FP8 dot kernel
+    bool amx) {        // the FP8 AMX kernel; neither: the fp16 decode
   TORCH_CHECK(x.is_cpu() && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) &&
                   x.dim() == 2 && x.stride(1) == 1,
               "fp8_linear: x must be a float32 or bf16 [T, K] CPU tensor, last dim contiguous");
@@ -111,8 +111,6 @@ at::Tensor fp8_linear(const at::Tensor& x,    // [T, K] float32 or bf16, last di
   return out;
 }
 
-}  // namespace
-
 TORCH_LIBRARY_FRAGMENT(tidal_cpu, m) {
   m.def(
       "fp8_linear(Tensor x, Tensor w_p, Tensor s_p, Tensor? bias, int out_features, "
@@ -121,4 +119,4 @@ TORCH_LIBRARY_FRAGMENT(tidal_cpu, m) {
   m.def("fp8_amx_available() -> bool", &fp8_amx_available);
 }
 
-TORCH_LIBRARY_IMPL(tidal_cpu, CPU, m) { m.impl("fp8_linear", &fp8_linear); }
+TORCH_LIBRARY_IMPL(tidal_cpu, CPU, m) { m.impl("fp8_linear", &tidal_cpu::fp8_linear); }

@@ -21,6 +21,7 @@
 
 #include "amx.h"
 #include "gemm.h"
+#include "ops.h"
 #include "vec.h"
 
 #include <ATen/Parallel.h>
@@ -85,14 +86,17 @@ void linear_amx(const uint16_t* x, int64_t lda, int64_t rows, const uint16_t* w,
 }
 #endif
 
-at::Tensor linear(const at::Tensor& x,    // [T, K] float32 or bf16, rows may be strided
-                  // float32 [N_pad/64, K, 64] | bf16 [N_pad/64, K_pad/2, 64, 2]
-                  const at::Tensor& w_p,
-                  const std::optional<at::Tensor>& bias,  // [N] float32 or bf16
-                  int64_t out_features,
-                  int64_t prefetch,  // Prefetch hint (gemm.h), a per-CPU choice
-                  bool dot,          // bf16: the AVX512-BF16 kernel, else the shift one
-                  bool amx) {        // bf16: the AMX tile kernel (amx.h; its own prefetch)
+}  // namespace
+
+at::Tensor tidal_cpu::linear(
+    const at::Tensor& x,    // [T, K] float32 or bf16, rows may be strided
+    // float32 [N_pad/64, K, 64] | bf16 [N_pad/64, K_pad/2, 64, 2]
+    const at::Tensor& w_p,
+    const std::optional<at::Tensor>& bias,  // [N] float32 or bf16
+    int64_t out_features,
+    int64_t prefetch,  // Prefetch hint (gemm.h), a per-CPU choice
+    bool dot,          // bf16: the AVX512-BF16 kernel, else the shift one
+    bool amx) {        // bf16: the AMX tile kernel (amx.h; its own prefetch)
   TORCH_CHECK(x.is_cpu() && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) &&
                   x.dim() == 2 && x.stride(1) == 1,
               "linear: x must be a float32 or bf16 [T, K] CPU tensor, last dim contiguous");
@@ -188,6 +192,8 @@ at::Tensor linear(const at::Tensor& x,    // [T, K] float32 or bf16, rows may be
   return out;
 }
 
+namespace {
+
 // Whether this CPU runs the bf16 dot kernel (AVX512-BF16).
 bool bf16_dot_available() { return dot_available(); }
 
@@ -200,4 +206,4 @@ TORCH_LIBRARY_FRAGMENT(tidal_cpu, m) {
   m.def("bf16_dot_available() -> bool", &bf16_dot_available);
 }
 
-TORCH_LIBRARY_IMPL(tidal_cpu, CPU, m) { m.impl("linear", &linear); }
+TORCH_LIBRARY_IMPL(tidal_cpu, CPU, m) { m.impl("linear", &tidal_cpu::linear); }

@@ -39,6 +39,7 @@
 
 #include "amx.h"
 #include "gemm.h"
+#include "ops.h"
 #include "vec.h"
 
 #include <ATen/Parallel.h>
@@ -304,29 +305,32 @@ void amx_experts(const at::Tensor& x,                 // [T, H] float32 or bf16,
 }
 #endif
 
-at::Tensor fused_moe(const at::Tensor& hidden,  // [T, H] float32 or bf16
-                     // float32 [E, I_pad/32, H, 64] | bf16 [E, I_pad/32, H_pad/2, 64, 2]
-                     const at::Tensor& w13p,
-                     // float32 [S, E, R, I_pad, 64] | bf16 [S, E, R, I_pad/2, 64, 2]
-                     const at::Tensor& w2p,
-                     const at::Tensor& topk_weights,  // [T, K] float32
-                     const at::Tensor& topk_ids,      // [T, K] int64 global ids
-                     const std::optional<at::Tensor>& expert_map,  // [E_global] int32
-                     bool apply_router_weight,
-                     int64_t prefetch,  // Prefetch hint (gemm.h), a per-CPU choice
-                     bool dot,  // bf16: the AVX512-BF16 kernel, else the shift one; FP8:
-                                // the FP8 dot kernel, else the fp16 decode (gemm.h)
-                     // FP8 (uint8) packs: [E, I_pad/32, ceil(H/block_k), 64] float32
-                     const std::optional<at::Tensor>& s13p,
-                     // FP8: [S, E, R, ceil(I_pad/block_k), 64] float32
-                     const std::optional<at::Tensor>& s2p,
-                     int64_t block_k,  // FP8: the k chunk of one scale
-                     bool amx,         // bf16: the AMX tile kernel (amx.h); FP8: the
-                                       // FP8 AMX kernel (gemm.h)
-                     const std::optional<at::Tensor>& b13,  // [E, 2I] float32 | bf16
-                     const std::optional<at::Tensor>& b2,   // [E, H], b13's dtype
-                     bool clamped,  // the clamped SwiGLU (alpha, limit), else SiLU-and-mul
-                     double alpha, double limit) {
+}  // namespace
+
+at::Tensor tidal_cpu::fused_moe(
+    const at::Tensor& hidden,  // [T, H] float32 or bf16
+    // float32 [E, I_pad/32, H, 64] | bf16 [E, I_pad/32, H_pad/2, 64, 2]
+    const at::Tensor& w13p,
+    // float32 [S, E, R, I_pad, 64] | bf16 [S, E, R, I_pad/2, 64, 2]
+    const at::Tensor& w2p,
+    const at::Tensor& topk_weights,  // [T, K] float32
+    const at::Tensor& topk_ids,      // [T, K] int64 global ids
+    const std::optional<at::Tensor>& expert_map,  // [E_global] int32
+    bool apply_router_weight,
+    int64_t prefetch,  // Prefetch hint (gemm.h), a per-CPU choice
+    bool dot,  // bf16: the AVX512-BF16 kernel, else the shift one; FP8:
+               // the FP8 dot kernel, else the fp16 decode (gemm.h)
+    // FP8 (uint8) packs: [E, I_pad/32, ceil(H/block_k), 64] float32
+    const std::optional<at::Tensor>& s13p,
+    // FP8: [S, E, R, ceil(I_pad/block_k), 64] float32
+    const std::optional<at::Tensor>& s2p,
+    int64_t block_k,  // FP8: the k chunk of one scale
+    bool amx,         // bf16: the AMX tile kernel (amx.h); FP8: the
+                      // FP8 AMX kernel (gemm.h)
+    const std::optional<at::Tensor>& b13,  // [E, 2I] float32 | bf16
+    const std::optional<at::Tensor>& b2,   // [E, H], b13's dtype
+    bool clamped,  // the clamped SwiGLU (alpha, limit), else SiLU-and-mul
+    double alpha, double limit) {
   TORCH_CHECK(hidden.dim() == 2 && hidden.is_cpu() &&
                   (hidden.scalar_type() == at::kFloat || hidden.scalar_type() == at::kBFloat16),
               "hidden must be [T, H] float32 or bf16 on CPU");
@@ -560,8 +564,6 @@ at::Tensor fused_moe(const at::Tensor& hidden,  // [T, H] float32 or bf16
   return result();
 }
 
-}  // namespace
-
 TORCH_LIBRARY_FRAGMENT(tidal_cpu, m) {
   m.def(
       "fused_moe(Tensor hidden, Tensor w13p, Tensor w2p, Tensor topk_weights, "
@@ -572,4 +574,4 @@ TORCH_LIBRARY_FRAGMENT(tidal_cpu, m) {
   m.def("amx_available() -> bool", &amx_available);
 }
 
-TORCH_LIBRARY_IMPL(tidal_cpu, CPU, m) { m.impl("fused_moe", &fused_moe); }
+TORCH_LIBRARY_IMPL(tidal_cpu, CPU, m) { m.impl("fused_moe", &tidal_cpu::fused_moe); }

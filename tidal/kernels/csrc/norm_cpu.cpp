@@ -8,6 +8,7 @@
 // the q|k heads: at batch-1 decode those small torch ops, not their bytes, were the cost.
 // Each rounds as the torch ops it replaces, so the results are bit for bit theirs.
 
+#include "ops.h"
 #include "vec.h"
 #include "vec_half.h"
 
@@ -107,9 +108,12 @@ void norm_rows_any(const T* x, const T* w, T* out, int64_t rows, int64_t dim, fl
   }
 }
 
-at::Tensor rms_norm(const at::Tensor& x,                     // [..., D] float32/bf16/fp16
-                    const std::optional<at::Tensor>& weight,  // [D] x's type
-                    double eps) {
+}  // namespace
+
+at::Tensor tidal_cpu::rms_norm(
+    const at::Tensor& x,                     // [..., D] float32/bf16/fp16
+    const std::optional<at::Tensor>& weight,  // [D] x's type
+    double eps) {
   TORCH_CHECK(x.is_cpu() && is_kernel_float(x.scalar_type()) && x.dim() >= 1,
               "rms_norm takes a float32/bfloat16/float16 CPU tensor of at least one dimension");
   const int64_t dim = x.size(-1);
@@ -141,10 +145,11 @@ at::Tensor rms_norm(const at::Tensor& x,                     // [..., D] float32
 
 // x + delta rounded to T (torch's T + T: the float32 sum, rounded), then that row's norm:
 // bit for bit the unfused add and rms_norm above.
-std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x,       // [..., D]
-                                                const at::Tensor& delta,   // x's shape, type
-                                                const at::Tensor& weight,  // [D] x's type
-                                                double eps) {
+std::tuple<at::Tensor, at::Tensor> tidal_cpu::add_rms_norm(
+    const at::Tensor& x,       // [..., D]
+    const at::Tensor& delta,   // x's shape, type
+    const at::Tensor& weight,  // [D] x's type
+    double eps) {
   TORCH_CHECK(x.is_cpu() && is_kernel_float(x.scalar_type()) && x.dim() >= 1,
               "add_rms_norm takes a float32/bfloat16/float16 CPU tensor of at least one dimension");
   TORCH_CHECK(delta.is_cpu() && delta.scalar_type() == x.scalar_type() && delta.sizes() == x.sizes(),
@@ -180,6 +185,8 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x,       // [.
   });
   return {sum, out};
 }
+
+namespace {
 
 #pragma GCC push_options
 #pragma GCC optimize("fp-contract=off")
@@ -233,15 +240,18 @@ void norm_rope_row(const T* x, const T* w, const T* cos, const T* sin, T* out, i
   rotate_row(y, cos, sin, out, dh, rot);
 }
 
+}  // namespace
+
 // norm_rope: x [T, H, Dh] (last dim contiguous, rows and heads may be strided), cos and
 // signed_sin [T, R] (or [T, 1, R]) of x's type, R even, R <= Dh -> [T, H, Dh]: with
 // weights, each head row normalised as rms_norm does, heads < split scaled by q_weight,
 // the others by k_weight; then the first R dims rotated (x * cos + roll(x, R / 2) *
 // signed_sin), the rest copied. Bit for bit rms_norm of the heads, the weights' products
 // in x's type, then tidal/layers/rotary.apply_rotary_torch.
-at::Tensor norm_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& signed_sin,
-                     const std::optional<at::Tensor>& q_weight,
-                     const std::optional<at::Tensor>& k_weight, int64_t split, double eps) {
+at::Tensor tidal_cpu::norm_rope(
+    const at::Tensor& x, const at::Tensor& cos, const at::Tensor& signed_sin,
+    const std::optional<at::Tensor>& q_weight,
+    const std::optional<at::Tensor>& k_weight, int64_t split, double eps) {
   TORCH_CHECK(x.is_cpu() && is_kernel_float(x.scalar_type()) && x.dim() == 3 && x.stride(2) == 1,
               "norm_rope: x must be a float32/bfloat16/float16 CPU [T, H, Dh] tensor, last dim "
               "contiguous");
@@ -290,8 +300,6 @@ at::Tensor norm_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tenso
   return out;
 }
 
-}  // namespace
-
 TORCH_LIBRARY_FRAGMENT(tidal_cpu, m) {
   m.def("rms_norm(Tensor x, Tensor? weight, float eps) -> Tensor");
   m.def("add_rms_norm(Tensor x, Tensor delta, Tensor weight, float eps) -> (Tensor, Tensor)");
@@ -301,7 +309,7 @@ TORCH_LIBRARY_FRAGMENT(tidal_cpu, m) {
 }
 
 TORCH_LIBRARY_IMPL(tidal_cpu, CPU, m) {
-  m.impl("rms_norm", &rms_norm);
-  m.impl("add_rms_norm", &add_rms_norm);
-  m.impl("norm_rope", &norm_rope);
+  m.impl("rms_norm", &tidal_cpu::rms_norm);
+  m.impl("add_rms_norm", &tidal_cpu::add_rms_norm);
+  m.impl("norm_rope", &tidal_cpu::norm_rope);
 }

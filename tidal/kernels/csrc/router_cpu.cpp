@@ -12,6 +12,7 @@
 // float32 sums either way (the torch path rounds bf16 logits before its softmax).
 
 #include "gemm.h"
+#include "ops.h"
 #include "vec.h"
 
 #include <ATen/Parallel.h>
@@ -59,7 +60,9 @@ void select_top_k(const float* logits, int64_t num_experts, int64_t top_k, bool 
     for (int64_t i = 0; i < top_k; ++i) weights[i] /= chosen;
 }
 
-std::tuple<at::Tensor, at::Tensor> softmax_topk(
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> tidal_cpu::softmax_topk(
     const at::Tensor& hidden,  // [T, H] float32 or bf16
     const at::Tensor& gate_p,  // float32 [E_pad/64, H, 64] | bf16 [E_pad/64, H_pad/2, 64, 2]
     int64_t num_experts, int64_t top_k, bool renormalize,
@@ -131,12 +134,10 @@ std::tuple<at::Tensor, at::Tensor> softmax_topk(
   return {weights, ids};
 }
 
-}  // namespace
-
 TORCH_LIBRARY_FRAGMENT(tidal_cpu, m) {
   m.def(
       "softmax_topk(Tensor hidden, Tensor gate_p, int num_experts, int top_k, "
       "bool renormalize, int prefetch=0, bool dot=False) -> (Tensor, Tensor)");
 }
 
-TORCH_LIBRARY_IMPL(tidal_cpu, CPU, m) { m.impl("softmax_topk", &softmax_topk); }
+TORCH_LIBRARY_IMPL(tidal_cpu, CPU, m) { m.impl("softmax_topk", &tidal_cpu::softmax_topk); }
