@@ -12,7 +12,11 @@ hits them alike); each is timed by its best round's median. Prints one JSON line
 a summary line: each case's speed against the float32 cache on the same path, and native
 against torch.
 
-    python benchmarks/attention_kv.py [--threads 2] [--seqs 1 32] [--context 96 1024]
+``--cold``: before each timed call, a 256 MiB read evicts the caches (a serving decode
+step's KV is cold: the MoE weights streamed through since the last layer), so the
+kernel's reads come from memory rather than the L3 cache.
+
+    python benchmarks/attention_kv.py [--threads 2] [--seqs 1 32] [--context 96 1024] [--cold]
 """
 
 from __future__ import annotations
@@ -39,8 +43,6 @@ CASES = [
 ]
 
 
-
-
 def make_step(
     shape: tuple[int, int, int], seqs: int, context: int, dtype, cache_dtype, path: str
 ) -> tuple[Callable[[], torch.Tensor], int]:
@@ -63,9 +65,15 @@ def make_step(
     return (lambda: attn(q, kv, kv, meta)), cache.numel() * cache.element_size()
 
 
-def measure(steps: dict[str, Callable[[], torch.Tensor]], rounds: int, calls: int) -> dict:
+def measure(
+    steps: dict[str, Callable[[], torch.Tensor]],
+    rounds: int,
+    calls: int,
+    evict: Callable[[], object] | None = None,
+) -> dict:
     """Microseconds per call: per round, each case's median of ``calls`` calls, the cases
-    taking turns call by call; the best round's median per case."""
+    taking turns call by call; the best round's median per case. ``evict``: run before
+    each timed call, untimed."""
     for fn in steps.values():  # warm-up: first touches, thread wake-ups, rows memoised
         for _ in range(3):
             fn()
@@ -74,6 +82,8 @@ def measure(steps: dict[str, Callable[[], torch.Tensor]], rounds: int, calls: in
         times: dict[str, list[float]] = {name: [] for name in steps}
         for _ in range(calls):
             for name, fn in steps.items():
+                if evict is not None:
+                    evict()
                 t0 = time.perf_counter()
                 fn()
                 times[name].append(time.perf_counter() - t0)
@@ -90,6 +100,7 @@ def main() -> None:
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--calls", type=int, default=30)
+    ap.add_argument("--cold", action="store_true", help="evict the caches before each call")
     opts = ap.parse_args()
     torch.set_num_threads(opts.threads)
     paths = ["native", "torch"] if kernel_available() else ["torch"]
@@ -98,7 +109,10 @@ def main() -> None:
         "threads": opts.threads,
         "torch": torch.__version__,
         "native": kernel_available() or kernel_status(),
+        "cold": opts.cold,
     }
+    flush = torch.ones(64 * 1024 * 1024) if opts.cold else None  # 256 MiB float32
+    evict = flush.sum if flush is not None else None
     print(json.dumps({"config": header}), flush=True)
     summary: dict[str, dict[str, float]] = {}
     with torch.inference_mode():
@@ -112,7 +126,7 @@ def main() -> None:
                             steps[key], nbytes[key] = make_step(
                                 SHAPES[shape_name], seqs, context, dtype, cache_dtype, path
                             )
-                    us = measure(steps, opts.rounds, opts.calls)
+                    us = measure(steps, opts.rounds, opts.calls, evict)
                     where = f"H{shape_name} seqs={seqs} ctx={context}"
                     for key, value in us.items():
                         print(json.dumps({

@@ -191,6 +191,23 @@ def test_mixed_steps_take_the_module_path(qwen3_ckpt, monkeypatch):
     assert runs == []
 
 
+def test_a_padded_step_takes_the_module_path(qwen3_ckpt, monkeypatch):
+    """A step whose MoE context marks padding rows (a decode graph's) is not a plan's."""
+    from tidal.moe.layer import MoEForwardContext
+
+    model = _load(qwen3_ckpt, "float32")
+    prompts = _prompts(model.spec.vocab_size, [5], seed=3)
+    _decode_logits(model, prompts, 1)
+    assert model.decode_plans._plans[1].padded() is False
+    ctx = MoEForwardContext()
+    ctx.padding = torch.zeros(1, dtype=torch.bool)
+    for moe in model.moe_layers():
+        moe.forward_context = ctx
+    runs = _runs(monkeypatch)
+    _decode_logits(model, prompts, 2)
+    assert runs == [] and model.decode_plans._plans[1].padded()
+
+
 def test_a_stale_plan_is_rebuilt(qwen3_ckpt, monkeypatch):
     """What the plan read changes under it: a new KV cache (a runner binds its own), the
     experts' path switched to torch, then back to native (a re-pack, new tensors). Each

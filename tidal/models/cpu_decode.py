@@ -505,6 +505,8 @@ class DecodePlan:
         self.layers = layers
         self.modules = modules  # the decoder layers, for the pieces that call them
         self.watched = watched
+        # The MoE layers' one shared forward context lives on each of them: the first's.
+        self.moe = next((m.mlp for m in modules if isinstance(m.mlp, FusedMoE)), None)
         # How many pieces (two norms, attention, router, experts a layer) take the direct
         # C++ call; the rest call their modules.
         self.direct = sum(
@@ -546,6 +548,11 @@ class DecodePlan:
             elif d.get(name) is not held:
                 return False
         return True
+
+    def padded(self) -> bool:
+        """Whether the step pads its rows (a graph's or DP's padding): not a plan's step."""
+        ctx = self.moe.forward_context if self.moe is not None else None
+        return ctx is not None and ctx.padding is not None
 
     def run(
         self, x: Tensor, cos: Tensor, sin: Tensor, attn: AttentionMetadata
@@ -614,19 +621,18 @@ class DecodePlans:
         if not self.enabled or not _eligible(model, attn, rows):
             return None
         plan = self._plans.get(rows)
-        if plan is not None and plan.fresh():
-            return plan
-        # Something changed since (a plan is stale): drop every plan and build anew.
-        if plan is not None or any(not p.fresh() for p in self._plans.values()):
-            self._plans.clear()
-        plan = self._plans[rows] = DecodePlan.build(model, rows, self._fuse)
-        return plan
+        if plan is None or not plan.fresh():
+            # Something changed since (a plan is stale): drop every plan and build anew.
+            if plan is not None or any(not p.fresh() for p in self._plans.values()):
+                self._plans.clear()
+            plan = self._plans[rows] = DecodePlan.build(model, rows, self._fuse)
+        return None if plan.padded() else plan
 
 
 def _eligible(model: MoECausalLM, attn: AttentionMetadata, rows: int) -> bool:
     """Whether this step may take a plan: the model on CPU at TP size 1 with the C++
-    kernels loaded, a pure decode step (every row a sequence's one decode token), no
-    graph padding."""
+    kernels loaded, a pure decode step (every row a sequence's one decode token). (The
+    plan itself says whether the step pads its rows: ``DecodePlan.padded``.)"""
     if (
         attn.prefills
         or model.tp.size != 1
@@ -644,9 +650,5 @@ def _eligible(model: MoECausalLM, attn: AttentionMetadata, rows: int) -> bool:
             or meta.decode_block_table is None
             or meta.decode_seq_lens is None
         ):
-            return False
-    for moe in model.moe_layers()[:1]:  # one context object, shared by every layer
-        ctx = moe.forward_context
-        if ctx is not None and ctx.padding is not None:
             return False
     return True

@@ -9,6 +9,19 @@
 // are widened once for the whole group of query heads: 32 sequences of 256 keys, bf16,
 // 16 query / 4 KV heads of 64, 2 threads: 1146 -> 780 us (torch's path 952).
 //
+// Three things keep it near the memory's pace (benchmarks/attention_kv.py, 32 sequences,
+// bf16, 16 query / 4 KV heads of 64, caches evicted before each call, 2 threads on a Zen 4:
+// 256 keys 1.38 -> 0.81 ms, 1,024 keys 4.48 -> 2.26 ms; torch's path 1.6 and 5.3):
+// - a thread asks for the next task's K and V lines while it computes the current task
+//   (TaskLines): asking only for a task's own lines as it starts left the cores waiting
+//   on each task's misses in turn;
+// - the 16 keys of a chunk are 16 independent chains of multiply-adds (column chunk outer,
+//   key inner), not one latency-bound chain a key;
+// - a bf16 cache with 64 or 128 values a head is read as 32-bit words, its even and odd
+//   elements apart (pair_scores, pair_values): no widened copy is written and read back,
+//   and each V row is split once for up to 8 / (Dh / 32) query heads whose sums stay in
+//   registers.
+//
 // decode_attention: q [D, Hq, Dh] (rows may be strided), cache [2, NB, Hkv, bs, Dh]
 // contiguous, block_table [D, B] int64, seq_lens [D] int64 (keys 0..len-1 of sequence d
 // sit at block block_table[d][t / bs], offset t % bs) -> [D, Hq, Dh] in q's type; query
@@ -31,6 +44,7 @@
 #include <ATen/ops/empty.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -87,6 +101,132 @@ inline void add_scaled_row64(vec16 a[4], vec16 p, const T* v) {
   for (int u = 0; u < 4; ++u) a[u] += p * load(v + 16 * u);
 }
 
+// A bf16 cache read as 32-bit words: a row's values 32 at a time as their even and odd
+// elements (widen_bf16_pairs: a shift and a mask, no widened copy), so the products and
+// sums stay float32 while nothing is written back. Queries and outputs use the same
+// split: chunk c of a row holds 16 even then 16 odd elements (`split_pairs`).
+inline void split_pairs(const float* x, float* out, int64_t dh) {
+  for (int64_t c = 0; c < dh; c += 32)
+    for (int l = 0; l < 16; ++l) {
+      out[c + l] = x[c + 2 * l];
+      out[c + 16 + l] = x[c + 2 * l + 1];
+    }
+}
+
+// scores[i] = q . k_i for the m <= 16 keys `keys` (bf16 rows of dh = 32 C values), q
+// split as split_pairs does: each key's products across the lanes, then one transposing
+// add tree for all 16.
+template <int C>
+inline vec16 pair_scores(const float* q, const uint16_t* const* keys, int64_t m) {
+  vec16 qe[C], qo[C];
+  for (int c = 0; c < C; ++c) {
+    qe[c] = load(q + 32 * c);
+    qo[c] = load(q + 32 * c + 16);
+  }
+  vec16 part[16];
+  for (int i = 0; i < 16; ++i) {
+    if (i >= m) {
+      part[i] = vec16{};
+      continue;
+    }
+    vec16 e, o;
+    widen_bf16_pairs(keys[i], e, o);
+    vec16 a = qe[0] * e + qo[0] * o;
+    for (int c = 1; c < C; ++c) {
+      widen_bf16_pairs(keys[i] + 32 * c, e, o);
+      a += qe[c] * e + qo[c] * o;
+    }
+    part[i] = a;
+  }
+  return lane_sums(part);
+}
+
+// out[g] = sum_t p[g][t] * v_t over n keys for G heads at once (p[g] = probs + g * stride),
+// v_t bf16 rows of dh = 32 C values: each V row split once for all G heads, the sums in
+// registers (G * C * 2 <= 16 of them), the keys in order; out in split_pairs' layout.
+template <int C, int G>
+inline void pair_values(const float* probs, int64_t stride, const uint16_t* const* vrows,
+                        int64_t n, float* out) {
+  vec16 acc[G][C][2] = {};
+  for (int64_t t = 0; t < n; ++t) {
+    vec16 e[C], o[C];
+    for (int c = 0; c < C; ++c) widen_bf16_pairs(vrows[t] + 32 * c, e[c], o[c]);
+    for (int g = 0; g < G; ++g) {
+      const vec16 p = splat(probs[g * stride + t]);
+      for (int c = 0; c < C; ++c) {
+        acc[g][c][0] += p * e[c];
+        acc[g][c][1] += p * o[c];
+      }
+    }
+  }
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < C; ++c) {
+      store(out + g * 32 * C + 32 * c, acc[g][c][0]);
+      store(out + g * 32 * C + 32 * c + 16, acc[g][c][1]);
+    }
+}
+
+// split_pairs undone: a row of dh values in its natural order.
+inline void join_pairs(const float* x, float* out, int64_t dh) {
+  for (int64_t c = 0; c < dh; c += 32)
+    for (int l = 0; l < 16; ++l) {
+      out[c + 2 * l] = x[c + l];
+      out[c + 2 * l + 1] = x[c + 16 + l];
+    }
+}
+
+// One task's K and V cache lines, in key order, prefetched a few at a time: `issue(k)`
+// asks for the next k lines of K and the matching k of V. A task's rows sit in a few
+// scattered blocks, cold at decode (the MoE weights streamed through since the last
+// step), and the kernel waits on their misses unless they are in flight before it reads
+// them: a thread asks for the next task's lines a chunk at a time while it computes the
+// current one, so the two overlap (at 32 sequences of 256 keys, bf16, cold: asking only
+// at the start of each task for its own lines left the kernel at a third of the read
+// bandwidth).
+template <typename CT>
+class TaskLines {
+ public:
+  static constexpr int64_t kLine = 64 / sizeof(CT);  // cache values per 64-byte line
+
+  TaskLines() = default;
+  TaskLines(const CT* kc, const CT* vc, const int64_t* blocks, int64_t hkv, int64_t kvh,
+            int64_t bs, int64_t dh, int64_t first, int64_t len)
+      : kc_(kc), vc_(vc), blocks_(blocks), hkv_(hkv), kvh_(kvh), bs_(bs), dh_(dh), len_(len),
+        b_(first / bs), lo_(first % bs) {
+    for (int64_t b = b_, lo = lo_; b * bs < len; ++b, lo = 0)
+      lines_ += ((std::min<int64_t>(bs, len - b * bs) - lo) * dh + kLine - 1) / kLine;
+    open();
+  }
+
+  int64_t lines() const { return lines_; }  // of K (and as many of V)
+
+  void issue(int64_t count) {
+    for (; count > 0 && b_ * bs_ < len_; --count) {
+      __builtin_prefetch(kc_ + row_ + f_, 0, 2);
+      __builtin_prefetch(vc_ + row_ + f_, 0, 2);
+      if ((f_ += kLine) >= values_) {
+        ++b_;
+        lo_ = 0;
+        open();
+      }
+    }
+  }
+
+ private:
+  void open() {  // the current block's run: its first row and how many values
+    f_ = 0;
+    if (b_ * bs_ >= len_) return;
+    row_ = ((blocks_[b_] * hkv_ + kvh_) * bs_ + lo_) * dh_;
+    values_ = (std::min<int64_t>(bs_, len_ - b_ * bs_) - lo_) * dh_;
+  }
+
+  const CT* kc_ = nullptr;
+  const CT* vc_ = nullptr;
+  const int64_t* blocks_ = nullptr;
+  int64_t hkv_ = 0, kvh_ = 0, bs_ = 1, dh_ = 0, len_ = 0;
+  int64_t b_ = 0, lo_ = 0, row_ = 0, values_ = 0, f_ = 0, lines_ = 0;
+};
+
 // QT: the query and output type, CT: the cache's (float, c10::BFloat16, c10::Half each).
 // Queries are widened once per task and the cache 16 values at a time as it is read:
 // scores, softmax and the weighted sum of V are float32 throughout.
@@ -101,14 +241,21 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& cache, const i
   const CT* vc = kc + nb * hkv * bs * dh;
   QT* op = out.data_ptr<QT>();
   const int64_t group = hq / hkv, qs0 = q.stride(0), qs1 = q.stride(1);
-  constexpr int64_t kLine = 64 / sizeof(CT);  // cache values per 64-byte line
+  // A window keeps the last ``window`` keys: positions first .. len - 1.
+  auto first_key = [&](int64_t len) {
+    return window > 0 ? std::max<int64_t>(0, len - window) : int64_t{0};
+  };
+  auto lines_of = [&](int64_t task) {
+    const int64_t d = task / hkv, len = lp[d];
+    return TaskLines<CT>(kc, vc, tp + d * width, hkv, task % hkv, bs, dh, first_key(len), len);
+  };
 
-  for_each_task(num * hkv, [&](int64_t task) {
+  // One (sequence, KV head) task; `ahead`: the next task's lines, asked for as it goes.
+  auto run = [&](int64_t task, TaskLines<CT>& ahead) {
     const int64_t d = task / hkv, kvh = task % hkv, len = lp[d];
-    // A window keeps the last ``window`` keys: positions first .. len - 1, n of them.
-    const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0, n = len - first;
+    const int64_t first = first_key(len), n = len - first;
     const int64_t* blocks = tp + d * width;
-    thread_local std::vector<float> scores, qbuf, obuf, kvbuf, acc;
+    thread_local std::vector<float> scores, qbuf, obuf, kvbuf, acc, qpair;
     thread_local std::vector<const CT*> krow, vrow;
     scores.resize(static_cast<size_t>(group * n));
     krow.resize(static_cast<size_t>(n));
@@ -137,28 +284,45 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& cache, const i
         qg[g] = qbuf.data() + g * dh;
       }
     }
-    // 0. The task's K and V rows sit in a few scattered blocks, cold in cache at decode
-    //    (the MoE weights streamed through since the last step); ask for all of them now
-    //    so their misses overlap instead of each block waiting on its own.
-    for (int64_t b = first / bs; b * bs < len; ++b) {
-      const int64_t lo = std::max<int64_t>(first, b * bs) - b * bs;  // first key in block
-      const int64_t row = ((blocks[b] * hkv + kvh) * bs + lo) * dh;
-      const int64_t values = (std::min<int64_t>(bs, len - b * bs) - lo) * dh;
-      for (int64_t f = 0; f < values; f += kLine) {
-        __builtin_prefetch(kc + row + f, 0, 2);
-        __builtin_prefetch(vc + row + f, 0, 2);
-      }
-    }
+    // The next task's lines, spread over this one's chunks of 16 keys (phase 1).
+    const int64_t chunks = std::max<int64_t>(1, (n + 15) / 16);
+    const int64_t per_chunk = (ahead.lines() + chunks - 1) / chunks;
     // 1. scores[g][t] = q_g . k_t * scale: 16 keys at a time, each key's products summed
     //    across lanes by one transposing add tree (instead of a horizontal sum per key).
     //    A 16-bit cache's 16 K rows are widened once into kvbuf for all the group's query
     //    heads (widening them once a head cost more than the products: at 32 sequences,
     //    context 256, bf16, GQA 4, it took 1.15 ms a layer).
+    //    A bf16 cache of 64 or 128 values a head is read in pairs instead (pair_scores):
+    //    no widened copy.
+    constexpr bool kBf16 = std::is_same_v<CT, c10::BFloat16>;
+    const bool pairs = kBf16 && (dh == 64 || dh == 128);
+    if (pairs) {
+      qpair.resize(static_cast<size_t>(group * dh));
+      for (int64_t g = 0; g < group; ++g) split_pairs(qg[g], qpair.data() + g * dh, dh);
+      const uint16_t* keys[16];
+      for (int64_t t0 = 0; t0 < n; t0 += 16) {
+        const int64_t m = std::min<int64_t>(16, n - t0);
+        ahead.issue(per_chunk);
+        for (int64_t i = 0; i < m; ++i) keys[i] = reinterpret_cast<const uint16_t*>(krow[t0 + i]);
+        for (int64_t g = 0; g < group; ++g) {
+          const float* q = qpair.data() + g * dh;
+          const vec16 sums = (dh == 64 ? pair_scores<2>(q, keys, m) : pair_scores<4>(q, keys, m)) *
+                             splat(sc);
+          float* dst = scores.data() + g * n + t0;
+          if (m == 16) {
+            store(dst, sums);
+          } else {
+            for (int64_t i = 0; i < m; ++i) dst[i] = sums[i];
+          }
+        }
+      }
+    }
     const bool whole = dh % 16 == 0;  // rows of whole vectors: the transposing add tree
     kvbuf.resize(static_cast<size_t>(16 * dh));
     const CT* keys[16];
-    for (int64_t t0 = 0; t0 < n; t0 += 16) {  // t0: index among the n keys
+    for (int64_t t0 = 0; !pairs && t0 < n; t0 += 16) {  // t0: index among the n keys
       const int64_t m = std::min<int64_t>(16, n - t0);
+      ahead.issue(per_chunk);
       for (int64_t i = 0; i < m; ++i) keys[i] = krow[t0 + i];
       if (m < 16 || !whole) {
         for (int64_t g = 0; g < group; ++g)
@@ -175,11 +339,15 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& cache, const i
         }
       }
       for (int64_t g = 0; g < group; ++g) {
+        // Column chunk outer, key inner: the 16 keys' sums are 16 independent chains (a
+        // key's own chain of Dh / 16 multiply-adds, one after another, waited on each
+        // add's latency: at Dh 64 it bound the whole kernel).
         vec16 part[16];
-        for (int i = 0; i < 16; ++i) {
-          vec16 a = load(qg[g]) * load(kf[i]);
-          for (int64_t j = 16; j < dh; j += 16) a += load(qg[g] + j) * load(kf[i] + j);
-          part[i] = a;
+        const vec16 q0 = load(qg[g]);
+        for (int i = 0; i < 16; ++i) part[i] = q0 * load(kf[i]);
+        for (int64_t j = 16; j < dh; j += 16) {
+          const vec16 qj = load(qg[g] + j);
+          for (int i = 0; i < 16; ++i) part[i] += qj * load(kf[i] + j);
         }
         store(scores.data() + g * n + t0, lane_sums(part) * splat(sc));
       }
@@ -218,6 +386,37 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& cache, const i
     //    rows at a time widened once into kvbuf for all the group's heads, each head's
     //    sums in acc between chunks, 64 columns at a time in registers (the keys in order:
     //    the sums as the loop below makes them).
+    if (pairs) {
+      // Heads G at a time (G * dh / 16 sums in registers), each V row split once for them.
+      acc.resize(static_cast<size_t>(group * dh));
+      const uint16_t* const* vr = reinterpret_cast<const uint16_t* const*>(vrow.data());
+      for (int64_t g = 0; g < group;) {
+        const float* pg = scores.data() + g * n;
+        float* o = acc.data() + g * dh;
+        const int64_t left = group - g;
+        if (dh == 64 && left >= 4) {
+          pair_values<2, 4>(pg, n, vr, n, o);
+          g += 4;
+        } else if (dh == 64 && left >= 2) {
+          pair_values<2, 2>(pg, n, vr, n, o);
+          g += 2;
+        } else if (dh == 64) {
+          pair_values<2, 1>(pg, n, vr, n, o);
+          g += 1;
+        } else if (left >= 2) {
+          pair_values<4, 2>(pg, n, vr, n, o);
+          g += 2;
+        } else {
+          pair_values<4, 1>(pg, n, vr, n, o);
+          g += 1;
+        }
+      }
+      for (int64_t g = 0; g < group; ++g) {
+        join_pairs(acc.data() + g * dh, obuf.data(), dh);
+        convert_row(obuf.data(), op + (d * hq + kvh * group + g) * dh, dh);
+      }
+      return;
+    }
     if (dh % 64 == 0 && !std::is_same_v<CT, float>) {
       acc.assign(static_cast<size_t>(group * dh), 0.f);
       for (int64_t t0 = 0; t0 < n; t0 += 16) {
@@ -264,6 +463,24 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& cache, const i
         }
       }
       if constexpr (!std::is_same_v<QT, float>) convert_row(o, dst, dh);
+    }
+  };
+
+  // Each thread claims its next task before it runs the current one, so it can ask for
+  // the next one's lines while it computes; its first task's lines it asks for at once.
+  const int64_t tasks = num * hkv;
+  std::atomic<int64_t> next{0};
+  parallel_threads(std::min<int64_t>(at::get_num_threads(), tasks), [&](int64_t) {
+    int64_t cur = next.fetch_add(1);
+    if (cur >= tasks) return;
+    TaskLines<CT> now = lines_of(cur);
+    now.issue(now.lines());
+    while (cur < tasks) {
+      const int64_t nxt = next.fetch_add(1);
+      TaskLines<CT> ahead = nxt < tasks ? lines_of(nxt) : TaskLines<CT>();
+      run(cur, ahead);
+      ahead.issue(ahead.lines());  // what the chunks left (a short task)
+      cur = nxt;
     }
   });
 }
