@@ -163,6 +163,32 @@ def test_fp8_layers_in_one_call_equal_their_pieces(qwen3_ckpt, tmp_path):
     _fused_against_pieces(model, _prompts(model.spec.vocab_size, [9, 5], seed=8), 3)
 
 
+@pytest.mark.parametrize(
+    ("model_type", "dtype"),
+    [
+        ("qwen2_moe", "float32"),  # shared experts: the attention half
+        ("qwen2_moe", "bfloat16"),
+        pytest.param("glm4_moe", "bfloat16", marks=pytest.mark.slow),  # a dense first layer
+        pytest.param("gpt_oss", "float32", marks=pytest.mark.slow),  # sinks, windows, biases
+        pytest.param("mixtral", "bfloat16", marks=pytest.mark.slow),  # whole layers
+    ],
+)
+def test_attention_halves_in_one_call_equal_their_pieces(tiny_ckpt, model_type, dtype):
+    """A layer whose MLP is not all C++ (shared experts, biased experts, a dense MLP) runs
+    its attention half as one call, then its MLP: bit for bit the pieces."""
+    model = _load(tiny_ckpt(model_type), dtype)
+    prompts = _prompts(model.spec.vocab_size, [7, 4], seed=10)
+    plans = model.decode_plans
+    fused = _decode_logits(model, prompts, 3)
+    plan = plans._plans[2]
+    assert plan.fused + plan.fused_attention == len(model.layers)
+    assert plan.fused_attention == (0 if model_type == "mixtral" else len(model.layers))
+    plans.fuse = False
+    pieces = _decode_logits(model, prompts, 3)
+    assert plans._plans[2].fused_attention == 0
+    assert torch.equal(fused, pieces)
+
+
 def test_decode_layer_rejects_a_malformed_call():
     """The op checks its lists against its layout and names a missing tensor."""
     ops = torch.ops.tidal_cpu

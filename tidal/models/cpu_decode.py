@@ -344,11 +344,13 @@ _DirectLinear = _NativeLinear | _NativeFp8Linear
 
 
 class _FusedLayer:
-    """A whole layer whose every piece is a direct call -- two C++ norms, GQA attention on
-    native projections, the C++ router and experts, no shared experts -- as one
-    ``decode_layer`` call: the same kernels with the same arguments in the same order, so
-    bit for bit the pieces' calls, without Python between them. The weights are read from
-    the layers at each call (``weights()``), like the pieces' calls do."""
+    """A layer's pieces as one ``decode_layer`` call: the same kernels with the same
+    arguments in the same order, so bit for bit the pieces' calls, without Python between
+    them. Whole where every piece is direct -- two C++ norms, GQA attention on native
+    projections, the C++ router and experts, no shared experts (``moe`` set); else, where
+    the norms and the attention are direct, the attention half (``moe`` None): the call
+    returns the MLP's input and the plan calls the MLP. The weights are read from the
+    layers at each call (``weights()``), as the pieces' calls do."""
 
     def __init__(
         self,
@@ -357,13 +359,12 @@ class _FusedLayer:
         attention: _Attention,
         qkv: _DirectLinear,
         o: _DirectLinear,
-        moe: _Moe,
-        router: tuple[int, int, bool, int, bool],
-        experts: _NativeExperts,
+        moe: _Moe | None,
     ) -> None:
         slot, num, real = _layout()
         self.attn = attention.attn
-        self.qkv, self.o, self.moe, self.experts = qkv, o, moe.moe, experts
+        self.qkv, self.o = qkv, o
+        self.moe: FusedMoE | None = None if moe is None else moe.moe
         tensors: list[Tensor | None] = [None] * len(slot)
         tensors[slot["in_norm"]], tensors[slot["post_norm"]] = in_norm[0], post_norm[0]
         if attention.norm is not None:
@@ -377,13 +378,17 @@ class _FusedLayer:
         for name, lin in (("qkv", qkv), ("o", o)):
             for key, v in zip(("out", "block_k", "prefetch", "dot", "amx"), lin.layout()):
                 values[f"{name}_{key}"] = v
-        experts_num, top_k, renormalize, router_prefetch, router_dot = router
-        values.update(
-            experts=experts_num, top_k=top_k, renormalize=renormalize,
-            router_prefetch=router_prefetch, router_dot=router_dot,
-            moe_prefetch=experts.prefetch, moe_dot=experts.dot, moe_amx=experts.amx,
-            moe_block_k=experts.block_k(),
-        )  # fmt: skip
+        self.experts: _NativeExperts | None = None
+        if moe is not None:  # values.experts stays 0 without: the attention half only
+            assert moe.router is not None and moe.experts is not None
+            experts = self.experts = moe.experts
+            experts_num, top_k, renormalize, router_prefetch, router_dot = moe.router
+            values.update(
+                experts=experts_num, top_k=top_k, renormalize=renormalize,
+                router_prefetch=router_prefetch, router_dot=router_dot,
+                moe_prefetch=experts.prefetch, moe_dot=experts.dot, moe_amx=experts.amx,
+                moe_block_k=experts.block_k(),
+            )  # fmt: skip
         for name, v in values.items():
             ints[num[name]] = int(v)
         self.ints = ints
@@ -398,16 +403,19 @@ class _FusedLayer:
 
     def __call__(
         self, x: Tensor, delta: Tensor | None, cos: Tensor, sin: Tensor, meta: AttentionMetadata
-    ) -> tuple[Tensor, Tensor]:  # [T, H], [T, H] -> (residual [T, H], MLP output [T, H])
+    ) -> tuple[Tensor, Tensor]:
+        """[T, H], [T, H] -> (residual [T, H], the MLP's output [T, H]; the attention half:
+        the MLP's input)."""
         t = self.tensors.copy()
         qw, qs, ow, os_ = self._slots
         t[qw], t[qs] = self.qkv.weights()
         t[ow], t[os_] = self.o.weights()
-        moe = self.moe
-        gate = typing.cast(CpuPackedGate, typing.cast(HeldGate, moe._held_gate).packed)
-        t[self._gate_slot], t[self._map_slot] = gate.weight, moe._map_arg
-        w13, w2, s13, s2 = self._expert_slots
-        t[w13], t[w2], t[s13], t[s2] = self.experts.weights()
+        moe, experts = self.moe, self.experts
+        if moe is not None and experts is not None:
+            gate = typing.cast(CpuPackedGate, typing.cast(HeldGate, moe._held_gate).packed)
+            t[self._gate_slot], t[self._map_slot] = gate.weight, moe._map_arg
+            w13, w2, s13, s2 = self._expert_slots
+            t[w13], t[w2], t[s13], t[s2] = experts.weights()
         return _OPS.decode_layer.default(
             x, delta, cos, sin, meta.slot_mapping, meta.decode_block_table, meta.decode_seq_lens,
             self.attn.kv_cache, t, self.ints, self.floats,
@@ -415,21 +423,26 @@ class _FusedLayer:
 
 
 def _fused_call(lay: _Layer) -> _FusedLayer | None:
-    """The layer as one ``decode_layer`` call where every piece of it is direct, else None."""
+    """The layer as one ``decode_layer`` call: whole where every piece of it is direct, its
+    attention half where the norms and the attention are; else None."""
     a, m = lay.attention, lay.mlp
     if (
         lay.in_norm is None
         or lay.post_norm is None
-        or lay.shared is not None
         or not isinstance(a, _Attention)
         or not isinstance(a.qkv, _DirectLinear)
         or not isinstance(a.o, _DirectLinear)
-        or not isinstance(m, _Moe)
-        or m.router is None
-        or m.experts is None
     ):
         return None
-    return _FusedLayer(lay.in_norm, lay.post_norm, a, a.qkv, a.o, m, m.router, m.experts)
+    moe = None  # the attention half, unless the MLP is all C++ too
+    if (
+        isinstance(m, _Moe)
+        and lay.shared is None
+        and m.router is not None
+        and m.experts is not None
+    ):
+        moe = m
+    return _FusedLayer(lay.in_norm, lay.post_norm, a, a.qkv, a.o, moe)
 
 
 # ---- staleness ----------------------------------------------------------------------
@@ -516,7 +529,11 @@ class DecodePlan:
             + (isinstance(lay.mlp, _Moe) and lay.mlp.experts is not None)
             for lay in layers
         )  # fmt: skip
-        self.fused = sum(lay.fused is not None for lay in layers)  # layers as one call
+        # Layers as one call: whole, or their attention half
+        self.fused = sum(lay.fused is not None and lay.fused.moe is not None for lay in layers)
+        self.fused_attention = sum(
+            lay.fused is not None and lay.fused.moe is None for lay in layers
+        )
 
     @classmethod
     def build(cls, model: MoECausalLM, rows: int, fuse: bool = True) -> DecodePlan:
@@ -563,13 +580,14 @@ class DecodePlan:
         for lay, layer in zip(self.layers, self.modules):
             meta = attn.groups[lay.group] if attn.groups else attn
             fused = lay.fused
-            if (
-                fused is not None
-                and not fused.moe.record_expert_load  # its counts need the router's ids
-                and (delta is None or delta.dtype == x.dtype)  # add_rms_norm's condition
-            ):
-                x, delta = fused(x, delta, cos, sin, meta)
-                continue
+            if fused is not None and (delta is None or delta.dtype == x.dtype):  # add_rms_norm's
+                if fused.moe is None:  # the attention half: the MLP here
+                    x, h = fused(x, delta, cos, sin, meta)
+                    delta = lay.mlp(h) if lay.shared is None else lay.mlp(h) + lay.shared(h)
+                    continue
+                if not fused.moe.record_expert_load:  # its counts need the router's ids
+                    x, delta = fused(x, delta, cos, sin, meta)
+                    continue
             norm = lay.in_norm
             if delta is None:
                 h = layer.input_layernorm(x) if norm is None else _OPS.rms_norm.default(x, *norm)

@@ -2,7 +2,10 @@
 // one op: the input norm, the QKV projection, the q/k norm and rotary, the KV write, the
 // paged attention, the O projection, the post-attention norm, the router and the experts,
 // each the very C++ kernel the decode plan (tidal/models/cpu_decode.py) would call, with
-// the same arguments, in the same order; so the result is bit for bit the plan's.
+// the same arguments, in the same order; so the result is bit for bit the plan's. With
+// `experts` 0 it stops after the post-attention norm and returns that norm's output (the
+// MLP's input) in place of the MLP's: a layer whose MLP is not all C++ (shared experts,
+// another routing, biased experts) still runs its attention half as one call.
 //
 // Why: at batch 1 most of those kernels take a few microseconds each on a small layer, and
 // calling them one by one from Python (an op dispatch, argument parsing, the views between
@@ -63,7 +66,7 @@ enum Int : int64_t {
   kWindow,  // > 0: sliding-window attention over the last `window` keys
   kQkvOut, kQkvBlockK, kQkvPrefetch, kQkvDot, kQkvAmx,  // block_k: FP8 only
   kOOut, kOBlockK, kOPrefetch, kODot, kOAmx,
-  kExperts, kTopK, kRenormalize, kRouterPrefetch, kRouterDot,
+  kExperts, kTopK, kRenormalize, kRouterPrefetch, kRouterDot,  // experts 0: no MLP here
   kMoePrefetch, kMoeDot, kMoeAmx, kMoeBlockK,  // block_k: FP8 only, else 0
   kNumInts
 };
@@ -121,7 +124,7 @@ class Args {
 // [T, R] x's type, slots [T] int64, block_table [T, B] int64, seq_lens [T] int64 (this
 // layer's KV cache group), cache [2, NB, Hkv, bs, Dh] (written at `slots`)
 // -> (the residual stream after attention [T, H], this layer's MLP output [T, H]), as the
-// decode plan's layer leaves them.
+// decode plan's layer leaves them; with `experts` 0, (that residual, the MLP's input).
 std::tuple<at::Tensor, at::Tensor> decode_layer(
     const at::Tensor& x, const std::optional<at::Tensor>& delta, const at::Tensor& cos,
     const at::Tensor& sin, const at::Tensor& slots, const at::Tensor& block_table,
@@ -150,6 +153,7 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(
   const at::Tensor o = a.project(attn.view({num, hq * dh}), kOW, kOScales, kOBias, kOOut);
 
   auto [after, h2] = add_rms_norm(residual, o, a.get(kPostNorm), a.f(kPostEps));
+  if (a.i(kExperts) == 0) return {after, h2};  // the attention half only
   auto [weights, ids] = softmax_topk(h2, a.get(kGate), a.i(kExperts), a.i(kTopK),
                                      a.flag(kRenormalize), a.i(kRouterPrefetch),
                                      a.flag(kRouterDot));  // [T, K] float32, [T, K] int64
