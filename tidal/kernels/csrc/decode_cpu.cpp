@@ -77,6 +77,9 @@ constexpr std::array<const char*, kNumInts> kInts = {
     "experts", "top_k", "renormalize", "router_prefetch", "router_dot",
     "moe_prefetch", "moe_dot", "moe_amx", "moe_block_k"};
 
+// Args::project reads a projection's five ints from its `out` on.
+static_assert(kQkvAmx == kQkvOut + 4 && kOAmx == kOOut + 4, "a projection's ints in a row");
+
 enum Float : int64_t { kInEps, kPostEps, kQkEps, kScale, kNumFloats };
 constexpr std::array<const char*, kNumFloats> kFloats = {"in_eps", "post_eps", "qk_eps", "scale"};
 
