@@ -103,20 +103,24 @@ def test_qwen3_plan_is_all_direct_and_torch_paths_call_modules(qwen3_ckpt, monke
     assert torch.equal(planned, _decode_logits(model, prompts, 2))
 
 
-def _fused_against_pieces(model, prompts: list[list[int]], steps: int) -> dict[str, int]:
-    """The plan with whole layers as one call, then piece by piece: every layer was one
-    call, and the logits are bit for bit the same. Returns the first layer's ints by name."""
+def _fused_against_pieces(
+    model, prompts: list[list[int]], steps: int, halves: int = 0
+) -> dict[str, int]:
+    """The plan with layers as one call, then piece by piece: every layer was one call
+    (``halves`` of them only their attention half), and the logits are bit for bit the
+    same. Returns the first layer's ints by name."""
     plans = model.decode_plans
     fused = _decode_logits(model, prompts, steps)
     plan = plans._plans[len(prompts)]
-    assert plan.fused == len(model.layers)
+    assert plan.fused == len(model.layers) - halves
+    assert plan.fused_attention == halves
     ints = dict(
         zip(torch.ops.tidal_cpu.decode_layer_layout.default()[1], plan.layers[0].fused.ints)
     )
     plans.fuse = False
     assert not plans._plans  # built the other way: dropped
     pieces = _decode_logits(model, prompts, steps)
-    assert plans._plans[len(prompts)].fused == 0
+    assert plans._plans[len(prompts)].fused == plans._plans[len(prompts)].fused_attention == 0
     assert torch.equal(fused, pieces)
     plans.fuse = True
     return ints
@@ -178,15 +182,8 @@ def test_attention_halves_in_one_call_equal_their_pieces(tiny_ckpt, model_type, 
     its attention half as one call, then its MLP: bit for bit the pieces."""
     model = _load(tiny_ckpt(model_type), dtype)
     prompts = _prompts(model.spec.vocab_size, [7, 4], seed=10)
-    plans = model.decode_plans
-    fused = _decode_logits(model, prompts, 3)
-    plan = plans._plans[2]
-    assert plan.fused + plan.fused_attention == len(model.layers)
-    assert plan.fused_attention == (0 if model_type == "mixtral" else len(model.layers))
-    plans.fuse = False
-    pieces = _decode_logits(model, prompts, 3)
-    assert plans._plans[2].fused_attention == 0
-    assert torch.equal(fused, pieces)
+    halves = 0 if model_type == "mixtral" else len(model.layers)
+    _fused_against_pieces(model, prompts, 3, halves)
 
 
 def test_decode_layer_rejects_a_malformed_call():

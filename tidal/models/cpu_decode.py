@@ -235,19 +235,14 @@ class _NativeExperts:
     def __call__(
         self, h: Tensor, weights: Tensor, ids: Tensor, expert_map: Tensor | None
     ) -> Tensor:
-        if self.fp8:
-            f = typing.cast(PackedFp8Experts, self.moe._fp8_held)
-            return _OPS.fused_moe.default(
-                h, f.w13, f.w2, weights, ids, expert_map, True, self.prefetch, self.dot,
-                f.s13, f.s2, f.block_k, amx=self.amx,
-            )  # fmt: skip
-        p = typing.cast(HeldExperts, self.moe._held_experts).packed
+        w13, w2, s13, s2 = self.weights()
         return _OPS.fused_moe.default(
-            h, p.w13, p.w2, weights, ids, expert_map, True, self.prefetch, self.dot, amx=self.amx
-        )
+            h, w13, w2, weights, ids, expert_map, True, self.prefetch, self.dot, s13, s2,
+            self.block_k(), amx=self.amx,
+        )  # fmt: skip
 
     def weights(self) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
-        """w13, w2 and (FP8) their scales, as ``decode_layer`` takes them."""
+        """w13, w2 and (FP8) their scales, as ``fused_moe`` and ``decode_layer`` take them."""
         if self.fp8:
             f = typing.cast(PackedFp8Experts, self.moe._fp8_held)
             return f.w13, f.w2, f.s13, f.s2
@@ -350,8 +345,8 @@ class _FusedLayer:
     """A layer's pieces as one ``decode_layer`` call: the same kernels with the same
     arguments in the same order, so bit for bit the pieces' calls, without Python between
     them. Whole where every piece is direct -- two C++ norms, GQA attention on native
-    projections, the C++ router and experts, no shared experts (``moe`` set); else, where
-    the norms and the attention are direct, the attention half (``moe`` None): the call
+    projections, the C++ router and experts, no shared experts (``experts`` set); else,
+    where the norms and the attention are direct, the attention half (``experts`` None): the call
     returns the MLP's input and the plan calls the MLP. The weights are read from the
     layers at each call (``weights()``), as the pieces' calls do."""
 
@@ -367,7 +362,6 @@ class _FusedLayer:
         slot, num, real = _layout()
         self.attn = attention.attn
         self.qkv, self.o = qkv, o
-        self.moe: FusedMoE | None = None if moe is None else moe.moe
         tensors: list[Tensor | None] = [None] * len(slot)
         tensors[slot["in_norm"]], tensors[slot["post_norm"]] = in_norm[0], post_norm[0]
         if attention.norm is not None:
@@ -413,8 +407,9 @@ class _FusedLayer:
         qw, qs, ow, os_ = self._slots
         t[qw], t[qs] = self.qkv.weights()
         t[ow], t[os_] = self.o.weights()
-        moe, experts = self.moe, self.experts
-        if moe is not None and experts is not None:
+        experts = self.experts
+        if experts is not None:
+            moe = experts.moe
             gate = typing.cast(CpuPackedGate, typing.cast(HeldGate, moe._held_gate).packed)
             t[self._gate_slot], t[self._map_slot] = gate.weight, moe._map_arg
             w13, w2, s13, s2 = self._expert_slots
@@ -533,9 +528,9 @@ class DecodePlan:
             for lay in layers
         )  # fmt: skip
         # Layers as one call: whole, or their attention half
-        self.fused = sum(lay.fused is not None and lay.fused.moe is not None for lay in layers)
+        self.fused = sum(lay.fused is not None and lay.fused.experts is not None for lay in layers)
         self.fused_attention = sum(
-            lay.fused is not None and lay.fused.moe is None for lay in layers
+            lay.fused is not None and lay.fused.experts is None for lay in layers
         )
 
     @classmethod
@@ -583,21 +578,29 @@ class DecodePlan:
         for lay, layer in zip(self.layers, self.modules):
             meta = attn.groups[lay.group] if attn.groups else attn
             fused = lay.fused
-            if fused is not None and (delta is None or delta.dtype == x.dtype):  # add_rms_norm's
-                if fused.moe is None:  # the attention half: the MLP here
-                    x, h = fused(x, delta, cos, sin, meta)
-                    delta = lay.mlp(h) if lay.shared is None else lay.mlp(h) + lay.shared(h)
+            experts = fused.experts if fused is not None else None
+            if (
+                fused is not None
+                and (delta is None or delta.dtype == x.dtype)  # add_rms_norm's condition
+                and (experts is None or not experts.moe.record_expert_load)  # needs the ids
+            ):
+                x, out = fused(x, delta, cos, sin, meta)
+                if experts is not None:  # the whole layer: out is its MLP's output
+                    delta = out
                     continue
-                if not fused.moe.record_expert_load:  # its counts need the router's ids
-                    x, delta = fused(x, delta, cos, sin, meta)
-                    continue
-            norm = lay.in_norm
-            if delta is None:
-                h = layer.input_layernorm(x) if norm is None else _OPS.rms_norm.default(x, *norm)
+                h = out  # the attention half: out is the MLP's input
             else:
-                x, h = _add_norm(layer.input_layernorm, norm, x, delta)
-            out = lay.attention(h, cos, sin, meta)
-            x, h = _add_norm(layer.post_attention_layernorm, lay.post_norm, x, out)
+                norm = lay.in_norm
+                if delta is None:
+                    h = (
+                        layer.input_layernorm(x)
+                        if norm is None
+                        else _OPS.rms_norm.default(x, *norm)
+                    )
+                else:
+                    x, h = _add_norm(layer.input_layernorm, norm, x, delta)
+                out = lay.attention(h, cos, sin, meta)
+                x, h = _add_norm(layer.post_attention_layernorm, lay.post_norm, x, out)
             delta = lay.mlp(h) if lay.shared is None else lay.mlp(h) + lay.shared(h)
         assert delta is not None
         return x, delta

@@ -44,7 +44,6 @@
 #include <ATen/ops/empty.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -316,40 +315,41 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& cache, const i
           }
         }
       }
-    }
-    const bool whole = dh % 16 == 0;  // rows of whole vectors: the transposing add tree
-    kvbuf.resize(static_cast<size_t>(16 * dh));
-    const CT* keys[16];
-    for (int64_t t0 = 0; !pairs && t0 < n; t0 += 16) {  // t0: index among the n keys
-      const int64_t m = std::min<int64_t>(16, n - t0);
-      ahead.issue(per_chunk);
-      for (int64_t i = 0; i < m; ++i) keys[i] = krow[t0 + i];
-      if (m < 16 || !whole) {
-        for (int64_t g = 0; g < group; ++g)
-          for (int64_t i = 0; i < m; ++i) scores[g * n + t0 + i] = dot(qg[g], keys[i], dh) * sc;
-        continue;
-      }
-      const float* kf[16];
-      for (int i = 0; i < 16; ++i) {
-        if constexpr (std::is_same_v<CT, float>) {
-          kf[i] = keys[i];
-        } else {
-          to_float(keys[i], kvbuf.data() + i * dh, dh);
-          kf[i] = kvbuf.data() + i * dh;
+    } else {
+      const bool whole = dh % 16 == 0;  // rows of whole vectors: the transposing add tree
+      kvbuf.resize(static_cast<size_t>(16 * dh));
+      const CT* keys[16];
+      for (int64_t t0 = 0; t0 < n; t0 += 16) {  // t0: index among the n keys
+        const int64_t m = std::min<int64_t>(16, n - t0);
+        ahead.issue(per_chunk);
+        for (int64_t i = 0; i < m; ++i) keys[i] = krow[t0 + i];
+        if (m < 16 || !whole) {
+          for (int64_t g = 0; g < group; ++g)
+            for (int64_t i = 0; i < m; ++i) scores[g * n + t0 + i] = dot(qg[g], keys[i], dh) * sc;
+          continue;
         }
-      }
-      for (int64_t g = 0; g < group; ++g) {
-        // Column chunk outer, key inner: the 16 keys' sums are 16 independent chains (a
-        // key's own chain of Dh / 16 multiply-adds, one after another, waited on each
-        // add's latency: at Dh 64 it bound the whole kernel).
-        vec16 part[16];
-        const vec16 q0 = load(qg[g]);
-        for (int i = 0; i < 16; ++i) part[i] = q0 * load(kf[i]);
-        for (int64_t j = 16; j < dh; j += 16) {
-          const vec16 qj = load(qg[g] + j);
-          for (int i = 0; i < 16; ++i) part[i] += qj * load(kf[i] + j);
+        const float* kf[16];
+        for (int i = 0; i < 16; ++i) {
+          if constexpr (std::is_same_v<CT, float>) {
+            kf[i] = keys[i];
+          } else {
+            to_float(keys[i], kvbuf.data() + i * dh, dh);
+            kf[i] = kvbuf.data() + i * dh;
+          }
         }
-        store(scores.data() + g * n + t0, lane_sums(part) * splat(sc));
+        for (int64_t g = 0; g < group; ++g) {
+          // Column chunk outer, key inner: the 16 keys' sums are 16 independent chains (a
+          // key's own chain of Dh / 16 multiply-adds, one after another, waited on each
+          // add's latency: at Dh 64 it bound the whole kernel).
+          vec16 part[16];
+          const vec16 q0 = load(qg[g]);
+          for (int i = 0; i < 16; ++i) part[i] = q0 * load(kf[i]);
+          for (int64_t j = 16; j < dh; j += 16) {
+            const vec16 qj = load(qg[g] + j);
+            for (int i = 0; i < 16; ++i) part[i] += qj * load(kf[i] + j);
+          }
+          store(scores.data() + g * n + t0, lane_sums(part) * splat(sc));
+        }
       }
     }
     // 2. softmax per query head: max, exp(s - max), divide by the sum. A sink is one more
@@ -466,23 +466,20 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& cache, const i
     }
   };
 
-  // Each thread claims its next task before it runs the current one, so it can ask for
-  // the next one's lines while it computes; its first task's lines it asks for at once.
+  // A thread asks for its next task's lines while it computes the current one; its first
+  // task's lines it asks for at once.
   const int64_t tasks = num * hkv;
-  std::atomic<int64_t> next{0};
-  parallel_threads(std::min<int64_t>(at::get_num_threads(), tasks), [&](int64_t) {
-    int64_t cur = next.fetch_add(1);
-    if (cur >= tasks) return;
-    TaskLines<CT> now = lines_of(cur);
-    now.issue(now.lines());
-    while (cur < tasks) {
-      const int64_t nxt = next.fetch_add(1);
-      TaskLines<CT> ahead = nxt < tasks ? lines_of(nxt) : TaskLines<CT>();
-      run(cur, ahead);
-      ahead.issue(ahead.lines());  // what the chunks left (a short task)
-      cur = nxt;
-    }
-  });
+  for_each_task_ahead(
+      tasks,
+      [&](int64_t first) {
+        TaskLines<CT> now = lines_of(first);
+        now.issue(now.lines());
+      },
+      [&](int64_t cur, int64_t next) {
+        TaskLines<CT> ahead = next < tasks ? lines_of(next) : TaskLines<CT>();
+        run(cur, ahead);
+        ahead.issue(ahead.lines());  // what the chunks left (a short task)
+      });
 }
 
 }  // namespace

@@ -60,6 +60,24 @@ void for_each_task(int64_t n, F&& task) {
   });
 }
 
+// for_each_task with one task of look-ahead: each thread claims its next task before it
+// runs the current one, so a task can ask for the next one's memory while it computes.
+// first(i) once for each thread's first task, then task(i, next) for each i, next the
+// thread's following task (n: none).
+template <typename First, typename F>
+void for_each_task_ahead(int64_t n, First&& first, F&& task) {
+  std::atomic<int64_t> next{0};
+  parallel_threads(std::min<int64_t>(at::get_num_threads(), n), [&](int64_t) {
+    int64_t cur = next.fetch_add(1);
+    if (cur < n) first(cur);
+    while (cur < n) {
+      const int64_t after = std::min<int64_t>(next.fetch_add(1), n);
+      task(cur, after);
+      cur = after;
+    }
+  });
+}
+
 // at::parallel_for's contract on the kernels' threads: body(begin, end) over [0, n) in
 // contiguous chunks, one a thread, on at most ceil(n / grain) threads (one chunk, inline,
 // at n <= grain).
