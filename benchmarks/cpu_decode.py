@@ -1,11 +1,12 @@
 """Decode on CPU with the decode plan (``tidal/models/cpu_decode.py``: a pure decode step
 as flat C++ kernel calls) against the module path it replaces, in one process,
-interleaved, with the machine's read bandwidth measured between them. Three sides:
-"layers" (the plan with each all-direct layer as one ``decode_layer`` call, the default),
-"plan" (the plan piece by piece) and "modules" (the module path).
+interleaved, with the machine's read bandwidth measured between them. Four sides, one per
+``Fusion`` level and the module path: "stack" (the whole model, its layers all whole, as
+one ``decode_model`` call, the default), "layers" (each all-direct layer as one
+``decode_layer`` call), "plan" (the plan piece by piece) and "modules" (the module path).
 
 The sides share one loaded ``tidal.LLM`` (in-process engine, no prefix caching) and its
-kernel choices; only ``model.decode_plans.enabled`` and ``.fuse`` differ. Rounds alternate
+kernel choices; only ``model.decode_plans.enabled`` and ``.fusion`` differ. Rounds alternate
 the sides' order, and each round also times a 1 GiB ``sum`` (the read bandwidth), so a
 side's single-stream time is set against the bandwidth of its own minutes. Outputs are
 checked equal (every side is bit for bit the module path).
@@ -14,8 +15,8 @@ checked equal (every side is bit for bit the module path).
         --dtype bfloat16 [--rounds 5] [--threads 0] [--single-tokens 128] [--batch 32 --batch-tokens 64]
 
 Prints one JSON document: the CPU, per case (single stream, batch) each side's ms per
-generated token per round (prefill included), the medians, the ratios plan / modules and
-layers / plan;
+generated token per round (prefill included), the medians, the ratios plan / modules,
+layers / plan and stack / layers;
 for the single stream the weight bytes a token reads (attention, router, its top-k
 experts, lm_head) and each side's fraction of the measured bandwidth.
 """
@@ -34,13 +35,15 @@ from typing import Any
 
 import torch
 
+from tidal.models.cpu_decode import Fusion
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from cpu_speed import active_bytes_per_token  # noqa: E402 - a sibling module
-from decode_ab import add_arguments, cases, header, interleaved_rounds  # noqa: E402 - a sibling module
+from decode_ab import Side, add_arguments, cases, header, interleaved_rounds  # noqa: E402 - a sibling module
 
-# "layers": the plan with each all-direct layer as one decode_layer call (the default);
-# "plan": the plan piece by piece; "modules": the module path.
-SIDES = ("layers", "plan", "modules")
+# "stack": the whole model one decode_model call (the default); "layers": each all-direct
+# layer one decode_layer call; "plan": the plan piece by piece; "modules": the module path.
+SIDES = ("stack", "layers", "plan", "modules")
 
 
 def main() -> None:
@@ -79,17 +82,18 @@ def measure(llm: Any, opts: argparse.Namespace) -> dict[str, Any]:
     plans = _model(llm).decode_plans
 
     @contextlib.contextmanager
-    def side(enabled: bool, fuse: bool = True) -> Iterator[None]:
-        plans.enabled, plans.fuse = enabled, fuse
+    def side(enabled: bool, fusion: Fusion = Fusion.STACK) -> Iterator[None]:
+        plans.enabled, plans.fusion = enabled, fusion
         try:
             yield
         finally:
-            plans.enabled, plans.fuse = True, True
+            plans.enabled, plans.fusion = True, Fusion.STACK
 
     bandwidth: list[float] = []
-    sides = {
-        "layers": lambda: side(True),
-        "plan": lambda: side(True, fuse=False),
+    sides: dict[str, Side] = {
+        "stack": lambda: side(True),
+        "layers": lambda: side(True, Fusion.LAYERS),
+        "plan": lambda: side(True, Fusion.PIECES),
         "modules": lambda: side(False),
     }
     times, outputs = interleaved_rounds(
@@ -115,9 +119,8 @@ def measure(llm: Any, opts: argparse.Namespace) -> dict[str, Any]:
             "median_ms": {s: round(med[s], 3) for s in SIDES},
             "ratio_plan_over_modules": round(med["plan"] / med["modules"], 3),
             "ratio_layers_over_plan": round(med["layers"] / med["plan"], 3),
-            "same_tokens": outputs[case]["plan"]
-            == outputs[case]["modules"]
-            == outputs[case]["layers"],
+            "ratio_stack_over_layers": round(med["stack"] / med["layers"], 3),
+            "same_tokens": all(outputs[case][s] == outputs[case]["modules"] for s in SIDES),
         }
         if streams == 1:  # the bytes a token reads over its time, against the sum's rate
             row["fraction_of_bandwidth"] = {

@@ -14,7 +14,7 @@ from tests.unit.test_models import PagedRunner, _prompts
 from tidal.kernels.cpu_ext import kernel_available, kernel_status, native_args
 from tidal.kernels.select import Candidate, Choice
 from tidal.launch.engine_args import EngineArgs
-from tidal.models.cpu_decode import DecodePlan, _Attention, _Moe
+from tidal.models.cpu_decode import DecodePlan, Fusion, _Attention, _FusedStack, _Moe
 from tidal.models.loader import load_model
 from tidal.models.registry import model_types
 
@@ -31,19 +31,22 @@ def _load(path: str, dtype: str, kernels: str = "native"):
 def _runs(monkeypatch) -> list[int]:
     """Counts the plan's runs (rows of each)."""
     runs: list[int] = []
-    real = DecodePlan.run
+    real = DecodePlan.forward
 
-    def run(self, x, cos, sin, attn):
-        runs.append(x.shape[0])
-        return real(self, x, cos, sin, attn)
+    def forward(self, model, input_ids, positions, attn):
+        runs.append(input_ids.shape[0])
+        return real(self, model, input_ids, positions, attn)
 
-    monkeypatch.setattr(DecodePlan, "run", run)
+    monkeypatch.setattr(DecodePlan, "forward", forward)
     return runs
 
 
-def _decode_logits(model, prompts: list[list[int]], steps: int, seed: int = 3) -> torch.Tensor:
+def _decode_logits(
+    model, prompts: list[list[int]], steps: int, seed: int = 3, between=None
+) -> torch.Tensor:
     """Prefill ``prompts`` in one step, then ``steps`` pure decode steps of all of them
-    (greedy): the decode steps' logits, [steps * len(prompts), V]."""
+    (greedy): the decode steps' logits, [steps * len(prompts), V]. ``between(i)`` runs
+    after decode step i."""
     runner = PagedRunner(model, seed=seed)  # binds fresh KV caches
     items = [(str(i), 0, p) for i, p in enumerate(prompts)]
     out = []
@@ -57,6 +60,8 @@ def _decode_logits(model, prompts: list[list[int]], steps: int, seed: int = 3) -
             out.append(logits)
             nxt = logits.argmax(-1).tolist()
             pos = [p + 1 for p in pos]
+            if between is not None:
+                between(len(out) - 1)
     return torch.cat(out)
 
 
@@ -106,23 +111,38 @@ def test_qwen3_plan_is_all_direct_and_torch_paths_call_modules(qwen3_ckpt, monke
 def _fused_against_pieces(
     model, prompts: list[list[int]], steps: int, halves: int = 0
 ) -> dict[str, int]:
-    """The plan with layers as one call, then piece by piece: every layer was one call
-    (``halves`` of them only their attention half), and the logits are bit for bit the
-    same. Returns the first layer's ints by name."""
+    """The plan with every layer in one call (where every layer is whole), then with each
+    layer as one call, then piece by piece: every layer was one call (``halves`` of them
+    only their attention half), and the logits are bit for bit the same at each level.
+    Returns the first layer's ints by name."""
     plans = model.decode_plans
-    fused = _decode_logits(model, prompts, steps)
-    plan = plans._plans[len(prompts)]
+    rows = len(prompts)
+    assert plans.fusion is Fusion.STACK  # the default
+    calls = []
+    real = _FusedStack.__call__
+    _FusedStack.__call__ = lambda self, *a: calls.append(1) or real(self, *a)
+    try:
+        stacked = _decode_logits(model, prompts, steps)
+    finally:
+        _FusedStack.__call__ = real
+    assert len(calls) == (steps if halves == 0 else 0)  # the model in one call a step
+    plan = plans._plans[rows]
     assert plan.fused == len(model.layers) - halves
     assert plan.fused_attention == halves
+    assert (plan.stack is not None) == (halves == 0)
     ints = dict(
         zip(torch.ops.tidal_cpu.decode_layer_layout.default()[1], plan.layers[0].fused.ints)
     )
-    plans.fuse = False
+    plans.fusion = Fusion.LAYERS
     assert not plans._plans  # built the other way: dropped
+    layers = _decode_logits(model, prompts, steps)
+    plan = plans._plans[rows]
+    assert plan.stack is None and plan.fused == len(model.layers) - halves
+    plans.fusion = Fusion.PIECES
     pieces = _decode_logits(model, prompts, steps)
-    assert plans._plans[len(prompts)].fused == plans._plans[len(prompts)].fused_attention == 0
-    assert torch.equal(fused, pieces)
-    plans.fuse = True
+    assert plans._plans[rows].fused == plans._plans[rows].fused_attention == 0
+    assert torch.equal(stacked, layers) and torch.equal(layers, pieces)
+    plans.fusion = Fusion.STACK
     return ints
 
 
@@ -198,8 +218,37 @@ def test_decode_layer_rejects_a_malformed_call():
         ops.decode_layer.default(
             *args, [None] * (len(slots) - 1), [0] * len(ints), [0.0] * len(floats)
         )
-    with pytest.raises(RuntimeError, match="'in_norm' is missing"):
+    with pytest.raises(RuntimeError, match="'in_norm' of layer 0 is missing"):
         ops.decode_layer.default(*args, [None] * len(slots), [0] * len(ints), [0.0] * len(floats))
+
+
+def test_decode_model_rejects_a_malformed_call():
+    """The model op checks its ids, its tables and that its lists hold one layout per cache,
+    and names the layer whose tensor is missing or which is not whole (routed MoE only)."""
+    ops = torch.ops.tidal_cpu
+    slots, ints, floats = ops.decode_layer_layout.default()
+    ids = torch.zeros(1, dtype=torch.long)
+    embed, table, norm = torch.zeros(8, 64), torch.zeros(4, 64), torch.ones(64)
+    caches = [torch.zeros(2, 1, 1, 16, 64) for _ in range(2)]
+    one = ([None] * len(slots), [0] * len(ints), [0.0] * len(floats))
+    whole = [0] * len(ints)
+    whole[list(ints).index("experts")] = 4
+    two = (one[0] * 2, whole * 2, one[2] * 2)
+
+    def call(ids, embed, lists):
+        head = (ids, ids, embed, table, table, norm, 1e-6, ids, ids.view(1, 1), ids + 1, caches)
+        return ops.decode_model.default(*head, *lists)
+
+    with pytest.raises(RuntimeError, match="decode_model: .*decode_layer_layout"):
+        call(ids, embed, one)  # one layer's lists, two caches
+    with pytest.raises(RuntimeError, match="decode_model: ids and positions must be"):
+        call(ids.view(1, 1), embed, two)
+    with pytest.raises(RuntimeError, match="decode_model: embed must be"):
+        call(ids, embed.view(-1), two)
+    with pytest.raises(RuntimeError, match="decode_model: layer 0 is not a whole layer"):
+        call(ids, embed, (one[0] * 2, one[1] * 2, one[2] * 2))
+    with pytest.raises(RuntimeError, match="decode_model: tensor 'in_norm' of layer 0"):
+        call(ids, embed, two)
 
 
 def test_mixed_steps_take_the_module_path(qwen3_ckpt, monkeypatch):
@@ -370,6 +419,40 @@ def test_a_plan_pins_no_old_cache_or_weights(qwen3_ckpt):
     spec = model.kv_cache_spec()
     model.bind_kv_cache([torch.zeros(0) for _ in range(spec.num_layers)])  # as sleep does
     assert not model.decode_plans._plans
+
+
+def test_a_pack_let_go_in_place_takes_the_module_path(qwen3_ckpt, monkeypatch):
+    """A holder that swaps its pack for another in place (the same holder: the staleness
+    check passes) leaves the plan's weak reference dead: that step's plan runs nothing,
+    the plans are dropped and the module path serves the step; the next step builds a new
+    plan. Every logit equals the module path's."""
+    from tidal.kernels.cpu_moe import CpuPackedExperts
+
+    model = _load(qwen3_ckpt, "bfloat16")
+    prompts = _prompts(model.spec.vocab_size, [5, 7], seed=13)
+    held = model.moe_layers()[0]._held_experts
+    served: list[bool] = []
+    real = _FusedStack.__call__
+
+    def call(self, *args):
+        out = real(self, *args)
+        served.append(out is not None)
+        return out
+
+    monkeypatch.setattr(_FusedStack, "__call__", call)
+    plans_after: list[int] = []
+
+    def swap(step: int) -> None:
+        if step == 0:
+            held.packed = CpuPackedExperts(held.unpack_w13(), held.unpack_w2())
+        plans_after.append(id(model.decode_plans._plans.get(2)))
+
+    planned = _decode_logits(model, prompts, 3, between=swap)
+    assert served == [True, False, True]
+    # dropped at step 1 (none after it), built anew at step 2
+    assert plans_after[1] == id(None) and plans_after[2] not in (plans_after[0], id(None))
+    model.decode_plans.enabled = False
+    assert torch.equal(planned, _decode_logits(model, prompts, 3))
 
 
 def test_expert_load_is_recorded_alike(qwen3_ckpt):

@@ -13,19 +13,21 @@ Equality: every direct call is the very kernel call the module path makes, with 
 same arguments, in the same order, so the step's output is bit for bit the module
 path's (``tests/unit/test_cpu_decode_plan.py`` compares them, step by step). A layer whose
 pieces are direct runs them as one ``decode_layer`` call (``_FusedLayer``), the same
-kernels again, from C++.
+kernels again, from C++; a model whose layers all are runs as one ``decode_model`` call
+(``_FusedStack``: the embedding lookup, the layers, the final norm).
 
 Staleness: a plan records what it read (held weights, measured choices, the KV cache,
 the expert map, the dispatcher, the submodules), weakly where it can, and is rebuilt when
 any of it is no longer what the layer holds (an expert move re-packs, a new KV cache is
 bound, EP starts); checked on every step (~19 us for 8 layers in a tight loop, 55-90 us
 in a real step, whose weights leave the interpreter's data cold). It pins no packed
-weights and no cache: the direct calls read those from their layers at each call (only
-norm weights, biases and sinks, small, are bound).
+weights, no embedding and no cache: the calls hold those weakly or read them from their
+layers at each call (only norm weights, biases and sinks, small, are bound).
 """
 
 from __future__ import annotations
 
+import enum
 import functools
 import typing
 import weakref
@@ -368,7 +370,7 @@ class _FusedLayer:
             tensors[slot["q_norm"]], tensors[slot["k_norm"]] = attention.norm[:2]
         tensors[slot["sinks"]] = attention.sinks
         tensors[slot["qkv_bias"]], tensors[slot["o_bias"]] = qkv.bias, o.bias
-        self.tensors = tensors
+        self.tensors_static = tensors  # norms, sinks, biases: small, bound
         ints = [0] * len(num)
         hq, hkv, dh = attention.heads
         values: dict[str, int | bool] = dict(hq=hq, hkv=hkv, dh=dh, window=attention.window)
@@ -394,29 +396,93 @@ class _FusedLayer:
         floats[real["qk_eps"]] = attention.norm[2] if attention.norm is not None else 0.0
         floats[real["scale"]] = attention.attn.scale
         self.floats = floats
-        self._slots = tuple(slot[n] for n in ("qkv_w", "qkv_scales", "o_w", "o_scales"))
-        self._expert_slots = tuple(slot[n] for n in ("w13", "w2", "s13", "s2"))
-        self._gate_slot, self._map_slot = slot["gate"], slot["expert_map"]
+        # The packs (weights, scales, gate, expert map) by weak reference: the plan pins
+        # none of them, and one dereference a slot costs less than asking each holder.
+        packs: list[tuple[str, Tensor | None]] = [
+            *zip(("qkv_w", "qkv_scales"), qkv.weights()),
+            *zip(("o_w", "o_scales"), o.weights()),
+        ]
+        if self.experts is not None:
+            moe_layer = self.experts.moe
+            gate = typing.cast(CpuPackedGate, typing.cast(HeldGate, moe_layer._held_gate).packed)
+            packs += [("gate", gate.weight), ("expert_map", moe_layer._map_arg)]
+            packs += zip(("w13", "w2", "s13", "s2"), self.experts.weights())
+        self.packs = tuple((slot[n], weakref.ref(t)) for n, t in packs if t is not None)
+
+    def tensors(self) -> list[Tensor | None] | None:
+        """The call's tensors list; None when a pack it read is gone (its holder let go
+        of it without being replaced: the plan is stale)."""
+        t = self.tensors_static.copy()
+        for i, ref in self.packs:
+            t[i] = ref()
+            if t[i] is None:
+                return None
+        return t
 
     def __call__(
-        self, x: Tensor, delta: Tensor | None, cos: Tensor, sin: Tensor, meta: AttentionMetadata
+        self,
+        x: Tensor,
+        delta: Tensor | None,
+        cos: Tensor,
+        sin: Tensor,
+        meta: AttentionMetadata,
+        tensors: list[Tensor | None],  # self.tensors()
     ) -> tuple[Tensor, Tensor]:
         """[T, H], [T, H] -> (residual [T, H], the MLP's output [T, H]; the attention half:
         the MLP's input)."""
-        t = self.tensors.copy()
-        qw, qs, ow, os_ = self._slots
-        t[qw], t[qs] = self.qkv.weights()
-        t[ow], t[os_] = self.o.weights()
-        experts = self.experts
-        if experts is not None:
-            moe = experts.moe
-            gate = typing.cast(CpuPackedGate, typing.cast(HeldGate, moe._held_gate).packed)
-            t[self._gate_slot], t[self._map_slot] = gate.weight, moe._map_arg
-            w13, w2, s13, s2 = self._expert_slots
-            t[w13], t[w2], t[s13], t[s2] = experts.weights()
         return _OPS.decode_layer.default(
             x, delta, cos, sin, meta.slot_mapping, meta.decode_block_table, meta.decode_seq_lens,
-            self.attn.kv_cache, t, self.ints, self.floats,
+            self.attn.kv_cache, tensors, self.ints, self.floats,
+        )  # fmt: skip
+
+
+class _FusedStack:
+    """A pure decode step's whole model as one ``decode_model`` call: the embedding
+    lookup, every layer (each whole: ``_FusedLayer`` with experts) as its ``decode_layer``
+    call, then the final norm, from C++; bit for bit the module path's lookups, those
+    calls and its final norm, without a dispatch and the plan's Python between layers.
+    Serves a step whose layers share one KV cache group and record no expert load."""
+
+    def __init__(self, model: MoECausalLM, layers: list[_FusedLayer]) -> None:
+        self.attns = [lay.attn for lay in layers]
+        self.moes = [typing.cast(_NativeExperts, lay.experts).moe for lay in layers]
+        width = len(layers[0].tensors_static)
+        self.tensors_static = [t for lay in layers for t in lay.tensors_static]
+        self.packs = tuple(
+            (n * width + i, ref) for n, lay in enumerate(layers) for i, ref in lay.packs
+        )
+        self.ints = [v for lay in layers for v in lay.ints]
+        self.floats = [v for lay in layers for v in lay.floats]
+        rotary = model.rotary
+        # The embedding and the rotary tables by weak reference (the embedding is large),
+        # the final norm's weight bound (small, as the layers' norms).
+        self.tables = (
+            weakref.ref(model.embed_tokens.weight),
+            weakref.ref(rotary.cos_table),
+            weakref.ref(rotary.signed_sin_table),
+        )
+        self.norm = (model.norm.weight, model.norm.eps)
+
+    def serves(self, attn: AttentionMetadata) -> bool:
+        return not attn.groups and not any(m.record_expert_load for m in self.moes)
+
+    def __call__(
+        self, input_ids: Tensor, positions: Tensor, meta: AttentionMetadata
+    ) -> Tensor | None:
+        """[T] int64, [T] int64 -> the final hidden states [T, H]; None when a pack or
+        table it read is gone (``_FusedLayer.tensors``)."""
+        embed, cos, sin = (ref() for ref in self.tables)
+        if embed is None or cos is None or sin is None:
+            return None
+        t = self.tensors_static.copy()
+        for i, ref in self.packs:
+            t[i] = ref()
+            if t[i] is None:
+                return None
+        return _OPS.decode_model.default(
+            input_ids, positions, embed, cos, sin, *self.norm, meta.slot_mapping,
+            meta.decode_block_table, meta.decode_seq_lens, [a.kv_cache for a in self.attns], t,
+            self.ints, self.floats,
         )  # fmt: skip
 
 
@@ -493,7 +559,25 @@ def _layer_watch(layer: DecoderLayer) -> list[_Watch]:
     return out
 
 
+def _model_watch(model: MoECausalLM) -> list[_Watch]:
+    """What the model-level calls read: the embedding, the rotary tables, the final norm."""
+    out = _watch(model, "embed_tokens", "rotary", "norm")
+    out += _watch(model.embed_tokens, "weight")
+    out += _watch(model.rotary, "cos_table", "signed_sin_table")
+    return out + _watch(model.norm, "weight", "cpu_choice")
+
+
 # ---- the plan -----------------------------------------------------------------------
+
+
+@enum.unique
+class Fusion(enum.Enum):
+    """How many of a plan's kernel calls become one. Each level is bit for bit the one
+    below (the tests compare them); the default is the most joined."""
+
+    PIECES = "pieces"  # each piece (norm, attention, router, experts) its own call
+    LAYERS = "layers"  # each all-direct layer one decode_layer call (_FusedLayer)
+    STACK = "stack"  # and every layer of an all-whole model one decode_layers call
 
 
 @dataclass
@@ -511,8 +595,13 @@ class DecodePlan:
     """Every layer's calls for steps of one row count (built by ``build``)."""
 
     def __init__(
-        self, layers: list[_Layer], modules: list[DecoderLayer], watched: list[_Watch]
+        self,
+        model: MoECausalLM,
+        layers: list[_Layer],
+        watched: list[_Watch],
+        stack: bool,
     ) -> None:
+        modules = model.decoder_layers
         self.layers = layers
         self.modules = modules  # the decoder layers, for the pieces that call them
         self.watched = watched
@@ -532,11 +621,15 @@ class DecodePlan:
         self.fused_attention = sum(
             lay.fused is not None and lay.fused.experts is None for lay in layers
         )
+        # Every layer whole (and the final norm C++): the model as one call, where the
+        # step allows (_FusedStack).
+        whole = [lay.fused for lay in layers if lay.fused is not None and lay.fused.experts]
+        stacked = stack and whole and len(whole) == len(layers)
+        self.stack = _FusedStack(model, whole) if stacked else None
 
     @classmethod
-    def build(cls, model: MoECausalLM, rows: int, fuse: bool = True) -> DecodePlan:
-        """``fuse``: each layer whose every piece is direct runs as one ``decode_layer``
-        call (False: piece by piece, the reference the tests compare it with)."""
+    def build(cls, model: MoECausalLM, rows: int, fusion: Fusion = Fusion.STACK) -> DecodePlan:
+        """``fusion``: how many kernel calls become one (``Fusion``)."""
         dtype = model.embed_tokens.weight.dtype
         modules = model.decoder_layers
         layers = []
@@ -549,9 +642,11 @@ class DecodePlan:
             moe = _moe_call(mlp, rows, dtype) if isinstance(mlp, FusedMoE) else mlp
             attention = _attention_call(layer, rows, dtype)
             lay = _Layer(group, norms[0], norms[1], attention, moe, layer.shared_experts)
-            lay.fused = _fused_call(lay) if fuse else None
+            lay.fused = None if fusion is Fusion.PIECES else _fused_call(lay)
             layers.append(lay)
-        return cls(layers, modules, [w for layer in modules for w in _layer_watch(layer)])
+        watched = _model_watch(model) + [w for layer in modules for w in _layer_watch(layer)]
+        stack = fusion is Fusion.STACK and _norm_native(model.norm, rows, dtype)
+        return cls(model, layers, watched, stack)
 
     def fresh(self) -> bool:
         """Whether every object the plan read is still the one its layer holds."""
@@ -569,22 +664,45 @@ class DecodePlan:
         ctx = self.moe.forward_context if self.moe is not None else None
         return ctx is not None and ctx.padding is not None
 
+    def forward(
+        self, model: MoECausalLM, input_ids: Tensor, positions: Tensor, attn: AttentionMetadata
+    ) -> Tensor | None:
+        """``MoECausalLM.forward`` on a pure decode step: [T] int64 ids and positions ->
+        the final hidden states [T, H]; None, having run nothing, when a pack the plan
+        read is gone (stale: the caller takes the module path)."""
+        stack = self.stack
+        if stack is not None and stack.serves(attn):
+            return stack(input_ids, positions, attn)
+        x = model.embed_tokens(input_ids)
+        cos, sin = model.rotary.cos_sin(positions)
+        ran = self.run(x, cos, sin, attn)
+        return None if ran is None else model.norm.add_norm(*ran)[1]
+
     def run(
         self, x: Tensor, cos: Tensor, sin: Tensor, attn: AttentionMetadata
-    ) -> tuple[Tensor, Tensor]:
-        """The decoder layers on a pure decode step: ``(residual, last MLP output)``, as
-        the layer loop of ``MoECausalLM.forward`` leaves them."""
+    ) -> tuple[Tensor, Tensor] | None:
+        """The decoder layers, call by call: ``(residual, last MLP output)``, as the
+        layer loop of ``MoECausalLM.forward`` leaves them; None, having run nothing, when
+        a pack the plan read is gone."""
+        # Every fused layer's tensors before any layer runs: a stale plan runs nothing.
+        calls = []
+        for lay in self.layers:
+            tensors = lay.fused.tensors() if lay.fused is not None else None
+            if lay.fused is not None and tensors is None:
+                return None
+            calls.append(tensors)
         delta: Tensor | None = None
-        for lay, layer in zip(self.layers, self.modules):
+        for lay, layer, tensors in zip(self.layers, self.modules, calls):
             meta = attn.groups[lay.group] if attn.groups else attn
             fused = lay.fused
             experts = fused.experts if fused is not None else None
             if (
                 fused is not None
+                and tensors is not None
                 and (delta is None or delta.dtype == x.dtype)  # add_rms_norm's condition
                 and (experts is None or not experts.moe.record_expert_load)  # needs the ids
             ):
-                x, out = fused(x, delta, cos, sin, meta)
+                x, out = fused(x, delta, cos, sin, meta, tensors)
                 if experts is not None:  # the whole layer: out is its MLP's output
                     delta = out
                     continue
@@ -622,20 +740,20 @@ class DecodePlans:
 
     def __init__(self) -> None:
         self.enabled = True
-        self._fuse = True
+        self._fusion = Fusion.STACK
         self._plans: dict[int, DecodePlan] = {}
 
     @property
-    def fuse(self) -> bool:
-        """Whether plans run whole layers as one call where they can (``DecodePlan.build``);
-        setting it drops the plans built the other way."""
-        return self._fuse
+    def fusion(self) -> Fusion:
+        """How plans join kernel calls (``DecodePlan.build``); setting it drops the plans
+        built another way."""
+        return self._fusion
 
-    @fuse.setter
-    def fuse(self, value: bool) -> None:
-        if value != self._fuse:
+    @fusion.setter
+    def fusion(self, value: Fusion) -> None:
+        if value is not self._fusion:
             self._plans.clear()
-        self._fuse = value
+        self._fusion = value
 
     def clear(self) -> None:
         self._plans.clear()
@@ -649,7 +767,7 @@ class DecodePlans:
             # Something changed since (a plan is stale): drop every plan and build anew.
             if plan is not None or any(not p.fresh() for p in self._plans.values()):
                 self._plans.clear()
-            plan = self._plans[rows] = DecodePlan.build(model, rows, self._fuse)
+            plan = self._plans[rows] = DecodePlan.build(model, rows, self._fusion)
         return None if plan.padded() else plan
 
 
