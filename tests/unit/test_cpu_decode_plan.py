@@ -14,7 +14,7 @@ from tests.unit.test_models import PagedRunner, _prompts
 from tidal.kernels.cpu_ext import kernel_available, kernel_status, native_args
 from tidal.kernels.select import Candidate, Choice
 from tidal.launch.engine_args import EngineArgs
-from tidal.models.cpu_decode import DecodePlan, Fusion, _Attention, _FusedStack, _Moe
+from tidal.models.cpu_decode import DecodePlan, Fusion, Verify, _Attention, _FusedStack, _Moe
 from tidal.models.loader import load_model
 from tidal.models.registry import model_types
 
@@ -453,6 +453,88 @@ def test_a_pack_let_go_in_place_takes_the_module_path(qwen3_ckpt, monkeypatch):
     assert plans_after[1] == id(None) and plans_after[2] not in (plans_after[0], id(None))
     model.decode_plans.enabled = False
     assert torch.equal(planned, _decode_logits(model, prompts, 3))
+
+
+def test_on_change_a_whole_model_plan_is_checked_after_a_change_only(qwen3_ckpt, monkeypatch):
+    """``Verify.ON_CHANGE`` (what a worker sets): a whole-model plan that passed its check
+    serves on unchecked; after a reported change (``changing``) the next step checks it,
+    and rebuilds it where the change touched what it read; a plan that is not the whole
+    model is checked every step; while a change is under way every step checks. The
+    logits equal the module path's under the same changes."""
+    model = _load(qwen3_ckpt, "bfloat16")
+    plans = model.decode_plans
+    plans.verify = Verify.ON_CHANGE
+    prompts = _prompts(model.spec.vocab_size, [5, 7], seed=14)
+    moe = model.moe_layers()[0]
+    native = moe.cpu_choice["experts"]
+    torch_path = Choice.fixed(Candidate("torch"), None)
+    checks: list[int] = []
+    real = DecodePlan.fresh
+    monkeypatch.setattr(DecodePlan, "fresh", lambda self: checks.append(1) or real(self))
+    per_step: list[int] = []
+    under_way = plans.changing()
+
+    def between(step: int) -> None:
+        per_step.append(len(checks))
+        checks.clear()
+        if step == 1:
+            with plans.changing():  # the experts on torch: no whole-model plan
+                moe.set_cpu_path("experts", torch_path)
+        elif step == 3:
+            with plans.changing():
+                moe.set_cpu_path("experts", native)  # packed again
+        elif step == 5:
+            under_way.__enter__()
+        elif step == 7:
+            under_way.__exit__(None, None, None)
+
+    planned = _decode_logits(model, prompts, 10, between=between)
+    # built, trusted | stale, on torch (checked each step) | stale, native | under way x2,
+    # then once after it
+    assert per_step == [0, 0, 1, 1, 1, 0, 1, 1, 1, 0]
+    assert plans._plans[2].stack is not None
+
+    def same_changes(step: int) -> None:
+        if step in (1, 3):
+            moe.set_cpu_path("experts", torch_path if step == 1 else native)
+
+    plans.enabled = False
+    assert torch.equal(planned, _decode_logits(model, prompts, 10, between=same_changes))
+
+
+def test_an_engine_checks_its_whole_model_plan_after_changes_only(qwen3_ckpt, monkeypatch):
+    """In an engine (the in-process ``LLM``) the runner's model verifies on change: a
+    greedy decode checks its plan at most once (after the prefill), and its tokens equal
+    those of the same engine checking every step."""
+    from tidal import LLM, SamplingParams
+
+    checks: list[int] = []
+    real = DecodePlan.fresh
+    monkeypatch.setattr(DecodePlan, "fresh", lambda self: checks.append(1) or real(self))
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    prompt = {"prompt_token_ids": [5, 9, 14, 3, 8]}
+    with LLM(qwen3_ckpt, dtype="bfloat16", multiprocess=False) as llm:
+        plans = llm.client.engine.executor.worker.model_runner.model.decode_plans
+        assert plans.verify is Verify.ON_CHANGE
+        on_change = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
+        assert len(checks) <= 1 and plans._plans[1].stack is not None
+        checks.clear()
+        plans.verify = Verify.EVERY_STEP
+        every = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
+        assert len(checks) >= 10
+    assert list(on_change) == list(every) and len(every) == 12
+
+
+def test_every_step_checks_by_default(qwen3_ckpt, monkeypatch):
+    """Without an owner that reports changes (a model used directly), each step checks
+    its plan, whole-model or not."""
+    model = _load(qwen3_ckpt, "bfloat16")
+    assert model.decode_plans.verify is Verify.EVERY_STEP
+    checks: list[int] = []
+    real = DecodePlan.fresh
+    monkeypatch.setattr(DecodePlan, "fresh", lambda self: checks.append(1) or real(self))
+    _decode_logits(model, _prompts(model.spec.vocab_size, [6], seed=2), 4)
+    assert len(checks) == 3 and model.decode_plans._plans[1].stack is not None
 
 
 def test_expert_load_is_recorded_alike(qwen3_ckpt):

@@ -4,6 +4,7 @@ the engine (``Executor.call``) and in a worker process (``WorkerProc``), and eac
 
 from __future__ import annotations
 
+import types
 from typing import Any
 
 import msgspec
@@ -12,7 +13,7 @@ import pytest
 from tidal.executor import worker_proc
 from tidal.executor.base import Executor
 from tidal.executor.rpc import Reduce, Rpc, RpcNameError, RpcSpec, RpcTable, rpc
-from tidal.executor.worker import WORKER_RPCS
+from tidal.executor.worker import WORKER_RPCS, Worker
 from tidal.protocol.worker import ReplyMode, WorkerCall, WorkerErrorKind, WorkerReply
 
 
@@ -161,6 +162,13 @@ def test_call_refuses_an_unknown_name_before_anything_runs():
     assert ex.ran == []
 
 
+class _NoModelWorker:
+    """What ``Worker.serve`` reads of a worker, before its model is loaded."""
+
+    model_runner = types.SimpleNamespace(has_model=False)
+    serve = Worker.serve
+
+
 def test_a_worker_process_refuses_an_unexported_name_naming_it(monkeypatch):
     """The worker checks again (an engine of another version): an error reply naming the
     call, and the worker goes on serving."""
@@ -168,6 +176,7 @@ def test_a_worker_process_refuses_an_unexported_name_naming_it(monkeypatch):
     proc.tp_rank, proc.engine_id = 0, 0
     target = Louder()
     proc.targets = {"counter": target}
+    proc.worker = _NoModelWorker()
     replies: list[WorkerReply] = []
     proc._reply = replies.append
 
@@ -181,3 +190,24 @@ def test_a_worker_process_refuses_an_unexported_name_naming_it(monkeypatch):
     assert "'_peek' is private" in errors[1].error
     assert "no namespace 'gauge'" in errors[2].error
     assert target.n == 4 and msgspec.msgpack.decode(replies[3].result) == 4
+
+
+def test_serve_reports_every_call_but_a_step_as_a_change():
+    """``Worker.serve`` (every executor's way into a worker) runs each call but a step
+    inside the model's decode plans' ``changing``, the report ``Verify.ON_CHANGE`` counts
+    on: while it runs a change is under way, and one more is counted after it."""
+    from tidal.models.cpu_decode import DecodePlans
+
+    plans = DecodePlans()
+    model = types.SimpleNamespace(decode_plans=plans)
+    worker = types.SimpleNamespace(model_runner=types.SimpleNamespace(has_model=True, model=model))
+    seen: list[tuple[int, int]] = []
+
+    def probe(*args: Any) -> int:
+        seen.append((plans._in_flight, plans._changes))
+        return len(args)
+
+    for method in ("runner.execute_model", "worker.get_cpu_kernels", "elastic.swap_groups"):
+        assert Worker.serve(worker, WORKER_RPCS.resolve(method), probe, (1, 2)) == 2  # type: ignore[arg-type]
+    assert seen == [(0, 0), (1, 1), (1, 3)]
+    assert plans._in_flight == 0 and plans._changes == 4

@@ -76,6 +76,7 @@ from tidal.kernels.host_memory import empty_huge
 from tidal.layers.attention import AttentionMetadata
 from tidal.layers.sampler import Sampler, compute_logprobs
 from tidal.models.common import MoECausalLM
+from tidal.models.cpu_decode import Verify
 from tidal.models.loader import load_model
 from tidal.models.registry import get_model_class
 from tidal.moe.dispatch import get_dispatcher
@@ -161,6 +162,9 @@ class ModelRunner:
 
     @model.setter
     def model(self, model: MoECausalLM) -> None:
+        # Every call but a step reaches this runner inside the plans' ``changing``
+        # (``Worker.serve``): a whole-model plan need not be checked before every step.
+        model.decode_plans.verify = Verify.ON_CHANGE
         self._model = model
 
     @property

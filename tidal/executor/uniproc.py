@@ -39,7 +39,7 @@ class UniProcExecutor(Executor):
         self._targets = self.worker.rpc_targets()
 
     def _run(self, rpc: Rpc, args: tuple[Any, ...]) -> list[Any]:
-        return [getattr(self._targets[rpc.namespace], rpc.name)(*args)]
+        return [self.worker.serve(rpc, getattr(self._targets[rpc.namespace], rpc.name), args)]
 
     def worker_pids(self) -> list[int]:
         return [os.getpid()]

@@ -40,6 +40,7 @@ import gc
 import logging
 import os
 import threading
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import psutil
@@ -54,7 +55,7 @@ from tidal.distributed.tensor_parallel import TensorParallel
 from tidal.executor.elastic import ElasticWorkerState, parse_address
 from tidal.executor.model_runner import ModelRunner
 from tidal.executor.process_groups import WorkerGroups, dp_prefix, worker_rank
-from tidal.executor.rpc import Reduce, RpcTable, rpc
+from tidal.executor.rpc import Reduce, Rpc, RpcTable, rpc
 from tidal.kernels.cpu_ext import kernel_available, set_spin_pool, spin_pool_state
 from tidal.kernels.host_memory import release_free_heap
 from tidal.protocol.topology import Topology
@@ -127,6 +128,17 @@ class Worker:
     def rpc_targets(self) -> dict[str, object]:
         """The object behind each namespace of ``WORKER_RPCS``."""
         return {"worker": self, "runner": self.model_runner, "elastic": self.elastic}
+
+    def serve(self, rpc: Rpc, fn: Callable[..., Any], args: Sequence[Any]) -> Any:
+        """Run one engine call (``fn``, the bound method of ``rpc``; every executor calls
+        through here). Every call but a step may change what the model's CPU decode plans
+        read (weights, kernel paths, caches, expert placement): it runs inside the plans'
+        ``changing``, the report that ``Verify.ON_CHANGE`` counts on."""
+        runner = self.model_runner
+        if rpc.method in STEP_RPCS or not runner.has_model:
+            return fn(*args)
+        with runner.model.decode_plans.changing():
+            return fn(*args)
 
     @property
     def dp_group(self) -> StatelessGroup | None:
@@ -433,6 +445,9 @@ class Worker:
             "spin_pool_us": spin_pool_state()[0] if kernel_available() else 0,
         }
 
+
+# The calls that only step the model (``Worker.serve``).
+STEP_RPCS = frozenset({"runner.execute_model", "runner.execute_model_async"})
 
 # The engine's view of a worker's parts (``Worker.rpc_targets`` on the worker's side).
 WORKER_RPCS = RpcTable({"worker": Worker, "runner": ModelRunner, "elastic": ElasticWorkerState})

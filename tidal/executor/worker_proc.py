@@ -160,7 +160,7 @@ class WorkerProc:
         answer = call.reply is ReplyMode.ALL or self.tp_rank == 0
         try:
             rpc, fn = WORKER_RPCS.bind(self.targets, call.method)
-            result = fn(*self._decode_args(rpc.params, call))
+            result = self.worker.serve(rpc, fn, self._decode_args(rpc.params, call))
             if answer:
                 self._reply(WorkerReply(call.call_id, self.tp_rank, msgspec.Raw(_encode(result))))
             return

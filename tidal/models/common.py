@@ -479,12 +479,10 @@ class MoECausalLM(nn.Module):
     @torch.no_grad()
     def forward(self, input_ids: Tensor, positions: Tensor, attn: AttentionMetadata) -> Tensor:
         """input_ids/positions [T] int64 -> hidden states [T, H] (final norm applied)."""
-        plan = self.decode_plans.for_step(self, attn, input_ids.shape[0])
-        if plan is not None:  # the same kernel calls as below, without the modules
-            hidden = plan.forward(self, input_ids, positions, attn)
-            if hidden is not None:
-                return hidden
-            self.decode_plans.clear()  # stale: it ran nothing
+        # A pure decode step on CPU: the same kernel calls as below, without the modules.
+        hidden = self.decode_plans.forward(self, input_ids, positions, attn)
+        if hidden is not None:
+            return hidden
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary.cos_sin(positions)
         delta: Tensor | None = None  # each layer's MLP output, added by the next norm

@@ -20,18 +20,21 @@ Staleness: a plan records what it read (held weights, measured choices, the KV c
 the expert map, the dispatcher, the submodules), weakly where it can, and is rebuilt when
 any of it is no longer what the layer holds (an expert move re-packs, a new KV cache is
 bound, EP starts); checked on every step (~19 us for 8 layers in a tight loop, 55-90 us
-in a real step, whose weights leave the interpreter's data cold). It pins no packed
+in a real step, whose weights leave the interpreter's data cold), or, in an engine, after
+a reported change only (``Verify.ON_CHANGE``). It pins no packed
 weights, no embedding and no cache: the calls hold those weakly or read them from their
 layers at each call (only norm weights, biases and sinks, small, are bound).
 """
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import functools
+import threading
 import typing
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -670,13 +673,16 @@ class DecodePlan:
         """``MoECausalLM.forward`` on a pure decode step: [T] int64 ids and positions ->
         the final hidden states [T, H]; None, having run nothing, when a pack the plan
         read is gone (stale: the caller takes the module path)."""
-        stack = self.stack
-        if stack is not None and stack.serves(attn):
-            return stack(input_ids, positions, attn)
+        if self.stacked(attn):
+            return typing.cast(_FusedStack, self.stack)(input_ids, positions, attn)
         x = model.embed_tokens(input_ids)
         cos, sin = model.rotary.cos_sin(positions)
         ran = self.run(x, cos, sin, attn)
         return None if ran is None else model.norm.add_norm(*ran)[1]
+
+    def stacked(self, attn: AttentionMetadata) -> bool:
+        """Whether the step runs as the model in one call (``_FusedStack``)."""
+        return self.stack is not None and self.stack.serves(attn)
 
     def run(
         self, x: Tensor, cos: Tensor, sin: Tensor, attn: AttentionMetadata
@@ -734,14 +740,35 @@ def _add_norm(
     return _OPS.add_rms_norm.default(x, delta, *norm)
 
 
+@enum.unique
+class Verify(enum.Enum):
+    """When a plan's staleness check (``DecodePlan.fresh``) runs."""
+
+    # Before every step (the default): nothing tells the plans what changes.
+    EVERY_STEP = "every_step"
+    # A whole-model plan (``DecodePlan.stack``) that passed the check serves on unchecked
+    # until a change is reported (``DecodePlans.changing`` / ``changed``). For an owner
+    # that reports every change: the worker wraps each call but a step in ``changing``,
+    # and every forward but a whole-model call reports one itself (a module's forward may
+    # pack or choose lazily). The model call runs no module code, so it changes nothing.
+    ON_CHANGE = "on_change"
+
+
 class DecodePlans:
     """A model's plans by row count. ``enabled`` False: every step takes the module path
     (the reference; tests and ``benchmarks/cpu_decode.py`` compare the two)."""
 
     def __init__(self) -> None:
         self.enabled = True
+        self.verify = Verify.EVERY_STEP
         self._fusion = Fusion.STACK
         self._plans: dict[int, DecodePlan] = {}
+        # Changes reported so far, and those under way (``changing``): another thread (an
+        # elastic helper's worker call) may report one while a step runs.
+        self._lock = threading.Lock()
+        self._changes = 0
+        self._in_flight = 0
+        self._trusted: tuple[DecodePlan, int] | None = None  # (plan, _changes when checked)
 
     @property
     def fusion(self) -> Fusion:
@@ -752,22 +779,70 @@ class DecodePlans:
     @fusion.setter
     def fusion(self, value: Fusion) -> None:
         if value is not self._fusion:
-            self._plans.clear()
+            self.clear()
         self._fusion = value
 
     def clear(self) -> None:
         self._plans.clear()
+        self._trusted = None
+
+    def changed(self) -> None:
+        """Something a plan may have read changed: the next step checks its plan."""
+        with self._lock:
+            self._changes += 1
+
+    @contextlib.contextmanager
+    def changing(self) -> Iterator[None]:
+        """Around a call that may change what plans read: steps check their plans while it
+        runs and after it."""
+        with self._lock:
+            self._changes += 1
+            self._in_flight += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._changes += 1
+                self._in_flight -= 1
+
+    def forward(
+        self, model: MoECausalLM, input_ids: Tensor, positions: Tensor, attn: AttentionMetadata
+    ) -> Tensor | None:
+        """``MoECausalLM.forward`` on this step's plan: the final hidden states [T, H]; None:
+        the step takes the module path (no plan serves it, or its plan was stale and ran
+        nothing: the plans are dropped)."""
+        plan = self.for_step(model, attn, input_ids.shape[0])
+        hidden = None if plan is None else plan.forward(model, input_ids, positions, attn)
+        if plan is not None and hidden is None:
+            self.clear()
+        if plan is None or hidden is None or not plan.stacked(attn):  # module code ran, or will
+            self.changed()
+        return hidden
 
     def for_step(self, model: MoECausalLM, attn: AttentionMetadata, rows: int) -> DecodePlan | None:
         """The plan of this step, or None: it takes the module path."""
         if not self.enabled or not _eligible(model, attn, rows):
             return None
         plan = self._plans.get(rows)
+        trusted = self._trusted
+        if (
+            plan is not None
+            and trusted is not None
+            and trusted[0] is plan
+            and trusted[1] == self._changes
+            and not self._in_flight
+        ):
+            return None if plan.padded() else plan  # unchanged since its check
+        seen = self._changes  # before the check: a change during it withholds the trust
         if plan is None or not plan.fresh():
             # Something changed since (a plan is stale): drop every plan and build anew.
             if plan is not None or any(not p.fresh() for p in self._plans.values()):
-                self._plans.clear()
+                self.clear()
             plan = self._plans[rows] = DecodePlan.build(model, rows, self._fusion)
+        if self.verify is Verify.ON_CHANGE and plan.stack is not None:
+            with self._lock:
+                if self._changes == seen and not self._in_flight:
+                    self._trusted = (plan, seen)
         return None if plan.padded() else plan
 
 
