@@ -8,6 +8,7 @@ import random
 import pytest
 import torch
 
+from tidal.executor import input_batch
 from tidal.executor.batch import ScheduledRequest, SchedulerOutput
 from tidal.executor.input_batch import InputBatch, Inputs, prepare_inputs_reference, row_info
 from tidal.layers.attention import AttentionMetadata
@@ -174,6 +175,73 @@ def test_persistent_batch_equals_the_list_build(seed: int) -> None:
             tok = rng.randrange(2, VOCAB)
             req.output_token_ids.append(tok)
             req.all_token_ids.append(tok)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_few_decodes_take_the_list_path_and_equal_the_array_path(seed: int, monkeypatch) -> None:
+    """Decode steps of up to ``FEW_DECODES`` requests are built from Python lists
+    (``_few_decodes``): tensor for tensor the array path's and the list build's, over
+    steps that cross block boundaries (a row reading fewer blocks than the widest is
+    padded), with spare blocks and a worker's resent copy; a larger step, a placeholder
+    or a prompt-logprobs row takes the array path."""
+    rng = random.Random(seed)
+    block_size = rng.choice([1, 4, 16])
+    few = InputBatch(block_size, VOCAB, "cpu")
+    array = InputBatch(block_size, VOCAB, "cpu")
+    taken: list[bool] = []
+    real = InputBatch._few_decodes
+
+    def spy(self, scheduled):
+        out = real(self, scheduled)
+        if self is few:
+            taken.append(out is not None)
+        return out
+
+    monkeypatch.setattr(InputBatch, "_few_decodes", spy)
+    free = list(range(1, 4000))
+    rng.shuffle(free)
+    limit = input_batch.FEW_DECODES
+    reqs = []
+    for i in range(limit + 1):
+        r = FakeRequest(
+            f"r{i}", [rng.randrange(2, VOCAB) for _ in range(rng.randint(1, 40))], SamplingParams()
+        )
+        r.block_ids = [
+            free.pop() for _ in range(-(-r.num_tokens // block_size) + rng.randint(0, 1))
+        ]
+        reqs.append(r)
+    for _ in range(30):
+        n = rng.randint(1, limit + 1)
+        if rng.random() < 0.1:
+            reqs[0] = reqs[0].resent()
+        batch = _decode_step(reqs[:n])
+        for sr in batch:
+            need = -(-(sr.start + 1) // block_size) - len(sr.request.block_ids)
+            sr.request.block_ids.extend(free.pop() for _ in range(max(0, need)))
+        want = prepare_inputs_reference(batch, block_size, VOCAB, "cpu")
+        taken.clear()
+        _assert_same(few.prepare(batch), want)
+        assert taken == ([True] if n <= limit else [])
+        monkeypatch.setattr(input_batch, "FEW_DECODES", 0)
+        _assert_same(array.prepare(batch), want)
+        monkeypatch.setattr(input_batch, "FEW_DECODES", limit)
+        for r in reqs[n:]:  # the others stay in step: a token each
+            r.output_token_ids.append(7)
+            r.all_token_ids.append(7)
+            need = -(-r.num_tokens // block_size) - len(r.block_ids)
+            r.block_ids.extend(free.pop() for _ in range(max(0, need)))
+    lp = FakeRequest("lp", [3, 4, 5], SamplingParams(prompt_logprobs=1))
+    lp.block_ids = [free.pop() for _ in range(4)]  # its 4 tokens at any block size
+    taken.clear()
+    few.prepare(_decode_step([lp]))
+    assert taken == [False]  # prompt logprobs: the array path
+    r = reqs[0]
+    placeholder = [ScheduledRequest(r, r.num_tokens, 1, True)]
+    need = -(-(r.num_tokens + 1) // block_size) - len(r.block_ids)
+    r.block_ids.extend(free.pop() for _ in range(max(0, need)))
+    taken.clear()
+    few.prepare(placeholder)
+    assert taken == [False]  # a placeholder: the array path
 
 
 def test_errors_match_the_list_build() -> None:

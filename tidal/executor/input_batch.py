@@ -127,6 +127,10 @@ def _reference_metadata(
     ])
 
 
+# Up to this many requests a decode step is prepared from Python lists (``_few_decodes``).
+FEW_DECODES = 4
+
+
 @dataclass(frozen=True)
 class _Gathered:
     """``InputBatch._gather``'s arrays for one step's requests."""
@@ -157,6 +161,7 @@ class InputBatch:
         self.block_size = block_size
         self.vocab_size = vocab_size
         self.device = device
+        self._host = torch.device(device).type == "cpu"  # tensors made in place, no copy
         self._rows: dict[str, _Row] = {}
         self._free: list[int] = list(range(max_rows - 1, -1, -1))
         self.block_table = np.zeros((max_rows, 16), dtype=np.int32)  # [rows, blocks]
@@ -202,6 +207,19 @@ class InputBatch:
             row.num_blocks = n
         self.num_blocks[row.index] = n
         return row.index
+
+    def _row_index(self, req: Any, in_step: set[int]) -> int:
+        """``_row``, where a decode's row usually needs nothing: the same request and block
+        list, no block appended since the last step."""
+        row = self._rows.get(req.request_id)
+        if (
+            row is not None
+            and row.request is req
+            and row.blocks is req.block_ids
+            and row.num_blocks == len(row.blocks)
+        ):
+            return row.index
+        return self._row(req, in_step)
 
     def _take_row(self, in_step: set[int]) -> int:
         if not self._free:
@@ -251,7 +269,6 @@ class InputBatch:
         sample_idx: list[int] = []
         prompt_lp_idx: list[int] = []  # the requests that asked for prompt logprobs
         decodes = 0
-        known = self._rows
         for i, sr in enumerate(scheduled):
             req, start, n = sr.request, sr.start, sr.num_new_tokens
             starts_l.append(start)
@@ -262,18 +279,7 @@ class InputBatch:
                 sample_idx.append(i)
             if req.sampling_params.prompt_logprobs is not None:
                 prompt_lp_idx.append(i)
-            # A decode's row usually needs nothing: the same request and block list, no
-            # block appended since the last step.
-            row = known.get(req.request_id)
-            if (
-                row is not None
-                and row.request is req
-                and row.blocks is req.block_ids
-                and row.num_blocks == len(row.blocks)
-            ):
-                index = row.index
-            else:
-                index = self._row(req, in_step)
+            index = self._row_index(req, in_step)
             rows_l.append(index)
             in_step.add(index)
             firsts.append(len(ids))
@@ -303,6 +309,10 @@ class InputBatch:
         frees nothing."""
         scheduled = self._scheduled(sched)
         num = len(scheduled)
+        if num <= FEW_DECODES and self._host and self.num_kv_groups == 1:
+            few = self._few_decodes(scheduled)
+            if few is not None:
+                return few
         g = self._gather(scheduled)
         starts, num_new, rows, ids_np, firsts = g.starts, g.num_new, g.rows, g.ids, g.firsts
         bs = self.block_size
@@ -340,6 +350,75 @@ class InputBatch:
             sample_reqs=sample_reqs,
             prompt_lp=prompt_lp,
             placeholders=g.placeholders,
+        )
+
+    def _few_decodes(self, scheduled: list[ScheduledRequest]) -> Inputs | None:
+        """``prepare`` for a few decode requests on the host (each one new token that
+        samples, no placeholder, no prompt logprobs; one KV cache group), from Python lists
+        and one array: at batch 1 each numpy reduction or array costs 10-15 us on the
+        caches a forward leaves cold, and the array path spends about twenty of them. The
+        same tensors as the array path (tests/unit/test_input_batch.py). None: another
+        step, for the array path (the rows synced here are synced for it too)."""
+        bs = self.block_size
+        ids: list[int] = []
+        starts: list[int] = []
+        slots: list[int] = []
+        tables: list[list[int]] = []
+        in_step: set[int] = set()
+        for i, sr in enumerate(scheduled):
+            req, start = sr.request, sr.start
+            tokens = req.all_token_ids
+            if (
+                sr.num_new_tokens != 1
+                or sr.placeholder
+                or start + 1 != len(tokens)
+                or req.sampling_params.prompt_logprobs is not None
+            ):
+                return None
+            in_step.add(self._row_index(req, in_step))  # the table stays in sync
+            blocks = req.block_ids
+            need = start // bs + 1
+            if start < 0:
+                raise ValueError(f"sequence {i}: bad (start={start}, num_new_tokens=1)")
+            if len(blocks) < need:
+                raise ValueError(
+                    f"sequence {i}: {start + 1} tokens need {need} blocks of {bs}, "
+                    f"got {len(blocks)}"
+                )
+            ids.append(tokens[start])
+            starts.append(start)
+            slots.append(blocks[start // bs] * bs + start % bs)
+            tables.append(blocks[:need])
+        if not ids:
+            return None
+        _check_vocab(min(ids), max(ids), self.vocab_size)
+        num = len(ids)
+        width = max(len(t) for t in tables)
+        lens = [s + 1 for s in starts]
+        flat = ids + starts + slots + lens  # then the table, short rows padded with block 0
+        for t in tables:
+            flat += t
+            flat += [0] * (width - len(t))
+        arr = np.array(flat, dtype=np.int64)
+        parts = [torch.from_numpy(arr[k * num : (k + 1) * num]) for k in range(4)]
+        attn = AttentionMetadata(
+            num_tokens=num,
+            block_size=bs,
+            slot_mapping=parts[2],
+            query_lens=[1] * num,
+            seq_lens=lens,
+            decode_rows=slice(0, num),
+            decode_block_table=torch.from_numpy(arr[4 * num :].reshape(num, width)),
+            decode_seq_lens=parts[3],
+        )
+        attn._mask_pending = min(lens) != width * bs
+        return Inputs(
+            input_ids=parts[0],
+            positions=parts[1],
+            attn=attn,
+            sample_rows=np.arange(num, dtype=np.int64),
+            sample_reqs=list(scheduled),
+            prompt_lp=[],
         )
 
     def _group_metadata(

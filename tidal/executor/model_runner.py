@@ -675,9 +675,15 @@ class ModelRunner:
     ) -> tuple[list[str], torch.Tensor] | None:
         """The sampled requests' ids and their tokens ([N] int64, on the device; None on
         a TP worker other than the driver, which samples nothing)."""
-        # [N] int64: a list (a graph's decode step) or an array (an eager step's)
-        rows = torch.as_tensor(sample_rows, dtype=torch.long).to(hidden.device)
-        logits = self.model.compute_logits(hidden.index_select(0, rows))  # [N, V] float32
+        # [N] int64: a list (a graph's decode step) or an array (an eager step's). Rows
+        # rise strictly (one a request, in order): as many as the hidden states' are all
+        # of them, as every decode step has (no gather: two ops fewer a token).
+        if len(sample_rows) == hidden.shape[0]:
+            picked = hidden
+        else:
+            rows = torch.as_tensor(sample_rows, dtype=torch.long).to(hidden.device)
+            picked = hidden.index_select(0, rows)
+        logits = self.model.compute_logits(picked)  # [N, V] float32
         if logits is None:  # a TP worker other than the driver: only the driver samples
             return None
         # Seeded rows draw from fresh per-position generators, so the row-by-row retry
