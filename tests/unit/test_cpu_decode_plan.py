@@ -33,9 +33,9 @@ def _runs(monkeypatch) -> list[int]:
     runs: list[int] = []
     real = DecodePlan.forward
 
-    def forward(self, model, input_ids, positions, attn):
+    def forward(self, model, input_ids, positions, attn, stacked):
         runs.append(input_ids.shape[0])
-        return real(self, model, input_ids, positions, attn)
+        return real(self, model, input_ids, positions, attn, stacked)
 
     monkeypatch.setattr(DecodePlan, "forward", forward)
     return runs

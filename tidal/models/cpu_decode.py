@@ -668,12 +668,18 @@ class DecodePlan:
         return ctx is not None and ctx.padding is not None
 
     def forward(
-        self, model: MoECausalLM, input_ids: Tensor, positions: Tensor, attn: AttentionMetadata
+        self,
+        model: MoECausalLM,
+        input_ids: Tensor,
+        positions: Tensor,
+        attn: AttentionMetadata,
+        stacked: bool,
     ) -> Tensor | None:
         """``MoECausalLM.forward`` on a pure decode step: [T] int64 ids and positions ->
         the final hidden states [T, H]; None, having run nothing, when a pack the plan
-        read is gone (stale: the caller takes the module path)."""
-        if self.stacked(attn):
+        read is gone (stale: the caller takes the module path). ``stacked``:
+        ``self.stacked(attn)``."""
+        if stacked:
             return typing.cast(_FusedStack, self.stack)(input_ids, positions, attn)
         x = model.embed_tokens(input_ids)
         cos, sin = model.rotary.cos_sin(positions)
@@ -812,16 +818,20 @@ class DecodePlans:
         the step takes the module path (no plan serves it, or its plan was stale and ran
         nothing: the plans are dropped)."""
         plan = self.for_step(model, attn, input_ids.shape[0])
-        hidden = None if plan is None else plan.forward(model, input_ids, positions, attn)
-        if plan is not None and hidden is None:
+        if plan is None:
+            self.changed()  # the module path: its modules may pack or choose lazily
+            return None
+        stacked = plan.stacked(attn)
+        hidden = plan.forward(model, input_ids, positions, attn, stacked)
+        if hidden is None:  # stale: it ran nothing, the module path runs
             self.clear()
-        if plan is None or hidden is None or not plan.stacked(attn):  # module code ran, or will
+        if hidden is None or not stacked:  # module code ran, or will
             self.changed()
         return hidden
 
     def for_step(self, model: MoECausalLM, attn: AttentionMetadata, rows: int) -> DecodePlan | None:
         """The plan of this step, or None: it takes the module path."""
-        if not self.enabled or not _eligible(model, attn, rows):
+        if not self.enabled or not _step_eligible(attn, rows):
             return None
         plan = self._plans.get(rows)
         trusted = self._trusted
@@ -832,7 +842,10 @@ class DecodePlans:
             and trusted[1] == self._changes
             and not self._in_flight
         ):
-            return None if plan.padded() else plan  # unchanged since its check
+            # Unchanged since its check, the model's eligibility included.
+            return None if plan.padded() else plan
+        if not _model_eligible(model):
+            return None
         seen = self._changes  # before the check: a change during it withholds the trust
         if plan is None or not plan.fresh():
             # Something changed since (a plan is stale): drop every plan and build anew.
@@ -846,17 +859,21 @@ class DecodePlans:
         return None if plan.padded() else plan
 
 
-def _eligible(model: MoECausalLM, attn: AttentionMetadata, rows: int) -> bool:
-    """Whether this step may take a plan: the model on CPU at TP size 1 with the C++
-    kernels loaded, a pure decode step (every row a sequence's one decode token). (The
-    plan itself says whether the step pads its rows: ``DecodePlan.padded``.)"""
-    if (
-        attn.prefills
-        or model.tp.size != 1
-        or not model.layers
-        or model.embed_tokens.weight.device.type != "cpu"
-        or not kernel_available()
-    ):
+def _model_eligible(model: MoECausalLM) -> bool:
+    """Whether the model may take plans: on CPU at TP size 1 with the C++ kernels loaded."""
+    return (
+        model.tp.size == 1
+        and len(model.layers) > 0
+        and model.embed_tokens.weight.device.type == "cpu"
+        and kernel_available()
+    )
+
+
+def _step_eligible(attn: AttentionMetadata, rows: int) -> bool:
+    """Whether the step may take a plan: a pure decode step (every row a sequence's one
+    decode token). (The plan itself says whether the step pads its rows:
+    ``DecodePlan.padded``.)"""
+    if attn.prefills:
         return False
     for meta in attn.groups or (attn,):
         dec = meta.decode_rows
