@@ -27,15 +27,18 @@ def add_arguments(ap: argparse.ArgumentParser, batch_tokens: int, prompt_len: in
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--single-tokens", type=int, default=128)
-    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--batch", type=int, default=32, help="streams of the batch case (0: none)")
     ap.add_argument("--batch-tokens", type=int, default=batch_tokens)
     ap.add_argument("--prompt-len", type=int, default=prompt_len)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
 
 
 def cases(opts: argparse.Namespace) -> dict[str, tuple[int, int]]:
-    """case -> (streams, new tokens)."""
-    return {"single": (1, opts.single_tokens), "batch": (opts.batch, opts.batch_tokens)}
+    """case -> (streams, new tokens); ``--batch 0``: the single stream only."""
+    out = {"single": (1, opts.single_tokens)}
+    if opts.batch > 0:
+        out["batch"] = (opts.batch, opts.batch_tokens)
+    return out
 
 
 def header(llm: Any, opts: argparse.Namespace) -> dict[str, Any]:
