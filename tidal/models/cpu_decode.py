@@ -346,6 +346,20 @@ def _layout() -> tuple[dict[str, int], dict[str, int], dict[str, int]]:
 _DirectLinear = _NativeLinear | _NativeFp8Linear
 
 
+# (slot in a call's tensors list, a weak reference to the pack tensor that goes there)
+_Packs = tuple[tuple[int, "weakref.ref[Tensor]"], ...]
+
+
+def _with_packs(static: list[Tensor | None], packs: _Packs) -> list[Tensor | None] | None:
+    """``static`` with each pack dereferenced into its slot; None when one is gone."""
+    t = static.copy()
+    for i, ref in packs:
+        t[i] = ref()
+        if t[i] is None:
+            return None
+    return t
+
+
 class _FusedLayer:
     """A layer's pieces as one ``decode_layer`` call: the same kernels with the same
     arguments in the same order, so bit for bit the pieces' calls, without Python between
@@ -415,12 +429,7 @@ class _FusedLayer:
     def tensors(self) -> list[Tensor | None] | None:
         """The call's tensors list; None when a pack it read is gone (its holder let go
         of it without being replaced: the plan is stale)."""
-        t = self.tensors_static.copy()
-        for i, ref in self.packs:
-            t[i] = ref()
-            if t[i] is None:
-                return None
-        return t
+        return _with_packs(self.tensors_static, self.packs)
 
     def __call__(
         self,
@@ -477,11 +486,9 @@ class _FusedStack:
         embed, cos, sin = (ref() for ref in self.tables)
         if embed is None or cos is None or sin is None:
             return None
-        t = self.tensors_static.copy()
-        for i, ref in self.packs:
-            t[i] = ref()
-            if t[i] is None:
-                return None
+        t = _with_packs(self.tensors_static, self.packs)
+        if t is None:
+            return None
         return _OPS.decode_model.default(
             input_ids, positions, embed, cos, sin, *self.norm, meta.slot_mapping,
             meta.decode_block_table, meta.decode_seq_lens, [a.kv_cache for a in self.attns], t,
@@ -580,7 +587,7 @@ class Fusion(enum.Enum):
 
     PIECES = "pieces"  # each piece (norm, attention, router, experts) its own call
     LAYERS = "layers"  # each all-direct layer one decode_layer call (_FusedLayer)
-    STACK = "stack"  # and every layer of an all-whole model one decode_layers call
+    STACK = "stack"  # and an all-whole model one decode_model call (_FusedStack)
 
 
 @dataclass
@@ -627,7 +634,7 @@ class DecodePlan:
         # Every layer whole (and the final norm C++): the model as one call, where the
         # step allows (_FusedStack).
         whole = [lay.fused for lay in layers if lay.fused is not None and lay.fused.experts]
-        stacked = stack and whole and len(whole) == len(layers)
+        stacked = stack and len(whole) == len(layers) > 0
         self.stack = _FusedStack(model, whole) if stacked else None
 
     @classmethod
