@@ -14,7 +14,15 @@ from tests.unit.test_models import PagedRunner, _prompts
 from tidal.kernels.cpu_ext import kernel_available, kernel_status, native_args
 from tidal.kernels.select import Candidate, Choice
 from tidal.launch.engine_args import EngineArgs
-from tidal.models.cpu_decode import DecodePlan, Fusion, Verify, _Attention, _FusedStack, _Moe
+from tidal.models.cpu_decode import (
+    DecodePlan,
+    DecodePlans,
+    Fusion,
+    Verify,
+    _Attention,
+    _FusedStack,
+    _Moe,
+)
 from tidal.models.loader import load_model
 from tidal.models.registry import model_types
 
@@ -29,16 +37,26 @@ def _load(path: str, dtype: str, kernels: str = "native"):
 
 
 def _runs(monkeypatch) -> list[int]:
-    """Counts the plan's runs (rows of each)."""
+    """Counts the steps that run on a plan (rows of each)."""
     runs: list[int] = []
-    real = DecodePlan.forward
+    real = DecodePlans.for_step
 
-    def forward(self, model, input_ids, positions, attn, stacked):
-        runs.append(input_ids.shape[0])
-        return real(self, model, input_ids, positions, attn, stacked)
+    def for_step(self, model, attn, rows):
+        plan = real(self, model, attn, rows)
+        if plan is not None:  # the step runs on it
+            runs.append(rows)
+        return plan
 
-    monkeypatch.setattr(DecodePlan, "forward", forward)
+    monkeypatch.setattr(DecodePlans, "for_step", for_step)
     return runs
+
+
+def _checks(monkeypatch) -> list[int]:
+    """Counts the plans' staleness checks (``DecodePlan.fresh``)."""
+    checks: list[int] = []
+    real = DecodePlan.fresh
+    monkeypatch.setattr(DecodePlan, "fresh", lambda self: checks.append(1) or real(self))
+    return checks
 
 
 def _decode_logits(
@@ -468,9 +486,7 @@ def test_on_change_a_whole_model_plan_is_checked_after_a_change_only(qwen3_ckpt,
     moe = model.moe_layers()[0]
     native = moe.cpu_choice["experts"]
     torch_path = Choice.fixed(Candidate("torch"), None)
-    checks: list[int] = []
-    real = DecodePlan.fresh
-    monkeypatch.setattr(DecodePlan, "fresh", lambda self: checks.append(1) or real(self))
+    checks = _checks(monkeypatch)
     per_step: list[int] = []
     under_way = plans.changing()
 
@@ -508,9 +524,7 @@ def test_an_engine_checks_its_whole_model_plan_after_changes_only(qwen3_ckpt, mo
     those of the same engine checking every step."""
     from tidal import LLM, SamplingParams
 
-    checks: list[int] = []
-    real = DecodePlan.fresh
-    monkeypatch.setattr(DecodePlan, "fresh", lambda self: checks.append(1) or real(self))
+    checks = _checks(monkeypatch)
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     prompt = {"prompt_token_ids": [5, 9, 14, 3, 8]}
     with LLM(qwen3_ckpt, dtype="bfloat16", multiprocess=False) as llm:
@@ -530,9 +544,7 @@ def test_every_step_checks_by_default(qwen3_ckpt, monkeypatch):
     its plan, whole-model or not."""
     model = _load(qwen3_ckpt, "bfloat16")
     assert model.decode_plans.verify is Verify.EVERY_STEP
-    checks: list[int] = []
-    real = DecodePlan.fresh
-    monkeypatch.setattr(DecodePlan, "fresh", lambda self: checks.append(1) or real(self))
+    checks = _checks(monkeypatch)
     _decode_logits(model, _prompts(model.spec.vocab_size, [6], seed=2), 4)
     assert len(checks) == 3 and model.decode_plans._plans[1].stack is not None
 

@@ -377,9 +377,7 @@ class InputBatch:
                 return None
             in_step.add(self._row_index(req, in_step))  # the table stays in sync
             blocks = req.block_ids
-            need = start // bs + 1
-            if start < 0:
-                raise ValueError(f"sequence {i}: bad (start={start}, num_new_tokens=1)")
+            need = start // bs + 1  # start >= 0: it is the last of the request's tokens
             if len(blocks) < need:
                 raise ValueError(
                     f"sequence {i}: {start + 1} tokens need {need} blocks of {bs}, "
@@ -387,7 +385,7 @@ class InputBatch:
                 )
             ids.append(tokens[start])
             starts.append(start)
-            slots.append(blocks[start // bs] * bs + start % bs)
+            slots.append(blocks[need - 1] * bs + start % bs)
             tables.append(blocks[:need])
         if not ids:
             return None

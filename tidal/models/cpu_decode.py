@@ -366,8 +366,8 @@ class _FusedLayer:
     them. Whole where every piece is direct -- two C++ norms, GQA attention on native
     projections, the C++ router and experts, no shared experts (``experts`` set); else,
     where the norms and the attention are direct, the attention half (``experts`` None): the call
-    returns the MLP's input and the plan calls the MLP. The weights are read from the
-    layers at each call (``weights()``), as the pieces' calls do."""
+    returns the MLP's input and the plan calls the MLP. The packs (weights, scales, gate,
+    expert map) are held by weak reference and dereferenced at each call (``tensors``)."""
 
     def __init__(
         self,
@@ -675,27 +675,20 @@ class DecodePlan:
         return ctx is not None and ctx.padding is not None
 
     def forward(
-        self,
-        model: MoECausalLM,
-        input_ids: Tensor,
-        positions: Tensor,
-        attn: AttentionMetadata,
-        stacked: bool,
+        self, model: MoECausalLM, input_ids: Tensor, positions: Tensor, attn: AttentionMetadata
     ) -> Tensor | None:
-        """``MoECausalLM.forward`` on a pure decode step: [T] int64 ids and positions ->
-        the final hidden states [T, H]; None, having run nothing, when a pack the plan
-        read is gone (stale: the caller takes the module path). ``stacked``:
-        ``self.stacked(attn)``."""
-        if stacked:
-            return typing.cast(_FusedStack, self.stack)(input_ids, positions, attn)
+        """``MoECausalLM.forward`` on a pure decode step through the layers' calls (the
+        model in one call is ``stack_for``'s): [T] int64 ids and positions -> the final
+        hidden states [T, H]; None, having run nothing, when a pack the plan read is gone
+        (stale: the caller takes the module path)."""
         x = model.embed_tokens(input_ids)
         cos, sin = model.rotary.cos_sin(positions)
         ran = self.run(x, cos, sin, attn)
         return None if ran is None else model.norm.add_norm(*ran)[1]
 
-    def stacked(self, attn: AttentionMetadata) -> bool:
-        """Whether the step runs as the model in one call (``_FusedStack``)."""
-        return self.stack is not None and self.stack.serves(attn)
+    def stack_for(self, attn: AttentionMetadata) -> _FusedStack | None:
+        """The model in one call (``_FusedStack``) where it serves this step, else None."""
+        return self.stack if self.stack is not None and self.stack.serves(attn) else None
 
     def run(
         self, x: Tensor, cos: Tensor, sin: Tensor, attn: AttentionMetadata
@@ -828,11 +821,14 @@ class DecodePlans:
         if plan is None:
             self.changed()  # the module path: its modules may pack or choose lazily
             return None
-        stacked = plan.stacked(attn)
-        hidden = plan.forward(model, input_ids, positions, attn, stacked)
+        stack = plan.stack_for(attn)
+        if stack is not None:
+            hidden = stack(input_ids, positions, attn)
+        else:
+            hidden = plan.forward(model, input_ids, positions, attn)
         if hidden is None:  # stale: it ran nothing, the module path runs
             self.clear()
-        if hidden is None or not stacked:  # module code ran, or will
+        if hidden is None or stack is None:  # module code ran, or will
             self.changed()
         return hidden
 

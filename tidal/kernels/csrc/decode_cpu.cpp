@@ -87,7 +87,7 @@ constexpr std::array<const char*, kNumFloats> kFloats = {"in_eps", "post_eps", "
 
 class Args {
  public:
-  // Layer `layer` of `layers`: its entries sit at layer * kNumSlots (kNumInts, kNumFloats).
+  // Layer `layer` of the lists: its entries sit at layer * kNumSlots (kNumInts, kNumFloats).
   Args(const c10::List<std::optional<at::Tensor>>& tensors, at::IntArrayRef ints,
        at::ArrayRef<double> floats, int64_t layer, const char* op)
       : tensors_(tensors), ints_(ints.slice(layer * kNumInts, kNumInts)),
