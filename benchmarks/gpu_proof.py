@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import tempfile
 import time
@@ -248,11 +249,29 @@ def _graph_time_ms(call: Callable[[int], object], n: int, replays: int) -> float
     return cuda_time_ms(graph.replay, iters=replays) / n
 
 
+def _kernels_us(call: Callable[[int], object], n: int) -> dict[str, float] | str:
+    """Device microseconds per call of each kernel ``call(r)`` launches, by the profiler,
+    ``r`` cycling over ``n`` problems (so weights come from memory, not L2)."""
+    import torch
+
+    try:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for r in range(n):
+                call(r)
+            torch.cuda.synchronize()
+        return {
+            e.key[:60]: round(e.device_time_total / n, 2)
+            for e in prof.key_averages()
+            if e.device_time_total > 0
+        }
+    except Exception as e:  # noqa: BLE001 - the profile is a detail, not the proof
+        return f"{type(e).__name__}: {e}"
+
+
 def _align_paths(config, triton_call, rate) -> dict[str, Any]:
     """The best config with moe_align's one-program path and with its chunked kernels (the
     one-program path cuts 5 launches to 1 where every slot fits one tile), eager and
     graph-replayed, plus each run's device kernels by the profiler."""
-    import torch
 
     from tidal.kernels import moe_align
 
@@ -264,19 +283,7 @@ def _align_paths(config, triton_call, rate) -> dict[str, Any]:
             call = triton_call(config)
             eager = cuda_time_ms(lambda: [call(r) for r in range(ROUTINGS)], iters=5) / ROUTINGS  # noqa: B023
             entry = {"eager": rate(eager), "graph": rate(_graph_time_ms(call, ROUTINGS, 10))}
-            try:
-                activities = [torch.profiler.ProfilerActivity.CUDA]
-                with torch.profiler.profile(activities=activities) as prof:
-                    for _ in range(5):
-                        call(0)
-                    torch.cuda.synchronize()
-                entry["kernels_us"] = {
-                    e.key[:60]: round(e.device_time_total / 5, 2)
-                    for e in prof.key_averages()
-                    if e.device_time_total > 0
-                }
-            except Exception as e:  # noqa: BLE001 - the profile is a detail, not the proof
-                entry["kernels_us"] = f"{type(e).__name__}: {e}"
+            entry["kernels_us"] = _kernels_us(call, ROUTINGS)
             out[name] = entry
     finally:
         moe_align._SMALL_TILE_ELEMENTS = saved
@@ -406,21 +413,97 @@ FP8_TOKENS = (1, 64, 2048)
 # (N, K) of dense FP8 linears: DeepSeek-V3's o_proj (16384 -> 7168) and its shared
 # expert's gate (7168 -> 2048).
 FP8_LINEARS = ((7168, 16384), (2048, 7168))
+LINEAR_STREAM_BYTES = 160 * 10**6  # FP8 weight bytes a timed graph cycles over (H200 L2: 50 MB)
 SMOKE_FP8 = {"toy": {"E": 8, "top_k": 2, "H": 64, "I": 48}}
 SMOKE_FP8_LINEARS = ((40, 96),)
-SMOKE_FP8_LINEAR_SWEEP = [{"BLOCK_SIZE_M": 16, "BLOCK_SIZE_N": 32, "BLOCK_SIZE_K": 32,
+SMOKE_FP8_SWEEP = [{"BLOCK_SIZE_M": 16, "BLOCK_SIZE_N": 32, "BLOCK_SIZE_K": 32,
                            "GROUP_SIZE_M": 1, "num_warps": 1, "num_stages": 1}]  # fmt: skip
-FP8_LINEAR_SWEEP = [  # the FP8 linear's candidates, for its tuned tables
-    {"BLOCK_SIZE_M": m, "BLOCK_SIZE_N": n, "BLOCK_SIZE_K": 128, "GROUP_SIZE_M": g,
-     "num_warps": w, "num_stages": s}
-    for m, n, g, w, s in ((16, 64, 1, 4, 4), (16, 128, 1, 4, 4), (32, 64, 4, 4, 3),
-                          (64, 128, 8, 4, 3), (128, 128, 8, 8, 3))
-]  # fmt: skip
-FP8_SWEEP = [  # a few configs around the default, for the Qwen3 shape's tuned table
-    {"BLOCK_SIZE_M": m, "BLOCK_SIZE_N": n, "BLOCK_SIZE_K": 128, "GROUP_SIZE_M": g,
-     "num_warps": 4, "num_stages": s}
-    for m, n, g, s in ((16, 64, 1, 3), (16, 128, 1, 4), (32, 128, 4, 3), (64, 128, 8, 3))
-]  # fmt: skip
+
+
+def _fp8_cfg(m: int, n: int, k: int, g: int, w: int, s: int, split: int = 1) -> dict[str, int]:
+    cfg = {"BLOCK_SIZE_M": m, "BLOCK_SIZE_N": n, "BLOCK_SIZE_K": k, "GROUP_SIZE_M": g,
+           "num_warps": w, "num_stages": s}  # fmt: skip
+    return cfg | ({"SPLIT_K": split} if split > 1 else {})
+
+
+def fp8_linear_sweep(tokens: int) -> list[dict[str, int]]:
+    """The FP8 linear's candidates at ``tokens`` rows, for its tuned tables: at decode
+    sizes narrow tiles with k split 1-8 ways (a decode's few output tiles alone leave most
+    SMs idle), at prefill sizes wide tiles."""
+    if tokens <= 64:
+        return [_fp8_cfg(16, n, 128, 1, 4, 4, split) for n in (32, 64, 128)
+                for split in (1, 2, 4, 8)] + [_fp8_cfg(32, 64, 128, 4, 4, 3)]  # fmt: skip
+    return [_fp8_cfg(m, n, 128, 8, w, 3) for m, n, w in ((64, 128, 4), (128, 128, 8),
+            (64, 256, 8), (128, 256, 8))] + [_fp8_cfg(64, 128, 128, 8, 4, 3, 2)]  # fmt: skip
+
+
+def fp8_moe_sweep(tokens: int) -> list[dict[str, int]]:
+    """The FP8 fused MoE's candidates at ``tokens`` tokens: 128-deep k tiles (one scale
+    block) or 64 (two tiles a block), at decode sizes narrow row blocks with deeper
+    pipelines, at prefill sizes wide tiles with more warps."""
+    if tokens <= 64:
+        out = [_fp8_cfg(16, n, 128, 1, 4, s) for n in (32, 64, 128) for s in (3, 4, 5)]
+        out += [_fp8_cfg(16, n, 64, 1, 4, 4) for n in (64, 128)]
+        if tokens >= 64:
+            out += [_fp8_cfg(32, n, 128, 4, 4, 3) for n in (64, 128)]
+        return out
+    return [_fp8_cfg(m, n, k, 8, w, s) for m, n, k, w, s in (
+        (64, 128, 128, 4, 3), (64, 128, 128, 8, 3), (128, 128, 128, 8, 3), (128, 128, 128, 4, 3),
+        (64, 256, 128, 8, 3), (128, 256, 128, 8, 3), (128, 128, 64, 8, 4))]  # fmt: skip
+
+
+def _precompile_fp8(
+    jobs: list[tuple[str, int, dict[str, int]]], procs: int, smoke: bool
+) -> dict[str, Any]:
+    """Compile the FP8 sweep's configs in parallel processes on small problems of the same
+    specialization (Triton's disk cache then serves the timing process). Never raises: a
+    failure only costs the timing process its compile time."""
+    import multiprocessing as mp
+
+    if not jobs or procs <= 1:
+        return {"precompiled": 0}
+    t0 = time.perf_counter()
+    chunks = [(smoke, jobs[i::procs]) for i in range(procs)]
+    try:
+        with mp.get_context("spawn").Pool(procs) as pool:
+            failed = sum(pool.starmap(_fp8_compile_worker, [c for c in chunks if c[1]]))
+    except Exception as e:  # noqa: BLE001 - recorded; the sweep compiles what is missing
+        return {"precompile_error": f"{type(e).__name__}: {e}"[:300]}
+    return {"precompiled": len(jobs), "precompile_failed": failed,
+            "precompile_s": round(time.perf_counter() - t0, 1)}  # fmt: skip
+
+
+def _fp8_compile_worker(smoke: bool, jobs: list[tuple[str, int, dict[str, int]]]) -> int:
+    import torch
+
+    from tidal.kernels.fp8_triton import (
+        fused_experts_fp8,
+        per_token_group_quant_fp8,
+        w8a8_block_fp8_gemm,
+    )
+    from tidal.kernels.moe_config import MoeKernelConfig
+
+    device, act, group = ("cpu", torch.float32, 32) if smoke else ("cuda", torch.bfloat16, 128)
+    # Every size a multiple of 16, as the timed shapes' (Triton specializes on that).
+    shape = SMOKE_FP8["toy"] if smoke else {"E": 16, "top_k": 8, "H": 1024, "I": 512}
+    _, _, q13, q2, s13, s2 = _fp8_experts(shape, device, act, group)
+    wq, ws = q2[0], s2[0]  # [H, I] and its scales
+    failed = 0
+    for kind, tokens, raw in jobs:
+        config = MoeKernelConfig.from_json(raw)
+        x, routings = _moe_problem(shape, tokens, device, seed=0)
+        x = x.to(device, act)
+        try:
+            if kind == "moe":
+                fused_experts_fp8(x, q13, q2, s13, s2, group, *routings[0], config=config)
+            else:
+                xq, xs = per_token_group_quant_fp8(x[:, : shape["I"]].contiguous(), group)
+                w8a8_block_fp8_gemm(xq, xs, wq, ws, group, act, None, config)
+        except Exception:  # noqa: BLE001 - the timing process records it
+            failed += 1
+    if not smoke:
+        torch.cuda.synchronize()
+    return failed
 
 
 def _fp8_experts(shape: dict[str, int], device: str, act_dtype, group: int):
@@ -444,11 +527,12 @@ def _fp8_experts(shape: dict[str, int], device: str, act_dtype, group: int):
     return w13, w2, q13, q2, s13, s2
 
 
-def fp8(result: dict[str, Any], smoke: bool, config_dir: Path) -> None:
+def fp8(result: dict[str, Any], smoke: bool, config_dir: Path, procs: int) -> None:
     """The block-FP8 kernels on the GPU: the quantizer's bytes against torch's, the w8a8
     linear and fused MoE against their float32 references, and their times against the
     bf16 peers (cuBLAS for the linear, the bf16 Triton fused MoE, tuned table if one
-    ships) in the same run; a small sweep writes the FP8 table of the Qwen3 shape."""
+    ships) in the same run; sweeps (compiled first in ``procs`` processes) write the FP8
+    tables of each MoE shape and linear."""
     import torch
     import torch.nn.functional as F
 
@@ -475,8 +559,8 @@ def fp8(result: dict[str, Any], smoke: bool, config_dir: Path) -> None:
     result.update(group=group, act_dtype=str(act).removeprefix("torch."), quant=[],
                   linear=[], moe=[])  # fmt: skip
 
-    def ms_of(fn: Callable[[], object]) -> float | None:
-        return None if smoke else round(cuda_time_ms(fn, iters=20, warmup=3), 4)
+    def ms_of(fn: Callable[[], object]) -> float | None:  # device time, in a CUDA graph
+        return None if smoke else round(_graph_time_ms(lambda r: fn(), ROUTINGS, 10), 4)
 
     def rel(got, want) -> float:
         return round(float((got.float() - want.float()).abs().max() / want.float().abs().max()), 6)
@@ -492,44 +576,15 @@ def fp8(result: dict[str, Any], smoke: bool, config_dir: Path) -> None:
             "scales_equal": bool(torch.equal(sc, want_s)),
             "ms": ms_of(lambda: per_token_group_quant_fp8(x, group)),  # noqa: B023
         })  # fmt: skip
-    for n, k in SMOKE_FP8_LINEARS if smoke else FP8_LINEARS:
-        w = (torch.randn(n, k, generator=gen) / k**0.5).to(device, act)
-        wq, wsc = ft.quantize_fp8_blocks(w, (group, group))
-        ws = ft.row_scales(wsc, n, k, (group, group))
-        for t in tokens_list:
-            x = torch.randn(t, k, generator=gen).to(device, act)
-            got = fp8_linear(x, wq, ws, group)
-            case = {"N": n, "K": k, "T": t,
-                    "rel_err_vs_w8a8_reference": rel(got, ft.w8a8_linear_torch(x, wq, ws, group)),
-                    "rel_err_vs_bf16": rel(got, F.linear(x, w)),
-                    "fp8_ms": ms_of(lambda: fp8_linear(x, wq, ws, group)),  # noqa: B023
-                    "bf16_ms": ms_of(lambda: F.linear(x, w))}  # noqa: B023  # fmt: skip
-            if case["fp8_ms"]:
-                case["fp8_speedup"] = round(case["bf16_ms"] / case["fp8_ms"], 3)
-            # The sweep (rehearsed too: one config, picked by its error).
-            want = ft.w8a8_linear_torch(x, wq, ws, group)
-            sweep = []
-            for raw in SMOKE_FP8_LINEAR_SWEEP if smoke else FP8_LINEAR_SWEEP:
-                config = MoeKernelConfig.from_json(raw)
-
-                def run(config: MoeKernelConfig = config) -> object:
-                    xq, xs = per_token_group_quant_fp8(x, group)  # noqa: B023
-                    return w8a8_block_fp8_gemm(xq, xs, wq, ws, group, act, None, config)  # noqa: B023
-
-                try:
-                    sweep.append({"config": raw, "rel_err": rel(run(), want), "ms": ms_of(run)})
-                except Exception as e:  # noqa: BLE001 - e.g. too much shared memory
-                    sweep.append({"config": raw, "error": f"{type(e).__name__}: {e}"[:200]})
-            ok = [c for c in sweep if "error" not in c and c["rel_err"] < 1e-2]
-            if ok:
-                best = min(ok, key=lambda c: c["rel_err"] if smoke else c["ms"])
-                case["sweep_best"] = best
-                linear_tables.setdefault((n, k), {})[t] = MoeKernelConfig.from_json(
-                    best["config"]
-                )
-            case["sweep"] = sweep
-            result["linear"].append(case)
-    table: dict[int, MoeKernelConfig] = {}
+    moe_sweep = (lambda t: SMOKE_FP8_SWEEP) if smoke else fp8_moe_sweep
+    smoke_split = [SMOKE_FP8_SWEEP[0] | {"SPLIT_K": 2}]  # the split-K path rehearsed too
+    linear_sweep = (lambda t: SMOKE_FP8_SWEEP + smoke_split) if smoke else fp8_linear_sweep
+    jobs = [("moe", t, raw) for t in tokens_list for raw in moe_sweep(t)]
+    jobs += [("linear", t, raw) for t in tokens_list for raw in linear_sweep(t)]
+    result["precompile"] = _precompile_fp8(jobs, min(procs, 2) if smoke else procs, smoke)
+    print(json.dumps(result["precompile"]), flush=True)
+    # The fused MoE first: it is what the step is for, should its time box run out.
+    moe_tables: dict[str, dict[int, MoeKernelConfig]] = {}
     for name, shape in shapes.items():
         w13, w2, q13, q2, s13, s2 = _fp8_experts(shape, device, act, group)
         for t in tokens_list:
@@ -542,37 +597,102 @@ def fp8(result: dict[str, Any], smoke: bool, config_dir: Path) -> None:
                 "shape": name, "T": t, "rel_err_vs_w8a8_reference": rel(got, want),
                 "rel_err_vs_bf16": rel(got, fused_experts(x, w13, w2, tw, ids)),
             }  # fmt: skip
-            if not smoke:
-                def fp8_call(r: int, config=None) -> object:
-                    return fused_experts_fp8(x, q13, q2, s13, s2, group, *routings[r],  # noqa: B023
-                                             config=config)  # fmt: skip
 
-                def bf16_call(r: int) -> object:
-                    return fused_experts(x, w13, w2, *routings[r])  # noqa: B023
+            def fp8_call(r: int, config=None) -> object:
+                return fused_experts_fp8(x, q13, q2, s13, s2, group, *routings[r],  # noqa: B023
+                                         config=config)  # fmt: skip
 
+            def bf16_call(r: int) -> object:
+                return fused_experts(x, w13, w2, *routings[r])  # noqa: B023
+
+            if not smoke:  # the default (or shipped table) against the bf16 kernel
                 case["fp8_graph_ms"] = round(_graph_time_ms(fp8_call, ROUTINGS, 10), 4)
                 case["bf16_graph_ms"] = round(_graph_time_ms(bf16_call, ROUTINGS, 10), 4)
                 case["fp8_speedup"] = round(case["bf16_graph_ms"] / case["fp8_graph_ms"], 3)
-                if name == "qwen3_30b_a3b":
-                    sweep = []
-                    for raw in FP8_SWEEP:
-                        config = MoeKernelConfig.from_json(raw)
-                        try:
-                            err = rel(fp8_call(0, config), want)
-                            ms = _graph_time_ms(lambda r: fp8_call(r, config), ROUTINGS, 10)  # noqa: B023
-                            sweep.append({"config": raw, "rel_err": err, "graph_ms": round(ms, 4)})
-                        except Exception as e:  # noqa: BLE001 - e.g. too much shared memory
-                            sweep.append({"config": raw, "error": f"{type(e).__name__}: {e}"[:200]})
-                    ok = [s for s in sweep if "error" not in s and s["rel_err"] < 5e-2]
-                    if ok:
-                        best = min(ok, key=lambda s: s["graph_ms"])
-                        table[t] = MoeKernelConfig.from_json(best["config"])
-                        case["sweep_best"] = best
-                    case["sweep"] = sweep
+            sweep = []  # rehearsed too: one config, picked by its error
+            for raw in moe_sweep(t):
+                config = MoeKernelConfig.from_json(raw)
+                try:
+                    err = rel(fp8_call(0, config), want)
+                    ms = None if smoke else round(
+                        _graph_time_ms(lambda r: fp8_call(r, config), ROUTINGS, 10), 4)  # noqa: B023
+                    sweep.append({"config": raw, "rel_err": err, "graph_ms": ms})
+                except Exception as e:  # noqa: BLE001 - e.g. too much shared memory
+                    sweep.append({"config": raw, "error": f"{type(e).__name__}: {e}"[:200]})
+            ok = [c for c in sweep if "error" not in c and c["rel_err"] < 5e-2]
+            if ok:
+                best = min(ok, key=lambda c: c["rel_err"] if smoke else c["graph_ms"])
+                moe_tables.setdefault(name, {})[t] = MoeKernelConfig.from_json(best["config"])
+                case["sweep_best"] = best
+                if not smoke:
+                    case["tuned_fp8_speedup"] = round(case["bf16_graph_ms"] / best["graph_ms"], 3)
+                    tuned = MoeKernelConfig.from_json(best["config"])
+                    case["fp8_kernels_us"] = _kernels_us(lambda r: fp8_call(r, tuned), ROUTINGS)  # noqa: B023
+                    case["bf16_kernels_us"] = _kernels_us(bf16_call, ROUTINGS)
+            case["sweep"] = sweep
             result["moe"].append(case)
-            print(json.dumps({k: case.get(k) for k in ("shape", "T", "rel_err_vs_w8a8_reference",
-                                                        "fp8_graph_ms", "bf16_graph_ms")}),
-                  flush=True)  # fmt: skip
+            print(json.dumps({k: case.get(k) for k in (
+                "shape", "T", "rel_err_vs_w8a8_reference", "fp8_graph_ms", "bf16_graph_ms",
+                "fp8_speedup", "tuned_fp8_speedup")}), flush=True)  # fmt: skip
+    for n, k in SMOKE_FP8_LINEARS if smoke else FP8_LINEARS:
+        w = (torch.randn(n, k, generator=gen) / k**0.5).to(device, act)
+        wq, wsc = ft.quantize_fp8_blocks(w, (group, group))
+        ws = ft.row_scales(wsc, n, k, (group, group))
+        # Device time of a CUDA graph cycling over copies of the weights that together
+        # outgrow L2 (as a model's layers do), so both sides read them from memory; a
+        # per-call event time would be the Triton launch's host cost.
+        copies = 1 if smoke else max(2, -(-LINEAR_STREAM_BYTES // wq.numel()))
+        fp8_w = [(wq, ws)] + [(wq.clone(), ws.clone()) for _ in range(copies - 1)]
+        bf16_w = [w] + [w.clone() for _ in range(copies - 1)]
+
+        def graph_ms(call: Callable[[int], object]) -> float | None:
+            return None if smoke else round(_graph_time_ms(call, copies, 10), 4)  # noqa: B023
+
+        for t in tokens_list:
+            x = torch.randn(t, k, generator=gen).to(device, act)
+            got = fp8_linear(x, wq, ws, group)
+            case = {"N": n, "K": k, "T": t, "weight_copies": copies,
+                    "rel_err_vs_w8a8_reference": rel(got, ft.w8a8_linear_torch(x, wq, ws, group)),
+                    "rel_err_vs_bf16": rel(got, F.linear(x, w)),
+                    "fp8_graph_ms": graph_ms(lambda r: fp8_linear(x, *fp8_w[r], group)),  # noqa: B023
+                    "bf16_graph_ms": graph_ms(lambda r: F.linear(x, bf16_w[r]))}  # noqa: B023  # fmt: skip
+            if case["fp8_graph_ms"]:
+                case["fp8_speedup"] = round(case["bf16_graph_ms"] / case["fp8_graph_ms"], 3)
+            # The sweep (rehearsed too: one config, picked by its error).
+            want = ft.w8a8_linear_torch(x, wq, ws, group)
+            sweep = []
+            for raw in linear_sweep(t):
+                config = MoeKernelConfig.from_json(raw)
+
+                def run(r: int, config: MoeKernelConfig = config) -> object:
+                    xq, xs = per_token_group_quant_fp8(x, group)  # noqa: B023
+                    return w8a8_block_fp8_gemm(xq, xs, *fp8_w[r], group, act, None, config)  # noqa: B023
+
+                try:
+                    err = rel(run(0), want)
+                    sweep.append({"config": raw, "rel_err": err, "graph_ms": graph_ms(run)})
+                except Exception as e:  # noqa: BLE001 - e.g. too much shared memory
+                    sweep.append({"config": raw, "error": f"{type(e).__name__}: {e}"[:200]})
+            ok = [c for c in sweep if "error" not in c and c["rel_err"] < 1e-2]
+            if ok:
+                best = min(ok, key=lambda c: c["rel_err"] if smoke else c["graph_ms"])
+                case["sweep_best"] = best
+                if not smoke:
+                    case["tuned_fp8_speedup"] = round(case["bf16_graph_ms"] / best["graph_ms"], 3)
+                    tuned = MoeKernelConfig.from_json(best["config"])
+                    case["fp8_kernels_us"] = _kernels_us(lambda r: run(r, tuned), copies)  # noqa: B023
+                    case["bf16_kernels_us"] = _kernels_us(
+                        lambda r: F.linear(x, bf16_w[r]), copies  # noqa: B023
+                    )
+                linear_tables.setdefault((n, k), {})[t] = MoeKernelConfig.from_json(
+                    best["config"]
+                )
+            case["sweep"] = sweep
+            result["linear"].append(case)
+            print(json.dumps({k: case.get(k) for k in (
+                "N", "K", "T", "rel_err_vs_w8a8_reference", "fp8_graph_ms", "bf16_graph_ms",
+                "fp8_speedup",
+                "tuned_fp8_speedup")}), flush=True)  # fmt: skip
     bad = [c for c in result["quant"] if c["bytes_differing"] or not c["scales_equal"]]
     bad += [c for c in result["linear"] if c["rel_err_vs_w8a8_reference"] > 1e-2]
     bad += [c for c in result["moe"] if c["rel_err_vs_w8a8_reference"] > 5e-2]
@@ -589,12 +709,17 @@ def fp8(result: dict[str, Any], smoke: bool, config_dir: Path) -> None:
             name = "interpreter" if smoke else torch.cuda.get_device_name(0)
             ship = linear_config_file_name(n, k, name, ft.FP8_DTYPE)
             result["linear_config_files"][plain] = ship
-    if table:
-        shape = FP8_MOE_SHAPES["qwen3_30b_a3b"]
-        device_name = torch.cuda.get_device_name(0)
-        result["config_file"] = config_file_name(shape["E"], shape["I"], device_name, ft.FP8_DTYPE)
+    if moe_tables:
         config_dir.mkdir(parents=True, exist_ok=True)
-        (config_dir / "tuned_moe_fp8_config.json").write_text(dump_config_file(table))
+        result["config_files"] = {}
+        for name, found in moe_tables.items():
+            plain = f"tuned_moe_fp8_{name}.json"  # shipped as its config_files entry
+            (config_dir / plain).write_text(dump_config_file(found))
+            shape = shapes[name]
+            device_name = "interpreter" if smoke else torch.cuda.get_device_name(0)
+            result["config_files"][plain] = config_file_name(
+                shape["E"], shape["I"], device_name, ft.FP8_DTYPE
+            )
 
 
 # ---- 4. one CUDA engine rank ----------------------------------------------------------
@@ -743,6 +868,10 @@ def merge(out: Path, parts: list[Path]) -> int:
     return 0
 
 
+def _time_box_reached(signum: int, frame: object) -> None:
+    raise SystemExit(f"signal {signum}: the step's time box ran out")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("step", choices=("facts", "kernels", "moe", "fp8", "engine", "merge"))
@@ -750,11 +879,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--smoke", action="store_true", help="CPU rehearsal with toy shapes")
     p.add_argument("--config-dir", type=Path, default=None, help="moe: where the tuned JSON goes")
-    p.add_argument("--procs", type=int, default=12, help="moe: parallel Triton compiles")
+    p.add_argument("--procs", type=int, default=12, help="moe, fp8: parallel Triton compiles")
     p.add_argument("--timeout", type=float, default=150, help="kernels: pytest's time box")
     p.add_argument("--workers", type=int, default=8, help="kernels: pytest-xdist workers")
     p.add_argument("--no-hf-peer", action="store_true", help="engine: skip transformers' tok/s")
     args = p.parse_intermixed_args(argv)
+    # A time box's SIGTERM becomes an exception, so the step's file keeps what it measured.
+    signal.signal(signal.SIGTERM, _time_box_reached)
     if args.smoke and args.step in ("moe", "fp8"):
         os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
     if str(REPO_ROOT) not in sys.path:
@@ -771,7 +902,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.step == "moe":
         return _guarded("moe", lambda r: moe(r, args.smoke, config_dir, args.procs), args.out)
     if args.step == "fp8":
-        return _guarded("fp8", lambda r: fp8(r, args.smoke, config_dir), args.out)
+        return _guarded("fp8", lambda r: fp8(r, args.smoke, config_dir, args.procs), args.out)
     with tempfile.TemporaryDirectory(prefix="tidal-gpu-proof-") as tmp:
         return _guarded(
             "engine", lambda r: engine(r, args.smoke, Path(tmp), not args.no_hf_peer), args.out

@@ -17,7 +17,7 @@ from tidal.kernels.fp8_triton import (
     per_token_group_quant_fp8,
     w8a8_block_fp8_gemm,
 )
-from tidal.kernels.moe_config import MoeKernelConfig, load_linear_configs
+from tidal.kernels.moe_config import MoeKernelConfig, load_linear_configs, load_tuned_configs
 
 FP8 = torch.float8_e4m3fn
 
@@ -102,6 +102,10 @@ LINEAR_CASES = [
     (1, 33, 128, 64, MoeKernelConfig(16, 16, 32)),  # BLOCK_K < group: 2 tiles per scale
     (19, 40, 80, 32, MoeKernelConfig(16, 32, 64, group_size_m=2)),  # BLOCK_K > group: clamped
     (3, 20, 64, 32, MoeKernelConfig(16, 16, 16)),  # BLOCK_K 16: raised to FP8's 32
+    # split-K: 7 groups in splits of 3, 3, 1 (the last split partial)
+    (5, 45, 200, 32, MoeKernelConfig(16, 16, 32, split_k=3)),
+    # more splits asked than groups: one a group, two 32-deep tiles each
+    (2, 40, 256, 64, MoeKernelConfig(16, 32, 32, split_k=8)),
 ]
 
 
@@ -204,10 +208,17 @@ def _bad_calls():
         (lambda: fused_experts_fp8(x, w13, w2, s13.repeat(1, 1, 2), s2, 32, tw, ids), ValueError),
         (lambda: fused_experts_fp8(x, w13, w2[:, :16], s13, s2, 32, tw, ids), ValueError),
         (lambda: fused_experts_fp8(x, w13, w2, s13, s2, 32, tw.double(), ids), TypeError),
+        (
+            lambda: fused_experts_fp8(
+                x, w13, w2, s13, s2, 32, tw, ids, config=MoeKernelConfig(16, 32, 32, split_k=2)
+            ),
+            ValueError,
+        ),
+        (lambda: MoeKernelConfig(16, 32, 32, split_k=0), ValueError),
     ]
 
 
-@pytest.mark.parametrize("case", range(13))
+@pytest.mark.parametrize("case", range(15))
 def test_fp8_wrappers_reject_bad_arguments(case):
     call, err = _bad_calls()[case]
     with pytest.raises(err):
@@ -226,13 +237,18 @@ def test_fp8_kernels_compiled_gpu(tokens):
     w, ws = fp8_weight(384, 512, 128)
     got = fp8_linear(x.cuda(), w.cuda(), ws.cuda(), 128)
     assert rel_err(got, ft.w8a8_linear_torch(x, w, ws, 128)) < 1e-2
+    split = w8a8_block_fp8_gemm(q, s, w.cuda(), ws.cuda(), 128, torch.bfloat16, None,
+                                MoeKernelConfig(16, 64, 128, split_k=4))  # fmt: skip
+    assert rel_err(split, ft.w8a8_linear_torch(x, w, ws, 128)) < 1e-2
     w13, s13, w2, s2 = fp8_experts(16, 512, 256, 128)
     tw = torch.softmax(torch.randn(tokens, 4), dim=-1)
     ids = torch.argsort(torch.rand(tokens, 16), dim=1)[:, :4].contiguous()
     args = [t.cuda() for t in (x, w13, w2, s13, s2)]
     got = fused_experts_fp8(*args, 128, tw.cuda(), ids.cuda())
     want = ft.fused_experts_fp8_torch(x, w13, w2, s13, s2, 128, tw, ids)
-    assert rel_err(got, want) < 3e-2
+    # bf16 intermediates, re-quantized: an e4m3 rounding that flips moves a value by up to
+    # 1/16 of it (0.030 measured on an H200; the float32 reference has no such step)
+    assert rel_err(got, want) < 5e-2
 
 
 def test_fp8_linear_layer_takes_the_triton_path(device):
@@ -290,17 +306,26 @@ def test_gpu_proof_fp8_step_rehearsed(tmp_path):
     try:
         spec.loader.exec_module(proof)
         result: dict = {}
-        proof.fp8(result, True, tmp_path)
+        proof.fp8(result, True, tmp_path, 1)  # no compile processes
     finally:
         sys.path.remove(str(bench))
     assert "error" not in result, result
     assert [c["bytes_differing"] for c in result["quant"]] == [0, 0]
     assert all(c["rel_err_vs_w8a8_reference"] < 1e-5 for c in result["linear"] + result["moe"])
     assert all(0 < c["rel_err_vs_bf16"] < 0.2 for c in result["linear"] + result["moe"])
-    # the linear's table, under a plain name mapped to the name it ships under
+    # each table under a plain name mapped to the name it ships under, found by the lookup
     ((plain, ship),) = result["linear_config_files"].items()
-    assert sorted(p.name for p in tmp_path.iterdir()) == [plain]
+    ((moe_plain, moe_ship),) = result["config_files"].items()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([plain, moe_plain])
     (tmp_path / plain).rename(tmp_path / ship)
+    (tmp_path / moe_plain).rename(tmp_path / moe_ship)
     load_linear_configs.cache_clear()
     table = load_linear_configs(40, 96, "interpreter", "float8_e4m3fn", tmp_path)
     assert table is not None and sorted(table) == [1, 5]
+    load_tuned_configs.cache_clear()
+    moe_table = load_tuned_configs(8, 48, "interpreter", "float8_e4m3fn", tmp_path)
+    assert moe_table is not None and sorted(moe_table) == [1, 5]
+    # both linear candidates (one splitting k) gave the reference's result
+    swept = [c for case in result["linear"] for c in case["sweep"]]
+    assert {c["config"].get("SPLIT_K", 1) for c in swept} == {1, 2}
+    assert all(c["rel_err"] < 1e-5 for c in swept)

@@ -115,6 +115,23 @@ def test_shipped_h200_table_is_found_by_the_device_name_torch_reports():
     assert other == default_config(1, 64, 8, interpret=False)
 
 
+def test_shipped_h200_fp8_tables_are_found_for_their_layers():
+    """The H200 FP8 tables (``STEPS="facts fp8" benchmarks/gpu_proof.sh``): the fused MoE's
+    at Qwen3-30B-A3B's and DeepSeek-V3's layers, the linear's at DeepSeek-V3's o_proj with
+    its decode entry splitting k; bf16 keeps its own table."""
+    fp8 = torch.float8_e4m3fn
+    for experts, inter in ((128, 768), (256, 2048)):
+        name = f"E={experts},N={inter},device_name=NVIDIA_H200,dtype=float8_e4m3fn.json"
+        table = parse_config_file((CONFIG_DIR / name).read_text())
+        for m, want in ((1, table[1]), (40, table[64]), (3000, table[2048])):
+            assert get_moe_config(m, experts, inter, 8, fp8, "NVIDIA H200", False) == want
+    bf16 = get_moe_config(1, 128, 768, 8, torch.bfloat16, "NVIDIA H200", False)
+    assert bf16 != get_moe_config(1, 128, 768, 8, fp8, "NVIDIA H200", False)
+    load_linear_configs.cache_clear()
+    one_row = get_linear_config(1, 7168, 16384, fp8, "NVIDIA H200", False)
+    assert one_row.split_k > 1 and one_row.block_size_k == 128
+
+
 def test_config_validation():
     with pytest.raises(ValueError):
         MoeKernelConfig(24, 64, 64)
@@ -122,6 +139,18 @@ def test_config_validation():
         MoeKernelConfig(16, 8, 64)
     with pytest.raises(ValueError):
         MoeKernelConfig(16, 64, 64, group_size_m=0)
+    with pytest.raises(ValueError):
+        MoeKernelConfig(16, 64, 64, split_k=0)
+    with pytest.raises(ValueError, match="unknown"):
+        MoeKernelConfig.from_json({"BLOCK_SIZE_M": 16, "BLOCK_SIZE_N": 64, "BLOCK_SIZE_K": 64,
+                                   "SPLIT": 2})  # fmt: skip
+
+
+def test_split_k_is_written_only_where_it_is_not_one():
+    """Tables without split-K (every fused-MoE table) read and write as before."""
+    plain, split = MoeKernelConfig(16, 64, 128), MoeKernelConfig(16, 64, 128, split_k=4)
+    assert "SPLIT_K" not in plain.to_json() and split.to_json()["SPLIT_K"] == 4
+    assert parse_config_file(dump_config_file({1: split, 64: plain})) == {1: split, 64: plain}
 
 
 def test_tune_script_search_and_write(tmp_path, device):
@@ -145,6 +174,8 @@ def test_tune_script_search_and_write(tmp_path, device):
 def test_tune_script_fp8_writes_the_float8_table(tmp_path, capsys):
     """``--dtype fp8``: the block-FP8 kernel searched against its w8a8 reference, the
     table written under dtype float8_e4m3fn and found there by the FP8 lookup."""
+    if torch.cuda.is_available():
+        pytest.skip("--interpret-smoke is the CPU's rehearsal; a GPU runs the script itself")
     spec = importlib.util.spec_from_file_location("tune_moe", TUNE_SCRIPT)
     tune = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tune)

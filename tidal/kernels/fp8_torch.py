@@ -134,7 +134,10 @@ def per_token_group_quant_fp8_torch(
     padded = x.new_zeros(m, groups * group, dtype=torch.float32)
     padded[:, :k] = x
     split = padded.view(m, groups, group)
-    scale = split.abs().amax(dim=2).clamp_min(ACT_AMAX_FLOOR) / FP8_MAX  # [M, G]
+    amax = split.abs().amax(dim=2).clamp_min(ACT_AMAX_FLOOR)  # [M, G]
+    # A tensor divisor: CUDA turns division by a Python scalar into a product with its
+    # (inexact) reciprocal, which would differ from the kernels' correctly rounded division.
+    scale = amax / torch.full_like(amax, FP8_MAX)
     q = (split / scale[:, :, None]).clamp(-FP8_MAX, FP8_MAX).view(m, groups * group)[:, :k]
     return q.to(FP8_DTYPE).contiguous(), scale
 

@@ -177,12 +177,14 @@ def _w8a8_gemm_kernel(
     stride_bsk,
     stride_cm,
     stride_cn,
+    k_per_split,  # a multiple of GROUP_K: program_id(1)'s k range starts there
     GROUP_K: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
+    SPLIT_K: tl.constexpr,  # > 1: c is a zeroed float32 buffer the splits add into
 ):
     # Grouped ordering (as the fused MoE's): GROUP_M row-blocks share a column sweep.
     pid = tl.program_id(0)
@@ -196,16 +198,18 @@ def _w8a8_gemm_kernel(
 
     offs_m = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k_start = tl.program_id(1) * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, K)
     offs_k = tl.arange(0, BLOCK_K)
     m_mask = offs_m < M
     n_mask = offs_n < N
-    a_ptrs = a_ptr + offs_m[:, None] * stride_am + offs_k[None, :] * stride_ak
-    b_ptrs = b_ptr + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn
+    a_ptrs = a_ptr + offs_m[:, None] * stride_am + (k_start + offs_k)[None, :] * stride_ak
+    b_ptrs = b_ptr + (k_start + offs_k)[:, None] * stride_bk + offs_n[None, :] * stride_bn
     as_ptrs = as_ptr + offs_m * stride_asm
     bs_ptrs = bs_ptr + offs_n * stride_bsn
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k_mask = offs_k < K - k0
+    for k0 in range(k_start, k_end, BLOCK_K):
+        k_mask = offs_k < k_end - k0
         a = tl.load(a_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
         b = tl.load(b_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
         kb = k0 // GROUP_K  # BLOCK_K divides GROUP_K: one scale per row/column here
@@ -214,10 +218,14 @@ def _w8a8_gemm_kernel(
         acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
-    if HAS_BIAS:
+    if HAS_BIAS and tl.program_id(1) == 0:
         acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     c_ptrs = c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
-    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+    c_mask = m_mask[:, None] & n_mask[None, :]
+    if SPLIT_K == 1:
+        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
+    else:
+        tl.atomic_add(c_ptrs, acc, mask=c_mask, sem="relaxed")
 
 
 def _block_k(config: MoeKernelConfig, group: int) -> int:
@@ -238,7 +246,9 @@ def w8a8_block_fp8_gemm(
 ) -> Tensor:  # [M, N] out_dtype
     """``(a * a_scales) @ (b * b_scales).T + bias`` with FP8 operands and float32
     accumulation; all tensors on one CUDA device (or CPU under the interpreter), ``a``
-    and ``b`` with contiguous rows."""
+    and ``b`` with contiguous rows. ``config.split_k`` > 1 splits each output tile's k
+    range (whole groups a split) over that many programs, which add float32 partial sums
+    into a zeroed buffer: a decode's few output tiles then still fill the GPU."""
     if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[1]:
         raise ValueError(f"expected a [M, K] and b [N, K]; got {tuple(a.shape)}, {tuple(b.shape)}")
     if a.dtype != FP8_DTYPE or b.dtype != FP8_DTYPE:
@@ -265,25 +275,32 @@ def w8a8_block_fp8_gemm(
     if a.stride(1) != 1 or b.stride(1) != 1:
         raise ValueError("a and b must have contiguous rows")
     _check_cuda("a", a)
-    c = torch.empty((m, n), dtype=out_dtype, device=a.device)
     if m == 0 or n == 0:
-        return c
+        return torch.empty((m, n), dtype=out_dtype, device=a.device)
     if config is None:
         device_name = torch.cuda.get_device_name(a.device) if a.is_cuda else None
         config = get_linear_config(m, n, k, FP8_DTYPE, device_name, is_interpreted())
-    grid = (triton.cdiv(m, config.block_size_m) * triton.cdiv(n, config.block_size_n),)
+    # Each split takes whole groups (one scale per tile); no more splits than groups.
+    split_k = min(config.split_k, groups)
+    k_per_split = triton.cdiv(groups, split_k) * group
+    split_k = triton.cdiv(k, k_per_split)
+    if split_k == 1:
+        c = torch.empty((m, n), dtype=out_dtype, device=a.device)
+    else:
+        c = torch.zeros((m, n), dtype=torch.float32, device=a.device)  # the splits add here
+    grid = (triton.cdiv(m, config.block_size_m) * triton.cdiv(n, config.block_size_n), split_k)
     _w8a8_gemm_kernel[grid](
         a, a_scales, b, b_scales, c if bias is None else bias, c,
         m, n, k,
         a.stride(0), a.stride(1), a_scales.stride(0), a_scales.stride(1),
         b.stride(0), b.stride(1), b_scales.stride(0), b_scales.stride(1),
-        c.stride(0), c.stride(1),
+        c.stride(0), c.stride(1), k_per_split,
         GROUP_K=group, HAS_BIAS=bias is not None,
         BLOCK_M=config.block_size_m, BLOCK_N=config.block_size_n,
-        BLOCK_K=_block_k(config, group), GROUP_M=config.group_size_m,
+        BLOCK_K=_block_k(config, group), GROUP_M=config.group_size_m, SPLIT_K=split_k,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
-    return c
+    return c if split_k == 1 else c.to(out_dtype)
 
 
 def fp8_linear(
@@ -485,6 +502,8 @@ def fused_experts_fp8(
     """The Triton fused MoE in w8a8 block FP8 (CUDA, or CPU under the interpreter). The
     gate/up and down intermediates are stored in ``hidden``'s dtype, each GEMM's input
     quantized per token and ``block_k`` columns. Ids with no local slot contribute zero."""
+    if config is not None and config.split_k != 1:
+        raise ValueError(f"the fused MoE splits no k range: split_k must be 1, got {config}")
     _check_fp8_experts(
         hidden, w13, w2, w13_scale, w2_scale, block_k, topk_weights, topk_ids, expert_map
     )

@@ -130,6 +130,8 @@ def _invoke_gemm(
     mul_routed_weight: bool,
     config: MoeKernelConfig,
 ) -> None:
+    if config.split_k != 1:
+        raise ValueError(f"the fused MoE splits no k range: split_k must be 1, got {config}")
     n, k = b.shape[1], b.shape[2]
     num_blocks = expert_ids.numel()
     grid = (num_blocks * triton.cdiv(n, config.block_size_n),)
