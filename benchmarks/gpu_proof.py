@@ -185,19 +185,20 @@ def _expert_bytes(shape: dict[str, int], routings, elem: int) -> float:
     )
 
 
-def _precompile(tokens_list, shape, configs_by_t, procs: int) -> dict[str, Any]:
+def _precompile(
+    worker: Callable[[Any, list], int], head: Any, jobs: list, procs: int
+) -> dict[str, Any]:
     """Compile every sweep config in parallel processes (Triton's disk cache then serves the
-    timing process): compiling one config takes seconds, timing it milliseconds."""
+    timing process): compiling one config takes seconds, timing it milliseconds. Each
+    process runs ``worker(head, its share of jobs)``, which returns its failures."""
     import multiprocessing as mp
 
-    jobs = [(t, c) for t in tokens_list for c in configs_by_t[t]]
     if not jobs or procs <= 1:
         return {"precompiled": 0}
     t0 = time.perf_counter()
-    ctx = mp.get_context("spawn")
     chunks = [jobs[i::procs] for i in range(procs)]
-    with ctx.Pool(procs) as pool:
-        failed = sum(pool.starmap(_compile_worker, [(shape, chunk) for chunk in chunks if chunk]))
+    with mp.get_context("spawn").Pool(procs) as pool:
+        failed = sum(pool.starmap(worker, [(head, chunk) for chunk in chunks if chunk]))
     return {"precompiled": len(jobs), "precompile_failed": failed,
             "precompile_s": round(time.perf_counter() - t0, 1)}  # fmt: skip
 
@@ -316,7 +317,8 @@ def moe(result: dict[str, Any], smoke: bool, config_dir: Path, procs: int) -> No
             for t in tokens_list
         }  # fmt: skip
     else:
-        result["precompile"] = _precompile(tokens_list, shape, configs_by_t, procs)
+        jobs = [(t, c) for t in tokens_list for c in configs_by_t[t]]
+        result["precompile"] = _precompile(_compile_worker, shape, jobs, procs)
     w13, w2 = _moe_weights(shape, device, dtype)
     elem = w13.element_size()
     best_table: dict[int, MoeKernelConfig] = {}
@@ -452,27 +454,6 @@ def fp8_moe_sweep(tokens: int) -> list[dict[str, int]]:
         (64, 256, 128, 8, 3), (128, 256, 128, 8, 3), (128, 128, 64, 8, 4))]  # fmt: skip
 
 
-def _precompile_fp8(
-    jobs: list[tuple[str, int, dict[str, int]]], procs: int, smoke: bool
-) -> dict[str, Any]:
-    """Compile the FP8 sweep's configs in parallel processes on small problems of the same
-    specialization (Triton's disk cache then serves the timing process). Never raises: a
-    failure only costs the timing process its compile time."""
-    import multiprocessing as mp
-
-    if not jobs or procs <= 1:
-        return {"precompiled": 0}
-    t0 = time.perf_counter()
-    chunks = [(smoke, jobs[i::procs]) for i in range(procs)]
-    try:
-        with mp.get_context("spawn").Pool(procs) as pool:
-            failed = sum(pool.starmap(_fp8_compile_worker, [c for c in chunks if c[1]]))
-    except Exception as e:  # noqa: BLE001 - recorded; the sweep compiles what is missing
-        return {"precompile_error": f"{type(e).__name__}: {e}"[:300]}
-    return {"precompiled": len(jobs), "precompile_failed": failed,
-            "precompile_s": round(time.perf_counter() - t0, 1)}  # fmt: skip
-
-
 def _fp8_compile_worker(smoke: bool, jobs: list[tuple[str, int, dict[str, int]]]) -> int:
     import torch
 
@@ -581,7 +562,12 @@ def fp8(result: dict[str, Any], smoke: bool, config_dir: Path, procs: int) -> No
     linear_sweep = (lambda t: SMOKE_FP8_SWEEP + smoke_split) if smoke else fp8_linear_sweep
     jobs = [("moe", t, raw) for t in tokens_list for raw in moe_sweep(t)]
     jobs += [("linear", t, raw) for t in tokens_list for raw in linear_sweep(t)]
-    result["precompile"] = _precompile_fp8(jobs, min(procs, 2) if smoke else procs, smoke)
+    try:  # the FP8 workers on small problems of the timed shapes' specialization
+        result["precompile"] = _precompile(
+            _fp8_compile_worker, smoke, jobs, min(procs, 2) if smoke else procs
+        )
+    except Exception as e:  # noqa: BLE001 - recorded; the sweep compiles what is missing
+        result["precompile"] = {"precompile_error": f"{type(e).__name__}: {e}"[:300]}
     print(json.dumps(result["precompile"]), flush=True)
     # The fused MoE first: it is what the step is for, should its time box run out.
     moe_tables: dict[str, dict[int, MoeKernelConfig]] = {}
@@ -622,11 +608,11 @@ def fp8(result: dict[str, Any], smoke: bool, config_dir: Path, procs: int) -> No
             ok = [c for c in sweep if "error" not in c and c["rel_err"] < 5e-2]
             if ok:
                 best = min(ok, key=lambda c: c["rel_err"] if smoke else c["graph_ms"])
-                moe_tables.setdefault(name, {})[t] = MoeKernelConfig.from_json(best["config"])
+                tuned = MoeKernelConfig.from_json(best["config"])
+                moe_tables.setdefault(name, {})[t] = tuned
                 case["sweep_best"] = best
                 if not smoke:
                     case["tuned_fp8_speedup"] = round(case["bf16_graph_ms"] / best["graph_ms"], 3)
-                    tuned = MoeKernelConfig.from_json(best["config"])
                     case["fp8_kernels_us"] = _kernels_us(lambda r: fp8_call(r, tuned), ROUTINGS)  # noqa: B023
                     case["bf16_kernels_us"] = _kernels_us(bf16_call, ROUTINGS)
             case["sweep"] = sweep
@@ -677,16 +663,14 @@ def fp8(result: dict[str, Any], smoke: bool, config_dir: Path, procs: int) -> No
             if ok:
                 best = min(ok, key=lambda c: c["rel_err"] if smoke else c["graph_ms"])
                 case["sweep_best"] = best
+                tuned = MoeKernelConfig.from_json(best["config"])
                 if not smoke:
                     case["tuned_fp8_speedup"] = round(case["bf16_graph_ms"] / best["graph_ms"], 3)
-                    tuned = MoeKernelConfig.from_json(best["config"])
                     case["fp8_kernels_us"] = _kernels_us(lambda r: run(r, tuned), copies)  # noqa: B023
                     case["bf16_kernels_us"] = _kernels_us(
                         lambda r: F.linear(x, bf16_w[r]), copies  # noqa: B023
                     )
-                linear_tables.setdefault((n, k), {})[t] = MoeKernelConfig.from_json(
-                    best["config"]
-                )
+                linear_tables.setdefault((n, k), {})[t] = tuned
             case["sweep"] = sweep
             result["linear"].append(case)
             print(json.dumps({k: case.get(k) for k in (

@@ -146,6 +146,23 @@ def test_config_validation():
                                    "SPLIT": 2})  # fmt: skip
 
 
+def test_the_fused_moe_takes_no_split_k(tmp_path):
+    """``split_k`` is the FP8 linear's: a fused-MoE table holding it is a load error naming
+    the file, an explicit config holding it a ValueError before any launch."""
+    from tidal.kernels.fused_moe import fused_experts_with_config
+
+    name = config_file_name(4, 16, "NVIDIA H200", "bfloat16")
+    split = MoeKernelConfig(16, 32, 32, split_k=2)
+    (tmp_path / name).write_text(dump_config_file({1: split}))
+    load_tuned_configs.cache_clear()
+    with pytest.raises(ValueError, match=f"malformed MoE config file .*{name}.*split_k"):
+        load_tuned_configs(4, 16, "NVIDIA H200", "bfloat16", tmp_path)
+    x, w13, w2 = torch.randn(2, 32), torch.randn(4, 32, 32), torch.randn(4, 32, 16)
+    tw, ids = torch.rand(2, 2), torch.tensor([[0, 1], [2, 3]])
+    with pytest.raises(ValueError, match="split_k must be 1"):
+        fused_experts_with_config(x, w13, w2, tw, ids, None, True, split)
+
+
 def test_split_k_is_written_only_where_it_is_not_one():
     """Tables without split-K (every fused-MoE table) read and write as before."""
     plain, split = MoeKernelConfig(16, 64, 128), MoeKernelConfig(16, 64, 128, split_k=4)

@@ -50,7 +50,12 @@ from tidal.kernels.fp8_torch import (
 )
 from tidal.kernels.fused_moe import is_interpreted
 from tidal.kernels.moe_align import moe_align_block_size
-from tidal.kernels.moe_config import MoeKernelConfig, get_linear_config, get_moe_config
+from tidal.kernels.moe_config import (
+    MoeKernelConfig,
+    check_moe_config,
+    get_linear_config,
+    get_moe_config,
+)
 from tidal.kernels.moe_sum import moe_sum
 
 _ACT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -502,8 +507,8 @@ def fused_experts_fp8(
     """The Triton fused MoE in w8a8 block FP8 (CUDA, or CPU under the interpreter). The
     gate/up and down intermediates are stored in ``hidden``'s dtype, each GEMM's input
     quantized per token and ``block_k`` columns. Ids with no local slot contribute zero."""
-    if config is not None and config.split_k != 1:
-        raise ValueError(f"the fused MoE splits no k range: split_k must be 1, got {config}")
+    if config is not None:
+        check_moe_config(config)
     _check_fp8_experts(
         hidden, w13, w2, w13_scale, w2_scale, block_k, topk_weights, topk_ids, expert_map
     )

@@ -33,7 +33,7 @@ from triton.runtime.jit import JITFunction
 
 from tidal.kernels.activation import silu_and_mul
 from tidal.kernels.moe_align import moe_align_block_size
-from tidal.kernels.moe_config import MoeKernelConfig, get_moe_config
+from tidal.kernels.moe_config import MoeKernelConfig, check_moe_config, get_moe_config
 from tidal.kernels.moe_sum import moe_sum
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -130,8 +130,6 @@ def _invoke_gemm(
     mul_routed_weight: bool,
     config: MoeKernelConfig,
 ) -> None:
-    if config.split_k != 1:
-        raise ValueError(f"the fused MoE splits no k range: split_k must be 1, got {config}")
     n, k = b.shape[1], b.shape[2]
     num_blocks = expert_ids.numel()
     grid = (num_blocks * triton.cdiv(n, config.block_size_n),)
@@ -212,6 +210,7 @@ def fused_experts_with_config(
     config: MoeKernelConfig,
 ) -> Tensor:  # [T, H], dtype of hidden
     """``fused_experts`` with explicit launch parameters (used by tests and tuning)."""
+    check_moe_config(config)
     _check_fused_args(hidden, w13, w2, topk_weights, topk_ids, expert_map)
     return _fused_experts(
         hidden, w13, w2, topk_weights, topk_ids, expert_map, apply_router_weight, config

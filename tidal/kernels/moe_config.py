@@ -63,12 +63,10 @@ class MoeKernelConfig:
             if value < 16 or value & (value - 1):
                 raise ValueError(f"{name} must be a power of two >= 16, got {value}")
         if self.group_size_m < 1 or self.num_warps < 1 or self.num_stages < 1 or self.split_k < 1:
-            raise ValueError(f"group_size_m, num_warps, num_stages must be >= 1: {self}")
+            raise ValueError(f"group_size_m, num_warps, num_stages, split_k must be >= 1: {self}")
 
     def to_json(self) -> dict[str, int]:  # SPLIT_K only where it is not 1
-        return {
-            _JSON_KEYS[k]: v for k, v in asdict(self).items() if k != "split_k" or v != 1
-        }
+        return {_JSON_KEYS[k]: v for k, v in asdict(self).items() if k != "split_k" or v != 1}
 
     @classmethod
     def from_json(cls, data: dict[str, int]) -> MoeKernelConfig:
@@ -105,6 +103,12 @@ def parse_config_file(text: str) -> dict[int, MoeKernelConfig]:
     return {int(m): MoeKernelConfig.from_json(cfg) for m, cfg in raw.items()}
 
 
+def check_moe_config(config: MoeKernelConfig) -> None:
+    """A fused-MoE config: ``split_k`` belongs to the FP8 linear alone."""
+    if config.split_k != 1:
+        raise ValueError(f"the fused MoE splits no k range: split_k must be 1, got {config}")
+
+
 def dump_config_file(configs: dict[int, MoeKernelConfig]) -> str:
     return json.dumps({str(m): configs[m].to_json() for m in sorted(configs)}, indent=2) + "\n"
 
@@ -127,8 +131,14 @@ def load_tuned_configs(
     config_dir: Path = CONFIG_DIR,
 ) -> dict[int, MoeKernelConfig] | None:
     """The tuned table for this key, or None when no file exists (cached per key)."""
-    name = config_file_name(num_experts, intermediate_size, device_name, dtype)
-    return _read_table(Path(config_dir) / name)
+    path = Path(config_dir) / config_file_name(num_experts, intermediate_size, device_name, dtype)
+    table = _read_table(path)
+    for config in (table or {}).values():
+        try:
+            check_moe_config(config)
+        except ValueError as exc:
+            raise ValueError(f"malformed MoE config file {path}: {exc}") from exc
+    return table
 
 
 def linear_config_file_name(n: int, k: int, device_name: str, dtype: torch.dtype | str) -> str:
